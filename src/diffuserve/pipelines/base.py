@@ -90,6 +90,26 @@ class Pipeline:
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
 
+    def validate(self, params: SamplingParams) -> None:
+        """Reject what this family cannot run, naming the field (InvalidRequestError)."""
+        from diffuserve.errors import InvalidRequestError
+
+        for name in ("width", "height"):
+            value = getattr(params, name)
+            if value <= 0 or value % self.size_multiple:
+                raise InvalidRequestError(
+                    f"{name}={value} is not a positive multiple of {self.size_multiple}, which this "
+                    f"{self.family} model needs; choose e.g. {max(self.size_multiple, value // self.size_multiple * self.size_multiple)}.",
+                    param="size",
+                )
+        if params.width * params.height > self.max_pixels:
+            raise InvalidRequestError(
+                f"size {params.width}x{params.height} exceeds this server's limit of {self.max_pixels} pixels.",
+                param="size",
+            )
+        if self.output_kind == "image" and params.num_frames != 1:
+            raise InvalidRequestError("num_frames must be 1 for an image model.", param="num_frames")
+
     def run(
         self,
         batch: list[SamplingParams],

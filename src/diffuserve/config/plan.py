@@ -1,0 +1,96 @@
+"""The deployment plan's types: what `config/deployment.py` resolves and `runtime/` executes.
+
+Kept apart from the resolver so the runtime can import the types without the resolution rules.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ResidencyMode(str, enum.Enum):
+    RESIDENT = "resident"
+    """Weights stay on the device."""
+    COMPONENT_OFFLOAD = "component-offload"
+    """The whole component moves onto the device before a use and off after it."""
+    SNAPSHOT_OFFLOAD = "snapshot-offload"
+    """A host copy is kept for good, so offloading only frees device memory (no device->host copy)."""
+    LAYERWISE_OFFLOAD = "layerwise-offload"
+    """Declared layers stream onto the device with a prefetch depth; optional resident layer sets."""
+
+
+class Lifetime(str, enum.Enum):
+    FORWARD = "forward"
+    """The resident layer set is placed when the component runs and returned after it."""
+    PERMANENT = "permanent"
+    """The resident layer set is placed at load and never moves (must fit, or start-up fails)."""
+
+
+@dataclass
+class ComponentPlan:
+    """How one component (a model_index.json key such as `transformer`, `text_encoder_2`, `vae`) lives."""
+
+    name: str
+    """The model_index.json key."""
+    group: str
+    """dit | text_encoder | image_encoder | vae | other (used by selectors such as `dit=...`)."""
+    mode: ResidencyMode = ResidencyMode.RESIDENT
+    """Residency mode."""
+    prefetch_size: int = 1
+    """Layer-wise: streamed layers in flight ahead of the one computing (0 is treated as 1)."""
+    resident_layers: int = 0
+    """Layer-wise: how many of the declared layers stay on the device (the resident set)."""
+    lifetime: Lifetime = Lifetime.FORWARD
+    """Layer-wise: lifetime of the resident set."""
+    pin_memory: bool = False
+    """Keep host copies in pinned memory (CUDA only; ignored on CPU)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "group": self.group,
+            "mode": self.mode.value,
+            "prefetch_size": self.prefetch_size,
+            "resident_layers": self.resident_layers,
+            "lifetime": self.lifetime.value,
+            "pin_memory": self.pin_memory,
+        }
+
+
+@dataclass
+class DeploymentPlan:
+    """The resolved deployment: residency per component, parallelism, compile switches, and why."""
+
+    performance_mode: str = "auto"
+    components: dict[str, ComponentPlan] = field(default_factory=dict)
+    num_gpus: int = 1
+    use_fsdp_inference: bool = False
+    enable_cfg_parallel: bool = False
+    sp_degree: int = 1
+    tp_degree: int = 1
+    enable_torch_compile: bool = False
+    offload_during_compile: bool = True
+    enable_breakable_cuda_graph: bool = False
+    warmup_resolutions: list[str] = field(default_factory=list)
+    trace: list[str] = field(default_factory=list)
+    """Human-readable reasons, one per decision, in the order they were made."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "performance_mode": self.performance_mode,
+            "components": {k: v.to_dict() for k, v in self.components.items()},
+            "num_gpus": self.num_gpus,
+            "fsdp": self.use_fsdp_inference,
+            "cfg_parallel": self.enable_cfg_parallel,
+            "sp_degree": self.sp_degree,
+            "tp_degree": self.tp_degree,
+            "compile": {
+                "enable_torch_compile": self.enable_torch_compile,
+                "offload_during_compile": self.offload_during_compile,
+                "enable_breakable_cuda_graph": self.enable_breakable_cuda_graph,
+                "warmup_resolutions": list(self.warmup_resolutions),
+            },
+            "trace": list(self.trace),
+        }
