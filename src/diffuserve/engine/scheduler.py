@@ -1,0 +1,343 @@
+"""The pure scheduler: the queue, dynamic batch formation, caps and stop reasons.
+
+No torch, no I/O, no threads and no clock: every time is passed in by the engine, so the unit
+tests drive it with fake requests and a fake clock. The engine's loop is::
+
+    decision = batcher.schedule(now)
+    Dispatch  -> run decision.batch on the worker, then batcher.complete(decision.batch)
+    WaitUntil -> sleep until decision.time or until a request is added/aborted, then schedule again
+    Idle      -> sleep until a request is added (or, when busy, until the running batch completes)
+
+Rules of batch formation (one batch in flight at a time):
+
+1. **Order.** Queued requests are ordered by `(priority, arrival_time)`, lower first, ties by
+   the order they were added. The *head* is the first of that order. A lower `priority` value
+   therefore runs earlier; equal priorities are first come, first served.
+2. **Anchor.** The head always belongs to the next batch; nothing is ever scheduled ahead of it.
+   Requests that cannot join the head stay queued in place and are served when they become head.
+3. **Joining.** Other queued requests are scanned in the same `(priority, arrival_time)` order;
+   one joins when it is compatible with the head and its `n` outputs still fit under the
+   effective cap. Compatible means: same model, both eligible (`Request.ineligible_reason` is
+   None and the family supports batching) and equal `SamplingParams.signature()`. Each candidate
+   left out is counted once under the first reason that excluded it: its ineligible reason (for
+   example `image_conditioning`), `model`, `sampling_params.<field>`, or `batch_full` (compatible
+   but its `n` does not fit in the room left; smaller requests behind it may still join).
+4. **Cap.** The effective cap is `min(--batching-max-size, smallest matching rule cap)` for the
+   head's model names, resolution and frame count, counted in outputs (rows), not requests.
+5. **Waiting.** While the batch is below the cap and the head has waited less than
+   `--batching-delay-ms` since its arrival, `schedule` returns `WaitUntil(head arrival + delay)`.
+6. **Oversized requests.** A head whose `n` alone is at least the effective cap is dispatched
+   at once, alone, as a full batch (`num_outputs` may then exceed `effective_cap`). The cap
+   limits merging, not a single request, so such a request never starves; the API's own `n`
+   limit is what bounds it.
+7. **Stop reasons.** `max_size` (reached the user cap), `config_cap:N` (reached a rule cap N below
+   the user cap), `delay` (the delay ran out, or was 0, below the cap), `dynamic_disabled`
+   (singleton mode or max size 1: every batch is one request), `head:<reason>` (the head is
+   ineligible and runs alone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from diffuserve.config.batching_rules import BatchingRules
+from diffuserve.engine.request import Request, RequestStatus, signature_difference
+from diffuserve.errors import ConfigError
+
+BATCHING_MODES = ("singleton", "dynamic")
+FAMILY_UNSUPPORTED = "family_unsupported"
+"""Ineligible reason given to every request when the pipeline family cannot batch."""
+BATCH_FULL = "batch_full"
+"""Reject reason: a compatible candidate whose `n` does not fit in the room left."""
+MODEL_MISMATCH = "model"
+"""Reject reason: a candidate served under another model name than the head."""
+
+
+@dataclass
+class BatchingConfig:
+    """How the scheduler forms batches (the `--batching-*` flags)."""
+
+    mode: str = "singleton"
+    """`singleton` (one request per pipeline call) or `dynamic` (merge compatible requests)."""
+    max_size: int = 1
+    """User cap on a batch, counting outputs (`n`); 1 turns merging off."""
+    delay_ms: float = 0.0
+    """How long the head of the queue may wait for compatible requests, in milliseconds."""
+    rules: BatchingRules | None = None
+    """Lower caps per model/resolution/frames from `--batching-config`; None for no rules."""
+
+    def validate(self) -> None:
+        """Raise `ConfigError` naming the flag when a value is out of range."""
+        if self.mode not in BATCHING_MODES:
+            raise ConfigError(
+                f"--batching-mode: unknown mode {self.mode!r}; use one of {', '.join(BATCHING_MODES)}."
+            )
+        if isinstance(self.max_size, bool) or not isinstance(self.max_size, int) or self.max_size < 1:
+            raise ConfigError(f"--batching-max-size: {self.max_size!r} must be an integer >= 1 (1 turns merging off).")
+        if not self.delay_ms >= 0:  # also rejects NaN
+            raise ConfigError(f"--batching-delay-ms: {self.delay_ms!r} must be >= 0 milliseconds.")
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether requests may be merged at all."""
+        return self.mode == "dynamic" and self.max_size > 1
+
+
+@dataclass
+class ScheduledBatch:
+    """One batch handed to the worker: the requests and how and why it was formed."""
+
+    requests: list[Request]
+    """Head first, then the joined requests in the order they were taken."""
+    effective_cap: int
+    """Outputs this batch could hold: min(user max, rule cap); 1 when merging is off."""
+    user_max: int
+    """`--batching-max-size`."""
+    num_outputs: int
+    """Rows of the batch: the sum of the requests' `n`."""
+    stop_reason: str
+    """`max_size`, `config_cap:N`, `delay`, `dynamic_disabled` or `head:<reason>`."""
+    head_queue_wait_s: float
+    """How long the head waited in the queue before this dispatch, in seconds."""
+    rejects: dict[str, int] = field(default_factory=dict)
+    """Queued candidates left out of this batch, counted by reason."""
+    dispatch_time: float = 0.0
+    """Scheduler-clock time of the dispatch."""
+    batch_id: int = 0
+    """Increasing number of the dispatch (1 for the first batch of a scheduler)."""
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def is_full(self) -> bool:
+        """Whether the batch reached its effective cap (an oversized single request counts as full)."""
+        return self.num_outputs >= self.effective_cap
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [r.request_id for r in self.requests]
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Run this batch now."""
+
+    batch: ScheduledBatch
+
+
+@dataclass(frozen=True)
+class WaitUntil:
+    """A batch is forming: call `schedule` again at `time` (or earlier, when a request arrives)."""
+
+    time: float
+
+
+@dataclass(frozen=True)
+class Idle:
+    """Nothing to dispatch: the queue is empty, or a batch is running (`busy`)."""
+
+    busy: bool = False
+
+
+Decision = Dispatch | WaitUntil | Idle
+
+
+class DynamicBatcher:
+    """The queue and the batch-formation rules of the module docstring. Not thread-safe: the
+    engine calls it from one thread (or under one lock)."""
+
+    def __init__(self, config: BatchingConfig, *, model_names: Sequence[str], supports_batching: bool = True):
+        config.validate()
+        self.config = config
+        self.model_names = tuple(model_names)
+        self.supports_batching = supports_batching
+        self._queue: dict[str, tuple[tuple[int, float, int], Request]] = {}
+        self._seq = 0
+        self._num_queued_outputs = 0
+        self._running: ScheduledBatch | None = None
+        self._num_dispatched = 0
+
+    # -- queue ------------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue a request. A request id may be queued or running only once."""
+        rid = request.request_id
+        if rid in self._queue or (self._running is not None and rid in self._running.request_ids):
+            raise ValueError(f"request id {rid!r} is already queued or running; ids must be unique")
+        self._seq += 1
+        request.status = RequestStatus.QUEUED
+        self._queue[rid] = ((request.priority, request.arrival_time, self._seq), request)
+        self._num_queued_outputs += request.num_outputs
+
+    def abort(self, request_id: str) -> Request | None:
+        """Remove a queued request (client gone); None when it is not queued (unknown or running)."""
+        request = self._pop(request_id)
+        if request is not None:
+            request.status = RequestStatus.ABORTED
+        return request
+
+    def expire(self, now: float) -> list[Request]:
+        """Remove and return queued requests whose deadline has passed (status TIMED_OUT)."""
+        expired = [r for _, r in self._queue.values() if r.deadline is not None and r.deadline <= now]
+        for request in expired:
+            self._pop(request.request_id)
+            request.status = RequestStatus.TIMED_OUT
+        return expired
+
+    def drain(self) -> list[Request]:
+        """Remove and return every queued request in scheduling order; statuses are left to the caller."""
+        drained = self._ordered()
+        self._queue.clear()
+        self._num_queued_outputs = 0
+        return drained
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline among queued requests (when the engine should call `expire`)."""
+        deadlines = [r.deadline for _, r in self._queue.values() if r.deadline is not None]
+        return min(deadlines) if deadlines else None
+
+    def is_queued(self, request_id: str) -> bool:
+        return request_id in self._queue
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_queued_outputs(self) -> int:
+        """Outputs (rows) waiting in the queue: the sum of the queued requests' `n`."""
+        return self._num_queued_outputs
+
+    @property
+    def running(self) -> ScheduledBatch | None:
+        """The batch in flight, or None."""
+        return self._running
+
+    def queued_requests(self) -> list[Request]:
+        """The queued requests in scheduling order (a copy)."""
+        return self._ordered()
+
+    # -- scheduling -------------------------------------------------------------------------------
+    def schedule(self, now: float) -> Decision:
+        """Decide what to do at clock time `now`; a returned `Dispatch` marks its batch running."""
+        if self._running is not None:
+            return Idle(busy=True)
+        ordered = self._ordered()
+        if not ordered:
+            return Idle()
+        head, candidates = ordered[0], ordered[1:]
+
+        # 1. Singleton serving, or a head that may not merge: it runs alone, at once.
+        if not self.config.dynamic:
+            return self._dispatch([head], 1, "dynamic_disabled", {}, now)
+        head_reason = self._ineligible_reason(head)
+        if head_reason is not None:
+            return self._dispatch([head], self._effective_cap(head), f"head:{head_reason}", {}, now)
+
+        # 2. Take compatible candidates in order while they fit under the cap.
+        cap = self._effective_cap(head)
+        batch, rejects = self._collect(head, candidates, cap)
+        num_outputs = sum(r.num_outputs for r in batch)
+
+        # 3. Full: dispatch. Below the cap: wait out the head's delay, then dispatch what there is.
+        if num_outputs >= cap:
+            reason = "max_size" if cap >= self.config.max_size else f"config_cap:{cap}"
+            return self._dispatch(batch, cap, reason, rejects, now)
+        ready_at = head.arrival_time + self.config.delay_ms / 1000.0
+        if now < ready_at:
+            return WaitUntil(ready_at)
+        return self._dispatch(batch, cap, "delay", rejects, now)
+
+    def complete(self, batch: ScheduledBatch) -> None:
+        """The worker finished `batch` (success or failure); the next batch may be dispatched."""
+        if self._running is not batch:
+            running = None if self._running is None else self._running.batch_id
+            raise ValueError(f"complete() got batch {batch.batch_id}, but the running batch is {running}")
+        self._running = None
+
+    def effective_cap_for(self, request: Request) -> int:
+        """The cap a batch anchored by `request` would get (1 when merging is off)."""
+        return self._effective_cap(request) if self.config.dynamic else 1
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _ordered(self) -> list[Request]:
+        return [r for _, r in sorted(self._queue.values(), key=lambda item: item[0])]
+
+    def _pop(self, request_id: str) -> Request | None:
+        item = self._queue.pop(request_id, None)
+        if item is None:
+            return None
+        self._num_queued_outputs -= item[1].num_outputs
+        return item[1]
+
+    def _ineligible_reason(self, request: Request) -> str | None:
+        if request.ineligible_reason is not None:
+            return request.ineligible_reason
+        return None if self.supports_batching else FAMILY_UNSUPPORTED
+
+    def _names_of(self, request: Request) -> tuple[str, ...]:
+        if request.model and request.model not in self.model_names:
+            return (*self.model_names, request.model)
+        return self.model_names
+
+    def _effective_cap(self, head: Request) -> int:
+        cap = self.config.max_size
+        rules = self.config.rules
+        if rules is not None:
+            p = head.params
+            rule_cap = rules.cap_for(self._names_of(head), p.width, p.height, p.num_frames)
+            if rule_cap is not None:
+                cap = min(cap, rule_cap)
+        return cap
+
+    def _collect(
+        self, head: Request, candidates: Iterable[Request], cap: int
+    ) -> tuple[list[Request], dict[str, int]]:
+        batch = [head]
+        room = cap - head.num_outputs
+        rejects: dict[str, int] = {}
+        for cand in candidates:
+            if room <= 0:
+                break  # full: whoever is left is simply next, not rejected
+            reason = self._reject_reason(head, cand)
+            if reason is None and cand.num_outputs > room:
+                reason = BATCH_FULL
+            if reason is not None:
+                rejects[reason] = rejects.get(reason, 0) + 1
+                continue
+            batch.append(cand)
+            room -= cand.num_outputs
+        return batch, rejects
+
+    def _reject_reason(self, head: Request, cand: Request) -> str | None:
+        """Why `cand` may not share a batch with `head` (rules are covered by the head's cap: a
+        compatible candidate has the same model and shape, hence the same matching rules)."""
+        ineligible = self._ineligible_reason(cand)
+        if ineligible is not None:
+            return ineligible
+        if cand.model != head.model:
+            return MODEL_MISMATCH
+        return signature_difference(head.params, cand.params)
+
+    def _dispatch(
+        self, requests: list[Request], cap: int, reason: str, rejects: dict[str, int], now: float
+    ) -> Dispatch:
+        for request in requests:
+            self._pop(request.request_id)
+            request.status = RequestStatus.RUNNING
+        self._num_dispatched += 1
+        batch = ScheduledBatch(
+            requests=requests,
+            effective_cap=cap,
+            user_max=self.config.max_size,
+            num_outputs=sum(r.num_outputs for r in requests),
+            stop_reason=reason,
+            head_queue_wait_s=max(0.0, now - requests[0].arrival_time),
+            rejects=rejects,
+            dispatch_time=now,
+            batch_id=self._num_dispatched,
+        )
+        self._running = batch
+        return Dispatch(batch)
