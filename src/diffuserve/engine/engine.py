@@ -1,0 +1,392 @@
+"""AsyncEngine: the asyncio facade over the pure scheduler and one worker thread.
+
+The event loop submits requests and awaits one future per request; the worker thread loads the
+model, warms it up, then loops: schedule -> run one batch -> answer its requests. Every accepted
+request is answered exactly once (success, error, timeout, cancel or shutdown), and nothing the
+pipeline raises stops the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from diffuserve.engine.metrics import BatchingStats, EngineMetrics
+from diffuserve.engine.request import Request, RequestStatus, SamplingParams
+from diffuserve.engine.scheduler import Dispatch, DynamicBatcher, WaitUntil
+from diffuserve.engine.worker import run_batch
+from diffuserve.errors import (
+    DiffuserveError,
+    QueueFullError,
+    RequestCancelledError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
+)
+from diffuserve.pipelines.base import Pipeline, RequestOutput
+
+logger = logging.getLogger("diffuserve.engine")
+
+_MAX_IDLE_WAIT_S = 0.5
+"""Upper bound on a worker sleep, so queued deadlines are checked even when nothing else happens."""
+
+
+class EngineState(str, enum.Enum):
+    LOADING = "loading"
+    WARMING_UP = "warming_up"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+@dataclass
+class EngineConfig:
+    """How the engine admits and times requests."""
+
+    max_queue_size: int = 256
+    """Queued requests beyond which submissions get QueueFullError (429); 0 = unlimited."""
+    request_timeout_s: float = 600.0
+    """Default and maximum deadline of a request; 0 = none."""
+    enable_warmup: bool = True
+    """Run one real generation before turning ready."""
+    warmup_steps: int = 2
+    """Steps of the warm-up generation."""
+
+
+@dataclass
+class GenerationResult:
+    """The answer to one request."""
+
+    request_id: str
+    output: RequestOutput
+    queue_wait_s: float
+    inference_s: float
+    batch_size: int
+    """Requests in the pipeline batch this request ran in."""
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Pending:
+    request: Request
+    future: asyncio.Future[GenerationResult]
+    loop: asyncio.AbstractEventLoop
+    endpoint: str
+    answered: bool = False
+    dispatched_at: float | None = None
+
+
+class AsyncEngine:
+    """Owns the scheduler, the worker thread and the per-request futures."""
+
+    def __init__(
+        self,
+        load_pipeline: Callable[[], Pipeline],
+        scheduler: DynamicBatcher,
+        *,
+        config: EngineConfig | None = None,
+        metrics: EngineMetrics | None = None,
+        batching_stats: BatchingStats | None = None,
+        model_name: str = "",
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._load_pipeline = load_pipeline
+        self.scheduler = scheduler
+        self.config = config or EngineConfig()
+        self.metrics = metrics or EngineMetrics()
+        self.batching_stats = batching_stats
+        self.model_name = model_name
+        self.clock = clock
+        self.pipeline: Pipeline | None = None
+        self.state = EngineState.LOADING
+        self.failure: str | None = None
+        self._cond = threading.Condition()
+        self._pending: dict[str, _Pending] = {}
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._ready_event = threading.Event()
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the worker thread: load, warm up, then serve. Returns at once."""
+        self._thread = threading.Thread(target=self._worker_main, name="diffuserve-worker", daemon=True)
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        self._ready_event.wait(timeout)
+        return self.state == EngineState.READY
+
+    @property
+    def num_pending(self) -> int:
+        with self._cond:
+            return len(self._pending)
+
+    def begin_drain(self) -> None:
+        """Stop admitting (health 503, new requests 503); accepted requests keep running."""
+        with self._cond:
+            if self.state in (EngineState.READY, EngineState.LOADING, EngineState.WARMING_UP):
+                self.state = EngineState.DRAINING
+            self._cond.notify_all()
+
+    async def drain(self, timeout_s: float) -> int:
+        """Wait for every accepted request to be answered; past the timeout answer the rest with 503.
+
+        Returns how many requests had to be failed.
+        """
+        self.begin_drain()
+        deadline = time.monotonic() + timeout_s
+        while self.num_pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        failed = self.fail_all(ServiceUnavailableError("The server shut down before this request finished; retry on another replica."))
+        # Let the answers reach their handlers before the caller tears the server down.
+        await asyncio.sleep(0.05)
+        return failed
+
+    def fail_all(self, error: DiffuserveError) -> int:
+        with self._cond:
+            for request in self.scheduler.drain():
+                self._answer_locked(request.request_id, error=error)
+            leftovers = [p for p in self._pending.values() if not p.answered]
+            for pending in leftovers:
+                pending.request.cancel_event.set()
+                self._answer_locked(pending.request.request_id, error=error)
+            return len(leftovers)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self.state = EngineState.STOPPED
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # ---------------------------------------------------------------- submission
+    async def generate(
+        self,
+        params: SamplingParams,
+        *,
+        endpoint: str = "images",
+        timeout_s: float | None = None,
+        priority: int = 0,
+        ineligible_reason: str | None = None,
+        request_id: str | None = None,
+    ) -> GenerationResult:
+        """Submit and await one request. Cancelling the awaiting task aborts the request."""
+        loop = asyncio.get_running_loop()
+        pending = self._admit(params, loop, endpoint, timeout_s, priority, ineligible_reason, request_id)
+        try:
+            return await asyncio.shield(pending.future)
+        except asyncio.CancelledError:
+            self.abort(pending.request.request_id)
+            raise
+
+    def _admit(self, params, loop, endpoint, timeout_s, priority, ineligible_reason, request_id) -> _Pending:
+        with self._cond:
+            if self.state != EngineState.READY and ineligible_reason != "warmup":
+                raise self._not_ready_error()
+            limit = self.config.max_queue_size
+            if limit and self.scheduler.num_queued >= limit:
+                self.metrics.observe_request(endpoint, "rejected", 0.0)
+                raise QueueFullError(
+                    f"The queue is full ({self.scheduler.num_queued} requests waiting, --max-queue-size {limit}); retry later.",
+                    retry_after_s=self._retry_after_s(),
+                )
+            now = self.clock()
+            server_timeout = self.config.request_timeout_s or None
+            chosen = min(t for t in (timeout_s, server_timeout) if t) if (timeout_s or server_timeout) else None
+            request = Request(
+                request_id=request_id or uuid.uuid4().hex,
+                params=params,
+                arrival_time=now,
+                model=self.model_name,
+                ineligible_reason=ineligible_reason,
+                priority=priority,
+                deadline=now + chosen if chosen else None,
+            )
+            pending = _Pending(request=request, future=loop.create_future(), loop=loop, endpoint=endpoint)
+            self._pending[request.request_id] = pending
+            self.scheduler.add(request)
+            self.metrics.set_queue_depth(self.scheduler.num_queued)
+            self._cond.notify_all()
+            return pending
+
+    def abort(self, request_id: str, error: DiffuserveError | None = None) -> None:
+        """The client went away: drop a queued request, or cancel a running one at the next step."""
+        error = error or RequestCancelledError("The client disconnected; the request was cancelled.")
+        with self._cond:
+            pending = self._pending.get(request_id)
+            if pending is None or pending.answered:
+                return
+            pending.request.cancel_event.set()
+            if self.scheduler.abort(request_id) is not None:
+                self.metrics.record_cancelled_before_run()
+                self.metrics.set_queue_depth(self.scheduler.num_queued)
+            self._answer_locked(request_id, error=error)
+
+    def _retry_after_s(self) -> float:
+        return max(1.0, round(self.metrics.recent_latency_s() * max(1, self.scheduler.num_queued) / 4, 1))
+
+    def _not_ready_error(self) -> ServiceUnavailableError:
+        if self.state == EngineState.DRAINING:
+            return ServiceUnavailableError("The server is shutting down and accepts no new requests.", retry_after_s=5)
+        if self.state == EngineState.FAILED:
+            return ServiceUnavailableError(f"The model failed to load: {self.failure}")
+        return ServiceUnavailableError(
+            f"The model is not ready yet ({self.state.value}); poll GET /health until it returns 200.",
+            retry_after_s=5,
+        )
+
+    # ---------------------------------------------------------------- answering
+    def _answer_locked(self, request_id: str, *, result: GenerationResult | None = None, error: DiffuserveError | None = None) -> None:
+        """Answer exactly once (caller holds the lock)."""
+        pending = self._pending.pop(request_id, None)
+        if pending is None or pending.answered:
+            return
+        pending.answered = True
+        request = pending.request
+        latency = self.clock() - request.arrival_time
+        if error is None:
+            request.status = RequestStatus.FINISHED
+            status = "success"
+        else:
+            request.status = {
+                RequestTimeoutError: RequestStatus.TIMED_OUT,
+                RequestCancelledError: RequestStatus.ABORTED,
+            }.get(type(error), RequestStatus.FAILED)
+            status = {RequestStatus.TIMED_OUT: "timeout", RequestStatus.ABORTED: "cancelled"}.get(request.status, "error")
+        if request.ineligible_reason != "warmup":
+            self.metrics.observe_request(pending.endpoint, status, latency)
+
+        def deliver() -> None:
+            if pending.future.done():
+                return
+            if error is None:
+                pending.future.set_result(result)  # type: ignore[arg-type]
+            else:
+                pending.future.set_exception(error)
+
+        try:
+            pending.loop.call_soon_threadsafe(deliver)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    # ---------------------------------------------------------------- worker thread
+    def _worker_main(self) -> None:
+        try:
+            self._load_and_warm_up()
+        except Exception as exc:
+            logger.exception("model load / warm-up failed")
+            with self._cond:
+                self.state = EngineState.FAILED
+                self.failure = f"{type(exc).__name__}: {exc}"
+            self._ready_event.set()
+            return
+        self._ready_event.set()
+        self._serve_forever()
+
+    def _load_and_warm_up(self) -> None:
+        started = time.monotonic()
+        self.pipeline = self._load_pipeline()
+        logger.info("model loaded in %.1fs: %s", time.monotonic() - started, self.pipeline.describe())
+        if self.config.enable_warmup:
+            with self._cond:
+                self.state = EngineState.WARMING_UP
+            self._run_warmup()
+        with self._cond:
+            if self.state in (EngineState.LOADING, EngineState.WARMING_UP):
+                self.state = EngineState.READY
+        logger.info("ready to serve after %.1fs", time.monotonic() - started)
+
+    def _run_warmup(self) -> None:
+        assert self.pipeline is not None
+        defaults = self.pipeline.defaults
+        params = SamplingParams(
+            prompt="warm-up",
+            width=defaults.width,
+            height=defaults.height,
+            num_frames=defaults.num_frames,
+            num_inference_steps=self.config.warmup_steps,
+            guidance_scale=defaults.guidance_scale,
+            seed=0,
+        )
+        started = time.monotonic()
+        request = Request(request_id="warmup", params=params, arrival_time=self.clock(), ineligible_reason="warmup")
+        outcome = run_batch(self.pipeline, [request], clock=self.clock)
+        if outcome.errors:
+            raise RuntimeError(f"warm-up generation failed: {outcome.errors['warmup'].message}")
+        logger.info("warm-up generation (%dx%d, %d steps) took %.2fs", params.width, params.height, params.num_inference_steps, time.monotonic() - started)
+
+    def _serve_forever(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            self._execute(batch)
+
+    def _next_batch(self) -> Any:
+        with self._cond:
+            while True:
+                if self._stop:
+                    return None
+                now = self.clock()
+                for request in self.scheduler.expire(now):
+                    self._answer_locked(request.request_id, error=RequestTimeoutError(
+                        "The request waited in the queue past its deadline and was not run."))
+                action = self.scheduler.schedule(now)
+                self.metrics.set_queue_depth(self.scheduler.num_queued)
+                if isinstance(action, Dispatch):
+                    return action.batch
+                wait = _MAX_IDLE_WAIT_S
+                if isinstance(action, WaitUntil):
+                    wait = min(wait, max(0.0, action.time - now))
+                self._cond.wait(wait)
+
+    def _execute(self, batch: Any) -> None:
+        assert self.pipeline is not None
+        requests: list[Request] = list(batch.requests)
+        if self.batching_stats is not None:
+            self.batching_stats.record(batch)
+        started = self.clock()
+        for request in requests:
+            self.metrics.observe_queue_wait(started - request.arrival_time)
+        self.metrics.set_running(len(requests))
+
+        def on_step(step: int, num_steps: int) -> None:
+            # Step boundary: requests past their deadline are answered 504 now; the batch goes on
+            # for the others (and stops when nobody in it still waits).
+            now = self.clock()
+            with self._cond:
+                for request in requests:
+                    if request.deadline is not None and now > request.deadline and not request.cancel_event.is_set():
+                        request.cancel_event.set()
+                        self._answer_locked(request.request_id, error=RequestTimeoutError(
+                            f"The request ran past its deadline and was cancelled at step {step + 1}/{num_steps}."))
+
+        outcome = run_batch(self.pipeline, requests, on_step=on_step, clock=self.clock)
+        for stage, seconds in outcome.stage_seconds.items():
+            self.metrics.observe_stage(stage, seconds)
+        with self._cond:
+            for request in requests:
+                rid = request.request_id
+                if rid in outcome.outputs:
+                    self.metrics.record_outputs(request.params.n)
+                    self._answer_locked(rid, result=GenerationResult(
+                        request_id=rid,
+                        output=outcome.outputs[rid],
+                        queue_wait_s=started - request.arrival_time,
+                        inference_s=outcome.inference_seconds,
+                        batch_size=len(requests),
+                        stage_seconds=outcome.stage_seconds,
+                    ))
+                else:
+                    self._answer_locked(rid, error=outcome.errors.get(rid) or RequestCancelledError("cancelled"))
+            self.scheduler.complete(batch)
+            self.metrics.set_running(0)
+            self._cond.notify_all()

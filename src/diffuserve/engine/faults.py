@@ -1,0 +1,53 @@
+"""Operator-only fault injection for failure tests.
+
+Enabled only through the environment of the server process (`DIFFUSERVE_FAULT_INJECTION`), never
+through the HTTP API: with `DIFFUSERVE_FAULT_INJECTION=prompt:<marker>` any batch containing a
+request whose prompt contains `<marker>` raises inside the pipeline call, exactly as a failing
+stage would. Tests use it to prove that a failing merged batch errors all of its requests and that
+the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from diffuserve.pipelines.base import BatchResult, Pipeline
+
+ENV_VAR = "DIFFUSERVE_FAULT_INJECTION"
+
+
+class InjectedFault(RuntimeError):
+    """The failure raised by a faulty pipeline stage (test-only)."""
+
+
+class FaultInjectingPipeline(Pipeline):
+    """Wraps a pipeline; raises InjectedFault for batches that contain the marker."""
+
+    def __init__(self, inner: Pipeline, marker: str):
+        self.__dict__["_inner"] = inner
+        self.__dict__["_marker"] = marker
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._inner, name, value)
+
+    def validate(self, params: Any) -> None:
+        self._inner.validate(params)
+
+    def describe(self) -> dict[str, Any]:
+        return self._inner.describe()
+
+    def run(self, batch, *, on_step=None, should_stop=None) -> BatchResult:  # type: ignore[override]
+        if any(self._marker in p.prompt for p in batch):
+            raise InjectedFault(f"injected fault: a prompt in this batch contains {self._marker!r}")
+        return self._inner.run(batch, on_step=on_step, should_stop=should_stop)
+
+
+def maybe_inject_faults(pipeline: Pipeline) -> Pipeline:
+    spec = os.environ.get(ENV_VAR, "")
+    if spec.startswith("prompt:") and len(spec) > len("prompt:"):
+        return FaultInjectingPipeline(pipeline, spec[len("prompt:") :])
+    return pipeline

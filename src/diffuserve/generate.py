@@ -1,0 +1,107 @@
+"""`diffuserve generate` (one-shot generation to files) and `diffuserve plan` (print the plan)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from diffuserve.config.server_args import ServerArgs
+from diffuserve.engine.request import SamplingParams
+from diffuserve.errors import ConfigError
+
+
+def _file_stem(prompt: str) -> str:
+    stem = re.sub(r"[^A-Za-z0-9]+", "_", prompt).strip("_")[:48]
+    return stem or "image"
+
+
+def _chunks(params: list[SamplingParams], max_outputs: int) -> list[list[SamplingParams]]:
+    """Group prompts into pipeline batches of at most `max_outputs` rows (a prompt's n never splits)."""
+    batches: list[list[SamplingParams]] = []
+    current: list[SamplingParams] = []
+    for p in params:
+        if current and sum(q.n for q in current) + p.n > max_outputs:
+            batches.append(current)
+            current = []
+        current.append(p)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def generate(args: ServerArgs, values: dict[str, Any]) -> int:
+    from tqdm import tqdm
+
+    from diffuserve.launch import load_serving_pipeline, plan_deployment, resolve_device, resolve_model_path
+    from diffuserve.media.images import encode_image
+
+    args.validate()
+    model_path = resolve_model_path(args)
+    device = resolve_device(args.device)
+    plan = plan_deployment(args, model_path, device)
+    pipeline = load_serving_pipeline(args, model_path, device, plan, metrics=None)
+    defaults = pipeline.defaults
+    n = values.get("num_outputs_per_prompt", 1)
+    if n < 1:
+        raise ConfigError("--num-outputs-per-prompt must be >= 1.")
+    params = [
+        SamplingParams(
+            prompt=prompt,
+            negative_prompt=values.get("negative_prompt"),
+            width=values.get("width") or defaults.width,
+            height=values.get("height") or defaults.height,
+            num_inference_steps=values.get("num_inference_steps") or defaults.num_inference_steps,
+            guidance_scale=defaults.guidance_scale if values.get("guidance_scale") is None else values["guidance_scale"],
+            true_cfg_scale=values.get("true_cfg_scale", 1.0),
+            seed=values.get("seed", 0) + i,
+            n=n,
+            output_format=values.get("output_format", "png"),
+        )
+        for i, prompt in enumerate(values["prompt"])
+    ]
+    for p in params:
+        pipeline.validate(p)
+    max_outputs = args.batching_max_size if args.batching_mode == "dynamic" else n
+    out_dir = Path(values.get("output_path") or "outputs")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = values.get("output_file_name")
+    written: list[Path] = []
+    for batch in _chunks(params, max(max_outputs, n)):
+        steps = batch[0].num_inference_steps
+        with tqdm(total=steps, desc=f"denoising {len(batch)} prompt(s)", unit="step") as bar:
+            result = pipeline.run(batch, on_step=lambda i, total: bar.update(1))
+        for p, output in zip(batch, result.outputs, strict=True):
+            for j, image in enumerate(output.images):
+                name = stem or _file_stem(p.prompt)
+                suffix = "" if len(params) == 1 and n == 1 else f"_{p.seed}_{j}"
+                path = out_dir / f"{name}{suffix}.{p.output_format}"
+                path.write_bytes(encode_image(image, p.output_format, p.output_quality))
+                written.append(path)
+    for path in written:
+        print(path)
+    return 0
+
+
+def print_plan(values: dict[str, Any]) -> int:
+    """Resolve and print the plan from JSON and safetensors headers only (no weights loaded)."""
+    from diffuserve.config.argparse_dataclass import dataclass_from_namespace
+    from diffuserve.config.deployment import DeploymentArgs, format_plan, resolve
+    from diffuserve.config.model_profiles import profile_from_checkpoint
+    from diffuserve.hardware import describe_hardware, detect_hardware
+
+    deployment = dataclass_from_namespace(DeploymentArgs, values)
+    if values.get("model_path"):
+        model_path = Path(values["model_path"])
+    else:
+        from diffuserve.models.tiny import ensure_default_model
+
+        model_path = ensure_default_model()
+    if values.get("gpu_memory_gib") is not None:
+        hardware = describe_hardware(deployment.num_gpus or 1, values["gpu_memory_gib"])
+    else:
+        hardware = detect_hardware("auto")
+    plan = resolve(deployment, hardware, profile_from_checkpoint(model_path))
+    print(json.dumps(plan.to_dict(), indent=2) if values.get("json") else format_plan(plan))
+    return 0

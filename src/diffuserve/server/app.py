@@ -1,0 +1,93 @@
+"""The FastAPI app: routes, the one error -> HTTP mapping, middleware and lifespan."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from diffuserve import __version__
+from diffuserve.errors import DiffuserveError
+from diffuserve.server import health, models_routes, openai_images
+from diffuserve.server.context import ServerContext
+from diffuserve.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from diffuserve.server.protocol import error_envelope
+
+logger = logging.getLogger("diffuserve.server")
+
+
+def _error_response(status: int, message: str, error_type: str, param: str | None, code: str | None,
+                    retry_after_s: float | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s else None
+    return JSONResponse(error_envelope(message, error_type, param, code), status_code=status, headers=headers)
+
+
+def _param_of(loc: tuple) -> str:
+    """('body', 'size') -> 'size'; ('body',) -> 'body'; ('query', 'index') -> 'index'."""
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    return ".".join(parts) if parts else (str(loc[0]) if loc else "body")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(DiffuserveError)
+    async def _diffuserve_error(_: Request, exc: DiffuserveError) -> JSONResponse:
+        return _error_response(exc.http_status, exc.message, exc.error_type, exc.param, exc.code,
+                               getattr(exc, "retry_after_s", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
+        param = _param_of(tuple(first.get("loc", ("body",))))
+        if first.get("type") == "extra_forbidden":
+            message = f"Unknown field {param!r}; remove it (see the API reference for accepted fields)."
+        elif first.get("type") in ("json_invalid", "model_attributes_type", "dict_type") or param == "body":
+            param = "body"
+            message = "The request body must be a JSON object (Content-Type: application/json). " + str(first.get("msg", ""))
+        else:
+            message = f"Invalid value for {param!r}: {first.get('msg', 'invalid')}."
+        return _error_response(400, message, "invalid_request_error", param, "invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return _error_response(404, f"No route {request.method} {request.url.path}.", "invalid_request_error", None, "not_found")
+        if exc.status_code == 405:
+            return _error_response(405, f"Method {request.method} is not allowed on {request.url.path}.", "invalid_request_error", None, "method_not_allowed")
+        return _error_response(exc.status_code, str(exc.detail), "invalid_request_error", None, None)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return _error_response(500, f"Internal error: {type(exc).__name__}: {exc}", "server_error", None, "internal_error")
+
+
+def create_app(ctx: ServerContext) -> FastAPI:
+    """Build the app around an engine that is started by the lifespan (load and warm-up run in its thread)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        ctx.engine.start()
+        try:
+            yield
+        finally:
+            ctx.engine.stop()
+
+    app = FastAPI(title="diffuserve", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible image generation with dynamic batching.")
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(models_routes.router)
+    app.include_router(openai_images.router)
+    # Outermost first: the body cap runs before auth so an oversized anonymous upload is never read.
+    api_key = ctx.args.resolved_api_key()
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=ctx.args.max_request_bytes)
+    return app

@@ -1,0 +1,76 @@
+"""Probes and observability: /liveness, /health, /metrics, /server_info."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from diffuserve import __version__
+from diffuserve.engine.engine import EngineState
+from diffuserve.server.context import ServerContext
+
+router = APIRouter()
+
+
+def _ctx(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+@router.get("/liveness", tags=["health"])
+async def liveness() -> dict[str, str]:
+    """200 as soon as the process serves HTTP."""
+    return {"status": "alive"}
+
+
+@router.get("/health", tags=["health"])
+async def health(request: Request) -> JSONResponse:
+    """200 once the model is loaded and the warm-up generation ran; 503 before, and while draining."""
+    ctx = _ctx(request)
+    state = ctx.engine.state
+    ready = state == EngineState.READY and not ctx.draining
+    body = {"status": "ready" if ready else ("draining" if ctx.draining else state.value)}
+    if ctx.engine.failure:
+        body["error"] = ctx.engine.failure
+    return JSONResponse(body, status_code=200 if ready else 503)
+
+
+@router.get("/metrics", tags=["health"])
+async def metrics(request: Request) -> Response:
+    payload, content_type = _ctx(request).metrics.render()
+    return Response(content=payload, media_type=content_type)
+
+
+@router.get("/server_info", tags=["models"])
+async def server_info(request: Request) -> dict:
+    ctx = _ctx(request)
+    args = ctx.args
+    pipeline = ctx.engine.pipeline
+    scheduler = ctx.engine.scheduler
+    return {
+        "version": __version__,
+        "model": args.public_model_name,
+        "served_model_name": args.public_model_name,
+        "model_id": args.model_id,
+        "model_path": args.model_path,
+        "state": ctx.engine.state.value,
+        "uptime_s": round(time.time() - ctx.started_at, 3),
+        "pipeline": pipeline.describe() if pipeline is not None else None,
+        "defaults": vars(pipeline.defaults) if pipeline is not None else None,
+        "deployment_plan": getattr(ctx, "plan_dict", None),
+        "batching": {
+            "mode": args.batching_mode,
+            "max_size": args.batching_max_size,
+            "delay_ms": args.batching_delay_ms,
+            "config": args.batching_config,
+        },
+        "queue": {"queued": scheduler.num_queued, "max_queue_size": args.max_queue_size},
+        "limits": {
+            "request_timeout_s": args.request_timeout_s,
+            "max_request_bytes": args.max_request_bytes,
+            "max_inference_steps": args.max_inference_steps,
+            "max_image_side": args.max_image_side,
+            "auth_required": args.resolved_api_key() is not None,
+        },
+    }

@@ -1,0 +1,101 @@
+"""ASGI middleware that runs before routing: the body-size cap and API-key authentication.
+
+Both answer in the OpenAI error envelope without reading more of the request than they must.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from diffuserve.server.protocol import error_envelope
+
+Scope = dict[str, Any]
+
+PUBLIC_PATHS = frozenset({"/liveness", "/health", "/metrics"})
+"""Paths that never need the API key (probes and scraping)."""
+
+
+async def _send_error(send: Any, status: int, message: str, error_type: str, code: str, headers: list | None = None) -> None:
+    body = json.dumps(error_envelope(message, error_type, None, code)).encode()
+    await send({
+        "type": "http.response.start",
+        "status": status,
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(headers or [])],
+    })
+    await send({"type": "http.response.body", "body": body})
+
+
+class ApiKeyMiddleware:
+    """Require `Authorization: Bearer KEY` everywhere except PUBLIC_PATHS; constant-time compare."""
+
+    def __init__(self, app: Any, api_key: str):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            return await self.app(scope, receive, send)
+        given = b""
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                given = value
+                break
+        if not hmac.compare_digest(given, self._expected):
+            return await _send_error(
+                send, 401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+                "authentication_error", "invalid_api_key", [(b"www-authenticate", b"Bearer")],
+            )
+        return await self.app(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """Answer 413 for bodies over `max_bytes`, from Content-Length up front or while streaming."""
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    return await _send_error(send, 400, "Invalid Content-Length header.", "invalid_request_error", "invalid_value")
+                if declared > self.max_bytes:
+                    return await self._too_large(send)
+        # Stream the body through, counting; past the cap stop reading and answer 413.
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > self.max_bytes:
+                return await self._too_large(send)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    async def _too_large(self, send: Any) -> None:
+        await _send_error(
+            send, 413, f"The request body exceeds {self.max_bytes} bytes (--max-request-bytes).",
+            "invalid_request_error", "request_too_large",
+        )

@@ -1,0 +1,36 @@
+"""GET /v1/models and /v1/models/{id} (OpenAI shape)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from diffuserve.errors import ModelNotFoundError
+from diffuserve.server.context import ServerContext
+
+router = APIRouter()
+
+
+def _card(ctx: ServerContext) -> dict:
+    return {
+        "id": ctx.args.public_model_name,
+        "object": "model",
+        "created": int(ctx.started_at),
+        "owned_by": "diffuserve",
+        "root": ctx.args.model_path or ctx.args.public_model_name,
+    }
+
+
+@router.get("/v1/models", tags=["models"])
+async def list_models(request: Request) -> dict:
+    return {"object": "list", "data": [_card(request.app.state.ctx)]}
+
+
+@router.get("/v1/models/{model_id:path}", tags=["models"])
+async def get_model(model_id: str, request: Request) -> dict:
+    ctx: ServerContext = request.app.state.ctx
+    if model_id not in ctx.args.model_names:
+        raise ModelNotFoundError(
+            f"The model {model_id!r} does not exist on this server; it serves {ctx.args.public_model_name!r}.",
+            param="model",
+        )
+    return _card(ctx)

@@ -1,0 +1,154 @@
+"""POST /v1/images/generations and GET /v1/images/{id}/content."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import secrets
+import time
+import uuid
+
+from fastapi import APIRouter, Query, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from diffuserve.engine.engine import EngineState, GenerationResult
+from diffuserve.engine.request import SamplingParams
+from diffuserve.errors import InvalidRequestError, NotFoundError, RequestCancelledError
+from diffuserve.media.images import encode_image, mime_type
+from diffuserve.server.context import ServerContext, StoredImage
+from diffuserve.server.protocol import (
+    ImageData,
+    ImageGenerationRequest,
+    ImageGenerationResponse,
+    Timings,
+    parse_size,
+)
+
+router = APIRouter()
+
+_DISCONNECT_POLL_S = 0.05
+
+
+def _ctx(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+def build_sampling_params(body: ImageGenerationRequest, ctx: ServerContext) -> SamplingParams:
+    """Request body + the family's defaults -> SamplingParams, checked against the server's caps."""
+    args = ctx.args
+    pipeline = ctx.engine.pipeline
+    assert pipeline is not None
+    defaults = pipeline.defaults
+    if body.model is not None and body.model not in args.model_names:
+        raise InvalidRequestError(
+            f"Unknown model {body.model!r}; this server serves {args.public_model_name!r}.",
+            param="model", code="model_not_found",
+        )
+    for name in ("prompt", "negative_prompt"):
+        text = getattr(body, name)
+        if text is not None and len(text) > args.max_prompt_chars:
+            raise InvalidRequestError(
+                f"{name} has {len(text)} characters; the limit is {args.max_prompt_chars} (--max-prompt-chars).",
+                param=name,
+            )
+    if body.size is not None:
+        if body.width is not None or body.height is not None:
+            raise InvalidRequestError("Give either size or width/height, not both.", param="size")
+        width, height = parse_size(body.size)
+    else:
+        width, height = body.width or defaults.width, body.height or defaults.height
+    for name, value in (("width", width), ("height", height)):
+        if value > args.max_image_side:
+            raise InvalidRequestError(
+                f"{name}={value} exceeds the largest side this server allows ({args.max_image_side}, --max-image-side).",
+                param="size",
+            )
+    steps = body.num_inference_steps or defaults.num_inference_steps
+    if steps > args.max_inference_steps:
+        raise InvalidRequestError(
+            f"num_inference_steps={steps} exceeds the limit of {args.max_inference_steps} (--max-inference-steps).",
+            param="num_inference_steps",
+        )
+    params = SamplingParams(
+        prompt=body.prompt,
+        negative_prompt=body.negative_prompt,
+        width=width,
+        height=height,
+        num_inference_steps=steps,
+        guidance_scale=defaults.guidance_scale if body.guidance_scale is None else body.guidance_scale,
+        true_cfg_scale=1.0 if body.true_cfg_scale is None else body.true_cfg_scale,
+        seed=body.seed if body.seed is not None else secrets.randbelow(2**31),
+        n=body.n,
+        output_format=body.output_format,
+        output_quality=body.output_quality,
+    )
+    pipeline.validate(params)
+    return params
+
+
+async def await_unless_disconnected(request: Request, coro) -> GenerationResult:
+    """Await the engine; if the client goes away first, cancel (the engine aborts the request)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise RequestCancelledError("The client disconnected; the request was cancelled.")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+@router.post("/v1/images/generations", tags=["images"], response_model=ImageGenerationResponse)
+async def create_image(body: ImageGenerationRequest, request: Request) -> ImageGenerationResponse:
+    ctx = _ctx(request)
+    received = time.monotonic()
+    if ctx.engine.state != EngineState.READY or ctx.draining:
+        raise ctx.engine._not_ready_error()
+    params = build_sampling_params(body, ctx)
+    request_id = uuid.uuid4().hex
+    result = await await_unless_disconnected(request, ctx.engine.generate(
+        params, endpoint="images", timeout_s=body.timeout, priority=body.priority, request_id=request_id,
+    ))
+    encode_started = time.monotonic()
+    encoded = await run_in_threadpool(
+        lambda: [encode_image(img, params.output_format, params.output_quality) for img in result.output.images]
+    )
+    encode_s = time.monotonic() - encode_started
+    if body.response_format == "url":
+        ctx.images.put(request_id, [StoredImage(data, mime_type(params.output_format)) for data in encoded])
+        base = str(request.base_url).rstrip("/")
+        data = [ImageData(url=f"{base}/v1/images/{request_id}/content?index={i}") for i in range(len(encoded))]
+    else:
+        data = [ImageData(b64_json=base64.b64encode(blob).decode()) for blob in encoded]
+    return ImageGenerationResponse(
+        id=request_id,
+        created=int(time.time()),
+        model=ctx.args.public_model_name,
+        data=data,
+        output_format=params.output_format,
+        size=f"{params.width}x{params.height}",
+        seed=params.seed or 0,
+        timings=Timings(
+            queue_wait_ms=round(result.queue_wait_s * 1000, 3),
+            inference_ms=round(result.inference_s * 1000, 3),
+            encode_ms=round(encode_s * 1000, 3),
+            total_ms=round((time.monotonic() - received) * 1000, 3),
+            batch_size=result.batch_size,
+            stages_ms={k: round(v * 1000, 3) for k, v in result.stage_seconds.items()},
+        ),
+    )
+
+
+@router.get("/v1/images/{image_id}/content", tags=["images"])
+async def image_content(image_id: str, request: Request, index: int = Query(default=0, ge=0)) -> Response:
+    images = _ctx(request).images.get(image_id)
+    if images is None:
+        raise NotFoundError(f"No image {image_id!r} (unknown id, or dropped from the URL store).", param="image_id")
+    if index >= len(images):
+        raise InvalidRequestError(f"index={index} is out of range: this result has {len(images)} image(s).", param="index")
+    item = images[index]
+    return Response(content=item.data, media_type=item.media_type)

@@ -1,0 +1,108 @@
+"""Request and response shapes of the OpenAI-compatible API (pydantic v2).
+
+Validation that needs no model lives here; what depends on the loaded family (size multiples)
+is checked by the pipeline's `validate`. Every failure becomes HTTP 400 with `param` naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+
+_SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX×]\s*(\d{1,6})\s*$")
+
+MAX_SEED = 2**63 - 1
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    """'WxH' -> (W, H); ValueError with a message naming the expected form."""
+    match = _SIZE_RE.match(size)
+    if not match:
+        raise ValueError(f"size must look like '1024x1024' (WIDTHxHEIGHT), got {size!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+class ImageGenerationRequest(BaseModel):
+    """Body of POST /v1/images/generations. Unknown fields are rejected (400 naming the field)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(description="What to draw.")
+    model: str | None = Field(default=None, description="Served model name; omitted = the served model.")
+    n: StrictInt = Field(default=1, ge=1, le=10, description="Images to generate for this prompt (1-10).")
+    size: str | None = Field(default=None, description="WIDTHxHEIGHT, e.g. 1024x1024; omitted = the model's default.")
+    width: StrictInt | None = Field(default=None, ge=1, description="Alternative to size.")
+    height: StrictInt | None = Field(default=None, ge=1, description="Alternative to size.")
+    num_inference_steps: StrictInt | None = Field(default=None, ge=1, description="Denoising steps.")
+    guidance_scale: float | None = Field(default=None, ge=0, le=100, description="Guidance scale.")
+    true_cfg_scale: float | None = Field(default=None, ge=0, le=100, description="True CFG scale (needs negative_prompt).")
+    negative_prompt: str | None = Field(default=None, description="What not to draw.")
+    seed: StrictInt | None = Field(default=None, ge=0, le=MAX_SEED, description="Random seed (0 to 2^63-1).")
+    response_format: Literal["b64_json", "url"] = Field(default="b64_json", description="b64_json (default) or url.")
+    output_format: Literal["png", "jpeg", "webp"] = Field(default="png", description="Encoded image format.")
+    output_quality: StrictInt = Field(default=90, ge=1, le=100, description="jpeg/webp quality.")
+    timeout: float | None = Field(default=None, gt=0, description="Seconds before the request is abandoned (capped by --request-timeout-s).")
+    priority: StrictInt = Field(default=0, ge=-100, le=100, description="Lower runs first among queued requests.")
+    user: str | None = Field(default=None, max_length=256, description="End-user id (accepted for OpenAI compatibility).")
+    quality: str | None = Field(default=None, max_length=32, description="Accepted for OpenAI compatibility; ignored.")
+    style: str | None = Field(default=None, max_length=32, description="Accepted for OpenAI compatibility; ignored.")
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("prompt must not be empty")
+        return value
+
+    @field_validator("size")
+    @classmethod
+    def _size_form(cls, value: str | None) -> str | None:
+        if value is None or value == "auto":
+            return None
+        width, height = parse_size(value)
+        if width < 1 or height < 1:
+            raise ValueError(f"size {value!r} must have a positive width and height")
+        return f"{width}x{height}"
+
+
+class ImageData(BaseModel):
+    b64_json: str | None = None
+    url: str | None = None
+    revised_prompt: str | None = None
+
+
+class Timings(BaseModel):
+    queue_wait_ms: float
+    inference_ms: float
+    encode_ms: float
+    total_ms: float
+    batch_size: int
+    stages_ms: dict[str, float] = {}
+
+
+class ImageGenerationResponse(BaseModel):
+    id: str
+    created: int
+    model: str
+    data: list[ImageData]
+    output_format: str
+    size: str
+    seed: int
+    timings: Timings
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorEnvelope(BaseModel):
+    error: ErrorBody
+
+
+def error_envelope(message: str, error_type: str, param: str | None, code: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}

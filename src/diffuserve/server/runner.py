@@ -1,0 +1,74 @@
+"""`diffuserve serve`: build the engine and app from ServerArgs and run uvicorn with a graceful drain.
+
+SIGTERM/SIGINT do not stop uvicorn at once: /health turns 503, new generation requests get 503,
+accepted requests finish and are answered, then the process exits 0. Past --shutdown-timeout-s the
+rest are answered with a 503 error first. A second signal forces the exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import FrameType
+
+import uvicorn
+
+from diffuserve.config.server_args import ServerArgs
+from diffuserve.launch import build_engine
+from diffuserve.server.app import create_app
+from diffuserve.server.context import ImageStore, ServerContext
+
+logger = logging.getLogger("diffuserve.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first exit signal drains the engine before stopping."""
+
+    def __init__(self, config: uvicorn.Config, ctx: ServerContext):
+        super().__init__(config)
+        self.ctx = ctx
+        self._drain_started = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets=None) -> None:  # type: ignore[override]
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_started or self._loop is None:
+            # Second signal (or no loop yet): stop now, the uvicorn way.
+            self.should_exit = True
+            self.force_exit = self._drain_started
+            return
+        self._drain_started = True
+        self.ctx.draining = True
+        self.ctx.engine.begin_drain()
+        logger.info("signal %s: draining %d accepted request(s), up to %.0fs", sig, self.ctx.engine.num_pending,
+                    self.ctx.args.shutdown_timeout_s)
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit()))
+
+    async def _drain_then_exit(self) -> None:
+        failed = await self.ctx.engine.drain(self.ctx.args.shutdown_timeout_s)
+        if failed:
+            logger.warning("shutdown timeout: answered %d unfinished request(s) with an error", failed)
+        logger.info("drained; exiting")
+        self.should_exit = True
+
+
+def serve(args: ServerArgs) -> int:
+    engine, metrics, plan_dict = build_engine(args)
+    ctx = ServerContext(args=args, engine=engine, metrics=metrics, images=ImageStore(args.url_store_max_images))
+    ctx.plan_dict = plan_dict  # type: ignore[attr-defined]
+    app = create_app(ctx)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        access_log=args.log_level == "debug",
+    )
+    server = DrainingServer(config, ctx)
+    logger.info("serving %r on http://%s:%d", args.public_model_name, args.host, args.port)
+    server.run()
+    return 0
