@@ -1,0 +1,226 @@
+"""Load a diffusers-format checkpoint folder into a diffuserve Pipeline.
+
+The folder is checked part by part before anything heavy is loaded, so a broken checkpoint fails at
+start-up with the folder and the missing or invalid part named, instead of deep inside diffusers or,
+worse, "loading" fine: transformers 5 builds a near-empty tokenizer from a missing tokenizer folder,
+so tokenizers are also checked against their text encoder's vocabulary after loading.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from diffuserve.errors import CheckpointError, ConfigError
+from diffuserve.models import registry
+
+if TYPE_CHECKING:
+    import torch
+
+    from diffuserve.pipelines.base import Pipeline
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json", "*.pt", "*.ckpt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab.json",
+    "spiece.model",
+    "tokenizer.model",
+    "vocab.txt",
+    "sentencepiece.bpe.model",
+)
+MIN_VOCAB_RATIO = 0.5
+"""A tokenizer with fewer entries than this share of its text encoder's vocab_size is broken."""
+
+
+def parse_dtype(dtype: str) -> torch.dtype:
+    """`--dtype` string -> torch dtype."""
+    import torch
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r} is not one of {list(DTYPES)}.", param="dtype")
+    return getattr(torch, dtype)
+
+
+def parse_device(device: str) -> torch.device:
+    """`--device` string -> torch device, refusing one this machine does not have."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(
+            f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1).", param="device"
+        ) from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"--device {device}: CUDA is not available on this machine; use --device cpu.", param="device"
+        )
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(
+            f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible.", param="device"
+        )
+    return dev
+
+
+# -- checks before loading ---------------------------------------------------------------------------
+
+
+def _component_class(model_path: Path, key: str, library: str, class_name: str) -> type:
+    try:
+        module = importlib.import_module(library)
+    except ImportError as exc:
+        raise CheckpointError(
+            f"checkpoint {model_path}: component {key!r} needs library {library!r}, which is not installed ({exc})."
+        ) from exc
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise CheckpointError(
+            f"checkpoint {model_path}: component {key!r} names class {library}.{class_name}, which this "
+            f"{library} does not have; fix model_index.json or upgrade {library}."
+        )
+    return cls
+
+
+def _check_config_json(folder: Path, name: str, key: str) -> None:
+    path = folder / name
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {folder.parent}: component folder {folder} has no {name}.")
+    try:
+        json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {folder.parent}: {path} is not valid JSON ({exc}).") from exc
+
+
+def check_checkpoint(model_path: Path, spec: registry.ModelSpec) -> dict[str, type]:
+    """Check every component's folder, config and weights; returns key -> class. Raises CheckpointError."""
+    import torch
+
+    classes: dict[str, type] = {}
+    for key, (library, class_name) in spec.components.items():
+        cls = _component_class(model_path, key, library, class_name)
+        classes[key] = cls
+        folder = model_path / key
+        if not folder.is_dir():
+            raise CheckpointError(
+                f"checkpoint {model_path}: model_index.json lists component {key!r} ({class_name}) but the "
+                f"folder {folder} is missing."
+            )
+        if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
+            _check_config_json(folder, "config.json", key)
+            if not any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):
+                raise CheckpointError(
+                    f"checkpoint {model_path}: component {key!r} has no weights in {folder} "
+                    "(expected *.safetensors or *.bin)."
+                )
+        elif "Scheduler" in class_name:
+            _check_config_json(folder, "scheduler_config.json", key)
+        elif "Tokenizer" in class_name and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+            raise CheckpointError(
+                f"checkpoint {model_path}: tokenizer folder {folder} has none of the tokenizer files "
+                f"({', '.join(TOKENIZER_FILES)}); copy the tokenizer files into it."
+            )
+    return classes
+
+
+def check_tokenizers(model_path: Path, components: dict[str, Any]) -> None:
+    """Refuse near-empty tokenizers: each must cover most of its text encoder's vocabulary."""
+    for key, tokenizer in components.items():
+        if not key.startswith("tokenizer") or tokenizer is None:
+            continue
+        encoder = components.get(key.replace("tokenizer", "text_encoder", 1))
+        vocab_size = getattr(getattr(encoder, "config", None), "vocab_size", None)
+        if vocab_size is None:
+            # Multimodal encoders keep it in their text sub-config.
+            text_config = getattr(getattr(encoder, "config", None), "text_config", None)
+            vocab_size = getattr(text_config, "vocab_size", None)
+        try:
+            size = len(tokenizer)
+        except TypeError:
+            continue
+        if vocab_size and size < MIN_VOCAB_RATIO * vocab_size:
+            raise CheckpointError(
+                f"checkpoint {model_path}: tokenizer {model_path / key} has only {size} entries but its text "
+                f"encoder expects a vocabulary of {vocab_size}; the tokenizer files are missing or broken "
+                "(transformers silently builds an almost empty tokenizer from an incomplete folder)."
+            )
+
+
+# -- loading ------------------------------------------------------------------------------------------
+
+
+def load_components(
+    model_path: Path, spec: registry.ModelSpec, *, device: torch.device, dtype: torch.dtype
+) -> dict[str, Any]:
+    """Load every component listed in model_index.json (local files only), checked and placed."""
+    import torch
+
+    classes = check_checkpoint(model_path, spec)
+    loaded: dict[str, Any] = {}
+    for key, cls in classes.items():
+        folder = model_path / key
+        is_model = isinstance(cls, type) and issubclass(cls, torch.nn.Module)
+        try:
+            if is_model:
+                module = cls.from_pretrained(folder, local_files_only=True, torch_dtype=dtype)
+                loaded[key] = module.to(device).eval().requires_grad_(False)
+            elif hasattr(cls, "from_pretrained"):
+                loaded[key] = cls.from_pretrained(folder, local_files_only=True)
+            else:
+                loaded[key] = cls.from_config(cls.load_config(folder))
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any library error becomes one clear start-up error
+            raise CheckpointError(
+                f"checkpoint {model_path}: cannot load component {key!r} ({spec.components[key][1]}) from "
+                f"{folder}: {type(exc).__name__}: {exc}"
+            ) from exc
+    check_tokenizers(model_path, loaded)
+    return loaded
+
+
+def _native_class(family: str) -> type:
+    module_name, _, class_name = registry.NATIVE_FAMILIES[family].partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def load_pipeline(
+    model_path: str | Path,
+    *,
+    model_id: str | None = None,
+    backend: str = "auto",
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> Pipeline:
+    """Load the checkpoint at `model_path` and return the pipeline that serves it.
+
+    `backend` is auto | native | diffusers (auto = native when the family has an adapter).
+    Raises CheckpointError (broken folder) or ConfigError (bad flag) with the fix in the message.
+    """
+    model_path = Path(model_path).expanduser()
+    torch_dtype = parse_dtype(dtype)
+    torch_device = parse_device(device)
+    spec = registry.resolve(model_path, model_id=model_id, backend=backend)
+    logger.info(
+        "Loading %s (%s, family=%s, backend=%s)", model_path, spec.pipeline_class, spec.family, spec.backend
+    )
+    if spec.backend == "native":
+        components = load_components(model_path, spec, device=torch_device, dtype=torch_dtype)
+        pipeline = _native_class(spec.family).from_components(
+            components, device=torch_device, dtype=torch_dtype
+        )
+    else:
+        from diffuserve.pipelines.diffusers_backend import DiffusersBackendPipeline
+
+        check_checkpoint(model_path, spec)
+        pipeline = DiffusersBackendPipeline.from_pretrained(
+            model_path, family=spec.family, device=torch_device, dtype=torch_dtype
+        )
+        check_tokenizers(model_path, dict(pipeline.pipe.components))
+    return pipeline

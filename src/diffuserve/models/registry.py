@@ -1,0 +1,178 @@
+"""Which family a checkpoint belongs to, and which backend runs it.
+
+A diffusers folder names its pipeline class in `model_index.json` (`_class_name`); that, or a
+`--model-id` hint such as "black-forest-labs/FLUX.1-dev", picks the family. Families with a native
+adapter run natively by default; every other diffusers pipeline runs through the diffusers backend.
+No torch here: `diffuserve plan` resolves a model without importing it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from diffuserve.errors import CheckpointError, ConfigError
+
+BACKENDS = ("auto", "native", "diffusers")
+
+CLASS_TO_FAMILY: dict[str, str] = {
+    "FluxPipeline": "flux",
+    "Flux2Pipeline": "flux2",
+    "Flux2KleinPipeline": "flux2",
+    "FluxKontextPipeline": "flux_kontext",
+    "QwenImagePipeline": "qwen_image",
+    "QwenImageEditPipeline": "qwen_image_edit",
+    "QwenImageEditPlusPipeline": "qwen_image_edit",
+    "ZImagePipeline": "z_image",
+    "SanaPipeline": "sana",
+    "StableDiffusion3Pipeline": "sd3",
+    "WanPipeline": "wan",
+    "WanImageToVideoPipeline": "wan_i2v",
+    "HunyuanVideoPipeline": "hunyuan_video",
+    "LTXPipeline": "ltx",
+    "LTX2Pipeline": "ltx2",
+    "GlmImagePipeline": "glm_image",
+}
+"""model_index.json `_class_name` -> family. Unknown classes still run through the diffusers backend."""
+
+# Model-id hints, tried in order on the lower-cased id (the first match wins, so the more specific
+# patterns come first).
+_MODEL_ID_PATTERNS: tuple[tuple[str, str], ...] = (
+    (r"flux\.?1?[-_.]?kontext", "flux_kontext"),
+    (r"flux\.?2", "flux2"),
+    (r"flux", "flux"),
+    (r"qwen[-_]?image[-_]?edit", "qwen_image_edit"),
+    (r"qwen[-_]?image", "qwen_image"),
+    (r"z[-_]?image", "z_image"),
+    (r"sana", "sana"),
+    (r"stable[-_]?diffusion[-_]?3|sd3", "sd3"),
+    (r"wan.*i2v", "wan_i2v"),
+    (r"wan", "wan"),
+    (r"hunyuan[-_]?video", "hunyuan_video"),
+    (r"ltx[-_]?2", "ltx2"),
+    (r"ltx", "ltx"),
+    (r"glm[-_]?image", "glm_image"),
+)
+
+NATIVE_FAMILIES: dict[str, str] = {
+    "flux": "diffuserve.pipelines.flux:FluxNativePipeline",
+}
+"""family -> "module:Class" of its native adapter. Other engineers add their families here."""
+
+VIDEO_FAMILIES = frozenset({"wan", "wan_i2v", "hunyuan_video", "ltx", "ltx2"})
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the registry resolved for a checkpoint folder."""
+
+    family: str = "unknown"
+    """Family name (`flux`, `wan`, ...), or `unknown` when neither class nor id says."""
+    pipeline_class: str = ""
+    """model_index.json `_class_name` (the diffusers pipeline class)."""
+    backend: str = "diffusers"
+    """native | diffusers: the backend that will run it."""
+    components: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """model_index.json key -> (library, class) for every non-null component."""
+    model_path: Path = Path(".")
+    """The checkpoint folder."""
+
+    @property
+    def output_kind(self) -> str:
+        return "video" if self.family in VIDEO_FAMILIES else "image"
+
+
+def family_from_class(class_name: str) -> str | None:
+    """The family of a diffusers pipeline class name, or None when it is not one we know."""
+    return CLASS_TO_FAMILY.get(class_name)
+
+
+def family_from_model_id(model_id: str) -> str | None:
+    """The family a `--model-id` hint names (e.g. "black-forest-labs/FLUX.1-dev" -> flux), or None."""
+    lowered = model_id.lower()
+    for pattern, family in _MODEL_ID_PATTERNS:
+        if re.search(pattern, lowered):
+            return family
+    return None
+
+
+def read_model_index(model_path: Path) -> dict:
+    """Parse `model_index.json`, raising CheckpointError naming the folder when it is absent or bad."""
+    index_file = Path(model_path) / "model_index.json"
+    if not Path(model_path).is_dir():
+        raise CheckpointError(
+            f"--model-path {model_path} is not a folder; pass a diffusers-format checkpoint folder "
+            "(one that holds model_index.json).",
+            param="model_path",
+        )
+    if not index_file.is_file():
+        raise CheckpointError(
+            f"checkpoint {model_path} has no model_index.json; pass the folder a diffusers pipeline was "
+            "saved to (save_pretrained writes model_index.json at its root).",
+            param="model_path",
+        )
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(
+            f"checkpoint {model_path}: model_index.json is not valid JSON ({exc})."
+        ) from exc
+    if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
+        raise CheckpointError(
+            f"checkpoint {model_path}: model_index.json has no string `_class_name` naming the diffusers "
+            "pipeline class."
+        )
+    return index
+
+
+def index_components(index: dict) -> dict[str, tuple[str, str]]:
+    """model_index.json entries that are components: key -> (library, class); null entries skipped."""
+    out: dict[str, tuple[str, str]] = {}
+    for key, value in index.items():
+        if key.startswith("_") or not isinstance(value, list) or len(value) != 2:
+            continue
+        library, cls = value
+        if library is None or cls is None:
+            continue
+        out[key] = (str(library), str(cls))
+    return out
+
+
+def select_backend(family: str, backend: str) -> str:
+    """native | diffusers for `family` under `--backend auto|native|diffusers`."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"--backend {backend!r} is not one of {list(BACKENDS)}.", param="backend")
+    if backend == "diffusers":
+        return "diffusers"
+    has_native = family in NATIVE_FAMILIES
+    if backend == "native" and not has_native:
+        raise ConfigError(
+            f"--backend native: family {family!r} has no native adapter (native families: "
+            f"{sorted(NATIVE_FAMILIES)}); use --backend auto or --backend diffusers.",
+            param="backend",
+        )
+    return "native" if has_native else "diffusers"
+
+
+def resolve(model_path: Path, *, model_id: str | None = None, backend: str = "auto") -> ModelSpec:
+    """Read the folder's model_index.json and decide family and backend.
+
+    The class name wins over the model-id hint, because the folder is what will actually be loaded;
+    the hint only names a family when the class is not one we know.
+    """
+    model_path = Path(model_path)
+    index = read_model_index(model_path)
+    class_name = index["_class_name"]
+    family = family_from_class(class_name)
+    if family is None and model_id:
+        family = family_from_model_id(model_id)
+    family = family or "unknown"
+    return ModelSpec(
+        family=family,
+        pipeline_class=class_name,
+        backend=select_backend(family, backend),
+        components=index_components(index),
+        model_path=model_path,
+    )

@@ -1,0 +1,276 @@
+"""Build tiny diffusers-format checkpoints offline: the embedded default model and the test models.
+
+Everything is built from in-code configs and vocabularies with fixed seeds, so two builds write the
+same bytes and no step touches the network. The layout is exactly what `diffusers` saves, so the
+checkpoint loads through the normal loader (and through `FluxPipeline.from_pretrained`) like a
+user's checkpoint would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from diffuserve.errors import ConfigError
+
+DEFAULT_MODEL_NAME = "flux-tiny-v1"
+"""Folder name of the embedded default model under `$DIFFUSERVE_CACHE/models/` (bump on any change)."""
+
+FAMILIES = ("flux",)
+"""Families `build_tiny_checkpoint` can write."""
+
+
+@dataclass(frozen=True)
+class TinyFluxPreset:
+    """Sizes of a tiny FLUX.1-style checkpoint. Encoders and VAE stay tiny in every preset."""
+
+    num_layers: int = 1
+    """Double-stream (MM-DiT) blocks of the transformer."""
+    num_single_layers: int = 1
+    """Single-stream blocks of the transformer."""
+    num_attention_heads: int = 2
+    """Attention heads of the transformer."""
+    attention_head_dim: int = 16
+    """Per-head width; must equal sum(axes_dims_rope)."""
+    axes_dims_rope: tuple[int, int, int] = (4, 4, 8)
+    """RoPE dims per position axis (text index, row, column)."""
+    guidance_embeds: bool = True
+    """FLUX.1-dev style embedded guidance (False = schnell style)."""
+    text_hidden: int = 32
+    """Hidden width of both text encoders (= joint_attention_dim and pooled_projection_dim)."""
+    latent_channels: int = 4
+    """VAE latent channels; the transformer sees 4x this after 2x2 packing."""
+    vae_channels: tuple[int, ...] = (8, 8, 8, 8)
+    """VAE block widths; four levels give a scale factor of 8, so sizes are multiples of 16."""
+    sample_size: int = 64
+    """Default image size in pixels (VAE `sample_size`, which our pipeline uses as its default)."""
+    seed: int = 0
+    """Seed of the random weights."""
+
+
+PRESETS: dict[str, TinyFluxPreset] = {
+    # ~72k-parameter transformer: overhead-bound, the default embedded model and the test model.
+    "tiny": TinyFluxPreset(),
+    # ~36M-parameter transformer: saturates 2 CPU cores, for benchmarks where batching cannot pay.
+    "36m": TinyFluxPreset(
+        num_layers=2,
+        num_single_layers=4,
+        num_attention_heads=8,
+        attention_head_dim=64,
+        axes_dims_rope=(16, 24, 24),
+    ),
+}
+
+
+# -- tokenizers ---------------------------------------------------------------------------------------
+# Small but real vocabularies: byte-level BPE for CLIP (every byte is covered, so any prompt encodes
+# without <unk>) and unigram pieces for T5 (letters, digits, punctuation and some whole words), so
+# different prompts give different token ids as with the real tokenizers.
+
+_BIGRAMS = (
+    "th he in er an re on at en nd ti es or te of ed is it al ar st to nt ng se ha as ou io le ve co me "
+    "de hi ri ro ic ne ea ra ce li ch ll be ma si om ur ca el ta la ns ge ly ei os no pe do su pa ec ac"
+).split()
+_T5_WORDS = (
+    "a an the of and in on with at to for by from cat dog bird fish tree house city sky sea sun moon "
+    "red blue green yellow black white small big old new photo painting portrait landscape of surfing "
+    "wave mountain river forest night day light dark style detailed high quality art"
+).split()
+
+
+def _clip_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    from tokenizers import pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = list(alphabet) + [c + "</w>" for c in alphabet]
+    merges: list[tuple[str, str]] = []
+    for pair in _BIGRAMS:
+        a, b = pair[0], pair[1]
+        merges.append((a, b))
+        merges.append((a, b + "</w>"))
+        tokens += [a + b, a + b + "</w>"]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    vocab = {tok: i for i, tok in enumerate(dict.fromkeys(tokens))}
+    return vocab, merges
+
+
+def _t5_pieces() -> list[tuple[str, float]]:
+    pieces: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    chars = [chr(c) for c in range(33, 127)]
+    pieces += [("▁" + w, -4.0 - 0.01 * i) for i, w in enumerate(dict.fromkeys(_T5_WORDS))]
+    pieces += [("▁" + c, -8.0) for c in chars]
+    pieces += [(c, -9.0) for c in chars]
+    return pieces
+
+
+def _build_tokenizers() -> tuple[Any, Any]:
+    from transformers import CLIPTokenizer, T5Tokenizer
+
+    vocab, merges = _clip_vocab_and_merges()
+    clip = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
+    t5 = T5Tokenizer(vocab=_t5_pieces(), extra_ids=100, model_max_length=512)
+    return clip, t5
+
+
+# -- models -------------------------------------------------------------------------------------------
+
+
+def _build_flux_components(preset: TinyFluxPreset) -> dict[str, Any]:
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    if sum(preset.axes_dims_rope) != preset.attention_head_dim:
+        raise ConfigError(
+            f"tiny preset: sum(axes_dims_rope)={sum(preset.axes_dims_rope)} must equal "
+            f"attention_head_dim={preset.attention_head_dim}."
+        )
+    clip_tok, t5_tok = _build_tokenizers()
+    h = preset.text_hidden
+
+    # Each model gets its own fixed seed so that changing one component leaves the others' bytes alone.
+    torch.manual_seed(preset.seed + 1)
+    clip = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(clip_tok),
+            hidden_size=h,
+            intermediate_size=37,
+            projection_dim=h,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=77,
+            hidden_act="gelu",
+            bos_token_id=clip_tok.bos_token_id,
+            eos_token_id=clip_tok.eos_token_id,
+            pad_token_id=clip_tok.pad_token_id,
+        )
+    )
+    torch.manual_seed(preset.seed + 2)
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(t5_tok),
+            d_model=h,
+            d_kv=8,
+            d_ff=37,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",
+            decoder_start_token_id=0,
+            pad_token_id=t5_tok.pad_token_id,
+            eos_token_id=t5_tok.eos_token_id,
+        )
+    )
+    torch.manual_seed(preset.seed + 3)
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=preset.latent_channels * 4,
+        num_layers=preset.num_layers,
+        num_single_layers=preset.num_single_layers,
+        attention_head_dim=preset.attention_head_dim,
+        num_attention_heads=preset.num_attention_heads,
+        joint_attention_dim=h,
+        pooled_projection_dim=h,
+        guidance_embeds=preset.guidance_embeds,
+        axes_dims_rope=preset.axes_dims_rope,
+    )
+    torch.manual_seed(preset.seed + 4)
+    levels = len(preset.vae_channels)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * levels,
+        up_block_types=("UpDecoderBlock2D",) * levels,
+        block_out_channels=preset.vae_channels,
+        layers_per_block=1,
+        latent_channels=preset.latent_channels,
+        norm_num_groups=4,
+        sample_size=preset.sample_size,
+        scaling_factor=1.5035,
+        shift_factor=0.0609,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    # The shift settings of FLUX.1-dev; they make `mu` depend on the image token count as upstream.
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    return {
+        "scheduler": scheduler,
+        "vae": vae.eval(),
+        "text_encoder": clip.eval(),
+        "tokenizer": clip_tok,
+        "text_encoder_2": t5.eval(),
+        "tokenizer_2": t5_tok,
+        "transformer": transformer.eval(),
+    }
+
+
+def build_tiny_checkpoint(family: str, output_dir: Path, *, preset: str = "tiny") -> Path:
+    """Write a tiny `family` checkpoint (diffusers layout, safetensors) into `output_dir`; returns it.
+
+    Same bytes on every build. `preset` is `tiny` (~72k-parameter transformer, the embedded default)
+    or `36m` (~36M-parameter transformer, for benchmarks).
+    """
+    if family not in FAMILIES:
+        raise ConfigError(
+            f"--family {family!r} cannot be built as a tiny checkpoint; choose one of {list(FAMILIES)}."
+        )
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset {preset!r} is unknown; choose one of {sorted(PRESETS)}.")
+    from diffusers import FluxPipeline
+
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    pipe = FluxPipeline(**_build_flux_components(PRESETS[preset]))
+    pipe.save_pretrained(output_dir, safe_serialization=True)
+    return output_dir
+
+
+def default_cache_dir() -> Path:
+    """`$DIFFUSERVE_CACHE`, or `~/.cache/diffuserve`."""
+    env = os.environ.get("DIFFUSERVE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "diffuserve"
+
+
+def ensure_default_model(cache_dir: Path | None = None) -> Path:
+    """Build the embedded default model once into `<cache>/models/flux-tiny-v1` and return its path.
+
+    The build goes into a temporary folder beside the target and is renamed into place, so a reader
+    never sees a half-written checkpoint and two racing processes both end up with a complete one.
+    """
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = root / "models" / DEFAULT_MODEL_NAME
+    if (target / "model_index.json").is_file():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot create the model cache {target.parent} ({exc}); set DIFFUSERVE_CACHE to a writable folder "
+            "or pass --model-path."
+        ) from exc
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=target.parent))
+    try:
+        build_tiny_checkpoint("flux", tmp, preset="tiny")
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process finished first (the target now exists and is complete): use theirs.
+            if not (target / "model_index.json").is_file():
+                raise
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(tmp)
+    return target

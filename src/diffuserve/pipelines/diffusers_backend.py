@@ -1,0 +1,155 @@
+"""Run any diffusers pipeline unmodified, so every diffusers-format checkpoint has a serving path.
+
+A batch becomes one call with a prompt list (one entry per output row) and one generator per row,
+seeded as the native pipelines seed them (row j of a request: `seed + j`), so a request's outputs do
+not depend on what it was merged with. Keyword arguments are passed only when the pipeline's
+`__call__` accepts them; progress and cancellation go through `callback_on_step_end`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from diffuserve.errors import CheckpointError, RequestCancelledError
+from diffuserve.pipelines import stages
+from diffuserve.pipelines.base import (
+    BatchResult,
+    Pipeline,
+    PipelineDefaults,
+    RequestOutput,
+    StepCallback,
+    StopCheck,
+)
+
+
+def _to_pil(item: Any) -> Image.Image:
+    if isinstance(item, Image.Image):
+        return item
+    array = np.asarray(item)
+    if array.dtype != np.uint8:
+        array = (np.clip(array, 0, 1) * 255).round().astype("uint8")
+    return Image.fromarray(array)
+
+
+class DiffusersBackendPipeline(Pipeline):
+    """Wraps a loaded `diffusers.DiffusionPipeline`; batches by prompt lists."""
+
+    supports_batching = True
+
+    def __init__(
+        self,
+        pipe: Any,
+        *,
+        family: str = "unknown",
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.pipe = pipe
+        self.family = family
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.components = {k: v for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)}
+        self._call_params = set(inspect.signature(pipe.__call__).parameters)
+        self.output_kind = "video" if "num_frames" in self._call_params else "image"
+        vae_factor = int(
+            getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", 8) or 8
+        )
+        # FLUX-like pipelines pack 2x2 latent patches; their image processors carry the real multiple.
+        processor = getattr(pipe, "image_processor", None)
+        multiple = int(getattr(getattr(processor, "config", None), "vae_scale_factor", 0) or vae_factor)
+        self.size_multiple = max(multiple, vae_factor)
+        size = getattr(pipe, "default_sample_size", None)
+        size = int(size * vae_factor) if size else 1024
+        self.defaults = PipelineDefaults(width=size, height=size)
+
+    @classmethod
+    def from_pretrained(
+        cls, model_path: Path, *, family: str = "unknown", device: torch.device, dtype: torch.dtype
+    ) -> DiffusersBackendPipeline:
+        """Load with `DiffusionPipeline.from_pretrained(..., local_files_only=True)`."""
+        from diffusers import DiffusionPipeline
+
+        try:
+            pipe = DiffusionPipeline.from_pretrained(model_path, local_files_only=True, torch_dtype=dtype)
+        except Exception as exc:  # noqa: BLE001 - every library error becomes one clear start-up error
+            raise CheckpointError(
+                f"checkpoint {model_path}: diffusers could not load it ({type(exc).__name__}: {exc})."
+            ) from exc
+        pipe.to(device)
+        if hasattr(pipe, "set_progress_bar_config"):
+            pipe.set_progress_bar_config(disable=True)
+        return cls(pipe, family=family, device=device, dtype=dtype)
+
+    def _kwargs(self, batch: list[Any]) -> dict[str, Any]:
+        head = batch[0]
+        prompts = [p.prompt for p in batch for _ in range(p.n)]
+        wanted: dict[str, Any] = {
+            "prompt": prompts,
+            "num_inference_steps": head.num_inference_steps,
+            "guidance_scale": head.guidance_scale,
+            "height": head.height,
+            "width": head.width,
+            "generator": stages.row_generators(batch),
+        }
+        if head.cfg_enabled:
+            wanted["negative_prompt"] = [p.negative_prompt or "" for p in batch for _ in range(p.n)]
+            wanted["true_cfg_scale"] = head.true_cfg_scale
+        if self.output_kind == "video":
+            wanted["num_frames"] = head.num_frames
+        if head.guidance_scale_2 is not None:
+            wanted["guidance_scale_2"] = head.guidance_scale_2
+        if "output_type" in self._call_params:
+            wanted["output_type"] = "pil" if self.output_kind == "image" else "np"
+        return {k: v for k, v in wanted.items() if k in self._call_params}
+
+    def run(
+        self,
+        batch: list[Any],
+        *,
+        on_step: StepCallback | None = None,
+        should_stop: StopCheck | None = None,
+    ) -> BatchResult:
+        kwargs = self._kwargs(batch)
+        num_steps = batch[0].num_inference_steps
+        cancelled: list[int] = []
+
+        def callback(pipe: Any, i: int, t: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
+            if on_step is not None:
+                on_step(i, num_steps)
+            if should_stop is not None and i + 1 < num_steps and should_stop():
+                cancelled.append(i)
+                # Raising here leaves the diffusers loop at once (its `interrupt` flag would still
+                # decode the partial latents).
+                raise RequestCancelledError(f"cancelled after denoising step {i + 1}/{num_steps}")
+            return {}
+
+        if "callback_on_step_end" in self._call_params:
+            kwargs["callback_on_step_end"] = callback
+        if should_stop is not None and should_stop():
+            raise RequestCancelledError("cancelled before denoising step 1")
+        start = time.perf_counter()
+        with torch.inference_mode():
+            result = self.pipe(**kwargs)
+        elapsed = time.perf_counter() - start
+        items = (
+            getattr(result, "frames", None)
+            if self.output_kind == "video"
+            else getattr(result, "images", None)
+        )
+        if items is None:
+            items = result[0]
+        if self.output_kind == "video":
+            videos = [[_to_pil(f) for f in video] for video in items]
+            outputs = [RequestOutput(videos=rows) for rows in stages.split_rows(videos, batch)]
+        else:
+            images = [_to_pil(im) for im in items]
+            outputs = [RequestOutput(images=rows) for rows in stages.split_rows(images, batch)]
+        return BatchResult(outputs=outputs, stage_seconds={"total": elapsed})
