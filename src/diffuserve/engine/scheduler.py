@@ -117,6 +117,11 @@ class ScheduledBatch:
         return self.num_outputs >= self.effective_cap
 
     @property
+    def capacity(self) -> int:
+        """Outputs this dispatch could have held: the cap, or the rows of an oversized single request."""
+        return max(self.effective_cap, self.num_outputs)
+
+    @property
     def request_ids(self) -> list[str]:
         return [r.request_id for r in self.requests]
 

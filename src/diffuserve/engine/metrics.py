@@ -1,0 +1,249 @@
+"""Engine metrics: the batching log lines and every Prometheus collector of the server.
+
+Two pieces:
+
+* `EngineMetrics` owns all collectors on its own `CollectorRegistry` (never the process-global
+  default, so tests and several engines in one process do not collide); `/metrics` serves
+  `render()`.
+* `BatchingStats` records each dispatch into those collectors and, with
+  `--enable-batching-metrics`, logs the seed's lines through the `diffuserve.batching` logger::
+
+    Dynamic batch dispatch: size=2/8, user_max=8, queue_wait=5.12ms, stop_reason=delay
+    Dynamic batch stats (last 5 dispatches): avg_size=2.80, merged_rate=60.0%, full_rate=20.0%, utilization=35.0%, wait_avg=3.21ms, wait_p95=5.12ms, top_rejects=none
+
+**Sizes count outputs (rows), not requests**, because the cap they are compared with counts
+outputs (`n`): `size=R/C` is the rows of the batch over its effective cap, `avg_size` is rows per
+dispatch and `utilization` is rows over the summed capacity. For ordinary `n=1` traffic rows and
+requests are the same number. A dispatch's capacity is its effective cap, or its rows when a single
+request's `n` alone exceeds the cap (it runs alone; see the scheduler), so utilization never passes
+100%. `merged_rate` is the share of dispatches holding more than one *request*; `full_rate` the
+share that reached their effective cap; waits are the head request's queue wait with a
+nearest-rank p95; `top_rejects` lists the five commonest `reason=count` (comma separated, most
+frequent first, ties by name) or `none`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter as _Tally
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from diffuserve.engine.scheduler import ScheduledBatch
+
+logger = logging.getLogger("diffuserve.batching")
+
+PREFIX = "diffuserve_"
+REQUEST_STATUSES = ("success", "error", "cancelled", "timeout", "rejected")
+"""The usual `status` label values of `diffuserve_requests_total` (others are accepted)."""
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+class EngineMetrics:
+    """Every Prometheus collector of the server, on one registry (a fresh one by default).
+
+    prometheus_client collectors are thread-safe, so the engine thread and the HTTP handlers may
+    call these methods concurrently.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        p = PREFIX
+        # Requests and queue.
+        self.requests = Counter(f"{p}requests", "Answered requests by endpoint and final status.",
+                                ["endpoint", "status"], registry=r)
+        self.request_latency = Histogram(f"{p}request_latency_seconds", "Time from acceptance to answer.",
+                                         ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram(f"{p}queue_wait_seconds", "Time each request waited in the queue before running.",
+                                    buckets=_WAIT_BUCKETS, registry=r)
+        self.queue_depth = Gauge(f"{p}queue_depth", "Requests waiting in the queue.", registry=r)
+        self.cancelled_before_run = Counter(
+            f"{p}requests_cancelled_before_run", "Queued requests removed because the client went away.", registry=r)
+        # Batches.
+        self.running_batch_size = Gauge(f"{p}running_batch_size", "Requests in the batch running now (0 when idle).",
+                                        registry=r)
+        self.batch_size = Histogram(f"{p}batch_size_outputs", "Outputs (rows) per dispatched batch.",
+                                    buckets=_SIZE_BUCKETS, registry=r)
+        self.batch_requests = Histogram(f"{p}batch_size_requests", "Requests per dispatched batch.",
+                                        buckets=_SIZE_BUCKETS, registry=r)
+        self.batch_capacity = Counter(
+            f"{p}batch_capacity_outputs", "Summed capacity (effective cap) of dispatched batches; "
+            "utilization = batch_size_outputs_sum / this.", registry=r)
+        self.batch_dispatches = Counter(f"{p}batch_dispatches", "Dispatched batches by stop reason.", ["reason"],
+                                        registry=r)
+        self.batch_merged = Counter(f"{p}batch_merged_dispatches", "Dispatches holding more than one request.",
+                                    registry=r)
+        self.batch_full = Counter(f"{p}batch_full_dispatches", "Dispatches that reached their effective cap.",
+                                  registry=r)
+        self.batch_rejects = Counter(f"{p}batching_rejects", "Queued candidates left out of a batch, by reason.",
+                                     ["reason"], registry=r)
+        self.batch_head_wait = Histogram(f"{p}batch_head_queue_wait_seconds",
+                                         "Queue wait of the head request of each dispatch.",
+                                         buckets=_WAIT_BUCKETS, registry=r)
+        # Execution.
+        self.stage_seconds = Histogram(f"{p}stage_seconds", "Time per pipeline stage per batch.", ["stage"],
+                                       buckets=_STAGE_BUCKETS, registry=r)
+        self.outputs_generated = Counter(f"{p}outputs_generated", "Images or videos produced.", registry=r)
+        # Residency (fed by the transfer ledger).
+        self.transfer_bytes = Counter(f"{p}transfer_bytes", "Bytes moved between host and device.",
+                                      ["component", "direction"], registry=r)
+        self.transfer_seconds = Counter(f"{p}transfer_seconds", "Time spent moving weights between host and device.",
+                                        ["component", "direction"], registry=r)
+        self.device_bytes = Gauge(f"{p}device_bytes", "Device bytes held by a component now.", ["component"],
+                                  registry=r)
+        self.device_peak_bytes = Gauge(f"{p}device_peak_bytes", "Peak device bytes held by a component.",
+                                       ["component"], registry=r)
+
+    # -- what the engine and server call ------------------------------------------------------------
+    def observe_request(self, endpoint: str, status: str, latency_s: float | None = None) -> None:
+        """One answered request; `latency_s` None for answers with no meaningful latency (rejections)."""
+        self.requests.labels(endpoint=endpoint, status=status).inc()
+        if latency_s is not None:
+            self.request_latency.labels(endpoint=endpoint).observe(max(0.0, latency_s))
+
+    def observe_queue_wait(self, seconds: float) -> None:
+        """One request left the queue to run (call once per request, not per batch)."""
+        self.queue_wait.observe(max(0.0, seconds))
+
+    def set_queue_depth(self, n: int) -> None:
+        self.queue_depth.set(n)
+
+    def set_running(self, n: int) -> None:
+        """Requests in the running batch (0 when the worker is idle)."""
+        self.running_batch_size.set(n)
+
+    def observe_stage(self, stage: str, seconds: float) -> None:
+        self.stage_seconds.labels(stage=stage).observe(max(0.0, seconds))
+
+    def add_outputs_generated(self, n: int) -> None:
+        self.outputs_generated.inc(n)
+
+    def inc_cancelled_before_run(self, n: int = 1) -> None:
+        """Requests removed from the queue (never run) because the client went away."""
+        self.cancelled_before_run.inc(n)
+
+    def record_transfer(self, component: str, direction: str, nbytes: int, seconds: float) -> None:
+        """One host<->device move; `direction` is `h2d` or `d2h` by convention of the ledger."""
+        self.transfer_bytes.labels(component=component, direction=direction).inc(nbytes)
+        self.transfer_seconds.labels(component=component, direction=direction).inc(max(0.0, seconds))
+
+    def set_device_bytes(self, component: str, now: int, peak: int) -> None:
+        self.device_bytes.labels(component=component).set(now)
+        self.device_peak_bytes.labels(component=component).set(peak)
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type, for `GET /metrics`."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+@dataclass(frozen=True)
+class BatchWindowStats:
+    """The figures of one stats line (a window of dispatches)."""
+
+    num_dispatches: int
+    avg_size: float
+    merged_rate: float
+    """Fraction 0..1 (the line prints it as a percentage)."""
+    full_rate: float
+    utilization: float
+    wait_avg_s: float
+    wait_p95_s: float
+    top_rejects: tuple[tuple[str, int], ...]
+
+
+def summarize(batches: Sequence[ScheduledBatch]) -> BatchWindowStats:
+    """The stats-line figures for these dispatches (see the module docstring for definitions)."""
+    if not batches:
+        return BatchWindowStats(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, ())
+    k = len(batches)
+    rows = sum(b.num_outputs for b in batches)
+    waits = sorted(b.head_queue_wait_s for b in batches)
+    tally: _Tally[str] = _Tally()
+    for b in batches:
+        tally.update(b.rejects)
+    top = tuple(sorted(tally.items(), key=lambda kv: (-kv[1], kv[0]))[:5])
+    return BatchWindowStats(
+        num_dispatches=k,
+        avg_size=rows / k,
+        merged_rate=sum(b.num_requests > 1 for b in batches) / k,
+        full_rate=sum(b.is_full for b in batches) / k,
+        utilization=rows / sum(b.capacity for b in batches),
+        wait_avg_s=sum(waits) / k,
+        wait_p95_s=waits[math.ceil(0.95 * k) - 1],  # nearest rank
+        top_rejects=top,
+    )
+
+
+def format_dispatch(batch: ScheduledBatch) -> str:
+    """The per-dispatch log line."""
+    return (
+        f"Dynamic batch dispatch: size={batch.num_outputs}/{batch.effective_cap}, user_max={batch.user_max}, "
+        f"queue_wait={batch.head_queue_wait_s * 1000:.2f}ms, stop_reason={batch.stop_reason}"
+    )
+
+
+def format_stats(stats: BatchWindowStats) -> str:
+    """The stats log line for one window."""
+    rejects = ",".join(f"{reason}={count}" for reason, count in stats.top_rejects) or "none"
+    return (
+        f"Dynamic batch stats (last {stats.num_dispatches} dispatches): avg_size={stats.avg_size:.2f}, "
+        f"merged_rate={stats.merged_rate * 100:.1f}%, full_rate={stats.full_rate * 100:.1f}%, "
+        f"utilization={stats.utilization * 100:.1f}%, wait_avg={stats.wait_avg_s * 1000:.2f}ms, "
+        f"wait_p95={stats.wait_p95_s * 1000:.2f}ms, top_rejects={rejects}"
+    )
+
+
+class BatchingStats:
+    """Records every dispatch into the collectors; logs the seed's lines when enabled.
+
+    Called from the engine's scheduling thread only (the window list is not locked).
+    """
+
+    def __init__(self, metrics: EngineMetrics | None, *, log_enabled: bool, window: int = 5):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.metrics = metrics
+        self.log_enabled = log_enabled
+        self.window = window
+        self._recent: list[ScheduledBatch] = []
+        self.last_window: BatchWindowStats | None = None
+        """The figures of the last completed window (kept whether or not logging is on)."""
+
+    def record(self, batch: ScheduledBatch) -> None:
+        """Record one dispatch (call when the batch is handed to the worker)."""
+        m = self.metrics
+        if m is not None:
+            m.batch_size.observe(batch.num_outputs)
+            m.batch_requests.observe(batch.num_requests)
+            m.batch_capacity.inc(batch.capacity)
+            m.batch_dispatches.labels(reason=batch.stop_reason).inc()
+            m.batch_head_wait.observe(batch.head_queue_wait_s)
+            if batch.num_requests > 1:
+                m.batch_merged.inc()
+            if batch.is_full:
+                m.batch_full.inc()
+            for reason, count in batch.rejects.items():
+                m.batch_rejects.labels(reason=reason).inc(count)
+        if self.log_enabled:
+            logger.info(format_dispatch(batch))
+        self._recent.append(batch)
+        if len(self._recent) >= self.window:
+            self.last_window = summarize(self._recent)
+            self._recent = []
+            if self.log_enabled:
+                logger.info(format_stats(self.last_window))
