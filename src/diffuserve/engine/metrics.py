@@ -138,7 +138,7 @@ class EngineMetrics:
         self.cancelled_before_run.inc(n)
 
     def record_transfer(self, component: str, direction: str, nbytes: int, seconds: float) -> None:
-        """One host<->device move; `direction` is `h2d` or `d2h` by convention of the ledger."""
+        """One host<->device move; `direction` is the ledger's `h2d`, `d2h` or `free`."""
         self.transfer_bytes.labels(component=component, direction=direction).inc(nbytes)
         self.transfer_seconds.labels(component=component, direction=direction).inc(max(0.0, seconds))
 

@@ -12,7 +12,8 @@ Rules of batch formation (one batch in flight at a time):
 
 1. **Order.** Queued requests are ordered by `(priority, arrival_time)`, lower first, ties by
    the order they were added. The *head* is the first of that order. A lower `priority` value
-   therefore runs earlier; equal priorities are first come, first served.
+   therefore runs earlier; equal priorities are first come, first served. Priority is strict: a
+   steady stream of low values can starve higher ones, so use a few classes, not a fine scale.
 2. **Anchor.** The head always belongs to the next batch; nothing is ever scheduled ahead of it.
    Requests that cannot join the head stay queued in place and are served when they become head.
 3. **Joining.** Other queued requests are scanned in the same `(priority, arrival_time)` order;
