@@ -168,7 +168,7 @@ def load_components(
         is_model = isinstance(cls, type) and issubclass(cls, torch.nn.Module)
         try:
             if is_model:
-                module = cls.from_pretrained(folder, local_files_only=True, torch_dtype=dtype)
+                module = cls.from_pretrained(folder, local_files_only=True, dtype=dtype)
                 loaded[key] = module.to(device).eval().requires_grad_(False)
             elif hasattr(cls, "from_pretrained"):
                 loaded[key] = cls.from_pretrained(folder, local_files_only=True)

@@ -1,0 +1,15 @@
+"""Session fixtures that build the tiny checkpoints once per test session (into a temp dir)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The `tiny` FLUX.1-style checkpoint (the embedded default model), built once per session."""
+    from diffuserve.models.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint("flux", tmp_path_factory.mktemp("ckpt") / "flux-tiny", preset="tiny")
