@@ -18,8 +18,8 @@ Decisions of ours where the seed is silent (each shows up in `plan.trace`):
   - No accelerator (`device_kind == "cpu"`): `auto` makes everything resident, because host memory is
     the device memory and offloading would only add copies. Explicit choices and `memory` still run
     offload for real on the CPU, so nothing is rejected for being on a CPU host.
-  - `snapshot-offload` is refused for a DiT that FSDP shards: a host snapshot of one rank's shard
-    cannot be restored as the whole component.
+  - Any offload of a DiT that FSDP shards is refused when both are explicit, snapshot-offload included:
+    FSDP replaces DiT offload, and a host snapshot of one rank's shard is not the component.
   - `--layerwise-resident-layers` / lifetimes aimed at a component that did not end up layer-wise are
     ignored with a trace line, so one config file works on big and small GPUs alike.
 """
@@ -120,7 +120,7 @@ def _closest(word: str, options: list[str]) -> str:
 def _split(flag: str, item: str) -> tuple[str, str]:
     name, sep, value = item.partition("=")
     if not sep or not name.strip() or not value.strip():
-        raise ConfigError(f"{flag} expects NAME=VALUE items, got {item!r}.", param=flag)
+        raise ConfigError(f"{flag} expects NAME=VALUE items, got {item!r}.", param=_param(flag))
     return name.strip(), value.strip()
 
 
@@ -135,7 +135,7 @@ def _targets(flag: str, name: str, profile: ModelProfile) -> tuple[list[str], in
     options = [*profile.components, *GROUPS, "all"]
     raise ConfigError(
         f"{flag}: unknown component or group {name!r}; this model has {', '.join(options)}.{_closest(name, options)}",
-        param=flag,
+        param=_param(flag),
     )
 
 
@@ -152,7 +152,7 @@ def _select(flag: str, items: list[tuple[str, str]], profile: ModelProfile) -> d
 
 def _choice(flag: str, value: str, options: tuple[str, ...]) -> str:
     if value not in options:
-        raise ConfigError(f"{flag}: {value!r} is not one of {', '.join(options)}.{_closest(value, list(options))}", param=flag)
+        raise ConfigError(f"{flag}: {value!r} is not one of {', '.join(options)}.{_closest(value, list(options))}", param=_param(flag))
     return value
 
 
@@ -163,6 +163,11 @@ _LEGACY_OFFLOAD = {
     "image_encoder": "image_encoder_cpu_offload",
     "vae": "vae_cpu_offload",
 }
+
+
+def _param(flag: str) -> str:
+    """ConfigError.param is the field name (`component_residency`), as in the rest of the config errors."""
+    return flag.split()[0].lstrip("-").replace("-", "_")
 
 
 def _flag(name: str) -> str:
@@ -251,7 +256,7 @@ def _positive(flag: str, value: int | None, default: int = 1) -> int:
     if value is None:
         return default
     if value < 1:
-        raise ConfigError(f"{flag} must be at least 1, got {value}.", param=flag)
+        raise ConfigError(f"{flag} must be at least 1, got {value}.", param=_param(flag))
     return value
 
 
@@ -259,13 +264,13 @@ def _resident_count(flag: str, text: str, comp: ComponentProfile) -> int:
     try:
         number = float(text) if "." in text else int(text)
     except ValueError:
-        raise ConfigError(f"{flag} {comp.name}={text}: N must be a layer count or a ratio 0<r<1.", param=flag) from None
+        raise ConfigError(f"{flag} {comp.name}={text}: N must be a layer count or a ratio 0<r<1.", param=_param(flag)) from None
     if isinstance(number, float):
         if not 0 < number < 1:
-            raise ConfigError(f"{flag} {comp.name}={text}: a ratio must lie strictly between 0 and 1.", param=flag)
+            raise ConfigError(f"{flag} {comp.name}={text}: a ratio must lie strictly between 0 and 1.", param=_param(flag))
         return round(number * comp.num_layers)
     if not 0 <= number <= comp.num_layers:
-        raise ConfigError(f"{flag} {comp.name}={text}: {comp.name} has {comp.num_layers} layers.", param=flag)
+        raise ConfigError(f"{flag} {comp.name}={text}: {comp.name} has {comp.num_layers} layers.", param=_param(flag))
     return number
 
 
@@ -277,7 +282,7 @@ def _resolutions(items: list[str]) -> list[str]:
     for item in items:
         match = _RESOLUTION.match(item.strip())
         if not match or int(match.group(1)) == 0 or int(match.group(2)) == 0:
-            raise ConfigError(f"--warmup-resolutions: {item!r} is not WxH (e.g. 1024x1024).", param="--warmup-resolutions")
+            raise ConfigError(f"--warmup-resolutions: {item!r} is not WxH (e.g. 1024x1024).", param="warmup_resolutions")
         out.append(f"{int(match.group(1))}x{int(match.group(2))}")
     return out
 
@@ -296,7 +301,7 @@ def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile)
         how = "described with --gpu-memory-gib" if hardware.described else "present"
         raise ConfigError(
             f"--num-gpus {num_gpus} but only {hardware.num_devices} {hardware.device_kind} device(s) are {how}; lower --num-gpus.",
-            param="--num-gpus",
+            param="num_gpus",
         )
     plan.num_gpus = num_gpus
     ctx = _Ctx(mode, hardware.min_free_bytes(num_gpus), num_gpus, accelerator)
@@ -339,13 +344,13 @@ def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile)
     plan.use_fsdp_inference = bool(fsdp)
     if plan.use_fsdp_inference:
         if num_gpus < 2:
-            raise ConfigError("--use-fsdp-inference shards the DiT over GPUs; with --num-gpus 1 use component or layer-wise offload instead.", param="--use-fsdp-inference")
+            raise ConfigError("--use-fsdp-inference shards the DiT over GPUs; with --num-gpus 1 use component or layer-wise offload instead.", param="use_fsdp_inference")
         for d in dits:
             if d in explicit and modes[d] is not ResidencyMode.RESIDENT:
                 raise ConfigError(
                     f"{explicit[d][1]} offloads {d} ({modes[d].value}) but --use-fsdp-inference shards it; "
                     f"FSDP replaces DiT offload, so drop one of them.",
-                    param="--use-fsdp-inference",
+                    param="use_fsdp_inference",
                 )
             if d not in explicit and modes[d] is not ResidencyMode.RESIDENT:
                 modes[d] = ResidencyMode.RESIDENT
@@ -365,19 +370,13 @@ def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile)
             raise ConfigError(
                 f"{source}: {name} ({profile.components[name].class_name or 'unknown class'}) declares no layer "
                 "structure, so layer-wise offload cannot run on it; use component-offload or snapshot-offload.",
-                param=source.split()[0],
-            )
-        if mode_ is ResidencyMode.SNAPSHOT_OFFLOAD and plan.use_fsdp_inference and profile.components[name].group == "dit":
-            raise ConfigError(
-                f"{source}: snapshot-offload of {name} is meaningless under --use-fsdp-inference (each rank holds only a "
-                "shard); keep it resident or turn FSDP off.",
-                param=source.split()[0],
+                param=_param(source),
             )
 
     # 6. Layer-wise knobs: prefetch, resident sets, lifetimes, pinning.
     prefetch = args.dit_offload_prefetch_size
     if prefetch is not None and prefetch < 0:
-        raise ConfigError(f"--dit-offload-prefetch-size must be 0 or more, got {prefetch}.", param="--dit-offload-prefetch-size")
+        raise ConfigError(f"--dit-offload-prefetch-size must be 0 or more, got {prefetch}.", param="dit_offload_prefetch_size")
     if prefetch == 0:
         trace("prefetch: --dit-offload-prefetch-size 0 means 1")
     prefetch = max(1, prefetch or 1)
@@ -433,7 +432,7 @@ def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile)
         raise ConfigError(
             f"cfg parallel ({2 if cfg else 1}) x --sp-degree {sp} x --tp-degree {tp} = {ranks} ranks but --num-gpus is {num_gpus}; "
             "raise --num-gpus or lower the degrees.",
-            param="--num-gpus",
+            param="num_gpus",
         )
     plan.enable_cfg_parallel, plan.sp_degree, plan.tp_degree = cfg, sp, tp
 
@@ -449,11 +448,11 @@ def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile)
     plan.warmup_resolutions = _resolutions(args.warmup_resolutions)
     if args.enable_breakable_cuda_graph:
         if hardware.device_kind != "cuda":
-            raise ConfigError(f"--enable-breakable-cuda-graph needs a CUDA device; this one is {hardware.device_kind}. Drop the flag.", param="--enable-breakable-cuda-graph")
+            raise ConfigError(f"--enable-breakable-cuda-graph needs a CUDA device; this one is {hardware.device_kind}. Drop the flag.", param="enable_breakable_cuda_graph")
         if profile.kind != "image":
-            raise ConfigError(f"--enable-breakable-cuda-graph supports image pipelines only; {profile.family} is {profile.kind}.", param="--enable-breakable-cuda-graph")
+            raise ConfigError(f"--enable-breakable-cuda-graph supports image pipelines only; {profile.family} is {profile.kind}.", param="enable_breakable_cuda_graph")
         if not plan.warmup_resolutions:
-            raise ConfigError("--enable-breakable-cuda-graph captures one graph per resolution: list every serving resolution in --warmup-resolutions.", param="--warmup-resolutions")
+            raise ConfigError("--enable-breakable-cuda-graph captures one graph per resolution: list every serving resolution in --warmup-resolutions.", param="warmup_resolutions")
         trace(f"breakable cuda graph: on for {', '.join(plan.warmup_resolutions)}")
     plan.enable_breakable_cuda_graph = bool(args.enable_breakable_cuda_graph)
     return plan
@@ -483,7 +482,7 @@ def _check_permanent(plan: DeploymentPlan, profile: ModelProfile, ctx: _Ctx, lif
         raise ConfigError(
             f"{source}: permanent resident layer sets do not fit: {figures} > {ctx.min_free / GIB:.2f} GiB free on the "
             "smallest selected GPU. Keep lifetime forward or lower --layerwise-resident-layers.",
-            param=source.split()[0],
+            param=_param(source),
         )
     trace(f"permanent: {figures} <= {ctx.min_free / GIB:.2f} GiB free -> fits")
 
