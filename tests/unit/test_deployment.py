@@ -358,6 +358,11 @@ def test_profile_from_checkpoint_reads_sizes_layers_and_groups(checkpoint: tuple
 def test_profile_family_override_and_generic(checkpoint: tuple[Path, dict[str, int]], tmp_path: Path) -> None:
     root, _ = checkpoint
     assert profile_from_checkpoint(root, family="wan").kind == "video"
+    i2v = profile_from_checkpoint(root, family="wan_i2v")  # a registry variant takes its base family's defaults
+    assert (i2v.family, i2v.kind, i2v.fsdp_can_replace_dit_offload) == ("wan_i2v", "video", True)
+    ltx = profile_from_checkpoint(root, family="ltx")  # registry-known, no profile of ours: generic, video
+    assert (ltx.kind, ltx.dit_resident_threshold_gib) == ("video", None)
+    assert profile_from_checkpoint(root, family="flux2").dit_resident_threshold_gib == 45.0
     with pytest.raises(ConfigError, match="'qwen_image'"):
         profile_from_checkpoint(root, family="qwen-image")
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "SomeNewPipeline", "unet": ["diffusers", "MyUNet"]}))

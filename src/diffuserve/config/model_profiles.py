@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from diffuserve.errors import CheckpointError, ConfigError
+from diffuserve.models.registry import CLASS_TO_FAMILY, VIDEO_FAMILIES
 
 GROUPS = ("dit", "text_encoder", "image_encoder", "vae", "other")
 """Component groups, usable as `--component-residency` selectors (with `all`)."""
@@ -130,15 +131,30 @@ _PIPELINE_PREFIXES = (
 
 
 def family_profile(family: str) -> ModelProfile:
-    """The per-family defaults (no components); unknown names fail with the closest known one."""
-    if family not in _FAMILY_DEFAULTS:
-        close = difflib.get_close_matches(family, FAMILIES, n=1)
+    """The per-family defaults (no components).
+
+    Accepts the registry's family names too (`models/registry.py`): a variant such as `wan_i2v` or
+    `qwen_image_edit` takes its base family's defaults, another registry family the generic ones (video
+    kind, with no auto DiT residency, where the registry says video). Names neither knows fail with the closest known one.
+    """
+    base = family if family in _FAMILY_DEFAULTS else next((k for k in _FAMILY_DEFAULTS if family.startswith(k + "_")), None)
+    if base is not None:
+        return ModelProfile(family=family, **_FAMILY_DEFAULTS[base])
+    known = sorted({*FAMILIES, *CLASS_TO_FAMILY.values(), "unknown"})
+    if family not in known:
+        close = difflib.get_close_matches(family, known, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"Unknown model family {family!r}; known: {', '.join(FAMILIES)}.{hint}", param="family")
-    return ModelProfile(family=family, **_FAMILY_DEFAULTS[family])
+        raise ConfigError(f"Unknown model family {family!r}; known: {', '.join(known)}.{hint}", param="family")
+    if family in VIDEO_FAMILIES:
+        # Unprofiled video: no auto DiT residency, frames and resolution decide its peak (seed rule).
+        return ModelProfile(family=family, kind="video", dit_resident_threshold_gib=None)
+    return ModelProfile(family=family)
 
 
 def family_from_pipeline_class(class_name: str) -> str:
+    """The registry's family for a known pipeline class, else by class-name prefix, else generic."""
+    if class_name in CLASS_TO_FAMILY:
+        return CLASS_TO_FAMILY[class_name]
     for prefix, family in _PIPELINE_PREFIXES:
         if class_name.startswith(prefix):
             return family
