@@ -46,7 +46,8 @@ _KNOWN_LAYER_LISTS: tuple[str, ...] = (
     "single_transformer_blocks",  # FLUX single-stream blocks
     "blocks",  # Wan and other DiTs
     "encoder.block",  # T5 encoder
-    "text_model.encoder.layers",  # CLIP text model
+    "text_model.encoder.layers",  # CLIP text model (transformers 4)
+    "encoder.layers",  # CLIP text model (transformers 5 flattened `text_model`), other encoders
     "model.layers",  # decoder-only text encoders wrapped by a *ForCausalLM
     "layers",  # decoder-only text encoders (Qwen3Model, LlamaModel)
     "decoder.up_blocks",  # AutoencoderKL decoder
