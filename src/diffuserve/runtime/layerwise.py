@@ -210,7 +210,7 @@ class LayerwiseStrategy(Strategy):
             raise ConfigError(
                 f"--layerwise-resident-layers {self.name}={n_resident} is out of range: component "
                 f"{self.name!r} declares {len(layers)} layers; use 0..{len(layers)}.",
-                param="--layerwise-resident-layers",
+                param="layerwise_resident_layers",
             )
         permanent = self.plan.lifetime is Lifetime.PERMANENT
         pin = self.plan.pin_memory
@@ -243,7 +243,7 @@ class LayerwiseStrategy(Strategy):
                     f"component {self.name!r} shares a weight between {owner[key]!r} and {who!r}, so its "
                     f"layers cannot stream independently; use --component-residency "
                     f"{self.name}=component-offload.",
-                    param="--component-residency",
+                    param="component_residency",
                 )
             owner[key] = who
 

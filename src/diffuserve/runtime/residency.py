@@ -395,7 +395,7 @@ class ComponentResidencyManager:
                         f"({type(module).__name__}), which declares no layer structure to stream; "
                         f"choose another mode with --component-residency {name}=component-offload "
                         f"(or remove it from --layerwise-offload-components).",
-                        param="--component-residency",
+                        param="component_residency",
                     )
                 self.strategies[name] = LayerwiseStrategy(name, module, plan, self.transfers, specs=specs)
             else:  # pragma: no cover - the enum is closed
@@ -430,7 +430,7 @@ class ComponentResidencyManager:
                 f"{_mib(budget)}: {parts}. Use lifetime `forward` (--layerwise-residency-lifetime "
                 f"COMP=forward / --dit-layerwise-residency-lifetime forward), fewer "
                 f"--layerwise-resident-layers, or --component-residency COMP=component-offload.",
-                param=first_flag,
+                param=first_flag.lstrip("-").replace("-", "_"),
             )
         for name, s in self.strategies.items():
             need = permanent + s.transient_bytes()
@@ -440,7 +440,7 @@ class ComponentResidencyManager:
                     f"(permanent sets {_mib(permanent)} + {_mib(s.transient_bytes())}) but the device "
                     f"budget is {_mib(budget)}; choose a lighter mode with --component-residency "
                     f"{name}=layerwise-offload or offload the resident components.",
-                    param="--component-residency",
+                    param="component_residency",
                 )
 
     def setup(self) -> None:
