@@ -88,7 +88,7 @@ def load_serving_pipeline(args: ServerArgs, model_path: Path, device: str, plan:
 
         ledger = TransferLedger()
         if metrics is not None:
-            ledger.add_listener(metrics.record_transfer, metrics.set_device_bytes)
+            ledger.forward_to(metrics)
         pipeline.residency = build_residency(plan, pipeline.components, device=torch.device(device), ledger=ledger)
     return maybe_inject_faults(pipeline)
 

@@ -112,6 +112,7 @@ class AsyncEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._ready_event = threading.Event()
+        self._recent_batch_s: float | None = None
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -210,7 +211,10 @@ class AsyncEngine:
                 priority=priority,
                 deadline=now + chosen if chosen else None,
             )
-            pending = _Pending(request=request, future=loop.create_future(), loop=loop, endpoint=endpoint)
+            future: asyncio.Future[GenerationResult] = loop.create_future()
+            # An aborted request's error is delivered to a future nobody awaits any more; mark it seen.
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())
+            pending = _Pending(request=request, future=future, loop=loop, endpoint=endpoint)
             self._pending[request.request_id] = pending
             self.scheduler.add(request)
             self.metrics.set_queue_depth(self.scheduler.num_queued)
@@ -226,12 +230,15 @@ class AsyncEngine:
                 return
             pending.request.cancel_event.set()
             if self.scheduler.abort(request_id) is not None:
-                self.metrics.record_cancelled_before_run()
+                self.metrics.inc_cancelled_before_run()
                 self.metrics.set_queue_depth(self.scheduler.num_queued)
             self._answer_locked(request_id, error=error)
 
     def _retry_after_s(self) -> float:
-        return max(1.0, round(self.metrics.recent_latency_s() * max(1, self.scheduler.num_queued) / 4, 1))
+        """A hint for 429s: the queue drains at about one batch per recent batch time."""
+        per_batch = self._recent_batch_s or 1.0
+        batches = self.scheduler.num_queued / max(1, self.scheduler.config.max_size)
+        return max(1.0, round(per_batch * batches, 1))
 
     def _not_ready_error(self) -> ServiceUnavailableError:
         if self.state == EngineState.DRAINING:
@@ -343,9 +350,9 @@ class AsyncEngine:
                 self.metrics.set_queue_depth(self.scheduler.num_queued)
                 if isinstance(action, Dispatch):
                     return action.batch
-                wait = _MAX_IDLE_WAIT_S
-                if isinstance(action, WaitUntil):
-                    wait = min(wait, max(0.0, action.time - now))
+                wake_at = [t for t in (self.scheduler.next_deadline(),
+                                       action.time if isinstance(action, WaitUntil) else None) if t is not None]
+                wait = min([_MAX_IDLE_WAIT_S, *(max(0.0, t - now) for t in wake_at)])
                 self._cond.wait(wait)
 
     def _execute(self, batch: Any) -> None:
@@ -370,13 +377,14 @@ class AsyncEngine:
                             f"The request ran past its deadline and was cancelled at step {step + 1}/{num_steps}."))
 
         outcome = run_batch(self.pipeline, requests, on_step=on_step, clock=self.clock)
+        self._recent_batch_s = outcome.inference_seconds
         for stage, seconds in outcome.stage_seconds.items():
             self.metrics.observe_stage(stage, seconds)
         with self._cond:
             for request in requests:
                 rid = request.request_id
                 if rid in outcome.outputs:
-                    self.metrics.record_outputs(request.params.n)
+                    self.metrics.add_outputs_generated(request.params.n)
                     self._answer_locked(rid, result=GenerationResult(
                         request_id=rid,
                         output=outcome.outputs[rid],

@@ -66,12 +66,21 @@ def run_batch(
         # keeps running with the others and its output is dropped.
         return all(r.cancel_event.is_set() for r in live)
 
+    steps_done = [0, 0]
+
+    def step_done(step: int, num_steps: int) -> None:
+        steps_done[:] = [step + 1, num_steps]
+        if on_step is not None:
+            on_step(step, num_steps)
+
     start = clock()
     try:
-        result = pipeline.run([r.params for r in live], on_step=on_step, should_stop=should_stop)
+        result = pipeline.run([r.params for r in live], on_step=step_done, should_stop=should_stop)
         outcome.outputs = split_outputs(live, result, pipeline.output_kind)
         outcome.stage_seconds = dict(result.stage_seconds)
     except RequestCancelledError as exc:
+        logger.info("batch of %d request(s) stopped at step %d/%d: every request in it was cancelled",
+                    len(live), *steps_done)
         for request in live:
             outcome.errors[request.request_id] = exc
     except Exception as exc:  # the batch loop must survive anything the pipeline raises

@@ -1,0 +1,45 @@
+"""Shared real servers: each starts once per session (a server costs ~5 s of imports and load)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.serverproc import ServerProcess
+
+FAULT_MARKER = "FAIL-THIS-BATCH"
+
+
+@pytest.fixture(scope="session")
+def singleton_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Default serving (singleton), observed from process start for the readiness contract."""
+    logs = tmp_path_factory.mktemp("singleton")
+    server = ServerProcess(["--model-path", str(tiny_flux_path), "--served-model-name", "tiny-flux",
+                            "--model-id", "FLUX.1-dev"], logs / "server.log")
+    server.start(observe=True)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def dynamic_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Dynamic batching, max 4, a long delay so concurrent requests meet; 32x32 capped to 1 by a rule;
+    operator-only fault injection for prompts containing FAULT_MARKER."""
+    logs = tmp_path_factory.mktemp("dynamic")
+    rules = logs / "batching.json"
+    rules.write_text(json.dumps({"schema_version": 1, "rules": [
+        {"model_contains": "tiny", "resolution": "32x32", "max_batch_size": 1},
+    ]}))
+    server = ServerProcess(
+        ["--model-path", str(tiny_flux_path), "--served-model-name", "tiny-flux-dynamic",
+         "--batching-mode", "dynamic", "--batching-max-size", "4", "--batching-delay-ms", "1500",
+         "--batching-config", str(rules), "--enable-batching-metrics", "--max-queue-size", "0"],
+        logs / "server.log",
+        env={"DIFFUSERVE_FAULT_INJECTION": f"prompt:{FAULT_MARKER}"},
+    )
+    server.start()
+    yield server
+    server.stop()

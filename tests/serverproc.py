@@ -1,0 +1,93 @@
+"""Run a real `diffuserve serve` process on a free loopback port, for integration tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class StartupObservation:
+    """Probe answers seen while the server started (for the readiness contract)."""
+
+    seconds: float
+    liveness: int | None
+    health: int | None
+    generation: int | None
+
+
+@dataclass
+class ServerProcess:
+    args: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+    startup: list[StartupObservation] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, *, timeout_s: float = 120, observe: bool = False, headers: dict | None = None) -> ServerProcess:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        cmd = [sys.executable, "-m", "diffuserve.cli", "serve", "--port", str(self.port), *self.args]
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        started = time.monotonic()
+        with httpx.Client(timeout=2.0, headers=headers) as client:
+            while time.monotonic() - started < timeout_s:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+                live = health = gen = None
+                try:
+                    live = client.get(f"{self.base_url}/liveness").status_code
+                    health = client.get(f"{self.base_url}/health").status_code
+                    if observe and health != 200:
+                        gen = client.post(f"{self.base_url}/v1/images/generations",
+                                          json={"prompt": "early", "size": "64x64"}).status_code
+                except httpx.HTTPError:
+                    pass
+                if observe:
+                    self.startup.append(StartupObservation(time.monotonic() - started, live, health, gen))
+                if health == 200:
+                    return self
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {timeout_s}s:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout_s: float = 30) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
