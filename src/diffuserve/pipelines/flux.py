@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift, retrieve_timesteps
 from PIL import Image
 
 from diffuserve.pipelines import stages
@@ -29,8 +30,17 @@ from diffuserve.pipelines.base import (
 
 logger = logging.getLogger(__name__)
 
+MAX_CACHED_SHAPES = 64
+"""Per-shape caches (position ids, timesteps) are cleared past this many entries, so a stream of
+requests with ever new sizes or step counts cannot grow memory without bound."""
+
 COMPONENT_KEYS = ("text_encoder", "text_encoder_2", "transformer", "vae")
 """model_index.json keys of the modules this pipeline runs (the residency manager's components)."""
+
+
+def _make_room(cache: dict) -> None:
+    if len(cache) >= MAX_CACHED_SHAPES:
+        cache.clear()
 
 
 @dataclass
@@ -184,8 +194,6 @@ class FluxNativePipeline(Pipeline):
 
     def prepare_latents(self, batch: Sequence[Any], height: int, width: int) -> torch.Tensor:
         """Packed initial noise, one row per output, each drawn from its request's row generator."""
-        from diffusers import FluxPipeline
-
         lh, lw = self._latent_hw(height, width)
         channels = self.transformer.config.in_channels // 4
         noise = stages.batch_noise(batch, (channels, lh, lw), device=self.device, dtype=self.dtype)
@@ -194,8 +202,7 @@ class FluxNativePipeline(Pipeline):
     def _image_ids_for(self, height: int, width: int) -> torch.Tensor:
         key = (height, width)
         if key not in self._image_ids:
-            from diffusers import FluxPipeline
-
+            _make_room(self._image_ids)
             lh, lw = self._latent_hw(height, width)
             self._image_ids[key] = FluxPipeline._prepare_latent_image_ids(
                 1, lh // 2, lw // 2, self.device, self.dtype
@@ -204,6 +211,7 @@ class FluxNativePipeline(Pipeline):
 
     def _text_ids_for(self, seq_len: int) -> torch.Tensor:
         if seq_len not in self._text_ids:
+            _make_room(self._text_ids)
             self._text_ids[seq_len] = torch.zeros(seq_len, 3, device=self.device, dtype=self.dtype)
         return self._text_ids[seq_len]
 
@@ -211,8 +219,7 @@ class FluxNativePipeline(Pipeline):
         """A private scheduler with its timesteps set for this shape (the set-up is cached per shape)."""
         key = (num_steps, image_seq_len)
         if key not in self._schedulers:
-            from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
-
+            _make_room(self._schedulers)
             template = self.scheduler.__class__.from_config(self.scheduler.config)
             cfg = template.config
             sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
@@ -234,8 +241,6 @@ class FluxNativePipeline(Pipeline):
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> list[Image.Image]:
         """Unpack, unscale and VAE-decode; returns PIL images (the same rounding as diffusers)."""
-        from diffusers import FluxPipeline
-
         latents = FluxPipeline._unpack_latents(latents, height, width, self.vae_scale_factor)
         latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
         with self.residency.use("vae"):
