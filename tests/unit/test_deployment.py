@@ -17,6 +17,7 @@ from diffuserve.config.model_profiles import (
     ModelProfile,
     family_profile,
     profile_from_checkpoint,
+    resolve_layer_containers,
 )
 from diffuserve.config.plan import Lifetime, ResidencyMode
 from diffuserve.errors import CheckpointError, ConfigError
@@ -399,3 +400,31 @@ def test_profiling_and_resolving_never_import_torch(checkpoint: tuple[Path, dict
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_load_dtype_counts_float_weights_at_the_loaded_size(checkpoint: tuple[Path, dict[str, int]]) -> None:
+    root, sizes = checkpoint
+    prof = profile_from_checkpoint(root, load_dtype="bfloat16")  # the files hold float32
+    assert prof.components["transformer"].param_bytes == sizes["transformer"] // 2
+    assert prof.components["transformer"].layers_bytes == sizes["transformer_layers"] // 2
+    with pytest.raises(ConfigError, match="'int8'"):
+        profile_from_checkpoint(root, load_dtype="int8")
+
+
+def test_resolve_layer_containers_finds_nested_paths() -> None:
+    import torch.nn as nn
+
+    clip = nn.Module()
+    clip.text_model = nn.Module()
+    clip.text_model.encoder = nn.Module()
+    clip.text_model.encoder.layers = nn.ModuleList([nn.Linear(2, 2)])
+    comp_ = ComponentProfile(name="text_encoder", layer_container_paths=("encoder.layers",), num_layers=1, has_layers=True)
+    assert resolve_layer_containers(clip, comp_) == ["text_model.encoder.layers"]
+    clip.vision = nn.Module()
+    clip.vision.encoder = nn.Module()
+    clip.vision.encoder.layers = nn.ModuleList()
+    with pytest.raises(CheckpointError, match="several"):
+        resolve_layer_containers(clip, comp_)
+    missing = ComponentProfile(name="x", class_name="X", layer_container_paths=("blocks",))
+    with pytest.raises(CheckpointError, match="matches none"):
+        resolve_layer_containers(clip, missing)

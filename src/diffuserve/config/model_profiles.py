@@ -42,7 +42,9 @@ class ComponentProfile:
     param_bytes: int = 0
     """Bytes of all weights as stored (sum of the safetensors tensors)."""
     layer_container_paths: tuple[str, ...] = ()
-    """Module paths of the ModuleLists whose children are the streamable layers, in execution order."""
+    """ModuleLists whose children are the streamable layers, in execution order. Each is a module path
+    or a suffix of one (`encoder.layers`); `resolve_layer_containers` finds the full path in the loaded
+    module, because library versions nest the same encoder differently."""
     num_layers: int = 0
     """Total streamable layers over all containers."""
     layers_bytes: int = 0
@@ -181,8 +183,9 @@ def _num_blocks(cfg: dict[str, Any]) -> int:
     return len(cfg.get("block_out_channels") or [])
 
 
-_CLIP_TEXT = (("text_model.encoder.layers", "num_hidden_layers"),)
-_CLIP_VISION = (("vision_model.encoder.layers", "num_hidden_layers"),)
+# Encoder paths are suffixes: transformers nests CLIP under `text_model.` in some versions and classes
+# and not in others, so the loaded module is searched with `resolve_layer_containers`.
+_CLIP = (("encoder.layers", "num_hidden_layers"),)
 _T5 = (("encoder.block", "num_layers"),)
 _DECODER_LM = (("layers", "num_hidden_layers"),)
 _VAE_BLOCKS: tuple[tuple[str, _Count], ...] = (("encoder.down_blocks", None), ("decoder.up_blocks", None))
@@ -193,13 +196,13 @@ _LAYER_RULES: dict[str, tuple[tuple[str, _Count], ...]] = {
     "SanaTransformer2DModel": (("transformer_blocks", "num_layers"),),
     "SD3Transformer2DModel": (("transformer_blocks", "num_layers"),),
     "ZImageTransformer2DModel": (("layers", "n_layers"),),
-    "CLIPTextModel": _CLIP_TEXT,
-    "CLIPTextModelWithProjection": _CLIP_TEXT,
-    "CLIPVisionModel": _CLIP_VISION,
-    "CLIPVisionModelWithProjection": _CLIP_VISION,
+    "CLIPTextModel": _CLIP,
+    "CLIPTextModelWithProjection": _CLIP,
+    "CLIPVisionModel": _CLIP,
+    "CLIPVisionModelWithProjection": _CLIP,
     "T5EncoderModel": _T5,
     "UMT5EncoderModel": _T5,
-    "Qwen2_5_VLForConditionalGeneration": (("model.language_model.layers", "num_hidden_layers"),),
+    "Qwen2_5_VLForConditionalGeneration": (("language_model.layers", "num_hidden_layers"),),
     "Gemma2Model": _DECODER_LM,
     "Qwen3Model": _DECODER_LM,
     "AutoencoderKL": (("encoder.down_blocks", _num_blocks), ("decoder.up_blocks", _num_blocks)),
@@ -243,8 +246,18 @@ def _scan_layers(path: str, tensors: dict[str, int]) -> tuple[set[int], int]:
 
 
 # --- safetensors headers -------------------------------------------------------------------------------
-def read_safetensors_sizes(path: Path) -> dict[str, int]:
-    """Tensor name -> stored bytes, from the file's JSON header only (8-byte length, then JSON)."""
+_FLOAT_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+LOAD_DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per element of the `--dtype` values floating-point weights are cast to at load."""
+
+
+def read_safetensors_sizes(path: Path, load_dtype: str | None = None) -> dict[str, int]:
+    """Tensor name -> bytes, from the file's JSON header only (8-byte length, then JSON).
+
+    With `load_dtype`, floating-point tensors are counted at that dtype (what they will occupy once
+    loaded); integer tensors and `None` keep the stored size.
+    """
+    elem = LOAD_DTYPE_SIZES[load_dtype] if load_dtype else None
     with path.open("rb") as f:
         raw_len = f.read(8)
         if len(raw_len) != 8:
@@ -261,7 +274,9 @@ def read_safetensors_sizes(path: Path) -> dict[str, int]:
         if name == "__metadata__":
             continue
         begin, end = entry["data_offsets"]
-        sizes[name] = int(end) - int(begin)
+        stored = int(end) - int(begin)
+        size = _FLOAT_SIZES.get(entry.get("dtype", ""))
+        sizes[name] = stored // size * elem if elem and size else stored
     return sizes
 
 
@@ -293,13 +308,13 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def component_profile(name: str, class_name: str, folder: Path) -> ComponentProfile:
+def component_profile(name: str, class_name: str, folder: Path, load_dtype: str | None = None) -> ComponentProfile:
     """Profile one component folder from its config.json and safetensors headers."""
     cfg_path = folder / "config.json"
     cfg = _read_json(cfg_path) if cfg_path.exists() else {}
     tensors: dict[str, int] = {}
     for path in _weight_files(folder):
-        tensors.update(read_safetensors_sizes(path))
+        tensors.update(read_safetensors_sizes(path, load_dtype))
     paths: list[str] = []
     num_layers = 0
     layers_bytes = 0
@@ -323,12 +338,16 @@ def component_profile(name: str, class_name: str, folder: Path) -> ComponentProf
     )
 
 
-def profile_from_checkpoint(model_path: Path, *, family: str | None = None) -> ModelProfile:
+def profile_from_checkpoint(model_path: Path, *, family: str | None = None, load_dtype: str | None = None) -> ModelProfile:
     """The ModelProfile of a diffusers-format folder, from JSON and safetensors headers only.
 
     `family` overrides detection from model_index.json `_class_name` (unknown classes -> generic).
+    `load_dtype` (float32 | bfloat16 | float16) counts floating-point weights at the dtype they are
+    loaded in rather than stored in; None keeps the stored sizes.
     """
     model_path = Path(model_path)
+    if load_dtype is not None and load_dtype not in LOAD_DTYPE_SIZES:
+        raise ConfigError(f"--dtype {load_dtype!r} is not one of {', '.join(LOAD_DTYPE_SIZES)}.", param="dtype")
     index = _read_json(model_path / "model_index.json")
     family = family or family_from_pipeline_class(str(index.get("_class_name", "")))
     components: dict[str, ComponentProfile] = {}
@@ -342,5 +361,25 @@ def profile_from_checkpoint(model_path: Path, *, family: str | None = None) -> M
             raise CheckpointError(
                 f"{model_path / 'model_index.json'} lists component {key!r} but folder {folder} is missing."
             )
-        components[key] = component_profile(key, str(value[1]), folder)
+        components[key] = component_profile(key, str(value[1]), folder, load_dtype)
     return family_profile(family).with_components(components)
+
+
+def resolve_layer_containers(module: Any, component: ComponentProfile) -> list[str]:
+    """Full module paths in `module` (a loaded torch module) of the component's declared containers.
+
+    A declared path matches a submodule named exactly so, else the one submodule whose name ends with
+    `.<path>`. Duck-typed on `named_modules()`, so this file still never imports torch.
+    """
+    names = [name for name, _ in module.named_modules()]
+    found = []
+    for path in component.layer_container_paths:
+        matches = [n for n in names if n == path] or [n for n in names if n.endswith("." + path)]
+        if len(matches) != 1:
+            what = f"several ({', '.join(matches)})" if matches else "none"
+            raise CheckpointError(
+                f"{component.name} ({component.class_name}): declared layer container {path!r} matches {what} of "
+                "the loaded module's submodules; the model_profiles layer rule for this class needs updating."
+            )
+        found.append(matches[0])
+    return found
