@@ -260,17 +260,25 @@ def _positive(flag: str, value: int | None, default: int = 1) -> int:
     return value
 
 
-def _resident_count(flag: str, text: str, comp: ComponentProfile) -> int:
+def _parse_count(source: str, text: str) -> int | float:
+    """`N` (a layer count) or `0.r` (a ratio strictly between 0 and 1) of `--layerwise-resident-layers`."""
     try:
         number = float(text) if "." in text else int(text)
     except ValueError:
-        raise ConfigError(f"{flag} {comp.name}={text}: N must be a layer count or a ratio 0<r<1.", param=_param(flag)) from None
+        raise ConfigError(f"{source}: N must be a layer count or a ratio 0<r<1.", param="layerwise_resident_layers") from None
+    if isinstance(number, float) and not 0 < number < 1:
+        raise ConfigError(f"{source}: a ratio must lie strictly between 0 and 1.", param="layerwise_resident_layers")
+    if number < 0:
+        raise ConfigError(f"{source}: a layer count cannot be negative.", param="layerwise_resident_layers")
+    return number
+
+
+def _resident_count(source: str, text: str, comp: ComponentProfile) -> int:
+    number = _parse_count(source, text)
     if isinstance(number, float):
-        if not 0 < number < 1:
-            raise ConfigError(f"{flag} {comp.name}={text}: a ratio must lie strictly between 0 and 1.", param=_param(flag))
         return round(number * comp.num_layers)
-    if not 0 <= number <= comp.num_layers:
-        raise ConfigError(f"{flag} {comp.name}={text}: {comp.name} has {comp.num_layers} layers.", param=_param(flag))
+    if number > comp.num_layers:
+        raise ConfigError(f"{source}: {comp.name} has {comp.num_layers} layers.", param="layerwise_resident_layers")
     return number
 
 
@@ -382,8 +390,12 @@ def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile)
     prefetch = max(1, prefetch or 1)
     flag = "--layerwise-resident-layers"
     counts = _select(flag, [_split(flag, i) for i in args.layerwise_resident_layers], profile)
+    for value, source in counts.values():
+        _parse_count(source, value)  # a bad value fails even where the knob ends up ignored
     flag = "--layerwise-residency-lifetime"
     lifetimes = _select(flag, [_split(flag, i) for i in args.layerwise_residency_lifetime], profile)
+    for value, _ in lifetimes.values():
+        _choice(flag, value, LIFETIMES)
     if args.dit_layerwise_residency_lifetime is not None:
         legacy = _choice("--dit-layerwise-residency-lifetime", args.dit_layerwise_residency_lifetime, LIFETIMES)
         for d in dits:
@@ -402,7 +414,7 @@ def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile)
             continue
         cp.prefetch_size = prefetch
         if name in counts:
-            cp.resident_layers = _resident_count("--layerwise-resident-layers", counts[name][0], comp)
+            cp.resident_layers = _resident_count(counts[name][1], counts[name][0], comp)
         if name in lifetimes:
             cp.lifetime = Lifetime(_choice("--layerwise-residency-lifetime", lifetimes[name][0], LIFETIMES))
         cp.pin_memory = pin
@@ -413,34 +425,43 @@ def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile)
     # 7. Permanent resident sets must fit beside the resident components at load.
     _check_permanent(plan, profile, ctx, lifetimes, trace)
 
-    # 8. Parallelism: explicit degrees win; auto/speed may add CFG parallel when no policy was set.
+    # 8. Parallelism, then compile and graphs.
+    _resolve_parallelism(args, plan, profile, trace)
+    _resolve_compile(args, plan, profile, hardware, trace)
+    return plan
+
+
+def _resolve_parallelism(args: DeploymentArgs, plan: DeploymentPlan, profile: ModelProfile, trace: Any) -> None:
+    """Explicit degrees win; auto/speed add CFG parallel when the family runs CFG and no policy was set."""
     sp = _positive("--sp-degree", args.sp_degree)
     tp = _positive("--tp-degree", args.tp_degree)
     cfg = args.enable_cfg_parallel
     if cfg is None:
         policy_set = args.sp_degree is not None or args.tp_degree is not None
-        cfg = mode in ("auto", "speed") and num_gpus >= 2 and profile.default_uses_cfg and not policy_set
-        if num_gpus >= 2:
+        cfg = plan.performance_mode in ("auto", "speed") and plan.num_gpus >= 2 and profile.default_uses_cfg and not policy_set
+        if plan.num_gpus >= 2:
             reason = ("family default uses CFG, no parallelism flags" if cfg else
                       "parallelism flags set" if policy_set else
-                      f"{profile.family} does not run CFG by default" if not profile.default_uses_cfg else f"{mode} does not add it")
-            trace(f"cfg_parallel: {'on' if cfg else 'off'} ({mode}: {reason})")
+                      f"{profile.family} does not run CFG by default" if not profile.default_uses_cfg else f"{plan.performance_mode} does not add it")
+            trace(f"cfg_parallel: {'on' if cfg else 'off'} ({plan.performance_mode}: {reason})")
     else:
         trace(f"cfg_parallel: {'on' if cfg else 'off'} (explicit --enable-cfg-parallel)")
     ranks = (2 if cfg else 1) * sp * tp
-    if ranks > num_gpus:
+    if ranks > plan.num_gpus:
         raise ConfigError(
-            f"cfg parallel ({2 if cfg else 1}) x --sp-degree {sp} x --tp-degree {tp} = {ranks} ranks but --num-gpus is {num_gpus}; "
-            "raise --num-gpus or lower the degrees.",
+            f"cfg parallel ({2 if cfg else 1}) x --sp-degree {sp} x --tp-degree {tp} = {ranks} ranks but --num-gpus is "
+            f"{plan.num_gpus}; raise --num-gpus or lower the degrees.",
             param="num_gpus",
         )
     plan.enable_cfg_parallel, plan.sp_degree, plan.tp_degree = cfg, sp, tp
 
-    # 9. Compile and graphs.
+
+def _resolve_compile(args: DeploymentArgs, plan: DeploymentPlan, profile: ModelProfile, hardware: HardwareInfo, trace: Any) -> None:
+    """torch.compile follows the family's validated default unless set; breakable graphs are CUDA-only."""
     compile_on = args.enable_torch_compile
     if compile_on is None:
-        compile_on = mode != "manual" and profile.compile_validated
-        trace(f"compile: {'on' if compile_on else 'off'} ({mode}: {profile.family} compile_validated={profile.compile_validated})")
+        compile_on = plan.performance_mode != "manual" and profile.compile_validated
+        trace(f"compile: {'on' if compile_on else 'off'} ({plan.performance_mode}: {profile.family} compile_validated={profile.compile_validated})")
     else:
         trace(f"compile: {'on' if compile_on else 'off'} (explicit --enable-torch-compile)")
     plan.enable_torch_compile = compile_on
@@ -455,7 +476,6 @@ def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile)
             raise ConfigError("--enable-breakable-cuda-graph captures one graph per resolution: list every serving resolution in --warmup-resolutions.", param="warmup_resolutions")
         trace(f"breakable cuda graph: on for {', '.join(plan.warmup_resolutions)}")
     plan.enable_breakable_cuda_graph = bool(args.enable_breakable_cuda_graph)
-    return plan
 
 
 def _check_permanent(plan: DeploymentPlan, profile: ModelProfile, ctx: _Ctx, lifetimes: dict[str, tuple[str, str]], trace: Any) -> None:
