@@ -13,3 +13,11 @@ def tiny_flux_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from diffuserve.models.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint("flux", tmp_path_factory.mktemp("ckpt") / "flux-tiny", preset="tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Stable Diffusion 3 checkpoint: a family with no native adapter (diffusers backend)."""
+    from diffuserve.models.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint("sd3", tmp_path_factory.mktemp("ckpt") / "sd3-tiny", preset="tiny")

@@ -212,3 +212,25 @@ def test_diffusers_backend_counts_sizes_and_seeds(tiny_flux_path: Path, native) 
     with pytest.raises(RequestCancelledError, match="step 2/4"):
         backend.run(batch, on_step=lambda i, n: steps.append(i), should_stop=lambda: len(steps) >= 2)
     assert steps == [0, 1]
+
+
+def test_family_without_native_adapter_runs_on_diffusers_backend(tiny_sd3_path: Path) -> None:
+    from diffuserve.models.loader import load_pipeline
+    from diffuserve.pipelines.diffusers_backend import DiffusersBackendPipeline
+
+    pipe = load_pipeline(tiny_sd3_path)  # backend auto
+    assert isinstance(pipe, DiffusersBackendPipeline) and pipe.family == "sd3"
+    # vae factor 8 x patch 2; defaults from the pipeline itself (its __call__ and sample size)
+    assert pipe.size_multiple == 16
+    assert (pipe.defaults.width, pipe.defaults.guidance_scale) == (64, 7.0)
+    batch = [
+        SamplingParams(prompt="a cat", negative_prompt="blurry", seed=1, n=2, num_inference_steps=2),
+        SamplingParams(prompt="a tree", seed=2, num_inference_steps=2),
+    ]
+    merged = pipe.run(batch)
+    assert [len(o.images) for o in merged.outputs] == [2, 1]
+    assert all(im.size == (64, 64) for o in merged.outputs for im in o.images)
+    for params, output in zip(batch, merged.outputs, strict=True):
+        alone = pipe.run([params]).outputs[0].images
+        for a, b in zip(output.images, alone, strict=True):
+            assert _max_diff(a, b) <= PIXEL_TOL

@@ -21,7 +21,7 @@ from diffuserve.errors import ConfigError
 DEFAULT_MODEL_NAME = "flux-tiny-v1"
 """Folder name of the embedded default model under `$DIFFUSERVE_CACHE/models/` (bump on any change)."""
 
-FAMILIES = ("flux",)
+FAMILIES = ("flux", "sd3")
 """Families `build_tiny_checkpoint` can write."""
 
 
@@ -217,11 +217,97 @@ def _build_flux_components(preset: TinyFluxPreset) -> dict[str, Any]:
     }
 
 
+def _build_sd3_components(preset: TinyFluxPreset) -> dict[str, Any]:
+    """A tiny Stable Diffusion 3 layout (no native adapter: it exercises the diffusers backend)."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    clip_tok, t5_tok = _build_tokenizers()
+    h = preset.text_hidden
+    encoders = []
+    for i in range(2):
+        torch.manual_seed(preset.seed + 11 + i)
+        encoders.append(
+            CLIPTextModelWithProjection(
+                CLIPTextConfig(
+                    vocab_size=len(clip_tok),
+                    hidden_size=h,
+                    intermediate_size=37,
+                    projection_dim=h,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    hidden_act="gelu",
+                    bos_token_id=clip_tok.bos_token_id,
+                    eos_token_id=clip_tok.eos_token_id,
+                    pad_token_id=clip_tok.pad_token_id,
+                )
+            ).eval()
+        )
+    torch.manual_seed(preset.seed + 13)
+    # SD3 pads the two CLIP sequences (2h wide together) to the T5 width, so T5 is 2h wide.
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(t5_tok),
+            d_model=2 * h,
+            d_kv=8,
+            d_ff=37,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            decoder_start_token_id=0,
+            pad_token_id=t5_tok.pad_token_id,
+            eos_token_id=t5_tok.eos_token_id,
+        )
+    ).eval()
+    torch.manual_seed(preset.seed + 14)
+    transformer = SD3Transformer2DModel(
+        sample_size=preset.sample_size // 8,
+        patch_size=2,
+        in_channels=preset.latent_channels,
+        out_channels=preset.latent_channels,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        joint_attention_dim=2 * h,
+        caption_projection_dim=32,
+        pooled_projection_dim=2 * h,
+        pos_embed_max_size=32,
+    ).eval()
+    torch.manual_seed(preset.seed + 15)
+    levels = len(preset.vae_channels)
+    vae = AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * levels,
+        up_block_types=("UpDecoderBlock2D",) * levels,
+        block_out_channels=preset.vae_channels,
+        layers_per_block=1,
+        latent_channels=preset.latent_channels,
+        norm_num_groups=4,
+        sample_size=preset.sample_size,
+        scaling_factor=1.5305,
+        shift_factor=0.0609,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    ).eval()
+    return {
+        "scheduler": FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+        "vae": vae,
+        "text_encoder": encoders[0],
+        "tokenizer": clip_tok,
+        "text_encoder_2": encoders[1],
+        "tokenizer_2": clip_tok,
+        "text_encoder_3": t5,
+        "tokenizer_3": t5_tok,
+        "transformer": transformer,
+    }
+
+
 def build_tiny_checkpoint(family: str, output_dir: Path, *, preset: str = "tiny") -> Path:
     """Write a tiny `family` checkpoint (diffusers layout, safetensors) into `output_dir`; returns it.
 
     Same bytes on every build. `preset` is `tiny` (~72k-parameter transformer, the embedded default)
-    or `36m` (~36M-parameter transformer, for benchmarks).
+    or `36m` (~36M-parameter transformer, for benchmarks). `sd3` (a family without a native adapter,
+    for the diffusers backend) only takes its encoder/VAE sizes from the preset.
     """
     if family not in FAMILIES:
         raise ConfigError(
@@ -229,11 +315,14 @@ def build_tiny_checkpoint(family: str, output_dir: Path, *, preset: str = "tiny"
         )
     if preset not in PRESETS:
         raise ConfigError(f"--preset {preset!r} is unknown; choose one of {sorted(PRESETS)}.")
-    from diffusers import FluxPipeline
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
 
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    pipe = FluxPipeline(**_build_flux_components(PRESETS[preset]))
+    if family == "sd3":
+        pipe = StableDiffusion3Pipeline(**_build_sd3_components(PRESETS[preset]))
+    else:
+        pipe = FluxPipeline(**_build_flux_components(PRESETS[preset]))
     pipe.save_pretrained(output_dir, safe_serialization=True)
     return output_dir
 

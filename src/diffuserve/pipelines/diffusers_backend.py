@@ -59,16 +59,41 @@ class DiffusersBackendPipeline(Pipeline):
         self.components = {k: v for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)}
         self._call_params = set(inspect.signature(pipe.__call__).parameters)
         self.output_kind = "video" if "num_frames" in self._call_params else "image"
+        self.size_multiple = self._size_multiple(pipe)
+        self.defaults = self._defaults(pipe)
+
+    def _size_multiple(self, pipe: Any) -> int:
         vae_factor = int(
             getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", 8) or 8
         )
-        # FLUX-like pipelines pack 2x2 latent patches; their image processors carry the real multiple.
+        # Patchified transformers need the latent size to divide by the patch; FLUX-like pipelines
+        # pack 2x2 latent patches instead, which their image processor's factor carries.
+        patch = getattr(getattr(getattr(pipe, "transformer", None), "config", None), "patch_size", 1) or 1
         processor = getattr(pipe, "image_processor", None)
-        multiple = int(getattr(getattr(processor, "config", None), "vae_scale_factor", 0) or vae_factor)
-        self.size_multiple = max(multiple, vae_factor)
+        processor_factor = int(getattr(getattr(processor, "config", None), "vae_scale_factor", 0) or 0)
+        return max(vae_factor * int(patch if isinstance(patch, int) else 1), processor_factor, 1)
+
+    def _defaults(self, pipe: Any) -> PipelineDefaults:
+        # The pipeline's own defaults: its __call__ keyword defaults and its default sample size.
+        params = inspect.signature(pipe.__call__).parameters
+        vae_factor = int(
+            getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", 8) or 8
+        )
         size = getattr(pipe, "default_sample_size", None)
-        size = int(size * vae_factor) if size else 1024
-        self.defaults = PipelineDefaults(width=size, height=size)
+        size = int(size * vae_factor) if isinstance(size, int) else 1024
+        size = max(self.size_multiple, size // self.size_multiple * self.size_multiple)
+
+        def default(name: str, fallback: Any) -> Any:
+            value = params[name].default if name in params else inspect.Parameter.empty
+            return fallback if value is inspect.Parameter.empty or value is None else value
+
+        return PipelineDefaults(
+            width=size,
+            height=size,
+            num_inference_steps=int(default("num_inference_steps", 28)),
+            guidance_scale=float(default("guidance_scale", 3.5)),
+            num_frames=int(default("num_frames", 1)),
+        )
 
     @classmethod
     def from_pretrained(
@@ -99,9 +124,11 @@ class DiffusersBackendPipeline(Pipeline):
             "width": head.width,
             "generator": stages.row_generators(batch),
         }
-        if head.cfg_enabled:
+        # Negative prompts go in whenever a row has one: pipelines with classic CFG (SD3, Wan) use
+        # them under guidance_scale, FLUX only under true_cfg_scale > 1 (part of the signature).
+        if any(p.negative_prompt for p in batch):
             wanted["negative_prompt"] = [p.negative_prompt or "" for p in batch for _ in range(p.n)]
-            wanted["true_cfg_scale"] = head.true_cfg_scale
+        wanted["true_cfg_scale"] = head.true_cfg_scale
         if self.output_kind == "video":
             wanted["num_frames"] = head.num_frames
         if head.guidance_scale_2 is not None:
