@@ -102,9 +102,10 @@ def test_merged_batch_matches_singleton_runs(native) -> None:
         SamplingParams(prompt="a cat surfing", seed=1),
         SamplingParams(prompt="green forest", seed=2, n=2),
         SamplingParams(prompt="the moon over a city", seed=3),
+        SamplingParams(prompt="a cat surfing", seed=4),  # a repeated prompt is encoded once
     ]
     merged = native.run(batch)
-    assert [len(o.images) for o in merged.outputs] == [1, 2, 1]
+    assert [len(o.images) for o in merged.outputs] == [1, 2, 1, 1]
     for params, output in zip(batch, merged.outputs, strict=True):
         alone = native.run([params]).outputs[0].images
         for a, b in zip(output.images, alone, strict=True):

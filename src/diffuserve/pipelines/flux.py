@@ -171,21 +171,24 @@ class FluxNativePipeline(Pipeline):
     def _encode_batch(
         self, batch: Sequence[Any], cfg: bool
     ) -> tuple[FluxConditioning, FluxConditioning | None]:
-        # Encode once per request (positive and negative prompts in one encoder call), then repeat
-        # each request's row n times, as diffusers does for num_images_per_prompt.
-        prompts = [p.prompt for p in batch]
+        # Each distinct text is encoded once (positive and negative prompts in one encoder call),
+        # then gathered to one row per output: request i's row repeated n_i times, as diffusers does
+        # for num_images_per_prompt. Encoding is per row, so deduplication cannot change a row.
+        texts = [p.prompt for p in batch]
         if cfg:
-            prompts += [p.negative_prompt or "" for p in batch]
-        both = self.encode_prompts(prompts)
+            texts += [p.negative_prompt or "" for p in batch]
+        unique = list(dict.fromkeys(texts))
+        encoded = self.encode_prompts(unique)
+        slot = {text: i for i, text in enumerate(unique)}
+        counts = [p.n for p in batch]
+
+        def rows(part: list[str]) -> FluxConditioning:
+            index = torch.tensor([slot[t] for t, n in zip(part, counts, strict=True) for _ in range(n)])
+            index = index.to(encoded.pooled.device)
+            return FluxConditioning(encoded.prompt_embeds[index], encoded.pooled[index])
+
         k = len(batch)
-
-        def rows(sl: slice) -> FluxConditioning:
-            return FluxConditioning(
-                stages.repeat_per_row(both.prompt_embeds[sl], batch),
-                stages.repeat_per_row(both.pooled[sl], batch),
-            )
-
-        return rows(slice(0, k)), (rows(slice(k, 2 * k)) if cfg else None)
+        return rows(texts[:k]), (rows(texts[k:]) if cfg else None)
 
     # -- 2. latents -------------------------------------------------------------------------------------
 
