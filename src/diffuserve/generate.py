@@ -37,6 +37,10 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     from diffuserve.launch import load_serving_pipeline, plan_deployment, resolve_device, resolve_model_path
     from diffuserve.media.images import encode_image
 
+    stem = values.get("output_file_name")
+    if stem is not None and (Path(stem).name != stem or stem in ("", ".", "..")):
+        # Files go into --output-path only: a name may not climb out of it or name another folder.
+        raise ConfigError(f"--output-file-name: {stem!r} must be a plain file name without folders; use --output-path for the folder.")
     args.validate()
     model_path = resolve_model_path(args)
     device = resolve_device(args.device)
@@ -66,7 +70,6 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     max_outputs = args.batching_max_size if args.batching_mode == "dynamic" else n
     out_dir = Path(values.get("output_path") or "outputs")
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = values.get("output_file_name")
     written: list[Path] = []
     for batch in _chunks(params, max(max_outputs, n)):
         steps = batch[0].num_inference_steps

@@ -16,7 +16,7 @@ from diffuserve.errors import DiffuserveError
 from diffuserve.server import health, models_routes, openai_images
 from diffuserve.server.context import ServerContext
 from diffuserve.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
-from diffuserve.server.protocol import error_envelope
+from diffuserve.server.protocol import ErrorEnvelope, error_envelope
 
 logger = logging.getLogger("diffuserve.server")
 
@@ -67,6 +67,23 @@ def install_error_handlers(app: FastAPI) -> None:
         return _error_response(500, f"Internal error: {type(exc).__name__}: {exc}", "server_error", None, "internal_error")
 
 
+ERROR_RESPONSES: dict[int | str, dict] = {
+    status: {"model": ErrorEnvelope, "description": description}
+    for status, description in {
+        400: "Invalid request; `param` names the field.",
+        401: "Missing or invalid API key.",
+        404: "Unknown route, model or image id.",
+        405: "Method not allowed.",
+        413: "Request body over --max-request-bytes.",
+        429: "Queue full (--max-queue-size); see Retry-After.",
+        500: "Generation failed (every request of the failing batch gets this).",
+        503: "Not ready yet, or shutting down.",
+        504: "The request passed its deadline.",
+    }.items()
+}
+"""Every error the API can answer, documented in /openapi.json with the OpenAI envelope."""
+
+
 def create_app(ctx: ServerContext) -> FastAPI:
     """Build the app around an engine that is started by the lifespan (load and warm-up run in its thread)."""
 
@@ -79,7 +96,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
             ctx.engine.stop()
 
     app = FastAPI(title="diffuserve", version=__version__, lifespan=lifespan,
-                  description="OpenAI-compatible image generation with dynamic batching.")
+                  description="OpenAI-compatible image generation with dynamic batching.",
+                  responses=ERROR_RESPONSES)
     app.state.ctx = ctx
     install_error_handlers(app)
     app.include_router(health.router)

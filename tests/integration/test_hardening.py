@@ -1,0 +1,128 @@
+"""Issue 5 over a real server: auth, body cap, admission control (429), deadlines (504), paths."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.helpers import wait_for_log
+from tests.serverproc import ServerProcess
+
+API_KEY = "test-key-3f9a1c"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+SLOW = {"prompt": "slow", "size": "512x512", "num_inference_steps": 150, "seed": 1}
+"""A request that keeps the tiny model busy for a few seconds (most time in 150 transformer steps)."""
+
+
+@pytest.fixture(scope="module")
+def limits_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    logs = tmp_path_factory.mktemp("limits")
+    server = ServerProcess(
+        ["--model-path", str(tiny_flux_path), "--max-request-bytes", "65536", "--max-queue-size", "2"],
+        logs / "server.log", env={"DIFFUSERVE_API_KEY": API_KEY},
+    )
+    server.start(headers=AUTH)
+    yield server
+    server.stop()
+
+
+def _post(server: ServerProcess, body: dict, *, headers: dict | None = AUTH, timeout: float = 120) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/v1/images/generations", json=body, headers=headers, timeout=timeout)
+
+
+def _in_background(server: ServerProcess, body: dict) -> tuple[threading.Thread, list[httpx.Response]]:
+    out: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: out.append(_post(server, body)))
+    thread.start()
+    return thread, out
+
+
+def _wait_running(server: ServerProcess, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{server.base_url}/metrics").text
+        if "diffuserve_running_batch_size 1.0" in text:
+            return
+        time.sleep(0.02)
+    raise AssertionError("no batch started running")
+
+
+def test_api_key_required_except_probes(limits_server):
+    base = limits_server.base_url
+    for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        response = _post(limits_server, {"prompt": "x", "size": "32x32"}, headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{base}/v1/models").status_code == 401
+    assert httpx.get(f"{base}/v1/models", headers=AUTH).status_code == 200
+    for path in ("/liveness", "/health", "/metrics"):
+        assert httpx.get(f"{base}{path}").status_code == 200
+    ok = _post(limits_server, {"prompt": "x", "size": "32x32", "num_inference_steps": 1})
+    assert ok.status_code == 200
+    assert API_KEY not in limits_server.log()
+
+
+def test_body_cap_413_before_reading_whole(limits_server):
+    big = {"prompt": "x", "negative_prompt": "y" * 100_000}
+    response = _post(limits_server, big)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the cap is enforced while streaming
+        yield b'{"prompt": "'
+        for _ in range(100):
+            yield b"z" * 1024
+        yield b'"}'
+
+    streamed = httpx.post(f"{limits_server.base_url}/v1/images/generations", content=chunks(),
+                          headers={**AUTH, "content-type": "application/json"}, timeout=30)
+    assert streamed.status_code == 413
+
+
+def test_queue_full_gets_429_and_accepted_requests_finish(limits_server):
+    runner, first = _in_background(limits_server, SLOW)
+    _wait_running(limits_server)
+    queued = [_in_background(limits_server, {**SLOW, "num_inference_steps": 2, "size": "32x32"}) for _ in range(2)]
+    time.sleep(0.5)
+    rejected = _post(limits_server, {"prompt": "one too many", "size": "32x32"})
+    assert rejected.status_code == 429
+    assert rejected.json()["error"]["code"] == "queue_full"
+    assert int(rejected.headers["Retry-After"]) >= 1
+    for thread, _ in [(runner, first), *queued]:
+        thread.join(60)
+    assert [r.status_code for _, out in [(runner, first), *queued] for r in out] == [200, 200, 200]
+
+
+def test_deadline_queued_and_running_get_504(limits_server):
+    start = len(limits_server.log())
+    runner, first = _in_background(limits_server, SLOW)
+    _wait_running(limits_server)
+    queued = _post(limits_server, {"prompt": "short fuse", "size": "32x32", "timeout": 0.3})
+    assert queued.status_code == 504 and queued.json()["error"]["code"] == "timeout"
+    assert "queue" in queued.json()["error"]["message"]
+    runner.join(60)
+    assert first[0].status_code == 200
+    running = _post(limits_server, {**SLOW, "timeout": 1.0})
+    assert running.status_code == 504
+    assert "past its deadline" in running.json()["error"]["message"]
+    wait_for_log(limits_server, r"stopped at step (\d+)/150", start=start)
+
+
+def test_no_field_fetches_urls_and_paths_stay_inside(limits_server, tiny_flux_path: Path, tmp_path: Path):
+    # There is no field that names a remote resource or a server path: such fields are refused.
+    for field in ("image_url", "output_path"):
+        response = _post(limits_server, {"prompt": "x", field: "http://169.254.169.254/latest"})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field
+    out = subprocess.run(
+        [sys.executable, "-m", "diffuserve.cli", "generate", "--model-path", str(tiny_flux_path), "--prompt", "x",
+         "--output-path", str(tmp_path / "out"), "--output-file-name", "../escape"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2 and "--output-file-name" in out.stderr
+    assert not (tmp_path / "escape.png").exists()
