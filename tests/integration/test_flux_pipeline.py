@@ -235,3 +235,10 @@ def test_family_without_native_adapter_runs_on_diffusers_backend(tiny_sd3_path: 
         alone = pipe.run([params]).outputs[0].images
         for a, b in zip(output.images, alone, strict=True):
             assert _max_diff(a, b) <= PIXEL_TOL
+
+
+def test_batch_with_different_signatures_is_refused(native) -> None:
+    with pytest.raises(ValueError, match="sampling_params.num_inference_steps"):
+        native.run(
+            [SamplingParams(prompt="a", seed=1), SamplingParams(prompt="b", seed=2, num_inference_steps=3)]
+        )

@@ -144,6 +144,7 @@ class DiffusersBackendPipeline(Pipeline):
         on_step: StepCallback | None = None,
         should_stop: StopCheck | None = None,
     ) -> BatchResult:
+        stages.check_batch(batch)
         kwargs = self._kwargs(batch)
         num_steps = batch[0].num_inference_steps
         cancelled: list[int] = []

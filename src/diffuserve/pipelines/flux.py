@@ -261,7 +261,7 @@ class FluxNativePipeline(Pipeline):
         on_step: StepCallback | None = None,
         should_stop: StopCheck | None = None,
     ) -> BatchResult:
-        head = batch[0]
+        head = stages.check_batch(batch)
         height, width = head.height, head.width
         cfg = head.cfg_enabled
         timer = stages.StageTimer()

@@ -73,6 +73,26 @@ def batch_noise(
     return randn_tensor((len(generators), *row_shape), generator=generators, device=device, dtype=dtype)
 
 
+def check_batch(batch: Sequence[SamplingParams]) -> SamplingParams:
+    """The batch's head, after checking it is non-empty and every request shares its signature.
+
+    The scheduler only merges equal signatures; this catches a caller that did not, naming the
+    field, instead of silently running every request with the head's settings.
+    """
+    from diffuserve.engine.request import signature_difference
+
+    if not batch:
+        raise ValueError("a pipeline batch needs at least one request")
+    head = batch[0]
+    for i, params in enumerate(batch[1:], start=1):
+        diff = signature_difference(head, params)
+        if diff is not None:
+            raise ValueError(
+                f"request {i} of the batch differs from request 0 in {diff}; it cannot share the call"
+            )
+    return head
+
+
 def num_rows(batch: Sequence[SamplingParams]) -> int:
     """Rows of the batch: the sum of every request's `n`."""
     return sum(params.n for params in batch)
