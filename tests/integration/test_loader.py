@@ -121,6 +121,11 @@ def _break(folder: Path, how: str) -> str:
         shutil.rmtree(folder / "tokenizer")
         CLIPTokenizer().save_pretrained(folder / "tokenizer")
         return r"tokenizer .*tokenizer has only \d+ entries but its text encoder expects a vocabulary of \d+"
+    if how == "index-lacks-component":
+        index = json.loads((folder / "model_index.json").read_text())
+        del index["text_encoder_2"]
+        (folder / "model_index.json").write_text(json.dumps(index))
+        return r"(lacks \['text_encoder_2'\]|diffusers could not load it)"
     if how == "bad-weights":
         (folder / "vae" / "diffusion_pytorch_model.safetensors").write_bytes(b"garbage")
         return r"(cannot load component 'vae' \(AutoencoderKL\)|diffusers could not load it).*vae"
@@ -139,6 +144,7 @@ def _break(folder: Path, how: str) -> str:
         "empty-tokenizer",
         "near-empty-tokenizer",
         "bad-weights",
+        "index-lacks-component",
     ],
 )
 @pytest.mark.parametrize("backend", ["native", "diffusers"])

@@ -212,9 +212,12 @@ def load_pipeline(
     )
     if spec.backend == "native":
         components = load_components(model_path, spec, device=torch_device, dtype=torch_dtype)
-        pipeline = _native_class(spec.family).from_components(
-            components, device=torch_device, dtype=torch_dtype
-        )
+        try:
+            pipeline = _native_class(spec.family).from_components(
+                components, device=torch_device, dtype=torch_dtype
+            )
+        except CheckpointError as exc:
+            raise CheckpointError(f"checkpoint {model_path}: {exc.message}") from exc
     else:
         from diffuserve.pipelines.diffusers_backend import DiffusersBackendPipeline
 

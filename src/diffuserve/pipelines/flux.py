@@ -115,6 +115,23 @@ class FluxNativePipeline(Pipeline):
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
     ) -> FluxNativePipeline:
         """Build from the loader's model_index.json key -> loaded object mapping."""
+        required = (
+            "transformer",
+            "vae",
+            "text_encoder",
+            "tokenizer",
+            "text_encoder_2",
+            "tokenizer_2",
+            "scheduler",
+        )
+        missing = [key for key in required if components.get(key) is None]
+        if missing:
+            from diffuserve.errors import CheckpointError
+
+            raise CheckpointError(
+                f"a FLUX.1 checkpoint needs components {list(required)}; its model_index.json lacks {missing} "
+                "(use --backend diffusers for a pipeline without them)."
+            )
         return cls(
             transformer=components["transformer"],
             vae=components["vae"],
