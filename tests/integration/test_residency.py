@@ -331,6 +331,29 @@ def test_close_removes_every_hook(cases: dict[str, Case]) -> None:
             assert not sub._diffusers_hook.hooks
 
 
+def test_ledger_feeds_prometheus_metrics(cases: dict[str, Case]) -> None:
+    from diffuserve.engine.metrics import EngineMetrics
+
+    metrics = EngineMetrics()
+    name, case = "text_encoder_2", cases["text_encoder_2"]
+    with managed(cases, {name: plan(name, ResidencyMode.COMPONENT_OFFLOAD)}) as (manager, ledger):
+        ledger.forward_to(metrics)
+        run_use(manager, case, name)
+    text = metrics.render()[0].decode()
+
+    def sample(metric: str, **labels: str) -> float:
+        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        for line in text.splitlines():
+            if line.startswith(metric + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"{metric}{{{want}}} not in /metrics")
+
+    assert sample("diffuserve_transfer_bytes_total", component=name, direction="h2d") == case.total
+    assert sample("diffuserve_transfer_bytes_total", component=name, direction="d2h") == case.total
+    assert sample("diffuserve_device_bytes", component=name) == 0
+    assert sample("diffuserve_device_peak_bytes", component=name) == case.total
+
+
 # 3. Start-up checks -----------------------------------------------------------------------------
 
 
@@ -401,7 +424,7 @@ def test_build_residency_defaults_missing_components_to_resident(cases: dict[str
                                    "tokenizer": object()}, device="cpu", ledger=ledger)
     try:
         assert manager.describe()["text_encoder"]["mode"] == "resident"
-        assert manager.describe()["vae"]["mode"] == "snapshot-offload"
+        assert manager.describe()["vae"] == {"mode": "snapshot-offload", "bytes": cases["vae"].total}
         assert ledger.device_bytes() == cases["text_encoder"].total
     finally:
         manager.close()

@@ -204,6 +204,7 @@ class LayerwiseStrategy(Strategy):
     streamer: LayerStreamer | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         layers = expand_layers(self.name, self.module, self.specs)
         n_resident = self.plan.resident_layers
         if not 0 <= n_resident <= len(layers):

@@ -76,10 +76,15 @@ class Transfers:
         return self._copy_stream
 
     def to_host(self, t: torch.Tensor, pin: bool) -> torch.Tensor:
-        host = t if t.device.type == "cpu" else t.to("cpu")
-        if pin and self.is_cuda and not host.is_pinned():
-            host = host.pin_memory()
-        return host
+        pin = pin and self.is_cuda
+        if t.device.type == "cpu":
+            return t.pin_memory() if pin and not t.is_pinned() else t
+        if pin:
+            # Straight into pinned memory: one copy, and the next h2d can be asynchronous.
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+            host.copy_(t)
+            return host
+        return t.to("cpu")
 
 
 @dataclass
@@ -261,13 +266,15 @@ class Strategy:
     transfers: Transfers
     in_use: bool = False
     hooked: list[tuple[torch.nn.Module, str]] = field(default_factory=list)
+    nbytes: int = 0
+    """All of the component's weight bytes (counted at construction, before anything is detached)."""
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(s.nbytes for s in collect_slots(self.module.modules()).values())
 
     @property
     def mode(self) -> ResidencyMode:
         return self.plan.mode
-
-    def total_bytes(self) -> int:
-        return sum(s.nbytes for s in collect_slots(self.module.modules()).values())
 
     def permanent_bytes(self) -> int:
         """Device bytes held from setup on, across requests."""
@@ -297,17 +304,17 @@ class Strategy:
         self.hooked.clear()
 
     def describe(self) -> dict[str, object]:
-        return {"mode": self.mode.value, "bytes": self.total_bytes()}
+        return {"mode": self.mode.value, "bytes": self.nbytes}
 
 
 class ResidentStrategy(Strategy):
     def permanent_bytes(self) -> int:
-        return self.total_bytes()
+        return self.nbytes
 
     def setup(self) -> None:
         start = time.perf_counter()
         self.module.to(self.transfers.device)
-        self.transfers.ledger.record(self.name, None, self.total_bytes(), "h2d", time.perf_counter() - start)
+        self.transfers.ledger.record(self.name, None, self.nbytes, "h2d", time.perf_counter() - start)
 
 
 
