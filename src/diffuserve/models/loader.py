@@ -76,9 +76,20 @@ def _component_class(model_path: Path, key: str, library: str, class_name: str) 
     try:
         module = importlib.import_module(library)
     except ImportError as exc:
+        # diffusers also names pipeline-local modules, e.g. ["stable_diffusion", "StableDiffusionSafetyChecker"].
+        try:
+            module = importlib.import_module(f"diffusers.pipelines.{library}")
+        except ImportError:
+            module = None
+        if module is not None:
+            return _class_in(module, model_path, key, library, class_name)
         raise CheckpointError(
             f"checkpoint {model_path}: component {key!r} needs library {library!r}, which is not installed ({exc})."
         ) from exc
+    return _class_in(module, model_path, key, library, class_name)
+
+
+def _class_in(module: Any, model_path: Path, key: str, library: str, class_name: str) -> type:
     cls = getattr(module, class_name, None)
     if cls is None:
         raise CheckpointError(
