@@ -39,11 +39,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=30, help="timed calls per side")
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls per side first")
     parser.add_argument("--prompt", default="a cat surfing a wave at sunset")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--base-url", default=None, help="also time POST {base_url}/v1/images/generations")
     args = parser.parse_args(argv)
 
     import torch
     from diffusers import FluxPipeline
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from diffuserve.engine.request import SamplingParams
     from diffuserve.models.loader import load_pipeline
