@@ -393,6 +393,24 @@ def test_resident_component_that_does_not_fit_names_component_residency(cases: d
     assert info.value.param == "component_residency"
 
 
+def test_failed_setup_undoes_what_it_placed(cases: dict[str, Case], monkeypatch: pytest.MonkeyPatch) -> None:
+    from diffuserve.runtime import layerwise
+
+    def out_of_memory(self) -> None:
+        raise MemoryError("simulated out-of-memory while placing a permanent set")
+
+    monkeypatch.setattr(layerwise.LayerwiseStrategy, "setup", out_of_memory)
+    plans = {"vae": plan("vae", ResidencyMode.COMPONENT_OFFLOAD),
+             "transformer": plan("transformer", ResidencyMode.LAYERWISE_OFFLOAD)}
+    with pytest.raises(MemoryError):
+        with managed(cases, plans):
+            pass
+    # The VAE was detached before the failure; it has its weights and no hooks again.
+    with torch.no_grad():
+        assert (cases["vae"].run() - cases["vae"].reference).abs().max().item() <= TOL
+    assert not cases["vae"].module._diffusers_hook.hooks
+
+
 def test_layerwise_without_layers_or_with_too_many_resident_layers(cases: dict[str, Case]) -> None:
     ledger = TransferLedger()
     lonely = torch.nn.Linear(4, 4)

@@ -317,37 +317,32 @@ class ResidentStrategy(Strategy):
         self.transfers.ledger.record(self.name, None, self.nbytes, "h2d", time.perf_counter() - start)
 
 
-
 class WholeOffloadStrategy(Strategy):
     """component-offload (weights move) and snapshot-offload (a host copy is kept)."""
 
-    unit: WeightUnit | None = None
-
-    def _unit(self) -> WeightUnit:
-        if self.unit is None:
-            slots = list(collect_slots(self.module.modules()).values())
-            keep = self.mode is ResidencyMode.SNAPSHOT_OFFLOAD
-            self.unit = WeightUnit(
-                self.name, None, slots, self.transfers, keep_host=keep, pin_memory=self.plan.pin_memory
-            )
-        return self.unit
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.unit = WeightUnit(
+            self.name, None, list(collect_slots(self.module.modules()).values()), self.transfers,
+            keep_host=self.mode is ResidencyMode.SNAPSHOT_OFFLOAD, pin_memory=self.plan.pin_memory,
+        )
 
     def transient_bytes(self) -> int:
-        return self._unit().nbytes
+        return self.unit.nbytes
 
     def setup(self) -> None:
-        self._unit().capture()
+        self.unit.capture()
         self.add_guards()
 
     def enter(self) -> None:
-        self._unit().load()
+        self.unit.load()
 
     def exit(self) -> None:
-        self._unit().unload()
+        self.unit.unload()
 
     def close(self) -> None:
         super().close()
-        self._unit().restore()
+        self.unit.restore()
 
 
 # 4. The manager ---------------------------------------------------------------------------------
@@ -455,8 +450,13 @@ class ComponentResidencyManager:
         if self._is_setup:
             return
         self.check_budget()
-        for strategy in self.strategies.values():
-            strategy.setup()
+        try:
+            for strategy in self.strategies.values():
+                strategy.setup()
+        except BaseException:
+            # e.g. an out-of-memory while placing a permanent set: undo what was placed.
+            self.close()
+            raise
         self._is_setup = True
         logger.info("residency: %s", {n: s.describe() for n, s in self.strategies.items()})
 
@@ -519,11 +519,7 @@ def build_residency(
             logger.info("residency: plan names %r but the pipeline has no such module; ignored", name)
     plans = {name: plan.components[name] for name in modules if name in plan.components}
     manager = ComponentResidencyManager(
-        modules,
-        plans,
-        device=device,
-        ledger=ledger,
-        layer_specs=layer_specs,
+        modules, plans, device=device, ledger=ledger, layer_specs=layer_specs,
         device_budget_bytes=device_budget_bytes,
     )
     manager.setup()
