@@ -42,7 +42,7 @@ def test_tokenizers_reload_with_real_classes(tiny_flux_path: Path) -> None:
 
     clip = CLIPTokenizer.from_pretrained(tiny_flux_path / "tokenizer", local_files_only=True)
     t5 = T5Tokenizer.from_pretrained(tiny_flux_path / "tokenizer_2", local_files_only=True)
-    fresh_clip, fresh_t5 = tiny._build_tokenizers()
+    fresh_clip, fresh_t5 = tiny.build_tokenizers()
     for prompt in ("a cat surfing a wave", "Ünïcödé & 123!"):
         assert clip(prompt).input_ids == fresh_clip(prompt).input_ids
         assert t5(prompt).input_ids == fresh_t5(prompt).input_ids

@@ -108,7 +108,8 @@ def _t5_pieces() -> list[tuple[str, float]]:
     return pieces
 
 
-def _build_tokenizers() -> tuple[Any, Any]:
+def build_tokenizers() -> tuple[Any, Any]:
+    """The offline (CLIPTokenizer, T5Tokenizer) pair every tiny checkpoint ships."""
     from transformers import CLIPTokenizer, T5Tokenizer
 
     vocab, merges = _clip_vocab_and_merges()
@@ -130,7 +131,7 @@ def _build_flux_components(preset: TinyFluxPreset) -> dict[str, Any]:
             f"tiny preset: sum(axes_dims_rope)={sum(preset.axes_dims_rope)} must equal "
             f"attention_head_dim={preset.attention_head_dim}."
         )
-    clip_tok, t5_tok = _build_tokenizers()
+    clip_tok, t5_tok = build_tokenizers()
     h = preset.text_hidden
 
     # Each model gets its own fixed seed so that changing one component leaves the others' bytes alone.
@@ -223,7 +224,7 @@ def _build_sd3_components(preset: TinyFluxPreset) -> dict[str, Any]:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    clip_tok, t5_tok = _build_tokenizers()
+    clip_tok, t5_tok = build_tokenizers()
     h = preset.text_hidden
     encoders = []
     for i in range(2):
