@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -21,3 +22,9 @@ def tiny_sd3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from diffuserve.models.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint("sd3", tmp_path_factory.mktemp("ckpt") / "sd3-tiny", preset="tiny")
+
+
+# Test servers and the test process share 2 cores; one intra-op thread each avoids OpenMP spin
+# contention that makes every op ~100x slower when two processes compute at once. Set before torch
+# is imported; server subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -80,6 +80,9 @@ def _build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="Print the resolved deployment plan without loading weights.",
                           description="Resolve the deployment plan for a checkpoint and hardware; print it and why.")
     plan.add_argument("--model-path", default=None, help="Checkpoint folder (default: the embedded model).")
+    plan.add_argument("--model-id", default=None, help="Family hint (e.g. FLUX.1-dev) when model_index.json is ambiguous.")
+    plan.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                      help="Weights dtype used to size components (default: auto = bfloat16 on GPUs).")
     plan.add_argument("--gpu-memory-gib", type=float, default=None, help="Describe GPUs with this much free memory each instead of detecting.")
     plan.add_argument("--json", action="store_true", help="Print the plan as JSON.")
     add_dataclass_arguments(plan, DeploymentArgs, default_group="Deployment")

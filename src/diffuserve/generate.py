@@ -44,8 +44,8 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     args.validate()
     model_path = resolve_model_path(args)
     device = resolve_device(args.device)
-    plan = plan_deployment(args, model_path, device)
-    pipeline = load_serving_pipeline(args, model_path, device, plan, metrics=None)
+    deployment = plan_deployment(args, model_path, device)
+    pipeline = load_serving_pipeline(args, model_path, device, deployment, metrics=None)
     defaults = pipeline.defaults
     n = values.get("num_outputs_per_prompt", 1)
     if n < 1:
@@ -90,9 +90,9 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
 def print_plan(values: dict[str, Any]) -> int:
     """Resolve and print the plan from JSON and safetensors headers only (no weights loaded)."""
     from diffuserve.config.argparse_dataclass import dataclass_from_namespace
-    from diffuserve.config.deployment import DeploymentArgs, format_plan, resolve
-    from diffuserve.config.model_profiles import profile_from_checkpoint
+    from diffuserve.config.deployment import DeploymentArgs, format_plan
     from diffuserve.hardware import describe_hardware, detect_hardware
+    from diffuserve.launch import resolve_deployment, resolve_dtype
 
     deployment = dataclass_from_namespace(DeploymentArgs, values)
     if values.get("model_path"):
@@ -105,6 +105,8 @@ def print_plan(values: dict[str, Any]) -> int:
         hardware = describe_hardware(deployment.num_gpus or 1, values["gpu_memory_gib"])
     else:
         hardware = detect_hardware("auto")
-    plan = resolve(deployment, hardware, profile_from_checkpoint(model_path))
+    device_kind = "cuda" if hardware.gpus else "cpu"
+    dtype = resolve_dtype(values.get("dtype", "auto"), device_kind)
+    plan = resolve_deployment(deployment, model_path, model_id=values.get("model_id"), dtype=dtype, hardware=hardware)
     print(json.dumps(plan.to_dict(), indent=2) if values.get("json") else format_plan(plan))
     return 0

@@ -6,6 +6,7 @@ This is the only module that knows every layer; each layer below it only knows i
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,19 +60,41 @@ def build_batcher(args: ServerArgs) -> DynamicBatcher:
     return DynamicBatcher(config, model_names=args.model_names)
 
 
-def plan_deployment(args: ServerArgs, model_path: Path, device: str) -> Any:
-    """Resolve and log the deployment plan (pure; reads only JSON and safetensors headers)."""
-    from diffuserve.config.deployment import DeploymentArgs, format_plan, resolve
+@dataclass
+class ResolvedDeployment:
+    plan: Any
+    """The DeploymentPlan."""
+    device_budget_bytes: int | None
+    """Free device memory the permanent residency sets must fit in (None on a CPU host)."""
+
+
+def resolve_deployment(deployment: Any, model_path: Path, *, model_id: str | None, dtype: str | None,
+                       hardware: Any) -> Any:
+    """The plan for a checkpoint from JSON and safetensors headers only (no weights loaded)."""
+    from diffuserve.config.deployment import resolve
     from diffuserve.config.model_profiles import profile_from_checkpoint
+    from diffuserve.models.registry import family_from_model_id
+
+    family = family_from_model_id(model_id) if model_id else None
+    profile = profile_from_checkpoint(model_path, family=family, load_dtype=dtype)
+    return resolve(deployment, hardware, profile)
+
+
+def plan_deployment(args: ServerArgs, model_path: Path, device: str) -> ResolvedDeployment:
+    """Resolve and log the deployment plan for this machine."""
+    from diffuserve.config.deployment import DeploymentArgs, format_plan
     from diffuserve.hardware import detect_hardware
 
-    deployment = args.deployment or DeploymentArgs()
-    plan = resolve(deployment, detect_hardware(device), profile_from_checkpoint(model_path))
+    hardware = detect_hardware(device)
+    plan = resolve_deployment(args.deployment or DeploymentArgs(), model_path, model_id=args.model_id,
+                              dtype=resolve_dtype(args.dtype, device), hardware=hardware)
     logger.info("deployment plan:\n%s", format_plan(plan))
-    return plan
+    budget = hardware.min_free_bytes(plan.num_gpus) if hardware.gpus else None
+    return ResolvedDeployment(plan, budget)
 
 
-def load_serving_pipeline(args: ServerArgs, model_path: Path, device: str, plan: Any, metrics: EngineMetrics | None) -> Pipeline:
+def load_serving_pipeline(args: ServerArgs, model_path: Path, device: str, deployment: ResolvedDeployment,
+                          metrics: EngineMetrics | None) -> Pipeline:
     """Load the pipeline, attach residency from the plan, and (operator-only) fault injection."""
     from diffuserve.engine.faults import maybe_inject_faults
     from diffuserve.models.loader import load_pipeline
@@ -80,7 +103,7 @@ def load_serving_pipeline(args: ServerArgs, model_path: Path, device: str, plan:
         model_path, model_id=args.model_id, backend=args.backend, device=device,
         dtype=resolve_dtype(args.dtype, device),
     )
-    if plan is not None and pipeline.components:
+    if pipeline.components:
         import torch
 
         from diffuserve.runtime.ledger import TransferLedger
@@ -89,7 +112,8 @@ def load_serving_pipeline(args: ServerArgs, model_path: Path, device: str, plan:
         ledger = TransferLedger()
         if metrics is not None:
             ledger.forward_to(metrics)
-        pipeline.residency = build_residency(plan, pipeline.components, device=torch.device(device), ledger=ledger)
+        pipeline.residency = build_residency(deployment.plan, pipeline.components, device=torch.device(device),
+                                             ledger=ledger, device_budget_bytes=deployment.device_budget_bytes)
     return maybe_inject_faults(pipeline)
 
 
@@ -98,13 +122,13 @@ def build_engine(args: ServerArgs) -> tuple[AsyncEngine, EngineMetrics, dict | N
     args.validate()
     model_path = resolve_model_path(args)
     device = resolve_device(args.device)
-    plan = plan_deployment(args, model_path, device)
+    deployment = plan_deployment(args, model_path, device)
     metrics = EngineMetrics()
     scheduler = build_batcher(args)
     stats = BatchingStats(metrics, log_enabled=args.enable_batching_metrics)
 
     def load() -> Pipeline:
-        pipeline = load_serving_pipeline(args, model_path, device, plan, metrics)
+        pipeline = load_serving_pipeline(args, model_path, device, deployment, metrics)
         scheduler.supports_batching = pipeline.supports_batching
         return pipeline
 
@@ -121,4 +145,4 @@ def build_engine(args: ServerArgs) -> tuple[AsyncEngine, EngineMetrics, dict | N
         batching_stats=stats,
         model_name=args.public_model_name,
     )
-    return engine, metrics, plan.to_dict() if plan is not None else None
+    return engine, metrics, deployment.plan.to_dict()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from diffuserve import __version__
 from diffuserve.engine.engine import EngineState
@@ -36,7 +36,8 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
-@router.get("/metrics", tags=["health"])
+@router.get("/metrics", tags=["health"], response_class=PlainTextResponse,
+            responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format."}})
 async def metrics(request: Request) -> Response:
     payload, content_type = _ctx(request).metrics.render()
     return Response(content=payload, media_type=content_type)

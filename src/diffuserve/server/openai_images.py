@@ -143,7 +143,8 @@ async def create_image(body: ImageGenerationRequest, request: Request) -> ImageG
     )
 
 
-@router.get("/v1/images/{image_id}/content", tags=["images"])
+@router.get("/v1/images/{image_id}/content", tags=["images"], response_class=Response, responses={
+    200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}, "description": "The encoded image."}})
 async def image_content(image_id: str, request: Request, index: int = Query(default=0, ge=0)) -> Response:
     images = _ctx(request).images.get(image_id)
     if images is None:

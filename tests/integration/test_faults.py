@@ -1,0 +1,72 @@
+"""Failure isolation in an in-process engine with a failing pipeline stage (operator-only hook)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from diffuserve.engine.engine import AsyncEngine, EngineConfig
+from diffuserve.engine.faults import FaultInjectingPipeline
+from diffuserve.engine.metrics import EngineMetrics
+from diffuserve.engine.request import SamplingParams
+from diffuserve.engine.scheduler import BatchingConfig, DynamicBatcher
+from diffuserve.errors import GenerationError
+from diffuserve.models.loader import load_pipeline
+
+MARKER = "BOOM"
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_flux_path: Path):
+    return FaultInjectingPipeline(load_pipeline(tiny_flux_path), MARKER)
+
+
+def _engine(pipeline, *, max_size: int, delay_ms: float) -> AsyncEngine:
+    batcher = DynamicBatcher(BatchingConfig(mode="dynamic", max_size=max_size, delay_ms=delay_ms), model_names=["tiny"])
+    engine = AsyncEngine(lambda: pipeline, batcher, config=EngineConfig(max_queue_size=0, enable_warmup=False),
+                         metrics=EngineMetrics(), model_name="tiny")
+    engine.start()
+    assert engine.wait_ready(60)
+    return engine
+
+
+def _params(prompt: str, seed: int, steps: int = 1) -> SamplingParams:
+    return SamplingParams(prompt=prompt, width=32, height=32, num_inference_steps=steps, seed=seed)
+
+
+def test_exactly_the_failing_batch_gets_errors(pipeline):
+    engine = _engine(pipeline, max_size=4, delay_ms=2000)
+
+    async def scenario() -> list:
+        doomed = [engine.generate(_params(f"{MARKER} {i}" if i == 2 else f"ok {i}", i, steps=1)) for i in range(4)]
+        healthy = [engine.generate(_params(f"fine {i}", i, steps=2)) for i in range(4)]
+        return await asyncio.gather(*doomed, *healthy, return_exceptions=True)
+
+    try:
+        results = asyncio.run(scenario())
+    finally:
+        engine.stop()
+    doomed, healthy = results[:4], results[4:]
+    assert all(isinstance(r, GenerationError) and "dynamic batch of 4 requests" in r.message for r in doomed)
+    assert all(not isinstance(r, BaseException) and r.batch_size == 4 for r in healthy)
+
+
+def test_server_survives_100_consecutive_failing_batches(pipeline):
+    engine = _engine(pipeline, max_size=1, delay_ms=0)
+
+    async def scenario() -> tuple[list, object]:
+        failures = [await asyncio.gather(engine.generate(_params(f"{MARKER} {i}", i)), return_exceptions=True)
+                    for i in range(100)]
+        after = await engine.generate(_params("after the storm", 1))
+        return failures, after
+
+    try:
+        failures, after = asyncio.run(scenario())
+    finally:
+        engine.stop()
+    assert len(failures) == 100
+    assert all(isinstance(f[0], GenerationError) and "injected fault" in f[0].message for f in failures)
+    assert len(after.output.images) == 1
+    assert engine.metrics.requests.labels(endpoint="images", status="error")._value.get() == 100
