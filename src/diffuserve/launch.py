@@ -89,6 +89,9 @@ def plan_deployment(args: ServerArgs, model_path: Path, device: str) -> Resolved
     plan = resolve_deployment(args.deployment or DeploymentArgs(), model_path, model_id=args.model_id,
                               dtype=resolve_dtype(args.dtype, device), hardware=hardware)
     logger.info("deployment plan:\n%s", format_plan(plan))
+    from diffuserve.runtime.compile import check_executable
+
+    check_executable(plan)
     budget = hardware.min_free_bytes(plan.num_gpus) if hardware.gpus else None
     return ResolvedDeployment(plan, budget)
 
@@ -114,6 +117,9 @@ def load_serving_pipeline(args: ServerArgs, model_path: Path, device: str, deplo
             ledger.forward_to(metrics)
         pipeline.residency = build_residency(deployment.plan, pipeline.components, device=torch.device(device),
                                              ledger=ledger, device_budget_bytes=deployment.device_budget_bytes)
+    from diffuserve.runtime.compile import apply_compile
+
+    apply_compile(pipeline.components, deployment.plan)
     return maybe_inject_faults(pipeline)
 
 
@@ -140,6 +146,7 @@ def build_engine(args: ServerArgs) -> tuple[AsyncEngine, EngineMetrics, dict | N
             request_timeout_s=args.request_timeout_s,
             enable_warmup=args.enable_warmup,
             warmup_steps=args.warmup_steps,
+            warmup_resolutions=[tuple(int(v) for v in r.lower().split("x")) for r in deployment.plan.warmup_resolutions],
         ),
         metrics=metrics,
         batching_stats=stats,

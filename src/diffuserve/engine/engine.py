@@ -58,6 +58,8 @@ class EngineConfig:
     """Run one real generation before turning ready."""
     warmup_steps: int = 2
     """Steps of the warm-up generation."""
+    warmup_resolutions: list[tuple[int, int]] = field(default_factory=list)
+    """(width, height) pairs warmed up besides the default size (compile / graph capture per shape)."""
 
 
 @dataclass
@@ -312,23 +314,24 @@ class AsyncEngine:
         logger.info("ready to serve after %.1fs", time.monotonic() - started)
 
     def _run_warmup(self) -> None:
+        """One real generation per warm-up size (the default, then each --warmup-resolutions entry)."""
         assert self.pipeline is not None
         defaults = self.pipeline.defaults
-        params = SamplingParams(
-            prompt="warm-up",
-            width=defaults.width,
-            height=defaults.height,
-            num_frames=defaults.num_frames,
-            num_inference_steps=self.config.warmup_steps,
-            guidance_scale=defaults.guidance_scale,
-            seed=0,
-        )
-        started = time.monotonic()
-        request = Request(request_id="warmup", params=params, arrival_time=self.clock(), ineligible_reason="warmup")
-        outcome = run_batch(self.pipeline, [request], clock=self.clock)
-        if outcome.errors:
-            raise RuntimeError(f"warm-up generation failed: {outcome.errors['warmup'].message}")
-        logger.info("warm-up generation (%dx%d, %d steps) took %.2fs", params.width, params.height, params.num_inference_steps, time.monotonic() - started)
+        sizes = [(defaults.width, defaults.height)]
+        sizes += [s for s in self.config.warmup_resolutions if s not in sizes]
+        for width, height in sizes:
+            params = SamplingParams(
+                prompt="warm-up", width=width, height=height, num_frames=defaults.num_frames,
+                num_inference_steps=self.config.warmup_steps, guidance_scale=defaults.guidance_scale, seed=0,
+            )
+            self.pipeline.validate(params)
+            started = time.monotonic()
+            request = Request(request_id="warmup", params=params, arrival_time=self.clock(), ineligible_reason="warmup")
+            outcome = run_batch(self.pipeline, [request], clock=self.clock)
+            if outcome.errors:
+                raise RuntimeError(f"warm-up generation at {width}x{height} failed: {outcome.errors['warmup'].message}")
+            logger.info("warm-up generation (%dx%d, %d steps) took %.2fs", width, height,
+                        params.num_inference_steps, time.monotonic() - started)
 
     def _serve_forever(self) -> None:
         while True:
