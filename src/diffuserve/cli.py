@@ -29,7 +29,7 @@ from diffuserve.errors import ConfigError, DiffuserveError
 _SERVER_ONLY = frozenset({
     "host", "port", "enable_warmup", "warmup_steps", "shutdown_timeout_s", "max_inference_steps",
     "max_image_side", "url_store_max_images", "max_queue_size", "request_timeout_s", "max_request_bytes",
-    "max_prompt_chars", "api_key", "allow_remote_urls", "batching_delay_ms", "batching_config",
+    "max_prompt_chars", "max_upload_bytes", "api_key", "allow_remote_urls", "batching_delay_ms", "batching_config",
     "enable_batching_metrics", "batching_mode",
 })
 """ServerArgs fields that mean nothing to a one-shot `generate`."""

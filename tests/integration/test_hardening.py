@@ -25,7 +25,8 @@ SLOW = {"prompt": "slow", "size": "512x512", "num_inference_steps": 100, "seed":
 def limits_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     logs = tmp_path_factory.mktemp("limits")
     server = ServerProcess(
-        ["--model-path", str(tiny_flux_path), "--max-request-bytes", "65536", "--max-queue-size", "2"],
+        ["--model-path", str(tiny_flux_path), "--max-request-bytes", "65536", "--max-queue-size", "2",
+         "--max-upload-bytes", "200000"],
         logs / "server.log", env={"DIFFUSERVE_API_KEY": API_KEY},
     )
     server.start(headers=AUTH)
@@ -83,6 +84,28 @@ def test_body_cap_413_before_reading_whole(limits_server):
     streamed = httpx.post(f"{limits_server.base_url}/v1/images/generations", content=chunks(),
                           headers={**AUTH, "content-type": "application/json"}, timeout=30)
     assert streamed.status_code == 413
+
+
+def _noise_png(side: int) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray((np.random.RandomState(0).rand(side, side, 3) * 255).astype("uint8")).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def test_uploads_have_their_own_cap(limits_server):
+    url = f"{limits_server.base_url}/v1/images/edits"
+    medium = _noise_png(160)  # over --max-request-bytes, under --max-upload-bytes
+    assert 65536 < len(medium) < 200000
+    ok = httpx.post(url, files={"image": ("in.png", medium)}, headers=AUTH, timeout=120,
+                    data={"prompt": "p", "size": "32x32", "num_inference_steps": "2"})
+    assert ok.status_code == 200, ok.text
+    too_big = httpx.post(url, files={"image": ("in.png", _noise_png(300))}, data={"prompt": "p"}, headers=AUTH, timeout=60)
+    assert too_big.status_code == 413 and "--max-upload-bytes" in too_big.json()["error"]["message"]
 
 
 def test_queue_full_gets_429_and_accepted_requests_finish(limits_server):

@@ -87,6 +87,8 @@ class ServerArgs:
     """Server-wide deadline; a request's own `timeout` may only shorten it."""
     max_request_bytes: int = _f(4 * 1024 * 1024, "Largest request body; bigger ones get HTTP 413 before being read whole.", _LIMITS)
     """Body size cap."""
+    max_upload_bytes: int = _f(16 * 1024 * 1024, "Largest multipart body of POST /v1/images/edits (image upload included); bigger ones get HTTP 413.", _LIMITS)
+    """Upload cap for edits."""
     max_prompt_chars: int = _f(10000, "Longest prompt / negative prompt in characters.", _LIMITS)
     """String length cap."""
     api_key: str | None = _f(None, "Require `Authorization: Bearer KEY` on every endpoint except /liveness, /health, /metrics (also DIFFUSERVE_API_KEY).", _LIMITS)
@@ -128,6 +130,7 @@ class ServerArgs:
             (self.request_timeout_s < 0, "--request-timeout-s", f"{self.request_timeout_s} must be >= 0 (0 = none)"),
             (self.shutdown_timeout_s < 0, "--shutdown-timeout-s", f"{self.shutdown_timeout_s} must be >= 0"),
             (self.max_request_bytes < 1024, "--max-request-bytes", f"{self.max_request_bytes} is too small (>= 1024)"),
+            (self.max_upload_bytes < 1024, "--max-upload-bytes", f"{self.max_upload_bytes} is too small (>= 1024)"),
             (self.max_inference_steps < 1, "--max-inference-steps", f"{self.max_inference_steps} must be >= 1"),
             (self.warmup_steps < 1, "--warmup-steps", f"{self.warmup_steps} must be >= 1"),
             (self.max_prompt_chars < 1, "--max-prompt-chars", f"{self.max_prompt_chars} must be >= 1"),

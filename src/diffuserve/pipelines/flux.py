@@ -8,6 +8,7 @@ there is no progress bar or input re-tokenisation, which is where the speed over
 
 from __future__ import annotations
 
+import io
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,7 +16,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift, retrieve_timesteps
+from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
+from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
 from diffuserve.pipelines import stages
@@ -105,6 +109,8 @@ class FluxNativePipeline(Pipeline):
         # FLUX packs 2x2 latent patches into tokens, so sizes must divide by the VAE factor times 2.
         self.size_multiple = self.vae_scale_factor * 2
         self.defaults = self._defaults_from_checkpoint()
+        self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2,
+                                                 vae_latent_channels=vae.config.latent_channels)
         self._clip_max_length = getattr(tokenizer, "model_max_length", 77) or 77
         self._image_ids: dict[tuple[int, int], torch.Tensor] = {}
         self._text_ids: dict[int, torch.Tensor] = {}
@@ -219,6 +225,49 @@ class FluxNativePipeline(Pipeline):
         noise = stages.batch_noise(batch, (channels, lh, lw), device=self.device, dtype=self.dtype)
         return FluxPipeline._pack_latents(noise, noise.shape[0], channels, lh, lw)
 
+    def prepare_image_latents(
+        self, batch: Sequence[Any], height: int, width: int, scheduler: Any, timesteps: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Image-to-image start: each request's input image, VAE-encoded and re-noised to `strength`.
+
+        Follows diffusers' FluxImg2ImgPipeline: the schedule starts at step `steps - steps*strength`;
+        a request's row generators sample its image latents (row 0's generator) and then draw one
+        noise row each, so a request's rows are the same alone or in a batch.
+        """
+        head = batch[0]
+        num_steps = len(timesteps)
+        t_start = int(max(num_steps - min(num_steps * head.strength, num_steps), 0))
+        timesteps = timesteps[t_start * scheduler.order:]
+        scheduler.set_begin_index(t_start * scheduler.order)
+        lh, lw = self._latent_hw(height, width)
+        channels = self.transformer.config.in_channels // 4
+        rows = []
+        for params in batch:
+            generators = [torch.Generator("cpu").manual_seed(s) for s in stages.row_seeds(params)]
+            source = Image.open(io.BytesIO(params.image_inputs[0])).convert("RGB")
+            pixels = self.image_processor.preprocess(source, height=height, width=width)
+            with self.residency.use("vae"):
+                encoded = self.vae.encode(pixels.to(self.device, self.vae.dtype))
+            image_latents = retrieve_latents(encoded, generator=generators[0])
+            image_latents = (image_latents - self.vae.config.shift_factor) * self.vae.config.scaling_factor
+            noise = randn_tensor((params.n, channels, lh, lw), generator=generators, device=self.device, dtype=self.dtype)
+            start = timesteps[:1].repeat(params.n)
+            rows.append(scheduler.scale_noise(image_latents.to(self.dtype).expand(params.n, -1, -1, -1), start, noise))
+        latents = torch.cat(rows)
+        return FluxPipeline._pack_latents(latents, latents.shape[0], channels, lh, lw), timesteps
+
+    def validate(self, params: Any) -> None:
+        super().validate(params)
+        if params.image_inputs:
+            from diffuserve.errors import InvalidRequestError
+
+            if not 0.0 < params.strength <= 1.0:
+                raise InvalidRequestError(f"strength={params.strength} must be in (0, 1].", param="strength")
+            if int(params.num_inference_steps * params.strength) < 1:
+                raise InvalidRequestError(
+                    f"strength={params.strength} with num_inference_steps={params.num_inference_steps} leaves no "
+                    "denoising step; raise strength or num_inference_steps.", param="strength")
+
     def _image_ids_for(self, height: int, width: int) -> torch.Tensor:
         key = (height, width)
         if key not in self._image_ids:
@@ -288,11 +337,16 @@ class FluxNativePipeline(Pipeline):
                 positive, negative = self._encode_batch(batch, cfg)
 
             # 2. Prepare latents: per-request seeds, then the cached position ids and timesteps.
+            #    Image-conditioned requests (edits) start from their re-noised input image instead.
             with timer.stage("latents"):
-                latents = self.prepare_latents(batch, height, width)
+                lh, lw = self._latent_hw(height, width)
+                scheduler, timesteps = self._timesteps(head.num_inference_steps, (lh // 2) * (lw // 2))
+                if head.image_inputs:
+                    latents, timesteps = self.prepare_image_latents(batch, height, width, scheduler, timesteps)
+                else:
+                    latents = self.prepare_latents(batch, height, width)
                 img_ids = self._image_ids_for(height, width)
                 txt_ids = self._text_ids_for(positive.prompt_embeds.shape[1])
-                scheduler, timesteps = self._timesteps(head.num_inference_steps, latents.shape[1])
                 guidance_vec = None
                 if self.transformer.config.guidance_embeds:
                     guidance_vec = torch.full(

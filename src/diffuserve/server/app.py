@@ -107,5 +107,6 @@ def create_app(ctx: ServerContext) -> FastAPI:
     api_key = ctx.args.resolved_api_key()
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=ctx.args.max_request_bytes)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=ctx.args.max_request_bytes,
+                       path_caps={"/v1/images/edits": (ctx.args.max_upload_bytes, "--max-upload-bytes")})
     return app

@@ -51,23 +51,28 @@ class ApiKeyMiddleware:
 
 
 class BodySizeLimitMiddleware:
-    """Answer 413 for bodies over `max_bytes`, from Content-Length up front or while streaming."""
+    """Answer 413 for bodies over the cap, from Content-Length up front or while streaming.
 
-    def __init__(self, app: Any, max_bytes: int):
+    `path_caps` gives some paths their own cap (uploads to /v1/images/edits); others get `max_bytes`.
+    """
+
+    def __init__(self, app: Any, max_bytes: int, path_caps: dict[str, tuple[int, str]] | None = None):
         self.app = app
-        self.max_bytes = max_bytes
+        self.default_cap = (max_bytes, "--max-request-bytes")
+        self.path_caps = path_caps or {}
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
+        max_bytes, flag = self.path_caps.get(scope["path"], self.default_cap)
         for name, value in scope.get("headers", []):
             if name == b"content-length":
                 try:
                     declared = int(value)
                 except ValueError:
                     return await _send_error(send, 400, "Invalid Content-Length header.", "invalid_request_error", "invalid_value")
-                if declared > self.max_bytes:
-                    return await self._too_large(send)
+                if declared > max_bytes:
+                    return await self._too_large(send, max_bytes, flag)
         # Stream the body through, counting; past the cap stop reading and answer 413.
         chunks: list[bytes] = []
         total = 0
@@ -77,8 +82,8 @@ class BodySizeLimitMiddleware:
                 return
             chunk = message.get("body", b"")
             total += len(chunk)
-            if total > self.max_bytes:
-                return await self._too_large(send)
+            if total > max_bytes:
+                return await self._too_large(send, max_bytes, flag)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
@@ -94,8 +99,9 @@ class BodySizeLimitMiddleware:
 
         return await self.app(scope, replay, send)
 
-    async def _too_large(self, send: Any) -> None:
+    @staticmethod
+    async def _too_large(send: Any, max_bytes: int, flag: str) -> None:
         await _send_error(
-            send, 413, f"The request body exceeds {self.max_bytes} bytes (--max-request-bytes).",
+            send, 413, f"The request body exceeds {max_bytes} bytes ({flag}).",
             "invalid_request_error", "request_too_large",
         )

@@ -4,23 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import secrets
 import time
 import uuid
 
 from fastapi import APIRouter, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from diffuserve.engine.engine import EngineState, GenerationResult
 from diffuserve.engine.request import SamplingParams
 from diffuserve.errors import InvalidRequestError, NotFoundError, RequestCancelledError
-from diffuserve.media.images import encode_image, mime_type
+from diffuserve.media.images import decode_image, encode_image, mime_type
 from diffuserve.server.context import ServerContext, StoredImage
 from diffuserve.server.protocol import (
     ImageData,
+    ImageEditRequest,
     ImageGenerationRequest,
     ImageGenerationResponse,
     Timings,
+    coerce_form_fields,
     parse_size,
 )
 
@@ -102,16 +107,20 @@ async def await_unless_disconnected(request: Request, coro) -> GenerationResult:
             task.cancel()
 
 
-@router.post("/v1/images/generations", tags=["images"], response_model=ImageGenerationResponse)
-async def create_image(body: ImageGenerationRequest, request: Request) -> ImageGenerationResponse:
+async def _generate_and_respond(
+    request: Request,
+    body: ImageGenerationRequest,
+    params: SamplingParams,
+    *,
+    received: float,
+    ineligible_reason: str | None = None,
+) -> ImageGenerationResponse:
+    """Run one request through the engine and shape the OpenAI response (shared by generations and edits)."""
     ctx = _ctx(request)
-    received = time.monotonic()
-    if ctx.engine.state != EngineState.READY or ctx.draining:
-        raise ctx.engine._not_ready_error()
-    params = build_sampling_params(body, ctx)
     request_id = uuid.uuid4().hex
     result = await await_unless_disconnected(request, ctx.engine.generate(
         params, endpoint="images", timeout_s=body.timeout, priority=body.priority, request_id=request_id,
+        ineligible_reason=ineligible_reason,
     ))
     encode_started = time.monotonic()
     encoded = await run_in_threadpool(
@@ -141,6 +150,62 @@ async def create_image(body: ImageGenerationRequest, request: Request) -> ImageG
             stages_ms={k: round(v * 1000, 3) for k, v in result.stage_seconds.items()},
         ),
     )
+
+
+def _require_ready(ctx: ServerContext) -> None:
+    if ctx.engine.state != EngineState.READY or ctx.draining:
+        raise ctx.engine._not_ready_error()
+
+
+@router.post("/v1/images/generations", tags=["images"], response_model=ImageGenerationResponse)
+async def create_image(body: ImageGenerationRequest, request: Request) -> ImageGenerationResponse:
+    received = time.monotonic()
+    ctx = _ctx(request)
+    _require_ready(ctx)
+    return await _generate_and_respond(request, body, build_sampling_params(body, ctx), received=received)
+
+
+_EDIT_FILE_FIELDS = ("image", "image[]")
+
+
+@router.post("/v1/images/edits", tags=["images"], response_model=ImageGenerationResponse, openapi_extra={
+    "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+        "type": "object", "required": ["image", "prompt"],
+        "properties": {"image": {"type": "string", "format": "binary"},
+                       **{k: v for k, v in ImageEditRequest.model_json_schema()["properties"].items()}},
+    }}}},
+})
+async def edit_image(request: Request) -> ImageGenerationResponse:
+    """Image-to-image (multipart, OpenAI shape). Each edit runs alone: image-conditioned requests never merge."""
+    received = time.monotonic()
+    ctx = _ctx(request)
+    _require_ready(ctx)
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise InvalidRequestError("POST /v1/images/edits takes multipart/form-data with an `image` file and a `prompt`.",
+                                  param="body")
+    form = await request.form()
+    uploads = [v for k in _EDIT_FILE_FIELDS for v in form.getlist(k) if not isinstance(v, str)]
+    if "mask" in form:
+        raise InvalidRequestError("mask is not supported: this model edits the whole image (use strength).", param="mask")
+    if len(uploads) != 1:
+        raise InvalidRequestError(f"Send exactly one `image` file (got {len(uploads)}).", param="image")
+    fields = {k: v for k, v in form.multi_items() if k not in _EDIT_FILE_FIELDS and isinstance(v, str)}
+    try:
+        body = ImageEditRequest.model_validate(coerce_form_fields(ImageEditRequest, fields))
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from exc
+    data = await uploads[0].read()
+    max_pixels = ctx.args.max_image_side ** 2
+    source = await run_in_threadpool(decode_image, data, max_pixels=max_pixels, param="image")
+    if body.size is None and body.width is None and body.height is None:
+        # Default to the input's size, rounded down to what the model can produce.
+        multiple = ctx.engine.pipeline.size_multiple  # type: ignore[union-attr]
+        body = body.model_copy(update={"width": max(multiple, source.width // multiple * multiple),
+                                       "height": max(multiple, source.height // multiple * multiple)})
+    params = dataclasses.replace(build_sampling_params(body, ctx), image_inputs=(data,), strength=body.strength)
+    ctx.engine.pipeline.validate(params)  # type: ignore[union-attr]
+    return await _generate_and_respond(request, body, params, received=received,
+                                       ineligible_reason="image_conditioning")
 
 
 @router.get("/v1/images/{image_id}/content", tags=["images"], response_class=Response, responses={

@@ -7,7 +7,7 @@ is checked by the pipeline's `validate`. Every failure becomes HTTP 400 with `pa
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
@@ -65,6 +65,39 @@ class ImageGenerationRequest(BaseModel):
         if width < 1 or height < 1:
             raise ValueError(f"size {value!r} must have a positive width and height")
         return f"{width}x{height}"
+
+
+class ImageEditRequest(ImageGenerationRequest):
+    """Form fields of POST /v1/images/edits (multipart; the `image` file travels beside them)."""
+
+    strength: float = Field(default=0.6, gt=0, le=1, description="Share of the schedule re-noised from the input image.")
+
+
+def coerce_form_fields(model: type[BaseModel], form: dict[str, str]) -> dict[str, object]:
+    """Multipart values are strings: turn those of int/float fields into numbers for strict validation.
+
+    A value that is not a number is left as is, so validation names the field.
+    """
+    coerced: dict[str, object] = {}
+    for name, value in form.items():
+        field = model.model_fields.get(name)
+        kind = _numeric_kind(field.annotation) if field is not None else None
+        try:
+            coerced[name] = kind(value) if kind is not None else value
+        except ValueError:
+            coerced[name] = value
+    return coerced
+
+
+def _numeric_kind(annotation: object) -> type | None:
+    """int or float when the annotation (through Optional/Annotated) is that number type."""
+    if annotation in (int, float):
+        return annotation  # type: ignore[return-value]
+    for arg in get_args(annotation):
+        kind = _numeric_kind(arg)
+        if kind is not None:
+            return kind
+    return None
 
 
 class ImageData(BaseModel):

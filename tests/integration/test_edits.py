@@ -1,0 +1,117 @@
+"""Image edits (image-to-image): fidelity against diffusers, the multipart API, never merged."""
+
+from __future__ import annotations
+
+import io
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from PIL import Image
+
+from diffuserve.engine.request import SamplingParams
+from diffuserve.models.loader import load_pipeline
+from tests.integration.helpers import decode_b64_png, metric_value, pixels, wait_for_log
+
+
+def _png(width: int = 48, height: int = 64, seed: int = 0) -> bytes:
+    array = (np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8")
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_native_img2img_matches_diffusers(tiny_flux_path: Path, n: int):
+    from diffusers import FluxImg2ImgPipeline
+
+    source = _png()
+    native = load_pipeline(tiny_flux_path)
+    params = SamplingParams(prompt="a fox", width=48, height=64, num_inference_steps=4, seed=3, n=n,
+                            strength=0.6, image_inputs=(source,), guidance_scale=3.5)
+    ours = native.run([params]).outputs[0].images
+    reference = FluxImg2ImgPipeline.from_pretrained(tiny_flux_path, local_files_only=True)
+    theirs = reference(prompt="a fox", image=Image.open(io.BytesIO(source)), height=64, width=48,
+                       num_inference_steps=4, strength=0.6, guidance_scale=3.5, num_images_per_prompt=n,
+                       generator=[torch.Generator().manual_seed(3 + j) for j in range(n)]).images
+    assert len(ours) == len(theirs) == n
+    for a, b in zip(ours, theirs, strict=True):
+        assert np.abs(pixels(a) - pixels(b)).max() <= 1  # tolerance 1/255 per pixel (observed 0)
+
+
+def test_openai_client_edit(singleton_server):
+    client = openai.OpenAI(base_url=f"{singleton_server.base_url}/v1", api_key="unused", max_retries=0)
+    result = client.images.edit(image=("in.png", _png(), "image/png"), prompt="make it blue", n=2, size="64x64",
+                                extra_body={"strength": 0.5, "seed": 4, "num_inference_steps": 4})
+    images = [decode_b64_png(d.b64_json) for d in result.data]
+    assert len(images) == 2 and all(im.size == (64, 64) for im in images)
+    # Without a size the output takes the input's size (rounded to the model's multiple of 16).
+    default = httpx.post(f"{singleton_server.base_url}/v1/images/edits", files={"image": ("in.png", _png(50, 70))},
+                         data={"prompt": "same size", "num_inference_steps": "2"}, timeout=60)
+    assert default.status_code == 200 and default.json()["size"] == "48x64"
+
+
+def test_edit_strength_keeps_the_input(singleton_server):
+    """Low strength stays closer to the input image than full strength does."""
+    source = _png(64, 64, seed=5)
+
+    def edit(strength: str) -> np.ndarray:
+        response = httpx.post(f"{singleton_server.base_url}/v1/images/edits", files={"image": ("in.png", source)},
+                              data={"prompt": "p", "strength": strength, "num_inference_steps": "10", "seed": "1"}, timeout=60)
+        assert response.status_code == 200, response.text
+        return pixels(decode_b64_png(response.json()["data"][0]["b64_json"]))
+
+    original = pixels(Image.open(io.BytesIO(source)))
+    assert np.abs(edit("0.2") - original).mean() < np.abs(edit("1.0") - original).mean()
+
+
+@pytest.mark.parametrize(("files", "data", "param"), [
+    ({"image": ("in.png", b"not an image")}, {"prompt": "x"}, "image"),
+    ({}, {"prompt": "x"}, "image"),
+    ({"image": ("in.png", _png()), "mask": ("m.png", _png())}, {"prompt": "x"}, "mask"),
+    ({"image": ("in.png", _png())}, {"prompt": "x", "strength": "0"}, "strength"),
+    ({"image": ("in.png", _png())}, {"prompt": "x", "strength": "0.1", "num_inference_steps": "4"}, "strength"),
+    ({"image": ("in.png", _png())}, {"prompt": "x", "n": "eleven"}, "n"),
+    ({"image": ("in.png", _png())}, {"prompt": "x", "unknown_field": "1"}, "unknown_field"),
+    ({"image": ("in.png", _png())}, {}, "prompt"),
+])
+def test_bad_edits_get_400_naming_the_field(singleton_server, files, data, param):
+    response = httpx.post(f"{singleton_server.base_url}/v1/images/edits", files=files or {"other": ("x", b"1")},
+                          data=data, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_edit_needs_multipart(singleton_server):
+    response = httpx.post(f"{singleton_server.base_url}/v1/images/edits", json={"prompt": "x"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "body"
+
+
+def test_edits_are_never_merged(dynamic_server):
+    start = len(dynamic_server.log())
+    before = metric_value(dynamic_server.base_url, "diffuserve_batching_rejects_total", {"reason": "image_conditioning"})
+
+    def edit(i: int) -> httpx.Response:
+        return httpx.post(f"{dynamic_server.base_url}/v1/images/edits", files={"image": ("in.png", _png(64, 64, i))},
+                          data={"prompt": f"edit {i}", "size": "64x64", "num_inference_steps": "3", "seed": str(i)},
+                          timeout=120)
+
+    with ThreadPoolExecutor(3) as pool:
+        responses = list(pool.map(edit, range(3)))
+    assert [r.status_code for r in responses] == [200] * 3
+    assert [r.json()["timings"]["batch_size"] for r in responses] == [1, 1, 1]
+    wait_for_log(dynamic_server, r"size=1/4, user_max=4, queue_wait=\S+, stop_reason=head:image_conditioning", start=start)
+    # A generation waiting for company as head leaves a queued edit out, counted as image_conditioning.
+    with ThreadPoolExecutor(2) as pool:
+        generation = pool.submit(httpx.post, f"{dynamic_server.base_url}/v1/images/generations", timeout=120,
+                                 json={"prompt": "head", "size": "64x64", "num_inference_steps": 3})
+        time.sleep(0.3)
+        edited = pool.submit(edit, 7)
+        assert generation.result().status_code == 200 and edited.result().status_code == 200
+    after = metric_value(dynamic_server.base_url, "diffuserve_batching_rejects_total", {"reason": "image_conditioning"})
+    assert after > before
