@@ -228,6 +228,8 @@ def test_family_without_native_adapter_runs_on_diffusers_backend(tiny_sd3_path: 
         SamplingParams(prompt="a cat", negative_prompt="blurry", seed=1, n=2, num_inference_steps=2),
         SamplingParams(prompt="a tree", seed=2, num_inference_steps=2),
     ]
+    with pytest.raises(InvalidRequestError, match="edits"):
+        pipe.validate(SamplingParams(prompt="x", image_inputs=(b"png",)))
     merged = pipe.run(batch)
     assert [len(o.images) for o in merged.outputs] == [2, 1]
     assert all(im.size == (64, 64) for o in merged.outputs for im in o.images)

@@ -137,6 +137,17 @@ class DiffusersBackendPipeline(Pipeline):
             wanted["output_type"] = "pil" if self.output_kind == "image" else "np"
         return {k: v for k, v in wanted.items() if k in self._call_params}
 
+    def validate(self, params: Any) -> None:
+        super().validate(params)
+        if params.image_inputs:
+            from diffuserve.errors import InvalidRequestError
+
+            # The unmodified text-to-image pipeline would ignore the image: refuse rather than
+            # silently answer an edit with an unrelated generation.
+            raise InvalidRequestError(
+                f"image inputs (edits) are not supported by the diffusers backend for {self.family!r}; "
+                "serve a FLUX checkpoint with --backend native for edits.", param="image")
+
     def run(
         self,
         batch: list[Any],
