@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import subprocess
@@ -11,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from diffuserve.config.deployment import DeploymentArgs, format_plan, parse_bool, resolve
+from diffuserve.config.argparse_dataclass import parse_bool
+from diffuserve.config.deployment import DeploymentArgs, format_plan, resolve
 from diffuserve.config.model_profiles import (
     ComponentProfile,
     ModelProfile,
@@ -280,7 +282,7 @@ def test_format_plan_and_json() -> None:
 
 def test_parse_bool() -> None:
     assert [parse_bool(t) for t in ("true", "False", "1", "0", "yes", "off")] == [True, False, True, False, True, False]
-    with pytest.raises(ValueError, match="maybe"):
+    with pytest.raises(argparse.ArgumentTypeError, match="maybe"):
         parse_bool("maybe")
 
 

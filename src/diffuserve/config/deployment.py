@@ -101,16 +101,6 @@ class DeploymentArgs:
     """Tensor-parallel degree."""
 
 
-def parse_bool(text: str) -> bool:
-    """`true|false` (also 1/0, yes/no, on/off) for boolean flags; ValueError names the bad value."""
-    value = str(text).strip().lower()
-    if value in ("true", "1", "yes", "on"):
-        return True
-    if value in ("false", "0", "no", "off"):
-        return False
-    raise ValueError(f"expected true or false, got {text!r}")
-
-
 # --- selectors -------------------------------------------------------------------------------------------
 def _closest(word: str, options: list[str]) -> str:
     close = difflib.get_close_matches(word, options, n=1)
