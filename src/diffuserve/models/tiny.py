@@ -9,6 +9,7 @@ user's checkpoint would.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -21,8 +22,16 @@ from diffuserve.errors import ConfigError
 DEFAULT_MODEL_NAME = "flux-tiny-v1"
 """Folder name of the embedded default model under `$DIFFUSERVE_CACHE/models/` (bump on any change)."""
 
-FAMILIES = ("flux", "sd3")
+FAMILIES = ("flux", "sd3", "wan")
 """Families `build_tiny_checkpoint` can write."""
+
+DEFAULTS_KEY = "_diffuserve_defaults"
+"""model_index.json key where a checkpoint may suggest request defaults (width, height, num_frames,
+num_inference_steps, guidance_scale, fps). diffusers ignores `_`-prefixed keys when loading; the
+diffusers backend reads it so a tiny video model does not default to the 832x480x81 of the real one."""
+
+WAN_TINY_DEFAULTS = {"width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 4, "fps": 8}
+"""What the tiny Wan2.1 checkpoint suggests: small enough that a video job takes well under a second."""
 
 
 @dataclass(frozen=True)
@@ -303,12 +312,89 @@ def _build_sd3_components(preset: TinyFluxPreset) -> dict[str, Any]:
     }
 
 
+def _build_wan_components(preset: TinyFluxPreset) -> dict[str, Any]:
+    """A tiny Wan2.1 text-to-video layout (UMT5 encoder, 3D transformer, causal video VAE, UniPC).
+
+    The shapes follow the real Wan2.1 T2V checkpoint scaled down: patch (1, 2, 2) over a VAE with
+    8x spatial and 4x temporal compression, so sizes are multiples of 16 and frame counts are 4k+1.
+    """
+    import torch
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    _, t5_tok = build_tokenizers()
+    h = preset.text_hidden
+    z_dim = preset.latent_channels
+    torch.manual_seed(preset.seed + 21)
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(t5_tok),
+            d_model=h,
+            d_kv=8,
+            d_ff=37,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",
+            decoder_start_token_id=0,
+            pad_token_id=t5_tok.pad_token_id,
+            eos_token_id=t5_tok.eos_token_id,
+        )
+    ).eval()
+    torch.manual_seed(preset.seed + 22)
+    # head dim 12 splits into RoPE axes (t, h, w) = (4, 4, 4), as 128 splits into (44, 42, 42) upstream.
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=z_dim,
+        out_channels=z_dim,
+        text_dim=h,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    ).eval()
+    torch.manual_seed(preset.seed + 23)
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        z_dim=z_dim,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * z_dim,
+        latents_std=[1.0] * z_dim,
+    ).eval()
+    # The scheduler of the published Wan2.1 T2V checkpoints: UniPC over flow-matching sigmas.
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000
+    )
+    return {
+        "tokenizer": t5_tok,
+        "text_encoder": text_encoder,
+        "vae": vae,
+        "scheduler": scheduler,
+        "transformer": transformer,
+    }
+
+
+def _write_defaults(output_dir: Path, defaults: dict[str, Any]) -> None:
+    """Add `DEFAULTS_KEY` to model_index.json, keeping diffusers' own formatting (stable bytes)."""
+    index_file = output_dir / "model_index.json"
+    index = json.loads(index_file.read_text())
+    index[DEFAULTS_KEY] = defaults
+    index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
 def build_tiny_checkpoint(family: str, output_dir: Path, *, preset: str = "tiny") -> Path:
     """Write a tiny `family` checkpoint (diffusers layout, safetensors) into `output_dir`; returns it.
 
     Same bytes on every build. `preset` is `tiny` (~72k-parameter transformer, the embedded default)
-    or `36m` (~36M-parameter transformer, for benchmarks). `sd3` (a family without a native adapter,
-    for the diffusers backend) only takes its encoder/VAE sizes from the preset.
+    or `36m` (~36M-parameter transformer, for benchmarks). `sd3` and `wan` (families without a native
+    adapter, for the diffusers backend; `wan` is Wan2.1 text-to-video) only take their encoder/VAE
+    sizes from the preset.
     """
     if family not in FAMILIES:
         raise ConfigError(
@@ -316,15 +402,19 @@ def build_tiny_checkpoint(family: str, output_dir: Path, *, preset: str = "tiny"
         )
     if preset not in PRESETS:
         raise ConfigError(f"--preset {preset!r} is unknown; choose one of {sorted(PRESETS)}.")
-    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline, WanPipeline
 
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     if family == "sd3":
         pipe = StableDiffusion3Pipeline(**_build_sd3_components(PRESETS[preset]))
+    elif family == "wan":
+        pipe = WanPipeline(**_build_wan_components(PRESETS[preset]))
     else:
         pipe = FluxPipeline(**_build_flux_components(PRESETS[preset]))
     pipe.save_pretrained(output_dir, safe_serialization=True)
+    if family == "wan":
+        _write_defaults(output_dir, WAN_TINY_DEFAULTS)
     return output_dir
 
 

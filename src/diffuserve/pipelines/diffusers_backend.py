@@ -4,11 +4,18 @@ A batch becomes one call with a prompt list (one entry per output row) and one g
 seeded as the native pipelines seed them (row j of a request: `seed + j`), so a request's outputs do
 not depend on what it was merged with. Keyword arguments are passed only when the pipeline's
 `__call__` accepts them; progress and cancellation go through `callback_on_step_end`.
+
+Video pipelines (those whose `__call__` takes `num_frames`, e.g. Wan2.1) return one list of PIL
+frames per output row. Their frame count must fit the VAE's temporal compression (4k+1 for Wan),
+checked up front so a bad count is a 400 naming `num_frames` rather than a silent rounding inside
+diffusers.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from diffuserve.errors import CheckpointError, RequestCancelledError
+from diffuserve.errors import CheckpointError, InvalidRequestError, RequestCancelledError
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.base import (
     BatchResult,
@@ -28,6 +35,14 @@ from diffuserve.pipelines.base import (
     StopCheck,
 )
 
+logger = logging.getLogger(__name__)
+
+DEFAULTS_KEY = "_diffuserve_defaults"
+"""model_index.json key with suggested request defaults (see models/tiny.py); diffusers ignores it."""
+
+_DEFAULT_FIELDS = {"width": int, "height": int, "num_frames": int, "num_inference_steps": int,
+                   "guidance_scale": float, "fps": int}
+
 
 def _to_pil(item: Any) -> Image.Image:
     if isinstance(item, Image.Image):
@@ -36,6 +51,24 @@ def _to_pil(item: Any) -> Image.Image:
     if array.dtype != np.uint8:
         array = (np.clip(array, 0, 1) * 255).round().astype("uint8")
     return Image.fromarray(array)
+
+
+def read_suggested_defaults(model_path: Path) -> dict[str, Any]:
+    """The checkpoint's `_diffuserve_defaults` from model_index.json, keeping only known, typed fields."""
+    try:
+        suggested = json.loads((Path(model_path) / "model_index.json").read_text()).get(DEFAULTS_KEY)
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if not isinstance(suggested, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for name, kind in _DEFAULT_FIELDS.items():
+        value = suggested.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            out[name] = kind(value)
+        elif value is not None:
+            logger.warning("%s: ignoring %s.%s=%r (expected a positive number)", model_path, DEFAULTS_KEY, name, value)
+    return out
 
 
 class DiffusersBackendPipeline(Pipeline):
@@ -50,6 +83,7 @@ class DiffusersBackendPipeline(Pipeline):
         family: str = "unknown",
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        suggested_defaults: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.pipe = pipe
@@ -60,39 +94,50 @@ class DiffusersBackendPipeline(Pipeline):
         self._call_params = set(inspect.signature(pipe.__call__).parameters)
         self.output_kind = "video" if "num_frames" in self._call_params else "image"
         self.size_multiple = self._size_multiple(pipe)
-        self.defaults = self._defaults(pipe)
+        self.frame_multiple = int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1)
+        """Video: num_frames - 1 must divide by this (the VAE's temporal compression; 4 for Wan)."""
+        self.defaults = self._defaults(pipe, suggested_defaults or {})
 
     def _size_multiple(self, pipe: Any) -> int:
         vae_factor = int(
             getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", 8) or 8
         )
         # Patchified transformers need the latent size to divide by the patch; FLUX-like pipelines
-        # pack 2x2 latent patches instead, which their image processor's factor carries.
+        # pack 2x2 latent patches instead, which their image processor's factor carries. Video
+        # transformers give a (frames, height, width) patch: the spatial part is what counts here.
         patch = getattr(getattr(getattr(pipe, "transformer", None), "config", None), "patch_size", 1) or 1
+        if isinstance(patch, (list, tuple)):
+            patch = max(int(p) for p in patch[-2:]) if patch else 1
         processor = getattr(pipe, "image_processor", None)
         processor_factor = int(getattr(getattr(processor, "config", None), "vae_scale_factor", 0) or 0)
         return max(vae_factor * int(patch if isinstance(patch, int) else 1), processor_factor, 1)
 
-    def _defaults(self, pipe: Any) -> PipelineDefaults:
-        # The pipeline's own defaults: its __call__ keyword defaults and its default sample size.
+    def _defaults(self, pipe: Any, suggested: dict[str, Any]) -> PipelineDefaults:
+        # The checkpoint's suggestions first, then the pipeline's own defaults: its __call__ keyword
+        # defaults (Wan: 832x480, 81 frames) and, for image pipelines, its default sample size.
         params = inspect.signature(pipe.__call__).parameters
         vae_factor = int(
             getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", 8) or 8
         )
         size = getattr(pipe, "default_sample_size", None)
         size = int(size * vae_factor) if isinstance(size, int) else 1024
-        size = max(self.size_multiple, size // self.size_multiple * self.size_multiple)
 
         def default(name: str, fallback: Any) -> Any:
+            if name in suggested:
+                return suggested[name]
             value = params[name].default if name in params else inspect.Parameter.empty
             return fallback if value is inspect.Parameter.empty or value is None else value
 
+        def snap(value: int) -> int:
+            return max(self.size_multiple, int(value) // self.size_multiple * self.size_multiple)
+
         return PipelineDefaults(
-            width=size,
-            height=size,
+            width=snap(default("width", size)),
+            height=snap(default("height", size)),
             num_inference_steps=int(default("num_inference_steps", 28)),
             guidance_scale=float(default("guidance_scale", 3.5)),
-            num_frames=int(default("num_frames", 1)),
+            num_frames=int(default("num_frames", 1)) if self.output_kind == "video" else 1,
+            fps=int(suggested.get("fps", PipelineDefaults.fps)),
         )
 
     @classmethod
@@ -111,7 +156,8 @@ class DiffusersBackendPipeline(Pipeline):
         pipe.to(device)
         if hasattr(pipe, "set_progress_bar_config"):
             pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, family=family, device=device, dtype=dtype)
+        return cls(pipe, family=family, device=device, dtype=dtype,
+                   suggested_defaults=read_suggested_defaults(Path(model_path)))
 
     def _kwargs(self, batch: list[Any]) -> dict[str, Any]:
         head = batch[0]
@@ -138,15 +184,31 @@ class DiffusersBackendPipeline(Pipeline):
         return {k: v for k, v in wanted.items() if k in self._call_params}
 
     def validate(self, params: Any) -> None:
+        if self.output_kind == "video":
+            self._validate_video(params)
         super().validate(params)
         if params.image_inputs:
-            from diffuserve.errors import InvalidRequestError
-
             # The unmodified text-to-image pipeline would ignore the image: refuse rather than
             # silently answer an edit with an unrelated generation.
             raise InvalidRequestError(
                 f"image inputs (edits) are not supported by the diffusers backend for {self.family!r}; "
                 "serve a FLUX checkpoint with --backend native for edits.", param="image")
+
+    def _validate_video(self, params: Any) -> None:
+        # An image request (POST /v1/images/...) asks for one still frame in an image format; video
+        # jobs always ask for mp4. The warm-up also uses an image format, but with the default frame
+        # count, so it passes.
+        if params.output_format != "mp4" and params.num_frames == 1:
+            raise InvalidRequestError(
+                f"The served model is a {self.family} video model: it makes videos, not images. Create a "
+                "video job with POST /v1/videos instead.", param="model", code="model_not_supported")
+        frames, step = params.num_frames, self.frame_multiple
+        if frames < 1 or (frames - 1) % step:
+            below = max(1, (frames - 1) // step * step + 1)
+            raise InvalidRequestError(
+                f"num_frames={frames} does not fit this {self.family} model, which needs num_frames = "
+                f"{step}k+1 (its VAE compresses time {step}x); use {below} or {below + step}.",
+                param="num_frames")
 
     def run(
         self,
