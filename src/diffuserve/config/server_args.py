@@ -67,6 +67,10 @@ class ServerArgs:
     """Cap on output width and height."""
     url_store_max_images: int = _f(1024, "Images kept for response_format=url links (oldest dropped first).", _SERVER)
     """Capacity of the in-memory store behind /v1/images/{id}/content."""
+    max_video_jobs: int = _f(128, "Video jobs kept for GET /v1/videos (with their MP4); past it the oldest finished jobs are dropped.", _SERVER)
+    """Capacity of the video job store (queued and running jobs are never dropped)."""
+    max_video_frames: int = _f(257, "Largest num_frames a video job may ask for.", _SERVER)
+    """Cap on per-job frames (each frame costs memory in the VAE decode and the MP4)."""
 
     # -- dynamic batching --------------------------------------------------------------------
     batching_mode: str = _f("singleton", "singleton (one request per pipeline call) or dynamic (merge compatible queued requests).", _BATCHING, choices=["singleton", "dynamic"])
@@ -134,6 +138,8 @@ class ServerArgs:
             (self.max_inference_steps < 1, "--max-inference-steps", f"{self.max_inference_steps} must be >= 1"),
             (self.warmup_steps < 1, "--warmup-steps", f"{self.warmup_steps} must be >= 1"),
             (self.max_prompt_chars < 1, "--max-prompt-chars", f"{self.max_prompt_chars} must be >= 1"),
+            (self.max_video_jobs < 1, "--max-video-jobs", f"{self.max_video_jobs} must be >= 1"),
+            (self.max_video_frames < 1, "--max-video-frames", f"{self.max_video_frames} must be >= 1"),
         ]
         for failed, flag, message in checks:
             if failed:

@@ -83,6 +83,10 @@ class _Pending:
     endpoint: str
     answered: bool = False
     dispatched_at: float | None = None
+    num_steps: int | None = None
+    """Denoising steps of the batch it runs in; None while queued."""
+    steps_done: int = 0
+    """Denoising steps finished so far (updated at every step boundary)."""
 
 
 class AsyncEngine:
@@ -236,6 +240,14 @@ class AsyncEngine:
                 self.metrics.set_queue_depth(self.scheduler.num_queued)
             self._answer_locked(request_id, error=error)
 
+    def progress(self, request_id: str) -> tuple[int, int] | None:
+        """(steps done, total steps) of a running request; None while queued, or once answered/unknown."""
+        with self._cond:
+            pending = self._pending.get(request_id)
+            if pending is None or pending.num_steps is None:
+                return None
+            return pending.steps_done, pending.num_steps
+
     def _retry_after_s(self) -> float:
         """A hint for 429s: the queue drains at about one batch per recent batch time."""
         per_batch = self._recent_batch_s or 1.0
@@ -367,6 +379,12 @@ class AsyncEngine:
         for request in requests:
             self.metrics.observe_queue_wait(started - request.arrival_time)
         self.metrics.set_running(len(requests))
+        with self._cond:
+            for request in requests:
+                pending = self._pending.get(request.request_id)
+                if pending is not None:
+                    pending.dispatched_at = started
+                    pending.num_steps = request.params.num_inference_steps
 
         def on_step(step: int, num_steps: int) -> None:
             # Step boundary: requests past their deadline are answered 504 now; the batch goes on
@@ -374,6 +392,9 @@ class AsyncEngine:
             now = self.clock()
             with self._cond:
                 for request in requests:
+                    pending = self._pending.get(request.request_id)
+                    if pending is not None:
+                        pending.steps_done, pending.num_steps = step + 1, num_steps
                     if request.deadline is not None and now > request.deadline and not request.cancel_event.is_set():
                         request.cancel_event.set()
                         self._answer_locked(request.request_id, error=RequestTimeoutError(

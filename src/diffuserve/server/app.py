@@ -13,10 +13,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from diffuserve import __version__
 from diffuserve.errors import DiffuserveError
-from diffuserve.server import health, models_routes, openai_images
+from diffuserve.server import health, models_routes, openai_images, openai_videos
 from diffuserve.server.context import ServerContext
 from diffuserve.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
 from diffuserve.server.protocol import ErrorEnvelope, error_envelope
+from diffuserve.server.video_jobs import VideoJobStore
 
 logger = logging.getLogger("diffuserve.server")
 
@@ -98,11 +99,14 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app = FastAPI(title="diffuserve", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible image generation with dynamic batching.",
                   responses=ERROR_RESPONSES)
+    if ctx.videos is None:
+        ctx.videos = VideoJobStore(ctx.args.max_video_jobs)
     app.state.ctx = ctx
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(models_routes.router)
     app.include_router(openai_images.router)
+    app.include_router(openai_videos.router)
     # Outermost first: the body cap runs before auth so an oversized anonymous upload is never read.
     api_key = ctx.args.resolved_api_key()
     if api_key:

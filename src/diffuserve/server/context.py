@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from diffuserve.config.server_args import ServerArgs
 from diffuserve.engine.engine import AsyncEngine
 from diffuserve.engine.metrics import EngineMetrics
+from diffuserve.server.video_jobs import VideoJobStore
 
 
 @dataclass
@@ -51,3 +52,5 @@ class ServerContext:
     images: ImageStore
     started_at: float = field(default_factory=time.time)
     draining: bool = False
+    videos: VideoJobStore | None = None
+    """Async video jobs; `create_app` makes one sized by --max-video-jobs when none is given."""

@@ -1,0 +1,301 @@
+"""OpenAI-style asynchronous video jobs under /v1/videos (create, list, get, content, cancel, delete).
+
+`POST /v1/videos` validates the body, admits the job to the engine as a normal request (so dynamic
+batching merges compatible jobs, and 429/503 are answered at once) and returns the job object while
+it is still queued. A background task awaits the engine, encodes the MP4 and records the outcome.
+The job's deadline is the engine's (`--request-timeout-s`, or the job's shorter `timeout`); no client
+connection is involved, so a finished video is never failed by a client-side timer. Progress is read
+from the engine's step counter whenever a job is looked at.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import secrets
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Query, Request, Response
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator
+from starlette.concurrency import run_in_threadpool
+
+from diffuserve.engine.engine import EngineState, GenerationResult
+from diffuserve.engine.request import SamplingParams
+from diffuserve.errors import (
+    DiffuserveError,
+    InvalidRequestError,
+    NotFoundError,
+    RequestCancelledError,
+)
+from diffuserve.media.video import encode_mp4
+from diffuserve.server.context import ServerContext
+from diffuserve.server.protocol import MAX_SEED, error_envelope, parse_size
+from diffuserve.server.video_jobs import VideoJob, VideoJobStore
+
+router = APIRouter()
+
+
+class VideoNotReadyError(DiffuserveError):
+    """The job exists but is not in a state that allows the operation (409)."""
+
+    http_status = 409
+    error_type = "invalid_request_error"
+    code = "video_not_ready"
+
+
+class VideoCreateRequest(BaseModel):
+    """Body of POST /v1/videos. Unknown fields are rejected (400 naming the field)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(description="What to film.")
+    model: str | None = Field(default=None, description="Served model name; omitted = the served model.")
+    size: str | None = Field(default=None, description="WIDTHxHEIGHT, e.g. 832x480; omitted = the model's default.")
+    seconds: StrictStr | StrictFloat | StrictInt | None = Field(
+        default=None, description="Duration (OpenAI sends a string such as \"4\"); frames = seconds x fps, "
+        "rounded to the nearest count the model can make. Give this or num_frames.")
+    num_frames: StrictInt | None = Field(default=None, ge=1, description="Frames (Wan: 4k+1); omitted = the model's default.")
+    fps: StrictInt | None = Field(default=None, ge=1, le=120, description="Frames per second of the MP4.")
+    num_inference_steps: StrictInt | None = Field(default=None, ge=1, description="Denoising steps.")
+    guidance_scale: float | None = Field(default=None, ge=0, le=100, description="Classifier-free guidance scale.")
+    negative_prompt: str | None = Field(default=None, description="What not to film (used when guidance_scale > 1).")
+    seed: StrictInt | None = Field(default=None, ge=0, le=MAX_SEED, description="Random seed (0 to 2^63-1).")
+    n: StrictInt = Field(default=1, ge=1, le=1, description="Videos per job; 1 (submit several jobs for more).")
+    timeout: float | None = Field(default=None, gt=0, description="Seconds the job may take in the engine (capped by --request-timeout-s).")
+    priority: StrictInt = Field(default=0, ge=-100, le=100, description="Lower runs first among queued requests.")
+    user: str | None = Field(default=None, max_length=256, description="End-user id (accepted for OpenAI compatibility).")
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("prompt must not be empty")
+        return value
+
+    @field_validator("size")
+    @classmethod
+    def _size_form(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        width, height = parse_size(value)
+        if width < 1 or height < 1:
+            raise ValueError(f"size {value!r} must have a positive width and height")
+        return f"{width}x{height}"
+
+
+def _ctx(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+def _store(ctx: ServerContext) -> VideoJobStore:
+    assert ctx.videos is not None, "create_app makes the video job store"
+    return ctx.videos
+
+
+def _frames(body: VideoCreateRequest, fps: int, default: int, step: int) -> int:
+    """num_frames from the body: explicit, from `seconds` (snapped to step*k+1), or the default."""
+    if body.seconds is None:
+        return default if body.num_frames is None else body.num_frames
+    if body.num_frames is not None:
+        raise InvalidRequestError("Give either seconds or num_frames, not both.", param="seconds")
+    try:
+        seconds = float(body.seconds)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise InvalidRequestError(f"seconds={body.seconds!r} must be a positive number, e.g. \"4\".", param="seconds")
+    return max(1, round((seconds * fps - 1) / step) * step + 1)
+
+
+def build_video_params(body: VideoCreateRequest, ctx: ServerContext) -> SamplingParams:
+    """Request body + the model's defaults -> SamplingParams, checked against the server's caps."""
+    args = ctx.args
+    pipeline = ctx.engine.pipeline
+    assert pipeline is not None
+    if pipeline.output_kind != "video":
+        raise InvalidRequestError(
+            f"The served model {args.public_model_name!r} makes images, not videos; use "
+            "POST /v1/images/generations.", param="model", code="model_not_supported")
+    if body.model is not None and body.model not in args.model_names:
+        raise InvalidRequestError(f"Unknown model {body.model!r}; this server serves {args.public_model_name!r}.",
+                                  param="model", code="model_not_found")
+    for name in ("prompt", "negative_prompt"):
+        text = getattr(body, name)
+        if text is not None and len(text) > args.max_prompt_chars:
+            raise InvalidRequestError(
+                f"{name} has {len(text)} characters; the limit is {args.max_prompt_chars} (--max-prompt-chars).",
+                param=name)
+    defaults = pipeline.defaults
+    width, height = parse_size(body.size) if body.size is not None else (defaults.width, defaults.height)
+    for name, value in (("width", width), ("height", height)):
+        if value > args.max_image_side:
+            raise InvalidRequestError(
+                f"{name}={value} exceeds the largest side this server allows ({args.max_image_side}, --max-image-side).",
+                param="size")
+    fps = body.fps or defaults.fps
+    num_frames = _frames(body, fps, defaults.num_frames, int(getattr(pipeline, "frame_multiple", 1)))
+    if num_frames > args.max_video_frames:
+        raise InvalidRequestError(
+            f"num_frames={num_frames} exceeds the limit of {args.max_video_frames} (--max-video-frames).",
+            param="seconds" if body.seconds is not None else "num_frames")
+    steps = body.num_inference_steps or defaults.num_inference_steps
+    if steps > args.max_inference_steps:
+        raise InvalidRequestError(
+            f"num_inference_steps={steps} exceeds the limit of {args.max_inference_steps} (--max-inference-steps).",
+            param="num_inference_steps")
+    params = SamplingParams(
+        prompt=body.prompt,
+        negative_prompt=body.negative_prompt,
+        width=width,
+        height=height,
+        num_frames=num_frames,
+        fps=fps,
+        num_inference_steps=steps,
+        guidance_scale=defaults.guidance_scale if body.guidance_scale is None else body.guidance_scale,
+        seed=body.seed if body.seed is not None else secrets.randbelow(2**31),
+        n=1,
+        output_format="mp4",
+    )
+    pipeline.validate(params)
+    return params
+
+
+def _require_ready(ctx: ServerContext) -> None:
+    if ctx.engine.state != EngineState.READY or ctx.draining:
+        raise ctx.engine._not_ready_error()
+
+
+def _error_dict(exc: DiffuserveError) -> dict[str, Any]:
+    return error_envelope(exc.message, exc.error_type, exc.param, exc.code)["error"]
+
+
+async def _drive_job(ctx: ServerContext, job: VideoJob, generation: asyncio.Future[GenerationResult],
+                     received: float) -> None:
+    """Await the engine's answer for `job`, encode the MP4 and record the outcome (never raises)."""
+    store = _store(ctx)
+    try:
+        result = await generation
+        encode_started = time.monotonic()
+        content = await run_in_threadpool(encode_mp4, result.output.videos[0], job.fps)
+        encode_s = time.monotonic() - encode_started
+    except RequestCancelledError as exc:
+        store.cancel(job.id, _error_dict(exc))
+        return
+    except DiffuserveError as exc:
+        store.fail(job.id, _error_dict(exc))
+        return
+    except Exception as exc:  # noqa: BLE001 - a job must always end in a status, whatever went wrong
+        store.fail(job.id, error_envelope(f"Video job failed: {type(exc).__name__}: {exc}", "server_error",
+                                          None, "generation_failed")["error"])
+        return
+    store.complete(job.id, content, {
+        "queue_wait_ms": round(result.queue_wait_s * 1000, 3),
+        "inference_ms": round(result.inference_s * 1000, 3),
+        "encode_ms": round(encode_s * 1000, 3),
+        "total_ms": round((time.monotonic() - received) * 1000, 3),
+        "batch_size": result.batch_size,
+        "stages_ms": {k: round(v * 1000, 3) for k, v in result.stage_seconds.items()},
+    })
+
+
+def _refresh(ctx: ServerContext, job: VideoJob) -> VideoJob:
+    """Bring a live job's status and progress up to date from the engine's step counter."""
+    if not job.terminal:
+        progress = ctx.engine.progress(job.id)
+        if progress is not None:
+            _store(ctx).set_progress(job.id, *progress)
+    return job
+
+
+def _get_job(ctx: ServerContext, video_id: str) -> VideoJob:
+    job = _store(ctx).get(video_id)
+    if job is None:
+        raise NotFoundError(f"No video job {video_id!r} (unknown id, deleted, or dropped past --max-video-jobs).",
+                            param="video_id")
+    return _refresh(ctx, job)
+
+
+def _cancel(ctx: ServerContext, job: VideoJob, how: str) -> None:
+    error = RequestCancelledError(f"The video job was cancelled ({how}).")
+    if _store(ctx).cancel(job.id, _error_dict(error)):
+        # Queued: removed from the queue (it never runs). Running: stopped at the next step boundary
+        # when no other request of its batch still waits, otherwise its row is dropped.
+        ctx.engine.abort(job.id, error)
+
+
+@router.post("/v1/videos", tags=["videos"])
+async def create_video(body: VideoCreateRequest, request: Request) -> dict[str, Any]:
+    """Create a video job; answers at once with the queued job (poll GET /v1/videos/{id})."""
+    received = time.monotonic()
+    ctx = _ctx(request)
+    _require_ready(ctx)
+    params = build_video_params(body, ctx)
+    job = VideoJob(id=f"video_{uuid.uuid4().hex}", model=ctx.args.public_model_name, prompt=params.prompt,
+                   width=params.width, height=params.height, num_frames=params.num_frames, fps=params.fps,
+                   num_inference_steps=params.num_inference_steps, seed=params.seed or 0)
+    generation = asyncio.ensure_future(ctx.engine.generate(
+        params, endpoint="videos", timeout_s=body.timeout, priority=body.priority, request_id=job.id))
+    # Admission (429 queue full, 503 not ready) runs before the first suspension of `generate`:
+    # one turn of the loop lets it run, so those errors reach this client instead of the job.
+    await asyncio.sleep(0)
+    if generation.done() and not generation.cancelled() and generation.exception() is not None:
+        raise generation.exception()  # type: ignore[misc]
+    _store(ctx).add(job)
+    job.runner = asyncio.ensure_future(_drive_job(ctx, job, generation, received))
+    return job.to_dict()
+
+
+@router.get("/v1/videos", tags=["videos"])
+async def list_videos(request: Request, limit: int = Query(default=20, ge=1, le=100),
+                      after: str | None = Query(default=None)) -> dict[str, Any]:
+    """Kept jobs, newest first; `after` is the last id of the previous page."""
+    ctx = _ctx(request)
+    try:
+        page, has_more = _store(ctx).list(limit=limit, after=after)
+    except KeyError:
+        raise InvalidRequestError(f"after={after!r} is not a kept video job id.", param="after") from None
+    data = [_refresh(ctx, job).to_dict() for job in page]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+
+@router.get("/v1/videos/{video_id}", tags=["videos"])
+async def get_video(video_id: str, request: Request) -> dict[str, Any]:
+    return _get_job(_ctx(request), video_id).to_dict()
+
+
+@router.get("/v1/videos/{video_id}/content", tags=["videos"], response_class=Response, responses={
+    200: {"content": {"video/mp4": {}}, "description": "The MP4 of a completed job."},
+    409: {"description": "The job is not completed (queued, in progress, failed or cancelled)."}})
+async def video_content(video_id: str, request: Request) -> Response:
+    job = _get_job(_ctx(request), video_id)
+    if job.content is None:
+        hint = "poll GET /v1/videos/{id} until status is completed" if not job.terminal else "it has no video"
+        raise VideoNotReadyError(f"Video job {video_id} is {job.status}; {hint}.", param="video_id")
+    return Response(content=job.content, media_type="video/mp4",
+                    headers={"Content-Disposition": f'inline; filename="{job.id}.mp4"'})
+
+
+@router.post("/v1/videos/{video_id}/cancel", tags=["videos"], responses={
+    409: {"description": "The job already completed or failed."}})
+async def cancel_video(video_id: str, request: Request) -> dict[str, Any]:
+    """Queued: removed, it never runs. Running: stopped at the next denoising step. Both end cancelled."""
+    ctx = _ctx(request)
+    job = _get_job(ctx, video_id)
+    if job.terminal and job.status != "cancelled":
+        raise VideoNotReadyError(f"Video job {video_id} already {job.status}; DELETE it to remove it.",
+                                 param="video_id")
+    _cancel(ctx, job, f"POST /v1/videos/{video_id}/cancel")
+    return job.to_dict()
+
+
+@router.delete("/v1/videos/{video_id}", tags=["videos"])
+async def delete_video(video_id: str, request: Request) -> dict[str, Any]:
+    """Remove a job and its MP4; a queued or running job is cancelled first."""
+    ctx = _ctx(request)
+    job = _get_job(ctx, video_id)
+    _cancel(ctx, job, f"DELETE /v1/videos/{video_id}")
+    _store(ctx).remove(video_id)
+    return {"id": video_id, "object": "video.deleted", "deleted": True}
