@@ -24,6 +24,14 @@ def tiny_sd3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_checkpoint("sd3", tmp_path_factory.mktemp("ckpt") / "sd3-tiny", preset="tiny")
 
 
+@pytest.fixture(scope="session")
+def tiny_wan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Wan2.1 text-to-video checkpoint (diffusers backend; defaults 32x32, 5 frames, 4 steps)."""
+    from diffuserve.models.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint("wan", tmp_path_factory.mktemp("ckpt") / "wan-tiny", preset="tiny")
+
+
 # Test servers and the test process share 2 cores; one intra-op thread each avoids OpenMP spin
 # contention that makes every op ~100x slower when two processes compute at once. Set before torch
 # is imported; server subprocesses inherit it.
