@@ -168,6 +168,15 @@ def test_cancel_queued_and_running_progress_and_merged_jobs(wan_server):
     assert np.abs(merged_frames - alone_frames).max() <= 2
 
 
+def test_job_deadline_is_the_servers_not_a_clients(wan_server):
+    # The job's own `timeout` (capped by --request-timeout-s) bounds it inside the engine: past it the
+    # running job stops at a step boundary and reports `timeout`. No client connection is involved.
+    job = _create(wan_server, prompt="too slow", num_inference_steps=LONG_STEPS, timeout=0.5)
+    failed = _wait(wan_server, job["id"], _finished)
+    assert failed["status"] == "failed" and failed["error"]["code"] == "timeout", failed
+    assert "deadline" in failed["error"]["message"]
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": "x", "num_frames": 4}, "num_frames"),
     ({"prompt": "x", "num_frames": 0}, "num_frames"),
