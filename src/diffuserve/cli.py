@@ -56,7 +56,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_dataclass_arguments(serve, DeploymentArgs, default_group="Deployment")
 
     gen = sub.add_parser("generate", help="Generate images once and write them to files.",
-                         description="Load the model, generate, write PNG files, print their paths.")
+                         description="Load the model, generate, write image (or MP4) files, print their paths.")
     _add_config_flag(gen)
     g = gen.add_argument_group("Generation")
     g.add_argument("--prompt", action="append", required=True, help="Prompt; repeat the flag for several prompts (batched by --batching-max-size).")
@@ -70,7 +70,9 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-outputs-per-prompt", type=int, default=1, help="Images per prompt (default: 1).")
     g.add_argument("--output-path", default="outputs", help="Folder for the files (created; default: outputs).")
     g.add_argument("--output-file-name", default=None, help="File name stem (default: derived from the prompt).")
-    g.add_argument("--output-format", default="png", choices=["png", "jpeg", "webp"], help="Image format (default: png).")
+    g.add_argument("--output-format", default="png", choices=["png", "jpeg", "webp"], help="Image format (default: png; video models write mp4).")
+    g.add_argument("--num-frames", type=int, default=None, help="Video models: frames per video (default: the model's).")
+    g.add_argument("--fps", type=int, default=None, help="Video models: frames per second of the MP4 (default: the model's).")
     add_dataclass_arguments(gen, ServerArgs, default_group="Model", skip=_SERVER_ONLY)
     gen.add_argument_group("Dynamic batching").add_argument(
         "--batching-mode", dest="batching_mode", choices=["singleton", "dynamic"], default=argparse.SUPPRESS,

@@ -31,11 +31,21 @@ def _chunks(params: list[SamplingParams], max_outputs: int) -> list[list[Samplin
     return batches
 
 
+def _encoded(params: SamplingParams, output: Any) -> list[bytes]:
+    """A request's outputs as file bytes: MP4 per video, or the chosen image format per image."""
+    if params.output_format == "mp4":
+        from diffuserve.media.video import encode_mp4
+
+        return [encode_mp4(frames, params.fps) for frames in output.videos]
+    from diffuserve.media.images import encode_image
+
+    return [encode_image(image, params.output_format, params.output_quality) for image in output.images]
+
+
 def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     from tqdm import tqdm
 
     from diffuserve.launch import load_serving_pipeline, plan_deployment, resolve_device, resolve_model_path
-    from diffuserve.media.images import encode_image
 
     stem = values.get("output_file_name")
     if stem is not None and (Path(stem).name != stem or stem in ("", ".", "..")):
@@ -47,6 +57,7 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     deployment = plan_deployment(args, model_path, device)
     pipeline = load_serving_pipeline(args, model_path, device, deployment, metrics=None)
     defaults = pipeline.defaults
+    video = pipeline.output_kind == "video"
     n = values.get("num_outputs_per_prompt", 1)
     if n < 1:
         raise ConfigError("--num-outputs-per-prompt must be >= 1.")
@@ -61,7 +72,9 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
             true_cfg_scale=values.get("true_cfg_scale", 1.0),
             seed=values.get("seed", 0) + i,
             n=n,
-            output_format=values.get("output_format", "png"),
+            num_frames=(values.get("num_frames") or defaults.num_frames) if video else 1,
+            fps=values.get("fps") or defaults.fps,
+            output_format="mp4" if video else values.get("output_format", "png"),
         )
         for i, prompt in enumerate(values["prompt"])
     ]
@@ -76,11 +89,11 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
         with tqdm(total=steps, desc=f"denoising {len(batch)} prompt(s)", unit="step") as bar:
             result = pipeline.run(batch, on_step=lambda i, total: bar.update(1))
         for p, output in zip(batch, result.outputs, strict=True):
-            for j, image in enumerate(output.images):
+            for j, blob in enumerate(_encoded(p, output)):
                 name = stem or _file_stem(p.prompt)
                 suffix = "" if len(params) == 1 and n == 1 else f"_{p.seed}_{j}"
                 path = out_dir / f"{name}{suffix}.{p.output_format}"
-                path.write_bytes(encode_image(image, p.output_format, p.output_quality))
+                path.write_bytes(blob)
                 written.append(path)
     for path in written:
         print(path)

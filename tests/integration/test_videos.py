@@ -213,3 +213,20 @@ def test_bench_videos_endpoint(wan_server, tmp_path: Path):
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out_json.read_text())["results"][0]
     assert result["completed"] == 3 and result["failed"] == 0
+
+
+def test_generate_cli_writes_mp4_for_a_video_model(tiny_wan_path: Path, tmp_path: Path):
+    import subprocess
+    import sys
+
+    from diffuserve.media.video import probe_mp4
+
+    out = subprocess.run(
+        [sys.executable, "-m", "diffuserve.cli", "generate", "--model-path", str(tiny_wan_path), "--prompt", "a wave",
+         "--num-frames", "5", "--fps", "8", "--num-inference-steps", "2", "--output-path", str(tmp_path)],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    [path] = [Path(line) for line in out.stdout.split() if line.endswith(".mp4")]
+    info = probe_mp4(path.read_bytes())
+    assert info["frames"] == 5 and info["fps"] == 8

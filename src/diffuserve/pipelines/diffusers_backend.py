@@ -195,13 +195,6 @@ class DiffusersBackendPipeline(Pipeline):
                 "serve a FLUX checkpoint with --backend native for edits.", param="image")
 
     def _validate_video(self, params: Any) -> None:
-        # An image request (POST /v1/images/...) asks for one still frame in an image format; video
-        # jobs always ask for mp4. The warm-up also uses an image format, but with the default frame
-        # count, so it passes.
-        if params.output_format != "mp4" and params.num_frames == 1:
-            raise InvalidRequestError(
-                f"The served model is a {self.family} video model: it makes videos, not images. Create a "
-                "video job with POST /v1/videos instead.", param="model", code="model_not_supported")
         frames, step = params.num_frames, self.frame_multiple
         if frames < 1 or (frames - 1) % step:
             below = max(1, (frames - 1) // step * step + 1)

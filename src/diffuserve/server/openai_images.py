@@ -44,6 +44,10 @@ def build_sampling_params(body: ImageGenerationRequest, ctx: ServerContext) -> S
     pipeline = ctx.engine.pipeline
     assert pipeline is not None
     defaults = pipeline.defaults
+    if pipeline.output_kind != "image":
+        raise InvalidRequestError(
+            f"The served model is a {pipeline.family} {pipeline.output_kind} model: it makes videos, not images. "
+            "Create a video job with POST /v1/videos instead.", param="model", code="model_not_supported")
     if body.model is not None and body.model not in args.model_names:
         raise InvalidRequestError(
             f"Unknown model {body.model!r}; this server serves {args.public_model_name!r}.",
