@@ -248,6 +248,8 @@ def _direct_runner(model_path: Path, scenario: Scenario) -> Callable[[int, int, 
                 num_inference_steps=scenario.steps,
                 guidance_scale=guidance,
                 generator=[torch.Generator().manual_seed(seed0 + i) for i in rows],
+                # The checkpoint's declared T5 length, as the served native pipeline uses.
+                max_sequence_length=pipe.tokenizer_2.model_max_length,
             )
             call_ms = (time.perf_counter() - call_start) * 1000
             samples.extend(Sample(call_ms) for _ in rows)

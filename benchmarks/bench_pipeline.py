@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
             num_inference_steps=args.steps,
             guidance_scale=guidance,
             generator=torch.Generator().manual_seed(seed),
+            # The checkpoint's declared T5 length, as the native pipeline uses (same work on both sides).
+            max_sequence_length=native.max_sequence_length,
         )
 
     def run_native(seed: int = 0) -> None:

@@ -45,7 +45,13 @@ def _encoded(params: SamplingParams, output: Any) -> list[bytes]:
 def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     from tqdm import tqdm
 
-    from diffuserve.launch import load_serving_pipeline, plan_deployment, resolve_device, resolve_model_path
+    from diffuserve.launch import (
+        apply_num_threads,
+        load_serving_pipeline,
+        plan_deployment,
+        resolve_device,
+        resolve_model_path,
+    )
 
     stem = values.get("output_file_name")
     if stem is not None and (Path(stem).name != stem or stem in ("", ".", "..")):
@@ -55,6 +61,7 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     model_path = resolve_model_path(args)
     device = resolve_device(args.device)
     deployment = plan_deployment(args, model_path, device)
+    apply_num_threads(args.num_threads, device)
     pipeline = load_serving_pipeline(args, model_path, device, deployment, metrics=None)
     defaults = pipeline.defaults
     video = pipeline.output_kind == "video"

@@ -38,6 +38,7 @@ def test_native_img2img_matches_diffusers(tiny_flux_path: Path, n: int):
     reference = FluxImg2ImgPipeline.from_pretrained(tiny_flux_path, local_files_only=True)
     theirs = reference(prompt="a fox", image=Image.open(io.BytesIO(source)), height=64, width=48,
                        num_inference_steps=4, strength=0.6, guidance_scale=3.5, num_images_per_prompt=n,
+                       max_sequence_length=reference.tokenizer_2.model_max_length,
                        generator=[torch.Generator().manual_seed(3 + j) for j in range(n)]).images
     assert len(ours) == len(theirs) == n
     for a, b in zip(ours, theirs, strict=True):

@@ -56,6 +56,7 @@ def _reference_images(reference, params: SamplingParams) -> list:
         guidance_scale=params.guidance_scale,
         num_images_per_prompt=params.n,
         generator=generators if params.n > 1 else generators[0],
+        max_sequence_length=reference.tokenizer_2.model_max_length,
         **kwargs,
     ).images
 

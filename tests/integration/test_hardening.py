@@ -17,7 +17,7 @@ from tests.serverproc import ServerProcess
 
 API_KEY = "test-key-3f9a1c"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-SLOW = {"prompt": "slow", "size": "512x512", "num_inference_steps": 100, "seed": 1}
+SLOW = {"prompt": "slow", "size": "512x512", "num_inference_steps": 200, "seed": 1}
 """A request that keeps the tiny model busy for a few seconds (most time in 150 transformer steps)."""
 
 
@@ -131,10 +131,10 @@ def test_deadline_queued_and_running_get_504(limits_server):
     assert "queue" in queued.json()["error"]["message"]
     runner.join(60)
     assert first[0].status_code == 200
-    running = _post(limits_server, {**SLOW, "timeout": 1.0})
+    running = _post(limits_server, {**SLOW, "timeout": 0.8})
     assert running.status_code == 504
     assert "past its deadline" in running.json()["error"]["message"]
-    wait_for_log(limits_server, r"stopped at step (\d+)/100", start=start)
+    wait_for_log(limits_server, r"stopped at step (\d+)/200", start=start)
 
 
 def test_no_field_fetches_urls_and_paths_stay_inside(limits_server, tiny_flux_path: Path, tmp_path: Path):

@@ -149,7 +149,7 @@ def test_disconnects_queued_never_runs_running_stops(singleton_server):
     import threading
 
     long_body = {"prompt": "long", "size": "512x512", "num_inference_steps": 200, "seed": 1}
-    runner = threading.Thread(target=_send_and_drop, args=(base, long_body, 1.0))
+    runner = threading.Thread(target=_send_and_drop, args=(base, long_body, 0.6))
     runner.start()
     time.sleep(0.3)
     _send_and_drop(base, {"prompt": "queued then gone", "size": "64x64", "num_inference_steps": 2}, 0.3)

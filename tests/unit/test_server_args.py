@@ -90,3 +90,19 @@ def test_bool_flags_accept_true_false_and_bare():
     assert parser.parse_args(["serve", "--enable-batching-metrics"]).enable_batching_metrics is True
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--enable-warmup", "maybe"])
+
+
+def test_thread_default_leaves_a_core_for_serving(monkeypatch):
+    from diffuserve.launch import resolve_num_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert resolve_num_threads(None, "cpu") == 7
+    assert resolve_num_threads(3, "cpu") == 3
+    assert resolve_num_threads(None, "cuda") is None
+    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    assert resolve_num_threads(None, "cpu") == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert resolve_num_threads(None, "cpu") is None
+    with pytest.raises(ConfigError, match="--num-threads"):
+        ServerArgs(num_threads=0).validate()

@@ -45,6 +45,8 @@ class ServerArgs:
     """Torch device the pipeline runs on."""
     dtype: str = _f("auto", "Weights dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.", _MODEL, choices=["auto", "float32", "bfloat16", "float16"])
     """Torch dtype of the weights."""
+    num_threads: int | None = _f(None, "CPU threads for torch ops. Default: $OMP_NUM_THREADS if set; else, on a CPU device, all cores but one (the HTTP loop and encoding need one); on CUDA, torch's default.", _MODEL)
+    """Intra-op threads (torch.set_num_threads)."""
     config: str | None = _f(None, "JSON or YAML file whose keys are flag names; command-line flags win.", _MODEL, cli=False)
     """Path of the --config file (handled by the CLI before the other flags)."""
 
@@ -136,6 +138,7 @@ class ServerArgs:
             (self.max_request_bytes < 1024, "--max-request-bytes", f"{self.max_request_bytes} is too small (>= 1024)"),
             (self.max_upload_bytes < 1024, "--max-upload-bytes", f"{self.max_upload_bytes} is too small (>= 1024)"),
             (self.max_inference_steps < 1, "--max-inference-steps", f"{self.max_inference_steps} must be >= 1"),
+            (self.num_threads is not None and self.num_threads < 1, "--num-threads", f"{self.num_threads} must be >= 1"),
             (self.warmup_steps < 1, "--warmup-steps", f"{self.warmup_steps} must be >= 1"),
             (self.max_prompt_chars < 1, "--max-prompt-chars", f"{self.max_prompt_chars} must be >= 1"),
             (self.max_video_jobs < 1, "--max-video-jobs", f"{self.max_video_jobs} must be >= 1"),

@@ -92,6 +92,7 @@ class DiffusersBackendPipeline(Pipeline):
         self.dtype = dtype
         self.components = {k: v for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)}
         self._call_params = set(inspect.signature(pipe.__call__).parameters)
+        self._max_sequence_length = self._declared_sequence_length(pipe)
         self.output_kind = "video" if "num_frames" in self._call_params else "image"
         self.size_multiple = self._size_multiple(pipe)
         self.frame_multiple = int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1)
@@ -159,6 +160,23 @@ class DiffusersBackendPipeline(Pipeline):
         return cls(pipe, family=family, device=device, dtype=dtype,
                    suggested_defaults=read_suggested_defaults(Path(model_path)))
 
+    def _declared_sequence_length(self, pipe: Any) -> int | None:
+        """The call's `max_sequence_length` default, capped by the T5 tokenizer's declared length.
+
+        Same rule as the native FLUX pipeline, so both run a checkpoint with the text length it
+        declares; None when the pipeline takes no such argument or has no T5 tokenizer.
+        """
+        from diffuserve.pipelines.flux import declared_sequence_length
+
+        parameter = inspect.signature(pipe.__call__).parameters.get("max_sequence_length")
+        if parameter is None or not isinstance(parameter.default, int):
+            return None
+        for name in ("tokenizer_3", "tokenizer_2", "tokenizer"):
+            tokenizer = getattr(pipe, name, None)
+            if tokenizer is not None and type(tokenizer).__name__.startswith("T5"):
+                return declared_sequence_length(tokenizer, parameter.default)
+        return None
+
     def _kwargs(self, batch: list[Any]) -> dict[str, Any]:
         head = batch[0]
         prompts = [p.prompt for p in batch for _ in range(p.n)]
@@ -179,6 +197,8 @@ class DiffusersBackendPipeline(Pipeline):
             wanted["num_frames"] = head.num_frames
         if head.guidance_scale_2 is not None:
             wanted["guidance_scale_2"] = head.guidance_scale_2
+        if "max_sequence_length" in self._call_params and self._max_sequence_length is not None:
+            wanted["max_sequence_length"] = self._max_sequence_length
         if "output_type" in self._call_params:
             wanted["output_type"] = "pil" if self.output_kind == "image" else "np"
         return {k: v for k, v in wanted.items() if k in self._call_params}

@@ -42,6 +42,13 @@ COMPONENT_KEYS = ("text_encoder", "text_encoder_2", "transformer", "vae")
 """model_index.json keys of the modules this pipeline runs (the residency manager's components)."""
 
 
+def declared_sequence_length(tokenizer: Any, default: int) -> int:
+    """`default`, capped by the tokenizer's declared `model_max_length` (the longest text the checkpoint
+    was made for; real FLUX.1 declares 512, so it gets diffusers' default unchanged)."""
+    declared = getattr(tokenizer, "model_max_length", None)
+    return min(default, int(declared)) if isinstance(declared, int) and declared > 0 else default
+
+
 def _make_room(cache: dict) -> None:
     if len(cache) >= MAX_CACHED_SHAPES:
         cache.clear()
@@ -96,7 +103,7 @@ class FluxNativePipeline(Pipeline):
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_sequence_length = max_sequence_length
-        """T5 tokens per prompt; 512 as diffusers' FluxPipeline (schnell checkpoints use 256)."""
+        """T5 tokens per prompt: diffusers' 512, capped by what tokenizer_2 declares (see from_components)."""
         self.batched_cfg = batched_cfg
         """Run true CFG as one doubled batch instead of two passes (diffusers does two passes)."""
         self.components = {
@@ -148,6 +155,7 @@ class FluxNativePipeline(Pipeline):
             scheduler=components["scheduler"],
             device=device,
             dtype=dtype,
+            max_sequence_length=declared_sequence_length(components["tokenizer_2"], 512),
         )
 
     def _defaults_from_checkpoint(self) -> PipelineDefaults:
