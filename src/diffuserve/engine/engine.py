@@ -157,14 +157,15 @@ class AsyncEngine:
         return failed
 
     def fail_all(self, error: DiffuserveError) -> int:
+        """Answer every request not answered yet with `error` (queued ones never run; running ones stop
+        at the next step). Returns how many were answered."""
         with self._cond:
-            for request in self.scheduler.drain():
-                self._answer_locked(request.request_id, error=error)
-            leftovers = [p for p in self._pending.values() if not p.answered]
-            for pending in leftovers:
+            self.scheduler.drain()  # queued requests must never start
+            unanswered = [p for p in self._pending.values() if not p.answered]
+            for pending in unanswered:
                 pending.request.cancel_event.set()
                 self._answer_locked(pending.request.request_id, error=error)
-            return len(leftovers)
+            return len(unanswered)
 
     def stop(self) -> None:
         with self._cond:
@@ -197,7 +198,7 @@ class AsyncEngine:
     def _admit(self, params, loop, endpoint, timeout_s, priority, ineligible_reason, request_id) -> _Pending:
         with self._cond:
             if self.state != EngineState.READY and ineligible_reason != "warmup":
-                raise self._not_ready_error()
+                raise self.not_ready_error()
             limit = self.config.max_queue_size
             if limit and self.scheduler.num_queued >= limit:
                 self.metrics.observe_request(endpoint, "rejected", 0.0)
@@ -206,8 +207,9 @@ class AsyncEngine:
                     retry_after_s=self._retry_after_s(),
                 )
             now = self.clock()
-            server_timeout = self.config.request_timeout_s or None
-            chosen = min(t for t in (timeout_s, server_timeout) if t) if (timeout_s or server_timeout) else None
+            # The request's own timeout may only shorten the server's deadline.
+            limits = [t for t in (timeout_s, self.config.request_timeout_s) if t]
+            chosen = min(limits) if limits else None
             request = Request(
                 request_id=request_id or uuid.uuid4().hex,
                 params=params,
@@ -254,7 +256,7 @@ class AsyncEngine:
         batches = self.scheduler.num_queued / max(1, self.scheduler.config.max_size)
         return max(1.0, round(per_batch * batches, 1))
 
-    def _not_ready_error(self) -> ServiceUnavailableError:
+    def not_ready_error(self) -> ServiceUnavailableError:
         if self.state == EngineState.DRAINING:
             return ServiceUnavailableError("The server is shutting down and accepts no new requests.", retry_after_s=5)
         if self.state == EngineState.FAILED:

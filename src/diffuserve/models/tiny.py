@@ -138,6 +138,23 @@ def build_tokenizers(t5_max_length: int = 512) -> tuple[Any, Any]:
 # -- models -------------------------------------------------------------------------------------------
 
 
+def _tiny_t5_config(tokenizer: Any, hidden: int) -> dict[str, Any]:
+    """A 2-layer T5/UMT5 encoder config over `tokenizer`'s vocabulary (FLUX's text_encoder_2, Wan's encoder)."""
+    return {
+        "vocab_size": len(tokenizer),
+        "d_model": hidden,
+        "d_kv": 8,
+        "d_ff": 37,
+        "num_layers": 2,
+        "num_heads": 4,
+        "relative_attention_num_buckets": 8,
+        "feed_forward_proj": "gated-gelu",
+        "decoder_start_token_id": 0,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
 def _build_flux_components(preset: TinyFluxPreset) -> dict[str, Any]:
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
@@ -169,21 +186,7 @@ def _build_flux_components(preset: TinyFluxPreset) -> dict[str, Any]:
         )
     )
     torch.manual_seed(preset.seed + 2)
-    t5 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(t5_tok),
-            d_model=h,
-            d_kv=8,
-            d_ff=37,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            decoder_start_token_id=0,
-            pad_token_id=t5_tok.pad_token_id,
-            eos_token_id=t5_tok.eos_token_id,
-        )
-    )
+    t5 = T5EncoderModel(T5Config(**_tiny_t5_config(t5_tok, h)))
     torch.manual_seed(preset.seed + 3)
     transformer = FluxTransformer2DModel(
         patch_size=1,
@@ -334,21 +337,7 @@ def _build_wan_components(preset: TinyFluxPreset) -> dict[str, Any]:
     h = preset.text_hidden
     z_dim = preset.latent_channels
     torch.manual_seed(preset.seed + 21)
-    text_encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(t5_tok),
-            d_model=h,
-            d_kv=8,
-            d_ff=37,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            decoder_start_token_id=0,
-            pad_token_id=t5_tok.pad_token_id,
-            eos_token_id=t5_tok.eos_token_id,
-        )
-    ).eval()
+    text_encoder = UMT5EncoderModel(UMT5Config(**_tiny_t5_config(t5_tok, h))).eval()
     torch.manual_seed(preset.seed + 22)
     # head dim 12 splits into RoPE axes (t, h, w) = (4, 4, 4), as 128 splits into (44, 42, 42) upstream.
     transformer = WanTransformer3DModel(

@@ -9,13 +9,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from diffuserve import __version__
 from diffuserve.engine.engine import EngineState
-from diffuserve.server.context import ServerContext
+from diffuserve.server.common import server_context
 
 router = APIRouter()
-
-
-def _ctx(request: Request) -> ServerContext:
-    return request.app.state.ctx
 
 
 @router.get("/liveness", tags=["health"])
@@ -27,7 +23,7 @@ async def liveness() -> dict[str, str]:
 @router.get("/health", tags=["health"])
 async def health(request: Request) -> JSONResponse:
     """200 once the model is loaded and the warm-up generation ran; 503 before, and while draining."""
-    ctx = _ctx(request)
+    ctx = server_context(request)
     state = ctx.engine.state
     ready = state == EngineState.READY and not ctx.draining
     body = {"status": "ready" if ready else ("draining" if ctx.draining else state.value)}
@@ -39,13 +35,13 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/metrics", tags=["health"], response_class=PlainTextResponse,
             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format."}})
 async def metrics(request: Request) -> Response:
-    payload, content_type = _ctx(request).metrics.render()
+    payload, content_type = server_context(request).metrics.render()
     return Response(content=payload, media_type=content_type)
 
 
 @router.get("/server_info", tags=["models"])
 async def server_info(request: Request) -> dict:
-    ctx = _ctx(request)
+    ctx = server_context(request)
     args = ctx.args
     pipeline = ctx.engine.pipeline
     scheduler = ctx.engine.scheduler

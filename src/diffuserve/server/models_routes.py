@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from diffuserve.errors import ModelNotFoundError
+from diffuserve.server.common import server_context
 from diffuserve.server.context import ServerContext
 
 router = APIRouter()
@@ -22,12 +23,12 @@ def _card(ctx: ServerContext) -> dict:
 
 @router.get("/v1/models", tags=["models"])
 async def list_models(request: Request) -> dict:
-    return {"object": "list", "data": [_card(request.app.state.ctx)]}
+    return {"object": "list", "data": [_card(server_context(request))]}
 
 
 @router.get("/v1/models/{model_id:path}", tags=["models"])
 async def get_model(model_id: str, request: Request) -> dict:
-    ctx: ServerContext = request.app.state.ctx
+    ctx: ServerContext = server_context(request)
     if model_id not in ctx.args.model_names:
         raise ModelNotFoundError(
             f"The model {model_id!r} does not exist on this server; it serves {ctx.args.public_model_name!r}.",

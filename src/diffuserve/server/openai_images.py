@@ -14,10 +14,11 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from diffuserve.engine.engine import EngineState, GenerationResult
+from diffuserve.engine.engine import GenerationResult
 from diffuserve.engine.request import SamplingParams
 from diffuserve.errors import InvalidRequestError, NotFoundError, RequestCancelledError
 from diffuserve.media.images import decode_image, encode_image, mime_type
+from diffuserve.server.common import check_request_limits, require_ready, result_timings, server_context
 from diffuserve.server.context import ServerContext, StoredImage
 from diffuserve.server.protocol import (
     ImageData,
@@ -34,13 +35,8 @@ router = APIRouter()
 _DISCONNECT_POLL_S = 0.05
 
 
-def _ctx(request: Request) -> ServerContext:
-    return request.app.state.ctx
-
-
 def build_sampling_params(body: ImageGenerationRequest, ctx: ServerContext) -> SamplingParams:
     """Request body + the family's defaults -> SamplingParams, checked against the server's caps."""
-    args = ctx.args
     pipeline = ctx.engine.pipeline
     assert pipeline is not None
     defaults = pipeline.defaults
@@ -48,36 +44,15 @@ def build_sampling_params(body: ImageGenerationRequest, ctx: ServerContext) -> S
         raise InvalidRequestError(
             f"The served model is a {pipeline.family} {pipeline.output_kind} model: it makes videos, not images. "
             "Create a video job with POST /v1/videos instead.", param="model", code="model_not_supported")
-    if body.model is not None and body.model not in args.model_names:
-        raise InvalidRequestError(
-            f"Unknown model {body.model!r}; this server serves {args.public_model_name!r}.",
-            param="model", code="model_not_found",
-        )
-    for name in ("prompt", "negative_prompt"):
-        text = getattr(body, name)
-        if text is not None and len(text) > args.max_prompt_chars:
-            raise InvalidRequestError(
-                f"{name} has {len(text)} characters; the limit is {args.max_prompt_chars} (--max-prompt-chars).",
-                param=name,
-            )
     if body.size is not None:
         if body.width is not None or body.height is not None:
             raise InvalidRequestError("Give either size or width/height, not both.", param="size")
         width, height = parse_size(body.size)
     else:
         width, height = body.width or defaults.width, body.height or defaults.height
-    for name, value in (("width", width), ("height", height)):
-        if value > args.max_image_side:
-            raise InvalidRequestError(
-                f"{name}={value} exceeds the largest side this server allows ({args.max_image_side}, --max-image-side).",
-                param="size",
-            )
     steps = body.num_inference_steps or defaults.num_inference_steps
-    if steps > args.max_inference_steps:
-        raise InvalidRequestError(
-            f"num_inference_steps={steps} exceeds the limit of {args.max_inference_steps} (--max-inference-steps).",
-            param="num_inference_steps",
-        )
+    check_request_limits(ctx, model=body.model, texts={"prompt": body.prompt, "negative_prompt": body.negative_prompt},
+                         width=width, height=height, steps=steps)
     params = SamplingParams(
         prompt=body.prompt,
         negative_prompt=body.negative_prompt,
@@ -120,7 +95,7 @@ async def _generate_and_respond(
     ineligible_reason: str | None = None,
 ) -> ImageGenerationResponse:
     """Run one request through the engine and shape the OpenAI response (shared by generations and edits)."""
-    ctx = _ctx(request)
+    ctx = server_context(request)
     request_id = uuid.uuid4().hex
     result = await await_unless_disconnected(request, ctx.engine.generate(
         params, endpoint="images", timeout_s=body.timeout, priority=body.priority, request_id=request_id,
@@ -145,27 +120,15 @@ async def _generate_and_respond(
         output_format=params.output_format,
         size=f"{params.width}x{params.height}",
         seed=params.seed or 0,
-        timings=Timings(
-            queue_wait_ms=round(result.queue_wait_s * 1000, 3),
-            inference_ms=round(result.inference_s * 1000, 3),
-            encode_ms=round(encode_s * 1000, 3),
-            total_ms=round((time.monotonic() - received) * 1000, 3),
-            batch_size=result.batch_size,
-            stages_ms={k: round(v * 1000, 3) for k, v in result.stage_seconds.items()},
-        ),
+        timings=Timings(**result_timings(result, encode_s=encode_s, received=received)),
     )
-
-
-def _require_ready(ctx: ServerContext) -> None:
-    if ctx.engine.state != EngineState.READY or ctx.draining:
-        raise ctx.engine._not_ready_error()
 
 
 @router.post("/v1/images/generations", tags=["images"], response_model=ImageGenerationResponse)
 async def create_image(body: ImageGenerationRequest, request: Request) -> ImageGenerationResponse:
     received = time.monotonic()
-    ctx = _ctx(request)
-    _require_ready(ctx)
+    ctx = server_context(request)
+    require_ready(ctx)
     return await _generate_and_respond(request, body, build_sampling_params(body, ctx), received=received)
 
 
@@ -182,8 +145,8 @@ _EDIT_FILE_FIELDS = ("image", "image[]")
 async def edit_image(request: Request) -> ImageGenerationResponse:
     """Image-to-image (multipart, OpenAI shape). Each edit runs alone: image-conditioned requests never merge."""
     received = time.monotonic()
-    ctx = _ctx(request)
-    _require_ready(ctx)
+    ctx = server_context(request)
+    require_ready(ctx)
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise InvalidRequestError("POST /v1/images/edits takes multipart/form-data with an `image` file and a `prompt`.",
                                   param="body")
@@ -215,7 +178,7 @@ async def edit_image(request: Request) -> ImageGenerationResponse:
 @router.get("/v1/images/{image_id}/content", tags=["images"], response_class=Response, responses={
     200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}, "description": "The encoded image."}})
 async def image_content(image_id: str, request: Request, index: int = Query(default=0, ge=0)) -> Response:
-    images = _ctx(request).images.get(image_id)
+    images = server_context(request).images.get(image_id)
     if images is None:
         raise NotFoundError(f"No image {image_id!r} (unknown id, or dropped from the URL store).", param="image_id")
     if index >= len(images):

@@ -18,10 +18,10 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import Field, StrictFloat, StrictInt, StrictStr
 from starlette.concurrency import run_in_threadpool
 
-from diffuserve.engine.engine import EngineState, GenerationResult
+from diffuserve.engine.engine import GenerationResult
 from diffuserve.engine.request import SamplingParams
 from diffuserve.errors import (
     DiffuserveError,
@@ -30,8 +30,9 @@ from diffuserve.errors import (
     RequestCancelledError,
 )
 from diffuserve.media.video import encode_mp4
+from diffuserve.server.common import check_request_limits, require_ready, result_timings, server_context
 from diffuserve.server.context import ServerContext
-from diffuserve.server.protocol import MAX_SEED, error_envelope, parse_size
+from diffuserve.server.protocol import MAX_SEED, PromptRequest, error_envelope, parse_size
 from diffuserve.server.video_jobs import VideoJob, VideoJobStore
 
 router = APIRouter()
@@ -45,14 +46,9 @@ class VideoNotReadyError(DiffuserveError):
     code = "video_not_ready"
 
 
-class VideoCreateRequest(BaseModel):
-    """Body of POST /v1/videos. Unknown fields are rejected (400 naming the field)."""
+class VideoCreateRequest(PromptRequest):
+    """Body of POST /v1/videos (prompt, model and size as for images)."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    prompt: str = Field(description="What to film.")
-    model: str | None = Field(default=None, description="Served model name; omitted = the served model.")
-    size: str | None = Field(default=None, description="WIDTHxHEIGHT, e.g. 832x480; omitted = the model's default.")
     seconds: StrictStr | StrictFloat | StrictInt | None = Field(
         default=None, description="Duration (OpenAI sends a string such as \"4\"); frames = seconds x fps, "
         "rounded to the nearest count the model can make. Give this or num_frames.")
@@ -67,26 +63,6 @@ class VideoCreateRequest(BaseModel):
     priority: StrictInt = Field(default=0, ge=-100, le=100, description="Lower runs first among queued requests.")
     user: str | None = Field(default=None, max_length=256, description="End-user id (accepted for OpenAI compatibility).")
 
-    @field_validator("prompt")
-    @classmethod
-    def _prompt_not_blank(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("prompt must not be empty")
-        return value
-
-    @field_validator("size")
-    @classmethod
-    def _size_form(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        width, height = parse_size(value)
-        if width < 1 or height < 1:
-            raise ValueError(f"size {value!r} must have a positive width and height")
-        return f"{width}x{height}"
-
-
-def _ctx(request: Request) -> ServerContext:
-    return request.app.state.ctx
 
 
 def _store(ctx: ServerContext) -> VideoJobStore:
@@ -118,33 +94,17 @@ def build_video_params(body: VideoCreateRequest, ctx: ServerContext) -> Sampling
         raise InvalidRequestError(
             f"The served model {args.public_model_name!r} makes images, not videos; use "
             "POST /v1/images/generations.", param="model", code="model_not_supported")
-    if body.model is not None and body.model not in args.model_names:
-        raise InvalidRequestError(f"Unknown model {body.model!r}; this server serves {args.public_model_name!r}.",
-                                  param="model", code="model_not_found")
-    for name in ("prompt", "negative_prompt"):
-        text = getattr(body, name)
-        if text is not None and len(text) > args.max_prompt_chars:
-            raise InvalidRequestError(
-                f"{name} has {len(text)} characters; the limit is {args.max_prompt_chars} (--max-prompt-chars).",
-                param=name)
     defaults = pipeline.defaults
     width, height = parse_size(body.size) if body.size is not None else (defaults.width, defaults.height)
-    for name, value in (("width", width), ("height", height)):
-        if value > args.max_image_side:
-            raise InvalidRequestError(
-                f"{name}={value} exceeds the largest side this server allows ({args.max_image_side}, --max-image-side).",
-                param="size")
+    steps = body.num_inference_steps or defaults.num_inference_steps
+    check_request_limits(ctx, model=body.model, texts={"prompt": body.prompt, "negative_prompt": body.negative_prompt},
+                         width=width, height=height, steps=steps)
     fps = body.fps or defaults.fps
     num_frames = _frames(body, fps, defaults.num_frames, int(getattr(pipeline, "frame_multiple", 1)))
     if num_frames > args.max_video_frames:
         raise InvalidRequestError(
             f"num_frames={num_frames} exceeds the limit of {args.max_video_frames} (--max-video-frames).",
             param="seconds" if body.seconds is not None else "num_frames")
-    steps = body.num_inference_steps or defaults.num_inference_steps
-    if steps > args.max_inference_steps:
-        raise InvalidRequestError(
-            f"num_inference_steps={steps} exceeds the limit of {args.max_inference_steps} (--max-inference-steps).",
-            param="num_inference_steps")
     params = SamplingParams(
         prompt=body.prompt,
         negative_prompt=body.negative_prompt,
@@ -160,11 +120,6 @@ def build_video_params(body: VideoCreateRequest, ctx: ServerContext) -> Sampling
     )
     pipeline.validate(params)
     return params
-
-
-def _require_ready(ctx: ServerContext) -> None:
-    if ctx.engine.state != EngineState.READY or ctx.draining:
-        raise ctx.engine._not_ready_error()
 
 
 def _error_dict(exc: DiffuserveError) -> dict[str, Any]:
@@ -190,14 +145,7 @@ async def _drive_job(ctx: ServerContext, job: VideoJob, generation: asyncio.Futu
         store.fail(job.id, error_envelope(f"Video job failed: {type(exc).__name__}: {exc}", "server_error",
                                           None, "generation_failed")["error"])
         return
-    store.complete(job.id, content, {
-        "queue_wait_ms": round(result.queue_wait_s * 1000, 3),
-        "inference_ms": round(result.inference_s * 1000, 3),
-        "encode_ms": round(encode_s * 1000, 3),
-        "total_ms": round((time.monotonic() - received) * 1000, 3),
-        "batch_size": result.batch_size,
-        "stages_ms": {k: round(v * 1000, 3) for k, v in result.stage_seconds.items()},
-    })
+    store.complete(job.id, content, result_timings(result, encode_s=encode_s, received=received))
 
 
 def _refresh(ctx: ServerContext, job: VideoJob) -> VideoJob:
@@ -229,8 +177,8 @@ def _cancel(ctx: ServerContext, job: VideoJob, how: str) -> None:
 async def create_video(body: VideoCreateRequest, request: Request) -> dict[str, Any]:
     """Create a video job; answers at once with the queued job (poll GET /v1/videos/{id})."""
     received = time.monotonic()
-    ctx = _ctx(request)
-    _require_ready(ctx)
+    ctx = server_context(request)
+    require_ready(ctx)
     params = build_video_params(body, ctx)
     job = VideoJob(id=f"video_{uuid.uuid4().hex}", model=ctx.args.public_model_name, prompt=params.prompt,
                    width=params.width, height=params.height, num_frames=params.num_frames, fps=params.fps,
@@ -251,7 +199,7 @@ async def create_video(body: VideoCreateRequest, request: Request) -> dict[str, 
 async def list_videos(request: Request, limit: int = Query(default=20, ge=1, le=100),
                       after: str | None = Query(default=None)) -> dict[str, Any]:
     """Kept jobs, newest first; `after` is the last id of the previous page."""
-    ctx = _ctx(request)
+    ctx = server_context(request)
     try:
         page, has_more = _store(ctx).list(limit=limit, after=after)
     except KeyError:
@@ -263,14 +211,14 @@ async def list_videos(request: Request, limit: int = Query(default=20, ge=1, le=
 
 @router.get("/v1/videos/{video_id}", tags=["videos"])
 async def get_video(video_id: str, request: Request) -> dict[str, Any]:
-    return _get_job(_ctx(request), video_id).to_dict()
+    return _get_job(server_context(request), video_id).to_dict()
 
 
 @router.get("/v1/videos/{video_id}/content", tags=["videos"], response_class=Response, responses={
     200: {"content": {"video/mp4": {}}, "description": "The MP4 of a completed job."},
     409: {"description": "The job is not completed (queued, in progress, failed or cancelled)."}})
 async def video_content(video_id: str, request: Request) -> Response:
-    job = _get_job(_ctx(request), video_id)
+    job = _get_job(server_context(request), video_id)
     if job.content is None:
         hint = "poll GET /v1/videos/{id} until status is completed" if not job.terminal else "it has no video"
         raise VideoNotReadyError(f"Video job {video_id} is {job.status}; {hint}.", param="video_id")
@@ -282,7 +230,7 @@ async def video_content(video_id: str, request: Request) -> Response:
     409: {"description": "The job already completed or failed."}})
 async def cancel_video(video_id: str, request: Request) -> dict[str, Any]:
     """Queued: removed, it never runs. Running: stopped at the next denoising step. Both end cancelled."""
-    ctx = _ctx(request)
+    ctx = server_context(request)
     job = _get_job(ctx, video_id)
     if job.terminal and job.status != "cancelled":
         raise VideoNotReadyError(f"Video job {video_id} already {job.status}; DELETE it to remove it.",
@@ -294,7 +242,7 @@ async def cancel_video(video_id: str, request: Request) -> dict[str, Any]:
 @router.delete("/v1/videos/{video_id}", tags=["videos"])
 async def delete_video(video_id: str, request: Request) -> dict[str, Any]:
     """Remove a job and its MP4; a queued or running job is cancelled first."""
-    ctx = _ctx(request)
+    ctx = server_context(request)
     job = _get_job(ctx, video_id)
     _cancel(ctx, job, f"DELETE /v1/videos/{video_id}")
     _store(ctx).remove(video_id)

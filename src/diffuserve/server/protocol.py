@@ -24,30 +24,15 @@ def parse_size(size: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
-class ImageGenerationRequest(BaseModel):
-    """Body of POST /v1/images/generations. Unknown fields are rejected (400 naming the field)."""
+class PromptRequest(BaseModel):
+    """What every generation body shares: prompt, model and size, validated once. Unknown fields are
+    rejected (400 naming the field)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str = Field(description="What to draw.")
+    prompt: str = Field(description="What to generate.")
     model: str | None = Field(default=None, description="Served model name; omitted = the served model.")
-    n: StrictInt = Field(default=1, ge=1, le=10, description="Images to generate for this prompt (1-10).")
     size: str | None = Field(default=None, description="WIDTHxHEIGHT, e.g. 1024x1024; omitted = the model's default.")
-    width: StrictInt | None = Field(default=None, ge=1, description="Alternative to size.")
-    height: StrictInt | None = Field(default=None, ge=1, description="Alternative to size.")
-    num_inference_steps: StrictInt | None = Field(default=None, ge=1, description="Denoising steps.")
-    guidance_scale: float | None = Field(default=None, ge=0, le=100, description="Guidance scale.")
-    true_cfg_scale: float | None = Field(default=None, ge=0, le=100, description="True CFG scale (needs negative_prompt).")
-    negative_prompt: str | None = Field(default=None, description="What not to draw.")
-    seed: StrictInt | None = Field(default=None, ge=0, le=MAX_SEED, description="Random seed (0 to 2^63-1).")
-    response_format: Literal["b64_json", "url"] = Field(default="b64_json", description="b64_json (default) or url.")
-    output_format: Literal["png", "jpeg", "webp"] = Field(default="png", description="Encoded image format.")
-    output_quality: StrictInt = Field(default=90, ge=1, le=100, description="jpeg/webp quality.")
-    timeout: float | None = Field(default=None, gt=0, description="Seconds before the request is abandoned (capped by --request-timeout-s).")
-    priority: StrictInt = Field(default=0, ge=-100, le=100, description="Lower runs first among queued requests.")
-    user: str | None = Field(default=None, max_length=256, description="End-user id (accepted for OpenAI compatibility).")
-    quality: str | None = Field(default=None, max_length=32, description="Accepted for OpenAI compatibility; ignored.")
-    style: str | None = Field(default=None, max_length=32, description="Accepted for OpenAI compatibility; ignored.")
 
     @field_validator("prompt")
     @classmethod
@@ -65,6 +50,27 @@ class ImageGenerationRequest(BaseModel):
         if width < 1 or height < 1:
             raise ValueError(f"size {value!r} must have a positive width and height")
         return f"{width}x{height}"
+
+
+class ImageGenerationRequest(PromptRequest):
+    """Body of POST /v1/images/generations."""
+
+    n: StrictInt = Field(default=1, ge=1, le=10, description="Images to generate for this prompt (1-10).")
+    width: StrictInt | None = Field(default=None, ge=1, description="Alternative to size.")
+    height: StrictInt | None = Field(default=None, ge=1, description="Alternative to size.")
+    num_inference_steps: StrictInt | None = Field(default=None, ge=1, description="Denoising steps.")
+    guidance_scale: float | None = Field(default=None, ge=0, le=100, description="Guidance scale.")
+    true_cfg_scale: float | None = Field(default=None, ge=0, le=100, description="True CFG scale (needs negative_prompt).")
+    negative_prompt: str | None = Field(default=None, description="What not to draw.")
+    seed: StrictInt | None = Field(default=None, ge=0, le=MAX_SEED, description="Random seed (0 to 2^63-1).")
+    response_format: Literal["b64_json", "url"] = Field(default="b64_json", description="b64_json (default) or url.")
+    output_format: Literal["png", "jpeg", "webp"] = Field(default="png", description="Encoded image format.")
+    output_quality: StrictInt = Field(default=90, ge=1, le=100, description="jpeg/webp quality.")
+    timeout: float | None = Field(default=None, gt=0, description="Seconds before the request is abandoned (capped by --request-timeout-s).")
+    priority: StrictInt = Field(default=0, ge=-100, le=100, description="Lower runs first among queued requests.")
+    user: str | None = Field(default=None, max_length=256, description="End-user id (accepted for OpenAI compatibility).")
+    quality: str | None = Field(default=None, max_length=32, description="Accepted for OpenAI compatibility; ignored.")
+    style: str | None = Field(default=None, max_length=32, description="Accepted for OpenAI compatibility; ignored.")
 
 
 class ImageEditRequest(ImageGenerationRequest):

@@ -1,0 +1,64 @@
+"""Helpers every generation route shares: readiness, the server's request limits, result timings."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import Request
+
+from diffuserve.engine.engine import EngineState, GenerationResult
+from diffuserve.errors import InvalidRequestError
+from diffuserve.server.context import ServerContext
+
+
+def server_context(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+def require_ready(ctx: ServerContext) -> None:
+    """503 (with Retry-After) before load and warm-up are done, and while draining."""
+    if ctx.engine.state != EngineState.READY or ctx.draining:
+        raise ctx.engine.not_ready_error()
+
+
+def check_request_limits(
+    ctx: ServerContext,
+    *,
+    model: str | None,
+    texts: dict[str, str | None],
+    width: int,
+    height: int,
+    steps: int,
+) -> None:
+    """The server's own caps (model name, text length, image side, steps), each naming its field and flag."""
+    args = ctx.args
+    if model is not None and model not in args.model_names:
+        raise InvalidRequestError(f"Unknown model {model!r}; this server serves {args.public_model_name!r}.",
+                                  param="model", code="model_not_found")
+    for name, text in texts.items():
+        if text is not None and len(text) > args.max_prompt_chars:
+            raise InvalidRequestError(
+                f"{name} has {len(text)} characters; the limit is {args.max_prompt_chars} (--max-prompt-chars).",
+                param=name)
+    for name, value in (("width", width), ("height", height)):
+        if value > args.max_image_side:
+            raise InvalidRequestError(
+                f"{name}={value} exceeds the largest side this server allows ({args.max_image_side}, --max-image-side).",
+                param="size")
+    if steps > args.max_inference_steps:
+        raise InvalidRequestError(
+            f"num_inference_steps={steps} exceeds the limit of {args.max_inference_steps} (--max-inference-steps).",
+            param="num_inference_steps")
+
+
+def result_timings(result: GenerationResult, *, encode_s: float, received: float) -> dict[str, Any]:
+    """The `timings` object of a response (milliseconds)."""
+    return {
+        "queue_wait_ms": round(result.queue_wait_s * 1000, 3),
+        "inference_ms": round(result.inference_s * 1000, 3),
+        "encode_ms": round(encode_s * 1000, 3),
+        "total_ms": round((time.monotonic() - received) * 1000, 3),
+        "batch_size": result.batch_size,
+        "stages_ms": {k: round(v * 1000, 3) for k, v in result.stage_seconds.items()},
+    }
