@@ -70,3 +70,33 @@ def test_server_survives_100_consecutive_failing_batches(pipeline):
     assert all(isinstance(f[0], GenerationError) and "injected fault" in f[0].message for f in failures)
     assert len(after.output.images) == 1
     assert engine.metrics.requests.labels(endpoint="images", status="error")._value.get() == 100
+
+
+def test_an_internal_error_around_a_batch_does_not_kill_the_loop(pipeline):
+    from diffuserve.engine.metrics import BatchingStats
+
+    class FlakyStats(BatchingStats):
+        """Raises on the first dispatch only: a bug outside the pipeline call."""
+
+        calls = 0
+
+        def record(self, batch) -> None:
+            FlakyStats.calls += 1
+            if FlakyStats.calls == 1:
+                raise RuntimeError("stats bug")
+            super().record(batch)
+
+    engine = _engine(pipeline, max_size=1, delay_ms=0)
+    engine.batching_stats = FlakyStats(engine.metrics, log_enabled=False)
+
+    async def scenario() -> list:
+        first = await asyncio.gather(engine.generate(_params("first", 1)), return_exceptions=True)
+        second = await engine.generate(_params("second", 2))
+        return [first[0], second]
+
+    try:
+        first, second = asyncio.run(scenario())
+    finally:
+        engine.stop()
+    assert isinstance(first, GenerationError) and "stats bug" in first.message
+    assert len(second.output.images) == 1

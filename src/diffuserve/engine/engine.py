@@ -24,6 +24,7 @@ from diffuserve.engine.scheduler import Dispatch, DynamicBatcher, WaitUntil
 from diffuserve.engine.worker import run_batch
 from diffuserve.errors import (
     DiffuserveError,
+    GenerationError,
     QueueFullError,
     RequestCancelledError,
     RequestTimeoutError,
@@ -118,6 +119,8 @@ class AsyncEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._ready_event = threading.Event()
+        self.on_fatal: Callable[[str], None] | None = None
+        """Called (from the worker thread) when load or warm-up fails; `serve` uses it to exit non-zero."""
         self._recent_batch_s: float | None = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -305,11 +308,14 @@ class AsyncEngine:
         try:
             self._load_and_warm_up()
         except Exception as exc:
-            logger.exception("model load / warm-up failed")
+            message = exc.message if isinstance(exc, DiffuserveError) else f"{type(exc).__name__}: {exc}"
+            logger.error("model load / warm-up failed: %s", message, exc_info=not isinstance(exc, DiffuserveError))
             with self._cond:
                 self.state = EngineState.FAILED
-                self.failure = f"{type(exc).__name__}: {exc}"
+                self.failure = message
             self._ready_event.set()
+            if self.on_fatal is not None:
+                self.on_fatal(message)
             return
         self._ready_event.set()
         self._serve_forever()
@@ -352,7 +358,18 @@ class AsyncEngine:
             batch = self._next_batch()
             if batch is None:
                 return
-            self._execute(batch)
+            try:
+                self._execute(batch)
+            except Exception as exc:  # the batch loop never dies: answer the batch, free the scheduler
+                logger.exception("internal error around a batch")
+                error = GenerationError(f"Internal error while running this batch: {type(exc).__name__}: {exc}")
+                with self._cond:
+                    for request in batch.requests:
+                        self._answer_locked(request.request_id, error=error)
+                    if self.scheduler.running is batch:
+                        self.scheduler.complete(batch)
+                    self.metrics.set_running(0)
+                    self._cond.notify_all()
 
     def _next_batch(self) -> Any:
         with self._cond:

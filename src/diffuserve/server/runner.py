@@ -29,10 +29,18 @@ class DrainingServer(uvicorn.Server):
         self.ctx = ctx
         self._drain_started = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.exit_code = 0
+        ctx.engine.on_fatal = self._fatal
 
     async def startup(self, sockets=None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
+
+    def _fatal(self, message: str) -> None:
+        """The model cannot load: exit 1 so the orchestrator sees a failed start, not a stuck 503."""
+        logger.error("exiting: the model failed to load: %s", message)
+        self.exit_code = 1
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_started or self._loop is None:
@@ -71,4 +79,4 @@ def serve(args: ServerArgs) -> int:
     server = DrainingServer(config, ctx)
     logger.info("serving %r on http://%s:%d", args.public_model_name, args.host, args.port)
     server.run()
-    return 0
+    return server.exit_code
