@@ -156,6 +156,8 @@ def build_engine(args: ServerArgs) -> tuple[AsyncEngine, EngineMetrics, dict | N
     deployment = plan_deployment(args, model_path, device)
     apply_num_threads(args.num_threads, device)
     metrics = EngineMetrics()
+    if device.startswith("cuda"):
+        metrics.watch_cuda_memory(device)
     scheduler = build_batcher(args)
     stats = BatchingStats(metrics, log_enabled=args.enable_batching_metrics)
 

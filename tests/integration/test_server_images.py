@@ -128,6 +128,7 @@ def test_metrics_are_prometheus_text(singleton_server, client):
     assert after == before + 1
     assert metric_value(singleton_server.base_url, "diffuserve_stage_seconds_count") > 0
     assert metric_value(singleton_server.base_url, "diffuserve_request_latency_seconds_count") >= 1
+    assert metric_value(singleton_server.base_url, "diffuserve_process_resident_memory_bytes") > 50 * 2**20
 
 
 def _send_and_drop(base_url: str, body: dict, after_s: float) -> None:

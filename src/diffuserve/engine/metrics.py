@@ -36,6 +36,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 
@@ -108,6 +109,23 @@ class EngineMetrics:
                                   registry=r)
         self.device_peak_bytes = Gauge(f"{p}device_peak_bytes", "Peak device bytes held by a component.",
                                        ["component"], registry=r)
+        # Memory of the process itself (process_resident_memory_bytes, CPU seconds, open fds).
+        ProcessCollector(namespace=PREFIX.rstrip("_"), registry=r)
+        self.accelerator_memory = Gauge(f"{p}accelerator_memory_bytes",
+                                        "Accelerator memory of this process (CUDA allocator).", ["kind"], registry=r)
+
+    def watch_cuda_memory(self, device: str) -> None:
+        """Report the CUDA allocator's bytes (allocated, peak, reserved) at every scrape."""
+        import torch
+
+        index = torch.device(device).index or 0
+        readers = {
+            "allocated": lambda: torch.cuda.memory_allocated(index),
+            "max_allocated": lambda: torch.cuda.max_memory_allocated(index),
+            "reserved": lambda: torch.cuda.memory_reserved(index),
+        }
+        for kind, read in readers.items():
+            self.accelerator_memory.labels(kind=kind).set_function(read)
 
     # -- what the engine and server call ------------------------------------------------------------
     def observe_request(self, endpoint: str, status: str, latency_s: float | None = None) -> None:
