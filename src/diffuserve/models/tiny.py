@@ -138,6 +138,23 @@ def build_tokenizers(t5_max_length: int = 512) -> tuple[Any, Any]:
 # -- models -------------------------------------------------------------------------------------------
 
 
+def _tiny_clip_config(tokenizer: Any, hidden: int) -> dict[str, Any]:
+    """A 2-layer CLIP text config over `tokenizer`'s vocabulary (FLUX's and SD3's CLIP encoders)."""
+    return {
+        "vocab_size": len(tokenizer),
+        "hidden_size": hidden,
+        "intermediate_size": 37,
+        "projection_dim": hidden,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 77,
+        "hidden_act": "gelu",
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
 def _tiny_t5_config(tokenizer: Any, hidden: int) -> dict[str, Any]:
     """A 2-layer T5/UMT5 encoder config over `tokenizer`'s vocabulary (FLUX's text_encoder_2, Wan's encoder)."""
     return {
@@ -170,21 +187,7 @@ def _build_flux_components(preset: TinyFluxPreset) -> dict[str, Any]:
 
     # Each model gets its own fixed seed so that changing one component leaves the others' bytes alone.
     torch.manual_seed(preset.seed + 1)
-    clip = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(clip_tok),
-            hidden_size=h,
-            intermediate_size=37,
-            projection_dim=h,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=77,
-            hidden_act="gelu",
-            bos_token_id=clip_tok.bos_token_id,
-            eos_token_id=clip_tok.eos_token_id,
-            pad_token_id=clip_tok.pad_token_id,
-        )
-    )
+    clip = CLIPTextModel(CLIPTextConfig(**_tiny_clip_config(clip_tok, h)))
     torch.manual_seed(preset.seed + 2)
     t5 = T5EncoderModel(T5Config(**_tiny_t5_config(t5_tok, h)))
     torch.manual_seed(preset.seed + 3)
@@ -250,20 +253,7 @@ def _build_sd3_components(preset: TinyFluxPreset) -> dict[str, Any]:
     for i in range(2):
         torch.manual_seed(preset.seed + 11 + i)
         encoders.append(
-            CLIPTextModelWithProjection(
-                CLIPTextConfig(
-                    vocab_size=len(clip_tok),
-                    hidden_size=h,
-                    intermediate_size=37,
-                    projection_dim=h,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    hidden_act="gelu",
-                    bos_token_id=clip_tok.bos_token_id,
-                    eos_token_id=clip_tok.eos_token_id,
-                    pad_token_id=clip_tok.pad_token_id,
-                )
-            ).eval()
+            CLIPTextModelWithProjection(CLIPTextConfig(**_tiny_clip_config(clip_tok, h))).eval()
         )
     torch.manual_seed(preset.seed + 13)
     # SD3 pads the two CLIP sequences (2h wide together) to the T5 width, so T5 is 2h wide.
