@@ -190,13 +190,30 @@ class AsyncEngine:
         request_id: str | None = None,
     ) -> GenerationResult:
         """Submit and await one request. Cancelling the awaiting task aborts the request."""
-        loop = asyncio.get_running_loop()
-        pending = self._admit(params, loop, endpoint, timeout_s, priority, ineligible_reason, request_id)
+        pending = self._admit(params, asyncio.get_running_loop(), endpoint, timeout_s, priority,
+                              ineligible_reason, request_id)
         try:
             return await asyncio.shield(pending.future)
         except asyncio.CancelledError:
             self.abort(pending.request.request_id)
             raise
+
+    def submit(
+        self,
+        params: SamplingParams,
+        *,
+        endpoint: str = "images",
+        timeout_s: float | None = None,
+        priority: int = 0,
+        ineligible_reason: str | None = None,
+        request_id: str | None = None,
+    ) -> asyncio.Future[GenerationResult]:
+        """Admit one request now (raising 429/503 errors at once) and return the future of its answer.
+
+        For callers that outlive the HTTP request (video jobs); `generate` is submit + await.
+        """
+        return self._admit(params, asyncio.get_running_loop(), endpoint, timeout_s, priority,
+                           ineligible_reason, request_id).future
 
     def _admit(self, params, loop, endpoint, timeout_s, priority, ineligible_reason, request_id) -> _Pending:
         with self._cond:

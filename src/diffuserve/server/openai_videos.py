@@ -183,13 +183,9 @@ async def create_video(body: VideoCreateRequest, request: Request) -> dict[str, 
     job = VideoJob(id=f"video_{uuid.uuid4().hex}", model=ctx.args.public_model_name, prompt=params.prompt,
                    width=params.width, height=params.height, num_frames=params.num_frames, fps=params.fps,
                    num_inference_steps=params.num_inference_steps, seed=params.seed or 0)
-    generation = asyncio.ensure_future(ctx.engine.generate(
-        params, endpoint="videos", timeout_s=body.timeout, priority=body.priority, request_id=job.id))
-    # Admission (429 queue full, 503 not ready) runs before the first suspension of `generate`:
-    # one turn of the loop lets it run, so those errors reach this client instead of the job.
-    await asyncio.sleep(0)
-    if generation.done() and not generation.cancelled() and generation.exception() is not None:
-        raise generation.exception()  # type: ignore[misc]
+    # Admission (429 queue full, 503 not ready) raises here, to this client, not into the job.
+    generation = ctx.engine.submit(params, endpoint="videos", timeout_s=body.timeout, priority=body.priority,
+                                   request_id=job.id)
     _store(ctx).add(job)
     job.runner = asyncio.ensure_future(_drive_job(ctx, job, generation, received))
     return job.to_dict()
