@@ -13,10 +13,12 @@ diffusers.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +179,16 @@ class DiffusersBackendPipeline(Pipeline):
                 return declared_sequence_length(tokenizer, parameter.default)
         return None
 
+    @contextlib.contextmanager
+    def _all_components_in_use(self) -> Iterator[None]:
+        """Residency for an unmodified pipeline: it calls its modules itself, so no stage boundary can
+        be scoped; every component is `use`d for the whole call (offloaded ones come on for the call
+        and go off after it, layer-wise ones stream their layers during it)."""
+        with contextlib.ExitStack() as stack:
+            for name in self.components:
+                stack.enter_context(self.residency.use(name))
+            yield
+
     def _kwargs(self, batch: list[Any]) -> dict[str, Any]:
         head = batch[0]
         prompts = [p.prompt for p in batch for _ in range(p.n)]
@@ -250,7 +262,7 @@ class DiffusersBackendPipeline(Pipeline):
         if should_stop is not None and should_stop():
             raise RequestCancelledError("cancelled before denoising step 1")
         start = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), self._all_components_in_use():
             result = self.pipe(**kwargs)
         elapsed = time.perf_counter() - start
         items = (
