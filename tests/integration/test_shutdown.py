@@ -63,7 +63,7 @@ def test_sigterm_with_16_in_flight(tiny_flux_path: Path, tmp_path: Path):
 
 
 def test_shutdown_timeout_answers_the_rest_with_errors(tiny_flux_path: Path, tmp_path: Path):
-    server = ServerProcess(["--model-path", str(tiny_flux_path), "--shutdown-timeout-s", "1"], tmp_path / "log")
+    server = ServerProcess(["--model-path", str(tiny_flux_path), "--shutdown-timeout-s", "0.5"], tmp_path / "log")
     server.start()
     threads, answers = _fire(server.base_url, 4, {"prompt": "too slow", "size": "512x512", "num_inference_steps": 200})
     _wait_accepted(server.base_url, 4)
