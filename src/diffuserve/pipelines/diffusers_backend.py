@@ -98,6 +98,7 @@ class DiffusersBackendPipeline(Pipeline):
         self._max_sequence_length = self._declared_sequence_length(pipe)
         self.output_kind = "video" if "num_frames" in self._call_params else "image"
         self.size_multiple = self._size_multiple(pipe)
+        self.max_width = self.max_height = self._max_side(pipe)
         self.frame_multiple = int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1)
         """Video: num_frames - 1 must divide by this (the VAE's temporal compression; 4 for Wan)."""
         self.defaults = self._defaults(pipe, suggested_defaults or {})
@@ -115,6 +116,21 @@ class DiffusersBackendPipeline(Pipeline):
         processor = getattr(pipe, "image_processor", None)
         processor_factor = int(getattr(getattr(processor, "config", None), "vae_scale_factor", 0) or 0)
         return max(vae_factor * int(patch if isinstance(patch, int) else 1), processor_factor, 1)
+
+    def _max_side(self, pipe: Any) -> int | None:
+        """The family's positional limit (its spec's `max_latent_side`) in pixels, for this checkpoint."""
+        from diffuserve.families import spec_for
+
+        transformer = getattr(pipe, "transformer", None)
+        try:
+            limit = spec_for(self.family).max_latent_side
+        except KeyError:
+            return None
+        if limit is None or transformer is None:
+            return None
+        side = limit(dict(transformer.config))
+        vae_factor = int(getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", 8) or 8)
+        return None if side is None else side * vae_factor
 
     def _defaults(self, pipe: Any, suggested: dict[str, Any]) -> SamplingDefaults:
         # The checkpoint's suggestions first, then the pipeline's own defaults: its __call__ keyword
