@@ -18,7 +18,7 @@ def tiny_flux_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_sd3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Stable Diffusion 3 checkpoint: a family with no native adapter (diffusers backend)."""
+    """A tiny Stable Diffusion 3 / 3.5 checkpoint (models/tiny_sd3.py): native, and the diffusers-backend test model."""
     from diffuserve.models.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint("sd3", tmp_path_factory.mktemp("ckpt") / "sd3-tiny", preset="tiny")

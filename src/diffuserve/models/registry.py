@@ -58,6 +58,7 @@ _MODEL_ID_PATTERNS: tuple[tuple[str, str], ...] = (
 
 NATIVE_FAMILIES: dict[str, str] = {
     "flux": "diffuserve.pipelines.flux:FluxNativePipeline",
+    "sd3": "diffuserve.pipelines.sd3:SD3NativePipeline",
 }
 """family -> "module:Class" of its native adapter. Other engineers add their families here."""
 

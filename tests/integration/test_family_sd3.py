@@ -1,0 +1,219 @@
+"""SD3 / SD3.5 natively: against diffusers.StableDiffusion3Pipeline, batching, residency, HTTP.
+
+Tolerance for every image comparison: at most 1/255 per pixel channel (one uint8 step). Both
+pipelines run the same model classes from the same folder, so the observed difference against
+diffusers and against the resident run is 0; the one step leaves room for float reordering when
+rows are merged (a matmul over more rows may round differently).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from diffuserve.config.plan import ComponentPlan, DeploymentPlan, ResidencyMode
+from diffuserve.engine.request import SamplingParams
+from diffuserve.errors import InvalidRequestError
+from tests.serverproc import ServerProcess
+
+pytestmark = pytest.mark.timeout(300)
+
+PIXEL_TOL = 1  # uint8 steps, i.e. 1/255
+
+
+@pytest.fixture(scope="module")
+def native(tiny_sd3_path: Path):
+    from diffuserve.models.loader import load_pipeline
+
+    return load_pipeline(tiny_sd3_path)  # backend auto: native for SD3
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_sd3_path: Path):
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_path, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _px(image) -> np.ndarray:
+    return np.asarray(image).astype(np.int16)
+
+
+def _max_diff(a, b) -> int:
+    return int(np.abs(_px(a) - _px(b)).max())
+
+
+def _reference_images(reference, params: SamplingParams) -> list:
+    return reference(
+        params.prompt,
+        negative_prompt=params.negative_prompt,
+        height=params.height,
+        width=params.width,
+        num_inference_steps=params.num_inference_steps,
+        guidance_scale=params.guidance_scale,
+        num_images_per_prompt=params.n,
+        generator=[torch.Generator().manual_seed(params.seed + j) for j in range(params.n)],
+        # The tiny tokenizer_3 declares 64 tokens; diffuserve caps diffusers' 256 by it.
+        max_sequence_length=reference.tokenizer_3.model_max_length,
+    ).images
+
+
+def test_tiny_builder_is_byte_identical_small_and_loads(tiny_sd3_path: Path, tmp_path: Path) -> None:
+    from diffusers import StableDiffusion3Pipeline
+
+    from diffuserve.models import tiny_sd3
+
+    def digest(folder: Path) -> str:
+        h = hashlib.sha256()
+        for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+            h.update(str(f.relative_to(folder)).encode() + b"\0" + f.read_bytes())
+        return h.hexdigest()
+
+    tiny_sd3.build(tmp_path / "again")
+    assert digest(tmp_path / "again") == digest(tiny_sd3_path)
+    assert sum(f.stat().st_size for f in tiny_sd3_path.rglob("*") if f.is_file()) < 10 * 2**20
+    pipe = StableDiffusion3Pipeline.from_pretrained(tmp_path / "again", local_files_only=True)
+    assert pipe.transformer.config.pos_embed_max_size == tiny_sd3.POS_EMBED_MAX_SIZE
+
+
+def test_defaults_and_limits_come_from_the_checkpoint(native) -> None:
+    from diffuserve.pipelines.sd3 import SD3NativePipeline
+
+    assert isinstance(native, SD3NativePipeline) and native.family == "sd3"
+    # diffusers' call defaults: transformer sample size x VAE factor, 28 steps, guidance 7.0.
+    d = native.defaults
+    assert (d.width, d.height, d.num_inference_steps, d.guidance_scale) == (64, 64, 28, 7.0)
+    assert native.size_multiple == 16 and native.max_side == 32 * 2 * 8
+    native.validate(SamplingParams(prompt="x", width=512, height=64))
+    with pytest.raises(InvalidRequestError, match="positional table") as err:
+        native.validate(SamplingParams(prompt="x", width=528, height=64))
+    assert err.value.param == "size"
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        # diffusers' defaults: CFG at 7.0 against the empty negative prompt
+        SamplingParams(prompt="a photo of a cat", seed=5, n=2, num_inference_steps=3, guidance_scale=7.0),
+        SamplingParams(prompt="a red fox", negative_prompt="blurry", seed=1, num_inference_steps=3,
+                       guidance_scale=4.5, width=48, height=32),
+        # guidance_scale <= 1: no CFG branch at all
+        SamplingParams(prompt="a tree", seed=2, num_inference_steps=3, guidance_scale=1.0),
+    ],
+    ids=["cfg-default-negative", "cfg-negative-48x32", "no-cfg"],
+)
+def test_native_matches_diffusers(native, reference, params: SamplingParams) -> None:
+    ours = native.run([params]).outputs[0].images
+    theirs = _reference_images(reference, params)
+    assert len(ours) == len(theirs) == params.n
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.size == (params.width, params.height)
+        assert _max_diff(a, b) <= PIXEL_TOL
+
+
+def test_merged_rows_equal_their_singletons(native) -> None:
+    # Prompts of different token lengths (and one repeated), negative prompts on some rows.
+    batch = [
+        SamplingParams(prompt="a cat", seed=1, n=2, num_inference_steps=2, guidance_scale=5.0),
+        SamplingParams(prompt="a detailed painting of an old house by the sea at night", negative_prompt="dark",
+                       seed=9, num_inference_steps=2, guidance_scale=5.0),
+        SamplingParams(prompt="a cat", seed=4, num_inference_steps=2, guidance_scale=5.0),
+    ]
+    merged = native.run(batch).outputs
+    assert [len(o.images) for o in merged] == [2, 1, 1]
+    for params, output in zip(batch, merged, strict=True):
+        alone = native.run([params]).outputs[0].images
+        for a, b in zip(output.images, alone, strict=True):
+            assert _max_diff(a, b) <= PIXEL_TOL
+
+
+@pytest.mark.parametrize(
+    "mode", [ResidencyMode.COMPONENT_OFFLOAD, ResidencyMode.SNAPSHOT_OFFLOAD, ResidencyMode.LAYERWISE_OFFLOAD]
+)
+def test_residency_modes_reproduce_the_resident_output(native, mode: ResidencyMode) -> None:
+    from diffuserve.pipelines.base import AllResident
+    from diffuserve.runtime.layerwise import default_layer_specs
+    from diffuserve.runtime.ledger import TransferLedger
+    from diffuserve.runtime.residency import build_residency
+
+    params = [SamplingParams(prompt="a red cat", negative_prompt="blurry", seed=7, n=2,
+                             num_inference_steps=2, guidance_scale=4.0)]
+    reference = [np.asarray(im) for im in native.run(params).outputs[0].images]
+    # The DiT and the text encoders have repeated layers; under layer-wise every one of them streams.
+    layered = {"transformer", "text_encoder", "text_encoder_2", "text_encoder_3"}
+    assert all(default_layer_specs(n, native.components[n]) for n in layered)
+    dp = DeploymentPlan(components={n: ComponentPlan(name=n, group="other", mode=mode) for n in native.components})
+    ledger = TransferLedger()
+    native.residency = build_residency(dp, native.components, device="cpu", ledger=ledger)
+    try:
+        assert ledger.device_bytes() == 0
+        ledger.begin_window()
+        images = [np.asarray(im) for im in native.run(params).outputs[0].images]
+        moves = ledger.window_summary().moves
+        for got, ref in zip(images, reference, strict=True):
+            assert (got == ref).all()  # same tensors, same kernels: identical pixels
+        assert {m.component for m in moves} == set(native.components)
+        if mode is ResidencyMode.LAYERWISE_OFFLOAD:
+            streamed = {m.component for m in moves if m.layer}
+            assert layered <= streamed
+        assert ledger.device_bytes() == 0
+    finally:
+        native.residency.close()
+        native.residency = AllResident()
+
+
+# -- over a real server --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sd3_server(tiny_sd3_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    logs = tmp_path_factory.mktemp("sd3-server")
+    server = ServerProcess(["--model-path", str(tiny_sd3_path), "--served-model-name", "tiny-sd3",
+                            "--warmup-steps", "1"], logs / "server.log")
+    server.start(timeout_s=240)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(sd3_server: ServerProcess):
+    import openai
+
+    return openai.OpenAI(base_url=f"{sd3_server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def test_generation_over_the_server_equals_the_native_run(client, native) -> None:
+    import base64
+    import io
+
+    from PIL import Image
+
+    result = client.images.generate(model="tiny-sd3", prompt="a blue bird", size="64x64", n=2,
+                                    extra_body={"num_inference_steps": 2, "seed": 11, "guidance_scale": 3.0})
+    images = [Image.open(io.BytesIO(base64.b64decode(d.b64_json))) for d in result.data]
+    expected = native.run([SamplingParams(prompt="a blue bird", seed=11, n=2, num_inference_steps=2,
+                                          guidance_scale=3.0)]).outputs[0].images
+    assert [im.size for im in images] == [(64, 64)] * 2
+    for a, b in zip(images, expected, strict=True):
+        assert _max_diff(a.convert("RGB"), b) <= PIXEL_TOL
+
+
+def test_size_beyond_the_positional_table_is_a_400_naming_size(client) -> None:
+    import openai
+
+    with warnings.catch_warnings(), pytest.raises(openai.BadRequestError) as err:
+        warnings.simplefilter("ignore")
+        client.images.generate(model="tiny-sd3", prompt="too big", size="528x528",  # type: ignore[arg-type]
+                               extra_body={"num_inference_steps": 1})
+    body = err.value.body
+    assert isinstance(body, dict)
+    error = body.get("error", body)
+    assert error["param"] == "size" and "512" in error["message"]
