@@ -9,6 +9,22 @@ import pytest
 
 
 @pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """`tiny_checkpoint(name)` -> the folder of tiny checkpoint `name` (a `make-tiny --family` name), built
+    at most once per test session."""
+    from diffuserve.models.tiny import build_tiny_checkpoint
+
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build_tiny_checkpoint(name, tmp_path_factory.mktemp("ckpt") / f"{name}-tiny")
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def tiny_flux_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The `tiny` FLUX.1-style checkpoint (the embedded default model), built once per session."""
     from diffuserve.models.tiny import build_tiny_checkpoint
@@ -17,11 +33,9 @@ def tiny_flux_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_sd3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Stable Diffusion 3 / 3.5 checkpoint (models/tiny_sd3.py): native, and the diffusers-backend test model."""
-    from diffuserve.models.tiny import build_tiny_checkpoint
-
-    return build_tiny_checkpoint("sd3", tmp_path_factory.mktemp("ckpt") / "sd3-tiny", preset="tiny")
+def tiny_sd3_path(tiny_checkpoint) -> Path:
+    """The tiny SD3 / 3.5 checkpoint (models/tiny_sd3.py): native, and the diffusers-backend test model."""
+    return tiny_checkpoint("sd3")
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from diffuserve.config.plan import ComponentPlan, DeploymentPlan, ResidencyMode
-from diffuserve.engine.request import SamplingParams
+from diffuserve.sampling import SamplingParams
 from diffuserve.errors import InvalidRequestError
 from tests.serverproc import ServerProcess
 
@@ -91,7 +91,7 @@ def test_defaults_and_limits_come_from_the_checkpoint(native) -> None:
     # diffusers' call defaults: transformer sample size x VAE factor, 28 steps, guidance 7.0.
     d = native.defaults
     assert (d.width, d.height, d.num_inference_steps, d.guidance_scale) == (64, 64, 28, 7.0)
-    assert native.size_multiple == 16 and native.max_side == 32 * 2 * 8
+    assert native.size_multiple == 16 and native.max_width == native.max_height == 32 * 2 * 8
     native.validate(SamplingParams(prompt="x", width=512, height=64))
     with pytest.raises(InvalidRequestError, match="positional table") as err:
         native.validate(SamplingParams(prompt="x", width=528, height=64))
