@@ -56,7 +56,7 @@ class SD3NativePipeline(stages.RecipePipeline):
     output_kind = "image"
     supports_batching = True
     text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
-    # diffusers runs SD3's CFG as one doubled batch; so do we (its rows are independent, see _guided).
+    # diffusers runs SD3's CFG as one doubled batch; so do we (two passes round differently: +-1 level).
     batched_cfg = True
 
     def __init__(self, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype) -> None:
@@ -109,27 +109,6 @@ class SD3NativePipeline(stages.RecipePipeline):
 
     def cfg_scale(self, head: Any) -> float:
         return head.guidance_scale
-
-    def _guided(self, latents: torch.Tensor, timestep: torch.Tensor, positive: Cond, negative: Cond | None,
-                head: Any, state: DenoiseState, step_index: int, model_key: str) -> torch.Tensor:
-        cond = self._joined(state, positive, negative)
-        if negative is None:
-            return self.predict(latents, timestep, cond, state, model_key)
-        both = self.predict(torch.cat([latents, latents]), torch.cat([timestep, timestep]), cond, state, model_key)
-        uncond, positive_out = both.chunk(2)
-        return self.combine_guidance(positive_out, uncond, head, state, step_index)
-
-    def _joined(self, state: DenoiseState, positive: Cond, negative: Cond | None) -> Cond:
-        """The transformer's inputs for this batch, built once per run rather than once per step. With CFG
-        the negative rows come first, as diffusers stacks them, so every row meets the kernels where
-        diffusers puts it (the recipe's doubled batch would put the positive rows first)."""
-        cached = state.extras.get("joined")
-        if cached is None or cached[0] is not positive or cached[1] is not negative:
-            cond = positive if negative is None else stages.concat_cond(negative, positive)
-            prompt_embeds, pooled = self._join(cond)
-            cached = (positive, negative, {"prompt_embeds": prompt_embeds, "pooled": pooled})
-            state.extras["joined"] = cached
-        return cached[2]
 
     # -- 1. encode --------------------------------------------------------------------------------------
 
@@ -205,11 +184,7 @@ class SD3NativePipeline(stages.RecipePipeline):
 
     def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
                 model_key: str) -> torch.Tensor:
-        """One transformer call; `cond` is the encoders' pieces or their joined form (`_joined`)."""
-        if "prompt_embeds" in cond:
-            prompt_embeds, pooled = cond["prompt_embeds"], cond["pooled"]
-        else:
-            prompt_embeds, pooled = self._join(cond)
+        prompt_embeds, pooled = self._join(cond)
         return self.transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=prompt_embeds,
                                 pooled_projections=pooled, return_dict=False)[0]
 
