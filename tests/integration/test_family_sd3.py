@@ -129,6 +129,15 @@ def test_native_matches_diffusers(native, twin, reference, params: SamplingParam
         assert _max_diff(b, ref) <= PIXEL_TOL
 
 
+def test_cached_empty_negative_is_a_fresh_encoding(twin) -> None:
+    """CFG without a negative prompt reuses one encoding of "": it must be what a fresh call gives."""
+    with torch.inference_mode():
+        for key in twin.text_encoders:
+            cached, fresh = twin._encode_empty(key), twin._encode_group(key, [""])
+            assert cached.keys() == fresh.keys()
+            assert all(torch.equal(cached[k], fresh[k]) for k in fresh)
+
+
 def test_merged_rows_equal_their_singletons(native) -> None:
     # Prompts of different token lengths (and one repeated), negative prompts on some rows.
     batch = [

@@ -85,6 +85,8 @@ class SD3NativePipeline(stages.RecipePipeline):
         size = int(self.transformer.config.sample_size) * self.vae_scale_factor
         self.defaults = dataclasses.replace(spec.defaults, width=size, height=size)
         self._schedulers: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._empty: dict[str, Cond] = {}
+        """Text encoder key -> its encoding of "" (see `_encode_empty`)."""
 
     @classmethod
     def from_components(
@@ -119,13 +121,21 @@ class SD3NativePipeline(stages.RecipePipeline):
         # and for several, so a joint call would move a singleton off diffusers' image by a pixel level.
         prompts = {p.prompt for p in batch}
         groups = [[t for t in texts if t in prompts], [t for t in texts if t not in prompts]]
-        parts = [self._encode_group(key, group) for group in groups if group]
+        parts = [self._encode_empty(key) if group == [""] else self._encode_group(key, group)
+                 for group in groups if group]
         out = {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
         order = [t for group in groups for t in group]
         if order != texts:
             index = torch.tensor([order.index(t) for t in texts], device=next(iter(out.values())).device)
             out = {name: value.index_select(0, index) for name, value in out.items()}
         return out
+
+    def _encode_empty(self, key: str) -> Cond:
+        """The encoding of "" (the unconditional text of every CFG request without a negative prompt), made
+        once: the same tensors a fresh one-row call gives, without running the encoder per request."""
+        if key not in self._empty:
+            self._empty[key] = self._encode_group(key, [""])
+        return self._empty[key]
 
     def _encode_group(self, key: str, texts: list[str]) -> Cond:
         if key == "text_encoder_3":
