@@ -15,7 +15,7 @@ What `diffusers.StableDiffusion3Pipeline.__call__` does, and so what this adapte
    `scaling_factor`, adds its `shift_factor`, and rounds pixels as diffusers' image processor does.
 
 Sizes: multiples of VAE factor x patch size (16), at most `pos_embed_max_size` patches per side (the
-transformer crops its positional table and cannot run beyond it: 192 x 2 x 8 = 3072 px for SD3.5).
+transformer crops its positional table and cannot run beyond it: a 192-patch table gives 192 x 2 x 8 = 3072 px).
 """
 
 from __future__ import annotations
