@@ -70,7 +70,7 @@ def _reference_images(reference, params: SamplingParams) -> list:
         num_images_per_prompt=params.n,
         generator=[torch.Generator().manual_seed(params.seed + j) for j in range(params.n)],
         # The tiny tokenizer_3 declares 64 tokens; diffuserve caps diffusers' 256 by it.
-        max_sequence_length=reference.tokenizer_3.model_max_length,
+        max_sequence_length=reference.tokenizer_3.model_max_length if reference.tokenizer_3 else 256,
     ).images
 
 
@@ -127,6 +127,22 @@ def test_native_matches_diffusers(native, twin, reference, params: SamplingParam
         assert a.size == b.size == (params.width, params.height)
         assert _max_diff(a, ref) == 0
         assert _max_diff(b, ref) <= PIXEL_TOL
+
+
+def test_checkpoint_saved_without_t5_matches_diffusers(native, reference, tmp_path: Path) -> None:
+    """diffusers lets SD3 drop T5 (its tokens become zeros); such a folder loads and runs natively."""
+    from diffusers import StableDiffusion3Pipeline
+
+    from diffuserve.models.loader import load_pipeline
+
+    without = StableDiffusion3Pipeline(**{**reference.components, "text_encoder_3": None, "tokenizer_3": None})
+    without.set_progress_bar_config(disable=True)
+    without.save_pretrained(tmp_path / "no-t5")
+    loaded = load_pipeline(tmp_path / "no-t5")
+    assert loaded.text_encoders == ("text_encoder", "text_encoder_2") and "text_encoder_3" not in loaded.components
+    params = SamplingParams(prompt="a red fox", seed=2, num_inference_steps=2, guidance_scale=5.0)
+    theirs = _reference_images(without, params)  # max_sequence_length: diffusers' 256, nothing to cap it
+    assert _max_diff(loaded.run([params]).outputs[0].images[0], theirs[0]) <= PIXEL_TOL
 
 
 def test_cached_empty_negative_is_a_fresh_encoding(twin) -> None:

@@ -4,7 +4,8 @@ What `diffusers.StableDiffusion3Pipeline.__call__` does, and so what this adapte
 1. Text: two CLIP encoders with projection give their penultimate hidden states (77 tokens each,
    concatenated along features) and their pooled projections (concatenated: `pooled_projections`);
    T5 gives `max_sequence_length` padded tokens. The CLIP features are zero-padded to T5's width and
-   the two sequences concatenated along tokens. Every text pads to fixed lengths, so merged rows need
+   the two sequences concatenated along tokens (zeros in T5's place for a checkpoint saved without
+   it). Every text pads to fixed lengths, so merged rows need
    no attention mask.
 2. Guidance: classic CFG whenever `guidance_scale > 1`, against the negative prompt "" when none is
    given, as one doubled transformer batch per step; combined as diffusers does. Skip-layer guidance
@@ -42,8 +43,8 @@ logger = logging.getLogger(__name__)
 DIFFUSERS_MAX_SEQUENCE_LENGTH = 256
 """`StableDiffusion3Pipeline.__call__`'s default T5 length (capped by what tokenizer_3 declares)."""
 
-REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
-            "text_encoder_3", "tokenizer_3", "scheduler")
+REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
+"""Components every SD3 checkpoint has; T5 (`text_encoder_3`, `tokenizer_3`) may be left out, as diffusers allows."""
 
 # The pieces `encode_text` returns; `_join` assembles them into the transformer's two inputs.
 _CLIP_KEYS = {"text_encoder": ("clip_1", "pooled_1"), "text_encoder_2": ("clip_2", "pooled_2")}
@@ -65,13 +66,22 @@ class SD3NativePipeline(stages.RecipePipeline):
         self.vae = components["vae"]
         self.clip = {"text_encoder": components["text_encoder"], "text_encoder_2": components["text_encoder_2"]}
         self.clip_tokenizers = {"text_encoder": components["tokenizer"], "text_encoder_2": components["tokenizer_2"]}
-        self.t5 = components["text_encoder_3"]
-        self.t5_tokenizer = components["tokenizer_3"]
+        self.t5 = components.get("text_encoder_3")
+        self.t5_tokenizer = components.get("tokenizer_3")
+        if (self.t5 is None) != (self.t5_tokenizer is None):
+            from diffuserve.errors import CheckpointError
+
+            raise CheckpointError("an SD3 checkpoint has text_encoder_3 and tokenizer_3 both or neither; "
+                                  "model_index.json names only one of them.")
+        if self.t5 is None:
+            # Saved without T5 (a memory saving diffusers supports): its tokens are zeros, as diffusers does.
+            self.text_encoders = ("text_encoder", "text_encoder_2")
         self.scheduler = components["scheduler"]
         self.device = torch.device(device)
         self.dtype = dtype
         self.components = {key: components[key] for key in (*self.text_encoders, "transformer", "vae")}
-        self.max_sequence_length = declared_sequence_length(self.t5_tokenizer, DIFFUSERS_MAX_SEQUENCE_LENGTH)
+        self.max_sequence_length = (DIFFUSERS_MAX_SEQUENCE_LENGTH if self.t5_tokenizer is None else
+                                    declared_sequence_length(self.t5_tokenizer, DIFFUSERS_MAX_SEQUENCE_LENGTH))
         """T5 tokens per text: diffusers' 256, capped by what tokenizer_3 declares."""
         self.clip_length = int(getattr(components["tokenizer"], "model_max_length", 77) or 77)
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
@@ -99,7 +109,7 @@ class SD3NativePipeline(stages.RecipePipeline):
 
             raise CheckpointError(
                 f"an SD3 checkpoint needs components {list(REQUIRED)}; its model_index.json lacks {missing} "
-                "(a checkpoint saved without T5 runs with --backend diffusers)."
+                "(--backend diffusers runs a pipeline without them)."
             )
         return cls(components, device=device, dtype=dtype)
 
@@ -149,11 +159,12 @@ class SD3NativePipeline(stages.RecipePipeline):
         # The penultimate layer (diffusers' clip_skip=None), in the first encoder's dtype as upstream.
         return {hidden: out.hidden_states[-2].to(self.clip["text_encoder"].dtype), pooled: out[0]}
 
-    @staticmethod
-    def _join(cond: Cond) -> tuple[torch.Tensor, torch.Tensor]:
+    def _join(self, cond: Cond) -> tuple[torch.Tensor, torch.Tensor]:
         """(encoder_hidden_states, pooled_projections) from the encoders' pieces."""
         clip = torch.cat([cond["clip_1"], cond["clip_2"]], dim=-1)
-        t5 = cond["t5"]
+        t5 = cond.get("t5")
+        if t5 is None:
+            t5 = clip.new_zeros((clip.shape[0], self.max_sequence_length, self.transformer.config.joint_attention_dim))
         clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
         return torch.cat([clip, t5], dim=-2), torch.cat([cond["pooled_1"], cond["pooled_2"]], dim=-1)
 
@@ -185,7 +196,7 @@ class SD3NativePipeline(stages.RecipePipeline):
         """Noise row j of a request from `seed + j`, in the text embeddings' dtype as diffusers; the schedule."""
         lh, lw = head.height // self.vae_scale_factor, head.width // self.vae_scale_factor
         latents = stages.batch_noise(batch, (self.transformer.config.in_channels, lh, lw),
-                                     device=self.device, dtype=positive["t5"].dtype)
+                                     device=self.device, dtype=self._join(positive)[0].dtype)
         scheduler, timesteps = self._timesteps(head.num_inference_steps,
                                                (lh // self.patch_size) * (lw // self.patch_size))
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras={})
