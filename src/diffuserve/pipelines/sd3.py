@@ -5,8 +5,7 @@ What `diffusers.StableDiffusion3Pipeline.__call__` does, and so what this adapte
    concatenated along features) and their pooled projections (concatenated: `pooled_projections`);
    T5 gives `max_sequence_length` padded tokens. The CLIP features are zero-padded to T5's width and
    the two sequences concatenated along tokens (zeros in T5's place for a checkpoint saved without
-   it). Every text pads to fixed lengths, so merged rows need
-   no attention mask.
+   it). Every text pads to fixed lengths, so merged rows need no attention mask.
 2. Guidance: classic CFG whenever `guidance_scale > 1`, against the negative prompt "" when none is
    given, as one doubled transformer batch per step; combined as diffusers does. Skip-layer guidance
    (off in diffusers by default) is not offered.
