@@ -92,13 +92,18 @@ def test_tiny_builder_is_byte_identical_small_and_loads(tiny_sd3_path: Path, tmp
     assert pipe.transformer.config.pos_embed_max_size == tiny_sd3.POS_EMBED_MAX_SIZE
 
 
-def test_defaults_and_limits_come_from_the_checkpoint(native) -> None:
+def test_defaults_and_limits_come_from_the_checkpoint(native, reference) -> None:
+    import inspect
+
     from diffuserve.pipelines.sd3 import SD3NativePipeline
 
     assert isinstance(native, SD3NativePipeline) and native.family == "sd3"
-    # diffusers' call defaults: transformer sample size x VAE factor, 28 steps, guidance 7.0.
+    # diffusers' call defaults: transformer sample size x VAE factor (64 px here), 28 steps, guidance 7.0.
+    call = inspect.signature(type(reference).__call__).parameters
     d = native.defaults
-    assert (d.width, d.height, d.num_inference_steps, d.guidance_scale) == (64, 64, 28, 7.0)
+    assert (d.width, d.height) == (reference.default_sample_size * reference.vae_scale_factor,) * 2 == (64, 64)
+    assert (d.num_inference_steps, d.guidance_scale) == (call["num_inference_steps"].default,
+                                                        call["guidance_scale"].default) == (28, 7.0)
     assert native.size_multiple == 16 and native.max_width == native.max_height == 32 * 2 * 8
     native.validate(SamplingParams(prompt="x", width=512, height=64))
     with pytest.raises(InvalidRequestError, match="positional table") as err:
