@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 
-from diffuserve.config.plan import ComponentPlan, DeploymentPlan, ResidencyMode
 from diffuserve.errors import InvalidRequestError
 from diffuserve.sampling import SamplingParams
 from tests.serverproc import ServerProcess
@@ -175,39 +174,15 @@ def test_merged_rows_equal_their_singletons(native) -> None:
             assert _max_diff(a, b) <= PIXEL_TOL
 
 
-@pytest.mark.parametrize(
-    "mode", [ResidencyMode.COMPONENT_OFFLOAD, ResidencyMode.SNAPSHOT_OFFLOAD, ResidencyMode.LAYERWISE_OFFLOAD]
-)
-def test_residency_modes_reproduce_the_resident_output(native, mode: ResidencyMode) -> None:
-    from diffuserve.pipelines.base import AllResident
-    from diffuserve.runtime.layerwise import default_layer_specs
-    from diffuserve.runtime.ledger import TransferLedger
-    from diffuserve.runtime.residency import build_residency
+def test_residency_modes_reproduce_the_resident_output(native) -> None:
+    from tests.integration.family_checks import assert_residency_modes_match, layered_components
 
+    # The DiT and all three text encoders have repeated layers: layer-wise streams each of them.
+    assert {"transformer", "text_encoder", "text_encoder_2", "text_encoder_3"} <= set(layered_components(native))
     params = [SamplingParams(prompt="a red cat", negative_prompt="blurry", seed=7, n=2,
                              num_inference_steps=2, guidance_scale=4.0)]
-    reference = [np.asarray(im) for im in native.run(params).outputs[0].images]
-    # The DiT and the text encoders have repeated layers; under layer-wise every one of them streams.
-    layered = {"transformer", "text_encoder", "text_encoder_2", "text_encoder_3"}
-    assert all(default_layer_specs(n, native.components[n]) for n in layered)
-    dp = DeploymentPlan(components={n: ComponentPlan(name=n, group="other", mode=mode) for n in native.components})
-    ledger = TransferLedger()
-    native.residency = build_residency(dp, native.components, device="cpu", ledger=ledger)
-    try:
-        assert ledger.device_bytes() == 0
-        ledger.begin_window()
-        images = [np.asarray(im) for im in native.run(params).outputs[0].images]
-        moves = ledger.window_summary().moves
-        for got, ref in zip(images, reference, strict=True):
-            assert (got == ref).all()  # same tensors, same kernels: identical pixels
-        assert {m.component for m in moves} == set(native.components)
-        if mode is ResidencyMode.LAYERWISE_OFFLOAD:
-            streamed = {m.component for m in moves if m.layer}
-            assert layered <= streamed
-        assert ledger.device_bytes() == 0
-    finally:
-        native.residency.close()
-        native.residency = AllResident()
+    diffs = assert_residency_modes_match(native, lambda: native.run(params).outputs[0].images)
+    assert set(diffs.values()) == {0}
 
 
 # -- over a real server --------------------------------------------------------------------------------
