@@ -147,5 +147,4 @@ def build(output_dir: Path) -> None:
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     SanaPipeline(**_components()).save_pretrained(output_dir, safe_serialization=True)
-    write = getattr(tiny, "write_defaults", None) or tiny._write_defaults
-    write(output_dir, TINY_SANA_DEFAULTS)
+    tiny.write_defaults(output_dir, TINY_SANA_DEFAULTS)

@@ -159,5 +159,4 @@ def build(output_dir: Path) -> None:
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     ZImagePipeline(**_components()).save_pretrained(output_dir, safe_serialization=True)
-    write = getattr(tiny, "write_defaults", None) or tiny._write_defaults
-    write(output_dir, TINY_Z_IMAGE_DEFAULTS)
+    tiny.write_defaults(output_dir, TINY_Z_IMAGE_DEFAULTS)
