@@ -11,8 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-TINY_Z_IMAGE_DEFAULTS = {"width": 64, "height": 64, "num_inference_steps": 4}
-"""What the tiny checkpoint suggests as request defaults (the real model's 1024x1024 would be slow here)."""
+TINY_Z_IMAGE_DEFAULTS = {"width": 64, "height": 64, "num_inference_steps": 4, "guidance_scale": 0.0}
+"""What the tiny checkpoint suggests as request defaults: small, and Z-Image-Turbo's guidance 0 (the family
+spec's default) so that the diffusers backend, which otherwise takes ZImagePipeline's call default of 5.0,
+samples the same way as the native adapter."""
 
 QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
 """Qwen3's special tokens that the chat template and padding use."""
