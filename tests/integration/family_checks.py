@@ -3,6 +3,7 @@ differences, and a pipeline run under one residency mode for every component."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,3 +45,15 @@ def run_with_residency(pipe: Any, mode: ResidencyMode, batch: list[SamplingParam
 
         pipe.residency = AllResident()
     return images, moves
+
+
+def assert_rebuild_identical(build: str, built: Path, work: Path, *, max_bytes: int = 10 * 2**20) -> None:
+    """A second `make-tiny` build of `build` writes the same files with the same bytes, in under `max_bytes`."""
+    from diffuserve.models.tiny import build_tiny_checkpoint
+
+    again = build_tiny_checkpoint(build, work / build)
+    files = sorted(p.relative_to(built) for p in built.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
+    different = [str(f) for f in files if (built / f).read_bytes() != (again / f).read_bytes()]
+    assert not different, different
+    assert sum((built / f).stat().st_size for f in files) < max_bytes

@@ -16,7 +16,7 @@ import pytest
 
 from diffuserve.config.plan import ResidencyMode
 from diffuserve.sampling import SamplingParams
-from tests.integration.family_checks import generators, max_diff, run_with_residency
+from tests.integration.family_checks import assert_rebuild_identical, generators, max_diff, run_with_residency
 from tests.integration.helpers import decode_b64_png
 from tests.serverproc import ServerProcess
 
@@ -58,6 +58,10 @@ def test_native_adapter_is_used(native) -> None:
     assert native.size_multiple == 32
     # sample_size 16 -> the 512 px bin table; a 64x64 request is generated at 512x512.
     assert native.generation_size(64, 64) == (512, 512)
+
+
+def test_tiny_build_is_byte_identical_and_small(path: Path, tmp_path: Path) -> None:
+    assert_rebuild_identical("sana", path, tmp_path)
 
 
 @pytest.mark.parametrize(

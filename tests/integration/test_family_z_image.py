@@ -17,7 +17,7 @@ import pytest
 from diffuserve.config.plan import ResidencyMode
 from diffuserve.errors import InvalidRequestError
 from diffuserve.sampling import SamplingParams
-from tests.integration.family_checks import generators, max_diff, run_with_residency
+from tests.integration.family_checks import assert_rebuild_identical, generators, max_diff, run_with_residency
 from tests.integration.helpers import decode_b64_png
 from tests.serverproc import ServerProcess
 
@@ -57,6 +57,10 @@ def test_native_adapter_is_used(native) -> None:
 
     assert isinstance(native, ZImageNativePipeline)
     assert native.defaults.width == native.defaults.height == 64  # the tiny VAE's sample_size
+
+
+def test_tiny_build_is_byte_identical_and_small(path: Path, tmp_path: Path) -> None:
+    assert_rebuild_identical("z-image", path, tmp_path)
 
 
 @pytest.mark.parametrize(

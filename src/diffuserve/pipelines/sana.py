@@ -20,7 +20,6 @@ same call give the same image:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import inspect
 import logging
@@ -183,9 +182,12 @@ class SanaNativePipeline(stages.RecipePipeline):
             timesteps, _ = retrieve_timesteps(template, num_steps, self.device)
             self._schedules[num_steps] = (template, timesteps)
         template, timesteps = self._schedules[num_steps]
-        # A deep copy: a multistep solver keeps its history in lists it updates in place.
-        scheduler = copy.deepcopy(template)
-        scheduler.set_begin_index(0)
+        scheduler = stages.fresh_scheduler(template)
+        # A multistep solver (DPM-Solver++, UniPC) keeps its history in lists it updates in place; the
+        # shallow copy would share them with the template, so each batch gets its own.
+        for name, value in vars(scheduler).items():
+            if isinstance(value, list):
+                setattr(scheduler, name, list(value))
         return scheduler, timesteps
 
     def generation_size(self, height: int, width: int) -> tuple[int, int]:
