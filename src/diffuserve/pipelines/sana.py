@@ -186,7 +186,7 @@ class SanaNativePipeline(stages.RecipePipeline):
         scheduler = stages.fresh_scheduler(template)
         # A multistep solver (DPM-Solver++, UniPC) keeps its history in lists it updates in place; the
         # shallow copy would share them with the template, so each batch gets its own.
-        for name, value in vars(scheduler).items():
+        for name, value in list(vars(scheduler).items()):
             if isinstance(value, list):
                 setattr(scheduler, name, list(value))
         return scheduler, timesteps
