@@ -114,8 +114,9 @@ class Pipeline:
         if len(params.image_inputs) > self.max_image_inputs:
             what = ("takes no input image (image inputs / edits are not supported for it)" if not self.max_image_inputs
                     else f"takes at most {self.max_image_inputs} input image(s)")
+            # The video API calls its image field `input_reference`; the images API `image`.
             raise InvalidRequestError(f"this {self.family} model {what}; got {len(params.image_inputs)}.",
-                                      param="image")
+                                      param="input_reference" if self.output_kind == "video" else "image")
         if params.width * params.height > self.max_pixels:
             raise InvalidRequestError(
                 f"size {params.width}x{params.height} exceeds this server's limit of {self.max_pixels} pixels.",
