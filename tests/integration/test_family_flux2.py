@@ -124,6 +124,25 @@ def test_checkpoint_facts(natives) -> None:
     assert not dev.uses_cfg(SamplingParams(guidance_scale=4.0))
 
 
+def test_distilled_klein_reads_model_index_and_skips_cfg(tiny_checkpoint, tmp_path: Path) -> None:
+    """Klein 4B/9B are step-distilled (`is_distilled: true` in model_index.json): no CFG whatever guidance_scale."""
+    import json
+    import shutil
+
+    from diffuserve.models.loader import load_pipeline
+
+    folder = Path(shutil.copytree(tiny_checkpoint("flux2-klein"), tmp_path / "klein-distilled"))
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
+    native = load_pipeline(folder)
+    assert native.is_distilled and native.defaults.guidance_scale == 1.0
+    params = SamplingParams(prompt="a cat", width=64, height=64, num_inference_steps=2, guidance_scale=4.0, seed=3)
+    assert not native.uses_cfg(params)
+    (ours,) = native.run([params]).outputs[0].images
+    (theirs,) = _diffusers_images(_diffusers_on(native), params)
+    assert _max_diff(ours, theirs) == 0
+
+
 # -- native == diffusers ------------------------------------------------------------------------------------
 
 
