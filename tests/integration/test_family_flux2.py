@@ -173,6 +173,20 @@ def test_merged_rows_equal_singletons(family, natives) -> None:
     assert _max_diff(merged[0].images[0], merged[1].images[0]) > 8
 
 
+def test_batched_cfg_matches_two_passes(natives) -> None:
+    """Klein-Base's CFG as one doubled batch (reference tokens on every row) equals diffusers' two passes."""
+    native = natives["flux2_klein"]
+    params = SamplingParams(prompt="a red cat", width=64, height=64, num_inference_steps=2, guidance_scale=4.0, seed=6,
+                            n=2, image_inputs=(_png(),))
+    two_passes = native.run([params]).outputs[0].images
+    native.batched_cfg = True
+    try:
+        batched = native.run([params]).outputs[0].images
+    finally:
+        native.batched_cfg = False
+    assert max(_max_diff(a, b) for a, b in zip(batched, two_passes, strict=True)) <= 1
+
+
 # -- residency -------------------------------------------------------------------------------------------------
 
 GROUPS = {"transformer": "dit", "text_encoder": "text_encoder", "vae": "vae"}

@@ -293,8 +293,7 @@ class Flux2NativePipeline(stages.RecipePipeline):
         reference = None
         if head.image_inputs:
             # Edits run alone (never merged), so the batch is one request and its rows share the references.
-            tokens, ref_ids = self._reference_tokens(head)
-            reference = tokens.expand(latents.shape[0], -1, -1)
+            reference, ref_ids = self._reference_tokens(head)
             img_ids = torch.cat([img_ids, ref_ids])
         extras = {
             "tokens": (tokens_h, tokens_w),
@@ -322,10 +321,15 @@ class Flux2NativePipeline(stages.RecipePipeline):
     def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
                 model_key: str) -> torch.Tensor:
         extras = state.extras
-        hidden = latents if extras["reference"] is None else torch.cat([latents, extras["reference"]], dim=1)
+        reference = extras["reference"]
+        if reference is not None:
+            # One copy per row (the rows of batched CFG included), after the generated image's tokens.
+            latents_in = torch.cat([latents, reference.expand(latents.shape[0], -1, -1)], dim=1)
+        else:
+            latents_in = latents
         guidance = extras["guidance"]
         out = self.transformer(
-            hidden_states=hidden.to(self.transformer.dtype),
+            hidden_states=latents_in.to(self.transformer.dtype),
             timestep=timestep.to(latents.dtype) / 1000,
             guidance=None if guidance is None else guidance.expand(latents.shape[0]),
             encoder_hidden_states=cond["prompt_embeds"],
