@@ -279,6 +279,17 @@ def test_openai_client_generation_and_reference_edit(family, natives, server) ->
                                           guidance_scale=native.defaults.guidance_scale)]).outputs[0].images
     assert _max_diff(plain, want[0]) > 0
 
-    with pytest.raises(openai.BadRequestError) as info:
-        client.images.edit(model=family, image=("small.png", _png(32, 32), "image/png"), prompt="x")
-    assert info.value.body["param"] == "image"
+    # Several references: the SDK sends a list as repeated image[] parts.
+    second = _png(64, 96, seed=8)
+    edited = client.images.edit(model=family, image=[("a.png", reference, "image/png"), ("b.png", second, "image/png")],
+                                prompt="both", size="64x64", extra_body={"seed": 4, "num_inference_steps": 2})
+    (got,) = [decode_b64_png(d.b64_json) for d in edited.data]
+    (want,) = native.run([SamplingParams(prompt="both", width=64, height=64, num_inference_steps=2, seed=4,
+                                         guidance_scale=native.defaults.guidance_scale,
+                                         image_inputs=(reference, second))]).outputs[0].images
+    assert _max_diff(got, want) <= 1
+
+    for images in ([("small.png", _png(32, 32), "image/png")], [("r.png", reference, "image/png")] * 5):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.images.edit(model=family, image=images, prompt="x")
+        assert info.value.body["param"] == "image"

@@ -50,6 +50,7 @@ from PIL import Image
 
 from diffuserve.errors import CheckpointError, InvalidRequestError
 from diffuserve.families import spec_for
+from diffuserve.models.registry import read_suggested_defaults
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
@@ -74,19 +75,21 @@ def _make_room(cache: dict) -> None:
         cache.clear()
 
 
-def _model_index(module: Any) -> dict[str, Any]:
-    """The checkpoint's model_index.json, found beside the folder `module` was loaded from ({} if none).
+def _checkpoint_root(module: Any) -> Path | None:
+    """The checkpoint folder `module` was loaded from (its component folder's parent), or None.
 
-    Pipeline-level config (Klein's `is_distilled`, the tiny checkpoints' suggested defaults) lives there, and
-    the loader hands adapters only the loaded components."""
+    Pipeline-level facts (Klein's `is_distilled`, a tiny checkpoint's suggested defaults) live in its
+    model_index.json, and the loader hands adapters only the loaded components."""
     folder = getattr(getattr(module, "config", None), "_name_or_path", None)
-    if not folder:
-        return {}
-    index_file = Path(folder).parent / "model_index.json"
+    return Path(folder).parent if folder else None
+
+
+def _model_index(root: Path | None) -> dict[str, Any]:
     try:
-        return json.loads(index_file.read_text())
+        index = json.loads((root / "model_index.json").read_text()) if root else {}
     except (OSError, ValueError):
         return {}
+    return index if isinstance(index, dict) else {}
 
 
 def _declared_length(tokenizer: Any) -> int | None:
@@ -114,7 +117,7 @@ class Flux2NativePipeline(stages.RecipePipeline):
     def __init__(self, *, transformer: Any, vae: Any, text_encoder: Any, tokenizer: Any, scheduler: Any,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  max_sequence_length: int = DEFAULT_SEQUENCE_LENGTH, model_index: dict[str, Any] | None = None,
-                 ) -> None:
+                 suggested_defaults: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.transformer = transformer
         self.vae = vae
@@ -126,6 +129,7 @@ class Flux2NativePipeline(stages.RecipePipeline):
         self.max_sequence_length = max_sequence_length
         """Text tokens per prompt (every prompt is padded to it; the transformer attends to all of them)."""
         self.model_index = model_index or {}
+        """The checkpoint's model_index.json (pipeline-level config such as Klein's `is_distilled`)."""
         self.components = {"text_encoder": text_encoder, "transformer": transformer, "vae": vae}
         self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
         # Latents are 2x2-patchified into tokens, so sizes divide by the VAE factor times 2.
@@ -135,7 +139,7 @@ class Flux2NativePipeline(stages.RecipePipeline):
         self.max_image_inputs = spec.max_image_inputs
         # RoPE is computed from the position ids on the fly: no positional table bounds the image size.
         self.max_width = self.max_height = None
-        self.defaults = self._defaults_from_checkpoint(spec.defaults)
+        self.defaults = self._defaults_from_checkpoint(spec.defaults, suggested_defaults or {})
         self._latent_ids: dict[tuple[int, int], torch.Tensor] = {}
         self._text_ids: dict[int, torch.Tensor] = {}
         self._schedules: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
@@ -162,26 +166,25 @@ class Flux2NativePipeline(stages.RecipePipeline):
                       getattr(text_config, "max_position_embeddings", None)):
             if isinstance(limit, int) and limit > 0:
                 length = min(length, limit)
+        root = _checkpoint_root(components["transformer"])
         return cls(transformer=components["transformer"], vae=components["vae"], text_encoder=text_encoder,
                    tokenizer=components["tokenizer"], scheduler=components["scheduler"], device=device, dtype=dtype,
-                   max_sequence_length=length, model_index=_model_index(components["transformer"]))
+                   max_sequence_length=length, model_index=_model_index(root),
+                   suggested_defaults=read_suggested_defaults(root) if root else {})
 
     # -- defaults and validation -------------------------------------------------------------------------
 
     def _family_defaults(self, defaults: Any) -> Any:
         return defaults
 
-    def _defaults_from_checkpoint(self, defaults: Any) -> Any:
-        # Size: the VAE's `sample_size` (1024 for the published FLUX.2 VAE, diffusers' default 128 latent px x 8);
-        # tiny checkpoints give their small native size instead.
+    def _defaults_from_checkpoint(self, defaults: Any, suggested: dict[str, Any]) -> Any:
+        # Size: the VAE's `sample_size` (1024 for the published FLUX.2 VAE, diffusers' default 128 latent px x 8).
         size = int(getattr(self.vae.config, "sample_size", 0) or 128 * self.vae_scale_factor)
         size = max(self.size_multiple, size // self.size_multiple * self.size_multiple)
         defaults = dataclasses.replace(self._family_defaults(defaults), width=size, height=size)
-        suggested = self.model_index.get("_diffuserve_defaults") or {}
-        steps = suggested.get("num_inference_steps")
-        if isinstance(steps, int) and steps > 0:
-            defaults = dataclasses.replace(defaults, num_inference_steps=steps)
-        return defaults
+        # What the checkpoint itself suggests wins (tiny checkpoints: 64x64, 4 steps).
+        known = {f.name for f in dataclasses.fields(defaults)}
+        return dataclasses.replace(defaults, **{k: v for k, v in suggested.items() if k in known})
 
     def validate(self, params: Any) -> None:
         super().validate(params)
