@@ -363,6 +363,11 @@ class Flux2KleinNativePipeline(Flux2NativePipeline):
     family = "flux2_klein"
     hidden_states_layers: ClassVar[tuple[int, ...]] = (9, 18, 27)
 
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._empty_embeds: torch.Tensor | None = None
+        """The encoding of "" (the unconditional text), computed on first use."""
+
     @property
     def is_distilled(self) -> bool:
         """model_index.json `is_distilled` (step-distilled Klein 4B/9B: guidance is ignored)."""
@@ -390,9 +395,20 @@ class Flux2KleinNativePipeline(Flux2NativePipeline):
         return "the unconditional branch runs only with guidance_scale > 1."
 
     def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
-        """Qwen3 chat-formatted texts; layers 9/18/27 stacked: (texts, L, 3 x hidden)."""
-        embeds = Flux2KleinPipeline._get_qwen3_prompt_embeds(
+        """Qwen3 chat-formatted texts; layers 9/18/27 stacked: (texts, L, 3 x hidden).
+
+        The unconditional text "" of Klein-Base's CFG is encoded once, alone (as diffusers encodes it, in its own
+        call), and reused: every CFG batch would otherwise encode it again."""
+        rest = [t for t in texts if t != ""]
+        encoded = dict(zip(rest, self._qwen3_embeds(rest), strict=True)) if rest else {}
+        if "" in texts:
+            if self._empty_embeds is None:
+                self._empty_embeds = self._qwen3_embeds([""])
+            encoded[""] = self._empty_embeds[0]
+        return {"prompt_embeds": torch.stack([encoded[t] for t in texts])}
+
+    def _qwen3_embeds(self, texts: list[str]) -> torch.Tensor:
+        return Flux2KleinPipeline._get_qwen3_prompt_embeds(
             text_encoder=self.text_encoder, tokenizer=self.tokenizer, prompt=texts, dtype=self.dtype,
             device=self.device, max_sequence_length=self.max_sequence_length,
             hidden_states_layers=self.hidden_states_layers)
-        return {"prompt_embeds": embeds}
