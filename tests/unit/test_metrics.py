@@ -9,8 +9,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from diffuserve.engine.metrics import BatchingStats, EngineMetrics, format_dispatch, summarize
-from diffuserve.engine.request import Request, SamplingParams
+from diffuserve.engine.request import Request
 from diffuserve.engine.scheduler import BatchingConfig, Dispatch, DynamicBatcher, ScheduledBatch
+from diffuserve.sampling import SamplingParams
 
 DISPATCH_RE = re.compile(
     r"^Dynamic batch dispatch: size=(\d+)/(\d+), user_max=(\d+), queue_wait=(\d+\.\d{2})ms, stop_reason=(\S+)$"
