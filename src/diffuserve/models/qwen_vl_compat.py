@@ -59,6 +59,15 @@ def processor_class() -> type:
     return _SUBSTITUTE
 
 
+def substitute_class(library: str, class_name: str) -> type | None:
+    """The class to load model_index.json's `[library, class_name]` with on this machine, when it is not the
+    library's own (then also installed under that name, for diffusers' loader); None otherwise."""
+    if (library, class_name) == ("transformers", "Qwen3VLProcessor") and not torchvision_available():
+        install()
+        return processor_class()
+    return None
+
+
 def install() -> None:
     """Make `transformers.Qwen3VLProcessor` loadable here (a no-op where torchvision works).
 

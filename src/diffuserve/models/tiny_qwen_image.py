@@ -1,4 +1,5 @@
-"""Tiny Qwen-Image checkpoints, built offline: `QwenImagePipeline` (Qwen-Image, 2512) layouts.
+"""Tiny Qwen-Image checkpoints, built offline: `QwenImagePipeline` (Qwen-Image, 2512) and `QwenImage21Pipeline`
+(Qwen-Image 2.1) layouts.
 
 Random weights, real configs scaled down, and an offline byte-level BPE `Qwen2Tokenizer` whose
 vocabulary holds every word of the pipeline's prompt template, so the template's system prefix is
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+from diffuserve.models.tiny import write_defaults
 
 QWEN_IMAGE_SCHEDULER = {
     "num_train_timesteps": 1000,
@@ -187,13 +190,6 @@ def qwen_image_components(*, seed: int = 0) -> dict[str, Any]:
     }
 
 
-def _write_defaults(output_dir: Path, defaults: dict[str, Any]) -> None:
-    from diffuserve.models import tiny
-
-    writer = getattr(tiny, "write_defaults", None) or tiny._write_defaults
-    writer(output_dir, defaults)
-
-
 def build_qwen_image(output_dir: Path) -> None:
     """`make-tiny --family qwen-image`: a tiny Qwen-Image checkpoint (QwenImagePipeline layout)."""
     from diffusers import QwenImagePipeline
@@ -201,7 +197,7 @@ def build_qwen_image(output_dir: Path) -> None:
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     QwenImagePipeline(**qwen_image_components()).save_pretrained(output_dir, safe_serialization=True)
-    _write_defaults(output_dir, TINY_DEFAULTS)
+    write_defaults(output_dir, TINY_DEFAULTS)
 
 
 # -- Qwen-Image 2.1 ----------------------------------------------------------------------------------
@@ -352,4 +348,4 @@ def build_qwen_image_21(output_dir: Path) -> None:
     config = json.loads(config_file.read_text())
     config["video_processor"] = QWEN3_VL_VIDEO_PROCESSOR
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    _write_defaults(output_dir, TINY_DEFAULTS)
+    write_defaults(output_dir, TINY_DEFAULTS)

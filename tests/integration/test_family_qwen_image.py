@@ -1,0 +1,233 @@
+"""Qwen-Image (QwenImagePipeline) and Qwen-Image 2.1 (QwenImage21Pipeline), native, on their tiny checkpoints.
+
+References: the diffusers pipeline built around the very modules our loader loaded (so weights are the same
+tensors, see STACK.md on safetensors alignment), called with the same prompt, negative prompt, size, steps,
+true_cfg_scale and one CPU generator per row (seed + j). Tolerances: native vs diffusers exact (0/255);
+a merged row vs its singleton run at most 1/255 per pixel (batched matmuls round differently); residency
+modes exact (the same tensors re-attached on CPU).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+import torch
+
+from diffuserve.config.plan import ComponentPlan, DeploymentPlan, ResidencyMode
+from diffuserve.errors import InvalidRequestError
+from diffuserve.pipelines.base import AllResident
+from diffuserve.sampling import SamplingParams
+from tests.integration.helpers import decode_b64_png
+from tests.serverproc import ServerProcess
+
+pytestmark = pytest.mark.timeout(300)
+
+TINY = {"qwen_image": "qwen-image", "qwen_image_21": "qwen-image-2.1"}
+"""family -> make-tiny name."""
+CFG = {"negative_prompt": "blurry", "true_cfg_scale": 4.0}
+SHORT = "a cat"
+LONG = "a big old red house on a small green mountain under the night sky"
+
+
+@pytest.fixture(scope="module")
+def pipes(tiny_checkpoint) -> dict[str, object]:
+    from diffuserve.models.loader import load_pipeline
+
+    return {family: load_pipeline(tiny_checkpoint(name)) for family, name in TINY.items()}
+
+
+def _reference(pipe):
+    """The diffusers pipeline class of `pipe`'s family around the same loaded modules."""
+    from diffusers import QwenImage21Pipeline, QwenImagePipeline
+
+    if pipe.family == "qwen_image":
+        return QwenImagePipeline(scheduler=pipe.scheduler, vae=pipe.vae, text_encoder=pipe.text_encoder,
+                                 tokenizer=pipe.tokenizer, transformer=pipe.transformer)
+    return QwenImage21Pipeline(scheduler=pipe.scheduler, vae=pipe.vae, text_encoder=pipe.text_encoder,
+                               processor=pipe.processor, transformer=pipe.transformer)
+
+
+def _params(**kw) -> SamplingParams:
+    base = {"width": 64, "height": 64, "num_inference_steps": 2, "seed": 7}
+    return SamplingParams(**{**base, **kw})
+
+
+def _arrays(images) -> list[np.ndarray]:
+    return [np.asarray(im, dtype=np.int16) for im in images]
+
+
+def _run(pipe, batch: list[SamplingParams]) -> list[list[np.ndarray]]:
+    return [_arrays(out.images) for out in pipe.run(batch).outputs]
+
+
+def _token_count(pipe, text: str) -> int:
+    return int(pipe.encode_text("text_encoder", [text], [])["mask"].sum())
+
+
+# -- the tiny checkpoints -------------------------------------------------------------------------------
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+@pytest.mark.parametrize("family", list(TINY))
+def test_tiny_checkpoint_is_reproducible_small_and_loads_in_diffusers(family, tiny_checkpoint, tmp_path) -> None:
+    from diffusers import DiffusionPipeline
+
+    from diffuserve.models import qwen_vl_compat
+    from diffuserve.models.tiny import build_tiny_checkpoint
+
+    first = tiny_checkpoint(TINY[family])
+    again = build_tiny_checkpoint(TINY[family], tmp_path / "again")
+    assert _digest(first) == _digest(again)
+    assert sum(f.stat().st_size for f in first.rglob("*") if f.is_file()) < 10 * 2**20
+    qwen_vl_compat.install()  # Qwen3VLProcessor without torchvision (a no-op where it exists)
+    pipe = DiffusionPipeline.from_pretrained(first, local_files_only=True)
+    assert type(pipe).__name__ == {"qwen_image": "QwenImagePipeline", "qwen_image_21": "QwenImage21Pipeline"}[family]
+    if family == "qwen_image":
+        # The tiny vocabulary tokenizes the template's system prefix into exactly the tokens diffusers drops.
+        prefix = pipe.prompt_template_encode.split("{}")[0]
+        assert len(pipe.tokenizer(prefix).input_ids) == pipe.prompt_template_encode_start_idx
+
+
+# -- native == diffusers ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", list(TINY))
+def test_native_matches_diffusers_pipeline(family, pipes) -> None:
+    pipe = pipes[family]
+    got = _run(pipe, [_params(prompt=LONG, n=2, **CFG)])[0]
+    want = _reference(pipe)(
+        prompt=LONG, height=64, width=64, num_inference_steps=2, num_images_per_prompt=2,
+        generator=[torch.Generator().manual_seed(7 + j) for j in range(2)], **CFG,
+    ).images
+    assert len(got) == 2 and (got[0] != got[1]).any()
+    for g, w in zip(got, _arrays(want), strict=True):
+        assert np.abs(g - w).max() == 0
+
+
+@pytest.mark.parametrize("family", list(TINY))
+@pytest.mark.parametrize("cfg", [False, True], ids=["no-cfg", "true-cfg"])
+def test_merged_rows_equal_their_singletons(family, cfg, pipes) -> None:
+    pipe = pipes[family]
+    assert _token_count(pipe, SHORT) < _token_count(pipe, LONG)
+    guidance = {"true_cfg_scale": 4.0} if cfg else {"true_cfg_scale": 1.0}
+    a = _params(prompt=SHORT, seed=1, negative_prompt="blurry" if cfg else None, **guidance)
+    b = _params(prompt=LONG, seed=2, n=2, negative_prompt="low quality, ugly, dark" if cfg else None, **guidance)
+    merged = _run(pipe, [a, b])
+    singles = [_run(pipe, [a])[0], _run(pipe, [b])[0]]
+    for got, want in zip(merged, singles, strict=True):
+        for g, w in zip(got, want, strict=True):
+            assert np.abs(g - w).max() <= 1
+
+
+# -- residency ------------------------------------------------------------------------------------------
+
+GROUPS = {"transformer": "dit", "text_encoder": "text_encoder", "vae": "vae"}
+MODES = {
+    "component-offload": {n: ResidencyMode.COMPONENT_OFFLOAD for n in GROUPS},
+    "snapshot-offload": {n: ResidencyMode.SNAPSHOT_OFFLOAD for n in GROUPS},
+    "layerwise-offload": {n: ResidencyMode.LAYERWISE_OFFLOAD for n in GROUPS},
+}
+
+
+@pytest.mark.parametrize("family", list(TINY))
+def test_residency_modes_reproduce_the_resident_output(family, pipes) -> None:
+    from diffuserve.runtime.layerwise import default_layer_specs
+    from diffuserve.runtime.ledger import TransferLedger
+    from diffuserve.runtime.residency import build_residency
+
+    pipe = pipes[family]
+    # The DiT and the text encoder both have streamable layers (the encoder's decoder layers).
+    assert default_layer_specs("transformer", pipe.transformer) == ["transformer_blocks"]
+    assert default_layer_specs("text_encoder", pipe.text_encoder) == ["model.language_model.layers"]
+    batch = [_params(prompt=SHORT, seed=3, **CFG), _params(prompt=LONG, seed=4, **CFG)]
+    reference = _run(pipe, batch)
+    for name, modes in MODES.items():
+        plan = DeploymentPlan(components={
+            n: ComponentPlan(name=n, group=GROUPS[n], mode=m) for n, m in modes.items()})
+        ledger = TransferLedger()
+        pipe.residency = build_residency(plan, pipe.components, device="cpu", ledger=ledger)
+        try:
+            assert ledger.device_bytes() == 0, name  # nothing attached between requests
+            ledger.begin_window()
+            got = _run(pipe, batch)
+            moved = {m.component for m in ledger.window_summary().moves}
+        finally:
+            pipe.residency.close()
+            pipe.residency = AllResident()
+        assert moved == set(GROUPS), name
+        for g_rows, r_rows in zip(got, reference, strict=True):
+            for g, r in zip(g_rows, r_rows, strict=True):
+                assert (g == r).all(), name
+
+
+# -- limits -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", list(TINY))
+def test_sizes_beyond_the_rope_table_or_off_the_grid_are_refused(family, pipes) -> None:
+    pipe = pipes[family]
+    assert pipe.max_width == pipe.max_height
+    pipe.validate(_params(prompt="x", width=pipe.max_width, height=pipe.size_multiple))
+    with pytest.raises(InvalidRequestError) as info:
+        pipe.validate(_params(prompt="x", width=pipe.max_width + pipe.size_multiple, height=pipe.size_multiple))
+    assert info.value.param == "size"
+    with pytest.raises(InvalidRequestError):
+        pipe.validate(_params(prompt="x", width=pipe.size_multiple + 8, height=64))
+
+
+def test_rope_limits_follow_the_tables(pipes) -> None:
+    """The limits come from the transformers' RoPE tables: Qwen-Image's text starts max(h, w) // 2 positions
+    in, so the last image side leaves exactly the 512 text positions; 2.1 centres rows on its negative table."""
+    qi, q21 = pipes["qwen_image"].transformer.pos_embed, pipes["qwen_image_21"].transformer.pos_embed
+    tokens = pipes["qwen_image"].max_width // 16
+    _, txt = qi(video_fhw=[(1, tokens, 2)], max_txt_seq_len=512, device=torch.device("cpu"))
+    assert txt.shape[0] == 512
+    _, txt = qi(video_fhw=[(1, tokens + 2, 2)], max_txt_seq_len=512, device=torch.device("cpu"))
+    assert txt.shape[0] < 512  # one row more and the text would index past the table
+    side = pipes["qwen_image_21"].max_width // 16
+    neg = side - side // 2
+    for axis, dim in enumerate(q21.axes_dim):
+        expected = q21.rope_params(torch.tensor([-neg]), dim, q21.theta)[0]
+        assert torch.equal(q21.freqs[axis][-neg], expected)  # the most negative row is still the negative table's
+
+
+# -- one request through a real server --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_checkpoint, tmp_path_factory) -> Iterator[dict[str, ServerProcess]]:
+    started: dict[str, ServerProcess] = {}
+    try:
+        for family, name in TINY.items():
+            logs = tmp_path_factory.mktemp(family)
+            started[family] = ServerProcess(
+                ["--model-path", str(tiny_checkpoint(name)), "--served-model-name", name], logs / "server.log"
+            ).start(timeout_s=240)
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+@pytest.mark.parametrize("family", list(TINY))
+def test_openai_client_request_matches_the_in_process_run(family, servers, pipes) -> None:
+    client = openai.OpenAI(base_url=f"{servers[family].base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    result = client.images.generate(
+        model=TINY[family], prompt=LONG, size="64x64", n=1, response_format="b64_json",
+        extra_body={"num_inference_steps": 2, "seed": 11, **CFG},
+    )
+    image = decode_b64_png(result.data[0].b64_json)
+    assert image.size == (64, 64)
+    # Lossless PNG of the same pixels (Qwen-Image 2.1's VAE decodes RGBA, and the PNG keeps the alpha).
+    want = _run(pipes[family], [_params(prompt=LONG, seed=11, **CFG)])[0][0]
+    assert image.mode == {3: "RGB", 4: "RGBA"}[want.shape[-1]]
+    assert (np.asarray(image, dtype=np.int16) == want).all()
