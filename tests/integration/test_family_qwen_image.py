@@ -231,3 +231,30 @@ def test_openai_client_request_matches_the_in_process_run(family, servers, pipes
     want = _run(pipes[family], [_params(prompt=LONG, seed=11, **CFG)])[0][0]
     assert image.mode == {3: "RGB", 4: "RGBA"}[want.shape[-1]]
     assert (np.asarray(image, dtype=np.int16) == want).all()
+
+
+# -- Qwen-Image 2.1 Turbo: the checkpoint's own sigma grid --------------------------------------------------
+
+
+def test_turbo_grid_from_model_index_matches_diffusers(tiny_checkpoint, tmp_path) -> None:
+    """A 2.1 checkpoint with `sample_sigmas` in model_index.json (Turbo) samples on that grid, which fixes the
+    step count: the default follows it, another count is a 400, and the output equals diffusers'."""
+    import json
+    import shutil
+
+    from diffuserve.models.loader import load_pipeline
+
+    folder = shutil.copytree(tiny_checkpoint("qwen-image-2.1"), tmp_path / "turbo")
+    index = json.loads((folder / "model_index.json").read_text())
+    index["sample_sigmas"] = [1.0, 0.7, 0.4]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    pipe = load_pipeline(folder)
+    assert pipe.defaults.num_inference_steps == 3
+    with pytest.raises(InvalidRequestError) as info:
+        pipe.validate(_params(prompt="x", num_inference_steps=4))
+    assert info.value.param == "num_inference_steps"
+    got = _run(pipe, [_params(prompt=LONG, num_inference_steps=3)])[0]
+    reference = _reference(pipe)
+    reference.register_to_config(sample_sigmas=index["sample_sigmas"])
+    want = reference(prompt=LONG, height=64, width=64, generator=torch.Generator().manual_seed(7)).images
+    assert np.abs(got[0] - _arrays(want)[0]).max() == 0

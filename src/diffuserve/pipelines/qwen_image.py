@@ -15,7 +15,9 @@ so nothing is padded inside the encoder either.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -67,31 +69,28 @@ class _QwenBase(stages.RecipePipeline):
         self.size_multiple = self.vae_scale_factor * 2
         self._schedules: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
 
-    def checkpoint_index(self) -> dict[str, Any]:
-        """The checkpoint's model_index.json (pipeline-level config such as 2.1's `sample_sigmas`, and the
-        request defaults a tiny checkpoint suggests), found beside the folder the transformer was loaded
-        from; {} for modules built in memory."""
-        import json
-        from pathlib import Path
-
+    def checkpoint_folder(self) -> Path | None:
+        """The checkpoint folder, found as the parent of the folder the transformer was loaded from (the
+        loader hands adapters modules, not the path); None for modules built in memory."""
         origin = getattr(self.transformer.config, "_name_or_path", None)
-        if not origin:
-            return {}
+        return Path(origin).parent if origin else None
+
+    def checkpoint_index(self) -> dict[str, Any]:
+        """The checkpoint's model_index.json: pipeline-level config such as 2.1's `sample_sigmas`."""
+        folder = self.checkpoint_folder()
         try:
-            return json.loads((Path(origin).parent / "model_index.json").read_text())
+            return json.loads((folder / "model_index.json").read_text()) if folder else {}
         except (OSError, ValueError):
             return {}
 
     def _checkpoint_defaults(self, **overrides: Any) -> Any:
-        """The family's defaults, refined by what the checkpoint suggests (`_diffuserve_defaults`)."""
-        from pathlib import Path
-
+        """The family's defaults, refined by what a (tiny) checkpoint suggests in its model_index.json
+        (`_diffuserve_defaults`), then by `overrides` (facts of the checkpoint that bind, e.g. a fixed grid)."""
         from diffuserve.pipelines.diffusers_backend import read_suggested_defaults
 
-        defaults = dataclasses.replace(spec_for(self.family).defaults, **overrides)
-        origin = getattr(self.transformer.config, "_name_or_path", None)
-        suggested = read_suggested_defaults(Path(origin).parent) if origin else {}
-        return dataclasses.replace(defaults, **suggested)
+        folder = self.checkpoint_folder()
+        suggested = read_suggested_defaults(folder) if folder else {}
+        return dataclasses.replace(spec_for(self.family).defaults, **{**suggested, **overrides})
 
     # -- latents and schedule ---------------------------------------------------------------------------
 
