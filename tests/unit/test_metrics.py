@@ -68,7 +68,7 @@ def test_dispatch_and_stats_lines_match_hand_computed_values(caplog: pytest.LogC
     assert all(parsed), logged
     assert [m.groups() for m in parsed if m] == [
         ("2", "8", "8", "1.00", "delay"),
-        ("4", "4", "8", "2.00", "config_cap:4"),
+        ("4", "8", "8", "2.00", "config_cap:4"),
         ("1", "8", "8", "3.00", "delay"),
         ("6", "4", "4", "4.00", "max_size"),
         ("3", "8", "8", "10.00", "delay"),

@@ -13,6 +13,12 @@ WAN_PROFILE = ProfileFacts(
 )
 WAN_LAYERS = {"WanTransformer3DModel": (("blocks", "num_layers"),)}
 
+
+def wan_max_latent_side(cfg: dict) -> int:
+    """Wan's rotary table holds `rope_max_seq_len` positions per axis, counted in patches."""
+    patch = cfg.get("patch_size") or (1, 2, 2)
+    return int(cfg.get("rope_max_seq_len", 1024)) * int(patch[-1])
+
 SPECS = (
     FamilySpec(
         name="wan",
@@ -24,6 +30,7 @@ SPECS = (
                                   guidance_scale=5.0, fps=16),
         profile=WAN_PROFILE,
         layer_containers=WAN_LAYERS,
+        max_latent_side=wan_max_latent_side,
         tiny_builds={"wan": "diffuserve.models.tiny:build_wan"},
     ),
     FamilySpec(
@@ -37,6 +44,7 @@ SPECS = (
                                   guidance_scale=5.0, fps=16),
         profile=WAN_PROFILE,
         layer_containers=WAN_LAYERS,
+        max_latent_side=wan_max_latent_side,
         max_image_inputs=1,
         supports_batching=False,
         base_family="wan",
