@@ -16,12 +16,12 @@ SPECS = (
         model_id_patterns=(r"qwen[-_]?image",),
         id_priority=0,
         native_adapter="diffuserve.pipelines.qwen_image:QwenImageNativePipeline",
-        # diffusers' call defaults (1024x1024 from default_sample_size 128 x VAE 8, 50 steps, true_cfg_scale
-        # 4), with the negative prompt " " of Qwen's own example: diffusers' default None would leave
-        # true_cfg_scale without effect. A diffusers call with negative_prompt=" " gives the same image.
+        # diffusers' call defaults: 1024x1024 (default_sample_size 128 x VAE 8), 50 steps, true_cfg_scale 4 and
+        # no negative prompt, so true CFG runs only when a request brings one (Qwen's own example passes " ").
+        # The same defaults as `--backend diffusers`, so an unset field means the same on both backends.
         defaults=SamplingDefaults(width=1024, height=1024, num_inference_steps=50, guidance_scale=1.0,
-                                  true_cfg_scale=4.0, negative_prompt=" "),
-        profile=QWEN_PROFILE,
+                                  true_cfg_scale=4.0, negative_prompt=None),
+        profile=ProfileFacts(default_uses_cfg=False, dit_supports_layerwise=True),
         layer_containers=QWEN_IMAGE_LAYERS,
         # VAE 8x, then 2x2 patches per token; the checkpoint's RoPE table sets max_width/max_height.
         size_multiple=16,

@@ -168,6 +168,8 @@ class DiffusersBackendPipeline(Pipeline):
             height=snap(default("height", size)),
             num_inference_steps=int(default("num_inference_steps", 28)),
             guidance_scale=float(default("guidance_scale", 3.5)),
+            # Qwen-Image's call defaults to 4 (active once a negative prompt is given).
+            true_cfg_scale=float(default("true_cfg_scale", 1.0)),
             num_frames=int(default("num_frames", 1)) if self.output_kind == "video" else 1,
             fps=int(suggested.get("fps", SamplingDefaults.fps)),
         )
