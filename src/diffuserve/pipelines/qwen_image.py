@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from diffuserve.families import spec_for
+from diffuserve.families.qwen_image import QWEN_IMAGE_TEXT_TOKENS
 from diffuserve.pipelines import qwen_image_ops as ops
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.stages import Cond, DenoiseState
@@ -31,8 +32,6 @@ from diffuserve.pipelines.stages import Cond, DenoiseState
 MAX_CACHED_SHAPES = 64
 """Per-shape schedules are cleared past this many entries (a stream of new sizes cannot grow memory)."""
 
-MAX_SEQUENCE_LENGTH = 512
-"""Text tokens per prompt the Qwen-Image transformer reads (diffusers' `max_sequence_length` default)."""
 
 
 def _required(components: dict[str, Any], keys: tuple[str, ...], what: str) -> None:
@@ -91,6 +90,10 @@ class _QwenBase(stages.RecipePipeline):
         folder = self.checkpoint_folder()
         suggested = read_suggested_defaults(folder) if folder else {}
         return dataclasses.replace(spec_for(self.family).defaults, **{**suggested, **overrides})
+
+    def _max_side(self) -> int:
+        """The largest side in pixels the transformer's RoPE tables index (the family spec's rule)."""
+        return spec_for(self.family).max_latent_side(dict(self.transformer.config)) * self.vae_scale_factor
 
     # -- latents and schedule ---------------------------------------------------------------------------
 
@@ -159,11 +162,7 @@ class QwenImageNativePipeline(_QwenBase):
         self.vae_scale_factor = reference.vae_scale_factor
         self.size_multiple = self.vae_scale_factor * 2
         self.defaults = self._checkpoint_defaults()
-        # RoPE: rows/columns take max(h, w) // 2 positions of the transformer's table (centred on zero)
-        # and the text follows with up to MAX_SEQUENCE_LENGTH more, so the table bounds the side.
-        table = int(self.transformer.pos_embed.pos_freqs.shape[0])
-        tokens = ops.qwen_image_max_tokens(table, MAX_SEQUENCE_LENGTH)
-        self.max_width = self.max_height = tokens * self.vae_scale_factor * 2
+        self.max_width = self.max_height = self._max_side()
 
     @classmethod
     def from_components(cls, components: dict[str, Any], *, device: torch.device | str,
@@ -182,7 +181,7 @@ class QwenImageNativePipeline(_QwenBase):
                                     padding=True, truncation=True, return_tensors="pt").to(self.device)
             hidden = self.text_encoder(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
                                        output_hidden_states=True).hidden_states[-1]
-            for i, row in zip(indices, ops.masked_rows(hidden, tokens.attention_mask, self.drop_idx, MAX_SEQUENCE_LENGTH),
+            for i, row in zip(indices, ops.masked_rows(hidden, tokens.attention_mask, self.drop_idx, QWEN_IMAGE_TEXT_TOKENS),
                               strict=True):
                 rows[i] = row
         embeds, mask = ops.pad_rows([r for r in rows if r is not None])
@@ -255,7 +254,7 @@ class QwenImage21NativePipeline(_QwenBase):
         self.size_multiple = self.vae_scale_factor * 2
         steps = {"num_inference_steps": len(self.sample_sigmas)} if self.sample_sigmas else {}
         self.defaults = self._checkpoint_defaults(**steps)
-        self.max_width = self.max_height = ops.qwen_image_21_max_tokens(self.transformer.pos_embed) * self.vae_scale_factor
+        self.max_width = self.max_height = self._max_side()
         self._norm = getattr(self.text_encoder.model, "language_model", self.text_encoder.model).norm
 
     def validate(self, params: Any) -> None:

@@ -79,27 +79,3 @@ def latents_stats(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(like.device, like.dtype)
     std = torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(like.device, like.dtype)
     return mean, std
-
-
-def qwen_image_max_tokens(table: int, text_tokens: int) -> int:
-    """Largest image side, in transformer tokens, `QwenEmbedRope` can index.
-
-    Rows and columns are laid out centred, -(n - n//2) .. n//2 - 1 (the negative half from its own
-    table), and the text's positions start at max(h, w) // 2, so max(h, w) // 2 + text_tokens must stay
-    within the `table` positions: n <= 2 * (table - text_tokens) + 1, kept even.
-    """
-    return 2 * (table - text_tokens)
-
-
-def qwen_image_21_max_tokens(rope: Any) -> int:
-    """Largest image side, in latent tokens, `QwenImage21Rope` can index.
-
-    Its per-axis tables hold `pos` non-negative and `neg` negative positions (8192 and 1024 upstream);
-    an image block lays its rows/columns out centred, -(n - n//2) .. n//2 - 1, so n - n//2 <= neg and
-    n//2 <= pos; the text before it only advances the frame axis (text of up to `pos` tokens).
-    """
-    total = int(rope.freqs[1].shape[0])
-    # The table is cat([pos, neg]); upstream builds pos as 8 times neg (8192 + 1024).
-    neg = total // 9
-    pos = total - neg
-    return min(2 * neg, 2 * pos)
