@@ -75,21 +75,13 @@ class _QwenBase(stages.RecipePipeline):
         return Path(origin).parent if origin else None
 
     def checkpoint_index(self) -> dict[str, Any]:
-        """The checkpoint's model_index.json: pipeline-level config such as 2.1's `sample_sigmas`."""
+        """The checkpoint's model_index.json: pipeline-level config such as 2.1's `sample_sigmas` (a list, which
+        the loader does not pass along with the components)."""
         folder = self.checkpoint_folder()
         try:
             return json.loads((folder / "model_index.json").read_text()) if folder else {}
         except (OSError, ValueError):
             return {}
-
-    def _checkpoint_defaults(self, **overrides: Any) -> Any:
-        """The family's defaults, refined by what a (tiny) checkpoint suggests in its model_index.json
-        (`_diffuserve_defaults`), then by `overrides` (facts of the checkpoint that bind, e.g. a fixed grid)."""
-        from diffuserve.pipelines.diffusers_backend import read_suggested_defaults
-
-        folder = self.checkpoint_folder()
-        suggested = read_suggested_defaults(folder) if folder else {}
-        return dataclasses.replace(spec_for(self.family).defaults, **{**suggested, **overrides})
 
     def _max_side(self) -> int:
         """The largest side in pixels the transformer's RoPE tables index (the family spec's rule)."""
@@ -161,7 +153,7 @@ class QwenImageNativePipeline(_QwenBase):
         self.tokenizer_max_length = reference.tokenizer_max_length
         self.vae_scale_factor = reference.vae_scale_factor
         self.size_multiple = self.vae_scale_factor * 2
-        self.defaults = self._checkpoint_defaults()
+        self.defaults = spec_for(self.family).defaults
         self.max_width = self.max_height = self._max_side()
 
     @classmethod
@@ -253,7 +245,7 @@ class QwenImage21NativePipeline(_QwenBase):
         self.vae_scale_factor = reference.vae_scale_factor
         self.size_multiple = self.vae_scale_factor * 2
         steps = {"num_inference_steps": len(self.sample_sigmas)} if self.sample_sigmas else {}
-        self.defaults = self._checkpoint_defaults(**steps)
+        self.defaults = dataclasses.replace(spec_for(self.family).defaults, **steps)
         self.max_width = self.max_height = self._max_side()
         self._norm = getattr(self.text_encoder.model, "language_model", self.text_encoder.model).norm
 
