@@ -159,10 +159,24 @@ def test_sizes_beyond_the_rope_table_or_off_the_grid_are_refused(family, pipes) 
         pipe.validate(_params(prompt="x", width=pipe.size_multiple + 8, height=64))
 
 
+def test_qwen_image_21_refuses_a_prompt_longer_than_its_text_positions(pipes) -> None:
+    pipe = pipes["qwen_image_21"]
+    pipe.validate(_params(prompt="\u00e9" * 3000))  # 6000 byte tokens in the tiny vocabulary: fits
+    for field in ("prompt", "negative_prompt"):
+        with pytest.raises(InvalidRequestError) as info:
+            pipe.validate(_params(**{"prompt": "x", field: "\u00e9" * 5000}))  # 10000 tokens
+        assert info.value.param == field
+
+
 def test_rope_limits_follow_the_tables(pipes) -> None:
     """The limits come from the transformers' RoPE tables: Qwen-Image's text starts max(h, w) // 2 positions
     in, so the last image side leaves exactly the 512 text positions; 2.1 centres rows on its negative table."""
+    from diffuserve.families.qwen_image import QWEN_IMAGE_21_ROPE_POSITIONS, QWEN_IMAGE_ROPE_POSITIONS
+
     qi, q21 = pipes["qwen_image"].transformer.pos_embed, pipes["qwen_image_21"].transformer.pos_embed
+    # The spec's table sizes (torch-free, for both backends) are diffusers' own.
+    assert qi.pos_freqs.shape[0] == qi.neg_freqs.shape[0] == QWEN_IMAGE_ROPE_POSITIONS
+    assert all(f.shape[0] == sum(QWEN_IMAGE_21_ROPE_POSITIONS) for f in q21.freqs)
     tokens = pipes["qwen_image"].max_width // 16
     _, txt = qi(video_fhw=[(1, tokens, 2)], max_txt_seq_len=512, device=torch.device("cpu"))
     assert txt.shape[0] == 512

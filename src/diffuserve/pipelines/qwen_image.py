@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from diffuserve.families import spec_for
-from diffuserve.families.qwen_image import QWEN_IMAGE_TEXT_TOKENS
+from diffuserve.families.qwen_image import QWEN_IMAGE_21_ROPE_POSITIONS, QWEN_IMAGE_TEXT_TOKENS
 from diffuserve.pipelines import qwen_image_ops as ops
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.stages import Cond, DenoiseState
@@ -250,10 +250,20 @@ class QwenImage21NativePipeline(_QwenBase):
         self._norm = getattr(self.text_encoder.model, "language_model", self.text_encoder.model).norm
 
     def validate(self, params: Any) -> None:
-        super().validate(params)
-        if self.sample_sigmas and params.num_inference_steps != len(self.sample_sigmas):
-            from diffuserve.errors import InvalidRequestError
+        from diffuserve.errors import InvalidRequestError
 
+        super().validate(params)
+        # 2.1 reads the whole prompt (no max_sequence_length) and numbers text tokens on the RoPE frame axis
+        # before the image: past the table's non-negative positions they would silently wrap.
+        limit = QWEN_IMAGE_21_ROPE_POSITIONS[0] - 1
+        for name, text in (("prompt", params.prompt), ("negative_prompt", params.negative_prompt)):
+            if text and len(text) > limit // 8:  # cheap pre-check: a token covers at most a few characters
+                tokens = len(self.processor.tokenizer(self.template.format(text)).input_ids) - self.drop_idx
+                if tokens > limit:
+                    raise InvalidRequestError(
+                        f"{name} is {tokens} tokens long; Qwen-Image 2.1 positions at most {limit} text tokens. "
+                        "Shorten it.", param=name)
+        if self.sample_sigmas and params.num_inference_steps != len(self.sample_sigmas):
             raise InvalidRequestError(
                 f"this Qwen-Image 2.1 Turbo checkpoint samples on its own {len(self.sample_sigmas)}-step grid "
                 f"(model_index.json sample_sigmas); num_inference_steps={params.num_inference_steps} cannot "
