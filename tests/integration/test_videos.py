@@ -29,8 +29,8 @@ def test_backend_frames_equal_wan_pipeline(tiny_wan_path: Path):
     import torch
     from diffusers import WanPipeline
 
-    from diffuserve.engine.request import SamplingParams
     from diffuserve.models.loader import load_pipeline
+    from diffuserve.sampling import SamplingParams
 
     backend = load_pipeline(tiny_wan_path)
     assert backend.family == "wan" and backend.output_kind == "video"
@@ -182,6 +182,7 @@ def test_job_deadline_is_the_servers_not_a_clients(wan_server):
     ({"prompt": "x", "num_frames": 0}, "num_frames"),
     ({"prompt": "x", "size": "40x32"}, "size"),
     ({"prompt": "x", "size": "wide"}, "size"),
+    ({"prompt": "x", "size": "1024x1024"}, "size"),  # beyond the tiny checkpoint's rotary table: 400, not a job error
     ({"prompt": "x", "surprise": True}, "surprise"),
     ({"prompt": "  "}, "prompt"),
     ({"prompt": "x", "seconds": "4", "num_frames": 5}, "seconds"),
