@@ -270,9 +270,7 @@ def _save(pipeline_class_name: str, output_dir: Path) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
     pipe = getattr(diffusers, pipeline_class_name)(**build_components())
     pipe.save_pretrained(output_dir, safe_serialization=True)
-    # TODO(seams): tiny.write_defaults once it is public.
-    getattr(tiny, "write_defaults", None) or tiny._write_defaults  # noqa: B018
-    (getattr(tiny, "write_defaults", None) or tiny._write_defaults)(output_dir, TINY_DEFAULTS)
+    tiny.write_defaults(output_dir, TINY_DEFAULTS)
 
 
 def build_edit(output_dir: Path) -> None:
