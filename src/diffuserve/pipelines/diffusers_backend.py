@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import json
 import logging
 import time
@@ -99,6 +100,9 @@ class DiffusersBackendPipeline(Pipeline):
         self.output_kind = "video" if "num_frames" in self._call_params else "image"
         self.size_multiple = self._size_multiple(pipe)
         self.max_width = self.max_height = self._max_side(pipe)
+        if "image" in self._call_params:
+            # An edit pipeline (its __call__ takes `image`): image inputs go to it unmodified; edits run alone.
+            self.max_image_inputs = self._family_image_limit()
         self.frame_multiple = int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1)
         """Video: num_frames - 1 must divide by this (the VAE's temporal compression; 4 for Wan)."""
         self.defaults = self._defaults(pipe, suggested_defaults or {})
@@ -116,6 +120,14 @@ class DiffusersBackendPipeline(Pipeline):
         processor = getattr(pipe, "image_processor", None)
         processor_factor = int(getattr(getattr(processor, "config", None), "vae_scale_factor", 0) or 0)
         return max(vae_factor * int(patch if isinstance(patch, int) else 1), processor_factor, 1)
+
+    def _family_image_limit(self) -> int:
+        from diffuserve.families import spec_for
+
+        try:
+            return max(1, spec_for(self.family).max_image_inputs)
+        except KeyError:
+            return 1
 
     def _max_side(self, pipe: Any) -> int | None:
         """The family's positional limit (its spec's `max_latent_side`) in pixels, for this checkpoint."""
@@ -226,6 +238,13 @@ class DiffusersBackendPipeline(Pipeline):
             wanted["num_frames"] = head.num_frames
         if head.guidance_scale_2 is not None:
             wanted["guidance_scale_2"] = head.guidance_scale_2
+        if head.image_inputs:
+            # Edits run alone (never merged): one prompt, its n outputs as num_images_per_prompt.
+            images = [Image.open(io.BytesIO(data)).convert("RGB") for data in head.image_inputs]
+            wanted.update(prompt=head.prompt, image=images[0] if len(images) == 1 else images,
+                          num_images_per_prompt=head.n, strength=head.strength)
+            if "negative_prompt" in wanted:
+                wanted["negative_prompt"] = head.negative_prompt or ""
         if "max_sequence_length" in self._call_params and self._max_sequence_length is not None:
             wanted["max_sequence_length"] = self._max_sequence_length
         if "output_type" in self._call_params:
@@ -235,8 +254,9 @@ class DiffusersBackendPipeline(Pipeline):
     def validate(self, params: Any) -> None:
         if self.output_kind == "video":
             self._validate_video(params)
-        # max_image_inputs stays 0: the unmodified pipeline would ignore an image, so the base check refuses
-        # edits rather than silently answering one with an unrelated generation.
+        # max_image_inputs stays 0 unless the pipeline's call takes `image`: an unmodified text-to-image
+        # pipeline would ignore an image, so the base check refuses edits rather than silently answering one
+        # with an unrelated generation.
         super().validate(params)
 
     def _validate_video(self, params: Any) -> None:
