@@ -8,6 +8,7 @@ so tokenizers are also checked against their text encoder's vocabulary after loa
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import logging
@@ -231,6 +232,13 @@ def load_pipeline(
             )
         except CheckpointError as exc:
             raise CheckpointError(f"checkpoint {model_path}: {exc.message}") from exc
+        # A checkpoint's suggested request defaults (tiny checkpoints: a small size, few steps) apply to native
+        # adapters as to the diffusers backend.
+        from diffuserve.pipelines.diffusers_backend import read_suggested_defaults
+
+        suggested = read_suggested_defaults(model_path)
+        if suggested:
+            pipeline.defaults = dataclasses.replace(pipeline.defaults, **suggested)
     else:
         from diffuserve.pipelines.diffusers_backend import DiffusersBackendPipeline
 
