@@ -14,6 +14,8 @@ Choices that keep the tiny model cheap without changing what the pipeline does:
   even, as packing needs.
 - The processor's image processor declares min = max = 56*56 pixels, so the vision tower always sees
   a 4x4 patch grid (4 image tokens after the 2x2 merge) whatever the input size.
+- The transformer's block weights are scaled up from the default init (see `_transformer`), so the prompt
+  and the input images move the output by several levels: a wrong prompt or image shows in a comparison.
 - The tokenizer's byte-level vocabulary has whole-word tokens for every piece of the two pipelines'
   prompt templates, so the system prefix is exactly 64 tokens as with the real tokenizer and the
   pipelines' fixed `prompt_template_encode_start_idx = 64` drops exactly that prefix.

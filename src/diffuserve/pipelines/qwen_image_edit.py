@@ -51,8 +51,9 @@ MAX_CACHED_SCHEDULES = 64
 """Timestep schedules cached per (steps, output tokens); cleared past this many entries."""
 
 ROPE_POSITIONS = 4096
-"""Positions per axis in diffusers' QwenEmbedRope tables (`pos_freqs`): rows and columns of patches are
-centred, so a side may span up to this many patches on each side of the centre."""
+"""Positions per axis in diffusers' QwenEmbedRope tables. Patch rows and columns are centred (half the side
+on each side of 0) and the text positions follow from half the longest side on, so a side of at most this
+many patches leaves room for 2048 text tokens."""
 
 
 def norm_rescaled_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
@@ -84,7 +85,6 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
     supports_batching = False
     text_encoders = ("text_encoder",)
     masked_sequences = {"prompt_embeds": "prompt_mask"}
-    max_image_inputs = 1
     min_image_inputs = 1
     multi_image = False
     """The processor gets a list of images (EditPlus) rather than one image (Edit)."""
@@ -146,6 +146,12 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
     def uses_cfg(self, head: Any) -> bool:
         # diffusers runs the negative branch whenever a negative prompt is given, even an empty one.
         return head.true_cfg_scale > 1.0 and head.negative_prompt is not None
+
+    def run(self, batch: list[Any], **kwargs: Any) -> Any:
+        try:
+            return super().run(batch, **kwargs)
+        finally:
+            self._inputs = None  # the prepared ~1024² inputs are per request; do not hold them between requests
 
     # -- input images ------------------------------------------------------------------------------------------
 
