@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from diffuserve.engine.request import SamplingParams
     from diffuserve.models.loader import load_pipeline
     from diffuserve.models.tiny import build_tiny_checkpoint
+    from diffuserve.sampling import SamplingParams
 
     model_path = args.model_path
     if model_path is None:

@@ -203,4 +203,4 @@ def test_openai_sdk_edit_plus_with_an_image_list(plus_server: ServerProcess, plu
     _assert_same([decode_b64_png(d.b64_json) for d in result.data], plus_reference)
     with pytest.raises(openai.BadRequestError) as info:
         client.images.edit(image=[("a.png", RED, "image/png")] * 4, prompt=PROMPT, size="64x64")
-    assert info.value.body["param"] == "image" and "up to 3" in info.value.body["message"]
+    assert info.value.body["param"] == "image" and "1 to 3 image files" in info.value.body["message"]

@@ -1,4 +1,5 @@
-"""Wan2.1 / Wan2.2 text-to-video and Wan image-to-video."""
+"""Wan2.1 / Wan2.2 text-to-video (one spec: A14B's two experts and TI2V-5B's per-token timesteps are settings of
+the same `WanPipeline` class) and Wan image-to-video."""
 
 from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults
 
@@ -31,7 +32,12 @@ SPECS = (
         profile=WAN_PROFILE,
         layer_containers=WAN_LAYERS,
         max_latent_side=wan_max_latent_side,
-        tiny_builds={"wan": "diffuserve.models.tiny:build_wan"},
+        native_adapter="diffuserve.pipelines.wan:WanNativePipeline",
+        tiny_builds={
+            "wan": "diffuserve.models.tiny:build_wan",
+            "wan2.2": "diffuserve.models.tiny_wan:build_wan22_a14b",
+            "wan2.2-ti2v": "diffuserve.models.tiny_wan:build_wan22_ti2v",
+        },
     ),
     FamilySpec(
         name="wan_i2v",

@@ -226,18 +226,19 @@ def load_pipeline(
     )
     if spec.backend == "native":
         components = load_components(model_path, spec, device=torch_device, dtype=torch_dtype)
+        # Pipeline-level settings of model_index.json (Wan2.2's boundary_ratio, expand_timesteps) ride along
+        # with the components, as diffusers passes them to the pipeline's __init__.
+        index = registry.read_model_index(model_path)
+        components.update({k: v for k, v in index.items() if not k.startswith("_") and not isinstance(v, list)})
         try:
             pipeline = _native_class(spec.family).from_components(
                 components, device=torch_device, dtype=torch_dtype
             )
         except CheckpointError as exc:
             raise CheckpointError(f"checkpoint {model_path}: {exc.message}") from exc
-        # A checkpoint's suggested request defaults (tiny checkpoints: a small size, few steps) apply to native
-        # adapters as to the diffusers backend.
-        from diffuserve.pipelines.diffusers_backend import read_suggested_defaults
-
-        suggested = read_suggested_defaults(model_path)
+        suggested = registry.read_suggested_defaults(model_path)
         if suggested:
+            # A checkpoint's own suggestions (tiny test models) beat the family's published defaults.
             pipeline.defaults = dataclasses.replace(pipeline.defaults, **suggested)
     else:
         from diffuserve.pipelines.diffusers_backend import DiffusersBackendPipeline

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
-import json
 import logging
 import time
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from PIL import Image
 
 from diffuserve.errors import CheckpointError, InvalidRequestError, RequestCancelledError
 from diffuserve.families.base import SamplingDefaults
+from diffuserve.models.registry import read_suggested_defaults
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.base import (
     BatchResult,
@@ -41,13 +41,6 @@ from diffuserve.pipelines.base import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULTS_KEY = "_diffuserve_defaults"
-"""model_index.json key with suggested request defaults (see models/tiny.py); diffusers ignores it."""
-
-_DEFAULT_FIELDS = {"width": int, "height": int, "num_frames": int, "num_inference_steps": int,
-                   "guidance_scale": float, "fps": int}
-
-
 def _to_pil(item: Any) -> Image.Image:
     if isinstance(item, Image.Image):
         return item
@@ -55,24 +48,6 @@ def _to_pil(item: Any) -> Image.Image:
     if array.dtype != np.uint8:
         array = (np.clip(array, 0, 1) * 255).round().astype("uint8")
     return Image.fromarray(array)
-
-
-def read_suggested_defaults(model_path: Path) -> dict[str, Any]:
-    """The checkpoint's `_diffuserve_defaults` from model_index.json, keeping only known, typed fields."""
-    try:
-        suggested = json.loads((Path(model_path) / "model_index.json").read_text()).get(DEFAULTS_KEY)
-    except (OSError, ValueError, AttributeError):
-        return {}
-    if not isinstance(suggested, dict):
-        return {}
-    out: dict[str, Any] = {}
-    for name, kind in _DEFAULT_FIELDS.items():
-        value = suggested.get(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            out[name] = kind(value)
-        elif value is not None:
-            logger.warning("%s: ignoring %s.%s=%r (expected a positive number)", model_path, DEFAULTS_KEY, name, value)
-    return out
 
 
 class DiffusersBackendPipeline(Pipeline):

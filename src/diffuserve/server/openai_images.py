@@ -145,23 +145,22 @@ async def edit_image(request: Request) -> ImageGenerationResponse:
         raise InvalidRequestError("mask is not supported: this model edits the whole image (use strength).", param="mask")
     limit = ctx.engine.model.max_image_inputs  # type: ignore[union-attr]
     if not uploads or len(uploads) > max(limit, 1):
-        many = f"up to {limit} image files (repeated `image[]` parts)" if limit > 1 else "exactly one `image` file"
-        raise InvalidRequestError(f"Send {many} for this model (got {len(uploads)}).", param="image")
+        allowed = "exactly one `image` file" if limit <= 1 else f"1 to {limit} image files (`image` or repeated `image[]`)"
+        raise InvalidRequestError(f"Send {allowed}; got {len(uploads)}.", param="image")
     fields = {k: v for k, v in form.multi_items() if k not in _EDIT_FILE_FIELDS and isinstance(v, str)}
     try:
         body = ImageEditRequest.model_validate(coerce_form_fields(ImageEditRequest, fields))
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False)) from exc
-    datas = tuple([await upload.read() for upload in uploads])
+    blobs = tuple([await upload.read() for upload in uploads])
     max_pixels = ctx.args.max_image_side ** 2
-    sources = [await run_in_threadpool(decode_image, data, max_pixels=max_pixels, param="image") for data in datas]
-    source = sources[0]
+    sources = [await run_in_threadpool(decode_image, data, max_pixels=max_pixels, param="image") for data in blobs]
     if body.size is None and body.width is None and body.height is None:
-        # Default to the input's size, rounded down to what the model can produce.
+        # Default to the (first) input's size, rounded down to what the model can produce.
         multiple = ctx.engine.model.size_multiple  # type: ignore[union-attr]
-        body = body.model_copy(update={"width": max(multiple, source.width // multiple * multiple),
-                                       "height": max(multiple, source.height // multiple * multiple)})
-    params = image_params(body, ctx, image_inputs=datas, strength=body.strength)
+        body = body.model_copy(update={"width": max(multiple, sources[0].width // multiple * multiple),
+                                       "height": max(multiple, sources[0].height // multiple * multiple)})
+    params = image_params(body, ctx, image_inputs=blobs, strength=body.strength)
     return await _generate_and_respond(request, body, params, received=received,
                                        ineligible_reason="image_conditioning")
 
