@@ -119,6 +119,33 @@ def test_edit_plus_refuses_more_images_than_its_limit(plus_path: Path) -> None:
     assert info.value.param == "image"
 
 
+def test_tiny_checkpoint_is_byte_identical_small_and_names_the_real_processor_class(
+        edit_path: Path, tmp_path: Path) -> None:
+    import json
+
+    from diffuserve.models.tiny import build_tiny_checkpoint
+
+    again = build_tiny_checkpoint("qwen-image-edit", tmp_path / "again")
+    files = sorted(p.relative_to(edit_path) for p in edit_path.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
+    assert all((edit_path / f).read_bytes() == (again / f).read_bytes() for f in files)
+    assert sum((edit_path / f).stat().st_size for f in files) < 10 * 2**20
+    # Saved through the torchvision-free substitute, named as the real class, with the video processor entry
+    # the real class reads back.
+    index = json.loads((edit_path / "model_index.json").read_text())
+    assert index["processor"] == ["transformers", "Qwen2VLProcessor"]
+    config = json.loads((edit_path / "processor" / "processor_config.json").read_text())
+    assert config["processor_class"] == "Qwen2VLProcessor"
+    assert config["video_processor"]["video_processor_type"] == "Qwen2VLVideoProcessor"
+    # The system prompt of the template is exactly the 64 tokens the pipelines drop, as with the real tokenizer.
+    import diffusers
+
+    install_processor_substitutes()
+    pipe = diffusers.QwenImageEditPipeline.from_pretrained(edit_path, local_files_only=True)
+    prefix = pipe.prompt_template_encode.split("<|vision_start|>")[0]
+    assert len(pipe.processor.tokenizer(prefix)["input_ids"]) == pipe.prompt_template_encode_start_idx == 64
+
+
 RESIDENCY_PLANS = {
     # The DiT and the text encoder (Qwen2.5-VL with its vision tower) stream layer by layer.
     "layerwise": {"transformer": ("layerwise-offload", "dit"), "text_encoder": ("layerwise-offload", "text_encoder"),
