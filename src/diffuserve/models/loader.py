@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diffuserve.errors import CheckpointError, ConfigError
-from diffuserve.models import registry
+from diffuserve.models import processor_substitutes, registry
 
 if TYPE_CHECKING:
     import torch
@@ -118,6 +118,8 @@ def check_checkpoint(model_path: Path, spec: registry.ModelSpec) -> dict[str, ty
     import torch
 
     classes: dict[str, type] = {}
+    if any(name in processor_substitutes.SUBSTITUTED for _, name in spec.components.values()):
+        processor_substitutes.install_processor_substitutes()
     for key, (library, class_name) in spec.components.items():
         cls = _component_class(model_path, key, library, class_name)
         classes[key] = cls

@@ -83,6 +83,8 @@ class Pipeline:
     """Largest height the checkpoint's positional tables allow (None: no limit of the model's own)."""
     max_image_inputs: int = 0
     """Input images one request may carry (edits); 0: this model takes none."""
+    min_image_inputs: int = 0
+    """Input images every request must carry (1 for edit-only models); warm-up sends this many."""
     frame_multiple: int = 1
     """Video: num_frames - 1 must divide by this (the VAE's temporal compression)."""
     defaults: SamplingDefaults = SamplingDefaults()
@@ -144,6 +146,7 @@ class Pipeline:
         return ModelDescription(
             family=self.family, output_kind=self.output_kind, defaults=self.defaults,
             size_multiple=self.size_multiple, max_image_inputs=self.max_image_inputs,
+            min_image_inputs=self.min_image_inputs,
             frame_multiple=self.frame_multiple,
             supports_batching=self.supports_batching, validate=self.validate,
         )
