@@ -135,10 +135,6 @@ class DiffusersBackendPipeline(Pipeline):
             value = params[name].default if name in params else inspect.Parameter.empty
             return fallback if value is inspect.Parameter.empty or value is None else value
 
-        from diffuserve import families
-
-        guidance = families.all_specs()[self.family].defaults if self.family in families.all_specs() else None
-
         def snap(value: int) -> int:
             return max(self.size_multiple, int(value) // self.size_multiple * self.size_multiple)
 
@@ -157,10 +153,6 @@ class DiffusersBackendPipeline(Pipeline):
             height=snap(default("height", size)),
             num_inference_steps=int(default("num_inference_steps", 28)),
             guidance_scale=float(default("guidance_scale", 3.5)),
-            # True CFG as the family spec sets it (Qwen-Image: 4 with negative " "), so an unset field means the
-            # same on both backends; for a class no spec lists, the call's own default (no negative prompt).
-            true_cfg_scale=guidance.true_cfg_scale if guidance else float(default("true_cfg_scale", 1.0)),
-            negative_prompt=guidance.negative_prompt if guidance else None,
             num_frames=int(default("num_frames", 1)) if self.output_kind == "video" else 1,
             fps=int(suggested.get("fps", SamplingDefaults.fps)),
         )
