@@ -141,3 +141,38 @@ def test_wan_i2v_residency_modes_and_image_rules(pipelines):
     with pytest.raises(InvalidRequestError) as err:  # a text-to-video model takes no image
         _params(pipelines["wan"], "x", 0, image_inputs=(_png(),))
     assert err.value.param == "input_reference"
+
+
+def test_video_vae_resident_layers_move_once_per_request_not_once_per_chunk(pipelines):
+    """The Wan VAE decodes one latent frame (chunk) at a time, so streamed decoder blocks move once per chunk;
+    a `forward` resident set moves once per request, a `permanent` one never (placed at set-up). Outputs
+    equal the resident run."""
+    from diffuserve.config.plan import ComponentPlan, DeploymentPlan, Lifetime
+    from diffuserve.pipelines.base import AllResident
+    from diffuserve.runtime.residency import build_residency
+
+    pipe = pipelines["wan"]
+    params = _params(pipe, "a red kite", 4, guidance_scale=1.0, num_frames=9)  # 3 latent frames = 3 decoder chunks
+    run = lambda: pipe.run([params]).outputs[0].videos  # noqa: E731
+    reference = run()
+    decoder_blocks = len(pipe.vae.decoder.up_blocks)
+    per_request: dict[str, int] = {}
+    for label, resident, lifetime in (("streamed", 0, Lifetime.FORWARD), ("forward", decoder_blocks, Lifetime.FORWARD),
+                                      ("permanent", decoder_blocks, Lifetime.PERMANENT)):
+        plan = DeploymentPlan(components={"vae": ComponentPlan(name="vae", group="vae", mode=ResidencyMode.LAYERWISE_OFFLOAD,
+                                                               resident_layers=resident, lifetime=lifetime)})
+        ledger = TransferLedger()
+        pipe.residency = build_residency(plan, pipe.components, device="cpu", ledger=ledger)
+        try:
+            ledger.begin_window()
+            assert max_pixel_diff(run(), reference) == 0, label
+            summary = ledger.window_summary()
+        finally:
+            pipe.residency.close()
+            pipe.residency = AllResident()
+        per_request[label] = sum(m.nbytes for m in summary.moves if m.direction == "h2d"
+                                 and (m.layer or "").startswith("decoder.up_blocks"))
+    decoder_bytes = sum(p.numel() * p.element_size() for p in pipe.vae.decoder.up_blocks.parameters())
+    assert per_request["streamed"] >= 3 * decoder_bytes  # every chunk re-streams the decoder blocks
+    assert per_request["forward"] == decoder_bytes  # placed once when the VAE's stage begins
+    assert per_request["permanent"] == 0  # placed at set-up, never moved per request
