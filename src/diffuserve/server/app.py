@@ -18,6 +18,7 @@ from diffuserve.server.context import ServerContext
 from diffuserve.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
 from diffuserve.server.protocol import ErrorEnvelope, error_envelope
 from diffuserve.server.video_jobs import VideoJobStore
+from diffuserve.storage import ResultStore, RetentionPolicy
 
 logger = logging.getLogger("diffuserve.server")
 
@@ -85,22 +86,33 @@ ERROR_RESPONSES: dict[int | str, dict] = {
 """Every error the API can answer, documented in /openapi.json with the OpenAI envelope."""
 
 
+def open_results_store(args) -> ResultStore:
+    """The results store under --output-dir, with the retention flags."""
+    return ResultStore(args.resolved_output_dir(),
+                       RetentionPolicy(ttl_s=args.result_ttl_s, max_bytes=args.max_output_bytes))
+
+
 def create_app(ctx: ServerContext) -> FastAPI:
     """Build the app around an engine that is started by the lifespan (load and warm-up run in its thread)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         ctx.engine.start()
+        openai_videos.start_results_sweep(ctx)
         try:
             yield
         finally:
+            assert ctx.results is not None
+            ctx.results.stop_sweeper()
             ctx.engine.stop()
 
     app = FastAPI(title="diffuserve", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible image generation with dynamic batching.",
                   responses=ERROR_RESPONSES)
+    if ctx.results is None:
+        ctx.results = open_results_store(ctx.args)
     if ctx.videos is None:
-        ctx.videos = VideoJobStore(ctx.args.max_video_jobs)
+        ctx.videos = VideoJobStore(ctx.results, ctx.args.max_video_jobs)
     app.state.ctx = ctx
     install_error_handlers(app)
     app.include_router(health.router)

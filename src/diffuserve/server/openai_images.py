@@ -107,7 +107,8 @@ async def _generate_and_respond(
     )
     encode_s = time.monotonic() - encode_started
     if body.response_format == "url":
-        ctx.images.put(request_id, [StoredImage(data, mime_type(params.output_format)) for data in encoded])
+        await run_in_threadpool(ctx.images.put, request_id,
+                                [StoredImage(data, mime_type(params.output_format)) for data in encoded])
         base = str(request.base_url).rstrip("/")
         data = [ImageData(url=f"{base}/v1/images/{request_id}/content?index={i}") for i in range(len(encoded))]
     else:
@@ -178,7 +179,7 @@ async def edit_image(request: Request) -> ImageGenerationResponse:
 @router.get("/v1/images/{image_id}/content", tags=["images"], response_class=Response, responses={
     200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}, "description": "The encoded image."}})
 async def image_content(image_id: str, request: Request, index: int = Query(default=0, ge=0)) -> Response:
-    images = server_context(request).images.get(image_id)
+    images = await run_in_threadpool(server_context(request).images.get, image_id)
     if images is None:
         raise NotFoundError(f"No image {image_id!r} (unknown id, or dropped from the URL store).", param="image_id")
     if index >= len(images):

@@ -145,7 +145,35 @@ async def _drive_job(ctx: ServerContext, job: VideoJob, generation: asyncio.Futu
         store.fail(job.id, error_envelope(f"Video job failed: {type(exc).__name__}: {exc}", "server_error",
                                           None, "generation_failed")["error"])
         return
-    store.complete(job.id, content, result_timings(result, encode_s=encode_s, received=received))
+    # Writing the MP4 (fsync, rename) and its row is blocking I/O: off the event loop.
+    await run_in_threadpool(store.complete, job.id, content,
+                            result_timings(result, encode_s=encode_s, received=received))
+
+
+INTERRUPTED_ERROR = error_envelope(
+    "The server process running this job stopped before it finished (killed or crashed); create the job again.",
+    "server_error", None, "interrupted")["error"]
+"""The error of a job that was queued or running in a process that died."""
+
+
+def start_results_sweep(ctx: ServerContext) -> None:
+    """Fail the jobs of dead processes now, then sweep retention in the background. After each sweep,
+    the jobs running here publish their progress (for polls that reach another replica) and those
+    that another replica cancelled or deleted are aborted."""
+    results = ctx.results
+    assert results is not None
+
+    def sync_live_jobs() -> None:
+        store = _store(ctx)
+        for job_id in store.live_ids():
+            progress = ctx.engine.progress(job_id)
+            if progress is not None:
+                store.set_progress(job_id, *progress)
+        for job_id in store.live_ids_finished_elsewhere():
+            ctx.engine.abort(job_id, RequestCancelledError(f"The video job {job_id} was cancelled or deleted."))
+
+    results.fail_interrupted(INTERRUPTED_ERROR)
+    results.start_sweeper(ctx.args.result_sweep_interval_s, INTERRUPTED_ERROR, sync_live_jobs)
 
 
 def _refresh(ctx: ServerContext, job: VideoJob) -> VideoJob:
@@ -214,11 +242,13 @@ async def get_video(video_id: str, request: Request) -> dict[str, Any]:
     200: {"content": {"video/mp4": {}}, "description": "The MP4 of a completed job."},
     409: {"description": "The job is not completed (queued, in progress, failed or cancelled)."}})
 async def video_content(video_id: str, request: Request) -> Response:
-    job = _get_job(server_context(request), video_id)
-    if job.content is None:
+    ctx = server_context(request)
+    job = _get_job(ctx, video_id)
+    content = await run_in_threadpool(_store(ctx).content, job) if job.status == "completed" else None
+    if content is None:
         hint = "poll GET /v1/videos/{id} until status is completed" if not job.terminal else "it has no video"
         raise VideoNotReadyError(f"Video job {video_id} is {job.status}; {hint}.", param="video_id")
-    return Response(content=job.content, media_type="video/mp4",
+    return Response(content=content, media_type="video/mp4",
                     headers={"Content-Disposition": f'inline; filename="{job.id}.mp4"'})
 
 
@@ -232,7 +262,7 @@ async def cancel_video(video_id: str, request: Request) -> dict[str, Any]:
         raise VideoNotReadyError(f"Video job {video_id} already {job.status}; DELETE it to remove it.",
                                  param="video_id")
     _cancel(ctx, job, f"POST /v1/videos/{video_id}/cancel")
-    return job.to_dict()
+    return _get_job(ctx, video_id).to_dict()
 
 
 @router.delete("/v1/videos/{video_id}", tags=["videos"])
