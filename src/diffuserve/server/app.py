@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from diffuserve import __version__
 from diffuserve.errors import DiffuserveError
-from diffuserve.server import health, models_routes, openai_images, openai_videos
+from diffuserve.server import health, models_routes, openai_images, openai_videos, playground
 from diffuserve.server.context import ServerContext
 from diffuserve.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
 from diffuserve.server.protocol import ErrorEnvelope, error_envelope
@@ -119,6 +119,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app.include_router(models_routes.router)
     app.include_router(openai_images.router)
     app.include_router(openai_videos.router)
+    app.include_router(playground.router)
     # Outermost first: the body cap runs before auth so an oversized anonymous upload is never read.
     api_key = ctx.args.resolved_api_key()
     if api_key:
