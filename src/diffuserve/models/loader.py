@@ -197,7 +197,7 @@ def load_components(
 
 
 def _native_class(family: str) -> type:
-    module_name, _, class_name = registry.NATIVE_FAMILIES[family].partition(":")
+    module_name, _, class_name = registry.native_families()[family].partition(":")
     return getattr(importlib.import_module(module_name), class_name)
 
 
