@@ -97,6 +97,7 @@ function showImage(event) {
   const final = event.type.endsWith(".completed");
   img.src = `data:image/${event.output_format};base64,${event.b64_json}`;
   img.className = final ? "final" : "partial";
+  if (!final) figure.dataset.partials = String(Number(figure.dataset.partials || 0) + 1);
   figure.querySelector("figcaption").textContent = final
     ? `final ${event.size}`
     : `partial ${event.partial_image_index + 1}`;
