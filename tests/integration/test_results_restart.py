@@ -1,7 +1,7 @@
 """Results that survive: kill -9 a video server mid-job, restart two processes on the same
 --output-dir, and the official SDK lists and downloads the completed job on both while the
 interrupted one reports `failed` / `interrupted`; a cancel sent to one replica stops a job running in
-the other; `url` images still resolve after a restart."""
+the other; `url` images resolve in a process that did not make them."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 from PIL import Image
 
 from diffuserve.media.video import probe_mp4
+from tests.conftest import STREAMING_API_KEY
 from tests.serverproc import ServerProcess
 
 LONG_STEPS = 2000
@@ -112,23 +113,25 @@ def test_kill9_restart_and_a_second_replica_share_the_results(tiny_wan_path: Pat
             server.stop()
 
 
-def test_url_images_survive_a_restart(tiny_flux_path: Path, tmp_path: Path):
-    args = ["--model-path", str(tiny_flux_path), "--served-model-name", "tiny-flux",
-            "--output-dir", str(tmp_path / "outputs")]
-    server = ServerProcess(args, tmp_path / "first.log").start(timeout_s=180)
+def test_url_images_resolve_in_a_process_that_did_not_make_them(streaming_server, tiny_flux_path: Path,
+                                                                 tmp_path: Path):
+    # The url links are rows and files in the shared folder, not memory: a process started afterwards
+    # on the same --output-dir (a restart, or another replica) serves them byte for byte.
+    key = {"Authorization": f"Bearer {STREAMING_API_KEY}"}
+    made = httpx.post(f"{streaming_server.base_url}/v1/images/generations", headers=key, timeout=60,
+                      json={"prompt": "a red fox", "n": 2, "size": "64x64", "response_format": "url",
+                            "num_inference_steps": 2, "seed": 1}).json()
+    urls = [d["url"] for d in made["data"]]
+    before = [httpx.get(url, headers=key, timeout=30).content for url in urls]
+    other = ServerProcess(["--model-path", str(tiny_flux_path), "--api-key", STREAMING_API_KEY,
+                           "--output-dir", str(streaming_server.log_path.parent / "outputs")],
+                          tmp_path / "other.log").start(timeout_s=180)
     try:
-        result = _client(server).images.generate(prompt="a red fox", n=2, size="64x64", response_format="url",
-                                                 extra_body={"num_inference_steps": 2, "seed": 1})
-        urls = [d.url for d in result.data]
-        before = [httpx.get(url, timeout=30).content for url in urls]
-    finally:
-        server.signal(signal.SIGKILL)
-        server.stop()
-    restarted = ServerProcess(args, tmp_path / "second.log", port=server.port).start(timeout_s=180)
-    try:
-        after = [httpx.get(url, timeout=30) for url in urls]
+        after = [httpx.get(url.replace(streaming_server.base_url, other.base_url), headers=key, timeout=30)
+                 for url in urls]
         assert [r.status_code for r in after] == [200, 200]
         assert [r.content for r in after] == before
         assert Image.open(io.BytesIO(after[1].content)).size == (64, 64)
+        assert httpx.get(f"{other.base_url}/v1/images/{made['id']}x/content", headers=key, timeout=30).status_code == 404
     finally:
-        restarted.stop()
+        other.stop()

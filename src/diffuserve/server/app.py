@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sqlite3
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -12,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from diffuserve import __version__
-from diffuserve.errors import DiffuserveError
+from diffuserve.errors import ConfigError, DiffuserveError
 from diffuserve.server import health, models_routes, openai_images, openai_videos, playground
 from diffuserve.server.context import ServerContext
 from diffuserve.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
@@ -87,9 +88,13 @@ ERROR_RESPONSES: dict[int | str, dict] = {
 
 
 def open_results_store(args) -> ResultStore:
-    """The results store under --output-dir, with the retention flags."""
-    return ResultStore(args.resolved_output_dir(),
-                       RetentionPolicy(ttl_s=args.result_ttl_s, max_bytes=args.max_output_bytes))
+    """The results store under --output-dir, with the retention flags (a clear start-up error if unusable)."""
+    folder = args.resolved_output_dir()
+    try:
+        return ResultStore(folder, RetentionPolicy(ttl_s=args.result_ttl_s, max_bytes=args.max_output_bytes))
+    except (OSError, sqlite3.Error) as exc:
+        raise ConfigError(f"--output-dir: cannot keep results in {str(folder)!r} ({exc}); give a writable folder "
+                          "on a local filesystem.") from exc
 
 
 def create_app(ctx: ServerContext) -> FastAPI:
