@@ -56,6 +56,7 @@ def test_ttl_sets_expires_at_and_the_sweep_removes_rows_and_files(tmp_path: Path
     clock.now += 59
     assert store.sweep(INTERRUPTED)["expired"] == []
     clock.now += 2
+    assert store.get("img_1") is None, "expired is gone for readers even before the sweep"
     assert store.sweep(INTERRUPTED)["expired"] == ["img_1"]
     assert store.get("img_1") is None and not (store.media / "img_1").exists()
     assert store.get("video_live") is not None, "live results never expire"

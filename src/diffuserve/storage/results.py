@@ -100,6 +100,7 @@ class Record:
 
 
 _COLUMNS = "id, kind, status, owner, created_at, completed_at, expires_at, bytes, files, meta"
+_UNEXPIRED = "(expires_at IS NULL OR expires_at > ?)"
 
 
 def _record(row: tuple) -> Record:
@@ -242,7 +243,8 @@ class ResultStore:
     # -- reading -----------------------------------------------------------------------------------
 
     def get(self, rid: str) -> Record | None:
-        rows = self._query(f"SELECT {_COLUMNS} FROM results WHERE id = ?", (rid,))
+        """The row, unless it is gone or past its `expires_at` (expired is gone, even before the sweep)."""
+        rows = self._query(f"SELECT {_COLUMNS} FROM results WHERE id = ? AND {_UNEXPIRED}", (rid, self.clock()))
         return _record(rows[0]) if rows else None
 
     def read_file(self, record: Record, name: str) -> bytes | None:
@@ -263,8 +265,8 @@ class ResultStore:
             if not seq:
                 raise KeyError(after)
             bound, args = " AND seq < ?", (kind, seq[0][0])
-        rows = self._query(f"SELECT {_COLUMNS} FROM results WHERE kind = ?{bound} ORDER BY seq DESC LIMIT ?",
-                           (*args, limit + 1))
+        rows = self._query(f"SELECT {_COLUMNS} FROM results WHERE kind = ?{bound} AND {_UNEXPIRED} "
+                           "ORDER BY seq DESC LIMIT ?", (*args, self.clock(), limit + 1))
         return [_record(r) for r in rows[:limit]], len(rows) > limit
 
     def count(self, kind: str) -> int:
