@@ -30,9 +30,10 @@ def _client(server: ServerProcess) -> openai.OpenAI:
 
 
 def _create(server: ServerProcess, **body) -> str:
-    response = httpx.post(f"{server.base_url}/v1/videos", json={"prompt": "a red fox", **body}, timeout=30)
-    assert response.status_code == 200, response.text
-    return response.json()["id"]
+    # The SDK sends videos.create as multipart form fields (extra_body included).
+    job = _client(server).videos.create(prompt="a red fox", model="tiny-wan", extra_body=body)
+    assert job.status == "queued", job
+    return job.id
 
 
 def _wait(client: openai.OpenAI, video_id: str, until, timeout_s: float = 60):
@@ -102,6 +103,11 @@ def test_kill9_restart_and_a_second_replica_share_the_results(tiny_wan_path: Pat
         while "stopped at step" not in replicas[0].log() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert "stopped at step" in replicas[0].log(), "the owning replica aborted the cancelled job"
+
+        # The SDK's multipart create is validated like JSON: 400 naming the field.
+        with pytest.raises(openai.BadRequestError) as bad:
+            replica.videos.create(prompt="x", seconds="soon")
+        assert bad.value.body["param"] == "seconds"
 
         # Deleting a job (on either replica) removes its files.
         assert replica.videos.delete(done_id).deleted

@@ -17,7 +17,8 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response
-from pydantic import Field, StrictFloat, StrictInt, StrictStr
+from fastapi.exceptions import RequestValidationError
+from pydantic import Field, StrictFloat, StrictInt, StrictStr, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from diffuserve.engine.engine import GenerationResult
@@ -31,7 +32,7 @@ from diffuserve.media.video import encode_mp4
 from diffuserve.sampling import SamplingParams, build_sampling_params
 from diffuserve.server.common import check_request_limits, require_ready, result_timings, server_context
 from diffuserve.server.context import ServerContext
-from diffuserve.server.protocol import MAX_SEED, PromptRequest, error_envelope, parse_size
+from diffuserve.server.protocol import MAX_SEED, PromptRequest, coerce_form_fields, error_envelope, parse_size
 from diffuserve.server.video_jobs import VideoJob, VideoJobStore
 
 router = APIRouter()
@@ -190,12 +191,39 @@ def _cancel(ctx: ServerContext, job: VideoJob, how: str) -> None:
         ctx.engine.abort(job.id, error)
 
 
-@router.post("/v1/videos", tags=["videos"])
-async def create_video(body: VideoCreateRequest, request: Request) -> dict[str, Any]:
+async def _create_body(request: Request) -> VideoCreateRequest:
+    """The body as JSON, or as form fields: the official SDK always sends `videos.create` as multipart."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+        form = await request.form()
+        if any(not isinstance(value, str) for _, value in form.multi_items()):
+            raise InvalidRequestError("input_reference (an input image) is not supported: this server makes videos "
+                                      "from text only.", param="input_reference")
+        data: Any = coerce_form_fields(VideoCreateRequest, dict(form.multi_items()))
+    else:
+        try:
+            data = await request.json()
+        except ValueError:
+            raise InvalidRequestError("The request body must be a JSON object (Content-Type: application/json) or "
+                                      "multipart form fields.", param="body") from None
+    try:
+        return VideoCreateRequest.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from exc
+
+
+_CREATE_SCHEMA = {"requestBody": {"required": True, "content": {
+    media: {"schema": VideoCreateRequest.model_json_schema()}
+    for media in ("application/json", "multipart/form-data")}}}
+
+
+@router.post("/v1/videos", tags=["videos"], openapi_extra=_CREATE_SCHEMA)
+async def create_video(request: Request) -> dict[str, Any]:
     """Create a video job; answers at once with the queued job (poll GET /v1/videos/{id})."""
     received = time.monotonic()
     ctx = server_context(request)
     require_ready(ctx)
+    body = await _create_body(request)
     params = build_video_params(body, ctx)
     job = VideoJob(id=f"video_{uuid.uuid4().hex}", model=ctx.args.public_model_name, prompt=params.prompt,
                    width=params.width, height=params.height, num_frames=params.num_frames, fps=params.fps,
