@@ -46,6 +46,25 @@ def tiny_wan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_checkpoint("wan", tmp_path_factory.mktemp("ckpt") / "wan-tiny", preset="tiny")
 
 
+STREAMING_API_KEY = "stream-test-key"
+
+
+@pytest.fixture(scope="session")
+def streaming_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A tiny-FLUX server with dynamic batching and an API key, shared by the streaming, request-field
+    and playground (browser) tests."""
+    from tests.serverproc import ServerProcess
+
+    logs = tmp_path_factory.mktemp("streaming")
+    server = ServerProcess(["--model-path", str(tiny_flux_path), "--served-model-name", "tiny-flux-stream",
+                            "--batching-mode", "dynamic", "--batching-max-size", "4", "--batching-delay-ms", "300",
+                            "--enable-batching-metrics", "--max-inference-steps", "400", "--api-key", STREAMING_API_KEY],
+                           logs / "server.log")
+    server.start(timeout_s=180)
+    yield server
+    server.stop()
+
+
 # Test servers and the test process share 2 cores; one intra-op thread each avoids OpenMP spin
 # contention that makes every op ~100x slower when two processes compute at once. Set before torch
 # is imported; server subprocesses inherit it.

@@ -9,12 +9,13 @@ import hmac
 import json
 from typing import Any
 
+from diffuserve.server.playground import PUBLIC_PATHS as PLAYGROUND_PATHS
 from diffuserve.server.protocol import error_envelope
 
 Scope = dict[str, Any]
 
-PUBLIC_PATHS = frozenset({"/liveness", "/health", "/metrics"})
-"""Paths that never need the API key (probes and scraping)."""
+PUBLIC_PATHS = frozenset({"/liveness", "/health", "/metrics"}) | PLAYGROUND_PATHS
+"""Paths that never need the API key (probes and scraping; the playground's static files, which hold no data)."""
 
 
 async def _send_error(send: Any, status: int, message: str, error_type: str, code: str, headers: list | None = None) -> None:
