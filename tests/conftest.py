@@ -33,11 +33,9 @@ def tiny_flux_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_sd3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Stable Diffusion 3 checkpoint: a family with no native adapter (diffusers backend)."""
-    from diffuserve.models.tiny import build_tiny_checkpoint
-
-    return build_tiny_checkpoint("sd3", tmp_path_factory.mktemp("ckpt") / "sd3-tiny", preset="tiny")
+def tiny_sd3_path(tiny_checkpoint) -> Path:
+    """The tiny SD3 / 3.5 checkpoint (models/tiny_sd3.py): native, and the diffusers-backend test model."""
+    return tiny_checkpoint("sd3")
 
 
 @pytest.fixture(scope="session")

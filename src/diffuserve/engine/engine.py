@@ -39,6 +39,19 @@ _MAX_IDLE_WAIT_S = 0.5
 """Upper bound on a worker sleep, so queued deadlines are checked even when nothing else happens."""
 
 
+def _warmup_images(model: ModelDescription, width: int, height: int) -> tuple[bytes, ...]:
+    """The input images a warm-up request of an edit-only model carries: plain gray PNGs at its size."""
+    if not model.min_image_inputs:
+        return ()
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (128, 128, 128)).save(buffer, "PNG")
+    return (buffer.getvalue(),) * model.min_image_inputs
+
+
 class EngineState(str, enum.Enum):
     LOADING = "loading"
     WARMING_UP = "warming_up"
@@ -364,7 +377,8 @@ class AsyncEngine:
         sizes += [s for s in self.config.warmup_resolutions if s not in sizes]
         for width, height in sizes:
             params = build_sampling_params(model, prompt="warm-up", width=width, height=height,
-                                           num_inference_steps=self.config.warmup_steps, seed=0)
+                                           num_inference_steps=self.config.warmup_steps, seed=0,
+                                           image_inputs=_warmup_images(model, width, height))
             started = time.monotonic()
             request = Request(request_id="warmup", params=params, arrival_time=self.clock(), ineligible_reason="warmup")
             outcome = run_batch(self.pipeline, [request], clock=self.clock)

@@ -138,7 +138,17 @@ class DiffusersBackendPipeline(Pipeline):
         def snap(value: int) -> int:
             return max(self.size_multiple, int(value) // self.size_multiple * self.size_multiple)
 
+        # True CFG's defaults are the family's (Qwen-Image: 4 with a " " negative prompt), as on the native path,
+        # so a request leaving them unset runs the same call on both backends.
+        from diffuserve.families import spec_for
+
+        try:
+            family = spec_for(self.family).defaults
+        except KeyError:
+            family = SamplingDefaults()
         return SamplingDefaults(
+            true_cfg_scale=family.true_cfg_scale if "true_cfg_scale" in params else 1.0,
+            negative_prompt=family.negative_prompt if "negative_prompt" in params else None,
             width=snap(default("width", size)),
             height=snap(default("height", size)),
             num_inference_steps=int(default("num_inference_steps", 28)),
