@@ -369,7 +369,8 @@ def test_profile_family_override_and_generic(checkpoint: tuple[Path, dict[str, i
     assert (i2v.family, i2v.kind, i2v.fsdp_can_replace_dit_offload) == ("wan_i2v", "video", True)
     ltx = profile_from_checkpoint(root, family="ltx")  # registry-known, no profile of ours: generic, video
     assert (ltx.kind, ltx.dit_resident_threshold_gib) == ("video", None)
-    assert profile_from_checkpoint(root, family="flux2").dit_resident_threshold_gib == 45.0
+    assert profile_from_checkpoint(root, family="glm_image").dit_resident_threshold_gib == 45.0  # spec without plan facts
+    assert profile_from_checkpoint(root, family="flux2").dit_resident_threshold_gib == 80.0  # ~32B DiT: its own figure
     with pytest.raises(ConfigError, match="'qwen_image'"):
         profile_from_checkpoint(root, family="qwen-image")
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "SomeNewPipeline", "unet": ["diffusers", "MyUNet"]}))
