@@ -157,8 +157,13 @@ EMBEDDED_MODEL_NAME = "diffuserve-tiny-flux"
 """Public name of the embedded default model when no --model-path is given."""
 
 
-def load_config_file(path: str, known_keys: set[str]) -> dict[str, Any]:
-    """Read a --config file (JSON, or YAML by suffix) whose keys are flag names (`--` optional, - or _)."""
+def load_config_file(path: str, known_keys: set[str], *, elsewhere: dict[str, str] | None = None,
+                     command: str = "serve") -> dict[str, Any]:
+    """Read a --config file (JSON, or YAML by suffix) whose keys are flag names (`--` optional, - or _).
+
+    `elsewhere` maps keys that belong to other subcommands to the command's name, so such a key fails
+    naming that command instead of a vague "unknown key".
+    """
     file = Path(path)
     try:
         text = file.read_text()
@@ -178,6 +183,9 @@ def load_config_file(path: str, known_keys: set[str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for raw_key, value in data.items():
         key = str(raw_key).lstrip("-").replace("-", "_")
+        if key not in known_keys and elsewhere and key in elsewhere:
+            raise ConfigError(f"--config: key {raw_key!r} in {path!r} is a flag of `diffuserve {elsewhere[key]}`, "
+                              f"not of `diffuserve {command}`; remove it from this file.")
         if key not in known_keys:
             close = difflib.get_close_matches(key, sorted(known_keys), n=1)
             hint = f" Did you mean '{close[0].replace('_', '-')}'?" if close else ""

@@ -60,5 +60,8 @@ def result_timings(result: GenerationResult, *, encode_s: float, received: float
         "encode_ms": round(encode_s * 1000, 3),
         "total_ms": round((time.monotonic() - received) * 1000, 3),
         "batch_size": result.batch_size,
+        "batch_requests": result.batch_requests,
+        "batch_rows": result.batch_rows,
+        "pipeline_calls": result.pipeline_calls,
         "stages_ms": {k: round(v * 1000, 3) for k, v in result.stage_seconds.items()},
     }
