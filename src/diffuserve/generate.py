@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,18 @@ def _check_applicable(values: dict[str, Any], video: bool, family: str) -> None:
                           "which are always written as mp4. Drop the flag.")
 
 
+def _warn_truncated(pipeline: Any, prompts: list[str], negative_prompt: str | None) -> None:
+    """Say when a prompt is longer than a text encoder takes (it runs cut off, as in `serve`)."""
+    limits = getattr(pipeline, "prompt_token_limits", None)
+    if limits is None:
+        return
+    from diffuserve.pipelines.prompt_limits import check_texts
+
+    for i, prompt in enumerate(prompts):
+        for found in check_texts(limits(), {"prompt": prompt, "negative_prompt": negative_prompt}):
+            logging.getLogger("diffuserve").warning("--prompt #%d: %s", i, found.message)
+
+
 def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     from tqdm import tqdm
 
@@ -115,6 +128,7 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     ]
     for p in params:
         pipeline.validate(p)
+    _warn_truncated(pipeline, prompts, values.get("negative_prompt"))
     # --batching-max-size bounds the rows of every pipeline call in dynamic mode (as in `serve`);
     # singleton mode runs one prompt (all its n rows) per call.
     max_rows = args.batching_max_size if args.batching_mode == "dynamic" else None

@@ -99,6 +99,8 @@ class ServerArgs:
     """String length cap."""
     api_key: str | None = _f(None, "Require `Authorization: Bearer KEY` on every endpoint except /liveness, /health, /metrics (also DIFFUSERVE_API_KEY).", _LIMITS)
     """API key; never logged."""
+    reject_truncated_prompts: bool = _f(False, "Answer 400 (param prompt) when a prompt is longer than a text encoder takes, instead of running it cut off with a warning in the response.", _LIMITS)
+    """Strict prompt-length mode (the default warns: response `warnings` and one log line per request)."""
     allow_remote_urls: bool = _f(False, "Allow request fields that make the server fetch remote URLs (off: such fields are rejected).", _LIMITS)
     """Remote fetch switch."""
 

@@ -31,6 +31,7 @@ from diffuserve.pipelines.base import (
     StepCallback,
     StopCheck,
 )
+from diffuserve.pipelines.prompt_limits import TextEncoderLimit
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +171,11 @@ class FluxNativePipeline(Pipeline):
         return PipelineDefaults(width=size, height=size, num_inference_steps=4, guidance_scale=0.0)
 
     # -- 1. encode prompts ----------------------------------------------------------------------------
+
+    def prompt_token_limits(self) -> list[TextEncoderLimit]:
+        """What each text encoder takes (the server warns about longer prompts: pipelines/prompt_limits.py)."""
+        return [TextEncoderLimit("text_encoder (CLIP)", self.tokenizer, self._clip_max_length),
+                TextEncoderLimit("text_encoder_2 (T5)", self.tokenizer_2, self.max_sequence_length)]
 
     def _clip_pooled(self, prompts: list[str]) -> torch.Tensor:
         ids = self.tokenizer(

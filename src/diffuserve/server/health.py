@@ -14,13 +14,13 @@ from diffuserve.server.common import server_context
 router = APIRouter()
 
 
-@router.get("/liveness", tags=["health"])
+@router.api_route("/liveness", methods=["GET", "HEAD"], tags=["health"])
 async def liveness() -> dict[str, str]:
     """200 as soon as the process serves HTTP."""
     return {"status": "alive"}
 
 
-@router.get("/health", tags=["health"])
+@router.api_route("/health", methods=["GET", "HEAD"], tags=["health"])
 async def health(request: Request) -> JSONResponse:
     """200 once the model is loaded and the warm-up generation ran; 503 before, and while draining."""
     ctx = server_context(request)

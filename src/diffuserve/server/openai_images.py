@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import functools
 import secrets
 import time
 import uuid
@@ -18,7 +19,13 @@ from diffuserve.engine.engine import GenerationResult
 from diffuserve.engine.request import SamplingParams
 from diffuserve.errors import InvalidRequestError, NotFoundError, RequestCancelledError
 from diffuserve.media.images import decode_image, encode_image, mime_type
-from diffuserve.server.common import check_request_limits, require_ready, result_timings, server_context
+from diffuserve.server.common import (
+    check_request_limits,
+    prompt_warnings,
+    require_ready,
+    result_timings,
+    server_context,
+)
 from diffuserve.server.context import ServerContext, StoredImage
 from diffuserve.server.protocol import (
     ImageData,
@@ -97,6 +104,7 @@ async def _generate_and_respond(
     """Run one request through the engine and shape the OpenAI response (shared by generations and edits)."""
     ctx = server_context(request)
     request_id = uuid.uuid4().hex
+    warnings = prompt_warnings(ctx, {"prompt": params.prompt, "negative_prompt": params.negative_prompt})
     result = await await_unless_disconnected(request, ctx.engine.generate(
         params, endpoint="images", timeout_s=body.timeout, priority=body.priority, request_id=request_id,
         ineligible_reason=ineligible_reason,
@@ -121,6 +129,7 @@ async def _generate_and_respond(
         size=f"{params.width}x{params.height}",
         seed=params.seed or 0,
         timings=Timings(**result_timings(result, encode_s=encode_s, received=received)),
+        warnings=warnings,
     )
 
 
@@ -162,8 +171,10 @@ async def edit_image(request: Request) -> ImageGenerationResponse:
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False)) from exc
     data = await uploads[0].read()
-    max_pixels = ctx.args.max_image_side ** 2
-    source = await run_in_threadpool(decode_image, data, max_pixels=max_pixels, param="image")
+    side = ctx.args.max_image_side
+    source = await run_in_threadpool(functools.partial(
+        decode_image, data, max_pixels=side ** 2, param="image",
+        limit_flag=f"--max-image-side {side} (at most {side}x{side} pixels)"))
     if body.size is None and body.width is None and body.height is None:
         # Default to the input's size, rounded down to what the model can produce.
         multiple = ctx.engine.pipeline.size_multiple  # type: ignore[union-attr]

@@ -137,6 +137,8 @@ class ImageGenerationResponse(BaseModel):
     size: str
     seed: int
     timings: Timings
+    warnings: list[str] = []
+    """Things the server changed about the request, e.g. a prompt cut to what a text encoder takes."""
 
 
 class ErrorBody(BaseModel):
