@@ -102,6 +102,11 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
         raise ConfigError("--num-outputs-per-prompt must be >= 1.")
     args.validate()
     model_path = resolve_model_path(args)
+    from diffuserve.models.registry import resolve as resolve_model
+
+    spec = resolve_model(model_path, model_id=args.model_id, backend=args.backend)
+    if spec.family != "unknown":  # known from model_index.json alone: refuse before loading any weight
+        _check_applicable(values, spec.output_kind == "video", spec.family)
     device = resolve_device(args.device)
     deployment = plan_deployment(args, model_path, device)
     apply_num_threads(args.num_threads, device)
