@@ -9,6 +9,22 @@ import pytest
 
 
 @pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """`tiny_checkpoint(name)` -> the folder of tiny checkpoint `name` (a `make-tiny --family` name), built
+    at most once per test session."""
+    from diffuserve.models.tiny import build_tiny_checkpoint
+
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build_tiny_checkpoint(name, tmp_path_factory.mktemp("ckpt") / f"{name}-tiny")
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def tiny_flux_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The `tiny` FLUX.1-style checkpoint (the embedded default model), built once per session."""
     from diffuserve.models.tiny import build_tiny_checkpoint

@@ -20,7 +20,6 @@ from diffuserve.config.argparse_dataclass import add_dataclass_arguments, datacl
 from diffuserve.config.deployment import DeploymentArgs
 from diffuserve.config.server_args import ServerArgs, load_config_file
 from diffuserve.errors import CheckpointError, ConfigError, DiffuserveError, InvalidRequestError
-from diffuserve.models.tiny import FAMILIES as TINY_FAMILIES
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -130,8 +129,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("make-tiny", help="Write a tiny random-weight checkpoint (offline).",
                           description="Write a tiny diffusers-format checkpoint with random weights and offline tokenizers.")
-    tiny.add_argument("--family", default="flux", choices=TINY_FAMILIES,
-                      help=f"Model family: {', '.join(TINY_FAMILIES)} (default: flux).")
+    from diffuserve.families import tiny_builds
+
+    tiny_families = sorted(tiny_builds())
+    tiny.add_argument("--family", default="flux", choices=tiny_families,
+                      help=f"Model family: {', '.join(tiny_families)} (default: flux).")
     tiny.add_argument("--output", required=True, help="Output folder.")
     tiny.add_argument("--preset", default="tiny", choices=["tiny", "36m"],
                       help="tiny (~72k-parameter transformer) or 36m (benchmarks) (default: tiny).")

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from diffuserve.config.server_args import ServerArgs
-from diffuserve.engine.request import SamplingParams
 from diffuserve.engine.worker import plan_calls
 from diffuserve.errors import ConfigError
+from diffuserve.sampling import SamplingParams, build_sampling_params
 
 INTERRUPTED = 130
 """Exit code after Ctrl-C (128 + SIGINT)."""
@@ -111,28 +111,27 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     deployment = plan_deployment(args, model_path, device)
     apply_num_threads(args.num_threads, device)
     pipeline = load_serving_pipeline(args, model_path, device, deployment, metrics=None)
-    defaults = pipeline.defaults
-    video = pipeline.output_kind == "video"
-    _check_applicable(values, video, pipeline.family)
+    model = pipeline.describe_model()
+    video = model.output_kind == "video"
+    _check_applicable(values, video, model.family)
     params = [
-        SamplingParams(
+        build_sampling_params(
+            model,
             prompt=prompt,
             negative_prompt=values.get("negative_prompt"),
-            width=values.get("width") or defaults.width,
-            height=values.get("height") or defaults.height,
-            num_inference_steps=values.get("num_inference_steps") or defaults.num_inference_steps,
-            guidance_scale=defaults.guidance_scale if values.get("guidance_scale") is None else values["guidance_scale"],
-            true_cfg_scale=values.get("true_cfg_scale", 1.0),
+            width=values.get("width") or None,
+            height=values.get("height") or None,
+            num_inference_steps=values.get("num_inference_steps") or None,
+            guidance_scale=values.get("guidance_scale"),
+            true_cfg_scale=values.get("true_cfg_scale"),
             seed=values.get("seed", 0) + i,
             n=n,
-            num_frames=(values.get("num_frames") or defaults.num_frames) if video else 1,
-            fps=values.get("fps") or defaults.fps,
+            num_frames=(values.get("num_frames") or None) if video else None,
+            fps=values.get("fps") or None,
             output_format="mp4" if video else values.get("output_format", "png"),
         )
         for i, prompt in enumerate(prompts)
     ]
-    for p in params:
-        pipeline.validate(p)
     _warn_truncated(pipeline, prompts, values.get("negative_prompt"))
     # --batching-max-size bounds the rows of every pipeline call in dynamic mode (as in `serve`);
     # singleton mode runs one prompt (all its n rows) per call.

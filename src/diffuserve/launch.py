@@ -98,10 +98,8 @@ def resolve_deployment(deployment: Any, model_path: Path, *, model_id: str | Non
     """The plan for a checkpoint from JSON and safetensors headers only (no weights loaded)."""
     from diffuserve.config.deployment import resolve
     from diffuserve.config.model_profiles import profile_from_checkpoint
-    from diffuserve.models.registry import family_from_model_id
 
-    family = family_from_model_id(model_id) if model_id else None
-    profile = profile_from_checkpoint(model_path, family=family, load_dtype=dtype)
+    profile = profile_from_checkpoint(model_path, model_id=model_id, load_dtype=dtype)
     return resolve(deployment, hardware, profile)
 
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from diffuserve.config.plan import DeploymentPlan
-from diffuserve.engine.request import SamplingParams
 from diffuserve.errors import ConfigError
 from diffuserve.models.loader import load_pipeline
 from diffuserve.runtime.compile import apply_compile, check_executable
+from diffuserve.sampling import SamplingParams
 
 
 @pytest.mark.parametrize(("field", "value", "flag"), [

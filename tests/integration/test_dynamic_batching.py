@@ -63,7 +63,7 @@ def test_config_rule_caps_to_one(dynamic_server):
         _body("small", i, size="32x32") for i in range(2)])
     assert [r.status_code for r in responses] == [200, 200]
     assert [r.json()["timings"]["batch_size"] for r in responses] == [1, 1]
-    wait_for_log(dynamic_server, r"size=1/1, user_max=4, queue_wait=\S+, stop_reason=config_cap:1", start=start)
+    wait_for_log(dynamic_server, r"size=1/4, user_max=4, queue_wait=\S+, stop_reason=config_cap:1", start=start)
 
 
 def test_failing_merged_batch_fails_all_its_requests_and_server_goes_on(dynamic_server):

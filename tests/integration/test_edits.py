@@ -14,8 +14,8 @@ import pytest
 import torch
 from PIL import Image
 
-from diffuserve.engine.request import SamplingParams
 from diffuserve.models.loader import load_pipeline
+from diffuserve.sampling import SamplingParams
 from tests.integration.helpers import decode_b64_png, metric_value, pixels, wait_for_log
 
 

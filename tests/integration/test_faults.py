@@ -10,10 +10,10 @@ import pytest
 from diffuserve.engine.engine import AsyncEngine, EngineConfig
 from diffuserve.engine.faults import FaultInjectingPipeline
 from diffuserve.engine.metrics import EngineMetrics
-from diffuserve.engine.request import SamplingParams
 from diffuserve.engine.scheduler import BatchingConfig, DynamicBatcher
 from diffuserve.errors import GenerationError
 from diffuserve.models.loader import load_pipeline
+from diffuserve.sampling import SamplingParams
 
 MARKER = "BOOM"
 

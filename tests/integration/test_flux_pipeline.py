@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from diffuserve.engine.request import SamplingParams
 from diffuserve.errors import InvalidRequestError, RequestCancelledError
+from diffuserve.sampling import SamplingParams
 
 PIXEL_TOL = 1  # uint8 steps, i.e. 1/255
 
@@ -186,7 +186,7 @@ def test_residency_hook_wraps_every_stage(native) -> None:
         native.run([SamplingParams(prompt="x", seed=0)])
     finally:
         native.residency = previous
-    assert used == ["text_encoder_2", "text_encoder", "transformer", "vae"]
+    assert used == ["text_encoder", "text_encoder_2", "transformer", "vae"]
 
 
 def test_diffusers_backend_counts_sizes_and_seeds(tiny_flux_path: Path, native) -> None:

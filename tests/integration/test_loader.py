@@ -158,3 +158,14 @@ def test_broken_checkpoint_names_folder_and_part(broken: Path, how: str, backend
 def test_missing_folder(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="is not a folder"):
         load_pipeline(tmp_path / "nope")
+
+
+def test_unknown_class_that_diffusers_cannot_load_names_class_and_native_families(tmp_path: Path) -> None:
+    """A class with no native adapter that diffusers cannot load fails at start-up naming the class and
+    listing the native families (with the --model-id way out)."""
+    (tmp_path / "model_index.json").write_text('{"_class_name": "MyStudioPipeline", "_diffusers_version": "0.42.1"}')
+    with pytest.raises(CheckpointError) as err:
+        load_pipeline(tmp_path)
+    message = err.value.message
+    assert "'MyStudioPipeline'" in message and "Native families:" in message and "flux" in message
+    assert "--model-id" in message

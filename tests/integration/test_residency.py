@@ -497,7 +497,7 @@ def flux_pipeline(tiny_flux_path):
 def _images(pipeline) -> list:
     import numpy as np
 
-    from diffuserve.engine.request import SamplingParams
+    from diffuserve.sampling import SamplingParams
 
     params = SamplingParams(prompt="a red cat", width=64, height=64, num_inference_steps=3, seed=7, n=2)
     result = pipeline.run([params])
@@ -574,8 +574,8 @@ def test_diffusers_backend_with_offload_matches_resident(tiny_sd3_path, mode: Re
     the whole call, and its output still equals the resident run."""
     import numpy as np
 
-    from diffuserve.engine.request import SamplingParams
     from diffuserve.models.loader import load_pipeline
+    from diffuserve.sampling import SamplingParams
 
     pipe = load_pipeline(tiny_sd3_path)
     params = [SamplingParams(prompt="a tree", seed=3, num_inference_steps=2)]

@@ -29,8 +29,8 @@ def test_backend_frames_equal_wan_pipeline(tiny_wan_path: Path):
     import torch
     from diffusers import WanPipeline
 
-    from diffuserve.engine.request import SamplingParams
     from diffuserve.models.loader import load_pipeline
+    from diffuserve.sampling import SamplingParams
 
     backend = load_pipeline(tiny_wan_path)
     assert backend.family == "wan" and backend.output_kind == "video"

@@ -13,9 +13,9 @@ import pytest
 
 from diffuserve import cli
 from diffuserve.engine.metrics import EngineMetrics
-from diffuserve.engine.request import SamplingParams
 from diffuserve.engine.worker import plan_calls, split_rows
 from diffuserve.generate import chunk_rows, output_names
+from diffuserve.sampling import SamplingParams
 
 
 def _config(tmp_path: Path, data: dict, name: str = "c.json") -> str:
@@ -113,7 +113,10 @@ def test_make_tiny_and_bench_help(capsys):
     with pytest.raises(SystemExit):
         cli.main(["make-tiny", "--help"])
     text = capsys.readouterr().out
-    assert "flux, sd3, wan" in text and "{tiny,36m}" in text
+    from diffuserve.families import tiny_builds
+
+    assert "Model family: " + ", ".join(sorted(tiny_builds())) in " ".join(text.split())
+    assert {"flux", "wan"} <= set(tiny_builds()) and "{tiny,36m}" in text
     with pytest.raises(SystemExit):
         cli.main(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines

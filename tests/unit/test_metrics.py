@@ -9,8 +9,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from diffuserve.engine.metrics import BatchingStats, EngineMetrics, format_dispatch, summarize
-from diffuserve.engine.request import Request, SamplingParams
+from diffuserve.engine.request import Request
 from diffuserve.engine.scheduler import BatchingConfig, Dispatch, DynamicBatcher, ScheduledBatch
+from diffuserve.sampling import SamplingParams
 
 DISPATCH_RE = re.compile(
     r"^Dynamic batch dispatch: size=(\d+)/(\d+), user_max=(\d+), queue_wait=(\d+\.\d{2})ms, stop_reason=(\S+)$"
@@ -67,7 +68,7 @@ def test_dispatch_and_stats_lines_match_hand_computed_values(caplog: pytest.LogC
     assert all(parsed), logged
     assert [m.groups() for m in parsed if m] == [
         ("2", "8", "8", "1.00", "delay"),
-        ("4", "4", "8", "2.00", "config_cap:4"),
+        ("4", "8", "8", "2.00", "config_cap:4"),
         ("1", "8", "8", "3.00", "delay"),
         ("6", "4", "4", "4.00", "max_size"),
         ("3", "8", "8", "10.00", "delay"),

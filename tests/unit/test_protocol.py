@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from diffuserve.engine.request import SamplingParams, signature_difference
+from diffuserve.sampling import SamplingParams, signature_difference
 from diffuserve.server.app import _param_of
 from diffuserve.server.protocol import ImageGenerationRequest, parse_size
 

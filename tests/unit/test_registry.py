@@ -82,7 +82,7 @@ def test_model_id_hint_names_unknown_class(tmp_path: Path) -> None:
 
 
 def test_auto_falls_back_to_diffusers_without_native_adapter(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(registry, "NATIVE_FAMILIES", {"flux": "x:y"})
+    monkeypatch.setattr(registry, "native_families", lambda: {"flux": "x:y"})
     folder = _folder(tmp_path, "SomeCustomPipeline")
     assert registry.resolve(folder).backend == "diffusers"
     with pytest.raises(ConfigError, match="--backend native") as err:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from diffuserve.config.batching_rules import BatchingRule, BatchingRules
-from diffuserve.engine.request import Request, RequestStatus, SamplingParams
+from diffuserve.engine.request import Request, RequestStatus
 from diffuserve.engine.scheduler import (
     BatchingConfig,
     Dispatch,
@@ -15,6 +15,7 @@ from diffuserve.engine.scheduler import (
     WaitUntil,
 )
 from diffuserve.errors import ConfigError
+from diffuserve.sampling import SamplingParams
 
 MODEL = "tiny-flux"
 

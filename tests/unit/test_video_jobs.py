@@ -8,7 +8,8 @@ import pytest
 
 from diffuserve.config.server_args import ServerArgs
 from diffuserve.errors import InvalidRequestError
-from diffuserve.pipelines.base import PipelineDefaults
+from diffuserve.families.base import SamplingDefaults
+from diffuserve.sampling import ModelDescription
 from diffuserve.server.video_jobs import VideoJob, VideoJobStore
 
 
@@ -83,10 +84,10 @@ def test_list_newest_first_with_cursor_and_remove():
 
 
 def _ctx(output_kind: str) -> SimpleNamespace:
-    pipeline = SimpleNamespace(output_kind=output_kind, defaults=PipelineDefaults(width=32, height=32, num_frames=5, fps=8),
-                               frame_multiple=4, validate=lambda params: None)
+    model = ModelDescription(output_kind=output_kind, defaults=SamplingDefaults(width=32, height=32, num_frames=5, fps=8),
+                             frame_multiple=4, validate=lambda params: None)
     return SimpleNamespace(args=ServerArgs(served_model_name="m", max_video_frames=33),
-                           engine=SimpleNamespace(pipeline=pipeline))
+                           engine=SimpleNamespace(model=model))
 
 
 def test_build_params_refuses_image_models_and_maps_seconds_to_frames():

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from diffuserve.errors import CheckpointError, ConfigError
-from diffuserve.models.registry import CLASS_TO_FAMILY, VIDEO_FAMILIES
+from diffuserve.families.base import ProfileFacts
 
 GROUPS = ("dit", "text_encoder", "image_encoder", "vae", "other")
 """Component groups, usable as `--component-residency` selectors (with `all`)."""
@@ -60,36 +60,17 @@ class ComponentProfile:
         return total // self.num_layers
 
 
-@dataclass
-class ModelProfile:
-    """What the deployment modes know about a model family. Thresholds live here, not in the resolver."""
+@dataclass(frozen=True)
+class ModelProfile(ProfileFacts):
+    """What the deployment modes know about one checkpoint: its family's plan facts (`ProfileFacts`, from the
+    family spec; thresholds live there, not in the resolver) and its weight-holding components."""
 
     family: str = "generic"
-    """Family name (flux, qwen_image, wan, sana, sd3, z_image, generic)."""
+    """Family name (a spec name from `diffuserve.families`, or generic)."""
     kind: str = "image"
     """image | video. Video DiT residency under `auto` follows `dit_resident_threshold_gib` only if set."""
     components: dict[str, ComponentProfile] = field(default_factory=dict)
     """Weight-holding components by model_index.json key, in pipeline order."""
-    dit_resident_threshold_gib: float | None = 45.0
-    """`auto` keeps the DiT resident when every selected GPU has at least this much free.
-    None: `auto` never makes the DiT resident on its own (video families: frames and resolution move
-    the peak too much for one figure); use `--component-residency dit=resident` with a measured recipe."""
-    vae_resident_threshold_gib: float = 24.0
-    """`auto` keeps VAE-like components (group vae/other) resident only with this much free per GPU."""
-    large_encoder_gib: float = 2.0
-    """Text/image encoders at least this large are `large auxiliary encoders`: layer-wise under `auto`
-    when the DiT is resident, so the encoder's whole-component onload does not sit beside the DiT."""
-    comfortable_fit_fraction: float = 0.8
-    """`auto` below the DiT threshold uses component offload when the DiT takes at most this share of
-    the free memory, and layer-wise offload (where supported) when it does not fit comfortably."""
-    fsdp_can_replace_dit_offload: bool = False
-    """Multi-GPU `auto` may shard the DiT with FSDP instead of offloading it (validated families only)."""
-    default_uses_cfg: bool = False
-    """The family's default sampling runs classifier-free guidance (two branches per step)."""
-    compile_validated: bool = False
-    """torch.compile has a validated path for this family, so `auto`/`speed`/`memory` turn it on."""
-    dit_supports_layerwise: bool = False
-    """The presets (`auto` below threshold, `memory`) may pick layer-wise offload for the DiT."""
 
     def with_components(self, components: dict[str, ComponentProfile]) -> ModelProfile:
         return dataclasses.replace(self, components=dict(components))
@@ -98,69 +79,21 @@ class ModelProfile:
         return [name for name, comp in self.components.items() if comp.group == group]
 
 
-_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    # FLUX.1-dev is guidance-distilled: one branch per step by default. Our native adapter streams its
-    # double and single blocks, so the presets may pick layer-wise for the DiT.
-    "flux": {"kind": "image", "default_uses_cfg": False, "dit_supports_layerwise": True},
-    # Qwen-Image runs true CFG; FSDP was not measured faster there, so auto keeps the non-FSDP path.
-    "qwen_image": {"kind": "image", "default_uses_cfg": True, "dit_supports_layerwise": True},
-    # Wan: FSDP can replace DiT offload on validated multi-GPU set-ups; the video VAE peaks high.
-    "wan": {
-        "kind": "video",
-        "default_uses_cfg": True,
-        "dit_resident_threshold_gib": None,
-        "vae_resident_threshold_gib": 40.0,
-        "fsdp_can_replace_dit_offload": True,
-        "dit_supports_layerwise": True,
-    },
-    "sana": {"kind": "image", "default_uses_cfg": True},
-    "sd3": {"kind": "image", "default_uses_cfg": True},
-    # Z-Image-Turbo samples without CFG; single-GPU no-offload measured faster than FSDP/SP.
-    "z_image": {"kind": "image", "default_uses_cfg": False},
-    "generic": {},
-}
-FAMILIES = tuple(_FAMILY_DEFAULTS)
-
-# Pipeline class name prefix -> family.
-_PIPELINE_PREFIXES = (
-    ("QwenImage", "qwen_image"),
-    ("Flux", "flux"),
-    ("Wan", "wan"),
-    ("Sana", "sana"),
-    ("StableDiffusion3", "sd3"),
-    ("ZImage", "z_image"),
-)
-
-
 def family_profile(family: str) -> ModelProfile:
-    """The per-family defaults (no components).
+    """The family's plan facts (no components), from its spec in `diffuserve.families`.
 
-    Accepts the registry's family names too (`models/registry.py`): a variant such as `wan_i2v` or
-    `qwen_image_edit` takes its base family's defaults, another registry family the generic ones (video
-    kind, with no auto DiT residency, where the registry says video). Names neither knows fail with the closest known one.
+    `generic`/`unknown` give the generic defaults. Names no spec knows fail with the closest known one.
     """
-    base = family if family in _FAMILY_DEFAULTS else next((k for k in _FAMILY_DEFAULTS if family.startswith(k + "_")), None)
-    if base is not None:
-        return ModelProfile(family=family, **_FAMILY_DEFAULTS[base])
-    known = sorted({*FAMILIES, *CLASS_TO_FAMILY.values(), "unknown"})
+    from diffuserve import families
+
+    known = sorted({*families.all_specs(), "generic", "unknown"})
     if family not in known:
         close = difflib.get_close_matches(family, known, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"Unknown model family {family!r}; known: {', '.join(known)}.{hint}", param="family")
-    if family in VIDEO_FAMILIES:
-        # Unprofiled video: no auto DiT residency, frames and resolution decide its peak (seed rule).
-        return ModelProfile(family=family, kind="video", dit_resident_threshold_gib=None)
-    return ModelProfile(family=family)
-
-
-def family_from_pipeline_class(class_name: str) -> str:
-    """The registry's family for a known pipeline class, else by class-name prefix, else generic."""
-    if class_name in CLASS_TO_FAMILY:
-        return CLASS_TO_FAMILY[class_name]
-    for prefix, family in _PIPELINE_PREFIXES:
-        if class_name.startswith(prefix):
-            return family
-    return "generic"
+    spec = families.spec_for(family)
+    return ModelProfile(family="generic" if family == "unknown" else family, kind=spec.output_kind,
+                        **dataclasses.asdict(spec.profile))
 
 
 def group_of(key: str) -> str:
@@ -173,43 +106,9 @@ def group_of(key: str) -> str:
     return "other"
 
 
-# --- layer structure by model class: (container module path, how many layers it holds) ---------------
-# A count is a config key, a function of the config, or None (count the indices in the safetensors
-# header). Classes not listed here declare no layers: layer-wise offload is refused for them.
+# --- layer structure: the one table is `diffuserve.families.layer_rules()` (shared encoder/VAE classes plus
+# each family's own DiT classes). Classes not listed there declare no layers: layer-wise offload is refused.
 _Count = str | Callable[[dict[str, Any]], int] | None
-
-
-def _num_blocks(cfg: dict[str, Any]) -> int:
-    return len(cfg.get("block_out_channels") or [])
-
-
-# Encoder paths are suffixes: transformers nests CLIP under `text_model.` in some versions and classes
-# and not in others, so the loaded module is searched with `resolve_layer_containers`.
-_CLIP = (("encoder.layers", "num_hidden_layers"),)
-_T5 = (("encoder.block", "num_layers"),)
-_DECODER_LM = (("layers", "num_hidden_layers"),)
-_VAE_BLOCKS: tuple[tuple[str, _Count], ...] = (("encoder.down_blocks", None), ("decoder.up_blocks", None))
-_LAYER_RULES: dict[str, tuple[tuple[str, _Count], ...]] = {
-    "FluxTransformer2DModel": (("transformer_blocks", "num_layers"), ("single_transformer_blocks", "num_single_layers")),
-    "QwenImageTransformer2DModel": (("transformer_blocks", "num_layers"),),
-    "WanTransformer3DModel": (("blocks", "num_layers"),),
-    "SanaTransformer2DModel": (("transformer_blocks", "num_layers"),),
-    "SD3Transformer2DModel": (("transformer_blocks", "num_layers"),),
-    "ZImageTransformer2DModel": (("layers", "n_layers"),),
-    "CLIPTextModel": _CLIP,
-    "CLIPTextModelWithProjection": _CLIP,
-    "CLIPVisionModel": _CLIP,
-    "CLIPVisionModelWithProjection": _CLIP,
-    "T5EncoderModel": _T5,
-    "UMT5EncoderModel": _T5,
-    "Qwen2_5_VLForConditionalGeneration": (("language_model.layers", "num_hidden_layers"),),
-    "Gemma2Model": _DECODER_LM,
-    "Qwen3Model": _DECODER_LM,
-    "AutoencoderKL": (("encoder.down_blocks", _num_blocks), ("decoder.up_blocks", _num_blocks)),
-    "AutoencoderKLWan": _VAE_BLOCKS,
-    "AutoencoderKLQwenImage": _VAE_BLOCKS,
-    "AutoencoderDC": _VAE_BLOCKS,
-}
 
 
 def _config_count(cfg: dict[str, Any], count: _Count) -> int | None:
@@ -318,7 +217,9 @@ def component_profile(name: str, class_name: str, folder: Path, load_dtype: str 
     paths: list[str] = []
     num_layers = 0
     layers_bytes = 0
-    for path, count in _LAYER_RULES.get(class_name, ()):
+    from diffuserve import families
+
+    for path, count in families.layer_rules().get(class_name, ()):
         indices, size = _scan_layers(path, tensors)
         n = _config_count(cfg, count)
         n = len(indices) if n is None else n
@@ -338,10 +239,12 @@ def component_profile(name: str, class_name: str, folder: Path, load_dtype: str 
     )
 
 
-def profile_from_checkpoint(model_path: Path, *, family: str | None = None, load_dtype: str | None = None) -> ModelProfile:
+def profile_from_checkpoint(model_path: Path, *, family: str | None = None, model_id: str | None = None,
+                            load_dtype: str | None = None) -> ModelProfile:
     """The ModelProfile of a diffusers-format folder, from JSON and safetensors headers only.
 
-    `family` overrides detection from model_index.json `_class_name` (unknown classes -> generic).
+    `family` overrides detection; otherwise `families.family_for(_class_name, model_id)` decides (the one
+    precedence rule: a class some spec lists wins over the `--model-id` hint).
     `load_dtype` (float32 | bfloat16 | float16) counts floating-point weights at the dtype they are
     loaded in rather than stored in; None keeps the stored sizes.
     """
@@ -349,7 +252,9 @@ def profile_from_checkpoint(model_path: Path, *, family: str | None = None, load
     if load_dtype is not None and load_dtype not in LOAD_DTYPE_SIZES:
         raise ConfigError(f"--dtype {load_dtype!r} is not one of {', '.join(LOAD_DTYPE_SIZES)}.", param="dtype")
     index = _read_json(model_path / "model_index.json")
-    family = family or family_from_pipeline_class(str(index.get("_class_name", "")))
+    from diffuserve import families
+
+    family = family or families.family_for(str(index.get("_class_name", "")), model_id)
     components: dict[str, ComponentProfile] = {}
     for key, value in index.items():
         if key.startswith("_") or key.startswith(_NON_COMPONENT_PREFIXES):

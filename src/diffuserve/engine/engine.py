@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diffuserve.engine.metrics import BatchingStats, EngineMetrics
-from diffuserve.engine.request import Request, RequestStatus, SamplingParams
+from diffuserve.engine.request import Request, RequestStatus
 from diffuserve.engine.scheduler import Dispatch, DynamicBatcher, WaitUntil
 from diffuserve.engine.worker import run_batch
 from diffuserve.errors import (
@@ -31,6 +31,7 @@ from diffuserve.errors import (
     ServiceUnavailableError,
 )
 from diffuserve.pipelines.base import Pipeline, RequestOutput
+from diffuserve.sampling import ModelDescription, SamplingParams, build_sampling_params
 
 logger = logging.getLogger("diffuserve.engine")
 
@@ -285,6 +286,11 @@ class AsyncEngine:
         batches = self.scheduler.num_queued / max(1, self.scheduler.config.max_size)
         return max(1.0, round(per_batch * batches, 1))
 
+    @property
+    def model(self) -> ModelDescription | None:
+        """What the routes need to know about the served model (None until it is loaded)."""
+        return self.pipeline.describe_model() if self.pipeline is not None else None
+
     def not_ready_error(self) -> ServiceUnavailableError:
         if self.state == EngineState.DRAINING:
             return ServiceUnavailableError("The server is shutting down and accepts no new requests.", retry_after_s=5)
@@ -362,15 +368,12 @@ class AsyncEngine:
     def _run_warmup(self) -> None:
         """One real generation per warm-up size (the default, then each --warmup-resolutions entry)."""
         assert self.pipeline is not None
-        defaults = self.pipeline.defaults
-        sizes = [(defaults.width, defaults.height)]
+        model = self.pipeline.describe_model()
+        sizes = [(model.defaults.width, model.defaults.height)]
         sizes += [s for s in self.config.warmup_resolutions if s not in sizes]
         for width, height in sizes:
-            params = SamplingParams(
-                prompt="warm-up", width=width, height=height, num_frames=defaults.num_frames,
-                num_inference_steps=self.config.warmup_steps, guidance_scale=defaults.guidance_scale, seed=0,
-            )
-            self.pipeline.validate(params)
+            params = build_sampling_params(model, prompt="warm-up", width=width, height=height,
+                                           num_inference_steps=self.config.warmup_steps, seed=0)
             started = time.monotonic()
             request = Request(request_id="warmup", params=params, arrival_time=self.clock(), ineligible_reason="warmup")
             outcome = run_batch(self.pipeline, [request], clock=self.clock)

@@ -12,7 +12,8 @@ Two pieces:
     Dynamic batch stats (last 5 dispatches): avg_size=2.80, merged_rate=60.0%, full_rate=20.0%, utilization=35.0%, wait_avg=3.21ms, wait_p95=5.12ms, top_rejects=none
 
 **Sizes count outputs (rows), not requests**, because the cap they are compared with counts
-outputs (`n`): `size=R/C` is the rows of the batch over its effective cap, `avg_size` is rows per
+outputs (`n`): `size=R/M` is the rows of the batch over `--batching-max-size` (as the seed prints it: a rule
+cap shows in the stop reason, `config_cap:N`, not in the denominator), `avg_size` is rows per
 dispatch and `utilization` is rows over the summed capacity. For ordinary `n=1` traffic rows and
 requests are the same number. A dispatch's capacity is its effective cap, or its rows when a single
 request's `n` alone exceeds the cap (it runs alone; see the scheduler), so utilization never passes
@@ -218,7 +219,7 @@ def summarize(batches: Sequence[ScheduledBatch]) -> BatchWindowStats:
 def format_dispatch(batch: ScheduledBatch) -> str:
     """The per-dispatch log line."""
     return (
-        f"Dynamic batch dispatch: size={batch.num_outputs}/{batch.effective_cap}, user_max={batch.user_max}, "
+        f"Dynamic batch dispatch: size={batch.num_outputs}/{batch.user_max}, user_max={batch.user_max}, "
         f"queue_wait={batch.head_queue_wait_s * 1000:.2f}ms, stop_reason={batch.stop_reason}"
     )
 

@@ -43,8 +43,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from diffuserve.config.batching_rules import BatchingRules
-from diffuserve.engine.request import Request, RequestStatus, signature_difference
+from diffuserve.engine.request import Request, RequestStatus
 from diffuserve.errors import ConfigError
+from diffuserve.sampling import signature_difference
 
 BATCHING_MODES = ("singleton", "dynamic")
 FAMILY_UNSUPPORTED = "family_unsupported"

@@ -17,9 +17,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from diffuserve.engine.request import Request, SamplingParams
+from diffuserve.engine.request import Request
 from diffuserve.errors import DiffuserveError, GenerationError, RequestCancelledError
 from diffuserve.pipelines.base import BatchResult, Pipeline, RequestOutput
+from diffuserve.sampling import SamplingParams
 
 logger = logging.getLogger("diffuserve.worker")
 

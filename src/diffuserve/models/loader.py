@@ -197,7 +197,7 @@ def load_components(
 
 
 def _native_class(family: str) -> type:
-    module_name, _, class_name = registry.NATIVE_FAMILIES[family].partition(":")
+    module_name, _, class_name = registry.native_families()[family].partition(":")
     return getattr(importlib.import_module(module_name), class_name)
 
 
@@ -233,8 +233,19 @@ def load_pipeline(
         from diffuserve.pipelines.diffusers_backend import DiffusersBackendPipeline
 
         check_checkpoint(model_path, spec)
-        pipeline = DiffusersBackendPipeline.from_pretrained(
-            model_path, family=spec.family, device=torch_device, dtype=torch_dtype
-        )
+        try:
+            pipeline = DiffusersBackendPipeline.from_pretrained(
+                model_path, family=spec.family, device=torch_device, dtype=torch_dtype
+            )
+        except CheckpointError as exc:
+            # Name the class and the way out: a native family under another class name needs --model-id.
+            native = ", ".join(sorted(registry.native_families()))
+            if spec.family in registry.native_families():
+                raise
+            raise CheckpointError(
+                f"{exc.message} Pipeline class {spec.pipeline_class!r} has no native adapter and did not load "
+                f"through the diffusers backend. Native families: {native}; if the checkpoint is one of them "
+                "under another class name, pass --model-id naming it (e.g. --model-id FLUX.1-dev)."
+            ) from exc
         check_tokenizers(model_path, dict(pipeline.pipe.components))
     return pipeline

@@ -9,59 +9,23 @@ No torch here: `diffuserve plan` resolves a model without importing it.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from diffuserve import families
 from diffuserve.errors import CheckpointError, ConfigError
 
 BACKENDS = ("auto", "native", "diffusers")
 
-CLASS_TO_FAMILY: dict[str, str] = {
-    "FluxPipeline": "flux",
-    "Flux2Pipeline": "flux2",
-    "Flux2KleinPipeline": "flux2",
-    "FluxKontextPipeline": "flux_kontext",
-    "QwenImagePipeline": "qwen_image",
-    "QwenImageEditPipeline": "qwen_image_edit",
-    "QwenImageEditPlusPipeline": "qwen_image_edit",
-    "ZImagePipeline": "z_image",
-    "SanaPipeline": "sana",
-    "StableDiffusion3Pipeline": "sd3",
-    "WanPipeline": "wan",
-    "WanImageToVideoPipeline": "wan_i2v",
-    "HunyuanVideoPipeline": "hunyuan_video",
-    "LTXPipeline": "ltx",
-    "LTX2Pipeline": "ltx2",
-    "GlmImagePipeline": "glm_image",
-}
-"""model_index.json `_class_name` -> family. Unknown classes still run through the diffusers backend."""
 
-# Model-id hints, tried in order on the lower-cased id (the first match wins, so the more specific
-# patterns come first).
-_MODEL_ID_PATTERNS: tuple[tuple[str, str], ...] = (
-    (r"flux\.?1?[-_.]?kontext", "flux_kontext"),
-    (r"flux\.?2", "flux2"),
-    (r"flux", "flux"),
-    (r"qwen[-_]?image[-_]?edit", "qwen_image_edit"),
-    (r"qwen[-_]?image", "qwen_image"),
-    (r"z[-_]?image", "z_image"),
-    (r"sana", "sana"),
-    (r"stable[-_]?diffusion[-_]?3|sd3", "sd3"),
-    (r"wan.*i2v", "wan_i2v"),
-    (r"wan", "wan"),
-    (r"hunyuan[-_]?video", "hunyuan_video"),
-    (r"ltx[-_]?2", "ltx2"),
-    (r"ltx", "ltx"),
-    (r"glm[-_]?image", "glm_image"),
-)
+def native_families() -> dict[str, str]:
+    """family -> "module:Class" of its native adapter, from the family specs."""
+    return {name: spec.native_adapter for name, spec in families.all_specs().items() if spec.native_adapter}
 
-NATIVE_FAMILIES: dict[str, str] = {
-    "flux": "diffuserve.pipelines.flux:FluxNativePipeline",
-}
-"""family -> "module:Class" of its native adapter. Other engineers add their families here."""
 
-VIDEO_FAMILIES = frozenset({"wan", "wan_i2v", "hunyuan_video", "ltx", "ltx2"})
+def video_families() -> frozenset[str]:
+    """Families whose outputs are videos."""
+    return frozenset(name for name, spec in families.all_specs().items() if spec.output_kind == "video")
 
 
 @dataclass(frozen=True)
@@ -81,21 +45,11 @@ class ModelSpec:
 
     @property
     def output_kind(self) -> str:
-        return "video" if self.family in VIDEO_FAMILIES else "image"
+        return "video" if self.family in video_families() else "image"
 
 
-def family_from_class(class_name: str) -> str | None:
-    """The family of a diffusers pipeline class name, or None when it is not one we know."""
-    return CLASS_TO_FAMILY.get(class_name)
-
-
-def family_from_model_id(model_id: str) -> str | None:
-    """The family a `--model-id` hint names (e.g. "black-forest-labs/FLUX.1-dev" -> flux), or None."""
-    lowered = model_id.lower()
-    for pattern, family in _MODEL_ID_PATTERNS:
-        if re.search(pattern, lowered):
-            return family
-    return None
+family_from_class = families.family_from_class
+family_from_model_id = families.family_from_model_id
 
 
 def read_model_index(model_path: Path) -> dict:
@@ -146,11 +100,12 @@ def select_backend(family: str, backend: str) -> str:
         raise ConfigError(f"--backend {backend!r} is not one of {list(BACKENDS)}.", param="backend")
     if backend == "diffusers":
         return "diffusers"
-    has_native = family in NATIVE_FAMILIES
+    native = native_families()
+    has_native = family in native
     if backend == "native" and not has_native:
         raise ConfigError(
             f"--backend native: family {family!r} has no native adapter (native families: "
-            f"{sorted(NATIVE_FAMILIES)}); use --backend auto or --backend diffusers.",
+            f"{sorted(native)}); use --backend auto or --backend diffusers.",
             param="backend",
         )
     return "native" if has_native else "diffusers"
@@ -159,16 +114,13 @@ def select_backend(family: str, backend: str) -> str:
 def resolve(model_path: Path, *, model_id: str | None = None, backend: str = "auto") -> ModelSpec:
     """Read the folder's model_index.json and decide family and backend.
 
-    The class name wins over the model-id hint, because the folder is what will actually be loaded;
-    the hint only names a family when the class is not one we know.
+    The family follows `families.family_for`: the class name wins over the model-id hint, because the
+    folder is what will actually be loaded; the hint only names a family when the class is not one we know.
     """
     model_path = Path(model_path)
     index = read_model_index(model_path)
     class_name = index["_class_name"]
-    family = family_from_class(class_name)
-    if family is None and model_id:
-        family = family_from_model_id(model_id)
-    family = family or "unknown"
+    family = families.family_for(class_name, model_id)
     return ModelSpec(
         family=family,
         pipeline_class=class_name,

@@ -22,9 +22,6 @@ from diffuserve.errors import ConfigError
 DEFAULT_MODEL_NAME = "flux-tiny-v2"
 """Folder name of the embedded default model under `$DIFFUSERVE_CACHE/models/` (bump on any change)."""
 
-FAMILIES = ("flux", "sd3", "wan")
-"""Families `build_tiny_checkpoint` can write."""
-
 DEFAULTS_KEY = "_diffuserve_defaults"
 """model_index.json key where a checkpoint may suggest request defaults (width, height, num_frames,
 num_inference_steps, guidance_scale, fps). diffusers ignores `_`-prefixed keys when loading; the
@@ -367,7 +364,7 @@ def _build_wan_components(preset: TinyFluxPreset) -> dict[str, Any]:
     }
 
 
-def _write_defaults(output_dir: Path, defaults: dict[str, Any]) -> None:
+def write_defaults(output_dir: Path, defaults: dict[str, Any]) -> None:
     """Add `DEFAULTS_KEY` to model_index.json, keeping diffusers' own formatting (stable bytes)."""
     index_file = output_dir / "model_index.json"
     index = json.loads(index_file.read_text())
@@ -375,33 +372,65 @@ def _write_defaults(output_dir: Path, defaults: dict[str, Any]) -> None:
     index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def build_tiny_checkpoint(family: str, output_dir: Path, *, preset: str = "tiny") -> Path:
-    """Write a tiny `family` checkpoint (diffusers layout, safetensors) into `output_dir`; returns it.
+def build_flux(output_dir: Path, preset: str = "tiny") -> None:
+    """The tiny FLUX.1-style checkpoint (`preset` tiny: the embedded default; 36m: for benchmarks)."""
+    from diffusers import FluxPipeline
 
-    Same bytes on every build. `preset` is `tiny` (~72k-parameter transformer, the embedded default)
-    or `36m` (~36M-parameter transformer, for benchmarks). `sd3` and `wan` (families without a native
-    adapter, for the diffusers backend; `wan` is Wan2.1 text-to-video) only take their encoder/VAE
-    sizes from the preset.
+    FluxPipeline(**_build_flux_components(PRESETS[preset])).save_pretrained(output_dir, safe_serialization=True)
+
+
+def build_sd3(output_dir: Path) -> None:
+    """A tiny Stable Diffusion 3 checkpoint."""
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline(**_build_sd3_components(PRESETS["tiny"]))
+    pipe.save_pretrained(output_dir, safe_serialization=True)
+
+
+def build_wan(output_dir: Path) -> None:
+    """A tiny Wan2.1 text-to-video checkpoint that suggests its own small defaults."""
+    from diffusers import WanPipeline
+
+    WanPipeline(**_build_wan_components(PRESETS["tiny"])).save_pretrained(output_dir, safe_serialization=True)
+    write_defaults(output_dir, WAN_TINY_DEFAULTS)
+
+
+def tiny_families() -> list[str]:
+    """Every `make-tiny --family` name, from the family specs."""
+    from diffuserve import families
+
+    return sorted(families.tiny_builds())
+
+
+def build_tiny_checkpoint(family: str, output_dir: Path, *, preset: str = "tiny") -> Path:
+    """Write the tiny checkpoint `family` (a `make-tiny --family` name) into `output_dir`; returns it.
+
+    Same bytes on every build; the diffusers layout, loadable with `local_files_only=True`. `preset` is
+    `tiny` or, for `flux` only, `36m` (a ~36M-parameter transformer for benchmarks).
     """
-    if family not in FAMILIES:
+    import importlib
+    import inspect
+
+    from diffuserve import families
+
+    builds = families.tiny_builds()
+    if family not in builds:
         raise ConfigError(
-            f"--family {family!r} cannot be built as a tiny checkpoint; choose one of {list(FAMILIES)}."
+            f"--family {family!r} cannot be built as a tiny checkpoint; choose one of {sorted(builds)}.",
+            param="family",
         )
     if preset not in PRESETS:
-        raise ConfigError(f"--preset {preset!r} is unknown; choose one of {sorted(PRESETS)}.")
-    from diffusers import FluxPipeline, StableDiffusion3Pipeline, WanPipeline
-
+        raise ConfigError(f"--preset {preset!r} is unknown; choose one of {sorted(PRESETS)}.", param="preset")
+    module_name, _, function_name = builds[family].partition(":")
+    build = getattr(importlib.import_module(module_name), function_name)
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    if family == "sd3":
-        pipe = StableDiffusion3Pipeline(**_build_sd3_components(PRESETS[preset]))
-    elif family == "wan":
-        pipe = WanPipeline(**_build_wan_components(PRESETS[preset]))
+    if "preset" in inspect.signature(build).parameters:
+        build(output_dir, preset=preset)
+    elif preset != "tiny":
+        raise ConfigError(f"--preset {preset!r}: family {family!r} has only the `tiny` preset.", param="preset")
     else:
-        pipe = FluxPipeline(**_build_flux_components(PRESETS[preset]))
-    pipe.save_pretrained(output_dir, safe_serialization=True)
-    if family == "wan":
-        _write_defaults(output_dir, WAN_TINY_DEFAULTS)
+        build(output_dir)
     return output_dir
 
 

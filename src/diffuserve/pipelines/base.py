@@ -11,11 +11,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from diffuserve.families.base import SamplingDefaults
+
 if TYPE_CHECKING:
     import torch
     from PIL import Image
 
-    from diffuserve.engine.request import SamplingParams
+    from diffuserve.sampling import ModelDescription, SamplingParams
 
 
 class ComponentUser(Protocol):
@@ -59,16 +61,10 @@ StopCheck = Callable[[], bool]
 """should_stop(): checked between steps; True raises RequestCancelledError out of the loop."""
 
 
-@dataclass(frozen=True)
-class PipelineDefaults:
-    """What a request gets for fields it leaves unset, per family."""
-
-    width: int = 1024
-    height: int = 1024
-    num_inference_steps: int = 28
-    guidance_scale: float = 3.5
-    num_frames: int = 1
-    fps: int = 16
+PreviewCallback = Callable[[int, int, Callable[[], list[list["Image.Image"]]]], None]
+"""on_preview(step_index, num_steps, make_previews): called after each denoising step of a native pipeline;
+`make_previews()` returns, per request of the batch, one preview image per output row (computed only when
+called, so steps nobody wants a preview of cost nothing)."""
 
 
 class Pipeline:
@@ -81,7 +77,15 @@ class Pipeline:
     size_multiple: int = 16
     """Width/height must be multiples of this (VAE scale x patch size)."""
     max_pixels: int = 4096 * 4096
-    defaults: PipelineDefaults = PipelineDefaults()
+    max_width: int | None = None
+    """Largest width the checkpoint's positional tables allow (None: no limit of the model's own)."""
+    max_height: int | None = None
+    """Largest height the checkpoint's positional tables allow (None: no limit of the model's own)."""
+    max_image_inputs: int = 0
+    """Input images one request may carry (edits); 0: this model takes none."""
+    frame_multiple: int = 1
+    """Video: num_frames - 1 must divide by this (the VAE's temporal compression)."""
+    defaults: SamplingDefaults = SamplingDefaults()
 
     def __init__(self) -> None:
         self.residency: ComponentUser = AllResident()
@@ -102,6 +106,16 @@ class Pipeline:
                     f"{self.family} model needs; choose e.g. {max(self.size_multiple, value // self.size_multiple * self.size_multiple)}.",
                     param="size",
                 )
+        for name, value, limit in (("width", params.width, self.max_width), ("height", params.height, self.max_height)):
+            if limit is not None and value > limit:
+                raise InvalidRequestError(
+                    f"{name}={value} is larger than this {self.family} checkpoint can run (its positional tables "
+                    f"end at {limit} px); choose a size up to {self.max_width}x{self.max_height}.", param="size")
+        if len(params.image_inputs) > self.max_image_inputs:
+            what = ("takes no input image (image inputs / edits are not supported for it)" if not self.max_image_inputs
+                    else f"takes at most {self.max_image_inputs} input image(s)")
+            raise InvalidRequestError(f"this {self.family} model {what}; got {len(params.image_inputs)}.",
+                                      param="image")
         if params.width * params.height > self.max_pixels:
             raise InvalidRequestError(
                 f"size {params.width}x{params.height} exceeds this server's limit of {self.max_pixels} pixels.",
@@ -116,9 +130,22 @@ class Pipeline:
         *,
         on_step: StepCallback | None = None,
         should_stop: StopCheck | None = None,
+        on_preview: PreviewCallback | None = None,
     ) -> BatchResult:
-        """Run one batch as one pipeline call; returns the outputs per request, in order."""
+        """Run one batch as one pipeline call; returns the outputs per request, in order. `on_preview` is
+        honoured by pipelines that can preview (native families); others ignore it."""
         raise NotImplementedError
+
+    def describe_model(self) -> ModelDescription:
+        """What the routes and the request builder need to know (`diffuserve.sampling.ModelDescription`)."""
+        from diffuserve.sampling import ModelDescription
+
+        return ModelDescription(
+            family=self.family, output_kind=self.output_kind, defaults=self.defaults,
+            size_multiple=self.size_multiple, max_image_inputs=self.max_image_inputs,
+            frame_multiple=self.frame_multiple,
+            supports_batching=self.supports_batching, validate=self.validate,
+        )
 
     def describe(self) -> dict[str, Any]:
         """Facts for /server_info and the start-up log."""
@@ -127,5 +154,7 @@ class Pipeline:
             "output_kind": self.output_kind,
             "supports_batching": self.supports_batching,
             "size_multiple": self.size_multiple,
+            "max_size": [self.max_width, self.max_height],
+            "max_image_inputs": self.max_image_inputs,
             "components": sorted(self.components),
         }

@@ -27,11 +27,12 @@ import torch
 from PIL import Image
 
 from diffuserve.errors import CheckpointError, InvalidRequestError, RequestCancelledError
+from diffuserve.families.base import SamplingDefaults
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.base import (
     BatchResult,
     Pipeline,
-    PipelineDefaults,
+    PreviewCallback,
     RequestOutput,
     StepCallback,
     StopCheck,
@@ -115,7 +116,7 @@ class DiffusersBackendPipeline(Pipeline):
         processor_factor = int(getattr(getattr(processor, "config", None), "vae_scale_factor", 0) or 0)
         return max(vae_factor * int(patch if isinstance(patch, int) else 1), processor_factor, 1)
 
-    def _defaults(self, pipe: Any, suggested: dict[str, Any]) -> PipelineDefaults:
+    def _defaults(self, pipe: Any, suggested: dict[str, Any]) -> SamplingDefaults:
         # The checkpoint's suggestions first, then the pipeline's own defaults: its __call__ keyword
         # defaults (Wan: 832x480, 81 frames) and, for image pipelines, its default sample size.
         params = inspect.signature(pipe.__call__).parameters
@@ -134,13 +135,13 @@ class DiffusersBackendPipeline(Pipeline):
         def snap(value: int) -> int:
             return max(self.size_multiple, int(value) // self.size_multiple * self.size_multiple)
 
-        return PipelineDefaults(
+        return SamplingDefaults(
             width=snap(default("width", size)),
             height=snap(default("height", size)),
             num_inference_steps=int(default("num_inference_steps", 28)),
             guidance_scale=float(default("guidance_scale", 3.5)),
             num_frames=int(default("num_frames", 1)) if self.output_kind == "video" else 1,
-            fps=int(suggested.get("fps", PipelineDefaults.fps)),
+            fps=int(suggested.get("fps", SamplingDefaults.fps)),
         )
 
     @classmethod
@@ -218,13 +219,9 @@ class DiffusersBackendPipeline(Pipeline):
     def validate(self, params: Any) -> None:
         if self.output_kind == "video":
             self._validate_video(params)
+        # max_image_inputs stays 0: the unmodified pipeline would ignore an image, so the base check refuses
+        # edits rather than silently answering one with an unrelated generation.
         super().validate(params)
-        if params.image_inputs:
-            # The unmodified text-to-image pipeline would ignore the image: refuse rather than
-            # silently answer an edit with an unrelated generation.
-            raise InvalidRequestError(
-                f"image inputs (edits) are not supported by the diffusers backend for {self.family!r}; "
-                "serve a FLUX checkpoint with --backend native for edits.", param="image")
 
     def _validate_video(self, params: Any) -> None:
         frames, step = params.num_frames, self.frame_multiple
@@ -241,6 +238,7 @@ class DiffusersBackendPipeline(Pipeline):
         *,
         on_step: StepCallback | None = None,
         should_stop: StopCheck | None = None,
+        on_preview: PreviewCallback | None = None,
     ) -> BatchResult:
         stages.check_batch(batch)
         kwargs = self._kwargs(batch)

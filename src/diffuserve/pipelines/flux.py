@@ -1,6 +1,6 @@
-"""Native FLUX.1 pipeline: diffusers' model classes and scheduler, our batched stage recipe.
+"""Native FLUX.1 pipeline: diffusers' model classes and scheduler on the shared recipe (`stages.RecipePipeline`).
 
-The recipe follows `diffusers.FluxPipeline` step for step (so outputs match it) but takes a batch of
+The family parts follow `diffusers.FluxPipeline` step for step (so outputs match it) for a batch of
 requests: per-row prompts, per-request seeds and `n`, one shared signature (size, steps, guidance).
 What is constant per shape (image position ids, text ids, the scheduler's timesteps) is cached, and
 there is no progress bar or input re-tokenisation, which is where the speed over diffusers comes from.
@@ -8,10 +8,10 @@ there is no progress bar or input re-tokenisation, which is where the speed over
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,16 +22,10 @@ from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
+from diffuserve.families import spec_for
 from diffuserve.pipelines import stages
-from diffuserve.pipelines.base import (
-    BatchResult,
-    Pipeline,
-    PipelineDefaults,
-    RequestOutput,
-    StepCallback,
-    StopCheck,
-)
 from diffuserve.pipelines.prompt_limits import TextEncoderLimit
+from diffuserve.pipelines.stages import Cond, DenoiseState
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +33,7 @@ MAX_CACHED_SHAPES = 64
 """Per-shape caches (position ids, timesteps) are cleared past this many entries, so a stream of
 requests with ever new sizes or step counts cannot grow memory without bound."""
 
-COMPONENT_KEYS = ("text_encoder", "text_encoder_2", "transformer", "vae")
-"""model_index.json keys of the modules this pipeline runs (the residency manager's components)."""
+
 
 
 def declared_sequence_length(tokenizer: Any, default: int) -> int:
@@ -55,28 +48,14 @@ def _make_room(cache: dict) -> None:
         cache.clear()
 
 
-@dataclass
-class FluxConditioning:
-    """Text conditioning of a batch (one row per output)."""
-
-    prompt_embeds: torch.Tensor
-    """T5 hidden states, (rows, seq, joint_attention_dim)."""
-    pooled: torch.Tensor
-    """CLIP pooled output, (rows, pooled_projection_dim)."""
-
-    @staticmethod
-    def concat(a: FluxConditioning, b: FluxConditioning) -> FluxConditioning:
-        return FluxConditioning(
-            torch.cat([a.prompt_embeds, b.prompt_embeds]), torch.cat([a.pooled, b.pooled])
-        )
-
-
-class FluxNativePipeline(Pipeline):
+class FluxNativePipeline(stages.RecipePipeline):
     """FLUX.1 text-to-image (dev and schnell style) as a batched stage pipeline."""
 
     family = "flux"
     output_kind = "image"
     supports_batching = True
+    text_encoders = ("text_encoder", "text_encoder_2")
+    max_image_inputs = 1
 
     def __init__(
         self,
@@ -106,7 +85,6 @@ class FluxNativePipeline(Pipeline):
         self.max_sequence_length = max_sequence_length
         """T5 tokens per prompt: diffusers' 512, capped by what tokenizer_2 declares (see from_components)."""
         self.batched_cfg = batched_cfg
-        """Run true CFG as one doubled batch instead of two passes (diffusers does two passes)."""
         self.components = {
             "text_encoder": text_encoder,
             "text_encoder_2": text_encoder_2,
@@ -159,16 +137,17 @@ class FluxNativePipeline(Pipeline):
             max_sequence_length=declared_sequence_length(components["tokenizer_2"], 512),
         )
 
-    def _defaults_from_checkpoint(self) -> PipelineDefaults:
+    def _defaults_from_checkpoint(self) -> Any:
         # Size: the VAE's `sample_size` is the training resolution in pixels (1024 for FLUX.1), which
         # is also what diffusers' default (128 latent px x vae factor 8) gives there; for tiny
         # checkpoints it is their small native size instead of an expensive 1024.
         size = int(getattr(self.vae.config, "sample_size", 0) or 128 * self.vae_scale_factor)
         size = max(self.size_multiple, size // self.size_multiple * self.size_multiple)
         # dev (guidance-distilled, embedded guidance) wants ~28 steps at 3.5; schnell 4 steps, no guidance.
+        defaults = dataclasses.replace(spec_for(self.family).defaults, width=size, height=size)
         if getattr(self.transformer.config, "guidance_embeds", False):
-            return PipelineDefaults(width=size, height=size, num_inference_steps=28, guidance_scale=3.5)
-        return PipelineDefaults(width=size, height=size, num_inference_steps=4, guidance_scale=0.0)
+            return defaults
+        return dataclasses.replace(defaults, num_inference_steps=4, guidance_scale=0.0)
 
     # -- 1. encode prompts ----------------------------------------------------------------------------
 
@@ -177,55 +156,17 @@ class FluxNativePipeline(Pipeline):
         return [TextEncoderLimit("text_encoder (CLIP)", self.tokenizer, self._clip_max_length),
                 TextEncoderLimit("text_encoder_2 (T5)", self.tokenizer_2, self.max_sequence_length)]
 
-    def _clip_pooled(self, prompts: list[str]) -> torch.Tensor:
-        ids = self.tokenizer(
-            prompts,
-            padding="max_length",
-            max_length=self._clip_max_length,
-            truncation=True,
-            return_tensors="pt",
-        ).input_ids
-        with self.residency.use("text_encoder"):
+    def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
+        """CLIP's pooled output (`pooled`) or T5's hidden states (`prompt_embeds`), one row per text."""
+        if key == "text_encoder":
+            ids = self.tokenizer(texts, padding="max_length", max_length=self._clip_max_length,
+                                 truncation=True, return_tensors="pt").input_ids
             out = self.text_encoder(ids.to(self.device), output_hidden_states=False)
-        return out.pooler_output.to(self.dtype)
-
-    def _t5_embeds(self, prompts: list[str]) -> torch.Tensor:
-        ids = self.tokenizer_2(
-            prompts,
-            padding="max_length",
-            max_length=self.max_sequence_length,
-            truncation=True,
-            return_tensors="pt",
-        ).input_ids
-        with self.residency.use("text_encoder_2"):
-            out = self.text_encoder_2(ids.to(self.device), output_hidden_states=False)[0]
-        return out.to(self.dtype)
-
-    def encode_prompts(self, prompts: list[str]) -> FluxConditioning:
-        """One conditioning row per prompt (CLIP pooled + T5 sequence)."""
-        return FluxConditioning(prompt_embeds=self._t5_embeds(prompts), pooled=self._clip_pooled(prompts))
-
-    def _encode_batch(
-        self, batch: Sequence[Any], cfg: bool
-    ) -> tuple[FluxConditioning, FluxConditioning | None]:
-        # Each distinct text is encoded once (positive and negative prompts in one encoder call),
-        # then gathered to one row per output: request i's row repeated n_i times, as diffusers does
-        # for num_images_per_prompt. Encoding is per row, so deduplication cannot change a row.
-        texts = [p.prompt for p in batch]
-        if cfg:
-            texts += [p.negative_prompt or "" for p in batch]
-        unique = list(dict.fromkeys(texts))
-        encoded = self.encode_prompts(unique)
-        slot = {text: i for i, text in enumerate(unique)}
-        counts = [p.n for p in batch]
-
-        def rows(part: list[str]) -> FluxConditioning:
-            index = torch.tensor([slot[t] for t, n in zip(part, counts, strict=True) for _ in range(n)])
-            index = index.to(encoded.pooled.device)
-            return FluxConditioning(encoded.prompt_embeds[index], encoded.pooled[index])
-
-        k = len(batch)
-        return rows(texts[:k]), (rows(texts[k:]) if cfg else None)
+            return {"pooled": out.pooler_output.to(self.dtype)}
+        ids = self.tokenizer_2(texts, padding="max_length", max_length=self.max_sequence_length,
+                               truncation=True, return_tensors="pt").input_ids
+        out = self.text_encoder_2(ids.to(self.device), output_hidden_states=False)[0]
+        return {"prompt_embeds": out.to(self.dtype)}
 
     # -- 2. latents -------------------------------------------------------------------------------------
 
@@ -260,8 +201,7 @@ class FluxNativePipeline(Pipeline):
             generators = [torch.Generator("cpu").manual_seed(s) for s in stages.row_seeds(params)]
             source = Image.open(io.BytesIO(params.image_inputs[0])).convert("RGB")
             pixels = self.image_processor.preprocess(source, height=height, width=width)
-            with self.residency.use("vae"):
-                encoded = self.vae.encode(pixels.to(self.device, self.vae.dtype))
+            encoded = self.vae.encode(pixels.to(self.device, self.vae.dtype))
             image_latents = retrieve_latents(encoded, generator=generators[0])
             image_latents = (image_latents - self.vae.config.shift_factor) * self.vae.config.scaling_factor
             noise = randn_tensor((params.n, channels, lh, lw), generator=generators, device=self.device, dtype=self.dtype)
@@ -322,84 +262,47 @@ class FluxNativePipeline(Pipeline):
 
     # -- 4. decode --------------------------------------------------------------------------------------
 
-    def decode(self, latents: torch.Tensor, height: int, width: int) -> list[Image.Image]:
+    def decode(self, latents: torch.Tensor, state: DenoiseState) -> list[Image.Image]:
         """Unpack, unscale and VAE-decode; returns PIL images (the same rounding as diffusers)."""
+        height, width = state.extras["size"]
         latents = FluxPipeline._unpack_latents(latents, height, width, self.vae_scale_factor)
         latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
-        with self.residency.use("vae"):
-            image = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
-        array = (image / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).float().cpu().numpy()
-        array = (array * 255).round().astype("uint8")
-        return [Image.fromarray(a) for a in array]
+        image = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
+        return stages.to_pil_images(image)
 
-    # -- the recipe -------------------------------------------------------------------------------------
+    # -- 2./3. the batch's schedule and the transformer call ------------------------------------------------
 
-    def run(
-        self,
-        batch: list[Any],
-        *,
-        on_step: StepCallback | None = None,
-        should_stop: StopCheck | None = None,
-    ) -> BatchResult:
-        head = stages.check_batch(batch)
+    def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
+        """Per-request seeds, then the cached position ids and timesteps. Image-conditioned requests (edits)
+        start from their re-noised input image instead."""
         height, width = head.height, head.width
-        cfg = head.cfg_enabled
-        timer = stages.StageTimer()
-        with torch.inference_mode():
-            # 1. Encode prompts (and negative prompts when true CFG runs).
-            with timer.stage("encode"):
-                positive, negative = self._encode_batch(batch, cfg)
+        lh, lw = self._latent_hw(height, width)
+        scheduler, timesteps = self._timesteps(head.num_inference_steps, (lh // 2) * (lw // 2))
+        if head.image_inputs:
+            latents, timesteps = self.prepare_image_latents(batch, height, width, scheduler, timesteps)
+        else:
+            latents = self.prepare_latents(batch, height, width)
+        guidance_vec = None
+        if self.transformer.config.guidance_embeds:
+            guidance_vec = torch.full([1], head.guidance_scale, device=self.device, dtype=torch.float32)
+        extras = {
+            "size": (height, width),
+            "img_ids": self._image_ids_for(height, width),
+            "txt_ids": self._text_ids_for(positive["prompt_embeds"].shape[1]),
+            "guidance": guidance_vec,
+        }
+        return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)
 
-            # 2. Prepare latents: per-request seeds, then the cached position ids and timesteps.
-            #    Image-conditioned requests (edits) start from their re-noised input image instead.
-            with timer.stage("latents"):
-                lh, lw = self._latent_hw(height, width)
-                scheduler, timesteps = self._timesteps(head.num_inference_steps, (lh // 2) * (lw // 2))
-                if head.image_inputs:
-                    latents, timesteps = self.prepare_image_latents(batch, height, width, scheduler, timesteps)
-                else:
-                    latents = self.prepare_latents(batch, height, width)
-                img_ids = self._image_ids_for(height, width)
-                txt_ids = self._text_ids_for(positive.prompt_embeds.shape[1])
-                guidance_vec = None
-                if self.transformer.config.guidance_embeds:
-                    guidance_vec = torch.full(
-                        [1], head.guidance_scale, device=self.device, dtype=torch.float32
-                    )
-
-            # 3. Denoise: the shared loop, with this family's transformer call.
-            def predict(x: torch.Tensor, timestep: torch.Tensor, cond: FluxConditioning) -> torch.Tensor:
-                return self.transformer(
-                    hidden_states=x,
-                    timestep=timestep / 1000,
-                    guidance=None if guidance_vec is None else guidance_vec.expand(x.shape[0]),
-                    pooled_projections=cond.pooled,
-                    encoder_hidden_states=cond.prompt_embeds,
-                    txt_ids=txt_ids,
-                    img_ids=img_ids,
-                    return_dict=False,
-                )[0]
-
-            guidance: stages.Guidance = stages.NoGuidance()
-            if cfg and self.batched_cfg:
-                guidance = stages.BatchedCFG(head.true_cfg_scale, FluxConditioning.concat)
-            elif cfg:
-                guidance = stages.SequentialCFG(head.true_cfg_scale)
-            with timer.stage("denoise"), self.residency.use("transformer"):
-                latents = stages.denoise(
-                    latents=latents,
-                    timesteps=timesteps,
-                    scheduler=scheduler,
-                    predict=predict,
-                    positive=positive,
-                    negative=negative,
-                    guidance=guidance,
-                    on_step=on_step,
-                    should_stop=should_stop,
-                )
-
-            # 4. Decode and split the rows back per request.
-            with timer.stage("decode"):
-                images = self.decode(latents, height, width)
-        outputs = [RequestOutput(images=rows) for rows in stages.split_rows(images, batch)]
-        return BatchResult(outputs=outputs, stage_seconds=timer.seconds)
+    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
+                model_key: str) -> torch.Tensor:
+        guidance = state.extras["guidance"]
+        return self.transformer(
+            hidden_states=latents,
+            timestep=timestep.to(latents.dtype) / 1000,
+            guidance=None if guidance is None else guidance.expand(latents.shape[0]),
+            pooled_projections=cond["pooled"],
+            encoder_hidden_states=cond["prompt_embeds"],
+            txt_ids=state.extras["txt_ids"],
+            img_ids=state.extras["img_ids"],
+            return_dict=False,
+        )[0]

@@ -1,8 +1,11 @@
-"""The parts every native family shares: per-request seeds and noise, CFG, and the denoising loop.
+"""The denoising recipe, once for every native family: `RecipePipeline.run`.
 
-A family adapter supplies the transformer call for one step (`predict(latents, timestep, cond)`)
-and its conditioning objects; this module owns the loop around it: classifier-free guidance,
-scheduler steps, progress and cancellation between steps.
+A family adapter (a `RecipePipeline` subclass) supplies only encode_text / prepare / predict (one denoiser
+call) / decode, and where its family needs them its own guidance combine (Qwen-Image's norm-rescaled true
+CFG) and a per-step choice of denoiser (Wan2.2's experts). The shared run owns the rest: checking the batch
+signature, encoding each distinct text once and gathering one conditioning row per output, timing per stage,
+residency scopes per stage and per denoiser, the CFG choice (two passes or one doubled batch), cancellation
+between steps, progress and previews, and splitting the rows back per request.
 
 Seeds: row `j` of a request (0 <= j < n) is drawn from its own CPU generator seeded with
 `seed + j`. So a request's noise is the same whether it runs alone or merged with others, the same
@@ -12,21 +15,31 @@ For n == 1 this is exactly `diffusers` with `generator=torch.Generator().manual_
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from diffuserve.errors import RequestCancelledError
+from diffuserve.pipelines.base import (
+    BatchResult,
+    Pipeline,
+    PreviewCallback,
+    RequestOutput,
+    StepCallback,
+    StopCheck,
+)
 
 if TYPE_CHECKING:
-    from diffuserve.engine.request import SamplingParams
-    from diffuserve.pipelines.base import StepCallback, StopCheck
+    from PIL import Image
+
+    from diffuserve.sampling import SamplingParams
 
 T = TypeVar("T")
 
@@ -79,7 +92,7 @@ def check_batch(batch: Sequence[SamplingParams]) -> SamplingParams:
     The scheduler only merges equal signatures; this catches a caller that did not, naming the
     field, instead of silently running every request with the head's settings.
     """
-    from diffuserve.engine.request import signature_difference
+    from diffuserve.sampling import signature_difference
 
     if not batch:
         raise ValueError("a pipeline batch needs at least one request")
@@ -120,68 +133,13 @@ def split_rows(rows: Sequence[T], batch: Sequence[SamplingParams]) -> list[list[
 
 # -- classifier-free guidance ---------------------------------------------------------------------------
 
-PredictFn = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
-"""predict(latents, timestep, cond) -> model output; `cond` is the adapter's conditioning object."""
-
 
 def combine_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
     """The CFG combination, in the operand order diffusers uses (so results match bit for bit)."""
     return uncond + scale * (cond - uncond)
 
 
-class Guidance(Protocol):
-    """How one step's model output is formed from the positive (and negative) conditioning.
-
-    This is the split point for CFG parallel: a distributed strategy runs the two branches on two
-    ranks and gathers them, without the loop changing.
-    """
-
-    def predict(
-        self, predict: PredictFn, latents: torch.Tensor, timestep: torch.Tensor, positive: Any, negative: Any
-    ) -> torch.Tensor: ...
-
-
-@dataclass(frozen=True)
-class NoGuidance:
-    """One model call per step on the positive conditioning (CFG off)."""
-
-    def predict(self, predict: PredictFn, latents, timestep, positive, negative) -> torch.Tensor:
-        return predict(latents, timestep, positive)
-
-
-@dataclass(frozen=True)
-class SequentialCFG:
-    """Two model calls per step (positive, then negative), as `diffusers.FluxPipeline` does."""
-
-    scale: float = 1.0
-    """CFG scale (> 1 to have an effect)."""
-
-    def predict(self, predict: PredictFn, latents, timestep, positive, negative) -> torch.Tensor:
-        cond = predict(latents, timestep, positive)
-        uncond = predict(latents, timestep, negative)
-        return combine_cfg(cond, uncond, self.scale)
-
-
-@dataclass(frozen=True)
-class BatchedCFG:
-    """One model call on the doubled batch; `concat(positive, negative)` stacks the conditioning."""
-
-    scale: float = 1.0
-    """CFG scale (> 1 to have an effect)."""
-    concat: Callable[[Any, Any], Any] | None = None
-    """Stacks two conditioning objects along the batch dimension (supplied by the adapter)."""
-
-    def predict(self, predict: PredictFn, latents, timestep, positive, negative) -> torch.Tensor:
-        if self.concat is None:
-            raise TypeError("BatchedCFG needs the adapter's `concat` for its conditioning objects")
-        both = predict(
-            torch.cat([latents, latents]), torch.cat([timestep, timestep]), self.concat(positive, negative)
-        )
-        cond, uncond = both.chunk(2)
-        return combine_cfg(cond, uncond, self.scale)
-
-
-# -- the loop ---------------------------------------------------------------------------------------------
+# -- the loop's helpers -----------------------------------------------------------------------------------
 
 
 def fresh_scheduler(template: Any) -> Any:
@@ -197,37 +155,6 @@ def fresh_scheduler(template: Any) -> Any:
     return scheduler
 
 
-def denoise(
-    *,
-    latents: torch.Tensor,
-    timesteps: torch.Tensor,
-    scheduler: Any,
-    predict: PredictFn,
-    positive: Any,
-    negative: Any = None,
-    guidance: Guidance | None = None,
-    on_step: StepCallback | None = None,
-    should_stop: StopCheck | None = None,
-) -> torch.Tensor:
-    """Run the denoising loop and return the final latents.
-
-    `should_stop()` is checked before every step, so a cancellation requested during step i takes
-    effect as soon as that step finishes: RequestCancelledError leaves the loop. `on_step(i, n)` is
-    called after step i.
-    """
-    guidance = guidance or NoGuidance()
-    num_steps = len(timesteps)
-    for i, t in enumerate(timesteps):
-        if should_stop is not None and should_stop():
-            raise RequestCancelledError(f"cancelled before denoising step {i + 1}/{num_steps}")
-        timestep = t.expand(latents.shape[0]).to(latents.dtype)
-        noise_pred = guidance.predict(predict, latents, timestep, positive, negative)
-        latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-        if on_step is not None:
-            on_step(i, num_steps)
-    return latents
-
-
 class StageTimer:
     """Collects wall time per named stage for BatchResult.stage_seconds."""
 
@@ -241,3 +168,240 @@ class StageTimer:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+# -- conditioning rows --------------------------------------------------------------------------------------
+
+Cond = dict[str, torch.Tensor]
+"""A batch's conditioning: named tensors, each with one row per output on dim 0."""
+
+
+def pad_to(tensor: torch.Tensor, length: int, dim: int = 1) -> torch.Tensor:
+    """`tensor` zero-padded along `dim` to `length` (masks pad with 0 = ignored)."""
+    missing = length - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
+
+
+def gather_rows(encoded: Cond, index: torch.Tensor, masked: dict[str, str] | None = None) -> Cond:
+    """Rows `index` of every tensor. `masked` maps a sequence key to its attention-mask key: trailing columns
+    that every selected row pads are cut (to the longest selected text), so a row sees the same sequence
+    whether or not longer texts shared its encoder call."""
+    rows = {k: v.index_select(0, index.to(v.device)) for k, v in encoded.items()}
+    for seq_key, mask_key in (masked or {}).items():
+        mask = rows[mask_key]
+        length = int(mask.sum(dim=1).max().item()) if mask.numel() else 0
+        if length < mask.shape[1]:
+            rows[seq_key] = rows[seq_key][:, :length]
+    for mask_key in set((masked or {}).values()):
+        mask = rows[mask_key]
+        length = int(mask.sum(dim=1).max().item()) if mask.numel() else 0
+        rows[mask_key] = mask[:, :length]
+    return rows
+
+
+def concat_cond(a: Cond, b: Cond, masked: dict[str, str] | None = None) -> Cond:
+    """Two conditionings stacked on dim 0 (batched CFG); masked sequences of different lengths are padded
+    (their masks mark the padding)."""
+    padded = set(masked or {}) | set((masked or {}).values())
+    out: Cond = {}
+    for key in a:
+        x, y = a[key], b[key]
+        if key in padded and x.shape[1] != y.shape[1]:
+            length = max(x.shape[1], y.shape[1])
+            x, y = pad_to(x, length), pad_to(y, length)
+        out[key] = torch.cat([x, y])
+    return out
+
+
+@dataclass
+class DenoiseState:
+    """What `prepare` hands the loop: the starting latents, the schedule, and per-batch extras."""
+
+    latents: torch.Tensor
+    """Initial latents, one row per output."""
+    timesteps: torch.Tensor
+    """The timesteps to run, in order."""
+    scheduler: Any
+    """A private scheduler for this batch (`fresh_scheduler`)."""
+    extras: dict[str, Any]
+    """Per-batch values the adapter's predict/decode need (position ids, guidance vector, image latents)."""
+
+
+# -- the recipe ---------------------------------------------------------------------------------------------
+
+
+class RecipePipeline(Pipeline):
+    """Base class of every native family: implements `run` once; subclasses implement the family parts."""
+
+    text_encoders: tuple[str, ...] = ()
+    """Component keys of the text encoders, run in this order, each in its own residency scope."""
+    denoisers: tuple[str, ...] = ("transformer",)
+    """Component keys of the denoiser(s); `denoiser_for_step` picks one per step."""
+    decoder: str = "vae"
+    """Component key that `decode` runs."""
+    masked_sequences: dict[str, str] = {}
+    """Variable-length text encoders: `encode_text` output key of a padded sequence -> key of its attention
+    mask (1 = token, 0 = padding). Rows are trimmed and padded through these when requests merge."""
+    batched_cfg: bool = False
+    """Run CFG as one doubled batch instead of two passes (diffusers runs two passes)."""
+
+    # -- family parts ------------------------------------------------------------------------------------
+
+    def encode_text(self, key: str, texts: list[str], batch: Sequence[SamplingParams]) -> Cond:
+        """Encode `texts` (the batch's distinct texts) with text encoder `key`: one row per text."""
+        raise NotImplementedError
+
+    def uses_cfg(self, head: SamplingParams) -> bool:
+        """Whether the unconditional branch runs (default: true CFG, `true_cfg_scale > 1` with a negative prompt)."""
+        return head.cfg_enabled
+
+    def cfg_scale(self, head: SamplingParams) -> float:
+        """The CFG scale (default `true_cfg_scale`; families with classic CFG use `guidance_scale`)."""
+        return head.true_cfg_scale
+
+    def prepare_components(self, head: SamplingParams) -> tuple[str, ...]:
+        """Components `prepare` runs (the VAE encoder for image-conditioned requests)."""
+        return (self.decoder,) if head.image_inputs else ()
+
+    def prepare(self, batch: Sequence[SamplingParams], head: SamplingParams, positive: Cond) -> DenoiseState:
+        """Initial latents (noise row j of a request from `seed + j`), timesteps, scheduler and extras."""
+        raise NotImplementedError
+
+    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
+                model_key: str) -> torch.Tensor:
+        """One call of denoiser `model_key`; `timestep` is the raw scheduler timestep, one per row."""
+        raise NotImplementedError
+
+    def combine_guidance(self, cond: torch.Tensor, uncond: torch.Tensor, head: SamplingParams,
+                         state: DenoiseState, step_index: int) -> torch.Tensor:
+        """The guided prediction from the two branches (default: the classic CFG combination)."""
+        return combine_cfg(cond, uncond, self.cfg_scale(head))
+
+    def denoiser_for_step(self, step_index: int, timestep: torch.Tensor, state: DenoiseState) -> str:
+        """Which denoiser runs this step (default: the only one)."""
+        return self.denoisers[0]
+
+    def scheduler_step(self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor,
+                       state: DenoiseState) -> torch.Tensor:
+        return state.scheduler.step(noise_pred, timestep, latents, return_dict=False)[0]
+
+    def decode(self, latents: torch.Tensor, state: DenoiseState) -> list[Any]:
+        """Final latents -> one PIL image (or list of frames, for video) per row."""
+        raise NotImplementedError
+
+    def preview(self, latents: torch.Tensor, state: DenoiseState) -> list[Any]:
+        """A cheap image per row of the current latents (default: a full decode)."""
+        return self.decode(latents, state)
+
+    # -- the shared run ----------------------------------------------------------------------------------
+
+    def _encode(self, batch: Sequence[SamplingParams], cfg: bool) -> tuple[Cond, Cond | None]:
+        # Each distinct text is encoded once (negative prompts in the same encoder calls), then gathered to
+        # one row per output: request i's row repeated n_i times, as diffusers does for num_images_per_prompt.
+        texts = [p.prompt for p in batch]
+        if cfg:
+            texts += [p.negative_prompt or "" for p in batch]
+        unique = list(dict.fromkeys(texts))
+        encoded: Cond = {}
+        for key in self.text_encoders:
+            with self.residency.use(key):
+                encoded.update(self.encode_text(key, unique, batch))
+        slot = {text: i for i, text in enumerate(unique)}
+        counts = [p.n for p in batch]
+
+        def rows(part: list[str]) -> Cond:
+            index = torch.tensor([slot[t] for t, n in zip(part, counts, strict=True) for _ in range(n)])
+            return gather_rows(encoded, index, self.masked_sequences)
+
+        k = len(batch)
+        return rows(texts[:k]), (rows(texts[k:]) if cfg else None)
+
+    def _guided(self, latents: torch.Tensor, timestep: torch.Tensor, positive: Cond, negative: Cond | None,
+                head: SamplingParams, state: DenoiseState, step_index: int, model_key: str) -> torch.Tensor:
+        if negative is None:
+            return self.predict(latents, timestep, positive, state, model_key)
+        if self.batched_cfg:
+            both = self.predict(torch.cat([latents, latents]), torch.cat([timestep, timestep]),
+                                concat_cond(positive, negative, self.masked_sequences), state, model_key)
+            cond, uncond = both.chunk(2)
+        else:
+            cond = self.predict(latents, timestep, positive, state, model_key)
+            uncond = self.predict(latents, timestep, negative, state, model_key)
+        return self.combine_guidance(cond, uncond, head, state, step_index)
+
+    def _denoise(self, state: DenoiseState, positive: Cond, negative: Cond | None, head: SamplingParams,
+                 on_step: StepCallback | None, should_stop: StopCheck | None,
+                 on_preview: PreviewCallback | None, batch: Sequence[SamplingParams]) -> torch.Tensor:
+        latents = state.latents
+        num_steps = len(state.timesteps)
+        with contextlib.ExitStack() as scope:
+            active: str | None = None
+            for i, t in enumerate(state.timesteps):
+                if should_stop is not None and should_stop():
+                    raise RequestCancelledError(f"cancelled before denoising step {i + 1}/{num_steps}")
+                model_key = self.denoiser_for_step(i, t, state)
+                if model_key != active:
+                    # Leave the previous denoiser's residency scope before entering the next, so only the
+                    # active expert holds device memory (Wan2.2 A14B under component offload).
+                    scope.close()
+                    scope.enter_context(self.residency.use(model_key))
+                    active = model_key
+                timestep = t.expand(latents.shape[0])
+                noise_pred = self._guided(latents, timestep, positive, negative, head, state, i, model_key)
+                latents = self.scheduler_step(noise_pred, t, latents, state)
+                if on_step is not None:
+                    on_step(i, num_steps)
+                if on_preview is not None:
+                    current = latents
+                    on_preview(i, num_steps, lambda current=current: self._previews(current, state, batch))
+        return latents
+
+    def _previews(self, latents: torch.Tensor, state: DenoiseState, batch: Sequence[SamplingParams]) -> list[list[Any]]:
+        with torch.inference_mode(), self.residency.use(self.decoder):
+            return split_rows(self.preview(latents, state), batch)
+
+    def run(
+        self,
+        batch: list[SamplingParams],
+        *,
+        on_step: StepCallback | None = None,
+        should_stop: StopCheck | None = None,
+        on_preview: PreviewCallback | None = None,
+    ) -> BatchResult:
+        head = check_batch(batch)
+        cfg = self.uses_cfg(head)
+        timer = StageTimer()
+        with torch.inference_mode():
+            # 1. Encode every distinct prompt (and negative prompt when CFG runs), one scope per encoder.
+            with timer.stage("encode"):
+                positive, negative = self._encode(batch, cfg)
+            # 2. Latents, schedule and per-batch extras (edits encode their input images here).
+            with timer.stage("latents"), contextlib.ExitStack() as scope:
+                for key in self.prepare_components(head):
+                    scope.enter_context(self.residency.use(key))
+                state = self.prepare(batch, head, positive)
+            # 3. Denoise: the family's denoiser call(s), guidance, scheduler steps, cancellation.
+            with timer.stage("denoise"):
+                latents = self._denoise(state, positive, negative, head, on_step, should_stop, on_preview, batch)
+            # 4. Decode, then split the rows back per request.
+            with timer.stage("decode"), self.residency.use(self.decoder):
+                decoded = self.decode(latents, state)
+        rows = split_rows(decoded, batch)
+        if self.output_kind == "video":
+            outputs = [RequestOutput(videos=r) for r in rows]
+        else:
+            outputs = [RequestOutput(images=r) for r in rows]
+        return BatchResult(outputs=outputs, stage_seconds=timer.seconds)
+
+
+def to_pil_images(images: torch.Tensor) -> list[Image.Image]:
+    """(rows, 3, H, W) in [-1, 1] -> PIL images, with the rounding diffusers' image processor uses."""
+    from PIL import Image
+
+    array = (images / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).float().cpu().numpy()
+    array = (array * 255).round().astype("uint8")
+    return [Image.fromarray(a) for a in array]

@@ -39,22 +39,6 @@ from diffuserve.runtime.residency import (
 LAYER_HOOK = "diffuserve.layerwise.layer"
 START_HOOK = "diffuserve.layerwise.start"
 
-# Known repeated-layer lists, in execution order within one forward. The VAE's decoder comes
-# before its encoder because decode is the serving path (a resident set takes the first layers).
-_KNOWN_LAYER_LISTS: tuple[str, ...] = (
-    "transformer_blocks",  # FLUX, SD3, Qwen-Image double-stream blocks
-    "single_transformer_blocks",  # FLUX single-stream blocks
-    "blocks",  # Wan and other DiTs
-    "encoder.block",  # T5 encoder
-    "text_model.encoder.layers",  # CLIP text model (transformers 4)
-    "encoder.layers",  # CLIP text model (transformers 5 flattened `text_model`), other encoders
-    "model.layers",  # decoder-only text encoders wrapped by a *ForCausalLM
-    "layers",  # decoder-only text encoders (Qwen3Model, LlamaModel)
-    "decoder.up_blocks",  # AutoencoderKL decoder
-    "encoder.down_blocks",  # AutoencoderKL encoder
-)
-
-
 def _get(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
     try:
         return module.get_submodule(path)
@@ -62,15 +46,27 @@ def _get(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
         return None
 
 
+def _find_container(module: torch.nn.Module, path: str) -> str | None:
+    """The full path in `module` of a declared container: `path` itself, else the one submodule whose name
+    ends with `.path` (library versions nest the same encoder differently)."""
+    if _get(module, path) is not None:
+        return path
+    matches = [name for name, _ in module.named_modules() if name.endswith("." + path)]
+    return matches[0] if len(matches) == 1 else None
+
+
 def default_layer_specs(component_key: str, module: torch.nn.Module) -> list[str] | None:
-    """The module lists of `module` that layer-wise offload can stream, or None when it has no
-    known layer structure. `component_key` (the model_index.json key) is not needed by the
-    structural match; it is part of the signature for family-specific overrides."""
-    specs = [
-        path
-        for path in _KNOWN_LAYER_LISTS
-        if isinstance(_get(module, path), (torch.nn.ModuleList, torch.nn.Sequential)) and len(_get(module, path))
-    ]
+    """The module lists of `module` that layer-wise offload can stream, from the one layer table
+    (`diffuserve.families.layer_rules()`, keyed by the module's class), or None when its class declares no
+    layers. `component_key` (the model_index.json key) is part of the signature for error messages."""
+    from diffuserve import families
+
+    specs = []
+    for path, _count in families.layer_rules().get(type(module).__name__, ()):
+        full = _find_container(module, path)
+        sub = _get(module, full) if full is not None else None
+        if isinstance(sub, (torch.nn.ModuleList, torch.nn.Sequential)) and len(sub):
+            specs.append(full)
     return specs or None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from fastapi import APIRouter, Request, Response
@@ -54,7 +55,7 @@ async def server_info(request: Request) -> dict:
         "state": ctx.engine.state.value,
         "uptime_s": round(time.time() - ctx.started_at, 3),
         "pipeline": pipeline.describe() if pipeline is not None else None,
-        "defaults": vars(pipeline.defaults) if pipeline is not None else None,
+        "defaults": dataclasses.asdict(pipeline.defaults) if pipeline is not None else None,
         "deployment_plan": getattr(ctx, "plan_dict", None),
         "batching": {
             "mode": args.batching_mode,

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
 import functools
-import secrets
 import time
 import uuid
 
@@ -16,9 +14,9 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from diffuserve.engine.engine import GenerationResult
-from diffuserve.engine.request import SamplingParams
 from diffuserve.errors import InvalidRequestError, NotFoundError, RequestCancelledError
 from diffuserve.media.images import decode_image, encode_image, mime_type
+from diffuserve.sampling import SamplingParams, build_sampling_params
 from diffuserve.server.common import (
     check_request_limits,
     prompt_warnings,
@@ -42,39 +40,30 @@ router = APIRouter()
 _DISCONNECT_POLL_S = 0.05
 
 
-def build_sampling_params(body: ImageGenerationRequest, ctx: ServerContext) -> SamplingParams:
-    """Request body + the family's defaults -> SamplingParams, checked against the server's caps."""
-    pipeline = ctx.engine.pipeline
-    assert pipeline is not None
-    defaults = pipeline.defaults
-    if pipeline.output_kind != "image":
+def image_params(body: ImageGenerationRequest, ctx: ServerContext, *, image_inputs: tuple[bytes, ...] = (),
+                 strength: float = 1.0) -> SamplingParams:
+    """Request body -> SamplingParams through the one builder, after the server's own caps."""
+    model = ctx.engine.model
+    assert model is not None
+    if model.output_kind != "image":
         raise InvalidRequestError(
-            f"The served model is a {pipeline.family} {pipeline.output_kind} model: it makes videos, not images. "
+            f"The served model is a {model.family} {model.output_kind} model: it makes videos, not images. "
             "Create a video job with POST /v1/videos instead.", param="model", code="model_not_supported")
     if body.size is not None:
         if body.width is not None or body.height is not None:
             raise InvalidRequestError("Give either size or width/height, not both.", param="size")
         width, height = parse_size(body.size)
     else:
-        width, height = body.width or defaults.width, body.height or defaults.height
-    steps = body.num_inference_steps or defaults.num_inference_steps
+        width, height = body.width or model.defaults.width, body.height or model.defaults.height
+    steps = body.num_inference_steps or model.defaults.num_inference_steps
     check_request_limits(ctx, model=body.model, texts={"prompt": body.prompt, "negative_prompt": body.negative_prompt},
                          width=width, height=height, steps=steps)
-    params = SamplingParams(
-        prompt=body.prompt,
-        negative_prompt=body.negative_prompt,
-        width=width,
-        height=height,
-        num_inference_steps=steps,
-        guidance_scale=defaults.guidance_scale if body.guidance_scale is None else body.guidance_scale,
-        true_cfg_scale=1.0 if body.true_cfg_scale is None else body.true_cfg_scale,
-        seed=body.seed if body.seed is not None else secrets.randbelow(2**31),
-        n=body.n,
-        output_format=body.output_format,
-        output_quality=body.output_quality,
+    return build_sampling_params(
+        model, prompt=body.prompt, negative_prompt=body.negative_prompt, width=width, height=height,
+        num_inference_steps=steps, guidance_scale=body.guidance_scale, true_cfg_scale=body.true_cfg_scale,
+        seed=body.seed, n=body.n, output_format=body.output_format, output_quality=body.output_quality,
+        image_inputs=image_inputs, strength=strength,
     )
-    pipeline.validate(params)
-    return params
 
 
 async def await_unless_disconnected(request: Request, coro) -> GenerationResult:
@@ -138,7 +127,7 @@ async def create_image(body: ImageGenerationRequest, request: Request) -> ImageG
     received = time.monotonic()
     ctx = server_context(request)
     require_ready(ctx)
-    return await _generate_and_respond(request, body, build_sampling_params(body, ctx), received=received)
+    return await _generate_and_respond(request, body, image_params(body, ctx), received=received)
 
 
 _EDIT_FILE_FIELDS = ("image", "image[]")
@@ -177,11 +166,10 @@ async def edit_image(request: Request) -> ImageGenerationResponse:
         limit_flag=f"--max-image-side {side} (at most {side}x{side} pixels)"))
     if body.size is None and body.width is None and body.height is None:
         # Default to the input's size, rounded down to what the model can produce.
-        multiple = ctx.engine.pipeline.size_multiple  # type: ignore[union-attr]
+        multiple = ctx.engine.model.size_multiple  # type: ignore[union-attr]
         body = body.model_copy(update={"width": max(multiple, source.width // multiple * multiple),
                                        "height": max(multiple, source.height // multiple * multiple)})
-    params = dataclasses.replace(build_sampling_params(body, ctx), image_inputs=(data,), strength=body.strength)
-    ctx.engine.pipeline.validate(params)  # type: ignore[union-attr]
+    params = image_params(body, ctx, image_inputs=(data,), strength=body.strength)
     return await _generate_and_respond(request, body, params, received=received,
                                        ineligible_reason="image_conditioning")
 

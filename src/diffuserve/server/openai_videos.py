@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import secrets
 import time
 import uuid
 from typing import Any
@@ -22,7 +21,6 @@ from pydantic import Field, StrictFloat, StrictInt, StrictStr
 from starlette.concurrency import run_in_threadpool
 
 from diffuserve.engine.engine import GenerationResult
-from diffuserve.engine.request import SamplingParams
 from diffuserve.errors import (
     DiffuserveError,
     InvalidRequestError,
@@ -30,6 +28,7 @@ from diffuserve.errors import (
     RequestCancelledError,
 )
 from diffuserve.media.video import encode_mp4
+from diffuserve.sampling import SamplingParams, build_sampling_params
 from diffuserve.server.common import check_request_limits, require_ready, result_timings, server_context
 from diffuserve.server.context import ServerContext
 from diffuserve.server.protocol import MAX_SEED, PromptRequest, error_envelope, parse_size
@@ -88,38 +87,28 @@ def _frames(body: VideoCreateRequest, fps: int, default: int, step: int) -> int:
 def build_video_params(body: VideoCreateRequest, ctx: ServerContext) -> SamplingParams:
     """Request body + the model's defaults -> SamplingParams, checked against the server's caps."""
     args = ctx.args
-    pipeline = ctx.engine.pipeline
-    assert pipeline is not None
-    if pipeline.output_kind != "video":
+    model = ctx.engine.model
+    assert model is not None
+    if model.output_kind != "video":
         raise InvalidRequestError(
             f"The served model {args.public_model_name!r} makes images, not videos; use "
             "POST /v1/images/generations.", param="model", code="model_not_supported")
-    defaults = pipeline.defaults
+    defaults = model.defaults
     width, height = parse_size(body.size) if body.size is not None else (defaults.width, defaults.height)
     steps = body.num_inference_steps or defaults.num_inference_steps
     check_request_limits(ctx, model=body.model, texts={"prompt": body.prompt, "negative_prompt": body.negative_prompt},
                          width=width, height=height, steps=steps)
     fps = body.fps or defaults.fps
-    num_frames = _frames(body, fps, defaults.num_frames, int(getattr(pipeline, "frame_multiple", 1)))
+    num_frames = _frames(body, fps, defaults.num_frames, model.frame_multiple)
     if num_frames > args.max_video_frames:
         raise InvalidRequestError(
             f"num_frames={num_frames} exceeds the limit of {args.max_video_frames} (--max-video-frames).",
             param="seconds" if body.seconds is not None else "num_frames")
-    params = SamplingParams(
-        prompt=body.prompt,
-        negative_prompt=body.negative_prompt,
-        width=width,
-        height=height,
-        num_frames=num_frames,
-        fps=fps,
-        num_inference_steps=steps,
-        guidance_scale=defaults.guidance_scale if body.guidance_scale is None else body.guidance_scale,
-        seed=body.seed if body.seed is not None else secrets.randbelow(2**31),
-        n=1,
-        output_format="mp4",
+    return build_sampling_params(
+        model, prompt=body.prompt, negative_prompt=body.negative_prompt, width=width, height=height,
+        num_frames=num_frames, fps=fps, num_inference_steps=steps, guidance_scale=body.guidance_scale,
+        seed=body.seed, n=1, output_format="mp4",
     )
-    pipeline.validate(params)
-    return params
 
 
 def _error_dict(exc: DiffuserveError) -> dict[str, Any]:

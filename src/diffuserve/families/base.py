@@ -1,0 +1,115 @@
+"""The shape of a family spec: every fact about one model family, in one place.
+
+A family is what a diffusers pipeline class (model_index.json `_class_name`) stands for: FLUX.1, Qwen-Image,
+Wan2.1 ... Its spec is read by the registry (which family, which backend), the model profiles (plan
+thresholds, layer containers), the runtime (layer-wise tables), `make-tiny` (its tiny builders), and the
+request builder (default sampling values). Nothing here imports torch: `diffuserve plan` and `--help` stay fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+LayerCount = str | Callable[[dict[str, Any]], int] | None
+"""How many layers a container holds: a config.json key (looked up under `text_config` too), a function of
+the config, or None (count the indices in the safetensors header)."""
+
+LayerRules = dict[str, tuple[tuple[str, LayerCount], ...]]
+"""model class name -> (module-list path or path suffix, its layer count), in execution order."""
+
+OutputKind = Literal["image", "video"]
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request gets for fields it leaves unset (the diffusers pipeline's own call defaults for the
+    published checkpoint). An adapter may refine them from the loaded checkpoint (a tiny VAE's sample size)."""
+
+    width: int = 1024
+    """Output width in pixels."""
+    height: int = 1024
+    """Output height in pixels."""
+    num_inference_steps: int = 28
+    """Denoising steps."""
+    guidance_scale: float = 3.5
+    """Guidance scale as the diffusers pipeline uses it (embedded guidance or CFG, per family)."""
+    true_cfg_scale: float = 1.0
+    """True classifier-free guidance scale (Qwen-Image, FLUX.1 with a negative prompt); 1 = off."""
+    negative_prompt: str | None = None
+    """Negative prompt used when a request gives none (None: no negative branch unless the family's CFG
+    always runs, in which case the empty string is its unconditional text)."""
+    num_frames: int = 1
+    """Frames per output (1 for image families)."""
+    fps: int = 16
+    """Frames per second of an encoded video."""
+    guidance_scale_2: float | None = None
+    """Guidance scale of the low-noise expert (Wan2.2 A14B); None = same as guidance_scale."""
+
+
+@dataclass(frozen=True)
+class ProfileFacts:
+    """What the deployment plan's modes know about a family (thresholds live here, not in the resolver)."""
+
+    dit_resident_threshold_gib: float | None = 45.0
+    """`auto` keeps the DiT resident when every selected GPU has at least this much free. None: `auto` never
+    makes the DiT resident on its own (video: frames and resolution move the peak too much for one figure)."""
+    vae_resident_threshold_gib: float = 24.0
+    """`auto` keeps VAE-like components resident only with this much free per GPU."""
+    large_encoder_gib: float = 2.0
+    """Text/image encoders at least this large are `large auxiliary encoders`: layer-wise under `auto`
+    when the DiT is resident, so the encoder's whole-component onload does not sit beside the DiT."""
+    comfortable_fit_fraction: float = 0.8
+    """`auto` below the DiT threshold uses component offload when the DiT takes at most this share of
+    the free memory, and layer-wise offload (where supported) when it does not fit comfortably."""
+    default_uses_cfg: bool = False
+    """The family's default sampling runs classifier-free guidance (two branches per step)."""
+    fsdp_can_replace_dit_offload: bool = False
+    """Multi-GPU `auto` may shard the DiT with FSDP instead of offloading it (validated families only)."""
+    dit_supports_layerwise: bool = False
+    """The presets (`auto` below threshold, `memory`) may pick layer-wise offload for the DiT."""
+    compile_validated: bool = False
+    """torch.compile has a validated path for this family, so `auto`/`speed`/`memory` turn it on."""
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """Every fact about one model family. One instance per family, in `families/<module>.py`."""
+
+    name: str
+    """Family name used everywhere (`flux`, `qwen_image`, `wan` ...)."""
+    pipeline_classes: tuple[str, ...] = ()
+    """diffusers pipeline class names (model_index.json `_class_name`) of this family."""
+    model_id_patterns: tuple[str, ...] = ()
+    """Regexes tried on the lower-cased `--model-id` when the class name is not one we know."""
+    id_priority: int = 0
+    """Higher is tried first among model-id patterns (a variant such as `qwen-image-edit` before `qwen-image`)."""
+    output_kind: OutputKind = "image"
+    """image | video."""
+    tasks: frozenset[str] = frozenset({"t2i"})
+    """What it does: t2i, i2i (edits), t2v, i2v."""
+    native_adapter: str | None = None
+    """"module:Class" of the native pipeline adapter; None runs the diffusers backend."""
+    defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    """Request defaults of the published checkpoint."""
+    profile: ProfileFacts = field(default_factory=ProfileFacts)
+    """Deployment-plan facts."""
+    layer_containers: LayerRules = field(default_factory=dict)
+    """Layer table rows of this family's own model classes (its DiT); shared encoder and VAE classes are
+    in `families/components.py`."""
+    size_multiple: int = 16
+    """Width and height must be multiples of this for the published checkpoint (VAE factor x patch); the
+    loaded adapter derives the exact figure from the checkpoint's configs."""
+    max_image_inputs: int = 0
+    """Input images an edit request may carry (0: the family takes none)."""
+    supports_batching: bool = True
+    """Text-conditioned requests with equal signatures may merge into one pipeline call."""
+    tiny_builds: dict[str, str] = field(default_factory=dict)
+    """`make-tiny --family` name -> "module:function" that writes a tiny checkpoint of this family."""
+    base_family: str | None = None
+    """The family whose plan defaults a variant shares (e.g. `qwen_image` for `qwen_image_edit`)."""
+
+    @property
+    def has_native(self) -> bool:
+        return self.native_adapter is not None

@@ -1,0 +1,35 @@
+"""Qwen-Image-Edit and Qwen-Image-Edit 2509/2511 (several input images)."""
+
+from diffuserve.families.base import FamilySpec, SamplingDefaults
+from diffuserve.families.qwen_image import QWEN_IMAGE_LAYERS, QWEN_PROFILE
+
+SPECS = (
+    FamilySpec(
+        name="qwen_image_edit",
+        pipeline_classes=("QwenImageEditPipeline",),
+        model_id_patterns=(r"qwen[-_]?image[-_]?edit",),
+        id_priority=10,
+        tasks=frozenset({"i2i"}),
+        defaults=SamplingDefaults(num_inference_steps=50, guidance_scale=1.0, true_cfg_scale=4.0,
+                                  negative_prompt=" "),
+        profile=QWEN_PROFILE,
+        layer_containers=QWEN_IMAGE_LAYERS,
+        max_image_inputs=1,
+        supports_batching=False,
+        base_family="qwen_image",
+    ),
+    FamilySpec(
+        name="qwen_image_edit_plus",
+        pipeline_classes=("QwenImageEditPlusPipeline",),
+        model_id_patterns=(r"qwen[-_]?image[-_]?edit[-_]?(2509|2511|plus)",),
+        id_priority=15,
+        tasks=frozenset({"i2i"}),
+        defaults=SamplingDefaults(num_inference_steps=40, guidance_scale=1.0, true_cfg_scale=4.0,
+                                  negative_prompt=" "),
+        profile=QWEN_PROFILE,
+        layer_containers=QWEN_IMAGE_LAYERS,
+        max_image_inputs=3,
+        supports_batching=False,
+        base_family="qwen_image",
+    ),
+)

@@ -1,0 +1,13 @@
+"""SANA 1.5 / 600M / 1600M (Gemma2 encoder, DC-AE VAE)."""
+
+from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults
+
+SPEC = FamilySpec(
+    name="sana",
+    pipeline_classes=("SanaPipeline",),
+    model_id_patterns=(r"sana",),
+    defaults=SamplingDefaults(num_inference_steps=20, guidance_scale=4.5),
+    profile=ProfileFacts(default_uses_cfg=True),
+    layer_containers={"SanaTransformer2DModel": (("transformer_blocks", "num_layers"),)},
+    size_multiple=32,
+)

@@ -1,0 +1,154 @@
+"""What a generation asks for (`SamplingParams`), which of its fields form the batch signature, and the ONE
+builder that turns request fields plus a model's defaults into it (used by the image, edit and video routes,
+`generate` and the engine's warm-up).
+
+Field names are the diffusers pipelines' argument names (`guidance_scale`, `true_cfg_scale`,
+`negative_prompt`, `num_inference_steps`, ...), so a request and a diffusers call with the same values give
+the same image. No torch and no I/O here: the scheduler and the server both import this module.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from diffuserve.families.base import SamplingDefaults
+
+
+def _sig(default: Any, doc: str) -> Any:
+    """A field that belongs to the batch signature (changes the tensor program)."""
+    return field(default=default, metadata={"signature": True, "doc": doc})
+
+
+def _row(default: Any, doc: str) -> Any:
+    """A per-row field: differs freely between requests merged into one batch."""
+    return field(default=default, metadata={"signature": False, "doc": doc})
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Everything a generation needs. Each field says whether it is part of the batch signature.
+
+    The signature holds exactly what changes the tensor program (shape, steps, guidance, whether CFG
+    runs); prompt, negative prompt, seed, n and output encoding are per row or applied after the
+    split, so requests that differ only there can share one pipeline call.
+    """
+
+    prompt: str = _row("", "Text prompt.")
+    negative_prompt: str | None = _row(None, "Negative prompt; enables true CFG when true_cfg_scale > 1.")
+    width: int = _sig(64, "Output width in pixels.")
+    height: int = _sig(64, "Output height in pixels.")
+    num_frames: int = _sig(1, "Frames for video families; 1 for images.")
+    fps: int = _row(16, "Frames per second of an encoded video.")
+    num_inference_steps: int = _sig(4, "Denoising steps.")
+    guidance_scale: float = _sig(3.5, "Guidance (embedded guidance for FLUX.1-dev-style models).")
+    true_cfg_scale: float = _sig(1.0, "Classifier-free guidance scale; CFG runs when > 1 and a negative prompt is set.")
+    guidance_scale_2: float | None = _sig(None, "Second-expert guidance (Wan2.2 A14B).")
+    seed: int | None = _row(None, "Random seed; None draws one at submission.")
+    n: int = _row(1, "Outputs for this prompt; each owns one row of the batch.")
+    output_format: str = _row("png", "png | jpeg | webp (images), mp4 (video).")
+    output_quality: int = _row(90, "Encoder quality for jpeg/webp (1-100).")
+    image_inputs: tuple[bytes, ...] = _row((), "Encoded input images (edits / image conditioning).")
+    strength: float = _sig(1.0, "Image-to-image: share of the schedule re-noised from the input image (0-1].")
+
+    @property
+    def cfg_enabled(self) -> bool:
+        """Whether the classifier-free-guidance branch runs (doubles the rows of the batch)."""
+        return self.true_cfg_scale > 1.0 and bool(self.negative_prompt)
+
+    def signature(self) -> tuple[tuple[str, Any], ...]:
+        """The batch signature: equal signatures run the same tensor program."""
+        items = [(f.name, getattr(self, f.name)) for f in fields(self) if f.metadata.get("signature")]
+        items.append(("cfg_enabled", self.cfg_enabled))
+        return tuple(items)
+
+    @classmethod
+    def signature_fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls) if f.metadata.get("signature")) + ("cfg_enabled",)
+
+
+def signature_difference(a: SamplingParams, b: SamplingParams) -> str | None:
+    """The first signature field that differs, as `sampling_params.<field>`; None when compatible."""
+    for (name, va), (_, vb) in zip(a.signature(), b.signature(), strict=True):
+        if va != vb:
+            return f"sampling_params.{name}"
+    return None
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """What the routes need to know about the served model, asked of the engine (never of the pipeline)."""
+
+    family: str = "unknown"
+    """Family name."""
+    output_kind: str = "image"
+    """image | video."""
+    defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    """Values a request gets for fields it leaves unset."""
+    size_multiple: int = 16
+    """Width and height must be multiples of this."""
+    max_image_inputs: int = 0
+    """Input images one request may carry (0: none)."""
+    frame_multiple: int = 1
+    """Video: num_frames - 1 must divide by this (the VAE's temporal compression)."""
+    supports_batching: bool = True
+    """Text-conditioned requests may merge."""
+    validate: Callable[[SamplingParams], None] | None = field(default=None, compare=False, repr=False)
+    """The model's own checks (size limits, frame counts, ...): raises InvalidRequestError naming the field."""
+
+
+def _pick(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def build_sampling_params(
+    model: ModelDescription,
+    *,
+    prompt: str,
+    negative_prompt: str | None = None,
+    width: int | None = None,
+    height: int | None = None,
+    num_inference_steps: int | None = None,
+    guidance_scale: float | None = None,
+    true_cfg_scale: float | None = None,
+    guidance_scale_2: float | None = None,
+    num_frames: int | None = None,
+    fps: int | None = None,
+    seed: int | None = None,
+    n: int = 1,
+    output_format: str | None = None,
+    output_quality: int = 90,
+    image_inputs: tuple[bytes, ...] = (),
+    strength: float = 1.0,
+) -> SamplingParams:
+    """THE builder: request fields (None = unset) + the model's defaults -> checked SamplingParams.
+
+    Unset fields take the family's defaults; an unset seed draws a random one (reported in the response so
+    the result can be reproduced); images get png and videos mp4 unless a format is given. The model's own
+    validation runs last, so every caller (HTTP, CLI, warm-up) refuses the same things the same way.
+    """
+    d = model.defaults
+    video = model.output_kind == "video"
+    params = SamplingParams(
+        prompt=prompt,
+        negative_prompt=_pick(negative_prompt, d.negative_prompt),
+        width=_pick(width, d.width),
+        height=_pick(height, d.height),
+        num_frames=_pick(num_frames, d.num_frames) if video else _pick(num_frames, 1),
+        fps=_pick(fps, d.fps),
+        num_inference_steps=_pick(num_inference_steps, d.num_inference_steps),
+        guidance_scale=_pick(guidance_scale, d.guidance_scale),
+        true_cfg_scale=_pick(true_cfg_scale, d.true_cfg_scale),
+        guidance_scale_2=_pick(guidance_scale_2, d.guidance_scale_2),
+        seed=seed if seed is not None else secrets.randbelow(2**31),
+        n=n,
+        output_format=_pick(output_format, "mp4" if video else "png"),
+        output_quality=output_quality,
+        image_inputs=tuple(image_inputs),
+        strength=strength,
+    )
+    if model.validate is not None:
+        model.validate(params)
+    return params
