@@ -75,12 +75,12 @@ def _plan(variant: Variant, pipeline) -> DeploymentPlan:
 def bench_preset(preset: str, args: argparse.Namespace, workdir: Path) -> dict[str, Result]:
     import torch
 
-    from diffuserve.engine.request import SamplingParams
     from diffuserve.models.loader import load_pipeline
     from diffuserve.models.tiny import build_tiny_checkpoint
     from diffuserve.pipelines.base import AllResident
     from diffuserve.runtime.ledger import TransferLedger
     from diffuserve.runtime.residency import build_residency
+    from diffuserve.sampling import SamplingParams
 
     path = build_tiny_checkpoint("flux", workdir / f"flux-{preset}", preset=preset)
     pipe = load_pipeline(path, device="cpu", dtype="float32")

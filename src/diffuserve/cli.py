@@ -1,4 +1,4 @@
-"""The `diffuserve` command: serve | generate | plan | bench | make-tiny.
+"""The `diffuserve` command: serve | generate | plan | bench | make-tiny | compat.
 
 Flags are built from the config dataclasses (ServerArgs, DeploymentArgs), so `--help`, `--config`
 files and the code share one declaration. Heavy imports (torch, diffusers) happen only in the
@@ -138,6 +138,15 @@ def _build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--preset", default="tiny", choices=["tiny", "36m"],
                       help="tiny (~72k-parameter transformer) or 36m (benchmarks) (default: tiny).")
 
+    compat = sub.add_parser("compat", help="Build every tiny checkpoint and write the compatibility grid from real runs.",
+                            description="For each image family's tiny checkpoint: T2I, I2I, batching, residency and "
+                                        "diffusers parity through the serving path; writes the grid as Markdown.")
+    compat.add_argument("--output", default=None, help="Markdown file to write the grid to (default: print only).")
+    compat.add_argument("--families", default=None,
+                        help="Comma-separated make-tiny names to check (default: every image family).")
+    compat.add_argument("--quick", action="store_true",
+                        help="Only the cheap columns (T2I, I2I, Batching); Residency and Matches diffusers show -.")
+
     bench = sub.add_parser("bench", help="Benchmark a running server over HTTP.", formatter_class=_DefaultsFormatter,
                            description="Drive a running server with concurrent requests and report throughput and latency.")
     from diffuserve.bench import add_bench_arguments
@@ -258,6 +267,12 @@ def main(argv: list[str] | None = None) -> int:
 
             path = build_tiny_checkpoint(ns.family, Path(ns.output), preset=ns.preset)
             print(path)
+            return 0
+        if ns.command == "compat":
+            from diffuserve.compat import render, run_compat
+
+            names = [n.strip() for n in ns.families.split(",") if n.strip()] if ns.families else None
+            print(render(run_compat(names, Path(ns.output) if ns.output else None, quick=ns.quick)))
             return 0
         values = _merge_config_file(ns, parser)
         if ns.command == "plan":

@@ -57,6 +57,16 @@ def test_openai_client_edit(singleton_server):
     assert default.status_code == 200 and default.json()["size"] == "48x64"
 
 
+def test_more_images_than_the_family_takes_is_a_400_naming_image(singleton_server):
+    """The SDK sends a list as repeated `image[]` parts; FLUX.1 img2img takes one, so two are refused."""
+    client = openai.OpenAI(base_url=f"{singleton_server.base_url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.images.edit(image=[("a.png", _png(), "image/png"), ("b.png", _png(seed=1), "image/png")],
+                           prompt="two", size="64x64")
+    error = err.value.body
+    assert error["param"] == "image" and "exactly one" in error["message"] and "got 2" in error["message"]
+
+
 def test_edit_strength_keeps_the_input(singleton_server):
     """Low strength stays closer to the input image than full strength does."""
     source = _png(64, 64, seed=5)

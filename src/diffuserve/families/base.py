@@ -101,6 +101,10 @@ class FamilySpec:
     size_multiple: int = 16
     """Width and height must be multiples of this for the published checkpoint (VAE factor x patch); the
     loaded adapter derives the exact figure from the checkpoint's configs."""
+    max_latent_side: Callable[[dict[str, Any]], int | None] | None = None
+    """Positional limit of the DiT: from its config.json, the longest side in latent pixels (before patching)
+    its position tables cover, or None for no table limit (RoPE computed on the fly). Pixel limit = this x the
+    VAE's spatial factor; larger sizes are a 400 naming `size` before queueing, not an error inside the model."""
     max_image_inputs: int = 0
     """Input images an edit request may carry (0: the family takes none)."""
     supports_batching: bool = True

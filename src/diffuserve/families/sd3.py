@@ -2,6 +2,13 @@
 
 from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults
 
+
+def sd3_max_latent_side(cfg: dict) -> int | None:
+    """SD3 crops a fixed table of `pos_embed_max_size` patches per side."""
+    size = cfg.get("pos_embed_max_size")
+    return int(size) * int(cfg.get("patch_size", 2)) if size else None
+
+
 SPEC = FamilySpec(
     name="sd3",
     pipeline_classes=("StableDiffusion3Pipeline",),
@@ -9,5 +16,6 @@ SPEC = FamilySpec(
     defaults=SamplingDefaults(num_inference_steps=28, guidance_scale=7.0),
     profile=ProfileFacts(default_uses_cfg=True),
     layer_containers={"SD3Transformer2DModel": (("transformer_blocks", "num_layers"),)},
+    max_latent_side=sd3_max_latent_side,
     tiny_builds={"sd3": "diffuserve.models.tiny:build_sd3"},
 )

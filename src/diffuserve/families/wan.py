@@ -1,4 +1,5 @@
-"""Wan2.1 / Wan2.2 text-to-video and Wan image-to-video."""
+"""Wan2.1 / Wan2.2 text-to-video (one spec: A14B's two experts and TI2V-5B's per-token timesteps are settings of
+the same `WanPipeline` class) and Wan image-to-video."""
 
 from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults
 
@@ -13,6 +14,12 @@ WAN_PROFILE = ProfileFacts(
 )
 WAN_LAYERS = {"WanTransformer3DModel": (("blocks", "num_layers"),)}
 
+
+def wan_max_latent_side(cfg: dict) -> int:
+    """Wan's rotary table holds `rope_max_seq_len` positions per axis, counted in patches."""
+    patch = cfg.get("patch_size") or (1, 2, 2)
+    return int(cfg.get("rope_max_seq_len", 1024)) * int(patch[-1])
+
 SPECS = (
     FamilySpec(
         name="wan",
@@ -24,7 +31,13 @@ SPECS = (
                                   guidance_scale=5.0, fps=16),
         profile=WAN_PROFILE,
         layer_containers=WAN_LAYERS,
-        tiny_builds={"wan": "diffuserve.models.tiny:build_wan"},
+        max_latent_side=wan_max_latent_side,
+        native_adapter="diffuserve.pipelines.wan:WanNativePipeline",
+        tiny_builds={
+            "wan": "diffuserve.models.tiny:build_wan",
+            "wan2.2": "diffuserve.models.tiny_wan:build_wan22_a14b",
+            "wan2.2-ti2v": "diffuserve.models.tiny_wan:build_wan22_ti2v",
+        },
     ),
     FamilySpec(
         name="wan_i2v",
@@ -37,6 +50,7 @@ SPECS = (
                                   guidance_scale=5.0, fps=16),
         profile=WAN_PROFILE,
         layer_containers=WAN_LAYERS,
+        max_latent_side=wan_max_latent_side,
         max_image_inputs=1,
         supports_batching=False,
         base_family="wan",

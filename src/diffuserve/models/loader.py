@@ -8,6 +8,7 @@ so tokenizers are also checked against their text encoder's vocabulary after loa
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import logging
@@ -223,12 +224,20 @@ def load_pipeline(
     )
     if spec.backend == "native":
         components = load_components(model_path, spec, device=torch_device, dtype=torch_dtype)
+        # Pipeline-level settings of model_index.json (Wan2.2's boundary_ratio, expand_timesteps) ride along
+        # with the components, as diffusers passes them to the pipeline's __init__.
+        index = registry.read_model_index(model_path)
+        components.update({k: v for k, v in index.items() if not k.startswith("_") and not isinstance(v, list)})
         try:
             pipeline = _native_class(spec.family).from_components(
                 components, device=torch_device, dtype=torch_dtype
             )
         except CheckpointError as exc:
             raise CheckpointError(f"checkpoint {model_path}: {exc.message}") from exc
+        suggested = registry.read_suggested_defaults(model_path)
+        if suggested:
+            # A checkpoint's own suggestions (tiny test models) beat the family's published defaults.
+            pipeline.defaults = dataclasses.replace(pipeline.defaults, **suggested)
     else:
         from diffuserve.pipelines.diffusers_backend import DiffusersBackendPipeline
 

@@ -9,13 +9,25 @@ No torch here: `diffuserve plan` resolves a model without importing it.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from diffuserve import families
 from diffuserve.errors import CheckpointError, ConfigError
 
+logger = logging.getLogger(__name__)
+
 BACKENDS = ("auto", "native", "diffusers")
+
+DEFAULTS_KEY = "_diffuserve_defaults"
+"""model_index.json key where a checkpoint may suggest request defaults (width, height, num_frames,
+num_inference_steps, guidance_scale, fps); diffusers ignores `_`-prefixed keys. Tiny video checkpoints use it so
+they do not default to the 832x480x81 of the real model."""
+
+_DEFAULT_FIELDS = {"width": int, "height": int, "num_frames": int, "num_inference_steps": int,
+                   "guidance_scale": float, "fps": int}
 
 
 def native_families() -> dict[str, str]:
@@ -128,3 +140,21 @@ def resolve(model_path: Path, *, model_id: str | None = None, backend: str = "au
         components=index_components(index),
         model_path=model_path,
     )
+
+
+def read_suggested_defaults(model_path: Path) -> dict[str, Any]:
+    """The checkpoint's `_diffuserve_defaults` from model_index.json, keeping only known, typed fields."""
+    try:
+        suggested = json.loads((Path(model_path) / "model_index.json").read_text()).get(DEFAULTS_KEY)
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if not isinstance(suggested, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for name, kind in _DEFAULT_FIELDS.items():
+        value = suggested.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            out[name] = kind(value)
+        elif value is not None:
+            logger.warning("%s: ignoring %s.%s=%r (expected a positive number)", model_path, DEFAULTS_KEY, name, value)
+    return out

@@ -18,14 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from diffuserve.errors import ConfigError
+from diffuserve.models.registry import DEFAULTS_KEY
 
 DEFAULT_MODEL_NAME = "flux-tiny-v2"
 """Folder name of the embedded default model under `$DIFFUSERVE_CACHE/models/` (bump on any change)."""
-
-DEFAULTS_KEY = "_diffuserve_defaults"
-"""model_index.json key where a checkpoint may suggest request defaults (width, height, num_frames,
-num_inference_steps, guidance_scale, fps). diffusers ignores `_`-prefixed keys when loading; the
-diffusers backend reads it so a tiny video model does not default to the 832x480x81 of the real one."""
 
 WAN_TINY_DEFAULTS = {"width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 4, "fps": 8}
 """What the tiny Wan2.1 checkpoint suggests: small enough that a video job takes well under a second."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
+import io
 import logging
 import time
 from collections.abc import Iterator
@@ -28,6 +28,7 @@ from PIL import Image
 
 from diffuserve.errors import CheckpointError, InvalidRequestError, RequestCancelledError
 from diffuserve.families.base import SamplingDefaults
+from diffuserve.models.registry import read_suggested_defaults
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.base import (
     BatchResult,
@@ -40,13 +41,6 @@ from diffuserve.pipelines.base import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULTS_KEY = "_diffuserve_defaults"
-"""model_index.json key with suggested request defaults (see models/tiny.py); diffusers ignores it."""
-
-_DEFAULT_FIELDS = {"width": int, "height": int, "num_frames": int, "num_inference_steps": int,
-                   "guidance_scale": float, "fps": int}
-
-
 def _to_pil(item: Any) -> Image.Image:
     if isinstance(item, Image.Image):
         return item
@@ -54,24 +48,6 @@ def _to_pil(item: Any) -> Image.Image:
     if array.dtype != np.uint8:
         array = (np.clip(array, 0, 1) * 255).round().astype("uint8")
     return Image.fromarray(array)
-
-
-def read_suggested_defaults(model_path: Path) -> dict[str, Any]:
-    """The checkpoint's `_diffuserve_defaults` from model_index.json, keeping only known, typed fields."""
-    try:
-        suggested = json.loads((Path(model_path) / "model_index.json").read_text()).get(DEFAULTS_KEY)
-    except (OSError, ValueError, AttributeError):
-        return {}
-    if not isinstance(suggested, dict):
-        return {}
-    out: dict[str, Any] = {}
-    for name, kind in _DEFAULT_FIELDS.items():
-        value = suggested.get(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            out[name] = kind(value)
-        elif value is not None:
-            logger.warning("%s: ignoring %s.%s=%r (expected a positive number)", model_path, DEFAULTS_KEY, name, value)
-    return out
 
 
 class DiffusersBackendPipeline(Pipeline):
@@ -98,6 +74,10 @@ class DiffusersBackendPipeline(Pipeline):
         self._max_sequence_length = self._declared_sequence_length(pipe)
         self.output_kind = "video" if "num_frames" in self._call_params else "image"
         self.size_multiple = self._size_multiple(pipe)
+        self.max_width = self.max_height = self._max_side(pipe)
+        if "image" in self._call_params:
+            # An edit pipeline (its __call__ takes `image`): image inputs go to it unmodified; edits run alone.
+            self.max_image_inputs = self._family_image_limit()
         self.frame_multiple = int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1)
         """Video: num_frames - 1 must divide by this (the VAE's temporal compression; 4 for Wan)."""
         self.defaults = self._defaults(pipe, suggested_defaults or {})
@@ -115,6 +95,29 @@ class DiffusersBackendPipeline(Pipeline):
         processor = getattr(pipe, "image_processor", None)
         processor_factor = int(getattr(getattr(processor, "config", None), "vae_scale_factor", 0) or 0)
         return max(vae_factor * int(patch if isinstance(patch, int) else 1), processor_factor, 1)
+
+    def _family_image_limit(self) -> int:
+        from diffuserve.families import spec_for
+
+        try:
+            return max(1, spec_for(self.family).max_image_inputs)
+        except KeyError:
+            return 1
+
+    def _max_side(self, pipe: Any) -> int | None:
+        """The family's positional limit (its spec's `max_latent_side`) in pixels, for this checkpoint."""
+        from diffuserve.families import spec_for
+
+        transformer = getattr(pipe, "transformer", None)
+        try:
+            limit = spec_for(self.family).max_latent_side
+        except KeyError:
+            return None
+        if limit is None or transformer is None:
+            return None
+        side = limit(dict(transformer.config))
+        vae_factor = int(getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", 8) or 8)
+        return None if side is None else side * vae_factor
 
     def _defaults(self, pipe: Any, suggested: dict[str, Any]) -> SamplingDefaults:
         # The checkpoint's suggestions first, then the pipeline's own defaults: its __call__ keyword
@@ -210,6 +213,13 @@ class DiffusersBackendPipeline(Pipeline):
             wanted["num_frames"] = head.num_frames
         if head.guidance_scale_2 is not None:
             wanted["guidance_scale_2"] = head.guidance_scale_2
+        if head.image_inputs:
+            # Edits run alone (never merged): one prompt, its n outputs as num_images_per_prompt.
+            images = [Image.open(io.BytesIO(data)).convert("RGB") for data in head.image_inputs]
+            wanted.update(prompt=head.prompt, image=images[0] if len(images) == 1 else images,
+                          num_images_per_prompt=head.n, strength=head.strength)
+            if "negative_prompt" in wanted:
+                wanted["negative_prompt"] = head.negative_prompt or ""
         if "max_sequence_length" in self._call_params and self._max_sequence_length is not None:
             wanted["max_sequence_length"] = self._max_sequence_length
         if "output_type" in self._call_params:
@@ -219,8 +229,9 @@ class DiffusersBackendPipeline(Pipeline):
     def validate(self, params: Any) -> None:
         if self.output_kind == "video":
             self._validate_video(params)
-        # max_image_inputs stays 0: the unmodified pipeline would ignore an image, so the base check refuses
-        # edits rather than silently answering one with an unrelated generation.
+        # max_image_inputs stays 0 unless the pipeline's call takes `image`: an unmodified text-to-image
+        # pipeline would ignore an image, so the base check refuses edits rather than silently answering one
+        # with an unrelated generation.
         super().validate(params)
 
     def _validate_video(self, params: Any) -> None:

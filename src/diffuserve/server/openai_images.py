@@ -152,24 +152,26 @@ async def edit_image(request: Request) -> ImageGenerationResponse:
     uploads = [v for k in _EDIT_FILE_FIELDS for v in form.getlist(k) if not isinstance(v, str)]
     if "mask" in form:
         raise InvalidRequestError("mask is not supported: this model edits the whole image (use strength).", param="mask")
-    if len(uploads) != 1:
-        raise InvalidRequestError(f"Send exactly one `image` file (got {len(uploads)}).", param="image")
+    limit = ctx.engine.model.max_image_inputs  # type: ignore[union-attr]
+    if not uploads or len(uploads) > max(limit, 1):
+        allowed = "exactly one `image` file" if limit <= 1 else f"1 to {limit} image files (`image` or repeated `image[]`)"
+        raise InvalidRequestError(f"Send {allowed}; got {len(uploads)}.", param="image")
     fields = {k: v for k, v in form.multi_items() if k not in _EDIT_FILE_FIELDS and isinstance(v, str)}
     try:
         body = ImageEditRequest.model_validate(coerce_form_fields(ImageEditRequest, fields))
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False)) from exc
-    data = await uploads[0].read()
+    blobs = tuple([await upload.read() for upload in uploads])
     side = ctx.args.max_image_side
-    source = await run_in_threadpool(functools.partial(
-        decode_image, data, max_pixels=side ** 2, param="image",
-        limit_flag=f"--max-image-side {side} (at most {side}x{side} pixels)"))
+    decode = functools.partial(decode_image, max_pixels=side ** 2, param="image",
+                               limit_flag=f"--max-image-side {side} (at most {side}x{side} pixels)")
+    sources = [await run_in_threadpool(decode, data) for data in blobs]
     if body.size is None and body.width is None and body.height is None:
-        # Default to the input's size, rounded down to what the model can produce.
+        # Default to the (first) input's size, rounded down to what the model can produce.
         multiple = ctx.engine.model.size_multiple  # type: ignore[union-attr]
-        body = body.model_copy(update={"width": max(multiple, source.width // multiple * multiple),
-                                       "height": max(multiple, source.height // multiple * multiple)})
-    params = image_params(body, ctx, image_inputs=(data,), strength=body.strength)
+        body = body.model_copy(update={"width": max(multiple, sources[0].width // multiple * multiple),
+                                       "height": max(multiple, sources[0].height // multiple * multiple)})
+    params = image_params(body, ctx, image_inputs=blobs, strength=body.strength)
     return await _generate_and_respond(request, body, params, received=received,
                                        ineligible_reason="image_conditioning")
 

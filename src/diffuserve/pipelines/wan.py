@@ -1,0 +1,169 @@
+"""Native Wan text-to-video (Wan2.1, Wan2.2 A14B with two experts, Wan2.2 TI2V-5B) on the shared recipe.
+
+The family parts follow `diffusers.WanPipeline` step for step: UMT5 embeddings trimmed to each prompt's
+length and zero-padded back to `max_sequence_length`, float32 latents of (frames-1)/4+1 latent frames, the
+checkpoint's scheduler (UniPC over flow sigmas), classic CFG under `guidance_scale` > 1 with the empty
+negative prompt by default, and for Wan2.2 A14B the switch from `transformer` (high noise, `guidance_scale`)
+to `transformer_2` (low noise, `guidance_scale_2`) at `boundary_ratio` x num_train_timesteps. TI2V-5B's
+`expand_timesteps` gives every latent token its own timestep (all equal for text-to-video).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+from diffusers.video_processor import VideoProcessor
+from PIL import Image
+
+from diffuserve.errors import CheckpointError, InvalidRequestError
+from diffuserve.families import spec_for
+from diffuserve.pipelines import stages
+from diffuserve.pipelines.stages import Cond, DenoiseState
+
+MAX_SEQUENCE_LENGTH = 512
+"""UMT5 tokens per prompt (diffusers' WanPipeline default)."""
+
+
+class WanNativePipeline(stages.RecipePipeline):
+    """Wan text-to-video: one or two denoising experts, classic CFG."""
+
+    family = "wan"
+    output_kind = "video"
+    supports_batching = True
+    text_encoders = ("text_encoder",)
+
+    def __init__(self, *, transformer: Any, vae: Any, text_encoder: Any, tokenizer: Any, scheduler: Any,
+                 transformer_2: Any = None, boundary_ratio: float | None = None, expand_timesteps: bool = False,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.transformer, self.transformer_2 = transformer, transformer_2
+        self.vae, self.text_encoder, self.tokenizer, self.scheduler = vae, text_encoder, tokenizer, scheduler
+        self.boundary_ratio = boundary_ratio
+        """Wan2.2 A14B: steps with t >= boundary_ratio * num_train_timesteps run `transformer`, later ones
+        `transformer_2`; None: one expert for every step."""
+        self.expand_timesteps = expand_timesteps
+        self.device, self.dtype = torch.device(device), dtype
+        self.denoisers = ("transformer",) if transformer_2 is None else ("transformer", "transformer_2")
+        self.components = {"text_encoder": text_encoder, "vae": vae, "transformer": transformer}
+        if transformer_2 is not None:
+            self.components["transformer_2"] = transformer_2
+        self.temporal_factor = int(vae.config.scale_factor_temporal)
+        self.spatial_factor = int(vae.config.scale_factor_spatial)
+        self.frame_multiple = self.temporal_factor
+        patch = transformer.config.patch_size
+        self.size_multiple = self.spatial_factor * int(patch[1])
+        spec = spec_for(self.family)
+        side = spec.max_latent_side(dict(transformer.config)) if spec.max_latent_side else None
+        self.max_width = self.max_height = None if side is None else side * self.spatial_factor
+        self.defaults = spec.defaults
+        self.video_processor = VideoProcessor(vae_scale_factor=self.spatial_factor)
+        self._max_length = min(MAX_SEQUENCE_LENGTH, int(getattr(tokenizer, "model_max_length", MAX_SEQUENCE_LENGTH)))
+
+    @classmethod
+    def from_components(cls, components: dict[str, Any], *, device: torch.device | str,
+                        dtype: torch.dtype) -> WanNativePipeline:
+        required = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
+        missing = [key for key in required if components.get(key) is None]
+        if missing:
+            raise CheckpointError(f"a Wan checkpoint needs components {list(required)}; its model_index.json "
+                                  f"lacks {missing} (use --backend diffusers for a pipeline without them).")
+        if components.get("transformer_2") is not None and components.get("boundary_ratio") is None:
+            raise CheckpointError("a Wan checkpoint with transformer_2 needs `boundary_ratio` in model_index.json "
+                                  "(the timestep share at which the low-noise expert takes over).")
+        return cls(**{k: components.get(k) for k in (*required, "transformer_2", "boundary_ratio")},
+                   expand_timesteps=bool(components.get("expand_timesteps", False)), device=device, dtype=dtype)
+
+    def validate(self, params: Any) -> None:
+        super().validate(params)
+        frames, step = params.num_frames, self.temporal_factor
+        if frames < 1 or (frames - 1) % step:
+            below = max(1, (frames - 1) // step * step + 1)
+            raise InvalidRequestError(
+                f"num_frames={frames} does not fit this Wan checkpoint: it needs {step}k+1 frames (its VAE "
+                f"compresses time {step}x); use {below} or {below + step}.", param="num_frames")
+        if params.guidance_scale_2 is not None and self.boundary_ratio is None:
+            raise InvalidRequestError("guidance_scale_2 applies only to two-expert Wan2.2 checkpoints "
+                                      "(boundary_ratio in model_index.json); this one has one transformer.",
+                                      param="guidance_scale_2")
+
+    # -- 1. encode --------------------------------------------------------------------------------------------
+
+    def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
+        """UMT5 states of each text, trimmed to its tokens and zero-padded to the fixed length (as diffusers)."""
+        inputs = self.tokenizer([prompt_clean(t) for t in texts], padding="max_length", max_length=self._max_length,
+                                truncation=True, add_special_tokens=True, return_attention_mask=True,
+                                return_tensors="pt")
+        mask = inputs.attention_mask
+        states = self.text_encoder(inputs.input_ids.to(self.device), mask.to(self.device)).last_hidden_state
+        lengths = mask.gt(0).sum(dim=1).tolist()
+        rows = [torch.cat([s[:n], s.new_zeros(self._max_length - n, s.size(1))]) for s, n in zip(states, lengths, strict=True)]
+        return {"prompt_embeds": torch.stack(rows).to(self.transformer.dtype)}
+
+    def uses_cfg(self, head: Any) -> bool:
+        # diffusers: classic CFG whenever guidance_scale > 1 (the negative prompt defaults to "").
+        return head.guidance_scale > 1.0
+
+    # -- 2. latents and schedule --------------------------------------------------------------------------------
+
+    def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
+        frames = (head.num_frames - 1) // self.temporal_factor + 1
+        shape = (self.transformer.config.in_channels, frames, head.height // self.spatial_factor,
+                 head.width // self.spatial_factor)
+        latents = stages.batch_noise(batch, shape, device=self.device, dtype=torch.float32)
+        # A private scheduler per batch: UniPC keeps multistep history in lists it mutates in place.
+        scheduler = self.scheduler.__class__.from_config(self.scheduler.config)
+        scheduler.set_timesteps(head.num_inference_steps, device=self.device)
+        scheduler.set_begin_index(0)
+        boundary = None if self.boundary_ratio is None else self.boundary_ratio * scheduler.config.num_train_timesteps
+        extras = {"boundary": boundary, "size": (head.height, head.width)}
+        return DenoiseState(latents=latents, timesteps=scheduler.timesteps, scheduler=scheduler, extras=extras)
+
+    def denoiser_for_step(self, step_index: int, timestep: torch.Tensor, state: DenoiseState) -> str:
+        boundary = state.extras["boundary"]
+        return "transformer" if boundary is None or timestep >= boundary else "transformer_2"
+
+    def cfg_scale(self, head: Any) -> float:
+        return head.guidance_scale
+
+    def combine_guidance(self, cond: torch.Tensor, uncond: torch.Tensor, head: Any, state: DenoiseState,
+                         step_index: int) -> torch.Tensor:
+        expert = self.denoiser_for_step(step_index, state.timesteps[step_index], state)
+        scale = head.guidance_scale
+        if expert == "transformer_2":
+            scale = head.guidance_scale if head.guidance_scale_2 is None else head.guidance_scale_2
+        return stages.combine_cfg(cond, uncond, scale)
+
+    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
+                model_key: str) -> torch.Tensor:
+        model = self.transformer if model_key == "transformer" else self.transformer_2
+        if self.expand_timesteps:
+            # One timestep per latent token (frames x h/2 x w/2); text-to-video keeps them all equal.
+            tokens = latents.shape[2] * (latents.shape[3] // 2) * (latents.shape[4] // 2)
+            timestep = timestep[:, None].expand(-1, tokens)
+        return model(hidden_states=latents.to(model.dtype), timestep=timestep,
+                     encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
+
+    # -- 4. decode ------------------------------------------------------------------------------------------------
+
+    def decode(self, latents: torch.Tensor, state: DenoiseState) -> list[list[Image.Image]]:
+        """Unnormalise with the VAE's latents mean/std, decode, and round frames as the diffusers backend does."""
+        cfg = self.vae.config
+        latents = latents.to(self.device, self.vae.dtype)
+        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        video = self.vae.decode(latents / inv_std + mean, return_dict=False)[0]
+        frames = self.video_processor.postprocess_video(video, output_type="np")
+        return [[Image.fromarray((np.clip(f, 0, 1) * 255).round().astype("uint8")) for f in clip] for clip in frames]
+
+    def preview(self, latents: torch.Tensor, state: DenoiseState) -> list[Image.Image]:
+        """The middle frame of each row's current decode."""
+        return [clip[len(clip) // 2] for clip in self.decode(latents, state)]
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "experts": list(self.denoisers), "boundary_ratio": self.boundary_ratio,
+                "expand_timesteps": self.expand_timesteps}
+

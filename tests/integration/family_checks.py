@@ -1,0 +1,78 @@
+"""Checks every native family's tests share: residency modes reproduce the resident output, pixel comparison.
+
+Use from a family test module:
+
+    from tests.integration.family_checks import assert_residency_modes_match, max_pixel_diff
+    assert_residency_modes_match(pipeline, lambda: pipeline.run([params]).outputs[0].images)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from diffuserve.config.model_profiles import group_of
+from diffuserve.config.plan import ComponentPlan, DeploymentPlan, ResidencyMode
+from diffuserve.pipelines.base import AllResident
+from diffuserve.runtime.layerwise import default_layer_specs
+from diffuserve.runtime.ledger import TransferLedger
+from diffuserve.runtime.residency import build_residency
+
+OFFLOAD_MODES = (ResidencyMode.COMPONENT_OFFLOAD, ResidencyMode.SNAPSHOT_OFFLOAD, ResidencyMode.LAYERWISE_OFFLOAD)
+
+
+def _frames(output: Any) -> list[np.ndarray]:
+    """Images, or videos (lists of frames), as one flat list of int16 arrays."""
+    flat: list[np.ndarray] = []
+    for item in output:
+        for frame in (item if isinstance(item, list) else [item]):
+            flat.append(np.asarray(frame).astype(np.int16))
+    return flat
+
+
+def max_pixel_diff(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Largest per-pixel difference (of 255) between two lists of images or videos of the same shapes."""
+    fa, fb = _frames(a), _frames(b)
+    assert len(fa) == len(fb), (len(fa), len(fb))
+    return max(int(np.abs(x - y).max()) for x, y in zip(fa, fb, strict=True))
+
+
+def layered_components(pipeline: Any) -> list[str]:
+    """The pipeline's components whose class declares repeated layers (what layer-wise offload streams)."""
+    return [name for name, module in pipeline.components.items() if default_layer_specs(name, module)]
+
+
+def with_residency(pipeline: Any, modes: dict[str, ResidencyMode], run: Callable[[], Any],
+                   ledger: TransferLedger | None = None) -> tuple[Any, TransferLedger]:
+    """`run()` with the given components under the given modes (the rest resident); the residency is removed
+    afterwards. Returns run's output and the ledger of the moves (`ledger`, or a new one)."""
+    plan = DeploymentPlan(components={n: ComponentPlan(name=n, group=group_of(n), mode=m) for n, m in modes.items()})
+    ledger = ledger if ledger is not None else TransferLedger()
+    pipeline.residency = build_residency(plan, pipeline.components, device="cpu", ledger=ledger)
+    try:
+        return run(), ledger
+    finally:
+        close = getattr(pipeline.residency, "close", None)
+        if close is not None:
+            close()
+        pipeline.residency = AllResident()
+
+
+def assert_residency_modes_match(pipeline: Any, run: Callable[[], Any], *, tolerance: int = 0) -> dict[str, int]:
+    """Component-, snapshot- and layer-wise offload (of every component with layers; the others offload as
+    whole components) each reproduce the resident output within `tolerance`/255. Returns mode -> max diff."""
+    reference = run()
+    layered = set(layered_components(pipeline))
+    assert layered, "a native family with repeated blocks must declare layers for layer-wise offload"
+    diffs = {}
+    for mode in OFFLOAD_MODES:
+        modes = {name: (mode if mode is not ResidencyMode.LAYERWISE_OFFLOAD or name in layered
+                        else ResidencyMode.COMPONENT_OFFLOAD) for name in pipeline.components}
+        output, ledger = with_residency(pipeline, modes, run)
+        diffs[mode.value] = max_pixel_diff(output, reference)
+        assert diffs[mode.value] <= tolerance, (mode, diffs)
+        moved = {m.component for m in ledger.moves()}
+        assert moved == set(pipeline.components), (mode, moved)  # every component really moved
+    return diffs
