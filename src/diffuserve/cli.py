@@ -201,7 +201,10 @@ def _coerce(action: argparse.Action, value: Any, where: str) -> Any:
     if isinstance(action, argparse._StoreTrueAction):
         return one(value) if action.type else _parse_flag_bool(value, bad)
     if isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*"):
-        items = value if isinstance(value, list) else [value]
+        # A string is one prompt (`--prompt` appends), but a space-separated list for nargs flags, as
+        # the shell would split `--component-residency dit=resident vae=resident`.
+        split = isinstance(value, str) and not isinstance(action, argparse._AppendAction)
+        items = value.split() if split else (value if isinstance(value, list) else [value])
         if not items:
             bad("at least one value")
         return [one(v) for v in items]

@@ -84,10 +84,10 @@ def test_bad_config_value_in_a_real_process_has_no_traceback(tmp_path: Path):
 
 def test_yaml_config_values_are_coerced_like_flags(tmp_path: Path):
     path = tmp_path / "serve.yaml"
-    path.write_text("port: 8001\nenable-warmup: 'false'\ncomponent-residency: dit=component-offload\n")
+    path.write_text("port: 8001\nenable-warmup: 'false'\ncomponent-residency: dit=component-offload vae=resident\n")
     values = _merge(["serve", "--config", str(path)])
     assert values["port"] == 8001 and values["enable_warmup"] is False
-    assert values["component_residency"] == ["dit=component-offload"]
+    assert values["component_residency"] == ["dit=component-offload", "vae=resident"]
 
 
 @pytest.mark.parametrize(("argv", "suggestion"), [
@@ -179,3 +179,17 @@ def test_error_responses_are_counted_by_status_and_reason():
     samples = {(s.labels["status"], s.labels["reason"]): s.value for f in text_string_to_metric_families(text)
                for s in f.samples if s.name == "diffuserve_error_responses_total"}
     assert samples == {("401", "invalid_api_key"): 2.0, ("429", "queue_full"): 1.0}
+
+
+def test_component_residency_error_lists_components_once_and_what_groups_cover():
+    from diffuserve.errors import ConfigError
+    from tests.unit.test_deployment import plan_for
+
+    with pytest.raises(ConfigError) as bad:
+        plan_for("flux", component_residency=["dti=resident"])
+    message = bad.value.message
+    assert "unknown component or group 'dti'. Did you mean 'dit'?" in message
+    components = message.split("This model's components: ", 1)[1].split(".", 1)[0]
+    assert components == "transformer, text_encoder, text_encoder_2, vae"
+    assert ("Groups: dit (transformer); text_encoder (text_encoder, text_encoder_2); image_encoder (none in this "
+            "model); vae (vae); other (none in this model); all (every component).") in message
