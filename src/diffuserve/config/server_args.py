@@ -77,8 +77,8 @@ class ServerArgs:
     # -- dynamic batching --------------------------------------------------------------------
     batching_mode: str = _f("singleton", "singleton (one request per pipeline call) or dynamic (merge compatible queued requests).", _BATCHING, choices=["singleton", "dynamic"])
     """Batching mode."""
-    batching_max_size: int = _f(1, "Largest merged batch, counting outputs (n); 1 turns merging off.", _BATCHING)
-    """User cap on a batch."""
+    batching_max_size: int = _f(1, "Dynamic mode: most rows (outputs, n) in one pipeline call. Compatible requests merge under it; a request with a larger n runs as several calls (same images). 1 turns merging off.", _BATCHING)
+    """User cap on a batch, and a hard cap on the rows of every pipeline call in dynamic mode."""
     batching_delay_ms: float = _f(0.0, "How long the head of the queue may wait for compatible requests.", _BATCHING)
     """Batching window."""
     batching_config: str | None = _f(None, "JSON/YAML rules giving lower caps per model/resolution.", _BATCHING)
