@@ -33,11 +33,13 @@ LONG_PROMPT = " ".join(["a small red fox sitting in fresh snow at golden hour"] 
 
 @pytest.fixture(scope="module")
 def server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """API key, dynamic batching capped at 2 rows, small limits for the 413 and pixel-limit checks."""
+    """API key, dynamic batching capped at 2 rows, small limits for the 413, pixel-limit and 429 checks.
+    The last test of the module shuts it down."""
     logs = tmp_path_factory.mktemp("first-hour")
     proc = ServerProcess(["--model-path", str(tiny_flux_path), "--api-key", KEY, "--batching-mode", "dynamic",
                           "--batching-max-size", "2", "--max-image-side", "256", "--max-request-bytes", "65536",
-                          "--max-inference-steps", "100000", "--warmup-steps", "1"], logs / "server.log")
+                          "--max-inference-steps", "100000", "--warmup-steps", "1", "--max-queue-size", "2"],
+                         logs / "server.log")
     proc.start(headers=AUTH)
     yield proc
     proc.stop()
@@ -142,12 +144,12 @@ def test_long_prompt_warns_naming_the_encoders(server: ServerProcess, client: op
     assert server.log()[start:].count("request truncated by the text encoders") == 1
 
 
-# -- shutdown: the second signal -----------------------------------------------------------------------
+# -- helpers of the shutdown test ------------------------------------------------------------------------
 
 
 def _post_in_thread(base: str, body: dict, answers: list) -> threading.Thread:
     thread = threading.Thread(target=lambda: answers.append(
-        httpx.post(f"{base}/v1/images/generations", json=body, timeout=120)))
+        httpx.post(f"{base}/v1/images/generations", json=body, headers=AUTH, timeout=120)))
     thread.start()
     return thread
 
@@ -157,48 +159,6 @@ def _wait_metric(base: str, name: str, value: float, timeout_s: float = 60) -> N
     while metric_value(base, name) < value:
         assert time.monotonic() < deadline, f"{name} never reached {value}"
         time.sleep(0.02)
-
-
-def test_second_signal_answers_in_flight_with_503_and_exits_nonzero(tiny_flux_path: Path, tmp_path: Path):
-    server = ServerProcess(["--model-path", str(tiny_flux_path), "--max-queue-size", "2", "--max-inference-steps",
-                            "100000", "--warmup-steps", "1", "--reject-truncated-prompts"], tmp_path / "log")
-    server.start()
-    base = server.base_url
-    try:
-        rejected = httpx.post(f"{base}/v1/images/generations", timeout=30, json={"prompt": LONG_PROMPT, "size": "32x32"})
-        assert rejected.status_code == 400 and rejected.json()["error"]["param"] == "prompt"
-        assert "text_encoder (CLIP)" in rejected.json()["error"]["message"]
-
-        body = {"prompt": "never finishes", "size": "32x32", "num_inference_steps": 50000}
-        answers: list[httpx.Response] = []
-        threads = [_post_in_thread(base, body, answers)]
-        _wait_metric(base, "diffuserve_running_batch_size", 1)
-        threads += [_post_in_thread(base, body, answers) for _ in range(2)]
-        _wait_metric(base, "diffuserve_queue_depth", 2)
-        full = httpx.post(f"{base}/v1/images/generations", json=body, timeout=30)
-        assert full.status_code == 429
-
-        server.signal(signal.SIGTERM)
-        wait_for_log(server, "draining")
-        late = httpx.post(f"{base}/v1/images/generations", json=body, timeout=30)
-        assert late.status_code == 503
-        errors = _errors(server)
-        assert errors[("429", "queue_full")] == 1 and errors[("503", "service_unavailable")] == 1
-        assert errors[("400", "prompt_too_long")] == 1
-        assert not answers, "nothing finished before the second signal"
-
-        server.signal(signal.SIGTERM)
-        for thread in threads:
-            thread.join(60)
-        assert len(answers) == 3
-        for answer in answers:
-            assert answer.status_code == 503 and answer.headers["content-type"] == "application/json"
-            assert answer.json()["error"]["code"] == "service_unavailable"
-        assert server.proc.wait(60) == 130
-        log = server.log()
-        assert "Traceback" not in log and "Exception in ASGI" not in log
-    finally:
-        server.stop()
 
 
 # -- the CLI against real checkpoints --------------------------------------------------------------------
@@ -271,3 +231,39 @@ def test_make_bench_leaves_no_temporary_folder(tmp_path: Path):
     assert "native / diffusers" in out.stdout
     # torch keeps its own per-user compile cache (torchinductor_<user>) in TMPDIR by design; nothing else stays.
     assert [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")] == []
+
+
+# -- last in the module: it shuts the module's server down ----------------------------------------------
+
+
+def test_second_signal_answers_in_flight_with_503_and_exits_130(server: ServerProcess):
+    base = server.base_url
+    body = {"prompt": "never finishes", "size": "32x32", "num_inference_steps": 50000}
+    before = _errors(server)
+    answers: list[httpx.Response] = []
+    threads = [_post_in_thread(base, body, answers)]
+    _wait_metric(base, "diffuserve_running_batch_size", 1)
+    threads += [_post_in_thread(base, body, answers) for _ in range(2)]
+    _wait_metric(base, "diffuserve_queue_depth", 2)
+    full = httpx.post(f"{base}/v1/images/generations", json=body, headers=AUTH, timeout=30)
+    assert full.status_code == 429  # --max-queue-size 2
+
+    server.signal(signal.SIGTERM)
+    wait_for_log(server, "draining")
+    late = httpx.post(f"{base}/v1/images/generations", json=body, headers=AUTH, timeout=30)
+    assert late.status_code == 503
+    after = _errors(server)
+    for key in (("429", "queue_full"), ("503", "service_unavailable")):
+        assert after.get(key, 0) - before.get(key, 0) == 1, key
+    assert not answers, "nothing finished before the second signal"
+
+    server.signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(60)
+    assert len(answers) == 3
+    for answer in answers:
+        assert answer.status_code == 503 and answer.headers["content-type"] == "application/json"
+        assert answer.json()["error"]["code"] == "service_unavailable"
+    assert server.proc.wait(60) == 130
+    log = server.log()
+    assert "Traceback" not in log and "Exception in ASGI" not in log

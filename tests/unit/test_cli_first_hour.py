@@ -193,3 +193,34 @@ def test_component_residency_error_lists_components_once_and_what_groups_cover()
     assert components == "transformer, text_encoder, text_encoder_2, vae"
     assert ("Groups: dit (transformer); text_encoder (text_encoder, text_encoder_2); image_encoder (none in this "
             "model); vae (vae); other (none in this model); all (every component).") in message
+
+
+def test_reject_truncated_prompts_is_a_400_naming_the_field():
+    """The server-side check (server/common.py) with the FLUX limits and the real tiny tokenizers."""
+    from types import SimpleNamespace
+
+    from diffuserve.errors import InvalidRequestError
+    from diffuserve.models.tiny import build_tokenizers
+    from diffuserve.pipelines.prompt_limits import TextEncoderLimit
+    from diffuserve.server.common import prompt_warnings
+
+    clip, t5 = build_tokenizers(t5_max_length=64)
+    limits = [TextEncoderLimit("text_encoder (CLIP)", clip, 77), TextEncoderLimit("text_encoder_2 (T5)", t5, 64)]
+    pipeline = SimpleNamespace(prompt_token_limits=lambda: limits)
+
+    def ctx(reject: bool) -> SimpleNamespace:
+        return SimpleNamespace(engine=SimpleNamespace(pipeline=pipeline),
+                               args=SimpleNamespace(reject_truncated_prompts=reject))
+
+    long = " ".join(["fox"] * 70)
+    counts = [len(clip(long)["input_ids"]), len(t5(long)["input_ids"])]
+    assert prompt_warnings(ctx(False), {"prompt": "a fox", "negative_prompt": long}) == [
+        f"negative_prompt is {counts[0]} tokens for text_encoder (CLIP), which takes 77; "
+        f"the last {counts[0] - 77} tokens are cut off",
+        f"negative_prompt is {counts[1]} tokens for text_encoder_2 (T5), which takes 64; "
+        f"the last {counts[1] - 64} tokens are cut off"]
+    with pytest.raises(InvalidRequestError) as refused:
+        prompt_warnings(ctx(True), {"prompt": long, "negative_prompt": None})
+    assert refused.value.param == "prompt" and refused.value.http_status == 400
+    assert "--reject-truncated-prompts" in refused.value.message
+    assert prompt_warnings(ctx(True), {"prompt": "a fox", "negative_prompt": None}) == []
