@@ -33,11 +33,9 @@ def tiny_flux_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_sd3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Stable Diffusion 3 checkpoint: a family with no native adapter (diffusers backend)."""
-    from diffuserve.models.tiny import build_tiny_checkpoint
-
-    return build_tiny_checkpoint("sd3", tmp_path_factory.mktemp("ckpt") / "sd3-tiny", preset="tiny")
+def tiny_sd3_path(tiny_checkpoint) -> Path:
+    """The tiny SD3 / 3.5 checkpoint (models/tiny_sd3.py): native, and the diffusers-backend test model."""
+    return tiny_checkpoint("sd3")
 
 
 @pytest.fixture(scope="session")
@@ -46,6 +44,25 @@ def tiny_wan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from diffuserve.models.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint("wan", tmp_path_factory.mktemp("ckpt") / "wan-tiny", preset="tiny")
+
+
+STREAMING_API_KEY = "stream-test-key"
+
+
+@pytest.fixture(scope="session")
+def streaming_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A tiny-FLUX server with dynamic batching and an API key, shared by the streaming, request-field
+    and playground (browser) tests."""
+    from tests.serverproc import ServerProcess
+
+    logs = tmp_path_factory.mktemp("streaming")
+    server = ServerProcess(["--model-path", str(tiny_flux_path), "--served-model-name", "tiny-flux-stream",
+                            "--batching-mode", "dynamic", "--batching-max-size", "4", "--batching-delay-ms", "300",
+                            "--enable-batching-metrics", "--max-inference-steps", "400", "--api-key", STREAMING_API_KEY],
+                           logs / "server.log")
+    server.start(timeout_s=180)
+    yield server
+    server.stop()
 
 
 # Test servers and the test process share 2 cores; one intra-op thread each avoids OpenMP spin

@@ -49,7 +49,10 @@ class ServerProcess:
 
     def start(self, *, timeout_s: float = 120, observe: bool = False, headers: dict | None = None) -> ServerProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        cmd = [sys.executable, "-m", "diffuserve.cli", "serve", "--port", str(self.port), *self.args]
+        # Each test server keeps its results store beside its log unless the test names one (so jobs
+        # of other servers and earlier sessions never show up in its listings).
+        outputs = [] if "--output-dir" in self.args else ["--output-dir", str(self.log_path.parent / "outputs")]
+        cmd = [sys.executable, "-m", "diffuserve.cli", "serve", "--port", str(self.port), *self.args, *outputs]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd)
         started = time.monotonic()

@@ -34,7 +34,7 @@ _SERVER_ONLY = frozenset({
     "max_image_side", "url_store_max_images", "max_queue_size", "request_timeout_s", "max_request_bytes",
     "max_prompt_chars", "max_upload_bytes", "api_key", "allow_remote_urls", "batching_delay_ms", "batching_config",
     "enable_batching_metrics", "batching_mode", "max_video_jobs", "max_video_frames",
-    "reject_truncated_prompts",
+    "reject_truncated_prompts", "output_dir", "result_ttl_s", "max_output_bytes", "result_sweep_interval_s",
 })
 """ServerArgs fields that mean nothing to a one-shot `generate`."""
 

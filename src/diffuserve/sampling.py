@@ -91,6 +91,8 @@ class ModelDescription:
     """Width and height must be multiples of this."""
     max_image_inputs: int = 0
     """Input images one request may carry (0: none)."""
+    min_image_inputs: int = 0
+    """Input images every request must carry (edit-only models: 1)."""
     frame_multiple: int = 1
     """Video: num_frames - 1 must divide by this (the VAE's temporal compression)."""
     supports_batching: bool = True

@@ -9,6 +9,7 @@ Use from a family test module:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -76,3 +77,22 @@ def assert_residency_modes_match(pipeline: Any, run: Callable[[], Any], *, toler
         moved = {m.component for m in ledger.moves()}
         assert moved == set(pipeline.components), (mode, moved)  # every component really moved
     return diffs
+
+
+def row_generators(seed: int, n: int) -> list:
+    """A diffusers reference call's generators: one CPU generator per output row, row j seeded seed + j."""
+    import torch
+
+    return [torch.Generator().manual_seed(seed + j) for j in range(n)]
+
+
+def assert_rebuild_identical(build: str, built: Path, work: Path, *, max_bytes: int = 10 * 2**20) -> None:
+    """A second `make-tiny` build of `build` writes the same files with the same bytes, in under `max_bytes`."""
+    from diffuserve.models.tiny import build_tiny_checkpoint
+
+    again = build_tiny_checkpoint(build, work / build)
+    files = sorted(p.relative_to(built) for p in built.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
+    different = [str(f) for f in files if (built / f).read_bytes() != (again / f).read_bytes()]
+    assert not different, different
+    assert sum((built / f).stat().st_size for f in files) < max_bytes

@@ -21,7 +21,17 @@ SMALL = {"width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 3}
 
 @pytest.fixture(scope="module")
 def pipelines(tiny_checkpoint):
-    return {name: load_pipeline(tiny_checkpoint(name)) for name in ("wan", "wan2.2", "wan2.2-ti2v")}
+    return {name: load_pipeline(tiny_checkpoint(name)) for name in ("wan", "wan2.2", "wan2.2-ti2v", "wan-i2v")}
+
+
+def _png(seed: int = 0) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray((np.random.RandomState(seed).rand(32, 32, 3) * 255).astype("uint8")).save(buffer, "PNG")
+    return buffer.getvalue()
 
 
 def _params(pipe, prompt: str, seed: int, **extra):
@@ -96,3 +106,73 @@ def test_sizes_and_frames_the_checkpoint_cannot_run_are_refused(pipelines):
         with pytest.raises(InvalidRequestError) as err:
             _params(pipe, "x", 0, **fields)
         assert err.value.param == param
+
+
+def test_native_wan_i2v_matches_diffusers_with_n_outputs(pipelines, tiny_checkpoint):
+    import io
+
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    pipe = pipelines["wan-i2v"]
+    image = _png(1)
+    ours = pipe.run([_params(pipe, "a cat", 2, guidance_scale=4.0, negative_prompt="blurry", n=2,
+                             image_inputs=(image,))]).outputs[0].videos
+    reference = WanImageToVideoPipeline.from_pretrained(tiny_checkpoint("wan-i2v"), local_files_only=True)
+    reference.set_progress_bar_config(disable=True)
+    theirs = reference(image=Image.open(io.BytesIO(image)).convert("RGB"), prompt="a cat", negative_prompt="blurry",
+                       guidance_scale=4.0, height=32, width=32, num_frames=5, num_inference_steps=3,
+                       num_videos_per_prompt=2, output_type="np",
+                       generator=[torch.Generator().manual_seed(2 + j) for j in range(2)]).frames
+    theirs = [[(np.clip(f, 0, 1) * 255).round().astype("uint8") for f in clip] for clip in theirs]
+    assert max_pixel_diff(ours, theirs) == 0
+
+
+def test_wan_i2v_residency_modes_and_image_rules(pipelines):
+    from diffuserve.errors import InvalidRequestError
+
+    pipe = pipelines["wan-i2v"]
+    params = _params(pipe, "a kite", 5, guidance_scale=3.0, image_inputs=(_png(2),))
+    assert "image_encoder" in pipe.components
+    assert_residency_modes_match(pipe, lambda: pipe.run([params]).outputs[0].videos)
+    with pytest.raises(InvalidRequestError) as err:
+        _params(pipe, "no image", 0)
+    assert err.value.param == "input_reference"
+    with pytest.raises(InvalidRequestError) as err:  # a text-to-video model takes no image
+        _params(pipelines["wan"], "x", 0, image_inputs=(_png(),))
+    assert err.value.param == "input_reference"
+
+
+def test_video_vae_resident_layers_move_once_per_request_not_once_per_chunk(pipelines):
+    """The Wan VAE decodes one latent frame (chunk) at a time, so streamed decoder blocks move once per chunk;
+    a `forward` resident set moves once per request, a `permanent` one never (placed at set-up). Outputs
+    equal the resident run."""
+    from diffuserve.config.plan import ComponentPlan, DeploymentPlan, Lifetime
+    from diffuserve.pipelines.base import AllResident
+    from diffuserve.runtime.residency import build_residency
+
+    pipe = pipelines["wan"]
+    params = _params(pipe, "a red kite", 4, guidance_scale=1.0, num_frames=9)  # 3 latent frames = 3 decoder chunks
+    run = lambda: pipe.run([params]).outputs[0].videos  # noqa: E731
+    reference = run()
+    decoder_blocks = len(pipe.vae.decoder.up_blocks)
+    per_request: dict[str, int] = {}
+    for label, resident, lifetime in (("streamed", 0, Lifetime.FORWARD), ("forward", decoder_blocks, Lifetime.FORWARD),
+                                      ("permanent", decoder_blocks, Lifetime.PERMANENT)):
+        plan = DeploymentPlan(components={"vae": ComponentPlan(name="vae", group="vae", mode=ResidencyMode.LAYERWISE_OFFLOAD,
+                                                               resident_layers=resident, lifetime=lifetime)})
+        ledger = TransferLedger()
+        pipe.residency = build_residency(plan, pipe.components, device="cpu", ledger=ledger)
+        try:
+            ledger.begin_window()
+            assert max_pixel_diff(run(), reference) == 0, label
+            summary = ledger.window_summary()
+        finally:
+            pipe.residency.close()
+            pipe.residency = AllResident()
+        per_request[label] = sum(m.nbytes for m in summary.moves if m.direction == "h2d"
+                                 and (m.layer or "").startswith("decoder.up_blocks"))
+    decoder_bytes = sum(p.numel() * p.element_size() for p in pipe.vae.decoder.up_blocks.parameters())
+    assert per_request["streamed"] >= 3 * decoder_bytes  # every chunk re-streams the decoder blocks
+    assert per_request["forward"] == decoder_bytes  # placed once when the VAE's stage begins
+    assert per_request["permanent"] == 0  # placed at set-up, never moved per request

@@ -100,3 +100,16 @@ def test_an_internal_error_around_a_batch_does_not_kill_the_loop(pipeline):
         engine.stop()
     assert isinstance(first, GenerationError) and "stats bug" in first.message
     assert len(second.output.images) == 1
+
+
+def test_fault_hook_is_transparent_for_every_family(tiny_checkpoint):
+    """A wrapped Wan model is still a video model with its own defaults and limits (only `run` is hooked)."""
+    inner = load_pipeline(tiny_checkpoint("wan"))
+    wrapped = FaultInjectingPipeline(inner, MARKER)
+    assert wrapped.output_kind == "video" and wrapped.family == inner.family == "wan"
+    assert wrapped.defaults == inner.defaults and wrapped.describe_model().output_kind == "video"
+    assert (wrapped.size_multiple, wrapped.frame_multiple, wrapped.max_width) == (
+        inner.size_multiple, inner.frame_multiple, inner.max_width)
+    params = SamplingParams(prompt=f"a {MARKER}", width=32, height=32, num_frames=5, num_inference_steps=1, seed=0)
+    with pytest.raises(Exception, match="injected fault"):
+        wrapped.run([params])

@@ -216,11 +216,11 @@ def test_diffusers_backend_counts_sizes_and_seeds(tiny_flux_path: Path, native) 
     assert steps == [0, 1]
 
 
-def test_family_without_native_adapter_runs_on_diffusers_backend(tiny_sd3_path: Path) -> None:
+def test_sd3_runs_on_diffusers_backend(tiny_sd3_path: Path) -> None:
     from diffuserve.models.loader import load_pipeline
     from diffuserve.pipelines.diffusers_backend import DiffusersBackendPipeline
 
-    pipe = load_pipeline(tiny_sd3_path)  # backend auto
+    pipe = load_pipeline(tiny_sd3_path, backend="diffusers")  # SD3 is native by default
     assert isinstance(pipe, DiffusersBackendPipeline) and pipe.family == "sd3"
     # vae factor 8 x patch 2; defaults from the pipeline itself (its __call__ and sample size)
     assert pipe.size_multiple == 16

@@ -4,6 +4,7 @@ folder, against the embedded model and real servers, so the README cannot drift 
 Rules (the README's Tests section states them too):
 - A block whose first line is `# needs a real checkpoint` is skipped; nothing else is.
 - A ```` ```yaml file=NAME ```` block is written to NAME (a config file the next block uses).
+- The `python` blocks run in order in one interpreter (a later block may use an earlier one's names).
 - `make ...` lines run as `make -n` (the targets exist and the Makefile parses; `make test` inside the
   test suite would recurse).
 - A `diffuserve serve ...` line is checked up to the point where the model would load: its flags and
@@ -14,6 +15,7 @@ Rules (the README's Tests section states them too):
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -41,6 +43,17 @@ class Block:
     @property
     def where(self) -> str:
         return f"README.md:{self.line}"
+
+
+BLOCK_DONE = "@@readme-block-done@@"
+PYTHON_SESSION = f"""
+import json, sys
+session = {{"__name__": "__main__"}}
+for code in json.load(sys.stdin):
+    exec(compile(code, "<README block>", "exec"), session)
+    print({BLOCK_DONE!r}, flush=True)
+"""
+"""Runs the README's python blocks, read as JSON from stdin, one after another in one namespace."""
 
 
 def readme_blocks() -> list[Block]:
@@ -107,6 +120,7 @@ def test_readme_runs_as_written(singleton_server: ServerProcess, tmp_path: Path,
     env = {**os.environ, "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}", "DIFFUSERVE_CACHE": str(cache)}
     started: list[ServerProcess] = []
     ran: list[str] = []
+    python_blocks: list[tuple[Block, str]] = []
 
     def run_script(block: Block, script: str, port: int) -> None:
         script = script.replace(README_PORT, f"127.0.0.1:{port}")
@@ -127,11 +141,7 @@ def test_readme_runs_as_written(singleton_server: ServerProcess, tmp_path: Path,
                 (work / file_name.group(1)).write_text(block.code)
                 continue
             if block.lang == "python":
-                code = block.code.replace(README_PORT, f"127.0.0.1:{singleton_server.port}")
-                out = subprocess.run([sys.executable, "-c", code], cwd=work, env=env, capture_output=True, text=True,
-                                     timeout=600)
-                assert out.returncode == 0, f"{block.where} failed:\n{out.stderr[-3000:]}"
-                ran.append(block.where)
+                python_blocks.append((block, block.code.replace(README_PORT, f"127.0.0.1:{singleton_server.port}")))
                 continue
             if block.lang != "bash":
                 continue
@@ -156,6 +166,14 @@ def test_readme_runs_as_written(singleton_server: ServerProcess, tmp_path: Path,
                     server.start(timeout_s=300)
                     port = server.port
             run_script(block, "\n".join(segment), port)
+        # The python blocks read like one session (a later block uses the `client` of an earlier one):
+        # they run in order in one interpreter, after the shell blocks, against the shared server.
+        out = subprocess.run([sys.executable, "-c", PYTHON_SESSION], cwd=work, env=env, capture_output=True,
+                             text=True, timeout=600, input=json.dumps([code for _, code in python_blocks]))
+        done = out.stdout.count(BLOCK_DONE)
+        assert out.returncode == 0, (f"{python_blocks[min(done, len(python_blocks) - 1)][0].where} failed:\n"
+                                     f"{out.stderr[-3000:]}")
+        ran += [block.where for block, _ in python_blocks]
     finally:
         for server in started:
             server.stop()

@@ -577,7 +577,7 @@ def test_diffusers_backend_with_offload_matches_resident(tiny_sd3_path, mode: Re
     from diffuserve.models.loader import load_pipeline
     from diffuserve.sampling import SamplingParams
 
-    pipe = load_pipeline(tiny_sd3_path)
+    pipe = load_pipeline(tiny_sd3_path, backend="diffusers")  # SD3 has a native adapter too
     params = [SamplingParams(prompt="a tree", seed=3, num_inference_steps=2)]
     reference = np.asarray(pipe.run(params).outputs[0].images[0])
     dp = DeploymentPlan(components={n: ComponentPlan(name=n, group="other", mode=mode) for n in pipe.components})

@@ -11,6 +11,11 @@ from diffuserve.errors import InvalidRequestError, ModelNotFoundError
 from diffuserve.families.base import SamplingDefaults
 from diffuserve.sampling import ModelDescription
 from diffuserve.server.video_jobs import VideoJob, VideoJobStore
+from diffuserve.storage import ResultStore
+
+
+def _store(tmp_path, max_jobs: int) -> VideoJobStore:
+    return VideoJobStore(ResultStore(tmp_path / "results"), max_jobs)
 
 
 def _job(i: int) -> VideoJob:
@@ -18,8 +23,8 @@ def _job(i: int) -> VideoJob:
                     num_inference_steps=4, seed=i, created_at=1000 + i)
 
 
-def test_lifecycle_queued_progress_completed_is_final():
-    store = VideoJobStore(4)
+def test_lifecycle_queued_progress_completed_is_final(tmp_path):
+    store = _store(tmp_path, 4)
     job = _job(1)
     store.add(job)
     assert job.to_dict()["status"] == "queued" and job.progress == 0 and job.seconds == "0.625"
@@ -29,28 +34,28 @@ def test_lifecycle_queued_progress_completed_is_final():
     store.set_progress("video_1", 4, 4)
     assert job.progress == 99, "100 is kept for completed: decode and encode still follow"
     assert store.complete("video_1", b"mp4", {"batch_size": 1})
-    assert job.status == "completed" and job.progress == 100 and job.content == b"mp4" and job.completed_at
+    assert job.status == "completed" and job.progress == 100 and store.content(job) == b"mp4" and job.completed_at
     # Nothing changes a finished job.
     assert not store.cancel("video_1") and not store.fail("video_1", {"message": "x"})
     assert not store.set_progress("video_1", 1, 4)
     assert job.status == "completed" and job.to_dict()["timings"] == {"batch_size": 1}
 
 
-def test_cancelled_job_drops_a_late_result_and_failed_keeps_its_error():
-    store = VideoJobStore(4)
+def test_cancelled_job_drops_a_late_result_and_failed_keeps_its_error(tmp_path):
+    store = _store(tmp_path, 4)
     store.add(_job(1))
     store.add(_job(2))
     assert store.cancel("video_1", {"message": "cancelled", "type": "server_error", "param": None, "code": "cancelled"})
     assert not store.complete("video_1", b"late", {})
-    assert store.get("video_1").status == "cancelled" and store.get("video_1").content is None
+    assert store.get("video_1").status == "cancelled" and store.content(store.get("video_1")) is None
     error = {"message": "boom", "type": "server_error", "param": None, "code": "generation_failed"}
     assert store.fail("video_2", error)
     assert store.get("video_2").to_dict()["error"] == error
     assert not store.set_progress("nope", 1, 2) and store.get("nope") is None
 
 
-def test_bound_drops_oldest_finished_never_live_jobs():
-    store = VideoJobStore(3)
+def test_bound_drops_oldest_finished_never_live_jobs(tmp_path):
+    store = _store(tmp_path, 3)
     for i in range(3):
         store.add(_job(i))
     store.complete("video_1", b"x", {})
@@ -65,8 +70,8 @@ def test_bound_drops_oldest_finished_never_live_jobs():
         store.add(_job(5))
 
 
-def test_list_newest_first_with_cursor_and_remove():
-    store = VideoJobStore(10)
+def test_list_newest_first_with_cursor_and_remove(tmp_path):
+    store = _store(tmp_path, 10)
     for i in range(5):
         store.add(_job(i))
     page, more = store.list(limit=2)
@@ -80,7 +85,7 @@ def test_list_newest_first_with_cursor_and_remove():
     assert store.remove("video_2").id == "video_2" and store.remove("video_2") is None
     assert [j.id for j in store.list(limit=10)[0]] == ["video_4", "video_3", "video_1", "video_0"]
     with pytest.raises(ValueError):
-        VideoJobStore(0)
+        VideoJobStore(ResultStore(tmp_path / "results"), 0)
 
 
 def _ctx(output_kind: str) -> SimpleNamespace:

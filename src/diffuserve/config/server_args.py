@@ -71,6 +71,14 @@ class ServerArgs:
     """Capacity of the in-memory store behind /v1/images/{id}/content."""
     max_video_jobs: int = _f(128, "Video jobs kept for GET /v1/videos (with their MP4); past it the oldest finished jobs are dropped.", _SERVER)
     """Capacity of the video job store (queued and running jobs are never dropped)."""
+    output_dir: str | None = _f(None, "Folder of the results store (SQLite metadata + media files of video jobs and url images); survives restarts and may be shared by several processes on one host. Default: $DIFFUSERVE_CACHE/outputs.", _SERVER)
+    """Results store root; None = `<cache>/outputs`."""
+    result_ttl_s: float = _f(86400.0, "Seconds a finished video job or url image is kept (its expires_at); 0 = until removed.", _SERVER)
+    """Retention by age, enforced by the background sweep."""
+    max_output_bytes: int = _f(0, "Media bytes the results store may hold; past it the oldest finished results are removed first. 0 = no cap.", _SERVER)
+    """Retention by size, enforced by the background sweep."""
+    result_sweep_interval_s: float = _f(2.0, "Seconds between sweeps of the results store: expiry, size cap, jobs of dead processes, progress and cancels shared with other processes.", _SERVER)
+    """Period of the results store's background sweep."""
     max_video_frames: int = _f(257, "Largest num_frames a video job may ask for.", _SERVER)
     """Cap on per-job frames (each frame costs memory in the VAE decode and the MP4)."""
 
@@ -125,6 +133,14 @@ class ServerArgs:
                 seen.append(name)
         return seen
 
+    def resolved_output_dir(self) -> Path:
+        """--output-dir, or `outputs` under the cache folder ($DIFFUSERVE_CACHE, else ~/.cache/diffuserve)."""
+        if self.output_dir:
+            return Path(self.output_dir).expanduser()
+        from diffuserve.models.tiny import default_cache_dir  # light: no torch at import
+
+        return default_cache_dir() / "outputs"
+
     def resolved_api_key(self) -> str | None:
         return self.api_key or os.environ.get("DIFFUSERVE_API_KEY") or None
 
@@ -144,6 +160,9 @@ class ServerArgs:
             (self.warmup_steps < 1, "--warmup-steps", f"{self.warmup_steps} must be >= 1"),
             (self.max_prompt_chars < 1, "--max-prompt-chars", f"{self.max_prompt_chars} must be >= 1"),
             (self.max_video_jobs < 1, "--max-video-jobs", f"{self.max_video_jobs} must be >= 1"),
+            (self.result_ttl_s < 0, "--result-ttl-s", f"{self.result_ttl_s} must be >= 0 (0 = keep until removed)"),
+            (self.max_output_bytes < 0, "--max-output-bytes", f"{self.max_output_bytes} must be >= 0 (0 = no cap)"),
+            (self.result_sweep_interval_s <= 0, "--result-sweep-interval-s", f"{self.result_sweep_interval_s} must be > 0"),
             (self.max_video_frames < 1, "--max-video-frames", f"{self.max_video_frames} must be >= 1"),
         ]
         for failed, flag, message in checks:

@@ -21,7 +21,7 @@ from typing import Any
 from diffuserve.engine.metrics import BatchingStats, EngineMetrics
 from diffuserve.engine.request import Request, RequestStatus
 from diffuserve.engine.scheduler import Dispatch, DynamicBatcher, WaitUntil
-from diffuserve.engine.worker import run_batch
+from diffuserve.engine.worker import PreviewSink, run_batch
 from diffuserve.errors import (
     DiffuserveError,
     GenerationError,
@@ -37,6 +37,19 @@ logger = logging.getLogger("diffuserve.engine")
 
 _MAX_IDLE_WAIT_S = 0.5
 """Upper bound on a worker sleep, so queued deadlines are checked even when nothing else happens."""
+
+
+def _warmup_images(model: ModelDescription, width: int, height: int) -> tuple[bytes, ...]:
+    """The input images a warm-up request of an edit-only model carries: plain gray PNGs at its size."""
+    if not model.min_image_inputs:
+        return ()
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (128, 128, 128)).save(buffer, "PNG")
+    return (buffer.getvalue(),) * model.min_image_inputs
 
 
 class EngineState(str, enum.Enum):
@@ -98,6 +111,8 @@ class _Pending:
     """Denoising steps of the batch it runs in; None while queued."""
     steps_done: int = 0
     """Denoising steps finished so far (updated at every step boundary)."""
+    preview: PreviewSink | None = None
+    """Where the request's partial images go (streaming requests); None = no previews."""
 
 
 class AsyncEngine:
@@ -198,10 +213,11 @@ class AsyncEngine:
         priority: int = 0,
         ineligible_reason: str | None = None,
         request_id: str | None = None,
+        preview: PreviewSink | None = None,
     ) -> GenerationResult:
         """Submit and await one request. Cancelling the awaiting task aborts the request."""
         pending = self._admit(params, asyncio.get_running_loop(), endpoint, timeout_s, priority,
-                              ineligible_reason, request_id)
+                              ineligible_reason, request_id, preview)
         try:
             return await asyncio.shield(pending.future)
         except asyncio.CancelledError:
@@ -217,15 +233,17 @@ class AsyncEngine:
         priority: int = 0,
         ineligible_reason: str | None = None,
         request_id: str | None = None,
+        preview: PreviewSink | None = None,
     ) -> asyncio.Future[GenerationResult]:
         """Admit one request now (raising 429/503 errors at once) and return the future of its answer.
 
         For callers that outlive the HTTP request (video jobs); `generate` is submit + await.
         """
         return self._admit(params, asyncio.get_running_loop(), endpoint, timeout_s, priority,
-                           ineligible_reason, request_id).future
+                           ineligible_reason, request_id, preview).future
 
-    def _admit(self, params, loop, endpoint, timeout_s, priority, ineligible_reason, request_id) -> _Pending:
+    def _admit(self, params, loop, endpoint, timeout_s, priority, ineligible_reason, request_id,
+               preview=None) -> _Pending:
         with self._cond:
             if self.state != EngineState.READY and ineligible_reason != "warmup":
                 raise self.not_ready_error()
@@ -252,7 +270,7 @@ class AsyncEngine:
             future: asyncio.Future[GenerationResult] = loop.create_future()
             # An aborted request's error is delivered to a future nobody awaits any more; mark it seen.
             future.add_done_callback(lambda f: f.cancelled() or f.exception())
-            pending = _Pending(request=request, future=future, loop=loop, endpoint=endpoint)
+            pending = _Pending(request=request, future=future, loop=loop, endpoint=endpoint, preview=preview)
             self._pending[request.request_id] = pending
             self.scheduler.add(request)
             self.metrics.set_queue_depth(self.scheduler.num_queued)
@@ -373,7 +391,8 @@ class AsyncEngine:
         sizes += [s for s in self.config.warmup_resolutions if s not in sizes]
         for width, height in sizes:
             params = build_sampling_params(model, prompt="warm-up", width=width, height=height,
-                                           num_inference_steps=self.config.warmup_steps, seed=0)
+                                           num_inference_steps=self.config.warmup_steps, seed=0,
+                                           image_inputs=_warmup_images(model, width, height))
             started = time.monotonic()
             request = Request(request_id="warmup", params=params, arrival_time=self.clock(), ineligible_reason="warmup")
             outcome = run_batch(self.pipeline, [request], clock=self.clock)
@@ -427,12 +446,15 @@ class AsyncEngine:
         for request in requests:
             self.metrics.observe_queue_wait(started - request.arrival_time)
         self.metrics.set_running(len(requests))
+        previews: dict[str, PreviewSink] = {}
         with self._cond:
             for request in requests:
                 pending = self._pending.get(request.request_id)
                 if pending is not None:
                     pending.dispatched_at = started
                     pending.num_steps = request.params.num_inference_steps
+                    if pending.preview is not None:
+                        previews[request.request_id] = pending.preview
 
         def on_step(step: int, num_steps: int) -> None:
             # Step boundary: requests past their deadline are answered 504 now; the batch goes on
@@ -451,7 +473,8 @@ class AsyncEngine:
         # The row cap is a hard cap on every pipeline call in dynamic mode (operators size it to the
         # device): an oversized request the scheduler dispatched alone runs as several calls.
         max_rows = batch.effective_cap if self.scheduler.config.dynamic else None
-        outcome = run_batch(self.pipeline, requests, on_step=on_step, clock=self.clock, max_rows=max_rows)
+        outcome = run_batch(self.pipeline, requests, on_step=on_step, previews=previews, clock=self.clock,
+                            max_rows=max_rows)
         self._recent_batch_s = outcome.inference_seconds
         for stage, seconds in outcome.stage_seconds.items():
             self.metrics.observe_stage(stage, seconds)

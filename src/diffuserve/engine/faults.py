@@ -21,8 +21,13 @@ class InjectedFault(RuntimeError):
     """The failure raised by a faulty pipeline stage (test-only)."""
 
 
-class FaultInjectingPipeline(Pipeline):
-    """Wraps a pipeline; raises InjectedFault for batches that contain the marker."""
+class FaultInjectingPipeline:
+    """Wraps a pipeline; raises InjectedFault for batches that contain the marker.
+
+    A transparent proxy, not a `Pipeline` subclass: every attribute (output kind, defaults, size limits, the
+    model description) is the wrapped family's own, so a wrapped Wan model is still a video model with its
+    defaults; only `run` is intercepted.
+    """
 
     def __init__(self, inner: Pipeline, marker: str):
         self.__dict__["_inner"] = inner
@@ -34,19 +39,13 @@ class FaultInjectingPipeline(Pipeline):
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._inner, name, value)
 
-    def validate(self, params: Any) -> None:
-        self._inner.validate(params)
-
-    def describe(self) -> dict[str, Any]:
-        return self._inner.describe()
-
-    def run(self, batch, *, on_step=None, should_stop=None) -> BatchResult:  # type: ignore[override]
+    def run(self, batch: list[Any], **callbacks: Any) -> BatchResult:
         if any(self._marker in p.prompt for p in batch):
             raise InjectedFault(f"injected fault: a prompt in this batch contains {self._marker!r}")
-        return self._inner.run(batch, on_step=on_step, should_stop=should_stop)
+        return self._inner.run(batch, **callbacks)
 
 
-def maybe_inject_faults(pipeline: Pipeline) -> Pipeline:
+def maybe_inject_faults(pipeline: Pipeline) -> Pipeline | FaultInjectingPipeline:
     spec = os.environ.get(ENV_VAR, "")
     if spec.startswith("prompt:") and len(spec) > len("prompt:"):
         return FaultInjectingPipeline(pipeline, spec[len("prompt:") :])

@@ -16,6 +16,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from diffuserve.engine.request import Request
 from diffuserve.errors import DiffuserveError, GenerationError, RequestCancelledError
@@ -23,6 +24,26 @@ from diffuserve.pipelines.base import BatchResult, Pipeline, RequestOutput
 from diffuserve.sampling import SamplingParams
 
 logger = logging.getLogger("diffuserve.worker")
+
+
+def preview_steps(num_steps: int, partial_images: int) -> list[int]:
+    """Step indices after which a request that asked for `partial_images` previews gets one: evenly
+    spaced, never the last step (the final image follows it), so short schedules may give fewer."""
+    if partial_images <= 0 or num_steps <= 1:
+        return []
+    steps = {round((j + 1) * num_steps / (partial_images + 1)) - 1 for j in range(partial_images)}
+    return sorted(s for s in steps if 0 <= s < num_steps - 1)
+
+
+@dataclass
+class PreviewSink:
+    """Where one request's partial images go while its batch denoises (streaming requests)."""
+
+    partial_images: int
+    """How many previews the request asked for (0-3)."""
+    deliver: Callable[[int, list[Any]], None]
+    """deliver(partial_image_index, images): one PIL image per output row of the request. Called from the
+    worker thread, so it must only hand the images over (e.g. `loop.call_soon_threadsafe`)."""
 
 
 @dataclass
@@ -94,12 +115,17 @@ def run_batch(
     requests: Sequence[Request],
     *,
     on_step: Callable[[int, int], None] | None = None,
+    previews: dict[str, PreviewSink] | None = None,
     clock: Callable[[], float] = time.monotonic,
     max_rows: int | None = None,
 ) -> BatchOutcome:
     """Run `requests` as one pipeline call (several when their rows exceed `max_rows`).
 
     Never raises: every request gets an output or an error. `on_step` counts steps over all calls.
+    `previews` (request id -> sink) asks for partial images: after each denoising step that some
+    still-waiting request wants a preview of, the pipeline's previews are made once for the whole batch
+    and each such request gets its own rows. A batch split into several calls makes no previews (a
+    call holds only part of a request's rows, and a preview shows all of them).
     """
     outcome = BatchOutcome()
     live = [r for r in requests if not r.cancel_event.is_set()]
@@ -124,6 +150,22 @@ def run_batch(
         if on_step is not None:
             on_step(overall, total)
 
+    sinks = [(i, previews[r.request_id]) for i, r in enumerate(live) if previews and r.request_id in previews]
+    if len(calls) > 1:
+        sinks = []
+
+    def on_preview(step: int, num_steps: int, make_previews: Callable[[], list[list[Any]]]) -> None:
+        wanted = []
+        for i, sink in sinks:
+            steps = preview_steps(num_steps, sink.partial_images)
+            if step in steps and not live[i].cancel_event.is_set():
+                wanted.append((i, sink, steps.index(step)))
+        if not wanted:
+            return
+        per_request = make_previews()
+        for i, sink, index in wanted:
+            sink.deliver(index, per_request[i])
+
     start = clock()
     try:
         parts: list[list[RequestOutput]] = [[] for _ in live]
@@ -131,7 +173,8 @@ def run_batch(
         for call_index[0], call in enumerate(calls):
             if should_stop():
                 raise RequestCancelledError("every request of the batch was cancelled")
-            result = pipeline.run([p for _, _, p in call], on_step=step_done, should_stop=should_stop)
+            result = pipeline.run([p for _, _, p in call], on_step=step_done, should_stop=should_stop,
+                                  **({"on_preview": on_preview} if sinks else {}))
             chunk = split_outputs([dataclasses.replace(live[i], params=p) for i, _, p in call], result,
                                   pipeline.output_kind)
             for (i, _, _), output in zip(call, chunk.values(), strict=True):

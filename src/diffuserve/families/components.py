@@ -31,6 +31,7 @@ SHARED_LAYER_RULES: LayerRules = {
     "T5EncoderModel": _T5,
     "UMT5EncoderModel": _T5,
     "Qwen2_5_VLForConditionalGeneration": (("language_model.layers", "num_hidden_layers"),),
+    "Qwen3VLForConditionalGeneration": (("language_model.layers", "num_hidden_layers"),),
     "Qwen3Model": _DECODER_LM,
     "Qwen3ForCausalLM": (("model.layers", "num_hidden_layers"),),
     "Gemma2Model": _DECODER_LM,
@@ -41,6 +42,7 @@ SHARED_LAYER_RULES: LayerRules = {
     "AutoencoderKL": (("decoder.up_blocks", num_vae_levels), ("encoder.down_blocks", num_vae_levels)),
     "AutoencoderKLWan": _VAE_BLOCKS,
     "AutoencoderKLQwenImage": _VAE_BLOCKS,
+    "AutoencoderKLQwenImage21": _VAE_BLOCKS,
     "AutoencoderKLFlux2": (("decoder.up_blocks", num_vae_levels), ("encoder.down_blocks", num_vae_levels)),
     "AutoencoderDC": _VAE_BLOCKS,
 }

@@ -1,4 +1,5 @@
-"""Qwen-Image (and 2512) and Qwen-Image 2.1 (Qwen2.5-VL encoder, true CFG)."""
+"""Qwen-Image (and 2512): Qwen2.5-VL text, MM-DiT, norm-rescaled true CFG; Qwen-Image 2.1: Qwen3-VL text,
+single-stream block-causal DiT with a prefix KV cache."""
 
 from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults
 
@@ -8,26 +9,60 @@ QWEN_IMAGE_LAYERS = {"QwenImageTransformer2DModel": (("transformer_blocks", "num
 # Qwen-Image runs true CFG; FSDP was not measured faster there, so auto keeps the non-FSDP path.
 QWEN_PROFILE = ProfileFacts(default_uses_cfg=True, dit_supports_layerwise=True)
 
+QWEN_IMAGE_ROPE_POSITIONS = 4096
+"""Positions in diffusers' `QwenEmbedRope` tables (fixed in the class, not in config.json)."""
+QWEN_IMAGE_TEXT_TOKENS = 512
+"""Text tokens the transformer reads at most (diffusers' `max_sequence_length` default)."""
+QWEN_IMAGE_21_ROPE_POSITIONS = (8192, 1024)
+"""Non-negative and negative positions in diffusers' `QwenImage21Rope` tables (fixed in the class)."""
+
+
+def qwen_image_max_latent_side(cfg: dict) -> int:
+    """Rows/columns of n tokens sit centred (-(n - n//2) .. n//2 - 1) and the text starts max(h, w) // 2
+    positions in, so n // 2 + 512 text tokens must fit the table: n <= 2 * (4096 - 512) tokens."""
+    return 2 * (QWEN_IMAGE_ROPE_POSITIONS - QWEN_IMAGE_TEXT_TOKENS) * int(cfg.get("patch_size") or 2)
+
+
+def qwen_image_21_max_latent_side(cfg: dict) -> int:
+    """2.1 centres an image's rows/columns on its own tables: n - n//2 <= 1024 negative, n//2 <= 8192."""
+    positive, negative = QWEN_IMAGE_21_ROPE_POSITIONS
+    return min(2 * negative, 2 * positive) * int(cfg.get("patch_size") or 1)
+
 SPECS = (
     FamilySpec(
         name="qwen_image",
         pipeline_classes=("QwenImagePipeline",),
         model_id_patterns=(r"qwen[-_]?image",),
         id_priority=0,
-        defaults=SamplingDefaults(num_inference_steps=50, guidance_scale=1.0, true_cfg_scale=4.0,
-                                  negative_prompt=" "),
+        native_adapter="diffuserve.pipelines.qwen_image:QwenImageNativePipeline",
+        # diffusers' call defaults (1024x1024 from default_sample_size 128 x VAE 8, 50 steps, true_cfg_scale 4),
+        # with the negative prompt " " of Qwen's own example: diffusers' None would leave true_cfg_scale without
+        # effect, and Qwen-Image is a CFG workload. A diffusers call with negative_prompt=" " gives the same image.
+        defaults=SamplingDefaults(width=1024, height=1024, num_inference_steps=50, guidance_scale=1.0,
+                                  true_cfg_scale=4.0, negative_prompt=" "),
         profile=QWEN_PROFILE,
         layer_containers=QWEN_IMAGE_LAYERS,
+        # VAE 8x, then 2x2 patches per token.
+        size_multiple=16,
+        max_latent_side=qwen_image_max_latent_side,
+        tiny_builds={"qwen-image": "diffuserve.models.tiny_qwen_image:build_qwen_image"},
     ),
     FamilySpec(
         name="qwen_image_21",
         pipeline_classes=("QwenImage21Pipeline",),
         model_id_patterns=(r"qwen[-_]?image[-_.]?2\.?1",),
         id_priority=5,
-        defaults=SamplingDefaults(num_inference_steps=50, guidance_scale=1.0, true_cfg_scale=4.0,
-                                  negative_prompt=" "),
-        profile=QWEN_PROFILE,
-        layer_containers=QWEN_IMAGE_LAYERS,
+        native_adapter="diffuserve.pipelines.qwen_image:QwenImage21NativePipeline",
+        # diffusers' call defaults: output_resolution 1024, 40 steps, true_cfg_scale 1 (2.1 samples without
+        # guidance); a Turbo checkpoint's `sample_sigmas` fixes the step count instead (the adapter reads it).
+        defaults=SamplingDefaults(width=1024, height=1024, num_inference_steps=40, guidance_scale=1.0,
+                                  true_cfg_scale=1.0, negative_prompt=None),
+        profile=ProfileFacts(default_uses_cfg=False, dit_supports_layerwise=True),
+        layer_containers={"QwenImage21Transformer2DModel": (("transformer_blocks", "num_layers"),)},
+        # VAE 16x, and each encoder image slot stands for 2x2 latent tokens.
+        size_multiple=32,
+        max_latent_side=qwen_image_21_max_latent_side,
+        tiny_builds={"qwen-image-2.1": "diffuserve.models.tiny_qwen_image:build_qwen_image_21"},
         base_family="qwen_image",
     ),
 )

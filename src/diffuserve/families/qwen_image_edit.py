@@ -14,8 +14,10 @@ SPECS = (
                                   negative_prompt=" "),
         profile=QWEN_PROFILE,
         layer_containers=QWEN_IMAGE_LAYERS,
+        native_adapter="diffuserve.pipelines.qwen_image_edit:QwenImageEditNativePipeline",
         max_image_inputs=1,
         supports_batching=False,
+        tiny_builds={"qwen-image-edit": "diffuserve.models.tiny_qwen_image_edit:build_edit"},
         base_family="qwen_image",
     ),
     FamilySpec(
@@ -28,8 +30,11 @@ SPECS = (
                                   negative_prompt=" "),
         profile=QWEN_PROFILE,
         layer_containers=QWEN_IMAGE_LAYERS,
+        native_adapter="diffuserve.pipelines.qwen_image_edit:QwenImageEditPlusNativePipeline",
+        # The 2509/2511 model cards: multi-image editing works best with 1 to 3 input images.
         max_image_inputs=3,
         supports_batching=False,
+        tiny_builds={"qwen-image-edit-plus": "diffuserve.models.tiny_qwen_image_edit:build_edit_plus"},
         base_family="qwen_image",
     ),
 )

@@ -6,8 +6,10 @@ SPEC = FamilySpec(
     name="sana",
     pipeline_classes=("SanaPipeline",),
     model_id_patterns=(r"sana",),
+    native_adapter="diffuserve.pipelines.sana:SanaNativePipeline",
     defaults=SamplingDefaults(num_inference_steps=20, guidance_scale=4.5),
     profile=ProfileFacts(default_uses_cfg=True),
     layer_containers={"SanaTransformer2DModel": (("transformer_blocks", "num_layers"),)},
     size_multiple=32,
+    tiny_builds={"sana": "diffuserve.models.tiny_sana:build"},
 )

@@ -13,9 +13,12 @@ SPEC = FamilySpec(
     name="sd3",
     pipeline_classes=("StableDiffusion3Pipeline",),
     model_id_patterns=(r"stable[-_]?diffusion[-_]?3|sd3",),
+    native_adapter="diffuserve.pipelines.sd3:SD3NativePipeline",
+    # diffusers' call defaults; CFG runs whenever guidance_scale > 1, against "" when no negative is given.
     defaults=SamplingDefaults(num_inference_steps=28, guidance_scale=7.0),
-    profile=ProfileFacts(default_uses_cfg=True),
+    # Layer-wise offload of the DiT (transformer_blocks) is tested to reproduce the resident output.
+    profile=ProfileFacts(default_uses_cfg=True, dit_supports_layerwise=True),
     layer_containers={"SD3Transformer2DModel": (("transformer_blocks", "num_layers"),)},
     max_latent_side=sd3_max_latent_side,
-    tiny_builds={"sd3": "diffuserve.models.tiny:build_sd3"},
+    tiny_builds={"sd3": "diffuserve.models.tiny_sd3:build"},
 )

@@ -54,5 +54,7 @@ SPECS = (
         max_image_inputs=1,
         supports_batching=False,
         base_family="wan",
+        native_adapter="diffuserve.pipelines.wan:WanI2VNativePipeline",
+        tiny_builds={"wan-i2v": "diffuserve.models.tiny_wan:build_wan_i2v"},
     ),
 )

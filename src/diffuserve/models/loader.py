@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diffuserve.errors import CheckpointError, ConfigError
-from diffuserve.models import registry
+from diffuserve.models import processor_substitutes, registry
 
 if TYPE_CHECKING:
     import torch
@@ -91,7 +91,10 @@ def _component_class(model_path: Path, key: str, library: str, class_name: str) 
 
 
 def _class_in(module: Any, model_path: Path, key: str, library: str, class_name: str) -> type:
-    cls = getattr(module, class_name, None)
+    from diffuserve.models import qwen_vl_compat
+
+    # A substitute where the library's class cannot load here (Qwen3VLProcessor without torchvision).
+    cls = qwen_vl_compat.substitute_class(library, class_name) or getattr(module, class_name, None)
     if cls is None:
         raise CheckpointError(
             f"checkpoint {model_path}: component {key!r} names class {library}.{class_name}, which this "
@@ -115,6 +118,8 @@ def check_checkpoint(model_path: Path, spec: registry.ModelSpec) -> dict[str, ty
     import torch
 
     classes: dict[str, type] = {}
+    if any(name in processor_substitutes.SUBSTITUTED for _, name in spec.components.values()):
+        processor_substitutes.install_processor_substitutes()
     for key, (library, class_name) in spec.components.items():
         cls = _component_class(model_path, key, library, class_name)
         classes[key] = cls

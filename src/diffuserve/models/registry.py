@@ -153,7 +153,9 @@ def read_suggested_defaults(model_path: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, kind in _DEFAULT_FIELDS.items():
         value = suggested.get(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        # guidance_scale may be 0 (guidance-distilled models such as Z-Image-Turbo sample without it).
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number and (value > 0 or (name == "guidance_scale" and value == 0)):
             out[name] = kind(value)
         elif value is not None:
             logger.warning("%s: ignoring %s.%s=%r (expected a positive number)", model_path, DEFAULTS_KEY, name, value)

@@ -132,7 +132,7 @@ def build_tokenizers(t5_max_length: int = 512) -> tuple[Any, Any]:
 
 
 def _tiny_clip_config(tokenizer: Any, hidden: int) -> dict[str, Any]:
-    """A 2-layer CLIP text config over `tokenizer`'s vocabulary (FLUX's and SD3's CLIP encoders)."""
+    """A 2-layer CLIP text config over `tokenizer`'s vocabulary (FLUX's CLIP encoder)."""
     return {
         "vocab_size": len(tokenizer),
         "hidden_size": hidden,
@@ -234,78 +234,6 @@ def _build_flux_components(preset: TinyFluxPreset) -> dict[str, Any]:
     }
 
 
-def _build_sd3_components(preset: TinyFluxPreset) -> dict[str, Any]:
-    """A tiny Stable Diffusion 3 layout (no native adapter: it exercises the diffusers backend)."""
-    import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
-
-    clip_tok, t5_tok = build_tokenizers()
-    h = preset.text_hidden
-    encoders = []
-    for i in range(2):
-        torch.manual_seed(preset.seed + 11 + i)
-        encoders.append(
-            CLIPTextModelWithProjection(CLIPTextConfig(**_tiny_clip_config(clip_tok, h))).eval()
-        )
-    torch.manual_seed(preset.seed + 13)
-    # SD3 pads the two CLIP sequences (2h wide together) to the T5 width, so T5 is 2h wide.
-    t5 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(t5_tok),
-            d_model=2 * h,
-            d_kv=8,
-            d_ff=37,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            decoder_start_token_id=0,
-            pad_token_id=t5_tok.pad_token_id,
-            eos_token_id=t5_tok.eos_token_id,
-        )
-    ).eval()
-    torch.manual_seed(preset.seed + 14)
-    transformer = SD3Transformer2DModel(
-        sample_size=preset.sample_size // 8,
-        patch_size=2,
-        in_channels=preset.latent_channels,
-        out_channels=preset.latent_channels,
-        num_layers=1,
-        attention_head_dim=8,
-        num_attention_heads=4,
-        joint_attention_dim=2 * h,
-        caption_projection_dim=32,
-        pooled_projection_dim=2 * h,
-        pos_embed_max_size=32,
-    ).eval()
-    torch.manual_seed(preset.seed + 15)
-    levels = len(preset.vae_channels)
-    vae = AutoencoderKL(
-        down_block_types=("DownEncoderBlock2D",) * levels,
-        up_block_types=("UpDecoderBlock2D",) * levels,
-        block_out_channels=preset.vae_channels,
-        layers_per_block=1,
-        latent_channels=preset.latent_channels,
-        norm_num_groups=4,
-        sample_size=preset.sample_size,
-        scaling_factor=1.5305,
-        shift_factor=0.0609,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    ).eval()
-    return {
-        "scheduler": FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
-        "vae": vae,
-        "text_encoder": encoders[0],
-        "tokenizer": clip_tok,
-        "text_encoder_2": encoders[1],
-        "tokenizer_2": clip_tok,
-        "text_encoder_3": t5,
-        "tokenizer_3": t5_tok,
-        "transformer": transformer,
-    }
-
-
 def _build_wan_components(preset: TinyFluxPreset) -> dict[str, Any]:
     """A tiny Wan2.1 text-to-video layout (UMT5 encoder, 3D transformer, causal video VAE, UniPC).
 
@@ -373,14 +301,6 @@ def build_flux(output_dir: Path, preset: str = "tiny") -> None:
     from diffusers import FluxPipeline
 
     FluxPipeline(**_build_flux_components(PRESETS[preset])).save_pretrained(output_dir, safe_serialization=True)
-
-
-def build_sd3(output_dir: Path) -> None:
-    """A tiny Stable Diffusion 3 checkpoint."""
-    from diffusers import StableDiffusion3Pipeline
-
-    pipe = StableDiffusion3Pipeline(**_build_sd3_components(PRESETS["tiny"]))
-    pipe.save_pretrained(output_dir, safe_serialization=True)
 
 
 def build_wan(output_dir: Path) -> None:

@@ -6,6 +6,7 @@ fixed seeds per component, so two builds write the same bytes.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from diffuserve.models.tiny import PRESETS, WAN_TINY_DEFAULTS, _build_wan_components, write_defaults
@@ -44,4 +45,33 @@ def build_wan22_ti2v(output_dir: Path) -> None:
     config.update(in_channels=z_dim, out_channels=z_dim)
     parts["transformer"] = WanTransformer3DModel.from_config(config).eval()
     WanPipeline(**parts, expand_timesteps=True).save_pretrained(output_dir, safe_serialization=True)
+    write_defaults(output_dir, WAN_TINY_DEFAULTS)
+
+
+def build_wan_i2v(output_dir: Path) -> None:
+    """Wan2.1 I2V layout: a CLIP vision encoder (penultimate hidden states as image tokens) and a transformer
+    that takes the noise, a 4-channel first-frame mask and the VAE-encoded conditioning video (z + 4 + z)."""
+    import torch
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    parts = _build_wan_components(PRESETS["tiny"])
+    z_dim = parts["vae"].config.z_dim
+    torch.manual_seed(PRESETS["tiny"].seed + 27)
+    vision = CLIPVisionModel(CLIPVisionConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                              num_attention_heads=2, image_size=32, patch_size=8)).eval()
+    config = dict(parts["transformer"].config)
+    inner = config["num_attention_heads"] * config["attention_head_dim"]
+    config.update(in_channels=2 * z_dim + 4, out_channels=z_dim, image_dim=16, added_kv_proj_dim=inner)
+    torch.manual_seed(PRESETS["tiny"].seed + 28)
+    parts["transformer"] = WanTransformer3DModel.from_config(config).eval()
+    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    WanImageToVideoPipeline(**parts, image_encoder=vision, image_processor=processor).save_pretrained(
+        output_dir, safe_serialization=True)
+    # Without torchvision transformers saves its PIL fallback class; name the upstream class (which loads
+    # the same preprocessor_config.json, falling back to the PIL class where torchvision is missing).
+    index_file = output_dir / "model_index.json"
+    index = json.loads(index_file.read_text())
+    index["image_processor"] = ["transformers", "CLIPImageProcessor"]
+    index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     write_defaults(output_dir, WAN_TINY_DEFAULTS)

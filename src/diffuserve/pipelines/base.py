@@ -83,6 +83,8 @@ class Pipeline:
     """Largest height the checkpoint's positional tables allow (None: no limit of the model's own)."""
     max_image_inputs: int = 0
     """Input images one request may carry (edits); 0: this model takes none."""
+    min_image_inputs: int = 0
+    """Input images every request must carry (1 for edit-only models); warm-up sends this many."""
     frame_multiple: int = 1
     """Video: num_frames - 1 must divide by this (the VAE's temporal compression)."""
     defaults: SamplingDefaults = SamplingDefaults()
@@ -114,8 +116,9 @@ class Pipeline:
         if len(params.image_inputs) > self.max_image_inputs:
             what = ("takes no input image (image inputs / edits are not supported for it)" if not self.max_image_inputs
                     else f"takes at most {self.max_image_inputs} input image(s)")
+            # The video API calls its image field `input_reference`; the images API `image`.
             raise InvalidRequestError(f"this {self.family} model {what}; got {len(params.image_inputs)}.",
-                                      param="image")
+                                      param="input_reference" if self.output_kind == "video" else "image")
         if params.width * params.height > self.max_pixels:
             raise InvalidRequestError(
                 f"size {params.width}x{params.height} exceeds this server's limit of {self.max_pixels} pixels.",
@@ -143,6 +146,7 @@ class Pipeline:
         return ModelDescription(
             family=self.family, output_kind=self.output_kind, defaults=self.defaults,
             size_multiple=self.size_multiple, max_image_inputs=self.max_image_inputs,
+            min_image_inputs=self.min_image_inputs,
             frame_multiple=self.frame_multiple,
             supports_batching=self.supports_batching, validate=self.validate,
         )

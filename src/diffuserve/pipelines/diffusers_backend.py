@@ -138,7 +138,17 @@ class DiffusersBackendPipeline(Pipeline):
         def snap(value: int) -> int:
             return max(self.size_multiple, int(value) // self.size_multiple * self.size_multiple)
 
+        # True CFG's defaults are the family's (Qwen-Image: 4 with a " " negative prompt), as on the native path,
+        # so a request leaving them unset runs the same call on both backends.
+        from diffuserve.families import spec_for
+
+        try:
+            family = spec_for(self.family).defaults
+        except KeyError:
+            family = SamplingDefaults()
         return SamplingDefaults(
+            true_cfg_scale=family.true_cfg_scale if "true_cfg_scale" in params else 1.0,
+            negative_prompt=family.negative_prompt if "negative_prompt" in params else None,
             width=snap(default("width", size)),
             height=snap(default("height", size)),
             num_inference_steps=int(default("num_inference_steps", 28)),
@@ -167,7 +177,8 @@ class DiffusersBackendPipeline(Pipeline):
                    suggested_defaults=read_suggested_defaults(Path(model_path)))
 
     def _declared_sequence_length(self, pipe: Any) -> int | None:
-        """The call's `max_sequence_length` default, capped by the T5 tokenizer's declared length.
+        """The call's `max_sequence_length` default, capped by the T5 tokenizer's (else the only tokenizer's)
+        declared length.
 
         Same rule as the native FLUX pipeline, so both run a checkpoint with the text length it
         declares; None when the pipeline takes no such argument or has no T5 tokenizer.
@@ -181,6 +192,11 @@ class DiffusersBackendPipeline(Pipeline):
             tokenizer = getattr(pipe, name, None)
             if tokenizer is not None and type(tokenizer).__name__.startswith("T5"):
                 return declared_sequence_length(tokenizer, parameter.default)
+        # Single-tokenizer pipelines (FLUX.2, Klein): that tokenizer's declaration, as their native adapters do
+        # (a processor, such as FLUX.2-dev's PixtralProcessor, holds the tokenizer that declares it).
+        tokenizer = getattr(pipe, "tokenizer", None)
+        if tokenizer is not None and getattr(pipe, "tokenizer_2", None) is None:
+            return declared_sequence_length(getattr(tokenizer, "tokenizer", tokenizer), parameter.default)
         return None
 
     @contextlib.contextmanager

@@ -270,6 +270,25 @@ class FluxNativePipeline(stages.RecipePipeline):
         image = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
         return stages.to_pil_images(image)
 
+    def scheduler_step(self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor,
+                       state: DenoiseState) -> torch.Tensor:
+        # Keep the step's velocity for `preview` (a reference, no copy; the final latents are unchanged).
+        state.extras["velocity"] = noise_pred
+        return super().scheduler_step(noise_pred, timestep, latents, state)
+
+    def preview(self, latents: torch.Tensor, state: DenoiseState) -> list[Image.Image]:
+        """Partial image: a VAE decode of the clean-latent estimate, not of the noisy latents.
+
+        Flow matching steps x <- x + (sigma_next - sigma) * v, so right after a step the estimate of the
+        clean latents is x0 = x - sigma_next * v (exact for the straight path the model predicts).
+        """
+        velocity = state.extras.get("velocity")
+        scheduler = state.scheduler
+        if velocity is not None and getattr(scheduler, "step_index", None) is not None:
+            sigma = scheduler.sigmas[scheduler.step_index].to(latents.device, latents.dtype)
+            latents = latents - sigma * velocity.to(latents.dtype)
+        return self.decode(latents, state)
+
     # -- 2./3. the batch's schedule and the transformer call ------------------------------------------------
 
     def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:

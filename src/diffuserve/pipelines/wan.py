@@ -10,6 +10,8 @@ to `transformer_2` (low noise, `guidance_scale_2`) at `boundary_ratio` x num_tra
 
 from __future__ import annotations
 
+import dataclasses
+import io
 from collections.abc import Sequence
 from typing import Any
 
@@ -111,7 +113,7 @@ class WanNativePipeline(stages.RecipePipeline):
 
     def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
         frames = (head.num_frames - 1) // self.temporal_factor + 1
-        shape = (self.transformer.config.in_channels, frames, head.height // self.spatial_factor,
+        shape = (self.vae.config.z_dim, frames, head.height // self.spatial_factor,
                  head.width // self.spatial_factor)
         latents = stages.batch_noise(batch, shape, device=self.device, dtype=torch.float32)
         # A private scheduler per batch: UniPC keeps multistep history in lists it mutates in place.
@@ -167,3 +169,100 @@ class WanNativePipeline(stages.RecipePipeline):
         return {**super().describe(), "experts": list(self.denoisers), "boundary_ratio": self.boundary_ratio,
                 "expand_timesteps": self.expand_timesteps}
 
+
+
+class WanI2VNativePipeline(WanNativePipeline):
+    """Wan image-to-video (`WanImageToVideoPipeline`): the first frame is the request's input image.
+
+    The image conditions twice, as in diffusers: its CLIP vision tokens (penultimate hidden states) go to the
+    transformer's image cross-attention, and the VAE-encoded conditioning video (the image, then zero frames)
+    with a first-frame mask is concatenated to the noise on the channel axis (TI2V-style `expand_timesteps`
+    checkpoints instead pin the first latent frame and give it timestep 0). Jobs with an image never merge.
+    """
+
+    family = "wan_i2v"
+    supports_batching = False
+    max_image_inputs = 1
+
+    def __init__(self, *, image_encoder: Any = None, image_processor: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.image_encoder, self.image_processor = image_encoder, image_processor
+        if image_encoder is not None:
+            self.components["image_encoder"] = image_encoder
+        self.defaults = dataclasses.replace(spec_for(self.family).defaults, **{
+            k: getattr(self.defaults, k) for k in ("width", "height", "num_frames", "num_inference_steps", "fps")})
+
+    @classmethod
+    def from_components(cls, components: dict[str, Any], *, device: torch.device | str,
+                        dtype: torch.dtype) -> WanI2VNativePipeline:
+        base = WanNativePipeline.from_components(components, device=device, dtype=dtype)
+        if components.get("image_encoder") is None and base.transformer.config.image_dim is not None:
+            raise CheckpointError("this Wan I2V transformer takes image tokens (image_dim) but the checkpoint has no "
+                                  "image_encoder/image_processor components.")
+        return cls(transformer=base.transformer, transformer_2=base.transformer_2, vae=base.vae,
+                   text_encoder=base.text_encoder, tokenizer=base.tokenizer, scheduler=base.scheduler,
+                   boundary_ratio=base.boundary_ratio, expand_timesteps=base.expand_timesteps,
+                   image_encoder=components.get("image_encoder"), image_processor=components.get("image_processor"),
+                   device=device, dtype=dtype)
+
+    def validate(self, params: Any) -> None:
+        super().validate(params)
+        if len(params.image_inputs) != 1:
+            raise InvalidRequestError("this Wan image-to-video model needs exactly one input image "
+                                      "(`input_reference`).", param="input_reference")
+
+    def prepare_components(self, head: Any) -> tuple[str, ...]:
+        return ("vae", "image_encoder") if self.image_encoder is not None else ("vae",)
+
+    def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
+        state = super().prepare(batch, head, positive)
+        rows = state.latents.shape[0]
+        image = Image.open(io.BytesIO(head.image_inputs[0])).convert("RGB")
+        if self.image_encoder is not None and self.transformer.config.image_dim is not None:
+            pixels = self.image_processor(images=image, return_tensors="pt").to(self.device)
+            embeds = self.image_encoder(**pixels, output_hidden_states=True).hidden_states[-2]
+            state.extras["image_embeds"] = embeds.repeat(rows, 1, 1).to(self.transformer.dtype)
+        height, width = head.height, head.width
+        frames = head.num_frames
+        video = self.video_processor.preprocess(image, height=height, width=width).to(self.device, torch.float32)
+        video = video.unsqueeze(2)
+        if not self.expand_timesteps:
+            video = torch.cat([video, video.new_zeros(video.shape[0], video.shape[1], frames - 1, height, width)], dim=2)
+        cfg = self.vae.config
+        encoded = self.vae.encode(video.to(self.vae.dtype)).latent_dist.mode()
+        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(self.device, torch.float32)
+        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(self.device, torch.float32)
+        condition = ((encoded.to(torch.float32) - mean) * inv_std).repeat(rows, 1, 1, 1, 1)
+        latent_frames, lh, lw = state.latents.shape[2:]
+        if self.expand_timesteps:
+            mask = torch.ones(1, 1, latent_frames, lh, lw, dtype=torch.float32, device=self.device)
+            mask[:, :, 0] = 0
+            state.extras.update(condition=condition, first_frame_mask=mask)
+            return state
+        mask = torch.ones(rows, 1, frames, lh, lw)
+        mask[:, :, 1:] = 0
+        first = torch.repeat_interleave(mask[:, :, 0:1], dim=2, repeats=self.temporal_factor)
+        mask = torch.concat([first, mask[:, :, 1:]], dim=2)
+        mask = mask.view(rows, -1, self.temporal_factor, lh, lw).transpose(1, 2).to(self.device)
+        state.extras["condition"] = torch.concat([mask, condition], dim=1)
+        return state
+
+    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
+                model_key: str) -> torch.Tensor:
+        model = self.transformer if model_key == "transformer" else self.transformer_2
+        condition = state.extras["condition"]
+        if self.expand_timesteps:
+            mask = state.extras["first_frame_mask"]
+            hidden = (1 - mask) * condition + mask * latents
+            timestep = (mask[0][0][:, ::2, ::2] * timestep[0]).flatten().unsqueeze(0).expand(latents.shape[0], -1)
+        else:
+            hidden = torch.cat([latents, condition], dim=1)
+        return model(hidden_states=hidden.to(model.dtype), timestep=timestep,
+                     encoder_hidden_states=cond["prompt_embeds"],
+                     encoder_hidden_states_image=state.extras.get("image_embeds"), return_dict=False)[0]
+
+    def decode(self, latents: torch.Tensor, state: DenoiseState) -> list[list[Image.Image]]:
+        if self.expand_timesteps:
+            mask = state.extras["first_frame_mask"]
+            latents = (1 - mask) * state.extras["condition"] + mask * latents
+        return super().decode(latents, state)

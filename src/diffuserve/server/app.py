@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sqlite3
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -12,12 +13,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from diffuserve import __version__
-from diffuserve.errors import DiffuserveError
-from diffuserve.server import health, models_routes, openai_images, openai_videos
+from diffuserve.errors import ConfigError, DiffuserveError
+from diffuserve.server import health, models_routes, openai_images, openai_videos, playground
 from diffuserve.server.context import ServerContext
 from diffuserve.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, TrailingSlashMiddleware
 from diffuserve.server.protocol import ErrorEnvelope, error_envelope
 from diffuserve.server.video_jobs import VideoJobStore
+from diffuserve.storage import ResultStore, RetentionPolicy
 
 logger = logging.getLogger("diffuserve.server")
 
@@ -93,23 +95,38 @@ ERROR_RESPONSES: dict[int | str, dict] = {
 """Every error the API can answer, documented in /openapi.json with the OpenAI envelope."""
 
 
+def open_results_store(args) -> ResultStore:
+    """The results store under --output-dir, with the retention flags (a clear start-up error if unusable)."""
+    folder = args.resolved_output_dir()
+    try:
+        return ResultStore(folder, RetentionPolicy(ttl_s=args.result_ttl_s, max_bytes=args.max_output_bytes))
+    except (OSError, sqlite3.Error) as exc:
+        raise ConfigError(f"--output-dir: cannot keep results in {str(folder)!r} ({exc}); give a writable folder "
+                          "on a local filesystem.") from exc
+
+
 def create_app(ctx: ServerContext) -> FastAPI:
     """Build the app around an engine that is started by the lifespan (load and warm-up run in its thread)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         ctx.engine.start()
+        openai_videos.start_results_sweep(ctx)
         try:
             yield
         finally:
+            assert ctx.results is not None
+            ctx.results.stop_sweeper()
             ctx.engine.stop()
 
     # redirect_slashes off: TrailingSlashMiddleware serves `/route/` as `/route` instead of a 307.
     app = FastAPI(title="diffuserve", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible image generation with dynamic batching.",
                   responses=ERROR_RESPONSES, redirect_slashes=False)
+    if ctx.results is None:
+        ctx.results = open_results_store(ctx.args)
     if ctx.videos is None:
-        ctx.videos = VideoJobStore(ctx.args.max_video_jobs)
+        ctx.videos = VideoJobStore(ctx.results, ctx.args.max_video_jobs)
     app.state.ctx = ctx
     count = getattr(ctx.metrics, "observe_error", None)
     install_error_handlers(app, count)
@@ -117,6 +134,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app.include_router(models_routes.router)
     app.include_router(openai_images.router)
     app.include_router(openai_videos.router)
+    app.include_router(playground.router)
     # Outermost first: the body cap runs before auth so an oversized anonymous upload is never read.
     api_key = ctx.args.resolved_api_key()
     if api_key:

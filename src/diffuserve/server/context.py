@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from diffuserve.config.server_args import ServerArgs
 from diffuserve.engine.engine import AsyncEngine
 from diffuserve.engine.metrics import EngineMetrics
 from diffuserve.server.video_jobs import VideoJobStore
+from diffuserve.storage import ResultStore
 
 
 @dataclass
@@ -19,29 +18,38 @@ class StoredImage:
     media_type: str
 
 
-class ImageStore:
-    """Bounded in-memory store for `response_format=url` results (oldest dropped first).
+_EXTENSIONS = {"image/png": "png", "image/jpeg": "jpeg", "image/webp": "webp"}
 
+
+class ImageStore:
+    """The images of `response_format=url` results, kept in the results store (files under
+    --output-dir), so links survive a restart and resolve on every replica sharing the folder.
+
+    Bounded by `max_images` images (oldest results dropped first) besides the store's retention.
     Requests never choose where anything is written: URLs name server-generated ids only.
     """
 
-    def __init__(self, max_images: int):
+    def __init__(self, results: ResultStore, max_images: int):
+        self.results = results
         self.max_images = max_images
-        self._items: OrderedDict[str, list[StoredImage]] = OrderedDict()
-        self._count = 0
-        self._lock = threading.Lock()
 
     def put(self, image_id: str, images: list[StoredImage]) -> None:
-        with self._lock:
-            self._items[image_id] = images
-            self._count += len(images)
-            while self._count > self.max_images and len(self._items) > 1:
-                _, dropped = self._items.popitem(last=False)
-                self._count -= len(dropped)
+        """Write the files and their row (blocking: call it from a worker thread)."""
+        files = {f"{i}.{_EXTENSIONS.get(img.media_type, 'bin')}": img.data for i, img in enumerate(images)}
+        self.results.put_completed(image_id, "image", {"media_types": [img.media_type for img in images]}, files)
+        self.results.evict("image", self.max_images, by_files=True)
 
     def get(self, image_id: str) -> list[StoredImage] | None:
-        with self._lock:
-            return self._items.get(image_id)
+        record = self.results.get(image_id)
+        if record is None or record.kind != "image":
+            return None
+        out = []
+        for i, media_type in enumerate(record.meta.get("media_types", [])):
+            data = self.results.read_file(record, f"{i}.{_EXTENSIONS.get(media_type, 'bin')}")
+            if data is None:
+                return None
+            out.append(StoredImage(data, media_type))
+        return out
 
 
 @dataclass
@@ -52,5 +60,7 @@ class ServerContext:
     images: ImageStore
     started_at: float = field(default_factory=time.time)
     draining: bool = False
+    results: ResultStore | None = None
+    """The results store under --output-dir that `images` and `videos` keep their rows and files in."""
     videos: VideoJobStore | None = None
     """Async video jobs; `create_app` makes one sized by --max-video-jobs when none is given."""

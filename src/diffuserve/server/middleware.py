@@ -12,12 +12,13 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from diffuserve.server.playground import PUBLIC_PATHS as PLAYGROUND_PATHS
 from diffuserve.server.protocol import error_envelope
 
 Scope = dict[str, Any]
 
-PUBLIC_PATHS = frozenset({"/liveness", "/health", "/metrics"})
-"""Paths that never need the API key (probes and scraping)."""
+PUBLIC_PATHS = frozenset({"/liveness", "/health", "/metrics"}) | PLAYGROUND_PATHS
+"""Paths that never need the API key (probes and scraping; the playground's static files, which hold no data)."""
 
 
 ErrorCounter = Callable[[int, str], None]

@@ -10,6 +10,7 @@ import uuid
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
@@ -31,8 +32,17 @@ from diffuserve.server.protocol import (
     ImageGenerationRequest,
     ImageGenerationResponse,
     Timings,
+    Usage,
     coerce_form_fields,
     parse_size,
+)
+from diffuserve.server.streaming import stream_images
+from diffuserve.server.usage import (
+    check_background,
+    encoder_quality,
+    reported_quality,
+    steps_for_quality,
+    usage,
 )
 
 router = APIRouter()
@@ -55,13 +65,19 @@ def image_params(body: ImageGenerationRequest, ctx: ServerContext, *, image_inpu
         width, height = parse_size(body.size)
     else:
         width, height = body.width or model.defaults.width, body.height or model.defaults.height
-    steps = body.num_inference_steps or model.defaults.num_inference_steps
+    check_background(body.background, model)
+    steps = (body.num_inference_steps or steps_for_quality(body.quality, model.defaults.num_inference_steps)
+             or model.defaults.num_inference_steps)
+    quality = encoder_quality(body.output_format, body.output_quality, body.output_compression,
+                              "output_quality" in body.model_fields_set)
+    if body.partial_images is not None and not body.stream:
+        raise InvalidRequestError("partial_images needs stream=true.", param="partial_images")
     check_request_limits(ctx, model=body.model, texts={"prompt": body.prompt, "negative_prompt": body.negative_prompt},
                          width=width, height=height, steps=steps)
     return build_sampling_params(
         model, prompt=body.prompt, negative_prompt=body.negative_prompt, width=width, height=height,
         num_inference_steps=steps, guidance_scale=body.guidance_scale, true_cfg_scale=body.true_cfg_scale,
-        seed=body.seed, n=body.n, output_format=body.output_format, output_quality=body.output_quality,
+        seed=body.seed, n=body.n, output_format=body.output_format, output_quality=quality,
         image_inputs=image_inputs, strength=strength,
     )
 
@@ -89,11 +105,24 @@ async def _generate_and_respond(
     *,
     received: float,
     ineligible_reason: str | None = None,
-) -> ImageGenerationResponse:
+    prefix: str = "image_generation",
+) -> ImageGenerationResponse | StreamingResponse:
     """Run one request through the engine and shape the OpenAI response (shared by generations and edits)."""
     ctx = server_context(request)
     request_id = uuid.uuid4().hex
+    # Before queueing: a too-long prompt is a 400 with --reject-truncated-prompts, else a warning (a
+    # streamed answer carries none; the log says it either way).
     warnings = prompt_warnings(ctx, {"prompt": params.prompt, "negative_prompt": params.negative_prompt})
+    assert ctx.engine.model is not None
+    inputs = [(params.width, params.height)] * len(params.image_inputs)  # inputs are resized to the output size
+    counted = usage(ctx.engine.pipeline, ctx.engine.model, params, input_sizes=inputs)
+    if body.stream:
+        common = {"size": f"{params.width}x{params.height}", "quality": reported_quality(body.quality),
+                  "background": "opaque", "output_format": params.output_format}
+        return stream_images(ctx.engine, params, prefix=prefix, partial_images=body.partial_images or 0,
+                             common=common, usage=counted, request_id=request_id,
+                             submit={"endpoint": "images", "timeout_s": body.timeout, "priority": body.priority,
+                                     "ineligible_reason": ineligible_reason})
     result = await await_unless_disconnected(request, ctx.engine.generate(
         params, endpoint="images", timeout_s=body.timeout, priority=body.priority, request_id=request_id,
         ineligible_reason=ineligible_reason,
@@ -104,7 +133,8 @@ async def _generate_and_respond(
     )
     encode_s = time.monotonic() - encode_started
     if body.response_format == "url":
-        ctx.images.put(request_id, [StoredImage(data, mime_type(params.output_format)) for data in encoded])
+        await run_in_threadpool(ctx.images.put, request_id,
+                                [StoredImage(data, mime_type(params.output_format)) for data in encoded])
         base = str(request.base_url).rstrip("/")
         data = [ImageData(url=f"{base}/v1/images/{request_id}/content?index={i}") for i in range(len(encoded))]
     else:
@@ -119,11 +149,19 @@ async def _generate_and_respond(
         seed=params.seed or 0,
         timings=Timings(**result_timings(result, encode_s=encode_s, received=received)),
         warnings=warnings,
+        background="opaque",
+        quality=reported_quality(body.quality),
+        usage=Usage(**counted),
     )
 
 
-@router.post("/v1/images/generations", tags=["images"], response_model=ImageGenerationResponse)
-async def create_image(body: ImageGenerationRequest, request: Request) -> ImageGenerationResponse:
+_STREAM_RESPONSE = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+                         "description": "The images (JSON), or with stream=true Server-Sent Events."}}
+
+
+@router.post("/v1/images/generations", tags=["images"], response_model=ImageGenerationResponse,
+             responses=_STREAM_RESPONSE)
+async def create_image(body: ImageGenerationRequest, request: Request) -> ImageGenerationResponse | StreamingResponse:
     received = time.monotonic()
     ctx = server_context(request)
     require_ready(ctx)
@@ -133,14 +171,15 @@ async def create_image(body: ImageGenerationRequest, request: Request) -> ImageG
 _EDIT_FILE_FIELDS = ("image", "image[]")
 
 
-@router.post("/v1/images/edits", tags=["images"], response_model=ImageGenerationResponse, openapi_extra={
+@router.post("/v1/images/edits", tags=["images"], response_model=ImageGenerationResponse,
+             responses=_STREAM_RESPONSE, openapi_extra={
     "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
         "type": "object", "required": ["image", "prompt"],
         "properties": {"image": {"type": "string", "format": "binary"},
                        **{k: v for k, v in ImageEditRequest.model_json_schema()["properties"].items()}},
     }}}},
 })
-async def edit_image(request: Request) -> ImageGenerationResponse:
+async def edit_image(request: Request) -> ImageGenerationResponse | StreamingResponse:
     """Image-to-image (multipart, OpenAI shape). Each edit runs alone: image-conditioned requests never merge."""
     received = time.monotonic()
     ctx = server_context(request)
@@ -173,13 +212,13 @@ async def edit_image(request: Request) -> ImageGenerationResponse:
                                        "height": max(multiple, sources[0].height // multiple * multiple)})
     params = image_params(body, ctx, image_inputs=blobs, strength=body.strength)
     return await _generate_and_respond(request, body, params, received=received,
-                                       ineligible_reason="image_conditioning")
+                                       ineligible_reason="image_conditioning", prefix="image_edit")
 
 
 @router.get("/v1/images/{image_id}/content", tags=["images"], response_class=Response, responses={
     200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}, "description": "The encoded image."}})
 async def image_content(image_id: str, request: Request, index: int = Query(default=0, ge=0)) -> Response:
-    images = server_context(request).images.get(image_id)
+    images = await run_in_threadpool(server_context(request).images.get, image_id)
     if images is None:
         raise NotFoundError(f"No image {image_id!r} (unknown id, or dropped from the URL store).", param="image_id")
     if index >= len(images):

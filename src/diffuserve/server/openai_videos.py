@@ -17,7 +17,8 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response
-from pydantic import Field, StrictFloat, StrictInt, StrictStr
+from fastapi.exceptions import RequestValidationError
+from pydantic import Field, StrictFloat, StrictInt, StrictStr, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from diffuserve.engine.engine import GenerationResult
@@ -31,7 +32,7 @@ from diffuserve.media.video import encode_mp4
 from diffuserve.sampling import SamplingParams, build_sampling_params
 from diffuserve.server.common import check_request_limits, require_ready, result_timings, server_context
 from diffuserve.server.context import ServerContext
-from diffuserve.server.protocol import MAX_SEED, PromptRequest, error_envelope, parse_size
+from diffuserve.server.protocol import MAX_SEED, PromptRequest, coerce_form_fields, error_envelope, parse_size
 from diffuserve.server.video_jobs import VideoJob, VideoJobStore
 
 router = APIRouter()
@@ -134,7 +135,35 @@ async def _drive_job(ctx: ServerContext, job: VideoJob, generation: asyncio.Futu
         store.fail(job.id, error_envelope(f"Video job failed: {type(exc).__name__}: {exc}", "server_error",
                                           None, "generation_failed")["error"])
         return
-    store.complete(job.id, content, result_timings(result, encode_s=encode_s, received=received))
+    # Writing the MP4 (fsync, rename) and its row is blocking I/O: off the event loop.
+    await run_in_threadpool(store.complete, job.id, content,
+                            result_timings(result, encode_s=encode_s, received=received))
+
+
+INTERRUPTED_ERROR = error_envelope(
+    "The server process running this job stopped before it finished (killed or crashed); create the job again.",
+    "server_error", None, "interrupted")["error"]
+"""The error of a job that was queued or running in a process that died."""
+
+
+def start_results_sweep(ctx: ServerContext) -> None:
+    """Fail the jobs of dead processes now, then sweep retention in the background. After each sweep,
+    the jobs running here publish their progress (for polls that reach another replica) and those
+    that another replica cancelled or deleted are aborted."""
+    results = ctx.results
+    assert results is not None
+
+    def sync_live_jobs() -> None:
+        store = _store(ctx)
+        for job_id in store.live_ids():
+            progress = ctx.engine.progress(job_id)
+            if progress is not None:
+                store.set_progress(job_id, *progress)
+        for job_id in store.live_ids_finished_elsewhere():
+            ctx.engine.abort(job_id, RequestCancelledError(f"The video job {job_id} was cancelled or deleted."))
+
+    results.fail_interrupted(INTERRUPTED_ERROR)
+    results.start_sweeper(ctx.args.result_sweep_interval_s, INTERRUPTED_ERROR, sync_live_jobs)
 
 
 def _refresh(ctx: ServerContext, job: VideoJob) -> VideoJob:
@@ -162,12 +191,39 @@ def _cancel(ctx: ServerContext, job: VideoJob, how: str) -> None:
         ctx.engine.abort(job.id, error)
 
 
-@router.post("/v1/videos", tags=["videos"])
-async def create_video(body: VideoCreateRequest, request: Request) -> dict[str, Any]:
+async def _create_body(request: Request) -> VideoCreateRequest:
+    """The body as JSON, or as form fields: the official SDK always sends `videos.create` as multipart."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+        form = await request.form()
+        if any(not isinstance(value, str) for _, value in form.multi_items()):
+            raise InvalidRequestError("input_reference (an input image) is not supported: this server makes videos "
+                                      "from text only.", param="input_reference")
+        data: Any = coerce_form_fields(VideoCreateRequest, dict(form.multi_items()))
+    else:
+        try:
+            data = await request.json()
+        except ValueError:
+            raise InvalidRequestError("The request body must be a JSON object (Content-Type: application/json) or "
+                                      "multipart form fields.", param="body") from None
+    try:
+        return VideoCreateRequest.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from exc
+
+
+_CREATE_SCHEMA = {"requestBody": {"required": True, "content": {
+    media: {"schema": VideoCreateRequest.model_json_schema()}
+    for media in ("application/json", "multipart/form-data")}}}
+
+
+@router.post("/v1/videos", tags=["videos"], openapi_extra=_CREATE_SCHEMA)
+async def create_video(request: Request) -> dict[str, Any]:
     """Create a video job; answers at once with the queued job (poll GET /v1/videos/{id})."""
     received = time.monotonic()
     ctx = server_context(request)
     require_ready(ctx)
+    body = await _create_body(request)
     params = build_video_params(body, ctx)
     job = VideoJob(id=f"video_{uuid.uuid4().hex}", model=ctx.args.public_model_name, prompt=params.prompt,
                    width=params.width, height=params.height, num_frames=params.num_frames, fps=params.fps,
@@ -203,11 +259,13 @@ async def get_video(video_id: str, request: Request) -> dict[str, Any]:
     200: {"content": {"video/mp4": {}}, "description": "The MP4 of a completed job."},
     409: {"description": "The job is not completed (queued, in progress, failed or cancelled)."}})
 async def video_content(video_id: str, request: Request) -> Response:
-    job = _get_job(server_context(request), video_id)
-    if job.content is None:
+    ctx = server_context(request)
+    job = _get_job(ctx, video_id)
+    content = await run_in_threadpool(_store(ctx).content, job) if job.status == "completed" else None
+    if content is None:
         hint = "poll GET /v1/videos/{id} until status is completed" if not job.terminal else "it has no video"
         raise VideoNotReadyError(f"Video job {video_id} is {job.status}; {hint}.", param="video_id")
-    return Response(content=job.content, media_type="video/mp4",
+    return Response(content=content, media_type="video/mp4",
                     headers={"Content-Disposition": f'inline; filename="{job.id}.mp4"'})
 
 
@@ -222,7 +280,7 @@ async def cancel_video(video_id: str, request: Request) -> dict[str, Any]:
         raise VideoNotReadyError(f"Video job {video_id} already {job.status}: there is nothing to cancel; "
                                  "DELETE it to remove it.", param="video_id", code="video_already_finished")
     _cancel(ctx, job, f"POST /v1/videos/{video_id}/cancel")
-    return job.to_dict()
+    return _get_job(ctx, video_id).to_dict()
 
 
 @router.delete("/v1/videos/{video_id}", tags=["videos"])

@@ -69,8 +69,21 @@ class ImageGenerationRequest(PromptRequest):
     timeout: float | None = Field(default=None, gt=0, description="Seconds before the request is abandoned (capped by --request-timeout-s).")
     priority: StrictInt = Field(default=0, ge=-100, le=100, description="Lower runs first among queued requests.")
     user: str | None = Field(default=None, max_length=256, description="End-user id (accepted for OpenAI compatibility).")
-    quality: str | None = Field(default=None, max_length=32, description="Accepted for OpenAI compatibility; ignored.")
+    quality: Literal["low", "medium", "high", "auto", "standard", "hd"] | None = Field(
+        default=None, description="Denoising effort when num_inference_steps is not given: low = 1/4, medium = 1/2, "
+        "high = all of the model's default steps; auto/standard = the default, hd = high.")
     style: str | None = Field(default=None, max_length=32, description="Accepted for OpenAI compatibility; ignored.")
+    background: Literal["auto", "opaque", "transparent"] | None = Field(
+        default=None, description="auto or opaque (what every served family makes); transparent is refused.")
+    moderation: Literal["auto", "low"] | None = Field(
+        default=None, description="Accepted for OpenAI compatibility; no moderation is applied by this server.")
+    output_compression: StrictInt | None = Field(
+        default=None, ge=0, le=100, description="jpeg/webp only: 0-100, used as the encoder quality (100 = least "
+        "compression); an alternative to output_quality.")
+    stream: bool = Field(default=False, description="Answer with Server-Sent Events: partial images, then one "
+                         "completed event per image.")
+    partial_images: StrictInt | None = Field(
+        default=None, ge=0, le=3, description="Streaming only: previews per image (0-3), at evenly spaced steps.")
 
 
 class ImageEditRequest(ImageGenerationRequest):
@@ -128,6 +141,21 @@ class Timings(BaseModel):
     stages_ms: dict[str, float] = {}
 
 
+class UsageTokenDetails(BaseModel):
+    text_tokens: int
+    image_tokens: int
+
+
+class Usage(BaseModel):
+    """Token counts in OpenAI's shape: text tokens are the model's tokenizer's count of the prompt (and
+    negative prompt); image tokens are the model's latent patches (one per size_multiple^2 pixels)."""
+
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: UsageTokenDetails
+
+
 class ImageGenerationResponse(BaseModel):
     id: str
     created: int
@@ -139,6 +167,9 @@ class ImageGenerationResponse(BaseModel):
     timings: Timings
     warnings: list[str] = []
     """Things the server changed about the request, e.g. a prompt cut to what a text encoder takes."""
+    background: str = "opaque"
+    quality: str = "auto"
+    usage: Usage | None = None
 
 
 class ErrorBody(BaseModel):

@@ -17,7 +17,7 @@ import uvicorn
 
 from diffuserve.config.server_args import ServerArgs
 from diffuserve.launch import build_engine
-from diffuserve.server.app import create_app
+from diffuserve.server.app import create_app, open_results_store
 from diffuserve.server.context import ImageStore, ServerContext
 
 logger = logging.getLogger("diffuserve.server")
@@ -83,7 +83,9 @@ class DrainingServer(uvicorn.Server):
 
 def serve(args: ServerArgs) -> int:
     engine, metrics, plan_dict = build_engine(args)
-    ctx = ServerContext(args=args, engine=engine, metrics=metrics, images=ImageStore(args.url_store_max_images))
+    results = open_results_store(args)
+    ctx = ServerContext(args=args, engine=engine, metrics=metrics, results=results,
+                        images=ImageStore(results, args.url_store_max_images))
     ctx.plan_dict = plan_dict  # type: ignore[attr-defined]
     app = create_app(ctx)
     config = uvicorn.Config(

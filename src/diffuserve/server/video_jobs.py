@@ -1,20 +1,25 @@
-"""The in-memory store of asynchronous video jobs behind `/v1/videos` (no engine, no HTTP here).
+"""The store of asynchronous video jobs behind `/v1/videos` (no engine, no HTTP here).
 
 A job is created `queued`, becomes `in_progress` once its first denoising step is reported, and ends
-`completed` (with its MP4 bytes), `failed` (with an error in the envelope shape) or `cancelled`.
-A finished job never changes again: a late result of a cancelled job is dropped, a late cancel of a
-completed job is refused by the route. The store is bounded: past `max_jobs`, the oldest *finished*
-jobs (and their bytes) are dropped first; running and queued jobs are never dropped, since their
-number is already bounded by the engine's queue.
+`completed` (with its MP4), `failed` (with an error in the envelope shape) or `cancelled`. A finished
+job never changes again: a late result of a cancelled job is dropped, a late cancel of a completed job
+is refused by the route.
+
+Jobs are rows of the results store (storage/results.py), so they survive a restart and are seen by
+every process sharing --output-dir; the MP4 is a file there. The jobs this process is running are
+also kept as objects in memory (progress is updated at every poll and written through). Past
+`max_jobs` rows, the oldest *finished* jobs (and their files) are dropped first; running and queued
+jobs never are, since their number is already bounded by the engine's queue.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
+
+from diffuserve.storage import Record, ResultStore
 
 QUEUED = "queued"
 IN_PROGRESS = "in_progress"
@@ -48,12 +53,12 @@ class VideoJob:
     """0-100: the share of denoising steps done; 100 only once completed."""
     completed_at: int | None = None
     """Unix seconds when the job reached a terminal status."""
+    expires_at: int | None = None
+    """Unix seconds after which the retention sweep removes the job (--result-ttl-s); None while live or kept forever."""
     error: dict[str, Any] | None = None
     """`{message, type, param, code}` when failed (or cancelled)."""
     timings: dict[str, Any] | None = None
     """queue_wait_ms, inference_ms, encode_ms, total_ms, batch_size, stages_ms once completed."""
-    content: bytes | None = field(default=None, repr=False)
-    """The MP4 once completed."""
     runner: Any = field(default=None, repr=False, compare=False)
     """The asyncio task that drives the job (kept referenced so it is not garbage-collected)."""
 
@@ -75,7 +80,7 @@ class VideoJob:
             "progress": self.progress,
             "created_at": self.created_at,
             "completed_at": self.completed_at,
-            "expires_at": None,
+            "expires_at": self.expires_at,
             "model": self.model,
             "prompt": self.prompt,
             "size": f"{self.width}x{self.height}",
@@ -89,96 +94,154 @@ class VideoJob:
         }
 
 
-class VideoJobStore:
-    """Jobs by id in creation order; thread-safe; bounded by `max_jobs` finished-or-not jobs."""
+    _META = ("model", "prompt", "width", "height", "num_frames", "fps", "num_inference_steps", "seed",
+             "progress", "error", "timings")
 
-    def __init__(self, max_jobs: int = 128):
+    def meta(self) -> dict[str, Any]:
+        """What the results row keeps besides its id, status and times."""
+        return {name: getattr(self, name) for name in self._META}
+
+    @classmethod
+    def from_record(cls, record: Record) -> VideoJob:
+        meta = {k: v for k, v in record.meta.items() if k in cls._META}
+        return cls(id=record.id, status=record.status, created_at=int(record.created_at),
+                   completed_at=None if record.completed_at is None else int(record.completed_at),
+                   expires_at=None if record.expires_at is None else int(record.expires_at), **meta)
+
+
+VIDEO_FILE = "video.mp4"
+"""Name of a completed job's MP4 inside its results folder."""
+
+
+class VideoJobStore:
+    """Jobs by id, newest first; thread-safe; bounded by `max_jobs` rows (live ones always kept)."""
+
+    def __init__(self, results: ResultStore, max_jobs: int = 128):
         if max_jobs < 1:
             raise ValueError(f"max_jobs must be >= 1, got {max_jobs}")
+        self.results = results
         self.max_jobs = max_jobs
-        self._jobs: OrderedDict[str, VideoJob] = OrderedDict()
+        self._live: dict[str, VideoJob] = {}
+        """Jobs of this process that have not finished (the object the runner task updates)."""
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._jobs)
+        return self.results.count("video")
 
     def add(self, job: VideoJob) -> list[str]:
         """Keep `job`; returns the ids of the finished jobs dropped to stay within `max_jobs`."""
         with self._lock:
-            if job.id in self._jobs:
+            if job.id in self._live or self.results.get(job.id) is not None:
                 raise KeyError(f"duplicate video job id {job.id!r}")
-            self._jobs[job.id] = job
-            dropped: list[str] = []
-            excess = len(self._jobs) - self.max_jobs
-            for old in list(self._jobs.values()):
-                if excess <= 0:
-                    break
-                if old.terminal and old.id != job.id:
-                    del self._jobs[old.id]
-                    dropped.append(old.id)
-                    excess -= 1
-            return dropped
+            self.results.add(job.id, "video", job.status, job.meta(), created_at=job.created_at)
+            self._live[job.id] = job
+        return self.results.evict("video", self.max_jobs)
 
     def get(self, job_id: str) -> VideoJob | None:
         with self._lock:
-            return self._jobs.get(job_id)
+            if job_id in self._live:
+                return self._live[job_id]
+        record = self.results.get(job_id)
+        return VideoJob.from_record(record) if record is not None and record.kind == "video" else None
 
     def list(self, *, limit: int = 20, after: str | None = None) -> tuple[list[VideoJob], bool]:
         """Jobs newest first, starting after the job `after` (a cursor); returns (page, has_more).
 
         Raises KeyError when `after` is not a kept job.
         """
+        records, has_more = self.results.list("video", limit=limit, after=after)
         with self._lock:
-            newest_first = list(reversed(self._jobs.values()))
-        start = 0
-        if after is not None:
-            ids = [job.id for job in newest_first]
-            if after not in ids:
-                raise KeyError(after)
-            start = ids.index(after) + 1
-        page = newest_first[start:start + limit]
-        return page, start + limit < len(newest_first)
+            page = [self._live.get(r.id) or VideoJob.from_record(r) for r in records]
+        return page, has_more
+
+    def content(self, job: VideoJob) -> bytes | None:
+        """The MP4 of a completed job (None otherwise, or when its file is gone)."""
+        record = self.results.get(job.id)
+        if record is None or record.status != COMPLETED:
+            return None
+        return self.results.read_file(record, VIDEO_FILE)
 
     def remove(self, job_id: str) -> VideoJob | None:
+        job = self.get(job_id)
         with self._lock:
-            return self._jobs.pop(job_id, None)
+            self._live.pop(job_id, None)
+        self.results.delete(job_id)
+        return job
+
+    def live_ids(self) -> list[str]:
+        """Ids of the jobs this process is running or has queued."""
+        with self._lock:
+            return list(self._live)
+
+    def live_ids_finished_elsewhere(self) -> list[str]:
+        """Jobs this process runs whose row another process finished or deleted (a cancel or delete
+        sent to another replica); they are forgotten here and returned so the caller can abort them."""
+        with self._lock:
+            ids = list(self._live)
+        gone = []
+        for job_id in ids:
+            record = self.results.get(job_id)
+            if record is None or not record.live:
+                gone.append(job_id)
+        with self._lock:
+            for job_id in gone:
+                self._live.pop(job_id, None)
+        return gone
 
     # -- transitions (each returns False when the job is unknown or already finished) -------------
 
     def set_progress(self, job_id: str, steps_done: int, num_steps: int) -> bool:
         """A running job reported `steps_done` of `num_steps`: in_progress, progress never goes back."""
         with self._lock:
-            job = self._jobs.get(job_id)
+            job = self._live.get(job_id)
             if job is None or job.terminal:
                 return False
-            job.status = IN_PROGRESS
             # 100 is kept for "completed": decode and MP4 encoding still follow the last step.
             share = int(100 * steps_done / num_steps) if num_steps > 0 else 0
-            job.progress = max(job.progress, min(99, share))
-            return True
+            progress = max(job.progress, min(99, share))
+            changed = job.status != IN_PROGRESS or progress != job.progress
+            job.status, job.progress = IN_PROGRESS, progress
+            meta = job.meta()
+        if changed:
+            self.results.update_live(job_id, status=IN_PROGRESS, meta=meta)
+        return True
+
+    def _finish(self, job_id: str, status: str, *, error: dict[str, Any] | None = None,
+                content: bytes | None = None, timings: dict[str, Any] | None = None) -> bool:
+        with self._lock:
+            job = self._live.get(job_id)
+        if job is None:
+            # Not running here: a job of another (live) process, or already finished.
+            record = self.results.get(job_id)
+            if record is None or not record.live:
+                return False
+            job = VideoJob.from_record(record)
+        if job.terminal:
+            return False
+        final = VideoJob(**{**job.__dict__, "status": status, "runner": None})
+        if error is not None:
+            final.error = error
+        if status == COMPLETED:
+            final.progress, final.timings = 100, timings
+        files = {VIDEO_FILE: content} if content is not None else None
+        if not self.results.finish(job_id, status, final.meta(), files):
+            with self._lock:
+                self._live.pop(job_id, None)
+            return False
+        record = self.results.get(job_id)
+        with self._lock:
+            self._live.pop(job_id, None)
+            job.status, job.progress, job.error, job.timings = final.status, final.progress, final.error, final.timings
+            if record is not None:
+                job.completed_at = int(record.completed_at or time.time())
+                job.expires_at = None if record.expires_at is None else int(record.expires_at)
+        return True
 
     def complete(self, job_id: str, content: bytes, timings: dict[str, Any]) -> bool:
-        with self._lock:
-            job = self._jobs.get(job_id)
-            if job is None or job.terminal:
-                return False
-            job.status, job.progress, job.content, job.timings = COMPLETED, 100, content, timings
-            job.completed_at = int(time.time())
-            return True
+        return self._finish(job_id, COMPLETED, content=content, timings=timings)
 
     def fail(self, job_id: str, error: dict[str, Any]) -> bool:
-        with self._lock:
-            job = self._jobs.get(job_id)
-            if job is None or job.terminal:
-                return False
-            job.status, job.error, job.completed_at = FAILED, error, int(time.time())
-            return True
+        return self._finish(job_id, FAILED, error=error)
 
     def cancel(self, job_id: str, error: dict[str, Any] | None = None) -> bool:
-        with self._lock:
-            job = self._jobs.get(job_id)
-            if job is None or job.terminal:
-                return False
-            job.status, job.error, job.completed_at = CANCELLED, error, int(time.time())
-            return True
+        return self._finish(job_id, CANCELLED, error=error)

@@ -1,0 +1,414 @@
+"""Native FLUX.2 pipelines: FLUX.2-dev (`Flux2Pipeline`) and FLUX.2-Klein (`Flux2KleinPipeline`).
+
+Both follow their diffusers pipeline step for step, reusing its static helpers (prompt encoding with the
+hidden-state layer stack, position ids, latent (un)patchify and packing, `compute_empirical_mu`), so a request
+and the diffusers call with the same values give the same image. What diffusers does, and we therefore do:
+
+- Text: the prompt goes through the encoder's chat template (FLUX.2-dev adds its system message), padded to
+  `max_sequence_length` (diffusers: 512, capped here by the tokenizer's declared length), and the hidden states
+  of layers (10, 20, 30) (Mistral3) or (9, 18, 27) (Qwen3) are stacked on the channel axis: (rows, L, 3 x hidden).
+  The transformer gets no attention mask: padding tokens take part in attention, so every row has L tokens and
+  merged rows need no masks (prompts of any length give the same shapes).
+- Positions: 4 axes (t, h, w, l). Text tokens are (0, 0, 0, i); image tokens (0, row, col, 0); the tokens of
+  reference image k are (10 + 10k, row, col, 0). RoPE is computed from these ids on the fly, so there is no
+  positional table and no size limit from the transformer's config.
+- Guidance: FLUX.2-dev embeds `guidance_scale` (a float32 vector per row, no CFG). Klein has no guidance
+  embedding; Klein-Base runs CFG (uncond text "", or the request's negative prompt) when guidance_scale > 1,
+  and distilled Klein (`is_distilled` in model_index.json) never does.
+- Timesteps: sigmas linspace(1, 1/steps, steps) with `mu = compute_empirical_mu(image tokens, steps)` (the
+  reference-image tokens do not count); the transformer gets `t / 1000`.
+- Latents: noise (rows, 4 x latent channels, h/16, w/16) drawn per row, packed to (rows, tokens, channels);
+  decode unpacks, undoes the VAE's batch-norm normalisation (x * sqrt(var + eps) + mean), unpatchifies 2x2 and
+  decodes; pixels are rounded as diffusers' image processor does.
+- Reference images (edits): each is checked (>= 64 px a side, aspect <= 8), shrunk to 1 MP when larger, floored
+  to the size multiple, centre-cropped, VAE-encoded (distribution mode, no noise), patchified, normalised and
+  packed; its tokens follow the noise tokens in every transformer call and are dropped from the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+from diffusers.pipelines.flux2.pipeline_flux2 import (
+    Flux2Pipeline,
+    compute_empirical_mu,
+    retrieve_latents,
+    retrieve_timesteps,
+)
+from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
+from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+from PIL import Image
+
+from diffuserve.errors import CheckpointError, InvalidRequestError
+from diffuserve.families import spec_for
+from diffuserve.models.registry import read_suggested_defaults
+from diffuserve.pipelines import stages
+from diffuserve.pipelines.stages import Cond, DenoiseState
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SEQUENCE_LENGTH = 512
+"""diffusers' `max_sequence_length` default for both pipelines."""
+REFERENCE_MAX_AREA = 1024 * 1024
+"""Reference images above this many pixels are first shrunk to it (as the diffusers pipelines do)."""
+REFERENCE_MIN_SIDE = 64
+"""`Flux2ImageProcessor.check_image_input` refuses reference images with a side below this ..."""
+REFERENCE_MAX_ASPECT = 8
+"""... or an aspect ratio above this."""
+MAX_CACHED_SHAPES = 64
+"""Per-shape caches (position ids, schedules) are cleared past this many entries."""
+REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
+"""model_index.json components both FLUX.2 pipelines need."""
+
+
+def _make_room(cache: dict) -> None:
+    if len(cache) >= MAX_CACHED_SHAPES:
+        cache.clear()
+
+
+def _checkpoint_root(module: Any) -> Path | None:
+    """The checkpoint folder `module` was loaded from (its component folder's parent), or None.
+
+    Pipeline-level facts (Klein's `is_distilled`, a tiny checkpoint's suggested defaults) live in its
+    model_index.json, and the loader hands adapters only the loaded components."""
+    folder = getattr(getattr(module, "config", None), "_name_or_path", None)
+    return Path(folder).parent if folder else None
+
+
+def _model_index(root: Path | None) -> dict[str, Any]:
+    try:
+        index = json.loads((root / "model_index.json").read_text()) if root else {}
+    except (OSError, ValueError):
+        return {}
+    return index if isinstance(index, dict) else {}
+
+
+def _declared_length(tokenizer: Any) -> int | None:
+    # A PixtralProcessor (the real FLUX.2-dev `tokenizer`) wraps the tokenizer that declares the length.
+    declared = getattr(getattr(tokenizer, "tokenizer", tokenizer), "model_max_length", None)
+    return int(declared) if isinstance(declared, int) and 0 < declared < 10**9 else None
+
+
+def _text_config(text_encoder: Any) -> Any:
+    config = text_encoder.config
+    return getattr(config, "text_config", None) or config
+
+
+class Flux2NativePipeline(stages.RecipePipeline):
+    """FLUX.2-dev: Mistral3 text encoder, embedded guidance (`guidance_scale`), no CFG; reference images."""
+
+    family = "flux2"
+    output_kind = "image"
+    supports_batching = True
+    text_encoders = ("text_encoder",)
+    denoisers = ("transformer",)
+    hidden_states_layers: ClassVar[tuple[int, ...]] = (10, 20, 30)
+    """Encoder layers whose hidden states are stacked (diffusers' `text_encoder_out_layers` default)."""
+
+    def __init__(self, *, transformer: Any, vae: Any, text_encoder: Any, tokenizer: Any, scheduler: Any,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 max_sequence_length: int = DEFAULT_SEQUENCE_LENGTH, model_index: dict[str, Any] | None = None,
+                 suggested_defaults: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.transformer = transformer
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_sequence_length = max_sequence_length
+        """Text tokens per prompt (every prompt is padded to it; the transformer attends to all of them)."""
+        self.model_index = model_index or {}
+        """The checkpoint's model_index.json (pipeline-level config such as Klein's `is_distilled`)."""
+        self.components = {"text_encoder": text_encoder, "transformer": transformer, "vae": vae}
+        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+        # Latents are 2x2-patchified into tokens, so sizes divide by the VAE factor times 2.
+        self.size_multiple = self.vae_scale_factor * 2
+        self.image_processor = Flux2ImageProcessor(vae_scale_factor=self.size_multiple)
+        spec = spec_for(self.family)
+        self.max_image_inputs = spec.max_image_inputs
+        # RoPE is computed from the position ids on the fly: no positional table bounds the image size.
+        self.max_width = self.max_height = None
+        self.defaults = self._defaults_from_checkpoint(spec.defaults, suggested_defaults or {})
+        self._latent_ids: dict[tuple[int, int], torch.Tensor] = {}
+        self._text_ids: dict[int, torch.Tensor] = {}
+        self._schedules: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+
+    @classmethod
+    def from_components(cls, components: dict[str, Any], *, device: torch.device | str,
+                        dtype: torch.dtype) -> Flux2NativePipeline:
+        """Build from the loader's model_index.json key -> loaded object mapping."""
+        missing = [key for key in REQUIRED if components.get(key) is None]
+        if missing:
+            raise CheckpointError(
+                f"a {cls.family} checkpoint needs components {list(REQUIRED)}; its model_index.json lacks {missing}.")
+        text_encoder = components["text_encoder"]
+        text_config = _text_config(text_encoder)
+        layers = int(getattr(text_config, "num_hidden_layers", 0))
+        if max(cls.hidden_states_layers) > layers:
+            raise CheckpointError(
+                f"{cls.family}: the text encoder has {layers} layers but the pipeline stacks the hidden states of "
+                f"layers {list(cls.hidden_states_layers)}; the text_encoder folder does not belong to this model.")
+        # diffusers' 512 text tokens, capped by what the tokenizer declares (tiny checkpoints declare fewer) and by
+        # the encoder's positions.
+        length = DEFAULT_SEQUENCE_LENGTH
+        for limit in (_declared_length(components["tokenizer"]),
+                      getattr(text_config, "max_position_embeddings", None)):
+            if isinstance(limit, int) and limit > 0:
+                length = min(length, limit)
+        root = _checkpoint_root(components["transformer"])
+        return cls(transformer=components["transformer"], vae=components["vae"], text_encoder=text_encoder,
+                   tokenizer=components["tokenizer"], scheduler=components["scheduler"], device=device, dtype=dtype,
+                   max_sequence_length=length, model_index=_model_index(root),
+                   suggested_defaults=read_suggested_defaults(root) if root else {})
+
+    # -- defaults and validation -------------------------------------------------------------------------
+
+    def _family_defaults(self, defaults: Any) -> Any:
+        return defaults
+
+    def _defaults_from_checkpoint(self, defaults: Any, suggested: dict[str, Any]) -> Any:
+        # Size: the VAE's `sample_size` (1024 for the published FLUX.2 VAE, diffusers' default 128 latent px x 8).
+        size = int(getattr(self.vae.config, "sample_size", 0) or 128 * self.vae_scale_factor)
+        size = max(self.size_multiple, size // self.size_multiple * self.size_multiple)
+        defaults = dataclasses.replace(self._family_defaults(defaults), width=size, height=size)
+        # What the checkpoint itself suggests wins (tiny checkpoints: 64x64, 4 steps).
+        known = {f.name for f in dataclasses.fields(defaults)}
+        return dataclasses.replace(defaults, **{k: v for k, v in suggested.items() if k in known})
+
+    def validate(self, params: Any) -> None:
+        super().validate(params)
+        if params.true_cfg_scale != 1.0:
+            raise InvalidRequestError(
+                f"true_cfg_scale={params.true_cfg_scale}: {self.family} has no true-CFG scale; "
+                f"{self._guidance_hint()}", param="true_cfg_scale")
+        if params.negative_prompt and not self.uses_cfg(params):
+            raise InvalidRequestError(
+                f"negative_prompt is unused here: {self._negative_hint()}", param="negative_prompt")
+        for index, data in enumerate(params.image_inputs):
+            try:
+                with Image.open(io.BytesIO(data)) as image:
+                    size = image.size
+            except Exception as exc:  # noqa: BLE001 - any decoder error is a bad upload
+                raise InvalidRequestError(f"image {index} is not a readable image ({exc}).", param="image") from exc
+            width, height = size
+            if min(width, height) < REFERENCE_MIN_SIDE:
+                raise InvalidRequestError(
+                    f"image {index} is {width}x{height}; {self.family} needs reference images of at least "
+                    f"{REFERENCE_MIN_SIDE} px on each side.", param="image")
+            if max(width / height, height / width) > REFERENCE_MAX_ASPECT:
+                raise InvalidRequestError(
+                    f"image {index} is {width}x{height}; {self.family} takes reference aspect ratios up to "
+                    f"{REFERENCE_MAX_ASPECT}:1.", param="image")
+
+    def uses_cfg(self, head: Any) -> bool:
+        # Guidance-distilled: the guidance scale is an input of the transformer, never a second branch.
+        return False
+
+    def _guidance_hint(self) -> str:
+        return "FLUX.2-dev is guidance-distilled: set guidance_scale (embedded guidance) instead."
+
+    def _negative_hint(self) -> str:
+        return "FLUX.2-dev is guidance-distilled and runs no unconditional branch; drop negative_prompt."
+
+    # -- 1. text -------------------------------------------------------------------------------------------
+
+    def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
+        """Chat-formatted texts through the encoder; layers 10/20/30 stacked: (texts, L, 3 x hidden)."""
+        embeds = Flux2Pipeline._get_mistral_3_small_prompt_embeds(
+            text_encoder=self.text_encoder, tokenizer=self.tokenizer, prompt=texts, dtype=self.dtype,
+            device=self.device, max_sequence_length=self.max_sequence_length, system_message=SYSTEM_MESSAGE,
+            hidden_states_layers=self.hidden_states_layers)
+        return {"prompt_embeds": embeds}
+
+    # -- 2. latents, position ids, schedule ----------------------------------------------------------------
+
+    def _latent_ids_for(self, tokens_h: int, tokens_w: int) -> torch.Tensor:
+        key = (tokens_h, tokens_w)
+        if key not in self._latent_ids:
+            _make_room(self._latent_ids)
+            probe = torch.empty(1, 1, tokens_h, tokens_w)
+            self._latent_ids[key] = Flux2Pipeline._prepare_latent_ids(probe)[0].to(self.device)
+        return self._latent_ids[key]
+
+    def _text_ids_for(self, seq_len: int) -> torch.Tensor:
+        if seq_len not in self._text_ids:
+            _make_room(self._text_ids)
+            self._text_ids[seq_len] = Flux2Pipeline._prepare_text_ids(torch.empty(1, seq_len, 1))[0].to(self.device)
+        return self._text_ids[seq_len]
+
+    def _schedule(self, num_steps: int, image_seq_len: int) -> tuple[Any, torch.Tensor]:
+        """A private scheduler with this shape's timesteps (the set-up is cached per shape)."""
+        key = (num_steps, image_seq_len)
+        if key not in self._schedules:
+            _make_room(self._schedules)
+            template = self.scheduler.__class__.from_config(self.scheduler.config)
+            sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+            if getattr(template.config, "use_flow_sigmas", False):
+                sigmas = None
+            mu = compute_empirical_mu(image_seq_len=image_seq_len, num_steps=num_steps)
+            timesteps, _ = retrieve_timesteps(template, num_steps, self.device, sigmas=sigmas, mu=mu)
+            self._schedules[key] = (template, timesteps)
+        template, timesteps = self._schedules[key]
+        return stages.fresh_scheduler(template), timesteps
+
+    def _reference_tokens(self, params: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request's reference images as packed tokens (1, N, C) and their position ids (N, 4)."""
+        latents = []
+        for data in params.image_inputs:
+            image = Image.open(io.BytesIO(data))
+            image.load()
+            width, height = image.size
+            if width * height > REFERENCE_MAX_AREA:
+                image = self.image_processor._resize_to_target_area(image, REFERENCE_MAX_AREA)
+                width, height = image.size
+            width = width // self.size_multiple * self.size_multiple
+            height = height // self.size_multiple * self.size_multiple
+            pixels = self.image_processor.preprocess(image, height=height, width=width, resize_mode="crop")
+            pixels = pixels.to(self.device, self.vae.dtype)
+            # Distribution mode (no sampling): the reference is the same whatever the seed.
+            latent = Flux2Pipeline._patchify_latents(retrieve_latents(self.vae.encode(pixels), sample_mode="argmax"))
+            mean, std = self._bn_stats(latent)
+            latents.append((latent - mean) / std)
+        ids = Flux2Pipeline._prepare_image_ids(latents)[0].to(self.device)
+        tokens = torch.cat([Flux2Pipeline._pack_latents(x)[0] for x in latents]).unsqueeze(0)
+        return tokens, ids
+
+    def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
+        """Per-row noise (row j of a request from seed + j), packed; cached ids and schedule; reference tokens."""
+        tokens_h, tokens_w = head.height // self.size_multiple, head.width // self.size_multiple
+        channels = self.transformer.config.in_channels
+        noise = stages.batch_noise(batch, (channels, tokens_h, tokens_w), device=self.device,
+                                   dtype=positive["prompt_embeds"].dtype)
+        latents = Flux2Pipeline._pack_latents(noise)
+        scheduler, timesteps = self._schedule(head.num_inference_steps, tokens_h * tokens_w)
+        img_ids = self._latent_ids_for(tokens_h, tokens_w)
+        reference = None
+        if head.image_inputs:
+            # Edits run alone (never merged), so the batch is one request and its rows share the references.
+            reference, ref_ids = self._reference_tokens(head)
+            img_ids = torch.cat([img_ids, ref_ids])
+        extras = {
+            "tokens": (tokens_h, tokens_w),
+            "img_ids": img_ids,
+            "txt_ids": self._text_ids_for(positive["prompt_embeds"].shape[1]),
+            "guidance": self._guidance_vector(head),
+            "reference": reference,
+        }
+        return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)
+
+    def _guidance_vector(self, head: Any) -> torch.Tensor | None:
+        if not getattr(self.transformer.config, "guidance_embeds", False):
+            return None
+        return torch.full([1], head.guidance_scale, device=self.device, dtype=torch.float32)
+
+    def _bn_stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The VAE's latent batch-norm mean and std (sqrt(var + eps)), shaped and typed to broadcast on `like`."""
+        bn = self.vae.bn
+        mean = bn.running_mean.view(1, -1, 1, 1).to(like.device, like.dtype)
+        std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(like.device, like.dtype)
+        return mean, std
+
+    # -- 3. one transformer call ------------------------------------------------------------------------------
+
+    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
+                model_key: str) -> torch.Tensor:
+        extras = state.extras
+        reference = extras["reference"]
+        if reference is not None:
+            # One copy per row (the rows of batched CFG included), after the generated image's tokens.
+            latents_in = torch.cat([latents, reference.expand(latents.shape[0], -1, -1)], dim=1)
+        else:
+            latents_in = latents
+        guidance = extras["guidance"]
+        out = self.transformer(
+            hidden_states=latents_in.to(self.transformer.dtype),
+            timestep=timestep.to(latents.dtype) / 1000,
+            guidance=None if guidance is None else guidance.expand(latents.shape[0]),
+            encoder_hidden_states=cond["prompt_embeds"],
+            txt_ids=extras["txt_ids"],
+            img_ids=extras["img_ids"],
+            return_dict=False,
+        )[0]
+        # The reference tokens' outputs are dropped: only the generated image's tokens are denoised.
+        return out[:, : latents.shape[1]]
+
+    # -- 4. decode ------------------------------------------------------------------------------------------------
+
+    def decode(self, latents: torch.Tensor, state: DenoiseState) -> list[Image.Image]:
+        """Unpack tokens to the (rows, C, h, w) grid, undo the batch-norm normalisation, unpatchify, decode."""
+        tokens_h, tokens_w = state.extras["tokens"]
+        # The ids are a full row-major grid, so diffusers' scatter by ids is exactly this reshape.
+        grid = latents.transpose(1, 2).reshape(latents.shape[0], latents.shape[2], tokens_h, tokens_w)
+        mean, std = self._bn_stats(grid)
+        grid = Flux2Pipeline._unpatchify_latents(grid * std + mean)
+        image = self.vae.decode(grid.to(self.vae.dtype), return_dict=False)[0]
+        return stages.to_pil_images(image)
+
+
+class Flux2KleinNativePipeline(Flux2NativePipeline):
+    """FLUX.2-Klein (4B/9B distilled, and Klein-Base): Qwen3 encoder, no guidance embedding; Klein-Base runs
+    CFG at `guidance_scale` > 1 (uncond text "" or the negative prompt), distilled Klein never does."""
+
+    family = "flux2_klein"
+    hidden_states_layers: ClassVar[tuple[int, ...]] = (9, 18, 27)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._empty_embeds: torch.Tensor | None = None
+        """The encoding of "" (the unconditional text), computed on first use."""
+
+    @property
+    def is_distilled(self) -> bool:
+        """model_index.json `is_distilled` (step-distilled Klein 4B/9B: guidance is ignored)."""
+        return bool(self.model_index.get("is_distilled", False))
+
+    def _family_defaults(self, defaults: Any) -> Any:
+        # The spec holds the distilled models' 4 steps without guidance; Klein-Base is sampled like diffusers'
+        # call defaults (50 steps, CFG at 4.0).
+        if self.is_distilled:
+            return defaults
+        return dataclasses.replace(defaults, num_inference_steps=50, guidance_scale=4.0)
+
+    def uses_cfg(self, head: Any) -> bool:
+        return head.guidance_scale > 1.0 and not self.is_distilled
+
+    def cfg_scale(self, head: Any) -> float:
+        return head.guidance_scale
+
+    def _guidance_hint(self) -> str:
+        return "FLUX.2-Klein's classifier-free guidance scale is guidance_scale."
+
+    def _negative_hint(self) -> str:
+        if self.is_distilled:
+            return "this FLUX.2-Klein checkpoint is step-distilled and runs no unconditional branch."
+        return "the unconditional branch runs only with guidance_scale > 1."
+
+    def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
+        """Qwen3 chat-formatted texts; layers 9/18/27 stacked: (texts, L, 3 x hidden).
+
+        The unconditional text "" of Klein-Base's CFG is encoded once, alone (as diffusers encodes it, in its own
+        call), and reused: every CFG batch would otherwise encode it again."""
+        rest = [t for t in texts if t != ""]
+        encoded = dict(zip(rest, self._qwen3_embeds(rest), strict=True)) if rest else {}
+        if "" in texts:
+            if self._empty_embeds is None:
+                self._empty_embeds = self._qwen3_embeds([""])
+            encoded[""] = self._empty_embeds[0]
+        return {"prompt_embeds": torch.stack([encoded[t] for t in texts])}
+
+    def _qwen3_embeds(self, texts: list[str]) -> torch.Tensor:
+        return Flux2KleinPipeline._get_qwen3_prompt_embeds(
+            text_encoder=self.text_encoder, tokenizer=self.tokenizer, prompt=texts, dtype=self.dtype,
+            device=self.device, max_sequence_length=self.max_sequence_length,
+            hidden_states_layers=self.hidden_states_layers)

@@ -1,0 +1,312 @@
+"""Native Qwen-Image-Edit (`QwenImageEditPipeline`) and Qwen-Image-Edit 2509/2511 (`QwenImageEditPlusPipeline`).
+
+The family parts follow the diffusers pipelines step for step, so a request and a diffusers call with the same
+image(s), prompt, size, steps, `true_cfg_scale`, negative prompt and seeds give the same pixels:
+
+- Condition images. Edit resizes its one input to about 1024x1024 (same aspect, sides multiples of 32) and
+  uses that picture twice: the Qwen2.5-VL processor sees it beside the prompt, the VAE encodes it. EditPlus
+  resizes each input twice: to about 384x384 for the processor and 1024x1024 for the VAE.
+- Prompt. The pipeline's chat template, with one `<|vision_start|><|image_pad|><|vision_end|>` block (Edit, in
+  front of the instruction) or one `Picture i: ...` block per image (EditPlus); the encoder's last hidden
+  state with the 64 system-prompt tokens dropped. Every text (prompt, negative prompt) is encoded alone, as
+  diffusers does, so no padding ever enters the encoder.
+- Latents. The noise tokens (one row per output) are followed on the sequence by the packed latents of every
+  input image (shared by the rows); `img_shapes` lists the output grid and then each input's grid; only the
+  noise tokens' prediction is kept.
+- Guidance. True CFG in two passes with Qwen-Image's norm rescale: the combined prediction is scaled back to
+  the per-token norm of the conditional one.
+- Output. Unpack, un-normalise with the VAE's latents_mean/std, decode frame 0, diffusers' postprocess.
+
+Edits never merge across requests (the server marks them `image_conditioning`); `n` outputs of one edit
+share one call, row j seeded `seed + j`, which is diffusers with `num_images_per_prompt=n` and one generator
+per row.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers.image_processor import VaeImageProcessor
+from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as edit_module
+from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus_module
+from PIL import Image
+
+from diffuserve.errors import CheckpointError, InvalidRequestError
+from diffuserve.families import spec_for
+from diffuserve.pipelines import stages
+from diffuserve.pipelines.stages import Cond, DenoiseState
+
+logger = logging.getLogger(__name__)
+
+REQUIRED_COMPONENTS = ("transformer", "vae", "text_encoder", "processor", "scheduler")
+"""model_index.json keys the native adapters run (the tokenizer is the processor's own copy)."""
+
+MAX_CACHED_SCHEDULES = 64
+"""Timestep schedules cached per (steps, output tokens); cleared past this many entries."""
+
+ROPE_POSITIONS = 4096
+"""Positions per axis in diffusers' QwenEmbedRope tables. Patch rows and columns are centred (half the side
+on each side of 0) and the text positions follow from half the longest side on, so a side of at most this
+many patches leaves room for 2048 text tokens."""
+
+
+def norm_rescaled_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """Qwen-Image's true CFG: the classic combination, rescaled per token to the conditional prediction's
+    norm (same operations, same order as diffusers, so the result matches bit for bit)."""
+    combined = stages.combine_cfg(cond, uncond, scale)
+    cond_norm = torch.norm(cond, dim=-1, keepdim=True)
+    noise_norm = torch.norm(combined, dim=-1, keepdim=True)
+    return combined * (cond_norm / noise_norm)
+
+
+@dataclass(frozen=True)
+class EditInputs:
+    """One request's input images, prepared as the diffusers pipeline prepares them."""
+
+    prompt_images: list[Image.Image]
+    """What the Qwen2.5-VL processor sees beside the prompt (Edit: ~1024²; EditPlus: ~384² each)."""
+    vae_pixels: list[torch.Tensor]
+    """What the VAE encodes, one (1, 3, 1, H, W) tensor in [-1, 1] per input (~1024² each)."""
+    vae_sizes: list[tuple[int, int]]
+    """(width, height) of each VAE input."""
+
+
+class QwenImageEditNativePipeline(stages.RecipePipeline):
+    """Qwen-Image-Edit: one input image, the instruction encoded together with it."""
+
+    family = "qwen_image_edit"
+    output_kind = "image"
+    supports_batching = False
+    text_encoders = ("text_encoder",)
+    masked_sequences = {"prompt_embeds": "prompt_mask"}
+    min_image_inputs = 1
+    multi_image = False
+    """The processor gets a list of images (EditPlus) rather than one image (Edit)."""
+    diffusers_module: Any = edit_module
+    """The diffusers module whose pipeline this adapter reproduces (templates, size rules, helpers)."""
+
+    def __init__(self, *, transformer: Any, vae: Any, text_encoder: Any, processor: Any, scheduler: Any,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.transformer = transformer
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.processor = processor
+        self.scheduler = scheduler
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.components = {"text_encoder": text_encoder, "transformer": transformer, "vae": vae}
+        self.vae_scale_factor = 2 ** len(vae.temperal_downsample)
+        # Latents are packed in 2x2 patches, so sizes divide by the VAE factor times 2 (diffusers rounds down
+        # to this; we refuse other sizes instead, naming `size`).
+        self.size_multiple = self.vae_scale_factor * 2
+        self.max_width = self.max_height = ROPE_POSITIONS * self.size_multiple
+        self.max_image_inputs = spec_for(self.family).max_image_inputs
+        self.defaults = spec_for(self.family).defaults
+        self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
+        pipe_class = getattr(self.diffusers_module, self._diffusers_class_name())
+        # The prompt encoding (chat template, image blocks, dropped system prefix) is the diffusers pipeline's
+        # own method on an instance that holds only the text encoder and the processor (the same objects, so
+        # residency hooks on the encoder apply).
+        self._prompt_encoder = pipe_class(scheduler=None, vae=None, text_encoder=text_encoder, tokenizer=None,
+                                          processor=processor, transformer=None)
+        self._schedules: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._inputs: tuple[tuple[bytes, ...], EditInputs] | None = None
+
+    @classmethod
+    def _diffusers_class_name(cls) -> str:
+        return "QwenImageEditPipeline"
+
+    @classmethod
+    def from_components(cls, components: dict[str, Any], *, device: torch.device | str,
+                        dtype: torch.dtype) -> QwenImageEditNativePipeline:
+        """Build from the loader's model_index.json key -> loaded object mapping."""
+        missing = [key for key in REQUIRED_COMPONENTS if components.get(key) is None]
+        if missing:
+            raise CheckpointError(
+                f"a {cls._diffusers_class_name()} checkpoint needs components {list(REQUIRED_COMPONENTS)}; its "
+                f"model_index.json lacks {missing}.")
+        return cls(**{key: components[key] for key in REQUIRED_COMPONENTS}, device=device, dtype=dtype)
+
+    # -- requests --------------------------------------------------------------------------------------------
+
+    def validate(self, params: Any) -> None:
+        super().validate(params)
+        if len(params.image_inputs) < self.min_image_inputs:
+            raise InvalidRequestError(
+                f"this {self.family} model edits images: send the input image with POST /v1/images/edits "
+                f"(up to {self.max_image_inputs} `image` file(s)); got {len(params.image_inputs)}.", param="image")
+
+    def uses_cfg(self, head: Any) -> bool:
+        # diffusers runs the negative branch whenever a negative prompt is given, even an empty one.
+        return head.true_cfg_scale > 1.0 and head.negative_prompt is not None
+
+    def run(self, batch: list[Any], **kwargs: Any) -> Any:
+        try:
+            return super().run(batch, **kwargs)
+        finally:
+            self._inputs = None  # the prepared ~1024² inputs are per request; do not hold them between requests
+
+    # -- input images ------------------------------------------------------------------------------------------
+
+    def prepare_inputs(self, images: list[Image.Image]) -> EditInputs:
+        """Edit: one ~1024² resize, shown to the processor and encoded by the VAE."""
+        image = images[0]
+        width, height, _ = self.diffusers_module.calculate_dimensions(1024 * 1024, image.size[0] / image.size[1])
+        resized = self.image_processor.resize(image, height, width)
+        pixels = self.image_processor.preprocess(resized, height, width).unsqueeze(2)
+        return EditInputs(prompt_images=[resized], vae_pixels=[pixels], vae_sizes=[(width, height)])
+
+    def _edit_inputs(self, head: Any) -> EditInputs:
+        # encode_text and prepare both need the request's prepared images; prepare them once per request.
+        key = tuple(head.image_inputs)
+        if self._inputs is None or self._inputs[0] != key:
+            images = [Image.open(io.BytesIO(data)).convert("RGB") for data in key]
+            self._inputs = (key, self.prepare_inputs(images))
+        return self._inputs[1]
+
+    # -- 1. encode -------------------------------------------------------------------------------------------
+
+    def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
+        """The instruction(s) encoded with the input image(s), through the diffusers pipeline's own prompt
+        encoder (its template, image blocks and dropped system prefix). Each text is encoded alone, as
+        diffusers encodes the prompt and the negative prompt, so no padding enters the encoder."""
+        inputs = self._edit_inputs(batch[0])
+        images: Any = inputs.prompt_images if self.multi_image else inputs.prompt_images[0]
+        rows = [self._prompt_encoder._get_qwen_prompt_embeds(text, images, self.device, self.text_encoder.dtype)[0][0]
+                for text in texts]
+        length = max(r.shape[0] for r in rows)
+        embeds = torch.stack([stages.pad_to(r, length, dim=0) for r in rows])
+        mask = torch.stack([stages.pad_to(torch.ones(r.shape[0], dtype=torch.long, device=r.device), length, dim=0)
+                            for r in rows])
+        return {"prompt_embeds": embeds, "prompt_mask": mask}
+
+    # -- 2. latents, schedule, image latents ---------------------------------------------------------------
+
+    def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
+        return 2 * (height // (self.vae_scale_factor * 2)), 2 * (width // (self.vae_scale_factor * 2))
+
+    def _schedule(self, num_steps: int, image_seq_len: int) -> tuple[Any, torch.Tensor]:
+        """A private scheduler with timesteps set as the pipeline sets them (cached per shape)."""
+        key = (num_steps, image_seq_len)
+        if key not in self._schedules:
+            if len(self._schedules) >= MAX_CACHED_SCHEDULES:
+                self._schedules.clear()
+            template = self.scheduler.__class__.from_config(self.scheduler.config)
+            cfg = template.config
+            sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+            mu = self.diffusers_module.calculate_shift(
+                image_seq_len,
+                cfg.get("base_image_seq_len", 256),
+                cfg.get("max_image_seq_len", 4096),
+                cfg.get("base_shift", 0.5),
+                cfg.get("max_shift", 1.15),
+            )
+            timesteps, _ = self.diffusers_module.retrieve_timesteps(template, num_steps, self.device,
+                                                                    sigmas=sigmas, mu=mu)
+            self._schedules[key] = (template, timesteps)
+        template, timesteps = self._schedules[key]
+        return stages.fresh_scheduler(template), timesteps
+
+    def _image_latents(self, inputs: EditInputs, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """Every input image VAE-encoded (distribution mode), normalised, repeated per row, packed, concatenated."""
+        z_dim = self.vae.config.z_dim
+        mean = torch.tensor(self.vae.config.latents_mean).view(1, z_dim, 1, 1, 1)
+        std = torch.tensor(self.vae.config.latents_std).view(1, z_dim, 1, 1, 1)
+        channels = self.transformer.config.in_channels // 4
+        packed = []
+        for pixels in inputs.vae_pixels:
+            encoded = self.vae.encode(pixels.to(device=self.device, dtype=dtype))
+            latents = edit_module.retrieve_latents(encoded, sample_mode="argmax")
+            latents = (latents - mean.to(latents.device, latents.dtype)) / std.to(latents.device, latents.dtype)
+            latents = torch.cat([latents] * rows, dim=0)
+            lh, lw = latents.shape[3:]
+            packed.append(edit_module.QwenImageEditPipeline._pack_latents(latents, rows, channels, lh, lw))
+        return torch.cat(packed, dim=1)
+
+    def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
+        """Noise rows (row j of a request from `seed + j`), the input images' latents, img_shapes, schedule."""
+        inputs = self._edit_inputs(head)
+        rows = stages.num_rows(batch)
+        dtype = positive["prompt_embeds"].dtype
+        lh, lw = self._latent_hw(head.height, head.width)
+        channels = self.transformer.config.in_channels // 4
+        noise = stages.batch_noise(batch, (1, channels, lh, lw), device=self.device, dtype=dtype)
+        latents = edit_module.QwenImageEditPipeline._pack_latents(noise, rows, channels, lh, lw)
+        image_latents = self._image_latents(inputs, rows, dtype)
+        f = self.vae_scale_factor
+        shapes = [(1, lh // 2, lw // 2), *[(1, h // f // 2, w // f // 2) for w, h in inputs.vae_sizes]]
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full([1], head.guidance_scale, device=self.device, dtype=torch.float32).expand(rows)
+        scheduler, timesteps = self._schedule(head.num_inference_steps, latents.shape[1])
+        extras = {"size": (head.height, head.width), "image_latents": image_latents,
+                  "img_shapes": [shapes] * rows, "guidance": guidance}
+        return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)
+
+    # -- 3. one transformer call and the guidance combine ---------------------------------------------------
+
+    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
+                model_key: str) -> torch.Tensor:
+        mask = cond["prompt_mask"]
+        # diffusers drops an all-ones mask (no padding), which takes the unmasked attention path.
+        mask = None if bool(mask.all()) else mask
+        out = self.transformer(
+            hidden_states=torch.cat([latents, state.extras["image_latents"]], dim=1),
+            timestep=timestep.to(latents.dtype) / 1000,
+            guidance=state.extras["guidance"],
+            encoder_hidden_states_mask=mask,
+            encoder_hidden_states=cond["prompt_embeds"],
+            img_shapes=state.extras["img_shapes"],
+            attention_kwargs={},
+            return_dict=False,
+        )[0]
+        return out[:, : latents.shape[1]]
+
+    def combine_guidance(self, cond: torch.Tensor, uncond: torch.Tensor, head: Any, state: DenoiseState,
+                         step_index: int) -> torch.Tensor:
+        return norm_rescaled_cfg(cond, uncond, self.cfg_scale(head))
+
+    # -- 4. decode ---------------------------------------------------------------------------------------------
+
+    def decode(self, latents: torch.Tensor, state: DenoiseState) -> list[Image.Image]:
+        height, width = state.extras["size"]
+        latents = edit_module.QwenImageEditPipeline._unpack_latents(latents, height, width, self.vae_scale_factor)
+        latents = latents.to(self.vae.dtype)
+        z_dim = self.vae.config.z_dim
+        mean = torch.tensor(self.vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        inv_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(
+            latents.device, latents.dtype)
+        latents = latents / inv_std + mean
+        image = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
+        return self.image_processor.postprocess(image, output_type="pil")
+
+
+class QwenImageEditPlusNativePipeline(QwenImageEditNativePipeline):
+    """Qwen-Image-Edit 2509/2511: up to `max_image_inputs` input images, each shown and encoded."""
+
+    family = "qwen_image_edit_plus"
+    multi_image = True
+    diffusers_module = plus_module
+
+    @classmethod
+    def _diffusers_class_name(cls) -> str:
+        return "QwenImageEditPlusPipeline"
+
+    def prepare_inputs(self, images: list[Image.Image]) -> EditInputs:
+        """EditPlus: each input at ~384² for the processor and ~1024² for the VAE (its own aspect)."""
+        prompt_images, pixels, sizes = [], [], []
+        for image in images:
+            ratio = image.size[0] / image.size[1]
+            cw, ch = plus_module.calculate_dimensions(plus_module.CONDITION_IMAGE_SIZE, ratio)
+            vw, vh = plus_module.calculate_dimensions(plus_module.VAE_IMAGE_SIZE, ratio)
+            prompt_images.append(self.image_processor.resize(image, ch, cw))
+            pixels.append(self.image_processor.preprocess(image, vh, vw).unsqueeze(2))
+            sizes.append((vw, vh))
+        return EditInputs(prompt_images=prompt_images, vae_pixels=pixels, vae_sizes=sizes)

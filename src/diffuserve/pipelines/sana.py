@@ -1,0 +1,230 @@
+"""Native SANA (600M / 1600M / 1.5): diffusers' model classes and scheduler on the shared recipe.
+
+The family parts follow `diffusers.SanaPipeline` with its default arguments, so the same request and the
+same call give the same image:
+- texts are lower-cased and stripped (`clean_caption=False`); a prompt gets the pipeline's default complex
+  human instruction in front, is padded to `len(instruction tokens) + 298` and encoded by Gemma2, and then
+  only the first token and the last 299 positions are kept (300 tokens, as diffusers selects); a negative
+  prompt (default "") is encoded without the instruction, padded to 300. Both come with their attention
+  masks, and the transformer's cross-attention ignores the padding;
+- CFG runs when `guidance_scale > 1`, classic `uncond + g * (cond - uncond)`, in one doubled transformer call
+  as diffusers does; PAG is not part of SanaPipeline (SanaPAGPipeline is another class);
+- resolution binning (diffusers' default `use_resolution_binning=True`): a requested size is generated at the
+  closest aspect-ratio bin of the checkpoint's table (picked by the transformer's `sample_size`: 16 -> the
+  512 px table, 32 -> 1024, 64 -> 2048, 128 -> 4096) and the decoded image is resized and centre-cropped back
+  to the requested size, with diffusers' own helpers. A checkpoint whose `sample_size` has no table (where
+  diffusers' default call raises) generates at the requested size;
+- the scheduler is the checkpoint's (flow DPM-Solver++ upstream, a multistep solver: each batch gets its own
+  solver history).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from diffusers.image_processor import PixArtImageProcessor
+from diffusers.pipelines.sana import pipeline_sana
+from diffusers.pipelines.sana.pipeline_sana import SanaPipeline, retrieve_timesteps
+
+from diffuserve.families import spec_for
+from diffuserve.pipelines import stages
+from diffuserve.pipelines.stages import Cond, DenoiseState
+
+logger = logging.getLogger(__name__)
+
+MAX_SEQUENCE_LENGTH = 300
+"""Text tokens the transformer sees per row: SanaPipeline's `max_sequence_length` default."""
+
+COMPLEX_HUMAN_INSTRUCTION: list[str] = list(
+    inspect.signature(SanaPipeline.__call__).parameters["complex_human_instruction"].default
+)
+"""The instruction SanaPipeline prepends to every prompt by default (read from diffusers, not restated)."""
+
+ASPECT_RATIO_BINS: dict[int, dict[str, list[float]]] = {
+    128: pipeline_sana.ASPECT_RATIO_4096_BIN,
+    64: pipeline_sana.ASPECT_RATIO_2048_BIN,
+    32: pipeline_sana.ASPECT_RATIO_1024_BIN,
+    16: pipeline_sana.ASPECT_RATIO_512_BIN,
+}
+"""transformer `sample_size` -> the bin table SanaPipeline's resolution binning uses for it."""
+
+MAX_CACHED_SCHEDULES = 64
+"""Schedule templates per step count are cleared past this many."""
+
+
+class SanaNativePipeline(stages.RecipePipeline):
+    """SANA text-to-image as a batched recipe pipeline."""
+
+    family = "sana"
+    output_kind = "image"
+    supports_batching = True
+    text_encoders = ("text_encoder",)
+    # No trimming of the padded text columns: every row is 300 tokens wide as in diffusers, whose
+    # transformer output depends (~1e-6) on how many masked columns cross-attention sees.
+    masked_sequences: dict[str, str] = {}
+    # diffusers runs [negatives, positives] as one doubled call; per-row results do not depend on the
+    # order inside a call, but do (~1e-6) on the call's size, so the doubled call keeps them bit-equal.
+    # `predict` also relies on it: the doubled call is how it knows which rows take the negative encoding.
+    batched_cfg = True
+
+    def __init__(
+        self,
+        *,
+        transformer: Any,
+        vae: Any,
+        text_encoder: Any,
+        tokenizer: Any,
+        scheduler: Any,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.transformer = transformer
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.components = {"text_encoder": text_encoder, "transformer": transformer, "vae": vae}
+        self.vae_scale_factor = 2 ** (len(vae.config.encoder_block_out_channels) - 1)
+        self.size_multiple = self.vae_scale_factor * transformer.config.patch_size
+        self.image_processor = PixArtImageProcessor(vae_scale_factor=self.vae_scale_factor)
+        self.aspect_ratio_bin = ASPECT_RATIO_BINS.get(int(transformer.config.sample_size))
+        if self.aspect_ratio_bin is None:
+            logger.warning("sana: transformer sample_size=%s has no resolution-binning table; images are "
+                           "generated at the requested size", transformer.config.sample_size)
+        # The instruction's token count fixes where the kept 299 prompt positions start (diffusers counts it
+        # with the tokenizer's special tokens, i.e. including <bos>).
+        instruction = "\n".join(COMPLEX_HUMAN_INSTRUCTION)
+        self._instruction = instruction
+        self._prompt_length = len(tokenizer.encode(instruction)) + MAX_SEQUENCE_LENGTH - 2
+        self._keep = torch.tensor([0, *range(self._prompt_length - MAX_SEQUENCE_LENGTH + 1, self._prompt_length)])
+        self.defaults = self._defaults_from_checkpoint()
+        self._schedules: dict[int, tuple[Any, torch.Tensor]] = {}
+
+    @classmethod
+    def from_components(cls, components: dict[str, Any], *, device: torch.device | str,
+                        dtype: torch.dtype) -> SanaNativePipeline:
+        """Build from the loader's model_index.json key -> loaded object mapping."""
+        required = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
+        missing = [key for key in required if components.get(key) is None]
+        if missing:
+            from diffuserve.errors import CheckpointError
+
+            raise CheckpointError(
+                f"a SANA checkpoint needs components {list(required)}; its model_index.json lacks {missing}."
+            )
+        return cls(**{key: components[key] for key in required}, device=device, dtype=dtype)
+
+    def _defaults_from_checkpoint(self) -> Any:
+        # sample_size is in latent pixels (32 -> 1024 px upstream); a tiny checkpoint's 16 would be 512 px,
+        # which binning would generate anyway, so the tiny one suggests 64 px through its model_index.
+        size = int(self.transformer.config.sample_size) * self.vae_scale_factor
+        return dataclasses.replace(spec_for(self.family).defaults, width=size, height=size)
+
+    # -- family parts ------------------------------------------------------------------------------------
+
+    def uses_cfg(self, head: Any) -> bool:
+        # SanaPipeline.do_classifier_free_guidance: guidance_scale > 1.
+        return head.guidance_scale > 1.0
+
+    def cfg_scale(self, head: Any) -> float:
+        return head.guidance_scale
+
+    def _gemma(self, texts: list[str], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Last hidden state + attention mask of `texts` padded to `length`, as diffusers encodes them.
+
+        The encoder runs over the padding too: the transformer's cross-attention masks padded positions,
+        but their values still move its output by ~1e-6, so they are computed exactly as diffusers does."""
+        inputs = self.tokenizer(texts, padding="max_length", max_length=length, truncation=True,
+                                add_special_tokens=True, return_tensors="pt")
+        mask = inputs.attention_mask.to(self.device)
+        hidden = self.text_encoder(inputs.input_ids.to(self.device), attention_mask=mask)[0]
+        return hidden.to(self.text_encoder.dtype), mask
+
+    def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
+        """`prompt_embeds`/`prompt_mask` (instruction + prompt, the kept 300 positions) for texts used as
+        prompts and `negative_embeds`/`negative_mask` (plain, 300) for texts used as negative prompts.
+
+        The recipe encodes each distinct text once for both roles, but SANA encodes the roles differently,
+        so each row carries both variants (zeros where a text has no such role) and `predict` picks per half.
+        """
+        prompts = {p.prompt for p in batch}
+        negatives = {p.negative_prompt or "" for p in batch} if self.uses_cfg(batch[0]) else set()
+        clean = [t.lower().strip() for t in texts]
+        hidden_size = self.text_encoder.config.hidden_size
+        out: Cond = {}
+        for name, wanted in (("prompt", prompts), ("negative", negatives)):
+            rows = [i for i, t in enumerate(texts) if t in wanted]
+            embeds = torch.zeros((len(texts), MAX_SEQUENCE_LENGTH, hidden_size), device=self.device,
+                                 dtype=self.text_encoder.dtype)
+            mask = torch.zeros((len(texts), MAX_SEQUENCE_LENGTH), device=self.device, dtype=torch.long)
+            if rows:
+                if name == "prompt":
+                    full, full_mask = self._gemma([self._instruction + clean[i] for i in rows], self._prompt_length)
+                    keep = self._keep.to(self.device)
+                    embeds[rows], mask[rows] = full[:, keep], full_mask[:, keep]
+                else:
+                    embeds[rows], mask[rows] = self._gemma([clean[i] for i in rows], MAX_SEQUENCE_LENGTH)
+            out[f"{name}_embeds"], out[f"{name}_mask"] = embeds, mask
+        return out
+
+    def _schedule(self, num_steps: int) -> tuple[Any, torch.Tensor]:
+        if num_steps not in self._schedules:
+            if len(self._schedules) >= MAX_CACHED_SCHEDULES:
+                self._schedules.clear()
+            template = self.scheduler.__class__.from_config(self.scheduler.config)
+            timesteps, _ = retrieve_timesteps(template, num_steps, self.device)
+            self._schedules[num_steps] = (template, timesteps)
+        template, timesteps = self._schedules[num_steps]
+        scheduler = stages.fresh_scheduler(template)
+        # A multistep solver (DPM-Solver++, UniPC) keeps its history in lists it updates in place; the
+        # shallow copy would share them with the template, so each batch gets its own.
+        for name, value in list(vars(scheduler).items()):
+            if isinstance(value, list):
+                setattr(scheduler, name, list(value))
+        return scheduler, timesteps
+
+    def generation_size(self, height: int, width: int) -> tuple[int, int]:
+        """The (height, width) the model runs at for a requested size: its aspect-ratio bin when binning."""
+        if self.aspect_ratio_bin is None:
+            return height, width
+        return self.image_processor.classify_height_width_bin(height, width, ratios=self.aspect_ratio_bin)
+
+    def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
+        height, width = self.generation_size(head.height, head.width)
+        channels = self.transformer.config.in_channels
+        shape = (channels, height // self.vae_scale_factor, width // self.vae_scale_factor)
+        latents = stages.batch_noise(batch, shape, device=self.device, dtype=torch.float32)
+        scheduler, timesteps = self._schedule(head.num_inference_steps)
+        extras = {"rows": latents.shape[0], "size": (head.height, head.width)}
+        return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)
+
+    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
+                model_key: str) -> torch.Tensor:
+        rows = state.extras["rows"]
+        if latents.shape[0] == rows:
+            embeds, mask = cond["prompt_embeds"], cond["prompt_mask"]
+        else:  # the doubled CFG call: positive rows first, then negative rows
+            embeds = torch.cat([cond["prompt_embeds"][:rows], cond["negative_embeds"][rows:]])
+            mask = torch.cat([cond["prompt_mask"][:rows], cond["negative_mask"][rows:]])
+        dtype = self.transformer.dtype
+        out = self.transformer(latents.to(dtype), encoder_hidden_states=embeds.to(dtype),
+                               encoder_attention_mask=mask, timestep=timestep * self.transformer.config.timestep_scale,
+                               return_dict=False)[0].float()
+        if self.transformer.config.out_channels // 2 == self.transformer.config.in_channels:
+            out = out.chunk(2, dim=1)[0]  # learned sigma: keep the prediction half
+        return out
+
+    def decode(self, latents: torch.Tensor, state: DenoiseState) -> list[Any]:
+        image = self.vae.decode(latents.to(self.vae.dtype) / self.vae.config.scaling_factor, return_dict=False)[0]
+        if self.aspect_ratio_bin is not None:
+            height, width = state.extras["size"]
+            image = self.image_processor.resize_and_crop_tensor(image, width, height)
+        return self.image_processor.postprocess(image, output_type="pil")

@@ -1,0 +1,217 @@
+"""Native Stable Diffusion 3 / 3.5: diffusers' model classes and scheduler on the shared recipe.
+
+What `diffusers.StableDiffusion3Pipeline.__call__` does, and so what this adapter does:
+1. Text: two CLIP encoders with projection give their penultimate hidden states (77 tokens each,
+   concatenated along features) and their pooled projections (concatenated: `pooled_projections`);
+   T5 gives `max_sequence_length` padded tokens. The CLIP features are zero-padded to T5's width and
+   the two sequences concatenated along tokens (zeros in T5's place for a checkpoint saved without
+   it). Every text pads to fixed lengths, so merged rows need no attention mask.
+2. Guidance: classic CFG whenever `guidance_scale > 1`, against the negative prompt "" when none is
+   given, as one doubled transformer batch per step; combined as diffusers does. Skip-layer guidance
+   (off in diffusers by default) is not offered.
+3. Timesteps: the checkpoint's flow-matching scheduler, `set_timesteps(steps)` with its static shift
+   (and `mu` from the image token count when its config enables dynamic shifting).
+4. Latents: N(0, 1) noise (rows, C, H/8, W/8), one generator per row; decode divides by the VAE's
+   `scaling_factor`, adds its `shift_factor`, and rounds pixels as diffusers' image processor does.
+
+Sizes: multiples of VAE factor x patch size (16), at most `pos_embed_max_size` patches per side (the
+transformer crops its positional table and cannot run beyond it: a 192-patch table gives 192 x 2 x 8 = 3072 px).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
+    calculate_shift,
+    retrieve_timesteps,
+)
+from PIL import Image
+
+from diffuserve.families import spec_for
+from diffuserve.pipelines import stages
+from diffuserve.pipelines.flux import MAX_CACHED_SHAPES, declared_sequence_length
+from diffuserve.pipelines.stages import Cond, DenoiseState
+
+logger = logging.getLogger(__name__)
+
+DIFFUSERS_MAX_SEQUENCE_LENGTH = 256
+"""`StableDiffusion3Pipeline.__call__`'s default T5 length (capped by what tokenizer_3 declares)."""
+
+REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
+"""Components every SD3 checkpoint has; T5 (`text_encoder_3`, `tokenizer_3`) may be left out, as diffusers allows."""
+
+# The pieces `encode_text` returns; `_join` assembles them into the transformer's two inputs.
+_CLIP_KEYS = {"text_encoder": ("clip_1", "pooled_1"), "text_encoder_2": ("clip_2", "pooled_2")}
+
+
+class SD3NativePipeline(stages.RecipePipeline):
+    """SD3 / SD3.5 text-to-image on the shared recipe."""
+
+    family = "sd3"
+    output_kind = "image"
+    supports_batching = True
+    text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    # diffusers runs SD3's CFG as one doubled batch; so do we (two passes round differently: +-1 level).
+    batched_cfg = True
+
+    def __init__(self, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.transformer = components["transformer"]
+        self.vae = components["vae"]
+        self.clip = {"text_encoder": components["text_encoder"], "text_encoder_2": components["text_encoder_2"]}
+        self.clip_tokenizers = {"text_encoder": components["tokenizer"], "text_encoder_2": components["tokenizer_2"]}
+        self.t5 = components.get("text_encoder_3")
+        self.t5_tokenizer = components.get("tokenizer_3")
+        if (self.t5 is None) != (self.t5_tokenizer is None):
+            from diffuserve.errors import CheckpointError
+
+            raise CheckpointError("an SD3 checkpoint has text_encoder_3 and tokenizer_3 both or neither; "
+                                  "model_index.json names only one of them.")
+        if self.t5 is None:
+            # Saved without T5 (a memory saving diffusers supports): its tokens are zeros, as diffusers does.
+            self.text_encoders = ("text_encoder", "text_encoder_2")
+        self.scheduler = components["scheduler"]
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.components = {key: components[key] for key in (*self.text_encoders, "transformer", "vae")}
+        self.max_sequence_length = (DIFFUSERS_MAX_SEQUENCE_LENGTH if self.t5_tokenizer is None else
+                                    declared_sequence_length(self.t5_tokenizer, DIFFUSERS_MAX_SEQUENCE_LENGTH))
+        """T5 tokens per text: diffusers' 256, capped by what tokenizer_3 declares."""
+        self.clip_length = int(getattr(components["tokenizer"], "model_max_length", 77) or 77)
+        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.patch_size = int(self.transformer.config.patch_size)
+        self.size_multiple = self.vae_scale_factor * self.patch_size
+        spec = spec_for(self.family)
+        side = spec.max_latent_side(dict(self.transformer.config)) if spec.max_latent_side else None
+        self.max_width = self.max_height = None if side is None else side * self.vae_scale_factor
+        # diffusers' default size is the transformer's sample size in latent pixels (1024 px for the real
+        # models, 64 px for the tiny one); steps and guidance are the spec's (diffusers' call defaults).
+        size = int(self.transformer.config.sample_size) * self.vae_scale_factor
+        self.defaults = dataclasses.replace(spec.defaults, width=size, height=size)
+        self._schedulers: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._empty: dict[str, Cond] = {}
+        """Text encoder key -> its encoding of "" (see `_encode_empty`)."""
+
+    @classmethod
+    def from_components(
+        cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
+    ) -> SD3NativePipeline:
+        """Build from the loader's model_index.json key -> loaded object mapping."""
+        missing = [key for key in REQUIRED if components.get(key) is None]
+        if missing:
+            from diffuserve.errors import CheckpointError
+
+            raise CheckpointError(
+                f"an SD3 checkpoint needs components {list(REQUIRED)}; its model_index.json lacks {missing} "
+                "(--backend diffusers runs a pipeline without them)."
+            )
+        return cls(components, device=device, dtype=dtype)
+
+    # -- guidance: diffusers' rule ---------------------------------------------------------------------
+
+    def uses_cfg(self, head: Any) -> bool:
+        """CFG runs whenever guidance_scale > 1 (the negative prompt defaults to "")."""
+        return head.guidance_scale > 1.0
+
+    def cfg_scale(self, head: Any) -> float:
+        return head.guidance_scale
+
+    # -- 1. encode --------------------------------------------------------------------------------------
+
+    def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
+        """CLIP: penultimate hidden states and pooled projection; T5: its padded hidden states."""
+        # The batch's prompts and its other texts (negative prompts) go through the encoder in two
+        # calls, as diffusers encodes them: the pooled projection's matmul rounds differently for one row
+        # and for several, so a joint call would move a singleton off diffusers' image by a pixel level.
+        prompts = {p.prompt for p in batch}
+        groups = [[t for t in texts if t in prompts], [t for t in texts if t not in prompts]]
+        parts = [self._encode_empty(key) if group == [""] else self._encode_group(key, group)
+                 for group in groups if group]
+        out = {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+        order = [t for group in groups for t in group]
+        if order != texts:
+            index = torch.tensor([order.index(t) for t in texts], device=next(iter(out.values())).device)
+            out = {name: value.index_select(0, index) for name, value in out.items()}
+        return out
+
+    def _encode_empty(self, key: str) -> Cond:
+        """The encoding of "" (the unconditional text of every CFG request without a negative prompt), made
+        once: the same tensors a fresh one-row call gives, without running the encoder per request."""
+        if key not in self._empty:
+            self._empty[key] = self._encode_group(key, [""])
+        return self._empty[key]
+
+    def _encode_group(self, key: str, texts: list[str]) -> Cond:
+        if key == "text_encoder_3":
+            ids = self.t5_tokenizer(texts, padding="max_length", max_length=self.max_sequence_length,
+                                    truncation=True, add_special_tokens=True, return_tensors="pt").input_ids
+            return {"t5": self.t5(ids.to(self.device))[0].to(self.t5.dtype)}
+        ids = self.clip_tokenizers[key](texts, padding="max_length", max_length=self.clip_length,
+                                        truncation=True, return_tensors="pt").input_ids
+        out = self.clip[key](ids.to(self.device), output_hidden_states=True)
+        hidden, pooled = _CLIP_KEYS[key]
+        # The penultimate layer (diffusers' clip_skip=None), in the first encoder's dtype as upstream.
+        return {hidden: out.hidden_states[-2].to(self.clip["text_encoder"].dtype), pooled: out[0]}
+
+    def _join(self, cond: Cond) -> tuple[torch.Tensor, torch.Tensor]:
+        """(encoder_hidden_states, pooled_projections) from the encoders' pieces."""
+        clip = torch.cat([cond["clip_1"], cond["clip_2"]], dim=-1)
+        t5 = cond.get("t5")
+        if t5 is None:
+            t5 = clip.new_zeros((clip.shape[0], self.max_sequence_length, self.transformer.config.joint_attention_dim))
+        clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        return torch.cat([clip, t5], dim=-2), torch.cat([cond["pooled_1"], cond["pooled_2"]], dim=-1)
+
+    # -- 2. latents and timesteps -----------------------------------------------------------------------
+
+    def _timesteps(self, num_steps: int, image_seq_len: int) -> tuple[Any, torch.Tensor]:
+        """A private scheduler with this shape's timesteps (the set-up is cached per shape)."""
+        key = (num_steps, image_seq_len)
+        if key not in self._schedulers:
+            if len(self._schedulers) >= MAX_CACHED_SHAPES:
+                self._schedulers.clear()
+            template = self.scheduler.__class__.from_config(self.scheduler.config)
+            cfg = template.config
+            kwargs: dict[str, Any] = {}
+            if cfg.get("use_dynamic_shifting", None):
+                kwargs["mu"] = calculate_shift(
+                    image_seq_len,
+                    cfg.get("base_image_seq_len", 256),
+                    cfg.get("max_image_seq_len", 4096),
+                    cfg.get("base_shift", 0.5),
+                    cfg.get("max_shift", 1.16),
+                )
+            timesteps, _ = retrieve_timesteps(template, num_steps, self.device, **kwargs)
+            self._schedulers[key] = (template, timesteps)
+        template, timesteps = self._schedulers[key]
+        return stages.fresh_scheduler(template), timesteps
+
+    def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
+        """Noise row j of a request from `seed + j`, in the text embeddings' dtype as diffusers; the schedule."""
+        lh, lw = head.height // self.vae_scale_factor, head.width // self.vae_scale_factor
+        latents = stages.batch_noise(batch, (self.transformer.config.in_channels, lh, lw),
+                                     device=self.device, dtype=self._join(positive)[0].dtype)
+        scheduler, timesteps = self._timesteps(head.num_inference_steps,
+                                               (lh // self.patch_size) * (lw // self.patch_size))
+        return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras={})
+
+    # -- 3. the transformer call ------------------------------------------------------------------------
+
+    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
+                model_key: str) -> torch.Tensor:
+        prompt_embeds, pooled = self._join(cond)
+        return self.transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=prompt_embeds,
+                                pooled_projections=pooled, return_dict=False)[0]
+
+    # -- 4. decode --------------------------------------------------------------------------------------
+
+    def decode(self, latents: torch.Tensor, state: DenoiseState) -> list[Image.Image]:
+        """Unscale, VAE-decode, and round as diffusers' image processor does."""
+        latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
+        image = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
+        return stages.to_pil_images(image)

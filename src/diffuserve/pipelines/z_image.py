@@ -1,0 +1,186 @@
+"""Native Z-Image / Z-Image-Turbo: diffusers' model classes and scheduler on the shared recipe.
+
+The family parts follow `diffusers.ZImagePipeline` step for step, so the same request and the same call
+give the same image:
+- every text (prompt or negative prompt) is wrapped in the tokenizer's chat template as one user turn
+  (`add_generation_prompt=True, enable_thinking=True`), padded to `max_sequence_length` (512) and encoded;
+  the embedding is the second-to-last hidden state at the real (unmasked) tokens, so each row has its own
+  length: the recipe pads rows to a common width with a mask (`masked_sequences`) and `predict` hands the
+  transformer the per-row lists it takes;
+- CFG runs when `guidance_scale > 0` (not > 1) as `pos + g * (pos - neg)`, in one transformer call on
+  [positives..., negatives...] like diffusers; the empty string is the negative prompt when none is given;
+  `cfg_normalization` and `cfg_truncation` keep diffusers' defaults (off / 1.0, i.e. no effect);
+- the transformer sees `(1000 - t) / 1000` and predicts the negative velocity, so the scheduler steps on
+  `-prediction`; sigmas are `linspace(1, 1/steps, steps)` with the scheduler's own shift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from diffusers.pipelines.z_image.pipeline_z_image import (
+    calculate_shift,
+    get_default_z_image_sigmas,
+    retrieve_timesteps,
+)
+
+from diffuserve.families import spec_for
+from diffuserve.pipelines import stages
+from diffuserve.pipelines.stages import Cond, DenoiseState
+
+logger = logging.getLogger(__name__)
+
+MAX_SEQUENCE_LENGTH = 512
+"""Tokens per text: ZImagePipeline's `max_sequence_length` default (texts are padded to it before encoding,
+as diffusers does, so the embeddings are bit-identical to its call)."""
+
+MAX_CACHED_SCHEDULES = 64
+"""Per-shape schedule templates are cleared past this many, so ever-new sizes cannot grow memory."""
+
+
+class ZImageNativePipeline(stages.RecipePipeline):
+    """Z-Image and Z-Image-Turbo text-to-image as a batched recipe pipeline."""
+
+    family = "z_image"
+    output_kind = "image"
+    supports_batching = True
+    text_encoders = ("text_encoder",)
+    masked_sequences = {"prompt_embeds": "prompt_mask"}
+    # diffusers runs the positive and negative rows through one transformer call; the transformer pads
+    # the rows of a call to a common length, so matching its batch composition keeps results bit-equal.
+    batched_cfg = True
+
+    def __init__(
+        self,
+        *,
+        transformer: Any,
+        vae: Any,
+        text_encoder: Any,
+        tokenizer: Any,
+        scheduler: Any,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.transformer = transformer
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.components = {"text_encoder": text_encoder, "transformer": transformer, "vae": vae}
+        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+        # diffusers calls the transformer with its default patch size 2: sizes divide by the VAE factor x 2.
+        self.size_multiple = self.vae_scale_factor * 2
+        axes_lens = list(transformer.config.axes_lens)
+        # RoPE tables: image token (row, col) indices index axes 1 and 2; the caption occupies indices
+        # 1..len (padded to 32) of axis 0 and the image frame the next one, so axis 0 bounds the text length.
+        self.max_height = axes_lens[1] * self.size_multiple
+        self.max_width = axes_lens[2] * self.size_multiple
+        self.max_sequence_length = min(MAX_SEQUENCE_LENGTH, (axes_lens[0] - 2) // 32 * 32)
+        if self.max_sequence_length < MAX_SEQUENCE_LENGTH:
+            logger.warning("z_image: axes_lens[0]=%d limits texts to %d tokens (diffusers' default is %d)",
+                           axes_lens[0], self.max_sequence_length, MAX_SEQUENCE_LENGTH)
+        self.defaults = self._defaults_from_checkpoint()
+        self._schedules: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+
+    @classmethod
+    def from_components(cls, components: dict[str, Any], *, device: torch.device | str,
+                        dtype: torch.dtype) -> ZImageNativePipeline:
+        """Build from the loader's model_index.json key -> loaded object mapping."""
+        required = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
+        missing = [key for key in required if components.get(key) is None]
+        if missing:
+            from diffuserve.errors import CheckpointError
+
+            raise CheckpointError(
+                f"a Z-Image checkpoint needs components {list(required)}; its model_index.json lacks {missing}."
+            )
+        return cls(**{key: components[key] for key in required}, device=device, dtype=dtype)
+
+    def _defaults_from_checkpoint(self) -> Any:
+        # The VAE's sample_size is the training resolution in pixels (1024 upstream); a tiny checkpoint's is
+        # its small native size, so it does not default to an expensive 1024x1024.
+        size = int(getattr(self.vae.config, "sample_size", 0) or 1024)
+        size = max(self.size_multiple, min(size // self.size_multiple * self.size_multiple,
+                                           self.max_width, self.max_height))
+        return dataclasses.replace(spec_for(self.family).defaults, width=size, height=size)
+
+    # -- family parts ------------------------------------------------------------------------------------
+
+    def uses_cfg(self, head: Any) -> bool:
+        # ZImagePipeline.do_classifier_free_guidance: any positive guidance_scale runs the negative branch.
+        return head.guidance_scale > 0
+
+    def cfg_scale(self, head: Any) -> float:
+        return head.guidance_scale
+
+    def combine_guidance(self, cond: torch.Tensor, uncond: torch.Tensor, head: Any, state: DenoiseState,
+                         step_index: int) -> torch.Tensor:
+        # Z-Image's form (not uncond + g * (cond - uncond)): g = 0 means no guidance, and the operand
+        # order is diffusers' so the floats match.
+        return cond + head.guidance_scale * (cond - uncond)
+
+    def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
+        """Chat-templated texts through Qwen3; `prompt_embeds` (second-to-last hidden state) + `prompt_mask`."""
+        templated = [
+            self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                               add_generation_prompt=True, enable_thinking=True)
+            for text in texts
+        ]
+        inputs = self.tokenizer(templated, padding="max_length", max_length=self.max_sequence_length,
+                                truncation=True, return_tensors="pt")
+        ids = inputs.input_ids.to(self.device)
+        mask = inputs.attention_mask.to(self.device).bool()
+        hidden = self.text_encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-2]
+        return {"prompt_embeds": hidden, "prompt_mask": mask}
+
+    def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
+        return 2 * (height // self.size_multiple), 2 * (width // self.size_multiple)
+
+    def _schedule(self, num_steps: int, image_seq_len: int) -> tuple[Any, torch.Tensor]:
+        """A private scheduler with this shape's timesteps (the set-up is cached per shape)."""
+        key = (num_steps, image_seq_len)
+        if key not in self._schedules:
+            if len(self._schedules) >= MAX_CACHED_SCHEDULES:
+                self._schedules.clear()
+            template = self.scheduler.__class__.from_config(self.scheduler.config)
+            cfg = template.config
+            mu = calculate_shift(image_seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+                                 cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
+            timesteps, _ = retrieve_timesteps(template, num_steps, self.device,
+                                              sigmas=get_default_z_image_sigmas(num_steps), mu=mu)
+            self._schedules[key] = (template, timesteps)
+        template, timesteps = self._schedules[key]
+        return stages.fresh_scheduler(template), timesteps
+
+    def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
+        """float32 noise rows (diffusers keeps Z-Image latents in float32), the schedule for this size."""
+        lh, lw = self._latent_hw(head.height, head.width)
+        channels = self.transformer.config.in_channels
+        latents = stages.batch_noise(batch, (channels, lh, lw), device=self.device, dtype=torch.float32)
+        scheduler, timesteps = self._schedule(head.num_inference_steps, (lh // 2) * (lw // 2))
+        return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras={})
+
+    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
+                model_key: str) -> torch.Tensor:
+        frames = latents.to(self.transformer.dtype).unsqueeze(2)  # one frame per image: (C, 1, h, w) items
+        captions = [embeds[mask] for embeds, mask in zip(cond["prompt_embeds"], cond["prompt_mask"], strict=True)]
+        out = self.transformer(list(frames.unbind(dim=0)), (1000 - timestep) / 1000, captions,
+                               return_dict=False)[0]
+        return torch.stack([o.float() for o in out], dim=0).squeeze(2)
+
+    def scheduler_step(self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor,
+                       state: DenoiseState) -> torch.Tensor:
+        # The transformer predicts the negative of the scheduler's velocity.
+        return state.scheduler.step((-noise_pred).to(torch.float32), timestep, latents, return_dict=False)[0]
+
+    def decode(self, latents: torch.Tensor, state: DenoiseState) -> list[Any]:
+        latents = latents.to(self.vae.dtype) / self.vae.config.scaling_factor + self.vae.config.shift_factor
+        image = self.vae.decode(latents, return_dict=False)[0]
+        return stages.to_pil_images(image)
