@@ -11,6 +11,8 @@ import pytest
 from tests.serverproc import ServerProcess
 
 FAULT_MARKER = "FAIL-THIS-BATCH"
+LONG_STEPS = 2000
+"""Steps of a video job meant to be cancelled while it runs (it never gets near the end)."""
 
 
 @pytest.fixture(scope="session")
@@ -40,6 +42,19 @@ def dynamic_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactor
         logs / "server.log",
         env={"DIFFUSERVE_FAULT_INJECTION": f"prompt:{FAULT_MARKER}"},
     )
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def wan_server(tiny_wan_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Tiny Wan2.1 text-to-video, dynamic batching of 2 (shared by the video API tests)."""
+    logs = tmp_path_factory.mktemp("videos")
+    server = ServerProcess(["--model-path", str(tiny_wan_path), "--served-model-name", "tiny-wan",
+                            "--batching-mode", "dynamic", "--batching-max-size", "2",
+                            "--max-inference-steps", str(LONG_STEPS), "--max-queue-size", "0"],
+                           logs / "server.log")
     server.start()
     yield server
     server.stop()

@@ -80,14 +80,14 @@ def _digest(folder: Path) -> dict[str, str]:
 def test_tiny_checkpoint_is_reproducible_small_and_loads_in_diffusers(family, tiny_checkpoint, tmp_path) -> None:
     from diffusers import DiffusionPipeline
 
-    from diffuserve.models import qwen_vl_compat
+    from diffuserve.models.processor_substitutes import install_processor_substitutes
     from diffuserve.models.tiny import build_tiny_checkpoint
 
     first = tiny_checkpoint(TINY[family])
     again = build_tiny_checkpoint(TINY[family], tmp_path / "again")
     assert _digest(first) == _digest(again)
     assert sum(f.stat().st_size for f in first.rglob("*") if f.is_file()) < 10 * 2**20
-    qwen_vl_compat.install()  # Qwen3VLProcessor without torchvision (a no-op where it exists)
+    install_processor_substitutes()  # Qwen3VLProcessor without torchvision (a no-op where it exists)
     pipe = DiffusionPipeline.from_pretrained(first, local_files_only=True)
     assert type(pipe).__name__ == {"qwen_image": "QwenImagePipeline", "qwen_image_21": "QwenImage21Pipeline"}[family]
     if family == "qwen_image":

@@ -53,10 +53,15 @@ def test_tokenizers_reload_with_real_classes(tiny_flux_path: Path) -> None:
     assert len(clip) > 500 and len(t5) > 300
 
 
-def test_same_bytes_every_build_and_default_model_cache(tiny_flux_path: Path, tmp_path: Path) -> None:
+def test_same_bytes_every_build(tiny_flux_path: Path, tmp_path: Path) -> None:
+    again = tiny.build_tiny_checkpoint("flux", tmp_path / "again", preset="tiny")
+    assert _digest(again) == _digest(tiny_flux_path)
+
+
+def test_default_model_cache_holds_the_shipped_demo_checkpoint(tmp_path: Path) -> None:
     path = tiny.ensure_default_model(tmp_path / "cache")
     assert path == tmp_path / "cache" / "models" / tiny.DEFAULT_MODEL_NAME
-    assert _digest(path) == _digest(tiny_flux_path)
+    assert _digest(path) == _digest(tiny.DEMO_CHECKPOINT)
     # A second call reuses it, and no temporary build folder is left beside it.
     stamp = (path / "model_index.json").stat().st_mtime_ns
     assert tiny.ensure_default_model(tmp_path / "cache") == path
@@ -64,18 +69,18 @@ def test_same_bytes_every_build_and_default_model_cache(tiny_flux_path: Path, tm
     assert sorted(p.name for p in path.parent.iterdir()) == [tiny.DEFAULT_MODEL_NAME]
 
 
-def test_default_model_race_keeps_the_winner(tiny_flux_path: Path, tmp_path: Path, monkeypatch) -> None:
+def test_default_model_race_keeps_the_winner(tmp_path: Path, monkeypatch) -> None:
     target = tmp_path / "models" / tiny.DEFAULT_MODEL_NAME
 
-    def build_while_another_process_wins(family: str, output_dir: Path, *, preset: str = "tiny") -> Path:
-        shutil.copytree(tiny_flux_path, target)  # the other process renames its build into place first
+    def install_while_another_process_wins(output_dir: Path) -> Path:
+        shutil.copytree(tiny.DEMO_CHECKPOINT, target)  # the other process renames its copy into place first
         (Path(output_dir) / "model_index.json").write_text("{}")
         return Path(output_dir)
 
-    monkeypatch.setattr(tiny, "build_tiny_checkpoint", build_while_another_process_wins)
+    monkeypatch.setattr(tiny, "install_demo_checkpoint", install_while_another_process_wins)
     monkeypatch.setenv("DIFFUSERVE_CACHE", str(tmp_path))
     assert tiny.ensure_default_model() == target
-    assert _digest(target) == _digest(tiny_flux_path)
+    assert _digest(target) == _digest(tiny.DEMO_CHECKPOINT)
     assert sorted(p.name for p in target.parent.iterdir()) == [tiny.DEFAULT_MODEL_NAME]
 
 

@@ -4,7 +4,8 @@ folder, against the embedded model and real servers, so the README cannot drift 
 Rules (the README's Tests section states them too):
 - A block whose first line is `# needs a real checkpoint` is skipped; nothing else is.
 - A ```` ```yaml file=NAME ```` block is written to NAME (a config file the next block uses).
-- The `python` blocks run in order in one interpreter (a later block may use an earlier one's names).
+- The `python` blocks run in order in one interpreter (a later block may use an earlier one's names),
+  each against the server the bash block before it started, else the shared one.
 - `make ...` lines run as `make -n` (the targets exist and the Makefile parses; `make test` inside the
   test suite would recurse).
 - A `diffuserve serve ...` line is checked up to the point where the model would load: its flags and
@@ -47,13 +48,43 @@ class Block:
 
 BLOCK_DONE = "@@readme-block-done@@"
 PYTHON_SESSION = f"""
-import json, sys
+import json, sys, traceback
 session = {{"__name__": "__main__"}}
-for code in json.load(sys.stdin):
-    exec(compile(code, "<README block>", "exec"), session)
+for line in sys.stdin:
+    try:
+        exec(compile(json.loads(line), "<README block>", "exec"), session)
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)
     print({BLOCK_DONE!r}, flush=True)
 """
-"""Runs the README's python blocks, read as JSON from stdin, one after another in one namespace."""
+"""Runs the README's python blocks, one JSON line each on stdin, one after another in one namespace."""
+
+
+class PythonSession:
+    """One interpreter for all python blocks (a later block may use an earlier one's `client`)."""
+
+    def __init__(self, cwd: Path, env: dict[str, str]):
+        self.errors = cwd.parent / "python-session.stderr"  # a file: a full stderr pipe would block the session
+        self._stderr = open(self.errors, "w")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen([sys.executable, "-c", PYTHON_SESSION], cwd=cwd, env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
+
+    def run(self, block: Block, code: str) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(code) + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:  # the block's own prints, then the marker
+            if line.strip() == BLOCK_DONE:
+                return
+        self.proc.wait(30)
+        raise AssertionError(f"{block.where} failed:\n{self.errors.read_text()[-3000:]}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # type: ignore[union-attr]
+            self.proc.wait(30)
+        self._stderr.close()
 
 
 def readme_blocks() -> list[Block]:
@@ -120,7 +151,8 @@ def test_readme_runs_as_written(singleton_server: ServerProcess, tmp_path: Path,
     env = {**os.environ, "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}", "DIFFUSERVE_CACHE": str(cache)}
     started: list[ServerProcess] = []
     ran: list[str] = []
-    python_blocks: list[tuple[Block, str]] = []
+    python = PythonSession(work, env)
+    last_port = singleton_server.port
 
     def run_script(block: Block, script: str, port: int) -> None:
         script = script.replace(README_PORT, f"127.0.0.1:{port}")
@@ -141,7 +173,9 @@ def test_readme_runs_as_written(singleton_server: ServerProcess, tmp_path: Path,
                 (work / file_name.group(1)).write_text(block.code)
                 continue
             if block.lang == "python":
-                python_blocks.append((block, block.code.replace(README_PORT, f"127.0.0.1:{singleton_server.port}")))
+                # It talks to the server the previous bash block started, else to the shared one.
+                python.run(block, block.code.replace(README_PORT, f"127.0.0.1:{last_port}"))
+                ran.append(block.where)
                 continue
             if block.lang != "bash":
                 continue
@@ -154,7 +188,7 @@ def test_readme_runs_as_written(singleton_server: ServerProcess, tmp_path: Path,
                     segment.append(line)
                     continue
                 run_script(block, "\n".join(segment), port)
-                segment = []
+                segment: list[str] = []
                 check_serve(words[1:], work, monkeypatch)
                 ran.append(f"{block.where} (checked: {line.strip()[:60]})")
                 rest = [w for later in lines[index + 1:] for w in shlex.split(later, comments=True)]
@@ -166,15 +200,9 @@ def test_readme_runs_as_written(singleton_server: ServerProcess, tmp_path: Path,
                     server.start(timeout_s=300)
                     port = server.port
             run_script(block, "\n".join(segment), port)
-        # The python blocks read like one session (a later block uses the `client` of an earlier one):
-        # they run in order in one interpreter, after the shell blocks, against the shared server.
-        out = subprocess.run([sys.executable, "-c", PYTHON_SESSION], cwd=work, env=env, capture_output=True,
-                             text=True, timeout=600, input=json.dumps([code for _, code in python_blocks]))
-        done = out.stdout.count(BLOCK_DONE)
-        assert out.returncode == 0, (f"{python_blocks[min(done, len(python_blocks) - 1)][0].where} failed:\n"
-                                     f"{out.stderr[-3000:]}")
-        ran += [block.where for block, _ in python_blocks]
+            last_port = port
     finally:
+        python.close()
         for server in started:
             server.stop()
     # Guard against the extraction silently matching nothing (a changed fence style, say).

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -72,9 +73,11 @@ def test_kill9_restart_and_a_second_replica_share_the_results(tiny_wan_path: Pat
 
     # A restart, and a second replica, on the same folder (started together).
     replicas = [_wan(tiny_wan_path, tmp_path, name) for name in ("restarted", "replica")]
-    for server in replicas:
-        server.start(timeout_s=240)
+    with ThreadPoolExecutor(2) as pool:
+        started = [pool.submit(server.start, timeout_s=240) for server in replicas]
     try:
+        for future in started:
+            future.result()
         for server in replicas:
             client = _client(server)
             jobs = {job.id: job for job in client.videos.list()}

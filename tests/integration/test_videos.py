@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import av
@@ -18,11 +17,9 @@ import numpy as np
 import pytest
 
 from diffuserve.media.video import probe_mp4
+from tests.integration.conftest import LONG_STEPS
 from tests.integration.helpers import metric_value
 from tests.serverproc import ServerProcess
-
-LONG_STEPS = 2000
-"""Steps of a job meant to be cancelled while it runs (it never gets near the end)."""
 
 
 def test_backend_frames_equal_wan_pipeline(tiny_wan_path: Path):
@@ -53,18 +50,6 @@ def test_backend_frames_equal_wan_pipeline(tiny_wan_path: Path):
         got = np.stack([np.asarray(f, dtype=np.float64) for f in video])
         assert got.shape == (5, 48, 32, 3)
         assert np.abs(got - expected).max() <= 1.0
-
-
-@pytest.fixture(scope="module")
-def wan_server(tiny_wan_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    logs = tmp_path_factory.mktemp("videos")
-    server = ServerProcess(["--model-path", str(tiny_wan_path), "--served-model-name", "tiny-wan",
-                            "--batching-mode", "dynamic", "--batching-max-size", "2",
-                            "--max-inference-steps", str(LONG_STEPS), "--max-queue-size", "0"],
-                           logs / "server.log")
-    server.start()
-    yield server
-    server.stop()
 
 
 def _create(server: ServerProcess, **body) -> dict:

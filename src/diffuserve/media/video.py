@@ -128,3 +128,40 @@ def probe_mp4(data: bytes) -> dict[str, Any]:
             "height": stream.codec_context.height,
             "codec": stream.codec_context.name,
         }
+
+
+def decode_frames(data: bytes) -> list[Image.Image]:
+    """Every frame of an MP4 as RGB images, in order."""
+    with av.open(io.BytesIO(data), mode="r") as container:
+        return [frame.to_image().convert("RGB") for frame in container.decode(video=0)]
+
+
+SPRITESHEET_FRAMES = 16
+"""At most this many evenly spaced frames go into a spritesheet."""
+SPRITESHEET_COLUMNS = 4
+"""Frames per row of a spritesheet."""
+
+
+def thumbnail(data: bytes) -> bytes:
+    """The video's first frame as WebP (the `thumbnail` variant, as OpenAI serves it)."""
+    first = decode_frames(data)[0]
+    buffer = io.BytesIO()
+    first.save(buffer, format="WEBP", quality=90)
+    return buffer.getvalue()
+
+
+def spritesheet(data: bytes) -> bytes:
+    """Up to SPRITESHEET_FRAMES evenly spaced frames in a grid of SPRITESHEET_COLUMNS, as JPEG (the
+    `spritesheet` variant: a scrubbing preview in one image)."""
+    frames = decode_frames(data)
+    count = min(SPRITESHEET_FRAMES, len(frames))
+    picked = [frames[round(i * (len(frames) - 1) / max(count - 1, 1))] for i in range(count)]
+    columns = min(SPRITESHEET_COLUMNS, count)
+    rows = -(-count // columns)
+    width, height = picked[0].size
+    sheet = Image.new("RGB", (columns * width, rows * height))
+    for i, frame in enumerate(picked):
+        sheet.paste(frame, ((i % columns) * width, (i // columns) * height))
+    buffer = io.BytesIO()
+    sheet.save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()

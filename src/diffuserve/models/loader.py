@@ -91,10 +91,7 @@ def _component_class(model_path: Path, key: str, library: str, class_name: str) 
 
 
 def _class_in(module: Any, model_path: Path, key: str, library: str, class_name: str) -> type:
-    from diffuserve.models import qwen_vl_compat
-
-    # A substitute where the library's class cannot load here (Qwen3VLProcessor without torchvision).
-    cls = qwen_vl_compat.substitute_class(library, class_name) or getattr(module, class_name, None)
+    cls = getattr(module, class_name, None)
     if cls is None:
         raise CheckpointError(
             f"checkpoint {model_path}: component {key!r} names class {library}.{class_name}, which this "

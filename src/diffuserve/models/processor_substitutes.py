@@ -1,9 +1,9 @@
 """Processor classes that cannot be built without torchvision, replaced by equivalents that can.
 
-transformers' `Qwen2VLProcessor` (the processor of Qwen-Image-Edit, 2509 and 2511) always builds a
-video processor, and that class needs torchvision, which has no working CPU wheel beside our torch.
-The edit pipelines only process images, so the substitute is the same processor without its video
-processor. It keeps the real class's name and module: model_index.json and processor_config.json
+transformers' `Qwen2VLProcessor` (the processor of Qwen-Image-Edit, 2509 and 2511) and `Qwen3VLProcessor`
+(Qwen-Image 2.1) always build a video processor, and those classes need torchvision, which has no working
+CPU wheel beside our torch. These pipelines only process text and images, so each substitute is the same
+processor without its video processor. It keeps the real class's name and module: model_index.json and processor_config.json
 written through it name `Qwen2VLProcessor`, and it writes a `video_processor` entry, so a folder saved
 here loads with the real class wherever torchvision exists.
 
@@ -18,7 +18,7 @@ from typing import Any
 
 _SUBSTITUTE_FLAG = "_diffuserve_substitute"
 
-SUBSTITUTED = frozenset({"Qwen2VLProcessor"})
+SUBSTITUTED = frozenset({"Qwen2VLProcessor", "Qwen3VLProcessor"})
 """Class names (as model_index.json writes them) that have a substitute here."""
 
 
@@ -72,6 +72,32 @@ def _qwen2vl_processor_substitute() -> type:
     return Qwen2VLProcessor
 
 
+def _qwen3vl_processor_substitute() -> type:
+    from transformers.models.qwen3_vl import processing_qwen3_vl
+
+    real = processing_qwen3_vl.Qwen3VLProcessor
+    if getattr(real, _SUBSTITUTE_FLAG, False):
+        return real
+
+    class Qwen3VLProcessor(real):  # type: ignore[misc, valid-type]
+        """`Qwen3VLProcessor` with only its image processor and tokenizer (no torchvision needed). The tiny
+        builder writes the `video_processor` entry the real class loads (models/tiny_qwen_image.py)."""
+
+        def __init__(
+            self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kwargs: Any
+        ) -> None:
+            kwargs.pop("video_processor", None)
+            # ProcessorMixin reads the sub-processors from this signature (image_processor, tokenizer); the
+            # real __init__ then sets the vision token names and ids as usual.
+            super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                             chat_template=chat_template, **kwargs)
+
+    setattr(Qwen3VLProcessor, _SUBSTITUTE_FLAG, True)
+    Qwen3VLProcessor.__module__ = real.__module__
+    Qwen3VLProcessor.__qualname__ = real.__qualname__
+    return Qwen3VLProcessor
+
+
 def install_processor_substitutes() -> None:
     """Put the substitutes in place of the real classes, where torchvision is missing (idempotent).
 
@@ -84,8 +110,9 @@ def install_processor_substitutes() -> None:
     import transformers
     from transformers import processing_utils
 
-    cls = _qwen2vl_processor_substitute()
-    targets: list[Any] = [transformers, processing_utils.transformers_module]
-    targets += [m for name, m in list(sys.modules.items()) if name.endswith(".processing_qwen2_vl") and m is not None]
-    for module in targets:
-        module.Qwen2VLProcessor = cls
+    for name, make in (("qwen2_vl", _qwen2vl_processor_substitute), ("qwen3_vl", _qwen3vl_processor_substitute)):
+        cls = make()
+        targets: list[Any] = [transformers, processing_utils.transformers_module]
+        targets += [m for key, m in list(sys.modules.items()) if key.endswith(f".processing_{name}") and m is not None]
+        for module in targets:
+            setattr(module, cls.__name__, cls)

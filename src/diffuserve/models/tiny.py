@@ -1,4 +1,7 @@
-"""Build tiny diffusers-format checkpoints offline: the embedded default model and the test models.
+"""Build tiny diffusers-format checkpoints offline (the test models), and install the embedded default.
+
+The embedded default is the trained demo checkpoint shipped as package data (`DEMO_CHECKPOINT`);
+the random-weight checkpoints built here are the test and benchmark models.
 
 Everything is built from in-code configs and vocabularies with fixed seeds, so two builds write the
 same bytes and no step touches the network. The layout is exactly what `diffusers` saves, so the
@@ -20,8 +23,12 @@ from typing import Any
 from diffuserve.errors import ConfigError
 from diffuserve.models.registry import DEFAULTS_KEY
 
-DEFAULT_MODEL_NAME = "flux-tiny-v2"
+DEFAULT_MODEL_NAME = "flux-demo-shapes-v3"
 """Folder name of the embedded default model under `$DIFFUSERVE_CACHE/models/` (bump on any change)."""
+
+DEMO_CHECKPOINT = Path(__file__).parent / "demo_flux"
+"""The embedded default model as shipped (package data): the trained demo checkpoint that draws one
+coloured shape on white ("a red circle in the top left"), written by `python -m diffuserve.demo.train`."""
 
 WAN_TINY_DEFAULTS = {"width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 4, "fps": 8}
 """What the tiny Wan2.1 checkpoint suggests: small enough that a video job takes well under a second."""
@@ -56,7 +63,7 @@ class TinyFluxPreset:
 
 
 PRESETS: dict[str, TinyFluxPreset] = {
-    # ~72k-parameter transformer: overhead-bound, the default embedded model and the test model.
+    # ~72k-parameter transformer: overhead-bound, the test model.
     "tiny": TinyFluxPreset(),
     # ~36M-parameter transformer: saturates 2 CPU cores, for benchmarks where batching cannot pay.
     "36m": TinyFluxPreset(
@@ -322,7 +329,7 @@ def build_tiny_checkpoint(family: str, output_dir: Path, *, preset: str = "tiny"
     """Write the tiny checkpoint `family` (a `make-tiny --family` name) into `output_dir`; returns it.
 
     Same bytes on every build; the diffusers layout, loadable with `local_files_only=True`. `preset` is
-    `tiny` or, for `flux` only, `36m` (a ~36M-parameter transformer for benchmarks).
+    `tiny` or, for `flux` only, `36m` (a ~36M-parameter transformer for benchmarks); the 72k `tiny` FLUX is the test model.
     """
     import importlib
     import inspect
@@ -356,11 +363,23 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "diffuserve"
 
 
-def ensure_default_model(cache_dir: Path | None = None) -> Path:
-    """Build the embedded default model once into `<cache>/models/flux-tiny-v1` and return its path.
+def install_demo_checkpoint(output_dir: Path) -> Path:
+    """Copy the shipped demo checkpoint (`DEMO_CHECKPOINT`) into `output_dir`; returns it."""
+    if not (DEMO_CHECKPOINT / "model_index.json").is_file():
+        raise ConfigError(
+            f"the embedded demo checkpoint is missing from the installed package ({DEMO_CHECKPOINT}); "
+            "reinstall diffuserve, or pass --model-path."
+        )
+    shutil.copytree(DEMO_CHECKPOINT, output_dir, dirs_exist_ok=True)
+    return Path(output_dir)
 
-    The build goes into a temporary folder beside the target and is renamed into place, so a reader
-    never sees a half-written checkpoint and two racing processes both end up with a complete one.
+
+def ensure_default_model(cache_dir: Path | None = None) -> Path:
+    """Install the embedded default model once into `<cache>/models/<DEFAULT_MODEL_NAME>`; returns its path.
+
+    The files are copied from the package (`DEMO_CHECKPOINT`) into a temporary folder beside the
+    target and renamed into place, so a reader never sees a half-written checkpoint and two racing
+    processes both end up with a complete one. The cached copy is then loaded by the normal loader.
     """
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     target = root / "models" / DEFAULT_MODEL_NAME
@@ -375,7 +394,7 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
         ) from exc
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=target.parent))
     try:
-        build_tiny_checkpoint("flux", tmp, preset="tiny")
+        install_demo_checkpoint(tmp)
         try:
             os.rename(tmp, target)
         except OSError:

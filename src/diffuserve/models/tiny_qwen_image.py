@@ -224,18 +224,19 @@ QWEN3_VL_VIDEO_PROCESSOR = {
 
 
 def build_qwen3_vl_processor(tokenizer: Any) -> Any:
-    """A `Qwen3VLProcessor` over `tokenizer`, built without torchvision (see qwen_vl_compat)."""
+    """A `Qwen3VLProcessor` over `tokenizer`, built without torchvision (models/processor_substitutes.py)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from diffuserve.models.qwen_vl_compat import processor_class
+    from diffuserve.models.processor_substitutes import install_processor_substitutes
+
+    install_processor_substitutes()
+    from transformers import Qwen3VLProcessor
 
     # Qwen3-VL normalises to [-1, 1] (mean = std = 0.5) with 16-pixel patches.
     image_processor = Qwen2VLImageProcessorPil(
         patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3
     )
-    return processor_class()(
-        image_processor=image_processor, tokenizer=tokenizer, chat_template=QWEN3_VL_CHAT_TEMPLATE
-    )
+    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=QWEN3_VL_CHAT_TEMPLATE)
 
 
 def _qwen3_vl_encoder(tokenizer: Any, hidden: int, seed: int) -> Any:

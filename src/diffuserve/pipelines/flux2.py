@@ -167,6 +167,8 @@ class Flux2NativePipeline(stages.RecipePipeline):
             if isinstance(limit, int) and limit > 0:
                 length = min(length, limit)
         root = _checkpoint_root(components["transformer"])
+        logger.info("%s: %d text tokens per prompt, hidden-state layers %s", cls.family, length,
+                    list(cls.hidden_states_layers))
         return cls(transformer=components["transformer"], vae=components["vae"], text_encoder=text_encoder,
                    tokenizer=components["tokenizer"], scheduler=components["scheduler"], device=device, dtype=dtype,
                    max_sequence_length=length, model_index=_model_index(root),

@@ -40,6 +40,7 @@ from PIL import Image
 from diffuserve.errors import CheckpointError, InvalidRequestError
 from diffuserve.families import spec_for
 from diffuserve.pipelines import stages
+from diffuserve.pipelines.qwen_image_ops import latents_stats, norm_rescaled_cfg, pad_rows
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
 logger = logging.getLogger(__name__)
@@ -54,15 +55,6 @@ ROPE_POSITIONS = 4096
 """Positions per axis in diffusers' QwenEmbedRope tables. Patch rows and columns are centred (half the side
 on each side of 0) and the text positions follow from half the longest side on, so a side of at most this
 many patches leaves room for 2048 text tokens."""
-
-
-def norm_rescaled_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
-    """Qwen-Image's true CFG: the classic combination, rescaled per token to the conditional prediction's
-    norm (same operations, same order as diffusers, so the result matches bit for bit)."""
-    combined = stages.combine_cfg(cond, uncond, scale)
-    cond_norm = torch.norm(cond, dim=-1, keepdim=True)
-    noise_norm = torch.norm(combined, dim=-1, keepdim=True)
-    return combined * (cond_norm / noise_norm)
 
 
 @dataclass(frozen=True)
@@ -181,10 +173,7 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
         images: Any = inputs.prompt_images if self.multi_image else inputs.prompt_images[0]
         rows = [self._prompt_encoder._get_qwen_prompt_embeds(text, images, self.device, self.text_encoder.dtype)[0][0]
                 for text in texts]
-        length = max(r.shape[0] for r in rows)
-        embeds = torch.stack([stages.pad_to(r, length, dim=0) for r in rows])
-        mask = torch.stack([stages.pad_to(torch.ones(r.shape[0], dtype=torch.long, device=r.device), length, dim=0)
-                            for r in rows])
+        embeds, mask = pad_rows(rows)
         return {"prompt_embeds": embeds, "prompt_mask": mask}
 
     # -- 2. latents, schedule, image latents ---------------------------------------------------------------
@@ -216,15 +205,13 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
 
     def _image_latents(self, inputs: EditInputs, rows: int, dtype: torch.dtype) -> torch.Tensor:
         """Every input image VAE-encoded (distribution mode), normalised, repeated per row, packed, concatenated."""
-        z_dim = self.vae.config.z_dim
-        mean = torch.tensor(self.vae.config.latents_mean).view(1, z_dim, 1, 1, 1)
-        std = torch.tensor(self.vae.config.latents_std).view(1, z_dim, 1, 1, 1)
         channels = self.transformer.config.in_channels // 4
         packed = []
         for pixels in inputs.vae_pixels:
             encoded = self.vae.encode(pixels.to(device=self.device, dtype=dtype))
             latents = edit_module.retrieve_latents(encoded, sample_mode="argmax")
-            latents = (latents - mean.to(latents.device, latents.dtype)) / std.to(latents.device, latents.dtype)
+            mean, std = latents_stats(self.vae, latents)
+            latents = (latents - mean) / std
             latents = torch.cat([latents] * rows, dim=0)
             lh, lw = latents.shape[3:]
             packed.append(edit_module.QwenImageEditPipeline._pack_latents(latents, rows, channels, lh, lw))
@@ -279,11 +266,8 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
         height, width = state.extras["size"]
         latents = edit_module.QwenImageEditPipeline._unpack_latents(latents, height, width, self.vae_scale_factor)
         latents = latents.to(self.vae.dtype)
-        z_dim = self.vae.config.z_dim
-        mean = torch.tensor(self.vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(latents.device, latents.dtype)
-        inv_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(
-            latents.device, latents.dtype)
-        latents = latents / inv_std + mean
+        mean, std = latents_stats(self.vae, latents)
+        latents = latents / (1.0 / std) + mean  # diffusers' operations (not latents * std), for equal bits
         image = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
         return self.image_processor.postprocess(image, output_type="pil")
 

@@ -145,10 +145,11 @@ def combine_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch
 def fresh_scheduler(template: Any) -> Any:
     """A private copy of a scheduler whose timesteps are already set.
 
-    Stepping only rebinds attributes (`_step_index`, ...) on the copy, so a shallow copy is enough
-    and the cached template (and its timestep tensors) are never mutated by a run.
+    The cached template (and its timestep tensors) are never mutated by a run.
     """
-    scheduler = copy.copy(template)
+    # A deep copy: multistep solvers (UniPC, DPM-Solver++) keep their history in lists they update in place,
+    # which a shallow copy would share with the cached template (tiny objects: a few tensors of `steps` floats).
+    scheduler = copy.deepcopy(template)
     scheduler._step_index = None
     if hasattr(scheduler, "set_begin_index"):
         scheduler.set_begin_index(0)

@@ -183,6 +183,7 @@ class WanI2VNativePipeline(WanNativePipeline):
     family = "wan_i2v"
     supports_batching = False
     max_image_inputs = 1
+    min_image_inputs = 1
 
     def __init__(self, *, image_encoder: Any = None, image_processor: Any = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)

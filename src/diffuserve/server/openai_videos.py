@@ -1,24 +1,29 @@
-"""OpenAI-style asynchronous video jobs under /v1/videos (create, list, get, content, cancel, delete).
+"""OpenAI-style asynchronous video jobs under /v1/videos (create, list, get, content, remix, cancel, delete).
 
 `POST /v1/videos` validates the body, admits the job to the engine as a normal request (so dynamic
 batching merges compatible jobs, and 429/503 are answered at once) and returns the job object while
 it is still queued. A background task awaits the engine, encodes the MP4 and records the outcome.
 The job's deadline is the engine's (`--request-timeout-s`, or the job's shorter `timeout`); no client
 connection is involved, so a finished video is never failed by a client-side timer. Progress is read
-from the engine's step counter whenever a job is looked at.
+from the engine's step counter whenever a job is looked at; reads of a queued or running job carry the
+`openai-poll-after-ms` header the SDK's `poll` sleeps for. Image-to-video jobs take `input_reference` (an
+upload, or a data: URL) and never merge with other jobs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import math
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from pydantic import Field, StrictFloat, StrictInt, StrictStr, ValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from diffuserve.engine.engine import GenerationResult
@@ -28,7 +33,8 @@ from diffuserve.errors import (
     NotFoundError,
     RequestCancelledError,
 )
-from diffuserve.media.video import encode_mp4
+from diffuserve.media.images import decode_image
+from diffuserve.media.video import encode_mp4, spritesheet, thumbnail
 from diffuserve.sampling import SamplingParams, build_sampling_params
 from diffuserve.server.common import check_request_limits, require_ready, result_timings, server_context
 from diffuserve.server.context import ServerContext
@@ -85,7 +91,7 @@ def _frames(body: VideoCreateRequest, fps: int, default: int, step: int) -> int:
     return max(1, round((seconds * fps - 1) / step) * step + 1)
 
 
-def build_video_params(body: VideoCreateRequest, ctx: ServerContext) -> SamplingParams:
+def build_video_params(body: VideoCreateRequest, ctx: ServerContext, image: bytes | None = None) -> SamplingParams:
     """Request body + the model's defaults -> SamplingParams, checked against the server's caps."""
     args = ctx.args
     model = ctx.engine.model
@@ -108,7 +114,7 @@ def build_video_params(body: VideoCreateRequest, ctx: ServerContext) -> Sampling
     return build_sampling_params(
         model, prompt=body.prompt, negative_prompt=body.negative_prompt, width=width, height=height,
         num_frames=num_frames, fps=fps, num_inference_steps=steps, guidance_scale=body.guidance_scale,
-        seed=body.seed, n=1, output_format="mp4",
+        seed=body.seed, n=1, output_format="mp4", image_inputs=() if image is None else (image,),
     )
 
 
@@ -191,25 +197,103 @@ def _cancel(ctx: ServerContext, job: VideoJob, how: str) -> None:
         ctx.engine.abort(job.id, error)
 
 
-async def _create_body(request: Request) -> VideoCreateRequest:
-    """The body as JSON, or as form fields: the official SDK always sends `videos.create` as multipart."""
+REFERENCE_FIELD = "input_reference"
+POLL_AFTER_HEADER = "openai-poll-after-ms"
+POLL_AFTER_MS = 500
+"""What job reads tell pollers (the SDK's `poll` sleeps for this header) while a job is queued or running."""
+VARIANTS = ("video", "thumbnail", "spritesheet")
+
+
+async def _reference_image(ctx: ServerContext, value: Any) -> bytes:
+    """The bytes of `input_reference`: an upload, a `data:` URL (as a string or `{"image_url": ...}`), or a
+    remote URL (fetched only with --allow-remote-urls). `{"file_id": ...}` names a file this server does not
+    keep, so it is refused."""
+    if hasattr(value, "read"):
+        return await value.read()
+    if isinstance(value, dict):
+        if "file_id" in value and "image_url" not in value:
+            raise InvalidRequestError("input_reference.file_id is not supported (this server keeps no uploaded files); "
+                                      "upload the image or give image_url as a data: URL.", param=REFERENCE_FIELD)
+        value = value.get("image_url")
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError("input_reference must be an uploaded image, a data: URL, or {\"image_url\": ...}.",
+                                  param=REFERENCE_FIELD)
+    if value.startswith("data:"):
+        header, _, payload = value.partition(",")
+        if ";base64" not in header or not payload:
+            raise InvalidRequestError("input_reference: a data: URL must be base64 (data:image/png;base64,...).",
+                                      param=REFERENCE_FIELD)
+        try:
+            return base64.b64decode(payload, validate=True)
+        except binascii.Error:
+            raise InvalidRequestError("input_reference: the data: URL is not valid base64.", param=REFERENCE_FIELD) from None
+    if value.startswith(("http://", "https://")):
+        if not ctx.args.allow_remote_urls:
+            raise InvalidRequestError("input_reference: remote URLs are not fetched unless the server runs with "
+                                      "--allow-remote-urls; upload the image or send it as a data: URL.",
+                                      param=REFERENCE_FIELD)
+        return await _fetch(value, ctx.args.max_upload_bytes)
+    raise InvalidRequestError("input_reference: not a data: or http(s) URL.", param=REFERENCE_FIELD)
+
+
+async def _fetch(url: str, max_bytes: int) -> bytes:
+    """GET a remote image (operator opt-in), bounded in time and size."""
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=10.0, follow_redirects=True) as client, client.stream("GET", url) as reply:
+            reply.raise_for_status()
+            data = b""
+            async for chunk in reply.aiter_bytes():
+                data += chunk
+                if len(data) > max_bytes:
+                    raise InvalidRequestError(f"input_reference: {url} is larger than {max_bytes} bytes "
+                                              "(--max-upload-bytes).", param=REFERENCE_FIELD)
+            return data
+    except httpx.HTTPError as exc:
+        raise InvalidRequestError(f"input_reference: could not fetch {url} ({exc}).", param=REFERENCE_FIELD) from None
+
+
+async def _create_body(request: Request) -> tuple[VideoCreateRequest, bytes | None]:
+    """The body as JSON, or as form fields (the official SDK always sends `videos.create` as multipart),
+    and the input image's bytes when the job has one."""
+    ctx = server_context(request)
     content_type = request.headers.get("content-type", "")
+    reference: Any = None
     if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
         form = await request.form()
-        if any(not isinstance(value, str) for _, value in form.multi_items()):
-            raise InvalidRequestError("input_reference (an input image) is not supported: this server makes videos "
-                                      "from text only.", param="input_reference")
-        data: Any = coerce_form_fields(VideoCreateRequest, dict(form.multi_items()))
+        fields: dict[str, Any] = {}
+        for key, value in form.multi_items():
+            if key == REFERENCE_FIELD:
+                reference = value  # an upload (or a data:/http(s) URL given as a plain form field)
+            elif not isinstance(value, str):
+                raise InvalidRequestError(f"{key}: only input_reference may be a file.", param=key)
+            else:
+                fields[key] = value
+        data: Any = coerce_form_fields(VideoCreateRequest, fields)
     else:
         try:
             data = await request.json()
         except ValueError:
             raise InvalidRequestError("The request body must be a JSON object (Content-Type: application/json) or "
                                       "multipart form fields.", param="body") from None
+        if isinstance(data, dict):
+            reference = data.pop(REFERENCE_FIELD, None)
     try:
-        return VideoCreateRequest.model_validate(data)
+        body = VideoCreateRequest.model_validate(data)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False)) from exc
+    if reference is None:
+        return body, None
+    image = await _reference_image(ctx, reference)
+    await run_in_threadpool(decode_image, image, max_pixels=ctx.args.max_image_side ** 2, param=REFERENCE_FIELD)
+    return body, image
+
+
+def _job_response(job: VideoJob) -> JSONResponse:
+    """A job object, with the poll interval header while it is still queued or running."""
+    headers = {} if job.terminal else {POLL_AFTER_HEADER: str(POLL_AFTER_MS)}
+    return JSONResponse(job.to_dict(), headers=headers)
 
 
 _CREATE_SCHEMA = {"requestBody": {"required": True, "content": {
@@ -217,32 +301,72 @@ _CREATE_SCHEMA = {"requestBody": {"required": True, "content": {
     for media in ("application/json", "multipart/form-data")}}}
 
 
+def _start_job(ctx: ServerContext, params: SamplingParams, body: VideoCreateRequest, received: float, *,
+               remixed_from: str | None = None) -> VideoJob:
+    """Admit `params` to the engine and keep its job (admission errors raise before anything is kept)."""
+    conditioned = bool(params.image_inputs)
+    job = VideoJob(id=f"video_{uuid.uuid4().hex}", model=ctx.args.public_model_name, prompt=params.prompt,
+                   width=params.width, height=params.height, num_frames=params.num_frames, fps=params.fps,
+                   num_inference_steps=params.num_inference_steps, seed=params.seed or 0,
+                   negative_prompt=body.negative_prompt, guidance_scale=body.guidance_scale,
+                   has_input_reference=conditioned, remixed_from_video_id=remixed_from)
+    # Admission (429 queue full, 503 not ready) raises here, to this client, not into the job. Jobs
+    # conditioned on an image never merge with others.
+    generation = ctx.engine.submit(params, endpoint="videos", timeout_s=body.timeout, priority=body.priority,
+                                   request_id=job.id, ineligible_reason="image_conditioning" if conditioned else None)
+    _store(ctx).add(job)
+    job.runner = asyncio.ensure_future(_drive_job(ctx, job, generation, received))
+    return job
+
+
 @router.post("/v1/videos", tags=["videos"], openapi_extra=_CREATE_SCHEMA)
-async def create_video(request: Request) -> dict[str, Any]:
+async def create_video(request: Request) -> JSONResponse:
     """Create a video job; answers at once with the queued job (poll GET /v1/videos/{id})."""
     received = time.monotonic()
     ctx = server_context(request)
     require_ready(ctx)
-    body = await _create_body(request)
-    params = build_video_params(body, ctx)
-    job = VideoJob(id=f"video_{uuid.uuid4().hex}", model=ctx.args.public_model_name, prompt=params.prompt,
-                   width=params.width, height=params.height, num_frames=params.num_frames, fps=params.fps,
-                   num_inference_steps=params.num_inference_steps, seed=params.seed or 0)
-    # Admission (429 queue full, 503 not ready) raises here, to this client, not into the job.
-    generation = ctx.engine.submit(params, endpoint="videos", timeout_s=body.timeout, priority=body.priority,
-                                   request_id=job.id)
-    _store(ctx).add(job)
-    job.runner = asyncio.ensure_future(_drive_job(ctx, job, generation, received))
-    return job.to_dict()
+    body, image = await _create_body(request)
+    return _job_response(_start_job(ctx, build_video_params(body, ctx, image), body, received))
+
+
+class VideoRemixRequest(BaseModel):
+    """Body of POST /v1/videos/{id}/remix."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompt: StrictStr = Field(min_length=1, description="The new prompt; every other setting is the source job's.")
+
+
+@router.post("/v1/videos/{video_id}/remix", tags=["videos"], responses={
+    409: {"description": "The source job is not completed."}})
+async def remix_video(video_id: str, body: VideoRemixRequest, request: Request) -> JSONResponse:
+    """A new job with the completed job's settings (size, frames, fps, steps, guidance, negative prompt,
+    seed) and a new prompt."""
+    received = time.monotonic()
+    ctx = server_context(request)
+    require_ready(ctx)
+    source = _get_job(ctx, video_id)
+    if source.status != "completed":
+        raise VideoNotReadyError(f"Video job {video_id} is {source.status}; only a completed job can be remixed.",
+                                 param="video_id")
+    if source.has_input_reference:
+        raise InvalidRequestError(f"Video job {video_id} was made from an input image, which is not kept; create a "
+                                  "new job with input_reference instead of remixing.", param="video_id")
+    fields = VideoCreateRequest(prompt=body.prompt, size=f"{source.width}x{source.height}",
+                                num_frames=source.num_frames, fps=source.fps,
+                                num_inference_steps=source.num_inference_steps, guidance_scale=source.guidance_scale,
+                                negative_prompt=source.negative_prompt, seed=source.seed)
+    job = _start_job(ctx, build_video_params(fields, ctx), fields, received, remixed_from=video_id)
+    return _job_response(job)
 
 
 @router.get("/v1/videos", tags=["videos"])
 async def list_videos(request: Request, limit: int = Query(default=20, ge=1, le=100),
-                      after: str | None = Query(default=None)) -> dict[str, Any]:
-    """Kept jobs, newest first; `after` is the last id of the previous page."""
+                      after: str | None = Query(default=None),
+                      order: Literal["asc", "desc"] = Query(default="desc")) -> dict[str, Any]:
+    """Kept jobs, newest first (`order=asc`: oldest first); `after` is the last id of the previous page."""
     ctx = server_context(request)
     try:
-        page, has_more = _store(ctx).list(limit=limit, after=after)
+        page, has_more = _store(ctx).list(limit=limit, after=after, newest_first=order == "desc")
     except KeyError:
         raise InvalidRequestError(f"after={after!r} is not a kept video job id.", param="after") from None
     data = [_refresh(ctx, job).to_dict() for job in page]
@@ -251,20 +375,28 @@ async def list_videos(request: Request, limit: int = Query(default=20, ge=1, le=
 
 
 @router.get("/v1/videos/{video_id}", tags=["videos"])
-async def get_video(video_id: str, request: Request) -> dict[str, Any]:
-    return _get_job(server_context(request), video_id).to_dict()
+async def get_video(video_id: str, request: Request) -> JSONResponse:
+    return _job_response(_get_job(server_context(request), video_id))
 
 
 @router.get("/v1/videos/{video_id}/content", tags=["videos"], response_class=Response, responses={
-    200: {"content": {"video/mp4": {}}, "description": "The MP4 of a completed job."},
+    200: {"content": {"video/mp4": {}, "image/webp": {}, "image/jpeg": {}},
+          "description": "variant=video: the MP4; thumbnail: its first frame (WebP); spritesheet: a grid of "
+                         "evenly spaced frames (JPEG)."},
     409: {"description": "The job is not completed (queued, in progress, failed or cancelled)."}})
-async def video_content(video_id: str, request: Request) -> Response:
+async def video_content(video_id: str, request: Request, variant: str = Query(default="video")) -> Response:
     ctx = server_context(request)
+    if variant not in VARIANTS:
+        raise InvalidRequestError(f"variant={variant!r} is not served; choose one of {list(VARIANTS)}.", param="variant")
     job = _get_job(ctx, video_id)
     content = await run_in_threadpool(_store(ctx).content, job) if job.status == "completed" else None
     if content is None:
         hint = "poll GET /v1/videos/{id} until status is completed" if not job.terminal else "it has no video"
         raise VideoNotReadyError(f"Video job {video_id} is {job.status}; {hint}.", param="video_id")
+    if variant == "thumbnail":
+        return Response(content=await run_in_threadpool(thumbnail, content), media_type="image/webp")
+    if variant == "spritesheet":
+        return Response(content=await run_in_threadpool(spritesheet, content), media_type="image/jpeg")
     return Response(content=content, media_type="video/mp4",
                     headers={"Content-Disposition": f'inline; filename="{job.id}.mp4"'})
 

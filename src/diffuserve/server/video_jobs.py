@@ -45,6 +45,14 @@ class VideoJob:
     fps: int
     num_inference_steps: int
     seed: int
+    negative_prompt: str | None = None
+    """The request's negative prompt (kept so a remix repeats it)."""
+    guidance_scale: float | None = None
+    """The request's guidance scale (None: the model's default)."""
+    has_input_reference: bool = False
+    """The job was conditioned on an input image (not kept, so such a job cannot be remixed)."""
+    remixed_from_video_id: str | None = None
+    """The job this one remixes (POST /v1/videos/{id}/remix), as OpenAI reports it."""
     created_at: int = field(default_factory=lambda: int(time.time()))
     """Unix seconds at creation."""
     status: str = QUEUED
@@ -89,12 +97,14 @@ class VideoJob:
             "fps": self.fps,
             "num_inference_steps": self.num_inference_steps,
             "seed": self.seed,
+            "remixed_from_video_id": self.remixed_from_video_id,
             "error": self.error,
             "timings": self.timings,
         }
 
 
     _META = ("model", "prompt", "width", "height", "num_frames", "fps", "num_inference_steps", "seed",
+             "negative_prompt", "guidance_scale", "has_input_reference", "remixed_from_video_id",
              "progress", "error", "timings")
 
     def meta(self) -> dict[str, Any]:
@@ -144,12 +154,13 @@ class VideoJobStore:
         record = self.results.get(job_id)
         return VideoJob.from_record(record) if record is not None and record.kind == "video" else None
 
-    def list(self, *, limit: int = 20, after: str | None = None) -> tuple[list[VideoJob], bool]:
-        """Jobs newest first, starting after the job `after` (a cursor); returns (page, has_more).
+    def list(self, *, limit: int = 20, after: str | None = None,
+             newest_first: bool = True) -> tuple[list[VideoJob], bool]:
+        """Jobs newest (or oldest) first, starting after the job `after` (a cursor); returns (page, has_more).
 
         Raises KeyError when `after` is not a kept job.
         """
-        records, has_more = self.results.list("video", limit=limit, after=after)
+        records, has_more = self.results.list("video", limit=limit, after=after, newest_first=newest_first)
         with self._lock:
             page = [self._live.get(r.id) or VideoJob.from_record(r) for r in records]
         return page, has_more

@@ -256,17 +256,19 @@ class ResultStore:
         except FileNotFoundError:
             return None
 
-    def list(self, kind: str, *, limit: int, after: str | None = None) -> tuple[list[Record], bool]:
-        """Rows of `kind` newest first, after the row `after` (KeyError when it is unknown)."""
+    def list(self, kind: str, *, limit: int, after: str | None = None,
+             newest_first: bool = True) -> tuple[list[Record], bool]:
+        """Rows of `kind` newest (or oldest) first, after the row `after` (KeyError when it is unknown)."""
         bound = ""
         args: tuple = (kind,)
         if after is not None:
             seq = self._query("SELECT seq FROM results WHERE id = ? AND kind = ?", (after, kind))
             if not seq:
                 raise KeyError(after)
-            bound, args = " AND seq < ?", (kind, seq[0][0])
+            bound, args = (" AND seq < ?" if newest_first else " AND seq > ?"), (kind, seq[0][0])
+        order = "DESC" if newest_first else "ASC"
         rows = self._query(f"SELECT {_COLUMNS} FROM results WHERE kind = ?{bound} AND {_UNEXPIRED} "
-                           "ORDER BY seq DESC LIMIT ?", (*args, self.clock(), limit + 1))
+                           f"ORDER BY seq {order} LIMIT ?", (*args, self.clock(), limit + 1))
         return [_record(r) for r in rows[:limit]], len(rows) > limit
 
     def count(self, kind: str) -> int:
