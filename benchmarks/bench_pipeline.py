@@ -42,6 +42,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--base-url", default=None, help="also time POST {base_url}/v1/images/generations")
     args = parser.parse_args(argv)
+    if args.model_path is not None:
+        _bench(args, args.model_path)
+        return
+    from diffuserve.models.tiny import build_tiny_checkpoint
+
+    # The tiny checkpoint lives only as long as the run: nothing is left behind in the temp folder.
+    with tempfile.TemporaryDirectory(prefix="bench-flux-") as tmp:
+        _bench(args, build_tiny_checkpoint("flux", Path(tmp) / "flux", preset=args.preset))
+
+
+def _bench(args: argparse.Namespace, model_path: Path) -> None:
 
     import torch
     from diffusers import FluxPipeline
@@ -50,14 +61,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
 
     from diffuserve.models.loader import load_pipeline
-    from diffuserve.models.tiny import build_tiny_checkpoint
     from diffuserve.sampling import SamplingParams
 
-    model_path = args.model_path
-    if model_path is None:
-        model_path = build_tiny_checkpoint(
-            "flux", Path(tempfile.mkdtemp(prefix="bench-flux-")), preset=args.preset
-        )
     native = load_pipeline(model_path)
     direct = FluxPipeline.from_pretrained(model_path, local_files_only=True)
     direct.set_progress_bar_config(disable=True)

@@ -4,20 +4,24 @@ set -u
 # benchmarks/results/. About 10 minutes on 2 CPU cores.
 cd "$(dirname "$0")/.."
 R=benchmarks/results
-export DIFFUSERVE_CACHE="${DIFFUSERVE_CACHE:-$(mktemp -d)}"
-.venv/bin/diffuserve make-tiny --family flux --output /tmp/bench_tiny --preset tiny > /dev/null 2>&1
+# Every temporary file (checkpoint, server logs, the model cache unless one is given) lives in one folder
+# that is removed on exit, however the script ends.
+WORK=$(mktemp -d -t diffuserve-bench-XXXXXX)
+trap 'rm -rf "$WORK"' EXIT
+export DIFFUSERVE_CACHE="${DIFFUSERVE_CACHE:-$WORK/cache}"
+.venv/bin/diffuserve make-tiny --family flux --output $WORK/bench_tiny --preset tiny > /dev/null 2>&1
 # 1. issue 2: diffusers vs native vs HTTP (server with the default thread policy: 1 thread on 2 cores)
-.venv/bin/diffuserve serve --model-path /tmp/bench_tiny --port 30401 > /tmp/bp_server.log 2>&1 &
+.venv/bin/diffuserve serve --model-path $WORK/bench_tiny --port 30401 > $WORK/bp_server.log 2>&1 &
 SP=$!
 for i in $(seq 1 60); do curl -sf localhost:30401/health > /dev/null && break; sleep 1; done
-.venv/bin/python benchmarks/bench_pipeline.py --model-path /tmp/bench_tiny --threads 1 --runs 40 --base-url http://127.0.0.1:30401 > $R/bench_pipeline.txt 2>&1
+.venv/bin/python benchmarks/bench_pipeline.py --model-path $WORK/bench_tiny --threads 1 --runs 40 --base-url http://127.0.0.1:30401 > $R/bench_pipeline.txt 2>&1
 kill -TERM $SP; wait $SP
 # 2. issue 3
 .venv/bin/python benchmarks/bench_batching.py --output-json $R/bench_batching.json > $R/bench_batching.txt 2>&1
 # 3. issue 5 serving sweep
-.venv/bin/diffuserve serve --model-path /tmp/bench_tiny --port 30402 > /tmp/s1.log 2>&1 &
+.venv/bin/diffuserve serve --model-path $WORK/bench_tiny --port 30402 > $WORK/s1.log 2>&1 &
 S1=$!
-.venv/bin/diffuserve serve --model-path /tmp/bench_tiny --port 30403 --batching-mode dynamic --batching-max-size 8 --batching-delay-ms 10 > /tmp/s2.log 2>&1 &
+.venv/bin/diffuserve serve --model-path $WORK/bench_tiny --port 30403 --batching-mode dynamic --batching-max-size 8 --batching-delay-ms 10 > $WORK/s2.log 2>&1 &
 S2=$!
 for i in $(seq 1 60); do curl -sf localhost:30402/health > /dev/null && curl -sf localhost:30403/health > /dev/null && break; sleep 1; done
 .venv/bin/diffuserve bench --base-url http://127.0.0.1:30402 --concurrency 1,4,8,16 --num-requests 64 --size 64x64 --steps 4 --warmup-requests 8 --label singleton --output-json $R/serving_singleton.json --no-progress > $R/serving_singleton.txt 2>&1

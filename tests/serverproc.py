@@ -40,6 +40,8 @@ class ServerProcess:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
     startup: list[StartupObservation] = field(default_factory=list)
+    cwd: Path = REPO
+    """Working folder of the server process (relative paths in `args` resolve against it)."""
 
     @property
     def base_url(self) -> str:
@@ -52,7 +54,7 @@ class ServerProcess:
         outputs = [] if "--output-dir" in self.args else ["--output-dir", str(self.log_path.parent / "outputs")]
         cmd = [sys.executable, "-m", "diffuserve.cli", "serve", "--port", str(self.port), *self.args, *outputs]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd)
         started = time.monotonic()
         with httpx.Client(timeout=2.0, headers=headers) as client:
             while time.monotonic() - started < timeout_s:

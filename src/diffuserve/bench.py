@@ -87,7 +87,7 @@ def parse_size(text: str) -> str:
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `diffuserve bench` flags to `parser`."""
     group = parser.add_argument_group("target")
-    group.add_argument("--base-url", default=DEFAULT_BASE_URL, help="Server to drive (%(default)s).")
+    group.add_argument("--base-url", default=DEFAULT_BASE_URL, help="Server to drive.")
     group.add_argument("--endpoint", choices=("images", "videos"), default="images", help="API to drive.")
     group.add_argument("--model", default=None, help="Model name to send; omitted by default.")
     group.add_argument("--api-key", default=None, help="Bearer token (default: $DIFFUSERVE_API_KEY).")
@@ -121,6 +121,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--compare", type=Path, nargs="+", default=None, help="Overlay saved JSON runs (needs --plot)."
     )
     group.add_argument("--no-progress", action="store_true", help="Hide the progress bar.")
+    group.add_argument("--allow-failures", action="store_true",
+                       help="Exit 0 even when requests failed (by default any failed request of the sweep exits 1).")
 
 
 # -- 3. traffic -------------------------------------------------------------------------------------
@@ -344,7 +346,8 @@ def _compare(args: argparse.Namespace) -> int:
     try:
         for path in args.compare:
             saved = load_run(Path(path))
-            print(f"== {saved['label']} ({path})\n{format_table(saved['results'])}")
+            endpoint = saved.get("settings", {}).get("endpoint", "images")
+            print(f"== {saved['label']} ({path})\n{format_table(saved['results'], endpoint=endpoint)}")
         plot_runs([Path(p) for p in args.compare], Path(args.plot))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -382,7 +385,8 @@ async def _sweep(
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """Run `diffuserve bench` with parsed flags; 0 when the run completes (even with failed requests)."""
+    """Run `diffuserve bench` with parsed flags: 0 when every request succeeded (or --allow-failures),
+    1 when requests failed, 2 for bad flags or an unreachable server."""
     if args.compare:
         return _compare(args)
     if isinstance(args.concurrency, str):  # tolerate a Namespace built without our argparse types
@@ -413,9 +417,11 @@ def run_bench(args: argparse.Namespace) -> int:
         return status
 
     print(f"== {label}: {args.endpoint} at {run['base_url']}, {args.num_requests} requests per setting")
-    print(format_table(run["results"]))
+    print(format_table(run["results"], endpoint=args.endpoint))
+    failed = 0
     for row in run["results"]:
         if row["failed"]:
+            failed += row["failed"]
             print(
                 f"c={row['concurrency']}: {row['failed']} failed; first errors: " + " | ".join(row["errors"])
             )
@@ -426,4 +432,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.plot:
         plot_results([run], Path(args.plot))
         print(f"plot: {args.plot}")
+    if failed and not args.allow_failures:
+        # Rule: any failed request of the sweep (warm-up requests aside) fails the run, so a script or CI
+        # job never mistakes a run with errors for a measurement; --allow-failures keeps exit 0.
+        print(f"error: {failed} request(s) failed; exiting 1 (pass --allow-failures to exit 0 anyway)", file=sys.stderr)
+        return 1
     return 0

@@ -81,6 +81,7 @@ def summarize_setting(
         "errors": errors,
         "duration_s": duration_s,
         "throughput_rps": len(done) / duration_s if duration_s > 0 else 0.0,
+        # Outputs per second: images, or videos for the videos endpoint (one per job).
         "images_per_s": sum(r.num_images for r in done) / duration_s if duration_s > 0 else 0.0,
         "latency_ms": summarize([r.latency_ms for r in done]),
         "queue_wait_ms": {**summarize(waits, (50, 99)), "reported": len(waits)},
@@ -94,9 +95,16 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def format_table(results: Sequence[dict[str, Any]]) -> str:
-    """The results as an aligned text table (times in ms)."""
-    header = tuple("conc rate ok fail req/s img/s lat_mean lat_p50 lat_p90 lat_p99 qw_p50 qw_p99".split())
+def output_unit(endpoint: str | None) -> str:
+    """What one output is called in reports: `videos` for the videos endpoint, else `img`."""
+    return "videos" if endpoint == "videos" else "img"
+
+
+def format_table(results: Sequence[dict[str, Any]], *, endpoint: str | None = "images") -> str:
+    """The results as an aligned text table; every header carries its unit."""
+    unit = output_unit(endpoint)
+    header = ("conc", "rate_req/s", "ok", "fail", "req/s", f"{unit}/s", "lat_mean_ms", "lat_p50_ms", "lat_p90_ms",
+              "lat_p99_ms", "qw_p50_ms", "qw_p99_ms")
     rows = [header]
     for r in results:
         lat, wait = r["latency_ms"], r["queue_wait_ms"]
@@ -141,7 +149,9 @@ def plot_results(runs: Sequence[dict[str, Any]], out_png: Path) -> None:
         for key, style in (("p50", "o-"), ("p99", "s--")):
             ys = [r["latency_ms"][key] if r["latency_ms"][key] is not None else math.nan for r in rows]
             latency_ax.plot(xs, ys, style, color=color, label=f"{run['label']} {key}")
-    throughput_ax.set(title="Throughput", xlabel="concurrency", ylabel="images / s")
+    endpoints = {run.get("settings", {}).get("endpoint", "images") for run in runs}
+    ylabel = "videos / s" if endpoints == {"videos"} else ("images / s" if endpoints == {"images"} else "outputs / s")
+    throughput_ax.set(title="Throughput", xlabel="concurrency", ylabel=ylabel)
     latency_ax.set(title="Latency (p50 solid, p99 dashed)", xlabel="concurrency", ylabel="ms")
     for ax in (throughput_ax, latency_ax):
         ax.set_xticks(sorted(concurrencies))

@@ -8,34 +8,64 @@ subcommand that needs them, so `--help` and `plan` start fast.
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import difflib
+import functools
 import logging
 import sys
-import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from diffuserve import __version__
-from diffuserve.config.argparse_dataclass import (
-    _base_type,
-    add_dataclass_arguments,
-    dataclass_from_namespace,
-    parse_bool,
-)
+from diffuserve.config.argparse_dataclass import add_dataclass_arguments, dataclass_from_namespace
 from diffuserve.config.deployment import DeploymentArgs
 from diffuserve.config.server_args import ServerArgs, load_config_file
-from diffuserve.errors import ConfigError, DiffuserveError
+from diffuserve.errors import CheckpointError, ConfigError, DiffuserveError, InvalidRequestError
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+"""A checkpoint or model that cannot load, or a failure at run time."""
+EXIT_USAGE = 2
+"""A bad flag, flag value or --config file (argparse's own code for usage errors)."""
+EXIT_INTERRUPTED = 130
+"""Interrupted (Ctrl-C / a forced shutdown): 128 + SIGINT, the shell convention."""
 
 _SERVER_ONLY = frozenset({
     "host", "port", "enable_warmup", "warmup_steps", "shutdown_timeout_s", "max_inference_steps",
     "max_image_side", "url_store_max_images", "max_queue_size", "request_timeout_s", "max_request_bytes",
     "max_prompt_chars", "max_upload_bytes", "api_key", "allow_remote_urls", "batching_delay_ms", "batching_config",
-    "enable_batching_metrics", "batching_mode",
-    "output_dir", "result_ttl_s", "max_output_bytes", "result_sweep_interval_s",
+    "enable_batching_metrics", "batching_mode", "max_video_jobs", "max_video_frames",
+    "reject_truncated_prompts", "output_dir", "result_ttl_s", "max_output_bytes", "result_sweep_interval_s",
 })
 """ServerArgs fields that mean nothing to a one-shot `generate`."""
 
-_GEN_DEFAULTS = ("width", "height", "num_inference_steps", "guidance_scale")
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a "did you mean" for unknown flags, shown with the subcommand's own usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+    def unknown_flags(self, extras: list[str]) -> NoReturn:
+        flags = sorted(s for a in self._actions for s in a.option_strings if s.startswith("--"))
+        hints = []
+        for extra in extras:
+            word = extra.split("=", 1)[0]
+            close = difflib.get_close_matches(word, flags, n=1, cutoff=0.6) if word.startswith("-") else []
+            hints.append(f"{extra} (did you mean {close[0]}?)" if close else extra)
+        self.error(f"unrecognized arguments: {' '.join(hints)}. See `{self.prog} --help`.")
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends `(default: X)` to every flag that has a default (lists as 1,4,8; None left out)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if default is None or default is False or default is argparse.SUPPRESS or "default" in text:
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, list) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
 
 
 def _add_config_flag(parser: argparse.ArgumentParser) -> None:
@@ -44,12 +74,12 @@ def _add_config_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="diffuserve",
         description="Serve diffusion models (FLUX and any diffusers checkpoint) behind an OpenAI-compatible API.",
     )
     parser.add_argument("--version", action="version", version=f"diffuserve {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     serve = sub.add_parser("serve", help="Run the HTTP server.", description="Run the OpenAI-compatible HTTP server.")
     _add_config_flag(serve)
@@ -60,41 +90,53 @@ def _build_parser() -> argparse.ArgumentParser:
                          description="Load the model, generate, write image (or MP4) files, print their paths.")
     _add_config_flag(gen)
     g = gen.add_argument_group("Generation")
-    g.add_argument("--prompt", action="append", required=True, help="Prompt; repeat the flag for several prompts (batched by --batching-max-size).")
-    g.add_argument("--negative-prompt", default=None, help="Negative prompt (true CFG when --true-cfg-scale > 1).")
-    g.add_argument("--width", type=int, default=None, help="Width in pixels (default: the model's).")
-    g.add_argument("--height", type=int, default=None, help="Height in pixels (default: the model's).")
-    g.add_argument("--num-inference-steps", type=int, default=None, help="Denoising steps (default: the model's).")
-    g.add_argument("--guidance-scale", type=float, default=None, help="Guidance scale (default: the model's).")
-    g.add_argument("--true-cfg-scale", type=float, default=1.0, help="True CFG scale (default: 1.0, off).")
-    g.add_argument("--seed", type=int, default=0, help="Seed of the first prompt; prompt i uses seed+i (default: 0).")
-    g.add_argument("--num-outputs-per-prompt", type=int, default=1, help="Images per prompt (default: 1).")
-    g.add_argument("--output-path", default="outputs", help="Folder for the files (created; default: outputs).")
-    g.add_argument("--output-file-name", default=None, help="File name stem (default: derived from the prompt).")
-    g.add_argument("--output-format", default="png", choices=["png", "jpeg", "webp"], help="Image format (default: png; video models write mp4).")
-    g.add_argument("--num-frames", type=int, default=None, help="Video models: frames per video (default: the model's).")
-    g.add_argument("--fps", type=int, default=None, help="Video models: frames per second of the MP4 (default: the model's).")
+    # Defaults are applied by generate() (argparse.SUPPRESS here), so a --config file can give any of
+    # these and the command line still wins.
+    add = functools.partial(g.add_argument, default=argparse.SUPPRESS)
+    add("--prompt", action="append", help="Prompt; repeat the flag for several prompts (batched by --batching-max-size). "
+        "Required here or as `prompt` (a string or a list) in --config.")
+    add("--negative-prompt", help="Negative prompt (true CFG when --true-cfg-scale > 1).")
+    add("--width", type=int, help="Width in pixels (default: the model's).")
+    add("--height", type=int, help="Height in pixels (default: the model's).")
+    add("--num-inference-steps", type=int, help="Denoising steps (default: the model's).")
+    add("--guidance-scale", type=float, help="Guidance scale (default: the model's).")
+    add("--true-cfg-scale", type=float, help="True CFG scale (default: 1.0, off).")
+    add("--seed", type=int, help="Seed of the first prompt; prompt i uses seed+i (default: 0).")
+    add("--num-outputs-per-prompt", type=int, help="Images per prompt (default: 1).")
+    add("--output-path", help="Folder for the files (created; default: outputs).")
+    add("--output-file-name", help="File name stem (default: derived from the prompt). Files are STEM.EXT for one "
+        "output, else STEM_<prompt index>_<output index>.EXT, with or without this flag.")
+    add("--output-format", choices=["png", "jpeg", "webp"], help="Image models only: image format (default: png). "
+        "Video models always write mp4.")
+    add("--num-frames", type=int, help="Video models only: frames per video (default: the model's).")
+    add("--fps", type=int, help="Video models only: frames per second of the MP4 (default: the model's).")
     add_dataclass_arguments(gen, ServerArgs, default_group="Model", skip=_SERVER_ONLY)
     gen.add_argument_group("Dynamic batching").add_argument(
         "--batching-mode", dest="batching_mode", choices=["singleton", "dynamic"], default=argparse.SUPPRESS,
         help="With several --prompt flags: dynamic runs them in batches of --batching-max-size outputs.")
     add_dataclass_arguments(gen, DeploymentArgs, default_group="Deployment")
 
-    plan = sub.add_parser("plan", help="Print the resolved deployment plan without loading weights.",
-                          description="Resolve the deployment plan for a checkpoint and hardware; print it and why.")
-    plan.add_argument("--model-path", default=None, help="Checkpoint folder (default: the embedded model).")
-    plan.add_argument("--model-id", default=None, help="Family hint (e.g. FLUX.1-dev) when model_index.json is ambiguous.")
-    plan.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                      help="Weights dtype used to size components (default: auto = bfloat16 on GPUs).")
-    plan.add_argument("--gpu-memory-gib", type=float, default=None, help="Describe GPUs with this much free memory each instead of detecting.")
-    plan.add_argument("--json", action="store_true", help="Print the plan as JSON.")
+    _add_config_flag(plan := sub.add_parser("plan", help="Print the resolved deployment plan without loading weights.",
+                          description="Resolve the deployment plan for a checkpoint and hardware; print it and why."))
+    add = functools.partial(plan.add_argument, default=argparse.SUPPRESS)
+    add("--model-path", help="Checkpoint folder (default: the embedded model).")
+    add("--model-id", help="Family hint (e.g. FLUX.1-dev) when model_index.json is ambiguous.")
+    add("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+        help="Weights dtype used to size components (default: auto = bfloat16 on GPUs).")
+    add("--gpu-memory-gib", type=float, help="Describe GPUs with this much free memory each instead of detecting.")
+    add("--json", action="store_true", help="Print the plan as JSON.")
     add_dataclass_arguments(plan, DeploymentArgs, default_group="Deployment")
 
     tiny = sub.add_parser("make-tiny", help="Write a tiny random-weight checkpoint (offline).",
                           description="Write a tiny diffusers-format checkpoint with random weights and offline tokenizers.")
-    tiny.add_argument("--family", default="flux", help="Model family (default: flux).")
+    from diffuserve.families import tiny_builds
+
+    tiny_families = sorted(tiny_builds())
+    tiny.add_argument("--family", default="flux", choices=tiny_families,
+                      help=f"Model family: {', '.join(tiny_families)} (default: flux).")
     tiny.add_argument("--output", required=True, help="Output folder.")
-    tiny.add_argument("--preset", default="tiny", help="tiny (~72k-parameter transformer) or 36m (benchmarks).")
+    tiny.add_argument("--preset", default="tiny", choices=["tiny", "36m"],
+                      help="tiny (~72k-parameter transformer) or 36m (benchmarks) (default: tiny).")
 
     compat = sub.add_parser("compat", help="Build every tiny checkpoint and write the compatibility grid from real runs.",
                             description="For each image family's tiny checkpoint: T2I, I2I, batching, residency and "
@@ -105,7 +147,7 @@ def _build_parser() -> argparse.ArgumentParser:
     compat.add_argument("--quick", action="store_true",
                         help="Only the cheap columns (T2I, I2I, Batching); Residency and Matches diffusers show -.")
 
-    bench = sub.add_parser("bench", help="Benchmark a running server over HTTP.",
+    bench = sub.add_parser("bench", help="Benchmark a running server over HTTP.", formatter_class=_DefaultsFormatter,
                            description="Drive a running server with concurrent requests and report throughput and latency.")
     from diffuserve.bench import add_bench_arguments
 
@@ -113,28 +155,89 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _coerce(cls: type, name: str, value: Any) -> Any:
-    """A --config value -> the field's type (YAML/JSON may give strings for booleans and numbers)."""
-    scalar, is_list = _base_type(typing.get_type_hints(cls)[name])
-    if is_list:
-        items = value if isinstance(value, list) else str(value).split()
-        return [scalar(v) for v in items]
-    if value is None:
-        return None
-    if scalar is bool:
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, _Parser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def _config_actions(sub: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """The flags a --config file may set for one subcommand: dest -> action."""
+    return {a.dest: a for a in sub._actions
+            if a.option_strings and a.dest not in ("help", "config", "version")}
+
+
+def _allowed(action: argparse.Action) -> str:
+    if action.choices is not None:
+        return "one of " + ", ".join(map(str, action.choices))
+    if isinstance(action, argparse._StoreTrueAction) or getattr(action.type, "__name__", "") == "parse_bool":
+        return "true or false"
+    kind = getattr(action.type, "__name__", "str")
+    return {"int": "an integer", "float": "a number", "str": "a string"}.get(kind, f"a value {kind} accepts")
+
+
+def _coerce(action: argparse.Action, value: Any, where: str) -> Any:
+    """A --config value -> what the command-line flag would have parsed, or the same error it gives."""
+    flag = max(action.option_strings, key=len)
+
+    def bad(reason: str | None = None) -> NoReturn:
+        raise ConfigError(f"{where}: {value!r} is not valid for {flag}: expected {reason or _allowed(action)}.")
+
+    def one(item: Any) -> Any:
+        if isinstance(item, (dict, list)) or (isinstance(item, bool) and action.type in (int, float)):
+            bad()
+        if isinstance(item, float) and action.type is int and not item.is_integer():
+            bad()
+        text = str(item).lower() if isinstance(item, bool) else str(item)
+        try:
+            converted = action.type(text) if action.type is not None else text
+        except argparse.ArgumentTypeError as exc:
+            bad(str(exc).removeprefix("expected "))
+        except (TypeError, ValueError):
+            bad()
+        if action.choices is not None and converted not in action.choices:
+            bad()
+        return converted
+
+    if isinstance(action, argparse._StoreTrueAction):
+        return one(value) if action.type else _parse_flag_bool(value, bad)
+    if isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*"):
+        # A string is one prompt (`--prompt` appends), but a space-separated list for nargs flags, as
+        # the shell would split `--component-residency dit=resident vae=resident`.
+        split = isinstance(value, str) and not isinstance(action, argparse._AppendAction)
+        items = value.split() if split else (value if isinstance(value, list) else [value])
+        if not items:
+            bad("at least one value")
+        return [one(v) for v in items]
+    if action.nargs == "?" and value is None:
+        return action.const
+    return one(value)
+
+
+def _parse_flag_bool(value: Any, bad: Any) -> bool:
+    from diffuserve.config.argparse_dataclass import parse_bool
+
+    try:
         return parse_bool(value)
-    return scalar(value)
+    except argparse.ArgumentTypeError:
+        bad()
 
 
-def _merge_config_file(ns: argparse.Namespace) -> dict[str, Any]:
-    """Values from --config (if any) under those given on the command line."""
+def _merge_config_file(ns: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> dict[str, Any]:
+    """Values from --config (if any) under those given on the command line, checked against the flags
+    of this subcommand: a key of another command is an error naming that command."""
     values = {k: v for k, v in vars(ns).items() if k not in ("command", "config")}
     if not getattr(ns, "config", None):
         return values
-    known = {f.name: cls for cls in (ServerArgs, DeploymentArgs) for f in dataclasses.fields(cls)
-             if f.metadata.get("cli") is not False}
-    from_file = load_config_file(ns.config, set(known))
-    merged = {name: _coerce(known[name], name, value) for name, value in from_file.items()}
+    subs = _subparsers(parser or _build_parser())
+    actions = _config_actions(subs[ns.command])
+    elsewhere: dict[str, str] = {}
+    for name, other in subs.items():
+        if name != ns.command:
+            for dest in _config_actions(other):
+                elsewhere.setdefault(dest, name)
+    from_file = load_config_file(ns.config, set(actions), elsewhere=elsewhere, command=ns.command)
+    merged = {name: _coerce(actions[name], value, f"--config {ns.config}: key {name.replace('_', '-')!r}")
+              for name, value in from_file.items()}
     merged.update(values)
     return merged
 
@@ -151,8 +254,12 @@ def _setup_logging(level: str = "info") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 ok, 1 a model that cannot load (or a run-time failure), 2 usage and configuration
+    errors, 130 interrupted (see EXIT_*; the README lists them)."""
     parser = _build_parser()
-    ns = parser.parse_args(argv)
+    ns, extras = parser.parse_known_args(argv)
+    if extras:
+        _subparsers(parser)[ns.command].unknown_flags(extras)
     try:
         if ns.command == "bench":
             from diffuserve.bench import run_bench
@@ -170,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             names = [n.strip() for n in ns.families.split(",") if n.strip()] if ns.families else None
             print(render(run_compat(names, Path(ns.output) if ns.output else None, quick=ns.quick)))
             return 0
-        values = _merge_config_file(ns)
+        values = _merge_config_file(ns, parser)
         if ns.command == "plan":
             from diffuserve.generate import print_plan
 
@@ -184,10 +291,20 @@ def main(argv: list[str] | None = None) -> int:
         from diffuserve.generate import generate
 
         return generate(args, values)
+    except CheckpointError as exc:
+        # Before ConfigError (its base): a checkpoint that cannot load is a failed start, not a usage error.
+        print(f"diffuserve {ns.command}: error: the model failed to load: {exc.message}", file=sys.stderr)
+        return EXIT_FAILURE
+    except (ConfigError, InvalidRequestError) as exc:
+        # InvalidRequestError here is a `generate` flag the model refuses (a size it cannot make, ...).
+        print(f"diffuserve {ns.command}: configuration error: {exc.message}", file=sys.stderr)
+        return EXIT_USAGE
     except DiffuserveError as exc:
-        kind = "configuration error" if isinstance(exc, ConfigError) else "error"
-        print(f"diffuserve {ns.command}: {kind}: {exc.message}", file=sys.stderr)
-        return 2
+        print(f"diffuserve {ns.command}: error: {exc.message}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print(f"diffuserve {ns.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
 
 from diffuserve.config.server_args import ServerArgs
+from diffuserve.engine.worker import plan_calls
 from diffuserve.errors import ConfigError
 from diffuserve.sampling import SamplingParams, build_sampling_params
+
+INTERRUPTED = 130
+"""Exit code after Ctrl-C (128 + SIGINT)."""
 
 
 def _file_stem(prompt: str) -> str:
@@ -17,18 +22,23 @@ def _file_stem(prompt: str) -> str:
     return stem or "image"
 
 
-def _chunks(params: list[SamplingParams], max_outputs: int) -> list[list[SamplingParams]]:
-    """Group prompts into pipeline batches of at most `max_outputs` rows (a prompt's n never splits)."""
-    batches: list[list[SamplingParams]] = []
-    current: list[SamplingParams] = []
-    for p in params:
-        if current and sum(q.n for q in current) + p.n > max_outputs:
-            batches.append(current)
-            current = []
-        current.append(p)
-    if current:
-        batches.append(current)
-    return batches
+def chunk_rows(params: list[SamplingParams], max_rows: int | None) -> list[list[tuple[int, int, SamplingParams]]]:
+    """Pipeline calls for the prompts: (prompt index, first row, part) per call, at most `max_rows` rows
+    each (the engine's `plan_calls`); None runs one prompt, all its rows, per call."""
+    if max_rows is None:
+        return [[(i, 0, p)] for i, p in enumerate(params)]
+    return plan_calls(params, max_rows)
+
+
+def output_names(prompts: list[str], n: int, stem: str | None) -> list[list[str]]:
+    """File stems per prompt and output: STEM for a single output, else STEM_<prompt i>_<output j>.
+
+    STEM is --output-file-name, or one derived from each prompt; the suffixes are the same either way.
+    Derived stems of equal prompts would collide, so they always carry the suffix too.
+    """
+    single = len(prompts) == 1 and n == 1
+    return [[(stem or _file_stem(prompt)) + ("" if single else f"_{i}_{j}") for j in range(n)]
+            for i, prompt in enumerate(prompts)]
 
 
 def _encoded(params: SamplingParams, output: Any) -> list[bytes]:
@@ -42,6 +52,30 @@ def _encoded(params: SamplingParams, output: Any) -> list[bytes]:
     return [encode_image(image, params.output_format, params.output_quality) for image in output.images]
 
 
+def _check_applicable(values: dict[str, Any], video: bool, family: str) -> None:
+    """Flags that mean nothing for this model are errors naming the flag, never silently ignored."""
+    if not video:
+        for key in ("num_frames", "fps"):
+            if values.get(key) is not None:
+                raise ConfigError(f"--{key.replace('_', '-')}: the served model ({family}) makes images; "
+                                  "this flag applies to video models only. Drop it.")
+    elif values.get("output_format") not in (None, "mp4"):
+        raise ConfigError(f"--output-format {values['output_format']}: the served model ({family}) makes videos, "
+                          "which are always written as mp4. Drop the flag.")
+
+
+def _warn_truncated(pipeline: Any, prompts: list[str], negative_prompt: str | None) -> None:
+    """Say when a prompt is longer than a text encoder takes (it runs cut off, as in `serve`)."""
+    limits = getattr(pipeline, "prompt_token_limits", None)
+    if limits is None:
+        return
+    from diffuserve.pipelines.prompt_limits import check_texts
+
+    for i, prompt in enumerate(prompts):
+        for found in check_texts(limits(), {"prompt": prompt, "negative_prompt": negative_prompt}):
+            logging.getLogger("diffuserve").warning("--prompt #%d: %s", i, found.message)
+
+
 def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     from tqdm import tqdm
 
@@ -53,21 +87,33 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
         resolve_model_path,
     )
 
+    prompts = values.get("prompt")
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not prompts:
+        raise ConfigError("--prompt is required: give it on the command line (repeat it for several prompts) "
+                          "or as `prompt` (a string or a list) in --config.")
     stem = values.get("output_file_name")
     if stem is not None and (Path(stem).name != stem or stem in ("", ".", "..")):
         # Files go into --output-path only: a name may not climb out of it or name another folder.
         raise ConfigError(f"--output-file-name: {stem!r} must be a plain file name without folders; use --output-path for the folder.")
+    n = values.get("num_outputs_per_prompt", 1)
+    if n < 1:
+        raise ConfigError("--num-outputs-per-prompt must be >= 1.")
     args.validate()
     model_path = resolve_model_path(args)
+    from diffuserve.models.registry import resolve as resolve_model
+
+    spec = resolve_model(model_path, model_id=args.model_id, backend=args.backend)
+    if spec.family != "unknown":  # known from model_index.json alone: refuse before loading any weight
+        _check_applicable(values, spec.output_kind == "video", spec.family)
     device = resolve_device(args.device)
     deployment = plan_deployment(args, model_path, device)
     apply_num_threads(args.num_threads, device)
     pipeline = load_serving_pipeline(args, model_path, device, deployment, metrics=None)
     model = pipeline.describe_model()
     video = model.output_kind == "video"
-    n = values.get("num_outputs_per_prompt", 1)
-    if n < 1:
-        raise ConfigError("--num-outputs-per-prompt must be >= 1.")
+    _check_applicable(values, video, model.family)
     params = [
         build_sampling_params(
             model,
@@ -84,23 +130,39 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
             fps=values.get("fps") or None,
             output_format="mp4" if video else values.get("output_format", "png"),
         )
-        for i, prompt in enumerate(values["prompt"])
+        for i, prompt in enumerate(prompts)
     ]
-    max_outputs = args.batching_max_size if args.batching_mode == "dynamic" else n
+    _warn_truncated(pipeline, prompts, values.get("negative_prompt"))
+    # --batching-max-size bounds the rows of every pipeline call in dynamic mode (as in `serve`);
+    # singleton mode runs one prompt (all its n rows) per call.
+    max_rows = args.batching_max_size if args.batching_mode == "dynamic" else None
+    names = output_names(prompts, n, stem)
     out_dir = Path(values.get("output_path") or "outputs")
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    for batch in _chunks(params, max(max_outputs, n)):
-        steps = batch[0].num_inference_steps
-        with tqdm(total=steps, desc=f"denoising {len(batch)} prompt(s)", unit="step") as bar:
-            result = pipeline.run(batch, on_step=lambda i, total: bar.update(1))
-        for p, output in zip(batch, result.outputs, strict=True):
-            for j, blob in enumerate(_encoded(p, output)):
-                name = stem or _file_stem(p.prompt)
-                suffix = "" if len(params) == 1 and n == 1 else f"_{p.seed}_{j}"
-                path = out_dir / f"{name}{suffix}.{p.output_format}"
-                path.write_bytes(blob)
-                written.append(path)
+    progress = [0, params[0].num_inference_steps]
+    try:
+        for call in chunk_rows(params, max_rows):
+            steps = call[0][2].num_inference_steps
+            progress[:] = [0, steps]
+
+            def step(i: int, total: int) -> None:
+                progress[:] = [i + 1, total]
+                bar.update(1)
+
+            with tqdm(total=steps, desc=f"denoising {sum(p.n for _, _, p in call)} row(s)", unit="step") as bar:
+                result = pipeline.run([p for _, _, p in call], on_step=step)
+            for (prompt_index, first_row, part), output in zip(call, result.outputs, strict=True):
+                for j, blob in enumerate(_encoded(part, output)):
+                    path = out_dir / f"{names[prompt_index][first_row + j]}.{part.output_format}"
+                    path.write_bytes(blob)
+                    written.append(path)
+    except KeyboardInterrupt:
+        import sys
+
+        print(f"\ninterrupted at step {progress[0]}/{progress[1]}; wrote {len(written)} files to {out_dir}",
+              file=sys.stderr)
+        return INTERRUPTED
     for path in written:
         print(path)
     return 0

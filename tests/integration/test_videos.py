@@ -115,6 +115,8 @@ def test_list_get_delete(wan_server):
     assert httpx.delete(f"{wan_server.base_url}/v1/videos/{ids[0]}").status_code == 404
     done_cancel = httpx.post(f"{wan_server.base_url}/v1/videos/{ids[1]}/cancel")
     assert done_cancel.status_code == 409 and done_cancel.json()["error"]["param"] == "video_id"
+    assert done_cancel.json()["error"]["code"] == "video_already_finished"
+    assert "nothing to cancel" in done_cancel.json()["error"]["message"]
 
 
 def test_cancel_queued_and_running_progress_and_merged_jobs(wan_server):
@@ -172,7 +174,6 @@ def test_job_deadline_is_the_servers_not_a_clients(wan_server):
     ({"prompt": "  "}, "prompt"),
     ({"prompt": "x", "seconds": "4", "num_frames": 5}, "seconds"),
     ({"prompt": "x", "n": 2}, "n"),
-    ({"prompt": "x", "model": "other"}, "model"),
     ({"prompt": "x", "num_inference_steps": LONG_STEPS + 1}, "num_inference_steps"),
 ])
 def test_bad_requests_name_the_field(wan_server, body, param):
@@ -180,6 +181,12 @@ def test_bad_requests_name_the_field(wan_server, body, param):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_unknown_model_is_404_model_not_found(wan_server):
+    response = httpx.post(f"{wan_server.base_url}/v1/videos", json={"prompt": "x", "model": "other"}, timeout=30)
+    assert response.status_code == 404, response.text
+    assert response.json()["error"]["code"] == "model_not_found" and response.json()["error"]["param"] == "model"
 
 
 def test_video_model_refuses_image_requests(wan_server):

@@ -236,7 +236,7 @@ def test_closed_loop_counts_percentiles_json_and_plot(
     argv = ["--base-url", base_url, "--num-requests", "20", "--concurrency", "1", "--seed", "100"]
     argv += ["--size", "64x64", "--steps", "4", "--n", "2", "--model", "tiny-flux", "--label", "singleton"]
     status = run_bench(_args(*argv, "--output-json", str(out_json), "--plot", str(out_png)))
-    assert status == 0
+    assert status == 1, "failed requests fail the run unless --allow-failures"
 
     # The server saw exactly the requests we asked for, with the documented body.
     assert state.count == 20
@@ -259,8 +259,11 @@ def test_closed_loop_counts_percentiles_json_and_plot(
     assert row["images_per_s"] == pytest.approx(2 * row["throughput_rps"])
     assert row["throughput_rps"] == pytest.approx(18 / row["duration_s"])
 
-    printed = capsys.readouterr().out
-    assert "lat_p99" in printed and "injected failure #7" in printed
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert "lat_p99_ms" in printed and "img/s" in printed and "rate_req/s" in printed
+    assert "injected failure #7" in printed
+    assert "2 request(s) failed" in captured.err and "--allow-failures" in captured.err
     with Image.open(out_png) as image:
         assert image.format == "PNG" and image.size[0] > 100
 
@@ -277,6 +280,7 @@ def test_closed_loop_keeps_concurrency_in_flight(fake: tuple[str, FakeServerStat
         "2,4",
         "--output-json",
         str(out_json),
+        "--allow-failures",
     ]
     assert run_bench(_args(*argv)) == 0
     assert state.count == 24  # 12 per setting
@@ -291,7 +295,7 @@ def test_poisson_mode_sends_the_requested_number(fake: tuple[str, FakeServerStat
     base_url, state = fake
     out_json = tmp_path / "poisson.json"
     argv = ["--base-url", base_url, "--num-requests", "12", "--concurrency", "3", "--request-rate", "200"]
-    assert run_bench(_args(*argv, "--output-json", str(out_json))) == 0
+    assert run_bench(_args(*argv, "--output-json", str(out_json), "--allow-failures")) == 0
     assert state.count == 12
     assert state.max_in_flight <= 3
     (row,) = json.loads(out_json.read_text())["results"]
@@ -324,12 +328,19 @@ def test_api_key_flag_and_env(
     assert state.auth == ["Bearer from-env"]
 
 
-def test_videos_endpoint_polls_until_done(fake: tuple[str, FakeServerState], tmp_path: Path) -> None:
+def test_videos_endpoint_polls_until_done(
+    fake: tuple[str, FakeServerState], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     base_url, state = fake
     out_json = tmp_path / "video.json"
     argv = ["--base-url", base_url, "--endpoint", "videos", "--num-requests", "6", "--concurrency", "2"]
     argv += ["--seed", "0", "--num-frames", "9", "--size", "32x32", "--output-json", str(out_json)]
-    assert run_bench(_args(*argv)) == 0
+    assert run_bench(_args(*argv)) == 1  # two jobs fail
+    assert run_bench(_args(*argv, "--allow-failures")) == 0
+    state.reset()
+    assert run_bench(_args(*argv, "--allow-failures")) == 0
+    printed = capsys.readouterr().out
+    assert "videos/s" in printed and "img/s" not in printed
     assert state.count == 6
     assert state.bodies[0]["num_frames"] == 9 and "n" not in state.bodies[0]
     assert all(polls == 3 for polls in state.video_polls.values())

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from diffuserve.config.server_args import ServerArgs
-from diffuserve.errors import InvalidRequestError
+from diffuserve.errors import InvalidRequestError, ModelNotFoundError
 from diffuserve.families.base import SamplingDefaults
 from diffuserve.sampling import ModelDescription
 from diffuserve.server.video_jobs import VideoJob, VideoJobStore
@@ -108,7 +108,10 @@ def test_build_params_refuses_image_models_and_maps_seconds_to_frames():
     assert build_video_params(VideoCreateRequest(prompt="x", seconds="2"), video).num_frames == 17
     assert build_video_params(VideoCreateRequest(prompt="x", seconds=1, fps=16), video).num_frames == 17
     for body, param in (({"seconds": "2", "num_frames": 9}, "seconds"), ({"seconds": "soon"}, "seconds"),
-                        ({"num_frames": 37}, "num_frames"), ({"model": "other"}, "model")):
+                        ({"num_frames": 37}, "num_frames")):
         with pytest.raises(InvalidRequestError) as bad:
             build_video_params(VideoCreateRequest(prompt="x", **body), video)
         assert bad.value.param == param, body
+    with pytest.raises(ModelNotFoundError) as unknown:  # 404 model_not_found, as OpenAI answers
+        build_video_params(VideoCreateRequest(prompt="x", model="other"), video)
+    assert unknown.value.param == "model" and unknown.value.http_status == 404

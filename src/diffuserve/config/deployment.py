@@ -122,11 +122,22 @@ def _targets(flag: str, name: str, profile: ModelProfile) -> tuple[list[str], in
         return profile.group_members(name), 1
     if name in profile.components:
         return [name], 2
-    options = [*profile.components, *GROUPS, "all"]
+    options = list(dict.fromkeys([*profile.components, *GROUPS, "all"]))
     raise ConfigError(
-        f"{flag}: unknown component or group {name!r}; this model has {', '.join(options)}.{_closest(name, options)}",
+        f"{flag}: unknown component or group {name!r}.{_closest(name, options)} {describe_selectors(profile)}",
         param=_param(flag),
     )
+
+
+def describe_selectors(profile: ModelProfile) -> str:
+    """What a selector may name on this model: each component once, then each group with what it covers."""
+    def covers(group: str) -> str:
+        members = profile.group_members(group)
+        return ", ".join(members) if members else "none in this model"
+
+    groups = [f"{group} ({covers(group)})" for group in GROUPS]
+    return (f"This model's components: {', '.join(profile.components)}. "
+            f"Groups: {'; '.join(groups)}; all (every component).")
 
 
 def _select(flag: str, items: list[tuple[str, str]], profile: ModelProfile) -> dict[str, tuple[str, str]]:

@@ -85,8 +85,8 @@ class ServerArgs:
     # -- dynamic batching --------------------------------------------------------------------
     batching_mode: str = _f("singleton", "singleton (one request per pipeline call) or dynamic (merge compatible queued requests).", _BATCHING, choices=["singleton", "dynamic"])
     """Batching mode."""
-    batching_max_size: int = _f(1, "Largest merged batch, counting outputs (n); 1 turns merging off.", _BATCHING)
-    """User cap on a batch."""
+    batching_max_size: int = _f(1, "Dynamic mode: most rows (outputs, n) in one pipeline call. Compatible requests merge under it; a request with a larger n runs as several calls (same images). 1 turns merging off.", _BATCHING)
+    """User cap on a batch, and a hard cap on the rows of every pipeline call in dynamic mode."""
     batching_delay_ms: float = _f(0.0, "How long the head of the queue may wait for compatible requests.", _BATCHING)
     """Batching window."""
     batching_config: str | None = _f(None, "JSON/YAML rules giving lower caps per model/resolution.", _BATCHING)
@@ -107,6 +107,8 @@ class ServerArgs:
     """String length cap."""
     api_key: str | None = _f(None, "Require `Authorization: Bearer KEY` on every endpoint except /liveness, /health, /metrics (also DIFFUSERVE_API_KEY).", _LIMITS)
     """API key; never logged."""
+    reject_truncated_prompts: bool = _f(False, "Answer 400 (param prompt) when a prompt is longer than a text encoder takes, instead of running it cut off with a warning in the response.", _LIMITS)
+    """Strict prompt-length mode (the default warns: response `warnings` and one log line per request)."""
     allow_remote_urls: bool = _f(False, "Allow request fields that make the server fetch remote URLs (off: such fields are rejected).", _LIMITS)
     """Remote fetch switch."""
 
@@ -176,8 +178,13 @@ EMBEDDED_MODEL_NAME = "diffuserve-tiny-flux"
 """Public name of the embedded default model when no --model-path is given."""
 
 
-def load_config_file(path: str, known_keys: set[str]) -> dict[str, Any]:
-    """Read a --config file (JSON, or YAML by suffix) whose keys are flag names (`--` optional, - or _)."""
+def load_config_file(path: str, known_keys: set[str], *, elsewhere: dict[str, str] | None = None,
+                     command: str = "serve") -> dict[str, Any]:
+    """Read a --config file (JSON, or YAML by suffix) whose keys are flag names (`--` optional, - or _).
+
+    `elsewhere` maps keys that belong to other subcommands to the command's name, so such a key fails
+    naming that command instead of a vague "unknown key".
+    """
     file = Path(path)
     try:
         text = file.read_text()
@@ -197,6 +204,9 @@ def load_config_file(path: str, known_keys: set[str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for raw_key, value in data.items():
         key = str(raw_key).lstrip("-").replace("-", "_")
+        if key not in known_keys and elsewhere and key in elsewhere:
+            raise ConfigError(f"--config: key {raw_key!r} in {path!r} is a flag of `diffuserve {elsewhere[key]}`, "
+                              f"not of `diffuserve {command}`; remove it from this file.")
         if key not in known_keys:
             close = difflib.get_close_matches(key, sorted(known_keys), n=1)
             hint = f" Did you mean '{close[0].replace('_', '-')}'?" if close else ""

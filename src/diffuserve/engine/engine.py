@@ -86,8 +86,17 @@ class GenerationResult:
     queue_wait_s: float
     inference_s: float
     batch_size: int
-    """Requests in the pipeline batch this request ran in."""
+    """Requests in the pipeline batch this request ran in (kept for compatibility: = batch_requests)."""
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    batch_rows: int = 0
+    """Rows of the (largest) pipeline call this request ran in; at most the row cap."""
+    pipeline_calls: int = 1
+    """Pipeline calls its batch ran as (> 1 when a request's n was above --batching-max-size)."""
+
+    @property
+    def batch_requests(self) -> int:
+        """Requests in the batch this request ran in."""
+        return self.batch_size
 
 
 @dataclass(eq=False)
@@ -461,7 +470,11 @@ class AsyncEngine:
                         self._answer_locked(request.request_id, error=RequestTimeoutError(
                             f"The request ran past its deadline and was cancelled at step {step + 1}/{num_steps}."))
 
-        outcome = run_batch(self.pipeline, requests, on_step=on_step, previews=previews, clock=self.clock)
+        # The row cap is a hard cap on every pipeline call in dynamic mode (operators size it to the
+        # device): an oversized request the scheduler dispatched alone runs as several calls.
+        max_rows = batch.effective_cap if self.scheduler.config.dynamic else None
+        outcome = run_batch(self.pipeline, requests, on_step=on_step, previews=previews, clock=self.clock,
+                            max_rows=max_rows)
         self._recent_batch_s = outcome.inference_seconds
         for stage, seconds in outcome.stage_seconds.items():
             self.metrics.observe_stage(stage, seconds)
@@ -477,6 +490,8 @@ class AsyncEngine:
                         inference_s=outcome.inference_seconds,
                         batch_size=len(requests),
                         stage_seconds=outcome.stage_seconds,
+                        batch_rows=outcome.batch_rows,
+                        pipeline_calls=outcome.pipeline_calls,
                     ))
                 else:
                     self._answer_locked(rid, error=outcome.errors.get(rid) or RequestCancelledError("cancelled"))

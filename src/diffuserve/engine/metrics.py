@@ -73,6 +73,10 @@ class EngineMetrics:
                                          ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_wait = Histogram(f"{p}queue_wait_seconds", "Time each request waited in the queue before running.",
                                     buckets=_WAIT_BUCKETS, registry=r)
+        self.error_responses = Counter(
+            f"{p}error_responses", "Error answers by HTTP status and reason (the envelope's code): rejected "
+            "requests (400, 401, 404, 413, 429, 503) as well as failed ones (500, 504).", ["status", "reason"],
+            registry=r)
         self.queue_depth = Gauge(f"{p}queue_depth", "Requests waiting in the queue.", registry=r)
         self.cancelled_before_run = Counter(
             f"{p}requests_cancelled_before_run", "Queued requests removed because the client went away.", registry=r)
@@ -134,6 +138,10 @@ class EngineMetrics:
         self.requests.labels(endpoint=endpoint, status=status).inc()
         if latency_s is not None:
             self.request_latency.labels(endpoint=endpoint).observe(max(0.0, latency_s))
+
+    def observe_error(self, status: int, reason: str) -> None:
+        """One error answer sent to a client (any endpoint), by status and the envelope's `code`."""
+        self.error_responses.labels(status=str(status), reason=reason).inc()
 
     def observe_queue_wait(self, seconds: float) -> None:
         """One request left the queue to run (call once per request, not per batch)."""

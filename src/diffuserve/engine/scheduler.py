@@ -28,9 +28,9 @@ Rules of batch formation (one batch in flight at a time):
 5. **Waiting.** While the batch is below the cap and the head has waited less than
    `--batching-delay-ms` since its arrival, `schedule` returns `WaitUntil(head arrival + delay)`.
 6. **Oversized requests.** A head whose `n` alone is at least the effective cap is dispatched
-   at once, alone, as a full batch (`num_outputs` may then exceed `effective_cap`). The cap
-   limits merging, not a single request, so such a request never starves; the API's own `n`
-   limit is what bounds it.
+   at once, alone, as a full batch (`num_outputs` may then exceed `effective_cap`), so it never
+   starves. The cap still bounds every pipeline call: the worker runs such a request as
+   consecutive calls of at most `effective_cap` rows (see `engine/worker.py`).
 7. **Stop reasons.** `max_size` (reached the user cap), `config_cap:N` (reached a rule cap N below
    the user cap), `delay` (the delay ran out, or was 0, below the cap), `dynamic_disabled`
    (singleton mode or max size 1: every batch is one request), `head:<reason>` (the head is

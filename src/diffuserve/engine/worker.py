@@ -1,12 +1,18 @@
 """Runs one scheduled batch on the pipeline and turns the result into one outcome per request.
 
-A merged batch is ONE pipeline call. If it raises, or its outputs cannot be split back per request,
-every request of the batch gets an error that says so; there is no silent retry.
+A merged batch is ONE pipeline call, unless its rows exceed the row cap (`max_rows`, the batch's
+effective cap in dynamic mode): a request whose `n` alone is above the cap then runs as consecutive
+calls of at most `max_rows` rows, part k starting at seed `seed + offset` (row j of a request is
+seeded `seed + j`, so its images are the same as in one call). If a call raises, or its outputs
+cannot be split back per request, every request of the batch gets an error that says so; there is
+no silent retry.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -15,6 +21,7 @@ from typing import Any
 from diffuserve.engine.request import Request
 from diffuserve.errors import DiffuserveError, GenerationError, RequestCancelledError
 from diffuserve.pipelines.base import BatchResult, Pipeline, RequestOutput
+from diffuserve.sampling import SamplingParams
 
 logger = logging.getLogger("diffuserve.worker")
 
@@ -47,6 +54,40 @@ class BatchOutcome:
     errors: dict[str, DiffuserveError] = field(default_factory=dict)
     stage_seconds: dict[str, float] = field(default_factory=dict)
     inference_seconds: float = 0.0
+    batch_rows: int = 0
+    """Rows of the largest pipeline call the batch ran as (at most the row cap)."""
+    pipeline_calls: int = 0
+    """Pipeline calls the batch ran as (1 unless a request's n was split under the row cap)."""
+
+
+def split_rows(params: SamplingParams, max_rows: int) -> list[SamplingParams]:
+    """One request's rows as parts of at most `max_rows` rows; part k starts at seed `seed + offset`."""
+    if params.n <= max_rows:
+        return [params]
+    # An unset seed is drawn once here so that every part continues the same row sequence.
+    seed = params.seed if params.seed is not None else random.randrange(2**31)
+    return [dataclasses.replace(params, n=min(max_rows, params.n - offset), seed=seed + offset)
+            for offset in range(0, params.n, max_rows)]
+
+
+def plan_calls(batch: Sequence[SamplingParams], max_rows: int | None) -> list[list[tuple[int, int, SamplingParams]]]:
+    """The pipeline calls for `batch` under a row cap: each call a list of (index in batch, first row,
+    params of the part). Consecutive requests share a call while their rows fit; None = one call."""
+    if max_rows is None or sum(p.n for p in batch) <= max_rows:
+        return [[(i, 0, p) for i, p in enumerate(batch)]]
+    calls: list[list[tuple[int, int, SamplingParams]]] = []
+    current: list[tuple[int, int, SamplingParams]] = []
+    for i, params in enumerate(batch):
+        first = 0
+        for part in split_rows(params, max_rows):
+            if current and sum(q.n for _, _, q in current) + part.n > max_rows:
+                calls.append(current)
+                current = []
+            current.append((i, first, part))
+            first += part.n
+    if current:
+        calls.append(current)
+    return calls
 
 
 def _batch_error(requests: Sequence[Request], what: str) -> GenerationError:
@@ -76,12 +117,15 @@ def run_batch(
     on_step: Callable[[int, int], None] | None = None,
     previews: dict[str, PreviewSink] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    max_rows: int | None = None,
 ) -> BatchOutcome:
-    """Run `requests` as one pipeline call. Never raises: every request gets an output or an error.
+    """Run `requests` as one pipeline call (several when their rows exceed `max_rows`).
 
+    Never raises: every request gets an output or an error. `on_step` counts steps over all calls.
     `previews` (request id -> sink) asks for partial images: after each denoising step that some
     still-waiting request wants a preview of, the pipeline's previews are made once for the whole batch
-    and each such request gets its own rows.
+    and each such request gets its own rows. A batch split into several calls makes no previews (a
+    call holds only part of a request's rows, and a preview shows all of them).
     """
     outcome = BatchOutcome()
     live = [r for r in requests if not r.cancel_event.is_set()]
@@ -93,14 +137,22 @@ def run_batch(
         # keeps running with the others and its output is dropped.
         return all(r.cancel_event.is_set() for r in live)
 
+    calls = plan_calls([r.params for r in live], max_rows)
+    if len(calls) > 1:
+        logger.info("batch of %d request(s), %d rows: above the row cap of %d, running as %d pipeline calls",
+                    len(live), sum(r.params.n for r in live), max_rows, len(calls))
     steps_done = [0, 0]
+    call_index = [0]
 
     def step_done(step: int, num_steps: int) -> None:
-        steps_done[:] = [step + 1, num_steps]
+        overall, total = call_index[0] * num_steps + step, len(calls) * num_steps
+        steps_done[:] = [overall + 1, total]
         if on_step is not None:
-            on_step(step, num_steps)
+            on_step(overall, total)
 
     sinks = [(i, previews[r.request_id]) for i, r in enumerate(live) if previews and r.request_id in previews]
+    if len(calls) > 1:
+        sinks = []
 
     def on_preview(step: int, num_steps: int, make_previews: Callable[[], list[list[Any]]]) -> None:
         wanted = []
@@ -116,10 +168,23 @@ def run_batch(
 
     start = clock()
     try:
-        result = pipeline.run([r.params for r in live], on_step=step_done, should_stop=should_stop,
-                              **({"on_preview": on_preview} if sinks else {}))
-        outcome.outputs = split_outputs(live, result, pipeline.output_kind)
-        outcome.stage_seconds = dict(result.stage_seconds)
+        parts: list[list[RequestOutput]] = [[] for _ in live]
+        stage_seconds: dict[str, float] = {}
+        for call_index[0], call in enumerate(calls):
+            if should_stop():
+                raise RequestCancelledError("every request of the batch was cancelled")
+            result = pipeline.run([p for _, _, p in call], on_step=step_done, should_stop=should_stop,
+                                  **({"on_preview": on_preview} if sinks else {}))
+            chunk = split_outputs([dataclasses.replace(live[i], params=p) for i, _, p in call], result,
+                                  pipeline.output_kind)
+            for (i, _, _), output in zip(call, chunk.values(), strict=True):
+                parts[i].append(output)
+            for stage, seconds in result.stage_seconds.items():
+                stage_seconds[stage] = stage_seconds.get(stage, 0.0) + seconds
+        outcome.outputs = {r.request_id: _concat(p) for r, p in zip(live, parts, strict=True)}
+        outcome.stage_seconds = stage_seconds
+        outcome.batch_rows = max(sum(p.n for _, _, p in call) for call in calls)
+        outcome.pipeline_calls = len(calls)
     except RequestCancelledError as exc:
         logger.info("batch of %d request(s) stopped at step %d/%d: every request in it was cancelled",
                     len(live), *steps_done)
@@ -132,3 +197,9 @@ def run_batch(
             outcome.errors[request.request_id] = error
     outcome.inference_seconds = clock() - start
     return outcome
+
+
+def _concat(outputs: list[RequestOutput]) -> RequestOutput:
+    if len(outputs) == 1:
+        return outputs[0]
+    return RequestOutput(images=[i for o in outputs for i in o.images], videos=[v for o in outputs for v in o.videos])

@@ -86,7 +86,7 @@ def encode_image(image: Image.Image, fmt: str, quality: int) -> bytes:
     return buffer.getvalue()
 
 
-def decode_image(data: bytes, *, max_pixels: int, param: str = "image") -> Image.Image:
+def decode_image(data: bytes, *, max_pixels: int, param: str = "image", limit_flag: str | None = None) -> Image.Image:
     """Decode uploaded image bytes into an RGB or RGBA image of at most `max_pixels` pixels.
 
     Raises InvalidRequestError(param=param) when the bytes are not an image in an accepted format,
@@ -107,11 +107,15 @@ def decode_image(data: bytes, *, max_pixels: int, param: str = "image") -> Image
     except Image.DecompressionBombError as exc:
         # Pillow's own hard limit fired while reading the header: far beyond any budget of ours.
         raise InvalidRequestError(
-            f"{param} declares far more pixels than the limit of {max_pixels} ({exc}); "
+            f"{param} declares far more pixels than the limit of {max_pixels}"
+            f"{f' (set by {limit_flag})' if limit_flag else ''} ({exc}); "
             "downscale it before uploading",
             param=param,
         ) from exc
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
+    except UnidentifiedImageError as exc:
+        # Pillow's message names an in-memory object (`<_io.BytesIO object at 0x...>`): useless to a client.
+        raise InvalidRequestError(f"{param}: not a PNG, JPEG, WebP, GIF or BMP file", param=param) from exc
+    except (OSError, ValueError) as exc:
         raise InvalidRequestError(
             f"{param} could not be read as an image ({exc}); send PNG, JPEG, WebP, GIF or BMP bytes",
             param=param,
@@ -120,8 +124,9 @@ def decode_image(data: bytes, *, max_pixels: int, param: str = "image") -> Image
     # 1. The header alone gives the size: refuse before any pixel is decompressed.
     width, height = image.size
     if width <= 0 or height <= 0 or width * height > max_pixels:
+        limit = f"{max_pixels} pixels" + (f", set by {limit_flag}" if limit_flag else "")
         raise InvalidRequestError(
-            f"{param} is {width}x{height} = {width * height} pixels, above the limit of {max_pixels}; "
+            f"{param} is {width}x{height} = {width * height} pixels, above the limit of {limit}; "
             "downscale it before uploading",
             param=param,
         )

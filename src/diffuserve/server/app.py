@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,7 +16,7 @@ from diffuserve import __version__
 from diffuserve.errors import ConfigError, DiffuserveError
 from diffuserve.server import health, models_routes, openai_images, openai_videos, playground
 from diffuserve.server.context import ServerContext
-from diffuserve.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from diffuserve.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, TrailingSlashMiddleware
 from diffuserve.server.protocol import ErrorEnvelope, error_envelope
 from diffuserve.server.video_jobs import VideoJobStore
 from diffuserve.storage import ResultStore, RetentionPolicy
@@ -36,11 +36,19 @@ def _param_of(loc: tuple) -> str:
     return ".".join(parts) if parts else (str(loc[0]) if loc else "body")
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, count: Callable[[int, str], None] | None = None) -> None:
+    """Map every error to its envelope; `count(status, code)` records each answer for /metrics."""
+
+    def respond(status: int, message: str, error_type: str, param: str | None, code: str | None,
+                retry_after_s: float | None = None) -> JSONResponse:
+        if count is not None:
+            count(status, code or "none")
+        return _error_response(status, message, error_type, param, code, retry_after_s)
+
     @app.exception_handler(DiffuserveError)
     async def _diffuserve_error(_: Request, exc: DiffuserveError) -> JSONResponse:
-        return _error_response(exc.http_status, exc.message, exc.error_type, exc.param, exc.code,
-                               getattr(exc, "retry_after_s", None))
+        return respond(exc.http_status, exc.message, exc.error_type, exc.param, exc.code,
+                       getattr(exc, "retry_after_s", None))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -54,20 +62,20 @@ def install_error_handlers(app: FastAPI) -> None:
             message = "The request body must be a JSON object (Content-Type: application/json). " + str(first.get("msg", ""))
         else:
             message = f"Invalid value for {param!r}: {first.get('msg', 'invalid')}."
-        return _error_response(400, message, "invalid_request_error", param, "invalid_value")
+        return respond(400, message, "invalid_request_error", param, "invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
-            return _error_response(404, f"No route {request.method} {request.url.path}.", "invalid_request_error", None, "not_found")
+            return respond(404, f"No route {request.method} {request.url.path}.", "invalid_request_error", None, "not_found")
         if exc.status_code == 405:
-            return _error_response(405, f"Method {request.method} is not allowed on {request.url.path}.", "invalid_request_error", None, "method_not_allowed")
-        return _error_response(exc.status_code, str(exc.detail), "invalid_request_error", None, None)
+            return respond(405, f"Method {request.method} is not allowed on {request.url.path}.", "invalid_request_error", None, "method_not_allowed")
+        return respond(exc.status_code, str(exc.detail), "invalid_request_error", None, None)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
-        return _error_response(500, f"Internal error: {type(exc).__name__}: {exc}", "server_error", None, "internal_error")
+        return respond(500, f"Internal error: {type(exc).__name__}: {exc}", "server_error", None, "internal_error")
 
 
 ERROR_RESPONSES: dict[int | str, dict] = {
@@ -111,15 +119,17 @@ def create_app(ctx: ServerContext) -> FastAPI:
             ctx.results.stop_sweeper()
             ctx.engine.stop()
 
+    # redirect_slashes off: TrailingSlashMiddleware serves `/route/` as `/route` instead of a 307.
     app = FastAPI(title="diffuserve", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible image generation with dynamic batching.",
-                  responses=ERROR_RESPONSES)
+                  responses=ERROR_RESPONSES, redirect_slashes=False)
     if ctx.results is None:
         ctx.results = open_results_store(ctx.args)
     if ctx.videos is None:
         ctx.videos = VideoJobStore(ctx.results, ctx.args.max_video_jobs)
     app.state.ctx = ctx
-    install_error_handlers(app)
+    count = getattr(ctx.metrics, "observe_error", None)
+    install_error_handlers(app, count)
     app.include_router(health.router)
     app.include_router(models_routes.router)
     app.include_router(openai_images.router)
@@ -128,7 +138,9 @@ def create_app(ctx: ServerContext) -> FastAPI:
     # Outermost first: the body cap runs before auth so an oversized anonymous upload is never read.
     api_key = ctx.args.resolved_api_key()
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, count=count)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=ctx.args.max_request_bytes,
-                       path_caps={"/v1/images/edits": (ctx.args.max_upload_bytes, "--max-upload-bytes")})
+                       path_caps={"/v1/images/edits": (ctx.args.max_upload_bytes, "--max-upload-bytes")}, count=count)
+    # Outermost: the other middleware and the router see the path without its trailing slash.
+    app.add_middleware(TrailingSlashMiddleware)
     return app

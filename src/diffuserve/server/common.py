@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from fastapi import Request
 
 from diffuserve.engine.engine import EngineState, GenerationResult
-from diffuserve.errors import InvalidRequestError
+from diffuserve.errors import InvalidRequestError, ModelNotFoundError
 from diffuserve.server.context import ServerContext
 
 
@@ -34,8 +35,9 @@ def check_request_limits(
     """The server's own caps (model name, text length, image side, steps), each naming its field and flag."""
     args = ctx.args
     if model is not None and model not in args.model_names:
-        raise InvalidRequestError(f"Unknown model {model!r}; this server serves {args.public_model_name!r}.",
-                                  param="model", code="model_not_found")
+        # As OpenAI answers an unknown model: 404 model_not_found (the README's error table says so).
+        raise ModelNotFoundError(f"Unknown model {model!r}; this server serves {args.public_model_name!r} "
+                                 "(see GET /v1/models).", param="model")
     for name, text in texts.items():
         if text is not None and len(text) > args.max_prompt_chars:
             raise InvalidRequestError(
@@ -52,6 +54,30 @@ def check_request_limits(
             param="num_inference_steps")
 
 
+logger = logging.getLogger("diffuserve.server")
+
+
+def prompt_warnings(ctx: ServerContext, texts: dict[str, str | None]) -> list[str]:
+    """Texts longer than a text encoder takes: warnings for the response (logged once per request), or
+    a 400 naming the field with --reject-truncated-prompts. Called before the request is queued."""
+    pipeline = ctx.engine.pipeline
+    limits = getattr(pipeline, "prompt_token_limits", None)
+    if limits is None:
+        return []
+    from diffuserve.pipelines.prompt_limits import check_texts
+
+    found = check_texts(limits(), texts)
+    if not found:
+        return []
+    if ctx.args.reject_truncated_prompts:
+        first = found[0]
+        raise InvalidRequestError(f"{first.message}; shorten it (this server runs with --reject-truncated-prompts).",
+                                  param=first.field, code="prompt_too_long")
+    messages = [t.message for t in found]
+    logger.warning("request truncated by the text encoders: %s", "; ".join(messages))
+    return messages
+
+
 def result_timings(result: GenerationResult, *, encode_s: float, received: float) -> dict[str, Any]:
     """The `timings` object of a response (milliseconds)."""
     return {
@@ -60,5 +86,8 @@ def result_timings(result: GenerationResult, *, encode_s: float, received: float
         "encode_ms": round(encode_s * 1000, 3),
         "total_ms": round((time.monotonic() - received) * 1000, 3),
         "batch_size": result.batch_size,
+        "batch_requests": result.batch_requests,
+        "batch_rows": result.batch_rows,
+        "pipeline_calls": result.pipeline_calls,
         "stages_ms": {k: round(v * 1000, 3) for k, v in result.stage_seconds.items()},
     }

@@ -15,12 +15,15 @@ from diffuserve.server.common import server_context
 router = APIRouter()
 
 
+# HEAD too (probes and uptime checkers use it); kept out of the schema so the operation ids stay unique.
+@router.head("/liveness", include_in_schema=False)
 @router.get("/liveness", tags=["health"])
 async def liveness() -> dict[str, str]:
     """200 as soon as the process serves HTTP."""
     return {"status": "alive"}
 
 
+@router.head("/health", include_in_schema=False)
 @router.get("/health", tags=["health"])
 async def health(request: Request) -> JSONResponse:
     """200 once the model is loaded and the warm-up generation ran; 503 before, and while draining."""

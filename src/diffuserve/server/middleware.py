@@ -1,12 +1,15 @@
-"""ASGI middleware that runs before routing: the body-size cap and API-key authentication.
+"""ASGI middleware that runs before routing: trailing slashes, the body-size cap and API-key
+authentication.
 
-Both answer in the OpenAI error envelope without reading more of the request than they must.
+All answer in the OpenAI error envelope without reading more of the request than they must, and
+count the answer in `diffuserve_error_responses_total` like the app's own error handler.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+from collections.abc import Callable
 from typing import Any
 
 from diffuserve.server.playground import PUBLIC_PATHS as PLAYGROUND_PATHS
@@ -18,7 +21,14 @@ PUBLIC_PATHS = frozenset({"/liveness", "/health", "/metrics"}) | PLAYGROUND_PATH
 """Paths that never need the API key (probes and scraping; the playground's static files, which hold no data)."""
 
 
-async def _send_error(send: Any, status: int, message: str, error_type: str, code: str, headers: list | None = None) -> None:
+ErrorCounter = Callable[[int, str], None]
+"""count(status, code): records one error answer (EngineMetrics.observe_error)."""
+
+
+async def _send_error(send: Any, status: int, message: str, error_type: str, code: str, headers: list | None = None,
+                      count: ErrorCounter | None = None) -> None:
+    if count is not None:
+        count(status, code)
     body = json.dumps(error_envelope(message, error_type, None, code)).encode()
     await send({
         "type": "http.response.start",
@@ -28,12 +38,31 @@ async def _send_error(send: Any, status: int, message: str, error_type: str, cod
     await send({"type": "http.response.body", "body": body})
 
 
-class ApiKeyMiddleware:
-    """Require `Authorization: Bearer KEY` everywhere except PUBLIC_PATHS; constant-time compare."""
+class TrailingSlashMiddleware:
+    """Serve `/v1/images/generations/` as `/v1/images/generations`: a redirect (307) makes some clients
+    drop the body of a POST, so the path is normalised before routing instead."""
 
-    def __init__(self, app: Any, api_key: str):
+    def __init__(self, app: Any):
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            scope = {**scope, "path": path.rstrip("/") or "/"}
+            if scope.get("raw_path"):
+                scope["raw_path"] = scope["raw_path"].rstrip(b"/") or b"/"
+        return await self.app(scope, receive, send)
+
+
+class ApiKeyMiddleware:
+    """Require `Authorization: Bearer KEY` everywhere except PUBLIC_PATHS; constant-time compare.
+
+    The scheme is case-insensitive (RFC 7235: `bearer KEY` is the same credential)."""
+
+    def __init__(self, app: Any, api_key: str, count: ErrorCounter | None = None):
+        self.app = app
+        self._expected = api_key.encode()
+        self._count = count
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
@@ -43,10 +72,13 @@ class ApiKeyMiddleware:
             if name == b"authorization":
                 given = value
                 break
-        if not hmac.compare_digest(given, self._expected):
+        scheme, _, token = given.strip().partition(b" ")
+        ok = scheme.lower() == b"bearer"
+        # Compare even when the scheme is wrong, so the answer time does not depend on the header.
+        if not hmac.compare_digest(token.strip(), self._expected) or not ok:
             return await _send_error(
                 send, 401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
-                "authentication_error", "invalid_api_key", [(b"www-authenticate", b"Bearer")],
+                "authentication_error", "invalid_api_key", [(b"www-authenticate", b"Bearer")], self._count,
             )
         return await self.app(scope, receive, send)
 
@@ -57,8 +89,10 @@ class BodySizeLimitMiddleware:
     `path_caps` gives some paths their own cap (uploads to /v1/images/edits); others get `max_bytes`.
     """
 
-    def __init__(self, app: Any, max_bytes: int, path_caps: dict[str, tuple[int, str]] | None = None):
+    def __init__(self, app: Any, max_bytes: int, path_caps: dict[str, tuple[int, str]] | None = None,
+                 count: ErrorCounter | None = None):
         self.app = app
+        self._count = count
         self.default_cap = (max_bytes, "--max-request-bytes")
         self.path_caps = path_caps or {}
 
@@ -71,7 +105,8 @@ class BodySizeLimitMiddleware:
                 try:
                     declared = int(value)
                 except ValueError:
-                    return await _send_error(send, 400, "Invalid Content-Length header.", "invalid_request_error", "invalid_value")
+                    return await _send_error(send, 400, "Invalid Content-Length header.", "invalid_request_error",
+                                             "invalid_value", count=self._count)
                 if declared > max_bytes:
                     return await self._too_large(send, max_bytes, flag)
         # Stream the body through, counting; past the cap stop reading and answer 413.
@@ -100,9 +135,8 @@ class BodySizeLimitMiddleware:
 
         return await self.app(scope, replay, send)
 
-    @staticmethod
-    async def _too_large(send: Any, max_bytes: int, flag: str) -> None:
+    async def _too_large(self, send: Any, max_bytes: int, flag: str) -> None:
         await _send_error(
             send, 413, f"The request body exceeds {max_bytes} bytes ({flag}).",
-            "invalid_request_error", "request_too_large",
+            "invalid_request_error", "request_too_large", count=self._count,
         )

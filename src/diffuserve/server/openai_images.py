@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import time
 import uuid
 
@@ -17,7 +18,13 @@ from diffuserve.engine.engine import GenerationResult
 from diffuserve.errors import InvalidRequestError, NotFoundError, RequestCancelledError
 from diffuserve.media.images import decode_image, encode_image, mime_type
 from diffuserve.sampling import SamplingParams, build_sampling_params
-from diffuserve.server.common import check_request_limits, require_ready, result_timings, server_context
+from diffuserve.server.common import (
+    check_request_limits,
+    prompt_warnings,
+    require_ready,
+    result_timings,
+    server_context,
+)
 from diffuserve.server.context import ServerContext, StoredImage
 from diffuserve.server.protocol import (
     ImageData,
@@ -103,6 +110,9 @@ async def _generate_and_respond(
     """Run one request through the engine and shape the OpenAI response (shared by generations and edits)."""
     ctx = server_context(request)
     request_id = uuid.uuid4().hex
+    # Before queueing: a too-long prompt is a 400 with --reject-truncated-prompts, else a warning (a
+    # streamed answer carries none; the log says it either way).
+    warnings = prompt_warnings(ctx, {"prompt": params.prompt, "negative_prompt": params.negative_prompt})
     assert ctx.engine.model is not None
     inputs = [(params.width, params.height)] * len(params.image_inputs)  # inputs are resized to the output size
     counted = usage(ctx.engine.pipeline, ctx.engine.model, params, input_sizes=inputs)
@@ -138,6 +148,7 @@ async def _generate_and_respond(
         size=f"{params.width}x{params.height}",
         seed=params.seed or 0,
         timings=Timings(**result_timings(result, encode_s=encode_s, received=received)),
+        warnings=warnings,
         background="opaque",
         quality=reported_quality(body.quality),
         usage=Usage(**counted),
@@ -190,8 +201,10 @@ async def edit_image(request: Request) -> ImageGenerationResponse | StreamingRes
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False)) from exc
     blobs = tuple([await upload.read() for upload in uploads])
-    max_pixels = ctx.args.max_image_side ** 2
-    sources = [await run_in_threadpool(decode_image, data, max_pixels=max_pixels, param="image") for data in blobs]
+    side = ctx.args.max_image_side
+    decode = functools.partial(decode_image, max_pixels=side ** 2, param="image",
+                               limit_flag=f"--max-image-side {side} (at most {side}x{side} pixels)")
+    sources = [await run_in_threadpool(decode, data) for data in blobs]
     if body.size is None and body.width is None and body.height is None:
         # Default to the (first) input's size, rounded down to what the model can produce.
         multiple = ctx.engine.model.size_multiple  # type: ignore[union-attr]

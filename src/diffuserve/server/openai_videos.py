@@ -408,8 +408,9 @@ async def cancel_video(video_id: str, request: Request) -> dict[str, Any]:
     ctx = server_context(request)
     job = _get_job(ctx, video_id)
     if job.terminal and job.status != "cancelled":
-        raise VideoNotReadyError(f"Video job {video_id} already {job.status}; DELETE it to remove it.",
-                                 param="video_id")
+        # Not "not ready": the job is finished and there is nothing left to cancel.
+        raise VideoNotReadyError(f"Video job {video_id} already {job.status}: there is nothing to cancel; "
+                                 "DELETE it to remove it.", param="video_id", code="video_already_finished")
     _cancel(ctx, job, f"POST /v1/videos/{video_id}/cancel")
     return _get_job(ctx, video_id).to_dict()
 

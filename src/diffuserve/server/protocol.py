@@ -131,6 +131,13 @@ class Timings(BaseModel):
     encode_ms: float
     total_ms: float
     batch_size: int
+    """Requests in the batch (the same as batch_requests; kept for existing clients)."""
+    batch_requests: int = 1
+    """Requests in the pipeline batch this request ran in."""
+    batch_rows: int = 1
+    """Rows (outputs) of the largest pipeline call it ran in: at most --batching-max-size in dynamic mode."""
+    pipeline_calls: int = 1
+    """Pipeline calls it ran as (> 1 when its n was above the row cap)."""
     stages_ms: dict[str, float] = {}
 
 
@@ -158,6 +165,8 @@ class ImageGenerationResponse(BaseModel):
     size: str
     seed: int
     timings: Timings
+    warnings: list[str] = []
+    """Things the server changed about the request, e.g. a prompt cut to what a text encoder takes."""
     background: str = "opaque"
     quality: str = "auto"
     usage: Usage | None = None

@@ -2,7 +2,9 @@
 
 SIGTERM/SIGINT do not stop uvicorn at once: /health turns 503, new generation requests get 503,
 accepted requests finish and are answered, then the process exits 0. Past --shutdown-timeout-s the
-rest are answered with a 503 error first. A second signal forces the exit.
+rest are answered with a 503 error first. A second signal cuts the drain short the same way: every
+request still in flight is answered with the 503 envelope at once, then the server stops with exit
+code 130 (interrupted). A third signal stops uvicorn without waiting for connections.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from diffuserve.server.context import ImageStore, ServerContext
 
 logger = logging.getLogger("diffuserve.server")
 
+INTERRUPTED = 130
+"""Exit code when a second signal cut the drain short (128 + SIGINT, as `generate` after Ctrl-C)."""
+
 
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose first exit signal drains the engine before stopping."""
@@ -28,6 +33,7 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.ctx = ctx
         self._drain_started = False
+        self._forced = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.exit_code = 0
         ctx.engine.on_fatal = self._fatal
@@ -43,10 +49,21 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._drain_started or self._loop is None:
-            # Second signal (or no loop yet): stop now, the uvicorn way.
+        if self._loop is None:
+            # No loop yet (still starting): stop the uvicorn way.
             self.should_exit = True
-            self.force_exit = self._drain_started
+            return
+        if self._drain_started:
+            if self._forced:
+                self.force_exit = True  # third signal: do not even wait for the answers to go out
+                return
+            # Second signal: answer everything in flight with the 503 envelope now (never a plain-text
+            # 500 from a cancelled handler), then stop as after a drain, exiting 130.
+            self._forced = True
+            self.exit_code = INTERRUPTED
+            logger.warning("signal %s again: answering %d unfinished request(s) with 503 and exiting",
+                           sig, self.ctx.engine.num_pending)
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit(0.0)))
             return
         self._drain_started = True
         self.ctx.draining = True
@@ -55,8 +72,9 @@ class DrainingServer(uvicorn.Server):
                     self.ctx.args.shutdown_timeout_s)
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit()))
 
-    async def _drain_then_exit(self) -> None:
-        failed = await self.ctx.engine.drain(self.ctx.args.shutdown_timeout_s)
+    async def _drain_then_exit(self, timeout_s: float | None = None) -> None:
+        budget = self.ctx.args.shutdown_timeout_s if timeout_s is None else timeout_s
+        failed = await self.ctx.engine.drain(budget)
         if failed:
             logger.warning("shutdown timeout: answered %d unfinished request(s) with an error", failed)
         logger.info("drained; exiting")
