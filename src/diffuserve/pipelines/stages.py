@@ -249,6 +249,8 @@ class RecipePipeline(Pipeline):
     mask (1 = token, 0 = padding). Rows are trimmed and padded through these when requests merge."""
     batched_cfg: bool = False
     """Run CFG as one doubled batch instead of two passes (diffusers runs two passes)."""
+    cfg_parallel: Any = None
+    """A `parallel.cfg_parallel.CfgParallel` when the two CFG branches run on two ranks; None in one process."""
 
     # -- family parts ------------------------------------------------------------------------------------
 
@@ -325,6 +327,11 @@ class RecipePipeline(Pipeline):
                 head: SamplingParams, state: DenoiseState, step_index: int, model_key: str) -> torch.Tensor:
         if negative is None:
             return self.predict(latents, timestep, positive, state, model_key)
+        if self.cfg_parallel is not None:
+            # The split point for CFG parallel: each rank runs one branch (parallel/cfg_parallel.py).
+            return self.cfg_parallel.guided(
+                lambda cond: self.predict(latents, timestep, cond, state, model_key), positive, negative,
+                lambda cond, uncond: self.combine_guidance(cond, uncond, head, state, step_index))
         if self.batched_cfg:
             both = self.predict(torch.cat([latents, latents]), torch.cat([timestep, timestep]),
                                 concat_cond(positive, negative, self.masked_sequences), state, model_key)
