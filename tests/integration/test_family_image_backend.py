@@ -165,3 +165,50 @@ def test_layered_needs_one_input_image(layered) -> None:
 
 def test_layered_tiny_build_is_byte_identical_and_small(layered_path: Path, tmp_path: Path) -> None:
     assert_rebuild_identical("qwen-image-layered", layered_path, tmp_path)
+
+
+# -- GLM-Image -----------------------------------------------------------------------------------------
+# Tolerances: a solo request equals `GlmImagePipeline.__call__` exactly (same AR draws: its seed; same DiT call).
+# A merged batch shares one AR call: its rows' prior tokens equal their solo runs' exactly (each row draws from its
+# own seed; a different batch only changes the left padding), and the images are then exact too (per-request DiT).
+
+
+@pytest.fixture(scope="module")
+def glm_path(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("glm-image")
+
+
+@pytest.fixture(scope="module")
+def glm(glm_path: Path) -> DiffusersBackendPipeline:
+    pipeline = load_pipeline(glm_path)
+    assert isinstance(pipeline, DiffusersBackendPipeline) and pipeline.family == "glm_image"
+    assert pipeline.ar_prior and pipeline.supports_batching and pipeline.size_multiple == 32
+    return pipeline
+
+
+def test_glm_solo_matches_diffusers_and_merged_rows_equal_singletons(glm, glm_path: Path) -> None:
+    first = SamplingParams(prompt="a sign that says 'OPEN'", seed=4, n=2, guidance_scale=1.5, num_inference_steps=2)
+    second = SamplingParams(prompt="a cat", seed=9, guidance_scale=1.5, num_inference_steps=2)
+    solo = glm.run([first]).outputs[0].images
+    reference = _direct("GlmImagePipeline", glm_path)
+    expected = reference(first.prompt, height=64, width=64, num_inference_steps=2, guidance_scale=1.5,
+                         num_images_per_prompt=2, generator=row_generators(4, 2)).images
+    assert len(solo) == 2 and max_pixel_diff(solo, expected) == 0
+
+    # One AR call for both requests (its own stage time), then DiT and VAE per request: every row equals its solo run.
+    result = glm.run([first, second])
+    assert set(result.stage_seconds) == {"ar", "dit_vae", "total"}
+    merged = result.outputs
+    assert max_pixel_diff(merged[0].images, solo) == 0
+    assert max_pixel_diff(merged[1].images, glm.run([second]).outputs[0].images) == 0
+    assert max_pixel_diff(merged[0].images[:1], merged[1].images) > 8
+
+
+def test_glm_refuses_sizes_off_its_32_px_grid(glm) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        glm.validate(SamplingParams(prompt="x", width=48, height=64))
+    assert info.value.param == "size"
+
+
+def test_glm_tiny_build_is_byte_identical_and_small(glm_path: Path, tmp_path: Path) -> None:
+    assert_rebuild_identical("glm-image", glm_path, tmp_path)

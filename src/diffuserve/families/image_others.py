@@ -5,7 +5,12 @@ from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults
 _TINY = "diffuserve.models.tiny_image_others"
 
 SPECS = (
-    FamilySpec(name="glm_image", pipeline_classes=("GlmImagePipeline",), model_id_patterns=(r"glm[-_]?image",)),
+    # GLM-Image: an AR model writes prior tokens (one per 32 px), then the DiT; merged requests share one batched
+    # AR call with per-request sampling (pipelines/glm_image_ar.py), DiT and VAE per request. Text-to-image only.
+    FamilySpec(name="glm_image", pipeline_classes=("GlmImagePipeline",), model_id_patterns=(r"glm[-_]?image",),
+               defaults=SamplingDefaults(num_inference_steps=50, guidance_scale=1.5),
+               profile=ProfileFacts(default_uses_cfg=True), size_multiple=32,
+               tiny_builds={"glm-image": f"{_TINY}:build_glm_image"}),
     # ERNIE-Image: RoPE computed from positions on the fly (no table limit); CFG on by default (guidance 4).
     FamilySpec(name="ernie_image", pipeline_classes=("ErnieImagePipeline",), model_id_patterns=(r"ernie[-_]?image",),
                defaults=SamplingDefaults(num_inference_steps=50, guidance_scale=4.0),
