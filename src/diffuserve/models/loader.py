@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16", "float16")
 
+VOCABULARY_FREE_TOKENIZERS = frozenset({"ByT5Tokenizer"})
+"""Tokenizer classes with no vocabulary file (ByT5 maps UTF-8 bytes to ids; GLM-Image's glyph tokenizer):
+their folder holds only tokenizer_config.json, which is complete."""
+
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json", "*.pt", "*.ckpt")
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -135,7 +139,8 @@ def check_checkpoint(model_path: Path, spec: registry.ModelSpec) -> dict[str, ty
                 )
         elif "Scheduler" in class_name:
             _check_config_json(folder, "scheduler_config.json", key)
-        elif "Tokenizer" in class_name and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        elif ("Tokenizer" in class_name and class_name not in VOCABULARY_FREE_TOKENIZERS
+              and not any((folder / f).is_file() for f in TOKENIZER_FILES)):
             raise CheckpointError(
                 f"checkpoint {model_path}: tokenizer folder {folder} has none of the tokenizer files "
                 f"({', '.join(TOKENIZER_FILES)}); copy the tokenizer files into it."

@@ -9,6 +9,16 @@ Video pipelines (those whose `__call__` takes `num_frames`, e.g. Wan2.1) return 
 frames per output row. Their frame count must fit the VAE's temporal compression (4k+1 for Wan),
 checked up front so a bad count is a 400 naming `num_frames` rather than a silent rounding inside
 diffusers.
+
+Layer-decomposition pipelines (those whose `__call__` takes `layers`, i.e. Qwen-Image-Layered) take one
+input image (as RGBA) and return several layers of it: a request's `n` is the number of layers, the call
+runs with `layers=n` and one generator (seed), and the response's n images are the layers in the
+pipeline's order. Their output size follows the input image (the pipeline's own 640-px-area rule), not
+the request's `size`.
+
+GLM-Image (a pipeline with an autoregressive `generate_prior_tokens` stage) runs that stage once for a
+merged batch (one prompt per request, each request's rows drawn from its own seed, see
+`pipelines/glm_image_ar.py`), then the DiT and VAE per request with those prior tokens.
 """
 
 from __future__ import annotations
@@ -78,6 +88,22 @@ class DiffusersBackendPipeline(Pipeline):
         if "image" in self._call_params:
             # An edit pipeline (its __call__ takes `image`): image inputs go to it unmodified; edits run alone.
             self.max_image_inputs = self._family_image_limit()
+        self.layered = "layers" in self._call_params
+        """A layer-decomposition pipeline: one input image in, `n` layers out (see the module docstring)."""
+        if self.layered:
+            self.min_image_inputs = 1
+            self.max_image_inputs = 1
+        self.supports_batching = self._family_batches()
+        self.ar_prior = hasattr(pipe, "generate_prior_tokens") and hasattr(pipe, "vision_language_encoder")
+        """GLM-Image: an AR stage writes prior tokens before the DiT (batched across requests in `run`)."""
+        if self.ar_prior:
+            from diffuserve.pipelines import glm_image_ar
+
+            # The AR tokens cover 32 px each (2x2 DiT tokens): sizes are multiples of twice the DiT's.
+            self.size_multiple *= 2
+            # Image-to-image (condition images through the AR model's vision tower) is not wired here.
+            self.max_image_inputs = 0
+            self.supports_batching = self.supports_batching and glm_image_ar.can_batch(pipe.vision_language_encoder)
         self.frame_multiple = int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1)
         """Video: num_frames - 1 must divide by this (the VAE's temporal compression; 4 for Wan)."""
         self.defaults = self._defaults(pipe, suggested_defaults or {})
@@ -103,6 +129,15 @@ class DiffusersBackendPipeline(Pipeline):
             return max(1, spec_for(self.family).max_image_inputs)
         except KeyError:
             return 1
+
+    def _family_batches(self) -> bool:
+        """The family spec's `supports_batching` (unknown families batch by prompt lists)."""
+        from diffuserve.families import spec_for
+
+        try:
+            return spec_for(self.family).supports_batching
+        except KeyError:
+            return True
 
     def _max_side(self, pipe: Any) -> int | None:
         """The family's positional limit (its spec's `max_latent_side`) in pixels, for this checkpoint."""
@@ -236,6 +271,11 @@ class DiffusersBackendPipeline(Pipeline):
                           num_images_per_prompt=head.n, strength=head.strength)
             if "negative_prompt" in wanted:
                 wanted["negative_prompt"] = head.negative_prompt or ""
+        if self.layered:
+            # One decomposition per request: n layers of its single image, from the request's own seed.
+            wanted.update(prompt=head.prompt, layers=head.n, num_images_per_prompt=1,
+                          image=Image.open(io.BytesIO(head.image_inputs[0])).convert("RGBA"),
+                          generator=stages.row_generators(batch)[:1])
         if "max_sequence_length" in self._call_params and self._max_sequence_length is not None:
             wanted["max_sequence_length"] = self._max_sequence_length
         if "output_type" in self._call_params:
@@ -249,6 +289,10 @@ class DiffusersBackendPipeline(Pipeline):
         # pipeline would ignore an image, so the base check refuses edits rather than silently answering one
         # with an unrelated generation.
         super().validate(params)
+        if len(params.image_inputs) < self.min_image_inputs:
+            raise InvalidRequestError(
+                f"this {self.family} model splits one input image into layers: send it with POST /v1/images/edits "
+                f"(one `image` file; `n` = number of layers); got {len(params.image_inputs)}.", param="image")
 
     def _validate_video(self, params: Any) -> None:
         frames, step = params.num_frames, self.frame_multiple
@@ -287,6 +331,8 @@ class DiffusersBackendPipeline(Pipeline):
         if should_stop is not None and should_stop():
             raise RequestCancelledError("cancelled before denoising step 1")
         start = time.perf_counter()
+        if self.ar_prior:
+            return self._run_ar_prior(batch, callback if "callback_on_step_end" in self._call_params else None, start)
         with torch.inference_mode(), self._all_components_in_use():
             result = self.pipe(**kwargs)
         elapsed = time.perf_counter() - start
@@ -301,6 +347,31 @@ class DiffusersBackendPipeline(Pipeline):
             videos = [[_to_pil(f) for f in video] for video in items]
             outputs = [RequestOutput(videos=rows) for rows in stages.split_rows(videos, batch)]
         else:
-            images = [_to_pil(im) for im in items]
+            # A layered pipeline returns one list of layers per call (one request): those are its n images.
+            images = [_to_pil(im) for im in (items[0] if self.layered else items)]
             outputs = [RequestOutput(images=rows) for rows in stages.split_rows(images, batch)]
         return BatchResult(outputs=outputs, stage_seconds={"total": elapsed})
+
+    def _run_ar_prior(self, batch: list[Any], callback: Any, start: float) -> BatchResult:
+        """GLM-Image: one batched AR call (a prompt per request, drawn from the request's seed), then the DiT
+        and VAE per request with its prior tokens, n rows each (the pipeline repeats a prompt's prior tokens
+        over its `num_images_per_prompt` rows, as in its own call)."""
+        from diffuserve.pipelines import glm_image_ar
+
+        head = batch[0]
+        outputs = []
+        with torch.inference_mode(), self._all_components_in_use():
+            prior = glm_image_ar.prior_tokens(self.pipe, [p.prompt for p in batch],
+                                              [stages.row_seeds(p)[0] for p in batch],
+                                              height=head.height, width=head.width, device=self.device)
+            ar_done = time.perf_counter()
+            for i, params in enumerate(batch):
+                kwargs = self._kwargs([params])
+                kwargs.update(prompt=params.prompt, num_images_per_prompt=params.n, prior_token_ids=prior[i : i + 1])
+                if callback is not None:
+                    kwargs["callback_on_step_end"] = callback
+                images = self.pipe(**kwargs).images
+                outputs.append(RequestOutput(images=[_to_pil(im) for im in images]))
+        end = time.perf_counter()
+        return BatchResult(outputs=outputs, stage_seconds={"ar": ar_done - start, "dit_vae": end - ar_done,
+                                                           "total": end - start})
