@@ -36,6 +36,9 @@ TOKENIZER_FILES = (
     "vocab.txt",
     "sentencepiece.bpe.model",
 )
+VOCABULARY_FREE_TOKENIZERS = frozenset({"ByT5Tokenizer"})
+"""Tokenizer classes that need no vocabulary file (ByT5 maps UTF-8 bytes to ids: its folder holds only
+tokenizer_config.json; HunyuanVideo 1.5 and GLM-Image use it for glyph text)."""
 MIN_VOCAB_RATIO = 0.5
 """A tokenizer with fewer entries than this share of its text encoder's vocab_size is broken."""
 
@@ -135,6 +138,8 @@ def check_checkpoint(model_path: Path, spec: registry.ModelSpec) -> dict[str, ty
                 )
         elif "Scheduler" in class_name:
             _check_config_json(folder, "scheduler_config.json", key)
+        elif class_name in VOCABULARY_FREE_TOKENIZERS:
+            _check_config_json(folder, "tokenizer_config.json", key)
         elif "Tokenizer" in class_name and not any((folder / f).is_file() for f in TOKENIZER_FILES):
             raise CheckpointError(
                 f"checkpoint {model_path}: tokenizer folder {folder} has none of the tokenizer files "

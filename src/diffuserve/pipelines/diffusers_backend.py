@@ -81,6 +81,7 @@ class DiffusersBackendPipeline(Pipeline):
         self.frame_multiple = int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1)
         """Video: num_frames - 1 must divide by this (the VAE's temporal compression; 4 for Wan)."""
         self.defaults = self._defaults(pipe, suggested_defaults or {})
+        self.supports_batching = self._family_batches()
 
     def _size_multiple(self, pipe: Any) -> int:
         vae_factor = int(
@@ -95,6 +96,16 @@ class DiffusersBackendPipeline(Pipeline):
         processor = getattr(pipe, "image_processor", None)
         processor_factor = int(getattr(getattr(processor, "config", None), "vae_scale_factor", 0) or 0)
         return max(vae_factor * int(patch if isinstance(patch, int) else 1), processor_factor, 1)
+
+    def _family_batches(self) -> bool:
+        """The family spec's `supports_batching` (False where diffusers cannot run a prompt list, e.g.
+        HunyuanVideo 1.5's VAE); unknown families batch, as any pipeline taking a prompt list does."""
+        from diffuserve.families import spec_for
+
+        try:
+            return spec_for(self.family).supports_batching
+        except KeyError:
+            return True
 
     def _family_image_limit(self) -> int:
         from diffuserve.families import spec_for
