@@ -130,3 +130,15 @@ def test_openai_sdk_create_and_poll_then_download(hunyuan_server: ServerProcess)
     # 1 s at the checkpoint's 8 fps -> the nearest 4k+1 frame count, 9.
     assert len(frames) == 9 and frames[0].shape == (32, 32, 3)
     assert np.ptp(np.stack(frames)) > 0
+
+
+def test_pipeline_local_components_load_beside_a_folder_of_the_same_name(tiny_checkpoint, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch):
+    """LTX-2's model_index.json names ["ltx2", "LTX2TextConnectors"] (a diffusers pipeline-local module); a folder
+    called `ltx2` on sys.path (a checkpoint in the working directory under `python -m`) must not shadow it."""
+    from diffuserve.models.loader import load_pipeline
+
+    (tmp_path / "ltx2").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert type(load_pipeline(tiny_checkpoint("ltx2"), backend="diffusers").pipe.connectors).__name__ == (
+        "LTX2TextConnectors")

@@ -8,6 +8,7 @@ so tokenizers are also checked against their text encoder's vocabulary after loa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -77,16 +78,16 @@ def parse_device(device: str) -> torch.device:
 
 
 def _component_class(model_path: Path, key: str, library: str, class_name: str) -> type:
+    # diffusers also names pipeline-local modules, e.g. ["ltx2", "LTX2TextConnectors"]. Those win, as in
+    # diffusers: a top-level import of "ltx2" would find any folder of that name on sys.path (a checkpoint
+    # folder in the working directory under `python -m`) and report the class missing.
+    if library not in ("diffusers", "transformers"):
+        with contextlib.suppress(ImportError):
+            return _class_in(importlib.import_module(f"diffusers.pipelines.{library}"), model_path, key, library,
+                             class_name)
     try:
         module = importlib.import_module(library)
     except ImportError as exc:
-        # diffusers also names pipeline-local modules, e.g. ["stable_diffusion", "StableDiffusionSafetyChecker"].
-        try:
-            module = importlib.import_module(f"diffusers.pipelines.{library}")
-        except ImportError:
-            module = None
-        if module is not None:
-            return _class_in(module, model_path, key, library, class_name)
         raise CheckpointError(
             f"checkpoint {model_path}: component {key!r} needs library {library!r}, which is not installed ({exc})."
         ) from exc
