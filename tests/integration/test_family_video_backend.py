@@ -142,3 +142,20 @@ def test_pipeline_local_components_load_beside_a_folder_of_the_same_name(tiny_ch
     monkeypatch.syspath_prepend(str(tmp_path))
     assert type(load_pipeline(tiny_checkpoint("ltx2"), backend="diffusers").pipe.connectors).__name__ == (
         "LTX2TextConnectors")
+
+
+def test_ltx2_sizes_and_frames_it_would_refuse_are_invalid_requests(tiny_checkpoint):
+    """LTX2Pipeline raises inside diffusers unless sizes divide by 32, and names its VAE factors
+    `vae_*_compression_ratio`: both reach the backend's checks, so a bad request is a 400 before queueing."""
+    from diffuserve.errors import InvalidRequestError
+    from diffuserve.models.loader import load_pipeline
+    from diffuserve.sampling import SamplingParams
+
+    backend = load_pipeline(tiny_checkpoint("ltx2"), backend="diffusers")
+    assert (backend.size_multiple, backend.frame_multiple) == (32, backend.pipe.vae_temporal_compression_ratio)
+    with pytest.raises(InvalidRequestError) as size:
+        backend.validate(SamplingParams(prompt="x", width=48, height=32, num_frames=9))
+    assert size.value.param == "size"
+    with pytest.raises(InvalidRequestError) as frames:
+        backend.validate(SamplingParams(prompt="x", width=32, height=32, num_frames=8))
+    assert frames.value.param == "num_frames"

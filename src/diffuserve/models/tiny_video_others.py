@@ -27,7 +27,8 @@ HUNYUAN_TINY_DEFAULTS = {"width": 32, "height": 32, "num_frames": 5, "num_infere
 """What the tiny HunyuanVideo checkpoints suggest (4k+1 frames: the VAE compresses time 4x)."""
 
 LTX2_TINY_DEFAULTS = {"width": 32, "height": 32, "num_frames": 9, "num_inference_steps": 2, "fps": 8}
-"""What the tiny LTX-2 checkpoint suggests (8k+1 frames: its VAE compresses time 8x)."""
+"""What the tiny LTX-2 checkpoint suggests (its one-level VAE compresses time 2x: 2k+1 frames; the published
+one compresses 8x). Sizes are multiples of 32, the pipeline's own check."""
 
 HELIOS_TINY_DEFAULTS = {"width": 32, "height": 32, "num_frames": 9, "num_inference_steps": 2, "fps": 8}
 """What the tiny Helios checkpoint suggests. Helios denoises in chunks of (num_latent_frames_per_chunk - 1) x 4
