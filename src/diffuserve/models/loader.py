@@ -8,6 +8,7 @@ so tokenizers are also checked against their text encoder's vocabulary after loa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -27,10 +28,6 @@ logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16", "float16")
 
-VOCABULARY_FREE_TOKENIZERS = frozenset({"ByT5Tokenizer"})
-"""Tokenizer classes with no vocabulary file (ByT5 maps UTF-8 bytes to ids; GLM-Image's glyph tokenizer):
-their folder holds only tokenizer_config.json, which is complete."""
-
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json", "*.pt", "*.ckpt")
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -40,6 +37,9 @@ TOKENIZER_FILES = (
     "vocab.txt",
     "sentencepiece.bpe.model",
 )
+VOCABULARY_FREE_TOKENIZERS = frozenset({"ByT5Tokenizer"})
+"""Tokenizer classes that need no vocabulary file (ByT5 maps UTF-8 bytes to ids: its folder holds only
+tokenizer_config.json, which is complete; HunyuanVideo 1.5 and GLM-Image use it for glyph text)."""
 MIN_VOCAB_RATIO = 0.5
 """A tokenizer with fewer entries than this share of its text encoder's vocab_size is broken."""
 
@@ -78,16 +78,16 @@ def parse_device(device: str) -> torch.device:
 
 
 def _component_class(model_path: Path, key: str, library: str, class_name: str) -> type:
+    # diffusers also names pipeline-local modules, e.g. ["ltx2", "LTX2TextConnectors"]. Those win, as in
+    # diffusers: a top-level import of "ltx2" would find any folder of that name on sys.path (a checkpoint
+    # folder in the working directory under `python -m`) and report the class missing.
+    if library not in ("diffusers", "transformers"):
+        with contextlib.suppress(ImportError):
+            return _class_in(importlib.import_module(f"diffusers.pipelines.{library}"), model_path, key, library,
+                             class_name)
     try:
         module = importlib.import_module(library)
     except ImportError as exc:
-        # diffusers also names pipeline-local modules, e.g. ["stable_diffusion", "StableDiffusionSafetyChecker"].
-        try:
-            module = importlib.import_module(f"diffusers.pipelines.{library}")
-        except ImportError:
-            module = None
-        if module is not None:
-            return _class_in(module, model_path, key, library, class_name)
         raise CheckpointError(
             f"checkpoint {model_path}: component {key!r} needs library {library!r}, which is not installed ({exc})."
         ) from exc
@@ -139,8 +139,9 @@ def check_checkpoint(model_path: Path, spec: registry.ModelSpec) -> dict[str, ty
                 )
         elif "Scheduler" in class_name:
             _check_config_json(folder, "scheduler_config.json", key)
-        elif ("Tokenizer" in class_name and class_name not in VOCABULARY_FREE_TOKENIZERS
-              and not any((folder / f).is_file() for f in TOKENIZER_FILES)):
+        elif class_name in VOCABULARY_FREE_TOKENIZERS:
+            _check_config_json(folder, "tokenizer_config.json", key)
+        elif "Tokenizer" in class_name and not any((folder / f).is_file() for f in TOKENIZER_FILES):
             raise CheckpointError(
                 f"checkpoint {model_path}: tokenizer folder {folder} has none of the tokenizer files "
                 f"({', '.join(TOKENIZER_FILES)}); copy the tokenizer files into it."

@@ -51,6 +51,19 @@ from diffuserve.pipelines.base import (
 
 logger = logging.getLogger(__name__)
 
+_SPATIAL_FACTORS = ("vae_scale_factor", "vae_scale_factor_spatial", "vae_spatial_compression_ratio")
+"""Pipeline attributes that hold the VAE's spatial factor (LTX/LTX-2 use the `*_compression_ratio` names)."""
+
+
+def _vae_factor(pipe: Any, names: tuple[str, ...], fallback: int) -> int:
+    """The first of the pipeline attributes `names` that is set (a VAE compression factor), else `fallback`."""
+    for name in names:
+        value = getattr(pipe, name, None)
+        if value:
+            return int(value)
+    return fallback
+
+
 def _to_pil(item: Any) -> Image.Image:
     if isinstance(item, Image.Image):
         return item
@@ -104,14 +117,12 @@ class DiffusersBackendPipeline(Pipeline):
             # Image-to-image (condition images through the AR model's vision tower) is not wired here.
             self.max_image_inputs = 0
             self.supports_batching = self.supports_batching and glm_image_ar.can_batch(pipe.vision_language_encoder)
-        self.frame_multiple = int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1)
+        self.frame_multiple = _vae_factor(pipe, ("vae_scale_factor_temporal", "vae_temporal_compression_ratio"), 1)
         """Video: num_frames - 1 must divide by this (the VAE's temporal compression; 4 for Wan)."""
         self.defaults = self._defaults(pipe, suggested_defaults or {})
 
     def _size_multiple(self, pipe: Any) -> int:
-        vae_factor = int(
-            getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", 8) or 8
-        )
+        vae_factor = _vae_factor(pipe, _SPATIAL_FACTORS, 8)
         # Patchified transformers need the latent size to divide by the patch; FLUX-like pipelines
         # pack 2x2 latent patches instead, which their image processor's factor carries. Video
         # transformers give a (frames, height, width) patch: the spatial part is what counts here.
@@ -120,7 +131,29 @@ class DiffusersBackendPipeline(Pipeline):
             patch = max(int(p) for p in patch[-2:]) if patch else 1
         processor = getattr(pipe, "image_processor", None)
         processor_factor = int(getattr(getattr(processor, "config", None), "vae_scale_factor", 0) or 0)
-        return max(vae_factor * int(patch if isinstance(patch, int) else 1), processor_factor, 1)
+        return max(vae_factor * int(patch if isinstance(patch, int) else 1), processor_factor, self._class_multiple(), 1)
+
+    def _class_multiple(self) -> int:
+        """A backend-only family's spec `size_multiple`: the diffusers pipeline class's own input check (LTX-2
+        wants multiples of 32 whatever its VAE), so a size it would refuse is a 400 before queueing. Families
+        with a native adapter (and unknown ones) keep the figure derived from the checkpoint alone."""
+        from diffuserve.families import spec_for
+
+        try:
+            spec = spec_for(self.family)
+        except KeyError:
+            return 1
+        return 1 if spec.has_native or spec.name == "generic" else spec.size_multiple
+
+    def _family_batches(self) -> bool:
+        """The family spec's `supports_batching` (False where diffusers cannot run a prompt list, e.g.
+        HunyuanVideo 1.5's VAE); unknown families batch, as any pipeline taking a prompt list does."""
+        from diffuserve.families import spec_for
+
+        try:
+            return spec_for(self.family).supports_batching
+        except KeyError:
+            return True
 
     def _family_image_limit(self) -> int:
         from diffuserve.families import spec_for
@@ -129,15 +162,6 @@ class DiffusersBackendPipeline(Pipeline):
             return max(1, spec_for(self.family).max_image_inputs)
         except KeyError:
             return 1
-
-    def _family_batches(self) -> bool:
-        """The family spec's `supports_batching` (unknown families batch by prompt lists)."""
-        from diffuserve.families import spec_for
-
-        try:
-            return spec_for(self.family).supports_batching
-        except KeyError:
-            return True
 
     def _max_side(self, pipe: Any) -> int | None:
         """The family's positional limit (its spec's `max_latent_side`) in pixels, for this checkpoint."""
@@ -151,16 +175,14 @@ class DiffusersBackendPipeline(Pipeline):
         if limit is None or transformer is None:
             return None
         side = limit(dict(transformer.config))
-        vae_factor = int(getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", 8) or 8)
+        vae_factor = _vae_factor(pipe, _SPATIAL_FACTORS, 8)
         return None if side is None else side * vae_factor
 
     def _defaults(self, pipe: Any, suggested: dict[str, Any]) -> SamplingDefaults:
         # The checkpoint's suggestions first, then the pipeline's own defaults: its __call__ keyword
         # defaults (Wan: 832x480, 81 frames) and, for image pipelines, its default sample size.
         params = inspect.signature(pipe.__call__).parameters
-        vae_factor = int(
-            getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", 8) or 8
-        )
+        vae_factor = _vae_factor(pipe, _SPATIAL_FACTORS, 8)
         size = getattr(pipe, "default_sample_size", None)
         size = int(size * vae_factor) if isinstance(size, int) else 1024
 
