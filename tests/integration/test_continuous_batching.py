@@ -108,7 +108,7 @@ def test_drain_finishes_the_running_group_then_exits(continuous_server):
     server = continuous_server
     start = len(server.log())
     with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(_generate, server, "finish me", 5, 150)
+        running = pool.submit(_generate, server, "finish me", 5, 60)
         wait_for_log(server, STEP_RE, start=start, timeout_s=120)
         server.signal(signal.SIGTERM)
         wait_for_log(server, STEP_RE, start=len(server.log()), timeout_s=60)  # still denoising after SIGTERM
