@@ -39,7 +39,8 @@ def _simulate(pipeline, arrivals: dict[int, list[SamplingParams]]) -> dict[int, 
             group.append((order.index(params), step_batch.start_request(pipeline, params)))
         step_batch.denoise_step(pipeline, [rows for _, rows in group])
         for item in [g for g in group if g[1].done]:
-            out[item[0]] = step_batch.finish_request(pipeline, item[1]).images
+            output = step_batch.finish_request(pipeline, item[1])
+            out[item[0]] = output.videos if pipeline.output_kind == "video" else output.images
             group.remove(item)
         tick += 1
     return out
@@ -71,3 +72,37 @@ def test_cfg_rows_equal_their_singleton_runs(flux) -> None:
     got = _simulate(flux, {0: [a], 1: [b]})
     for i, params in enumerate([a, b]):
         assert _max_diff(got[i][0], flux.run([params]).outputs[0].images[0]) <= PIXEL_TOL
+
+
+def _frames(output, kind: str) -> list:
+    """Every image of an output: the images, or every frame of every video."""
+    return output.images if kind == "image" else [f for video in output.videos for f in video]
+
+
+CONTINUOUS_FAMILIES = ["sd3", "wan", "z-image", "flux2", "flux2-klein", "qwen-image", "qwen-image-2.1", "wan2.2-ti2v"]
+
+
+@pytest.mark.parametrize("family", CONTINUOUS_FAMILIES)
+def test_every_continuous_family_equals_its_singleton_runs(family: str, tiny_checkpoint) -> None:
+    from diffuserve.models.loader import load_pipeline
+
+    pipeline = load_pipeline(tiny_checkpoint(family))
+    assert pipeline.supports_continuous, f"{family} should declare supports_continuous"
+    d = pipeline.defaults
+    kw = {"width": d.width, "height": d.height, "num_frames": d.num_frames, "guidance_scale": d.guidance_scale}
+    a = SamplingParams(prompt="a red square", seed=1, num_inference_steps=3, **kw)
+    b = SamplingParams(prompt="a much longer prompt about a blue circle", seed=2, num_inference_steps=2, n=2, **kw)
+    got = _simulate(pipeline, {0: [a], 1: [b]})
+    for i, params in enumerate([a, b]):
+        result = pipeline.run([params]).outputs[0]
+        kind = pipeline.output_kind
+        stepped = got[i] if kind == "image" else [f for video in got[i] for f in video]
+        for x, y in zip(stepped, _frames(result, kind), strict=True):
+            assert _max_diff(x, y) <= PIXEL_TOL, f"{family}: request {i} differs from its singleton run"
+
+
+@pytest.mark.parametrize("family", ["sana", "wan2.2", "wan-i2v"])
+def test_families_that_are_not_continuous_say_so(family: str, tiny_checkpoint) -> None:
+    from diffuserve.models.loader import load_pipeline
+
+    assert load_pipeline(tiny_checkpoint(family)).supports_continuous is False
