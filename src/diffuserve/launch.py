@@ -82,6 +82,10 @@ def build_batcher(args: ServerArgs) -> DynamicBatcher:
         rules=rules,
     )
     config.validate()
+    if config.mode == "continuous":
+        from diffuserve.engine.step_scheduler import StepScheduler
+
+        return StepScheduler(config, model_names=args.model_names)
     return DynamicBatcher(config, model_names=args.model_names)
 
 
@@ -162,6 +166,8 @@ def build_engine(args: ServerArgs) -> tuple[AsyncEngine, EngineMetrics, dict | N
     def load() -> Pipeline:
         pipeline = load_serving_pipeline(args, model_path, device, deployment, metrics)
         scheduler.supports_batching = pipeline.supports_batching
+        if hasattr(scheduler, "supports_continuous"):  # --batching-mode continuous
+            scheduler.supports_continuous = pipeline.supports_continuous
         return pipeline
 
     engine = AsyncEngine(

@@ -83,7 +83,7 @@ class ServerArgs:
     """Cap on per-job frames (each frame costs memory in the VAE decode and the MP4)."""
 
     # -- dynamic batching --------------------------------------------------------------------
-    batching_mode: str = _f("singleton", "singleton (one request per pipeline call) or dynamic (merge compatible queued requests).", _BATCHING, choices=["singleton", "dynamic"])
+    batching_mode: str = _f("singleton", "singleton (one request per pipeline call), dynamic (merge compatible queued requests) or continuous (requests join and leave the running denoise group at step boundaries).", _BATCHING, choices=["singleton", "dynamic", "continuous"])
     """Batching mode."""
     batching_max_size: int = _f(1, "Dynamic mode: most rows (outputs, n) in one pipeline call. Compatible requests merge under it; a request with a larger n runs as several calls (same images). 1 turns merging off.", _BATCHING)
     """User cap on a batch, and a hard cap on the rows of every pipeline call in dynamic mode."""

@@ -402,22 +402,33 @@ class AsyncEngine:
                         params.num_inference_steps, time.monotonic() - started)
 
     def _serve_forever(self) -> None:
+        from diffuserve.engine.step_scheduler import StepScheduler
+
+        if isinstance(self.scheduler, StepScheduler):  # --batching-mode continuous: the step-level loop
+            from diffuserve.engine.continuous import serve_continuous
+
+            serve_continuous(self)
+            return
         while True:
             batch = self._next_batch()
             if batch is None:
                 return
-            try:
-                self._execute(batch)
-            except Exception as exc:  # the batch loop never dies: answer the batch, free the scheduler
-                logger.exception("internal error around a batch")
-                error = GenerationError(f"Internal error while running this batch: {type(exc).__name__}: {exc}")
-                with self._cond:
-                    for request in batch.requests:
-                        self._answer_locked(request.request_id, error=error)
-                    if self.scheduler.running is batch:
-                        self.scheduler.complete(batch)
-                    self.metrics.set_running(0)
-                    self._cond.notify_all()
+            self._run_guarded(batch)
+
+    def _run_guarded(self, batch: Any) -> None:
+        """Run one request-level batch; whatever it raises answers its requests and frees the scheduler."""
+        try:
+            self._execute(batch)
+        except Exception as exc:  # the batch loop never dies: answer the batch, free the scheduler
+            logger.exception("internal error around a batch")
+            error = GenerationError(f"Internal error while running this batch: {type(exc).__name__}: {exc}")
+            with self._cond:
+                for request in batch.requests:
+                    self._answer_locked(request.request_id, error=error)
+                if self.scheduler.running is batch:
+                    self.scheduler.complete(batch)
+                self.metrics.set_running(0)
+                self._cond.notify_all()
 
     def _next_batch(self) -> Any:
         with self._cond:

@@ -45,6 +45,12 @@ class FaultInjectingPipeline:
         return self._inner.run(batch, **callbacks)
 
 
+    def check_step(self, batch: list[Any]) -> None:
+        """Continuous mode: the same fault for a denoising step whose rows include the marker."""
+        if any(self._marker in p.prompt for p in batch):
+            raise InjectedFault(f"injected fault: a prompt in this denoising step contains {self._marker!r}")
+
+
 def maybe_inject_faults(pipeline: Pipeline) -> Pipeline | FaultInjectingPipeline:
     spec = os.environ.get(ENV_VAR, "")
     if spec.startswith("prompt:") and len(spec) > len("prompt:"):

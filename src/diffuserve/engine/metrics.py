@@ -274,3 +274,59 @@ class BatchingStats:
             self._recent = []
             if self.log_enabled:
                 logger.info(format_stats(self.last_window))
+
+
+# -- continuous (step-level) batching ----------------------------------------------------------------------
+
+
+def format_step(rows: int, cap: int, joined: int, left: int, active: int) -> str:
+    """The per-step line of `--batching-mode continuous`: rows in this denoiser call over the group cap,
+    requests that joined at this boundary, requests that left since the previous step, requests in the step."""
+    return f"Continuous denoising step batch: size={rows}/{cap}, joined={joined}, left={left}, active={active}"
+
+
+class ContinuousStats:
+    """The collectors and log lines of continuous batching (one object per engine, on its registry)::
+
+        Continuous denoising step batch: size=3/8, joined=1, left=0, active=2
+        Continuous denoising stats (last 20 steps): avg_size=2.85, utilization=35.6%, joins=4, leaves=3
+    """
+
+    def __init__(self, metrics: EngineMetrics, *, log_enabled: bool, window: int = 20):
+        r, p = metrics.registry, PREFIX
+        self.log_enabled = log_enabled
+        self.window = window
+        self.active_rows = Gauge(f"{p}continuous_active_rows", "Rows in the running continuous denoise group.",
+                                 registry=r)
+        self.step_rows = Histogram(f"{p}continuous_step_batch_rows", "Rows per continuous denoising step.",
+                                   buckets=_SIZE_BUCKETS, registry=r)
+        self.joins = Counter(f"{p}continuous_joins", "Requests that joined a running denoise group.", registry=r)
+        self.leaves = Counter(f"{p}continuous_leaves", "Requests that left the denoise group, by reason.",
+                              ["reason"], registry=r)
+        self._recent: list[tuple[int, int, int, int]] = []
+
+    def record_step(self, rows: int, cap: int, joined: int, left: int, active: int) -> None:
+        """One denoising step (call before it runs)."""
+        self.step_rows.observe(rows)
+        self.joins.inc(joined)
+        self.active_rows.set(rows)
+        if self.log_enabled:
+            logger.info(format_step(rows, cap, joined, left, active))
+        self._recent.append((rows, cap, joined, left))
+        if len(self._recent) >= self.window:
+            k = len(self._recent)
+            total = sum(item[0] for item in self._recent)
+            capacity = sum(max(item[0], item[1]) for item in self._recent)
+            if self.log_enabled:
+                logger.info(
+                    f"Continuous denoising stats (last {k} steps): avg_size={total / k:.2f}, "
+                    f"utilization={total / capacity * 100:.1f}%, joins={sum(i[2] for i in self._recent)}, "
+                    f"leaves={sum(i[3] for i in self._recent)}")
+            self._recent = []
+
+    def record_leave(self, reason: str, count: int = 1) -> None:
+        """Requests left the group: `finished`, `cancelled`, `deadline` or `failed`."""
+        self.leaves.labels(reason=reason).inc(count)
+
+    def set_idle(self) -> None:
+        self.active_rows.set(0)

@@ -47,7 +47,8 @@ from diffuserve.engine.request import Request, RequestStatus
 from diffuserve.errors import ConfigError
 from diffuserve.sampling import signature_difference
 
-BATCHING_MODES = ("singleton", "dynamic")
+BATCHING_MODES = ("singleton", "dynamic", "continuous")
+"""`continuous` is step-level batching (`engine/step_scheduler.py`); its request-level fallback merges like `dynamic`."""
 FAMILY_UNSUPPORTED = "family_unsupported"
 """Ineligible reason given to every request when the pipeline family cannot batch."""
 BATCH_FULL = "batch_full"
@@ -61,7 +62,8 @@ class BatchingConfig:
     """How the scheduler forms batches (the `--batching-*` flags)."""
 
     mode: str = "singleton"
-    """`singleton` (one request per pipeline call) or `dynamic` (merge compatible requests)."""
+    """`singleton` (one request per pipeline call), `dynamic` (merge compatible requests) or `continuous`
+    (step-level: requests join and leave the running denoise group at step boundaries)."""
     max_size: int = 1
     """User cap on a batch, counting outputs (`n`); 1 turns merging off."""
     delay_ms: float = 0.0
@@ -83,7 +85,7 @@ class BatchingConfig:
     @property
     def dynamic(self) -> bool:
         """Whether requests may be merged at all."""
-        return self.mode == "dynamic" and self.max_size > 1
+        return self.mode in ("dynamic", "continuous") and self.max_size > 1
 
 
 @dataclass

@@ -74,6 +74,10 @@ class Pipeline:
     output_kind: Literal["image", "video"] = "image"
     supports_batching: bool = True
     """False for families whose requests must run alone (dynamic batching treats them as ineligible)."""
+    supports_continuous: bool = False
+    """Whether `--batching-mode continuous` may step this family's requests in a shared denoise group
+    (`pipelines/step_batch.py`): its denoiser takes a per-row timestep, its scheduler state is per request and
+    its per-batch extras depend only on the continuous group key. False falls back to request-level batching."""
     size_multiple: int = 16
     """Width/height must be multiples of this (VAE scale x patch size)."""
     max_pixels: int = 4096 * 4096

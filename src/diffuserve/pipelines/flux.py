@@ -54,6 +54,9 @@ class FluxNativePipeline(stages.RecipePipeline):
     family = "flux"
     output_kind = "image"
     supports_batching = True
+    supports_continuous = True
+    """FlowMatchEulerDiscreteScheduler steps from the row's own sigma[i], sigma[i+1]; the transformer takes a
+    per-row timestep; position ids and the guidance vector depend only on size and guidance (the group key)."""
     text_encoders = ("text_encoder", "text_encoder_2")
     max_image_inputs = 1
 

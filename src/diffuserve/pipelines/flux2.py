@@ -109,6 +109,8 @@ class Flux2NativePipeline(stages.RecipePipeline):
     family = "flux2"
     output_kind = "image"
     supports_batching = True
+    supports_continuous = True
+    """Flow-match Euler per request, per-row timestep (FLUX.2 and Klein verified row by row in a mixed group)."""
     text_encoders = ("text_encoder",)
     denoisers = ("transformer",)
     hidden_states_layers: ClassVar[tuple[int, ...]] = (10, 20, 30)

@@ -50,6 +50,8 @@ class _QwenBase(stages.RecipePipeline):
 
     output_kind = "image"
     supports_batching = True
+    supports_continuous = True
+    """Flow-match per request; masked text rows are padded per step like a merged batch (verified row by row)."""
     text_encoders = ("text_encoder",)
     masked_sequences = {"embeds": "mask"}
     vae_scale_factor = 8

@@ -63,6 +63,9 @@ class SanaNativePipeline(stages.RecipePipeline):
     family = "sana"
     output_kind = "image"
     supports_batching = True
+    supports_continuous = False
+    """Not continuous: stepped in a mixed group its rows did NOT equal their singleton runs (up to 133/255 on the
+    tiny checkpoint; DPM-Solver++ multistep with per-request copies), so it batches per request until that is found."""
     text_encoders = ("text_encoder",)
     # No trimming of the padded text columns: every row is 300 tokens wide as in diffusers, whose
     # transformer output depends (~1e-6) on how many masked columns cross-attention sees.

@@ -55,6 +55,9 @@ class SD3NativePipeline(stages.RecipePipeline):
     family = "sd3"
     output_kind = "image"
     supports_batching = True
+    supports_continuous = True
+    """Flow-match Euler per request; the transformer takes a per-row timestep; fixed-length text (verified row by
+    row against the singleton run in a mixed group, tests/integration/test_continuous_steps.py)."""
     text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
     # diffusers runs SD3's CFG as one doubled batch; so do we (two passes round differently: +-1 level).
     batched_cfg = True

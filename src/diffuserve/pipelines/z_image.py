@@ -48,6 +48,8 @@ class ZImageNativePipeline(stages.RecipePipeline):
     family = "z_image"
     output_kind = "image"
     supports_batching = True
+    supports_continuous = True
+    """Flow-match per request; masked text rows are padded per step like a merged batch (verified row by row)."""
     text_encoders = ("text_encoder",)
     masked_sequences = {"prompt_embeds": "prompt_mask"}
     # diffusers runs the positive and negative rows through one transformer call; the transformer pads

@@ -1,0 +1,238 @@
+"""The pure step-level scheduler of `--batching-mode continuous`: which rows denoise together at each step.
+
+Like `engine/scheduler.py` (whose queue, ordering, caps and expiry it inherits) it has no torch, no I/O, no
+threads and no clock of its own. The engine's continuous loop is::
+
+    decision = scheduler.plan(now)
+    StepPlan  -> start decision.joined (encode + latents), run ONE denoising step for decision.rows,
+                 then scheduler.step_done(decision) -> the requests whose last step it was (decode + answer)
+    Dispatch  -> a request-level batch (a head that cannot run step by step): run it whole, then complete()
+    WaitUntil -> sleep until the time or a new request, then plan again
+    Idle      -> sleep until a request arrives
+
+Rules (on top of the module docstring of `engine/scheduler.py`: order, caps counting rows, delay):
+
+1. **The running group.** Requests denoising together; each keeps its own step index and step count, so
+   rows at different timesteps (and with different step counts) share one denoiser call.
+2. **Group key** (`group_key`): requests share a group when they have the same model name and the same
+   width, height, num_frames (latent shape), guidance_scale, true_cfg_scale, guidance_scale_2, strength and
+   cfg_enabled (whether CFG runs). dtype and scheduler kind are one per served pipeline, so they are equal by
+   construction. `num_inference_steps` is NOT in the key: the per-row scheduler handles each row's own
+   schedule. Only eligible requests (`ineligible_reason` None, for example no input images) of a family that
+   declares `supports_continuous` run step by step.
+3. **Joining.** At every step boundary queued requests are scanned in `(priority, arrival)` order and join
+   while they match the key and their `n` fits under the cap; the scan stops at the first one that does not
+   (strict first-come order, so a large or incompatible request is never overtaken forever: once the group
+   drains it anchors the next one).
+4. **Cap.** `min(--batching-max-size, smallest matching rule cap)` of the group's first request, in rows. A
+   request whose `n` alone reaches the cap starts only in an empty group (and then runs alone).
+5. **Starting a group.** With the group empty the head waits up to `--batching-delay-ms` for companions (as in
+   dynamic mode), unless it is already full. A head that cannot run step by step is handed to the request-level
+   rules instead (`DynamicBatcher.schedule`: it runs alone, or merged with equal signatures when the family
+   batches but is not continuous).
+6. **Leaving.** A request leaves after its own last step (`step_done`), or at the next boundary when it was
+   cancelled (`cancel_event` set: client gone, engine shutdown) or its deadline passed (`plan` returns it in
+   `removed`). A step that raised removes every request in it (`fail`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from diffuserve.engine.request import Request, RequestStatus
+from diffuserve.engine.scheduler import BatchingConfig, Decision, DynamicBatcher, Idle, WaitUntil
+
+GROUP_KEY_FIELDS = ("width", "height", "num_frames", "guidance_scale", "true_cfg_scale", "guidance_scale_2",
+                    "strength", "cfg_enabled")
+"""The `SamplingParams` fields (besides the model name) of the continuous group key (rule 2)."""
+REMOVED_CANCELLED = "cancelled"
+REMOVED_DEADLINE = "deadline"
+
+
+def group_key(request: Request) -> tuple[Any, ...]:
+    """The continuous denoising-group key of `request` (rule 2 of the module docstring)."""
+    return (request.model, *(getattr(request.params, name) for name in GROUP_KEY_FIELDS))
+
+
+@dataclass(eq=False)
+class GroupEntry:
+    """One request of the running group and where it is in its own schedule."""
+
+    request: Request
+    num_steps: int
+    """Denoising steps of this request (its `num_inference_steps`; the pipeline may report fewer, e.g. edits)."""
+    step_index: int = 0
+    """Steps done so far; the next step this request runs is `step_index`."""
+    state: Any = None
+    """The engine's per-request denoising state (latents, scheduler); opaque to the scheduler."""
+
+    @property
+    def num_rows(self) -> int:
+        return self.request.num_outputs
+
+
+@dataclass
+class StepPlan:
+    """Run one denoising step for `rows` (the joined ones must be started first)."""
+
+    rows: list[GroupEntry]
+    """Every request in this step, longest-running first, then the joined ones in join order."""
+    joined: list[GroupEntry]
+    """Requests that joined at this boundary (a subset of `rows`)."""
+    removed: list[tuple[Request, str]] = field(default_factory=list)
+    """Requests dropped at this boundary before the step: `cancelled` or `deadline` (the engine answers them)."""
+    left: int = 0
+    """Requests that left the group since the previous step (finished, removed or failed)."""
+    cap: int = 1
+    """The group's effective cap in rows."""
+    user_max: int = 1
+    """`--batching-max-size`."""
+    step_id: int = 0
+    """Increasing number of the step (1 for the first step of a scheduler)."""
+
+    @property
+    def num_rows(self) -> int:
+        return sum(e.num_rows for e in self.rows)
+
+
+class StepScheduler(DynamicBatcher):
+    """The queue of `DynamicBatcher` plus the running group of the module docstring. Not thread-safe."""
+
+    def __init__(self, config: BatchingConfig, *, model_names: Sequence[str], supports_batching: bool = True,
+                 supports_continuous: bool = True):
+        super().__init__(config, model_names=model_names, supports_batching=supports_batching)
+        self.supports_continuous = supports_continuous
+        """Whether the served family can run step by step (set by the engine once the pipeline is loaded)."""
+        self._group: list[GroupEntry] = []
+        self._cap = 1
+        self._left = 0
+        self._steps = 0
+
+    # -- state ------------------------------------------------------------------------------------------
+    @property
+    def group(self) -> list[GroupEntry]:
+        """The running group (a copy)."""
+        return list(self._group)
+
+    @property
+    def num_active_rows(self) -> int:
+        return sum(e.num_rows for e in self._group)
+
+    def add(self, request: Request) -> None:
+        if any(e.request.request_id == request.request_id for e in self._group):
+            raise ValueError(f"request id {request.request_id!r} is already running; ids must be unique")
+        super().add(request)
+
+    def can_step(self, request: Request) -> bool:
+        """Whether `request` may run step by step (rule 2's eligibility)."""
+        return self.supports_continuous and self._ineligible_reason(request) is None
+
+    # -- scheduling ---------------------------------------------------------------------------------------
+    def plan(self, now: float) -> Decision | StepPlan:
+        """What to do at clock time `now` (see the module docstring). A returned plan must be followed by
+        `step_done` or `fail`; a returned `Dispatch` by `complete`."""
+        if self.running is not None:
+            return Idle(busy=True)
+        removed = self._remove_stopped(now)
+        if removed and not self._group:  # no step to run, but the engine must answer the removed ones now
+            return StepPlan(rows=[], joined=[], removed=removed, left=self._pop_left(), cap=self._cap,
+                            user_max=self.config.max_size)
+        if self._group:
+            joined = self._take_joiners(group_key(self._group[0].request), self._cap - self.num_active_rows)
+            return self._step(joined, removed)
+        ordered = self._ordered()
+        if not ordered:
+            return Idle()
+        head = ordered[0]
+        if not self.can_step(head):
+            return self.schedule(now)
+        cap = self.effective_cap_for(head)
+        rows = self._fitting_rows(head, cap)
+        if rows < cap and now < head.arrival_time + self.config.delay_ms / 1000.0:
+            return WaitUntil(head.arrival_time + self.config.delay_ms / 1000.0)
+        self._cap = cap
+        joined = [self._enter(head)]
+        joined += self._take_joiners(group_key(head), cap - head.num_outputs)
+        return self._step(joined, removed)
+
+    def step_done(self, plan: StepPlan) -> list[GroupEntry]:
+        """The step of `plan` ran: every row advanced one step. Returns (and removes) the finished requests."""
+        finished = []
+        for entry in plan.rows:
+            entry.step_index += 1
+            if entry.step_index >= entry.num_steps and entry in self._group:
+                finished.append(entry)
+        return self._leave(finished, RequestStatus.FINISHED)
+
+    def fail(self, entries: Sequence[GroupEntry]) -> list[GroupEntry]:
+        """The step (or start) of `entries` raised: they leave the group (status FAILED)."""
+        return self._leave([e for e in entries if e in self._group], RequestStatus.FAILED)
+
+    def finish(self, entry: GroupEntry) -> None:
+        """`entry` reached its last step early (the pipeline's schedule is shorter than requested)."""
+        if entry in self._group:
+            self._leave([entry], RequestStatus.FINISHED)
+
+    def drain(self) -> list[Request]:
+        """Queued requests (see `DynamicBatcher.drain`); running rows stop at the next boundary by their
+        `cancel_event`, which the engine sets."""
+        return super().drain()
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    def _step(self, joined: list[GroupEntry], removed: list[tuple[Request, str]]) -> StepPlan:
+        self._steps += 1
+        return StepPlan(rows=list(self._group), joined=joined, removed=removed, left=self._pop_left(),
+                        cap=self._cap, user_max=self.config.max_size, step_id=self._steps)
+
+    def _pop_left(self) -> int:
+        left, self._left = self._left, 0
+        return left
+
+    def _leave(self, entries: list[GroupEntry], status: RequestStatus) -> list[GroupEntry]:
+        for entry in entries:
+            self._group.remove(entry)
+            entry.request.status = status
+        self._left += len(entries)
+        return entries
+
+    def _remove_stopped(self, now: float) -> list[tuple[Request, str]]:
+        removed: list[tuple[Request, str]] = []
+        for entry in list(self._group):
+            request = entry.request
+            if request.cancel_event.is_set():
+                self._leave([entry], RequestStatus.ABORTED)
+                removed.append((request, REMOVED_CANCELLED))
+            elif request.deadline is not None and request.deadline <= now:
+                self._leave([entry], RequestStatus.TIMED_OUT)
+                removed.append((request, REMOVED_DEADLINE))
+        return removed
+
+    def _compatible(self, key: tuple[Any, ...], request: Request) -> bool:
+        return self.can_step(request) and group_key(request) == key
+
+    def _fitting_rows(self, head: Request, cap: int) -> int:
+        """Rows a group anchored by `head` would start with (the same scan as `_take_joiners`)."""
+        rows, key = 0, group_key(head)
+        for request in self._ordered():
+            if not self._compatible(key, request) or (rows and rows + request.num_outputs > cap):
+                break
+            rows += request.num_outputs
+        return rows
+
+    def _take_joiners(self, key: tuple[Any, ...], room: int) -> list[GroupEntry]:
+        joined = []
+        for request in self._ordered():
+            if room <= 0 or not self._compatible(key, request) or request.num_outputs > room:
+                break  # rule 3: strict order, the scan stops at the first request that cannot join
+            joined.append(self._enter(request))
+            room -= request.num_outputs
+        return joined
+
+    def _enter(self, request: Request) -> GroupEntry:
+        self._pop(request.request_id)
+        request.status = RequestStatus.RUNNING
+        entry = GroupEntry(request=request, num_steps=request.params.num_inference_steps)
+        self._group.append(entry)
+        return entry

@@ -1,0 +1,114 @@
+"""The shared recipe (`stages.RecipePipeline`) cut into resumable pieces, for step-level (continuous) batching.
+
+`RecipePipeline.run` is encode -> prepare -> denoise loop -> decode for one fixed batch. Here the same family
+parts run per request instead, so requests can enter and leave a running denoise group at step boundaries:
+
+* `start_request`: encode the request's prompt(s) and prepare its latents, schedule and a private scheduler
+  (`RequestRows`: its `n` latent rows, its conditioning, its own step index).
+* `denoise_step`: ONE denoiser call (two with unbatched CFG) for the rows of several requests, each at its own
+  timestep (the transformer takes a per-row timestep vector), then each request's own scheduler step.
+* `preview_request` / `finish_request`: a partial image, or the final decode, of one request's rows.
+
+Seeds and noise are those of `run` for a batch of one (`stages.batch_noise`), and each request's scheduler is a
+`fresh_scheduler` copy, so a request's rows equal its singleton run up to the float reordering of batched kernels.
+Only families that declare `supports_continuous` (see `Pipeline.supports_continuous`) may be stepped this way:
+their per-batch `extras` must be equal across requests of one group key (`engine/step_scheduler.py`), and their
+scheduler step must depend only on the request's own state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from diffuserve.pipelines.base import RequestOutput
+from diffuserve.pipelines.stages import Cond, DenoiseState, RecipePipeline, concat_cond
+
+
+@dataclass(eq=False)
+class RequestRows:
+    """One request's denoising state between steps."""
+
+    params: Any
+    """The request's SamplingParams."""
+    latents: torch.Tensor
+    """Its `n` latent rows."""
+    positive: Cond
+    negative: Cond | None
+    state: DenoiseState
+    """Its own schedule, private scheduler and extras (from the family's `prepare`)."""
+    step_index: int = 0
+    """Steps done; the next step runs `state.timesteps[step_index]`."""
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.state.timesteps)
+
+    @property
+    def done(self) -> bool:
+        return self.step_index >= self.num_steps
+
+
+def start_request(pipeline: RecipePipeline, params: Any) -> RequestRows:
+    """Encode and prepare one request (the first two stages of `run`, for a batch of one)."""
+    batch = [params]
+    with torch.inference_mode():
+        positive, negative = pipeline._encode(batch, pipeline.uses_cfg(params))
+        with contextlib.ExitStack() as scope:
+            for key in pipeline.prepare_components(params):
+                scope.enter_context(pipeline.residency.use(key))
+            state = pipeline.prepare(batch, params, positive)
+    return RequestRows(params=params, latents=state.latents, positive=positive, negative=negative, state=state)
+
+
+def _stack(conds: Sequence[Cond], masked: dict[str, str]) -> Cond:
+    out = conds[0]
+    for cond in conds[1:]:
+        out = concat_cond(out, cond, masked)
+    return out
+
+
+def denoise_step(pipeline: RecipePipeline, group: Sequence[RequestRows]) -> None:
+    """One denoising step for every request of `group`, each at its own step index, in ONE denoiser call.
+
+    The rows' latents advance in place (`RequestRows.latents`, `step_index`). Raises ValueError when the rows
+    would need different denoisers this step (two-expert families are not continuous).
+    """
+    if not group:
+        return
+    head = group[0]
+    timesteps = [rows.state.timesteps[rows.step_index] for rows in group]
+    model_keys = {pipeline.denoiser_for_step(r.step_index, t, r.state) for r, t in zip(group, timesteps, strict=True)}
+    if len(model_keys) != 1:
+        raise ValueError(f"the rows of this step need different denoisers {sorted(model_keys)}")
+    (model_key,) = model_keys
+    with torch.inference_mode(), pipeline.residency.use(model_key):
+        latents = torch.cat([r.latents for r in group])
+        timestep = torch.cat([t.expand(r.latents.shape[0]) for r, t in zip(group, timesteps, strict=True)])
+        positive = _stack([r.positive for r in group], pipeline.masked_sequences)
+        negatives = [r.negative for r in group]
+        negative = None if negatives[0] is None else _stack(negatives, pipeline.masked_sequences)  # type: ignore[arg-type]
+        # The head's extras serve the whole group: the group key makes them equal (same size, guidance).
+        noise_pred = pipeline._guided(latents, timestep, positive, negative, head.params, head.state,
+                                      head.step_index, model_key)
+        for rows, t, pred in zip(group, timesteps, noise_pred.split([r.latents.shape[0] for r in group]),
+                                 strict=True):
+            rows.latents = pipeline.scheduler_step(pred, t, rows.latents, rows.state)
+            rows.step_index += 1
+
+
+def preview_request(pipeline: RecipePipeline, rows: RequestRows) -> list[Any]:
+    """A partial image per row of the request's current latents (the family's `preview`)."""
+    with torch.inference_mode(), pipeline.residency.use(pipeline.decoder):
+        return pipeline.preview(rows.latents, rows.state)
+
+
+def finish_request(pipeline: RecipePipeline, rows: RequestRows) -> RequestOutput:
+    """Decode the request's final latents: its output, as `run` would give it."""
+    with torch.inference_mode(), pipeline.residency.use(pipeline.decoder):
+        decoded = pipeline.decode(rows.latents, rows.state)
+    return RequestOutput(videos=decoded) if pipeline.output_kind == "video" else RequestOutput(images=decoded)

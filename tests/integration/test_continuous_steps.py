@@ -1,0 +1,108 @@
+"""Step-level batching in-process: every request stepped in a shared group equals its singleton `run`.
+
+Requests join the running group at several step offsets and with different step counts, so each transformer
+call mixes rows at different timesteps. Tolerance: 1/255 per pixel channel (the dynamic-batching tolerance).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diffuserve.pipelines import step_batch
+from diffuserve.sampling import SamplingParams
+
+PIXEL_TOL = 1  # uint8 steps, i.e. 1/255
+
+
+@pytest.fixture(scope="module")
+def flux(tiny_flux_path: Path):
+    from diffuserve.models.loader import load_pipeline
+
+    return load_pipeline(tiny_flux_path)
+
+
+def _max_diff(a, b) -> int:
+    return int(np.abs(np.asarray(a).astype(np.int16) - np.asarray(b).astype(np.int16)).max())
+
+
+def _simulate(pipeline, arrivals: dict[int, list[SamplingParams]]) -> dict[int, list]:
+    """Run the group loop: requests in `arrivals[k]` join before global step k; returns images by request index."""
+    group: list[tuple[int, step_batch.RequestRows]] = []
+    out: dict[int, list] = {}
+    order = [p for k in sorted(arrivals) for p in arrivals[k]]
+    tick = 0
+    while len(out) < len(order):
+        for params in arrivals.get(tick, []):
+            group.append((order.index(params), step_batch.start_request(pipeline, params)))
+        step_batch.denoise_step(pipeline, [rows for _, rows in group])
+        for item in [g for g in group if g[1].done]:
+            output = step_batch.finish_request(pipeline, item[1])
+            out[item[0]] = output.videos if pipeline.output_kind == "video" else output.images
+            group.remove(item)
+        tick += 1
+    return out
+
+
+def test_flux_declares_continuous(flux) -> None:
+    assert flux.supports_continuous is True
+
+
+def test_rows_joining_at_different_steps_equal_their_singleton_runs(flux) -> None:
+    size = flux.defaults.width
+    a = SamplingParams(prompt="a red square", seed=1, width=size, height=size, num_inference_steps=4)
+    b = SamplingParams(prompt="a blue circle", seed=2, width=size, height=size, num_inference_steps=3, n=2)
+    c = SamplingParams(prompt="green", seed=3, width=size, height=size, num_inference_steps=2)
+    d = SamplingParams(prompt="a red square", seed=4, width=size, height=size, num_inference_steps=4)
+    got = _simulate(flux, {0: [a], 1: [b], 3: [c, d]})  # joins at offsets 0, 1 and 3; c starts as a leaves
+    for i, params in enumerate([a, b, c, d]):
+        alone = flux.run([params]).outputs[0].images
+        assert len(got[i]) == params.n == len(alone)
+        for x, y in zip(got[i], alone, strict=True):
+            assert _max_diff(x, y) <= PIXEL_TOL, f"request {i} differs from its singleton run"
+
+
+def test_cfg_rows_equal_their_singleton_runs(flux) -> None:
+    size = flux.defaults.width
+    kw = {"width": size, "height": size, "true_cfg_scale": 2.0, "negative_prompt": "blurry"}
+    a = SamplingParams(prompt="a cat", seed=5, num_inference_steps=3, **kw)
+    b = SamplingParams(prompt="a dog", seed=6, num_inference_steps=2, **kw)
+    got = _simulate(flux, {0: [a], 1: [b]})
+    for i, params in enumerate([a, b]):
+        assert _max_diff(got[i][0], flux.run([params]).outputs[0].images[0]) <= PIXEL_TOL
+
+
+def _frames(output, kind: str) -> list:
+    """Every image of an output: the images, or every frame of every video."""
+    return output.images if kind == "image" else [f for video in output.videos for f in video]
+
+
+CONTINUOUS_FAMILIES = ["sd3", "wan", "z-image", "flux2", "flux2-klein", "qwen-image", "qwen-image-2.1", "wan2.2-ti2v"]
+
+
+@pytest.mark.parametrize("family", CONTINUOUS_FAMILIES)
+def test_every_continuous_family_equals_its_singleton_runs(family: str, tiny_checkpoint) -> None:
+    from diffuserve.models.loader import load_pipeline
+
+    pipeline = load_pipeline(tiny_checkpoint(family))
+    assert pipeline.supports_continuous, f"{family} should declare supports_continuous"
+    d = pipeline.defaults
+    kw = {"width": d.width, "height": d.height, "num_frames": d.num_frames, "guidance_scale": d.guidance_scale}
+    a = SamplingParams(prompt="a red square", seed=1, num_inference_steps=3, **kw)
+    b = SamplingParams(prompt="a much longer prompt about a blue circle", seed=2, num_inference_steps=2, n=2, **kw)
+    got = _simulate(pipeline, {0: [a], 1: [b]})
+    for i, params in enumerate([a, b]):
+        result = pipeline.run([params]).outputs[0]
+        kind = pipeline.output_kind
+        stepped = got[i] if kind == "image" else [f for video in got[i] for f in video]
+        for x, y in zip(stepped, _frames(result, kind), strict=True):
+            assert _max_diff(x, y) <= PIXEL_TOL, f"{family}: request {i} differs from its singleton run"
+
+
+@pytest.mark.parametrize("family", ["sana", "wan2.2", "wan-i2v"])
+def test_families_that_are_not_continuous_say_so(family: str, tiny_checkpoint) -> None:
+    from diffuserve.models.loader import load_pipeline
+
+    assert load_pipeline(tiny_checkpoint(family)).supports_continuous is False
