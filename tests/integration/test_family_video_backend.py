@@ -38,7 +38,7 @@ CASES = (
     Case("hunyuan-video", "HunyuanVideoPipeline", "hunyuan_video", 5, 5, True),
     Case("hunyuan-video-1.5", "HunyuanVideo15Pipeline", "hunyuan_video_15", 5, 5, False),
     Case("ltx2", "LTX2Pipeline", "ltx2", 9, 9, True),
-    Case("helios", "HeliosPipeline", "helios", 9, 33, True, (("max_sequence_length", 64),)),
+    Case("helios", "HeliosPipeline", "helios", 33, 33, True, (("max_sequence_length", 64),)),
 )
 PROMPTS = (("a red fox", 3), ("a cat surfing", 9))
 

@@ -30,9 +30,10 @@ LTX2_TINY_DEFAULTS = {"width": 32, "height": 32, "num_frames": 9, "num_inference
 """What the tiny LTX-2 checkpoint suggests (its one-level VAE compresses time 2x: 2k+1 frames; the published
 one compresses 8x). Sizes are multiples of 32, the pipeline's own check."""
 
-HELIOS_TINY_DEFAULTS = {"width": 32, "height": 32, "num_frames": 9, "num_inference_steps": 2, "fps": 8}
+HELIOS_TINY_DEFAULTS = {"width": 32, "height": 32, "num_frames": 33, "num_inference_steps": 2, "fps": 8}
 """What the tiny Helios checkpoint suggests. Helios denoises in chunks of (num_latent_frames_per_chunk - 1) x 4
-+ 1 = 33 frames, so any count up to 33 gives one 33-frame chunk (diffusers' behaviour, kept unmodified)."""
++ 1 = 33 frames, so any count up to 33 gives one 33-frame chunk (diffusers' behaviour, kept unmodified): the
+default asks for exactly what comes back."""
 
 
 def _sentencepiece_vocab(specials: list[str]) -> tuple[dict[str, int], list[tuple[str, str]]]:
