@@ -171,3 +171,25 @@ def test_ids_stay_unique_across_queue_and_group() -> None:
         assert "already running" in str(exc)
     else:
         raise AssertionError("a duplicate id was accepted")
+
+
+def test_continuous_step_line_and_collectors(caplog) -> None:
+    import logging
+
+    from diffuserve.engine.metrics import ContinuousStats, EngineMetrics, format_step
+
+    assert format_step(3, 4, 1, 0, 2) == "Continuous denoising step batch: size=3/4, joined=1, left=0, active=2"
+    metrics = EngineMetrics()
+    stats = ContinuousStats(metrics, log_enabled=True, window=2)
+    with caplog.at_level(logging.INFO, logger="diffuserve.batching"):
+        stats.record_step(3, 4, 1, 0, 2)
+        stats.record_step(1, 4, 0, 1, 1)
+        stats.record_leave("finished", 2)
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[-1] == ("Continuous denoising stats (last 2 steps): avg_size=2.00, utilization=50.0%, "
+                            "joins=1, leaves=1")
+    get = metrics.registry.get_sample_value
+    assert get("diffuserve_continuous_joins_total") == 1
+    assert get("diffuserve_continuous_leaves_total", {"reason": "finished"}) == 2
+    assert get("diffuserve_continuous_step_batch_rows_count") == 2
+    assert get("diffuserve_continuous_active_rows") == 1
