@@ -112,8 +112,8 @@ class DiffusersBackendPipeline(Pipeline):
         if self.ar_prior:
             from diffuserve.pipelines import glm_image_ar
 
-            # The AR tokens cover 32 px each (2x2 DiT tokens): sizes are multiples of twice the DiT's.
-            self.size_multiple *= 2
+            # The AR tokens cover 32 px each (2x2 DiT tokens): the spec's size_multiple (32) says so, and
+            # `_size_multiple` already takes it as the minimum.
             # Image-to-image (condition images through the AR model's vision tower) is not wired here.
             self.max_image_inputs = 0
             self.supports_batching = self.supports_batching and glm_image_ar.can_batch(pipe.vision_language_encoder)
