@@ -107,6 +107,8 @@ class FamilySpec:
     VAE's spatial factor; larger sizes are a 400 naming `size` before queueing, not an error inside the model."""
     max_image_inputs: int = 0
     """Input images an edit request may carry (0: the family takes none)."""
+    output_size_follows_input: bool = False
+    """The pipeline picks its output size from the input image (Qwen-Image-Layered), whatever `size` asks."""
     supports_batching: bool = True
     """Text-conditioned requests with equal signatures may merge into one pipeline call."""
     tiny_builds: dict[str, str] = field(default_factory=dict)

@@ -20,7 +20,7 @@ SPECS = (
     # is the number of layers (diffusers_backend.py), and the output size follows the input image, not `size`.
     FamilySpec(name="qwen_image_layered", pipeline_classes=("QwenImageLayeredPipeline",),
                model_id_patterns=(r"qwen[-_]?image[-_]?layered",), id_priority=12, base_family="qwen_image",
-               tasks=frozenset({"i2i"}), max_image_inputs=1, supports_batching=False,
+               tasks=frozenset({"i2i"}), max_image_inputs=1, supports_batching=False, output_size_follows_input=True,
                defaults=SamplingDefaults(num_inference_steps=50, guidance_scale=1.0),
                tiny_builds={"qwen-image-layered": f"{_TINY}:build_qwen_image_layered"}),
 )
