@@ -87,14 +87,8 @@ class SanaNativePipeline(stages.RecipePipeline):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        self.transformer = transformer
-        self.vae = vae
-        self.text_encoder = text_encoder
-        self.tokenizer = tokenizer
-        self.scheduler = scheduler
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.components = {"text_encoder": text_encoder, "transformer": transformer, "vae": vae}
+        self.bind_parts({"text_encoder": text_encoder, "tokenizer": tokenizer, "transformer": transformer, "vae": vae,
+                         "scheduler": scheduler}, device=device, dtype=dtype)
         self.vae_scale_factor = 2 ** (len(vae.config.encoder_block_out_channels) - 1)
         self.size_multiple = self.vae_scale_factor * transformer.config.patch_size
         self.image_processor = PixArtImageProcessor(vae_scale_factor=self.vae_scale_factor)

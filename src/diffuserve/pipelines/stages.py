@@ -252,6 +252,15 @@ class RecipePipeline(Pipeline):
     cfg_parallel: Any = None
     """A `parallel.cfg_parallel.CfgParallel` when the two CFG branches run on two ranks; None in one process."""
 
+    def bind_parts(self, parts: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype) -> None:
+        """Keep each loaded part as an attribute of its model_index.json key; the torch modules among them are
+        the residency manager's `components`."""
+        for key, part in parts.items():
+            setattr(self, key, part)
+        self.components = {key: part for key, part in parts.items() if isinstance(part, torch.nn.Module)}
+        self.device = torch.device(device)
+        self.dtype = dtype
+
     # -- family parts ------------------------------------------------------------------------------------
 
     def encode_text(self, key: str, texts: list[str], batch: Sequence[SamplingParams]) -> Cond:

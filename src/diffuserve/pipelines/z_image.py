@@ -68,14 +68,8 @@ class ZImageNativePipeline(stages.RecipePipeline):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        self.transformer = transformer
-        self.vae = vae
-        self.text_encoder = text_encoder
-        self.tokenizer = tokenizer
-        self.scheduler = scheduler
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.components = {"text_encoder": text_encoder, "transformer": transformer, "vae": vae}
+        self.bind_parts({"text_encoder": text_encoder, "tokenizer": tokenizer, "transformer": transformer, "vae": vae,
+                         "scheduler": scheduler}, device=device, dtype=dtype)
         self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
         # diffusers calls the transformer with its default patch size 2: sizes divide by the VAE factor x 2.
         self.size_multiple = self.vae_scale_factor * 2
