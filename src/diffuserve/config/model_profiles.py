@@ -71,6 +71,9 @@ class ModelProfile(ProfileFacts):
     """image | video. Video DiT residency under `auto` follows `dit_resident_threshold_gib` only if set."""
     components: dict[str, ComponentProfile] = field(default_factory=dict)
     """Weight-holding components by model_index.json key, in pipeline order."""
+    dit_attention_heads: int | None = None
+    """Attention heads of the DiT (`transformer/config.json` `num_attention_heads`); sequence and tensor
+    parallel degrees must divide it. None when the config does not say."""
 
     def with_components(self, components: dict[str, ComponentProfile]) -> ModelProfile:
         return dataclasses.replace(self, components=dict(components))
@@ -267,7 +270,16 @@ def profile_from_checkpoint(model_path: Path, *, family: str | None = None, mode
                 f"{model_path / 'model_index.json'} lists component {key!r} but folder {folder} is missing."
             )
         components[key] = component_profile(key, str(value[1]), folder, load_dtype)
-    return family_profile(family).with_components(components)
+    heads = _dit_attention_heads(model_path)
+    return dataclasses.replace(family_profile(family).with_components(components), dit_attention_heads=heads)
+
+
+def _dit_attention_heads(model_path: Path) -> int | None:
+    config = model_path / "transformer" / "config.json"
+    if not config.is_file():
+        return None
+    heads = _read_json(config).get("num_attention_heads")
+    return int(heads) if isinstance(heads, int) else None
 
 
 def resolve_layer_containers(module: Any, component: ComponentProfile) -> list[str]:

@@ -71,6 +71,11 @@ class ProfileFacts:
     """The presets (`auto` below threshold, `memory`) may pick layer-wise offload for the DiT."""
     compile_validated: bool = False
     """torch.compile has a validated path for this family, so `auto`/`speed`/`memory` turn it on."""
+    sequence_parallel: bool = False
+    """The native DiT has a sequence split, so `--ulysses-degree` / `--ring-degree` run for it (start-up
+    refuses them for families without one, naming the flag)."""
+    tensor_parallel: bool = False
+    """The native DiT has a tensor-parallel plan, so `--tp-size` runs for it."""
 
 
 @dataclass(frozen=True)

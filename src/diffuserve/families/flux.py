@@ -14,7 +14,8 @@ SPECS = (
         # to schnell's 4 steps without guidance when the transformer has no guidance embedding.
         defaults=SamplingDefaults(width=1024, height=1024, num_inference_steps=28, guidance_scale=3.5),
         # One branch per step by default; the native adapter streams double and single blocks.
-        profile=ProfileFacts(default_uses_cfg=False, dit_supports_layerwise=True),
+        profile=ProfileFacts(default_uses_cfg=False, dit_supports_layerwise=True, sequence_parallel=True,
+                             tensor_parallel=True),
         layer_containers={
             "FluxTransformer2DModel": (
                 ("transformer_blocks", "num_layers"),

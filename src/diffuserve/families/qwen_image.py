@@ -7,7 +7,8 @@ QWEN_IMAGE_LAYERS = {"QwenImageTransformer2DModel": (("transformer_blocks", "num
 """The Qwen-Image DiT's repeated blocks (shared with the edit families)."""
 
 # Qwen-Image runs true CFG; FSDP was not measured faster there, so auto keeps the non-FSDP path.
-QWEN_PROFILE = ProfileFacts(default_uses_cfg=True, dit_supports_layerwise=True)
+QWEN_PROFILE = ProfileFacts(default_uses_cfg=True, dit_supports_layerwise=True, sequence_parallel=True,
+                            tensor_parallel=True)
 
 QWEN_IMAGE_ROPE_POSITIONS = 4096
 """Positions in diffusers' `QwenEmbedRope` tables (fixed in the class, not in config.json)."""

@@ -11,6 +11,8 @@ WAN_PROFILE = ProfileFacts(
     vae_resident_threshold_gib=40.0,
     fsdp_can_replace_dit_offload=True,
     dit_supports_layerwise=True,
+    sequence_parallel=True,
+    tensor_parallel=True,
 )
 WAN_LAYERS = {"WanTransformer3DModel": (("blocks", "num_layers"),)}
 
