@@ -50,9 +50,14 @@ def process_group(rank: int, world: int, init_file: str) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def run_two_ranks(rank_main: Callable[..., None], checkpoints: dict[str, str], out_dir: Path) -> None:
-    """Spawn `rank_main(rank, world, init_file, checkpoints, out_dir)` on 2 ranks and wait for both."""
+def run_ranks(rank_main: Callable[..., None], checkpoints: dict[str, str], out_dir: Path, world: int = 2) -> None:
+    """Spawn `rank_main(rank, world, init_file, checkpoints, out_dir)` on `world` ranks and wait for all."""
     init_file = Path(tempfile.mkdtemp()) / "rendezvous"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(rank_main, args=(2, str(init_file), checkpoints, str(out_dir)), nprocs=2,
+    mp.start_processes(rank_main, args=(world, str(init_file), checkpoints, str(out_dir)), nprocs=world,
                        start_method="spawn", join=True)
+
+
+def run_two_ranks(rank_main: Callable[..., None], checkpoints: dict[str, str], out_dir: Path) -> None:
+    """`run_ranks` on 2 ranks."""
+    run_ranks(rank_main, checkpoints, out_dir, world=2)
