@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,18 +14,10 @@ from diffuserve.runtime.compile import apply_compile, check_executable
 from diffuserve.sampling import SamplingParams
 
 
-@pytest.mark.parametrize(("field", "value", "flag"), [
-    ("num_gpus", 2, "--num-gpus"),
-    ("use_fsdp_inference", True, "--use-fsdp-inference"),
-    ("enable_cfg_parallel", True, "--enable-cfg-parallel"),
-    ("sp_degree", 2, "--sp-degree"),
-    ("tp_degree", 2, "--tp-degree"),
-    ("enable_breakable_cuda_graph", True, "--enable-breakable-cuda-graph"),
-])
-def test_unexecutable_plan_features_fail_naming_the_flag(field, value, flag):
-    with pytest.raises(ConfigError, match=flag):
-        check_executable(DeploymentPlan(**{field: value}))
-    check_executable(DeploymentPlan())
+def test_unexecutable_plan_features_fail_naming_the_flag():
+    with pytest.raises(ConfigError, match="--enable-breakable-cuda-graph"):
+        check_executable(DeploymentPlan(enable_breakable_cuda_graph=True))
+    check_executable(DeploymentPlan(num_gpus=2, use_fsdp_inference=True, enable_cfg_parallel=True))  # these run now
 
 
 def test_compiled_transformer_matches_eager(tiny_flux_path: Path):
@@ -43,10 +33,3 @@ def test_compiled_transformer_matches_eager(tiny_flux_path: Path):
     assert compiled_blocks, "no block was compiled"
     compiled = np.asarray(pipeline.run(params).outputs[0].images[0], dtype=np.int16)
     assert np.abs(compiled - reference).max() <= 1
-
-
-def test_serve_refuses_multi_gpu_at_startup(tiny_flux_path: Path):
-    out = subprocess.run([sys.executable, "-m", "diffuserve.cli", "serve", "--model-path", str(tiny_flux_path),
-                          "--num-gpus", "2", "--port", "0"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2
-    assert "--num-gpus" in out.stderr and "configuration error" in out.stderr
