@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from diffuserve.config.server_args import ServerArgs
-from diffuserve.engine.worker import plan_calls
 from diffuserve.errors import ConfigError
+from diffuserve.executor.worker import plan_calls
 from diffuserve.sampling import SamplingParams, build_sampling_params
 
 INTERRUPTED = 130

@@ -13,17 +13,29 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from diffuserve.engine.request import Request
 from diffuserve.errors import DiffuserveError, GenerationError, RequestCancelledError
 from diffuserve.pipelines.base import BatchResult, Pipeline, RequestOutput
 from diffuserve.sampling import SamplingParams
 
 logger = logging.getLogger("diffuserve.worker")
+
+
+class Request(Protocol):
+    """What a batch row needs of the engine's request (engine/request.py): its id, parameters and cancel flag."""
+
+    request_id: str
+    params: SamplingParams
+    cancel_event: threading.Event
+
+
+StopSync = Callable[[bool], bool]
+"""stop_sync(local_decision) -> the decision every rank of the call applies (rank 0's), at each step boundary."""
 
 
 def preview_steps(num_steps: int, partial_images: int) -> list[int]:
@@ -118,6 +130,7 @@ def run_batch(
     previews: dict[str, PreviewSink] | None = None,
     clock: Callable[[], float] = time.monotonic,
     max_rows: int | None = None,
+    stop_sync: StopSync | None = None,
 ) -> BatchOutcome:
     """Run `requests` as one pipeline call (several when their rows exceed `max_rows`).
 
@@ -125,7 +138,8 @@ def run_batch(
     `previews` (request id -> sink) asks for partial images: after each denoising step that some
     still-waiting request wants a preview of, the pipeline's previews are made once for the whole batch
     and each such request gets its own rows. A batch split into several calls makes no previews (a
-    call holds only part of a request's rows, and a preview shows all of them).
+    call holds only part of a request's rows, and a preview shows all of them). `stop_sync` (multi-rank)
+    turns this rank's stop decision into the one every rank of the call applies at the same step boundary.
     """
     outcome = BatchOutcome()
     live = [r for r in requests if not r.cancel_event.is_set()]
@@ -135,7 +149,8 @@ def run_batch(
     def should_stop() -> bool:
         # Stop the whole batch only when nobody in it still wants an answer; a single cancelled row
         # keeps running with the others and its output is dropped.
-        return all(r.cancel_event.is_set() for r in live)
+        stop = all(r.cancel_event.is_set() for r in live)
+        return stop_sync(stop) if stop_sync is not None else stop
 
     calls = plan_calls([r.params for r in live], max_rows)
     if len(calls) > 1:
