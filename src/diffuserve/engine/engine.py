@@ -392,6 +392,10 @@ class AsyncEngine:
     def _load_and_warm_up(self) -> None:
         started = time.monotonic()
         self.pipeline = self.executor.load()
+        # What the loaded model can do decides what the scheduler may merge.
+        self.scheduler.supports_batching = self.pipeline.supports_batching
+        if hasattr(self.scheduler, "supports_continuous"):  # --batching-mode continuous
+            self.scheduler.supports_continuous = self.pipeline.supports_continuous
         logger.info("model loaded in %.1fs: %s", time.monotonic() - started, self.pipeline.describe())
         if self.config.enable_warmup:
             with self._cond:

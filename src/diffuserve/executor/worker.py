@@ -34,8 +34,6 @@ class Request(Protocol):
     cancel_event: threading.Event
 
 
-StopSync = Callable[[bool], bool]
-"""stop_sync(local_decision) -> the decision every rank of the call applies (rank 0's), at each step boundary."""
 
 
 def preview_steps(num_steps: int, partial_images: int) -> list[int]:
@@ -130,7 +128,6 @@ def run_batch(
     previews: dict[str, PreviewSink] | None = None,
     clock: Callable[[], float] = time.monotonic,
     max_rows: int | None = None,
-    stop_sync: StopSync | None = None,
 ) -> BatchOutcome:
     """Run `requests` as one pipeline call (several when their rows exceed `max_rows`).
 
@@ -138,19 +135,18 @@ def run_batch(
     `previews` (request id -> sink) asks for partial images: after each denoising step that some
     still-waiting request wants a preview of, the pipeline's previews are made once for the whole batch
     and each such request gets its own rows. A batch split into several calls makes no previews (a
-    call holds only part of a request's rows, and a preview shows all of them). `stop_sync` (multi-rank)
-    turns this rank's stop decision into the one every rank of the call applies at the same step boundary.
+    call holds only part of a request's rows, and a preview shows all of them).
     """
     outcome = BatchOutcome()
     live = [r for r in requests if not r.cancel_event.is_set()]
     if not live:
         return outcome
 
-    def should_stop() -> bool:
+    def everyone_gone() -> bool:
         # Stop the whole batch only when nobody in it still wants an answer; a single cancelled row
         # keeps running with the others and its output is dropped.
-        stop = all(r.cancel_event.is_set() for r in live)
-        return stop_sync(stop) if stop_sync is not None else stop
+        return all(r.cancel_event.is_set() for r in live)
+
 
     calls = plan_calls([r.params for r in live], max_rows)
     if len(calls) > 1:
@@ -186,9 +182,9 @@ def run_batch(
         parts: list[list[RequestOutput]] = [[] for _ in live]
         stage_seconds: dict[str, float] = {}
         for call_index[0], call in enumerate(calls):
-            if should_stop():
+            if everyone_gone():
                 raise RequestCancelledError("every request of the batch was cancelled")
-            result = pipeline.run([p for _, _, p in call], on_step=step_done, should_stop=should_stop,
+            result = pipeline.run([p for _, _, p in call], on_step=step_done, should_stop=everyone_gone,
                                   **({"on_preview": on_preview} if sinks else {}))
             chunk = split_outputs([dataclasses.replace(live[i], params=p) for i, _, p in call], result,
                                   pipeline.output_kind)
