@@ -197,7 +197,7 @@ def _multi_rank_executor(args: ServerArgs, info: Any, setup: RankSetup, metrics:
     from diffuserve.executor.channel import StoreChannel
     from diffuserve.executor.multirank import MultiRankExecutor
     from diffuserve.executor.topology import Topology, build_groups
-    from diffuserve.launch_ranks import connect, spawn_local_ranks
+    from diffuserve.launch_ranks import connect, rank_description, spawn_local_ranks
 
     plan = setup.deployment.plan
     if args.batching_mode == "continuous":
@@ -210,7 +210,9 @@ def _multi_rank_executor(args: ServerArgs, info: Any, setup: RankSetup, metrics:
 
     def join() -> tuple[StoreChannel, Any]:
         store, _ = connect(info, setup.device, args.dist_timeout_s)
-        return StoreChannel(store), build_groups(topology, "cuda" if setup.device.startswith("cuda") else "cpu")
+        channel = StoreChannel(store)
+        channel.publish_rank(0, rank_description(info, setup.device))
+        return channel, build_groups(topology, "cuda" if setup.device.startswith("cuda") else "cpu")
 
     return MultiRankExecutor(topology, connect=join, load_local=lambda groups: load_rank_pipeline(args, setup, groups, metrics),
                              children=children, heartbeat_timeout_s=args.dist_heartbeat_timeout_s,
