@@ -26,6 +26,7 @@ them off again.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -85,6 +86,11 @@ class WholeOffloadStrategy(Strategy):
         super().close()
         self.unit.restore()
 
+    def settle(self) -> None:
+        """End a temporary offload: the weights go back on the device for good and the hooks come off."""
+        self.unit.load()
+        super().close()
+
 
 # 2. The manager ---------------------------------------------------------------------------------
 
@@ -113,7 +119,10 @@ class ComponentResidencyManager:
         ledger: TransferLedger,
         layer_specs: dict[str, list[str]] | None = None,
         device_budget_bytes: int | None = None,
+        offload_during_compile: bool = False,
     ) -> None:
+        self.offload_during_compile = offload_during_compile
+        """Whether `compile_warmup()` offloads the resident components (the plan's compile settings)."""
         self.device = torch.device(device)
         self.ledger = ledger
         self.device_budget_bytes = device_budget_bytes
@@ -233,6 +242,48 @@ class ComponentResidencyManager:
                 strategy.in_use = False
                 strategy.exit()
 
+    @contextlib.contextmanager
+    def compile_warmup(self) -> Iterator[None]:
+        """Placement for the torch.compile warm-up (`--offload-during-compile`).
+
+        Inside, every resident component — the DiT and the non-DiT ones alike — is temporarily
+        component-offloaded: its weights go to the host (recorded `d2h`) and come on only while the
+        warm-up generation uses it, so compilation and autotuning run beside one component's weights
+        instead of the whole model. Components the plan already offloads keep their mode. On exit the
+        serving residency is restored (recorded `h2d`), before the engine reports ready. A no-op when
+        compile or `--offload-during-compile` is off.
+        """
+        if not self.offload_during_compile or not self._is_setup:
+            yield
+            return
+        evicted = self._evict_resident()
+        try:
+            yield
+        finally:
+            self._restore_resident(evicted)
+
+    def _evict_resident(self) -> dict[str, Strategy]:
+        evicted: dict[str, Strategy] = {}
+        for name, strategy in list(self.strategies.items()):
+            if not isinstance(strategy, ResidentStrategy):
+                continue
+            plan = dataclasses.replace(strategy.plan, mode=ResidencyMode.COMPONENT_OFFLOAD)
+            temporary = WholeOffloadStrategy(name, strategy.module, plan, self.transfers)
+            temporary.unit.evict()
+            temporary.add_guards()
+            self.strategies[name] = temporary
+            evicted[name] = strategy
+        logger.info("compile warm-up: %s offloaded to host until warm-up ends", sorted(evicted))
+        return evicted
+
+    def _restore_resident(self, evicted: dict[str, Strategy]) -> None:
+        for name, original in evicted.items():
+            temporary = self.strategies[name]
+            assert isinstance(temporary, WholeOffloadStrategy)
+            temporary.settle()
+            self.strategies[name] = original
+        logger.info("compile warm-up done: serving residency restored (%s resident again)", sorted(evicted))
+
     def describe(self) -> dict[str, dict[str, object]]:
         """Per component: mode, bytes and layer-wise settings, for /server_info and logs."""
         return {n: s.describe() for n, s in self.strategies.items()}
@@ -260,6 +311,7 @@ def build_residency(
     manager = ComponentResidencyManager(
         modules, plans, device=device, ledger=ledger, layer_specs=layer_specs,
         device_budget_bytes=device_budget_bytes,
+        offload_during_compile=plan.enable_torch_compile and plan.offload_during_compile,
     )
     manager.setup()
     return manager

@@ -159,6 +159,17 @@ class WeightUnit:
         self.on_device = True
         tr.ledger.record(self.component, self.layer, self.nbytes, "h2d", time.perf_counter() - start)
 
+    def evict(self) -> None:
+        """Take weights that are attached on the device now (a resident component) off it, as a recorded
+        move: `unload` with the module's current tensors as the device copies. (`capture` is for weights
+        that were never placed.)"""
+        if self.on_device:
+            return
+        for slot in self.slots:
+            slot.device_copy = slot.current()
+        self.on_device = True
+        self.unload()
+
     def ready(self) -> None:
         """Make the compute stream wait for a prefetch of this unit (no-op on CPU or when synchronous)."""
         event, self._ready_event = self._ready_event, None
