@@ -35,10 +35,12 @@ def meta_module(cls: type, folder: Path, dtype: torch.dtype) -> torch.nn.Module:
         else:  # transformers PreTrainedModel
             config = cls.config_class.from_pretrained(folder, local_files_only=True)
             module = cls._from_config(config, dtype=dtype)
+    # As from_pretrained does: parameters in `dtype`, except those the class keeps in float32.
+    keep_fp32 = getattr(module, "_keep_in_fp32_modules", None) or ()
     for name, param in module.named_parameters():
-        if param.is_floating_point() and param.dtype != dtype:
-            param.data = param.data.to(dtype)  # free on meta: no storage behind it
-        del name
+        target = torch.float32 if any(k in name.split(".") for k in keep_fp32) else dtype
+        if param.is_floating_point() and param.dtype != target:
+            param.data = param.data.to(target)  # free on meta: no storage behind it
     return module.eval().requires_grad_(False)
 
 
