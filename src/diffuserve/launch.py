@@ -132,9 +132,11 @@ def load_serving_pipeline(args: ServerArgs, model_path: Path, device: str, deplo
     from diffuserve.engine.faults import maybe_inject_faults
     from diffuserve.models.loader import load_pipeline
 
+    # To host: the residency manager below moves resident components to the device and leaves offloaded ones
+    # on the host, so a model that fits only when offloaded still loads.
     pipeline = load_pipeline(
         model_path, model_id=args.model_id, backend=args.backend, device=device,
-        dtype=resolve_dtype(args.dtype, device),
+        dtype=resolve_dtype(args.dtype, device), placement="host",
     )
     if pipeline.components:
         import torch
