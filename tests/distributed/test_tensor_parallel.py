@@ -39,6 +39,18 @@ def _run(pipe, build: str) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(latents), frames
 
 
+def _residency(components: dict):
+    from diffuserve.config.plan import ComponentPlan, ResidencyMode
+    from diffuserve.runtime.ledger import TransferLedger
+    from diffuserve.runtime.residency import ComponentResidencyManager
+
+    plans = {key: ComponentPlan(key, "other", ResidencyMode.COMPONENT_OFFLOAD)
+             for key in components if key != "transformer"}
+    manager = ComponentResidencyManager(components, plans, device="cpu", ledger=TransferLedger())
+    manager.setup()
+    return manager
+
+
 def _rank_main(rank: int, world: int, init_file: str, checkpoints: dict[str, str], out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -57,6 +69,8 @@ def _rank_main(rank: int, world: int, init_file: str, checkpoints: dict[str, str
             keys = enable_tensor_parallel(pipe, mesh=mesh["tp"])
             if mode == "cfg-tp":
                 enable_cfg_parallel(pipe, mesh["cfg"].get_group())
+            else:  # as served: the sharded DiT resident, the other components offloaded between uses
+                pipe.residency = _residency(pipe.components)
             held, full = sharded_bytes(pipe.transformer)
             latents, frames = _run(pipe, build)
             name = Path(out_dir) / f"{mode}-{build}-rank{rank}"
@@ -125,6 +139,7 @@ def test_what_tensor_parallel_cannot_run_is_refused(tiny_checkpoint, checkpoints
     flux = load_pipeline(checkpoints["flux"])
     assert "2 attention heads" in refusal(flux, 3) and "[1, 2]" in refusal(flux, 3)
     assert list(check_tensor_parallel(flux, 2)) == ["transformer"]
+    assert list(check_tensor_parallel(load_pipeline(tiny_checkpoint("wan2.2")), 2)) == ["transformer", "transformer_2"]
     assert "no tensor-parallel plan" in refusal(load_pipeline(tiny_checkpoint("sd3")), 2)
     assert "diffusers backend" in refusal(load_pipeline(tiny_checkpoint("sd3"), backend="diffusers"), 2)
     # Heads divide but the MLP width does not: refused before any weight is sharded.

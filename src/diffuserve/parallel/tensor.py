@@ -155,7 +155,11 @@ def _parallelize(module: torch.nn.Module, plan: dict[str, Any], mesh: Any) -> No
     from torch.distributed.tensor.parallel import parallelize_module
 
     for block, relative_plan in _resolve_tp_plan(module, plan):
-        parallelize_module(block, mesh, _styles(relative_plan))
+        styles = _styles(relative_plan)
+        for style in styles.values():
+            # Every rank loaded the same checkpoint, so each cuts its own shard: no scatter from rank 0.
+            style.src_data_rank = None
+        parallelize_module(block, mesh, styles)
     # The planned weights now live on the mesh's device; the replicated rest (embeddings, modulation, norms)
     # follows them there, so a host-loaded DiT never needs to fit on one device whole.
     device = next(p.to_local().device for p in module.parameters() if isinstance(p, DTensor))
