@@ -9,7 +9,9 @@ at the same step or none does. After a call every other rank acknowledges it; a 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -113,6 +115,8 @@ class ReplicaPipeline:
         peers = [r for r in t.replica_ranks() if r != t.rank]
         seq = self._seq
         self._seq += 1
+        # Every rank must draw the same noise: an unset seed is drawn once, here.
+        batch = [p if p.seed is not None else dataclasses.replace(p, seed=secrets.randbelow(2**31)) for p in batch]
         message = CallMessage(seq=seq, kind="call", params=tuple(batch), posted_at=time.time())
         for rank in peers:  # one key per reader: a read removes its key
             self.channel.post(call_key(t.replica, seq, rank), message)
