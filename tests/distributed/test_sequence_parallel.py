@@ -3,7 +3,7 @@ single-process run: the final float32 latents within 1e-5 and the pixels within 
 
 Every run is the merged two-request batch of `ranks.requests` (CFG, n=2, prompts of different token lengths, so
 Qwen-Image's text mask pads), plus a FLUX request whose 9 image tokens do not divide the degree (padding). Some
-runs are under component or layer-wise offload of every component. One spawn per world size.
+runs are under component or layer-wise offload of every component. One launch of 4 ranks runs every case.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ TWO_RANKS = (
     ("qwen-image-r2", "qwen-image", 1, 2, None),
     ("wan-u2", "wan", 2, 1, None),
     ("wan-r2", "wan", 1, 2, "component-offload"),
+    ("wan2.2-ti2v-u2", "wan2.2-ti2v", 2, 1, None),  # per-token timesteps: split with the tokens
 )
 # (name, build, mesh dims): 4 ranks
 FOUR_RANKS = (
@@ -46,7 +47,7 @@ def _batch(pipe, build: str):
 
         return [build_sampling_params(pipe.describe_model(), prompt="a small odd square", seed=3, width=48,
                                       height=48, num_inference_steps=2)]
-    return requests(pipe.describe_model(), build)
+    return requests(pipe.describe_model(), "wan" if build.startswith("wan") else build)
 
 
 def _run(pipe, build: str, residency: str | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -81,29 +82,16 @@ def _checkpoint(checkpoints: dict[str, str], build: str) -> str:
     return checkpoints["flux" if build == "flux-odd" else build]
 
 
-def _save(out_dir: str, name: str, rank: int, result: tuple[np.ndarray, np.ndarray]) -> None:
+def _save(out_dir: str, name: str, rank: int, result: tuple[np.ndarray, np.ndarray], sp) -> None:
     np.save(Path(out_dir) / f"{name}-rank{rank}-latents.npy", result[0])
     np.save(Path(out_dir) / f"{name}-rank{rank}-pixels.npy", result[1])
+    np.save(Path(out_dir) / f"{name}-rank{rank}-calls.npy", np.array([sp.calls, sp.attention_calls]))
 
 
-def _two_ranks_main(rank: int, world: int, init_file: str, checkpoints: dict[str, str], out_dir: str) -> None:
+def _rank_main(rank: int, world: int, init_file: str, checkpoints: dict[str, str], out_dir: str) -> None:
+    """One launch of 4 ranks for every case: the 2-rank cases on the pairs (0, 1) and (2, 3), half each, at once;
+    then the 4-rank cases."""
     import torch.distributed as dist
-
-    from diffuserve.models.loader import load_pipeline
-    from diffuserve.parallel.sequence import enable_sequence_parallel
-
-    with process_group(rank, world, init_file):
-        pipes = {}
-        for name, build, ulysses, ring, residency in TWO_RANKS:
-            path = _checkpoint(checkpoints, build)
-            pipe = pipes.setdefault(path, load_pipeline(path))
-            sp = enable_sequence_parallel(pipe, ulysses_group=dist.group.WORLD if ulysses > 1 else None,
-                                          ring_group=dist.group.WORLD if ring > 1 else None)
-            _save(out_dir, name, rank, _run(pipe, build, residency))
-            sp.remove()
-
-
-def _four_ranks_main(rank: int, world: int, init_file: str, checkpoints: dict[str, str], out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from diffuserve.models.loader import load_pipeline
@@ -111,21 +99,39 @@ def _four_ranks_main(rank: int, world: int, init_file: str, checkpoints: dict[st
     from diffuserve.parallel.sequence import enable_sequence_parallel
 
     with process_group(rank, world, init_file):
+        pipes: dict[str, object] = {}
+
+        def pipeline(build: str):
+            path = _checkpoint(checkpoints, build)
+            if path not in pipes:
+                pipes[path] = load_pipeline(path)
+            return pipes[path]
+
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+        pair = pairs[rank // 2]
+        for name, build, ulysses, ring, residency in TWO_RANKS[rank // 2::2]:
+            pipe = pipeline(build)
+            sp = enable_sequence_parallel(pipe, ulysses_group=pair if ulysses > 1 else None,
+                                          ring_group=pair if ring > 1 else None)
+            _save(out_dir, name, dist.get_rank(pair), _run(pipe, build, residency), sp)
+            sp.remove()
         for name, build, dims in FOUR_RANKS:
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=dims)
-            pipe = load_pipeline(_checkpoint(checkpoints, build))
+            pipe = pipeline(build)
             if dims[0] == "cfg":
                 pipe.cfg_parallel = CfgParallel(mesh["cfg"].get_group())
-                enable_sequence_parallel(pipe, ulysses_group=mesh["ulysses"].get_group())
+                sp = enable_sequence_parallel(pipe, ulysses_group=mesh["ulysses"].get_group())
             else:
-                enable_sequence_parallel(pipe, ulysses_group=mesh["ulysses"].get_group(),
-                                         ring_group=mesh["ring"].get_group())
-            _save(out_dir, name, rank, _run(pipe, build))
+                sp = enable_sequence_parallel(pipe, ulysses_group=mesh["ulysses"].get_group(),
+                                              ring_group=mesh["ring"].get_group())
+            _save(out_dir, name, rank, _run(pipe, build), sp)
+            sp.remove()
+            pipe.cfg_parallel = None
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny_checkpoint):
-    return {build: str(tiny_checkpoint(build)) for build in ("flux", "qwen-image", "wan")}
+    return {build: str(tiny_checkpoint(build)) for build in ("flux", "qwen-image", "wan", "wan2.2-ti2v")}
 
 
 @pytest.fixture(scope="module")
@@ -133,28 +139,23 @@ def singles(checkpoints):
     from diffuserve.models.loader import load_pipeline
 
     out = {}
-    for build in ("flux", "flux-odd", "qwen-image", "wan"):
+    for build in ("flux", "flux-odd", "qwen-image", "wan", "wan2.2-ti2v"):
         out[build] = _run(load_pipeline(_checkpoint(checkpoints, build)), build)
     return out
 
 
 @pytest.fixture(scope="module")
-def two_ranks(checkpoints, tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("sp-2")
-    run_ranks(_two_ranks_main, checkpoints, out_dir, world=2)
-    return out_dir
-
-
-@pytest.fixture(scope="module")
-def four_ranks(checkpoints, tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("sp-4")
-    run_ranks(_four_ranks_main, checkpoints, out_dir, world=4)
+def ranked(checkpoints, tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("sequence-parallel")
+    run_ranks(_rank_main, checkpoints, out_dir, world=4)
     return out_dir
 
 
 def _assert_matches(out_dir: Path, name: str, world: int, single: tuple[np.ndarray, np.ndarray]) -> None:
     latents, image = single
     for rank in range(world):
+        calls, attention_calls = np.load(out_dir / f"{name}-rank{rank}-calls.npy")
+        assert calls > 0 and attention_calls >= calls, (name, rank)  # the split really ran, in every block
         ranked_latents = np.load(out_dir / f"{name}-rank{rank}-latents.npy")
         ranked_pixels = np.load(out_dir / f"{name}-rank{rank}-pixels.npy")
         assert ranked_latents.shape == latents.shape and ranked_pixels.shape == image.shape, (name, rank)
@@ -168,15 +169,15 @@ def _assert_matches(out_dir: Path, name: str, world: int, single: tuple[np.ndarr
 
 
 @pytest.mark.parametrize("case", TWO_RANKS, ids=[c[0] for c in TWO_RANKS])
-def test_two_ranks_equal_the_single_process_run(two_ranks, singles, case):
+def test_two_ranks_equal_the_single_process_run(ranked, singles, case):
     name, build = case[0], case[1]
-    _assert_matches(two_ranks, name, 2, singles[build])
+    _assert_matches(ranked, name, 2, singles[build])
 
 
 @pytest.mark.parametrize("case", FOUR_RANKS, ids=[c[0] for c in FOUR_RANKS])
-def test_four_ranks_equal_the_single_process_run(four_ranks, singles, case):
+def test_four_ranks_equal_the_single_process_run(ranked, singles, case):
     name, build = case[0], case[1]
-    _assert_matches(four_ranks, name, 4, singles[build])
+    _assert_matches(ranked, name, 4, singles[build])
 
 
 def test_what_cannot_run_is_refused(tiny_checkpoint):
@@ -196,3 +197,25 @@ def test_what_cannot_run_is_refused(tiny_checkpoint):
     with pytest.raises(ConfigError) as err:
         check_sequence_parallel(backend, ulysses_degree=2, ring_degree=1)
     assert err.value.param == "ulysses_degree" and "--backend native" in err.value.message
+
+
+def test_blockwise_attention_merges_to_the_whole():
+    """Ring's arithmetic in one process: the CPU kernel and the float32 formula (the path of other devices) agree,
+    and partial attentions over disjoint key blocks (one masked) merge to attention over all keys."""
+    import torch
+
+    from diffuserve.parallel.sequence import _merge, block_attention, math_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=gen) for _ in range(3))
+    k2, v2 = (torch.randn(2, 3, 4, 8, generator=gen) for _ in range(2))
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[1, 3:] = False
+    bias = torch.zeros(2, 5).masked_fill(~mask, float("-inf"))[:, None, None]
+    kernel, kernel_lse = block_attention(q, k, v, mask, None)
+    formula, formula_lse = math_attention(q, k, v, bias, None)
+    assert torch.allclose(kernel, formula, atol=1e-6) and torch.allclose(kernel_lse, formula_lse, atol=1e-6)
+    out, lse = _merge(*_merge(None, None, kernel, kernel_lse), *block_attention(q, k2, v2, None, None))
+    whole = torch.nn.functional.scaled_dot_product_attention(
+        q, torch.cat([k, k2], 2), torch.cat([v, v2], 2), attn_mask=torch.cat([mask, torch.ones(2, 4, dtype=torch.bool)], 1)[:, None, None])
+    assert (out - whole).abs().max() < 1e-6

@@ -208,6 +208,7 @@ def _wrap_dispatch(module_name: str) -> None:
             return original(query, key, value, attn_mask, dropout_p, is_causal, scale, *args, **kwargs)
         if dropout_p or is_causal:
             raise ValueError("sequence-parallel attention supports neither dropout nor causal masks")
+        call.sp.attention_calls += 1
         return call.sp.attention(call, query, key, value, attn_mask, scale)
 
     dispatch_attention_fn._diffuserve_sp = True  # type: ignore[attr-defined]
@@ -272,6 +273,10 @@ class SequenceParallel:
     """Process group of this rank's Ring peers (None: Ring degree 1)."""
     handles: list[Any] = field(default_factory=list)
     """The hooks installed (removed by `remove`)."""
+    calls: int = 0
+    """Sharded transformer calls so far."""
+    attention_calls: int = 0
+    """Sharded attention calls so far (every joint self-attention of those calls)."""
 
     def __post_init__(self) -> None:
         self.ulysses_degree = 1 if self.ulysses_group is None else dist.get_world_size(self.ulysses_group)
@@ -298,6 +303,7 @@ class SequenceParallel:
         def enter(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             named = {**dict(zip(signature, args, strict=False)), **kwargs}
             tokens = plan.tokens(module, named)
+            sp.calls += 1
             _CALL.set(_Call(sp, module, tokens, -(-tokens // sp.degree)))
             return args, kwargs
 
