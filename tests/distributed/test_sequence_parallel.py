@@ -50,7 +50,7 @@ def _batch(pipe, build: str):
     return requests(pipe.describe_model(), "wan" if build.startswith("wan") else build)
 
 
-def _run(pipe, build: str, residency: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _run(pipe, build: str) -> tuple[np.ndarray, np.ndarray]:
     """(final latents, pixels) of the build's batch."""
     captured = []
     decode = pipe.decode
@@ -61,21 +61,27 @@ def _run(pipe, build: str, residency: str | None = None) -> tuple[np.ndarray, np
 
     pipe.decode = capture
     try:
-        if residency is None:
-            result = pipe.run(_batch(pipe, build))
-        else:
-            from diffuserve.config.plan import ResidencyMode
-            from tests.integration.family_checks import layered_components, with_residency
-
-            mode = ResidencyMode(residency)
-            layered = set(layered_components(pipe))
-            modes = {name: (mode if mode is not ResidencyMode.LAYERWISE_OFFLOAD or name in layered
-                            else ResidencyMode.COMPONENT_OFFLOAD) for name in pipe.components}
-            result, ledger = with_residency(pipe, modes, lambda: pipe.run(_batch(pipe, build)))
-            assert {m.component for m in ledger.moves()} == set(pipe.components)  # the offload really ran
+        result = pipe.run(_batch(pipe, build))
     finally:
         del pipe.decode
     return captured[0], pixels(result)
+
+
+def _under(pipe, residency: str | None, run):
+    """`run()` with every component under `residency` (layer-wise where a component has layers, else component
+    offload), installed before `run` attaches sequence parallel (as serving loads, then parallelises)."""
+    if residency is None:
+        return run()
+    from diffuserve.config.plan import ResidencyMode
+    from tests.integration.family_checks import layered_components, with_residency
+
+    mode = ResidencyMode(residency)
+    layered = set(layered_components(pipe))
+    modes = {name: (mode if mode is not ResidencyMode.LAYERWISE_OFFLOAD or name in layered
+                    else ResidencyMode.COMPONENT_OFFLOAD) for name in pipe.components}
+    result, ledger = with_residency(pipe, modes, run)
+    assert {m.component for m in ledger.moves()} == set(pipe.components)  # the offload really ran
+    return result
 
 
 def _checkpoint(checkpoints: dict[str, str], build: str) -> str:
@@ -111,10 +117,17 @@ def _rank_main(rank: int, world: int, init_file: str, checkpoints: dict[str, str
         pair = pairs[rank // 2]
         for name, build, ulysses, ring, residency in TWO_RANKS[rank // 2::2]:
             pipe = pipeline(build)
-            sp = enable_sequence_parallel(pipe, ulysses_group=pair if ulysses > 1 else None,
-                                          ring_group=pair if ring > 1 else None)
-            _save(out_dir, name, dist.get_rank(pair), _run(pipe, build, residency), sp)
-            sp.remove()
+
+            def split_run(pipe=pipe, build=build, ulysses=ulysses, ring=ring):
+                sp = enable_sequence_parallel(pipe, ulysses_group=pair if ulysses > 1 else None,
+                                              ring_group=pair if ring > 1 else None)
+                try:
+                    return _run(pipe, build), sp
+                finally:
+                    sp.remove()
+
+            result, sp = _under(pipe, residency, split_run)
+            _save(out_dir, name, dist.get_rank(pair), result, sp)
         for name, build, dims in FOUR_RANKS:
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=dims)
             pipe = pipeline(build)

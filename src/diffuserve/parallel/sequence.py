@@ -107,7 +107,7 @@ def _flag(ulysses_degree: int, ring_degree: int) -> str:
 
 def check_sequence_parallel(pipeline: Any, *, ulysses_degree: int, ring_degree: int) -> None:
     """Refuse (ConfigError naming the flag) a pipeline or degree the sequence split cannot run."""
-    from diffuserve.families import spec_for
+    from diffuserve.families import all_specs, spec_for
     from diffuserve.pipelines.stages import RecipePipeline
 
     if ulysses_degree < 1 or ring_degree < 1:
@@ -123,14 +123,15 @@ def check_sequence_parallel(pipeline: Any, *, ulysses_degree: int, ring_degree: 
                           "drop --ulysses-degree/--ring-degree.", param=flag)
     try:
         supported = spec_for(family).profile.sequence_parallel
-    except Exception:  # an unknown family name: no spec, so no split
+    except KeyError:  # an unknown family name: no spec, so no split
         supported = False
     keys = [k for k in pipeline.denoisers if k in pipeline.components]
     plans = {k: _PLANS.get(type(pipeline.components[k]).__name__) for k in keys}
     if not supported or not keys or None in plans.values():
-        raise ConfigError(f"--{flag.replace('_', '-')}: the {family} family has no sequence split (supported: FLUX.1, "
-                          "Qwen-Image, Wan2.1/2.2); drop --ulysses-degree/--ring-degree or use "
-                          "--enable-cfg-parallel / --use-fsdp-inference for this model.", param=flag)
+        split = sorted(name for name, spec in all_specs().items() if spec.profile.sequence_parallel)
+        raise ConfigError(f"--{flag.replace('_', '-')}: the {family} family has no sequence split (families with "
+                          f"one: {', '.join(split)}); drop --ulysses-degree/--ring-degree (replicas with --dp-size "
+                          "use several GPUs with any model).", param=flag)
     for key in keys:
         config = pipeline.components[key].config
         heads = int(config.num_attention_heads)
@@ -298,7 +299,7 @@ class SequenceParallel:
         plan = _PLANS[type(transformer).__name__]
         _wrap_dispatch(plan.module)
         sp = self
-        signature = list(inspect.signature(transformer.forward).parameters)
+        signature = _parameters(transformer)
 
         def enter(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             named = {**dict(zip(signature, args, strict=False)), **kwargs}
@@ -439,8 +440,13 @@ def _merge(out: torch.Tensor | None, lse: torch.Tensor | None, part: torch.Tenso
 # -- hook bodies (they act only inside a sharded call) --------------------------------------------------------
 
 
+def _parameters(module: torch.nn.Module) -> list[str]:
+    """Argument names of the class's forward (not the instance's: offload hooks replace it by a `*args` wrapper)."""
+    return list(inspect.signature(type(module).forward).parameters)[1:]
+
+
 def _split_argument(module: torch.nn.Module, name: str, dim: int, ndim: int) -> Callable:
-    position = list(inspect.signature(module.forward).parameters).index(name)
+    position = _parameters(module).index(name)
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         call = _CALL.get()
