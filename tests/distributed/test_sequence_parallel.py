@@ -217,7 +217,7 @@ def test_blockwise_attention_merges_to_the_whole():
     and partial attentions over disjoint key blocks (one masked) merge to attention over all keys."""
     import torch
 
-    from diffuserve.parallel.sequence import _merge, block_attention, math_attention
+    from diffuserve.parallel.attention import block_attention, math_attention, merge_partial
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 5, 8, generator=gen) for _ in range(3))
@@ -228,7 +228,7 @@ def test_blockwise_attention_merges_to_the_whole():
     kernel, kernel_lse = block_attention(q, k, v, mask, None)
     formula, formula_lse = math_attention(q, k, v, bias, None)
     assert torch.allclose(kernel, formula, atol=1e-6) and torch.allclose(kernel_lse, formula_lse, atol=1e-6)
-    out, lse = _merge(*_merge(None, None, kernel, kernel_lse), *block_attention(q, k2, v2, None, None))
+    out, lse = merge_partial(*merge_partial(None, None, kernel, kernel_lse), *block_attention(q, k2, v2, None, None))
     whole = torch.nn.functional.scaled_dot_product_attention(
         q, torch.cat([k, k2], 2), torch.cat([v, v2], 2), attn_mask=torch.cat([mask, torch.ones(2, 4, dtype=torch.bool)], 1)[:, None, None])
     assert (out - whole).abs().max() < 1e-6

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from diffuserve.errors import ConfigError
+from diffuserve.parallel.attention import block_attention, merge_partial
 
 # -- the per-DiT plans ------------------------------------------------------------------------------------
 
@@ -216,48 +217,17 @@ def _wrap_dispatch(module_name: str) -> None:
     module.dispatch_attention_fn = dispatch_attention_fn
 
 
-# -- attention blocks --------------------------------------------------------------------------------------
-
-
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                    scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of (B, H, Lq, D) queries to (B, H, Lk, D) keys with its log-sum-exp: (out, lse (B, H, Lq)).
-
-    `mask`: (B, Lk) bool key-padding mask (True = attend) or None. CPU uses the fused kernel that returns the
-    log-sum-exp; CUDA the memory-efficient kernel when unmasked; otherwise the exact float32 formula."""
-    bias = None
-    if mask is not None:
-        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))[:, None, None]
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
-                                                                              scale=scale)
-        return out, lse
-    if q.device.type == "cuda" and bias is None:
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False,
-                                                                              scale=scale)
-        return out, lse[..., : q.shape[2]]
-    return math_attention(q, k, v, bias, scale)
-
-
-def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
-                   scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plain formula in float32 (any device): (out, lse)."""
-    scores = (q.float() @ k.float().transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    if bias is not None:
-        scores = scores + bias.float()
-    lse = torch.logsumexp(scores, dim=-1)
-    return (torch.exp(scores - lse[..., None]) @ v.float()).to(q.dtype), lse
+# -- attention inputs ------------------------------------------------------------------------------------
 
 
 def _key_padding(attn_mask: torch.Tensor | None, text: int) -> torch.Tensor | None:
-    """The text part (B, text) of a joint key-padding mask (B, 1, 1, keys), or None when nothing is masked."""
+    """The text part (B, text) of a joint key-padding mask (B, 1, 1, keys), or None when nothing is masked. The
+    image part is all True by construction (Qwen-Image's processor appends ones), and is not read (no host sync)."""
     if attn_mask is None:
         return None
     if attn_mask.dtype != torch.bool or attn_mask.ndim != 4 or attn_mask.shape[1:3] != (1, 1):
         raise ValueError(f"sequence-parallel attention takes a boolean key-padding mask (B, 1, 1, keys); got "
                          f"{attn_mask.dtype} {tuple(attn_mask.shape)}")
-    if not bool(attn_mask[:, 0, 0, text:].all()):
-        raise ValueError("sequence-parallel attention: image tokens must not be masked")
     return attn_mask[:, 0, 0, :text]
 
 
@@ -418,23 +388,13 @@ class SequenceParallel:
                 keys, values, mask = block[0][:, :real], block[1][:, :real], None
             if keys.shape[1]:
                 part, part_lse = block_attention(queries, keys.transpose(1, 2), values.transpose(1, 2), mask, scale)
-                out, lse = _merge(out, lse, part, part_lse)
+                out, lse = merge_partial(out, lse, part, part_lse)
             for request in pending:
                 request.wait()
             if step < n - 1:
                 block = incoming
         assert out is not None, "every ring has real keys"
         return out.to(q.dtype).transpose(1, 2)
-
-
-def _merge(out: torch.Tensor | None, lse: torch.Tensor | None, part: torch.Tensor,
-           part_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two partial attentions over disjoint keys -> the attention over both (float32, exact)."""
-    part, part_lse = part.float(), part_lse.float()
-    if out is None or lse is None:
-        return part, part_lse
-    merged = torch.logaddexp(lse, part_lse)
-    return (out * torch.exp(lse - merged)[..., None] + part * torch.exp(part_lse - merged)[..., None]), merged
 
 
 # -- hook bodies (they act only inside a sharded call) --------------------------------------------------------
@@ -493,6 +453,9 @@ def enable_sequence_parallel(pipeline: Any, *, ulysses_group: Any = None, ring_g
 
     Every rank of both groups must run the same batches. Refuses with ConfigError (param `ulysses_degree` or
     `ring_degree`) a pipeline without a sequence split or a Ulysses degree that does not divide the heads."""
+    existing = getattr(pipeline, "sequence_parallel", None)
+    if existing is not None and existing.handles:
+        raise ValueError("sequence parallel is already enabled on this pipeline; call its remove() first")
     sp = SequenceParallel(ulysses_group, ring_group)
     check_sequence_parallel(pipeline, ulysses_degree=sp.ulysses_degree, ring_degree=sp.ring_degree)
     if sp.degree > 1:
