@@ -15,9 +15,11 @@ dynamic batching and the residency modes compose with it).
   all-to-all (image) plus an all-gather over heads (text) undo it. U must divide the attention heads.
 - Ring (`ring_group`, degree R): the image keys/values travel around the ring (point-to-point, one hop per
   step); each step attends the local queries to one block with an op that also returns the log-sum-exp, and
-  the partial results merge exactly in float32. Text keys join the local block only.
-- Both: the token split is ring-major (shard `ring_rank * U + ulysses_rank`), Ulysses runs inside each ring
-  step's block, as in USP.
+  the partial results merge exactly in float32. Text keys join the local block only. Each rank computes its
+  text queries itself, so the ranks' text streams may differ in the last bits; the gathered image output
+  is the same bytes everywhere.
+- Both: the token split is ring-major (shard `ring_rank * U + ulysses_rank`): the Ulysses all-to-all gathers
+  each ring block (its peers' shares, H/U heads), then the ring runs over the blocks, as in USP.
 - A token count that does not divide U x R is padded at the end; padded keys are dropped before attention
   and padded outputs before returning, so any size runs.
 - Qwen-Image's text mask (a key-padding mask) is honoured in both modes.
@@ -155,7 +157,6 @@ class _Call:
     """The token split of one transformer call."""
 
     sp: SequenceParallel
-    owner: torch.nn.Module
     tokens: int
     """Image tokens of the call (before padding)."""
     local: int
@@ -275,7 +276,7 @@ class SequenceParallel:
             named = {**dict(zip(signature, args, strict=False)), **kwargs}
             tokens = plan.tokens(module, named)
             sp.calls += 1
-            _CALL.set(_Call(sp, module, tokens, -(-tokens // sp.degree)))
+            _CALL.set(_Call(sp, tokens, -(-tokens // sp.degree)))
             return args, kwargs
 
         def leave(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -294,7 +295,7 @@ class SequenceParallel:
                 attention = getattr(block, attribute)
                 self.handles.append(attention.register_forward_pre_hook(_enter_attention))
                 self.handles.append(attention.register_forward_hook(_leave_attention, always_call=True))
-        # Registered last so that it runs after the hooks above have read the call: always, even on errors.
+        # always_call: the call's state is cleared even when the forward raises.
         self.handles.append(transformer.register_forward_hook(leave, with_kwargs=True, always_call=True))
 
     def remove(self) -> None:
