@@ -226,3 +226,36 @@ def test_two_hosts_with_fsdp_are_bit_identical_to_one_process(tiny_flux_path, tm
         if node1.poll() is None:
             node1.kill()
         node1_log.close()
+
+
+# ---------------------------------------------------------------------------------------------- torchrun, 4 ranks
+def test_torchrun_four_ranks_cfg_parallel_times_ulysses(tiny_flux_path, tmp_path, reference):
+    """torchrun starts the ranks (rank 0 serves); CFG 2 x Ulysses 2 equals one process within 1/255."""
+    port, log = free_port(), open(tmp_path / "torchrun.log", "wb")  # noqa: SIM115 - closed below
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.Popen([str(torchrun), "--nproc-per-node", "4", "--master-port", str(free_port()), "-m",
+                             "diffuserve.cli", "serve", "--model-path", str(tiny_flux_path), "--device", "cpu",
+                             "--num-gpus", "4", "--enable-cfg-parallel", "--ulysses-degree", "2", "--port", str(port),
+                             "--output-dir", str(tmp_path / "outputs")],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ENV}, cwd=REPO)
+    server = ServerProcess(args=[], log_path=tmp_path / "torchrun.log", port=port)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, server.log()[-3000:]
+            try:
+                if httpx.get(f"{server.base_url}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        assert np.abs(_generate(server, "a red fox", seed=1) - reference("a red fox", seed=1)).max() <= 1
+        dist = httpx.get(f"{server.base_url}/server_info").json()["distributed"]
+        assert (dist["world_size"], dist["cfg"], dist["ulysses"]) == (4, 2, 2)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
