@@ -99,13 +99,13 @@ class ResolvedDeployment:
 
 
 def resolve_deployment(deployment: Any, model_path: Path, *, model_id: str | None, dtype: str | None,
-                       hardware: Any) -> Any:
+                       hardware: Any, hosts: int = 1) -> Any:
     """The plan for a checkpoint from JSON and safetensors headers only (no weights loaded)."""
     from diffuserve.config.deployment import resolve
     from diffuserve.config.model_profiles import profile_from_checkpoint
 
     profile = profile_from_checkpoint(model_path, model_id=model_id, load_dtype=dtype)
-    return resolve(deployment, hardware, profile)
+    return resolve(deployment, hardware, profile, hosts=hosts)
 
 
 def plan_deployment(args: ServerArgs, model_path: Path, device: str, *, log_plan: bool = True) -> ResolvedDeployment:
@@ -114,14 +114,16 @@ def plan_deployment(args: ServerArgs, model_path: Path, device: str, *, log_plan
     from diffuserve.hardware import detect_hardware
 
     hardware = detect_hardware(device)
+    from diffuserve.launch_ranks import hosts_of
+
     plan = resolve_deployment(args.deployment or DeploymentArgs(), model_path, model_id=args.model_id,
-                              dtype=resolve_dtype(args.dtype, device), hardware=hardware)
+                              dtype=resolve_dtype(args.dtype, device), hardware=hardware, hosts=hosts_of(args))
     if log_plan:
         logger.info("deployment plan:\n%s", format_plan(plan))
     from diffuserve.runtime.compile import check_executable
 
     check_executable(plan)
-    budget = hardware.min_free_bytes(plan.num_gpus) if hardware.gpus else None
+    budget = hardware.min_free_bytes(plan.num_gpus // hosts_of(args)) if hardware.gpus else None
     return ResolvedDeployment(plan, budget)
 
 

@@ -56,6 +56,14 @@ def under_torchrun() -> bool:
     return all(name in os.environ for name in _TORCHRUN_ENV)
 
 
+def hosts_of(args: ServerArgs) -> int:
+    """Hosts the ranks run on: --nnodes, or under torchrun WORLD_SIZE / LOCAL_WORLD_SIZE."""
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        return max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    return args.nnodes
+
+
 def is_serving_process(args: ServerArgs) -> bool:
     """Only global rank 0 serves HTTP: under torchrun RANK 0, otherwise the first process of node 0."""
     if under_torchrun():

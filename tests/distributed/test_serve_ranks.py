@@ -163,9 +163,9 @@ def test_a_batch_failing_on_every_rank_fails_its_request_and_the_ranks_keep_serv
 
 
 def test_a_disconnected_client_stops_every_rank_at_the_same_step(cfg_server, reference):
-    impatient = openai.OpenAI(base_url=f"{cfg_server.base_url}/v1", api_key="unused", max_retries=0, timeout=5)
-    with pytest.raises(openai.APITimeoutError):  # queued 1.5 s (batching delay), then gone mid-run
-        impatient.images.generate(model=impatient.models.list().data[0].id, prompt="a long one", size="64x64",
+    impatient = openai.OpenAI(base_url=f"{cfg_server.base_url}/v1", api_key="unused", max_retries=0, timeout=4)
+    with pytest.raises(openai.APITimeoutError):  # queued 1.5 s (batching delay), then gone mid-run (~10 s of work)
+        impatient.images.generate(model=impatient.models.list().data[0].id, prompt="a long one", size="128x128",
                                   extra_body={"num_inference_steps": 190, "seed": 4, **CFG})
     deadline = time.monotonic() + 60
     while "stopped at step" not in cfg_server.log():  # rank 0 stopped the call at a step boundary ...

@@ -303,8 +303,10 @@ def _resolutions(items: list[str]) -> list[str]:
 
 
 # --- the resolver ---------------------------------------------------------------------------------------
-def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile) -> DeploymentPlan:
-    """Turn flags + hardware + model profile into a DeploymentPlan; every choice leaves a trace line."""
+def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile, *, hosts: int = 1) -> DeploymentPlan:
+    """Turn flags + hardware + model profile into a DeploymentPlan; every choice leaves a trace line.
+
+    `hardware` is this host's; `hosts` (--nnodes) spreads --num-gpus over that many hosts like it."""
     mode = _choice("--performance-mode", args.performance_mode, PERFORMANCE_MODES)
     plan = DeploymentPlan(performance_mode=mode)
     trace = plan.trace.append
@@ -312,14 +314,20 @@ def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile)
 
     # 1. Devices: the smallest free memory among the selected ones is the bottleneck.
     num_gpus = _positive("--num-gpus", args.num_gpus)
-    if accelerator and num_gpus > hardware.num_devices:
+    if num_gpus % hosts:
+        raise ConfigError(f"--num-gpus {num_gpus} is not a multiple of --nnodes {hosts}; every host runs --num-gpus / "
+                          "--nnodes ranks.", param="nnodes")
+    per_host = num_gpus // hosts
+    if accelerator and per_host > hardware.num_devices:
         how = "described with --gpu-memory-gib" if hardware.described else "present"
+        where = f" per host (--num-gpus {num_gpus} over --nnodes {hosts})" if hosts > 1 else ""
         raise ConfigError(
-            f"--num-gpus {num_gpus} but only {hardware.num_devices} {hardware.device_kind} device(s) are {how}; lower --num-gpus.",
+            f"--num-gpus {num_gpus} needs {per_host} {hardware.device_kind} device(s){where} but only "
+            f"{hardware.num_devices} are {how}; lower --num-gpus.",
             param="num_gpus",
         )
     plan.num_gpus = num_gpus
-    ctx = _Ctx(mode, hardware.min_free_bytes(num_gpus), num_gpus, accelerator)
+    ctx = _Ctx(mode, hardware.min_free_bytes(per_host), num_gpus, accelerator)
     if accelerator:
         trace(f"hardware: {hardware.summary()}; min free over {num_gpus} selected = {ctx.min_free / GIB:.1f} GiB")
     else:
