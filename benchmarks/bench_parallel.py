@@ -1,0 +1,281 @@
+"""Parallel modes side by side: 1 rank vs N ranks of a real `diffuserve serve --num-gpus N`, same requests.
+
+    .venv/bin/python benchmarks/bench_parallel.py                                   # every mode, CPU (gloo)
+    .venv/bin/python benchmarks/bench_parallel.py --modes cfg2,ulysses2 --requests 3
+    .venv/bin/python benchmarks/bench_parallel.py --device cuda --size 1024 --steps 20  # on GPUs (NCCL)
+
+For each mode it starts one server on the FLUX.1-style checkpoint with the ~36M-parameter transformer
+(`build_tiny_checkpoint("flux", preset="36m")`, written once under the cache folder; `--model-path` takes any
+other checkpoint), sends `--requests` requests through the official `openai` client with true CFG on
+(`true_cfg_scale` + `negative_prompt`, so CFG parallel has two branches to split and every mode does the same
+work), then as many 1-step requests, and prints per mode: latency mean / p50, the ratio to the single-rank
+server, throughput, and the per-batch overhead of sending a batch to the ranks (ms).
+
+The overhead comes from the server when it reports one (a `timings` field or a /metrics histogram whose name
+says dispatch / broadcast); otherwise it is estimated as the 1-step latency on N ranks minus the 1-step
+latency on 1 rank, marked `(1-step diff)`: that difference also holds the collectives inside the one step.
+A mode the server refuses at start-up is printed with its error and skipped. On a 2-core CPU host the
+figures check the plumbing (ranks share the cores, so no speed-up is possible); speed shows on GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+MODES: dict[str, tuple[int, list[str]]] = {
+    "single": (1, []),
+    "cfg2": (2, ["--enable-cfg-parallel", "true"]),
+    "ulysses2": (2, ["--ulysses-degree", "2"]),
+    "ring2": (2, ["--ring-degree", "2"]),
+    "tp2": (2, ["--tp-size", "2"]),
+    "fsdp2": (2, ["--use-fsdp-inference", "true"]),
+    "dp2": (2, ["--dp-size", "2"]),
+    "cfg2xulysses2": (4, ["--enable-cfg-parallel", "true", "--ulysses-degree", "2"]),
+}
+"""mode -> (ranks = --num-gpus, the serve flags that select it)."""
+BASELINE = "single"
+OVERHEAD_NAME = re.compile(r"dispatch|broadcast|send_batch|executor_overhead", re.IGNORECASE)
+"""What a server-reported per-batch overhead (timings key or metric name) is called."""
+CFG = {"true_cfg_scale": 4.0, "negative_prompt": "blurry, low quality"}
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    ranks: int
+    flags: list[str]
+    error: str | None = None
+    latencies_ms: list[float] = field(default_factory=list)
+    one_step_ms: list[float] = field(default_factory=list)
+    throughput_rps: float = 0.0
+    overhead_ms: float | None = None
+    overhead_source: str = ""
+    startup_s: float = 0.0
+    plan: str = ""
+    """What the server says it runs (/server_info's deployment plan), so a mode that fell back shows."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def checkpoint(cache: Path) -> Path:
+    """The 36M FLUX.1-style checkpoint, built once into `cache` (atomically, so a killed build is redone)."""
+    from diffuserve.models.tiny import build_tiny_checkpoint
+
+    target = cache / "flux-36m"
+    if (target / "model_index.json").is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="flux-36m-", dir=cache))
+    build_tiny_checkpoint("flux", tmp, preset="36m")
+    if target.exists():
+        shutil.rmtree(target)
+    tmp.rename(target)
+    return target
+
+
+def _start(cmd: list[str], url: str, log: Path, timeout_s: float) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=os.environ.copy())
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(_last_error(log))
+        try:
+            if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    _stop(proc)
+    raise TimeoutError(f"not healthy after {timeout_s:.0f} s: {_last_error(log)}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _last_error(log: Path) -> str:
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower()]
+    return (errors or lines or ["(no output)"])[-1][:300]
+
+
+def _generate(client: openai.OpenAI, model: str, size: str, steps: int, seed: int) -> tuple[float, dict]:
+    started = time.perf_counter()
+    result = client.images.generate(model=model, prompt=f"a red fox in the snow, photo {seed}", size=size, n=1,
+                                    response_format="b64_json",
+                                    extra_body={"num_inference_steps": steps, "seed": seed, **CFG})
+    elapsed = (time.perf_counter() - started) * 1000
+    assert result.data and result.data[0].b64_json, "the server answered without an image"
+    return elapsed, (result.model_extra or {}).get("timings") or {}
+
+
+def _reported_overhead(timings: list[dict], metrics_text: str) -> tuple[float | None, str]:
+    """A per-batch overhead the server reports: a timings key (ms), else a /metrics histogram (seconds)."""
+    values: dict[str, list[float]] = {}
+    for t in timings:
+        for key, value in [*t.items(), *(t.get("stages_ms") or {}).items()]:
+            if OVERHEAD_NAME.search(key) and isinstance(value, (int, float)):
+                values.setdefault(key, []).append(float(value))
+    if values:
+        key = sorted(values)[0]
+        return statistics.mean(values[key]), f"timings.{key}"
+    for family in text_string_to_metric_families(metrics_text):
+        if family.type == "histogram" and OVERHEAD_NAME.search(family.name):
+            sums = {s.name: s.value for s in family.samples if s.name.endswith(("_sum", "_count"))}
+            count, total = sums.get(f"{family.name}_count", 0.0), sums.get(f"{family.name}_sum", 0.0)
+            if count:
+                return total / count * 1000, f"/metrics {family.name}"
+    return None, ""
+
+
+def _plan_summary(info: dict) -> str:
+    plan = info.get("deployment_plan") or {}
+    keys = (("num_gpus", "gpus"), ("cfg_parallel", "cfg"), ("ulysses_degree", "ulysses"), ("ring_degree", "ring"),
+            ("tp_size", "tp"), ("fsdp", "fsdp"), ("dp_size", "dp"))
+    return " ".join(f"{short}={plan[k]}" for k, short in keys if k in plan and plan[k] not in (None, False, 1)) or "1 rank"
+
+
+def run_mode(mode: str, args: argparse.Namespace, model_path: Path, workdir: Path) -> ModeResult:
+    ranks, flags = MODES[mode]
+    result = ModeResult(mode, ranks, flags)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "diffuserve.cli", "serve", "--model-path", str(model_path), "--port", str(port),
+           "--device", args.device, "--num-gpus", str(ranks), *flags, "--max-queue-size", "0",
+           "--output-dir", str(workdir / f"out-{mode}")]
+    if args.threads:
+        cmd += ["--num-threads", str(args.threads)]
+    print(f"[{mode}] {' '.join(cmd[3:])}", flush=True)
+    started = time.monotonic()
+    try:
+        proc = _start(cmd, url, workdir / f"{mode}.log", args.startup_timeout)
+    except (RuntimeError, TimeoutError) as exc:
+        result.error = str(exc)
+        print(f"[{mode}] refused / failed to start: {result.error}", flush=True)
+        return result
+    result.startup_s = time.monotonic() - started
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=args.request_timeout,
+                               http_client=httpx.Client(trust_env=False, timeout=args.request_timeout))
+        model = client.models.list().data[0].id
+        result.plan = _plan_summary(httpx.get(f"{url}/server_info", timeout=10, trust_env=False).json())
+        _generate(client, model, args.size, 1, seed=0)  # warm: first-request costs stay out of the figures
+        timings: list[dict] = []
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
+            futures = [pool.submit(_generate, client, model, args.size, args.steps, 1 + i) for i in range(args.requests)]
+            for future in futures:
+                ms, t = future.result()
+                result.latencies_ms.append(ms)
+                timings.append(t)
+        result.throughput_rps = args.requests / (time.perf_counter() - t0)
+        for i in range(args.requests):
+            ms, t = _generate(client, model, args.size, 1, seed=100 + i)
+            result.one_step_ms.append(ms)
+            timings.append(t)
+        metrics = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
+        result.overhead_ms, result.overhead_source = _reported_overhead(timings, metrics)
+    except (openai.OpenAIError, httpx.HTTPError, AssertionError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:300]
+        print(f"[{mode}] request failed: {result.error}", flush=True)
+    finally:
+        _stop(proc)
+    return result
+
+
+def _table(results: list[ModeResult], args: argparse.Namespace) -> str:
+    base = next((r for r in results if r.mode == BASELINE and not r.error), None)
+    lines = [f"bench_parallel: {args.size}, {args.steps} steps, true CFG on, {args.requests} requests per mode "
+             f"(concurrency {args.concurrency}), device {args.device}, model {args.model_label}",
+             f"{'mode':14} {'ranks':>5} {'mean ms':>9} {'p50 ms':>9} {'N/1 mean':>9} {'N/1 p50':>8} {'req/s':>7} "
+             f"{'1-step ms':>10} {'overhead ms':>12} {'start s':>8}  plan (/server_info); overhead source"]
+    for r in results:
+        if r.error:
+            lines.append(f"{r.mode:14} {r.ranks:5d}  not run: {r.error}")
+            continue
+        mean, p50 = statistics.mean(r.latencies_ms), statistics.median(r.latencies_ms)
+        one = statistics.mean(r.one_step_ms)
+        ratio_mean = ratio_p50 = overhead = "-"
+        note = r.overhead_source
+        if base is not None:
+            ratio_mean = f"{mean / statistics.mean(base.latencies_ms):.2f}"
+            ratio_p50 = f"{p50 / statistics.median(base.latencies_ms):.2f}"
+        if r.overhead_ms is not None:
+            overhead = f"{r.overhead_ms:.1f}"
+        elif base is not None and r.mode != BASELINE:
+            overhead, note = f"{one - statistics.mean(base.one_step_ms):.1f}", "(1-step diff)"
+        lines.append(f"{r.mode:14} {r.ranks:5d} {mean:9.0f} {p50:9.0f} {ratio_mean:>9} {ratio_p50:>8} "
+                     f"{r.throughput_rps:7.2f} {one:10.0f} {overhead:>12} {r.startup_s:8.0f}  {r.plan}; {note or '-'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated modes ({', '.join(MODES)}); {BASELINE} always runs first")
+    parser.add_argument("--requests", type=int, default=4, help="timed requests per mode (and as many 1-step ones)")
+    parser.add_argument("--size", default="256x256", help="image size WxH")
+    parser.add_argument("--steps", type=int, default=4, help="denoising steps of the timed requests")
+    parser.add_argument("--device", default="cpu", help="serve --device: cpu (gloo ranks) or cuda (NCCL)")
+    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight (2+ shows --dp-size)")
+    parser.add_argument("--threads", type=int, default=None, help="serve --num-threads per rank (default: the server's)")
+    parser.add_argument("--model-path", type=Path, default=None, help="checkpoint (default: the 36M FLUX.1-style one)")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="where the 36M checkpoint is built once (default: <diffuserve cache>/bench)")
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a server to turn healthy")
+    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--output", type=Path, default=None, help="also write the table to this file")
+    args = parser.parse_args(argv)
+    if not re.fullmatch(r"\d+x\d+", args.size):
+        parser.error(f"--size {args.size!r} is not WxH (e.g. 256x256)")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        parser.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    modes = [BASELINE, *[m for m in modes if m != BASELINE]]
+    if args.model_path is None:
+        from diffuserve.models.tiny import default_cache_dir
+
+        args.model_path = checkpoint(args.cache_dir or default_cache_dir() / "bench")
+        args.model_label = "FLUX.1-style, 36M-parameter transformer"
+    else:
+        args.model_label = str(args.model_path)
+    with tempfile.TemporaryDirectory(prefix="bench-parallel-") as tmp:
+        results = [run_mode(mode, args, args.model_path, Path(tmp)) for mode in modes]
+    table = _table(results, args)
+    print(table)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
