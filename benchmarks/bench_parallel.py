@@ -14,7 +14,9 @@ server, throughput, and the per-batch overhead of sending a batch to the ranks (
 The overhead comes from the server when it reports one (a `timings` field or a /metrics histogram whose name
 says dispatch / broadcast); otherwise it is estimated as the 1-step latency on N ranks minus the 1-step
 latency on 1 rank, marked `(1-step diff)`: that difference also holds the collectives inside the one step.
-A mode the server refuses at start-up is printed with its error and skipped. On a 2-core CPU host the
+`procs` counts the server's process and its descendants while it serves (the ranks, on one host), and the
+plan column is /server_info's deployment plan: together they show that a mode really ran on N ranks. A mode
+the server refuses at start-up is printed with its error and skipped. On a 2-core CPU host the
 figures check the plumbing (ranks share the cores, so no speed-up is possible); speed shows on GPUs.
 """
 
@@ -68,6 +70,8 @@ class ModeResult:
     overhead_source: str = ""
     startup_s: float = 0.0
     plan: str = ""
+    processes: int | None = None
+    """The server's process and its descendants (resource trackers left out) while it served: the ranks."""
     """What the server says it runs (/server_info's deployment plan), so a mode that fell back shows."""
 
 
@@ -154,6 +158,27 @@ def _reported_overhead(timings: list[dict], metrics_text: str) -> tuple[float | 
     return None, ""
 
 
+def _process_tree_size(pid: int) -> int | None:
+    """`pid` and its live descendants from /proc (Linux), without multiprocessing's resource trackers."""
+    children: dict[int, list[int]] = {}
+    try:
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                cmdline = (stat.parent / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"resource_tracker" not in cmdline:
+                children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    except OSError:
+        return None
+    seen, todo = 0, [pid]
+    while todo:
+        seen += 1
+        todo += children.get(todo.pop(), [])
+    return seen
+
+
 def _plan_summary(info: dict) -> str:
     plan = info.get("deployment_plan") or {}
     keys = (("num_gpus", "gpus"), ("cfg_parallel", "cfg"), ("ulysses_degree", "ulysses"), ("ring_degree", "ring"),
@@ -184,6 +209,7 @@ def run_mode(mode: str, args: argparse.Namespace, model_path: Path, workdir: Pat
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=args.request_timeout,
                                http_client=httpx.Client(trust_env=False, timeout=args.request_timeout))
         model = client.models.list().data[0].id
+        result.processes = _process_tree_size(proc.pid)
         result.plan = _plan_summary(httpx.get(f"{url}/server_info", timeout=10, trust_env=False).json())
         _generate(client, model, args.size, 1, seed=0)  # warm: first-request costs stay out of the figures
         timings: list[dict] = []
@@ -214,7 +240,7 @@ def _table(results: list[ModeResult], args: argparse.Namespace) -> str:
     lines = [f"bench_parallel: {args.size}, {args.steps} steps, true CFG on, {args.requests} requests per mode "
              f"(concurrency {args.concurrency}), device {args.device}, model {args.model_label}",
              f"{'mode':14} {'ranks':>5} {'mean ms':>9} {'p50 ms':>9} {'N/1 mean':>9} {'N/1 p50':>8} {'req/s':>7} "
-             f"{'1-step ms':>10} {'overhead ms':>12} {'start s':>8}  plan (/server_info); overhead source"]
+             f"{'1-step ms':>10} {'overhead ms':>12} {'start s':>8} {'procs':>5}  plan (/server_info); overhead source"]
     for r in results:
         if r.error:
             lines.append(f"{r.mode:14} {r.ranks:5d}  not run: {r.error}")
@@ -231,7 +257,7 @@ def _table(results: list[ModeResult], args: argparse.Namespace) -> str:
         elif base is not None and r.mode != BASELINE:
             overhead, note = f"{one - statistics.mean(base.one_step_ms):.1f}", "(1-step diff)"
         lines.append(f"{r.mode:14} {r.ranks:5d} {mean:9.0f} {p50:9.0f} {ratio_mean:>9} {ratio_p50:>8} "
-                     f"{r.throughput_rps:7.2f} {one:10.0f} {overhead:>12} {r.startup_s:8.0f}  {r.plan}; {note or '-'}")
+                     f"{r.throughput_rps:7.2f} {one:10.0f} {overhead:>12} {r.startup_s:8.0f} {r.processes or '?':>5}  {r.plan}; {note or '-'}")
     return "\n".join(lines)
 
 
