@@ -13,17 +13,27 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from diffuserve.engine.request import Request
 from diffuserve.errors import DiffuserveError, GenerationError, RequestCancelledError
 from diffuserve.pipelines.base import BatchResult, Pipeline, RequestOutput
 from diffuserve.sampling import SamplingParams
 
 logger = logging.getLogger("diffuserve.worker")
+
+
+class Request(Protocol):
+    """What a batch row needs of the engine's request (engine/request.py): its id, parameters and cancel flag."""
+
+    request_id: str
+    params: SamplingParams
+    cancel_event: threading.Event
+
+
 
 
 def preview_steps(num_steps: int, partial_images: int) -> list[int]:
@@ -132,10 +142,11 @@ def run_batch(
     if not live:
         return outcome
 
-    def should_stop() -> bool:
+    def everyone_gone() -> bool:
         # Stop the whole batch only when nobody in it still wants an answer; a single cancelled row
         # keeps running with the others and its output is dropped.
         return all(r.cancel_event.is_set() for r in live)
+
 
     calls = plan_calls([r.params for r in live], max_rows)
     if len(calls) > 1:
@@ -171,9 +182,9 @@ def run_batch(
         parts: list[list[RequestOutput]] = [[] for _ in live]
         stage_seconds: dict[str, float] = {}
         for call_index[0], call in enumerate(calls):
-            if should_stop():
+            if everyone_gone():
                 raise RequestCancelledError("every request of the batch was cancelled")
-            result = pipeline.run([p for _, _, p in call], on_step=step_done, should_stop=should_stop,
+            result = pipeline.run([p for _, _, p in call], on_step=step_done, should_stop=everyone_gone,
                                   **({"on_preview": on_preview} if sinks else {}))
             chunk = split_outputs([dataclasses.replace(live[i], params=p) for i, _, p in call], result,
                                   pipeline.output_kind)
