@@ -1,23 +1,26 @@
 """Parallel modes side by side: 1 rank vs N ranks of a real `diffuserve serve --num-gpus N`, same requests.
 
     .venv/bin/python benchmarks/bench_parallel.py                                   # every mode, CPU (gloo)
-    .venv/bin/python benchmarks/bench_parallel.py --modes cfg2,ulysses2 --requests 3
-    .venv/bin/python benchmarks/bench_parallel.py --device cuda --size 1024 --steps 20  # on GPUs (NCCL)
+    .venv/bin/python benchmarks/bench_parallel.py --modes cfg2,dp2 --requests 3 --concurrency 2
+    .venv/bin/python benchmarks/bench_parallel.py --device cuda --size 1024x1024 --steps 20  # GPUs (NCCL)
 
-For each mode it starts one server on the FLUX.1-style checkpoint with the ~36M-parameter transformer
-(`build_tiny_checkpoint("flux", preset="36m")`, written once under the cache folder; `--model-path` takes any
-other checkpoint), sends `--requests` requests through the official `openai` client with true CFG on
-(`true_cfg_scale` + `negative_prompt`, so CFG parallel has two branches to split and every mode does the same
-work), then as many 1-step requests, and prints per mode: latency mean / p50, the ratio to the single-rank
-server, throughput, and the per-batch overhead of sending a batch to the ranks (ms).
+The servers run the FLUX.1-style checkpoint with the ~36M-parameter transformer (`build_tiny_checkpoint("flux",
+preset="36m")`, written once under the cache folder; `--model-path` takes any other checkpoint). A single-rank
+server stays up the whole run; each mode's server is started in turn, and `--requests` rounds alternate between
+the two (who goes first alternates too), so both sides of every ratio saw the same machine load. Requests go
+through the official `openai` client with true CFG on (`true_cfg_scale` + `negative_prompt`: CFG parallel has
+two branches to split, and every mode does the same work); each round is `--concurrency` requests at once
+(2+ shows what `--dp-size` adds), first at `--steps` steps, then at 1 step.
 
-The overhead comes from the server when it reports one (a `timings` field or a /metrics histogram whose name
-says dispatch / broadcast); otherwise it is estimated as the 1-step latency on N ranks minus the 1-step
-latency on 1 rank, marked `(1-step diff)`: that difference also holds the collectives inside the one step.
-`procs` counts the server's process and its descendants while it serves (the ranks, on one host), and the
-plan column is /server_info's deployment plan: together they show that a mode really ran on N ranks. A mode
-the server refuses at start-up is printed with its error and skipped. On a 2-core CPU host the
-figures check the plumbing (ranks share the cores, so no speed-up is possible); speed shows on GPUs.
+Per mode: latency mean / p50, the paired single-rank mean and the N/1 ratios, throughput of the bursts, and
+the per-batch overhead of sending a batch to the ranks (ms). That overhead comes from the server when it
+reports one (a `timings` key or a /metrics histogram whose name says dispatch / broadcast); otherwise it is
+estimated as the 1-step latency on N ranks minus the paired 1-step latency on 1 rank, marked `(1-step diff)`:
+that difference also holds the collectives of the one step. `procs` counts the server's process and its
+descendants while it serves (the ranks, on one host) and the plan column is /server_info's deployment plan:
+together they show that a mode really ran on N ranks. A mode the server refuses at start-up is printed with
+its error and skipped. On a 2-core CPU host the figures check the plumbing (ranks share the cores, so no
+speed-up is possible); speed shows on GPUs.
 """
 
 from __future__ import annotations
@@ -58,21 +61,31 @@ CFG = {"true_cfg_scale": 4.0, "negative_prompt": "blurry, low quality"}
 
 
 @dataclass
+class Samples:
+    """One server's timed requests (client-side wall ms) in one pairing."""
+
+    full_ms: list[float] = field(default_factory=list)
+    one_step_ms: list[float] = field(default_factory=list)
+    burst_rps: list[float] = field(default_factory=list)
+    timings: list[dict] = field(default_factory=list)
+
+
+@dataclass
 class ModeResult:
     mode: str
     ranks: int
     flags: list[str]
     error: str | None = None
-    latencies_ms: list[float] = field(default_factory=list)
-    one_step_ms: list[float] = field(default_factory=list)
-    throughput_rps: float = 0.0
+    samples: Samples = field(default_factory=Samples)
+    baseline: Samples = field(default_factory=Samples)
+    """The single-rank server's requests interleaved with this mode's (same moments, same machine load)."""
     overhead_ms: float | None = None
     overhead_source: str = ""
     startup_s: float = 0.0
     plan: str = ""
+    """What the server says it runs (/server_info's deployment plan)."""
     processes: int | None = None
     """The server's process and its descendants (resource trackers left out) while it served: the ranks."""
-    """What the server says it runs (/server_info's deployment plan), so a mode that fell back shows."""
 
 
 def _free_port() -> int:
@@ -183,81 +196,119 @@ def _plan_summary(info: dict) -> str:
     plan = info.get("deployment_plan") or {}
     keys = (("num_gpus", "gpus"), ("cfg_parallel", "cfg"), ("ulysses_degree", "ulysses"), ("ring_degree", "ring"),
             ("tp_size", "tp"), ("fsdp", "fsdp"), ("dp_size", "dp"))
-    return " ".join(f"{short}={plan[k]}" for k, short in keys if k in plan and plan[k] not in (None, False, 1)) or "1 rank"
+    shown = [f"{short}={plan[k]}" for k, short in keys
+             if plan.get(k) is True or (type(plan.get(k)) is int and plan[k] > 1)]
+    return " ".join(shown) or "1 rank"
 
 
-def run_mode(mode: str, args: argparse.Namespace, model_path: Path, workdir: Path) -> ModeResult:
-    ranks, flags = MODES[mode]
-    result = ModeResult(mode, ranks, flags)
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "diffuserve.cli", "serve", "--model-path", str(model_path), "--port", str(port),
-           "--device", args.device, "--num-gpus", str(ranks), *flags, "--max-queue-size", "0",
-           "--output-dir", str(workdir / f"out-{mode}")]
-    if args.threads:
-        cmd += ["--num-threads", str(args.threads)]
-    print(f"[{mode}] {' '.join(cmd[3:])}", flush=True)
-    started = time.monotonic()
-    try:
+@dataclass
+class Server:
+    """One `diffuserve serve` process and an `openai` client for it."""
+
+    mode: str
+    proc: subprocess.Popen
+    url: str
+    client: openai.OpenAI
+    model: str
+
+    @classmethod
+    def start(cls, mode: str, args: argparse.Namespace, workdir: Path, result: ModeResult) -> Server:
+        ranks, flags = MODES[mode]
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "diffuserve.cli", "serve", "--model-path", str(args.model_path),
+               "--port", str(port), "--device", args.device, "--num-gpus", str(ranks), *flags,
+               "--max-queue-size", "0", "--output-dir", str(workdir / f"out-{mode}")]
+        if args.threads:
+            cmd += ["--num-threads", str(args.threads)]
+        print(f"[{mode}] {' '.join(cmd[3:])}", flush=True)
+        started = time.monotonic()
         proc = _start(cmd, url, workdir / f"{mode}.log", args.startup_timeout)
-    except (RuntimeError, TimeoutError) as exc:
-        result.error = str(exc)
-        print(f"[{mode}] refused / failed to start: {result.error}", flush=True)
-        return result
-    result.startup_s = time.monotonic() - started
-    try:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=args.request_timeout,
-                               http_client=httpx.Client(trust_env=False, timeout=args.request_timeout))
-        model = client.models.list().data[0].id
-        result.processes = _process_tree_size(proc.pid)
-        result.plan = _plan_summary(httpx.get(f"{url}/server_info", timeout=10, trust_env=False).json())
-        _generate(client, model, args.size, 1, seed=0)  # warm: first-request costs stay out of the figures
-        timings: list[dict] = []
+        result.startup_s = time.monotonic() - started
+        try:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                                   http_client=httpx.Client(trust_env=False, timeout=args.request_timeout))
+            server = cls(mode, proc, url, client, client.models.list().data[0].id)
+            result.processes = _process_tree_size(proc.pid)
+            result.plan = _plan_summary(httpx.get(f"{url}/server_info", timeout=10, trust_env=False).json())
+            server.burst(args, True, seed=0, into=Samples())  # warm: first-request costs stay out of the figures
+        except BaseException:
+            _stop(proc)
+            raise
+        return server
+
+    def burst(self, args: argparse.Namespace, one_step: bool, seed: int, into: Samples) -> None:
+        """`--concurrency` requests at once; their latencies (and a full burst's throughput) go `into`."""
+        steps = 1 if one_step else args.steps
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
-            futures = [pool.submit(_generate, client, model, args.size, args.steps, 1 + i) for i in range(args.requests)]
+            futures = [pool.submit(_generate, self.client, self.model, args.size, steps, seed + i)
+                       for i in range(args.concurrency)]
             for future in futures:
-                ms, t = future.result()
-                result.latencies_ms.append(ms)
-                timings.append(t)
-        result.throughput_rps = args.requests / (time.perf_counter() - t0)
-        for i in range(args.requests):
-            ms, t = _generate(client, model, args.size, 1, seed=100 + i)
-            result.one_step_ms.append(ms)
-            timings.append(t)
-        metrics = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
-        result.overhead_ms, result.overhead_source = _reported_overhead(timings, metrics)
+                ms, timings = future.result()
+                (into.one_step_ms if one_step else into.full_ms).append(ms)
+                into.timings.append(timings)
+        if not one_step:
+            into.burst_rps.append(args.concurrency / (time.perf_counter() - t0))
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=10, trust_env=False).text
+
+    def stop(self) -> None:
+        _stop(self.proc)
+
+
+def run_pair(mode: str, base: Server | None, args: argparse.Namespace, workdir: Path) -> ModeResult:
+    """Start `mode`'s server and alternate its requests with the single-rank server's, round by round."""
+    ranks, flags = MODES[mode]
+    result = ModeResult(mode, ranks, flags)
+    try:
+        server = Server.start(mode, args, workdir, result)
+    except (RuntimeError, TimeoutError, openai.OpenAIError, httpx.HTTPError) as exc:
+        result.error = str(exc)[:300]
+        print(f"[{mode}] refused / failed to start: {result.error}", flush=True)
+        return result
+    try:
+        for one_step in (False, True):
+            for r in range(args.requests):
+                pair = [(server, result.samples)] + ([(base, result.baseline)] if base is not None else [])
+                for srv, into in pair if r % 2 == 0 else pair[::-1]:  # alternate who goes first
+                    srv.burst(args, one_step, seed=1 + 100 * r, into=into)
+        result.overhead_ms, result.overhead_source = _reported_overhead(result.samples.timings, server.metrics())
     except (openai.OpenAIError, httpx.HTTPError, AssertionError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:300]
         print(f"[{mode}] request failed: {result.error}", flush=True)
     finally:
-        _stop(proc)
+        server.stop()
     return result
 
 
 def _table(results: list[ModeResult], args: argparse.Namespace) -> str:
-    base = next((r for r in results if r.mode == BASELINE and not r.error), None)
-    lines = [f"bench_parallel: {args.size}, {args.steps} steps, true CFG on, {args.requests} requests per mode "
-             f"(concurrency {args.concurrency}), device {args.device}, model {args.model_label}",
-             f"{'mode':14} {'ranks':>5} {'mean ms':>9} {'p50 ms':>9} {'N/1 mean':>9} {'N/1 p50':>8} {'req/s':>7} "
-             f"{'1-step ms':>10} {'overhead ms':>12} {'start s':>8} {'procs':>5}  plan (/server_info); overhead source"]
+    lines = [f"bench_parallel: {args.size}, {args.steps} steps, true CFG on, {args.requests} rounds per mode of "
+             f"{args.concurrency} request(s), device {args.device}, model {args.model_label}",
+             "N/1: this mode's latency over the single-rank server's, measured interleaved with it (same load)",
+             f"{'mode':14} {'ranks':>5} {'mean ms':>9} {'p50 ms':>9} {'1-rank ms':>9} {'N/1 mean':>9} {'N/1 p50':>8} "
+             f"{'req/s':>7} {'1-step ms':>10} {'overhead ms':>12} {'start s':>8} {'procs':>5}  plan (/server_info); overhead source"]
     for r in results:
         if r.error:
             lines.append(f"{r.mode:14} {r.ranks:5d}  not run: {r.error}")
             continue
-        mean, p50 = statistics.mean(r.latencies_ms), statistics.median(r.latencies_ms)
-        one = statistics.mean(r.one_step_ms)
-        ratio_mean = ratio_p50 = overhead = "-"
-        note = r.overhead_source
+        own = r.samples
+        base = r.baseline if r.baseline.full_ms else own if r.mode == BASELINE else None
+        mean, p50, one = statistics.mean(own.full_ms), statistics.median(own.full_ms), statistics.mean(own.one_step_ms)
+        base_mean, ratio_mean, ratio_p50 = "-", "-", "-"
         if base is not None:
-            ratio_mean = f"{mean / statistics.mean(base.latencies_ms):.2f}"
-            ratio_p50 = f"{p50 / statistics.median(base.latencies_ms):.2f}"
+            base_mean = f"{statistics.mean(base.full_ms):.0f}"
+            ratio_mean = f"{mean / statistics.mean(base.full_ms):.2f}"
+            ratio_p50 = f"{p50 / statistics.median(base.full_ms):.2f}"
+        overhead, note = "-", r.overhead_source
         if r.overhead_ms is not None:
             overhead = f"{r.overhead_ms:.1f}"
-        elif base is not None and r.mode != BASELINE:
-            overhead, note = f"{one - statistics.mean(base.one_step_ms):.1f}", "(1-step diff)"
-        lines.append(f"{r.mode:14} {r.ranks:5d} {mean:9.0f} {p50:9.0f} {ratio_mean:>9} {ratio_p50:>8} "
-                     f"{r.throughput_rps:7.2f} {one:10.0f} {overhead:>12} {r.startup_s:8.0f} {r.processes or '?':>5}  {r.plan}; {note or '-'}")
+        elif r.baseline.one_step_ms:
+            overhead, note = f"{one - statistics.mean(r.baseline.one_step_ms):.1f}", "(1-step diff)"
+        lines.append(f"{r.mode:14} {r.ranks:5d} {mean:9.0f} {p50:9.0f} {base_mean:>9} {ratio_mean:>9} "
+                     f"{ratio_p50:>8} {statistics.mean(own.burst_rps):7.2f} {one:10.0f} "
+                     f"{overhead:>12} {r.startup_s:8.0f} {r.processes or '?':>5}  {r.plan}; {note or '-'}")
     return "\n".join(lines)
 
 
@@ -266,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"comma-separated modes ({', '.join(MODES)}); {BASELINE} always runs first")
-    parser.add_argument("--requests", type=int, default=4, help="timed requests per mode (and as many 1-step ones)")
+    parser.add_argument("--requests", type=int, default=4, help="rounds per mode, at --steps and again at 1 step (each side)")
     parser.add_argument("--size", default="256x256", help="image size WxH")
     parser.add_argument("--steps", type=int, default=4, help="denoising steps of the timed requests")
     parser.add_argument("--device", default="cpu", help="serve --device: cpu (gloo ranks) or cuda (NCCL)")
@@ -294,7 +345,27 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args.model_label = str(args.model_path)
     with tempfile.TemporaryDirectory(prefix="bench-parallel-") as tmp:
-        results = [run_mode(mode, args, args.model_path, Path(tmp)) for mode in modes]
+        single = ModeResult(BASELINE, *MODES[BASELINE])
+        try:
+            base: Server | None = Server.start(BASELINE, args, Path(tmp), single)
+        except (RuntimeError, TimeoutError, openai.OpenAIError, httpx.HTTPError) as exc:
+            single.error, base = str(exc)[:300], None
+        results = [single]
+        try:
+            for mode in modes[1:]:
+                results.append(run_pair(mode, base, args, Path(tmp)))
+            if base is not None and len(modes) == 1:  # only the baseline was asked for
+                for one_step in (False, True):
+                    for r in range(args.requests):
+                        base.burst(args, one_step, seed=1 + 100 * r, into=single.samples)
+        finally:
+            if base is not None:
+                base.stop()
+        for r in results[1:]:  # the baseline row: all its requests, over every pairing
+            for name in ("full_ms", "one_step_ms", "burst_rps", "timings"):
+                getattr(single.samples, name).extend(getattr(r.baseline, name))
+        if single.error is None and not single.samples.full_ms:
+            single.error = "no paired mode ran"
     table = _table(results, args)
     print(table)
     if args.output:
