@@ -132,9 +132,11 @@ def load_serving_pipeline(args: ServerArgs, model_path: Path, device: str, deplo
     from diffuserve.engine.faults import maybe_inject_faults
     from diffuserve.models.loader import load_pipeline
 
+    # To host: the residency manager below moves resident components to the device and leaves offloaded ones
+    # on the host, so a model that fits only when offloaded still loads.
     pipeline = load_pipeline(
         model_path, model_id=args.model_id, backend=args.backend, device=device,
-        dtype=resolve_dtype(args.dtype, device),
+        dtype=resolve_dtype(args.dtype, device), placement="host",
     )
     if pipeline.components:
         import torch
@@ -197,7 +199,7 @@ def _multi_rank_executor(args: ServerArgs, info: Any, setup: RankSetup, metrics:
     from diffuserve.executor.channel import StoreChannel
     from diffuserve.executor.multirank import MultiRankExecutor
     from diffuserve.executor.topology import Topology, build_groups
-    from diffuserve.launch_ranks import connect, spawn_local_ranks
+    from diffuserve.launch_ranks import connect, rank_description, spawn_local_ranks
 
     plan = setup.deployment.plan
     if args.batching_mode == "continuous":
@@ -210,7 +212,9 @@ def _multi_rank_executor(args: ServerArgs, info: Any, setup: RankSetup, metrics:
 
     def join() -> tuple[StoreChannel, Any]:
         store, _ = connect(info, setup.device, args.dist_timeout_s)
-        return StoreChannel(store), build_groups(topology, "cuda" if setup.device.startswith("cuda") else "cpu")
+        channel = StoreChannel(store)
+        channel.publish_rank(0, rank_description(info, setup.device))
+        return channel, build_groups(topology, "cuda" if setup.device.startswith("cuda") else "cpu")
 
     return MultiRankExecutor(topology, connect=join, load_local=lambda groups: load_rank_pipeline(args, setup, groups, metrics),
                              children=children, heartbeat_timeout_s=args.dist_heartbeat_timeout_s,

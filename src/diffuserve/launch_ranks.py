@@ -137,6 +137,11 @@ def _child_main(args: ServerArgs, info: LaunchInfo) -> None:
     os._exit(serve_rank(args, info))
 
 
+def rank_description(info: LaunchInfo, device: str) -> dict[str, Any]:
+    return {"rank": info.rank, "pid": os.getpid(), "host": socket.gethostname(), "local_rank": info.local_rank,
+            "device": device}
+
+
 def _configure_rank_logging(args: ServerArgs, rank: int) -> None:
     logging.basicConfig(level=args.log_level.upper(), force=True,
                         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
@@ -168,6 +173,7 @@ def serve_rank(args: ServerArgs, info: LaunchInfo) -> int:
         setup = prepare_rank(args, info, log_plan=False)
         store, _ = connect(info, setup.device, args.dist_timeout_s)
         channel = StoreChannel(store)
+        channel.publish_rank(info.rank, rank_description(info, setup.device))
         threading.Thread(target=_heartbeat, args=(channel, info.rank), name="diffuserve-heartbeat", daemon=True).start()
         topology = Topology.from_plan(setup.deployment.plan, rank=info.rank, local_rank=info.local_rank)
         groups = build_groups(topology, "cuda" if setup.device.startswith("cuda") else "cpu")

@@ -400,7 +400,10 @@ class AsyncEngine:
         if self.config.enable_warmup:
             with self._cond:
                 self.state = EngineState.WARMING_UP
-            self._run_warmup()
+            # Under --enable-torch-compile with --offload-during-compile the residency layer offloads the
+            # DiT and evicts resident components while compiling; leaving restores the serving residency.
+            with self.pipeline.residency.compile_warmup():
+                self._run_warmup()
         with self._cond:
             if self.state in (EngineState.LOADING, EngineState.WARMING_UP):
                 self.state = EngineState.READY

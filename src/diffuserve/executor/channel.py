@@ -59,6 +59,15 @@ class StoreChannel:
             time.sleep(delay)
             delay = min(_POLL_MAX_S, delay * 2)
 
+    def publish_rank(self, rank: int, info: dict[str, Any]) -> None:
+        """What /server_info shows of a rank (its pid, host, device); kept, not consumed."""
+        self.store.set(f"rank/{rank}", pickle.dumps(info))
+
+    def rank_info(self, rank: int) -> dict[str, Any] | None:
+        if not self.store.check([f"rank/{rank}"]):
+            return None
+        return pickle.loads(self.store.get(f"rank/{rank}"))
+
     # -- liveness ----------------------------------------------------------------------------------------
     def beat(self, rank: int) -> None:
         """One heartbeat of `rank` (raises when the store is gone)."""

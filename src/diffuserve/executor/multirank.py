@@ -23,6 +23,7 @@ from diffuserve.executor.replica import (
     ReplicaPipeline,
     StepSync,
     batch_key,
+    bye_key,
     cancel_key,
     progress_key,
     report_key,
@@ -113,6 +114,20 @@ class MultiRankExecutor:
         replica = rank // self.topology.ranks_per_replica
         return f"rank {rank} of {self.topology.world_size} (replica {replica})"
 
+    def describe(self) -> dict[str, Any]:
+        """/server_info's view: the topology and every rank's pid, host and device."""
+        ranks = []
+        for rank in range(self.topology.world_size):
+            try:
+                info = self.channel.rank_info(rank) if self.channel is not None else None
+            except Exception:  # the store is gone with a faulty rank
+                info = None
+            ranks.append(info or {"rank": rank})
+        t = self.topology
+        return {"world_size": t.world_size, "dp_size": t.dp_size, "ranks_per_replica": t.ranks_per_replica,
+                "cfg": t.cfg, "ulysses": t.ulysses, "ring": t.ring, "tp": t.tp, "ranks": ranks,
+                "fault": self.monitor.fault if self.monitor is not None else None}
+
     @property
     def alive(self) -> bool:
         return self.monitor is None or self.monitor.fault is None
@@ -160,15 +175,17 @@ class MultiRankExecutor:
         while True:
             report = self.channel.poll(report_key(replica, seq))
             if report is not None:
+                for key in (progress_key(replica, seq), progress_key(replica, seq) + "/total", cancel_key(replica, seq)):
+                    self.channel.store.delete_key(key)
                 return BatchOutcome(**report.fields())
             if not self.alive:
                 raise RankFault(self.monitor.fault if self.monitor else "the rank group is down")
-            progress = self.channel.store.check([progress_key(replica, seq)])
-            if progress and call.on_step is not None:
-                done, total = (int(v) for v in self.channel.store.get(progress_key(replica, seq)).decode().split("/"))
+            done = self.channel.store.add(progress_key(replica, seq), 0)
+            if done > steps_seen and call.on_step is not None:
+                total = int(self.channel.store.get(progress_key(replica, seq) + "/total"))
                 for step in range(steps_seen, done):
                     call.on_step(step, total)
-                steps_seen = max(steps_seen, done)
+            steps_seen = max(steps_seen, done)
             if not cancelled and all(r.cancel_event.is_set() for r in live):
                 self.channel.store.set(cancel_key(replica, seq), b"1")
                 cancelled = True
@@ -185,8 +202,10 @@ class MultiRankExecutor:
                 for replica in range(1, self.topology.dp_size):
                     self.channel.post(batch_key(replica, self._seq[replica]),
                                       BatchMessage(seq=self._seq[replica], kind="shutdown"))
+                for rank in range(1, self.topology.world_size):  # the store must outlive their last read
+                    self.channel.receive(bye_key(rank), timeout_s=10)
             except Exception:  # the store may be gone with a faulty rank; the children are stopped below
-                logger.debug("could not post shutdown messages", exc_info=True)
+                logger.warning("not every rank confirmed the shutdown; stopping this host's ranks", exc_info=True)
         deadline = time.monotonic() + 10
         for child in self._children.values():
             child.join(max(0.0, deadline - time.monotonic()))

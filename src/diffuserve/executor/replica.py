@@ -53,6 +53,11 @@ def ack_key(replica: int, seq: int, rank: int) -> str:
     return f"ack/{replica}/{seq}/{rank}"
 
 
+def bye_key(rank: int) -> str:
+    """Posted by a rank leaving on a shutdown message, so rank 0 keeps the store up until everyone has read it."""
+    return f"bye/{rank}"
+
+
 class StepSync:
     """The leader's stop decision at each step boundary, broadcast to the replica's other ranks."""
 
@@ -136,6 +141,7 @@ def follow_calls(pipeline: Pipeline, channel: StoreChannel, topology: Topology, 
         message: CallMessage = channel.receive(call_key(topology.replica, seq, topology.rank),
                                                keep_waiting=lambda: not stop.is_set())
         if message.kind == "shutdown":
+            channel.post(bye_key(topology.rank), "bye")
             return
         try:
             pipeline.run(list(message.params), should_stop=lambda: sync(False))
@@ -163,15 +169,17 @@ def lead_batches(replica_pipeline: ReplicaPipeline, channel: StoreChannel, topol
     while True:
         message: BatchMessage = channel.receive(batch_key(r, seq), keep_waiting=lambda: not stop.is_set())
         if message.kind == "shutdown":
+            replica_pipeline.shutdown_followers()
+            channel.post(bye_key(topology.rank), "bye")
             return
         rows = [_Row(rid, p) for rid, p in zip(message.request_ids, message.params, strict=True)]
 
         def on_step(step: int, total: int, seq: int = seq) -> None:
-            channel.store.set(progress_key(r, seq), f"{step + 1}/{total}".encode())
+            if step == 0:
+                channel.store.set(progress_key(r, seq) + "/total", str(total).encode())
+            channel.store.add(progress_key(r, seq), 1)  # atomic: rank 0 reads it with add(0)
 
         replica_pipeline.also_stop = lambda seq=seq: channel.store.check([cancel_key(r, seq)])
         outcome = run_batch(replica_pipeline, rows, on_step=on_step, max_rows=message.max_rows)
-        channel.post(report_key(r, seq), BatchReport.of(seq, outcome))
-        for key in (progress_key(r, seq), cancel_key(r, seq)):
-            channel.store.delete_key(key)
+        channel.post(report_key(r, seq), BatchReport.of(seq, outcome))  # rank 0 removes the batch's other keys
         seq += 1

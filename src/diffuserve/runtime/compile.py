@@ -3,7 +3,9 @@
 torch.compile is applied to the DiT's repeated blocks (diffusers' `compile_repeated_blocks`, so one
 compiled block serves every layer) or, for a transformer that declares none, to the whole module.
 Compilation itself happens lazily on the first forward: the engine's warm-up (one generation per
-`--warmup-resolutions` entry) pays for it before /health turns 200.
+`--warmup-resolutions` entry) pays for it before /health turns 200. With `--offload-during-compile` (on by
+default) the engine runs that warm-up inside `residency.compile_warmup()` (runtime/residency.py), which
+offloads every resident component, the DiT included, for its duration and restores the serving residency after.
 """
 
 from __future__ import annotations
