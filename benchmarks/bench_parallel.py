@@ -198,6 +198,9 @@ def _plan_summary(info: dict) -> str:
             ("tp_size", "tp"), ("fsdp", "fsdp"), ("dp_size", "dp"))
     shown = [f"{short}={plan[k]}" for k, short in keys
              if plan.get(k) is True or (type(plan.get(k)) is int and plan[k] > 1)]
+    replicas = [",".join(str(r) for r in rep.get("ranks", ())) for rep in info.get("replicas") or []]
+    if replicas:  # the ranks each replica really runs on
+        shown.append("replicas " + " | ".join(f"[{r}]" for r in replicas))
     return " ".join(shown) or "1 rank"
 
 

@@ -24,6 +24,7 @@ from diffuserve.config.deployment import resolve
 from diffuserve.config.model_profiles import family_profile
 from diffuserve.config.server_args import ServerArgs
 from diffuserve.hardware import describe_hardware
+from diffuserve.launch_ranks import is_serving_process, launch_info
 from diffuserve.server import health
 from diffuserve.server.middleware import PUBLIC_PATHS
 
@@ -140,9 +141,13 @@ def test_flags_parse_on_every_pod_and_the_plan_resolves(manifest: Manifest):
 def test_gpu_limit_times_hosts_is_num_gpus(manifest: Manifest):
     args = manifest.server_args()
     limit = int(manifest.container["resources"]["limits"][GPU])
-    assert (args.deployment.num_gpus or 1) == limit * args.nnodes
+    num_gpus = args.deployment.num_gpus or 1
+    assert num_gpus == limit * args.nnodes
     if args.nnodes > 1:
         assert manifest.workload["kind"] == "StatefulSet" and manifest.pods == args.nnodes
+    for index in range(manifest.pods):  # the real launch: each pod starts as many ranks as it has GPUs
+        info = launch_info(manifest.server_args(index), num_gpus)
+        assert (info.local_world_size if info else 1) == limit
 
 
 def test_several_gpus_get_a_memory_backed_dev_shm(manifest: Manifest):
@@ -169,6 +174,9 @@ def test_node_rank_is_the_pod_index(manifest: Manifest):
     assert any("$(" in a and a.startswith("--node-rank") for a in manifest.container["args"]), "--node-rank is hard-coded"
     assert manifest.workload["spec"]["podManagementPolicy"] == "Parallel"  # pod 0 is never ready alone
     assert [manifest.server_args(i).node_rank for i in range(manifest.pods)] == list(range(args.nnodes))
+    per_pod = args.deployment.num_gpus // args.nnodes
+    first_ranks = [launch_info(manifest.server_args(i), args.deployment.num_gpus).rank for i in range(manifest.pods)]
+    assert first_ranks == [i * per_pod for i in range(manifest.pods)]
 
 
 def test_dist_init_addr_is_pod_0_through_the_headless_service(manifest: Manifest):
@@ -186,15 +194,17 @@ def test_dist_init_addr_is_pod_0_through_the_headless_service(manifest: Manifest
     service_port = next(p for p in headless["spec"]["ports"] if p["port"] == int(port))
     assert _container_port(manifest, service_port["targetPort"]) == int(port)
     assert all(manifest.server_args(i).dist_init_addr == args.dist_init_addr for i in range(manifest.pods))
+    info = launch_info(args, args.deployment.num_gpus)  # where the real launch meets
+    assert (info.store_host, info.store_port) == (host, int(port))
 
 
 def test_http_service_routes_to_node_0_only(manifest: Manifest):
     args = manifest.server_args()
     (service,) = manifest.services(headless=False)
-    assert _selects(service, manifest.pod_labels(0))
-    for index in range(1, manifest.pods):
-        assert manifest.server_args(index).node_rank != 0
-        assert not _selects(service, manifest.pod_labels(index)), f"the Service also routes to pod {index}"
+    serving = [is_serving_process(manifest.server_args(i)) for i in range(manifest.pods)]
+    if args.nnodes > 1:
+        assert serving == [True] + [False] * (manifest.pods - 1)
+    assert [_selects(service, manifest.pod_labels(i)) for i in range(manifest.pods)] == serving
     (port,) = service["spec"]["ports"]
     assert _container_port(manifest, port["targetPort"]) == args.port
 
