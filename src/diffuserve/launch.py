@@ -218,7 +218,8 @@ def _multi_rank_executor(args: ServerArgs, info: Any, setup: RankSetup, metrics:
 
     return MultiRankExecutor(topology, connect=join, load_local=lambda groups: load_rank_pipeline(args, setup, groups, metrics),
                              children=children, heartbeat_timeout_s=args.dist_heartbeat_timeout_s,
-                             timeout_s=args.dist_timeout_s)
+                             timeout_s=args.dist_timeout_s,
+                             observe_call=metrics.observe_rank_call if metrics is not None else None)
 
 
 def open_pipeline(args: ServerArgs) -> tuple[Any, Any]:

@@ -160,6 +160,19 @@ def test_a_batch_failing_on_every_rank_fails_its_request_and_the_ranks_keep_serv
     assert (_generate(cfg_server, "a red fox", seed=1) == reference("a red fox", seed=1)).all()
 
 
+def test_a_disconnected_client_stops_every_rank_at_the_same_step(cfg_server, reference):
+    impatient = openai.OpenAI(base_url=f"{cfg_server.base_url}/v1", api_key="unused", max_retries=0, timeout=5)
+    with pytest.raises(openai.APITimeoutError):  # queued 1.5 s (batching delay), then gone mid-run
+        impatient.images.generate(model=impatient.models.list().data[0].id, prompt="a long one", size="64x64",
+                                  extra_body={"num_inference_steps": 190, "seed": 4, **CFG})
+    deadline = time.monotonic() + 60
+    while "stopped at step" not in cfg_server.log():  # rank 0 stopped the call at a step boundary ...
+        assert time.monotonic() < deadline, cfg_server.log()[-2000:]
+        time.sleep(0.05)
+    # ... and so did rank 1: a rank left inside the cancelled call would deadlock the next one.
+    assert (_generate(cfg_server, "a red fox", seed=1) == reference("a red fox", seed=1)).all()
+
+
 def test_a_killed_rank_fails_the_in_flight_request_naming_it_and_the_server_exits(cfg_server):
     _fault_follows(cfg_server, 1, signal.SIGKILL, "exited")
     assert "signal 9" in cfg_server.log()
@@ -193,7 +206,9 @@ def test_data_parallel_replicas_share_the_load_and_a_hung_rank_is_declared(tiny_
 # ---------------------------------------------------------------------------------------------- two hosts
 def test_two_hosts_with_fsdp_are_bit_identical_to_one_process(tiny_flux_path, tmp_path, reference):
     addr = f"127.0.0.1:{free_port()}"
-    common = ["--num-gpus", "2", "--nnodes", "2", "--dist-init-addr", addr, "--use-fsdp-inference"]
+    # --dist-timeout-s 5 and an idle group for longer: ranks waiting for work are never inside a collective.
+    common = ["--num-gpus", "2", "--nnodes", "2", "--dist-init-addr", addr, "--use-fsdp-inference",
+              "--dist-timeout-s", "5"]
     node1_log = open(tmp_path / "node1.log", "wb")  # noqa: SIM115 - closed below
     node1 = subprocess.Popen([sys.executable, "-m", "diffuserve.cli", "serve", "--model-path", str(tiny_flux_path),
                               "--device", "cpu", "--node-rank", "1", *common], stdout=node1_log,
@@ -201,6 +216,7 @@ def test_two_hosts_with_fsdp_are_bit_identical_to_one_process(tiny_flux_path, tm
     try:
         node0 = _start(tiny_flux_path, tmp_path, "--node-rank", "0", *common)
         try:
+            time.sleep(6)  # the condition under test is the idle time itself: longer than the group timeout
             assert (_generate(node0, "a red fox", seed=1) == reference("a red fox", seed=1)).all()
             assert httpx.get(f"{node0.base_url}/server_info").json()["deployment_plan"]["fsdp"] is True
         finally:

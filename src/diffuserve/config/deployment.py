@@ -536,6 +536,13 @@ def _resolve_parallelism(args: DeploymentArgs, plan: DeploymentPlan, profile: Mo
                               f"{dp} replicas of {degrees} ranks.", param="num_gpus")
         if dp > 1:
             trace(f"dp: {dp} replica(s) of {degrees} rank(s) (the ranks no parallel degree uses each serve a replica)")
+    if tp > 1 and ulysses * ring > 1:
+        raise ConfigError("--tp-size together with sequence parallel (--ulysses-degree / --ring-degree) is not run in "
+                          "this release; use one of them (with --enable-cfg-parallel if the model runs CFG).",
+                          param="tp_size")
+    if plan.use_fsdp_inference and tp > 1:
+        raise ConfigError("--use-fsdp-inference with --tp-size would need 2-D (FSDP x TP) sharding, which this release "
+                          "does not run; use one of them.", param="use_fsdp_inference")
     plan.enable_cfg_parallel, plan.ulysses_degree, plan.ring_degree, plan.tp_size, plan.dp_size = cfg, ulysses, ring, tp, dp
     plan.sp_degree = ulysses * ring
     if tp > 1:

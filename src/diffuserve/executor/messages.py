@@ -42,6 +42,8 @@ class CallMessage:
     """call: run `params` as one pipeline call; shutdown: leave the loop."""
     params: tuple[SamplingParams, ...] = ()
     """The call's rows, exactly as the leader runs them."""
+    posted_at: float = 0.0
+    """time.time() when the leader posted it (the receiver reports how long delivery took)."""
 
 
 @dataclass(frozen=True)

@@ -97,10 +97,12 @@ class MultiRankExecutor:
 
     def __init__(self, topology: Topology, *, connect: Callable[[], tuple[StoreChannel, Any]],
                  load_local: Callable[[Any], Pipeline], children: dict[int, Any], heartbeat_timeout_s: float,
-                 timeout_s: float, clock: Callable[[], float] = time.monotonic):
+                 timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                 observe_call: Callable[[float, float], None] | None = None):
         self.topology = topology
         self._connect, self._load_local, self._children = connect, load_local, children
         self._heartbeat_timeout_s, self._timeout_s, self._clock = heartbeat_timeout_s, timeout_s, clock
+        self._observe_call = observe_call
         self.replicas = [ReplicaState(r, topology.replica_ranks(r)) for r in range(topology.dp_size)]
         self.on_fault: Callable[[str], None] = lambda message: None
         """Set by the engine's owner: called once, from the monitor thread, when a rank fails."""
@@ -141,7 +143,7 @@ class MultiRankExecutor:
         pipeline = self._load_local(groups)
         self._sync = StepSync(groups.control, 0, self.topology.ranks_per_replica)
         self.local = ReplicaPipeline(pipeline, self.channel, self.topology, self._timeout_s, sync=self._sync,
-                                     is_alive=lambda: self.alive)
+                                     is_alive=lambda: self.alive, observe=self._observe_call)
         return pipeline
 
     def _fault(self, rank: int, message: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +94,9 @@ class ReplicaPipeline:
     """False once a fault was declared (waits give up)."""
     also_stop: Callable[[], bool] = lambda: False
     """An extra stop condition of the running batch (a remote leader: rank 0 posted its cancel)."""
+    observe: Callable[[float, float], None] | None = None
+    """observe(delivery_s, straggle_s) per call: how long the call message took to reach the slowest other rank,
+    and how long the leader waited for their acknowledgements after its own part (the per-call overhead)."""
     _seq: int = field(default=0, init=False)
 
     def __getattr__(self, name: str) -> Any:  # describe_model, output_kind, supports_batching ...
@@ -109,7 +113,7 @@ class ReplicaPipeline:
         peers = [r for r in t.replica_ranks() if r != t.rank]
         seq = self._seq
         self._seq += 1
-        message = CallMessage(seq=seq, kind="call", params=tuple(batch))
+        message = CallMessage(seq=seq, kind="call", params=tuple(batch), posted_at=time.time())
         for rank in peers:  # one key per reader: a read removes its key
             self.channel.post(call_key(t.replica, seq, rank), message)
         local_stop = hooks.get("should_stop")
@@ -119,9 +123,11 @@ class ReplicaPipeline:
             return self.sync(decision) if self.sync is not None else decision
 
         hooks["should_stop"] = should_stop
+        delivery = 0.0
         try:
             return self.pipeline.run(batch, **hooks)
         finally:
+            finished = time.monotonic()
             for rank in peers:
                 try:
                     ack = self.channel.receive(ack_key(t.replica, seq, rank), keep_waiting=self.is_alive,
@@ -129,8 +135,12 @@ class ReplicaPipeline:
                 except Exception as exc:
                     raise RankFault(f"rank {rank} did not finish pipeline call {seq} of replica {t.replica} within "
                                     f"{self.timeout_s:.0f}s of rank {t.rank} ({exc})") from exc
-                if ack != "ok":
-                    logger.warning("rank %d: pipeline call %d: %s", rank, seq, ack)
+                status, delivered = ack
+                delivery = max(delivery, delivered)
+                if status != "ok":
+                    logger.warning("rank %d: pipeline call %d: %s", rank, seq, status)
+            if peers and self.observe is not None:
+                self.observe(delivery, time.monotonic() - finished)
 
 
 def follow_calls(pipeline: Pipeline, channel: StoreChannel, topology: Topology, sync: StepSync,
@@ -143,13 +153,14 @@ def follow_calls(pipeline: Pipeline, channel: StoreChannel, topology: Topology, 
         if message.kind == "shutdown":
             channel.post(bye_key(topology.rank), "bye")
             return
+        delivered = max(0.0, time.time() - message.posted_at)
         try:
             pipeline.run(list(message.params), should_stop=lambda: sync(False))
             ack = "ok"
         except Exception as exc:  # the leader decides what the batch's answer is; this rank reports
             logger.exception("pipeline call %d failed on rank %d", seq, topology.rank)
             ack = f"failed on rank {topology.rank}: {type(exc).__name__}: {exc}"
-        channel.post(ack_key(topology.replica, seq, topology.rank), ack)
+        channel.post(ack_key(topology.replica, seq, topology.rank), (ack, delivered))
         seq += 1
 
 
