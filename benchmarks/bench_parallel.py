@@ -13,10 +13,11 @@ two branches to split, and every mode does the same work); each round is `--conc
 (2+ shows what `--dp-size` adds), first at `--steps` steps, then at 1 step.
 
 Per mode: latency mean / p50, the paired single-rank mean and the N/1 ratios, throughput of the bursts, and
-the per-batch overhead of sending a batch to the ranks (ms). That overhead comes from the server when it
-reports one (a `timings` key or a /metrics histogram whose name says dispatch / broadcast); otherwise it is
-estimated as the 1-step latency on N ranks minus the paired 1-step latency on 1 rank, marked `(1-step diff)`:
-that difference also holds the collectives of the one step. `procs` counts the server's process and its
+the per-call overhead of sending a batch to the ranks, from the server's /metrics histograms over the timed
+requests: `deliver` (a call message reaching the slowest other rank of replica 0) and `straggle` (rank 0 waiting
+for the others after its own part). `1-step +ms` is the 1-step latency on N ranks minus the paired one on 1 rank:
+a cruder estimate that also holds the one step's collectives (and the only one for data-parallel replicas of
+one rank, which have no other rank to deliver to). `procs` counts the server's process and its
 descendants while it serves (the ranks, on one host) and the plan column is /server_info's deployment plan:
 together they show that a mode really ran on N ranks. A mode the server refuses at start-up is printed with
 its error and skipped. On a 2-core CPU host the figures check the plumbing (ranks share the cores, so no
@@ -55,8 +56,10 @@ MODES: dict[str, tuple[int, list[str]]] = {
 }
 """mode -> (ranks = --num-gpus, the serve flags that select it)."""
 BASELINE = "single"
-OVERHEAD_NAME = re.compile(r"dispatch|broadcast|send_batch|executor_overhead", re.IGNORECASE)
-"""What a server-reported per-batch overhead (timings key or metric name) is called."""
+DELIVERY = "diffuserve_rank_call_delivery_seconds"
+"""The server's histogram of the time a pipeline call takes to reach the slowest other rank of replica 0."""
+STRAGGLE = "diffuserve_rank_call_straggle_seconds"
+"""... and of the time rank 0 waits for the other ranks to finish after its own part."""
 CFG = {"true_cfg_scale": 4.0, "negative_prompt": "blurry, low quality"}
 
 
@@ -67,7 +70,6 @@ class Samples:
     full_ms: list[float] = field(default_factory=list)
     one_step_ms: list[float] = field(default_factory=list)
     burst_rps: list[float] = field(default_factory=list)
-    timings: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -79,8 +81,10 @@ class ModeResult:
     samples: Samples = field(default_factory=Samples)
     baseline: Samples = field(default_factory=Samples)
     """The single-rank server's requests interleaved with this mode's (same moments, same machine load)."""
-    overhead_ms: float | None = None
-    overhead_source: str = ""
+    delivery_ms: float | None = None
+    """Mean per-call delivery to the other ranks over the timed requests (the server's histogram)."""
+    straggle_ms: float | None = None
+    """Mean per-call wait for the other ranks after rank 0's own part (the server's histogram)."""
     startup_s: float = 0.0
     plan: str = ""
     """What the server says it runs (/server_info's deployment plan)."""
@@ -142,33 +146,30 @@ def _last_error(log: Path) -> str:
     return (errors or lines or ["(no output)"])[-1][:300]
 
 
-def _generate(client: openai.OpenAI, model: str, size: str, steps: int, seed: int) -> tuple[float, dict]:
+def _generate(client: openai.OpenAI, model: str, size: str, steps: int, seed: int) -> float:
     started = time.perf_counter()
     result = client.images.generate(model=model, prompt=f"a red fox in the snow, photo {seed}", size=size, n=1,
                                     response_format="b64_json",
                                     extra_body={"num_inference_steps": steps, "seed": seed, **CFG})
     elapsed = (time.perf_counter() - started) * 1000
     assert result.data and result.data[0].b64_json, "the server answered without an image"
-    return elapsed, (result.model_extra or {}).get("timings") or {}
+    return elapsed
 
 
-def _reported_overhead(timings: list[dict], metrics_text: str) -> tuple[float | None, str]:
-    """A per-batch overhead the server reports: a timings key (ms), else a /metrics histogram (seconds)."""
-    values: dict[str, list[float]] = {}
-    for t in timings:
-        for key, value in [*t.items(), *(t.get("stages_ms") or {}).items()]:
-            if OVERHEAD_NAME.search(key) and isinstance(value, (int, float)):
-                values.setdefault(key, []).append(float(value))
-    if values:
-        key = sorted(values)[0]
-        return statistics.mean(values[key]), f"timings.{key}"
+def _histograms(metrics_text: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of every histogram on a /metrics page."""
+    out = {}
     for family in text_string_to_metric_families(metrics_text):
-        if family.type == "histogram" and OVERHEAD_NAME.search(family.name):
-            sums = {s.name: s.value for s in family.samples if s.name.endswith(("_sum", "_count"))}
-            count, total = sums.get(f"{family.name}_count", 0.0), sums.get(f"{family.name}_sum", 0.0)
-            if count:
-                return total / count * 1000, f"/metrics {family.name}"
-    return None, ""
+        if family.type == "histogram":
+            values = {s.name: s.value for s in family.samples}
+            out[family.name] = (values.get(f"{family.name}_sum", 0.0), values.get(f"{family.name}_count", 0.0))
+    return out
+
+
+def _mean_ms(before: dict, after: dict, name: str) -> float | None:
+    """Mean of the observations between two scrapes (the timed requests only), in ms; None without any."""
+    (s0, c0), (s1, c1) = before.get(name, (0.0, 0.0)), after.get(name, (0.0, 0.0))
+    return (s1 - s0) / (c1 - c0) * 1000 if c1 > c0 else None
 
 
 def _process_tree_size(pid: int) -> int | None:
@@ -248,9 +249,7 @@ class Server:
             futures = [pool.submit(_generate, self.client, self.model, args.size, steps, seed + i)
                        for i in range(args.concurrency)]
             for future in futures:
-                ms, timings = future.result()
-                (into.one_step_ms if one_step else into.full_ms).append(ms)
-                into.timings.append(timings)
+                (into.one_step_ms if one_step else into.full_ms).append(future.result())
         if not one_step:
             into.burst_rps.append(args.concurrency / (time.perf_counter() - t0))
 
@@ -272,12 +271,15 @@ def run_pair(mode: str, base: Server | None, args: argparse.Namespace, workdir: 
         print(f"[{mode}] refused / failed to start: {result.error}", flush=True)
         return result
     try:
+        before = _histograms(server.metrics())
         for one_step in (False, True):
             for r in range(args.requests):
                 pair = [(server, result.samples)] + ([(base, result.baseline)] if base is not None else [])
                 for srv, into in pair if r % 2 == 0 else pair[::-1]:  # alternate who goes first
                     srv.burst(args, one_step, seed=1 + 100 * r, into=into)
-        result.overhead_ms, result.overhead_source = _reported_overhead(result.samples.timings, server.metrics())
+        after = _histograms(server.metrics())
+        result.delivery_ms = _mean_ms(before, after, DELIVERY)
+        result.straggle_ms = _mean_ms(before, after, STRAGGLE)
     except (openai.OpenAIError, httpx.HTTPError, AssertionError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:300]
         print(f"[{mode}] request failed: {result.error}", flush=True)
@@ -286,12 +288,20 @@ def run_pair(mode: str, base: Server | None, args: argparse.Namespace, workdir: 
     return result
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def _table(results: list[ModeResult], args: argparse.Namespace) -> str:
     lines = [f"bench_parallel: {args.size}, {args.steps} steps, true CFG on, {args.requests} rounds per mode of "
              f"{args.concurrency} request(s), device {args.device}, model {args.model_label}",
-             "N/1: this mode's latency over the single-rank server's, measured interleaved with it (same load)",
-             f"{'mode':14} {'ranks':>5} {'mean ms':>9} {'p50 ms':>9} {'1-rank ms':>9} {'N/1 mean':>9} {'N/1 p50':>8} "
-             f"{'req/s':>7} {'1-step ms':>10} {'overhead ms':>12} {'start s':>8} {'procs':>5}  plan (/server_info); overhead source"]
+             "N/1: latency over the single-rank server's, measured interleaved with it (same load). Per-call overhead "
+             "of the ranks: deliver = a call reaching the slowest other rank, straggle = rank 0 waiting for the others "
+             "after its part (the server's histograms, replica 0); 1-step +ms = 1-step latency minus the paired "
+             "1-rank one (an estimate that also holds that step's collectives)",
+             f"{'mode':14} {'ranks':>5} {'mean ms':>8} {'p50 ms':>8} {'1-rank':>7} {'N/1 mean':>8} {'N/1 p50':>7} "
+             f"{'req/s':>6} {'1-step ms':>9} {'1-step +ms':>10} {'deliver ms':>10} {'straggle ms':>11} {'start s':>7} "
+             f"{'procs':>5}  plan and replicas (/server_info)"]
     for r in results:
         if r.error:
             lines.append(f"{r.mode:14} {r.ranks:5d}  not run: {r.error}")
@@ -299,19 +309,16 @@ def _table(results: list[ModeResult], args: argparse.Namespace) -> str:
         own = r.samples
         base = r.baseline if r.baseline.full_ms else own if r.mode == BASELINE else None
         mean, p50, one = statistics.mean(own.full_ms), statistics.median(own.full_ms), statistics.mean(own.one_step_ms)
-        base_mean, ratio_mean, ratio_p50 = "-", "-", "-"
+        base_mean = ratio_mean = ratio_p50 = extra = "-"
         if base is not None:
             base_mean = f"{statistics.mean(base.full_ms):.0f}"
             ratio_mean = f"{mean / statistics.mean(base.full_ms):.2f}"
             ratio_p50 = f"{p50 / statistics.median(base.full_ms):.2f}"
-        overhead, note = "-", r.overhead_source
-        if r.overhead_ms is not None:
-            overhead = f"{r.overhead_ms:.1f}"
-        elif r.baseline.one_step_ms:
-            overhead, note = f"{one - statistics.mean(r.baseline.one_step_ms):.1f}", "(1-step diff)"
-        lines.append(f"{r.mode:14} {r.ranks:5d} {mean:9.0f} {p50:9.0f} {base_mean:>9} {ratio_mean:>9} "
-                     f"{ratio_p50:>8} {statistics.mean(own.burst_rps):7.2f} {one:10.0f} "
-                     f"{overhead:>12} {r.startup_s:8.0f} {r.processes or '?':>5}  {r.plan}; {note or '-'}")
+        if r.baseline.one_step_ms:
+            extra = f"{one - statistics.mean(r.baseline.one_step_ms):.0f}"
+        lines.append(f"{r.mode:14} {r.ranks:5d} {mean:8.0f} {p50:8.0f} {base_mean:>7} {ratio_mean:>8} {ratio_p50:>7} "
+                     f"{statistics.mean(own.burst_rps):6.2f} {one:9.0f} {extra:>10} {_ms(r.delivery_ms):>10} "
+                     f"{_ms(r.straggle_ms):>11} {r.startup_s:7.0f} {r.processes or '?':>5}  {r.plan}")
     return "\n".join(lines)
 
 
@@ -365,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             if base is not None:
                 base.stop()
         for r in results[1:]:  # the baseline row: all its requests, over every pairing
-            for name in ("full_ms", "one_step_ms", "burst_rps", "timings"):
+            for name in ("full_ms", "one_step_ms", "burst_rps"):
                 getattr(single.samples, name).extend(getattr(r.baseline, name))
         if single.error is None and not single.samples.full_ms:
             single.error = "no paired mode ran"
