@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from diffuserve.executor.worker import BatchOutcome, PreviewSink, Request, run_batch
 from diffuserve.pipelines.base import Pipeline
+from diffuserve.sampling import SamplingParams
 
 
 @dataclass
@@ -43,6 +44,37 @@ class BatchCall:
     """Row cap of every pipeline call (dynamic mode); None = one call."""
 
 
+class StepRunner(Protocol):
+    """Continuous batching's three moves, on every rank of replica 0: start a joining request's rows, step the
+    group, drop a request that left. The rows objects are `pipelines.step_batch.RequestRows` of this rank."""
+
+    def start(self, request_id: str, params: SamplingParams) -> Any: ...
+
+    def step(self, rows: Sequence[tuple[str, Any]]) -> None: ...
+
+    def drop(self, request_id: str) -> None: ...
+
+
+class LocalSteps:
+    """StepRunner of one rank: the step_batch pieces on this process's pipeline."""
+
+    def __init__(self, pipeline: Pipeline):
+        self.pipeline = pipeline
+
+    def start(self, request_id: str, params: SamplingParams) -> Any:
+        from diffuserve.pipelines import step_batch
+
+        return step_batch.start_request(self.pipeline, params)  # type: ignore[arg-type]
+
+    def step(self, rows: Sequence[tuple[str, Any]]) -> None:
+        from diffuserve.pipelines import step_batch
+
+        step_batch.denoise_step(self.pipeline, [state for _, state in rows])  # type: ignore[arg-type]
+
+    def drop(self, request_id: str) -> None:
+        pass
+
+
 class Executor(Protocol):
     """Runs scheduled batches. `load()` returns rank 0's pipeline (the model description comes from it)."""
 
@@ -51,6 +83,8 @@ class Executor(Protocol):
     def load(self) -> Pipeline: ...
 
     def execute(self, replica: int, call: BatchCall) -> BatchOutcome: ...
+
+    def steps(self) -> StepRunner: ...
 
     def shutdown(self) -> None: ...
 
@@ -74,6 +108,10 @@ class InProcessExecutor:
         extra: dict[str, Any] = {"clock": self._clock} if self._clock is not None else {}
         return run_batch(self.pipeline, call.requests, on_step=call.on_step, previews=call.previews or None,
                          max_rows=call.max_rows, **extra)
+
+    def steps(self) -> StepRunner:
+        assert self.pipeline is not None, "load() first"
+        return LocalSteps(self.pipeline)
 
     def shutdown(self) -> None:
         pass

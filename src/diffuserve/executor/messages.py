@@ -47,6 +47,23 @@ class CallMessage:
 
 
 @dataclass(frozen=True)
+class StepMessage:
+    """One continuous-batching denoising step for every rank of a replica (the same sequence as CallMessage)."""
+
+    seq: int
+    """Sequence number on its replica (shared with pipeline calls)."""
+    starts: tuple[tuple[str, SamplingParams], ...] = ()
+    """Requests that joined since the last step: (request id, params); each rank starts their rows itself."""
+    rows: tuple[str, ...] = ()
+    """The step's requests, in the order their rows are stacked."""
+    drops: tuple[str, ...] = ()
+    """Requests that left (finished, cancelled, failed): their rows are freed."""
+    posted_at: float = 0.0
+    """time.time() when the leader posted it."""
+    kind: Literal["step"] = "step"
+
+
+@dataclass(frozen=True)
 class ErrorInfo:
     """A request's error, picklable whatever the exception class's constructor takes."""
 

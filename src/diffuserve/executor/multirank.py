@@ -146,6 +146,11 @@ class MultiRankExecutor:
                                      is_alive=lambda: self.alive, observe=self._observe_call)
         return pipeline
 
+    def steps(self) -> Any:
+        """Continuous batching on replica 0's ranks (the only replica continuous mode runs with)."""
+        assert self.local is not None, "load() first"
+        return self.local
+
     def _fault(self, rank: int, message: str) -> None:
         for state in self.replicas:
             if rank in state.ranks or rank < 0:

@@ -9,7 +9,9 @@ at the same step or none does. After a call every other rank acknowledges it; a 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diffuserve.executor.channel import StoreChannel
-from diffuserve.executor.messages import BatchMessage, BatchReport, CallMessage
+from diffuserve.executor.messages import BatchMessage, BatchReport, CallMessage, StepMessage
 from diffuserve.executor.topology import Topology
 from diffuserve.executor.worker import run_batch
 from diffuserve.pipelines.base import BatchResult, Pipeline
@@ -59,6 +61,11 @@ def bye_key(rank: int) -> str:
     return f"bye/{rank}"
 
 
+def _with_seed(params: SamplingParams) -> SamplingParams:
+    """Every rank must draw the same noise: an unset seed is drawn once, on the leader."""
+    return params if params.seed is not None else dataclasses.replace(params, seed=secrets.randbelow(2**31))
+
+
 class StepSync:
     """The leader's stop decision at each step boundary, broadcast to the replica's other ranks."""
 
@@ -98,6 +105,9 @@ class ReplicaPipeline:
     """observe(delivery_s, straggle_s) per call: how long the call message took to reach the slowest other rank,
     and how long the leader waited for their acknowledgements after its own part (the per-call overhead)."""
     _seq: int = field(default=0, init=False)
+    _unsent_starts: dict[str, SamplingParams] = field(default_factory=dict, init=False)
+    _unsent_drops: list[str] = field(default_factory=list, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     def __getattr__(self, name: str) -> Any:  # describe_model, output_kind, supports_batching ...
         return getattr(self.pipeline, name)
@@ -108,14 +118,69 @@ class ReplicaPipeline:
             if rank != t.rank:
                 self.channel.post(call_key(t.replica, self._seq, rank), CallMessage(seq=self._seq, kind="shutdown"))
 
-    def run(self, batch: Sequence[SamplingParams], **hooks: Any) -> BatchResult:
+    # -- continuous batching: the StepRunner of executor/base.py, on every rank of the replica ----------------
+    def start(self, request_id: str, params: SamplingParams) -> Any:
+        """Start a joining request's rows here; the other ranks start theirs with the next step (any thread)."""
+        from diffuserve.pipelines import step_batch
+
+        params = _with_seed(params)
+        rows = step_batch.start_request(self.pipeline, params)  # type: ignore[arg-type]
+        with self._lock:
+            self._unsent_starts[request_id] = params
+        return rows
+
+    def drop(self, request_id: str) -> None:
+        """A request left the group: the other ranks free its rows with the next step."""
+        with self._lock:
+            if self._unsent_starts.pop(request_id, None) is None:
+                self._unsent_drops.append(request_id)
+
+    def step(self, rows: Sequence[tuple[str, Any]]) -> None:
+        """One denoising step of the group on every rank, the rows stacked in the same order everywhere."""
+        from diffuserve.pipelines import step_batch
+
+        ids = [rid for rid, _ in rows]
+        with self._lock:
+            starts = tuple((rid, self._unsent_starts.pop(rid)) for rid in ids if rid in self._unsent_starts)
+            drops, self._unsent_drops = tuple(self._unsent_drops), []
+        seq, peers = self._next_seq()
+        message = StepMessage(seq=seq, starts=starts, rows=tuple(ids), drops=drops, posted_at=time.time())
+        for rank in peers:
+            self.channel.post(call_key(self.topology.replica, seq, rank), message)
+        try:
+            step_batch.denoise_step(self.pipeline, [state for _, state in rows])  # type: ignore[arg-type]
+        finally:
+            self._collect_acks(seq, peers, time.monotonic())
+
+    def _next_seq(self) -> tuple[int, list[int]]:
         t = self.topology
-        peers = [r for r in t.replica_ranks() if r != t.rank]
         seq = self._seq
         self._seq += 1
+        return seq, [r for r in t.replica_ranks() if r != t.rank]
+
+    def _collect_acks(self, seq: int, peers: list[int], finished: float) -> None:
+        t, delivery = self.topology, 0.0
+        for rank in peers:
+            try:
+                ack = self.channel.receive(ack_key(t.replica, seq, rank), keep_waiting=self.is_alive,
+                                           timeout_s=self.timeout_s)
+            except Exception as exc:
+                raise RankFault(f"rank {rank} did not finish call {seq} of replica {t.replica} within "
+                                f"{self.timeout_s:.0f}s of rank {t.rank} ({exc})") from exc
+            status, delivered = ack
+            delivery = max(delivery, delivered)
+            if status != "ok":
+                logger.warning("rank %d: call %d: %s", rank, seq, status)
+        if peers and self.observe is not None:
+            self.observe(delivery, time.monotonic() - finished)
+
+    # -- request-level batches ---------------------------------------------------------------------------
+    def run(self, batch: Sequence[SamplingParams], **hooks: Any) -> BatchResult:
+        seq, peers = self._next_seq()
+        batch = [_with_seed(p) for p in batch]
         message = CallMessage(seq=seq, kind="call", params=tuple(batch), posted_at=time.time())
         for rank in peers:  # one key per reader: a read removes its key
-            self.channel.post(call_key(t.replica, seq, rank), message)
+            self.channel.post(call_key(self.topology.replica, seq, rank), message)
         local_stop = hooks.get("should_stop")
 
         def should_stop() -> bool:  # every rank asks at the same step boundaries; the leader's answer wins
@@ -123,39 +188,35 @@ class ReplicaPipeline:
             return self.sync(decision) if self.sync is not None else decision
 
         hooks["should_stop"] = should_stop
-        delivery = 0.0
         try:
             return self.pipeline.run(batch, **hooks)
         finally:
-            finished = time.monotonic()
-            for rank in peers:
-                try:
-                    ack = self.channel.receive(ack_key(t.replica, seq, rank), keep_waiting=self.is_alive,
-                                               timeout_s=self.timeout_s)
-                except Exception as exc:
-                    raise RankFault(f"rank {rank} did not finish pipeline call {seq} of replica {t.replica} within "
-                                    f"{self.timeout_s:.0f}s of rank {t.rank} ({exc})") from exc
-                status, delivered = ack
-                delivery = max(delivery, delivered)
-                if status != "ok":
-                    logger.warning("rank %d: pipeline call %d: %s", rank, seq, status)
-            if peers and self.observe is not None:
-                self.observe(delivery, time.monotonic() - finished)
+            self._collect_acks(seq, peers, time.monotonic())
 
 
 def follow_calls(pipeline: Pipeline, channel: StoreChannel, topology: Topology, sync: StepSync,
                  stop: threading.Event) -> None:
-    """A non-leader rank: run every pipeline call its leader posts, until a shutdown call (or `stop`)."""
+    """A non-leader rank: run every pipeline call (or continuous step) its leader posts, until a shutdown call."""
+    from diffuserve.pipelines import step_batch
+
     seq = 0
+    states: dict[str, Any] = {}  # continuous batching: each group request's rows on this rank
     while True:
-        message: CallMessage = channel.receive(call_key(topology.replica, seq, topology.rank),
+        message: CallMessage | StepMessage = channel.receive(call_key(topology.replica, seq, topology.rank),
                                                keep_waiting=lambda: not stop.is_set())
         if message.kind == "shutdown":
             channel.post(bye_key(topology.rank), "bye")
             return
         delivered = max(0.0, time.time() - message.posted_at)
         try:
-            pipeline.run(list(message.params), should_stop=lambda: sync(False))
+            if isinstance(message, StepMessage):
+                for rid in message.drops:
+                    states.pop(rid, None)
+                for rid, params in message.starts:
+                    states[rid] = step_batch.start_request(pipeline, params)  # type: ignore[arg-type]
+                step_batch.denoise_step(pipeline, [states[rid] for rid in message.rows])  # type: ignore[arg-type]
+            else:
+                pipeline.run(list(message.params), should_stop=lambda: sync(False))
             ack = "ok"
         except Exception as exc:  # the leader decides what the batch's answer is; this rank reports
             logger.exception("pipeline call %d failed on rank %d", seq, topology.rank)
