@@ -332,10 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="denoising steps of the timed requests")
     parser.add_argument("--device", default="cpu", help="serve --device: cpu (gloo ranks) or cuda (NCCL)")
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight (2+ shows --dp-size)")
-    parser.add_argument("--threads", type=int, default=None, help="serve --num-threads per rank (default: the server's)")
-    parser.add_argument("--model-path", type=Path, default=None, help="checkpoint (default: the 36M FLUX.1-style one)")
+    parser.add_argument("--threads", type=int, default=None, help="serve --num-threads per rank (None: the server's choice)")
+    parser.add_argument("--model-path", type=Path, default=None, help="checkpoint folder (None: the 36M FLUX.1-style one)")
     parser.add_argument("--cache-dir", type=Path, default=None,
-                        help="where the 36M checkpoint is built once (default: <diffuserve cache>/bench)")
+                        help="where the 36M checkpoint is built once (None: $DIFFUSERVE_CACHE/bench)")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a server to turn healthy")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--output", type=Path, default=None, help="also write the table to this file")
