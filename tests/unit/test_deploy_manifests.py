@@ -126,16 +126,39 @@ def test_the_three_deployments_are_here():
     assert {p.name for p in MANIFESTS} >= {"diffuserve.yaml", "diffuserve-multigpu.yaml", "diffuserve-multinode.yaml"}
 
 
+def _plan(manifest: Manifest, index: int, gpus: int) -> Any:
+    """The real resolver for pod `index` on `gpus` described GPUs: degrees that do not fill --num-gpus, or that
+    do not divide the DiT's heads, fail here as at start-up."""
+    args = manifest.server_args(index)
+    family, heads = CHECKPOINTS[Path(args.model_path).name]
+    profile = dataclasses.replace(family_profile(family), dit_attention_heads=heads)
+    plan = resolve(args.deployment, describe_hardware(gpus, 80.0), profile)
+    assert plan.num_gpus == (args.deployment.num_gpus or 1)
+    return plan
+
+
 def test_flags_parse_on_every_pod_and_the_plan_resolves(manifest: Manifest):
     for index in range(manifest.pods):
         args = manifest.server_args(index)
         assert args.port == _container_port(manifest, "http")
-        family, heads = CHECKPOINTS[Path(args.model_path).name]
-        profile = dataclasses.replace(family_profile(family), dit_attention_heads=heads)
-        num_gpus = args.deployment.num_gpus or 1
-        # The real resolver: degrees that do not fill --num-gpus or do not divide the heads fail here.
-        plan = resolve(args.deployment, describe_hardware(num_gpus, 80.0), profile)
-        assert plan.num_gpus == num_gpus
+        _plan(manifest, index, args.deployment.num_gpus or 1)  # as if every rank's GPU were on this host
+
+
+def _several_hosts(path: Path) -> bool:
+    return any(int(n) > 1 for n in re.findall(r"--nnodes[= ](\d+)", path.read_text()))
+
+
+@pytest.mark.parametrize("path", [
+    pytest.param(path, id=path.name, marks=[pytest.mark.xfail(strict=True, reason=(
+        "config/deployment.resolve compares --num-gpus (the ranks of every host) with the devices of this one "
+        "host, so each pod of a multi-host GPU deployment is refused at start-up; it should compare "
+        "--num-gpus / --nnodes (CPU runs skip the check, so the two-host tests pass)"))] if _several_hosts(path) else [])
+    for path in MANIFESTS])
+def test_the_plan_resolves_on_the_gpus_of_one_pod(path: Path):
+    manifest = _load(path)
+    limit = int(manifest.container["resources"]["limits"][GPU])
+    for index in range(manifest.pods):
+        _plan(manifest, index, limit)
 
 
 def test_gpu_limit_times_hosts_is_num_gpus(manifest: Manifest):
