@@ -132,7 +132,7 @@ def _plan(manifest: Manifest, index: int, gpus: int) -> Any:
     args = manifest.server_args(index)
     family, heads = CHECKPOINTS[Path(args.model_path).name]
     profile = dataclasses.replace(family_profile(family), dit_attention_heads=heads)
-    plan = resolve(args.deployment, describe_hardware(gpus, 80.0), profile)
+    plan = resolve(args.deployment, describe_hardware(gpus, 80.0), profile, hosts=args.nnodes)
     assert plan.num_gpus == (args.deployment.num_gpus or 1)
     return plan
 
@@ -141,19 +141,10 @@ def test_flags_parse_on_every_pod_and_the_plan_resolves(manifest: Manifest):
     for index in range(manifest.pods):
         args = manifest.server_args(index)
         assert args.port == _container_port(manifest, "http")
-        _plan(manifest, index, args.deployment.num_gpus or 1)  # as if every rank's GPU were on this host
+        _plan(manifest, index, (args.deployment.num_gpus or 1) // args.nnodes)  # this host's share of the ranks
 
 
-def _several_hosts(path: Path) -> bool:
-    return any(int(n) > 1 for n in re.findall(r"--nnodes[= ](\d+)", path.read_text()))
-
-
-@pytest.mark.parametrize("path", [
-    pytest.param(path, id=path.name, marks=[pytest.mark.xfail(strict=True, reason=(
-        "config/deployment.resolve compares --num-gpus (the ranks of every host) with the devices of this one "
-        "host, so each pod of a multi-host GPU deployment is refused at start-up; it should compare "
-        "--num-gpus / --nnodes (CPU runs skip the check, so the two-host tests pass)"))] if _several_hosts(path) else [])
-    for path in MANIFESTS])
+@pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
 def test_the_plan_resolves_on_the_gpus_of_one_pod(path: Path):
     manifest = _load(path)
     limit = int(manifest.container["resources"]["limits"][GPU])
