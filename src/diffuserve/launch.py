@@ -140,6 +140,11 @@ def load_serving_pipeline(args: ServerArgs, model_path: Path, device: str, deplo
         model_path, model_id=args.model_id, backend=args.backend, device=device,
         dtype=resolve_dtype(args.dtype, device), placement="host",
     )
+    applied: list[str] = []
+    if groups is not None:
+        from diffuserve.parallel.apply import shard_weights
+
+        applied += shard_weights(pipeline, deployment.plan, groups, device_type=device.split(":")[0])
     if pipeline.components:
         import torch
 
@@ -154,7 +159,7 @@ def load_serving_pipeline(args: ServerArgs, model_path: Path, device: str, deplo
     if groups is not None:
         from diffuserve.parallel.apply import apply_parallelism
 
-        applied = apply_parallelism(pipeline, deployment.plan, groups, device_type="cuda" if device.startswith("cuda") else "cpu")
+        applied += apply_parallelism(pipeline, deployment.plan, groups)
         if applied:
             logger.info("parallel modes: %s", ", ".join(applied))
     from diffuserve.runtime.compile import apply_compile

@@ -199,6 +199,9 @@ def test_data_parallel_replicas_share_the_load_and_a_hung_rank_is_declared(tiny_
         replicas = httpx.get(f"{server.base_url}/server_info").json()["replicas"]
         assert [r["ranks"] for r in replicas] == [[0], [1]] and all(r["batches"] >= 1 for r in replicas)
         assert httpx.get(f"{server.base_url}/health").status_code == 200
+        # The next batch goes to the free replica with the fewest rows: make that replica 1, whose rank is stopped.
+        while (rows := _metric(server, "diffuserve_replica_rows"))[(("replica", "1"),)] >= rows[(("replica", "0"),)]:
+            _generate(server, "a red fox", seed=1)
     except BaseException:
         server.stop()
         raise

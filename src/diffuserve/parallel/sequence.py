@@ -104,6 +104,15 @@ _PLANS: dict[str, _Plan] = {
 }
 
 
+
+def _plan_of(module: Any) -> Any:
+    """The split plan of a DiT, looked up along its class's bases: FSDP2 wraps a sharded module in a dynamic
+    subclass (`FSDPFluxTransformer2DModel`), whose base is the model class the plan is for."""
+    for cls in type(module).__mro__:
+        if cls.__name__ in _PLANS:
+            return _PLANS[cls.__name__]
+    return None
+
 def _flag(ulysses_degree: int, ring_degree: int) -> str:
     return "ulysses_degree" if ulysses_degree > 1 else "ring_degree"
 
@@ -129,7 +138,7 @@ def check_sequence_parallel(pipeline: Any, *, ulysses_degree: int, ring_degree: 
     except KeyError:  # an unknown family name: no spec, so no split
         supported = False
     keys = [k for k in pipeline.denoisers if k in pipeline.components]
-    plans = {k: _PLANS.get(type(pipeline.components[k]).__name__) for k in keys}
+    plans = {k: _plan_of(pipeline.components[k]) for k in keys}
     if not supported or not keys or None in plans.values():
         split = sorted(name for name, spec in all_specs().items() if spec.profile.sequence_parallel)
         raise ConfigError(f"--{flag.replace('_', '-')}: the {family} family has no sequence split (families with "
@@ -267,7 +276,8 @@ class SequenceParallel:
 
     def install(self, transformer: torch.nn.Module) -> None:
         """Hook one DiT (its class must have a plan)."""
-        plan = _PLANS[type(transformer).__name__]
+        plan = _plan_of(transformer)
+        assert plan is not None
         _wrap_dispatch(plan.module)
         sp = self
         signature = _parameters(transformer)
