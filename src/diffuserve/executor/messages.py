@@ -44,6 +44,8 @@ class CallMessage:
     """The call's rows, exactly as the leader runs them."""
     posted_at: float = 0.0
     """time.time() when the leader posted it (the receiver reports how long delivery took)."""
+    compile_warmup: bool = False
+    """The leader runs it inside its residency's compile_warmup() (--offload-during-compile): so do the others."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ at the same step or none does. After a call every other rank acknowledges it; a 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import secrets
@@ -178,7 +179,9 @@ class ReplicaPipeline:
     def run(self, batch: Sequence[SamplingParams], **hooks: Any) -> BatchResult:
         seq, peers = self._next_seq()
         batch = [_with_seed(p) for p in batch]
-        message = CallMessage(seq=seq, kind="call", params=tuple(batch), posted_at=time.time())
+        warming = bool(getattr(getattr(self.pipeline, "residency", None), "in_compile_warmup", False))
+        message = CallMessage(seq=seq, kind="call", params=tuple(batch), posted_at=time.time(),
+                              compile_warmup=warming)
         for rank in peers:  # one key per reader: a read removes its key
             self.channel.post(call_key(self.topology.replica, seq, rank), message)
         local_stop = hooks.get("should_stop")
@@ -216,7 +219,10 @@ def follow_calls(pipeline: Pipeline, channel: StoreChannel, topology: Topology, 
                     states[rid] = step_batch.start_request(pipeline, params)  # type: ignore[arg-type]
                 step_batch.denoise_step(pipeline, [states[rid] for rid in message.rows])  # type: ignore[arg-type]
             else:
-                pipeline.run(list(message.params), should_stop=lambda: sync(False))
+                residency = getattr(pipeline, "residency", None)
+                placement = residency.compile_warmup() if message.compile_warmup and residency else contextlib.nullcontext()
+                with placement:
+                    pipeline.run(list(message.params), should_stop=lambda: sync(False))
             ack = "ok"
         except Exception as exc:  # the leader decides what the batch's answer is; this rank reports
             logger.exception("pipeline call %d failed on rank %d", seq, topology.rank)

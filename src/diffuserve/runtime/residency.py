@@ -122,6 +122,8 @@ class ComponentResidencyManager:
         offload_during_compile: bool = False,
     ) -> None:
         self.offload_during_compile = offload_during_compile
+        self.in_compile_warmup = False
+        """True inside compile_warmup() (the other ranks of a replica enter theirs for the same calls)."""
         """Whether `compile_warmup()` offloads the resident components (the plan's compile settings)."""
         self.device = torch.device(device)
         self.ledger = ledger
@@ -257,9 +259,11 @@ class ComponentResidencyManager:
             yield
             return
         evicted = self._evict_resident()
+        self.in_compile_warmup = True
         try:
             yield
         finally:
+            self.in_compile_warmup = False
             self._restore_resident(evicted)
 
     def _evict_resident(self) -> dict[str, Strategy]:
