@@ -30,6 +30,8 @@ class BatchMessage:
     """Each request's sampling parameters (same order as request_ids)."""
     max_rows: int | None = None
     """Row cap of every pipeline call of the batch (dynamic mode), None = one call."""
+    compile_warmup: bool = False
+    """The engine's warm-up batch: the replica runs it inside its residency's compile_warmup()."""
 
 
 @dataclass(frozen=True)

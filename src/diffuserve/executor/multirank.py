@@ -177,7 +177,8 @@ class MultiRankExecutor:
         started = self._clock()
         self.channel.post(batch_key(replica, seq), BatchMessage(
             seq=seq, kind="batch", request_ids=tuple(r.request_id for r in live),
-            params=tuple(r.params for r in live), max_rows=call.max_rows))
+            params=tuple(r.params for r in live), max_rows=call.max_rows,
+            compile_warmup=any(getattr(r, "ineligible_reason", None) == "warmup" for r in live)))
         steps_seen, cancelled = 0, False
         while True:
             report = self.channel.poll(report_key(replica, seq))

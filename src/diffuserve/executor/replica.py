@@ -258,6 +258,9 @@ def lead_batches(replica_pipeline: ReplicaPipeline, channel: StoreChannel, topol
             channel.store.add(progress_key(r, seq), 1)  # atomic: rank 0 reads it with add(0)
 
         replica_pipeline.also_stop = lambda seq=seq: channel.store.check([cancel_key(r, seq)])
-        outcome = run_batch(replica_pipeline, rows, on_step=on_step, max_rows=message.max_rows)
+        residency = getattr(replica_pipeline.pipeline, "residency", None)
+        placement = residency.compile_warmup() if message.compile_warmup and residency else contextlib.nullcontext()
+        with placement:
+            outcome = run_batch(replica_pipeline, rows, on_step=on_step, max_rows=message.max_rows)
         channel.post(report_key(r, seq), BatchReport.of(seq, outcome))  # rank 0 removes the batch's other keys
         seq += 1
