@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from diffuserve.engine.metrics import ContinuousStats
@@ -23,6 +24,7 @@ from diffuserve.engine.step_scheduler import REMOVED_DEADLINE, GroupEntry, StepP
 from diffuserve.engine.worker import preview_steps
 from diffuserve.errors import GenerationError, RequestTimeoutError
 from diffuserve.pipelines import step_batch
+from diffuserve.pipelines.overlap import Overlap, SideResult, overlap_for
 
 if TYPE_CHECKING:
     from diffuserve.engine.engine import AsyncEngine
@@ -44,6 +46,13 @@ class ContinuousLoop:
         self.stats = ContinuousStats(engine.metrics, log_enabled=bool(stats is not None and stats.log_enabled))
         self._timing: dict[str, dict[str, float]] = {}
         """request id -> its stage seconds (encode / denoise / decode) so far."""
+        pipeline = engine.pipeline
+        self.overlap: Overlap | None = overlap_for(pipeline) if getattr(pipeline, "defers_decode", False) else None
+        """The side lanes (encode, decode) of a native pipeline; None = start and decode inline."""
+        self._starting: dict[GroupEntry, Future[SideResult[Any]]] = {}
+        """Joined entries whose start (encode + latents) is running or done but not collected yet."""
+        self._left = 0
+        """Requests that left since the last step line."""
 
     def run(self) -> None:
         engine = self.engine
@@ -96,11 +105,16 @@ class ContinuousLoop:
         assert pipeline is not None
         for entry in plan.joined:
             self._start(entry)
-        rows = [e for e in plan.rows if e.state is not None and e in self.scheduler.group]
+        self._left += plan.left
+        joined = self._collect_started()
+        group = self.scheduler.group
+        rows = [e for e in group if e.ready and e.state is not None]
         if not rows:
+            self._wait_for_starts()
             return
         num_rows = sum(e.num_rows for e in rows)
-        self.stats.record_step(num_rows, plan.cap, len(plan.joined), plan.left, len(rows))
+        self.stats.record_step(num_rows, plan.cap, joined, self._left, len(rows))
+        self._left = 0
         engine.metrics.set_running(len(rows))
         started = time.perf_counter()
         try:
@@ -112,12 +126,14 @@ class ContinuousLoop:
             logger.exception("continuous denoising step of %d request(s) failed", len(rows))
             self._fail(rows, f"{type(exc).__name__}: {exc}")
             return
+        if self.overlap is not None:
+            self.overlap.count_step()
         seconds = time.perf_counter() - started
         for entry in rows:
             timing = self._timing.setdefault(entry.request.request_id, {})
             timing["denoise"] = timing.get("denoise", 0.0) + seconds
         with engine._cond:
-            finished = self.scheduler.step_done(plan)
+            finished = self.scheduler.step_done(plan, rows)
             for entry in rows:
                 pending = engine._pending.get(entry.request.request_id)
                 if pending is not None:
@@ -126,6 +142,7 @@ class ContinuousLoop:
         for entry in finished:
             self._finish(entry, batch_size=len(rows))
 
+    # -- starting (encode + latents), beside the loop when it can -----------------------------------------
     def _start(self, entry: GroupEntry) -> None:
         engine, pipeline, request = self.engine, self.engine.pipeline, entry.request
         now = engine.clock()
@@ -135,17 +152,61 @@ class ContinuousLoop:
             if pending is not None:
                 pending.dispatched_at = now
                 pending.num_steps = request.params.num_inference_steps
-        started = time.perf_counter()
-        try:
-            entry.state = step_batch.start_request(pipeline, request.params)  # type: ignore[arg-type]
-        except Exception as exc:
-            logger.exception("starting request %s failed", request.request_id)
-            self._fail([entry], f"{type(exc).__name__}: {exc}")
-            return
-        # The pipeline's own schedule is what counts (it may be shorter than requested, e.g. img2img strength).
-        entry.num_steps = entry.state.num_steps
-        self._timing[request.request_id] = {"encode": time.perf_counter() - started}
+        entry.ready = False
 
+        def start() -> step_batch.RequestRows:
+            return step_batch.start_request(pipeline, request.params)  # type: ignore[arg-type]
+
+        if self.overlap is None:
+            future: Future[SideResult[step_batch.RequestRows]] = Future()
+            began = time.perf_counter()
+            try:
+                future.set_result(SideResult(value=start(), seconds=time.perf_counter() - began, steps_beside=0))
+            except Exception as exc:
+                future.set_exception(exc)
+        else:
+            future = self.overlap.encode.submit(start, prompts=[request.params.prompt])
+            future.add_done_callback(lambda _: self._wake())
+        self._starting[entry] = future
+
+    def _wake(self) -> None:
+        with self.engine._cond:
+            self.engine._cond.notify_all()
+
+    def _collect_started(self) -> int:
+        """Entries whose start finished become ready (they step from this boundary on); returns how many."""
+        engine, joined = self.engine, 0
+        for entry, future in list(self._starting.items()):
+            if not future.done():
+                continue
+            del self._starting[entry]
+            if entry not in self.scheduler.group:
+                continue  # removed while it was starting (cancelled, deadline): already answered
+            request = entry.request
+            try:
+                side = future.result()
+            except Exception as exc:
+                logger.error("starting request %s failed", request.request_id, exc_info=exc)
+                self._fail([entry], f"{type(exc).__name__}: {exc}")
+                continue
+            entry.state = side.take(engine.pipeline.device) if self.overlap is not None else side.value  # type: ignore[union-attr]
+            # The pipeline's own schedule is what counts (it may be shorter than requested, e.g. img2img strength).
+            entry.num_steps = entry.state.num_steps
+            entry.ready = True
+            joined += 1
+            self._timing[request.request_id] = {"encode": side.seconds}
+            if self.overlap is not None:
+                engine.metrics.observe_overlap("encode", side.steps_beside)
+        return joined
+
+    def _wait_for_starts(self) -> None:
+        """Nothing is ready to step: sleep until a start finishes (or a request arrives, or the stop)."""
+        engine = self.engine
+        with engine._cond:
+            if not engine._stop and not any(f.done() for f in self._starting.values()):
+                engine._cond.wait(_MAX_IDLE_WAIT_S)
+
+    # -- previews and decode, in the decode lane when it can ----------------------------------------------
     def _previews(self, rows: list[GroupEntry], finished: list[GroupEntry]) -> None:
         engine, pipeline = self.engine, self.engine.pipeline
         for entry in rows:
@@ -157,42 +218,73 @@ class ContinuousLoop:
                 continue
             steps = preview_steps(entry.num_steps, sink.partial_images)
             step = entry.step_index - 1
-            if step in steps:
+            if step not in steps:
+                continue
+            snapshot, index = step_batch.snapshot(entry.state), steps.index(step)
+
+            def preview(sink=sink, snapshot=snapshot, index=index, request_id=entry.request.request_id) -> None:
                 try:
-                    sink.deliver(steps.index(step), step_batch.preview_request(pipeline, entry.state))  # type: ignore[arg-type]
+                    sink.deliver(index, step_batch.preview_request(pipeline, snapshot))  # type: ignore[arg-type]
                 except Exception:  # a preview is best effort; the final image still follows
-                    logger.exception("preview of request %s failed", entry.request.request_id)
+                    logger.exception("preview of request %s failed", request_id)
+
+            if self.overlap is None:
+                preview()
+            else:  # the lane runs jobs in order: a preview always reaches the client before its final image
+                self.overlap.decode.submit(preview, inputs=[snapshot])
 
     def _finish(self, entry: GroupEntry, *, batch_size: int) -> None:
-        from diffuserve.engine.engine import GenerationResult
-
-        engine, pipeline, request = self.engine, self.engine.pipeline, entry.request
+        request = entry.request
         timing = self._timing.pop(request.request_id, {})
         self.stats.record_leave("finished")
-        started = time.perf_counter()
+        pipeline, rows = self.engine.pipeline, entry.state
+
+        def decode() -> Any:
+            return step_batch.finish_request(pipeline, rows)  # type: ignore[arg-type]
+
+        if self.overlap is None:
+            future: Future[SideResult[Any]] = Future()
+            began = time.perf_counter()
+            try:
+                future.set_result(SideResult(value=decode(), seconds=time.perf_counter() - began, steps_beside=0))
+            except Exception as exc:
+                future.set_exception(exc)
+            self._answer(request, future, timing, batch_size, overlapped=False)
+        else:  # answered from the decode lane while the loop keeps stepping the others
+            self.overlap.decode.submit(decode, inputs=[rows], prompts=[request.params.prompt]).add_done_callback(
+                lambda f: self._answer(request, f, timing, batch_size, overlapped=True))
+
+    def _answer(self, request: Any, future: Future[SideResult[Any]], timing: dict[str, float], batch_size: int,
+                *, overlapped: bool) -> None:
+        from diffuserve.engine.engine import GenerationResult
+
+        engine = self.engine
         try:
-            output = step_batch.finish_request(pipeline, entry.state)  # type: ignore[arg-type]
+            side = future.result()
         except Exception as exc:
-            logger.exception("decoding request %s failed", request.request_id)
+            logger.error("decoding request %s failed", request.request_id, exc_info=exc)
             with engine._cond:
                 engine._answer_locked(request.request_id, error=GenerationError(
                     f"Generation failed while decoding: {type(exc).__name__}: {exc}"))
             return
-        timing["decode"] = time.perf_counter() - started
+        timing["decode"] = side.seconds
         for stage, seconds in timing.items():
             engine.metrics.observe_stage(stage, seconds)
+        if overlapped:
+            engine.metrics.observe_overlap("decode", side.steps_beside)
         with engine._cond:
             pending = engine._pending.get(request.request_id)
             dispatched = pending.dispatched_at if pending is not None and pending.dispatched_at else request.arrival_time
             engine.metrics.add_outputs_generated(request.params.n)
             engine._answer_locked(request.request_id, result=GenerationResult(
                 request_id=request.request_id,
-                output=output,
+                output=side.value,
                 queue_wait_s=dispatched - request.arrival_time,
                 inference_s=engine.clock() - dispatched,
                 batch_size=batch_size,
                 stage_seconds=timing,
             ))
+            engine._cond.notify_all()
 
     def _fail(self, entries: list[GroupEntry], what: str) -> None:
         engine = self.engine

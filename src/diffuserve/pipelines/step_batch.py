@@ -6,8 +6,10 @@ parts run per request instead, so requests can enter and leave a running denoise
 * `start_request`: encode the request's prompt(s) and prepare its latents, schedule and a private scheduler
   (`RequestRows`: its `n` latent rows, its conditioning, its own step index).
 * `denoise_step`: ONE denoiser call (two with unbatched CFG) for the rows of several requests, each at its own
-  timestep (the transformer takes a per-row timestep vector), then each request's own scheduler step.
-* `preview_request` / `finish_request`: a partial image, or the final decode, of one request's rows.
+  timestep (the transformer takes a per-row timestep vector), then each request's own scheduler step. A family
+  with two experts (Wan2.2 A14B) makes one call per expert the rows need at that step.
+* `preview_request` / `finish_request`: a partial image, or the final decode, of one request's rows (the engine
+  runs them, and `start_request`, in the side lanes of `pipelines/overlap.py`, beside the loop).
 
 Seeds and noise are those of `run` for a batch of one (`stages.batch_noise`), and each request's scheduler is a
 `fresh_scheduler` copy, so a request's rows equal its singleton run up to the float reordering of batched kernels.
@@ -19,6 +21,7 @@ scheduler step must depend only on the request's own state.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,27 +76,33 @@ def _stack(conds: Sequence[Cond], masked: dict[str, str]) -> Cond:
 
 
 def denoise_step(pipeline: RecipePipeline, group: Sequence[RequestRows]) -> None:
-    """One denoising step for every request of `group`, each at its own step index, in ONE denoiser call.
+    """One denoising step for every request of `group`, each at its own step index.
 
-    The rows' latents advance in place (`RequestRows.latents`, `step_index`). Raises ValueError when the rows
-    would need different denoisers this step (two-expert families are not continuous).
+    Rows that need the same denoiser this step share ONE call (two with unbatched CFG); a family with several
+    denoisers (Wan2.2 A14B's two experts, chosen by timestep) makes one call per expert the group's rows need,
+    in the order of the group. The rows' latents advance in place (`RequestRows.latents`, `step_index`).
     """
-    if not group:
-        return
+    parts: dict[str, list[RequestRows]] = {}
+    for rows in group:
+        t = rows.state.timesteps[rows.step_index]
+        parts.setdefault(pipeline.denoiser_for_step(rows.step_index, t, rows.state), []).append(rows)
+    for model_key, part in parts.items():
+        _step_part(pipeline, model_key, part)
+
+
+def _step_part(pipeline: RecipePipeline, model_key: str, group: list[RequestRows]) -> None:
     head = group[0]
     timesteps = [rows.state.timesteps[rows.step_index] for rows in group]
-    model_keys = {pipeline.denoiser_for_step(r.step_index, t, r.state) for r, t in zip(group, timesteps, strict=True)}
-    if len(model_keys) != 1:
-        raise ValueError(f"the rows of this step need different denoisers {sorted(model_keys)}")
-    (model_key,) = model_keys
     with torch.inference_mode(), pipeline.residency.use(model_key):
         latents = torch.cat([r.latents for r in group])
         timestep = torch.cat([t.expand(r.latents.shape[0]) for r, t in zip(group, timesteps, strict=True)])
         positive = _stack([r.positive for r in group], pipeline.masked_sequences)
         negatives = [r.negative for r in group]
         negative = None if negatives[0] is None else _stack(negatives, pipeline.masked_sequences)  # type: ignore[arg-type]
-        # The head's extras serve the whole group: the group key makes them equal (same size, guidance).
-        noise_pred = pipeline._guided(latents, timestep, positive, negative, head.params, head.state,
+        # One state for the call: the head's schedule (the guidance combine reads its step's expert), with the
+        # extras of the whole group (`step_extras`: equal across the group key, or merged where they count rows).
+        state = dataclasses.replace(head.state, extras=pipeline.step_extras([r.state for r in group]))
+        noise_pred = pipeline._guided(latents, timestep, positive, negative, head.params, state,
                                       head.step_index, model_key)
         for rows, t, pred in zip(group, timesteps, noise_pred.split([r.latents.shape[0] for r in group]),
                                  strict=True):
@@ -101,14 +110,22 @@ def denoise_step(pipeline: RecipePipeline, group: Sequence[RequestRows]) -> None
             rows.step_index += 1
 
 
+def snapshot(rows: RequestRows) -> RequestRows:
+    """A copy of `rows` as they are now, for a preview made in the decode lane while the loop steps on (the
+    latents are replaced, never written in place, by each step; the extras dict is copied: FLUX.1 keeps the
+    step's velocity there for its preview)."""
+    state = dataclasses.replace(rows.state, extras=dict(rows.state.extras))
+    return dataclasses.replace(rows, state=state)
+
+
 def preview_request(pipeline: RecipePipeline, rows: RequestRows) -> list[Any]:
     """A partial image per row of the request's current latents (the family's `preview`)."""
-    with torch.inference_mode(), pipeline.residency.use(pipeline.decoder):
+    with torch.inference_mode(), pipeline.decoder_scope():
         return pipeline.preview(rows.latents, rows.state)
 
 
 def finish_request(pipeline: RecipePipeline, rows: RequestRows) -> RequestOutput:
     """Decode the request's final latents: its output, as `run` would give it."""
-    with torch.inference_mode(), pipeline.residency.use(pipeline.decoder):
+    with torch.inference_mode(), pipeline.decoder_scope():
         decoded = pipeline.decode(rows.latents, rows.state)
     return RequestOutput(videos=decoded) if pipeline.output_kind == "video" else RequestOutput(images=decoded)
