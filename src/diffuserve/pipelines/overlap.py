@@ -52,7 +52,7 @@ HOLD_TIMEOUT_S = 30.0
 
 
 def _tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Every tensor inside `value` (dicts, lists, tuples, dataclasses; a few levels deep)."""
+    """Every tensor inside `value` (dicts, lists, tuples, dataclasses, plain objects; a few levels deep)."""
     if isinstance(value, torch.Tensor):
         yield value
     elif depth > 4:
@@ -66,6 +66,10 @@ def _tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for f in dataclasses.fields(value):
             yield from _tensors(getattr(value, f.name), depth + 1)
+    elif hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, type)):
+        # e.g. a request's private scheduler copy, whose sigmas / timesteps were made on the encode lane's stream
+        for item in vars(value).values():
+            yield from _tensors(item, depth + 1)
 
 
 @dataclass
