@@ -11,7 +11,8 @@ from other processes hits every side alike), and finally a saturation point: a c
 `--saturation-concurrency` clients. Prints throughput and mean / p50 / p99 latency per point, and the issue-10
 targets: at 70 % load continuous mean latency <= 0.7x dynamic and p99 <= dynamic; at saturation continuous
 throughput >= dynamic. With `--output-dir`: `arrivals.txt` (the printed table), `arrivals.json` and
-`arrivals.png` (latency against load; matplotlib, which the dev environment has).
+`arrivals.svg` (latency against load, drawn with matplotlib, which the dev environment has; SVG because it is
+text, and the repository keeps no binaries). `--plot-from arrivals.json` redraws the SVG of a saved run.
 
 The defaults are the whole grid. On a shared 2-core machine one 36m request takes tens of seconds, so a run that
 must stay short cuts the 36m grid down (`--requests-36m`, `--loads-36m`, `--load-servers-36m`,
@@ -217,8 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--saturation-concurrency-36m", type=int, default=8,
                         help="36m: clients of the closed-loop saturation point.")
     parser.add_argument("--output-dir", type=Path, default=None,
-                        help="Write arrivals.txt, arrivals.json and arrivals.png here.")
+                        help="Write arrivals.txt, arrivals.json and arrivals.svg here.")
+    parser.add_argument("--plot-from", type=Path, default=None,
+                        help="Only redraw the plot of a saved arrivals.json (next to it, as arrivals.svg).")
     args = parser.parse_args(argv)
+    if args.plot_from:
+        _plot(json.loads(args.plot_from.read_text()), args.plot_from.with_suffix(".svg"))
+        return 0
     scenarios = _scenarios(args)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-arrivals-") as tmp:
@@ -232,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         args.output_dir.mkdir(parents=True, exist_ok=True)
         (args.output_dir / "arrivals.txt").write_text("\n".join(lines) + "\n")
         (args.output_dir / "arrivals.json").write_text(json.dumps(reports, indent=2))
-        _plot(reports, args.output_dir / "arrivals.png")
+        _plot(reports, args.output_dir / "arrivals.svg")
     return 0
 
 

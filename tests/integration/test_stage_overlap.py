@@ -46,3 +46,30 @@ def test_a_batch_decodes_while_the_next_batch_denoises(dynamic_server, singleton
         alone = pixels(decode_b64_png(httpx.post(f"{singleton_server.base_url}/v1/images/generations",
                                                  timeout=300, json=body).json()["data"][0]["b64_json"]))
         assert int(np.abs(image.astype(np.int16) - alone.astype(np.int16)).max()) <= PIXEL_TOL, prompt
+
+
+def test_counting_prompt_tokens_beside_an_encode_does_not_change_what_the_encode_gets(tiny_flux_path):
+    """The server counts prompt tokens (HTTP thread) while the encode lane tokenizes: on one shared fast tokenizer
+    the count's settings leaked into the encode (unpadded rows). `count_tokens` runs on a private copy."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from diffuserve.pipelines.prompt_limits import count_tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_flux_path / "tokenizer_2")
+    text, stop = "a red fox in fresh snow, golden hour", threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            count_tokens(tokenizer, text)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        lengths = {tokenizer([text], padding="max_length", max_length=64, truncation=True,
+                             return_tensors="pt").input_ids.shape[1] for _ in range(300)}
+    finally:
+        stop.set()
+        counter.join()
+    assert lengths == {64}

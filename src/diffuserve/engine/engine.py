@@ -488,7 +488,7 @@ class AsyncEngine:
         def answer(outcome: BatchOutcome) -> None:
             for stage, seconds in outcome.stage_seconds.items():
                 self.metrics.observe_stage(stage, seconds)
-            if outcome.deferred or outcome.decode_overlap_steps:
+            if outcome.deferred:
                 self.metrics.observe_overlap("decode", outcome.decode_overlap_steps)
             with self._cond:
                 for request in requests:

@@ -65,8 +65,8 @@ class BatchOutcome:
     pipeline_calls: int = 0
     """Pipeline calls the batch ran as (1 unless a request's n was split under the row cap)."""
     deferred: bool = False
-    """The denoising is done but the decode runs in the decode lane: this outcome has no outputs yet, and the
-    complete one goes to `run_batch`'s `on_decoded` (see there)."""
+    """The decode runs in the decode lane: in what `run_batch` returns, the outputs are not there yet (the
+    complete outcome, also marked deferred, goes to `on_decoded`; see there)."""
     decode_overlap_steps: int = 0
     """Denoising steps (of later batches) the loop ran while this batch's decode ran in the decode lane."""
 
@@ -247,7 +247,7 @@ def _run_deferred(pipeline: Any, live: list[Request], outcome: BatchOutcome,
         return pipeline.decode_batch(denoised)
 
     def deliver(future: Future[SideResult[BatchResult]]) -> None:
-        done = BatchOutcome(batch_rows=denoised.latents.shape[0], pipeline_calls=1)
+        done = BatchOutcome(batch_rows=denoised.latents.shape[0], pipeline_calls=1, deferred=True)
         try:
             side = future.result()
             done.outputs = split_outputs(live, side.value, pipeline.output_kind)

@@ -16,6 +16,9 @@ What makes it safe:
   tensors the job made (an encode's conditioning) are used. On CPU there are no streams and both are no-ops.
 * **The decoder runs in one thread at a time** (`Overlap.decoder_lock`, taken by every decode and preview):
   a layer-streamed VAE cannot serve two forwards at once, and previews (loop) share the VAE with decodes (lane).
+  Likewise the text encoders (`encoder_lock`): a fast tokenizer is not thread-safe (its padding / truncation
+  settings live on the object during a call), and a request-level batch on the loop's thread may encode while
+  the encode lane still finishes a start.
 * **Residency.** Each job enters its own component's scope (`residency.use`), which is thread-safe for
   different components at once and serialises load/unload of one component (`runtime/residency.py`). While a
   decode overlaps a step, the VAE's and the denoiser's weights are on the device together: an offloaded VAE
@@ -153,6 +156,8 @@ class Overlap:
         self.device = torch.device(device)
         self.decoder_lock = threading.RLock()
         """Held by every decode and preview (the VAE runs in one thread at a time)."""
+        self.encoder_lock = threading.RLock()
+        """Held by every text encode (tokenizers are not thread-safe)."""
         self.hold_marker: str | None = None
         """Fault injection only (`engine/faults.py`, `hold:<marker>`): side jobs of requests whose prompt contains
         it wait until the loop ran `HOLD_STEPS` more steps, so tests can observe the overlap deterministically."""

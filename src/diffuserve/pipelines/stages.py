@@ -320,9 +320,12 @@ class RecipePipeline(Pipeline):
             texts += [p.negative_prompt or "" for p in batch]
         unique = list(dict.fromkeys(texts))
         encoded: Cond = {}
-        for key in self.text_encoders:
-            with self.residency.use(key):
-                encoded.update(self.encode_text(key, unique, batch))
+        # One encode at a time (a tokenizer is not thread-safe): the encode lane and a request-level batch on the
+        # loop's thread may both get here (`pipelines/overlap.py`).
+        with overlap_for(self).encoder_lock:
+            for key in self.text_encoders:
+                with self.residency.use(key):
+                    encoded.update(self.encode_text(key, unique, batch))
         slot = {text: i for i, text in enumerate(unique)}
         counts = [p.n for p in batch]
 
