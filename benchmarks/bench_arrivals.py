@@ -6,9 +6,9 @@
 Per scenario (a FLUX.1-style checkpoint built into a temp dir: `tiny`, a ~72k-parameter transformer at 64px, or
 `36m`, the ~36M-parameter preset of `models/tiny.py` at 256px): start the three servers, measure singleton
 capacity (closed loop, one client: requests / s), then at 30 / 50 / 70 / 90 % of that capacity send the same
-Poisson arrivals (`diffuserve.bench.run_setting`, same seeds) to each server in turn, round by round (so load
-from other processes hits every side alike), and finally a saturation point: a closed loop of
-`--saturation-concurrency` clients. Prints throughput and mean / p50 / p99 latency per point, and the issue-10
+Poisson arrivals (same seeds) to each server in turn, and finally a saturation point: a closed loop of
+`--saturation-concurrency` clients. The grid runs in `--rounds` rounds, each with a fresh capacity and a share of
+the requests, and each point pools its rounds, so load from other processes hits every server alike. Prints throughput and mean / p50 / p99 latency per point, and the issue-10
 targets: at 70 % load continuous mean latency <= 0.7x dynamic and p99 <= dynamic; at saturation continuous
 throughput >= dynamic. With `--output-dir`: `arrivals.txt` (the printed table), `arrivals.json` and
 `arrivals.svg` (latency against load, drawn with matplotlib, which the dev environment has; SVG because it is
@@ -26,7 +26,9 @@ import asyncio
 import json
 import math
 import os
+import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +39,8 @@ from typing import Any
 
 import httpx
 
-from diffuserve.bench import BenchRequestSpec, run_setting
+from diffuserve.bench import BenchRequestSpec, _client, _drive, _send
+from diffuserve.bench_report import RequestResult, poisson_arrivals, summarize_setting
 
 SERVERS = {
     "singleton": [],
@@ -62,14 +65,17 @@ class Scenario:
     """Servers measured at the load points (singleton always gives the capacity)."""
     saturation_concurrency: int
     """Clients of the closed-loop saturation point."""
+    rounds: int
+    """The grid is run this many times (each time with `requests / rounds` per point and a fresh capacity), and
+    each point's figures pool its rounds: load from other processes then hits every server alike."""
 
 
 def _scenarios(args: argparse.Namespace) -> dict[str, Scenario]:
     return {
         "tiny": Scenario("tiny", "64x64", args.steps, args.requests, tuple(args.loads), tuple(args.load_servers),
-                         args.saturation_concurrency),
+                         args.saturation_concurrency, args.rounds),
         "36m": Scenario("36m", "256x256", args.steps, args.requests_36m, tuple(args.loads_36m),
-                        tuple(args.load_servers_36m), args.saturation_concurrency_36m),
+                        tuple(args.load_servers_36m), args.saturation_concurrency_36m, args.rounds_36m),
     }
 
 
@@ -102,9 +108,15 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
     raise TimeoutError(f"server not healthy: {log.read_text()[-2000:]}")
 
 
-def _point(url: str, spec: BenchRequestSpec, *, rate: float, concurrency: int, requests: int, seed: int) -> dict:
-    return asyncio.run(run_setting(url, spec, concurrency=concurrency, request_rate=rate, num_requests=requests,
-                                   seed=seed, progress=False))
+async def _requests(url: str, spec: BenchRequestSpec, *, rate: float, concurrency: int, requests: int,
+                    seed: int) -> tuple[list[RequestResult], float]:
+    """Raw results and duration of one batch of requests (closed loop when `rate` is inf, else Poisson)."""
+    arrivals = None if math.isinf(rate) else poisson_arrivals(requests, rate, random.Random(seed))
+    async with _client(url, None, spec.timeout_s, concurrency) as client:
+        started = time.perf_counter()
+        results = await _drive(lambda i: _send(client, spec, seed + i), requests, concurrency, arrivals,
+                               lambda _r: None)
+        return results, time.perf_counter() - started
 
 
 def run_scenario(name: str, scenario: Scenario, workdir: Path) -> dict[str, Any]:
@@ -119,27 +131,49 @@ def run_scenario(name: str, scenario: Scenario, workdir: Path) -> dict[str, Any]
             _wait_healthy(proc, url, workdir / f"{name}-{label}.log")
         urls = {label: url for label, (_, url) in servers.items()}
         for url in urls.values():  # warm every server the same way
-            _point(url, spec, rate=math.inf, concurrency=1, requests=1, seed=0)
-        capacity = _point(urls["singleton"], spec, rate=math.inf, concurrency=1,
-                          requests=max(3, scenario.requests // 4), seed=1)
-        cap_rps = capacity["throughput_rps"]
-        print(f"{name}: singleton capacity {cap_rps:.3f} req/s ({scenario.size}, {scenario.steps} steps)", flush=True)
-        rows = []
-        points = [(load, load * cap_rps, scenario.requests) for load in scenario.loads]
+            asyncio.run(_requests(url, spec, rate=math.inf, concurrency=1, requests=1, seed=0))
         saturation = scenario.saturation_concurrency
-        points.append((SATURATION, math.inf, max(scenario.requests, saturation)))
-        for load, rate, requests in points:
+        points: list[Any] = [*scenario.loads, SATURATION]
+        raw: dict[tuple[Any, str], tuple[list[RequestResult], float]] = {}
+        capacities = []
+        per_round = max(1, scenario.requests // scenario.rounds)
+        for round_index in range(scenario.rounds):
+            # Capacity again every round: the machine's speed moves with other work, and a load is a share of it.
+            results, seconds = asyncio.run(_requests(urls["singleton"], spec, rate=math.inf, concurrency=1,
+                                                     requests=max(2, per_round // 2), seed=1 + round_index))
+            cap_rps = sum(r.ok for r in results) / seconds
+            capacities.append(cap_rps)
+            print(f"{name} round {round_index + 1}/{scenario.rounds}: singleton capacity {cap_rps:.3f} req/s",
+                  flush=True)
+            for load in points:
+                rate = math.inf if load == SATURATION else load * cap_rps
+                count = max(per_round, saturation) if load == SATURATION else per_round
+                for label in scenario.load_servers:
+                    concurrency = saturation if load == SATURATION else count
+                    results, seconds = asyncio.run(_requests(urls[label], spec, rate=rate, concurrency=concurrency,
+                                                             requests=count, seed=1000 * (round_index + 1)))
+                    done, total = raw.get((load, label), ([], 0.0))
+                    raw[(load, label)] = (done + results, total + seconds)
+        rows = []
+        for load in points:
             for label in scenario.load_servers:
-                concurrency = saturation if math.isinf(rate) else requests
-                row = _point(urls[label], spec, rate=rate, concurrency=concurrency, requests=requests, seed=1000)
-                rows.append({"load": load, "server": label, **row})
+                results, seconds = raw[(load, label)]
+                rate = math.inf if load == SATURATION else load * statistics.mean(capacities)
+                summary = summarize_setting(results, concurrency=saturation if load == SATURATION else len(results),
+                                            request_rate=rate, duration_s=seconds)
+                rows.append({"load": load, "server": label, **summary})
                 print(_format_row(name, rows[-1]), flush=True)
-        return {"scenario": name, "size": scenario.size, "steps": scenario.steps, "requests": scenario.requests,
-                "singleton_capacity_rps": cap_rps, "saturation_concurrency": saturation, "rows": rows}
+        return {"scenario": name, "size": scenario.size, "steps": scenario.steps, "requests": per_round * scenario.rounds,
+                "rounds": scenario.rounds, "singleton_capacity_rps": statistics.mean(capacities),
+                "capacity_per_round": capacities, "saturation_concurrency": saturation, "rows": rows}
     finally:
         for proc, _ in servers.values():
             proc.terminate()
-            proc.wait(60)
+        for proc, _ in servers.values():
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def _load_label(load: Any) -> str:
@@ -211,12 +245,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="tiny: servers measured at the load points.")
     parser.add_argument("--saturation-concurrency", type=int, default=8,
                         help="tiny: clients of the closed-loop saturation point (= the servers' --batching-max-size).")
+    parser.add_argument("--rounds", type=int, default=4, help="tiny: rounds the requests of a point are spread over.")
     parser.add_argument("--requests-36m", type=int, default=6, help="36m: requests per load point and server.")
     parser.add_argument("--loads-36m", type=float, nargs="+", default=list(LOADS), help="36m: loads.")
     parser.add_argument("--load-servers-36m", nargs="+", choices=list(SERVERS), default=list(SERVERS),
                         help="36m: servers measured at the load points.")
     parser.add_argument("--saturation-concurrency-36m", type=int, default=8,
                         help="36m: clients of the closed-loop saturation point.")
+    parser.add_argument("--rounds-36m", type=int, default=2, help="36m: rounds.")
     parser.add_argument("--output-dir", type=Path, default=None,
                         help="Write arrivals.txt, arrivals.json and arrivals.svg here.")
     parser.add_argument("--plot-from", type=Path, default=None,

@@ -29,19 +29,25 @@ def _max_diff(a, b) -> int:
 
 
 def _simulate(pipeline, arrivals: dict[int, list[SamplingParams]]) -> dict[int, list]:
-    """Run the group loop: requests in `arrivals[k]` join before global step k; returns images by request index."""
+    """Run the group loop as the engine does: the requests in `arrivals[k]` start together (shared encoder calls)
+    and join before global step k; those that finish at one step are decoded together. Returns images by request
+    index."""
     group: list[tuple[int, step_batch.RequestRows]] = []
     out: dict[int, list] = {}
     order = [p for k in sorted(arrivals) for p in arrivals[k]]
     tick = 0
     while len(out) < len(order):
-        for params in arrivals.get(tick, []):
-            group.append((order.index(params), step_batch.start_request(pipeline, params)))
+        joining = arrivals.get(tick, [])
+        if joining:
+            started = step_batch.start_requests(pipeline, joining)
+            group += [(order.index(params), rows) for params, rows in zip(joining, started, strict=True)]
         step_batch.denoise_step(pipeline, [rows for _, rows in group])
-        for item in [g for g in group if g[1].done]:
-            output = step_batch.finish_request(pipeline, item[1])
-            out[item[0]] = output.videos if pipeline.output_kind == "video" else output.images
-            group.remove(item)
+        done = [g for g in group if g[1].done]
+        if done:
+            outputs = step_batch.finish_requests(pipeline, [rows for _, rows in done])
+            for (index, rows), output in zip(done, outputs, strict=True):
+                out[index] = output.videos if pipeline.output_kind == "video" else output.images
+                group.remove((index, rows))
         tick += 1
     return out
 
@@ -93,8 +99,10 @@ def test_every_continuous_family_equals_its_singleton_runs(family: str, tiny_che
     kw = {"width": d.width, "height": d.height, "num_frames": d.num_frames, "guidance_scale": d.guidance_scale}
     a = SamplingParams(prompt="a red square", seed=1, num_inference_steps=3, **kw)
     b = SamplingParams(prompt="a much longer prompt about a blue circle", seed=2, num_inference_steps=2, n=2, **kw)
-    got = _simulate(pipeline, {0: [a], 1: [b]})
-    for i, params in enumerate([a, b]):
+    c = SamplingParams(prompt="green", seed=3, num_inference_steps=2, **kw)
+    # b and c start together (one encoder call for texts of different lengths); a, b and c decode together
+    got = _simulate(pipeline, {0: [a], 1: [b, c]})
+    for i, params in enumerate([a, b, c]):
         result = pipeline.run([params]).outputs[0]
         kind = pipeline.output_kind
         stepped = got[i] if kind == "image" else [f for video in got[i] for f in video]

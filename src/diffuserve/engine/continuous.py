@@ -49,8 +49,8 @@ class ContinuousLoop:
         pipeline = engine.pipeline
         self.overlap: Overlap | None = overlap_for(pipeline) if getattr(pipeline, "defers_decode", False) else None
         """The side lanes (encode, decode) of a native pipeline; None = start and decode inline."""
-        self._starting: dict[GroupEntry, Future[SideResult[Any]]] = {}
-        """Joined entries whose start (encode + latents) is running or done but not collected yet."""
+        self._starting: list[tuple[list[GroupEntry], Future[SideResult[list[Any]]]]] = []
+        """Entries that joined at one boundary and their start (encode + latents), running or not collected yet."""
         self._left = 0
         """Requests that left since the last step line."""
 
@@ -103,8 +103,8 @@ class ContinuousLoop:
     def _turn(self, plan: StepPlan) -> None:
         engine, pipeline = self.engine, self.engine.pipeline
         assert pipeline is not None
-        for entry in plan.joined:
-            self._start(entry)
+        if plan.joined:
+            self._start(plan.joined)
         self._left += plan.left
         joined = self._collect_started()
         group = self.scheduler.group
@@ -139,35 +139,50 @@ class ContinuousLoop:
                 if pending is not None:
                     pending.steps_done, pending.num_steps = entry.step_index, entry.num_steps
         self._previews(rows, finished)
-        for entry in finished:
-            self._finish(entry, batch_size=len(rows))
+        if finished:
+            self._finish(finished, batch_size=len(rows))
 
     # -- starting (encode + latents), beside the loop when it can -----------------------------------------
-    def _start(self, entry: GroupEntry) -> None:
-        engine, pipeline, request = self.engine, self.engine.pipeline, entry.request
+    def _start(self, entries: list[GroupEntry]) -> None:
+        """Start the requests that joined at this boundary: one encode-lane job for all of them."""
+        engine, pipeline = self.engine, self.engine.pipeline
         now = engine.clock()
-        engine.metrics.observe_queue_wait(now - request.arrival_time)
         with engine._cond:
-            pending = engine._pending.get(request.request_id)
-            if pending is not None:
-                pending.dispatched_at = now
-                pending.num_steps = request.params.num_inference_steps
-        entry.ready = False
+            for entry in entries:
+                request = entry.request
+                engine.metrics.observe_queue_wait(now - request.arrival_time)
+                pending = engine._pending.get(request.request_id)
+                if pending is not None:
+                    pending.dispatched_at = now
+                    pending.num_steps = request.params.num_inference_steps
+                entry.ready = False
+        batch = [e.request.params for e in entries]
 
-        def start() -> step_batch.RequestRows:
-            return step_batch.start_request(pipeline, request.params)  # type: ignore[arg-type]
+        def start() -> list[Any]:
+            try:  # their distinct texts share the encoder calls
+                return step_batch.start_requests(pipeline, batch)  # type: ignore[arg-type]
+            except Exception:
+                if len(batch) == 1:
+                    raise
+            results: list[Any] = []  # one by one, so a request whose start raises fails alone
+            for params in batch:
+                try:
+                    results.append(step_batch.start_request(pipeline, params))  # type: ignore[arg-type]
+                except Exception as exc:
+                    results.append(exc)
+            return results
 
         if self.overlap is None:
-            future: Future[SideResult[step_batch.RequestRows]] = Future()
+            future: Future[SideResult[list[Any]]] = Future()
             began = time.perf_counter()
             try:
                 future.set_result(SideResult(value=start(), seconds=time.perf_counter() - began, steps_beside=0))
             except Exception as exc:
                 future.set_exception(exc)
         else:
-            future = self.overlap.encode.submit(start, prompts=[request.params.prompt])
+            future = self.overlap.encode.submit(start, prompts=[p.prompt for p in batch])
             future.add_done_callback(lambda _: self._wake())
-        self._starting[entry] = future
+        self._starting.append((entries, future))
 
     def _wake(self) -> None:
         with self.engine._cond:
@@ -176,26 +191,33 @@ class ContinuousLoop:
     def _collect_started(self) -> int:
         """Entries whose start finished become ready (they step from this boundary on); returns how many."""
         engine, joined = self.engine, 0
-        for entry, future in list(self._starting.items()):
-            if not future.done():
-                continue
-            del self._starting[entry]
-            if entry not in self.scheduler.group:
-                continue  # removed while it was starting (cancelled, deadline): already answered
-            request = entry.request
+        for item in [item for item in self._starting if item[1].done()]:
+            self._starting.remove(item)
+            entries, future = item
             try:
                 side = future.result()
+                # CUDA: the loop's stream waits for the encode lane's before using the rows it made.
+                results = side.take(engine.pipeline.device) if self.overlap is not None else side.value  # type: ignore[union-attr]
             except Exception as exc:
-                logger.error("starting request %s failed", request.request_id, exc_info=exc)
-                self._fail([entry], f"{type(exc).__name__}: {exc}")
-                continue
-            entry.state = side.take(engine.pipeline.device) if self.overlap is not None else side.value  # type: ignore[union-attr]
-            # The pipeline's own schedule is what counts (it may be shorter than requested, e.g. img2img strength).
-            entry.num_steps = entry.state.num_steps
-            entry.ready = True
-            joined += 1
-            self._timing[request.request_id] = {"encode": side.seconds}
-            if self.overlap is not None:
+                results = [exc] * len(entries)
+                side = None
+            group = self.scheduler.group
+            for entry, result in zip(entries, results, strict=True):
+                request = entry.request
+                if entry not in group:
+                    continue  # removed while it was starting (cancelled, deadline): already answered
+                if isinstance(result, Exception):
+                    logger.error("starting request %s failed", request.request_id, exc_info=result)
+                    self._fail([entry], f"{type(result).__name__}: {result}")
+                    continue
+                assert side is not None
+                entry.state = result
+                # The pipeline's own schedule is what counts (it may be shorter than requested, e.g. img2img strength).
+                entry.num_steps = entry.state.num_steps
+                entry.ready = True
+                joined += 1
+                self._timing[request.request_id] = {"encode": side.seconds}
+            if side is not None and self.overlap is not None:
                 engine.metrics.observe_overlap("encode", side.steps_beside)
         return joined
 
@@ -203,7 +225,7 @@ class ContinuousLoop:
         """Nothing is ready to step: sleep until a start finishes (or a request arrives, or the stop)."""
         engine = self.engine
         with engine._cond:
-            if not engine._stop and not any(f.done() for f in self._starting.values()):
+            if not engine._stop and not any(f.done() for _, f in self._starting):
                 engine._cond.wait(_MAX_IDLE_WAIT_S)
 
     # -- previews and decode, in the decode lane when it can ----------------------------------------------
@@ -233,57 +255,62 @@ class ContinuousLoop:
             else:  # the lane runs jobs in order: a preview always reaches the client before its final image
                 self.overlap.decode.submit(preview, inputs=[snapshot])
 
-    def _finish(self, entry: GroupEntry, *, batch_size: int) -> None:
-        request = entry.request
-        timing = self._timing.pop(request.request_id, {})
-        self.stats.record_leave("finished")
-        pipeline, rows = self.engine.pipeline, entry.state
+    def _finish(self, entries: list[GroupEntry], *, batch_size: int) -> None:
+        """Decode the requests whose last step this was (one decoder call) and answer them."""
+        timings = [self._timing.pop(e.request.request_id, {}) for e in entries]
+        self.stats.record_leave("finished", len(entries))
+        pipeline, group = self.engine.pipeline, [e.state for e in entries]
+        requests = [e.request for e in entries]
 
-        def decode() -> Any:
-            return step_batch.finish_request(pipeline, rows)  # type: ignore[arg-type]
+        def decode() -> list[Any]:
+            return step_batch.finish_requests(pipeline, group)  # type: ignore[arg-type]
 
         if self.overlap is None:
-            future: Future[SideResult[Any]] = Future()
+            future: Future[SideResult[list[Any]]] = Future()
             began = time.perf_counter()
             try:
                 future.set_result(SideResult(value=decode(), seconds=time.perf_counter() - began, steps_beside=0))
             except Exception as exc:
                 future.set_exception(exc)
-            self._answer(request, future, timing, batch_size, overlapped=False)
+            self._answer(requests, future, timings, batch_size, overlapped=False)
         else:  # answered from the decode lane while the loop keeps stepping the others
-            self.overlap.decode.submit(decode, inputs=[rows], prompts=[request.params.prompt]).add_done_callback(
-                lambda f: self._answer(request, f, timing, batch_size, overlapped=True))
+            job = self.overlap.decode.submit(decode, inputs=group, prompts=[r.params.prompt for r in requests])
+            job.add_done_callback(lambda f: self._answer(requests, f, timings, batch_size, overlapped=True))
 
-    def _answer(self, request: Any, future: Future[SideResult[Any]], timing: dict[str, float], batch_size: int,
-                *, overlapped: bool) -> None:
+    def _answer(self, requests: list[Any], future: Future[SideResult[list[Any]]], timings: list[dict[str, float]],
+                batch_size: int, *, overlapped: bool) -> None:
         from diffuserve.engine.engine import GenerationResult
 
         engine = self.engine
         try:
             side = future.result()
         except Exception as exc:
-            logger.error("decoding request %s failed", request.request_id, exc_info=exc)
+            logger.error("decoding request(s) %s failed", ", ".join(r.request_id for r in requests), exc_info=exc)
             with engine._cond:
-                engine._answer_locked(request.request_id, error=GenerationError(
-                    f"Generation failed while decoding: {type(exc).__name__}: {exc}"))
+                for request in requests:
+                    engine._answer_locked(request.request_id, error=GenerationError(
+                        f"Generation failed while decoding: {type(exc).__name__}: {exc}"))
             return
-        timing["decode"] = side.seconds
-        for stage, seconds in timing.items():
-            engine.metrics.observe_stage(stage, seconds)
         if overlapped:
             engine.metrics.observe_overlap("decode", side.steps_beside)
+        for timing in timings:
+            timing["decode"] = side.seconds
+            for stage, seconds in timing.items():
+                engine.metrics.observe_stage(stage, seconds)
         with engine._cond:
-            pending = engine._pending.get(request.request_id)
-            dispatched = pending.dispatched_at if pending is not None and pending.dispatched_at else request.arrival_time
-            engine.metrics.add_outputs_generated(request.params.n)
-            engine._answer_locked(request.request_id, result=GenerationResult(
-                request_id=request.request_id,
-                output=side.value,
-                queue_wait_s=dispatched - request.arrival_time,
-                inference_s=engine.clock() - dispatched,
-                batch_size=batch_size,
-                stage_seconds=timing,
-            ))
+            for request, output, timing in zip(requests, side.value, timings, strict=True):
+                pending = engine._pending.get(request.request_id)
+                dispatched = (pending.dispatched_at if pending is not None and pending.dispatched_at
+                              else request.arrival_time)
+                engine.metrics.add_outputs_generated(request.params.n)
+                engine._answer_locked(request.request_id, result=GenerationResult(
+                    request_id=request.request_id,
+                    output=output,
+                    queue_wait_s=dispatched - request.arrival_time,
+                    inference_s=engine.clock() - dispatched,
+                    batch_size=batch_size,
+                    stage_seconds=timing,
+                ))
             engine._cond.notify_all()
 
     def _fail(self, entries: list[GroupEntry], what: str) -> None:

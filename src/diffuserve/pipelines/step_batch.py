@@ -3,12 +3,14 @@
 `RecipePipeline.run` is encode -> prepare -> denoise loop -> decode for one fixed batch. Here the same family
 parts run per request instead, so requests can enter and leave a running denoise group at step boundaries:
 
-* `start_request`: encode the request's prompt(s) and prepare its latents, schedule and a private scheduler
-  (`RequestRows`: its `n` latent rows, its conditioning, its own step index).
+* `start_request(s)`: encode the request's prompt(s) and prepare its latents, schedule and a private scheduler
+  (`RequestRows`: its `n` latent rows, its conditioning, its own step index); requests joining at one boundary
+  share their encoder calls.
 * `denoise_step`: ONE denoiser call (two with unbatched CFG) for the rows of several requests, each at its own
   timestep (the transformer takes a per-row timestep vector), then each request's own scheduler step. A family
   with two experts (Wan2.2 A14B) makes one call per expert the rows need at that step.
-* `preview_request` / `finish_request`: a partial image, or the final decode, of one request's rows (the engine
+* `preview_request` / `finish_request(s)`: a partial image, or the final decode, of one request's rows (requests
+  finishing at one step share a decoder call; the engine
   runs them, and `start_request`, in the side lanes of `pipelines/overlap.py`, beside the loop).
 
 Seeds and noise are those of `run` for a batch of one (`stages.batch_noise`), and each request's scheduler is a
@@ -29,7 +31,7 @@ from typing import Any
 import torch
 
 from diffuserve.pipelines.base import RequestOutput
-from diffuserve.pipelines.stages import Cond, DenoiseState, RecipePipeline, concat_cond
+from diffuserve.pipelines.stages import Cond, DenoiseState, RecipePipeline, concat_cond, gather_rows
 
 
 @dataclass(eq=False)
@@ -58,14 +60,29 @@ class RequestRows:
 
 def start_request(pipeline: RecipePipeline, params: Any) -> RequestRows:
     """Encode and prepare one request (the first two stages of `run`, for a batch of one)."""
-    batch = [params]
+    return start_requests(pipeline, [params])[0]
+
+
+def start_requests(pipeline: RecipePipeline, batch: Sequence[Any]) -> list[RequestRows]:
+    """Encode and prepare requests of one group that join at the same boundary: their distinct texts go through
+    each text encoder in one call (as `run` encodes a batch), then each request gets its own conditioning rows
+    (trimmed as if it had been encoded alone), latents, schedule and scheduler, as `start_request` would."""
+    batch = list(batch)
     with torch.inference_mode():
-        positive, negative = pipeline._encode(batch, pipeline.uses_cfg(params))
-        with contextlib.ExitStack() as scope:
-            for key in pipeline.prepare_components(params):
-                scope.enter_context(pipeline.residency.use(key))
-            state = pipeline.prepare(batch, params, positive)
-    return RequestRows(params=params, latents=state.latents, positive=positive, negative=negative, state=state)
+        positive, negative = pipeline._encode(batch, pipeline.uses_cfg(batch[0]))
+        out, first = [], 0
+        for params in batch:
+            index = torch.arange(first, first + params.n)
+            first += params.n
+            own = gather_rows(positive, index, pipeline.masked_sequences)
+            own_negative = None if negative is None else gather_rows(negative, index, pipeline.masked_sequences)
+            with contextlib.ExitStack() as scope:
+                for key in pipeline.prepare_components(params):
+                    scope.enter_context(pipeline.residency.use(key))
+                state = pipeline.prepare([params], params, own)
+            out.append(RequestRows(params=params, latents=state.latents, positive=own, negative=own_negative,
+                                   state=state))
+    return out
 
 
 def _stack(conds: Sequence[Cond], masked: dict[str, str]) -> Cond:
@@ -126,6 +143,19 @@ def preview_request(pipeline: RecipePipeline, rows: RequestRows) -> list[Any]:
 
 def finish_request(pipeline: RecipePipeline, rows: RequestRows) -> RequestOutput:
     """Decode the request's final latents: its output, as `run` would give it."""
+    return finish_requests(pipeline, [rows])[0]
+
+
+def finish_requests(pipeline: RecipePipeline, group: Sequence[RequestRows]) -> list[RequestOutput]:
+    """Decode requests of one group that finished at the same step in ONE decoder call (they share the latent
+    shape: the group key), then split the rows back per request."""
+    latents = torch.cat([r.latents for r in group])
+    state = dataclasses.replace(group[0].state, extras=pipeline.step_extras([r.state for r in group]))
     with torch.inference_mode(), pipeline.decoder_scope():
-        decoded = pipeline.decode(rows.latents, rows.state)
-    return RequestOutput(videos=decoded) if pipeline.output_kind == "video" else RequestOutput(images=decoded)
+        decoded = pipeline.decode(latents, state)
+    outputs, first = [], 0
+    for rows in group:
+        mine = list(decoded[first:first + rows.latents.shape[0]])
+        first += rows.latents.shape[0]
+        outputs.append(RequestOutput(videos=mine) if pipeline.output_kind == "video" else RequestOutput(images=mine))
+    return outputs
