@@ -48,6 +48,7 @@ SERVERS = {
     "continuous": ["--batching-mode", "continuous", "--batching-max-size", "8"],
 }
 LOADS = (0.3, 0.5, 0.7, 0.9)
+COLORS = {"singleton": "tab:blue", "dynamic": "tab:orange", "continuous": "tab:green"}
 SATURATION = "sat"
 """The load label of the closed-loop saturation point."""
 
@@ -223,9 +224,8 @@ def _plot(reports: list[dict[str, Any]], path: Path) -> None:
             if not rows:
                 continue
             loads = [r["load"] * 100 for r in rows]
-            line = ax.plot(loads, [r["latency_ms"]["mean"] for r in rows], "o-", label=f"{label} mean")[0]
-            ax.plot(loads, [r["latency_ms"]["p99"] for r in rows], "s--", color=line.get_color(),
-                    label=f"{label} p99")
+            ax.plot(loads, [r["latency_ms"]["mean"] for r in rows], "o-", color=COLORS[label], label=f"{label} mean")
+            ax.plot(loads, [r["latency_ms"]["p99"] for r in rows], "s--", color=COLORS[label], label=f"{label} p99")
         ax.set(title=f"{report['scenario']} {report['size']}, {report['steps']} steps, "
                      f"{report['requests']} req/point",
                xlabel="load (% of singleton capacity)", ylabel="latency (ms)")

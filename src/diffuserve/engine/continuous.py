@@ -1,10 +1,12 @@
 """The engine loop of `--batching-mode continuous`: the step scheduler (`engine/step_scheduler.py`) driving the
 resumable recipe (`pipelines/step_batch.py`) on the engine's worker thread.
 
-Each turn: plan under the engine lock -> start the joined requests (encode + latents) -> ONE denoising step for
-the whole group -> previews -> decode and answer every request whose last step it was, while the others go on
-denoising at the next turn. Heads that cannot run step by step (image-conditioned requests, a family that is not
-continuous) run as request-level batches through the engine's usual `_execute`.
+Each turn: plan under the engine lock -> hand the requests that joined to the encode lane (one shared encode +
+their latents, `pipelines/overlap.py`) -> collect the starts that finished: those requests step from this
+boundary on -> ONE denoising step for the ready rows -> previews and the decode of every request whose last step
+it was go to the decode lane, which answers them, while the loop goes on to the next turn. Without lanes (a
+pipeline that cannot overlap) the same happens inline. Heads that cannot run step by step (image-conditioned
+requests, a family that is not continuous) run as request-level batches through the engine's usual `_execute`.
 
 Failures: a request whose start (encode / prepare) raises fails alone; a step that raises fails every request in
 that step (they shared the one denoiser call, so none of their latents can be trusted) and the loop keeps serving.
