@@ -130,3 +130,49 @@ def test_families_that_are_not_continuous_say_so(family: str, tiny_checkpoint) -
     from diffuserve.models.loader import load_pipeline
 
     assert load_pipeline(tiny_checkpoint(family)).supports_continuous is False
+
+
+def test_side_lanes_beside_an_offloaded_loop_equal_the_singleton_runs(tiny_flux_path: Path) -> None:
+    """Every component offloaded (text encoders and VAE component-offload, the DiT streamed layer by layer): a
+    joiner's encode runs in the encode lane and a finished request's decode in the decode lane while this thread
+    keeps stepping the group. The `hold:` marker makes each lane job wait until two more steps ran here, so the
+    scopes surely overlap; an offloaded module used outside its scope would raise (the guard hooks)."""
+    from diffuserve.config.plan import ComponentPlan, DeploymentPlan, ResidencyMode
+    from diffuserve.models.loader import load_pipeline
+    from diffuserve.pipelines.overlap import overlap_for
+    from diffuserve.runtime.ledger import TransferLedger
+    from diffuserve.runtime.residency import build_residency
+
+    pipeline = load_pipeline(tiny_flux_path)
+    size = pipeline.defaults.width
+    a = SamplingParams(prompt="the long one", seed=1, width=size, height=size, num_inference_steps=40)
+    b = SamplingParams(prompt="HOLD short", seed=2, width=size, height=size, num_inference_steps=2)
+    c = SamplingParams(prompt="HOLD joiner", seed=3, width=size, height=size, num_inference_steps=2)
+    alone = [pipeline.run([p]).outputs[0].images for p in (a, b, c)]
+    modes = {"text_encoder": ResidencyMode.COMPONENT_OFFLOAD, "text_encoder_2": ResidencyMode.COMPONENT_OFFLOAD,
+             "vae": ResidencyMode.COMPONENT_OFFLOAD, "transformer": ResidencyMode.LAYERWISE_OFFLOAD}
+    groups = {"text_encoder": "text_encoder", "text_encoder_2": "text_encoder", "vae": "vae", "transformer": "dit"}
+    plan = DeploymentPlan(components={n: ComponentPlan(name=n, group=groups[n], mode=m) for n, m in modes.items()})
+    pipeline.residency = build_residency(plan, pipeline.components, device="cpu", ledger=TransferLedger())
+    overlap = overlap_for(pipeline)
+    overlap.hold_marker = "HOLD"
+    group = step_batch.start_requests(pipeline, [a, b])
+    for _ in range(2):
+        step_batch.denoise_step(pipeline, group)
+    rows_b, group = group[1], group[:1]
+    decode_b = overlap.decode.submit(lambda: step_batch.finish_requests(pipeline, [rows_b]), inputs=[rows_b],
+                                     prompts=[b.prompt])
+    start_c = overlap.encode.submit(lambda: step_batch.start_requests(pipeline, [c]), prompts=[c.prompt])
+    while not (decode_b.done() and start_c.done()) and not group[0].done:
+        step_batch.denoise_step(pipeline, group)  # the lanes wait for these steps
+        overlap.count_step()
+    assert decode_b.result().steps_beside >= 2 and start_c.result().steps_beside >= 2
+    group.append(start_c.result().value[0])
+    got = {1: decode_b.result().value[0].images}
+    while group:
+        step_batch.denoise_step(pipeline, group)
+        for rows in [r for r in group if r.done]:
+            got[0 if rows.params is a else 2] = step_batch.finish_request(pipeline, rows).images
+            group.remove(rows)
+    for i in range(3):
+        assert _max_diff(got[i][0], alone[i][0]) <= PIXEL_TOL, f"request {i} differs from its singleton run"
