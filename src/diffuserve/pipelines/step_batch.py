@@ -92,6 +92,24 @@ def _stack(conds: Sequence[Cond], masked: dict[str, str]) -> Cond:
     return out
 
 
+def _group_cond(pipeline: RecipePipeline, model_key: str, group: list[RequestRows]) -> tuple[Cond, Cond | None]:
+    """The stacked conditioning of `group`, the same tensors for as long as the group (of this denoiser) does not
+    change: as in `run`, where every step gets the same tensors (Qwen-Image 2.1 finds its prefix KV cache by
+    them; a new stack per step would miss it and add a cache every step)."""
+    cache: dict[str, tuple[list[RequestRows], Cond, Cond | None]] | None = getattr(pipeline, "_group_conds", None)
+    if cache is None:  # one per pipeline; only the loop's thread steps
+        cache = pipeline._group_conds = {}  # type: ignore[attr-defined]
+    found = cache.get(model_key)
+    if (found is not None and len(found[0]) == len(group)
+            and all(a is b for a, b in zip(found[0], group, strict=True))):
+        return found[1], found[2]
+    positive = _stack([r.positive for r in group], pipeline.masked_sequences)
+    negatives = [r.negative for r in group]
+    negative = None if negatives[0] is None else _stack(negatives, pipeline.masked_sequences)  # type: ignore[arg-type]
+    cache[model_key] = (list(group), positive, negative)
+    return positive, negative
+
+
 def denoise_step(pipeline: RecipePipeline, group: Sequence[RequestRows]) -> None:
     """One denoising step for every request of `group`, each at its own step index.
 
@@ -113,9 +131,7 @@ def _step_part(pipeline: RecipePipeline, model_key: str, group: list[RequestRows
     with torch.inference_mode(), pipeline.residency.use(model_key):
         latents = torch.cat([r.latents for r in group])
         timestep = torch.cat([t.expand(r.latents.shape[0]) for r, t in zip(group, timesteps, strict=True)])
-        positive = _stack([r.positive for r in group], pipeline.masked_sequences)
-        negatives = [r.negative for r in group]
-        negative = None if negatives[0] is None else _stack(negatives, pipeline.masked_sequences)  # type: ignore[arg-type]
+        positive, negative = _group_cond(pipeline, model_key, group)
         # One state for the call: the head's schedule (the guidance combine reads its step's expert), with the
         # extras of the whole group (`step_extras`: equal across the group key, or merged where they count rows).
         state = dataclasses.replace(head.state, extras=pipeline.step_extras([r.state for r in group]))
