@@ -288,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
             from diffuserve.server.runner import serve
 
             return serve(args)
+        from diffuserve.launch_ranks import is_serving_process, serve_other_node
+
+        if not is_serving_process(args):  # generate on another host's ranks: they follow node 0's calls
+            return serve_other_node(args)
         from diffuserve.generate import generate
 
         return generate(args, values)

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from diffuserve.config.server_args import ServerArgs
-from diffuserve.engine.worker import plan_calls
 from diffuserve.errors import ConfigError
+from diffuserve.executor.worker import plan_calls
 from diffuserve.sampling import SamplingParams, build_sampling_params
 
 INTERRUPTED = 130
@@ -77,15 +77,7 @@ def _warn_truncated(pipeline: Any, prompts: list[str], negative_prompt: str | No
 
 
 def generate(args: ServerArgs, values: dict[str, Any]) -> int:
-    from tqdm import tqdm
-
-    from diffuserve.launch import (
-        apply_num_threads,
-        load_serving_pipeline,
-        plan_deployment,
-        resolve_device,
-        resolve_model_path,
-    )
+    from diffuserve.launch import open_pipeline, resolve_model_path
 
     prompts = values.get("prompt")
     if isinstance(prompts, str):
@@ -107,10 +99,17 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     spec = resolve_model(model_path, model_id=args.model_id, backend=args.backend)
     if spec.family != "unknown":  # known from model_index.json alone: refuse before loading any weight
         _check_applicable(values, spec.output_kind == "video", spec.family)
-    device = resolve_device(args.device)
-    deployment = plan_deployment(args, model_path, device)
-    apply_num_threads(args.num_threads, device)
-    pipeline = load_serving_pipeline(args, model_path, device, deployment, metrics=None)
+    pipeline, close = open_pipeline(args)
+    try:
+        return _generate(args, values, pipeline, prompts, n, stem)
+    finally:
+        close()
+
+
+def _generate(args: ServerArgs, values: dict[str, Any], pipeline: Any, prompts: list[str], n: int,
+              stem: str | None) -> int:
+    from tqdm import tqdm
+
     model = pipeline.describe_model()
     video = model.output_kind == "video"
     _check_applicable(values, video, model.family)

@@ -1,38 +1,306 @@
-"""The Kubernetes manifest stays true to the server: probe paths exist, flags parse, grace > drain."""
+"""The Kubernetes manifests stay true to the server: every `serve` flag parses with the real CLI and passes
+its start-up checks, the parallel degrees resolve with the real deployment plan, probe paths exist, the GPU
+limit covers --num-gpus, the node rank comes from the pod index, --dist-init-addr names pod 0 through the
+headless Service, HTTP reaches node 0 only, and the drain grace covers --shutdown-timeout-s."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import http.server
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import pytest
 import yaml
 
 from diffuserve import cli
+from diffuserve.config.deployment import resolve
+from diffuserve.config.model_profiles import family_profile
+from diffuserve.config.server_args import ServerArgs
+from diffuserve.hardware import describe_hardware
+from diffuserve.launch_ranks import is_serving_process, launch_info
 from diffuserve.server import health
 from diffuserve.server.middleware import PUBLIC_PATHS
 
-MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "diffuserve.yaml"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
+GPU = "nvidia.com/gpu"
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+POD_NAME_LABEL = "statefulset.kubernetes.io/pod-name"
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+PROBE_PATHS = {"startupProbe": "/health", "readinessProbe": "/health", "livenessProbe": "/liveness"}
+
+# The checkpoints the manifests name, with the facts the plan needs: family and the DiT's attention heads
+# (num_attention_heads of each model's transformer/config.json).
+CHECKPOINTS = {"FLUX.1-dev": ("flux", 24), "Qwen-Image": ("qwen_image", 24), "Wan2.1-T2V-14B-Diffusers": ("wan", 40)}
 
 
-def _container() -> tuple[dict, dict]:
-    deployment = next(d for d in yaml.safe_load_all(MANIFEST.read_text()) if d["kind"] == "Deployment")
-    pod = deployment["spec"]["template"]["spec"]
-    return pod, pod["containers"][0]
+@dataclasses.dataclass
+class Manifest:
+    path: Path
+    docs: list[dict[str, Any]]
+
+    @property
+    def workload(self) -> dict[str, Any]:
+        (workload,) = [d for d in self.docs if d["kind"] in ("Deployment", "StatefulSet", "Job")]
+        return workload
+
+    @property
+    def pod(self) -> dict[str, Any]:
+        return self.workload["spec"]["template"]["spec"]
+
+    @property
+    def container(self) -> dict[str, Any]:
+        return next(c for c in self.pod["containers"] if c["name"] == "diffuserve")
+
+    @property
+    def pods(self) -> int:
+        """Pods that run together (one per host for a multi-host manifest)."""
+        return int(self.workload["spec"].get("replicas", 1))
+
+    def services(self, headless: bool) -> list[dict[str, Any]]:
+        return [d for d in self.docs if d["kind"] == "Service" and (d["spec"].get("clusterIP") == "None") == headless]
+
+    def pod_labels(self, index: int) -> dict[str, str]:
+        """The labels Kubernetes gives pod `index` (a StatefulSet adds its pod name and index)."""
+        labels = dict(self.workload["spec"]["template"]["metadata"]["labels"])
+        if self.workload["kind"] == "StatefulSet":
+            labels |= {POD_NAME_LABEL: f"{self.workload['metadata']['name']}-{index}", POD_INDEX_LABEL: str(index)}
+        return labels
+
+    def env(self, index: int) -> dict[str, str]:
+        """The container's environment in pod `index`, resolving the downward API's pod-index fields."""
+        env = {}
+        for var in self.container.get("env", []):
+            if "value" in var:
+                env[var["name"]] = var["value"]
+            elif "fieldRef" in var.get("valueFrom", {}):
+                env[var["name"]] = _downward(var["valueFrom"]["fieldRef"]["fieldPath"], self.pod_labels(index))
+        return env
+
+    def argv(self, index: int) -> list[str]:
+        """`command + args` as Kubernetes runs them in pod `index` ($(VAR) expanded from the env)."""
+        env = self.env(index)
+
+        def expand(arg: str) -> str:
+            def one(match: re.Match[str]) -> str:
+                assert match.group(1) in env, f"{self.path.name}: {arg!r} names $({match.group(1)}), which no env entry sets"
+                return env[match.group(1)]
+
+            return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", one, arg)
+
+        return [expand(a) for a in self.container["command"] + self.container.get("args", [])]
+
+    def server_args(self, index: int = 0) -> ServerArgs:
+        argv = self.argv(index)
+        assert argv[:2] == ["diffuserve", "serve"], argv
+        ns = cli._build_parser().parse_args(argv[1:])
+        args = cli._server_args(cli._merge_config_file(ns), None)
+        # Every start-up check of ServerArgs; the checkpoint folder exists only in the cluster.
+        dataclasses.replace(args, model_path=None).validate()
+        return args
 
 
-def test_probes_point_at_the_health_routes():
-    _, container = _container()
+def _downward(field: str, labels: dict[str, str]) -> str:
+    match = re.fullmatch(r"metadata\.labels\['(.+)'\]", field)
+    assert match, f"unexpected downward API field {field!r}"
+    return labels[match.group(1)]
+
+
+def _load(path: Path) -> Manifest:
+    return Manifest(path, [d for d in yaml.safe_load_all(path.read_text()) if d])
+
+
+@pytest.fixture(params=MANIFESTS, ids=lambda p: p.name)
+def manifest(request: pytest.FixtureRequest) -> Manifest:
+    return _load(request.param)
+
+
+def test_the_three_deployments_are_here():
+    assert {p.name for p in MANIFESTS} >= {"diffuserve.yaml", "diffuserve-multigpu.yaml", "diffuserve-multinode.yaml"}
+
+
+def _plan(manifest: Manifest, index: int, gpus: int) -> Any:
+    """The real resolver for pod `index` on `gpus` described GPUs: degrees that do not fill --num-gpus, or that
+    do not divide the DiT's heads, fail here as at start-up."""
+    args = manifest.server_args(index)
+    family, heads = CHECKPOINTS[Path(args.model_path).name]
+    profile = dataclasses.replace(family_profile(family), dit_attention_heads=heads)
+    plan = resolve(args.deployment, describe_hardware(gpus, 80.0), profile, hosts=args.nnodes)
+    assert plan.num_gpus == (args.deployment.num_gpus or 1)
+    return plan
+
+
+def test_flags_parse_on_every_pod_and_the_plan_resolves(manifest: Manifest):
+    for index in range(manifest.pods):
+        args = manifest.server_args(index)
+        assert args.port == _container_port(manifest, "http")
+        _plan(manifest, index, (args.deployment.num_gpus or 1) // args.nnodes)  # this host's share of the ranks
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
+def test_the_plan_resolves_on_the_gpus_of_one_pod(path: Path):
+    manifest = _load(path)
+    limit = int(manifest.container["resources"]["limits"][GPU])
+    for index in range(manifest.pods):
+        _plan(manifest, index, limit)
+
+
+def test_gpu_limit_times_hosts_is_num_gpus(manifest: Manifest):
+    args = manifest.server_args()
+    limit = int(manifest.container["resources"]["limits"][GPU])
+    num_gpus = args.deployment.num_gpus or 1
+    assert num_gpus == limit * args.nnodes
+    if args.nnodes > 1:
+        assert manifest.workload["kind"] == "StatefulSet" and manifest.pods == args.nnodes
+    for index in range(manifest.pods):  # the real launch: each pod starts as many ranks as it has GPUs
+        info = launch_info(manifest.server_args(index), num_gpus)
+        assert (info.local_world_size if info else 1) == limit
+
+
+def test_several_gpus_get_a_memory_backed_dev_shm(manifest: Manifest):
+    if int(manifest.container["resources"]["limits"][GPU]) < 2:
+        return
+    (mount,) = [m for m in manifest.container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    (volume,) = [v for v in manifest.pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory" and volume["emptyDir"].get("sizeLimit")
+
+
+def test_output_dir_is_on_a_writable_volume(manifest: Manifest):
+    output_dir = Path(manifest.server_args().output_dir)
+    mounts = [m for m in manifest.container["volumeMounts"] if output_dir.is_relative_to(m["mountPath"])]
+    assert mounts and not mounts[0].get("readOnly"), f"--output-dir {output_dir} is on no writable volume"
+    claims = {v["name"] for v in manifest.pod["volumes"] if "persistentVolumeClaim" in v}
+    claims |= {t["metadata"]["name"] for t in manifest.workload["spec"].get("volumeClaimTemplates", [])}
+    assert mounts[0]["name"] in claims, "the results store must survive a pod restart (a persistent volume)"
+
+
+def test_node_rank_is_the_pod_index(manifest: Manifest):
+    args = manifest.server_args()
+    if args.nnodes == 1:
+        return
+    assert any("$(" in a and a.startswith("--node-rank") for a in manifest.container["args"]), "--node-rank is hard-coded"
+    assert manifest.workload["spec"]["podManagementPolicy"] == "Parallel"  # pod 0 is never ready alone
+    assert [manifest.server_args(i).node_rank for i in range(manifest.pods)] == list(range(args.nnodes))
+    per_pod = args.deployment.num_gpus // args.nnodes
+    first_ranks = [launch_info(manifest.server_args(i), args.deployment.num_gpus).rank for i in range(manifest.pods)]
+    assert first_ranks == [i * per_pod for i in range(manifest.pods)]
+
+
+def test_dist_init_addr_is_pod_0_through_the_headless_service(manifest: Manifest):
+    args = manifest.server_args()
+    if args.nnodes == 1:
+        return
+    (headless,) = manifest.services(headless=True)
+    workload = manifest.workload
+    assert workload["spec"]["serviceName"] == headless["metadata"]["name"]
+    assert headless["spec"]["publishNotReadyAddresses"] is True  # the others resolve pod 0 before it is ready
+    assert _selects(headless, manifest.pod_labels(0))
+    host, port = args.dist_init_addr.rsplit(":", 1)
+    pod0 = f"{workload['metadata']['name']}-0.{headless['metadata']['name']}"
+    assert host == pod0 or host.startswith(pod0 + "."), f"--dist-init-addr {host} is not pod 0 ({pod0})"
+    service_port = next(p for p in headless["spec"]["ports"] if p["port"] == int(port))
+    assert _container_port(manifest, service_port["targetPort"]) == int(port)
+    assert all(manifest.server_args(i).dist_init_addr == args.dist_init_addr for i in range(manifest.pods))
+    info = launch_info(args, args.deployment.num_gpus)  # where the real launch meets
+    assert (info.store_host, info.store_port) == (host, int(port))
+
+
+def test_http_service_routes_to_node_0_only(manifest: Manifest):
+    args = manifest.server_args()
+    (service,) = manifest.services(headless=False)
+    serving = [is_serving_process(manifest.server_args(i)) for i in range(manifest.pods)]
+    if args.nnodes > 1:
+        assert serving == [True] + [False] * (manifest.pods - 1)
+    assert [_selects(service, manifest.pod_labels(i)) for i in range(manifest.pods)] == serving
+    (port,) = service["spec"]["ports"]
+    assert _container_port(manifest, port["targetPort"]) == args.port
+
+
+def test_probes_point_at_the_health_routes(manifest: Manifest):
     routes = {route.path for route in health.router.routes}
-    assert container["startupProbe"]["httpGet"]["path"] == "/health"
-    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert container["livenessProbe"]["httpGet"]["path"] == "/liveness"
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        path = container[probe]["httpGet"]["path"]
-        assert path in routes and path in PUBLIC_PATHS  # probes work with --api-key set
+    args = manifest.server_args()
+    for name in PROBES:
+        probe = manifest.container[name]
+        if "httpGet" in probe:
+            assert args.nnodes == 1, "with several hosts only node 0 has an HTTP port: use an exec probe"
+            path, port = probe["httpGet"]["path"], _container_port(manifest, probe["httpGet"]["port"])
+        else:
+            path, port = _exec_probe_url(probe)
+        assert path == PROBE_PATHS[name] and path in routes and path in PUBLIC_PATHS  # works with --api-key
+        assert port == args.port
 
 
-def test_args_parse_and_grace_period_covers_the_drain():
-    pod, container = _container()
-    ns = cli._build_parser().parse_args(container["command"][1:] + container["args"])
-    args = cli._server_args(cli._merge_config_file(ns), None)
-    assert args.port == container["ports"][0]["containerPort"]
-    assert pod["terminationGracePeriodSeconds"] > args.shutdown_timeout_s
+def test_multi_gpu_pod_keeps_the_single_gpu_probes_and_grace():
+    single, multi = _load(DEPLOY / "diffuserve.yaml"), _load(DEPLOY / "diffuserve-multigpu.yaml")
+    assert all(multi.container[p] == single.container[p] for p in PROBES)
+    assert multi.pod["terminationGracePeriodSeconds"] == single.pod["terminationGracePeriodSeconds"]
+
+
+def test_grace_period_covers_the_drain(manifest: Manifest):
+    assert manifest.pod["terminationGracePeriodSeconds"] > manifest.server_args().shutdown_timeout_s
+
+
+def test_exec_probes_ask_node_0_and_pass_elsewhere(manifest: Manifest):
+    """Run each exec probe as the kubelet would, against a local stand-in for node 0's /health."""
+    execs = {tuple(manifest.container[n]["exec"]["command"]): n for n in PROBES if "exec" in manifest.container[n]}
+    if not execs:
+        return
+    with _status_server() as (base, code):
+        for command, name in execs.items():
+            local = [re.sub(r"http://127\.0\.0\.1:\d+", base, part) for part in command]
+            assert local[0] == "python"
+            local[0] = sys.executable
+            for index in range(manifest.pods):
+                env = manifest.env(index)
+                for status in (200, 503) if index == 0 else (503,):  # another node passes whatever pod 0 says
+                    code[0] = status
+                    rc = subprocess.run(local, env=env, capture_output=True, timeout=60).returncode
+                    expected = 0 if env["NODE_RANK"] != "0" or status == 200 else 1
+                    assert rc == expected, f"{name} on pod {index} with {status}: exit {rc}"
+
+
+# --- helpers ----------------------------------------------------------------------------------------------
+def _container_port(manifest: Manifest, port: int | str) -> int:
+    if isinstance(port, int):
+        return port
+    return next(p["containerPort"] for p in manifest.container["ports"] if p["name"] == port)
+
+
+def _selects(service: dict[str, Any], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
+
+
+def _exec_probe_url(probe: dict[str, Any]) -> tuple[str, int]:
+    (match,) = re.findall(r"http://127\.0\.0\.1:(\d+)(/[\w/]*)", " ".join(probe["exec"]["command"]))
+    return match[1], int(match[0])
+
+
+class _Status(http.server.BaseHTTPRequestHandler):
+    """Answers every GET with the status in `code[0]` (what node 0's /health would say)."""
+
+    code = [200]
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.send_response(self.code[0])
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _status_server() -> Iterator[tuple[str, list[int]]]:
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Status)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", _Status.code
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -160,7 +160,7 @@ ERRORS: list[tuple[str, dict[str, Any], str, str]] = [
                                 "component_residency": ["dit=snapshot-offload"]}, "use_fsdp_inference", "offloads transformer"),
     ("fsdp_on_one_gpu", {"use_fsdp_inference": True}, "use_fsdp_inference", "--num-gpus 1"),
     ("cfg_parallel_on_one_gpu", {"enable_cfg_parallel": True}, "num_gpus", "2 ranks"),
-    ("degrees_exceed_gpus", {"num_gpus": 2, "sp_degree": 2, "tp_degree": 2}, "num_gpus", "4 ranks"),
+    ("degrees_exceed_gpus", {"num_gpus": 2, "sp_degree": 2, "tp_size": 2}, "num_gpus", "4 ranks"),
     ("more_gpus_than_present", {"gib": [80.0, 80.0], "num_gpus": 3}, "num_gpus", "only 2"),
     ("graph_needs_cuda", {"hardware": CPU, "enable_breakable_cuda_graph": True, "warmup_resolutions": ["512x512"]},
      "enable_breakable_cuda_graph", "CUDA"),

@@ -95,10 +95,16 @@ class DeploymentArgs:
     """FSDP switch."""
     enable_cfg_parallel: bool | None = _f("Split the positive/negative CFG branches over two GPUs.", _PAR_G)
     """CFG parallel switch."""
-    sp_degree: int | None = _f("Sequence-parallel degree (default 1).", _PAR_G, metavar="N")
-    """Ulysses/ring sequence-parallel degree."""
-    tp_degree: int | None = _f("Tensor-parallel degree (default 1).", _PAR_G, metavar="N")
-    """Tensor-parallel degree."""
+    ulysses_degree: int | None = _f("Ulysses sequence-parallel degree: attention heads split over this many ranks, tokens exchanged all-to-all (default 1).", _PAR_G, metavar="N")
+    """Ulysses degree (must divide the DiT's attention heads)."""
+    ring_degree: int | None = _f("Ring sequence-parallel degree: key/value blocks passed around this many ranks (default 1).", _PAR_G, metavar="N")
+    """Ring-attention degree."""
+    sp_degree: int | None = _f("Sequence-parallel degree = --ulysses-degree x --ring-degree; given alone it runs as Ulysses (default 1).", _PAR_G, metavar="N")
+    """Total sequence-parallel degree."""
+    tp_size: int | None = _f("Tensor-parallel degree: the DiT's attention heads and MLPs split over this many ranks (default 1).", _PAR_G, metavar="N", aliases=["--tp-degree"])
+    """Tensor-parallel degree (`--tp-degree` is the older name)."""
+    dp_size: int | None = _f("Data-parallel replicas: --num-gpus is split into this many replicas of num_gpus/dp ranks behind the one endpoint; each batch goes to the least-loaded replica (default: 1, or the ranks no parallel degree uses).", _PAR_G, metavar="N")
+    """Data-parallel replicas."""
 
 
 # --- selectors -------------------------------------------------------------------------------------------
@@ -297,8 +303,10 @@ def _resolutions(items: list[str]) -> list[str]:
 
 
 # --- the resolver ---------------------------------------------------------------------------------------
-def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile) -> DeploymentPlan:
-    """Turn flags + hardware + model profile into a DeploymentPlan; every choice leaves a trace line."""
+def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile, *, hosts: int = 1) -> DeploymentPlan:
+    """Turn flags + hardware + model profile into a DeploymentPlan; every choice leaves a trace line.
+
+    `hardware` is this host's; `hosts` (--nnodes) spreads --num-gpus over that many hosts like it."""
     mode = _choice("--performance-mode", args.performance_mode, PERFORMANCE_MODES)
     plan = DeploymentPlan(performance_mode=mode)
     trace = plan.trace.append
@@ -306,14 +314,20 @@ def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile)
 
     # 1. Devices: the smallest free memory among the selected ones is the bottleneck.
     num_gpus = _positive("--num-gpus", args.num_gpus)
-    if accelerator and num_gpus > hardware.num_devices:
+    if num_gpus % hosts:
+        raise ConfigError(f"--num-gpus {num_gpus} is not a multiple of --nnodes {hosts}; every host runs --num-gpus / "
+                          "--nnodes ranks.", param="nnodes")
+    per_host = num_gpus // hosts
+    if accelerator and per_host > hardware.num_devices:
         how = "described with --gpu-memory-gib" if hardware.described else "present"
+        where = f" per host (--num-gpus {num_gpus} over --nnodes {hosts})" if hosts > 1 else ""
         raise ConfigError(
-            f"--num-gpus {num_gpus} but only {hardware.num_devices} {hardware.device_kind} device(s) are {how}; lower --num-gpus.",
+            f"--num-gpus {num_gpus} needs {per_host} {hardware.device_kind} device(s){where} but only "
+            f"{hardware.num_devices} are {how}; lower --num-gpus.",
             param="num_gpus",
         )
     plan.num_gpus = num_gpus
-    ctx = _Ctx(mode, hardware.min_free_bytes(num_gpus), num_gpus, accelerator)
+    ctx = _Ctx(mode, hardware.min_free_bytes(per_host), num_gpus, accelerator)
     if accelerator:
         trace(f"hardware: {hardware.summary()}; min free over {num_gpus} selected = {ctx.min_free / GIB:.1f} GiB")
     else:
@@ -432,29 +446,119 @@ def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile)
     return plan
 
 
-def _resolve_parallelism(args: DeploymentArgs, plan: DeploymentPlan, profile: ModelProfile, trace: Any) -> None:
-    """Explicit degrees win; auto/speed add CFG parallel when the family runs CFG and no policy was set."""
+def _resolve_sequence_degrees(args: DeploymentArgs, trace: Any) -> tuple[int, int]:
+    """(ulysses, ring) from the three flags: --sp-degree alone runs as Ulysses; all three must agree."""
+    ulysses = _positive("--ulysses-degree", args.ulysses_degree)
+    ring = _positive("--ring-degree", args.ring_degree)
+    if args.sp_degree is None:
+        return ulysses, ring
     sp = _positive("--sp-degree", args.sp_degree)
-    tp = _positive("--tp-degree", args.tp_degree)
+    if args.ulysses_degree is None and args.ring_degree is None:
+        trace(f"sequence parallel: --sp-degree {sp} runs as Ulysses {sp} (give --ring-degree to use ring attention)")
+        return sp, 1
+    if args.ulysses_degree is None and sp % ring == 0:
+        return sp // ring, ring
+    if args.ring_degree is None and sp % ulysses == 0:
+        return ulysses, sp // ulysses
+    if ulysses * ring != sp:
+        raise ConfigError(f"--sp-degree {sp} must equal --ulysses-degree x --ring-degree ({ulysses} x {ring} = "
+                          f"{ulysses * ring}); give two of the three flags.", param="sp_degree")
+    return ulysses, ring
+
+
+def _check_parallel_support(profile: ModelProfile, ulysses: int, ring: int, tp: int, args: DeploymentArgs) -> None:
+    """Refuse degrees the family or its DiT's head count cannot run, naming the flag (before any weight loads)."""
+    sp_flag = "--ulysses-degree" if ulysses > 1 and args.ulysses_degree else "--ring-degree" if ring > 1 and args.ring_degree else "--sp-degree"
+    if ulysses * ring > 1 and not profile.sequence_parallel:
+        raise ConfigError(f"{sp_flag}: the {profile.family} model has no sequence split in this release (sequence "
+                          "parallel runs for the native FLUX.1, Qwen-Image and Wan DiTs); use --enable-cfg-parallel, "
+                          "--use-fsdp-inference or --dp-size instead.", param=_param(sp_flag))
+    if tp > 1 and not profile.tensor_parallel:
+        raise ConfigError(f"--tp-size: the {profile.family} model has no tensor-parallel plan in this release (tensor "
+                          "parallel runs for the native FLUX.1, Qwen-Image and Wan DiTs); use --use-fsdp-inference to "
+                          "shard its weights instead.", param="tp_size")
+    heads = profile.dit_attention_heads
+    if heads is None:
+        return
+    for flag, degree in (("--ulysses-degree", ulysses), ("--tp-size", tp), ("--ulysses-degree x --tp-size", ulysses * tp)):
+        if degree > 1 and heads % degree:
+            raise ConfigError(f"{flag} {degree} does not divide the DiT's {heads} attention heads; pick a degree that "
+                              f"divides {heads} (or use --ring-degree, which splits keys and values instead of heads).",
+                              param=_param(flag.split()[0]))
+
+
+def _resolve_parallelism(args: DeploymentArgs, plan: DeploymentPlan, profile: ModelProfile, trace: Any) -> None:
+    """Degrees, CFG parallel and data-parallel replicas; explicit flags win, and they must fill --num-gpus.
+
+    A replica is cfg (1 or 2) x ulysses x ring x tp ranks; FSDP shards the DiT over a replica's ranks. When
+    every degree comes from the mode (nothing explicit), ranks no degree uses become data-parallel replicas;
+    explicit degrees that do not multiply to --num-gpus / --dp-size are refused.
+    """
+    ulysses, ring = _resolve_sequence_degrees(args, trace)
+    tp = _positive("--tp-size", args.tp_size)
+    _check_parallel_support(profile, ulysses, ring, tp, args)
+    explicit_degrees = any(v is not None for v in (args.ulysses_degree, args.ring_degree, args.sp_degree, args.tp_size))
     cfg = args.enable_cfg_parallel
+    if cfg and profile.cfg_batched:
+        raise ConfigError(f"--enable-cfg-parallel: {profile.family} runs CFG as one doubled batch to match diffusers "
+                          "exactly, which two ranks cannot reproduce; drop the flag (use --dp-size for throughput).",
+                          param="enable_cfg_parallel")
     if cfg is None:
-        policy_set = args.sp_degree is not None or args.tp_degree is not None
-        cfg = plan.performance_mode in ("auto", "speed") and plan.num_gpus >= 2 and profile.default_uses_cfg and not policy_set
+        policy_set = explicit_degrees or args.dp_size is not None
+        cfg = (plan.performance_mode in ("auto", "speed") and plan.num_gpus >= 2 and profile.default_uses_cfg
+               and not policy_set and not profile.cfg_batched)
         if plan.num_gpus >= 2:
             reason = ("family default uses CFG, no parallelism flags" if cfg else
                       "parallelism flags set" if policy_set else
-                      f"{profile.family} does not run CFG by default" if not profile.default_uses_cfg else f"{plan.performance_mode} does not add it")
+                      f"{profile.family} does not run CFG by default" if not profile.default_uses_cfg else
+                      f"{profile.family} runs CFG as one doubled batch" if profile.cfg_batched else
+                      f"{plan.performance_mode} does not add it")
             trace(f"cfg_parallel: {'on' if cfg else 'off'} ({plan.performance_mode}: {reason})")
     else:
         trace(f"cfg_parallel: {'on' if cfg else 'off'} (explicit --enable-cfg-parallel)")
-    ranks = (2 if cfg else 1) * sp * tp
-    if ranks > plan.num_gpus:
-        raise ConfigError(
-            f"cfg parallel ({2 if cfg else 1}) x --sp-degree {sp} x --tp-degree {tp} = {ranks} ranks but --num-gpus is "
-            f"{plan.num_gpus}; raise --num-gpus or lower the degrees.",
-            param="num_gpus",
-        )
-    plan.enable_cfg_parallel, plan.sp_degree, plan.tp_degree = cfg, sp, tp
+    degrees = (2 if cfg else 1) * ulysses * ring * tp
+    what = f"cfg parallel ({2 if cfg else 1}) x --ulysses-degree {ulysses} x --ring-degree {ring} x --tp-size {tp} = {degrees} ranks"
+    if args.dp_size is not None:
+        dp = _positive("--dp-size", args.dp_size)
+        if plan.num_gpus % dp:
+            raise ConfigError(f"--dp-size {dp} does not divide --num-gpus {plan.num_gpus}; each replica needs the same "
+                              "number of ranks.", param="dp_size")
+        per_replica = plan.num_gpus // dp
+        if degrees != per_replica and not (degrees == 1 and plan.use_fsdp_inference):
+            raise ConfigError(f"{what}, but each of the {dp} replicas has {per_replica} (--num-gpus {plan.num_gpus} / "
+                              f"--dp-size {dp}); make the degrees multiply to {per_replica}"
+                              f"{' or add --use-fsdp-inference to shard over them' if degrees == 1 else ''}.",
+                              param="dp_size")
+        trace(f"dp: {dp} replica(s) of {per_replica} rank(s) (explicit --dp-size)")
+    elif degrees > plan.num_gpus or plan.num_gpus % degrees:
+        raise ConfigError(f"{what} but --num-gpus is {plan.num_gpus}; raise --num-gpus to a multiple of {degrees} or "
+                          "lower the degrees.", param="num_gpus")
+    elif plan.use_fsdp_inference and degrees == 1:
+        dp = 1
+        if plan.num_gpus > 1:
+            trace(f"dp: 1 (FSDP shards the DiT over all {plan.num_gpus} ranks)")
+    else:
+        dp = plan.num_gpus // degrees
+        if dp > 1 and (explicit_degrees or args.enable_cfg_parallel):
+            raise ConfigError(f"{what} but --num-gpus is {plan.num_gpus}; make them equal, or add --dp-size {dp} to run "
+                              f"{dp} replicas of {degrees} ranks.", param="num_gpus")
+        if dp > 1:
+            trace(f"dp: {dp} replica(s) of {degrees} rank(s) (the ranks no parallel degree uses each serve a replica)")
+    if tp > 1 and ulysses * ring > 1:
+        raise ConfigError("--tp-size together with sequence parallel (--ulysses-degree / --ring-degree) is not run in "
+                          "this release; use one of them (with --enable-cfg-parallel if the model runs CFG).",
+                          param="tp_size")
+    if plan.use_fsdp_inference and tp > 1:
+        raise ConfigError("--use-fsdp-inference with --tp-size would need 2-D (FSDP x TP) sharding, which this release "
+                          "does not run; use one of them.", param="use_fsdp_inference")
+    plan.enable_cfg_parallel, plan.ulysses_degree, plan.ring_degree, plan.tp_size, plan.dp_size = cfg, ulysses, ring, tp, dp
+    plan.sp_degree = ulysses * ring
+    if tp > 1:
+        offloaded = [n for n, c in plan.components.items() if c.group == "dit" and c.mode is not ResidencyMode.RESIDENT]
+        if offloaded:
+            raise ConfigError(f"--tp-size {tp} splits {offloaded[0]}'s weights into per-rank DTensors, which offload "
+                              f"cannot move; make the DiT resident (--component-residency dit=resident).",
+                              param="tp_size")
 
 
 def _resolve_compile(args: DeploymentArgs, plan: DeploymentPlan, profile: ModelProfile, hardware: HardwareInfo, trace: Any) -> None:
@@ -522,7 +626,7 @@ def format_plan(plan: DeploymentPlan) -> str:
     on = {True: "on", False: "off"}
     lines.append(
         f"  num_gpus={plan.num_gpus}  fsdp={on[plan.use_fsdp_inference]}  cfg_parallel={on[plan.enable_cfg_parallel]}  "
-        f"sp={plan.sp_degree}  tp={plan.tp_degree}"
+        f"ulysses={plan.ulysses_degree}  ring={plan.ring_degree}  tp={plan.tp_size}  dp={plan.dp_size}"
     )
     lines.append(
         f"  compile={on[plan.enable_torch_compile]}  offload_during_compile={on[plan.offload_during_compile]}  "

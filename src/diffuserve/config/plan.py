@@ -68,14 +68,24 @@ class DeploymentPlan:
     num_gpus: int = 1
     use_fsdp_inference: bool = False
     enable_cfg_parallel: bool = False
+    ulysses_degree: int = 1
+    ring_degree: int = 1
     sp_degree: int = 1
-    tp_degree: int = 1
+    """ulysses_degree x ring_degree."""
+    tp_size: int = 1
+    dp_size: int = 1
+    """Data-parallel replicas; each has `ranks_per_replica` ranks."""
     enable_torch_compile: bool = False
     offload_during_compile: bool = True
     enable_breakable_cuda_graph: bool = False
     warmup_resolutions: list[str] = field(default_factory=list)
     trace: list[str] = field(default_factory=list)
     """Human-readable reasons, one per decision, in the order they were made."""
+
+    @property
+    def ranks_per_replica(self) -> int:
+        """Ranks of one replica: the degrees' product (or, with FSDP alone, every rank of the replica)."""
+        return self.num_gpus // self.dp_size
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -84,8 +94,11 @@ class DeploymentPlan:
             "num_gpus": self.num_gpus,
             "fsdp": self.use_fsdp_inference,
             "cfg_parallel": self.enable_cfg_parallel,
+            "ulysses_degree": self.ulysses_degree,
+            "ring_degree": self.ring_degree,
             "sp_degree": self.sp_degree,
-            "tp_degree": self.tp_degree,
+            "tp_size": self.tp_size,
+            "dp_size": self.dp_size,
             "compile": {
                 "enable_torch_compile": self.enable_torch_compile,
                 "offload_during_compile": self.offload_during_compile,

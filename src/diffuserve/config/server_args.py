@@ -20,6 +20,7 @@ _MODEL = "Model"
 _SERVER = "Server"
 _BATCHING = "Dynamic batching"
 _LIMITS = "Admission, limits and security"
+_DIST = "Distributed launch (several ranks, several hosts)"
 
 
 def _f(default: Any, help: str, group: str, **meta: Any) -> Any:
@@ -112,6 +113,18 @@ class ServerArgs:
     allow_remote_urls: bool = _f(False, "Allow request fields that make the server fetch remote URLs (off: such fields are rejected).", _LIMITS)
     """Remote fetch switch."""
 
+    # -- distributed launch ---------------------------------------------------------------------
+    nnodes: int = _f(1, "Hosts the --num-gpus ranks are spread over (each host runs --num-gpus / --nnodes ranks; start the same command on every host with its own --node-rank).", _DIST)
+    """Number of hosts."""
+    node_rank: int = _f(0, "This host's index, 0 to --nnodes - 1. Only node 0 serves HTTP (its first rank hosts the engine).", _DIST)
+    """This host's index."""
+    dist_init_addr: str | None = _f(None, "HOST:PORT of node 0 where every rank meets (a TCP store); required with --nnodes > 1. Default on one host: 127.0.0.1 and a free port.", _DIST, metavar="HOST:PORT")
+    """Rendezvous address."""
+    dist_heartbeat_timeout_s: float = _f(30.0, "A rank that sends no heartbeat for this long is declared hung: every in-flight request gets an error naming it, /health turns 503 and the server exits non-zero.", _DIST)
+    """Hung-rank detection bound."""
+    dist_timeout_s: float = _f(600.0, "Timeout of the ranks' process groups and of a rank's answer to a finished pipeline call (a rank stuck that long in a collective is a fault).", _DIST)
+    """Collective / straggler timeout."""
+
     deployment: Any = field(default=None, metadata={"cli": False})
     """DeploymentArgs (config/deployment.py); filled by the CLI."""
 
@@ -164,6 +177,12 @@ class ServerArgs:
             (self.max_output_bytes < 0, "--max-output-bytes", f"{self.max_output_bytes} must be >= 0 (0 = no cap)"),
             (self.result_sweep_interval_s <= 0, "--result-sweep-interval-s", f"{self.result_sweep_interval_s} must be > 0"),
             (self.max_video_frames < 1, "--max-video-frames", f"{self.max_video_frames} must be >= 1"),
+            (self.nnodes < 1, "--nnodes", f"{self.nnodes} must be >= 1"),
+            (not 0 <= self.node_rank < self.nnodes, "--node-rank", f"{self.node_rank} must be between 0 and --nnodes - 1 ({self.nnodes - 1})"),
+            (self.nnodes > 1 and not self.dist_init_addr, "--dist-init-addr", "is required with --nnodes > 1: give HOST:PORT of node 0, the same on every host"),
+            (self.dist_init_addr is not None and not _is_host_port(self.dist_init_addr), "--dist-init-addr", f"{self.dist_init_addr!r} is not HOST:PORT"),
+            (self.dist_heartbeat_timeout_s <= 0, "--dist-heartbeat-timeout-s", f"{self.dist_heartbeat_timeout_s} must be > 0"),
+            (self.dist_timeout_s <= 0, "--dist-timeout-s", f"{self.dist_timeout_s} must be > 0"),
         ]
         for failed, flag, message in checks:
             if failed:
@@ -172,6 +191,11 @@ class ServerArgs:
             raise ConfigError(f"--model-path: {self.model_path!r} is not a folder. Give a diffusers-format checkpoint folder (with model_index.json), or omit the flag to use the embedded default model.")
         if self.batching_config is not None and not Path(self.batching_config).is_file():
             raise ConfigError(f"--batching-config: cannot read {self.batching_config!r} (no such file).")
+
+
+def _is_host_port(value: str) -> bool:
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 EMBEDDED_MODEL_NAME = "diffuserve-tiny-flux"

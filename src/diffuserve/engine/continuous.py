@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 from diffuserve.engine.metrics import ContinuousStats
 from diffuserve.engine.scheduler import Dispatch, WaitUntil
 from diffuserve.engine.step_scheduler import REMOVED_DEADLINE, GroupEntry, StepPlan, StepScheduler
-from diffuserve.engine.worker import preview_steps
 from diffuserve.errors import GenerationError, RequestTimeoutError
+from diffuserve.executor.worker import preview_steps
 from diffuserve.pipelines import step_batch
 from diffuserve.pipelines.overlap import Overlap, SideResult, overlap_for
 

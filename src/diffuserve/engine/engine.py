@@ -1,9 +1,11 @@
 """AsyncEngine: the asyncio facade over the pure scheduler and one worker thread.
 
 The event loop submits requests and awaits one future per request; the worker thread loads the
-model, warms it up, then loops: schedule -> run one batch -> answer its requests. Every accepted
-request is answered exactly once (success, error, timeout, cancel or shutdown), and nothing the
-pipeline raises stops the loop.
+model through the `Executor` (executor/base.py), warms it up, then loops: schedule -> execute (one batch,
+on one replica) -> update (answer its requests). With data-parallel replicas there is one such loop per
+replica, sharing the scheduler; a batch is formed only when a replica is free, and goes to the free replica
+that has produced the fewest rows. Every accepted request is answered exactly once (success, error,
+timeout, cancel, shutdown or a rank fault), and nothing the pipeline raises stops the loop.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from typing import Any
 from diffuserve.engine.metrics import BatchingStats, EngineMetrics
 from diffuserve.engine.request import Request, RequestStatus
 from diffuserve.engine.scheduler import Dispatch, DynamicBatcher, WaitUntil
-from diffuserve.engine.worker import BatchOutcome, PreviewSink, run_batch
 from diffuserve.errors import (
     DiffuserveError,
     GenerationError,
@@ -30,6 +31,8 @@ from diffuserve.errors import (
     RequestTimeoutError,
     ServiceUnavailableError,
 )
+from diffuserve.executor.base import BatchCall, Executor, InProcessExecutor
+from diffuserve.executor.worker import BatchOutcome, PreviewSink
 from diffuserve.pipelines.base import Pipeline, RequestOutput
 from diffuserve.sampling import ModelDescription, SamplingParams, build_sampling_params
 
@@ -120,7 +123,7 @@ class AsyncEngine:
 
     def __init__(
         self,
-        load_pipeline: Callable[[], Pipeline],
+        executor: Executor | Callable[[], Pipeline],
         scheduler: DynamicBatcher,
         *,
         config: EngineConfig | None = None,
@@ -129,7 +132,8 @@ class AsyncEngine:
         model_name: str = "",
         clock: Callable[[], float] = time.monotonic,
     ):
-        self._load_pipeline = load_pipeline
+        # A bare loader is the one-rank case.
+        self.executor: Executor = executor if hasattr(executor, "execute") else InProcessExecutor(executor, clock=clock)  # type: ignore[arg-type]
         self.scheduler = scheduler
         self.config = config or EngineConfig()
         self.metrics = metrics or EngineMetrics()
@@ -194,6 +198,21 @@ class AsyncEngine:
                 pending.request.cancel_event.set()
                 self._answer_locked(pending.request.request_id, error=error)
             return len(unanswered)
+
+    def fail_rank(self, message: str) -> None:
+        """A rank died or hung: answer everything with an error naming it, turn /health 503, and ask the server
+        to exit non-zero (`on_fatal`) so the orchestrator restarts the whole group. Called from any thread."""
+        with self._cond:
+            if self.state == EngineState.FAILED:
+                return
+            self.state = EngineState.FAILED
+            self.failure = message
+            self._cond.notify_all()
+        failed = self.fail_all(GenerationError(f"{message}; this request was not finished. The server is restarting; retry."))
+        logger.error("%s: answered %d request(s) with an error; exiting", message, failed)
+        self._ready_event.set()
+        if self.on_fatal is not None:
+            self.on_fatal(message)
 
     def stop(self) -> None:
         with self._cond:
@@ -313,7 +332,7 @@ class AsyncEngine:
         if self.state == EngineState.DRAINING:
             return ServiceUnavailableError("The server is shutting down and accepts no new requests.", retry_after_s=5)
         if self.state == EngineState.FAILED:
-            return ServiceUnavailableError(f"The model failed to load: {self.failure}")
+            return ServiceUnavailableError(f"The server is out of service: {self.failure}")
         return ServiceUnavailableError(
             f"The model is not ready yet ({self.state.value}); poll GET /health until it returns 200.",
             retry_after_s=5,
@@ -372,12 +391,19 @@ class AsyncEngine:
 
     def _load_and_warm_up(self) -> None:
         started = time.monotonic()
-        self.pipeline = self._load_pipeline()
+        self.pipeline = self.executor.load()
+        # What the loaded model can do decides what the scheduler may merge.
+        self.scheduler.supports_batching = self.pipeline.supports_batching
+        if hasattr(self.scheduler, "supports_continuous"):  # --batching-mode continuous
+            self.scheduler.supports_continuous = self.pipeline.supports_continuous
         logger.info("model loaded in %.1fs: %s", time.monotonic() - started, self.pipeline.describe())
         if self.config.enable_warmup:
             with self._cond:
                 self.state = EngineState.WARMING_UP
-            self._run_warmup()
+            # Under --enable-torch-compile with --offload-during-compile the residency layer offloads the
+            # DiT and evicts resident components while compiling; leaving restores the serving residency.
+            with self.pipeline.residency.compile_warmup():
+                self._run_warmup()
         with self._cond:
             if self.state in (EngineState.LOADING, EngineState.WARMING_UP):
                 self.state = EngineState.READY
@@ -389,17 +415,19 @@ class AsyncEngine:
         model = self.pipeline.describe_model()
         sizes = [(model.defaults.width, model.defaults.height)]
         sizes += [s for s in self.config.warmup_resolutions if s not in sizes]
-        for width, height in sizes:
-            params = build_sampling_params(model, prompt="warm-up", width=width, height=height,
-                                           num_inference_steps=self.config.warmup_steps, seed=0,
-                                           image_inputs=_warmup_images(model, width, height))
-            started = time.monotonic()
-            request = Request(request_id="warmup", params=params, arrival_time=self.clock(), ineligible_reason="warmup")
-            outcome = run_batch(self.pipeline, [request], clock=self.clock)
-            if outcome.errors:
-                raise RuntimeError(f"warm-up generation at {width}x{height} failed: {outcome.errors['warmup'].message}")
-            logger.info("warm-up generation (%dx%d, %d steps) took %.2fs", width, height,
-                        params.num_inference_steps, time.monotonic() - started)
+        for replica in range(len(self.executor.replicas)):
+            for width, height in sizes:
+                params = build_sampling_params(model, prompt="warm-up", width=width, height=height,
+                                               num_inference_steps=self.config.warmup_steps, seed=0,
+                                               image_inputs=_warmup_images(model, width, height))
+                started = time.monotonic()
+                request = Request(request_id="warmup", params=params, arrival_time=self.clock(), ineligible_reason="warmup")
+                outcome = self.executor.execute(replica, BatchCall([request]))
+                if outcome.errors:
+                    raise RuntimeError(f"warm-up generation at {width}x{height} failed: {outcome.errors['warmup'].message}")
+                where = f" on replica {replica}" if len(self.executor.replicas) > 1 else ""
+                logger.info("warm-up generation (%dx%d, %d steps)%s took %.2fs", width, height,
+                            params.num_inference_steps, where, time.monotonic() - started)
 
     def _serve_forever(self) -> None:
         from diffuserve.engine.step_scheduler import StepScheduler
@@ -409,32 +437,57 @@ class AsyncEngine:
 
             serve_continuous(self)
             return
+        for replica in range(1, len(self.executor.replicas)):
+            threading.Thread(target=self._replica_loop, args=(replica,), name=f"diffuserve-replica-{replica}",
+                             daemon=True).start()
+        self._replica_loop(0)
+
+    def _replica_loop(self, replica: int) -> None:
+        """schedule -> execute -> update, for one replica, until the engine stops."""
         while True:
-            batch = self._next_batch()
+            batch = self._next_batch(replica)
             if batch is None:
                 return
-            self._run_guarded(batch)
+            self._run_guarded(batch, replica)
 
-    def _run_guarded(self, batch: Any) -> None:
+    def _run_guarded(self, batch: Any, replica: int = 0) -> None:
         """Run one request-level batch; whatever it raises answers its requests and frees the scheduler."""
         try:
-            self._execute(batch)
+            self._execute(batch, replica)
         except Exception as exc:  # the batch loop never dies: answer the batch, free the scheduler
             logger.exception("internal error around a batch")
             error = GenerationError(f"Internal error while running this batch: {type(exc).__name__}: {exc}")
             with self._cond:
                 for request in batch.requests:
                     self._answer_locked(request.request_id, error=error)
-                if self.scheduler.running is batch:
+                if self.scheduler.is_running(batch):
                     self.scheduler.complete(batch)
-                self.metrics.set_running(0)
+                self._replica_done(replica, 0)
                 self._cond.notify_all()
 
-    def _next_batch(self) -> Any:
+    def _my_turn(self, replica: int) -> bool:
+        """Whether `replica` is the free replica that should take the next batch: the one that has produced the
+        fewest rows (then the lowest index), so load spreads over replicas instead of going round-robin."""
+        free = [s for s in self.executor.replicas if not s.busy and s.failed is None]
+        return bool(free) and min(free, key=lambda s: (s.rows, s.replica)).replica == replica
+
+    def _replica_done(self, replica: int, rows: int) -> None:
+        """Caller holds the lock."""
+        state = self.executor.replicas[replica]
+        state.busy = False
+        state.batches += 1
+        state.rows += rows
+        self.metrics.set_running(sum(len(b.requests) for b in self.scheduler.running_batches))
+        self.metrics.observe_replica(state)
+
+    def _next_batch(self, replica: int = 0) -> Any:
         with self._cond:
             while True:
-                if self._stop:
+                if self._stop or self.state == EngineState.FAILED:
                     return None
+                if not self._my_turn(replica):
+                    self._cond.wait(_MAX_IDLE_WAIT_S)
+                    continue
                 now = self.clock()
                 for request in self.scheduler.expire(now):
                     self._answer_locked(request.request_id, error=RequestTimeoutError(
@@ -442,13 +495,16 @@ class AsyncEngine:
                 action = self.scheduler.schedule(now)
                 self.metrics.set_queue_depth(self.scheduler.num_queued)
                 if isinstance(action, Dispatch):
+                    self.executor.replicas[replica].busy = True
+                    self.metrics.observe_replica(self.executor.replicas[replica])
+                    self._cond.notify_all()  # the next free replica may schedule now
                     return action.batch
                 wake_at = [t for t in (self.scheduler.next_deadline(),
                                        action.time if isinstance(action, WaitUntil) else None) if t is not None]
                 wait = min([_MAX_IDLE_WAIT_S, *(max(0.0, t - now) for t in wake_at)])
                 self._cond.wait(wait)
 
-    def _execute(self, batch: Any) -> None:
+    def _execute(self, batch: Any, replica: int = 0) -> None:
         assert self.pipeline is not None
         requests: list[Request] = list(batch.requests)
         if self.batching_stats is not None:
@@ -456,7 +512,8 @@ class AsyncEngine:
         started = self.clock()
         for request in requests:
             self.metrics.observe_queue_wait(started - request.arrival_time)
-        self.metrics.set_running(len(requests))
+        with self._cond:
+            self.metrics.set_running(sum(len(b.requests) for b in self.scheduler.running_batches))
         previews: dict[str, PreviewSink] = {}
         with self._cond:
             for request in requests:
@@ -510,14 +567,17 @@ class AsyncEngine:
                 self._cond.notify_all()
 
         # Overlap (dynamic / continuous): the batch's decode runs in the decode lane and `answer` is called from
-        # there, while this thread frees the scheduler and starts the next batch (engine/worker.py `run_batch`).
+        # there, while this thread frees the scheduler and starts the next batch (executor/worker.py `run_batch`).
         overlap = self.scheduler.config.mode in ("dynamic", "continuous")
-        outcome = run_batch(self.pipeline, requests, on_step=on_step, previews=previews, clock=self.clock,
-                            max_rows=max_rows, on_decoded=answer if overlap else None)
+        outcome = self.executor.execute(replica, BatchCall(requests, on_step=on_step, previews=previews,
+                                                           max_rows=max_rows,
+                                                           on_decoded=answer if overlap else None))
         self._recent_batch_s = outcome.inference_seconds
         if not outcome.deferred:
             answer(outcome)
         with self._cond:
             self.scheduler.complete(batch)
-            self.metrics.set_running(0)
+            produced = (outcome.batch_rows if outcome.deferred
+                        else sum(r.params.n for r in requests if r.request_id in outcome.outputs))
+            self._replica_done(replica, produced)
             self._cond.notify_all()

@@ -49,7 +49,7 @@ class FaultInjectingPipeline:
         return self._inner.run(batch, **callbacks)
 
     def run_to_latents(self, batch: list[Any], **callbacks: Any) -> Any:
-        """The first part of `run` when its decode overlaps the next batch (`engine/worker.py`)."""
+        """The first part of `run` when its decode overlaps the next batch (`executor/worker.py`)."""
         self._check(batch)
         return self._inner.run_to_latents(batch, **callbacks)
 

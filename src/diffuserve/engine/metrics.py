@@ -124,6 +124,16 @@ class EngineMetrics:
         ProcessCollector(namespace=PREFIX.rstrip("_"), registry=r)
         self.accelerator_memory = Gauge(f"{p}accelerator_memory_bytes",
                                         "Accelerator memory of this process (CUDA allocator).", ["kind"], registry=r)
+        self.replica_busy = Gauge(f"{p}replica_busy", "1 while a replica runs a batch.", ["replica"], registry=r)
+        self.replica_healthy = Gauge(f"{p}replica_healthy", "1 while every rank of a replica is alive.", ["replica"],
+                                     registry=r)
+        self.replica_batches = Gauge(f"{p}replica_batches", "Batches a replica has run.", ["replica"], registry=r)
+        self.replica_rows = Gauge(f"{p}replica_rows", "Output rows a replica has produced.", ["replica"], registry=r)
+        overhead_buckets = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+        self.rank_call_delivery = Histogram(f"{p}rank_call_delivery_seconds", "Time a pipeline call took to reach "
+                                            "the slowest other rank of replica 0.", buckets=overhead_buckets, registry=r)
+        self.rank_call_straggle = Histogram(f"{p}rank_call_straggle_seconds", "Time rank 0 waited for the other ranks "
+                                            "to finish a call after its own part.", buckets=overhead_buckets, registry=r)
 
     def watch_cuda_memory(self, device: str) -> None:
         """Report the CUDA allocator's bytes (allocated, peak, reserved) at every scrape."""
@@ -159,6 +169,19 @@ class EngineMetrics:
     def set_running(self, n: int) -> None:
         """Requests in the running batch (0 when the worker is idle)."""
         self.running_batch_size.set(n)
+
+    def observe_replica(self, state) -> None:
+        """A replica's state (executor.base.ReplicaState) after it changed."""
+        label = str(state.replica)
+        self.replica_busy.labels(replica=label).set(int(state.busy))
+        self.replica_healthy.labels(replica=label).set(int(state.failed is None))
+        self.replica_batches.labels(replica=label).set(state.batches)
+        self.replica_rows.labels(replica=label).set(state.rows)
+
+    def observe_rank_call(self, delivery_s: float, straggle_s: float) -> None:
+        """One pipeline call on several ranks: its message delivery and the wait for the other ranks."""
+        self.rank_call_delivery.observe(max(0.0, delivery_s))
+        self.rank_call_straggle.observe(max(0.0, straggle_s))
 
     def observe_stage(self, stage: str, seconds: float) -> None:
         self.stage_seconds.labels(stage=stage).observe(max(0.0, seconds))

@@ -8,7 +8,9 @@ tests drive it with fake requests and a fake clock. The engine's loop is::
     WaitUntil -> sleep until decision.time or until a request is added/aborted, then schedule again
     Idle      -> sleep until a request is added (or, when busy, until the running batch completes)
 
-Rules of batch formation (one batch in flight at a time):
+Rules of batch formation (one batch in flight per replica: `slots` batches at most, 1 unless the
+server runs data-parallel replicas; a batch is formed only when a replica is free to run it, so it always
+goes to a free replica):
 
 1. **Order.** Queued requests are ordered by `(priority, arrival_time)`, lower first, ties by
    the order they were added. The *head* is the first of that order. A lower `priority` value
@@ -158,22 +160,27 @@ class DynamicBatcher:
     """The queue and the batch-formation rules of the module docstring. Not thread-safe: the
     engine calls it from one thread (or under one lock)."""
 
-    def __init__(self, config: BatchingConfig, *, model_names: Sequence[str], supports_batching: bool = True):
+    def __init__(self, config: BatchingConfig, *, model_names: Sequence[str], supports_batching: bool = True,
+                 slots: int = 1):
         config.validate()
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.slots = slots
+        """Batches that may run at once (one per data-parallel replica)."""
         self.config = config
         self.model_names = tuple(model_names)
         self.supports_batching = supports_batching
         self._queue: dict[str, tuple[tuple[int, float, int], Request]] = {}
         self._seq = 0
         self._num_queued_outputs = 0
-        self._running: ScheduledBatch | None = None
+        self._running: list[ScheduledBatch] = []
         self._num_dispatched = 0
 
     # -- queue ------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         """Queue a request. A request id may be queued or running only once."""
         rid = request.request_id
-        if rid in self._queue or (self._running is not None and rid in self._running.request_ids):
+        if rid in self._queue or any(rid in b.request_ids for b in self._running):
             raise ValueError(f"request id {rid!r} is already queued or running; ids must be unique")
         self._seq += 1
         request.status = RequestStatus.QUEUED
@@ -222,7 +229,20 @@ class DynamicBatcher:
     @property
     def running(self) -> ScheduledBatch | None:
         """The batch in flight, or None."""
-        return self._running
+        return self._running[0] if self._running else None
+
+    @property
+    def num_running(self) -> int:
+        """Batches running now (at most `slots`)."""
+        return len(self._running)
+
+    @property
+    def running_batches(self) -> tuple[ScheduledBatch, ...]:
+        """Every batch running now."""
+        return tuple(self._running)
+
+    def is_running(self, batch: ScheduledBatch) -> bool:
+        return any(b is batch for b in self._running)
 
     def queued_requests(self) -> list[Request]:
         """The queued requests in scheduling order (a copy)."""
@@ -231,7 +251,7 @@ class DynamicBatcher:
     # -- scheduling -------------------------------------------------------------------------------
     def schedule(self, now: float) -> Decision:
         """Decide what to do at clock time `now`; a returned `Dispatch` marks its batch running."""
-        if self._running is not None:
+        if len(self._running) >= self.slots:
             return Idle(busy=True)
         ordered = self._ordered()
         if not ordered:
@@ -261,10 +281,10 @@ class DynamicBatcher:
 
     def complete(self, batch: ScheduledBatch) -> None:
         """The worker finished `batch` (success or failure); the next batch may be dispatched."""
-        if self._running is not batch:
-            running = None if self._running is None else self._running.batch_id
+        if not self.is_running(batch):
+            running = [b.batch_id for b in self._running] or None
             raise ValueError(f"complete() got batch {batch.batch_id}, but the running batch is {running}")
-        self._running = None
+        self._running = [b for b in self._running if b is not batch]
 
     def effective_cap_for(self, request: Request) -> int:
         """The cap a batch anchored by `request` would get (1 when merging is off)."""
@@ -348,5 +368,5 @@ class DynamicBatcher:
             dispatch_time=now,
             batch_id=self._num_dispatched,
         )
-        self._running = batch
+        self._running.append(batch)
         return Dispatch(batch)

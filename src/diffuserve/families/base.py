@@ -76,6 +76,9 @@ class ProfileFacts:
     refuses them for families without one, naming the flag)."""
     tensor_parallel: bool = False
     """The native DiT has a tensor-parallel plan, so `--tp-size` runs for it."""
+    cfg_batched: bool = False
+    """CFG runs as ONE doubled transformer batch to match diffusers exactly, so CFG parallel (one branch per
+    rank) cannot reproduce it and is refused at start-up; the native adapter reads this fact."""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ SPEC = FamilySpec(
     model_id_patterns=(r"sana",),
     native_adapter="diffuserve.pipelines.sana:SanaNativePipeline",
     defaults=SamplingDefaults(num_inference_steps=20, guidance_scale=4.5),
-    profile=ProfileFacts(default_uses_cfg=True),
+    profile=ProfileFacts(default_uses_cfg=True, cfg_batched=True),
     layer_containers={"SanaTransformer2DModel": (("transformer_blocks", "num_layers"),)},
     size_multiple=32,
     tiny_builds={"sana": "diffuserve.models.tiny_sana:build"},

@@ -17,7 +17,7 @@ SPEC = FamilySpec(
     # diffusers' call defaults; CFG runs whenever guidance_scale > 1, against "" when no negative is given.
     defaults=SamplingDefaults(num_inference_steps=28, guidance_scale=7.0),
     # Layer-wise offload of the DiT (transformer_blocks) is tested to reproduce the resident output.
-    profile=ProfileFacts(default_uses_cfg=True, dit_supports_layerwise=True),
+    profile=ProfileFacts(default_uses_cfg=True, dit_supports_layerwise=True, cfg_batched=True),
     layer_containers={"SD3Transformer2DModel": (("transformer_blocks", "num_layers"),)},
     max_latent_side=sd3_max_latent_side,
     tiny_builds={"sd3": "diffuserve.models.tiny_sd3:build"},

@@ -10,7 +10,7 @@ SPEC = FamilySpec(
     # Z-Image-Turbo samples without CFG in 8-9 steps; single-GPU no-offload measured faster than FSDP/SP.
     defaults=SamplingDefaults(num_inference_steps=9, guidance_scale=0.0),
     # The native adapter streams the refiners and the main layers (tests: layer-wise equals resident).
-    profile=ProfileFacts(default_uses_cfg=False, dit_supports_layerwise=True),
+    profile=ProfileFacts(default_uses_cfg=False, dit_supports_layerwise=True, cfg_batched=True),
     # In execution order: the image-token refiner, the caption refiner, then the main single-stream layers.
     layer_containers={"ZImageTransformer2DModel": (
         ("noise_refiner", "n_refiner_layers"), ("context_refiner", "n_refiner_layers"), ("layers", "n_layers"),

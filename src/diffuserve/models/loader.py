@@ -4,6 +4,14 @@ The folder is checked part by part before anything heavy is loaded, so a broken 
 start-up with the folder and the missing or invalid part named, instead of deep inside diffusers or,
 worse, "loading" fine: transformers 5 builds a near-empty tokenizer from a missing tokenizer folder,
 so tokenizers are also checked against their text encoder's vocabulary after loading.
+
+Where the weights go is the caller's choice (`placement`), because the residency and parallel layers own
+placement: `device` (every model component moved to the device at load, for callers with no residency
+manager), `host` (weights stay in host memory; `runtime/residency.py`'s `build_residency` moves resident
+components to the device and leaves offloaded ones on the host, so nothing offloaded ever reaches the device
+whole), or `meta` (no storage and no file read; FSDP / TP shard the meta parameters and
+`models/materialize.py` reads only this rank's slices). A model that fits only when offloaded or sharded
+still loads.
 """
 
 from __future__ import annotations
@@ -13,8 +21,9 @@ import dataclasses
 import importlib
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from diffuserve.errors import CheckpointError, ConfigError
 from diffuserve.models import processor_substitutes, registry
@@ -27,6 +36,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+Placement = Literal["device", "host", "meta"]
+PLACEMENTS: tuple[Placement, ...] = ("device", "host", "meta")
+"""Where `load_pipeline` puts a model component's weights (see the module docstring)."""
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json", "*.pt", "*.ckpt")
 TOKENIZER_FILES = (
@@ -175,21 +188,51 @@ def check_tokenizers(model_path: Path, components: dict[str, Any]) -> None:
 # -- loading ------------------------------------------------------------------------------------------
 
 
+def resolve_placements(placement: Placement | Mapping[str, Placement], model_keys: list[str],
+                       model_path: Path) -> dict[str, Placement]:
+    """Per model component, where it loads: one placement for all, or a mapping (unnamed keys load to host)."""
+    if isinstance(placement, str):
+        chosen = dict.fromkeys(model_keys, placement)
+    else:
+        unknown = sorted(set(placement) - set(model_keys))
+        if unknown:
+            raise ConfigError(f"placement names {unknown}, which checkpoint {model_path} has no model component "
+                              f"for; its model components are {model_keys}.", param="placement")
+        chosen = {key: placement.get(key, "host") for key in model_keys}
+    bad = sorted({p for p in chosen.values() if p not in PLACEMENTS})
+    if bad:
+        raise ConfigError(f"placement {bad} is not one of {list(PLACEMENTS)}.", param="placement")
+    return chosen
+
+
+def _load_module(cls: type, folder: Path, *, placement: Placement, device: torch.device,
+                 dtype: torch.dtype) -> torch.nn.Module:
+    if placement == "meta":
+        from diffuserve.models.materialize import meta_module
+
+        return meta_module(cls, folder, dtype)
+    module = cls.from_pretrained(folder, local_files_only=True, dtype=dtype)
+    if placement == "device":
+        module = module.to(device)
+    return module.eval().requires_grad_(False)
+
+
 def load_components(
-    model_path: Path, spec: registry.ModelSpec, *, device: torch.device, dtype: torch.dtype
+    model_path: Path, spec: registry.ModelSpec, *, device: torch.device, dtype: torch.dtype,
+    placement: Placement | Mapping[str, Placement] = "device",
 ) -> dict[str, Any]:
     """Load every component listed in model_index.json (local files only), checked and placed."""
     import torch
 
     classes = check_checkpoint(model_path, spec)
+    model_keys = [k for k, c in classes.items() if isinstance(c, type) and issubclass(c, torch.nn.Module)]
+    placements = resolve_placements(placement, model_keys, model_path)
     loaded: dict[str, Any] = {}
     for key, cls in classes.items():
         folder = model_path / key
-        is_model = isinstance(cls, type) and issubclass(cls, torch.nn.Module)
         try:
-            if is_model:
-                module = cls.from_pretrained(folder, local_files_only=True, dtype=dtype)
-                loaded[key] = module.to(device).eval().requires_grad_(False)
+            if key in placements:
+                loaded[key] = _load_module(cls, folder, placement=placements[key], device=device, dtype=dtype)
             elif hasattr(cls, "from_pretrained"):
                 loaded[key] = cls.from_pretrained(folder, local_files_only=True)
             else:
@@ -205,6 +248,20 @@ def load_components(
     return loaded
 
 
+def _place_unmanaged(pipeline: Pipeline, components: dict[str, Any], device: torch.device) -> None:
+    """Host-loaded modules the pipeline keeps outside `pipeline.components` have no residency owner to
+    place them: they go to the device here, so host placement never leaves a module computing on the host."""
+    import torch
+
+    managed = {id(m) for m in pipeline.components.values()}
+    for key, module in components.items():
+        if isinstance(module, torch.nn.Module) and id(module) not in managed:
+            if any(t.is_meta for t in module.parameters()):
+                raise ConfigError(f"placement meta for component {key!r}: the pipeline does not manage it, so "
+                                  "nothing would materialize it; load it to host or device.", param="placement")
+            module.to(device)
+
+
 def _native_class(family: str) -> type:
     module_name, _, class_name = registry.native_families()[family].partition(":")
     return getattr(importlib.import_module(module_name), class_name)
@@ -217,10 +274,14 @@ def load_pipeline(
     backend: str = "auto",
     device: str = "cpu",
     dtype: str = "float32",
+    placement: Placement | Mapping[str, Placement] = "device",
 ) -> Pipeline:
     """Load the checkpoint at `model_path` and return the pipeline that serves it.
 
-    `backend` is auto | native | diffusers (auto = native when the family has an adapter).
+    `backend` is auto | native | diffusers (auto = native when the family has an adapter). `device` is
+    where the pipeline computes; `placement` is where the model components' weights go at load: `device`,
+    `host` or `meta` for all, or a mapping from component key to placement (keys it does not name load to
+    `host`), e.g. `{"transformer": "meta"}` for FSDP. The diffusers backend takes `device` or `host` only.
     Raises CheckpointError (broken folder) or ConfigError (bad flag) with the fix in the message.
     """
     model_path = Path(model_path).expanduser()
@@ -231,7 +292,7 @@ def load_pipeline(
         "Loading %s (%s, family=%s, backend=%s)", model_path, spec.pipeline_class, spec.family, spec.backend
     )
     if spec.backend == "native":
-        components = load_components(model_path, spec, device=torch_device, dtype=torch_dtype)
+        components = load_components(model_path, spec, device=torch_device, dtype=torch_dtype, placement=placement)
         # Pipeline-level settings of model_index.json (Wan2.2's boundary_ratio, expand_timesteps) ride along
         # with the components, as diffusers passes them to the pipeline's __init__.
         index = registry.read_model_index(model_path)
@@ -242,6 +303,7 @@ def load_pipeline(
             )
         except CheckpointError as exc:
             raise CheckpointError(f"checkpoint {model_path}: {exc.message}") from exc
+        _place_unmanaged(pipeline, components, torch_device)
         suggested = registry.read_suggested_defaults(model_path)
         if suggested:
             # A checkpoint's own suggestions (tiny test models) beat the family's published defaults.
@@ -250,9 +312,14 @@ def load_pipeline(
         from diffuserve.pipelines.diffusers_backend import DiffusersBackendPipeline
 
         check_checkpoint(model_path, spec)
+        if placement not in ("device", "host"):
+            raise ConfigError(f"placement {placement!r}: the diffusers backend loads the whole pipeline at once, "
+                              "to the device or to host; meta or per-component placement needs a native family.",
+                              param="placement")
         try:
             pipeline = DiffusersBackendPipeline.from_pretrained(
-                model_path, family=spec.family, device=torch_device, dtype=torch_dtype
+                model_path, family=spec.family, device=torch_device, dtype=torch_dtype,
+                to_device=placement == "device",
             )
         except CheckpointError as exc:
             # Name the class and the way out: a native family under another class name needs --model-id.

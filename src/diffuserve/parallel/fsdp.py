@@ -19,8 +19,10 @@ from diffuserve.runtime.layerwise import default_layer_specs
 
 
 def shard_denoisers(pipeline: Any, *, device_type: str = "cpu", world_size: int | None = None,
-                    reshard_after_forward: bool = True) -> list[str]:
-    """FSDP2-shard every denoiser of `pipeline` (block by block, then the root); returns the sharded keys."""
+                    reshard_after_forward: bool = True, mesh: Any = None) -> list[str]:
+    """FSDP2-shard every denoiser of `pipeline` (block by block, then the root); returns the sharded keys.
+
+    `mesh`: the 1-D DeviceMesh to shard over (a replica's ranks); default: all `world_size` ranks."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -29,7 +31,7 @@ def shard_denoisers(pipeline: Any, *, device_type: str = "cpu", world_size: int 
     if not keys:
         raise ConfigError(f"--use-fsdp-inference: the {pipeline.family} model has no native denoiser to shard "
                           "(diffusers-backend models run unmodified).", param="use_fsdp_inference")
-    mesh = init_device_mesh(device_type, (world_size or dist.get_world_size(),))
+    mesh = mesh if mesh is not None else init_device_mesh(device_type, (world_size or dist.get_world_size(),))
     for key in keys:
         module = pipeline.components[key]
         specs = default_layer_specs(key, module)

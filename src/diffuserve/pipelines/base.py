@@ -29,12 +29,20 @@ class ComponentUser(Protocol):
 
     def use(self, component: str) -> contextlib.AbstractContextManager[None]: ...
 
+    def compile_warmup(self) -> contextlib.AbstractContextManager[None]:
+        """Placement while the engine's compile warm-up runs (`--offload-during-compile`)."""
+        ...
+
 
 class AllResident:
     """Default residency: every component stays where the loader put it."""
 
     @contextlib.contextmanager
     def use(self, component: str) -> Iterator[None]:
+        yield
+
+    @contextlib.contextmanager
+    def compile_warmup(self) -> Iterator[None]:
         yield
 
 

@@ -216,9 +216,11 @@ class DiffusersBackendPipeline(Pipeline):
 
     @classmethod
     def from_pretrained(
-        cls, model_path: Path, *, family: str = "unknown", device: torch.device, dtype: torch.dtype
+        cls, model_path: Path, *, family: str = "unknown", device: torch.device, dtype: torch.dtype,
+        to_device: bool = True,
     ) -> DiffusersBackendPipeline:
-        """Load with `DiffusionPipeline.from_pretrained(..., local_files_only=True)`."""
+        """Load with `DiffusionPipeline.from_pretrained(..., local_files_only=True)`; `to_device=False` leaves
+        the weights on the host for the residency manager to place."""
         from diffusers import DiffusionPipeline
 
         try:
@@ -227,7 +229,8 @@ class DiffusersBackendPipeline(Pipeline):
             raise CheckpointError(
                 f"checkpoint {model_path}: diffusers could not load it ({type(exc).__name__}: {exc})."
             ) from exc
-        pipe.to(device)
+        if to_device:
+            pipe.to(device)
         if hasattr(pipe, "set_progress_bar_config"):
             pipe.set_progress_bar_config(disable=True)
         return cls(pipe, family=family, device=device, dtype=dtype,

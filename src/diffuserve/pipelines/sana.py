@@ -73,7 +73,7 @@ class SanaNativePipeline(stages.RecipePipeline):
     # diffusers runs [negatives, positives] as one doubled call; per-row results do not depend on the
     # order inside a call, but do (~1e-6) on the call's size, so the doubled call keeps them bit-equal.
     # `predict` also relies on it: the doubled call is how it knows which rows take the negative encoding.
-    batched_cfg = True
+    batched_cfg = spec_for(family).profile.cfg_batched  # one fact, in the family spec
 
     def __init__(
         self,

@@ -60,7 +60,7 @@ class SD3NativePipeline(stages.RecipePipeline):
     row against the singleton run in a mixed group, tests/integration/test_continuous_steps.py)."""
     text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
     # diffusers runs SD3's CFG as one doubled batch; so do we (two passes round differently: +-1 level).
-    batched_cfg = True
+    batched_cfg = spec_for(family).profile.cfg_batched  # one fact, in the family spec
 
     def __init__(self, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()

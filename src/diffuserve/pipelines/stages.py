@@ -396,6 +396,11 @@ class RecipePipeline(Pipeline):
         that wraps `run` around per-request state, like Qwen-Image-Edit, keeps it whole)."""
         return type(self).run is RecipePipeline.run
 
+    def component_scope(self, key: str) -> contextlib.AbstractContextManager[None]:
+        """`key`'s residency scope; the decoder's through `decoder_scope` (an edit's VAE encode in `prepare` may
+        run while the decode lane decodes the previous batch with the same VAE)."""
+        return self.decoder_scope() if key == self.decoder else self.residency.use(key)
+
     def step_extras(self, states: Sequence[DenoiseState]) -> dict[str, Any]:
         """The extras of one continuous step over several requests' states (`pipelines/step_batch.py`).
 
@@ -423,7 +428,7 @@ class RecipePipeline(Pipeline):
         on_preview: PreviewCallback | None = None,
     ) -> Denoised:
         """Stages 1-3 of `run` (encode, latents, denoise); `decode_batch` is stage 4. Split so that the decode
-        can run in the decode lane while the next batch denoises (`engine/worker.py`, `pipelines/overlap.py`)."""
+        can run in the decode lane while the next batch denoises (`executor/worker.py`, `pipelines/overlap.py`)."""
         head = check_batch(batch)
         cfg = self.uses_cfg(head)
         timer = StageTimer()
@@ -434,7 +439,7 @@ class RecipePipeline(Pipeline):
             # 2. Latents, schedule and per-batch extras (edits encode their input images here).
             with timer.stage("latents"), contextlib.ExitStack() as scope:
                 for key in self.prepare_components(head):
-                    scope.enter_context(self.residency.use(key))
+                    scope.enter_context(self.component_scope(key))
                 state = self.prepare(batch, head, positive)
             # 3. Denoise: the family's denoiser call(s), guidance, scheduler steps, cancellation.
             with timer.stage("denoise"):

@@ -78,7 +78,7 @@ def start_requests(pipeline: RecipePipeline, batch: Sequence[Any]) -> list[Reque
             own_negative = None if negative is None else gather_rows(negative, index, pipeline.masked_sequences)
             with contextlib.ExitStack() as scope:
                 for key in pipeline.prepare_components(params):
-                    scope.enter_context(pipeline.residency.use(key))
+                    scope.enter_context(pipeline.component_scope(key))
                 state = pipeline.prepare([params], params, own)
             out.append(RequestRows(params=params, latents=state.latents, positive=own, negative=own_negative,
                                    state=state))

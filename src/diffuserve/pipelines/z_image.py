@@ -54,7 +54,7 @@ class ZImageNativePipeline(stages.RecipePipeline):
     masked_sequences = {"prompt_embeds": "prompt_mask"}
     # diffusers runs the positive and negative rows through one transformer call; the transformer pads
     # the rows of a call to a common length, so matching its batch composition keeps results bit-equal.
-    batched_cfg = True
+    batched_cfg = spec_for(family).profile.cfg_batched  # one fact, in the family spec
 
     def __init__(
         self,

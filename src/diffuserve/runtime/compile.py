@@ -3,7 +3,9 @@
 torch.compile is applied to the DiT's repeated blocks (diffusers' `compile_repeated_blocks`, so one
 compiled block serves every layer) or, for a transformer that declares none, to the whole module.
 Compilation itself happens lazily on the first forward: the engine's warm-up (one generation per
-`--warmup-resolutions` entry) pays for it before /health turns 200.
+`--warmup-resolutions` entry) pays for it before /health turns 200. With `--offload-during-compile` (on by
+default) the engine runs that warm-up inside `residency.compile_warmup()` (runtime/residency.py), which
+offloads every resident component, the DiT included, for its duration and restores the serving residency after.
 """
 
 from __future__ import annotations
@@ -20,18 +22,13 @@ logger = logging.getLogger(__name__)
 def check_executable(plan: DeploymentPlan) -> None:
     """Fail at start-up for plan features whose execution is not in this release (never a silent fallback)."""
     unavailable = [
-        (plan.num_gpus > 1, "--num-gpus", f"{plan.num_gpus}: multi-GPU execution"),
-        (plan.use_fsdp_inference, "--use-fsdp-inference", "FSDP inference"),
-        (plan.enable_cfg_parallel, "--enable-cfg-parallel", "CFG parallel"),
-        (plan.sp_degree > 1, "--sp-degree", f"{plan.sp_degree}: sequence parallel"),
-        (plan.tp_degree > 1, "--tp-degree", f"{plan.tp_degree}: tensor parallel"),
         (plan.enable_breakable_cuda_graph, "--enable-breakable-cuda-graph", "breakable CUDA graphs"),
     ]
     for active, flag, what in unavailable:
         if active:
             raise ConfigError(
                 f"{flag} {what} is resolved by the deployment plan but cannot run in this release; "
-                f"serve on one device (drop {flag}), and use `diffuserve plan` to inspect the multi-GPU plan."
+                f"drop {flag}."
             )
 
 

@@ -29,15 +29,12 @@ from diffusers.hooks import ModelHook
 
 from diffuserve.config.plan import Lifetime
 from diffuserve.errors import ConfigError
-from diffuserve.runtime.residency import (
-    OffloadedWeightsError,
-    Strategy,
-    WeightUnit,
-    collect_slots,
-)
+from diffuserve.runtime.strategy import OffloadedWeightsError, Strategy
+from diffuserve.runtime.weights import WeightUnit, collect_slots
 
 LAYER_HOOK = "diffuserve.layerwise.layer"
 START_HOOK = "diffuserve.layerwise.start"
+
 
 def _get(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
     try:

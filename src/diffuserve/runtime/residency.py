@@ -9,6 +9,9 @@ what the deployment plan says for that component:
   drops the device copy (no device->host copy).
 - `layerwise-offload`: declared layers stream through the device (see layerwise.py).
 
+The moving of tensors is in weights.py and the strategy base and guard in strategy.py, below this
+module and layerwise.py, so imports point one way (residency -> layerwise -> strategy -> weights).
+
 Offloaded weights are genuinely detached: each parameter's `.data` (and each buffer) is swapped for
 an empty placeholder of the same dtype on the device while the real tensor lives in a host-side
 store, so a forward without onload fails (guard hooks make that failure name the fix). On a
@@ -23,288 +26,27 @@ them off again.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 
 import torch
-from diffusers.hooks import HookRegistry, ModelHook
 
 from diffuserve.config.plan import ComponentPlan, DeploymentPlan, ResidencyMode
 from diffuserve.errors import ConfigError
+from diffuserve.runtime.layerwise import LayerwiseStrategy, default_layer_specs
 from diffuserve.runtime.ledger import TransferLedger
+from diffuserve.runtime.strategy import GUARD_HOOK, OffloadedWeightsError, Strategy
+from diffuserve.runtime.weights import Transfers, WeightUnit, collect_slots
+
+__all__ = ["GUARD_HOOK", "ComponentResidencyManager", "OffloadedWeightsError", "build_residency"]
 
 logger = logging.getLogger(__name__)
 
-GUARD_HOOK = "diffuserve.residency.guard"
-"""Name of the hook that refuses a forward of an offloaded component outside `use`."""
 
-
-class OffloadedWeightsError(RuntimeError):
-    """A module ran while its weights were offloaded (outside `residency.use(...)`)."""
-
-
-# 1. Moving the tensors of one unit ---------------------------------------------------------------
-
-
-class Transfers:
-    """Device-side helpers shared by all units of a manager: placeholders, copy stream, pinning."""
-
-    def __init__(self, device: torch.device, ledger: TransferLedger) -> None:
-        self.device = torch.device(device)
-        self.ledger = ledger
-        self.is_cuda = self.device.type == "cuda"
-        self._placeholders: dict[torch.dtype, torch.Tensor] = {}
-        self._copy_stream: torch.cuda.Stream | None = None
-
-    def placeholder(self, like: torch.Tensor) -> torch.Tensor:
-        # A 0-element tensor on the device keeps `module.device`/`.dtype` answering correctly
-        # while any kernel that touches it fails on the shape. (A meta tensor would not: on CPU,
-        # F.linear with a meta weight silently returns garbage.)
-        ph = self._placeholders.get(like.dtype)
-        if ph is None:
-            ph = torch.empty(0, dtype=like.dtype, device=self.device)
-            self._placeholders[like.dtype] = ph
-        return ph
-
-    def copy_stream(self) -> torch.cuda.Stream | None:
-        """The dedicated stream for layer prefetch (CUDA only)."""
-        if self.is_cuda and self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device=self.device)
-        return self._copy_stream
-
-    def to_host(self, t: torch.Tensor, pin: bool) -> torch.Tensor:
-        pin = pin and self.is_cuda
-        if t.device.type == "cpu":
-            return t.pin_memory() if pin and not t.is_pinned() else t
-        if pin:
-            # Straight into pinned memory: one copy, and the next h2d can be asynchronous.
-            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-            host.copy_(t)
-            return host
-        return t.to("cpu")
-
-
-@dataclass
-class _Slot:
-    """One distinct tensor and every place a module holds it (tied weights appear more than once)."""
-
-    tensor_id: int
-    is_param: bool
-    refs: list[tuple[torch.nn.Module, str]]
-    nbytes: int
-    host: torch.Tensor | None = None
-    device_copy: torch.Tensor | None = None
-
-    def attach(self, t: torch.Tensor) -> None:
-        for module, name in self.refs:
-            if self.is_param:
-                module._parameters[name].data = t  # type: ignore[union-attr]
-            else:
-                module._buffers[name] = t
-
-    def current(self) -> torch.Tensor:
-        module, name = self.refs[0]
-        t = module._parameters[name] if self.is_param else module._buffers[name]
-        assert t is not None
-        return t.data if self.is_param else t
-
-
-def collect_slots(modules: Iterable[torch.nn.Module]) -> dict[int, _Slot]:
-    """Every parameter and buffer held directly by `modules` (not their children), by identity."""
-    slots: dict[int, _Slot] = {}
-    for module in modules:
-        for is_param, store in ((True, module._parameters), (False, module._buffers)):
-            for name, t in store.items():
-                if t is None:
-                    continue
-                key = id(t)
-                slot = slots.get(key)
-                if slot is None:
-                    nbytes = t.numel() * t.element_size()
-                    slot = slots[key] = _Slot(key, is_param, [], nbytes)
-                slot.refs.append((module, name))
-    return slots
-
-
-class WeightUnit:
-    """Tensors that move together: a whole component, one layer, or a component's non-layer rest.
-
-    `keep_host=True`: the host copy stays for good; unload only drops the device copy ("free").
-    `keep_host=False`: weights move; unload copies them back to the host ("d2h").
-    """
-
-    def __init__(
-        self,
-        component: str,
-        layer: str | None,
-        slots: list[_Slot],
-        transfers: Transfers,
-        *,
-        keep_host: bool,
-        pin_memory: bool = False,
-    ) -> None:
-        self.component = component
-        self.layer = layer
-        self.slots = slots
-        self.transfers = transfers
-        self.keep_host = keep_host
-        self.pin_memory = pin_memory
-        self.nbytes = sum(s.nbytes for s in slots)
-        self.on_device = False
-        self._ready_event: torch.cuda.Event | None = None
-
-    def capture(self) -> None:
-        """Take the weights out of the module into the host store (at setup; not a recorded move)."""
-        for slot in self.slots:
-            slot.host = self.transfers.to_host(slot.current(), self.pin_memory)
-            slot.attach(self.transfers.placeholder(slot.host))
-
-    def load(self, *, prefetch: bool = False) -> None:
-        """Attach the weights on the device. `prefetch` issues the copy on the copy stream (CUDA)."""
-        if self.on_device:
-            return
-        tr = self.transfers
-        start = time.perf_counter()
-        stream = tr.copy_stream() if prefetch else None
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        # Non-blocking only from pinned memory, where it is truly asynchronous and safe. Copies
-        # are made outside inference mode so they stay ordinary tensors whatever the caller runs.
-        with ctx, torch.inference_mode(False), torch.no_grad():
-            for slot in self.slots:
-                assert slot.host is not None, f"{self.component}/{self.layer}: no host copy"
-                dev = slot.host.to(tr.device, non_blocking=tr.is_cuda and slot.host.is_pinned())
-                slot.device_copy = dev
-                slot.attach(dev)
-                if not self.keep_host:
-                    slot.host = None
-            if stream is not None:
-                self._ready_event = torch.cuda.Event()
-                self._ready_event.record(stream)
-        self.on_device = True
-        tr.ledger.record(self.component, self.layer, self.nbytes, "h2d", time.perf_counter() - start)
-
-    def ready(self) -> None:
-        """Make the compute stream wait for a prefetch of this unit (no-op on CPU or when synchronous)."""
-        event, self._ready_event = self._ready_event, None
-        if event is None:
-            return
-        compute = torch.cuda.current_stream(self.transfers.device)
-        compute.wait_event(event)
-        for slot in self.slots:
-            # The copy stream allocated these; tell the allocator the compute stream uses them so
-            # their memory is not reused before the layer's kernels finish.
-            if slot.device_copy is not None:
-                slot.device_copy.record_stream(compute)
-
-    def unload(self) -> None:
-        """Detach from the device: free (host copy kept) or move back to the host."""
-        if not self.on_device:
-            return
-        tr = self.transfers
-        start = time.perf_counter()
-        self.ready()  # never drop or copy back a tensor whose prefetch is still in flight
-        with torch.inference_mode(False), torch.no_grad():
-            for slot in self.slots:
-                dev = slot.device_copy
-                assert dev is not None
-                if not self.keep_host:
-                    # Blocking on purpose: the host copy may feed the next h2d from another stream.
-                    slot.host = tr.to_host(dev, self.pin_memory)
-                slot.attach(tr.placeholder(dev))
-                slot.device_copy = None
-        self.on_device = False
-        direction = "free" if self.keep_host else "d2h"
-        tr.ledger.record(self.component, self.layer, self.nbytes, direction, time.perf_counter() - start)
-
-    def restore(self) -> None:
-        """Give the module its weights back on the host (used by close(); hooks are gone then)."""
-        self.unload()
-        for slot in self.slots:
-            if slot.host is not None:
-                slot.attach(slot.host)
-
-
-# 2. Guard hook ----------------------------------------------------------------------------------
-
-
-class GuardHook(ModelHook):
-    """Refuses a forward while the component is not in `use` (its weights are detached)."""
-
-    def __init__(self, strategy: Strategy) -> None:
-        super().__init__()
-        self.strategy = strategy
-
-    def pre_forward(self, module: torch.nn.Module, *args, **kwargs):
-        if not self.strategy.in_use:
-            name = self.strategy.name
-            raise OffloadedWeightsError(
-                f"component {name!r} is offloaded ({self.strategy.mode.value}): its weights are not "
-                f"attached; run it inside `residency.use({name!r})`."
-            )
-        return args, kwargs
-
-
-def guard_targets(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The root and its direct children: entry points such as `vae.decode` call `vae.decoder`
-    without going through `vae.forward`, so the root alone is not enough."""
-    return [module, *module.children()]
-
-
-# 3. Per-mode strategies -------------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class Strategy:
-    """How one component behaves; subclasses implement the modes."""
-
-    name: str
-    module: torch.nn.Module
-    plan: ComponentPlan
-    transfers: Transfers
-    in_use: bool = False
-    hooked: list[tuple[torch.nn.Module, str]] = field(default_factory=list)
-    nbytes: int = 0
-    """All of the component's weight bytes (counted at construction, before anything is detached)."""
-
-    def __post_init__(self) -> None:
-        self.nbytes = sum(s.nbytes for s in collect_slots(self.module.modules()).values())
-
-    @property
-    def mode(self) -> ResidencyMode:
-        return self.plan.mode
-
-    def permanent_bytes(self) -> int:
-        """Device bytes held from setup on, across requests."""
-        return 0
-
-    def transient_bytes(self) -> int:
-        """The most extra device bytes this component holds while it is in `use`."""
-        return 0
-
-    def setup(self) -> None: ...
-
-    def enter(self) -> None: ...
-
-    def exit(self) -> None: ...
-
-    def register(self, module: torch.nn.Module, hook: ModelHook, name: str) -> None:
-        HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, name)
-        self.hooked.append((module, name))
-
-    def add_guards(self) -> None:
-        for target in guard_targets(self.module):
-            self.register(target, GuardHook(self), GUARD_HOOK)
-
-    def close(self) -> None:
-        for module, name in reversed(self.hooked):
-            module._diffusers_hook.remove_hook(name, recurse=False)
-        self.hooked.clear()
-
-    def describe(self) -> dict[str, object]:
-        return {"mode": self.mode.value, "bytes": self.nbytes}
+# 1. Whole-component strategies (layer-wise offload is in layerwise.py) ----------------------------
 
 
 class ResidentStrategy(Strategy):
@@ -344,8 +86,13 @@ class WholeOffloadStrategy(Strategy):
         super().close()
         self.unit.restore()
 
+    def settle(self) -> None:
+        """End a temporary offload: the weights go back on the device for good and the hooks come off."""
+        self.unit.load()
+        super().close()
 
-# 4. The manager ---------------------------------------------------------------------------------
+
+# 2. The manager ---------------------------------------------------------------------------------
 
 
 def _flag_for_permanent(name: str, plan: ComponentPlan) -> str:
@@ -372,9 +119,10 @@ class ComponentResidencyManager:
         ledger: TransferLedger,
         layer_specs: dict[str, list[str]] | None = None,
         device_budget_bytes: int | None = None,
+        offload_during_compile: bool = False,
     ) -> None:
-        from diffuserve.runtime.layerwise import LayerwiseStrategy, default_layer_specs
-
+        self.offload_during_compile = offload_during_compile
+        """Whether `compile_warmup()` offloads the resident components (the plan's compile settings)."""
         self.device = torch.device(device)
         self.ledger = ledger
         self.device_budget_bytes = device_budget_bytes
@@ -503,6 +251,48 @@ class ComponentResidencyManager:
                     strategy.in_use = False
                     strategy.exit()
 
+    @contextlib.contextmanager
+    def compile_warmup(self) -> Iterator[None]:
+        """Placement for the torch.compile warm-up (`--offload-during-compile`).
+
+        Inside, every resident component — the DiT and the non-DiT ones alike — is temporarily
+        component-offloaded: its weights go to the host (recorded `d2h`) and come on only while the
+        warm-up generation uses it, so compilation and autotuning run beside one component's weights
+        instead of the whole model. Components the plan already offloads keep their mode. On exit the
+        serving residency is restored (recorded `h2d`), before the engine reports ready. A no-op when
+        compile or `--offload-during-compile` is off.
+        """
+        if not self.offload_during_compile or not self._is_setup:
+            yield
+            return
+        evicted = self._evict_resident()
+        try:
+            yield
+        finally:
+            self._restore_resident(evicted)
+
+    def _evict_resident(self) -> dict[str, Strategy]:
+        evicted: dict[str, Strategy] = {}
+        for name, strategy in list(self.strategies.items()):
+            if not isinstance(strategy, ResidentStrategy):
+                continue
+            plan = dataclasses.replace(strategy.plan, mode=ResidencyMode.COMPONENT_OFFLOAD)
+            temporary = WholeOffloadStrategy(name, strategy.module, plan, self.transfers)
+            temporary.unit.evict()
+            temporary.add_guards()
+            self.strategies[name] = temporary
+            evicted[name] = strategy
+        logger.info("compile warm-up: %s offloaded to host until warm-up ends", sorted(evicted))
+        return evicted
+
+    def _restore_resident(self, evicted: dict[str, Strategy]) -> None:
+        for name, original in evicted.items():
+            temporary = self.strategies[name]
+            assert isinstance(temporary, WholeOffloadStrategy)
+            temporary.settle()
+            self.strategies[name] = original
+        logger.info("compile warm-up done: serving residency restored (%s resident again)", sorted(evicted))
+
     def describe(self) -> dict[str, dict[str, object]]:
         """Per component: mode, bytes and layer-wise settings, for /server_info and logs."""
         return {n: s.describe() for n, s in self.strategies.items()}
@@ -530,6 +320,7 @@ def build_residency(
     manager = ComponentResidencyManager(
         modules, plans, device=device, ledger=ledger, layer_specs=layer_specs,
         device_budget_bytes=device_budget_bytes,
+        offload_during_compile=plan.enable_torch_compile and plan.offload_during_compile,
     )
     manager.setup()
     return manager

@@ -67,6 +67,8 @@ async def server_info(request: Request) -> dict:
             "config": args.batching_config,
         },
         "queue": {"queued": scheduler.num_queued, "max_queue_size": args.max_queue_size},
+        "replicas": [dataclasses.asdict(state) for state in ctx.engine.executor.replicas],
+        "distributed": ctx.engine.executor.describe() if hasattr(ctx.engine.executor, "describe") else None,
         "limits": {
             "request_timeout_s": args.request_timeout_s,
             "max_request_bytes": args.max_request_bytes,

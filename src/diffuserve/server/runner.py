@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from types import FrameType
 
 import uvicorn
@@ -43,8 +44,8 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets=sockets)
 
     def _fatal(self, message: str) -> None:
-        """The model cannot load: exit 1 so the orchestrator sees a failed start, not a stuck 503."""
-        logger.error("exiting: the model failed to load: %s", message)
+        """The model cannot load, or a rank failed: exit 1 so the orchestrator restarts us, not a stuck 503."""
+        logger.error("exiting: %s", message)
         self.exit_code = 1
         self.should_exit = True
 
@@ -82,6 +83,10 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(args: ServerArgs) -> int:
+    from diffuserve.launch_ranks import is_serving_process, serve_other_node
+
+    if not is_serving_process(args):  # another host's ranks, or a torchrun rank other than 0: no HTTP
+        return serve_other_node(args)
     engine, metrics, plan_dict = build_engine(args)
     results = open_results_store(args)
     ctx = ServerContext(args=args, engine=engine, metrics=metrics, results=results,
@@ -99,4 +104,10 @@ def serve(args: ServerArgs) -> int:
     server = DrainingServer(config, ctx)
     logger.info("serving %r on http://%s:%d", args.public_model_name, args.host, args.port)
     server.run()
+    engine.executor.shutdown()
+    if hasattr(engine.executor, "topology"):
+        # Several ranks: a worker thread may still sit in a collective with a failed peer, and torch's exit
+        # handlers would wait on it; the answers are out and the other ranks are stopped, so leave now.
+        logging.shutdown()
+        os._exit(server.exit_code)
     return server.exit_code

@@ -25,8 +25,8 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from diffuserve.engine.engine import AsyncEngine, GenerationResult
-from diffuserve.engine.worker import PreviewSink
 from diffuserve.errors import DiffuserveError, RequestCancelledError
+from diffuserve.executor.worker import PreviewSink
 from diffuserve.media.images import encode_image
 from diffuserve.sampling import SamplingParams
 from diffuserve.server.protocol import error_envelope

@@ -17,19 +17,29 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from diffuserve.engine.request import Request
 from diffuserve.errors import DiffuserveError, GenerationError, RequestCancelledError
 from diffuserve.pipelines.base import BatchResult, Pipeline, RequestOutput
 from diffuserve.pipelines.overlap import Overlap, SideResult, overlap_for
 from diffuserve.sampling import SamplingParams
 
 logger = logging.getLogger("diffuserve.worker")
+
+
+class Request(Protocol):
+    """What a batch row needs of the engine's request (engine/request.py): its id, parameters and cancel flag."""
+
+    request_id: str
+    params: SamplingParams
+    cancel_event: threading.Event
+
+
 
 
 def preview_steps(num_steps: int, partial_images: int) -> list[int]:
@@ -149,7 +159,7 @@ def run_batch(
     if not live:
         return outcome
 
-    def should_stop() -> bool:
+    def everyone_gone() -> bool:
         # Stop the whole batch only when nobody in it still wants an answer; a single cancelled row
         # keeps running with the others and its output is dropped.
         return all(r.cancel_event.is_set() for r in live)
@@ -188,16 +198,16 @@ def run_batch(
 
     start = clock()
     if on_decoded is not None and overlap is not None and len(calls) == 1:
-        return _run_deferred(pipeline, live, outcome, on_decoded, overlap, clock, start, should_stop,
-                             {"on_step": step_done, "should_stop": should_stop,
+        return _run_deferred(pipeline, live, outcome, on_decoded, overlap, clock, start, everyone_gone, steps_done,
+                             {"on_step": step_done, "should_stop": everyone_gone,
                               **({"on_preview": on_preview} if sinks else {})})
     try:
         parts: list[list[RequestOutput]] = [[] for _ in live]
         stage_seconds: dict[str, float] = {}
         for call_index[0], call in enumerate(calls):
-            if should_stop():
+            if everyone_gone():
                 raise RequestCancelledError("every request of the batch was cancelled")
-            result = pipeline.run([p for _, _, p in call], on_step=step_done, should_stop=should_stop,
+            result = pipeline.run([p for _, _, p in call], on_step=step_done, should_stop=everyone_gone,
                                   **({"on_preview": on_preview} if sinks else {}))
             chunk = split_outputs([dataclasses.replace(live[i], params=p) for i, _, p in call], result,
                                   pipeline.output_kind)
@@ -225,12 +235,14 @@ def run_batch(
 
 def _run_deferred(pipeline: Any, live: list[Request], outcome: BatchOutcome,
                   on_decoded: Callable[[BatchOutcome], None], overlap: Overlap, clock: Callable[[], float],
-                  start: float, should_stop: Callable[[], bool], callbacks: dict[str, Any]) -> BatchOutcome:
+                  start: float, should_stop: Callable[[], bool], steps_done: list[int],
+                  callbacks: dict[str, Any]) -> BatchOutcome:
     """`run_batch` with the decode in the decode lane (one pipeline call; see `run_batch`)."""
     try:
         denoised = pipeline.run_to_latents([r.params for r in live], **callbacks)
     except RequestCancelledError as exc:
-        logger.info("batch of %d request(s) stopped: every request in it was cancelled", len(live))
+        logger.info("batch of %d request(s) stopped at step %d/%d: every request in it was cancelled",
+                    len(live), *steps_done)
         outcome.errors = {r.request_id: exc for r in live}
         outcome.inference_seconds = clock() - start
         return outcome

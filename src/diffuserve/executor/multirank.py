@@ -1,0 +1,220 @@
+"""Rank 0's executor over several ranks: replica 0 runs here (rank 0 is its leader), the other replicas' batches
+go to their leaders through the store, and a monitor thread watches every rank's heartbeat.
+
+Faults: a rank whose process exits, that reports a fault, or whose heartbeat stops for
+`--dist-heartbeat-timeout-s` (killed, stopped, unreachable) is declared faulty: `on_fault(message naming it)`
+is called once — the engine then answers every request with that message, /health turns 503 and the server
+exits non-zero so the orchestrator restarts the group. Waits on a faulty group give up at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from diffuserve.executor.base import BatchCall, ReplicaState
+from diffuserve.executor.channel import StoreChannel
+from diffuserve.executor.messages import BatchMessage
+from diffuserve.executor.replica import (
+    RankFault,
+    ReplicaPipeline,
+    StepSync,
+    batch_key,
+    bye_key,
+    cancel_key,
+    progress_key,
+    report_key,
+)
+from diffuserve.executor.topology import Topology
+from diffuserve.executor.worker import BatchOutcome, run_batch
+from diffuserve.pipelines.base import Pipeline
+
+logger = logging.getLogger("diffuserve.executor")
+
+_MONITOR_INTERVAL_S = 0.25
+
+
+class RankMonitor:
+    """Watches every other rank: local child processes, fault reports, heartbeats."""
+
+    def __init__(self, channel: StoreChannel, world_size: int, *, heartbeat_timeout_s: float,
+                 children: dict[int, Any], on_fault: Callable[[int, str], None], describe: Callable[[int], str]):
+        self.channel, self.world_size, self.timeout_s = channel, world_size, heartbeat_timeout_s
+        self.children, self.on_fault, self.describe = children, on_fault, describe
+        self.fault: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="diffuserve-rank-monitor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _check(self, rank: int, seen: dict[int, tuple[int, float]], now: float) -> str | None:
+        child = self.children.get(rank)
+        if child is not None and child.exitcode is not None:
+            how = f"signal {-child.exitcode}" if child.exitcode < 0 else f"exit code {child.exitcode}"
+            return f"{self.describe(rank)} exited ({how})"
+        reported = self.channel.fault(rank)
+        if reported:
+            return f"{self.describe(rank)} failed: {reported}"
+        count = self.channel.heartbeats(rank)
+        last_count, since = seen.get(rank, (-1, now))
+        if count != last_count:
+            seen[rank] = (count, now)
+        elif count > 0 and now - since > self.timeout_s:
+            return f"{self.describe(rank)} sent no heartbeat for {now - since:.0f}s (hung or unreachable)"
+        return None
+
+    def _main(self) -> None:
+        seen: dict[int, tuple[int, float]] = {}
+        while not self._stop.is_set():
+            now = time.monotonic()
+            try:
+                for rank in range(1, self.world_size):
+                    fault = self._check(rank, seen, now)
+                    if fault:
+                        self._declare(rank, fault)
+                        return
+            except Exception as exc:  # the store itself broke
+                self._declare(-1, f"the rank group's store failed ({type(exc).__name__}: {exc})")
+                return
+            self._stop.wait(_MONITOR_INTERVAL_S)
+
+    def _declare(self, rank: int, fault: str) -> None:
+        if self.fault is None:
+            self.fault = fault
+            logger.error("rank fault: %s", fault)
+            self.on_fault(rank, fault)
+
+
+class MultiRankExecutor:
+    """Executor over `topology.world_size` ranks in `dp_size` replicas; this process is global rank 0."""
+
+    def __init__(self, topology: Topology, *, connect: Callable[[], tuple[StoreChannel, Any]],
+                 load_local: Callable[[Any], Pipeline], children: dict[int, Any], heartbeat_timeout_s: float,
+                 timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                 observe_call: Callable[[float, float], None] | None = None):
+        self.topology = topology
+        self._connect, self._load_local, self._children = connect, load_local, children
+        self._heartbeat_timeout_s, self._timeout_s, self._clock = heartbeat_timeout_s, timeout_s, clock
+        self._observe_call = observe_call
+        self.replicas = [ReplicaState(r, topology.replica_ranks(r)) for r in range(topology.dp_size)]
+        self.on_fault: Callable[[str], None] = lambda message: None
+        """Set by the engine's owner: called once, from the monitor thread, when a rank fails."""
+        self.channel: StoreChannel | None = None
+        self.monitor: RankMonitor | None = None
+        self.local: ReplicaPipeline | None = None
+        self._sync: StepSync | None = None
+        self._seq = [0] * topology.dp_size
+
+    def describe_rank(self, rank: int) -> str:
+        replica = rank // self.topology.ranks_per_replica
+        return f"rank {rank} of {self.topology.world_size} (replica {replica})"
+
+    def describe(self) -> dict[str, Any]:
+        """/server_info's view: the topology and every rank's pid, host and device."""
+        ranks = []
+        for rank in range(self.topology.world_size):
+            try:
+                info = self.channel.rank_info(rank) if self.channel is not None else None
+            except Exception:  # the store is gone with a faulty rank
+                info = None
+            ranks.append(info or {"rank": rank})
+        t = self.topology
+        return {"world_size": t.world_size, "dp_size": t.dp_size, "ranks_per_replica": t.ranks_per_replica,
+                "cfg": t.cfg, "ulysses": t.ulysses, "ring": t.ring, "tp": t.tp, "ranks": ranks,
+                "fault": self.monitor.fault if self.monitor is not None else None}
+
+    @property
+    def alive(self) -> bool:
+        return self.monitor is None or self.monitor.fault is None
+
+    def load(self) -> Pipeline:
+        """Join the group (the other ranks load at the same time), then load replica 0's share here."""
+        self.channel, groups = self._connect()
+        self.monitor = RankMonitor(self.channel, self.topology.world_size, heartbeat_timeout_s=self._heartbeat_timeout_s,
+                                   children=self._children, on_fault=self._fault, describe=self.describe_rank)
+        self.monitor.start()
+        pipeline = self._load_local(groups)
+        self._sync = StepSync(groups.control, 0, self.topology.ranks_per_replica)
+        self.local = ReplicaPipeline(pipeline, self.channel, self.topology, self._timeout_s, sync=self._sync,
+                                     is_alive=lambda: self.alive, observe=self._observe_call)
+        return pipeline
+
+    def steps(self) -> Any:
+        """Continuous batching on replica 0's ranks (the only replica continuous mode runs with)."""
+        assert self.local is not None, "load() first"
+        return self.local
+
+    def _fault(self, rank: int, message: str) -> None:
+        for state in self.replicas:
+            if rank in state.ranks or rank < 0:
+                state.failed = message
+        self.on_fault(message)
+
+    def execute(self, replica: int, call: BatchCall) -> BatchOutcome:
+        if not self.alive:
+            raise RankFault(self.monitor.fault if self.monitor else "the rank group is down")
+        if replica == 0:
+            assert self.local is not None and self._sync is not None
+            return run_batch(self.local, call.requests, on_step=call.on_step, previews=call.previews or None,
+                             max_rows=call.max_rows, clock=self._clock)
+        return self._execute_remote(replica, call)
+
+    def _execute_remote(self, replica: int, call: BatchCall) -> BatchOutcome:
+        """Post the batch to the replica's leader; relay progress and cancellation until its report arrives."""
+        assert self.channel is not None
+        seq = self._seq[replica]
+        self._seq[replica] += 1
+        live = [r for r in call.requests if not r.cancel_event.is_set()]
+        if not live:
+            return BatchOutcome()
+        started = self._clock()
+        self.channel.post(batch_key(replica, seq), BatchMessage(
+            seq=seq, kind="batch", request_ids=tuple(r.request_id for r in live),
+            params=tuple(r.params for r in live), max_rows=call.max_rows))
+        steps_seen, cancelled = 0, False
+        while True:
+            report = self.channel.poll(report_key(replica, seq))
+            if report is not None:
+                for key in (progress_key(replica, seq), progress_key(replica, seq) + "/total", cancel_key(replica, seq)):
+                    self.channel.store.delete_key(key)
+                return BatchOutcome(**report.fields())
+            if not self.alive:
+                raise RankFault(self.monitor.fault if self.monitor else "the rank group is down")
+            done = self.channel.store.add(progress_key(replica, seq), 0)
+            if done > steps_seen and call.on_step is not None:
+                total = int(self.channel.store.get(progress_key(replica, seq) + "/total"))
+                for step in range(steps_seen, done):
+                    call.on_step(step, total)
+            steps_seen = max(steps_seen, done)
+            if not cancelled and all(r.cancel_event.is_set() for r in live):
+                self.channel.store.set(cancel_key(replica, seq), b"1")
+                cancelled = True
+            time.sleep(0.005 if self._clock() - started < 1 else 0.02)
+
+    def shutdown(self) -> None:
+        """Tell every rank to leave its loop, then wait a little for local child processes and stop the rest."""
+        if self.monitor is not None:
+            self.monitor.stop()
+        if self.channel is not None and self.alive:
+            try:
+                if self.local is not None:
+                    self.local.shutdown_followers()
+                for replica in range(1, self.topology.dp_size):
+                    self.channel.post(batch_key(replica, self._seq[replica]),
+                                      BatchMessage(seq=self._seq[replica], kind="shutdown"))
+                for rank in range(1, self.topology.world_size):  # the store must outlive their last read
+                    self.channel.receive(bye_key(rank), timeout_s=10)
+            except Exception:  # the store may be gone with a faulty rank; the children are stopped below
+                logger.warning("not every rank confirmed the shutdown; stopping this host's ranks", exc_info=True)
+        deadline = time.monotonic() + 10
+        for child in self._children.values():
+            child.join(max(0.0, deadline - time.monotonic()))
+            if child.exitcode is None:
+                child.kill()

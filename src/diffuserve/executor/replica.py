@@ -1,0 +1,257 @@
+"""One replica's ranks running the same pipeline calls in lockstep.
+
+The replica's leader runs the batch (`worker.run_batch`) on a `ReplicaPipeline`: each pipeline call is first
+posted to the replica's other ranks (a `CallMessage` through the store), then run locally; at every step
+boundary the leader's stop decision is broadcast on the replica's gloo group (`StepSync`), so every rank stops
+at the same step or none does. After a call every other rank acknowledges it; a rank that does not within
+`--dist-timeout-s` (stuck in a collective its peers left) is a fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from diffuserve.executor.channel import StoreChannel
+from diffuserve.executor.messages import BatchMessage, BatchReport, CallMessage, StepMessage
+from diffuserve.executor.topology import Topology
+from diffuserve.executor.worker import run_batch
+from diffuserve.pipelines.base import BatchResult, Pipeline
+from diffuserve.sampling import SamplingParams
+
+logger = logging.getLogger("diffuserve.executor")
+
+
+class RankFault(RuntimeError):
+    """A rank of the replica died, hung or fell out of step; the message names it."""
+
+
+def batch_key(replica: int, seq: int) -> str:
+    return f"batch/{replica}/{seq}"
+
+
+def report_key(replica: int, seq: int) -> str:
+    return f"report/{replica}/{seq}"
+
+
+def progress_key(replica: int, seq: int) -> str:
+    return f"progress/{replica}/{seq}"
+
+
+def cancel_key(replica: int, seq: int) -> str:
+    return f"cancel/{replica}/{seq}"
+
+
+def call_key(replica: int, seq: int, rank: int) -> str:
+    return f"call/{replica}/{seq}/{rank}"
+
+
+def ack_key(replica: int, seq: int, rank: int) -> str:
+    return f"ack/{replica}/{seq}/{rank}"
+
+
+def bye_key(rank: int) -> str:
+    """Posted by a rank leaving on a shutdown message, so rank 0 keeps the store up until everyone has read it."""
+    return f"bye/{rank}"
+
+
+def _with_seed(params: SamplingParams) -> SamplingParams:
+    """Every rank must draw the same noise: an unset seed is drawn once, on the leader."""
+    return params if params.seed is not None else dataclasses.replace(params, seed=secrets.randbelow(2**31))
+
+
+class StepSync:
+    """The leader's stop decision at each step boundary, broadcast to the replica's other ranks."""
+
+    def __init__(self, group: Any, leader: int, size: int):
+        self.group, self.leader, self.size = group, leader, size
+
+    def __call__(self, decision: bool) -> bool:
+        if self.size == 1:
+            return decision
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if decision else 0], dtype=torch.uint8)
+        dist.broadcast(flag, src=self.leader, group=self.group)
+        return bool(flag.item())
+
+
+@dataclass
+class ReplicaPipeline:
+    """The leader's view of the replica: `run` has Pipeline.run's signature and runs the call on every rank."""
+
+    pipeline: Pipeline
+    """This (leader) rank's pipeline."""
+    channel: StoreChannel
+    """The store channel."""
+    topology: Topology
+    """The leader's topology."""
+    timeout_s: float
+    """How long the other ranks may take to acknowledge a finished call."""
+    sync: StepSync | None = None
+    """The replica's step-boundary broadcast (None: a replica of one rank)."""
+    is_alive: Callable[[], bool] = lambda: True
+    """False once a fault was declared (waits give up)."""
+    also_stop: Callable[[], bool] = lambda: False
+    """An extra stop condition of the running batch (a remote leader: rank 0 posted its cancel)."""
+    observe: Callable[[float, float], None] | None = None
+    """observe(delivery_s, straggle_s) per call: how long the call message took to reach the slowest other rank,
+    and how long the leader waited for their acknowledgements after its own part (the per-call overhead)."""
+    _seq: int = field(default=0, init=False)
+    _unsent_starts: dict[str, SamplingParams] = field(default_factory=dict, init=False)
+    _unsent_drops: list[str] = field(default_factory=list, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+
+    def __getattr__(self, name: str) -> Any:  # describe_model, output_kind, supports_batching ...
+        return getattr(self.pipeline, name)
+
+    def shutdown_followers(self) -> None:
+        t = self.topology
+        for rank in t.replica_ranks():
+            if rank != t.rank:
+                self.channel.post(call_key(t.replica, self._seq, rank), CallMessage(seq=self._seq, kind="shutdown"))
+
+    # -- continuous batching: the StepRunner of executor/base.py, on every rank of the replica ----------------
+    def start(self, request_id: str, params: SamplingParams) -> Any:
+        """Start a joining request's rows here; the other ranks start theirs with the next step (any thread)."""
+        from diffuserve.pipelines import step_batch
+
+        params = _with_seed(params)
+        rows = step_batch.start_request(self.pipeline, params)  # type: ignore[arg-type]
+        with self._lock:
+            self._unsent_starts[request_id] = params
+        return rows
+
+    def drop(self, request_id: str) -> None:
+        """A request left the group: the other ranks free its rows with the next step."""
+        with self._lock:
+            if self._unsent_starts.pop(request_id, None) is None:
+                self._unsent_drops.append(request_id)
+
+    def step(self, rows: Sequence[tuple[str, Any]]) -> None:
+        """One denoising step of the group on every rank, the rows stacked in the same order everywhere."""
+        from diffuserve.pipelines import step_batch
+
+        ids = [rid for rid, _ in rows]
+        with self._lock:
+            starts = tuple((rid, self._unsent_starts.pop(rid)) for rid in ids if rid in self._unsent_starts)
+            drops, self._unsent_drops = tuple(self._unsent_drops), []
+        seq, peers = self._next_seq()
+        message = StepMessage(seq=seq, starts=starts, rows=tuple(ids), drops=drops, posted_at=time.time())
+        for rank in peers:
+            self.channel.post(call_key(self.topology.replica, seq, rank), message)
+        try:
+            step_batch.denoise_step(self.pipeline, [state for _, state in rows])  # type: ignore[arg-type]
+        finally:
+            self._collect_acks(seq, peers, time.monotonic())
+
+    def _next_seq(self) -> tuple[int, list[int]]:
+        t = self.topology
+        seq = self._seq
+        self._seq += 1
+        return seq, [r for r in t.replica_ranks() if r != t.rank]
+
+    def _collect_acks(self, seq: int, peers: list[int], finished: float) -> None:
+        t, delivery = self.topology, 0.0
+        for rank in peers:
+            try:
+                ack = self.channel.receive(ack_key(t.replica, seq, rank), keep_waiting=self.is_alive,
+                                           timeout_s=self.timeout_s)
+            except Exception as exc:
+                raise RankFault(f"rank {rank} did not finish call {seq} of replica {t.replica} within "
+                                f"{self.timeout_s:.0f}s of rank {t.rank} ({exc})") from exc
+            status, delivered = ack
+            delivery = max(delivery, delivered)
+            if status != "ok":
+                logger.warning("rank %d: call %d: %s", rank, seq, status)
+        if peers and self.observe is not None:
+            self.observe(delivery, time.monotonic() - finished)
+
+    # -- request-level batches ---------------------------------------------------------------------------
+    def run(self, batch: Sequence[SamplingParams], **hooks: Any) -> BatchResult:
+        seq, peers = self._next_seq()
+        batch = [_with_seed(p) for p in batch]
+        message = CallMessage(seq=seq, kind="call", params=tuple(batch), posted_at=time.time())
+        for rank in peers:  # one key per reader: a read removes its key
+            self.channel.post(call_key(self.topology.replica, seq, rank), message)
+        local_stop = hooks.get("should_stop")
+
+        def should_stop() -> bool:  # every rank asks at the same step boundaries; the leader's answer wins
+            decision = bool(local_stop is not None and local_stop()) or self.also_stop()
+            return self.sync(decision) if self.sync is not None else decision
+
+        hooks["should_stop"] = should_stop
+        try:
+            return self.pipeline.run(batch, **hooks)
+        finally:
+            self._collect_acks(seq, peers, time.monotonic())
+
+
+def follow_calls(pipeline: Pipeline, channel: StoreChannel, topology: Topology, sync: StepSync,
+                 stop: threading.Event) -> None:
+    """A non-leader rank: run every pipeline call (or continuous step) its leader posts, until a shutdown call."""
+    from diffuserve.pipelines import step_batch
+
+    seq = 0
+    states: dict[str, Any] = {}  # continuous batching: each group request's rows on this rank
+    while True:
+        message: CallMessage | StepMessage = channel.receive(call_key(topology.replica, seq, topology.rank),
+                                               keep_waiting=lambda: not stop.is_set())
+        if message.kind == "shutdown":
+            channel.post(bye_key(topology.rank), "bye")
+            return
+        delivered = max(0.0, time.time() - message.posted_at)
+        try:
+            if isinstance(message, StepMessage):
+                for rid in message.drops:
+                    states.pop(rid, None)
+                for rid, params in message.starts:
+                    states[rid] = step_batch.start_request(pipeline, params)  # type: ignore[arg-type]
+                step_batch.denoise_step(pipeline, [states[rid] for rid in message.rows])  # type: ignore[arg-type]
+            else:
+                pipeline.run(list(message.params), should_stop=lambda: sync(False))
+            ack = "ok"
+        except Exception as exc:  # the leader decides what the batch's answer is; this rank reports
+            logger.exception("pipeline call %d failed on rank %d", seq, topology.rank)
+            ack = f"failed on rank {topology.rank}: {type(exc).__name__}: {exc}"
+        channel.post(ack_key(topology.replica, seq, topology.rank), (ack, delivered))
+        seq += 1
+
+
+@dataclass
+class _Row:
+    """A batch row on a remote leader (stands in for the engine's Request)."""
+
+    request_id: str
+    params: SamplingParams
+    cancel_event: threading.Event = field(default_factory=threading.Event)
+
+
+def lead_batches(replica_pipeline: ReplicaPipeline, channel: StoreChannel, topology: Topology,
+                 stop: threading.Event) -> None:
+    """The leader of a replica other than rank 0's: run each batch rank 0 posts and post its report back."""
+    seq, r = 0, topology.replica
+    while True:
+        message: BatchMessage = channel.receive(batch_key(r, seq), keep_waiting=lambda: not stop.is_set())
+        if message.kind == "shutdown":
+            replica_pipeline.shutdown_followers()
+            channel.post(bye_key(topology.rank), "bye")
+            return
+        rows = [_Row(rid, p) for rid, p in zip(message.request_ids, message.params, strict=True)]
+
+        def on_step(step: int, total: int, seq: int = seq) -> None:
+            if step == 0:
+                channel.store.set(progress_key(r, seq) + "/total", str(total).encode())
+            channel.store.add(progress_key(r, seq), 1)  # atomic: rank 0 reads it with add(0)
+
+        replica_pipeline.also_stop = lambda seq=seq: channel.store.check([cancel_key(r, seq)])
+        outcome = run_batch(replica_pipeline, rows, on_step=on_step, max_rows=message.max_rows)
+        channel.post(report_key(r, seq), BatchReport.of(seq, outcome))  # rank 0 removes the batch's other keys
+        seq += 1

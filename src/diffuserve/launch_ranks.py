@@ -1,0 +1,225 @@
+"""Starting and joining the ranks of a multi-rank deployment (`--num-gpus N`, several hosts, or torchrun).
+
+Roles: global rank 0 serves HTTP and hosts the engine (launch.build_engine builds a MultiRankExecutor); every
+other rank runs `serve_rank`: join the group, load its share of the model, then follow its replica's leader
+(or, as a replica leader, rank 0's batches) until shutdown. Without torchrun, the first process on each host
+starts that host's other ranks as child processes (`spawn`); under torchrun every rank is started by torchrun.
+Every rank meets at one TCP store: `--dist-init-addr` (node 0), or 127.0.0.1 and a free port on one host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import signal
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from diffuserve.config.server_args import ServerArgs
+from diffuserve.errors import ConfigError
+
+logger = logging.getLogger("diffuserve.ranks")
+
+_HEARTBEAT_INTERVAL_S = 1.0
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """How this process joins the ranks."""
+
+    world_size: int
+    """All ranks (= --num-gpus)."""
+    rank: int
+    """This process's global rank."""
+    local_rank: int
+    """Its index on this host."""
+    local_world_size: int
+    """Ranks on this host."""
+    store_host: str
+    """Host of the TCP store (node 0)."""
+    store_port: int
+    """Port of the TCP store."""
+    torchrun: bool = False
+    """Started by torchrun (which owns the processes and the store)."""
+
+    def device(self, device: str) -> str:
+        """This rank's device: cuda:{local_rank} on GPUs, the host otherwise."""
+        return f"cuda:{self.local_rank}" if device.startswith("cuda") else "cpu"
+
+
+def under_torchrun() -> bool:
+    return all(name in os.environ for name in _TORCHRUN_ENV)
+
+
+def hosts_of(args: ServerArgs) -> int:
+    """Hosts the ranks run on: --nnodes, or under torchrun WORLD_SIZE / LOCAL_WORLD_SIZE."""
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        return max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    return args.nnodes
+
+
+def is_serving_process(args: ServerArgs) -> bool:
+    """Only global rank 0 serves HTTP: under torchrun RANK 0, otherwise the first process of node 0."""
+    if under_torchrun():
+        return int(os.environ["RANK"]) == 0
+    return args.node_rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_info(args: ServerArgs, num_gpus: int) -> LaunchInfo | None:
+    """None for a one-rank deployment; else how this (first-on-its-host, or torchrun) process joins."""
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if args.deployment is not None and args.deployment.num_gpus not in (None, world):
+            raise ConfigError(f"--num-gpus {args.deployment.num_gpus} but torchrun started {world} ranks "
+                              f"(WORLD_SIZE); make them equal.", param="num_gpus")
+        return LaunchInfo(world_size=world, rank=int(os.environ["RANK"]), local_rank=int(os.environ["LOCAL_RANK"]),
+                          local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                          store_host=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+                          torchrun=True)
+    if num_gpus == 1 and args.nnodes == 1:
+        return None
+    if num_gpus % args.nnodes:
+        raise ConfigError(f"--num-gpus {num_gpus} is not a multiple of --nnodes {args.nnodes}; every host runs "
+                          "--num-gpus / --nnodes ranks.", param="nnodes")
+    per_node = num_gpus // args.nnodes
+    if args.dist_init_addr:
+        host, _, port = args.dist_init_addr.rpartition(":")
+    else:
+        host, port = "127.0.0.1", str(_free_port())
+    return LaunchInfo(world_size=num_gpus, rank=args.node_rank * per_node, local_rank=0, local_world_size=per_node,
+                      store_host=host.strip("[]"), store_port=int(port))
+
+
+def connect(info: LaunchInfo, device: str, timeout_s: float) -> tuple[Any, Any]:
+    """Join the process group; returns (store, backend). NCCL for CUDA ranks, gloo on the host."""
+    import torch
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(info.local_rank)
+    if info.torchrun:
+        dist.init_process_group(backend, timeout=timeout)
+        store = dist.distributed_c10d._get_default_store()
+    else:
+        store = dist.TCPStore(info.store_host, info.store_port, info.world_size, is_master=info.rank == 0,
+                              timeout=timeout, wait_for_workers=False)
+        dist.init_process_group(backend, store=dist.PrefixStore("pg/", store), rank=info.rank,
+                                world_size=info.world_size, timeout=timeout)
+    return store, backend
+
+
+def spawn_local_ranks(args: ServerArgs, info: LaunchInfo) -> dict[int, Any]:
+    """Start this host's other ranks (child processes); returns global rank -> process."""
+    import multiprocessing
+
+    if info.torchrun:
+        return {}
+    context = multiprocessing.get_context("spawn")
+    children = {}
+    for local_rank in range(1, info.local_world_size):
+        child = dataclasses.replace(info, rank=info.rank + local_rank, local_rank=local_rank)
+        process = context.Process(target=_child_main, args=(args, child), name=f"diffuserve-rank{child.rank}",
+                                  daemon=True)
+        process.start()
+        children[child.rank] = process
+    return children
+
+
+def _child_main(args: ServerArgs, info: LaunchInfo) -> None:
+    # A terminal's Ctrl-C reaches every process of the group: rank 0 drains and then stops the others.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os._exit(serve_rank(args, info))
+
+
+def rank_description(info: LaunchInfo, device: str) -> dict[str, Any]:
+    return {"rank": info.rank, "pid": os.getpid(), "host": socket.gethostname(), "local_rank": info.local_rank,
+            "device": device}
+
+
+def _configure_rank_logging(args: ServerArgs, rank: int) -> None:
+    logging.basicConfig(level=args.log_level.upper(), force=True,
+                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
+
+
+def _heartbeat(channel: Any, rank: int) -> None:
+    """Beat every second; when the store is gone (rank 0 exited) this rank exits too."""
+    import time
+
+    while True:
+        try:
+            channel.beat(rank)
+        except Exception:
+            logger.error("rank %d: lost the rank-0 store; exiting", rank)
+            os._exit(1)
+        time.sleep(_HEARTBEAT_INTERVAL_S)
+
+
+def serve_rank(args: ServerArgs, info: LaunchInfo) -> int:
+    """A rank that does not serve HTTP: join, load its share, follow until shutdown. Returns the exit code."""
+    from diffuserve.executor.channel import ChannelClosed, StoreChannel
+    from diffuserve.executor.replica import ReplicaPipeline, StepSync, follow_calls, lead_batches
+    from diffuserve.executor.topology import Topology, build_groups
+    from diffuserve.launch import load_rank_pipeline, prepare_rank
+
+    _configure_rank_logging(args, info.rank)
+    channel = None
+    try:
+        setup = prepare_rank(args, info, log_plan=False)
+        store, _ = connect(info, setup.device, args.dist_timeout_s)
+        channel = StoreChannel(store)
+        channel.publish_rank(info.rank, rank_description(info, setup.device))
+        threading.Thread(target=_heartbeat, args=(channel, info.rank), name="diffuserve-heartbeat", daemon=True).start()
+        topology = Topology.from_plan(setup.deployment.plan, rank=info.rank, local_rank=info.local_rank)
+        groups = build_groups(topology, "cuda" if setup.device.startswith("cuda") else "cpu")
+        pipeline = load_rank_pipeline(args, setup, groups)
+        sync = StepSync(groups.control, topology.leader, topology.ranks_per_replica)
+        stop = threading.Event()
+        logger.info("rank %d ready (replica %d, %s)", info.rank, topology.replica,
+                    "leader" if topology.is_leader else f"follows rank {topology.leader}")
+        if topology.is_leader:
+            lead_batches(ReplicaPipeline(pipeline, channel, topology, args.dist_timeout_s, sync=sync), channel,
+                         topology, stop)
+        else:
+            follow_calls(pipeline, channel, topology, sync, stop)
+        logger.info("rank %d: shutdown", info.rank)
+        return 0
+    except ChannelClosed as exc:
+        logger.error("rank %d: %s; exiting", info.rank, exc)
+        return 1
+    except Exception as exc:
+        logger.exception("rank %d failed", info.rank)
+        if channel is not None:
+            try:
+                channel.report_fault(info.rank, f"{type(exc).__name__}: {exc}")
+            except Exception:
+                pass
+        return 1
+
+
+def serve_other_node(args: ServerArgs) -> int:
+    """`serve` on a host other than node 0 (or a torchrun rank other than 0): this host's ranks, no HTTP."""
+    from diffuserve.launch import resolve_plan_num_gpus
+
+    info = launch_info(args, resolve_plan_num_gpus(args))
+    assert info is not None
+    children = spawn_local_ranks(args, info)
+    code = serve_rank(args, info)
+    for child in children.values():
+        child.join(10)
+        if child.exitcode is None:
+            child.kill()
+    return code

@@ -1,0 +1,467 @@
+"""Sequence parallel for the native DiTs: Ulysses, Ring, and their product (FLUX.1, Qwen-Image, Wan2.1/2.2).
+
+Every rank of the sequence-parallel (SP) group gets the same batch and runs the same recipe; inside each
+transformer call the image (or video) tokens are split over the group, each rank runs every block on its
+share, and the output is all-gathered before the transformer returns, so the recipe around it sees the full
+prediction on every rank, identical bytes on each (`RecipePipeline.run` is unchanged, and CFG parallel,
+dynamic batching and the residency modes compose with it).
+
+- The text tokens are not split: they are replicated on every rank (the text stream is small next to the
+  image stream, and Wan's cross-attention then needs no communication at all). Joint attention sees
+  `[text, local image tokens]` on each rank.
+- Ulysses (`ulysses_group`, degree U): around each joint self-attention an all-to-all trades the sequence
+  split for a head split (each rank then holds every image token for H/U heads; its text tokens it slices to
+  the same heads locally), attention runs over the whole sequence in its original order, and a second
+  all-to-all (image) plus an all-gather over heads (text) undo it. U must divide the attention heads.
+- Ring (`ring_group`, degree R): the image keys/values travel around the ring (point-to-point, one hop per
+  step); each step attends the local queries to one block with an op that also returns the log-sum-exp, and
+  the partial results merge exactly in float32. Text keys join the local block only. Each rank computes its
+  text queries itself, so the ranks' text streams may differ in the last bits; the gathered image output
+  is the same bytes everywhere.
+- Both: the token split is ring-major (shard `ring_rank * U + ulysses_rank`): the Ulysses all-to-all gathers
+  each ring block (its peers' shares, H/U heads), then the ring runs over the blocks, as in USP.
+- A token count that does not divide U x R is padded at the end; padded keys are dropped before attention
+  and padded outputs before returning, so any size runs.
+- Qwen-Image's text mask (a key-padding mask) is honoured in both modes.
+
+The sharding is done by torch forward hooks named per DiT class below (where the tokens and their positional
+tables appear, where the output is gathered, which attention modules are joint self-attention); attention
+inside those modules goes through a wrapper of each diffusers module's `dispatch_attention_fn` that acts
+only inside a sharded call, so every other model in the process runs unchanged. diffusers' own context
+parallel (`enable_parallelism` + `_cp_plan`) was not used: it splits the text too (Qwen-Image's variable
+text lengths would need its "anything" modes, which exclude Ulysses x Ring), builds its own device mesh, and
+needs an accelerator on CPU.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from diffuserve.errors import ConfigError
+from diffuserve.parallel.attention import block_attention, merge_partial
+
+# -- the per-DiT plans ------------------------------------------------------------------------------------
+
+
+def _image_tokens(transformer: Any, args: dict[str, Any]) -> int:
+    return int(args["hidden_states"].shape[1])
+
+
+def _video_tokens(transformer: Any, args: dict[str, Any]) -> int:
+    shape = args["hidden_states"].shape[2:]
+    return math.prod(int(n) // int(p) for n, p in zip(shape, transformer.config.patch_size, strict=True))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Where one DiT class's image tokens are split and gathered."""
+
+    module: str
+    """The diffusers module whose attention processors call `dispatch_attention_fn` (wrapped once)."""
+    tokens: Callable[[Any, dict[str, Any]], int]
+    """Image tokens of a call, from the transformer and its forward arguments (by name)."""
+    inputs: tuple[tuple[str, str, int, int], ...]
+    """(submodule path, argument, split dim, required ndim): arguments split on entry ("" = the transformer)."""
+    outputs: tuple[tuple[str, tuple[int, ...], int], ...] = ()
+    """(submodule path, output indices, split dim): positional tables split where they are made."""
+    attention: tuple[tuple[str, str], ...] = ()
+    """(block list, attribute): the joint self-attention modules (cross-attention runs locally unchanged)."""
+    gather: str = "proj_out"
+    """The submodule whose output (batch, local tokens, channels) is gathered back to every token."""
+
+
+_PLANS: dict[str, _Plan] = {
+    "FluxTransformer2DModel": _Plan(
+        module="diffusers.models.transformers.transformer_flux",
+        tokens=_image_tokens,
+        inputs=(("", "hidden_states", 1, 3), ("", "img_ids", 0, 2)),
+        attention=(("transformer_blocks", "attn"), ("single_transformer_blocks", "attn")),
+    ),
+    "QwenImageTransformer2DModel": _Plan(
+        module="diffusers.models.transformers.transformer_qwenimage",
+        tokens=_image_tokens,
+        inputs=(("", "hidden_states", 1, 3),),
+        outputs=(("pos_embed", (0,), 0),),  # (image freqs, text freqs): the text keeps all of its own
+        attention=(("transformer_blocks", "attn"),),
+    ),
+    "WanTransformer3DModel": _Plan(
+        module="diffusers.models.transformers.transformer_wan",
+        tokens=_video_tokens,
+        # Wan makes its tokens inside forward (patch embedding): split them where block 0 receives them, and
+        # TI2V-5B's per-token timesteps (batch, tokens) on entry.
+        inputs=(("", "timestep", 1, 2), ("blocks.0", "hidden_states", 1, 3)),
+        outputs=(("rope", (0, 1), 1),),
+        attention=(("blocks", "attn1"),),
+    ),
+}
+
+
+def _flag(ulysses_degree: int, ring_degree: int) -> str:
+    return "ulysses_degree" if ulysses_degree > 1 else "ring_degree"
+
+
+def check_sequence_parallel(pipeline: Any, *, ulysses_degree: int, ring_degree: int) -> None:
+    """Refuse (ConfigError naming the flag) a pipeline or degree the sequence split cannot run."""
+    from diffuserve.families import all_specs, spec_for
+    from diffuserve.pipelines.stages import RecipePipeline
+
+    if ulysses_degree < 1 or ring_degree < 1:
+        raise ConfigError(f"--ulysses-degree ({ulysses_degree}) and --ring-degree ({ring_degree}) must be >= 1.",
+                          param=_flag(ulysses_degree, ring_degree))
+    if ulysses_degree * ring_degree == 1:
+        return
+    flag = _flag(ulysses_degree, ring_degree)
+    family = getattr(pipeline, "family", "?")
+    if not isinstance(pipeline, RecipePipeline):
+        raise ConfigError(f"--{flag.replace('_', '-')}: the {family} model runs on the diffusers backend, which has "
+                          "no sequence split here; serve it with --backend native (FLUX.1, Qwen-Image, Wan) or "
+                          "drop --ulysses-degree/--ring-degree.", param=flag)
+    try:
+        supported = spec_for(family).profile.sequence_parallel
+    except KeyError:  # an unknown family name: no spec, so no split
+        supported = False
+    keys = [k for k in pipeline.denoisers if k in pipeline.components]
+    plans = {k: _PLANS.get(type(pipeline.components[k]).__name__) for k in keys}
+    if not supported or not keys or None in plans.values():
+        split = sorted(name for name, spec in all_specs().items() if spec.profile.sequence_parallel)
+        raise ConfigError(f"--{flag.replace('_', '-')}: the {family} family has no sequence split (families with "
+                          f"one: {', '.join(split)}); drop --ulysses-degree/--ring-degree (replicas with --dp-size "
+                          "use several GPUs with any model).", param=flag)
+    for key in keys:
+        config = pipeline.components[key].config
+        heads = int(config.num_attention_heads)
+        if heads % ulysses_degree:
+            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+            raise ConfigError(f"--ulysses-degree {ulysses_degree} does not divide the {heads} attention heads of "
+                              f"{key}; use one of {divisors} and put the rest of the ranks in --ring-degree "
+                              "(any degree works for Ring).", param="ulysses_degree")
+        if getattr(config, "zero_cond_t", False):
+            raise ConfigError(f"--{flag.replace('_', '-')}: {key} uses per-token modulation (zero_cond_t), which the "
+                              "sequence split does not shard; drop --ulysses-degree/--ring-degree for this model.",
+                              param=flag)
+
+
+# -- the state of one sharded transformer call -------------------------------------------------------------
+
+
+@dataclass
+class _Call:
+    """The token split of one transformer call."""
+
+    sp: SequenceParallel
+    tokens: int
+    """Image tokens of the call (before padding)."""
+    local: int
+    """Tokens per rank (after padding to a multiple of the SP degree)."""
+
+    @property
+    def padded(self) -> int:
+        return self.local * self.sp.degree
+
+    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's contiguous share of `x` along `dim` (zero-padded at the end to the padded length)."""
+        if x.shape[dim] != self.tokens:
+            raise ValueError(f"sequence parallel: expected {self.tokens} tokens on dim {dim}, got {tuple(x.shape)}")
+        if self.padded > self.tokens:
+            shape = list(x.shape)
+            shape[dim] = self.padded - self.tokens
+            x = torch.cat([x, x.new_zeros(shape)], dim=dim)
+        return x.narrow(dim, self.sp.index * self.local, self.local).contiguous()
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, local, ...) shares of every rank -> (batch, tokens, ...), the same bytes on every rank."""
+        sp = self.sp
+        for group, degree in ((sp.ulysses_group, sp.ulysses_degree), (sp.ring_group, sp.ring_degree)):
+            if degree > 1:
+                parts = [torch.empty_like(x) for _ in range(degree)]
+                dist.all_gather(parts, x.contiguous(), group=group)
+                x = torch.cat(parts, dim=1)
+        return x[:, : self.tokens]
+
+
+_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("diffuserve_sp_call", default=None)
+"""Set while a sharded transformer call runs (its hooks on submodules read it)."""
+_ATTENTION: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("diffuserve_sp_attention", default=None)
+"""Set while one of that call's joint self-attention modules runs (the dispatch wrapper acts only then)."""
+
+
+def _wrap_dispatch(module_name: str) -> None:
+    """Route `module_name`'s `dispatch_attention_fn` through the sequence-parallel attention inside sharded
+    attention modules; everywhere else it calls diffusers' function unchanged. Idempotent."""
+    import importlib
+
+    module = importlib.import_module(module_name)
+    original = module.dispatch_attention_fn
+    if getattr(original, "_diffuserve_sp", False):
+        return
+
+    def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                              scale: float | None = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        call = _ATTENTION.get()
+        if call is None:
+            return original(query, key, value, attn_mask, dropout_p, is_causal, scale, *args, **kwargs)
+        if dropout_p or is_causal:
+            raise ValueError("sequence-parallel attention supports neither dropout nor causal masks")
+        call.sp.attention_calls += 1
+        return call.sp.attention(call, query, key, value, attn_mask, scale)
+
+    dispatch_attention_fn._diffuserve_sp = True  # type: ignore[attr-defined]
+    module.dispatch_attention_fn = dispatch_attention_fn
+
+
+# -- attention inputs ------------------------------------------------------------------------------------
+
+
+def _key_padding(attn_mask: torch.Tensor | None, text: int) -> torch.Tensor | None:
+    """The text part (B, text) of a joint key-padding mask (B, 1, 1, keys), or None when nothing is masked. The
+    image part is all True by construction (Qwen-Image's processor appends ones), and is not read (no host sync)."""
+    if attn_mask is None:
+        return None
+    if attn_mask.dtype != torch.bool or attn_mask.ndim != 4 or attn_mask.shape[1:3] != (1, 1):
+        raise ValueError(f"sequence-parallel attention takes a boolean key-padding mask (B, 1, 1, keys); got "
+                         f"{attn_mask.dtype} {tuple(attn_mask.shape)}")
+    return attn_mask[:, 0, 0, :text]
+
+
+# -- the strategy -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SequenceParallel:
+    """Ulysses x Ring sequence parallel attached to a native pipeline (`enable_sequence_parallel`)."""
+
+    ulysses_group: Any = None
+    """Process group of this rank's Ulysses peers (None: Ulysses degree 1)."""
+    ring_group: Any = None
+    """Process group of this rank's Ring peers (None: Ring degree 1)."""
+    handles: list[Any] = field(default_factory=list)
+    """The hooks installed (removed by `remove`)."""
+    calls: int = 0
+    """Sharded transformer calls so far."""
+    attention_calls: int = 0
+    """Sharded attention calls so far (every joint self-attention of those calls)."""
+
+    def __post_init__(self) -> None:
+        self.ulysses_degree = 1 if self.ulysses_group is None else dist.get_world_size(self.ulysses_group)
+        self.ring_degree = 1 if self.ring_group is None else dist.get_world_size(self.ring_group)
+        self.ulysses_rank = 0 if self.ulysses_group is None else dist.get_rank(self.ulysses_group)
+        self.ring_rank = 0 if self.ring_group is None else dist.get_rank(self.ring_group)
+        self.degree = self.ulysses_degree * self.ring_degree
+        """Ranks the tokens are split over (`--sp-degree`)."""
+        self.index = self.ring_rank * self.ulysses_degree + self.ulysses_rank
+        """This rank's share of the tokens (ring-major, so each ring block is its Ulysses peers' shares)."""
+
+    def describe(self) -> dict[str, int]:
+        return {"ulysses_degree": self.ulysses_degree, "ring_degree": self.ring_degree}
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+
+    def install(self, transformer: torch.nn.Module) -> None:
+        """Hook one DiT (its class must have a plan)."""
+        plan = _PLANS[type(transformer).__name__]
+        _wrap_dispatch(plan.module)
+        sp = self
+        signature = _parameters(transformer)
+
+        def enter(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            named = {**dict(zip(signature, args, strict=False)), **kwargs}
+            tokens = plan.tokens(module, named)
+            sp.calls += 1
+            _CALL.set(_Call(sp, tokens, -(-tokens // sp.degree)))
+            return args, kwargs
+
+        def leave(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            _CALL.set(None)
+
+        self.handles.append(transformer.register_forward_pre_hook(enter, with_kwargs=True))
+        for path, name, dim, ndim in plan.inputs:
+            target = transformer.get_submodule(path) if path else transformer
+            self.handles.append(target.register_forward_pre_hook(_split_argument(target, name, dim, ndim),
+                                                                 with_kwargs=True))
+        for path, indices, dim in plan.outputs:
+            self.handles.append(transformer.get_submodule(path).register_forward_hook(_split_output(indices, dim)))
+        self.handles.append(transformer.get_submodule(plan.gather).register_forward_hook(_gather_output))
+        for blocks, attribute in plan.attention:
+            for block in transformer.get_submodule(blocks):
+                attention = getattr(block, attribute)
+                self.handles.append(attention.register_forward_pre_hook(_enter_attention))
+                self.handles.append(attention.register_forward_hook(_leave_attention, always_call=True))
+        # always_call: the call's state is cleared even when the forward raises.
+        self.handles.append(transformer.register_forward_hook(leave, with_kwargs=True, always_call=True))
+
+    def remove(self) -> None:
+        """Take every hook off (the pipeline runs single-process again)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    # -- attention -------------------------------------------------------------------------------------------
+
+    def attention(self, call: _Call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attn_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+        """Joint self-attention of `[text, local image tokens]` (B, L, H, D) over every rank's image tokens."""
+        text = query.shape[1] - call.local
+        if key.shape[1] != query.shape[1] or text < 0:
+            raise ValueError(f"sequence-parallel attention expects joint self-attention over [text, {call.local} "
+                             f"local tokens]; got queries {tuple(query.shape)}, keys {tuple(key.shape)}")
+        text_mask = _key_padding(attn_mask, text)
+        if self.ulysses_degree > 1:
+            query, key, value = (self._to_heads(x, text) for x in (query, key, value))
+        if self.ring_degree > 1:
+            out = self._ring(call, query, key, value, text, text_mask, scale)
+        else:
+            out = self._whole(call, query, key, value, text, text_mask, scale)
+        return self._to_sequence(out, text) if self.ulysses_degree > 1 else out
+
+    def _to_heads(self, x: torch.Tensor, text: int) -> torch.Tensor:
+        """(B, text + local, H, D) -> (B, text + U*local, H/U, D): every Ulysses peer's tokens, this rank's heads."""
+        batch, _, heads, dim = x.shape
+        u, h = self.ulysses_degree, heads // self.ulysses_degree
+        image = x[:, text:].reshape(batch, -1, u, h, dim).permute(2, 1, 0, 3, 4).contiguous()
+        received = torch.empty_like(image)
+        dist.all_to_all_single(received, image, group=self.ulysses_group)
+        image = received.permute(2, 0, 1, 3, 4).reshape(batch, -1, h, dim)
+        mine = x[:, :text, self.ulysses_rank * h:(self.ulysses_rank + 1) * h]
+        return torch.cat([mine, image], dim=1)
+
+    def _to_sequence(self, x: torch.Tensor, text: int) -> torch.Tensor:
+        """The inverse of `_to_heads`: (B, text + U*local, H/U, D) -> (B, text + local, H, D)."""
+        batch, _, h, dim = x.shape
+        u = self.ulysses_degree
+        image = x[:, text:].reshape(batch, u, -1, h, dim).permute(1, 0, 2, 3, 4).contiguous()
+        received = torch.empty_like(image)
+        dist.all_to_all_single(received, image, group=self.ulysses_group)
+        image = received.permute(1, 2, 0, 3, 4).reshape(batch, -1, u * h, dim)
+        if not text:
+            return image
+        parts = [torch.empty_like(x[:, :text]) for _ in range(u)]
+        dist.all_gather(parts, x[:, :text].contiguous(), group=self.ulysses_group)
+        return torch.cat([torch.cat(parts, dim=2), image], dim=1)
+
+    def _block_tokens(self, call: _Call, ring_rank: int) -> int:
+        """Real (unpadded) image tokens in ring rank `ring_rank`'s block."""
+        size = call.local * self.ulysses_degree
+        return max(0, min(size, call.tokens - ring_rank * size))
+
+    def _whole(self, call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text: int,
+               text_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+        # Ulysses alone: every image token is here (for this rank's heads), in the original order; one attention
+        # call over the unpadded keys, as diffusers' native backend makes it.
+        keys = text + call.tokens
+        mask = None
+        if text_mask is not None:
+            mask = torch.cat([text_mask, text_mask.new_ones(text_mask.shape[0], call.tokens)], dim=1)[:, None, None]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k[:, :keys].transpose(1, 2), v[:, :keys].transpose(1, 2), attn_mask=mask, scale=scale)
+        return out.transpose(1, 2)
+
+    def _ring(self, call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text: int,
+              text_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+        r, n = self.ring_rank, self.ring_degree
+        queries = q.transpose(1, 2)
+        block = torch.stack([k[:, text:], v[:, text:]]).contiguous()  # this rank's image keys/values, travelling
+        send_to = dist.get_global_rank(self.ring_group, (r + 1) % n)
+        receive_from = dist.get_global_rank(self.ring_group, (r - 1) % n)
+        out = lse = None
+        for step in range(n):
+            owner = (r - step) % n
+            pending = []
+            if step < n - 1:
+                incoming = torch.empty_like(block)
+                pending = dist.batch_isend_irecv([dist.P2POp(dist.isend, block, send_to, self.ring_group),
+                                                  dist.P2POp(dist.irecv, incoming, receive_from, self.ring_group)])
+            real = self._block_tokens(call, owner)
+            if step == 0:  # the local block carries the text keys (once over the ring)
+                keys, values = k[:, : text + real], v[:, : text + real]
+                mask = None
+                if text_mask is not None:
+                    mask = torch.cat([text_mask, text_mask.new_ones(text_mask.shape[0], real)], dim=1)
+            else:
+                keys, values, mask = block[0][:, :real], block[1][:, :real], None
+            if keys.shape[1]:
+                part, part_lse = block_attention(queries, keys.transpose(1, 2), values.transpose(1, 2), mask, scale)
+                out, lse = merge_partial(out, lse, part, part_lse)
+            for request in pending:
+                request.wait()
+            if step < n - 1:
+                block = incoming
+        assert out is not None, "every ring has real keys"
+        return out.to(q.dtype).transpose(1, 2)
+
+
+# -- hook bodies (they act only inside a sharded call) --------------------------------------------------------
+
+
+def _parameters(module: torch.nn.Module) -> list[str]:
+    """Argument names of the class's forward (not the instance's: offload hooks replace it by a `*args` wrapper)."""
+    return list(inspect.signature(type(module).forward).parameters)[1:]
+
+
+def _split_argument(module: torch.nn.Module, name: str, dim: int, ndim: int) -> Callable:
+    position = _parameters(module).index(name)
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        call = _CALL.get()
+        if call is None:
+            return args, kwargs
+        if name in kwargs:
+            if isinstance(kwargs[name], torch.Tensor) and kwargs[name].ndim == ndim:
+                kwargs = {**kwargs, name: call.shard(kwargs[name], dim)}
+        elif position < len(args) and isinstance(args[position], torch.Tensor) and args[position].ndim == ndim:
+            args = (*args[:position], call.shard(args[position], dim), *args[position + 1:])
+        return args, kwargs
+
+    return hook
+
+
+def _split_output(indices: tuple[int, ...], dim: int) -> Callable:
+    def hook(module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        call = _CALL.get()
+        if call is None:
+            return output
+        return tuple(call.shard(x, dim) if i in indices else x for i, x in enumerate(output))
+
+    return hook
+
+
+def _gather_output(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    call = _CALL.get()
+    return output if call is None else call.gather(output)
+
+
+def _enter_attention(module: torch.nn.Module, args: tuple) -> None:
+    _ATTENTION.set(_CALL.get())
+
+
+def _leave_attention(module: torch.nn.Module, args: tuple, output: Any) -> None:
+    _ATTENTION.set(None)
+
+
+# -- the entry point ------------------------------------------------------------------------------------------
+
+
+def enable_sequence_parallel(pipeline: Any, *, ulysses_group: Any = None, ring_group: Any = None) -> SequenceParallel:
+    """Split every denoiser call of a native pipeline over `ulysses_group` x `ring_group` (None: degree 1).
+
+    Every rank of both groups must run the same batches. Refuses with ConfigError (param `ulysses_degree` or
+    `ring_degree`) a pipeline without a sequence split or a Ulysses degree that does not divide the heads."""
+    existing = getattr(pipeline, "sequence_parallel", None)
+    if existing is not None and existing.handles:
+        raise ValueError("sequence parallel is already enabled on this pipeline; call its remove() first")
+    sp = SequenceParallel(ulysses_group, ring_group)
+    check_sequence_parallel(pipeline, ulysses_degree=sp.ulysses_degree, ring_degree=sp.ring_degree)
+    if sp.degree > 1:
+        for key in pipeline.denoisers:
+            if key in pipeline.components:
+                sp.install(pipeline.components[key])
+    pipeline.sequence_parallel = sp
+    return sp

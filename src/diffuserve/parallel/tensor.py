@@ -1,0 +1,230 @@
+"""Tensor parallel: every attention's heads and every MLP's hidden units of the DiT split over the TP ranks.
+
+Each denoiser's Linears are sharded with DTensor (`parallelize_module`): q/k/v (and the MLP's up projection)
+column-wise, so a rank computes only its own heads (its slice of the hidden units), and the attention output
+(the MLP's down projection) row-wise, whose partial sums are all-reduced back to the full hidden state. So a
+rank holds about 1/degree of the attention and MLP weights (the bulk of a DiT), which is what lets a DiT
+larger than one device run; embeddings, AdaLN modulation and the final norm stay replicated.
+
+The plans: FLUX.1 and Qwen-Image use diffusers' own `_tp_plan` (FLUX's single blocks feed `proj_out` the
+concatenation of two column-sharded streams, so diffusers shards its input columns per stream with
+`PackedRowwiseParallel`), and their attention processors already reshape by head width, so each rank runs
+its own heads unchanged. Wan has no plan in diffusers; ours below shards the same Linears, gives each
+attention its local head count, and replaces the q/k RMSNorms, which normalise across all heads
+(`rms_norm_across_heads`), by `ShardedRMSNorm`: the sum of squares is all-reduced over the TP group, so the
+normalisation is that of the whole vector.
+
+Every rank runs the same batch with the same inputs and ends with the same output: the arithmetic is the
+unsharded model's up to the order of the all-reduced sums (≤ ~1e-6 in fp32, tested over gloo). The mesh comes
+from the caller (its device type picks NCCL on GPUs, gloo on CPU), so this composes with a separate CFG
+parallel group: the TP mesh holds only this rank's TP peers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from diffuserve.errors import ConfigError
+
+WAN_TP_PLAN = {
+    "blocks.*.attn1.to_q": "colwise",
+    "blocks.*.attn1.to_k": "colwise",
+    "blocks.*.attn1.to_v": "colwise",
+    "blocks.*.attn1.to_out.0": "rowwise",
+    "blocks.*.attn2.to_q": "colwise",
+    "blocks.*.attn2.to_k": "colwise",
+    "blocks.*.attn2.to_v": "colwise",
+    "blocks.*.attn2.to_out.0": "rowwise",
+    "blocks.*.ffn.net.0.proj": "colwise",
+    "blocks.*.ffn.net.2": "rowwise",
+}
+"""WanTransformer3DModel's plan (diffusers 0.42 has none): self- and cross-attention, then the MLP."""
+
+WAN_I2V_TP_PLAN = {
+    "blocks.*.attn2.add_k_proj": "colwise",
+    "blocks.*.attn2.add_v_proj": "colwise",
+}
+"""Added to `WAN_TP_PLAN` when the cross-attention also reads image tokens (Wan I2V: `added_kv_proj_dim`)."""
+
+_DIFFUSERS_PLANNED = ("FluxTransformer2DModel", "QwenImageTransformer2DModel")
+"""DiT classes whose diffusers `_tp_plan` we use as is (their processors are TP-agnostic)."""
+
+_FLAG = "--tp-size"
+
+
+def _refuse(message: str) -> ConfigError:
+    return ConfigError(f"{_FLAG}: {message}", param="tp_size")
+
+
+class ShardedRMSNorm(torch.nn.Module):
+    """An RMSNorm over a vector whose last dimension is split over the TP ranks (contiguous slices, rank order).
+
+    The rank's slice of the weight scales its slice of the vector; the mean of squares is that of the whole
+    vector, from an all-reduce of the per-rank sums over the TP group.
+    """
+
+    def __init__(self, norm: torch.nn.RMSNorm, mesh: Any) -> None:
+        super().__init__()
+        (self.full_dim,) = norm.normalized_shape
+        self.eps = norm.eps
+        self.group = mesh.get_group()
+        degree, rank = mesh.size(), mesh.get_local_rank()
+        width = self.full_dim // degree
+        weight = None
+        if norm.weight is not None:
+            weight = torch.nn.Parameter(norm.weight.detach()[rank * width:(rank + 1) * width].clone(),
+                                        requires_grad=False)
+        self.weight = weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # The statistics in fp32 whatever the activations, as torch's fused rms_norm computes them.
+        squares = hidden.float().pow(2).sum(dim=-1, keepdim=True)
+        dist.all_reduce(squares, group=self.group)
+        eps = self.eps if self.eps is not None else torch.finfo(hidden.dtype).eps
+        out = (hidden.float() * torch.rsqrt(squares / self.full_dim + eps)).type_as(hidden)
+        return out * self.weight if self.weight is not None else out
+
+
+def tensor_parallel_plan(module: torch.nn.Module) -> dict[str, Any] | None:
+    """The flat TP plan (diffusers' `_tp_plan` format) of a DiT, or None when it has none here."""
+    name = type(module).__name__
+    if name == "WanTransformer3DModel":
+        plan = dict(WAN_TP_PLAN)
+        if module.config.get("added_kv_proj_dim") is not None:
+            plan.update(WAN_I2V_TP_PLAN)
+        return plan
+    if name in _DIFFUSERS_PLANNED and getattr(type(module), "_tp_plan", None):
+        return dict(type(module)._tp_plan)
+    return None
+
+
+def _check_denoiser(key: str, module: torch.nn.Module, plan: dict[str, Any] | None, degree: int) -> None:
+    """Refuse, before any weight moves, what this denoiser cannot run under TP of `degree`."""
+    from torch.distributed.tensor import DTensor
+
+    name = type(module).__name__
+    if plan is None:
+        raise _refuse(f"{key} ({name}) has no tensor-parallel plan; TP runs the FLUX.1, Qwen-Image and Wan DiTs. "
+                      "Drop --tp-size (or shard with --use-fsdp-inference).")
+    heads = module.config.get("num_attention_heads")
+    if isinstance(heads, int) and heads % degree:
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise _refuse(f"{degree} does not divide the {heads} attention heads of {key} ({name}); "
+                      f"use a --tp-size in {divisors}.")
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        raise _refuse(f"{key} is already sharded (FSDP or TP applied before); --tp-size does not combine with "
+                      "--use-fsdp-inference. Pick one of them.")
+    if any(p.numel() == 0 for p in module.parameters()):
+        raise _refuse(f"{key}'s weights are offloaded (a residency mode moved them off the module); a "
+                      "tensor-parallel DiT must stay resident. Keep the DiT resident with --tp-size.")
+    if any(getattr(m, "fused_projections", False) for m in module.modules()):
+        raise _refuse(f"{key} has fused q/k/v projections, which the plan does not shard; load it unfused.")
+    from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
+
+    try:
+        resolve_tp_shard_specs(module, plan, degree)  # every sharded block must divide by the degree
+    except ValueError as exc:
+        raise _refuse(f"{key} ({name}): {exc} Use a --tp-size that divides the DiT's hidden sizes.") from exc
+
+
+def _shard_wan_attention(module: torch.nn.Module, mesh: Any) -> None:
+    """Give every Wan attention its local heads and norms across heads that see the whole vector."""
+    from diffusers.models.transformers.transformer_wan import WanAttention
+
+    degree = mesh.size()
+    for attention in module.modules():
+        if not isinstance(attention, WanAttention):
+            continue
+        # WanAttnProcessor reshapes by `attn.heads`; after the column split a rank holds heads/degree of them.
+        attention.heads //= degree
+        for name in ("norm_q", "norm_k", "norm_added_k"):
+            norm = getattr(attention, name, None)
+            if isinstance(norm, torch.nn.RMSNorm):
+                setattr(attention, name, ShardedRMSNorm(norm, mesh))
+
+
+def _parallelize(module: torch.nn.Module, plan: dict[str, Any], mesh: Any) -> None:
+    # diffusers' helpers group the plan per block (one `parallelize_module` call each, so RowwiseParallel hooks
+    # the block's input) and turn its styles into torch's, packed ones included. Its `apply_tensor_parallel`
+    # itself refuses a CPU mesh, which the gloo tests need.
+    from diffusers.hooks.tensor_parallel import _resolve_tp_plan, _styles
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    for block, relative_plan in _resolve_tp_plan(module, plan):
+        styles = _styles(relative_plan)
+        for style in styles.values():
+            # Every rank loaded the same checkpoint, so each cuts its own shard: no scatter from rank 0.
+            style.src_data_rank = None
+        parallelize_module(block, mesh, styles)
+    # The planned weights now live on the mesh's device; the replicated rest (embeddings, modulation, norms)
+    # follows them there, so a host-loaded DiT never needs to fit on one device whole.
+    device = next(p.to_local().device for p in module.parameters() if isinstance(p, DTensor))
+    for sub in module.modules():
+        for name, param in sub.named_parameters(recurse=False):
+            if not isinstance(param, DTensor) and param.device != device:
+                sub.register_parameter(name, torch.nn.Parameter(param.detach().to(device), requires_grad=False))
+        for name, buffer in sub.named_buffers(recurse=False):
+            if buffer is not None and buffer.device != device:
+                sub.register_buffer(name, buffer.to(device), persistent=name not in sub._non_persistent_buffers_set)
+
+
+def check_tensor_parallel(pipeline: Any, degree: int) -> dict[str, dict[str, Any]]:
+    """The TP plan of each denoiser of `pipeline` under `degree` ranks, or ConfigError(param="tp_size") naming
+    what cannot run: not a native pipeline, a family or DiT without a plan, heads or hidden sizes that
+    `degree` does not divide, a DiT already sharded or offloaded. Touches no weight."""
+    from diffuserve.families import spec_for
+
+    family = getattr(pipeline, "family", "unknown")
+    keys = [k for k in getattr(pipeline, "denoisers", ()) if k in getattr(pipeline, "components", {})]
+    if not keys:
+        raise _refuse(f"the {family} model runs on the diffusers backend, whose DiT is not sharded here; serve a "
+                      "native family (FLUX.1, Qwen-Image, Wan) or drop --tp-size.")
+    try:
+        has_plan = spec_for(family).profile.tensor_parallel
+    except KeyError:
+        has_plan = False
+    if not has_plan:
+        raise _refuse(f"the {family} family has no tensor-parallel plan (TP runs FLUX.1, Qwen-Image and Wan); drop "
+                      "--tp-size, or shard the DiT with --use-fsdp-inference.")
+    plans = {}
+    for key in keys:  # every denoiser is checked before any is sharded
+        plan = tensor_parallel_plan(pipeline.components[key])
+        _check_denoiser(key, pipeline.components[key], plan, degree)
+        assert plan is not None
+        plans[key] = plan
+    return plans
+
+
+def enable_tensor_parallel(pipeline: Any, *, mesh: Any) -> list[str]:
+    """Shard every denoiser of a native `pipeline` over `mesh` (a 1-D DeviceMesh of this rank's TP peers).
+
+    Returns the parallelized component keys. Refuses with ConfigError(param="tp_size"), before touching any
+    weight, what `check_tensor_parallel` refuses for `mesh.size()` ranks.
+    """
+    if mesh.ndim != 1:
+        raise ValueError(f"enable_tensor_parallel needs a 1-D mesh of the TP ranks; got {mesh.ndim} dimensions.")
+    plans = check_tensor_parallel(pipeline, mesh.size())
+    for key, plan in plans.items():
+        module = pipeline.components[key]
+        if type(module).__name__ == "WanTransformer3DModel":
+            _shard_wan_attention(module, mesh)
+        with torch.no_grad():
+            _parallelize(module, plan, mesh)
+        module.requires_grad_(False)
+    return list(plans)
+
+
+def sharded_bytes(module: torch.nn.Module) -> tuple[int, int]:
+    """(bytes this rank holds, bytes of the whole) of `module`'s tensor-parallel (DTensor) parameters."""
+    from torch.distributed.tensor import DTensor
+
+    held = full = 0
+    for param in module.parameters():
+        if isinstance(param, DTensor):
+            held += param.to_local().numel() * param.element_size()
+            full += param.numel() * param.element_size()
+    return held, full
