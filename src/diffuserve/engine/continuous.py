@@ -286,6 +286,8 @@ class ContinuousLoop:
         engine = self.engine
         try:
             side = future.result()
+            if len(side.value) != len(requests):  # every request is answered, even by a decode that lost rows
+                raise ValueError(f"the decode returned {len(side.value)} outputs for {len(requests)} requests")
         except Exception as exc:
             logger.error("decoding request(s) %s failed", ", ".join(r.request_id for r in requests), exc_info=exc)
             with engine._cond:
