@@ -11,6 +11,8 @@ import pytest
 from tests.serverproc import ServerProcess
 
 FAULT_MARKER = "FAIL-THIS-BATCH"
+HOLD_MARKER = "HOLD-MY-SIDE-STAGES"
+"""Fault injection `hold:`: a side-lane encode / decode of such a request waits for two more denoising steps."""
 LONG_STEPS = 2000
 """Steps of a video job meant to be cancelled while it runs (it never gets near the end)."""
 
@@ -29,7 +31,7 @@ def singleton_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFact
 @pytest.fixture(scope="session")
 def dynamic_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """Dynamic batching, max 4, a long delay so concurrent requests meet; 32x32 capped to 1 by a rule;
-    operator-only fault injection for prompts containing FAULT_MARKER."""
+    operator-only fault injection for prompts containing FAULT_MARKER (fail) or HOLD_MARKER (slow side stages)."""
     logs = tmp_path_factory.mktemp("dynamic")
     rules = logs / "batching.json"
     rules.write_text(json.dumps({"schema_version": 1, "rules": [
@@ -40,7 +42,7 @@ def dynamic_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactor
          "--batching-mode", "dynamic", "--batching-max-size", "4", "--batching-delay-ms", "1500",
          "--batching-config", str(rules), "--enable-batching-metrics", "--max-queue-size", "0"],
         logs / "server.log",
-        env={"DIFFUSERVE_FAULT_INJECTION": f"prompt:{FAULT_MARKER}"},
+        env={"DIFFUSERVE_FAULT_INJECTION": f"prompt:{FAULT_MARKER},hold:{HOLD_MARKER}"},
     )
     server.start()
     yield server

@@ -20,7 +20,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.integration.conftest import FAULT_MARKER
+from tests.integration.conftest import FAULT_MARKER, HOLD_MARKER
 from tests.integration.helpers import decode_b64_png, metric_value, pixels, wait_for_log
 from tests.serverproc import ServerProcess
 
@@ -33,7 +33,7 @@ def _server(path: Path, logs: Path) -> ServerProcess:
         ["--model-path", str(path), "--served-model-name", "tiny-flux-continuous", "--batching-mode", "continuous",
          "--batching-max-size", "4", "--enable-batching-metrics", "--max-queue-size", "0",
          "--max-inference-steps", "5000"],
-        logs / "server.log", env={"DIFFUSERVE_FAULT_INJECTION": f"prompt:{FAULT_MARKER}"})
+        logs / "server.log", env={"DIFFUSERVE_FAULT_INJECTION": f"prompt:{FAULT_MARKER},hold:{HOLD_MARKER}"})
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +47,22 @@ def _client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def _generate(server: ServerProcess, prompt: str, seed: int, steps: int) -> np.ndarray:
+def _generate(server: ServerProcess, prompt: str, seed: int, steps: int, **extra: object) -> np.ndarray:
     result = _client(server).images.generate(
         model="tiny-flux-continuous", prompt=prompt, size="64x64", response_format="b64_json",
-        extra_body={"seed": seed, "num_inference_steps": steps})
+        extra_body={"seed": seed, "num_inference_steps": steps, **extra})
     return pixels(decode_b64_png(result.data[0].b64_json))
+
+
+def _singleton(server: ServerProcess, prompt: str, seed: int, steps: int) -> np.ndarray:
+    body = {"prompt": prompt, "seed": seed, "size": "64x64", "num_inference_steps": steps}
+    response = httpx.post(f"{server.base_url}/v1/images/generations", timeout=300, json=body)
+    return pixels(decode_b64_png(response.json()["data"][0]["b64_json"]))
+
+
+def _overlap_steps(server: ServerProcess) -> dict[str, float]:
+    return {stage: metric_value(server.base_url, "diffuserve_overlap_steps_total", {"stage": stage})
+            for stage in ("encode", "decode")}
 
 
 def _open_anchor(server: ServerProcess, steps: int) -> socket.socket:
@@ -84,9 +95,7 @@ def test_arrivals_join_the_running_group_and_equal_their_singleton_images(contin
     finally:
         anchor.close()  # the anchor's client goes away
     for (prompt, seed, steps), image in zip(jobs, got, strict=True):
-        alone = pixels(decode_b64_png(httpx.post(
-            f"{singleton_server.base_url}/v1/images/generations", timeout=300,
-            json={"prompt": prompt, "seed": seed, "size": "64x64", "num_inference_steps": steps}).json()["data"][0]["b64_json"]))
+        alone = _singleton(singleton_server, prompt, seed, steps)
         assert int(np.abs(image.astype(np.int16) - alone.astype(np.int16)).max()) <= PIXEL_TOL, prompt
     assert metric_value(server.base_url, "diffuserve_continuous_joins_total") >= 3
     assert metric_value(server.base_url, "diffuserve_continuous_leaves_total", {"reason": "finished"}) >= 2
@@ -96,6 +105,37 @@ def test_arrivals_join_the_running_group_and_equal_their_singleton_images(contin
         assert time.monotonic() < deadline, "the disconnected request never left the denoise group"
     assert metric_value(server.base_url, "diffuserve_requests_total",
                         {"endpoint": "images", "status": "cancelled"}) >= 1
+
+
+def test_a_joiners_encode_and_decode_run_beside_the_stepping_group(continuous_server, singleton_server):
+    """The joiner's text encode (encode lane) and its decode (decode lane) each wait, by the `hold:` fault
+    injection, until the loop has run two more denoising steps of the anchor: only a loop that did not stop for
+    them can run those steps (the loop's own step counter, reported as `overlap_steps_total`). Its image still
+    equals its singleton image."""
+    server = continuous_server
+    start, before = len(server.log()), _overlap_steps(server)
+    anchor = _open_anchor(server, 5000)
+    try:
+        wait_for_log(server, STEP_RE.replace(r"active=(\d+)", "active=1"), start=start, timeout_s=120)
+        image = _generate(server, f"{HOLD_MARKER} joiner", 21, 3)
+    finally:
+        anchor.close()
+    after = _overlap_steps(server)
+    assert after["encode"] - before["encode"] >= 2, "the loop stopped while the joiner's prompt was encoded"
+    assert after["decode"] - before["decode"] >= 2, "the loop stopped while the joiner was decoded"
+    alone = _singleton(singleton_server, f"{HOLD_MARKER} joiner", 21, 3)
+    assert int(np.abs(image.astype(np.int16) - alone.astype(np.int16)).max()) <= PIXEL_TOL
+
+
+def test_a_row_past_its_deadline_leaves_at_the_next_step(continuous_server):
+    """A 5000-step request with a 2 s timeout is removed from the running group (504) and the server serves on."""
+    before = metric_value(continuous_server.base_url, "diffuserve_continuous_leaves_total", {"reason": "deadline"})
+    with pytest.raises(openai.APIStatusError, match="removed from the denoise group") as raised:
+        _generate(continuous_server, "too slow", 7, 5000, timeout=2)
+    assert raised.value.status_code == 504
+    assert metric_value(continuous_server.base_url, "diffuserve_continuous_leaves_total",
+                        {"reason": "deadline"}) == before + 1
+    assert _generate(continuous_server, "after the deadline", 8, 2).shape == (64, 64, 3)
 
 
 def test_a_failing_step_fails_its_rows_and_the_server_keeps_serving(continuous_server):

@@ -29,19 +29,25 @@ def _max_diff(a, b) -> int:
 
 
 def _simulate(pipeline, arrivals: dict[int, list[SamplingParams]]) -> dict[int, list]:
-    """Run the group loop: requests in `arrivals[k]` join before global step k; returns images by request index."""
+    """Run the group loop as the engine does: the requests in `arrivals[k]` start together (shared encoder calls)
+    and join before global step k; those that finish at one step are decoded together. Returns images by request
+    index."""
     group: list[tuple[int, step_batch.RequestRows]] = []
     out: dict[int, list] = {}
     order = [p for k in sorted(arrivals) for p in arrivals[k]]
     tick = 0
     while len(out) < len(order):
-        for params in arrivals.get(tick, []):
-            group.append((order.index(params), step_batch.start_request(pipeline, params)))
+        joining = arrivals.get(tick, [])
+        if joining:
+            started = step_batch.start_requests(pipeline, joining)
+            group += [(order.index(params), rows) for params, rows in zip(joining, started, strict=True)]
         step_batch.denoise_step(pipeline, [rows for _, rows in group])
-        for item in [g for g in group if g[1].done]:
-            output = step_batch.finish_request(pipeline, item[1])
-            out[item[0]] = output.videos if pipeline.output_kind == "video" else output.images
-            group.remove(item)
+        done = [g for g in group if g[1].done]
+        if done:
+            outputs = step_batch.finish_requests(pipeline, [rows for _, rows in done])
+            for (index, rows), output in zip(done, outputs, strict=True):
+                out[index] = output.videos if pipeline.output_kind == "video" else output.images
+                group.remove((index, rows))
         tick += 1
     return out
 
@@ -79,7 +85,8 @@ def _frames(output, kind: str) -> list:
     return output.images if kind == "image" else [f for video in output.videos for f in video]
 
 
-CONTINUOUS_FAMILIES = ["sd3", "wan", "z-image", "flux2", "flux2-klein", "qwen-image", "qwen-image-2.1", "wan2.2-ti2v"]
+CONTINUOUS_FAMILIES = ["sd3", "wan", "z-image", "flux2", "flux2-klein", "qwen-image", "qwen-image-2.1", "wan2.2-ti2v",
+                       "sana", "wan2.2"]
 
 
 @pytest.mark.parametrize("family", CONTINUOUS_FAMILIES)
@@ -92,8 +99,10 @@ def test_every_continuous_family_equals_its_singleton_runs(family: str, tiny_che
     kw = {"width": d.width, "height": d.height, "num_frames": d.num_frames, "guidance_scale": d.guidance_scale}
     a = SamplingParams(prompt="a red square", seed=1, num_inference_steps=3, **kw)
     b = SamplingParams(prompt="a much longer prompt about a blue circle", seed=2, num_inference_steps=2, n=2, **kw)
-    got = _simulate(pipeline, {0: [a], 1: [b]})
-    for i, params in enumerate([a, b]):
+    c = SamplingParams(prompt="green", seed=3, num_inference_steps=2, **kw)
+    # b and c start together (one encoder call for texts of different lengths); a, b and c decode together
+    got = _simulate(pipeline, {0: [a], 1: [b, c]})
+    for i, params in enumerate([a, b, c]):
         result = pipeline.run([params]).outputs[0]
         kind = pipeline.output_kind
         stepped = got[i] if kind == "image" else [f for video in got[i] for f in video]
@@ -101,8 +110,69 @@ def test_every_continuous_family_equals_its_singleton_runs(family: str, tiny_che
             assert _max_diff(x, y) <= PIXEL_TOL, f"{family}: request {i} differs from its singleton run"
 
 
-@pytest.mark.parametrize("family", ["sana", "wan2.2", "wan-i2v"])
+def test_wan22_experts_split_a_step_whose_rows_straddle_the_boundary(tiny_checkpoint) -> None:
+    """The mixed group of the family test above really mixes A14B's experts: at global step 1 the first request
+    (3 steps) is past the boundary while the joiner (2 steps) is still at its first, high-noise step."""
+    from diffuserve.models.loader import load_pipeline
+
+    pipeline = load_pipeline(tiny_checkpoint("wan2.2"))
+    d = pipeline.defaults
+    kw = {"width": d.width, "height": d.height, "num_frames": d.num_frames, "guidance_scale": d.guidance_scale}
+    a = step_batch.start_request(pipeline, SamplingParams(prompt="a", seed=1, num_inference_steps=3, **kw))
+    b = step_batch.start_request(pipeline, SamplingParams(prompt="b", seed=2, num_inference_steps=2, **kw))
+    a.step_index = 1
+    experts = {pipeline.denoiser_for_step(r.step_index, r.state.timesteps[r.step_index], r.state) for r in (a, b)}
+    assert experts == {"transformer", "transformer_2"}
+
+
+@pytest.mark.parametrize("family", ["wan-i2v"])
 def test_families_that_are_not_continuous_say_so(family: str, tiny_checkpoint) -> None:
     from diffuserve.models.loader import load_pipeline
 
     assert load_pipeline(tiny_checkpoint(family)).supports_continuous is False
+
+
+def test_side_lanes_beside_an_offloaded_loop_equal_the_singleton_runs(tiny_flux_path: Path) -> None:
+    """Every component offloaded (text encoders and VAE component-offload, the DiT streamed layer by layer): a
+    joiner's encode runs in the encode lane and a finished request's decode in the decode lane while this thread
+    keeps stepping the group. The `hold:` marker makes each lane job wait until two more steps ran here, so the
+    scopes surely overlap; an offloaded module used outside its scope would raise (the guard hooks)."""
+    from diffuserve.config.plan import ComponentPlan, DeploymentPlan, ResidencyMode
+    from diffuserve.models.loader import load_pipeline
+    from diffuserve.pipelines.overlap import overlap_for
+    from diffuserve.runtime.ledger import TransferLedger
+    from diffuserve.runtime.residency import build_residency
+
+    pipeline = load_pipeline(tiny_flux_path)
+    size = pipeline.defaults.width
+    a = SamplingParams(prompt="the long one", seed=1, width=size, height=size, num_inference_steps=40)
+    b = SamplingParams(prompt="HOLD short", seed=2, width=size, height=size, num_inference_steps=2)
+    c = SamplingParams(prompt="HOLD joiner", seed=3, width=size, height=size, num_inference_steps=2)
+    alone = [pipeline.run([p]).outputs[0].images for p in (a, b, c)]
+    modes = {"text_encoder": ResidencyMode.COMPONENT_OFFLOAD, "text_encoder_2": ResidencyMode.COMPONENT_OFFLOAD,
+             "vae": ResidencyMode.COMPONENT_OFFLOAD, "transformer": ResidencyMode.LAYERWISE_OFFLOAD}
+    groups = {"text_encoder": "text_encoder", "text_encoder_2": "text_encoder", "vae": "vae", "transformer": "dit"}
+    plan = DeploymentPlan(components={n: ComponentPlan(name=n, group=groups[n], mode=m) for n, m in modes.items()})
+    pipeline.residency = build_residency(plan, pipeline.components, device="cpu", ledger=TransferLedger())
+    overlap = overlap_for(pipeline)
+    overlap.hold_marker = "HOLD"
+    group = step_batch.start_requests(pipeline, [a, b])
+    for _ in range(2):
+        step_batch.denoise_step(pipeline, group)
+    rows_b, group = group[1], group[:1]
+    decode_b = overlap.decode.submit(lambda: step_batch.finish_requests(pipeline, [rows_b]), inputs=[rows_b],
+                                     prompts=[b.prompt])
+    start_c = overlap.encode.submit(lambda: step_batch.start_requests(pipeline, [c]), prompts=[c.prompt])
+    while not (decode_b.done() and start_c.done()) and not group[0].done:
+        step_batch.denoise_step(pipeline, group)  # the lanes wait for these steps
+        overlap.count_step()
+    assert decode_b.result().steps_beside >= 2 and start_c.result().steps_beside >= 2
+    group.append(start_c.result().value[0])
+    got = {1: decode_b.result().value[0].images}
+    while group:
+        step_batch.denoise_step(pipeline, group)
+        for rows in [r for r in group if r.done]:
+            got[0 if rows.params is a else 2] = step_batch.finish_request(pipeline, rows).images
+            group.remove(rows)
+    for i in range(3):
+        assert _max_diff(got[i][0], alone[i][0]) <= PIXEL_TOL, f"request {i} differs from its singleton run"

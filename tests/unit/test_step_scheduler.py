@@ -193,3 +193,25 @@ def test_continuous_step_line_and_collectors(caplog) -> None:
     assert get("diffuserve_continuous_leaves_total", {"reason": "finished"}) == 2
     assert get("diffuserve_continuous_step_batch_rows_count") == 2
     assert get("diffuserve_continuous_active_rows") == 1
+
+
+def test_a_request_still_starting_holds_its_rows_but_does_not_step() -> None:
+    """The engine starts a joiner beside the loop (its encode): until it is ready it keeps its place and its rows of
+    the cap, and `step_done` advances only the rows that stepped."""
+    s = sched(max_size=2)
+    s.add(req("a", 0.0, steps=3))
+    p1 = step(s.plan(0.0))
+    s.step_done(p1)
+    s.add(req("b", 0.1, steps=2))
+    p2 = step(s.plan(0.1))
+    (b,) = p2.joined
+    b.ready = False  # what the engine does while b's encode runs
+    s.add(req("c", 0.2))
+    ready = [e for e in p2.rows if e.ready]
+    assert s.step_done(p2, ready) == []
+    assert [(e.request.request_id, e.step_index) for e in s.group] == [("a", 2), ("b", 0)]
+    p3 = step(s.plan(0.3))
+    assert p3.joined == [] and s.num_active_rows == 2  # c waits: b's rows count against the cap of 2
+    b.ready = True
+    assert ids(s.step_done(p3)) == ["a"]
+    assert [(e.request.request_id, e.step_index) for e in s.group] == [("b", 1)]

@@ -32,7 +32,7 @@ from diffuserve.errors import (
     ServiceUnavailableError,
 )
 from diffuserve.executor.base import BatchCall, Executor, InProcessExecutor
-from diffuserve.executor.worker import PreviewSink
+from diffuserve.executor.worker import BatchOutcome, PreviewSink
 from diffuserve.pipelines.base import Pipeline, RequestOutput
 from diffuserve.sampling import ModelDescription, SamplingParams, build_sampling_params
 
@@ -541,28 +541,43 @@ class AsyncEngine:
         # The row cap is a hard cap on every pipeline call in dynamic mode (operators size it to the
         # device): an oversized request the scheduler dispatched alone runs as several calls.
         max_rows = batch.effective_cap if self.scheduler.config.dynamic else None
+
+        def answer(outcome: BatchOutcome) -> None:
+            for stage, seconds in outcome.stage_seconds.items():
+                self.metrics.observe_stage(stage, seconds)
+            if outcome.deferred:
+                self.metrics.observe_overlap("decode", outcome.decode_overlap_steps)
+            with self._cond:
+                for request in requests:
+                    rid = request.request_id
+                    if rid in outcome.outputs:
+                        self.metrics.add_outputs_generated(request.params.n)
+                        self._answer_locked(rid, result=GenerationResult(
+                            request_id=rid,
+                            output=outcome.outputs[rid],
+                            queue_wait_s=started - request.arrival_time,
+                            inference_s=outcome.inference_seconds,
+                            batch_size=len(requests),
+                            stage_seconds=outcome.stage_seconds,
+                            batch_rows=outcome.batch_rows,
+                            pipeline_calls=outcome.pipeline_calls,
+                        ))
+                    else:
+                        self._answer_locked(rid, error=outcome.errors.get(rid) or RequestCancelledError("cancelled"))
+                self._cond.notify_all()
+
+        # Overlap (dynamic / continuous): the batch's decode runs in the decode lane and `answer` is called from
+        # there, while this thread frees the scheduler and starts the next batch (executor/worker.py `run_batch`).
+        overlap = self.scheduler.config.mode in ("dynamic", "continuous")
         outcome = self.executor.execute(replica, BatchCall(requests, on_step=on_step, previews=previews,
-                                                           max_rows=max_rows))
+                                                           max_rows=max_rows,
+                                                           on_decoded=answer if overlap else None))
         self._recent_batch_s = outcome.inference_seconds
-        for stage, seconds in outcome.stage_seconds.items():
-            self.metrics.observe_stage(stage, seconds)
+        if not outcome.deferred:
+            answer(outcome)
         with self._cond:
-            for request in requests:
-                rid = request.request_id
-                if rid in outcome.outputs:
-                    self.metrics.add_outputs_generated(request.params.n)
-                    self._answer_locked(rid, result=GenerationResult(
-                        request_id=rid,
-                        output=outcome.outputs[rid],
-                        queue_wait_s=started - request.arrival_time,
-                        inference_s=outcome.inference_seconds,
-                        batch_size=len(requests),
-                        stage_seconds=outcome.stage_seconds,
-                        batch_rows=outcome.batch_rows,
-                        pipeline_calls=outcome.pipeline_calls,
-                    ))
-                else:
-                    self._answer_locked(rid, error=outcome.errors.get(rid) or RequestCancelledError("cancelled"))
             self.scheduler.complete(batch)
-            self._replica_done(replica, sum(r.params.n for r in requests if r.request_id in outcome.outputs))
+            produced = (outcome.batch_rows if outcome.deferred
+                        else sum(r.params.n for r in requests if r.request_id in outcome.outputs))
+            self._replica_done(replica, produced)
             self._cond.notify_all()

@@ -5,6 +5,11 @@ through the HTTP API: with `DIFFUSERVE_FAULT_INJECTION=prompt:<marker>` any batc
 request whose prompt contains `<marker>` raises inside the pipeline call, exactly as a failing
 stage would. Tests use it to prove that a failing merged batch errors all of its requests and that
 the server keeps serving.
+
+`hold:<marker>` (alone, or after a comma: `prompt:<a>,hold:<b>`) slows instead of failing: a text encode or
+decode that runs in a side lane beside the denoise loop (`pipelines/overlap.py`) for a request whose prompt
+contains `<marker>` waits until the loop has run two more denoising steps (30 s at most). Tests use it to see
+from the loop's own step counter that the loop kept stepping while that encode / decode ran.
 """
 
 from __future__ import annotations
@@ -40,9 +45,17 @@ class FaultInjectingPipeline:
         setattr(self._inner, name, value)
 
     def run(self, batch: list[Any], **callbacks: Any) -> BatchResult:
+        self._check(batch)
+        return self._inner.run(batch, **callbacks)
+
+    def run_to_latents(self, batch: list[Any], **callbacks: Any) -> Any:
+        """The first part of `run` when its decode overlaps the next batch (`executor/worker.py`)."""
+        self._check(batch)
+        return self._inner.run_to_latents(batch, **callbacks)
+
+    def _check(self, batch: list[Any]) -> None:
         if any(self._marker in p.prompt for p in batch):
             raise InjectedFault(f"injected fault: a prompt in this batch contains {self._marker!r}")
-        return self._inner.run(batch, **callbacks)
 
 
     def check_step(self, batch: list[Any]) -> None:
@@ -52,7 +65,11 @@ class FaultInjectingPipeline:
 
 
 def maybe_inject_faults(pipeline: Pipeline) -> Pipeline | FaultInjectingPipeline:
-    spec = os.environ.get(ENV_VAR, "")
-    if spec.startswith("prompt:") and len(spec) > len("prompt:"):
-        return FaultInjectingPipeline(pipeline, spec[len("prompt:") :])
+    parts = dict(part.split(":", 1) for part in os.environ.get(ENV_VAR, "").split(",") if ":" in part)
+    if parts.get("hold"):
+        from diffuserve.pipelines.overlap import overlap_for
+
+        overlap_for(pipeline).hold_marker = parts["hold"]
+    if parts.get("prompt"):
+        return FaultInjectingPipeline(pipeline, parts["prompt"])
     return pipeline

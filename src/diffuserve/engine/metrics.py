@@ -105,6 +105,12 @@ class EngineMetrics:
         self.stage_seconds = Histogram(f"{p}stage_seconds", "Time per pipeline stage per batch.", ["stage"],
                                        buckets=_STAGE_BUCKETS, registry=r)
         self.outputs_generated = Counter(f"{p}outputs_generated", "Images or videos produced.", registry=r)
+        self.overlap_jobs = Counter(
+            f"{p}overlap_jobs", "Text encodes / decodes run in a side lane beside the denoise loop, by stage.",
+            ["stage"], registry=r)
+        self.overlap_steps = Counter(
+            f"{p}overlap_steps", "Denoising steps the loop ran while a side-lane job of that stage ran (0 would "
+            "mean the loop waited for it).", ["stage"], registry=r)
         # Residency (fed by the transfer ledger).
         self.transfer_bytes = Counter(f"{p}transfer_bytes", "Bytes moved between host and device.",
                                       ["component", "direction"], registry=r)
@@ -179,6 +185,11 @@ class EngineMetrics:
 
     def observe_stage(self, stage: str, seconds: float) -> None:
         self.stage_seconds.labels(stage=stage).observe(max(0.0, seconds))
+
+    def observe_overlap(self, stage: str, steps_beside: int) -> None:
+        """One side-lane job (`encode` or `decode`) and the denoising steps that ran beside it."""
+        self.overlap_jobs.labels(stage=stage).inc()
+        self.overlap_steps.labels(stage=stage).inc(max(0, steps_beside))
 
     def add_outputs_generated(self, n: int) -> None:
         self.outputs_generated.inc(n)

@@ -4,8 +4,9 @@ Like `engine/scheduler.py` (whose queue, ordering, caps and expiry it inherits) 
 threads and no clock of its own. The engine's continuous loop is::
 
     decision = scheduler.plan(now)
-    StepPlan  -> start decision.joined (encode + latents), run ONE denoising step for decision.rows,
-                 then scheduler.step_done(decision) -> the requests whose last step it was (decode + answer)
+    StepPlan  -> start decision.joined (encode + latents; beside the loop: they are not `ready` yet), run ONE
+                 denoising step for the ready rows, then scheduler.step_done(decision, those rows) -> the
+                 requests whose last step it was (decode + answer)
     Dispatch  -> a request-level batch (a head that cannot run step by step): run it whole, then complete()
     WaitUntil -> sleep until the time or a new request, then plan again
     Idle      -> sleep until a request arrives
@@ -67,6 +68,9 @@ class GroupEntry:
     """Steps done so far; the next step this request runs is `step_index`."""
     state: Any = None
     """The engine's per-request denoising state (latents, scheduler); opaque to the scheduler."""
+    ready: bool = True
+    """False while the engine is still starting the request (its text encode runs beside the loop): it holds
+    its place (and its rows of the cap) in the group, but steps only from the first boundary after it is ready."""
 
     @property
     def num_rows(self) -> int:
@@ -157,10 +161,11 @@ class StepScheduler(DynamicBatcher):
         joined += self._take_joiners(group_key(head), cap - head.num_outputs)
         return self._step(joined, removed)
 
-    def step_done(self, plan: StepPlan) -> list[GroupEntry]:
-        """The step of `plan` ran: every row advanced one step. Returns (and removes) the finished requests."""
+    def step_done(self, plan: StepPlan, stepped: Sequence[GroupEntry] | None = None) -> list[GroupEntry]:
+        """The step of `plan` ran for `stepped` (default: every row of the plan; the engine leaves out the rows
+        that were not ready yet): each advanced one step. Returns (and removes) the finished requests."""
         finished = []
-        for entry in plan.rows:
+        for entry in plan.rows if stepped is None else stepped:
             entry.step_index += 1
             if entry.step_index >= entry.num_steps and entry in self._group:
                 finished.append(entry)

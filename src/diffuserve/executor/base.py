@@ -42,6 +42,10 @@ class BatchCall:
     """Streaming requests' preview sinks."""
     max_rows: int | None = None
     """Row cap of every pipeline call (dynamic mode); None = one call."""
+    on_decoded: Callable[[BatchOutcome], None] | None = None
+    """Decode overlap (`run_batch`): the batch's decode may run in the decode lane while the engine goes on; the
+    complete outcome then comes here from that lane (the returned one is `deferred`). An executor that cannot
+    defer ignores it and returns the complete outcome."""
 
 
 class StepRunner(Protocol):
@@ -107,7 +111,7 @@ class InProcessExecutor:
         assert self.pipeline is not None, "load() first"
         extra: dict[str, Any] = {"clock": self._clock} if self._clock is not None else {}
         return run_batch(self.pipeline, call.requests, on_step=call.on_step, previews=call.previews or None,
-                         max_rows=call.max_rows, **extra)
+                         max_rows=call.max_rows, on_decoded=call.on_decoded, **extra)
 
     def steps(self) -> StepRunner:
         assert self.pipeline is not None, "load() first"

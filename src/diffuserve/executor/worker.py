@@ -6,6 +6,10 @@ calls of at most `max_rows` rows, part k starting at seed `seed + offset` (row j
 seeded `seed + j`, so its images are the same as in one call). If a call raises, or its outputs
 cannot be split back per request, every request of the batch gets an error that says so; there is
 no silent retry.
+
+Decode overlap (dynamic and continuous modes): given `on_decoded`, a one-call batch of a native pipeline returns
+once it is denoised; its decode runs in the pipeline's decode lane (`pipelines/overlap.py`) while the engine
+starts the next batch, and the complete outcome reaches `on_decoded` from the lane.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from diffuserve.errors import DiffuserveError, GenerationError, RequestCancelledError
 from diffuserve.pipelines.base import BatchResult, Pipeline, RequestOutput
+from diffuserve.pipelines.overlap import Overlap, SideResult, overlap_for
 from diffuserve.sampling import SamplingParams
 
 logger = logging.getLogger("diffuserve.worker")
@@ -68,6 +74,11 @@ class BatchOutcome:
     """Rows of the largest pipeline call the batch ran as (at most the row cap)."""
     pipeline_calls: int = 0
     """Pipeline calls the batch ran as (1 unless a request's n was split under the row cap)."""
+    deferred: bool = False
+    """The decode runs in the decode lane: in what `run_batch` returns, the outputs are not there yet (the
+    complete outcome, also marked deferred, goes to `on_decoded`; see there)."""
+    decode_overlap_steps: int = 0
+    """Denoising steps (of later batches) the loop ran while this batch's decode ran in the decode lane."""
 
 
 def split_rows(params: SamplingParams, max_rows: int) -> list[SamplingParams]:
@@ -128,10 +139,16 @@ def run_batch(
     previews: dict[str, PreviewSink] | None = None,
     clock: Callable[[], float] = time.monotonic,
     max_rows: int | None = None,
+    on_decoded: Callable[[BatchOutcome], None] | None = None,
 ) -> BatchOutcome:
     """Run `requests` as one pipeline call (several when their rows exceed `max_rows`).
 
     Never raises: every request gets an output or an error. `on_step` counts steps over all calls.
+    `on_decoded` turns on decode overlap: when the batch is one call of a pipeline that can stop before its
+    decode (`defers_decode`), this returns as soon as denoising is done with `deferred=True` (no outputs yet),
+    the decode runs in the pipeline's decode lane (`pipelines/overlap.py`) while the caller starts the next
+    batch, and `on_decoded` receives the complete outcome from that lane, exactly once. Otherwise
+    `on_decoded` is never called and the returned outcome is complete.
     `previews` (request id -> sink) asks for partial images: after each denoising step that some
     still-waiting request wants a preview of, the pipeline's previews are made once for the whole batch
     and each such request gets its own rows. A batch split into several calls makes no previews (a
@@ -147,17 +164,19 @@ def run_batch(
         # keeps running with the others and its output is dropped.
         return all(r.cancel_event.is_set() for r in live)
 
-
     calls = plan_calls([r.params for r in live], max_rows)
     if len(calls) > 1:
         logger.info("batch of %d request(s), %d rows: above the row cap of %d, running as %d pipeline calls",
                     len(live), sum(r.params.n for r in live), max_rows, len(calls))
     steps_done = [0, 0]
     call_index = [0]
+    overlap = overlap_for(pipeline) if getattr(pipeline, "defers_decode", False) else None
 
     def step_done(step: int, num_steps: int) -> None:
         overall, total = call_index[0] * num_steps + step, len(calls) * num_steps
         steps_done[:] = [overall + 1, total]
+        if overlap is not None:
+            overlap.count_step()  # a decode running in the lane sees the loop advance (`steps_beside`)
         if on_step is not None:
             on_step(overall, total)
 
@@ -178,6 +197,10 @@ def run_batch(
             sink.deliver(index, per_request[i])
 
     start = clock()
+    if on_decoded is not None and overlap is not None and len(calls) == 1:
+        return _run_deferred(pipeline, live, outcome, on_decoded, overlap, clock, start, everyone_gone, steps_done,
+                             {"on_step": step_done, "should_stop": everyone_gone,
+                              **({"on_preview": on_preview} if sinks else {})})
     try:
         parts: list[list[RequestOutput]] = [[] for _ in live]
         stage_seconds: dict[str, float] = {}
@@ -206,6 +229,58 @@ def run_batch(
         error = _batch_error(live, f"{type(exc).__name__}: {exc}")
         for request in live:
             outcome.errors[request.request_id] = error
+    outcome.inference_seconds = clock() - start
+    return outcome
+
+
+def _run_deferred(pipeline: Any, live: list[Request], outcome: BatchOutcome,
+                  on_decoded: Callable[[BatchOutcome], None], overlap: Overlap, clock: Callable[[], float],
+                  start: float, should_stop: Callable[[], bool], steps_done: list[int],
+                  callbacks: dict[str, Any]) -> BatchOutcome:
+    """`run_batch` with the decode in the decode lane (one pipeline call; see `run_batch`)."""
+    try:
+        denoised = pipeline.run_to_latents([r.params for r in live], **callbacks)
+    except RequestCancelledError as exc:
+        logger.info("batch of %d request(s) stopped at step %d/%d: every request in it was cancelled",
+                    len(live), *steps_done)
+        outcome.errors = {r.request_id: exc for r in live}
+        outcome.inference_seconds = clock() - start
+        return outcome
+    except Exception as exc:  # the batch loop must survive anything the pipeline raises
+        logger.exception("batch of %d request(s) failed", len(live))
+        error = _batch_error(live, f"{type(exc).__name__}: {exc}")
+        outcome.errors = {r.request_id: error for r in live}
+        outcome.inference_seconds = clock() - start
+        return outcome
+
+    def decode() -> BatchResult:
+        if should_stop():  # nobody waits for these rows any more: skip the decode
+            raise RequestCancelledError("every request of the batch was cancelled")
+        return pipeline.decode_batch(denoised)
+
+    def deliver(future: Future[SideResult[BatchResult]]) -> None:
+        done = BatchOutcome(batch_rows=denoised.latents.shape[0], pipeline_calls=1, deferred=True)
+        try:
+            side = future.result()
+            done.outputs = split_outputs(live, side.value, pipeline.output_kind)
+            done.stage_seconds = side.value.stage_seconds
+            done.decode_overlap_steps = side.steps_beside
+        except RequestCancelledError as exc:
+            done.errors = {r.request_id: exc for r in live}
+        except Exception as exc:
+            logger.exception("decoding a batch of %d request(s) failed", len(live))
+            error = _batch_error(live, f"{type(exc).__name__}: {exc}")
+            done.errors = {r.request_id: error for r in live}
+        done.inference_seconds = clock() - start
+        try:
+            on_decoded(done)
+        except Exception:  # pragma: no cover - the engine's answer path does not raise
+            logger.exception("answering a decoded batch failed")
+
+    overlap.decode.submit(decode, inputs=[denoised], prompts=[r.params.prompt for r in live]).add_done_callback(deliver)
+    outcome.deferred = True
+    outcome.stage_seconds = dict(denoised.stage_seconds)
+    outcome.batch_rows, outcome.pipeline_calls = denoised.latents.shape[0], 1
     outcome.inference_seconds = clock() - start
     return outcome
 

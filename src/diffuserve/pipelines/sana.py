@@ -63,9 +63,9 @@ class SanaNativePipeline(stages.RecipePipeline):
     family = "sana"
     output_kind = "image"
     supports_batching = True
-    supports_continuous = False
-    """Not continuous: stepped in a mixed group its rows did NOT equal their singleton runs (up to 133/255 on the
-    tiny checkpoint; DPM-Solver++ multistep with per-request copies), so it batches per request until that is found."""
+    supports_continuous = True
+    """Continuous: each request keeps its own DPM-Solver++ history (`_schedule` copies), and `step_extras` gives a
+    mixed step the group's row count, which `predict` needs to tell the doubled CFG call from a plain one."""
     text_encoders = ("text_encoder",)
     # No trimming of the padded text columns: every row is 300 tokens wide as in diffusers, whose
     # transformer output depends (~1e-6) on how many masked columns cross-attention sees.
@@ -202,6 +202,11 @@ class SanaNativePipeline(stages.RecipePipeline):
         scheduler, timesteps = self._schedule(head.num_inference_steps)
         extras = {"rows": latents.shape[0], "size": (head.height, head.width)}
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)
+
+    def step_extras(self, states: Sequence[DenoiseState]) -> dict[str, Any]:
+        # `rows` is the call's positive rows: every request's, not the first one's (else a group of two would look
+        # like the doubled CFG call of one and take the negative encoding for the second request's rows).
+        return {**states[0].extras, "rows": sum(s.extras["rows"] for s in states)}
 
     def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
                 model_key: str) -> torch.Tensor:

@@ -35,6 +35,7 @@ from diffuserve.pipelines.base import (
     StepCallback,
     StopCheck,
 )
+from diffuserve.pipelines.overlap import overlap_for
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -319,9 +320,12 @@ class RecipePipeline(Pipeline):
             texts += [p.negative_prompt or "" for p in batch]
         unique = list(dict.fromkeys(texts))
         encoded: Cond = {}
-        for key in self.text_encoders:
-            with self.residency.use(key):
-                encoded.update(self.encode_text(key, unique, batch))
+        # One encode at a time (a tokenizer is not thread-safe): the encode lane and a request-level batch on the
+        # loop's thread may both get here (`pipelines/overlap.py`).
+        with overlap_for(self).encoder_lock:
+            for key in self.text_encoders:
+                with self.residency.use(key):
+                    encoded.update(self.encode_text(key, unique, batch))
         slot = {text: i for i, text in enumerate(unique)}
         counts = [p.n for p in batch]
 
@@ -378,8 +382,31 @@ class RecipePipeline(Pipeline):
         return latents
 
     def _previews(self, latents: torch.Tensor, state: DenoiseState, batch: Sequence[SamplingParams]) -> list[list[Any]]:
-        with torch.inference_mode(), self.residency.use(self.decoder):
+        with torch.inference_mode(), self.decoder_scope():
             return split_rows(self.preview(latents, state), batch)
+
+    def decoder_scope(self) -> contextlib.AbstractContextManager[None]:
+        """The decoder's residency scope, entered by one thread at a time (a decode may run in the decode lane
+        while the loop makes a preview: `pipelines/overlap.py`)."""
+        return overlap_for(self).decoder_scope(self.residency, self.decoder)
+
+    @property
+    def defers_decode(self) -> bool:
+        """Whether `run` is exactly `run_to_latents` + `decode_batch`, so a caller may run the two apart (a family
+        that wraps `run` around per-request state, like Qwen-Image-Edit, keeps it whole)."""
+        return type(self).run is RecipePipeline.run
+
+    def component_scope(self, key: str) -> contextlib.AbstractContextManager[None]:
+        """`key`'s residency scope; the decoder's through `decoder_scope` (an edit's VAE encode in `prepare` may
+        run while the decode lane decodes the previous batch with the same VAE)."""
+        return self.decoder_scope() if key == self.decoder else self.residency.use(key)
+
+    def step_extras(self, states: Sequence[DenoiseState]) -> dict[str, Any]:
+        """The extras of one continuous step over several requests' states (`pipelines/step_batch.py`).
+
+        Default: the first one's, which the continuous group key makes equal to the others' (same size and
+        guidance). A family whose extras count rows overrides this."""
+        return states[0].extras
 
     def run(
         self,
@@ -389,6 +416,19 @@ class RecipePipeline(Pipeline):
         should_stop: StopCheck | None = None,
         on_preview: PreviewCallback | None = None,
     ) -> BatchResult:
+        return self.decode_batch(self.run_to_latents(batch, on_step=on_step, should_stop=should_stop,
+                                                     on_preview=on_preview))
+
+    def run_to_latents(
+        self,
+        batch: list[SamplingParams],
+        *,
+        on_step: StepCallback | None = None,
+        should_stop: StopCheck | None = None,
+        on_preview: PreviewCallback | None = None,
+    ) -> Denoised:
+        """Stages 1-3 of `run` (encode, latents, denoise); `decode_batch` is stage 4. Split so that the decode
+        can run in the decode lane while the next batch denoises (`executor/worker.py`, `pipelines/overlap.py`)."""
         head = check_batch(batch)
         cfg = self.uses_cfg(head)
         timer = StageTimer()
@@ -399,20 +439,37 @@ class RecipePipeline(Pipeline):
             # 2. Latents, schedule and per-batch extras (edits encode their input images here).
             with timer.stage("latents"), contextlib.ExitStack() as scope:
                 for key in self.prepare_components(head):
-                    scope.enter_context(self.residency.use(key))
+                    scope.enter_context(self.component_scope(key))
                 state = self.prepare(batch, head, positive)
             # 3. Denoise: the family's denoiser call(s), guidance, scheduler steps, cancellation.
             with timer.stage("denoise"):
                 latents = self._denoise(state, positive, negative, head, on_step, should_stop, on_preview, batch)
-            # 4. Decode, then split the rows back per request.
-            with timer.stage("decode"), self.residency.use(self.decoder):
-                decoded = self.decode(latents, state)
-        rows = split_rows(decoded, batch)
+        return Denoised(batch=list(batch), latents=latents, state=state, stage_seconds=timer.seconds)
+
+    def decode_batch(self, denoised: Denoised) -> BatchResult:
+        """Stage 4 of `run`: decode, then split the rows back per request."""
+        timer = StageTimer()
+        timer.seconds = dict(denoised.stage_seconds)
+        with torch.inference_mode(), timer.stage("decode"), self.decoder_scope():
+            decoded = self.decode(denoised.latents, denoised.state)
+        rows = split_rows(decoded, denoised.batch)
         if self.output_kind == "video":
             outputs = [RequestOutput(videos=r) for r in rows]
         else:
             outputs = [RequestOutput(images=r) for r in rows]
         return BatchResult(outputs=outputs, stage_seconds=timer.seconds)
+
+
+@dataclass
+class Denoised:
+    """A batch after its denoising loop (`run_to_latents`), before its decode (`decode_batch`)."""
+
+    batch: list[SamplingParams]
+    latents: torch.Tensor
+    """The final latents, one row per output."""
+    state: DenoiseState
+    stage_seconds: dict[str, float]
+    """Seconds of the stages run so far."""
 
 
 def to_pil_images(images: torch.Tensor) -> list[Image.Image]:

@@ -3,11 +3,15 @@
 `RecipePipeline.run` is encode -> prepare -> denoise loop -> decode for one fixed batch. Here the same family
 parts run per request instead, so requests can enter and leave a running denoise group at step boundaries:
 
-* `start_request`: encode the request's prompt(s) and prepare its latents, schedule and a private scheduler
-  (`RequestRows`: its `n` latent rows, its conditioning, its own step index).
+* `start_request(s)`: encode the request's prompt(s) and prepare its latents, schedule and a private scheduler
+  (`RequestRows`: its `n` latent rows, its conditioning, its own step index); requests joining at one boundary
+  share their encoder calls.
 * `denoise_step`: ONE denoiser call (two with unbatched CFG) for the rows of several requests, each at its own
-  timestep (the transformer takes a per-row timestep vector), then each request's own scheduler step.
-* `preview_request` / `finish_request`: a partial image, or the final decode, of one request's rows.
+  timestep (the transformer takes a per-row timestep vector), then each request's own scheduler step. A family
+  with two experts (Wan2.2 A14B) makes one call per expert the rows need at that step.
+* `preview_request` / `finish_request(s)`: a partial image, or the final decode, of one request's rows (requests
+  finishing at one step share a decoder call; the engine
+  runs them, and `start_request`, in the side lanes of `pipelines/overlap.py`, beside the loop).
 
 Seeds and noise are those of `run` for a batch of one (`stages.batch_noise`), and each request's scheduler is a
 `fresh_scheduler` copy, so a request's rows equal its singleton run up to the float reordering of batched kernels.
@@ -19,6 +23,7 @@ scheduler step must depend only on the request's own state.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +31,7 @@ from typing import Any
 import torch
 
 from diffuserve.pipelines.base import RequestOutput
-from diffuserve.pipelines.stages import Cond, DenoiseState, RecipePipeline, concat_cond
+from diffuserve.pipelines.stages import Cond, DenoiseState, RecipePipeline, concat_cond, gather_rows
 
 
 @dataclass(eq=False)
@@ -55,14 +60,29 @@ class RequestRows:
 
 def start_request(pipeline: RecipePipeline, params: Any) -> RequestRows:
     """Encode and prepare one request (the first two stages of `run`, for a batch of one)."""
-    batch = [params]
+    return start_requests(pipeline, [params])[0]
+
+
+def start_requests(pipeline: RecipePipeline, batch: Sequence[Any]) -> list[RequestRows]:
+    """Encode and prepare requests of one group that join at the same boundary: their distinct texts go through
+    each text encoder in one call (as `run` encodes a batch), then each request gets its own conditioning rows
+    (trimmed as if it had been encoded alone), latents, schedule and scheduler, as `start_request` would."""
+    batch = list(batch)
     with torch.inference_mode():
-        positive, negative = pipeline._encode(batch, pipeline.uses_cfg(params))
-        with contextlib.ExitStack() as scope:
-            for key in pipeline.prepare_components(params):
-                scope.enter_context(pipeline.residency.use(key))
-            state = pipeline.prepare(batch, params, positive)
-    return RequestRows(params=params, latents=state.latents, positive=positive, negative=negative, state=state)
+        positive, negative = pipeline._encode(batch, pipeline.uses_cfg(batch[0]))
+        out, first = [], 0
+        for params in batch:
+            index = torch.arange(first, first + params.n)
+            first += params.n
+            own = gather_rows(positive, index, pipeline.masked_sequences)
+            own_negative = None if negative is None else gather_rows(negative, index, pipeline.masked_sequences)
+            with contextlib.ExitStack() as scope:
+                for key in pipeline.prepare_components(params):
+                    scope.enter_context(pipeline.component_scope(key))
+                state = pipeline.prepare([params], params, own)
+            out.append(RequestRows(params=params, latents=state.latents, positive=own, negative=own_negative,
+                                   state=state))
+    return out
 
 
 def _stack(conds: Sequence[Cond], masked: dict[str, str]) -> Cond:
@@ -72,28 +92,50 @@ def _stack(conds: Sequence[Cond], masked: dict[str, str]) -> Cond:
     return out
 
 
-def denoise_step(pipeline: RecipePipeline, group: Sequence[RequestRows]) -> None:
-    """One denoising step for every request of `group`, each at its own step index, in ONE denoiser call.
+def _group_cond(pipeline: RecipePipeline, model_key: str, group: list[RequestRows]) -> tuple[Cond, Cond | None]:
+    """The stacked conditioning of `group`, the same tensors for as long as the group (of this denoiser) does not
+    change: as in `run`, where every step gets the same tensors (Qwen-Image 2.1 finds its prefix KV cache by
+    them; a new stack per step would miss it and add a cache every step)."""
+    cache: dict[str, tuple[list[RequestRows], Cond, Cond | None]] | None = getattr(pipeline, "_group_conds", None)
+    if cache is None:  # one per pipeline; only the loop's thread steps
+        cache = pipeline._group_conds = {}  # type: ignore[attr-defined]
+    found = cache.get(model_key)
+    if (found is not None and len(found[0]) == len(group)
+            and all(a is b for a, b in zip(found[0], group, strict=True))):
+        return found[1], found[2]
+    positive = _stack([r.positive for r in group], pipeline.masked_sequences)
+    negatives = [r.negative for r in group]
+    negative = None if negatives[0] is None else _stack(negatives, pipeline.masked_sequences)  # type: ignore[arg-type]
+    cache[model_key] = (list(group), positive, negative)
+    return positive, negative
 
-    The rows' latents advance in place (`RequestRows.latents`, `step_index`). Raises ValueError when the rows
-    would need different denoisers this step (two-expert families are not continuous).
+
+def denoise_step(pipeline: RecipePipeline, group: Sequence[RequestRows]) -> None:
+    """One denoising step for every request of `group`, each at its own step index.
+
+    Rows that need the same denoiser this step share ONE call (two with unbatched CFG); a family with several
+    denoisers (Wan2.2 A14B's two experts, chosen by timestep) makes one call per expert the group's rows need,
+    in the order of the group. The rows' latents advance in place (`RequestRows.latents`, `step_index`).
     """
-    if not group:
-        return
+    parts: dict[str, list[RequestRows]] = {}
+    for rows in group:
+        t = rows.state.timesteps[rows.step_index]
+        parts.setdefault(pipeline.denoiser_for_step(rows.step_index, t, rows.state), []).append(rows)
+    for model_key, part in parts.items():
+        _step_part(pipeline, model_key, part)
+
+
+def _step_part(pipeline: RecipePipeline, model_key: str, group: list[RequestRows]) -> None:
     head = group[0]
     timesteps = [rows.state.timesteps[rows.step_index] for rows in group]
-    model_keys = {pipeline.denoiser_for_step(r.step_index, t, r.state) for r, t in zip(group, timesteps, strict=True)}
-    if len(model_keys) != 1:
-        raise ValueError(f"the rows of this step need different denoisers {sorted(model_keys)}")
-    (model_key,) = model_keys
     with torch.inference_mode(), pipeline.residency.use(model_key):
         latents = torch.cat([r.latents for r in group])
         timestep = torch.cat([t.expand(r.latents.shape[0]) for r, t in zip(group, timesteps, strict=True)])
-        positive = _stack([r.positive for r in group], pipeline.masked_sequences)
-        negatives = [r.negative for r in group]
-        negative = None if negatives[0] is None else _stack(negatives, pipeline.masked_sequences)  # type: ignore[arg-type]
-        # The head's extras serve the whole group: the group key makes them equal (same size, guidance).
-        noise_pred = pipeline._guided(latents, timestep, positive, negative, head.params, head.state,
+        positive, negative = _group_cond(pipeline, model_key, group)
+        # One state for the call: the head's schedule (the guidance combine reads its step's expert), with the
+        # extras of the whole group (`step_extras`: equal across the group key, or merged where they count rows).
+        state = dataclasses.replace(head.state, extras=pipeline.step_extras([r.state for r in group]))
+        noise_pred = pipeline._guided(latents, timestep, positive, negative, head.params, state,
                                       head.step_index, model_key)
         for rows, t, pred in zip(group, timesteps, noise_pred.split([r.latents.shape[0] for r in group]),
                                  strict=True):
@@ -101,14 +143,35 @@ def denoise_step(pipeline: RecipePipeline, group: Sequence[RequestRows]) -> None
             rows.step_index += 1
 
 
+def snapshot(rows: RequestRows) -> RequestRows:
+    """A copy of `rows` as they are now, for a preview made in the decode lane while the loop steps on (the
+    latents are replaced, never written in place, by each step; the extras dict is copied: FLUX.1 keeps the
+    step's velocity there for its preview)."""
+    state = dataclasses.replace(rows.state, extras=dict(rows.state.extras))
+    return dataclasses.replace(rows, state=state)
+
+
 def preview_request(pipeline: RecipePipeline, rows: RequestRows) -> list[Any]:
     """A partial image per row of the request's current latents (the family's `preview`)."""
-    with torch.inference_mode(), pipeline.residency.use(pipeline.decoder):
+    with torch.inference_mode(), pipeline.decoder_scope():
         return pipeline.preview(rows.latents, rows.state)
 
 
 def finish_request(pipeline: RecipePipeline, rows: RequestRows) -> RequestOutput:
     """Decode the request's final latents: its output, as `run` would give it."""
-    with torch.inference_mode(), pipeline.residency.use(pipeline.decoder):
-        decoded = pipeline.decode(rows.latents, rows.state)
-    return RequestOutput(videos=decoded) if pipeline.output_kind == "video" else RequestOutput(images=decoded)
+    return finish_requests(pipeline, [rows])[0]
+
+
+def finish_requests(pipeline: RecipePipeline, group: Sequence[RequestRows]) -> list[RequestOutput]:
+    """Decode requests of one group that finished at the same step in ONE decoder call (they share the latent
+    shape: the group key), then split the rows back per request."""
+    latents = torch.cat([r.latents for r in group])
+    state = dataclasses.replace(group[0].state, extras=pipeline.step_extras([r.state for r in group]))
+    with torch.inference_mode(), pipeline.decoder_scope():
+        decoded = pipeline.decode(latents, state)
+    outputs, first = [], 0
+    for rows in group:
+        mine = list(decoded[first:first + rows.latents.shape[0]])
+        first += rows.latents.shape[0]
+        outputs.append(RequestOutput(videos=mine) if pipeline.output_kind == "video" else RequestOutput(images=mine))
+    return outputs

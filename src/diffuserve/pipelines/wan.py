@@ -50,10 +50,10 @@ class WanNativePipeline(stages.RecipePipeline):
         self.expand_timesteps = expand_timesteps
         self.device, self.dtype = torch.device(device), dtype
         self.denoisers = ("transformer",) if transformer_2 is None else ("transformer", "transformer_2")
-        # Continuous batching (Wan2.1, Wan2.2 TI2V-5B): UniPC keeps its multistep history per request (each request
-        # owns a fresh_scheduler copy). Not with two experts (Wan2.2 A14B): rows at different timesteps would need
-        # different experts in one call.
-        self.supports_continuous = transformer_2 is None and type(self).supports_batching  # I2V: False
+        # Continuous batching (Wan2.1, Wan2.2 TI2V-5B and A14B): UniPC keeps its multistep history per request (each
+        # request owns a fresh_scheduler copy). With two experts (A14B) a step whose rows straddle the boundary
+        # makes one call per expert (`step_batch.denoise_step`); guidance_scale_2 is in the group key.
+        self.supports_continuous = type(self).supports_batching  # I2V: False (image-conditioned)
         self.components = {"text_encoder": text_encoder, "vae": vae, "transformer": transformer}
         if transformer_2 is not None:
             self.components["transformer_2"] = transformer_2

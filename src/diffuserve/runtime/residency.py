@@ -131,6 +131,7 @@ class ComponentResidencyManager:
         self.transfers = Transfers(self.device, ledger)
         self._lock = threading.Lock()
         self._depth: dict[str, int] = {}
+        self._gates: dict[str, threading.Lock] = {}
         self._is_setup = False
         self.strategies: dict[str, Strategy] = {}
         for name, module in components.items():
@@ -228,21 +229,29 @@ class ComponentResidencyManager:
             return
         if not self._is_setup:
             raise RuntimeError("ComponentResidencyManager.setup() must run before use()")
+        # One gate per component, held across load and unload: two threads using one component (a decode in the
+        # decode lane and a preview in the loop) must neither run on half-loaded weights nor see them unloaded
+        # under them. Different components use different gates, so their scopes run side by side.
         with self._lock:
+            gate = self._gates.setdefault(component, threading.Lock())
+        with gate:
             depth = self._depth.get(component, 0)
-            self._depth[component] = depth + 1
-        try:
             if depth == 0:
                 strategy.in_use = True
-                strategy.enter()
+                try:
+                    strategy.enter()
+                except BaseException:
+                    strategy.in_use = False
+                    raise
+            self._depth[component] = depth + 1
+        try:
             yield
         finally:
-            with self._lock:
+            with gate:
                 self._depth[component] -= 1
-                last = self._depth[component] == 0
-            if last:
-                strategy.in_use = False
-                strategy.exit()
+                if self._depth[component] == 0:
+                    strategy.in_use = False
+                    strategy.exit()
 
     @contextlib.contextmanager
     def compile_warmup(self) -> Iterator[None]:

@@ -1,0 +1,75 @@
+"""Dynamic batching with stage overlap, over a real server and the official openai client: batch k's VAE decode
+runs in the decode lane while batch k+1 denoises (`executor/worker.py` `run_batch`, `pipelines/overlap.py`).
+
+The `hold:` fault injection makes the first batch's decode wait until the loop has run two more denoising steps,
+which only the next batch can supply: the proof is the loop's own step counter (`overlap_steps_total`), not
+timing. (The continuous-mode encode / decode overlap is tested in test_continuous_batching.py.)
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import openai
+
+from tests.integration.conftest import HOLD_MARKER
+from tests.integration.helpers import decode_b64_png, metric_value, pixels, wait_for_log
+from tests.serverproc import ServerProcess
+
+PIXEL_TOL = 1  # uint8 steps, i.e. 1/255
+
+
+def _generate(server: ServerProcess, model: str, prompt: str, seed: int, steps: int) -> np.ndarray:
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    result = client.images.generate(model=model, prompt=prompt, size="64x64", response_format="b64_json",
+                                    extra_body={"seed": seed, "num_inference_steps": steps})
+    return pixels(decode_b64_png(result.data[0].b64_json))
+
+
+def test_a_batch_decodes_while_the_next_batch_denoises(dynamic_server, singleton_server):
+    server = dynamic_server
+    start = len(server.log())
+    before = metric_value(server.base_url, "diffuserve_overlap_steps_total", {"stage": "decode"})
+    jobs = [(f"{HOLD_MARKER} first", 31, 2), ("the next batch", 32, 3)]  # different steps: never one batch
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(_generate, server, "tiny-flux-dynamic", *jobs[0])
+        # the first batch is done denoising and its decode waits in the lane for two more steps
+        wait_for_log(server, "fault injection: holding a side decode", start=start, timeout_s=120)
+        second = pool.submit(_generate, server, "tiny-flux-dynamic", *jobs[1])
+        got = [first.result(), second.result()]
+    steps_beside = metric_value(server.base_url, "diffuserve_overlap_steps_total", {"stage": "decode"}) - before
+    assert steps_beside >= 2, "the worker waited for the first batch's decode instead of denoising the next batch"
+    for (prompt, seed, steps), image in zip(jobs, got, strict=True):
+        body = {"prompt": prompt, "seed": seed, "size": "64x64", "num_inference_steps": steps}
+        alone = pixels(decode_b64_png(httpx.post(f"{singleton_server.base_url}/v1/images/generations",
+                                                 timeout=300, json=body).json()["data"][0]["b64_json"]))
+        assert int(np.abs(image.astype(np.int16) - alone.astype(np.int16)).max()) <= PIXEL_TOL, prompt
+
+
+def test_counting_prompt_tokens_beside_an_encode_does_not_change_what_the_encode_gets(tiny_flux_path):
+    """The server counts prompt tokens (HTTP thread) while the encode lane tokenizes: on one shared fast tokenizer
+    the count's settings leaked into the encode (unpadded rows). `count_tokens` runs on a private copy."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from diffuserve.pipelines.prompt_limits import count_tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_flux_path / "tokenizer_2")
+    text, stop = "a red fox in fresh snow, golden hour", threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            count_tokens(tokenizer, text)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        lengths = {tokenizer([text], padding="max_length", max_length=64, truncation=True,
+                             return_tensors="pt").input_ids.shape[1] for _ in range(300)}
+    finally:
+        stop.set()
+        counter.join()
+    assert lengths == {64}
