@@ -209,9 +209,10 @@ def _multi_rank_executor(args: ServerArgs, info: Any, setup: RankSetup, metrics:
     from diffuserve.launch_ranks import connect, rank_description, spawn_local_ranks
 
     plan = setup.deployment.plan
-    if args.batching_mode == "continuous":
-        raise ConfigError("--batching-mode continuous runs on one rank in this release; use dynamic batching with "
-                          f"--num-gpus {plan.num_gpus}, or continuous batching with --num-gpus 1.", param="batching_mode")
+    if args.batching_mode == "continuous" and plan.dp_size > 1:
+        raise ConfigError(f"--batching-mode continuous runs one denoise group, on one replica; --dp-size {plan.dp_size} "
+                          "(or ranks no parallel degree uses) needs dynamic batching, or give degrees that fill "
+                          "--num-gpus.", param="batching_mode")
     topology = Topology.from_plan(plan, rank=0, local_rank=0)
     children = spawn_local_ranks(args, info)
     logger.info("ranks: %d over %d host(s); %d replica(s) of %d rank(s); rank 0 serves HTTP",

@@ -8,7 +8,8 @@
   heartbeat timeout, with the same consequences.
 - Two "hosts" on 127.0.0.1 (`--nnodes 2 --node-rank 0/1 --dist-init-addr`) with FSDP x Ulysses 2, after an idle
   period longer than the group timeout: equal to one process within 1/255.
-- torchrun with 4 ranks, CFG parallel x Ulysses 2: equal to one process within 1/255.
+- torchrun with 4 ranks, CFG parallel x Ulysses 2, continuous batching with a request joining mid-run: each
+  equal to its one-process singleton within 1/255.
 """
 
 from __future__ import annotations
@@ -236,13 +237,15 @@ def test_two_hosts_with_fsdp_times_ulysses_equal_one_process(tiny_flux_path, tmp
 
 
 # ---------------------------------------------------------------------------------------------- torchrun, 4 ranks
-def test_torchrun_four_ranks_cfg_parallel_times_ulysses(tiny_flux_path, tmp_path, reference):
-    """torchrun starts the ranks (rank 0 serves); CFG 2 x Ulysses 2 equals one process within 1/255."""
+def test_torchrun_four_ranks_continuous_cfg_parallel_times_ulysses(tiny_flux_path, tmp_path, reference):
+    """torchrun starts the ranks (rank 0 serves); CFG 2 x Ulysses 2 with continuous batching: a request joins the
+    running denoise group at a later step, and each equals its one-process singleton within 1/255."""
     port, log = free_port(), open(tmp_path / "torchrun.log", "wb")  # noqa: SIM115 - closed below
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.Popen([str(torchrun), "--nproc-per-node", "4", "--master-port", str(free_port()), "-m",
                              "diffuserve.cli", "serve", "--model-path", str(tiny_flux_path), "--device", "cpu",
                              "--num-gpus", "4", "--enable-cfg-parallel", "--ulysses-degree", "2", "--port", str(port),
+                             "--batching-mode", "continuous", "--batching-max-size", "4",
                              "--output-dir", str(tmp_path / "outputs")],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ENV}, cwd=REPO)
     server = ServerProcess(args=[], log_path=tmp_path / "torchrun.log", port=port)
@@ -256,9 +259,21 @@ def test_torchrun_four_ranks_cfg_parallel_times_ulysses(tiny_flux_path, tmp_path
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        assert np.abs(_generate(server, "a red fox", seed=1) - reference("a red fox", seed=1)).max() <= 1
         dist = httpx.get(f"{server.base_url}/server_info").json()["distributed"]
         assert (dist["world_size"], dist["cfg"], dist["ulysses"]) == (4, 2, 2)
+        images: dict[int, np.ndarray] = {}
+        first = threading.Thread(target=lambda: images.__setitem__(1, _generate(server, "a red fox", 1, steps=60)))
+        first.start()
+        joins_before = sum(_metric(server, "diffuserve_continuous_joins_total").values())
+        deadline = time.monotonic() + 120
+        while sum(_metric(server, "diffuserve_continuous_joins_total").values()) < joins_before + 1:
+            assert time.monotonic() < deadline, server.log()[-3000:]  # the first request is in the group
+            time.sleep(0.05)
+        images[5] = _generate(server, "a cat on a long sandy beach", 5, steps=4)  # joins mid-run, leaves first
+        first.join(120)
+        assert np.abs(images[1] - reference("a red fox", 1, steps=60)).max() <= 1
+        assert np.abs(images[5] - reference("a cat on a long sandy beach", 5, steps=4)).max() <= 1
+        assert sum(_metric(server, "diffuserve_continuous_joins_total").values()) == joins_before + 2
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

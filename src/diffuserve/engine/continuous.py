@@ -55,6 +55,8 @@ class ContinuousLoop:
         """Entries that joined at one boundary and their start (encode + latents), running or not collected yet."""
         self._left = 0
         """Requests that left since the last step line."""
+        self.steps = engine.executor.steps()
+        """Start / step / drop on every rank of the replica (one rank: the pipeline itself)."""
 
     def run(self) -> None:
         engine = self.engine
@@ -87,6 +89,7 @@ class ContinuousLoop:
                 if isinstance(decision, StepPlan):
                     for request, reason in decision.removed:
                         self._timing.pop(request.request_id, None)
+                        self.steps.drop(request.request_id)
                         self.stats.record_leave(reason)
                         if reason == REMOVED_DEADLINE:
                             engine._answer_locked(request.request_id, error=RequestTimeoutError(
@@ -123,7 +126,7 @@ class ContinuousLoop:
             check_step = getattr(pipeline, "check_step", None)  # operator-only fault injection (engine/faults.py)
             if check_step is not None:
                 check_step([e.request.params for e in rows])
-            step_batch.denoise_step(pipeline, [e.state for e in rows])  # type: ignore[arg-type]
+            self.steps.step([(e.request.request_id, e.state) for e in rows])
         except Exception as exc:
             logger.exception("continuous denoising step of %d request(s) failed", len(rows))
             self._fail(rows, f"{type(exc).__name__}: {exc}")
@@ -147,7 +150,7 @@ class ContinuousLoop:
     # -- starting (encode + latents), beside the loop when it can -----------------------------------------
     def _start(self, entries: list[GroupEntry]) -> None:
         """Start the requests that joined at this boundary: one encode-lane job for all of them."""
-        engine, pipeline = self.engine, self.engine.pipeline
+        engine = self.engine
         now = engine.clock()
         with engine._cond:
             for entry in entries:
@@ -159,20 +162,10 @@ class ContinuousLoop:
                     pending.num_steps = request.params.num_inference_steps
                 entry.ready = False
         batch = [e.request.params for e in entries]
+        ids = [e.request.request_id for e in entries]
 
-        def start() -> list[Any]:
-            try:  # their distinct texts share the encoder calls
-                return step_batch.start_requests(pipeline, batch)  # type: ignore[arg-type]
-            except Exception:
-                if len(batch) == 1:
-                    raise
-            results: list[Any] = []  # one by one, so a request whose start raises fails alone
-            for params in batch:
-                try:
-                    results.append(step_batch.start_request(pipeline, params))  # type: ignore[arg-type]
-                except Exception as exc:
-                    results.append(exc)
-            return results
+        def start() -> list[Any]:  # shared encoder calls; a request whose start raises fails alone
+            return self.steps.start(list(zip(ids, batch, strict=True)))
 
         if self.overlap is None:
             future: Future[SideResult[list[Any]]] = Future()
@@ -260,6 +253,8 @@ class ContinuousLoop:
     def _finish(self, entries: list[GroupEntry], *, batch_size: int) -> None:
         """Decode the requests whose last step this was (one decoder call) and answer them."""
         timings = [self._timing.pop(e.request.request_id, {}) for e in entries]
+        for entry in entries:
+            self.steps.drop(entry.request.request_id)
         self.stats.record_leave("finished", len(entries))
         pipeline, group = self.engine.pipeline, [e.state for e in entries]
         requests = [e.request for e in entries]
@@ -326,6 +321,7 @@ class ContinuousLoop:
                       if len(failed) > 1 else "Generation failed")
             for entry in failed:
                 self._timing.pop(entry.request.request_id, None)
+                self.steps.drop(entry.request.request_id)
                 engine._answer_locked(entry.request.request_id, error=GenerationError(f"{prefix}: {what}"))
             engine._cond.notify_all()
         self.stats.record_leave("failed", len(failed))

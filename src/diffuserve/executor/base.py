@@ -49,10 +49,11 @@ class BatchCall:
 
 
 class StepRunner(Protocol):
-    """Continuous batching's three moves, on every rank of replica 0: start a joining request's rows, step the
-    group, drop a request that left. The rows objects are `pipelines.step_batch.RequestRows` of this rank."""
+    """Continuous batching's three moves, on every rank of replica 0: start the requests joining at one boundary
+    (shared encoder calls; each gets its `pipelines.step_batch.RequestRows`, or the exception that failed it
+    alone), step the group, drop a request that left. Start may run in the encode lane's thread."""
 
-    def start(self, request_id: str, params: SamplingParams) -> Any: ...
+    def start(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[Any]: ...
 
     def step(self, rows: Sequence[tuple[str, Any]]) -> None: ...
 
@@ -65,10 +66,10 @@ class LocalSteps:
     def __init__(self, pipeline: Pipeline):
         self.pipeline = pipeline
 
-    def start(self, request_id: str, params: SamplingParams) -> Any:
+    def start(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[Any]:
         from diffuserve.pipelines import step_batch
 
-        return step_batch.start_request(self.pipeline, params)  # type: ignore[arg-type]
+        return step_batch.start_group(self.pipeline, [params for _, params in requests])  # type: ignore[arg-type]
 
     def step(self, rows: Sequence[tuple[str, Any]]) -> None:
         from diffuserve.pipelines import step_batch

@@ -56,12 +56,13 @@ class StepMessage:
 
     seq: int
     """Sequence number on its replica (shared with pipeline calls)."""
-    starts: tuple[tuple[str, SamplingParams], ...] = ()
-    """Requests that joined since the last step: (request id, params); each rank starts their rows itself."""
+    starts: tuple[tuple[tuple[str, SamplingParams], ...], ...] = ()
+    """Groups of requests the leader started together since the last step, each as (request id, params) pairs;
+    every rank starts each group the same way (shared encoder calls), so its rows equal the leader's."""
     rows: tuple[str, ...] = ()
     """The step's requests, in the order their rows are stacked."""
     drops: tuple[str, ...] = ()
-    """Requests that left (finished, cancelled, failed): their rows are freed."""
+    """Requests that left (finished, cancelled, failed): their rows are freed (after `starts` is applied)."""
     posted_at: float = 0.0
     """time.time() when the leader posted it."""
     kind: Literal["step"] = "step"

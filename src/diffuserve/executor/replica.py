@@ -106,8 +106,9 @@ class ReplicaPipeline:
     """observe(delivery_s, straggle_s) per call: how long the call message took to reach the slowest other rank,
     and how long the leader waited for their acknowledgements after its own part (the per-call overhead)."""
     _seq: int = field(default=0, init=False)
-    _unsent_starts: dict[str, SamplingParams] = field(default_factory=dict, init=False)
-    _unsent_drops: list[str] = field(default_factory=list, init=False)
+    _unsent_starts: list[tuple[tuple[str, SamplingParams], ...]] = field(default_factory=list, init=False)
+    _sent: set[str] = field(default_factory=set, init=False)
+    _dropped: set[str] = field(default_factory=set, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     def __getattr__(self, name: str) -> Any:  # describe_model, output_kind, supports_batching ...
@@ -120,21 +121,20 @@ class ReplicaPipeline:
                 self.channel.post(call_key(t.replica, self._seq, rank), CallMessage(seq=self._seq, kind="shutdown"))
 
     # -- continuous batching: the StepRunner of executor/base.py, on every rank of the replica ----------------
-    def start(self, request_id: str, params: SamplingParams) -> Any:
-        """Start a joining request's rows here; the other ranks start theirs with the next step (any thread)."""
+    def start(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[Any]:
+        """Start joining requests here; the other ranks start the same group with the next step (any thread)."""
         from diffuserve.pipelines import step_batch
 
-        params = _with_seed(params)
-        rows = step_batch.start_request(self.pipeline, params)  # type: ignore[arg-type]
+        group = tuple((rid, _with_seed(params)) for rid, params in requests)
+        results = step_batch.start_group(self.pipeline, [params for _, params in group])  # type: ignore[arg-type]
         with self._lock:
-            self._unsent_starts[request_id] = params
-        return rows
+            self._unsent_starts.append(group)
+        return results
 
     def drop(self, request_id: str) -> None:
-        """A request left the group: the other ranks free its rows with the next step."""
+        """A request left the group: the other ranks free its rows with the next step (once they started it)."""
         with self._lock:
-            if self._unsent_starts.pop(request_id, None) is None:
-                self._unsent_drops.append(request_id)
+            self._dropped.add(request_id)
 
     def step(self, rows: Sequence[tuple[str, Any]]) -> None:
         """One denoising step of the group on every rank, the rows stacked in the same order everywhere."""
@@ -142,8 +142,11 @@ class ReplicaPipeline:
 
         ids = [rid for rid, _ in rows]
         with self._lock:
-            starts = tuple((rid, self._unsent_starts.pop(rid)) for rid in ids if rid in self._unsent_starts)
-            drops, self._unsent_drops = tuple(self._unsent_drops), []
+            starts, self._unsent_starts = tuple(self._unsent_starts), []
+            self._sent.update(rid for group in starts for rid, _ in group)
+            drops = tuple(rid for rid in self._dropped if rid in self._sent)
+            self._sent.difference_update(drops)
+            self._dropped.difference_update(drops)
         seq, peers = self._next_seq()
         message = StepMessage(seq=seq, starts=starts, rows=tuple(ids), drops=drops, posted_at=time.time())
         for rank in peers:
@@ -213,10 +216,12 @@ def follow_calls(pipeline: Pipeline, channel: StoreChannel, topology: Topology, 
         delivered = max(0.0, time.time() - message.posted_at)
         try:
             if isinstance(message, StepMessage):
+                for group in message.starts:
+                    started = step_batch.start_group(pipeline, [p for _, p in group])  # type: ignore[arg-type]
+                    states.update((rid, rows) for (rid, _), rows in zip(group, started, strict=True)
+                                  if not isinstance(rows, Exception))
                 for rid in message.drops:
                     states.pop(rid, None)
-                for rid, params in message.starts:
-                    states[rid] = step_batch.start_request(pipeline, params)  # type: ignore[arg-type]
                 step_batch.denoise_step(pipeline, [states[rid] for rid in message.rows])  # type: ignore[arg-type]
             else:
                 residency = getattr(pipeline, "residency", None)

@@ -85,6 +85,23 @@ def start_requests(pipeline: RecipePipeline, batch: Sequence[Any]) -> list[Reque
     return out
 
 
+def start_group(pipeline: RecipePipeline, batch: Sequence[Any]) -> list[RequestRows | Exception]:
+    """`start_requests` for requests joining together; if it raises, each starts alone, so a request whose start
+    raises fails alone (its slot holds the exception)."""
+    try:  # their distinct texts share the encoder calls
+        return list(start_requests(pipeline, batch))
+    except Exception:
+        if len(batch) == 1:
+            raise
+    results: list[RequestRows | Exception] = []
+    for params in batch:
+        try:
+            results.append(start_request(pipeline, params))
+        except Exception as exc:
+            results.append(exc)
+    return results
+
+
 def _stack(conds: Sequence[Cond], masked: dict[str, str]) -> Cond:
     out = conds[0]
     for cond in conds[1:]:
