@@ -48,6 +48,9 @@ class CallMessage:
     """time.time() when the leader posted it (the receiver reports how long delivery took)."""
     compile_warmup: bool = False
     """The leader runs it inside its residency's compile_warmup() (--offload-during-compile): so do the others."""
+    latents_only: bool = False
+    """The leader stops before the decode (it decodes in its decode lane, beside the next batch): the other ranks
+    skip the decode, whose output only the leader answers with."""
 
 
 @dataclass(frozen=True)

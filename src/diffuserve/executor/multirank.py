@@ -163,7 +163,7 @@ class MultiRankExecutor:
         if replica == 0:
             assert self.local is not None and self._sync is not None
             return run_batch(self.local, call.requests, on_step=call.on_step, previews=call.previews or None,
-                             max_rows=call.max_rows, clock=self._clock)
+                             max_rows=call.max_rows, clock=self._clock, on_decoded=call.on_decoded)
         return self._execute_remote(replica, call)
 
     def _execute_remote(self, replica: int, call: BatchCall) -> BatchOutcome:

@@ -180,11 +180,18 @@ class ReplicaPipeline:
 
     # -- request-level batches ---------------------------------------------------------------------------
     def run(self, batch: Sequence[SamplingParams], **hooks: Any) -> BatchResult:
+        return self._call(batch, hooks, latents_only=False)
+
+    def run_to_latents(self, batch: Sequence[SamplingParams], **hooks: Any) -> Any:
+        """Decode overlap (executor/worker.py): every rank denoises, only the leader decodes (in its lane)."""
+        return self._call(batch, hooks, latents_only=True)
+
+    def _call(self, batch: Sequence[SamplingParams], hooks: dict[str, Any], *, latents_only: bool) -> Any:
         seq, peers = self._next_seq()
         batch = [_with_seed(p) for p in batch]
         warming = bool(getattr(getattr(self.pipeline, "residency", None), "in_compile_warmup", False))
         message = CallMessage(seq=seq, kind="call", params=tuple(batch), posted_at=time.time(),
-                              compile_warmup=warming)
+                              compile_warmup=warming, latents_only=latents_only)
         for rank in peers:  # one key per reader: a read removes its key
             self.channel.post(call_key(self.topology.replica, seq, rank), message)
         local_stop = hooks.get("should_stop")
@@ -195,6 +202,8 @@ class ReplicaPipeline:
 
         hooks["should_stop"] = should_stop
         try:
+            if latents_only:
+                return self.pipeline.run_to_latents(batch, **hooks)  # type: ignore[attr-defined]
             return self.pipeline.run(batch, **hooks)
         finally:
             self._collect_acks(seq, peers, time.monotonic())
@@ -226,8 +235,9 @@ def follow_calls(pipeline: Pipeline, channel: StoreChannel, topology: Topology, 
             else:
                 residency = getattr(pipeline, "residency", None)
                 placement = residency.compile_warmup() if message.compile_warmup and residency else contextlib.nullcontext()
+                run = pipeline.run_to_latents if message.latents_only else pipeline.run  # type: ignore[attr-defined]
                 with placement:
-                    pipeline.run(list(message.params), should_stop=lambda: sync(False))
+                    run(list(message.params), should_stop=lambda: sync(False))
             ack = "ok"
         except Exception as exc:  # the leader decides what the batch's answer is; this rank reports
             logger.exception("pipeline call %d failed on rank %d", seq, topology.rank)
