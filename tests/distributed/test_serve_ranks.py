@@ -110,6 +110,10 @@ def _fault_follows(server: ServerProcess, rank: int, how: int, expected: str) ->
         error = outcome["error"]
         assert isinstance(error, openai.APIStatusError), error
         assert f"rank {rank}" in error.message and expected in error.message, error.message
+        try:  # the error went out after the engine turned FAILED: /health says 503 until the process is gone
+            assert httpx.get(f"{server.base_url}/health").status_code == 503
+        except httpx.HTTPError:
+            pass  # already exited
         code = _wait_exit(server)
         assert code != 0, server.log()[-3000:]
         assert f"rank {rank}" in server.log()
@@ -281,3 +285,31 @@ def test_torchrun_four_ranks_continuous_cfg_parallel_times_ulysses(tiny_flux_pat
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+# ---------------------------------------------------------------------------------------------- generate, refusals
+def test_generate_on_two_ranks_with_cfg_parallel_is_bit_identical(tiny_flux_path, tmp_path, reference):
+    out = subprocess.run([sys.executable, "-m", "diffuserve.cli", "generate", "--model-path", str(tiny_flux_path),
+                          "--device", "cpu", "--num-gpus", "2", "--enable-cfg-parallel", "--prompt", "a red fox",
+                          "--negative-prompt", "blurry", "--true-cfg-scale", "4", "--seed", "1", "--width", "64",
+                          "--height", "64", "--num-inference-steps", "3", "--output-path", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, **ENV}, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    image = np.asarray(Image.open(out.stdout.strip().splitlines()[-1]).convert("RGB"), dtype=np.int16)
+    assert (image == reference("a red fox", seed=1)).all()
+    assert "[rank 1]" in out.stderr and "cfg parallel" in out.stderr  # the second rank ran its branch
+
+
+@pytest.mark.parametrize(("build", "flags", "named"), [
+    ("flux", ["--num-gpus", "2", "--tp-size", "3"], "--tp-size 3"),  # degrees that do not multiply to the ranks
+    ("flux", ["--num-gpus", "4", "--ulysses-degree", "2"], "--dp-size 2"),  # explicit degrees must fill them
+    ("sd3", ["--num-gpus", "2", "--ulysses-degree", "2"], "no sequence split"),  # a family without a split
+    ("flux", ["--num-gpus", "2", "--ulysses-degree", "4"], "does not divide"),  # heads (tiny FLUX has 2)
+])
+def test_serve_refuses_what_cannot_run_before_loading_weights(tiny_checkpoint, build, flags, named):
+    out = subprocess.run([sys.executable, "-m", "diffuserve.cli", "serve", "--model-path", str(tiny_checkpoint(build)),
+                          "--device", "cpu", "--port", "0", *flags], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **ENV}, cwd=REPO)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert named in out.stderr and "configuration error" in out.stderr, out.stderr[-2000:]
+    assert "Loading" not in out.stderr  # refused from the plan, before any weight was read

@@ -48,6 +48,30 @@ def test_a_batch_decodes_while_the_next_batch_denoises(dynamic_server, singleton
         assert int(np.abs(image.astype(np.int16) - alone.astype(np.int16)).max()) <= PIXEL_TOL, prompt
 
 
+def test_a_queued_requests_text_encodes_while_the_running_batch_denoises(dynamic_server, singleton_server):
+    """A request admitted behind a running batch has its texts encoded in the encode lane meanwhile
+    (`pipelines/text_prefetch.py`); `hold:` makes that encode wait for two of the running batch's steps."""
+    server = dynamic_server
+    start = len(server.log())
+    before = metric_value(server.base_url, "diffuserve_overlap_steps_total", {"stage": "encode"})
+    # Different step counts: three batches. The third supplies the steps the second's held decode waits for.
+    jobs = [("the running batch", 41, 60), (f"{HOLD_MARKER} queued behind it", 42, 3), ("and one more", 43, 4)]
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(_generate, server, "tiny-flux-dynamic", *jobs[0])
+        wait_for_log(server, "Dynamic batch dispatch", start=start, timeout_s=120)  # the first batch runs
+        second = pool.submit(_generate, server, "tiny-flux-dynamic", *jobs[1])
+        wait_for_log(server, "fault injection: holding a side encode", start=start, timeout_s=120)
+        third = pool.submit(_generate, server, "tiny-flux-dynamic", *jobs[2])
+        got = [first.result(), second.result(), third.result()]
+    steps_beside = metric_value(server.base_url, "diffuserve_overlap_steps_total", {"stage": "encode"}) - before
+    assert steps_beside >= 2, "the queued request's text encode did not run beside the running batch"
+    for (prompt, seed, steps), image in zip(jobs, got, strict=True):
+        body = {"prompt": prompt, "seed": seed, "size": "64x64", "num_inference_steps": steps}
+        alone = pixels(decode_b64_png(httpx.post(f"{singleton_server.base_url}/v1/images/generations",
+                                                 timeout=300, json=body).json()["data"][0]["b64_json"]))
+        assert int(np.abs(image.astype(np.int16) - alone.astype(np.int16)).max()) <= PIXEL_TOL, prompt
+
+
 def test_counting_prompt_tokens_beside_an_encode_does_not_change_what_the_encode_gets(tiny_flux_path):
     """The server counts prompt tokens (HTTP thread) while the encode lane tokenizes: on one shared fast tokenizer
     the count's settings leaked into the encode (unpadded rows). `count_tokens` runs on a private copy."""

@@ -292,9 +292,24 @@ class AsyncEngine:
             pending = _Pending(request=request, future=future, loop=loop, endpoint=endpoint, preview=preview)
             self._pending[request.request_id] = pending
             self.scheduler.add(request)
+            self._maybe_prefetch(request)
             self.metrics.set_queue_depth(self.scheduler.num_queued)
             self._cond.notify_all()
             return pending
+
+    def _maybe_prefetch(self, request: Request) -> None:
+        """Dynamic batching, one rank: a request queued behind a running batch has its texts encoded in the
+        encode lane meanwhile (`pipelines/text_prefetch.py`), so its own batch starts at the denoise loop. Caller
+        holds the lock."""
+        prefetch = getattr(self.pipeline, "prefetch_text", None)
+        if (prefetch is None or not isinstance(self.executor, InProcessExecutor) or not self.scheduler.config.dynamic
+                or hasattr(self.scheduler, "supports_continuous") or not self.scheduler.num_running
+                or request.ineligible_reason == "warmup"):
+            return
+        try:
+            prefetch(request.params, on_done=lambda steps: self.metrics.observe_overlap("encode", steps))
+        except Exception:  # an optimisation: the batch encodes the text itself
+            logger.warning("could not prefetch the text encode of %s", request.request_id, exc_info=True)
 
     def abort(self, request_id: str, error: DiffuserveError | None = None) -> None:
         """The client went away: drop a queued request, or cancel a running one at the next step."""

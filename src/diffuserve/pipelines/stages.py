@@ -319,13 +319,16 @@ class RecipePipeline(Pipeline):
         if cfg:
             texts += [p.negative_prompt or "" for p in batch]
         unique = list(dict.fromkeys(texts))
-        encoded: Cond = {}
-        # One encode at a time (a tokenizer is not thread-safe): the encode lane and a request-level batch on the
-        # loop's thread may both get here (`pipelines/overlap.py`).
-        with overlap_for(self).encoder_lock:
-            for key in self.text_encoders:
-                with self.residency.use(key):
-                    encoded.update(self.encode_text(key, unique, batch))
+        prefetch = self.__dict__.get("_text_prefetch")
+        ready = {t: c for t in unique if prefetch is not None and (c := prefetch.take(t, batch[0])) is not None}
+        missing = [t for t in unique if t not in ready]
+        encoded = self._encode_texts(missing, batch) if missing else {}
+        if ready:  # texts encoded in the lane while the previous batch denoised (pipelines/text_prefetch.py)
+            fresh = {t: i for i, t in enumerate(missing)}
+            parts = [ready.get(t) or {k: v[fresh[t]:fresh[t] + 1] for k, v in encoded.items()} for t in unique]
+            encoded = parts[0]
+            for part in parts[1:]:
+                encoded = concat_cond(encoded, part, self.masked_sequences)
         slot = {text: i for i, text in enumerate(unique)}
         counts = [p.n for p in batch]
 
@@ -335,6 +338,29 @@ class RecipePipeline(Pipeline):
 
         k = len(batch)
         return rows(texts[:k]), (rows(texts[k:]) if cfg else None)
+
+    def _encode_texts(self, texts: list[str], batch: Sequence[SamplingParams]) -> Cond:
+        """`texts` through every text encoder, one row each. One encode at a time (a tokenizer is not
+        thread-safe): the encode lane and a request-level batch on the loop's thread may both get here."""
+        encoded: Cond = {}
+        with overlap_for(self).encoder_lock:
+            for key in self.text_encoders:
+                with self.residency.use(key):
+                    encoded.update(self.encode_text(key, texts, batch))
+        return encoded
+
+    def prefetch_text(self, params: SamplingParams, on_done: Any = None) -> bool:
+        """Dynamic batching: encode a queued text-only request's texts in the encode lane, beside the running
+        batch (`pipelines/text_prefetch.py`); its batch takes them. False when there was nothing to do."""
+        if params.image_inputs:  # image-conditioned text encoders read the images too
+            return False
+        from diffuserve.pipelines.text_prefetch import TextPrefetch
+
+        prefetch = self.__dict__.setdefault("_text_prefetch", TextPrefetch(
+            self, lambda text, p: gather_rows(self._encode_texts([text], [p]), torch.tensor([0]),
+                                              self.masked_sequences)))
+        texts = [params.prompt] + ([params.negative_prompt or ""] if self.uses_cfg(params) else [])
+        return prefetch.submit(params, texts, on_done)
 
     def _guided(self, latents: torch.Tensor, timestep: torch.Tensor, positive: Cond, negative: Cond | None,
                 head: SamplingParams, state: DenoiseState, step_index: int, model_key: str) -> torch.Tensor:
