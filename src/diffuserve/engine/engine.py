@@ -399,7 +399,7 @@ class AsyncEngine:
                 self.failure = message
             self._ready_event.set()
             if self.on_fatal is not None:
-                self.on_fatal(message)
+                self.on_fatal(f"the model failed to load: {message}")
             return
         self._ready_event.set()
         self._serve_forever()

@@ -22,12 +22,14 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from diffuserve.errors import DiffuserveError, GenerationError, RequestCancelledError
 from diffuserve.pipelines.base import BatchResult, Pipeline, RequestOutput
-from diffuserve.pipelines.overlap import Overlap, SideResult, overlap_for
 from diffuserve.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from diffuserve.pipelines.overlap import Overlap, SideResult
 
 logger = logging.getLogger("diffuserve.worker")
 
@@ -170,6 +172,9 @@ def run_batch(
                     len(live), sum(r.params.n for r in live), max_rows, len(calls))
     steps_done = [0, 0]
     call_index = [0]
+    # torch only once a batch runs, not at import: `plan` and `--help` stay fast.
+    from diffuserve.pipelines.overlap import overlap_for
+
     overlap = overlap_for(pipeline) if getattr(pipeline, "defers_decode", False) else None
 
     def step_done(step: int, num_steps: int) -> None:
