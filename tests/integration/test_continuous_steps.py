@@ -176,3 +176,37 @@ def test_side_lanes_beside_an_offloaded_loop_equal_the_singleton_runs(tiny_flux_
             group.remove(rows)
     for i in range(3):
         assert _max_diff(got[i][0], alone[i][0]) <= PIXEL_TOL, f"request {i} differs from its singleton run"
+
+
+def test_a_streamed_dit_streams_once_per_step_for_the_whole_group(tiny_flux_path: Path) -> None:
+    """Layer-wise DiT offload: one continuous step of a group of three requests (at different step offsets)
+    moves each streamed layer onto the device exactly once, the same bytes as a step of one request."""
+    from diffuserve.config.plan import ComponentPlan, DeploymentPlan, ResidencyMode
+    from diffuserve.models.loader import load_pipeline
+    from diffuserve.runtime.ledger import TransferLedger
+    from diffuserve.runtime.residency import build_residency
+
+    pipeline = load_pipeline(tiny_flux_path)
+    size = pipeline.defaults.width
+    ledger = TransferLedger()
+    plan = DeploymentPlan(components={"transformer": ComponentPlan(name="transformer", group="dit",
+                                                                   mode=ResidencyMode.LAYERWISE_OFFLOAD)})
+    pipeline.residency = build_residency(plan, pipeline.components, device="cpu", ledger=ledger)
+    first = step_batch.start_requests(pipeline, [SamplingParams(prompt="a", seed=1, width=size, height=size,
+                                                                num_inference_steps=6)])
+    step_batch.denoise_step(pipeline, first)  # the first request is one step ahead of the others
+
+    def streamed_in(group) -> list[tuple[str | None, int]]:
+        since = ledger.moves()[-1].seq + 1 if ledger.moves() else 0
+        step_batch.denoise_step(pipeline, group)
+        return sorted((m.layer or "", m.nbytes) for m in ledger.moves(since) if m.component == "transformer"
+                      and m.direction == "h2d")
+
+    alone = streamed_in(first)
+    group = first + step_batch.start_requests(pipeline, [
+        SamplingParams(prompt="b much longer prompt", seed=2, width=size, height=size, num_inference_steps=6),
+        SamplingParams(prompt="c", seed=3, width=size, height=size, num_inference_steps=3)])
+    together = streamed_in(group)
+    layers = [layer for layer, _ in together if layer]
+    assert layers and len(layers) == len(set(layers)), "a layer came onto the device more than once in one step"
+    assert together == alone  # three requests' rows cost the transfers of one
