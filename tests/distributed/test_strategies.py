@@ -1,7 +1,8 @@
 """The exact parallel strategies over two real gloo ranks, in one launch: each equals the single-process run.
 
 - CFG parallel (FLUX.1 true CFG with a merged batch, Qwen-Image true CFG with norm rescaling, Wan2.1 video CFG):
-  bit-identical; families whose CFG must stay one doubled batch are refused.
+  bit-identical, also with the DiT streamed layer by layer and the other components offloaded; families whose
+  CFG must stay one doubled batch are refused.
 - FSDP2 (FLUX.1, Qwen-Image, Wan2.1; and FSDP x CFG parallel on Wan2.1): bit-identical, each rank holding about
   half of the DiT.
 - Meta-device load + FSDP: each rank reads only its own shards from the safetensors file (one pixel level: the
@@ -49,7 +50,24 @@ def _rank_main(rank: int, world: int, init_file: str, checkpoints: dict[str, str
                 enable_cfg_parallel(pipe)
             frames = pixels(pipe.run(requests(pipe.describe_model(), build)))
             _save(out_dir, f"fsdp-{build}-rank{rank}", frames, {"full": full, "held": sharded_bytes(pipe.transformer)})
+        # CFG parallel over offloaded components: the DiT streamed layer by layer, the rest component-offloaded.
+        pipe = load_pipeline(checkpoints["flux"])
+        pipe.residency = _offloaded(pipe)
+        enable_cfg_parallel(pipe)
+        _save(out_dir, f"cfg-offload-rank{rank}", pixels(pipe.run(requests(pipe.describe_model(), "flux"))))
         _meta_load(rank, checkpoints, out_dir)
+
+
+def _offloaded(pipe):
+    from diffuserve.config.plan import ComponentPlan, DeploymentPlan, ResidencyMode
+    from diffuserve.runtime.ledger import TransferLedger
+    from diffuserve.runtime.residency import build_residency
+
+    modes = {key: ResidencyMode.LAYERWISE_OFFLOAD if key == "transformer" else ResidencyMode.COMPONENT_OFFLOAD
+             for key in pipe.components}
+    plan = DeploymentPlan(components={k: ComponentPlan(name=k, group="dit" if k == "transformer" else "other", mode=m)
+                                      for k, m in modes.items()})
+    return build_residency(plan, pipe.components, device="cpu", ledger=TransferLedger())
 
 
 def _meta_load(rank: int, checkpoints: dict[str, str], out_dir: str) -> None:
@@ -130,6 +148,13 @@ def test_cfg_parallel_equals_the_single_process_run(outputs, single, build):
     for rank in (0, 1):
         ranked = np.load(out_dir / f"cfg-{build}-rank{rank}.npy")
         assert ranked.shape == single[build].shape and (ranked == single[build]).all(), (build, rank)  # exact
+
+
+def test_cfg_parallel_over_offloaded_components_equals_the_single_process_run(outputs, single):
+    _, out_dir = outputs
+    for rank in (0, 1):
+        ranked = np.load(out_dir / f"cfg-offload-rank{rank}.npy")
+        assert (ranked == single["flux"]).all(), rank  # exact: offload moves weights, never changes arithmetic
 
 
 @pytest.mark.parametrize("build", BUILDS)
