@@ -62,6 +62,12 @@ def bye_key(rank: int) -> str:
     return f"bye/{rank}"
 
 
+def _warmup_placement(pipeline: Any, wanted: bool) -> Any:
+    """The rank's own compile warm-up placement (`--offload-during-compile`) when its leader is in one."""
+    residency = getattr(pipeline, "residency", None)
+    return residency.compile_warmup() if wanted and residency is not None else contextlib.nullcontext()
+
+
 def _with_seed(params: SamplingParams) -> SamplingParams:
     """Every rank must draw the same noise: an unset seed is drawn once, on the leader."""
     return params if params.seed is not None else dataclasses.replace(params, seed=secrets.randbelow(2**31))
@@ -233,10 +239,8 @@ def follow_calls(pipeline: Pipeline, channel: StoreChannel, topology: Topology, 
                     states.pop(rid, None)
                 step_batch.denoise_step(pipeline, [states[rid] for rid in message.rows])  # type: ignore[arg-type]
             else:
-                residency = getattr(pipeline, "residency", None)
-                placement = residency.compile_warmup() if message.compile_warmup and residency else contextlib.nullcontext()
                 run = pipeline.run_to_latents if message.latents_only else pipeline.run  # type: ignore[attr-defined]
-                with placement:
+                with _warmup_placement(pipeline, message.compile_warmup):
                     run(list(message.params), should_stop=lambda: sync(False))
             ack = "ok"
         except Exception as exc:  # the leader decides what the batch's answer is; this rank reports
@@ -273,9 +277,7 @@ def lead_batches(replica_pipeline: ReplicaPipeline, channel: StoreChannel, topol
             channel.store.add(progress_key(r, seq), 1)  # atomic: rank 0 reads it with add(0)
 
         replica_pipeline.also_stop = lambda seq=seq: channel.store.check([cancel_key(r, seq)])
-        residency = getattr(replica_pipeline.pipeline, "residency", None)
-        placement = residency.compile_warmup() if message.compile_warmup and residency else contextlib.nullcontext()
-        with placement:
+        with _warmup_placement(replica_pipeline.pipeline, message.compile_warmup):
             outcome = run_batch(replica_pipeline, rows, on_step=on_step, max_rows=message.max_rows)
         channel.post(report_key(r, seq), BatchReport.of(seq, outcome))  # rank 0 removes the batch's other keys
         seq += 1
