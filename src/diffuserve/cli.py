@@ -2,8 +2,8 @@
 
 Flags are built from the config dataclasses (the sub-configs ServerArgs composes, and DeploymentArgs):
 each field says which subcommands take it, so `--help`, `--config` files and the code share one
-declaration. Heavy imports (torch, diffusers) happen only in the
-subcommand that needs them, so `--help` and `plan` start fast.
+declaration. Heavy imports (torch, diffusers) happen only in the subcommand that needs them, so
+`--help` and `plan` start fast.
 """
 
 from __future__ import annotations

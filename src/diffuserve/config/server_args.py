@@ -70,7 +70,7 @@ class ServerArgs:
     """Body and prompt caps, API key, security switches."""
     dist: DistArgs = field(default_factory=DistArgs)
     """Multi-host launch and rank fault detection."""
-    deployment: Any = None
+    deployment: DeploymentArgs | None = None
     """DeploymentArgs (config/deployment.py); filled by the CLI (None: every deployment flag unset)."""
     config: str | None = None
     """Path of the --config file (handled by the CLI before the other flags)."""
