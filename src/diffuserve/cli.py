@@ -1,8 +1,9 @@
 """The `diffuserve` command: serve | generate | plan | bench | make-tiny | compat.
 
-Flags are built from the config dataclasses (ServerArgs, DeploymentArgs), so `--help`, `--config`
-files and the code share one declaration. Heavy imports (torch, diffusers) happen only in the
-subcommand that needs them, so `--help` and `plan` start fast.
+Flags are built from the config dataclasses (the sub-configs ServerArgs composes, and DeploymentArgs):
+each field says which subcommands take it, so `--help`, `--config` files and the code share one
+declaration. Heavy imports (torch, diffusers) happen only in the subcommand that needs them, so
+`--help` and `plan` start fast.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from diffuserve import __version__
-from diffuserve.config.argparse_dataclass import add_dataclass_arguments, dataclass_from_namespace
+from diffuserve.config.argparse_dataclass import add_dataclass_arguments, add_groups
 from diffuserve.config.deployment import DeploymentArgs
-from diffuserve.config.server_args import ServerArgs, load_config_file
+from diffuserve.config.server_args import GROUP_ORDER, SECTIONS, ServerArgs, load_config_file
 from diffuserve.errors import CheckpointError, ConfigError, DiffuserveError, InvalidRequestError
 
 EXIT_OK = 0
@@ -28,16 +29,6 @@ EXIT_USAGE = 2
 """A bad flag, flag value or --config file (argparse's own code for usage errors)."""
 EXIT_INTERRUPTED = 130
 """Interrupted (Ctrl-C / a forced shutdown): 128 + SIGINT, the shell convention."""
-
-_SERVER_ONLY = frozenset({
-    "host", "port", "enable_warmup", "warmup_steps", "shutdown_timeout_s", "max_inference_steps",
-    "max_image_side", "url_store_max_images", "max_queue_size", "request_timeout_s", "max_request_bytes",
-    "max_prompt_chars", "max_upload_bytes", "api_key", "allow_remote_urls", "batching_delay_ms", "batching_config",
-    "enable_batching_metrics", "batching_mode", "max_video_jobs", "max_video_frames",
-    "reject_truncated_prompts", "output_dir", "result_ttl_s", "max_output_bytes", "result_sweep_interval_s",
-})
-"""ServerArgs fields that mean nothing to a one-shot `generate`."""
-
 
 class _Parser(argparse.ArgumentParser):
     """argparse with a "did you mean" for unknown flags, shown with the subcommand's own usage."""
@@ -73,6 +64,16 @@ def _add_config_flag(parser: argparse.ArgumentParser) -> None:
                         help="JSON or YAML file whose keys are flag names (e.g. {\"port\": 8000}); command-line flags win.")
 
 
+def _add_config_arguments(parser: argparse.ArgumentParser, command: str, *, deployment: bool = True) -> dict:
+    """The flags of the config dataclasses that `command` takes, in their `--help` sections."""
+    groups = add_groups(parser, GROUP_ORDER)
+    for section in SECTIONS.values():
+        add_dataclass_arguments(parser, section, command=command, groups=groups)
+    if deployment:
+        add_dataclass_arguments(parser, DeploymentArgs, command=command, groups=groups)
+    return groups
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="diffuserve",
@@ -83,8 +84,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="Run the HTTP server.", description="Run the OpenAI-compatible HTTP server.")
     _add_config_flag(serve)
-    add_dataclass_arguments(serve, ServerArgs, default_group="Server")
-    add_dataclass_arguments(serve, DeploymentArgs, default_group="Deployment")
+    _add_config_arguments(serve, "serve")
 
     gen = sub.add_parser("generate", help="Generate images once and write them to files.",
                          description="Load the model, generate, write image (or MP4) files, print their paths.")
@@ -110,22 +110,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "Video models always write mp4.")
     add("--num-frames", type=int, help="Video models only: frames per video (default: the model's).")
     add("--fps", type=int, help="Video models only: frames per second of the MP4 (default: the model's).")
-    add_dataclass_arguments(gen, ServerArgs, default_group="Model", skip=_SERVER_ONLY)
-    gen.add_argument_group("Dynamic batching").add_argument(
-        "--batching-mode", dest="batching_mode", choices=["singleton", "dynamic"], default=argparse.SUPPRESS,
-        help="With several --prompt flags: dynamic runs them in batches of --batching-max-size outputs.")
-    add_dataclass_arguments(gen, DeploymentArgs, default_group="Deployment")
+    _add_config_arguments(gen, "generate")
 
     _add_config_flag(plan := sub.add_parser("plan", help="Print the resolved deployment plan without loading weights.",
                           description="Resolve the deployment plan for a checkpoint and hardware; print it and why."))
+    groups = _add_config_arguments(plan, "plan", deployment=False)
     add = functools.partial(plan.add_argument, default=argparse.SUPPRESS)
-    add("--model-path", help="Checkpoint folder (default: the embedded model).")
-    add("--model-id", help="Family hint (e.g. FLUX.1-dev) when model_index.json is ambiguous.")
-    add("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-        help="Weights dtype used to size components (default: auto = bfloat16 on GPUs).")
     add("--gpu-memory-gib", type=float, help="Describe GPUs with this much free memory each instead of detecting.")
     add("--json", action="store_true", help="Print the plan as JSON.")
-    add_dataclass_arguments(plan, DeploymentArgs, default_group="Deployment")
+    add_dataclass_arguments(plan, DeploymentArgs, command="plan", groups=groups)
 
     tiny = sub.add_parser("make-tiny", help="Write a tiny random-weight checkpoint (offline).",
                           description="Write a tiny diffusers-format checkpoint with random weights and offline tokenizers.")
@@ -243,10 +236,7 @@ def _merge_config_file(ns: argparse.Namespace, parser: argparse.ArgumentParser |
 
 
 def _server_args(values: dict[str, Any], config: str | None) -> ServerArgs:
-    args = dataclass_from_namespace(ServerArgs, values)
-    args.config = config
-    args.deployment = dataclass_from_namespace(DeploymentArgs, values)
-    return args
+    return ServerArgs.from_flags(values, config)
 
 
 def _setup_logging(level: str = "info") -> None:

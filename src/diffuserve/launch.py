@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from diffuserve.config.server_args import ServerArgs
-from diffuserve.engine.engine import AsyncEngine, EngineConfig
+from diffuserve.engine.engine import AsyncEngine
 from diffuserve.engine.metrics import BatchingStats, EngineMetrics
-from diffuserve.engine.scheduler import BatchingConfig, DynamicBatcher
+from diffuserve.engine.scheduler import DynamicBatcher
 from diffuserve.errors import ConfigError
 from diffuserve.pipelines.base import Pipeline
 
@@ -71,18 +71,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 def build_batcher(args: ServerArgs, slots: int = 1) -> DynamicBatcher:
-    rules = None
-    if args.batching_config:
-        from diffuserve.config.batching_rules import load_batching_rules
-
-        rules = load_batching_rules(args.batching_config)
-    config = BatchingConfig(
-        mode=args.batching_mode,
-        max_size=args.batching_max_size,
-        delay_ms=args.batching_delay_ms,
-        rules=rules,
-    )
-    config.validate()
+    config = args.batching.with_rules()  # the scheduler validates it
     if config.mode == "continuous":
         from diffuserve.engine.step_scheduler import StepScheduler
 
@@ -278,13 +267,8 @@ def build_engine(args: ServerArgs) -> tuple[AsyncEngine, EngineMetrics, dict | N
     engine = AsyncEngine(
         executor if executor is not None else load,
         scheduler,
-        config=EngineConfig(
-            max_queue_size=args.max_queue_size,
-            request_timeout_s=args.request_timeout_s,
-            enable_warmup=args.enable_warmup,
-            warmup_steps=args.warmup_steps,
-            warmup_resolutions=[tuple(int(v) for v in r.lower().split("x")) for r in plan.warmup_resolutions],
-        ),
+        config=replace(args.engine, warmup_resolutions=[
+            tuple(int(v) for v in r.lower().split("x")) for r in plan.warmup_resolutions]),
         metrics=metrics,
         batching_stats=stats,
         model_name=args.public_model_name,

@@ -224,3 +224,20 @@ def test_reject_truncated_prompts_is_a_400_naming_the_field():
     assert refused.value.param == "prompt" and refused.value.http_status == 400
     assert "--reject-truncated-prompts" in refused.value.message
     assert prompt_warnings(ctx(True), {"prompt": "a fox", "negative_prompt": None}) == []
+
+
+@pytest.mark.parametrize(("command", "sections"), [
+    ("serve", ["Model", "Server", "Dynamic batching", "Admission, limits and security",
+               "Distributed launch (several ranks, several hosts)"]),
+    ("generate", ["Generation", "Model", "Server", "Dynamic batching",
+                  "Distributed launch (several ranks, several hosts)"]),
+    ("plan", []),
+])
+def test_help_sections_keep_their_order(capsys, command, sections):
+    """The flags come from the sub-configs (config/), each in its `--help` section, in the order users know."""
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    titles = [line[:-1] for line in capsys.readouterr().out.splitlines() if line.endswith(":") and line[:1].isupper()]
+    deployment = ["Deployment: performance mode and residency", "Deployment: layer-wise offload",
+                  "Deployment: compile and CUDA graphs", "Deployment: GPUs and parallelism"]
+    assert titles == sections + deployment

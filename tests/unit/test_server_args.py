@@ -106,3 +106,101 @@ def test_thread_default_leaves_a_core_for_serving(monkeypatch):
     assert resolve_num_threads(None, "cpu") is None
     with pytest.raises(ConfigError, match="--num-threads"):
         ServerArgs(num_threads=0).validate()
+
+
+# -- flags owned by their config: one declaration per flag, the same CLI as before -----------------------
+SNAPSHOT = Path(__file__).with_name("cli_flags_snapshot.json")
+"""serve / generate / plan flags as they were before the flags moved onto their sub-configs (commit f87b464)."""
+
+
+def flag_table(command: str) -> dict[str, dict]:
+    """dest -> what `diffuserve COMMAND --help` and `--config` show of the flag: names, section, default
+    (the dataclass default where the flag has one), choices, nargs and metavar."""
+    from diffuserve.config.deployment import DeploymentArgs
+
+    owners = (ServerArgs(), DeploymentArgs())
+    sub = cli._subparsers(cli._build_parser())[command]
+    table = {}
+    for group in sub._action_groups:
+        for action in group._group_actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            owner = next((o for o in owners if action.dest != "config" and hasattr(o, action.dest)), None)
+            default = getattr(owner, action.dest) if owner is not None else action.default
+            table[action.dest] = {
+                "flags": list(action.option_strings), "group": group.title,
+                "default": json.loads(json.dumps(default, default=str)),
+                "choices": None if action.choices is None else [str(c) for c in action.choices],
+                "nargs": action.nargs, "metavar": action.metavar, "kind": type(action).__name__,
+            }
+    return table
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "plan"])
+def test_flags_groups_and_defaults_are_unchanged(command):
+    assert flag_table(command) == json.loads(SNAPSHOT.read_text())[command]
+
+
+def test_each_flag_is_declared_once_on_its_sub_config():
+    import dataclasses
+
+    from diffuserve.config.argparse_dataclass import flag_commands, flag_dest, flag_fields
+    from diffuserve.config.deployment import DeploymentArgs
+    from diffuserve.config.server_args import SECTIONS
+
+    owners: dict[str, str] = {}
+    for cls in [*SECTIONS.values(), DeploymentArgs]:
+        for f in flag_fields(cls):
+            assert flag_dest(f) not in owners, f"{flag_dest(f)} declared by {owners.get(flag_dest(f))} and {cls.__name__}"
+            owners[flag_dest(f)] = cls.__name__
+            assert f.metadata.get("help") and f.metadata.get("group"), f"{cls.__name__}.{f.name}: help and group"
+            assert set(flag_commands(cls, f)) <= {"serve", "generate", "plan"}
+    # ServerArgs declares no flag itself: its fields are the sub-configs, every flag a flat view of one.
+    assert [f.name for f in dataclasses.fields(ServerArgs)] == [*SECTIONS, "deployment", "config"]
+    args = ServerArgs(batching_max_size=3, port=8000)
+    assert args.batching.max_size == args.batching_max_size == 3 and args.http.port == args.port == 8000
+    # Every flag a subcommand has comes from a config dataclass, except the command's own inputs.
+    own = {"serve": {"config"}, "plan": {"config", "gpu_memory_gib", "json"},
+           "generate": {"config", "prompt", "negative_prompt", "width", "height", "num_inference_steps",
+                        "guidance_scale", "true_cfg_scale", "seed", "num_outputs_per_prompt", "output_path",
+                        "output_file_name", "output_format", "num_frames", "fps"}}
+    for command, extra in own.items():
+        assert set(flag_table(command)) - set(owners) == extra
+
+
+def test_replace_and_flat_keywords_copy_sub_configs():
+    import dataclasses
+
+    args = ServerArgs(model_path="/ckpt", batching_max_size=2)
+    other = dataclasses.replace(args, model_path=None)
+    assert other.model_path is None and other.batching_max_size == 2
+    assert args.model_path == "/ckpt", "replace must not write into the original's sub-configs"
+    with pytest.raises(TypeError, match="batching_max_szie"):
+        ServerArgs(batching_max_szie=2)
+
+
+def test_batching_mode_is_a_str_enum_behind_the_argparse_choices():
+    from diffuserve.config.batching import BatchingConfig, BatchingMode
+
+    parser = cli._build_parser()
+    serve = {a.dest: a for a in cli._subparsers(parser)["serve"]._actions}
+    assert serve["batching_mode"].choices == [m.value for m in BatchingMode]
+    args = cli._server_args(cli._merge_config_file(parser.parse_args(["serve", "--batching-mode", "dynamic"])), None)
+    assert args.batching_mode is BatchingMode.DYNAMIC and args.batching.mode == "dynamic"
+    assert json.dumps({"mode": args.batching_mode}) == '{"mode": "dynamic"}' and f"{args.batching_mode}" == "dynamic"
+    assert BatchingConfig(mode="continuous").dynamic is False and BatchingConfig(mode="continuous", max_size=2).dynamic
+
+
+def test_a_flag_is_validated_once_with_one_message():
+    from diffuserve.config.batching import BatchingConfig
+    from diffuserve.engine.engine import EngineConfig
+    from diffuserve.engine.scheduler import BatchingConfig as SchedulerBatchingConfig
+
+    assert SchedulerBatchingConfig is BatchingConfig  # the engine imports the flags' owner, no copy
+    with pytest.raises(ConfigError) as from_args:
+        ServerArgs(batching_max_size=0).validate()
+    with pytest.raises(ConfigError) as from_config:
+        BatchingConfig(max_size=0).validate()
+    assert from_args.value.message == from_config.value.message == (
+        "--batching-max-size: 0 must be >= 1 (1 turns merging off).")
+    assert EngineConfig().max_queue_size == ServerArgs().max_queue_size == 256

@@ -29,7 +29,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from diffuserve.config.model_profiles import GROUPS, ComponentProfile, ModelProfile
 from diffuserve.config.plan import ComponentPlan, DeploymentPlan, Lifetime, ResidencyMode
@@ -54,6 +54,9 @@ def _f(help: str, group: str, default: Any = None, **meta: Any) -> Any:
 @dataclass
 class DeploymentArgs:
     """Every deployment flag; None (or an empty list) means "not set", so the mode may fill it."""
+
+    COMMANDS: ClassVar[tuple[str, ...]] = ("serve", "generate", "plan")
+    """Every deployment flag is taken by `serve`, `generate` and `plan` (see argparse_dataclass.py)."""
 
     performance_mode: str = _f("Preset: manual, auto, speed or memory. Explicit flags always win.", _MODE_G, "auto", choices=list(PERFORMANCE_MODES), aliases=["--mode"])
     """manual | auto | speed | memory."""

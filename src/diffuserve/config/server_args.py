@@ -1,7 +1,19 @@
-"""ServerArgs: every flag of `serve` and `generate` (except deployment ones), with defaults and checks.
+"""ServerArgs: every flag of `serve` and `generate`, composed from the sub-configs that own them.
 
-The deployment flags (`--performance-mode`, residency, offload, parallelism) live in
-`config/deployment.py:DeploymentArgs`; `ServerArgs.deployment` carries them.
+Each flag is declared once, on the sub-config that owns it (its default, `--help` text and group, the
+commands that take it, its validation):
+
+    ModelArgs       config/model_args.py     --model-path, --backend, --device, --dtype, ...
+    HttpArgs        config/http_args.py      --host, --port, --log-level, request caps, results store
+    BatchingConfig  config/batching.py       --batching-mode/-max-size/-delay-ms/-config, --enable-batching-metrics
+    EngineConfig    config/engine_limits.py  --max-queue-size, --request-timeout-s, --enable-warmup, --warmup-steps
+    LimitsArgs      config/limits.py         --max-request-bytes, --api-key, prompt and upload caps
+    DistArgs        config/distributed.py    --nnodes, --node-rank, --dist-*
+    DeploymentArgs  config/deployment.py     --performance-mode, residency, offload, parallelism
+
+`ServerArgs` holds one instance of each (`args.batching`, `args.engine`, ...), and every flag is also a
+flat attribute (`args.batching_max_size` is `args.batching.max_size`), the name the CLI, `--config` files
+and the rest of the code use. The CLI (cli.py) builds each subcommand's flags from the same sub-configs.
 """
 
 from __future__ import annotations
@@ -14,119 +26,76 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diffuserve.config.argparse_dataclass import flag_dest, flag_fields, flag_values
+from diffuserve.config.batching import BATCHING_GROUP, BatchingConfig
+from diffuserve.config.deployment import DeploymentArgs
+from diffuserve.config.distributed import DIST_GROUP, DistArgs
+from diffuserve.config.engine_limits import EngineConfig
+from diffuserve.config.http_args import SERVER_GROUP, HttpArgs
+from diffuserve.config.limits import LIMITS_GROUP, LimitsArgs
+from diffuserve.config.model_args import MODEL_GROUP, ModelArgs
 from diffuserve.errors import ConfigError
 
-_MODEL = "Model"
-_SERVER = "Server"
-_BATCHING = "Dynamic batching"
-_LIMITS = "Admission, limits and security"
-_DIST = "Distributed launch (several ranks, several hosts)"
+SECTIONS: dict[str, type] = {
+    "model": ModelArgs, "http": HttpArgs, "batching": BatchingConfig, "engine": EngineConfig,
+    "limits": LimitsArgs, "dist": DistArgs,
+}
+"""ServerArgs attribute -> the sub-config it holds, in `--help` order within a group."""
+GROUP_ORDER = (MODEL_GROUP, SERVER_GROUP, BATCHING_GROUP, LIMITS_GROUP, DIST_GROUP)
+"""The `--help` sections of ServerArgs' flags, in order (the deployment sections follow)."""
+
+_OWNER: dict[str, tuple[str, str]] = {
+    flag_dest(f): (section, f.name) for section, cls in SECTIONS.items() for f in flag_fields(cls)
+}
+"""Flat flag name -> (section attribute, field name)."""
 
 
-def _f(default: Any, help: str, group: str, **meta: Any) -> Any:
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help, "group": group, **meta})
-    return field(default=default, metadata={"help": help, "group": group, **meta})
-
-
-@dataclass
+@dataclass(init=False)
 class ServerArgs:
-    """Everything `diffuserve serve` is configured with. Field docs are the `--help` texts."""
+    """Everything `diffuserve serve` is configured with: one instance of each sub-config.
 
-    # -- model -------------------------------------------------------------------------------
-    model_path: str | None = _f(None, "Diffusers-format checkpoint folder. Omit to use the embedded tiny default model.", _MODEL)
-    """Checkpoint folder; None builds/uses the embedded default model from the cache."""
-    model_id: str | None = _f(None, "Model family/registry hint (e.g. FLUX.1-dev) when model_index.json is ambiguous.", _MODEL)
-    """Registry hint; also the public name when --served-model-name is unset."""
-    served_model_name: str | None = _f(None, "Public model name in /v1/models and responses (default: --model-id, then --model-path).", _MODEL)
-    """Stable public name across replicas and mount paths."""
-    backend: str = _f("auto", "Pipeline backend: native adapter, the diffusers pipeline, or auto (native when there is one).", _MODEL, choices=["auto", "native", "diffusers"])
-    """auto | native | diffusers."""
-    device: str = _f("auto", "Device: auto (cuda when present, else cpu), cpu, cuda, cuda:N.", _MODEL)
-    """Torch device the pipeline runs on."""
-    dtype: str = _f("auto", "Weights dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.", _MODEL, choices=["auto", "float32", "bfloat16", "float16"])
-    """Torch dtype of the weights."""
-    num_threads: int | None = _f(None, "CPU threads for torch ops. Default: $OMP_NUM_THREADS if set; else, on a CPU device, all cores but one (the HTTP loop and encoding need one); on CUDA, torch's default.", _MODEL)
-    """Intra-op threads (torch.set_num_threads)."""
-    config: str | None = _f(None, "JSON or YAML file whose keys are flag names; command-line flags win.", _MODEL, cli=False)
+    `ServerArgs(port=8000, batching_max_size=4)` takes flat flag names (as do `dataclasses.replace` and
+    the CLI); `ServerArgs(batching=BatchingConfig(...))` takes whole sub-configs. Flat keywords win.
+    """
+
+    model: ModelArgs = field(default_factory=ModelArgs)
+    """The checkpoint, its public name, backend, device and dtype."""
+    http: HttpArgs = field(default_factory=HttpArgs)
+    """Bind address, request caps, logging, drain and the results store."""
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    """The `--batching-*` flags; the schedulers' config (after `with_rules()`)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Admission and warm-up; the engine's config (plus the plan's warm-up resolutions)."""
+    limits: LimitsArgs = field(default_factory=LimitsArgs)
+    """Body and prompt caps, API key, security switches."""
+    dist: DistArgs = field(default_factory=DistArgs)
+    """Multi-host launch and rank fault detection."""
+    deployment: DeploymentArgs | None = None
+    """DeploymentArgs (config/deployment.py); filled by the CLI (None: every deployment flag unset)."""
+    config: str | None = None
     """Path of the --config file (handled by the CLI before the other flags)."""
 
-    # -- server ------------------------------------------------------------------------------
-    host: str = _f("127.0.0.1", "Address to bind.", _SERVER)
-    """Bind address."""
-    port: int = _f(30010, "Port to bind.", _SERVER)
-    """Bind port."""
-    enable_warmup: bool = _f(True, "Run one real generation before /health turns 200.", _SERVER)
-    """Warm-up generation at start-up (readiness waits for it)."""
-    warmup_steps: int = _f(2, "Denoising steps of the warm-up generation.", _SERVER)
-    """Steps of the warm-up run (cheap but real)."""
-    log_level: str = _f("info", "Log level.", _SERVER, choices=["debug", "info", "warning", "error"])
-    """Python logging level."""
-    shutdown_timeout_s: float = _f(60.0, "On SIGTERM/SIGINT, seconds to finish accepted requests before answering the rest with an error and exiting.", _SERVER)
-    """Graceful drain budget."""
-    max_inference_steps: int = _f(200, "Largest num_inference_steps a request may ask for.", _SERVER)
-    """Cap on per-request steps."""
-    max_image_side: int = _f(4096, "Largest width/height a request may ask for.", _SERVER)
-    """Cap on output width and height."""
-    url_store_max_images: int = _f(1024, "Images kept for response_format=url links (oldest dropped first).", _SERVER)
-    """Capacity of the in-memory store behind /v1/images/{id}/content."""
-    max_video_jobs: int = _f(128, "Video jobs kept for GET /v1/videos (with their MP4); past it the oldest finished jobs are dropped.", _SERVER)
-    """Capacity of the video job store (queued and running jobs are never dropped)."""
-    output_dir: str | None = _f(None, "Folder of the results store (SQLite metadata + media files of video jobs and url images); survives restarts and may be shared by several processes on one host. Default: $DIFFUSERVE_CACHE/outputs.", _SERVER)
-    """Results store root; None = `<cache>/outputs`."""
-    result_ttl_s: float = _f(86400.0, "Seconds a finished video job or url image is kept (its expires_at); 0 = until removed.", _SERVER)
-    """Retention by age, enforced by the background sweep."""
-    max_output_bytes: int = _f(0, "Media bytes the results store may hold; past it the oldest finished results are removed first. 0 = no cap.", _SERVER)
-    """Retention by size, enforced by the background sweep."""
-    result_sweep_interval_s: float = _f(2.0, "Seconds between sweeps of the results store: expiry, size cap, jobs of dead processes, progress and cancels shared with other processes.", _SERVER)
-    """Period of the results store's background sweep."""
-    max_video_frames: int = _f(257, "Largest num_frames a video job may ask for.", _SERVER)
-    """Cap on per-job frames (each frame costs memory in the VAE decode and the MP4)."""
+    def __init__(self, model: ModelArgs | None = None, http: HttpArgs | None = None,
+                 batching: BatchingConfig | None = None, engine: EngineConfig | None = None,
+                 limits: LimitsArgs | None = None, dist: DistArgs | None = None,
+                 deployment: DeploymentArgs | None = None, config: str | None = None, **flags: Any) -> None:
+        given = {"model": model, "http": http, "batching": batching, "engine": engine, "limits": limits, "dist": dist}
+        unknown = sorted(set(flags) - set(_OWNER))
+        if unknown:
+            raise TypeError(f"ServerArgs got unexpected keyword arguments {unknown}")
+        for section, cls in SECTIONS.items():
+            own = {name: flags[dest] for dest, (owner, name) in _OWNER.items() if owner == section and dest in flags}
+            # Always a copy: `dataclasses.replace(args, port=1)` must not change `args`' sub-configs.
+            value = dataclasses.replace(given[section], **own) if given[section] is not None else cls(**own)
+            object.__setattr__(self, section, value)
+        self.deployment = deployment
+        self.config = config
 
-    # -- dynamic batching --------------------------------------------------------------------
-    batching_mode: str = _f("singleton", "singleton (one request per pipeline call), dynamic (merge compatible queued requests) or continuous (requests join and leave the running denoise group at step boundaries).", _BATCHING, choices=["singleton", "dynamic", "continuous"])
-    """Batching mode."""
-    batching_max_size: int = _f(1, "Dynamic mode: most rows (outputs, n) in one pipeline call. Compatible requests merge under it; a request with a larger n runs as several calls (same images). 1 turns merging off.", _BATCHING)
-    """User cap on a batch, and a hard cap on the rows of every pipeline call in dynamic mode."""
-    batching_delay_ms: float = _f(0.0, "How long the head of the queue may wait for compatible requests.", _BATCHING)
-    """Batching window."""
-    batching_config: str | None = _f(None, "JSON/YAML rules giving lower caps per model/resolution.", _BATCHING)
-    """Path of the rules file."""
-    enable_batching_metrics: bool = _f(False, "Log one line per dispatch and a stats line every 5 dispatches.", _BATCHING)
-    """Batching log lines (Prometheus metrics are always on)."""
-
-    # -- admission, limits, security ---------------------------------------------------------
-    max_queue_size: int = _f(256, "Queued requests beyond which new ones get HTTP 429 with Retry-After; 0 = unlimited.", _LIMITS)
-    """Admission control."""
-    request_timeout_s: float = _f(600.0, "Deadline per request (queued -> 504; running -> cancelled at the next step, 504). 0 = none.", _LIMITS)
-    """Server-wide deadline; a request's own `timeout` may only shorten it."""
-    max_request_bytes: int = _f(4 * 1024 * 1024, "Largest request body; bigger ones get HTTP 413 before being read whole.", _LIMITS)
-    """Body size cap."""
-    max_upload_bytes: int = _f(16 * 1024 * 1024, "Largest multipart body of POST /v1/images/edits (image upload included); bigger ones get HTTP 413.", _LIMITS)
-    """Upload cap for edits."""
-    max_prompt_chars: int = _f(10000, "Longest prompt / negative prompt in characters.", _LIMITS)
-    """String length cap."""
-    api_key: str | None = _f(None, "Require `Authorization: Bearer KEY` on every endpoint except /liveness, /health, /metrics (also DIFFUSERVE_API_KEY).", _LIMITS)
-    """API key; never logged."""
-    reject_truncated_prompts: bool = _f(False, "Answer 400 (param prompt) when a prompt is longer than a text encoder takes, instead of running it cut off with a warning in the response.", _LIMITS)
-    """Strict prompt-length mode (the default warns: response `warnings` and one log line per request)."""
-    allow_remote_urls: bool = _f(False, "Allow request fields that make the server fetch remote URLs (off: such fields are rejected).", _LIMITS)
-    """Remote fetch switch."""
-
-    # -- distributed launch ---------------------------------------------------------------------
-    nnodes: int = _f(1, "Hosts the --num-gpus ranks are spread over (each host runs --num-gpus / --nnodes ranks; start the same command on every host with its own --node-rank).", _DIST)
-    """Number of hosts."""
-    node_rank: int = _f(0, "This host's index, 0 to --nnodes - 1. Only node 0 serves HTTP (its first rank hosts the engine).", _DIST)
-    """This host's index."""
-    dist_init_addr: str | None = _f(None, "HOST:PORT of node 0 where every rank meets (a TCP store); required with --nnodes > 1. Default on one host: 127.0.0.1 and a free port.", _DIST, metavar="HOST:PORT")
-    """Rendezvous address."""
-    dist_heartbeat_timeout_s: float = _f(30.0, "A rank that sends no heartbeat for this long is declared hung: every in-flight request gets an error naming it, /health turns 503 and the server exits non-zero.", _DIST)
-    """Hung-rank detection bound."""
-    dist_timeout_s: float = _f(600.0, "Timeout of the ranks' process groups and of a rank's answer to a finished pipeline call (a rank stuck that long in a collective is a fault).", _DIST)
-    """Collective / straggler timeout."""
-
-    deployment: Any = field(default=None, metadata={"cli": False})
-    """DeploymentArgs (config/deployment.py); filled by the CLI."""
+    @classmethod
+    def from_flags(cls, values: dict[str, Any], config: str | None = None) -> ServerArgs:
+        """ServerArgs from parsed flag values (flat names; keys of other commands are ignored)."""
+        sections = {section: sub(**flag_values(sub, values)) for section, sub in SECTIONS.items()}
+        return cls(**sections, deployment=DeploymentArgs(**flag_values(DeploymentArgs, values)), config=config)
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -158,44 +127,28 @@ class ServerArgs:
         return self.api_key or os.environ.get("DIFFUSERVE_API_KEY") or None
 
     def validate(self) -> None:
-        """Fail at start-up, naming the flag and the fix."""
-        checks = [
-            (self.port < 0 or self.port > 65535, "--port", f"{self.port} is not a TCP port (0-65535)"),
-            (self.batching_max_size < 1, "--batching-max-size", f"{self.batching_max_size} must be >= 1 (1 turns merging off)"),
-            (self.batching_delay_ms < 0, "--batching-delay-ms", f"{self.batching_delay_ms} must be >= 0"),
-            (self.max_queue_size < 0, "--max-queue-size", f"{self.max_queue_size} must be >= 0 (0 = unlimited)"),
-            (self.request_timeout_s < 0, "--request-timeout-s", f"{self.request_timeout_s} must be >= 0 (0 = none)"),
-            (self.shutdown_timeout_s < 0, "--shutdown-timeout-s", f"{self.shutdown_timeout_s} must be >= 0"),
-            (self.max_request_bytes < 1024, "--max-request-bytes", f"{self.max_request_bytes} is too small (>= 1024)"),
-            (self.max_upload_bytes < 1024, "--max-upload-bytes", f"{self.max_upload_bytes} is too small (>= 1024)"),
-            (self.max_inference_steps < 1, "--max-inference-steps", f"{self.max_inference_steps} must be >= 1"),
-            (self.num_threads is not None and self.num_threads < 1, "--num-threads", f"{self.num_threads} must be >= 1"),
-            (self.warmup_steps < 1, "--warmup-steps", f"{self.warmup_steps} must be >= 1"),
-            (self.max_prompt_chars < 1, "--max-prompt-chars", f"{self.max_prompt_chars} must be >= 1"),
-            (self.max_video_jobs < 1, "--max-video-jobs", f"{self.max_video_jobs} must be >= 1"),
-            (self.result_ttl_s < 0, "--result-ttl-s", f"{self.result_ttl_s} must be >= 0 (0 = keep until removed)"),
-            (self.max_output_bytes < 0, "--max-output-bytes", f"{self.max_output_bytes} must be >= 0 (0 = no cap)"),
-            (self.result_sweep_interval_s <= 0, "--result-sweep-interval-s", f"{self.result_sweep_interval_s} must be > 0"),
-            (self.max_video_frames < 1, "--max-video-frames", f"{self.max_video_frames} must be >= 1"),
-            (self.nnodes < 1, "--nnodes", f"{self.nnodes} must be >= 1"),
-            (not 0 <= self.node_rank < self.nnodes, "--node-rank", f"{self.node_rank} must be between 0 and --nnodes - 1 ({self.nnodes - 1})"),
-            (self.nnodes > 1 and not self.dist_init_addr, "--dist-init-addr", "is required with --nnodes > 1: give HOST:PORT of node 0, the same on every host"),
-            (self.dist_init_addr is not None and not _is_host_port(self.dist_init_addr), "--dist-init-addr", f"{self.dist_init_addr!r} is not HOST:PORT"),
-            (self.dist_heartbeat_timeout_s <= 0, "--dist-heartbeat-timeout-s", f"{self.dist_heartbeat_timeout_s} must be > 0"),
-            (self.dist_timeout_s <= 0, "--dist-timeout-s", f"{self.dist_timeout_s} must be > 0"),
-        ]
-        for failed, flag, message in checks:
-            if failed:
-                raise ConfigError(f"{flag}: {message}.")
-        if self.model_path is not None and not Path(self.model_path).is_dir():
-            raise ConfigError(f"--model-path: {self.model_path!r} is not a folder. Give a diffusers-format checkpoint folder (with model_index.json), or omit the flag to use the embedded default model.")
-        if self.batching_config is not None and not Path(self.batching_config).is_file():
-            raise ConfigError(f"--batching-config: cannot read {self.batching_config!r} (no such file).")
+        """Fail at start-up, naming the flag and the fix: every sub-config's value checks, then the
+        checks that read the file system."""
+        sections = [getattr(self, name) for name in SECTIONS]
+        for section in sections:
+            section.validate()
+        for section in sections:
+            if hasattr(section, "check_files"):
+                section.check_files()
 
 
-def _is_host_port(value: str) -> bool:
-    host, sep, port = value.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+def _flat_property(section: str, name: str, doc: str | None) -> property:
+    def get(self: ServerArgs) -> Any:
+        return getattr(getattr(self, section), name)
+
+    def set_(self: ServerArgs, value: Any) -> None:
+        setattr(getattr(self, section), name, value)
+
+    return property(get, set_, doc=doc)
+
+
+for _dest, (_section, _name) in _OWNER.items():
+    setattr(ServerArgs, _dest, _flat_property(_section, _name, f"`{_section}.{_name}` (--{_dest.replace('_', '-')})."))
 
 
 EMBEDDED_MODEL_NAME = "diffuserve-tiny-flux"
@@ -237,7 +190,3 @@ def load_config_file(path: str, known_keys: set[str], *, elsewhere: dict[str, st
             raise ConfigError(f"--config: unknown key {raw_key!r} in {path!r}.{hint}")
         values[key] = value
     return values
-
-
-def public_fields() -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(ServerArgs) if f.metadata.get("cli") is not False]

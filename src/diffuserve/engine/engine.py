@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffuserve.config.engine_limits import EngineConfig  # owned by config/; re-exported
 from diffuserve.engine.metrics import BatchingStats, EngineMetrics
 from diffuserve.engine.request import Request, RequestStatus
 from diffuserve.engine.scheduler import Dispatch, DynamicBatcher, WaitUntil
@@ -62,22 +63,6 @@ class EngineState(str, enum.Enum):
     DRAINING = "draining"
     STOPPED = "stopped"
     FAILED = "failed"
-
-
-@dataclass
-class EngineConfig:
-    """How the engine admits and times requests."""
-
-    max_queue_size: int = 256
-    """Queued requests beyond which submissions get QueueFullError (429); 0 = unlimited."""
-    request_timeout_s: float = 600.0
-    """Default and maximum deadline of a request; 0 = none."""
-    enable_warmup: bool = True
-    """Run one real generation before turning ready."""
-    warmup_steps: int = 2
-    """Steps of the warm-up generation."""
-    warmup_resolutions: list[tuple[int, int]] = field(default_factory=list)
-    """(width, height) pairs warmed up besides the default size (compile / graph capture per shape)."""
 
 
 @dataclass

@@ -44,50 +44,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from diffuserve.config.batching_rules import BatchingRules
+from diffuserve.config.batching import BatchingConfig  # owned by config/; re-exported
 from diffuserve.engine.request import Request, RequestStatus
-from diffuserve.errors import ConfigError
 from diffuserve.sampling import signature_difference
 
-BATCHING_MODES = ("singleton", "dynamic", "continuous")
-"""`continuous` is step-level batching (`engine/step_scheduler.py`); its request-level fallback merges like `dynamic`."""
 FAMILY_UNSUPPORTED = "family_unsupported"
 """Ineligible reason given to every request when the pipeline family cannot batch."""
 BATCH_FULL = "batch_full"
 """Reject reason: a compatible candidate whose `n` does not fit in the room left."""
 MODEL_MISMATCH = "model"
 """Reject reason: a candidate served under another model name than the head."""
-
-
-@dataclass
-class BatchingConfig:
-    """How the scheduler forms batches (the `--batching-*` flags)."""
-
-    mode: str = "singleton"
-    """`singleton` (one request per pipeline call), `dynamic` (merge compatible requests) or `continuous`
-    (step-level: requests join and leave the running denoise group at step boundaries)."""
-    max_size: int = 1
-    """User cap on a batch, counting outputs (`n`); 1 turns merging off."""
-    delay_ms: float = 0.0
-    """How long the head of the queue may wait for compatible requests, in milliseconds."""
-    rules: BatchingRules | None = None
-    """Lower caps per model/resolution/frames from `--batching-config`; None for no rules."""
-
-    def validate(self) -> None:
-        """Raise `ConfigError` naming the flag when a value is out of range."""
-        if self.mode not in BATCHING_MODES:
-            raise ConfigError(
-                f"--batching-mode: unknown mode {self.mode!r}; use one of {', '.join(BATCHING_MODES)}."
-            )
-        if isinstance(self.max_size, bool) or not isinstance(self.max_size, int) or self.max_size < 1:
-            raise ConfigError(f"--batching-max-size: {self.max_size!r} must be an integer >= 1 (1 turns merging off).")
-        if not self.delay_ms >= 0:  # also rejects NaN
-            raise ConfigError(f"--batching-delay-ms: {self.delay_ms!r} must be >= 0 milliseconds.")
-
-    @property
-    def dynamic(self) -> bool:
-        """Whether requests may be merged at all."""
-        return self.mode in ("dynamic", "continuous") and self.max_size > 1
 
 
 @dataclass

@@ -1,0 +1,55 @@
+"""ModelArgs: which checkpoint is served, how it is named, and where it runs (the `Model` flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from diffuserve.config.argparse_dataclass import flag
+from diffuserve.errors import ConfigError
+
+MODEL_GROUP = "Model"
+_ALL = ("serve", "generate", "plan")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+BACKENDS = ("auto", "native", "diffusers")
+
+
+@dataclass
+class ModelArgs:
+    """The checkpoint, its public name, the backend, device, dtype and CPU threads."""
+
+    COMMANDS: ClassVar[tuple[str, ...]] = ("serve", "generate")
+
+    model_path: str | None = flag(
+        None, "Diffusers-format checkpoint folder. Omit to use the embedded tiny default model.", MODEL_GROUP,
+        commands=_ALL, per_command={"plan": {"help": "Checkpoint folder (default: the embedded model).", "group": None}})
+    """Checkpoint folder; None builds/uses the embedded default model from the cache."""
+    model_id: str | None = flag(
+        None, "Model family/registry hint (e.g. FLUX.1-dev) when model_index.json is ambiguous.", MODEL_GROUP,
+        commands=_ALL,
+        per_command={"plan": {"help": "Family hint (e.g. FLUX.1-dev) when model_index.json is ambiguous.", "group": None}})
+    """Registry hint; also the public name when --served-model-name is unset."""
+    served_model_name: str | None = flag(None, "Public model name in /v1/models and responses (default: --model-id, then --model-path).", MODEL_GROUP)
+    """Stable public name across replicas and mount paths."""
+    backend: str = flag("auto", "Pipeline backend: native adapter, the diffusers pipeline, or auto (native when there is one).", MODEL_GROUP, choices=BACKENDS)
+    """auto | native | diffusers."""
+    device: str = flag("auto", "Device: auto (cuda when present, else cpu), cpu, cuda, cuda:N.", MODEL_GROUP)
+    """Torch device the pipeline runs on."""
+    dtype: str = flag(
+        "auto", "Weights dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.", MODEL_GROUP,
+        choices=DTYPES, commands=_ALL,
+        per_command={"plan": {"help": "Weights dtype used to size components (default: auto = bfloat16 on GPUs).", "group": None}})
+    """Torch dtype of the weights."""
+    num_threads: int | None = flag(None, "CPU threads for torch ops. Default: $OMP_NUM_THREADS if set; else, on a CPU device, all cores but one (the HTTP loop and encoding need one); on CUDA, torch's default.", MODEL_GROUP)
+    """Intra-op threads (torch.set_num_threads)."""
+
+    def validate(self) -> None:
+        """Fail at start-up, naming the flag and the fix."""
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"--num-threads: {self.num_threads} must be >= 1.")
+
+    def check_files(self) -> None:
+        """The checks that read the file system (after every value check)."""
+        if self.model_path is not None and not Path(self.model_path).is_dir():
+            raise ConfigError(f"--model-path: {self.model_path!r} is not a folder. Give a diffusers-format checkpoint folder (with model_index.json), or omit the flag to use the embedded default model.")
