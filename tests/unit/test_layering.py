@@ -1,0 +1,37 @@
+"""The arrows of issue 25 item 6, read from the source (function-level imports included):
+
+- launch/ imports one way (ranks <- setup <- follower <- root): no circle, and `ranks` knows no model code.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import diffuserve
+
+PACKAGE = Path(diffuserve.__file__).parent
+
+
+def _imports(path: Path) -> set[str]:
+    """Every diffuserve module `path` imports anywhere in its body (top level or inside functions)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {name for name in found if name.startswith("diffuserve.")}
+
+
+def test_launch_modules_import_one_way():
+    modules = ("ranks", "setup", "follower", "root")
+    graph = {m: {n for n in modules if f"diffuserve.launch.{n}" in _imports(PACKAGE / "launch" / f"{m}.py")}
+             for m in modules}
+    allowed = {"ranks": set(), "setup": {"ranks"}, "follower": {"ranks", "setup"},
+               "root": {"ranks", "setup", "follower"}}
+    assert all(graph[m] <= allowed[m] for m in modules), graph
+    ranks = _imports(PACKAGE / "launch" / "ranks.py")
+    assert not {n for n in ranks if n.split(".")[1] in ("executor", "engine", "pipelines", "models", "runtime")}, ranks
+    assert not (PACKAGE / "launch.py").exists() and not (PACKAGE / "launch_ranks.py").exists()
