@@ -1,6 +1,7 @@
 """The arrows of issue 25 item 6, read from the source (function-level imports included):
 
-- launch/ imports one way (ranks <- setup <- follower <- root): no circle, and `ranks` knows no model code.
+- launch/ imports one way (ranks <- setup <- follower <- root): no circle, and `ranks` knows no model code;
+- only executor/channel.py touches the TCP store, and only executor/protocol.py spells its keys.
 """
 
 from __future__ import annotations
@@ -35,3 +36,14 @@ def test_launch_modules_import_one_way():
     ranks = _imports(PACKAGE / "launch" / "ranks.py")
     assert not {n for n in ranks if n.split(".")[1] in ("executor", "engine", "pipelines", "models", "runtime")}, ranks
     assert not (PACKAGE / "launch.py").exists() and not (PACKAGE / "launch_ranks.py").exists()
+
+
+def test_only_the_channel_touches_the_store_and_only_the_protocol_names_keys():
+    """executor/channel.py is the transport, executor/protocol.py owns every key; every role uses its links."""
+    keys = ("batch/", "report/", "progress/", "cancel/", "call/", "ack/", "bye/", "heartbeat/", "fault/", '"rank/')
+    for path in PACKAGE.rglob("*.py"):
+        text, name = path.read_text(), path.relative_to(PACKAGE).as_posix()
+        if name != "executor/channel.py":
+            assert ".store." not in text and "_store." not in text and "store.add(" not in text, name
+        if name != "executor/protocol.py" and name.startswith(("executor/", "launch/")):
+            assert not [k for k in keys if f'f"{k}' in text or f"'{k}" in text], name

@@ -30,17 +30,19 @@ logger = logging.getLogger("diffuserve.ranks")
 def serve_rank(args: ServerArgs, info: LaunchInfo) -> int:
     """A rank that does not serve HTTP: join, load its share, follow until shutdown. Returns the exit code."""
     from diffuserve.executor.channel import ChannelClosed, StoreChannel
+    from diffuserve.executor.protocol import RankLink
     from diffuserve.executor.replica import ReplicaPipeline, StepSync, follow_calls, lead_batches
     from diffuserve.executor.topology import Topology, build_groups
 
     configure_rank_logging(args, info.rank)
-    channel = None
+    ranks: RankLink | None = None
     try:
         setup = prepare_rank(args, info, log_plan=False)
         store, _ = connect(info, setup.device, args.dist_timeout_s)
         channel = StoreChannel(store)
-        channel.publish_rank(info.rank, rank_description(info, setup.device))
-        start_heartbeat(lambda: channel.beat(info.rank), info.rank)
+        ranks = RankLink(channel)
+        ranks.publish_rank(info.rank, rank_description(info, setup.device))
+        start_heartbeat(lambda link=ranks: link.beat(info.rank), info.rank)
         topology = Topology.from_plan(setup.deployment.plan, rank=info.rank, local_rank=info.local_rank)
         groups = build_groups(topology, "cuda" if setup.device.startswith("cuda") else "cpu")
         pipeline = load_rank_pipeline(args, setup, groups)
@@ -60,9 +62,9 @@ def serve_rank(args: ServerArgs, info: LaunchInfo) -> int:
         return 1
     except Exception as exc:
         logger.exception("rank %d failed", info.rank)
-        if channel is not None:
+        if ranks is not None:
             try:
-                channel.report_fault(info.rank, f"{type(exc).__name__}: {exc}")
+                ranks.report_fault(info.rank, f"{type(exc).__name__}: {exc}")
             except Exception:
                 pass
         return 1

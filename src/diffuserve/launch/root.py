@@ -55,6 +55,7 @@ def _multi_rank_executor(args: ServerArgs, info: LaunchInfo, setup: RankSetup, m
     """Rank 0's executor: start this host's other ranks now; join them and load in the engine's thread."""
     from diffuserve.executor.channel import StoreChannel
     from diffuserve.executor.multirank import MultiRankExecutor
+    from diffuserve.executor.protocol import RankLink
     from diffuserve.executor.topology import Topology, build_groups
 
     plan = setup.deployment.plan
@@ -70,7 +71,7 @@ def _multi_rank_executor(args: ServerArgs, info: LaunchInfo, setup: RankSetup, m
     def join() -> tuple[StoreChannel, Any]:
         store, _ = connect(info, setup.device, args.dist_timeout_s)
         channel = StoreChannel(store)
-        channel.publish_rank(0, rank_description(info, setup.device))
+        RankLink(channel).publish_rank(0, rank_description(info, setup.device))
         return channel, build_groups(topology, "cuda" if setup.device.startswith("cuda") else "cpu")
 
     return MultiRankExecutor(topology, connect=join, load_local=lambda groups: load_rank_pipeline(args, setup, groups, metrics),
