@@ -1,7 +1,8 @@
 """The arrows of issue 25 item 6, read from the source (function-level imports included):
 
 - launch/ imports one way (ranks <- setup <- follower <- root): no circle, and `ranks` knows no model code;
-- only executor/channel.py touches the TCP store, and only executor/protocol.py spells its keys.
+- only executor/channel.py touches the TCP store, and only executor/protocol.py spells its keys;
+- pipelines/ never imports models/ (the loader applies a checkpoint's suggested defaults on both backends).
 """
 
 from __future__ import annotations
@@ -47,3 +48,10 @@ def test_only_the_channel_touches_the_store_and_only_the_protocol_names_keys():
             assert ".store." not in text and "_store." not in text and "store.add(" not in text, name
         if name != "executor/protocol.py" and name.startswith(("executor/", "launch/")):
             assert not [k for k in keys if f'f"{k}' in text or f"'{k}" in text], name
+
+
+def test_pipelines_import_nothing_from_models():
+    """The loader (models/) imports the adapters and hands them a checkpoint's suggested defaults."""
+    for path in (PACKAGE / "pipelines").rglob("*.py"):
+        found = {n for n in _imports(path) if n.startswith("diffuserve.models")}
+        assert not found, (path.name, found)
