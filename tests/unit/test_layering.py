@@ -2,7 +2,8 @@
 
 - launch/ imports one way (ranks <- setup <- follower <- root): no circle, and `ranks` knows no model code;
 - only executor/channel.py touches the TCP store, and only executor/protocol.py spells its keys;
-- pipelines/ never imports models/ (the loader applies a checkpoint's suggested defaults on both backends).
+- pipelines/ never imports models/ (the loader applies a checkpoint's suggested defaults on both backends);
+- config/ never imports models/ (the cache folder lives in diffuserve/paths.py).
 """
 
 from __future__ import annotations
@@ -55,3 +56,11 @@ def test_pipelines_import_nothing_from_models():
     for path in (PACKAGE / "pipelines").rglob("*.py"):
         found = {n for n in _imports(path) if n.startswith("diffuserve.models")}
         assert not found, (path.name, found)
+
+
+def test_config_imports_nothing_from_models_and_paths_imports_nothing():
+    """config/ reads the cache folder from diffuserve/paths.py, which stands below every other module."""
+    for path in (PACKAGE / "config").rglob("*.py"):
+        found = {n for n in _imports(path) if n.startswith("diffuserve.models")}
+        assert not found, (path.name, found)
+    assert not _imports(PACKAGE / "paths.py")
