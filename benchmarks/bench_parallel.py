@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
     modes = [BASELINE, *[m for m in modes if m != BASELINE]]
     if args.model_path is None:
-        from diffuserve.models.tiny import default_cache_dir
+        from diffuserve.paths import default_cache_dir
 
         args.model_path = checkpoint(args.cache_dir or default_cache_dir() / "bench")
         args.model_label = "FLUX.1-style, 36M-parameter transformer"

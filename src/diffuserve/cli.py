@@ -278,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             from diffuserve.server.runner import serve
 
             return serve(args)
-        from diffuserve.launch_ranks import is_serving_process, serve_other_node
+        from diffuserve.launch.follower import serve_other_node
+        from diffuserve.launch.ranks import is_serving_process
 
         if not is_serving_process(args):  # generate on another host's ranks: they follow node 0's calls
             return serve_other_node(args)

@@ -1,7 +1,7 @@
 """`diffuserve compat`: the compatibility grid, generated from real runs on each family's tiny checkpoint.
 
 For every `make-tiny` build of an image family, the checkpoint is built offline and run through the serving
-path (`launch.build_engine`: the loader, the deployment plan, residency, the scheduler and the engine loop —
+path (`launch/root.build_engine`: the loader, the deployment plan, residency, the scheduler and the engine loop —
 everything `serve` runs except HTTP):
 
 - **T2I**: one text-to-image request returns its `n` images at the asked size;
@@ -83,7 +83,7 @@ class _Engine:
         self.args.deployment = DeploymentArgs(component_residency=list(residency))
 
     def __enter__(self) -> _Engine:
-        from diffuserve.launch import build_engine
+        from diffuserve.launch.root import build_engine
 
         self.engine, _, _ = build_engine(self.args)
         self.engine.start()

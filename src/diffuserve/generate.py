@@ -77,7 +77,8 @@ def _warn_truncated(pipeline: Any, prompts: list[str], negative_prompt: str | No
 
 
 def generate(args: ServerArgs, values: dict[str, Any]) -> int:
-    from diffuserve.launch import open_pipeline, resolve_model_path
+    from diffuserve.launch.root import open_pipeline
+    from diffuserve.launch.setup import resolve_model_path
 
     prompts = values.get("prompt")
     if isinstance(prompts, str):
@@ -172,7 +173,7 @@ def print_plan(values: dict[str, Any]) -> int:
     from diffuserve.config.argparse_dataclass import dataclass_from_namespace
     from diffuserve.config.deployment import DeploymentArgs, format_plan
     from diffuserve.hardware import describe_hardware, detect_hardware
-    from diffuserve.launch import resolve_deployment, resolve_dtype
+    from diffuserve.launch.setup import resolve_deployment, resolve_dtype
 
     deployment = dataclass_from_namespace(DeploymentArgs, values)
     if values.get("model_path"):

@@ -114,7 +114,7 @@ def logical_lines(code: str) -> list[str]:
 def check_serve(argv: list[str], cwd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Everything `diffuserve serve` does before it loads weights: parse, --config, validate, plan."""
     from diffuserve import cli
-    from diffuserve.launch import plan_deployment, resolve_model_path
+    from diffuserve.launch.setup import plan_deployment, resolve_model_path
 
     monkeypatch.chdir(cwd)
     parser = cli._build_parser()

@@ -24,7 +24,7 @@ from diffuserve.config.deployment import resolve
 from diffuserve.config.model_profiles import family_profile
 from diffuserve.config.server_args import ServerArgs
 from diffuserve.hardware import describe_hardware
-from diffuserve.launch_ranks import is_serving_process, launch_info
+from diffuserve.launch.ranks import is_serving_process, launch_info
 from diffuserve.server import health
 from diffuserve.server.middleware import PUBLIC_PATHS
 

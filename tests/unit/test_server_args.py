@@ -93,7 +93,7 @@ def test_bool_flags_accept_true_false_and_bare():
 
 
 def test_thread_default_leaves_a_core_for_serving(monkeypatch):
-    from diffuserve.launch import resolve_num_threads
+    from diffuserve.launch.setup import resolve_num_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 8)

@@ -119,9 +119,9 @@ class ServerArgs:
         """--output-dir, or `outputs` under the cache folder ($DIFFUSERVE_CACHE, else ~/.cache/diffuserve)."""
         if self.output_dir:
             return Path(self.output_dir).expanduser()
-        from diffuserve.models.tiny import default_cache_dir  # light: no torch at import
+        from diffuserve.paths import default_output_dir
 
-        return default_cache_dir() / "outputs"
+        return default_output_dir()
 
     def resolved_api_key(self) -> str | None:
         return self.api_key or os.environ.get("DIFFUSERVE_API_KEY") or None

@@ -1,4 +1,7 @@
-"""Messages, heartbeats and fault reports between ranks, through the process group's TCP store.
+"""The transport of the multi-rank protocol: pickled values and counters under keys of the process group's TCP store.
+
+It knows no key names and no message types: executor/protocol.py owns both, and every role talks through its
+links; this is the only module that touches the store itself.
 
 Why the store and not a collective: a rank waiting for its next batch must not sit inside a collective (a gloo or
 NCCL collective blocked longer than the group timeout breaks the group for good: STACK.md's idle trap), and rank
@@ -23,23 +26,23 @@ class ChannelClosed(RuntimeError):
 
 
 class StoreChannel:
-    """Typed helpers over a `torch.distributed.Store` shared by every rank (keys under `diffuserve/`)."""
+    """Pickled values, counters and waits over a `torch.distributed.Store` shared by every rank (keys under
+    `diffuserve/`)."""
 
     def __init__(self, store: Any):
         import torch.distributed as dist
 
-        self.store = dist.PrefixStore("diffuserve/", store)
+        self._store = dist.PrefixStore("diffuserve/", store)
 
-    # -- messages ----------------------------------------------------------------------------------------
     def post(self, key: str, message: Any) -> None:
-        self.store.set(key, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        self._store.set(key, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
     def poll(self, key: str) -> Any | None:
         """The message under `key` (removed), or None when there is none yet."""
-        if not self.store.check([key]):
+        if not self._store.check([key]):
             return None
-        value = self.store.get(key)
-        self.store.delete_key(key)
+        value = self._store.get(key)
+        self._store.delete_key(key)
         return pickle.loads(value)
 
     def receive(self, key: str, *, keep_waiting: Callable[[], bool] = lambda: True,
@@ -59,28 +62,19 @@ class StoreChannel:
             time.sleep(delay)
             delay = min(_POLL_MAX_S, delay * 2)
 
-    def publish_rank(self, rank: int, info: dict[str, Any]) -> None:
-        """What /server_info shows of a rank (its pid, host, device); kept, not consumed."""
-        self.store.set(f"rank/{rank}", pickle.dumps(info))
-
-    def rank_info(self, rank: int) -> dict[str, Any] | None:
-        if not self.store.check([f"rank/{rank}"]):
+    def peek(self, key: str) -> Any | None:
+        """The value under `key`, kept for the next reader, or None when there is none."""
+        if not self._store.check([key]):
             return None
-        return pickle.loads(self.store.get(f"rank/{rank}"))
+        return pickle.loads(self._store.get(key))
 
-    # -- liveness ----------------------------------------------------------------------------------------
-    def beat(self, rank: int) -> None:
-        """One heartbeat of `rank` (raises when the store is gone)."""
-        self.store.add(f"heartbeat/{rank}", 1)
+    def exists(self, key: str) -> bool:
+        return self._store.check([key])
 
-    def heartbeats(self, rank: int) -> int:
-        """How many heartbeats `rank` has sent."""
-        return self.store.add(f"heartbeat/{rank}", 0)
+    def count(self, key: str, amount: int = 1) -> int:
+        """Add `amount` to the counter under `key` (atomic across ranks) and return it; count(key, 0) reads it."""
+        return self._store.add(key, amount)
 
-    def report_fault(self, rank: int, message: str) -> None:
-        self.store.set(f"fault/{rank}", message.encode())
-
-    def fault(self, rank: int) -> str | None:
-        if not self.store.check([f"fault/{rank}"]):
-            return None
-        return self.store.get(f"fault/{rank}").decode()
+    def delete(self, *keys: str) -> None:
+        for key in keys:
+            self._store.delete_key(key)

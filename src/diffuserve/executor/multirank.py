@@ -10,86 +10,20 @@ exits non-zero so the orchestrator restarts the group. Waits on a faulty group g
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from diffuserve.executor.base import BatchCall, ReplicaState
 from diffuserve.executor.channel import StoreChannel
-from diffuserve.executor.messages import BatchMessage
-from diffuserve.executor.replica import (
-    RankFault,
-    ReplicaPipeline,
-    StepSync,
-    batch_key,
-    bye_key,
-    cancel_key,
-    progress_key,
-    report_key,
-)
+from diffuserve.executor.monitor import RankMonitor
+from diffuserve.executor.protocol import BatchMessage, RankLink, ReplicaLink
+from diffuserve.executor.replica import RankFault, ReplicaPipeline, StepSync
 from diffuserve.executor.topology import Topology
 from diffuserve.executor.worker import BatchOutcome, run_batch
 from diffuserve.pipelines.base import Pipeline
 
 logger = logging.getLogger("diffuserve.executor")
-
-_MONITOR_INTERVAL_S = 0.25
-
-
-class RankMonitor:
-    """Watches every other rank: local child processes, fault reports, heartbeats."""
-
-    def __init__(self, channel: StoreChannel, world_size: int, *, heartbeat_timeout_s: float,
-                 children: dict[int, Any], on_fault: Callable[[int, str], None], describe: Callable[[int], str]):
-        self.channel, self.world_size, self.timeout_s = channel, world_size, heartbeat_timeout_s
-        self.children, self.on_fault, self.describe = children, on_fault, describe
-        self.fault: str | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._main, name="diffuserve-rank-monitor", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _check(self, rank: int, seen: dict[int, tuple[int, float]], now: float) -> str | None:
-        child = self.children.get(rank)
-        if child is not None and child.exitcode is not None:
-            how = f"signal {-child.exitcode}" if child.exitcode < 0 else f"exit code {child.exitcode}"
-            return f"{self.describe(rank)} exited ({how})"
-        reported = self.channel.fault(rank)
-        if reported:
-            return f"{self.describe(rank)} failed: {reported}"
-        count = self.channel.heartbeats(rank)
-        last_count, since = seen.get(rank, (-1, now))
-        if count != last_count:
-            seen[rank] = (count, now)
-        elif count > 0 and now - since > self.timeout_s:
-            return f"{self.describe(rank)} sent no heartbeat for {now - since:.0f}s (hung or unreachable)"
-        return None
-
-    def _main(self) -> None:
-        seen: dict[int, tuple[int, float]] = {}
-        while not self._stop.is_set():
-            now = time.monotonic()
-            try:
-                for rank in range(1, self.world_size):
-                    fault = self._check(rank, seen, now)
-                    if fault:
-                        self._declare(rank, fault)
-                        return
-            except Exception as exc:  # the store itself broke
-                self._declare(-1, f"the rank group's store failed ({type(exc).__name__}: {exc})")
-                return
-            self._stop.wait(_MONITOR_INTERVAL_S)
-
-    def _declare(self, rank: int, fault: str) -> None:
-        if self.fault is None:
-            self.fault = fault
-            logger.error("rank fault: %s", fault)
-            self.on_fault(rank, fault)
 
 
 class MultiRankExecutor:
@@ -107,6 +41,8 @@ class MultiRankExecutor:
         self.on_fault: Callable[[str], None] = lambda message: None
         """Set by the engine's owner: called once, from the monitor thread, when a rank fails."""
         self.channel: StoreChannel | None = None
+        self._ranks: RankLink | None = None
+        self._links: list[ReplicaLink] = []
         self.monitor: RankMonitor | None = None
         self.local: ReplicaPipeline | None = None
         self._sync: StepSync | None = None
@@ -121,7 +57,7 @@ class MultiRankExecutor:
         ranks = []
         for rank in range(self.topology.world_size):
             try:
-                info = self.channel.rank_info(rank) if self.channel is not None else None
+                info = self._ranks.rank_info(rank) if self._ranks is not None else None
             except Exception:  # the store is gone with a faulty rank
                 info = None
             ranks.append(info or {"rank": rank})
@@ -137,7 +73,9 @@ class MultiRankExecutor:
     def load(self) -> Pipeline:
         """Join the group (the other ranks load at the same time), then load replica 0's share here."""
         self.channel, groups = self._connect()
-        self.monitor = RankMonitor(self.channel, self.topology.world_size, heartbeat_timeout_s=self._heartbeat_timeout_s,
+        self._ranks = RankLink(self.channel)
+        self._links = [ReplicaLink(self.channel, r) for r in range(self.topology.dp_size)]
+        self.monitor = RankMonitor(self._ranks, self.topology.world_size, heartbeat_timeout_s=self._heartbeat_timeout_s,
                                    children=self._children, on_fault=self._fault, describe=self.describe_rank)
         self.monitor.start()
         pipeline = self._load_local(groups)
@@ -168,34 +106,31 @@ class MultiRankExecutor:
 
     def _execute_remote(self, replica: int, call: BatchCall) -> BatchOutcome:
         """Post the batch to the replica's leader; relay progress and cancellation until its report arrives."""
-        assert self.channel is not None
+        link = self._links[replica]
         seq = self._seq[replica]
         self._seq[replica] += 1
         live = [r for r in call.requests if not r.cancel_event.is_set()]
         if not live:
             return BatchOutcome()
         started = self._clock()
-        self.channel.post(batch_key(replica, seq), BatchMessage(
+        link.post_batch(BatchMessage(
             seq=seq, kind="batch", request_ids=tuple(r.request_id for r in live),
             params=tuple(r.params for r in live), max_rows=call.max_rows,
             compile_warmup=any(getattr(r, "ineligible_reason", None) == "warmup" for r in live)))
         steps_seen, cancelled = 0, False
         while True:
-            report = self.channel.poll(report_key(replica, seq))
+            report = link.poll_report(seq)
             if report is not None:
-                for key in (progress_key(replica, seq), progress_key(replica, seq) + "/total", cancel_key(replica, seq)):
-                    self.channel.store.delete_key(key)
                 return BatchOutcome(**report.fields())
             if not self.alive:
                 raise RankFault(self.monitor.fault if self.monitor else "the rank group is down")
-            done = self.channel.store.add(progress_key(replica, seq), 0)
+            done, total = link.read_progress(seq)
             if done > steps_seen and call.on_step is not None:
-                total = int(self.channel.store.get(progress_key(replica, seq) + "/total"))
                 for step in range(steps_seen, done):
                     call.on_step(step, total)
             steps_seen = max(steps_seen, done)
             if not cancelled and all(r.cancel_event.is_set() for r in live):
-                self.channel.store.set(cancel_key(replica, seq), b"1")
+                link.request_cancel(seq)
                 cancelled = True
             time.sleep(0.005 if self._clock() - started < 1 else 0.02)
 
@@ -203,15 +138,14 @@ class MultiRankExecutor:
         """Tell every rank to leave its loop, then wait a little for local child processes and stop the rest."""
         if self.monitor is not None:
             self.monitor.stop()
-        if self.channel is not None and self.alive:
+        if self._ranks is not None and self.alive:
             try:
                 if self.local is not None:
                     self.local.shutdown_followers()
                 for replica in range(1, self.topology.dp_size):
-                    self.channel.post(batch_key(replica, self._seq[replica]),
-                                      BatchMessage(seq=self._seq[replica], kind="shutdown"))
+                    self._links[replica].post_batch(BatchMessage(seq=self._seq[replica], kind="shutdown"))
                 for rank in range(1, self.topology.world_size):  # the store must outlive their last read
-                    self.channel.receive(bye_key(rank), timeout_s=10)
+                    self._ranks.wait_bye(rank, timeout_s=10)
             except Exception:  # the store may be gone with a faulty rank; the children are stopped below
                 logger.warning("not every rank confirmed the shutdown; stopping this host's ranks", exc_info=True)
         deadline = time.monotonic() + 10

@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diffuserve.executor.channel import StoreChannel
-from diffuserve.executor.messages import BatchMessage, BatchReport, CallMessage, StepMessage
+from diffuserve.executor.protocol import (
+    BatchMessage,
+    BatchReport,
+    CallMessage,
+    RankLink,
+    ReplicaLink,
+    StepMessage,
+)
 from diffuserve.executor.topology import Topology
 from diffuserve.executor.worker import run_batch
 from diffuserve.pipelines.base import BatchResult, Pipeline
@@ -31,35 +38,6 @@ logger = logging.getLogger("diffuserve.executor")
 
 class RankFault(RuntimeError):
     """A rank of the replica died, hung or fell out of step; the message names it."""
-
-
-def batch_key(replica: int, seq: int) -> str:
-    return f"batch/{replica}/{seq}"
-
-
-def report_key(replica: int, seq: int) -> str:
-    return f"report/{replica}/{seq}"
-
-
-def progress_key(replica: int, seq: int) -> str:
-    return f"progress/{replica}/{seq}"
-
-
-def cancel_key(replica: int, seq: int) -> str:
-    return f"cancel/{replica}/{seq}"
-
-
-def call_key(replica: int, seq: int, rank: int) -> str:
-    return f"call/{replica}/{seq}/{rank}"
-
-
-def ack_key(replica: int, seq: int, rank: int) -> str:
-    return f"ack/{replica}/{seq}/{rank}"
-
-
-def bye_key(rank: int) -> str:
-    """Posted by a rank leaving on a shutdown message, so rank 0 keeps the store up until everyone has read it."""
-    return f"bye/{rank}"
 
 
 def _warmup_placement(pipeline: Any, wanted: bool) -> Any:
@@ -112,10 +90,14 @@ class ReplicaPipeline:
     """observe(delivery_s, straggle_s) per call: how long the call message took to reach the slowest other rank,
     and how long the leader waited for their acknowledgements after its own part (the per-call overhead)."""
     _seq: int = field(default=0, init=False)
+    _link: ReplicaLink = field(init=False)
     _unsent_starts: list[tuple[tuple[str, SamplingParams], ...]] = field(default_factory=list, init=False)
     _sent: set[str] = field(default_factory=set, init=False)
     _dropped: set[str] = field(default_factory=set, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+
+    def __post_init__(self) -> None:
+        self._link = ReplicaLink(self.channel, self.topology.replica)
 
     def __getattr__(self, name: str) -> Any:  # describe_model, output_kind, supports_batching ...
         return getattr(self.pipeline, name)
@@ -124,7 +106,7 @@ class ReplicaPipeline:
         t = self.topology
         for rank in t.replica_ranks():
             if rank != t.rank:
-                self.channel.post(call_key(t.replica, self._seq, rank), CallMessage(seq=self._seq, kind="shutdown"))
+                self._link.post_call(rank, CallMessage(seq=self._seq, kind="shutdown"))
 
     # -- continuous batching: the StepRunner of executor/base.py, on every rank of the replica ----------------
     def start(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[Any]:
@@ -156,7 +138,7 @@ class ReplicaPipeline:
         seq, peers = self._next_seq()
         message = StepMessage(seq=seq, starts=starts, rows=tuple(ids), drops=drops, posted_at=time.time())
         for rank in peers:
-            self.channel.post(call_key(self.topology.replica, seq, rank), message)
+            self._link.post_call(rank, message)
         try:
             step_batch.denoise_step(self.pipeline, [state for _, state in rows])  # type: ignore[arg-type]
         finally:
@@ -172,8 +154,7 @@ class ReplicaPipeline:
         t, delivery = self.topology, 0.0
         for rank in peers:
             try:
-                ack = self.channel.receive(ack_key(t.replica, seq, rank), keep_waiting=self.is_alive,
-                                           timeout_s=self.timeout_s)
+                ack = self._link.receive_ack(seq, rank, self.is_alive, self.timeout_s)
             except Exception as exc:
                 raise RankFault(f"rank {rank} did not finish call {seq} of replica {t.replica} within "
                                 f"{self.timeout_s:.0f}s of rank {t.rank} ({exc})") from exc
@@ -199,7 +180,7 @@ class ReplicaPipeline:
         message = CallMessage(seq=seq, kind="call", params=tuple(batch), posted_at=time.time(),
                               compile_warmup=warming, latents_only=latents_only)
         for rank in peers:  # one key per reader: a read removes its key
-            self.channel.post(call_key(self.topology.replica, seq, rank), message)
+            self._link.post_call(rank, message)
         local_stop = hooks.get("should_stop")
 
         def should_stop() -> bool:  # every rank asks at the same step boundaries; the leader's answer wins
@@ -220,13 +201,12 @@ def follow_calls(pipeline: Pipeline, channel: StoreChannel, topology: Topology, 
     """A non-leader rank: run every pipeline call (or continuous step) its leader posts, until a shutdown call."""
     from diffuserve.pipelines import step_batch
 
-    seq = 0
+    seq, link = 0, ReplicaLink(channel, topology.replica)
     states: dict[str, Any] = {}  # continuous batching: each group request's rows on this rank
     while True:
-        message: CallMessage | StepMessage = channel.receive(call_key(topology.replica, seq, topology.rank),
-                                               keep_waiting=lambda: not stop.is_set())
+        message = link.receive_call(seq, topology.rank, keep_waiting=lambda: not stop.is_set())
         if message.kind == "shutdown":
-            channel.post(bye_key(topology.rank), "bye")
+            RankLink(channel).say_bye(topology.rank)
             return
         delivered = max(0.0, time.time() - message.posted_at)
         try:
@@ -246,7 +226,7 @@ def follow_calls(pipeline: Pipeline, channel: StoreChannel, topology: Topology, 
         except Exception as exc:  # the leader decides what the batch's answer is; this rank reports
             logger.exception("pipeline call %d failed on rank %d", seq, topology.rank)
             ack = f"failed on rank {topology.rank}: {type(exc).__name__}: {exc}"
-        channel.post(ack_key(topology.replica, seq, topology.rank), (ack, delivered))
+        link.post_ack(seq, topology.rank, (ack, delivered))
         seq += 1
 
 
@@ -262,22 +242,20 @@ class _Row:
 def lead_batches(replica_pipeline: ReplicaPipeline, channel: StoreChannel, topology: Topology,
                  stop: threading.Event) -> None:
     """The leader of a replica other than rank 0's: run each batch rank 0 posts and post its report back."""
-    seq, r = 0, topology.replica
+    seq, link = 0, ReplicaLink(channel, topology.replica)
     while True:
-        message: BatchMessage = channel.receive(batch_key(r, seq), keep_waiting=lambda: not stop.is_set())
+        message: BatchMessage = link.receive_batch(seq, keep_waiting=lambda: not stop.is_set())
         if message.kind == "shutdown":
             replica_pipeline.shutdown_followers()
-            channel.post(bye_key(topology.rank), "bye")
+            RankLink(channel).say_bye(topology.rank)
             return
         rows = [_Row(rid, p) for rid, p in zip(message.request_ids, message.params, strict=True)]
 
         def on_step(step: int, total: int, seq: int = seq) -> None:
-            if step == 0:
-                channel.store.set(progress_key(r, seq) + "/total", str(total).encode())
-            channel.store.add(progress_key(r, seq), 1)  # atomic: rank 0 reads it with add(0)
+            link.report_progress(seq, step, total)
 
-        replica_pipeline.also_stop = lambda seq=seq: channel.store.check([cancel_key(r, seq)])
+        replica_pipeline.also_stop = lambda seq=seq: link.cancelled(seq)
         with _warmup_placement(replica_pipeline.pipeline, message.compile_warmup):
             outcome = run_batch(replica_pipeline, rows, on_step=on_step, max_rows=message.max_rows)
-        channel.post(report_key(r, seq), BatchReport.of(seq, outcome))  # rank 0 removes the batch's other keys
+        link.post_report(BatchReport.of(seq, outcome))  # rank 0 removes the batch's other keys
         seq += 1

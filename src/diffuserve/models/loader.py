@@ -291,6 +291,9 @@ def load_pipeline(
     logger.info(
         "Loading %s (%s, family=%s, backend=%s)", model_path, spec.pipeline_class, spec.family, spec.backend
     )
+    # A checkpoint's own suggestions (tiny test models: `_diffuserve_defaults`) beat the family's published
+    # defaults on both backends. The loader reads them, so no adapter reaches back into models/.
+    suggested = registry.read_suggested_defaults(model_path)
     if spec.backend == "native":
         components = load_components(model_path, spec, device=torch_device, dtype=torch_dtype, placement=placement)
         # Pipeline-level settings of model_index.json (Wan2.2's boundary_ratio, expand_timesteps) ride along
@@ -304,9 +307,7 @@ def load_pipeline(
         except CheckpointError as exc:
             raise CheckpointError(f"checkpoint {model_path}: {exc.message}") from exc
         _place_unmanaged(pipeline, components, torch_device)
-        suggested = registry.read_suggested_defaults(model_path)
         if suggested:
-            # A checkpoint's own suggestions (tiny test models) beat the family's published defaults.
             pipeline.defaults = dataclasses.replace(pipeline.defaults, **suggested)
     else:
         from diffuserve.pipelines.diffusers_backend import DiffusersBackendPipeline
@@ -320,6 +321,9 @@ def load_pipeline(
             pipeline = DiffusersBackendPipeline.from_pretrained(
                 model_path, family=spec.family, device=torch_device, dtype=torch_dtype,
                 to_device=placement == "device",
+                # Handed in rather than applied afterwards: the adapter snaps a suggested size to its size
+                # multiple and ignores frames on an image pipeline.
+                suggested_defaults=suggested,
             )
         except CheckpointError as exc:
             # Name the class and the way out: a native family under another class name needs --model-id.

@@ -22,6 +22,7 @@ from typing import Any
 
 from diffuserve.errors import ConfigError
 from diffuserve.models.registry import DEFAULTS_KEY
+from diffuserve.paths import default_cache_dir
 
 DEFAULT_MODEL_NAME = "flux-demo-shapes-v3"
 """Folder name of the embedded default model under `$DIFFUSERVE_CACHE/models/` (bump on any change)."""
@@ -355,12 +356,6 @@ def build_tiny_checkpoint(family: str, output_dir: Path, *, preset: str = "tiny"
     else:
         build(output_dir)
     return output_dir
-
-
-def default_cache_dir() -> Path:
-    """`$DIFFUSERVE_CACHE`, or `~/.cache/diffuserve`."""
-    env = os.environ.get("DIFFUSERVE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "diffuserve"
 
 
 def install_demo_checkpoint(output_dir: Path) -> Path:

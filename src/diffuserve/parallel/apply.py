@@ -1,6 +1,6 @@
 """The plan's parallel modes applied to this rank's loaded pipeline, on the groups of executor/topology.py.
 
-Two phases, around the residency manager (launch.load_serving_pipeline):
+Two phases, around the residency manager (launch/setup.load_serving_pipeline):
   1. `shard_weights` — tensor parallel (weights become DTensor shards), then FSDP (whole blocks) — on the
      host-loaded model, BEFORE residency places anything: each shard goes to the rank's device as it is cut, so
      the device never holds the whole DiT.

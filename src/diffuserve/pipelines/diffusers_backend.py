@@ -38,7 +38,6 @@ from PIL import Image
 
 from diffuserve.errors import CheckpointError, InvalidRequestError, RequestCancelledError
 from diffuserve.families.base import SamplingDefaults
-from diffuserve.models.registry import read_suggested_defaults
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.base import (
     BatchResult,
@@ -217,10 +216,11 @@ class DiffusersBackendPipeline(Pipeline):
     @classmethod
     def from_pretrained(
         cls, model_path: Path, *, family: str = "unknown", device: torch.device, dtype: torch.dtype,
-        to_device: bool = True,
+        to_device: bool = True, suggested_defaults: dict[str, Any] | None = None,
     ) -> DiffusersBackendPipeline:
         """Load with `DiffusionPipeline.from_pretrained(..., local_files_only=True)`; `to_device=False` leaves
-        the weights on the host for the residency manager to place."""
+        the weights on the host for the residency manager to place. `suggested_defaults`: the checkpoint's own
+        (the loader reads them from model_index.json)."""
         from diffusers import DiffusionPipeline
 
         try:
@@ -233,8 +233,7 @@ class DiffusersBackendPipeline(Pipeline):
             pipe.to(device)
         if hasattr(pipe, "set_progress_bar_config"):
             pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, family=family, device=device, dtype=dtype,
-                   suggested_defaults=read_suggested_defaults(Path(model_path)))
+        return cls(pipe, family=family, device=device, dtype=dtype, suggested_defaults=suggested_defaults)
 
     def _declared_sequence_length(self, pipe: Any) -> int | None:
         """The call's `max_sequence_length` default, capped by the T5 tokenizer's (else the only tokenizer's)

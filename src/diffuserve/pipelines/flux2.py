@@ -50,7 +50,6 @@ from PIL import Image
 
 from diffuserve.errors import CheckpointError, InvalidRequestError
 from diffuserve.families import spec_for
-from diffuserve.models.registry import read_suggested_defaults
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
@@ -78,8 +77,8 @@ def _make_room(cache: dict) -> None:
 def _checkpoint_root(module: Any) -> Path | None:
     """The checkpoint folder `module` was loaded from (its component folder's parent), or None.
 
-    Pipeline-level facts (Klein's `is_distilled`, a tiny checkpoint's suggested defaults) live in its
-    model_index.json, and the loader hands adapters only the loaded components."""
+    Pipeline-level facts (Klein's `is_distilled`) live in its model_index.json, and the loader hands adapters
+    only the loaded components (it applies a checkpoint's suggested defaults itself)."""
     folder = getattr(getattr(module, "config", None), "_name_or_path", None)
     return Path(folder).parent if folder else None
 
@@ -118,8 +117,7 @@ class Flux2NativePipeline(stages.RecipePipeline):
 
     def __init__(self, *, transformer: Any, vae: Any, text_encoder: Any, tokenizer: Any, scheduler: Any,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 max_sequence_length: int = DEFAULT_SEQUENCE_LENGTH, model_index: dict[str, Any] | None = None,
-                 suggested_defaults: dict[str, Any] | None = None) -> None:
+                 max_sequence_length: int = DEFAULT_SEQUENCE_LENGTH, model_index: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.transformer = transformer
         self.vae = vae
@@ -141,7 +139,7 @@ class Flux2NativePipeline(stages.RecipePipeline):
         self.max_image_inputs = spec.max_image_inputs
         # RoPE is computed from the position ids on the fly: no positional table bounds the image size.
         self.max_width = self.max_height = None
-        self.defaults = self._defaults_from_checkpoint(spec.defaults, suggested_defaults or {})
+        self.defaults = self._defaults_from_checkpoint(spec.defaults)
         self._latent_ids: dict[tuple[int, int], torch.Tensor] = {}
         self._text_ids: dict[int, torch.Tensor] = {}
         self._schedules: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
@@ -173,22 +171,19 @@ class Flux2NativePipeline(stages.RecipePipeline):
                     list(cls.hidden_states_layers))
         return cls(transformer=components["transformer"], vae=components["vae"], text_encoder=text_encoder,
                    tokenizer=components["tokenizer"], scheduler=components["scheduler"], device=device, dtype=dtype,
-                   max_sequence_length=length, model_index=_model_index(root),
-                   suggested_defaults=read_suggested_defaults(root) if root else {})
+                   max_sequence_length=length, model_index=_model_index(root))
 
     # -- defaults and validation -------------------------------------------------------------------------
 
     def _family_defaults(self, defaults: Any) -> Any:
         return defaults
 
-    def _defaults_from_checkpoint(self, defaults: Any, suggested: dict[str, Any]) -> Any:
+    def _defaults_from_checkpoint(self, defaults: Any) -> Any:
         # Size: the VAE's `sample_size` (1024 for the published FLUX.2 VAE, diffusers' default 128 latent px x 8).
         size = int(getattr(self.vae.config, "sample_size", 0) or 128 * self.vae_scale_factor)
         size = max(self.size_multiple, size // self.size_multiple * self.size_multiple)
-        defaults = dataclasses.replace(self._family_defaults(defaults), width=size, height=size)
-        # What the checkpoint itself suggests wins (tiny checkpoints: 64x64, 4 steps).
-        known = {f.name for f in dataclasses.fields(defaults)}
-        return dataclasses.replace(defaults, **{k: v for k, v in suggested.items() if k in known})
+        # What the checkpoint itself suggests (tiny checkpoints: 64x64, 4 steps) wins: the loader applies it after.
+        return dataclasses.replace(self._family_defaults(defaults), width=size, height=size)
 
     def validate(self, params: Any) -> None:
         super().validate(params)

@@ -17,7 +17,7 @@ from types import FrameType
 import uvicorn
 
 from diffuserve.config.server_args import ServerArgs
-from diffuserve.launch import build_engine
+from diffuserve.launch.root import build_engine
 from diffuserve.server.app import create_app, open_results_store
 from diffuserve.server.context import ImageStore, ServerContext
 
@@ -83,7 +83,8 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(args: ServerArgs) -> int:
-    from diffuserve.launch_ranks import is_serving_process, serve_other_node
+    from diffuserve.launch.follower import serve_other_node
+    from diffuserve.launch.ranks import is_serving_process
 
     if not is_serving_process(args):  # another host's ranks, or a torchrun rank other than 0: no HTTP
         return serve_other_node(args)

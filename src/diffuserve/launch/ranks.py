@@ -1,10 +1,11 @@
-"""Starting and joining the ranks of a multi-rank deployment (`--num-gpus N`, several hosts, or torchrun).
+"""The process topology of a multi-rank deployment (`--num-gpus N`, several hosts, or torchrun): no model code.
 
-Roles: global rank 0 serves HTTP and hosts the engine (launch.build_engine builds a MultiRankExecutor); every
-other rank runs `serve_rank`: join the group, load its share of the model, then follow its replica's leader
-(or, as a replica leader, rank 0's batches) until shutdown. Without torchrun, the first process on each host
-starts that host's other ranks as child processes (`spawn`); under torchrun every rank is started by torchrun.
-Every rank meets at one TCP store: `--dist-init-addr` (node 0), or 127.0.0.1 and a free port on one host.
+Roles: global rank 0 serves HTTP and hosts the engine (launch/root.py builds a MultiRankExecutor); every other
+rank runs a follower (launch/follower.py): join the group, load its share of the model, then follow its
+replica's leader (or, as a replica leader, rank 0's batches) until shutdown. Without torchrun, the first process
+on each host starts that host's other ranks as child processes (`spawn`, running the entry point it is given);
+under torchrun every rank is started by torchrun. Every rank meets at one TCP store: `--dist-init-addr`
+(node 0), or 127.0.0.1 and a free port on one host.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import os
 import signal
 import socket
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +80,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def plan_num_gpus(args: ServerArgs) -> int:
+    """The ranks the flags ask for (--num-gpus, 1 when unset), before any plan is resolved."""
+    return (args.deployment.num_gpus if args.deployment is not None else None) or 1
+
+
 def launch_info(args: ServerArgs, num_gpus: int) -> LaunchInfo | None:
     """None for a one-rank deployment; else how this (first-on-its-host, or torchrun) process joins."""
     if under_torchrun():
@@ -122,8 +130,15 @@ def connect(info: LaunchInfo, device: str, timeout_s: float) -> tuple[Any, Any]:
     return store, backend
 
 
-def spawn_local_ranks(args: ServerArgs, info: LaunchInfo) -> dict[int, Any]:
-    """Start this host's other ranks (child processes); returns global rank -> process."""
+RankEntry = Callable[[ServerArgs, LaunchInfo], int]
+"""A rank's main function: (args, its LaunchInfo) -> exit code. Module-level, so a spawned child can unpickle it."""
+
+
+def spawn_local_ranks(args: ServerArgs, info: LaunchInfo, entry: RankEntry) -> dict[int, Any]:
+    """Start this host's other ranks as child processes running `entry`; returns global rank -> process.
+
+    The entry point is an argument (launch/follower.py passes its `serve_rank`) so that the topology knows nothing
+    of what a rank runs."""
     import multiprocessing
 
     if info.torchrun:
@@ -132,94 +147,43 @@ def spawn_local_ranks(args: ServerArgs, info: LaunchInfo) -> dict[int, Any]:
     children = {}
     for local_rank in range(1, info.local_world_size):
         child = dataclasses.replace(info, rank=info.rank + local_rank, local_rank=local_rank)
-        process = context.Process(target=_child_main, args=(args, child), name=f"diffuserve-rank{child.rank}",
+        process = context.Process(target=_child_main, args=(entry, args, child), name=f"diffuserve-rank{child.rank}",
                                   daemon=True)
         process.start()
         children[child.rank] = process
     return children
 
 
-def _child_main(args: ServerArgs, info: LaunchInfo) -> None:
+def _child_main(entry: RankEntry, args: ServerArgs, info: LaunchInfo) -> None:
     # A terminal's Ctrl-C reaches every process of the group: rank 0 drains and then stops the others.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os._exit(serve_rank(args, info))
+    os._exit(entry(args, info))
 
 
 def rank_description(info: LaunchInfo, device: str) -> dict[str, Any]:
+    """What /server_info shows of this rank."""
     return {"rank": info.rank, "pid": os.getpid(), "host": socket.gethostname(), "local_rank": info.local_rank,
             "device": device}
 
 
-def _configure_rank_logging(args: ServerArgs, rank: int) -> None:
+def configure_rank_logging(args: ServerArgs, rank: int) -> None:
+    """Every log line of a rank without HTTP names its rank."""
     logging.basicConfig(level=args.log_level.upper(), force=True,
                         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
 
 
-def _heartbeat(channel: Any, rank: int) -> None:
+def _heartbeat(beat: Callable[[], None], rank: int) -> None:
     """Beat every second; when the store is gone (rank 0 exited) this rank exits too."""
-    import time
-
     while True:
         try:
-            channel.beat(rank)
+            beat()
         except Exception:
             logger.error("rank %d: lost the rank-0 store; exiting", rank)
             os._exit(1)
         time.sleep(_HEARTBEAT_INTERVAL_S)
 
 
-def serve_rank(args: ServerArgs, info: LaunchInfo) -> int:
-    """A rank that does not serve HTTP: join, load its share, follow until shutdown. Returns the exit code."""
-    from diffuserve.executor.channel import ChannelClosed, StoreChannel
-    from diffuserve.executor.replica import ReplicaPipeline, StepSync, follow_calls, lead_batches
-    from diffuserve.executor.topology import Topology, build_groups
-    from diffuserve.launch import load_rank_pipeline, prepare_rank
-
-    _configure_rank_logging(args, info.rank)
-    channel = None
-    try:
-        setup = prepare_rank(args, info, log_plan=False)
-        store, _ = connect(info, setup.device, args.dist_timeout_s)
-        channel = StoreChannel(store)
-        channel.publish_rank(info.rank, rank_description(info, setup.device))
-        threading.Thread(target=_heartbeat, args=(channel, info.rank), name="diffuserve-heartbeat", daemon=True).start()
-        topology = Topology.from_plan(setup.deployment.plan, rank=info.rank, local_rank=info.local_rank)
-        groups = build_groups(topology, "cuda" if setup.device.startswith("cuda") else "cpu")
-        pipeline = load_rank_pipeline(args, setup, groups)
-        sync = StepSync(groups.control, topology.leader, topology.ranks_per_replica)
-        stop = threading.Event()
-        logger.info("rank %d ready (replica %d, %s)", info.rank, topology.replica,
-                    "leader" if topology.is_leader else f"follows rank {topology.leader}")
-        if topology.is_leader:
-            lead_batches(ReplicaPipeline(pipeline, channel, topology, args.dist_timeout_s, sync=sync), channel,
-                         topology, stop)
-        else:
-            follow_calls(pipeline, channel, topology, sync, stop)
-        logger.info("rank %d: shutdown", info.rank)
-        return 0
-    except ChannelClosed as exc:
-        logger.error("rank %d: %s; exiting", info.rank, exc)
-        return 1
-    except Exception as exc:
-        logger.exception("rank %d failed", info.rank)
-        if channel is not None:
-            try:
-                channel.report_fault(info.rank, f"{type(exc).__name__}: {exc}")
-            except Exception:
-                pass
-        return 1
-
-
-def serve_other_node(args: ServerArgs) -> int:
-    """`serve` on a host other than node 0 (or a torchrun rank other than 0): this host's ranks, no HTTP."""
-    from diffuserve.launch import resolve_plan_num_gpus
-
-    info = launch_info(args, resolve_plan_num_gpus(args))
-    assert info is not None
-    children = spawn_local_ranks(args, info)
-    code = serve_rank(args, info)
-    for child in children.values():
-        child.join(10)
-        if child.exitcode is None:
-            child.kill()
-    return code
+def start_heartbeat(beat: Callable[[], None], rank: int) -> None:
+    """Call `beat()` every second from a daemon thread, for as long as this process lives (rank 0's monitor
+    declares a rank whose beats stop hung)."""
+    threading.Thread(target=_heartbeat, args=(beat, rank), name="diffuserve-heartbeat", daemon=True).start()

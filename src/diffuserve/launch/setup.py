@@ -1,21 +1,21 @@
-"""Composition root shared by `serve` and `generate`: args -> model path, plan, scheduler, engine.
+"""One rank's set-up, the same on every rank: checkpoint, device and plan, then
+load -> shard -> residency -> parallel -> compile -> (operator-only) fault injection.
 
-This is the only module that knows every layer; each layer below it only knows its own inputs.
+Used by the serving root (launch/root.py) for rank 0 or a single process and by every follower
+(launch/follower.py); it knows nothing of HTTP, the scheduler or the engine loop.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from diffuserve.config.server_args import ServerArgs
-from diffuserve.engine.engine import AsyncEngine
-from diffuserve.engine.metrics import BatchingStats, EngineMetrics
-from diffuserve.engine.scheduler import DynamicBatcher
-from diffuserve.errors import ConfigError
+from diffuserve.engine.metrics import EngineMetrics
+from diffuserve.launch.ranks import LaunchInfo, hosts_of
 from diffuserve.pipelines.base import Pipeline
 
 logger = logging.getLogger("diffuserve")
@@ -70,15 +70,6 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 
-def build_batcher(args: ServerArgs, slots: int = 1) -> DynamicBatcher:
-    config = args.batching.with_rules()  # the scheduler validates it
-    if config.mode == "continuous":
-        from diffuserve.engine.step_scheduler import StepScheduler
-
-        return StepScheduler(config, model_names=args.model_names)
-    return DynamicBatcher(config, model_names=args.model_names, slots=slots)
-
-
 @dataclass
 class ResolvedDeployment:
     plan: Any
@@ -103,8 +94,6 @@ def plan_deployment(args: ServerArgs, model_path: Path, device: str, *, log_plan
     from diffuserve.hardware import detect_hardware
 
     hardware = detect_hardware(device)
-    from diffuserve.launch_ranks import hosts_of
-
     plan = resolve_deployment(args.deployment or DeploymentArgs(), model_path, model_id=args.model_id,
                               dtype=resolve_dtype(args.dtype, device), hardware=hardware, hosts=hosts_of(args))
     if log_plan:
@@ -169,11 +158,7 @@ class RankSetup:
     """The plan (identical on every rank: same flags, same checkpoint headers)."""
 
 
-def resolve_plan_num_gpus(args: ServerArgs) -> int:
-    return (args.deployment.num_gpus if args.deployment is not None else None) or 1
-
-
-def prepare_rank(args: ServerArgs, info: Any, *, log_plan: bool = True) -> RankSetup:
+def prepare_rank(args: ServerArgs, info: LaunchInfo | None, *, log_plan: bool = True) -> RankSetup:
     """Validate, find the checkpoint, resolve the plan for this rank's device, size its thread pool."""
     args.validate()
     model_path = resolve_model_path(args)
@@ -188,91 +173,3 @@ def prepare_rank(args: ServerArgs, info: Any, *, log_plan: bool = True) -> RankS
 def load_rank_pipeline(args: ServerArgs, setup: RankSetup, groups: Any, metrics: EngineMetrics | None = None) -> Pipeline:
     """One rank's pipeline: loaded, with residency and this rank's share of the plan's parallel modes."""
     return load_serving_pipeline(args, setup.model_path, setup.device, setup.deployment, metrics, groups)
-
-
-def _multi_rank_executor(args: ServerArgs, info: Any, setup: RankSetup, metrics: EngineMetrics) -> Any:
-    """Rank 0's executor: start this host's other ranks now; join them and load in the engine's thread."""
-    from diffuserve.executor.channel import StoreChannel
-    from diffuserve.executor.multirank import MultiRankExecutor
-    from diffuserve.executor.topology import Topology, build_groups
-    from diffuserve.launch_ranks import connect, rank_description, spawn_local_ranks
-
-    plan = setup.deployment.plan
-    if args.batching_mode == "continuous" and plan.dp_size > 1:
-        raise ConfigError(f"--batching-mode continuous runs one denoise group, on one replica; --dp-size {plan.dp_size} "
-                          "(or ranks no parallel degree uses) needs dynamic batching, or give degrees that fill "
-                          "--num-gpus.", param="batching_mode")
-    topology = Topology.from_plan(plan, rank=0, local_rank=0)
-    children = spawn_local_ranks(args, info)
-    logger.info("ranks: %d over %d host(s); %d replica(s) of %d rank(s); rank 0 serves HTTP",
-                plan.num_gpus, args.nnodes, plan.dp_size, plan.ranks_per_replica)
-
-    def join() -> tuple[StoreChannel, Any]:
-        store, _ = connect(info, setup.device, args.dist_timeout_s)
-        channel = StoreChannel(store)
-        channel.publish_rank(0, rank_description(info, setup.device))
-        return channel, build_groups(topology, "cuda" if setup.device.startswith("cuda") else "cpu")
-
-    return MultiRankExecutor(topology, connect=join, load_local=lambda groups: load_rank_pipeline(args, setup, groups, metrics),
-                             children=children, heartbeat_timeout_s=args.dist_heartbeat_timeout_s,
-                             timeout_s=args.dist_timeout_s,
-                             observe_call=metrics.observe_rank_call if metrics is not None else None)
-
-
-def open_pipeline(args: ServerArgs) -> tuple[Any, Any]:
-    """`generate`'s pipeline: this process's own, or (with several ranks) replica 0's, whose calls run on every
-    rank of it. Returns (pipeline, close); close() stops the other ranks. A rank fault ends the process (1)."""
-    from diffuserve.launch_ranks import launch_info
-
-    info = launch_info(args, resolve_plan_num_gpus(args))
-    setup = prepare_rank(args, info)
-    if info is None:
-        return load_rank_pipeline(args, setup, None), lambda: None
-    if setup.deployment.plan.dp_size > 1:
-        raise ConfigError(f"generate runs its prompts on one replica; --dp-size {setup.deployment.plan.dp_size} "
-                          "(or ranks no parallel degree uses) needs `serve`. Give degrees that fill --num-gpus.",
-                          param="dp_size")
-    executor = _multi_rank_executor(args, info, setup, None)
-
-    def fault(message: str) -> None:
-        logger.error("exiting: %s", message)
-        executor.shutdown()
-        os._exit(1)
-
-    executor.on_fault = fault
-    executor.load()
-    return executor.local, executor.shutdown
-
-
-def build_engine(args: ServerArgs) -> tuple[AsyncEngine, EngineMetrics, dict | None]:
-    """Everything `serve` needs except HTTP. The model loads in the engine's thread (after HTTP is up); with
-    several ranks, this host's other ranks start here and everyone joins in the engine's thread."""
-    from diffuserve.launch_ranks import launch_info
-
-    info = launch_info(args, resolve_plan_num_gpus(args))
-    setup = prepare_rank(args, info)
-    metrics = EngineMetrics()
-    if setup.device.startswith("cuda"):
-        metrics.watch_cuda_memory(setup.device)
-    plan = setup.deployment.plan
-    scheduler = build_batcher(args, slots=plan.dp_size)
-    stats = BatchingStats(metrics, log_enabled=args.enable_batching_metrics)
-    executor: Any = None
-    if info is not None:
-        executor = _multi_rank_executor(args, info, setup, metrics)
-
-    def load() -> Pipeline:
-        return load_rank_pipeline(args, setup, None, metrics)
-
-    engine = AsyncEngine(
-        executor if executor is not None else load,
-        scheduler,
-        config=replace(args.engine, warmup_resolutions=[
-            tuple(int(v) for v in r.lower().split("x")) for r in plan.warmup_resolutions]),
-        metrics=metrics,
-        batching_stats=stats,
-        model_name=args.public_model_name,
-    )
-    if executor is not None:
-        executor.on_fault = engine.fail_rank
-    return engine, metrics, plan.to_dict()
