@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from diffuserve.families import FamilySpec, ProfileFacts, all_specs
 
@@ -48,8 +49,8 @@ def _code(items: Iterable[str]) -> str:
     return ", ".join(f"`{item}`" for item in items) or "–"
 
 
-def _fact(spec: FamilySpec, name: str) -> object:
-    """A fact from the spec itself or, failing that, its plan profile (where a field lives may move)."""
+def _fact(spec: FamilySpec, name: str) -> Any:
+    """A fact from the spec itself or, failing that, its plan profile (so a field may move between the two)."""
     return getattr(spec, name) if hasattr(spec, name) else getattr(spec.profile, name)
 
 
@@ -92,7 +93,7 @@ def _cfg_parallel(spec: FamilySpec) -> str:
     # The start-up rules (parallel/cfg_parallel.py): a native adapter is needed, and a doubled-batch CFG refuses it.
     if not spec.has_native:
         return "no (diffusers backend)"
-    return "no (doubled batch)" if spec.profile.cfg_batched else "yes"
+    return "no (doubled batch)" if _fact(spec, "cfg_batched") else "yes"
 
 
 def _gib(value: float | None) -> str:
@@ -117,15 +118,15 @@ SERVING_COLUMNS: tuple[Column, ...] = (
 
 PLAN_COLUMNS: tuple[Column, ...] = (
     Column("Family", lambda s: f"`{s.name}`"),
-    Column("CFG by default", lambda s: _yes(s.profile.default_uses_cfg)),
+    Column("CFG by default", lambda s: _yes(_fact(s, "default_uses_cfg"))),
     Column("CFG parallel", _cfg_parallel),
-    Column("Sequence parallel", lambda s: _yes(s.profile.sequence_parallel and s.has_native)),
-    Column("Tensor parallel", lambda s: _yes(s.profile.tensor_parallel and s.has_native)),
-    Column("Layer-wise DiT in presets", lambda s: _yes(s.profile.dit_supports_layerwise)),
-    Column("FSDP instead of offload", lambda s: _yes(s.profile.fsdp_can_replace_dit_offload)),
-    Column("Compile validated", lambda s: _yes(s.profile.compile_validated)),
-    Column("DiT resident from (GiB)", lambda s: _gib(s.profile.dit_resident_threshold_gib)),
-    Column("VAE resident from (GiB)", lambda s: _gib(s.profile.vae_resident_threshold_gib)),
+    Column("Sequence parallel", lambda s: _yes(_fact(s, "sequence_parallel") and s.has_native)),
+    Column("Tensor parallel", lambda s: _yes(_fact(s, "tensor_parallel") and s.has_native)),
+    Column("Layer-wise DiT in presets", lambda s: _yes(_fact(s, "dit_supports_layerwise"))),
+    Column("FSDP instead of offload", lambda s: _yes(_fact(s, "fsdp_can_replace_dit_offload"))),
+    Column("Compile validated", lambda s: _yes(_fact(s, "compile_validated"))),
+    Column("DiT resident from (GiB)", lambda s: _gib(_fact(s, "dit_resident_threshold_gib"))),
+    Column("VAE resident from (GiB)", lambda s: _gib(_fact(s, "vae_resident_threshold_gib"))),
     Column("Plan defaults of", lambda s: f"`{s.base_family}`" if s.base_family else "–"),
 )
 """What `diffuserve plan` and start-up read (`ProfileFacts`)."""
