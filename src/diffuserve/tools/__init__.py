@@ -1,0 +1,1 @@
+"""Tools around the product (documentation generators); nothing in the serving path imports them."""
