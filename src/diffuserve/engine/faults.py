@@ -17,8 +17,9 @@ a request-level pipeline call whose prompts contain `<marker>`, every denoising 
 after that the call runs freely). It holds on every rank that runs the call (each rank's pipeline is wrapped), so
 the ranks stay at one step boundary. Tests arm it by deleting the file, see the request running (it cannot finish
 while held, however fast the machine), make the condition under test happen (a deadline passes, a client leaves,
-the queue fills) and create the file: the engine sees the condition at the held step's boundary. Continuous-mode
-steps are not held.
+the queue fills) and create the file: the engine sees the condition at the held step's boundary. In continuous
+mode each step of a group with a marked row waits the same way before it runs (`check_step`, rank 0 only: the
+other ranks wait for its step message).
 """
 
 from __future__ import annotations
@@ -54,24 +55,32 @@ class StepHold:
     release: Path
     """The steps go on once this file exists."""
 
+    def marks(self, batch: list[Any]) -> bool:
+        return any(self.marker in p.prompt for p in batch)
+
+    def wait(self, what: str) -> bool:
+        """Wait for the release file; False when it did not appear within HOLD_STEP_TIMEOUT_S."""
+        if self.release.exists():
+            return True
+        logger.warning("fault injection: holding %s until %s exists", what, self.release)
+        deadline = time.monotonic() + HOLD_STEP_TIMEOUT_S
+        while not self.release.exists():
+            if time.monotonic() > deadline:
+                logger.warning("fault injection: %s never appeared; going on", self.release)
+                return False
+            time.sleep(_POLL_S)
+        return True
+
     def wrap(self, batch: list[Any], on_step: Callable[[int, int], None] | None) -> Callable[[int, int], None] | None:
         """`on_step` for a call of `batch`: held until released when a prompt contains the marker."""
-        if not any(self.marker in p.prompt for p in batch):
+        if not self.marks(batch):
             return on_step
         gave_up = False
 
         def held(step: int, num_steps: int) -> None:
             nonlocal gave_up
-            if not gave_up and not self.release.exists():
-                logger.warning("fault injection: holding denoising step %d/%d until %s exists", step + 1, num_steps,
-                               self.release)
-                deadline = time.monotonic() + HOLD_STEP_TIMEOUT_S
-                while not self.release.exists():
-                    if time.monotonic() > deadline:
-                        logger.warning("fault injection: %s never appeared; the call runs on", self.release)
-                        gave_up = True
-                        break
-                    time.sleep(_POLL_S)
+            if not gave_up:
+                gave_up = not self.wait(f"denoising step {step + 1}/{num_steps}")
             if on_step is not None:
                 on_step(step, num_steps)
 
@@ -116,9 +125,11 @@ class FaultInjectingPipeline:
             raise InjectedFault(f"injected fault: a prompt in this batch contains {self._marker!r}")
 
     def check_step(self, batch: list[Any]) -> None:
-        """Continuous mode: the same fault for a denoising step whose rows include the marker."""
+        """Continuous mode, before each step: the same fault (and hold) for a step whose rows include the marker."""
         if self._marker and any(self._marker in p.prompt for p in batch):
             raise InjectedFault(f"injected fault: a prompt in this denoising step contains {self._marker!r}")
+        if self._step_hold is not None and self._step_hold.marks(batch):
+            self._step_hold.wait("a continuous denoising step")
 
 
 def maybe_inject_faults(pipeline: Pipeline) -> Pipeline | FaultInjectingPipeline:
