@@ -38,8 +38,11 @@ class StepHold:
         """From now on marked requests wait at their denoising steps."""
         self.release_file.unlink(missing_ok=True)
 
-    def release(self) -> None:
-        self.release_file.touch()
+    def release(self, steps: int | None = None) -> None:
+        """Let every held step go on, or (`steps`) steps 1..steps of each marked call only."""
+        staged = self.release_file.with_suffix(".staged")
+        staged.write_text("" if steps is None else str(steps))
+        staged.replace(self.release_file)  # atomic: the server never reads a half-written number
 
     def release_when(self, condition: Callable[[], bool], timeout_s: float = 120) -> threading.Thread:
         """Release from a background thread once `condition()` holds (or after `timeout_s`, so nothing hangs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,3 +86,20 @@ def test_hold_step_needs_an_absolute_release_path(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "hold:SIDE")
     inner = _Loop()
     assert maybe_inject_faults(inner) is inner  # type: ignore[arg-type]
+
+
+def test_a_numbered_release_lets_that_many_steps_go_on(monkeypatch, tmp_path):
+    inner = _Loop(steps=4)
+    pipeline, release = _wrapped(monkeypatch, tmp_path, inner)
+    release.write_text("2")
+    thread = threading.Thread(target=lambda: pipeline.run([_Params("HOLD")]))
+    thread.start()
+    give_up = time.monotonic() + WAIT_S
+    while len(inner.reported) < 2:  # steps 1 and 2 are released
+        assert time.monotonic() < give_up, inner.reported
+        time.sleep(0.01)
+    thread.join(0.2)  # step 3 waits (a broken hold would finish here)
+    assert thread.is_alive() and inner.reported == [0, 1]
+    release.write_text("")
+    thread.join(WAIT_S)
+    assert inner.reported == [0, 1, 2, 3]

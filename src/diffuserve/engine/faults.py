@@ -17,8 +17,9 @@ a request-level pipeline call whose prompts contain `<marker>`, every denoising 
 after that the call runs freely). It holds on every rank that runs the call (each rank's pipeline is wrapped), so
 the ranks stay at one step boundary. Tests arm it by deleting the file, see the request running (it cannot finish
 while held, however fast the machine), make the condition under test happen (a deadline passes, a client leaves,
-the queue fills) and create the file: the engine sees the condition at the held step's boundary. In continuous
-mode each step of a group with a marked row waits the same way before it runs (`check_step`, rank 0 only: the
+the queue fills) and create the file: the engine sees the condition at the held step's boundary. A file holding a
+number N releases steps 1..N only (step N + 1 waits again: a test can let a run reach a preview, then hold it);
+an empty file releases all. In continuous mode each step of a group with a marked row waits the same way before it runs (`check_step`, rank 0 only: the
 other ranks wait for its step message).
 """
 
@@ -53,20 +54,28 @@ class StepHold:
     marker: str
     """A prompt containing this holds its call's denoising steps."""
     release: Path
-    """The steps go on once this file exists."""
+    """The steps go on once this file exists (up to the step number it holds, if any)."""
 
     def marks(self, batch: list[Any]) -> bool:
         return any(self.marker in p.prompt for p in batch)
 
-    def wait(self, what: str) -> bool:
-        """Wait for the release file; False when it did not appear within HOLD_STEP_TIMEOUT_S."""
-        if self.release.exists():
+    def _releases(self, step: int | None) -> bool:
+        try:
+            text = self.release.read_text().strip()
+        except FileNotFoundError:
+            return False
+        return not text.isdigit() or step is None or step <= int(text)
+
+    def wait(self, what: str, step: int | None = None) -> bool:
+        """Wait until the release file lets (1-based) `step` go on; False when it did not within
+        HOLD_STEP_TIMEOUT_S."""
+        if self._releases(step):
             return True
-        logger.warning("fault injection: holding %s until %s exists", what, self.release)
+        logger.warning("fault injection: holding %s until %s releases it", what, self.release)
         deadline = time.monotonic() + HOLD_STEP_TIMEOUT_S
-        while not self.release.exists():
+        while not self._releases(step):
             if time.monotonic() > deadline:
-                logger.warning("fault injection: %s never appeared; going on", self.release)
+                logger.warning("fault injection: %s never released %s; going on", self.release, what)
                 return False
             time.sleep(_POLL_S)
         return True
@@ -80,7 +89,7 @@ class StepHold:
         def held(step: int, num_steps: int) -> None:
             nonlocal gave_up
             if not gave_up:
-                gave_up = not self.wait(f"denoising step {step + 1}/{num_steps}")
+                gave_up = not self.wait(f"denoising step {step + 1}/{num_steps}", step + 1)
             if on_step is not None:
                 on_step(step, num_steps)
 
