@@ -126,7 +126,7 @@ def test_edits_are_never_merged(dynamic_server):
     with ThreadPoolExecutor(3) as pool:
         try:
             held = pool.submit(httpx.post, f"{dynamic_server.base_url}/v1/images/generations", timeout=120,
-                               json={"prompt": f"held {StepHold.MARKER}", "size": "64x64", "num_inference_steps": 2})
+                               json={"prompt": f"held {StepHold.MARKER}", "size": "32x32", "num_inference_steps": 2})
             _wait(lambda: running(dynamic_server))
             generation = pool.submit(httpx.post, f"{dynamic_server.base_url}/v1/images/generations", timeout=120,
                                      json={"prompt": "head", "size": "64x64", "num_inference_steps": 3})
