@@ -54,12 +54,13 @@ def dynamic_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.fixture(scope="session")
 def wan_server(tiny_wan_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """Tiny Wan2.1 text-to-video, dynamic batching of 2 (shared by the video API tests)."""
+    """Tiny Wan2.1 text-to-video, dynamic batching of 2 (shared by the video API tests); `StepHold.MARKER`
+    prompts wait at their steps for the test's release."""
     logs = tmp_path_factory.mktemp("videos")
     server = ServerProcess(["--model-path", str(tiny_wan_path), "--served-model-name", "tiny-wan",
                             "--batching-mode", "dynamic", "--batching-max-size", "2",
                             "--max-inference-steps", str(LONG_STEPS), "--max-queue-size", "0"],
-                           logs / "server.log")
+                           logs / "server.log", env=StepHold(logs).env())
     server.start()
     yield server
     server.stop()
