@@ -165,11 +165,27 @@ def test_merged_batch_under_cfg_parallel_equals_its_singletons(cfg_server, refer
     merged_before = sum(_metric(cfg_server, "diffuserve_batch_merged_dispatches_total").values())
     prompts = [("a cat on a long sandy beach", 5), ("a dog", 6)]
     images: dict[int, np.ndarray] = {}
+    # They meet in the queue behind a held request, however slowly they arrive (not within the batching delay).
+    hold = _hold(cfg_server)
+    hold.arm()
+    wait_idle(cfg_server)
+    held = threading.Thread(target=lambda: _generate(cfg_server, f"held {StepHold.MARKER}", 7, steps=2))
     threads = [threading.Thread(target=lambda p=p, s=s: images.__setitem__(s, _generate(cfg_server, p, s)))
                for p, s in prompts]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
+    held.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not running(cfg_server):
+            assert time.monotonic() < deadline, "the held request never started"
+            time.sleep(0.05)
+        for thread in threads:
+            thread.start()
+        while sum(_metric(cfg_server, "diffuserve_queue_depth").values()) < 2:
+            assert time.monotonic() < deadline, "the two requests never queued"
+            time.sleep(0.05)
+    finally:
+        hold.release()
+    for thread in [held, *threads]:
         thread.join(120)
     assert sum(_metric(cfg_server, "diffuserve_batch_merged_dispatches_total").values()) == merged_before + 1
     for prompt, seed in prompts:
