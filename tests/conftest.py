@@ -52,14 +52,15 @@ STREAMING_API_KEY = "stream-test-key"
 @pytest.fixture(scope="session")
 def streaming_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory):
     """A tiny-FLUX server with dynamic batching and an API key, shared by the streaming, request-field
-    and playground (browser) tests."""
+    and playground (browser) tests; `StepHold.MARKER` prompts wait at their steps for the test's release."""
     from tests.serverproc import ServerProcess
+    from tests.step_hold import StepHold
 
     logs = tmp_path_factory.mktemp("streaming")
     server = ServerProcess(["--model-path", str(tiny_flux_path), "--served-model-name", "tiny-flux-stream",
                             "--batching-mode", "dynamic", "--batching-max-size", "4", "--batching-delay-ms", "300",
                             "--enable-batching-metrics", "--max-inference-steps", "400", "--api-key", STREAMING_API_KEY],
-                           logs / "server.log")
+                           logs / "server.log", env=StepHold(logs).env())
     server.start(timeout_s=180)
     yield server
     server.stop()

@@ -34,6 +34,7 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serverproc import REPO, ServerProcess, free_port
+from tests.step_hold import StepHold, running, seconds_after_running, wait_idle
 
 ENV = {"OMP_NUM_THREADS": "1", "DIFFUSERVE_FAULT_INJECTION": "prompt:BOOM"}
 CFG = {"negative_prompt": "blurry", "true_cfg_scale": 4.0}
@@ -68,8 +69,14 @@ def reference(tiny_flux_path: Path):
 
 
 def _start(tiny_flux_path: Path, tmp: Path, *flags: str) -> ServerProcess:
+    """A server whose ranks also hold marked requests' steps (`tests/step_hold.py`, release file beside the log)."""
     return ServerProcess(args=["--model-path", str(tiny_flux_path), "--device", "cpu", *flags],
-                         log_path=tmp / "server.log", env=ENV).start(timeout_s=300)
+                         log_path=tmp / "server.log",
+                         env={**ENV, **StepHold(tmp).env(fail_marker="BOOM")}).start(timeout_s=300)
+
+
+def _hold(server: ServerProcess) -> StepHold:
+    return StepHold(server.log_path.parent)
 
 
 def _metric(server: ServerProcess, name: str) -> dict[tuple, float]:
@@ -89,13 +96,17 @@ def _wait_exit(server: ServerProcess, timeout_s: float = 60) -> int:
 
 
 def _fault_follows(server: ServerProcess, rank: int, how: int, expected: str) -> None:
-    """Hurt `rank` while a long request runs: the request fails naming it, /health 503, exit non-zero."""
+    """Hurt `rank` while a long request runs: the request fails naming it, /health 503, exit non-zero. The request
+    is held at a step until the rank is hurt, so it is mid-run then however fast the machine is."""
     pid = _rank_pid(server, rank)
     outcome: dict[str, BaseException | None] = {}
+    hold = _hold(server)
+    hold.arm()
+    wait_idle(server)  # the batch seen running below is this request's
 
     def slow() -> None:
         try:
-            _generate(server, "a long one", seed=3, steps=190)
+            _generate(server, f"a long one {StepHold.MARKER}", seed=3, steps=190)
             outcome["error"] = None
         except BaseException as exc:  # the assertion below reports it
             outcome["error"] = exc
@@ -103,12 +114,13 @@ def _fault_follows(server: ServerProcess, rank: int, how: int, expected: str) ->
     thread = threading.Thread(target=slow)
     thread.start()
     deadline = time.monotonic() + 60
-    while not any(_metric(server, "diffuserve_running_batch_size").values()):  # gate on observed state
+    while not running(server):  # gate on observed state (held at a step: it cannot finish meanwhile)
         assert time.monotonic() < deadline, "the long request never started"
         time.sleep(0.05)
     os.kill(pid, how)
     try:
-        thread.join(90)
+        thread.join(90)  # answered by the rank monitor while rank 0 still holds the step
+        hold.release()
         assert not thread.is_alive(), "the in-flight request was never answered"
         error = outcome["error"]
         assert isinstance(error, openai.APIStatusError), error
@@ -121,6 +133,7 @@ def _fault_follows(server: ServerProcess, rank: int, how: int, expected: str) ->
         assert code != 0, server.log()[-3000:]
         assert f"rank {rank}" in server.log()
     finally:
+        hold.release()
         if how == signal.SIGSTOP:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -152,11 +165,27 @@ def test_merged_batch_under_cfg_parallel_equals_its_singletons(cfg_server, refer
     merged_before = sum(_metric(cfg_server, "diffuserve_batch_merged_dispatches_total").values())
     prompts = [("a cat on a long sandy beach", 5), ("a dog", 6)]
     images: dict[int, np.ndarray] = {}
+    # They meet in the queue behind a held request, however slowly they arrive (not within the batching delay).
+    hold = _hold(cfg_server)
+    hold.arm()
+    wait_idle(cfg_server)
+    held = threading.Thread(target=lambda: _generate(cfg_server, f"held {StepHold.MARKER}", 7, steps=2))
     threads = [threading.Thread(target=lambda p=p, s=s: images.__setitem__(s, _generate(cfg_server, p, s)))
                for p, s in prompts]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
+    held.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not running(cfg_server):
+            assert time.monotonic() < deadline, "the held request never started"
+            time.sleep(0.05)
+        for thread in threads:
+            thread.start()
+        while sum(_metric(cfg_server, "diffuserve_queue_depth").values()) < 2:
+            assert time.monotonic() < deadline, "the two requests never queued"
+            time.sleep(0.05)
+    finally:
+        hold.release()
+    for thread in [held, *threads]:
         thread.join(120)
     assert sum(_metric(cfg_server, "diffuserve_batch_merged_dispatches_total").values()) == merged_before + 1
     for prompt, seed in prompts:
@@ -171,9 +200,14 @@ def test_a_batch_failing_on_every_rank_fails_its_request_and_the_ranks_keep_serv
 
 
 def test_a_deadline_mid_run_stops_every_rank_at_the_same_step(cfg_server, reference):
-    """Rank 0 decides the deadline at a step boundary and every rank stops there (or the next call would hang)."""
+    """Rank 0 decides the deadline at a step boundary and every rank stops there (or the next call would hang).
+    The ranks hold the first step until the deadline has passed, so the run is cut off mid-run on any machine."""
+    hold = _hold(cfg_server)
+    hold.arm()
+    releaser = hold.release_when(seconds_after_running(cfg_server, 3))
     with pytest.raises(openai.APIStatusError) as err:  # ~1.5 s queued (batching delay), then cut off mid-run
-        _generate(cfg_server, "a long one", seed=4, steps=190, size="256x256", timeout=3)
+        _generate(cfg_server, f"a long one {StepHold.MARKER}", seed=4, steps=190, size="256x256", timeout=3)
+    releaser.join(10)
     assert err.value.status_code == 504 and "cancelled at step" in err.value.message, err.value.message
     step, total = (int(v) for v in err.value.message.split("cancelled at step ")[1].split(".")[0].split("/"))
     assert 0 < step < total == 190

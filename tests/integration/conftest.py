@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.serverproc import ServerProcess
+from tests.step_hold import StepHold
 
 FAULT_MARKER = "FAIL-THIS-BATCH"
 HOLD_MARKER = "HOLD-MY-SIDE-STAGES"
@@ -22,7 +23,7 @@ def singleton_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFact
     """Default serving (singleton), observed from process start for the readiness contract."""
     logs = tmp_path_factory.mktemp("singleton")
     server = ServerProcess(["--model-path", str(tiny_flux_path), "--served-model-name", "tiny-flux",
-                            "--model-id", "FLUX.1-dev"], logs / "server.log")
+                            "--model-id", "FLUX.1-dev"], logs / "server.log", env=StepHold(logs).env())
     server.start(observe=True)
     yield server
     server.stop()
@@ -31,7 +32,8 @@ def singleton_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFact
 @pytest.fixture(scope="session")
 def dynamic_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """Dynamic batching, max 4, a long delay so concurrent requests meet; 32x32 capped to 1 by a rule;
-    operator-only fault injection for prompts containing FAULT_MARKER (fail) or HOLD_MARKER (slow side stages)."""
+    operator-only fault injection for prompts containing FAULT_MARKER (fail), HOLD_MARKER (slow side stages) or
+    `StepHold.MARKER` (denoising steps wait for the test's release, `tests/step_hold.py`)."""
     logs = tmp_path_factory.mktemp("dynamic")
     rules = logs / "batching.json"
     rules.write_text(json.dumps({"schema_version": 1, "rules": [
@@ -42,7 +44,8 @@ def dynamic_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactor
          "--batching-mode", "dynamic", "--batching-max-size", "4", "--batching-delay-ms", "1500",
          "--batching-config", str(rules), "--enable-batching-metrics", "--max-queue-size", "0"],
         logs / "server.log",
-        env={"DIFFUSERVE_FAULT_INJECTION": f"prompt:{FAULT_MARKER},hold:{HOLD_MARKER}"},
+        env={"DIFFUSERVE_FAULT_INJECTION": f"prompt:{FAULT_MARKER},hold:{HOLD_MARKER},"
+                                          f"{StepHold(logs).env()['DIFFUSERVE_FAULT_INJECTION']}"},
     )
     server.start()
     yield server
@@ -51,12 +54,13 @@ def dynamic_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.fixture(scope="session")
 def wan_server(tiny_wan_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """Tiny Wan2.1 text-to-video, dynamic batching of 2 (shared by the video API tests)."""
+    """Tiny Wan2.1 text-to-video, dynamic batching of 2 (shared by the video API tests); `StepHold.MARKER`
+    prompts wait at their steps for the test's release."""
     logs = tmp_path_factory.mktemp("videos")
     server = ServerProcess(["--model-path", str(tiny_wan_path), "--served-model-name", "tiny-wan",
                             "--batching-mode", "dynamic", "--batching-max-size", "2",
                             "--max-inference-steps", str(LONG_STEPS), "--max-queue-size", "0"],
-                           logs / "server.log")
+                           logs / "server.log", env=StepHold(logs).env())
     server.start()
     yield server
     server.stop()

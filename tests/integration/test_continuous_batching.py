@@ -23,6 +23,7 @@ import pytest
 from tests.integration.conftest import FAULT_MARKER, HOLD_MARKER
 from tests.integration.helpers import decode_b64_png, metric_value, pixels, wait_for_log
 from tests.serverproc import ServerProcess
+from tests.step_hold import StepHold, seconds_after_running
 
 PIXEL_TOL = 1  # uint8 steps, i.e. 1/255
 STEP_RE = r"Continuous denoising step batch: size=(\d+)/(\d+), joined=(\d+), left=(\d+), active=(\d+)"
@@ -33,7 +34,13 @@ def _server(path: Path, logs: Path) -> ServerProcess:
         ["--model-path", str(path), "--served-model-name", "tiny-flux-continuous", "--batching-mode", "continuous",
          "--batching-max-size", "4", "--enable-batching-metrics", "--max-queue-size", "0",
          "--max-inference-steps", "5000"],
-        logs / "server.log", env={"DIFFUSERVE_FAULT_INJECTION": f"prompt:{FAULT_MARKER},hold:{HOLD_MARKER}"})
+        logs / "server.log", env={"DIFFUSERVE_FAULT_INJECTION": f"prompt:{FAULT_MARKER},hold:{HOLD_MARKER},"
+                                                                f"{StepHold(logs).env()['DIFFUSERVE_FAULT_INJECTION']}"})
+
+
+def _hold(server: ServerProcess) -> StepHold:
+    """Steps of a group with a `StepHold.MARKER` row wait until the test releases them (`tests/step_hold.py`)."""
+    return StepHold(server.log_path.parent)
 
 
 @pytest.fixture(scope="module")
@@ -128,10 +135,15 @@ def test_a_joiners_encode_and_decode_run_beside_the_stepping_group(continuous_se
 
 
 def test_a_row_past_its_deadline_leaves_at_the_next_step(continuous_server):
-    """A 5000-step request with a 2 s timeout is removed from the running group (504) and the server serves on."""
+    """A 5000-step request with a 2 s timeout is removed from the running group (504) and the server serves on.
+    Its steps are held until the deadline has passed, so it is still in the group then on any machine."""
     before = metric_value(continuous_server.base_url, "diffuserve_continuous_leaves_total", {"reason": "deadline"})
+    hold = _hold(continuous_server)
+    hold.arm()
+    releaser = hold.release_when(seconds_after_running(continuous_server, 2))
     with pytest.raises(openai.APIStatusError, match="removed from the denoise group") as raised:
-        _generate(continuous_server, "too slow", 7, 5000, timeout=2)
+        _generate(continuous_server, f"too slow {StepHold.MARKER}", 7, 5000, timeout=2)
+    releaser.join(10)
     assert raised.value.status_code == 504
     assert metric_value(continuous_server.base_url, "diffuserve_continuous_leaves_total",
                         {"reason": "deadline"}) == before + 1
@@ -146,15 +158,25 @@ def test_a_failing_step_fails_its_rows_and_the_server_keeps_serving(continuous_s
 
 
 def test_drain_finishes_the_running_group_then_exits(continuous_server):
-    """Last test of the module: SIGTERM turns /health 503 and the running row still gets its image."""
+    """Last test of the module: SIGTERM turns /health 503 and the running row still gets its image. The row's
+    steps are held until the server is draining, so it is mid-run at SIGTERM on any machine."""
     server = continuous_server
     start = len(server.log())
+    hold = _hold(server)
+    hold.arm()
     with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(_generate, server, "finish me", 5, 60)
-        wait_for_log(server, STEP_RE, start=start, timeout_s=120)
-        server.signal(signal.SIGTERM)
-        wait_for_log(server, STEP_RE, start=len(server.log()), timeout_s=60)  # still denoising after SIGTERM
-        health = httpx.get(f"{server.base_url}/health", timeout=10)
-        assert health.status_code == 503 and health.json()["status"] == "draining"
+        try:
+            running = pool.submit(_generate, server, f"finish me {StepHold.MARKER}", 5, 60)
+            wait_for_log(server, STEP_RE, start=start, timeout_s=120)
+            server.signal(signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            while (health := httpx.get(f"{server.base_url}/health", timeout=10)).status_code != 503:
+                assert time.monotonic() < deadline, "SIGTERM never turned /health 503"
+                time.sleep(0.05)
+            assert health.status_code == 503 and health.json()["status"] == "draining"
+            after_sigterm = len(server.log())
+        finally:
+            hold.release()
+        wait_for_log(server, STEP_RE, start=after_sigterm, timeout_s=60)  # still denoising after SIGTERM
         assert running.result().shape == (64, 64, 3)
     assert server.proc is not None and server.proc.wait(60) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -10,6 +11,8 @@ import numpy as np
 
 from tests.integration.conftest import FAULT_MARKER
 from tests.integration.helpers import decode_b64_png, metric_value, pixels, wait_for_log
+from tests.serverproc import ServerProcess
+from tests.step_hold import StepHold, running, wait_idle
 
 STATS_RE = re.compile(
     r"Dynamic batch stats \(last 5 dispatches\): avg_size=(\d+\.\d\d), merged_rate=(\d+\.\d)%, "
@@ -25,13 +28,42 @@ def _post_concurrently(base_url: str, bodies: list[dict]) -> list[httpx.Response
         return list(pool.map(post, bodies))
 
 
+def _meeting_in_the_queue(server: ServerProcess, bodies: list[dict]) -> list[httpx.Response]:
+    """Post `bodies` while a held request occupies the worker; release it once all of them are queued. They then
+    meet in the queue however slowly they arrive (a loaded machine may spread arrivals past the batching delay)."""
+    hold = StepHold(server.log_path.parent)
+    hold.arm()
+    wait_idle(server)
+
+    def post(body: dict) -> httpx.Response:
+        return httpx.post(f"{server.base_url}/v1/images/generations", json=body, timeout=120)
+
+    def wait(condition) -> None:
+        deadline = time.monotonic() + 60
+        while not condition():
+            assert time.monotonic() < deadline, server.log()[-2000:]
+            time.sleep(0.05)
+
+    with ThreadPoolExecutor(len(bodies) + 1) as pool:
+        try:
+            # 32x32 is capped to 1 by the server's rule: dispatched at once, its log line matches no pattern below
+            held = pool.submit(post, _body(f"held {StepHold.MARKER}", 0, num_inference_steps=2, size="32x32"))
+            wait(lambda: running(server))
+            posted = [pool.submit(post, body) for body in bodies]
+            wait(lambda: metric_value(server.base_url, "diffuserve_queue_depth") == len(bodies))
+        finally:
+            hold.release()
+        assert held.result().status_code == 200
+        return [future.result() for future in posted]
+
+
 def _body(prompt: str, seed: int, **extra) -> dict:
     return {"prompt": prompt, "seed": seed, "size": "64x64", "num_inference_steps": 3, **extra}
 
 
 def test_four_concurrent_requests_dispatch_as_one_batch(dynamic_server):
     start = len(dynamic_server.log())
-    responses = _post_concurrently(dynamic_server.base_url, [_body(f"prompt {i}", i) for i in range(4)])
+    responses = _meeting_in_the_queue(dynamic_server, [_body(f"prompt {i}", i) for i in range(4)])
     assert [r.status_code for r in responses] == [200] * 4
     assert {r.json()["timings"]["batch_size"] for r in responses} == {4}
     wait_for_log(dynamic_server, r"Dynamic batch dispatch: size=4/4, user_max=4, queue_wait=\d+\.\d\dms, stop_reason=max_size", start=start)
@@ -39,7 +71,7 @@ def test_four_concurrent_requests_dispatch_as_one_batch(dynamic_server):
 
 def test_n_counts_against_the_cap(dynamic_server):
     start = len(dynamic_server.log())
-    responses = _post_concurrently(dynamic_server.base_url, [_body("two", 1, n=2), _body("two more", 2, n=2)])
+    responses = _meeting_in_the_queue(dynamic_server, [_body("two", 1, n=2), _body("two more", 2, n=2)])
     assert all(r.status_code == 200 and len(r.json()["data"]) == 2 for r in responses)
     assert {r.json()["timings"]["batch_size"] for r in responses} == {2}
     wait_for_log(dynamic_server, r"size=4/4, user_max=4, queue_wait=\S+, stop_reason=max_size", start=start)
@@ -47,7 +79,7 @@ def test_n_counts_against_the_cap(dynamic_server):
 
 def test_different_step_counts_never_merge(dynamic_server):
     start = len(dynamic_server.log())
-    responses = _post_concurrently(dynamic_server.base_url, [
+    responses = _meeting_in_the_queue(dynamic_server, [  # both queued: the head's batch sees and rejects the other
         _body("three steps", 1), _body("two steps", 2, num_inference_steps=2)])
     assert [r.status_code for r in responses] == [200, 200]
     assert [r.json()["timings"]["batch_size"] for r in responses] == [1, 1]
@@ -68,7 +100,7 @@ def test_config_rule_caps_to_one(dynamic_server):
 
 def test_failing_merged_batch_fails_all_its_requests_and_server_goes_on(dynamic_server):
     bodies = [_body("fine", 1), _body(f"broken {FAULT_MARKER}", 2), _body("fine too", 3), _body("also fine", 4)]
-    responses = _post_concurrently(dynamic_server.base_url, bodies)
+    responses = _meeting_in_the_queue(dynamic_server, bodies)
     assert [r.status_code for r in responses] == [500] * 4
     for response in responses:
         error = response.json()["error"]
@@ -82,7 +114,7 @@ def test_failing_merged_batch_fails_all_its_requests_and_server_goes_on(dynamic_
 def test_batched_rows_match_singleton_runs(dynamic_server, singleton_server):
     """Each request's output in a merged batch equals its singleton run (<= 1/255 per pixel)."""
     bodies = [_body(f"fidelity {i}", 100 + i, n=1 + (i == 1)) for i in range(3)]
-    merged = _post_concurrently(dynamic_server.base_url, bodies)
+    merged = _meeting_in_the_queue(dynamic_server, bodies)
     assert all(r.json()["timings"]["batch_size"] == 3 for r in merged)
     for body, response in zip(bodies, merged, strict=True):
         alone = httpx.post(f"{singleton_server.base_url}/v1/images/generations", json=body, timeout=120).json()

@@ -17,6 +17,7 @@ from PIL import Image
 from diffuserve.models.loader import load_pipeline
 from diffuserve.sampling import SamplingParams
 from tests.integration.helpers import decode_b64_png, metric_value, pixels, wait_for_log
+from tests.step_hold import StepHold, running, wait_idle
 
 
 def _png(width: int = 48, height: int = 64, seed: int = 0) -> bytes:
@@ -117,12 +118,31 @@ def test_edits_are_never_merged(dynamic_server):
     assert [r.status_code for r in responses] == [200] * 3
     assert [r.json()["timings"]["batch_size"] for r in responses] == [1, 1, 1]
     wait_for_log(dynamic_server, r"size=1/4, user_max=4, queue_wait=\S+, stop_reason=head:image_conditioning", start=start)
-    # A generation waiting for company as head leaves a queued edit out, counted as image_conditioning.
-    with ThreadPoolExecutor(2) as pool:
-        generation = pool.submit(httpx.post, f"{dynamic_server.base_url}/v1/images/generations", timeout=120,
-                                 json={"prompt": "head", "size": "64x64", "num_inference_steps": 3})
-        time.sleep(0.3)
-        edited = pool.submit(edit, 7)
+    # A generation waiting for company as head leaves a queued edit out, counted as image_conditioning. A held
+    # request runs meanwhile, so both are in the queue (head first) when the head's batch forms, on any machine.
+    hold = StepHold(dynamic_server.log_path.parent)
+    hold.arm()
+    wait_idle(dynamic_server)
+    with ThreadPoolExecutor(3) as pool:
+        try:
+            held = pool.submit(httpx.post, f"{dynamic_server.base_url}/v1/images/generations", timeout=120,
+                               json={"prompt": f"held {StepHold.MARKER}", "size": "32x32", "num_inference_steps": 2})
+            _wait(lambda: running(dynamic_server))
+            generation = pool.submit(httpx.post, f"{dynamic_server.base_url}/v1/images/generations", timeout=120,
+                                     json={"prompt": "head", "size": "64x64", "num_inference_steps": 3})
+            _wait(lambda: metric_value(dynamic_server.base_url, "diffuserve_queue_depth") == 1)
+            edited = pool.submit(edit, 7)
+            _wait(lambda: metric_value(dynamic_server.base_url, "diffuserve_queue_depth") == 2)
+        finally:
+            hold.release()
+        assert held.result().status_code == 200
         assert generation.result().status_code == 200 and edited.result().status_code == 200
     after = metric_value(dynamic_server.base_url, "diffuserve_batching_rejects_total", {"reason": "image_conditioning"})
     assert after > before
+
+
+def _wait(condition, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the server never reached the state the test waits for"
+        time.sleep(0.05)

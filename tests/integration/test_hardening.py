@@ -14,11 +14,14 @@ import pytest
 
 from tests.integration.helpers import wait_for_log
 from tests.serverproc import ServerProcess
+from tests.step_hold import StepHold, seconds_after_running, wait_idle
 
 API_KEY = "test-key-3f9a1c"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SLOW = {"prompt": "slow", "size": "512x512", "num_inference_steps": 200, "seed": 1}
-"""A request that keeps the tiny model busy for a few seconds (most time in 150 transformer steps)."""
+"""A long request (200 steps); held at its first step (`HELD`) it stays running however fast the machine is."""
+HELD = {"prompt": f"held {StepHold.MARKER}", "size": "64x64", "num_inference_steps": 4, "seed": 1}
+"""Runs while the test holds its steps (`tests/step_hold.py`), then finishes quickly."""
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +30,21 @@ def limits_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory
     server = ServerProcess(
         ["--model-path", str(tiny_flux_path), "--max-request-bytes", "65536", "--max-queue-size", "2",
          "--max-upload-bytes", "200000"],
-        logs / "server.log", env={"DIFFUSERVE_API_KEY": API_KEY},
+        logs / "server.log", env={"DIFFUSERVE_API_KEY": API_KEY, **StepHold(logs).env()},
     )
     server.start(headers=AUTH)
     yield server
     server.stop()
+
+
+@pytest.fixture
+def hold(limits_server: ServerProcess) -> Iterator[StepHold]:
+    """Armed for the test; released at its end whatever happened (so the shared server never stays held)."""
+    held = StepHold(limits_server.log_path.parent)
+    held.arm()
+    wait_idle(limits_server)  # the batch a test then sees running is its own
+    yield held
+    held.release()
 
 
 def _post(server: ServerProcess, body: dict, *, headers: dict | None = AUTH, timeout: float = 120) -> httpx.Response:
@@ -45,14 +58,29 @@ def _in_background(server: ServerProcess, body: dict) -> tuple[threading.Thread,
     return thread, out
 
 
-def _wait_running(server: ServerProcess, timeout_s: float = 20) -> None:
+def _wait_metric(server: ServerProcess, line: str, timeout_s: float = 20) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        text = httpx.get(f"{server.base_url}/metrics").text
-        if "diffuserve_running_batch_size 1.0" in text:
+        if line in httpx.get(f"{server.base_url}/metrics").text.splitlines():
             return
         time.sleep(0.02)
-    raise AssertionError("no batch started running")
+    raise AssertionError(f"/metrics never showed {line!r}")
+
+
+def _wait_running(server: ServerProcess, timeout_s: float = 20) -> None:
+    _wait_metric(server, "diffuserve_running_batch_size 1.0", timeout_s)
+
+
+def _queued_for(server: ServerProcess, seconds: float):
+    """A condition: true `seconds` after a request was first seen queued (a deadline that short has passed)."""
+    seen: list[float] = []
+
+    def condition() -> bool:
+        if not seen and "diffuserve_queue_depth 1.0" in httpx.get(f"{server.base_url}/metrics").text.splitlines():
+            seen.append(time.monotonic())
+        return bool(seen) and time.monotonic() > seen[0] + seconds
+
+    return condition
 
 
 def test_api_key_required_except_probes(limits_server):
@@ -108,30 +136,36 @@ def test_uploads_have_their_own_cap(limits_server):
     assert too_big.status_code == 413 and "--max-upload-bytes" in too_big.json()["error"]["message"]
 
 
-def test_queue_full_gets_429_and_accepted_requests_finish(limits_server):
-    runner, first = _in_background(limits_server, SLOW)
-    _wait_running(limits_server)
+def test_queue_full_gets_429_and_accepted_requests_finish(limits_server, hold):
+    runner, first = _in_background(limits_server, HELD)
+    _wait_running(limits_server)  # and held there until released below
     queued = [_in_background(limits_server, {**SLOW, "num_inference_steps": 2, "size": "32x32"}) for _ in range(2)]
-    time.sleep(0.5)
+    _wait_metric(limits_server, "diffuserve_queue_depth 2.0")
     rejected = _post(limits_server, {"prompt": "one too many", "size": "32x32"})
     assert rejected.status_code == 429
     assert rejected.json()["error"]["code"] == "queue_full"
     assert int(rejected.headers["Retry-After"]) >= 1
+    hold.release()
     for thread, _ in [(runner, first), *queued]:
         thread.join(60)
     assert [r.status_code for _, out in [(runner, first), *queued] for r in out] == [200, 200, 200]
 
 
-def test_deadline_queued_and_running_get_504(limits_server):
+def test_deadline_queued_and_running_get_504(limits_server, hold):
     start = len(limits_server.log())
-    runner, first = _in_background(limits_server, SLOW)
-    _wait_running(limits_server)
+    runner, first = _in_background(limits_server, HELD)
+    _wait_running(limits_server)  # held until the queued request below has been queued past its deadline
+    releaser = hold.release_when(_queued_for(limits_server, 0.3))
     queued = _post(limits_server, {"prompt": "short fuse", "size": "32x32", "timeout": 0.3})
     assert queued.status_code == 504 and queued.json()["error"]["code"] == "timeout"
     assert "queue" in queued.json()["error"]["message"]
+    releaser.join(10)
     runner.join(60)
     assert first[0].status_code == 200
-    running = _post(limits_server, {**SLOW, "timeout": 0.8})
+    hold.arm()  # the long request is held at its first step until its deadline has passed
+    releaser = hold.release_when(seconds_after_running(limits_server, 0.8))
+    running = _post(limits_server, {**SLOW, "prompt": f"slow {StepHold.MARKER}", "timeout": 0.8})
+    releaser.join(10)
     assert running.status_code == 504
     assert "past its deadline" in running.json()["error"]["message"]
     wait_for_log(limits_server, r"stopped at step (\d+)/200", start=start)

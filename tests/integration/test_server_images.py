@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -15,6 +16,7 @@ import pytest
 from PIL import Image
 
 from tests.integration.helpers import decode_b64_png, metric_value, pixels, wait_for_log
+from tests.step_hold import StepHold, running, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -130,30 +132,52 @@ def test_metrics_are_prometheus_text(singleton_server, client):
     assert metric_value(singleton_server.base_url, "diffuserve_process_resident_memory_bytes") > 50 * 2**20
 
 
-def _send_and_drop(base_url: str, body: dict, after_s: float) -> None:
-    """Send a request over a raw socket and close it after `after_s` (a client that goes away)."""
+def _send_and_drop(base_url: str, body: dict, until: Callable[[], bool]) -> None:
+    """Send a request over a raw socket and close it once `until()` holds (a client that goes away)."""
     host, port = base_url.removeprefix("http://").split(":")
     payload = httpx.Request("POST", f"{base_url}/v1/images/generations", json=body)
     raw = (f"POST /v1/images/generations HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
            f"Content-Length: {len(payload.content)}\r\n\r\n").encode() + payload.content
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(raw)
-        time.sleep(after_s)
+        _wait(until)
+
+
+def _wait(condition: Callable[[], bool], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the server never reached the state the test waits for"
+        time.sleep(0.05)
 
 
 def test_disconnects_queued_never_runs_running_stops(singleton_server):
     base = singleton_server.base_url
     start = len(singleton_server.log())
     cancelled_before = metric_value(base, "diffuserve_requests_cancelled_before_run_total")
-    # A long request occupies the worker; a second one queues behind it and its client leaves.
+    cancelled = metric_value(base, "diffuserve_requests_total", {"status": "cancelled"})
+    # A long request occupies the worker (held at its first step until both clients are gone, so it is still
+    # running then on any machine); a second one queues behind it and its client leaves.
     import threading
 
-    long_body = {"prompt": "long", "size": "512x512", "num_inference_steps": 200, "seed": 1}
-    runner = threading.Thread(target=_send_and_drop, args=(base, long_body, 0.6))
+    hold = StepHold(singleton_server.log_path.parent)
+    hold.arm()
+    wait_idle(singleton_server)
+    runner_gone = threading.Event()
+    long_body = {"prompt": f"long {StepHold.MARKER}", "size": "512x512", "num_inference_steps": 200, "seed": 1}
+    runner = threading.Thread(target=_send_and_drop, args=(base, long_body, runner_gone.is_set))
     runner.start()
-    time.sleep(0.3)
-    _send_and_drop(base, {"prompt": "queued then gone", "size": "64x64", "num_inference_steps": 2}, 0.3)
-    runner.join()
+    try:
+        _wait(lambda: running(singleton_server))
+        _send_and_drop(base, {"prompt": "queued then gone", "size": "64x64", "num_inference_steps": 2},
+                       lambda: metric_value(base, "diffuserve_queue_depth") == 1)
+        runner_gone.set()
+        runner.join()
+        # Both clients' disconnects were seen (the queued one removed, the running one cancelled): now the held
+        # step may end, and the batch stops at the next step boundary.
+        _wait(lambda: metric_value(base, "diffuserve_requests_total", {"status": "cancelled"}) >= cancelled + 2)
+    finally:
+        runner_gone.set()
+        hold.release()
     match = wait_for_log(singleton_server, r"stopped at step (\d+)/200", start=start)
     assert int(match.group(1)) < 200
     deadline = time.monotonic() + 10

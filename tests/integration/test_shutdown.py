@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 
 from tests.serverproc import ServerProcess
+from tests.step_hold import StepHold
 
 
 def _fire(base_url: str, count: int, body: dict) -> tuple[list[threading.Thread], list[httpx.Response]]:
@@ -63,14 +64,19 @@ def test_sigterm_with_16_in_flight(tiny_flux_path: Path, tmp_path: Path):
 
 
 def test_shutdown_timeout_answers_the_rest_with_errors(tiny_flux_path: Path, tmp_path: Path):
-    server = ServerProcess(["--model-path", str(tiny_flux_path), "--shutdown-timeout-s", "0.5"], tmp_path / "log")
+    hold = StepHold(tmp_path)  # the running request is held at its first step: none finishes within 0.5 s
+    hold.arm()
+    server = ServerProcess(["--model-path", str(tiny_flux_path), "--shutdown-timeout-s", "0.5"], tmp_path / "log",
+                           env=hold.env())
     server.start()
-    threads, answers = _fire(server.base_url, 4, {"prompt": "too slow", "size": "512x512", "num_inference_steps": 200})
+    threads, answers = _fire(server.base_url, 4, {"prompt": f"too slow {StepHold.MARKER}", "size": "512x512",
+                                                  "num_inference_steps": 200})
     _wait_accepted(server.base_url, 4)
     started = time.monotonic()
     server.signal(signal.SIGTERM)
     for thread in threads:
         thread.join(60)
+    hold.release()  # all answered: the cancelled batch may now stop at its next step
     assert len(answers) == 4
     assert all(r.status_code == 503 and "shut down" in r.json()["error"]["message"] for r in answers)
     assert server.proc.wait(60) == 0

@@ -16,6 +16,7 @@ from PIL import Image
 
 from tests.conftest import STREAMING_API_KEY
 from tests.integration.helpers import metric_value
+from tests.step_hold import StepHold, wait_idle
 
 HEADERS = {"Authorization": f"Bearer {STREAMING_API_KEY}"}
 
@@ -97,7 +98,15 @@ def test_disconnect_mid_stream_cancels_the_row(streaming_server):
     base = streaming_server.base_url
     cancelled = metric_value(base, "diffuserve_requests_total", {"status": "cancelled"}, headers=HEADERS)
     start = len(streaming_server.log())
-    body = {"prompt": "long", "size": "64x64", "stream": True, "partial_images": 3,
+    # The run may go up to its first preview, then it is held until the disconnect was seen: on any machine the
+    # client leaves mid-run.
+    from diffuserve.executor.worker import preview_steps
+
+    hold = StepHold(streaming_server.log_path.parent)
+    hold.arm()
+    wait_idle(streaming_server, HEADERS)
+    hold.release(steps=preview_steps(400, 3)[0] + 1)
+    body = {"prompt": f"long {StepHold.MARKER}", "size": "64x64", "stream": True, "partial_images": 3,
             "num_inference_steps": 400, "seed": 1}
     with httpx.stream("POST", f"{base}/v1/images/generations", json=body, headers=HEADERS, timeout=60) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
@@ -105,9 +114,12 @@ def test_disconnect_mid_stream_cancels_the_row(streaming_server):
             if line.startswith("event: image_generation.partial_image"):
                 break  # one preview arrived: the request is running; now go away
     deadline = time.monotonic() + 30
-    while metric_value(base, "diffuserve_requests_total", {"status": "cancelled"}, headers=HEADERS) <= cancelled:
-        assert time.monotonic() < deadline, streaming_server.log()[-2000:]
-        time.sleep(0.05)
+    try:
+        while metric_value(base, "diffuserve_requests_total", {"status": "cancelled"}, headers=HEADERS) <= cancelled:
+            assert time.monotonic() < deadline, streaming_server.log()[-2000:]
+            time.sleep(0.05)
+    finally:
+        hold.release()
     while "stopped at step" not in streaming_server.log()[start:]:
         assert time.monotonic() < deadline, "the batch never stopped"
         time.sleep(0.05)

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import av
@@ -20,6 +21,7 @@ from diffuserve.media.video import probe_mp4
 from tests.integration.conftest import LONG_STEPS
 from tests.integration.helpers import metric_value
 from tests.serverproc import ServerProcess
+from tests.step_hold import StepHold, seconds_after_running
 
 
 def test_backend_frames_equal_wan_pipeline(tiny_wan_path: Path):
@@ -119,10 +121,23 @@ def test_list_get_delete(wan_server):
     assert "nothing to cancel" in done_cancel.json()["error"]["message"]
 
 
-def test_cancel_queued_and_running_progress_and_merged_jobs(wan_server):
+@pytest.fixture
+def hold(wan_server: ServerProcess) -> Iterator[StepHold]:
+    """Armed for the test; released at its end whatever happened (so the shared server never stays held)."""
+    held = StepHold(wan_server.log_path.parent)
+    held.arm()
+    yield held
+    held.release()
+
+
+def test_cancel_queued_and_running_progress_and_merged_jobs(wan_server, hold):
     base = wan_server.base_url
     cancelled_before = metric_value(base, "diffuserve_requests_cancelled_before_run_total")
-    long = _create(wan_server, size="64x64", num_frames=9, num_inference_steps=LONG_STEPS, seed=1)
+    # The long job may run its first 100 steps (progress rises), then waits until it is cancelled below: it is
+    # still running meanwhile on any machine.
+    hold.release(steps=100)
+    long = _create(wan_server, prompt=f"a red fox {StepHold.MARKER}", size="64x64", num_frames=9,
+                   num_inference_steps=LONG_STEPS, seed=1)
     _wait(wan_server, long["id"], lambda j: j["status"] == "in_progress")
     # Queued behind it: one to cancel, and two compatible jobs that must merge once it is gone.
     doomed = _create(wan_server, prompt="never runs", num_inference_steps=2)
@@ -141,6 +156,7 @@ def test_cancel_queued_and_running_progress_and_merged_jobs(wan_server):
     assert seen == sorted(seen) and 0 < seen[-1] < 100
     stopped = httpx.post(f"{base}/v1/videos/{long['id']}/cancel").json()
     assert stopped["status"] == "cancelled" and stopped["error"]["code"] == "cancelled"
+    hold.release()  # the cancelled job stops at its next step boundary
     jobs = [_wait(wan_server, j["id"], _finished) for j in pair]
     assert [j["status"] for j in jobs] == ["completed", "completed"]
     assert [j["timings"]["batch_size"] for j in jobs] == [2, 2], "compatible queued jobs run as one batch"
@@ -155,11 +171,14 @@ def test_cancel_queued_and_running_progress_and_merged_jobs(wan_server):
     assert np.abs(merged_frames - alone_frames).max() <= 2
 
 
-def test_job_deadline_is_the_servers_not_a_clients(wan_server):
+def test_job_deadline_is_the_servers_not_a_clients(wan_server, hold):
     # The job's own `timeout` (capped by --request-timeout-s) bounds it inside the engine: past it the
     # running job stops at a step boundary and reports `timeout`. No client connection is involved.
-    job = _create(wan_server, prompt="too slow", num_inference_steps=LONG_STEPS, timeout=0.5)
+    # Its steps are held until the deadline has passed, so it is still running then on any machine.
+    releaser = hold.release_when(seconds_after_running(wan_server, 0.5))
+    job = _create(wan_server, prompt=f"too slow {StepHold.MARKER}", num_inference_steps=LONG_STEPS, timeout=0.5)
     failed = _wait(wan_server, job["id"], _finished)
+    releaser.join(10)
     assert failed["status"] == "failed" and failed["error"]["code"] == "timeout", failed
     assert "deadline" in failed["error"]["message"]
 

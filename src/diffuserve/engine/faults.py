@@ -10,33 +10,104 @@ the server keeps serving.
 decode that runs in a side lane beside the denoise loop (`pipelines/overlap.py`) for a request whose prompt
 contains `<marker>` waits until the loop has run two more denoising steps (30 s at most). Tests use it to see
 from the loop's own step counter that the loop kept stepping while that encode / decode ran.
+
+`hold_step:<marker>` with `release:<path>` (`hold_step:<m>,release:/abs/path`) holds the denoising loop itself: in
+a request-level pipeline call whose prompts contain `<marker>`, every denoising step waits, before it is reported
+(`on_step`, where the engine checks deadlines), until the file `<path>` exists (`HOLD_STEP_TIMEOUT_S` at most;
+after that the call runs freely). It holds on every rank that runs the call (each rank's pipeline is wrapped), so
+the ranks stay at one step boundary. Tests arm it by deleting the file, see the request running (it cannot finish
+while held, however fast the machine), make the condition under test happen (a deadline passes, a client leaves,
+the queue fills) and create the file: the engine sees the condition at the held step's boundary. A file holding a
+number N releases steps 1..N only (step N + 1 waits again: a test can let a run reach a preview, then hold it);
+an empty file releases all. In continuous mode each step of a group with a marked row waits the same way before it runs (`check_step`, rank 0 only: the
+other ranks wait for its step message).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from diffuserve.pipelines.base import BatchResult, Pipeline
 
 ENV_VAR = "DIFFUSERVE_FAULT_INJECTION"
+HOLD_STEP_TIMEOUT_S = 120.0
+"""`hold_step:` waits at most this long per pipeline call (a test that never releases must not hang the server)."""
+_POLL_S = 0.02
+
+logger = logging.getLogger("diffuserve.faults")
 
 
 class InjectedFault(RuntimeError):
     """The failure raised by a faulty pipeline stage (test-only)."""
 
 
+@dataclass(frozen=True)
+class StepHold:
+    """`hold_step:<marker>,release:<path>`: the steps of a call with `marker` in a prompt wait for `release`."""
+
+    marker: str
+    """A prompt containing this holds its call's denoising steps."""
+    release: Path
+    """The steps go on once this file exists (up to the step number it holds, if any)."""
+
+    def marks(self, batch: list[Any]) -> bool:
+        return any(self.marker in p.prompt for p in batch)
+
+    def _releases(self, step: int | None) -> bool:
+        try:
+            text = self.release.read_text().strip()
+        except FileNotFoundError:
+            return False
+        return not text.isdigit() or step is None or step <= int(text)
+
+    def wait(self, what: str, step: int | None = None) -> bool:
+        """Wait until the release file lets (1-based) `step` go on; False when it did not within
+        HOLD_STEP_TIMEOUT_S."""
+        if self._releases(step):
+            return True
+        logger.warning("fault injection: holding %s until %s releases it", what, self.release)
+        deadline = time.monotonic() + HOLD_STEP_TIMEOUT_S
+        while not self._releases(step):
+            if time.monotonic() > deadline:
+                logger.warning("fault injection: %s never released %s; going on", self.release, what)
+                return False
+            time.sleep(_POLL_S)
+        return True
+
+    def wrap(self, batch: list[Any], on_step: Callable[[int, int], None] | None) -> Callable[[int, int], None] | None:
+        """`on_step` for a call of `batch`: held until released when a prompt contains the marker."""
+        if not self.marks(batch):
+            return on_step
+        gave_up = False
+
+        def held(step: int, num_steps: int) -> None:
+            nonlocal gave_up
+            if not gave_up:
+                gave_up = not self.wait(f"denoising step {step + 1}/{num_steps}", step + 1)
+            if on_step is not None:
+                on_step(step, num_steps)
+
+        return held
+
+
 class FaultInjectingPipeline:
-    """Wraps a pipeline; raises InjectedFault for batches that contain the marker.
+    """Wraps a pipeline; raises InjectedFault for batches that contain the marker, holds steps (`StepHold`).
 
     A transparent proxy, not a `Pipeline` subclass: every attribute (output kind, defaults, size limits, the
     model description) is the wrapped family's own, so a wrapped Wan model is still a video model with its
     defaults; only `run` is intercepted.
     """
 
-    def __init__(self, inner: Pipeline, marker: str):
+    def __init__(self, inner: Pipeline, marker: str | None, step_hold: StepHold | None = None):
         self.__dict__["_inner"] = inner
         self.__dict__["_marker"] = marker
+        self.__dict__["_step_hold"] = step_hold
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -46,22 +117,28 @@ class FaultInjectingPipeline:
 
     def run(self, batch: list[Any], **callbacks: Any) -> BatchResult:
         self._check(batch)
-        return self._inner.run(batch, **callbacks)
+        return self._inner.run(batch, **self._hold(batch, callbacks))
 
     def run_to_latents(self, batch: list[Any], **callbacks: Any) -> Any:
         """The first part of `run` when its decode overlaps the next batch (`executor/worker.py`)."""
         self._check(batch)
-        return self._inner.run_to_latents(batch, **callbacks)
+        return self._inner.run_to_latents(batch, **self._hold(batch, callbacks))
+
+    def _hold(self, batch: list[Any], callbacks: dict[str, Any]) -> dict[str, Any]:
+        if self._step_hold is None:
+            return callbacks
+        return {**callbacks, "on_step": self._step_hold.wrap(batch, callbacks.get("on_step"))}
 
     def _check(self, batch: list[Any]) -> None:
-        if any(self._marker in p.prompt for p in batch):
+        if self._marker and any(self._marker in p.prompt for p in batch):
             raise InjectedFault(f"injected fault: a prompt in this batch contains {self._marker!r}")
 
-
     def check_step(self, batch: list[Any]) -> None:
-        """Continuous mode: the same fault for a denoising step whose rows include the marker."""
-        if any(self._marker in p.prompt for p in batch):
+        """Continuous mode, before each step: the same fault (and hold) for a step whose rows include the marker."""
+        if self._marker and any(self._marker in p.prompt for p in batch):
             raise InjectedFault(f"injected fault: a prompt in this denoising step contains {self._marker!r}")
+        if self._step_hold is not None and self._step_hold.marks(batch):
+            self._step_hold.wait("a continuous denoising step")
 
 
 def maybe_inject_faults(pipeline: Pipeline) -> Pipeline | FaultInjectingPipeline:
@@ -70,6 +147,12 @@ def maybe_inject_faults(pipeline: Pipeline) -> Pipeline | FaultInjectingPipeline
         from diffuserve.pipelines.overlap import overlap_for
 
         overlap_for(pipeline).hold_marker = parts["hold"]
-    if parts.get("prompt"):
-        return FaultInjectingPipeline(pipeline, parts["prompt"])
+    step_hold = None
+    if parts.get("hold_step"):
+        release = Path(parts.get("release", ""))
+        if not release.is_absolute():
+            raise ValueError(f"{ENV_VAR}: hold_step:<marker> needs release:<absolute path of the release file>")
+        step_hold = StepHold(parts["hold_step"], release)
+    if parts.get("prompt") or step_hold is not None:
+        return FaultInjectingPipeline(pipeline, parts.get("prompt"), step_hold)
     return pipeline
