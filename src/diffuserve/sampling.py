@@ -12,9 +12,12 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from diffuserve.families.base import SamplingDefaults
+
+if TYPE_CHECKING:
+    from diffuserve.pipelines.prompt_limits import PromptTokens
 
 
 def _sig(default: Any, doc: str) -> Any:
@@ -99,6 +102,9 @@ class ModelDescription:
     """Text-conditioned requests may merge."""
     validate: Callable[[SamplingParams], None] | None = field(default=None, compare=False, repr=False)
     """The model's own checks (size limits, frame counts, ...): raises InvalidRequestError naming the field."""
+    prompt_tokens: PromptTokens | None = field(default=None, compare=False, repr=False)
+    """THE owner of prompt token counts (limits, truncation warnings, usage), built once per loaded model on
+    private tokenizer copies; its `count` tokenizes, so callers run it off the event loop. None: not known."""
 
 
 def _pick(value: Any, default: Any) -> Any:

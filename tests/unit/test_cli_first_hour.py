@@ -201,15 +201,16 @@ def test_reject_truncated_prompts_is_a_400_naming_the_field():
 
     from diffuserve.errors import InvalidRequestError
     from diffuserve.models.tiny import build_tokenizers
-    from diffuserve.pipelines.prompt_limits import TextEncoderLimit
+    from diffuserve.pipelines.prompt_limits import PromptTokens, TextEncoderLimit
+    from diffuserve.sampling import ModelDescription
     from diffuserve.server.common import prompt_warnings
 
     clip, t5 = build_tokenizers(t5_max_length=64)
     limits = [TextEncoderLimit("text_encoder (CLIP)", clip, 77), TextEncoderLimit("text_encoder_2 (T5)", t5, 64)]
-    pipeline = SimpleNamespace(prompt_token_limits=lambda: limits)
+    model = ModelDescription(family="flux", prompt_tokens=PromptTokens(limits))
 
     def ctx(reject: bool) -> SimpleNamespace:
-        return SimpleNamespace(engine=SimpleNamespace(pipeline=pipeline),
+        return SimpleNamespace(engine=SimpleNamespace(model=model),
                                args=SimpleNamespace(reject_truncated_prompts=reject))
 
     long = " ".join(["fox"] * 70)

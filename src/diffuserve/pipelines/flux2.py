@@ -176,6 +176,10 @@ class Flux2NativePipeline(stages.RecipePipeline):
                    max_sequence_length=length, model_index=_model_index(root),
                    suggested_defaults=read_suggested_defaults(root) if root else {})
 
+    def text_token_cap(self, key: str) -> int | None:
+        """The encoder's positions cap the text too (`from_components`)."""
+        return self.max_sequence_length
+
     # -- defaults and validation -------------------------------------------------------------------------
 
     def _family_defaults(self, defaults: Any) -> Any:

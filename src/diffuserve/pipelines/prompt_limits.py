@@ -1,8 +1,12 @@
-"""How many tokens a prompt takes in each text encoder, so a too-long prompt is reported, not silently cut.
+"""How many tokens a prompt takes in each text encoder, so a too-long prompt is reported, not silently cut,
+and the `usage` text tokens of a response.
 
-Family-agnostic: a pipeline lists its text encoders as `TextEncoderLimit`s (tokenizer + the most
-tokens the encoder is given, special tokens included) from `prompt_token_limits()`; the server calls
-`check_texts` before queueing a request and warns (or, with `--reject-truncated-prompts`, refuses).
+Family-agnostic: a family spec lists its text encoders (`families.base.TextEncoderFacts`); a loaded pipeline
+turns them into `TextEncoderLimit`s (its tokenizer + the most tokens the encoder is given, special tokens
+included) from `prompt_token_limits()`, and `PromptTokens` is THE owner of every count the server makes: it
+holds private copies of those tokenizers (never the encode path's objects) and counts a request's texts once,
+for prompt limits, truncation warnings and usage together. The server calls it off the event loop before
+queueing a request and warns (or, with `--reject-truncated-prompts`, refuses).
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ class TextEncoderLimit:
     """Name shown to users, e.g. `text_encoder_2 (T5)`."""
     tokenizer: Any
     """The encoder's tokenizer (a transformers tokenizer: callable, returns `input_ids`)."""
-    max_tokens: int
-    """Tokens the pipeline feeds the encoder, special tokens included; the rest is cut off."""
+    max_tokens: int | None
+    """Tokens the pipeline feeds the encoder, special tokens included; the rest is cut off. None: the whole
+    text (it is never cut, so never reported; it still counts as usage)."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,100 @@ def check_texts(limits: Sequence[TextEncoderLimit], texts: Mapping[str, str | No
         if not text:
             continue
         for limit in limits:
+            if limit.max_tokens is None:
+                continue
             tokens = count_tokens(limit.tokenizer, text)
             if tokens > limit.max_tokens:
                 found.append(PromptTruncation(field, limit.encoder, tokens, limit.max_tokens))
     return found
+
+
+@dataclass(frozen=True)
+class PromptCount:
+    """What one count of a request's texts found: everything the server needs from the tokenizers."""
+
+    truncations: tuple[PromptTruncation, ...]
+    """Every (field, encoder) pair whose text is longer than the encoder takes (limits and warnings)."""
+    text_tokens: int
+    """The `usage` text tokens: the texts' tokens in the encoder that reads the most, as far as it reads."""
+
+
+def _reads_most(limits: Sequence[TextEncoderLimit]) -> TextEncoderLimit | None:
+    """The encoder whose tokens count as usage: the one reading the most (the last of equals: T5 after CLIP)."""
+    best: TextEncoderLimit | None = None
+    for limit in limits:
+        if best is None or best.max_tokens is not None and (limit.max_tokens is None
+                                                             or limit.max_tokens >= best.max_tokens):
+            best = limit
+    return best
+
+
+class PromptTokens:
+    """THE owner of the server's prompt token counts (limits, truncation warnings, usage) for one loaded model.
+
+    It tokenizes only on its own deep copies of the encoders' tokenizers, made once here: a fast (Rust)
+    tokenizer keeps its padding / truncation settings on the object for the length of a call, so counting on the
+    pipeline's own tokenizer while the encode lane tokenizes a batch changed what the encode got (an unpadded
+    27-token T5 row in a batch of 64-token rows, failing `stages.concat_cond`). Counts run one at a time (the
+    copies are not shared between threads) and belong off the event loop: the routes run `count` in a thread.
+    """
+
+    def __init__(self, limits: Sequence[TextEncoderLimit], *, usage: TextEncoderLimit | None = None) -> None:
+        """`limits`: the encoders whose limits are checked; `usage`: the encoder whose tokens count as usage
+        (default: the one of `limits` that reads the most; with neither, usage counts words)."""
+        copies: dict[int, Any] = {}
+
+        def private(limit: TextEncoderLimit) -> TextEncoderLimit:
+            if id(limit.tokenizer) not in copies:
+                copies[id(limit.tokenizer)] = copy.deepcopy(limit.tokenizer)
+            return TextEncoderLimit(limit.encoder, copies[id(limit.tokenizer)], limit.max_tokens)
+
+        self.limits: tuple[TextEncoderLimit, ...] = tuple(private(limit) for limit in limits)
+        """The checked encoders, each on its private tokenizer copy."""
+        chosen = usage if usage is not None else _reads_most(list(limits))
+        self.usage: TextEncoderLimit | None = private(chosen) if chosen is not None else None
+        """The encoder whose tokens are the `usage` text tokens, on its private copy (None: words)."""
+        self._lock = threading.Lock()
+
+    def count(self, texts: Mapping[str, str | None]) -> PromptCount:
+        """Count `texts` (request field -> text; None/empty texts count nothing) once for every purpose."""
+        truncations: list[PromptTruncation] = []
+        text_tokens = 0
+        with self._lock:
+            for field, text in texts.items():
+                if not text:
+                    continue
+                counted: dict[int, int] = {}  # id(private tokenizer) -> tokens: each text tokenized once per tokenizer
+                for limit in self.limits:
+                    tokens = self._tokens(limit.tokenizer, text, counted)
+                    if limit.max_tokens is not None and tokens > limit.max_tokens:
+                        truncations.append(PromptTruncation(field, limit.encoder, tokens, limit.max_tokens))
+                if self.usage is None:
+                    text_tokens += len(text.split())
+                else:
+                    tokens = self._tokens(self.usage.tokenizer, text, counted)
+                    text_tokens += tokens if self.usage.max_tokens is None else min(tokens, self.usage.max_tokens)
+        return PromptCount(tuple(truncations), text_tokens)
+
+    @staticmethod
+    def _tokens(tokenizer: Any, text: str, counted: dict[int, int]) -> int:
+        if id(tokenizer) not in counted:
+            # verbose=False: transformers otherwise logs "sequence length is longer than the maximum" itself.
+            counted[id(tokenizer)] = len(tokenizer(text, truncation=False, add_special_tokens=True,
+                                                   verbose=False)["input_ids"])
+        return counted[id(tokenizer)]
+
+
+def inner_tokenizer(part: Any) -> Any:
+    """The tokenizer of a model_index part: itself, or the one a processor holds (Qwen-Image 2.1, the edit
+    models, FLUX.2-dev's PixtralProcessor)."""
+    return getattr(part, "tokenizer", None) or part
+
+
+def declared_limit(tokenizer: Any, max_tokens: int | None) -> int | None:
+    """`max_tokens` capped by the tokenizer's declared `model_max_length` (the pipelines cap their own
+    sequence length the same way; tiny checkpoints declare fewer tokens than the published ones)."""
+    declared = getattr(tokenizer, "model_max_length", None)
+    if max_tokens is None or not isinstance(declared, int) or declared <= 0:
+        return max_tokens
+    return min(max_tokens, declared)

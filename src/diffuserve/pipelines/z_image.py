@@ -85,6 +85,10 @@ class ZImageNativePipeline(stages.RecipePipeline):
         self.defaults = self._defaults_from_checkpoint()
         self._schedules: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
 
+    def text_token_cap(self, key: str) -> int | None:
+        """The caption axis of the DiT's RoPE table bounds the text (see `max_sequence_length`)."""
+        return self.max_sequence_length
+
     @classmethod
     def from_components(cls, components: dict[str, Any], *, device: torch.device | str,
                         dtype: torch.dtype) -> ZImageNativePipeline:
