@@ -8,10 +8,12 @@ Both run on loaded tiny pipelines (no server): the description API is what the r
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
 
 from diffuserve.errors import InvalidRequestError
@@ -130,3 +132,26 @@ def test_the_token_owner_never_holds_the_pipelines_tokenizers(tiny_flux_path: Pa
     shared = {id(pipeline.tokenizer), id(pipeline.tokenizer_2)}
     assert not shared & {id(limit.tokenizer) for limit in owner.limits}
     assert owner.usage is not None and id(owner.usage.tokenizer) not in shared
+
+
+def test_a_video_job_with_a_long_prompt_answers_with_warnings(wan_server):
+    """The video routes count through the same owner: the new job's answer carries the warnings (the job object
+    keeps none), the log says it, and the job runs as usual."""
+    from tests.integration.helpers import wait_for_log
+
+    base, start = wan_server.base_url, len(wan_server.log())
+    long = " ".join(["fox"] * 600)  # UMT5 reads at most 512
+    created = httpx.post(f"{base}/v1/videos", json={"prompt": long, "num_inference_steps": 1}, timeout=30)
+    assert created.status_code == 200, created.text
+    job = created.json()
+    assert [w.split(" tokens for ")[1].split(",")[0] for w in job["warnings"]] == ["text_encoder (UMT5)"]
+    wait_for_log(wan_server, "request truncated by the text encoders", start=start)
+    short = httpx.post(f"{base}/v1/videos", json={"prompt": "a fox", "num_inference_steps": 1}, timeout=30).json()
+    assert "warnings" not in short
+    deadline = time.monotonic() + 120
+    for video_id in (job["id"], short["id"]):  # both run; the shared server is left idle for the next test
+        status = "queued"
+        while status in ("queued", "in_progress") and time.monotonic() < deadline:
+            status = httpx.get(f"{base}/v1/videos/{video_id}", timeout=30).json()["status"]
+            time.sleep(0.02)
+        assert status == "completed", wan_server.log()[-2000:]
