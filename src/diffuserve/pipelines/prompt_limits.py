@@ -150,6 +150,14 @@ class PromptTokens:
                     text_tokens += tokens if self.usage.max_tokens is None else min(tokens, self.usage.max_tokens)
         return PromptCount(tuple(truncations), text_tokens)
 
+    def tokens(self, text: str) -> int:
+        """Tokens of `text` (special tokens included) in the usage encoder, uncut: for a model's own checks
+        (Qwen-Image 2.1 bounds its templated prompt by its RoPE table). Words when no tokenizer is known."""
+        if self.usage is None:
+            return len(text.split())
+        with self._lock:
+            return self._tokens(self.usage.tokenizer, text, {})
+
     @staticmethod
     def _tokens(tokenizer: Any, text: str, counted: dict[int, int]) -> int:
         if id(tokenizer) not in counted:

@@ -260,7 +260,8 @@ class QwenImage21NativePipeline(_QwenBase):
         limit = QWEN_IMAGE_21_ROPE_POSITIONS[0] - 1
         for name, text in (("prompt", params.prompt), ("negative_prompt", params.negative_prompt)):
             if text and len(text) > limit // 8:  # cheap pre-check: a token covers at most a few characters
-                tokens = len(self.processor.tokenizer(self.template.format(text)).input_ids) - self.drop_idx
+                # On the token owner's private copy: the processor's tokenizer belongs to the encode path.
+                tokens = self.prompt_tokens().tokens(self.template.format(text)) - self.drop_idx
                 if tokens > limit:
                     raise InvalidRequestError(
                         f"{name} is {tokens} tokens long; Qwen-Image 2.1 positions at most {limit} text tokens. "
