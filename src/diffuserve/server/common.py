@@ -95,11 +95,6 @@ async def count_prompt(ctx: ServerContext, texts: dict[str, str | None]) -> Prom
     return await run_in_threadpool(check_prompt, ctx, texts)
 
 
-def prompt_warnings(ctx: ServerContext, texts: dict[str, str | None]) -> list[str]:
-    """The truncation warnings of `check_prompt` (same thread rules)."""
-    return check_prompt(ctx, texts).warnings
-
-
 def result_timings(result: GenerationResult, *, encode_s: float, received: float) -> dict[str, Any]:
     """The `timings` object of a response (milliseconds)."""
     return {
