@@ -155,3 +155,9 @@ def test_a_video_job_with_a_long_prompt_answers_with_warnings(wan_server):
             status = httpx.get(f"{base}/v1/videos/{video_id}", timeout=30).json()["status"]
             time.sleep(0.02)
         assert status == "completed", wan_server.log()[-2000:]
+
+
+def test_server_info_lists_the_token_limits(singleton_server):
+    """/server_info says what each text encoder reads (the start-up log built the owner at load)."""
+    info = httpx.get(f"{singleton_server.base_url}/server_info", timeout=30).json()
+    assert info["pipeline"]["text_encoders"] == {"text_encoder (CLIP)": 77, "text_encoder_2 (T5)": 64}

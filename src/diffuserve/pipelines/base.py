@@ -239,4 +239,7 @@ class Pipeline:
             "max_size": [self.max_width, self.max_height],
             "max_image_inputs": self.max_image_inputs,
             "components": sorted(self.components),
+            # Prompt tokens each text encoder reads (null: the whole prompt). Asking builds the token owner, so
+            # the engine's start-up log (in its own thread, at load) makes the private tokenizer copies.
+            "text_encoders": {limit.encoder: limit.max_tokens for limit in self.prompt_tokens().limits},
         }
