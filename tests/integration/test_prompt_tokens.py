@@ -106,7 +106,7 @@ def test_every_family_reports_a_truncated_prompt_from_its_spec(tiny_checkpoint, 
     if length_attr is not None:  # the limit reported is the length the encode really reads
         assert limits[-1].max_tokens == getattr(pipeline, length_attr)
     cut = [limit for limit in limits if limit.max_tokens is not None]
-    words = max((limit.max_tokens for limit in cut), default=64) + 16
+    words = 2 * max((limit.max_tokens for limit in cut), default=64) + 16
     long = " ".join(["fox"] * words)
 
     short = check_prompt(_ctx(pipeline), {"prompt": "a fox", "negative_prompt": None})
@@ -117,8 +117,20 @@ def test_every_family_reports_a_truncated_prompt_from_its_spec(tiny_checkpoint, 
         return
     assert found.warnings and all(w.startswith("prompt is ") for w in found.warnings)
     assert {w.split(" tokens for ")[1].split(",")[0] for w in found.warnings} == {limit.encoder for limit in cut}
-    # usage counts the encoder that reads the most, as far as it reads
-    assert found.text_tokens == max(limit.max_tokens for limit in cut)
+    # usage counts the spec's last encoder, as far as the text reaches into it (net of chat templates)
+    owner = pipeline.describe_model().prompt_tokens
+    assert owner.usage == owner.limits[-1]  # the spec's last encoder (T5 for FLUX.1 and SD3)
+    reads = owner.usage.max_tokens
+    assert found.text_tokens == reads
+    # the last text that fits the usage encoder (net of its template) warns nothing for it; one word more does
+    low, high = 1, words  # tokens(low words) <= reads < tokens(high words)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if owner.tokens(" ".join(["fox"] * middle)) <= reads else (low, middle)
+    label = owner.usage.encoder
+    fits = check_prompt(_ctx(pipeline), {"prompt": " ".join(["fox"] * low)}).warnings
+    over = check_prompt(_ctx(pipeline), {"prompt": " ".join(["fox"] * high)}).warnings
+    assert not [w for w in fits if label in w] and [w for w in over if label in w]
     with pytest.raises(InvalidRequestError) as refused:
         check_prompt(_ctx(pipeline, reject=True), {"prompt": "a fox", "negative_prompt": long})
     assert refused.value.param == "negative_prompt" and refused.value.http_status == 400

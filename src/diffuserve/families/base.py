@@ -141,8 +141,8 @@ class FamilySpec:
     """The family whose plan defaults a variant shares (e.g. `qwen_image` for `qwen_image_edit`)."""
     text_encoders: tuple[TextEncoderFacts, ...] = ()
     """The text encoders a prompt goes through, with their token limits (prompt truncation warnings and the
-    `usage` text tokens, which count the encoder that reads the most). Empty: no warnings; usage counts the
-    pipeline's longest-context tokenizer."""
+    `usage` text tokens, which count the last one listed: the long-context T5 of FLUX.1 and SD3). Empty: no
+    warnings; usage counts the pipeline's longest-context tokenizer."""
 
     @property
     def has_native(self) -> bool:

@@ -183,6 +183,12 @@ class Pipeline:
         declaration (e.g. the DiT's positions); None: none."""
         return None
 
+    def text_frame(self, key: str) -> Callable[[Any], int] | None:
+        """How the adapter frames a text for the encoder behind tokenizer `key` (chat template, system message):
+        a function giving, for a tokenizer, the tokens an empty text becomes, after any prefix the adapter drops
+        (`TextEncoderLimit.framed_empty`). None: the encoder is given the text alone."""
+        return None
+
     def prompt_token_limits(self) -> list[TextEncoderLimit]:
         """What each text encoder takes, from the family spec's `text_encoders` and this checkpoint's tokenizers
         (each capped by what its tokenizer declares and by `text_token_cap`). These are the pipeline's own
@@ -203,7 +209,7 @@ class Pipeline:
             limit, cap = declared_limit(tokenizer, fact.max_tokens), self.text_token_cap(fact.tokenizer)
             if cap is not None and limit is not None:
                 limit = min(limit, cap)
-            limits.append(TextEncoderLimit(fact.label, tokenizer, limit))
+            limits.append(TextEncoderLimit(fact.label, tokenizer, limit, self.text_frame(fact.tokenizer)))
         return limits
 
     def _usage_fallback(self) -> TextEncoderLimit | None:

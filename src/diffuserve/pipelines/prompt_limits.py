@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,10 @@ class TextEncoderLimit:
     max_tokens: int | None
     """Tokens the pipeline feeds the encoder, special tokens included; the rest is cut off. None: the whole
     text (it is never cut, so never reported; it still counts as usage)."""
+    framed_empty: Callable[[Any], int] | None = None
+    """Tokens the encoder is given for an empty text, counted with a given tokenizer: the pipeline's framing
+    (chat template, system message, after any prefix it drops) takes that much of `max_tokens` from every
+    text. None: the text alone. Only `PromptTokens` applies it (on its private copy)."""
 
 
 @dataclass(frozen=True)
@@ -69,18 +73,9 @@ def count_tokens(tokenizer: Any, text: str) -> int:
 
 
 def check_texts(limits: Sequence[TextEncoderLimit], texts: Mapping[str, str | None]) -> list[PromptTruncation]:
-    """Every (field, encoder) pair whose text is longer than the encoder takes; empty when all fit."""
-    found: list[PromptTruncation] = []
-    for field, text in texts.items():
-        if not text:
-            continue
-        for limit in limits:
-            if limit.max_tokens is None:
-                continue
-            tokens = count_tokens(limit.tokenizer, text)
-            if tokens > limit.max_tokens:
-                found.append(PromptTruncation(field, limit.encoder, tokens, limit.max_tokens))
-    return found
+    """Every (field, encoder) pair whose text is longer than the encoder takes; empty when all fit. A one-off
+    check (it copies the tokenizers each call): a served model counts through its one `PromptTokens`."""
+    return list(PromptTokens(limits).count(texts).truncations)
 
 
 @dataclass(frozen=True)
@@ -90,17 +85,7 @@ class PromptCount:
     truncations: tuple[PromptTruncation, ...]
     """Every (field, encoder) pair whose text is longer than the encoder takes (limits and warnings)."""
     text_tokens: int
-    """The `usage` text tokens: the texts' tokens in the encoder that reads the most, as far as it reads."""
-
-
-def _reads_most(limits: Sequence[TextEncoderLimit]) -> TextEncoderLimit | None:
-    """The encoder whose tokens count as usage: the one reading the most (the last of equals: T5 after CLIP)."""
-    best: TextEncoderLimit | None = None
-    for limit in limits:
-        if best is None or best.max_tokens is not None and (limit.max_tokens is None
-                                                             or limit.max_tokens >= best.max_tokens):
-            best = limit
-    return best
+    """The `usage` text tokens: the texts' tokens in the usage encoder (the spec's last), as far as it reads."""
 
 
 class PromptTokens:
@@ -114,19 +99,24 @@ class PromptTokens:
     """
 
     def __init__(self, limits: Sequence[TextEncoderLimit], *, usage: TextEncoderLimit | None = None) -> None:
-        """`limits`: the encoders whose limits are checked; `usage`: the encoder whose tokens count as usage
-        (default: the one of `limits` that reads the most; with neither, usage counts words)."""
+        """`limits`: the encoders whose limits are checked, in the family spec's order; `usage`: the encoder whose
+        tokens count as usage (default: the last of `limits`, the long-context T5 of FLUX.1 and SD3; with
+        neither, usage counts words)."""
         copies: dict[int, Any] = {}
 
         def private(limit: TextEncoderLimit) -> TextEncoderLimit:
             if id(limit.tokenizer) not in copies:
                 copies[id(limit.tokenizer)] = copy.deepcopy(limit.tokenizer)
-            return TextEncoderLimit(limit.encoder, copies[id(limit.tokenizer)], limit.max_tokens)
+            tokenizer, max_tokens = copies[id(limit.tokenizer)], limit.max_tokens
+            if limit.framed_empty is not None and max_tokens is not None:
+                # What the framing adds beyond the text's own special tokens is not the text's to use.
+                max_tokens -= limit.framed_empty(tokenizer) - self._tokens(tokenizer, "", {})
+            return TextEncoderLimit(limit.encoder, tokenizer, max_tokens)
 
         self.limits: tuple[TextEncoderLimit, ...] = tuple(private(limit) for limit in limits)
-        """The checked encoders, each on its private tokenizer copy."""
-        chosen = usage if usage is not None else _reads_most(list(limits))
-        self.usage: TextEncoderLimit | None = private(chosen) if chosen is not None else None
+        """The checked encoders, each on its private tokenizer copy, `max_tokens` net of the pipeline's framing."""
+        chosen = private(usage) if usage is not None else (self.limits[-1] if self.limits else None)
+        self.usage: TextEncoderLimit | None = chosen
         """The encoder whose tokens are the `usage` text tokens, on its private copy (None: words)."""
         self._lock = threading.Lock()
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,10 @@ class _QwenBase(stages.RecipePipeline):
         self.components = {"text_encoder": text_encoder, "transformer": transformer, "vae": vae}
         self.size_multiple = self.vae_scale_factor * 2
         self._schedules: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+
+    def text_frame(self, key: str) -> Callable[[Any], int] | None:
+        """The prompt template around the text, its system prefix (`drop_idx` tokens) dropped."""
+        return lambda tokenizer: len(tokenizer(self.template.format("")).input_ids) - self.drop_idx
 
     def checkpoint_folder(self) -> Path | None:
         """The checkpoint folder, found as the parent of the folder the transformer was loaded from (the

@@ -2,7 +2,7 @@
 `output_compression`, and the `usage` token counts of a response.
 
 Token counts (OpenAI's `usage` object, for diffusion models):
-- text tokens: what the text encoder that reads the most (T5 for FLUX / SD3, UMT5 for Wan, else the family's
+- text tokens: what the family spec's last text encoder (T5 for FLUX / SD3, UMT5 for Wan, else the family's
   one encoder) makes of the prompt and the negative prompt, truncated to the length the model reads. They are
   counted by the model's `PromptTokens` owner (`pipelines/prompt_limits.py`, via `server/common.check_prompt`)
   in the same count as the truncation warnings; this module never touches a tokenizer;
