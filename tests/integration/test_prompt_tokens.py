@@ -2,7 +2,8 @@
 `ModelDescription.prompt_tokens`): it never shares a tokenizer with the encode path, and every family reports
 prompt truncation from its spec's text encoders.
 
-Both run on loaded tiny pipelines (no server): the description API is what the routes call.
+The race and the per-family checks run on loaded tiny pipelines (no server): the description API is what the
+routes call; the video and /server_info checks use the shared session servers.
 """
 
 from __future__ import annotations
