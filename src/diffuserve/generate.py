@@ -65,14 +65,13 @@ def _check_applicable(values: dict[str, Any], video: bool, family: str) -> None:
 
 
 def _warn_truncated(pipeline: Any, prompts: list[str], negative_prompt: str | None) -> None:
-    """Say when a prompt is longer than a text encoder takes (it runs cut off, as in `serve`)."""
-    limits = getattr(pipeline, "prompt_token_limits", None)
-    if limits is None:
+    """Say when a prompt is longer than a text encoder takes (it runs cut off, as in `serve`), counted by the
+    model's token owner as `serve` counts."""
+    owner = pipeline.describe_model().prompt_tokens
+    if owner is None:
         return
-    from diffuserve.pipelines.prompt_limits import check_texts
-
     for i, prompt in enumerate(prompts):
-        for found in check_texts(limits(), {"prompt": prompt, "negative_prompt": negative_prompt}):
+        for found in owner.count({"prompt": prompt, "negative_prompt": negative_prompt}).truncations:
             logging.getLogger("diffuserve").warning("--prompt #%d: %s", i, found.message)
 
 

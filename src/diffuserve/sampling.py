@@ -12,9 +12,23 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol
 
 from diffuserve.families.base import SamplingDefaults
+
+
+class PromptCounter(Protocol):
+    """What the HTTP side may ask of a model's prompt-token owner (`pipelines.prompt_limits.PromptTokens`,
+    declared here so `sampling` needs nothing from `pipelines/`)."""
+
+    limits: Any
+    """The model's text encoders and their token limits."""
+
+    def count(self, texts: Any) -> Any:
+        """One count of a request's texts: truncations and usage tokens."""
+
+    def tokens(self, text: str) -> int:
+        """Tokens of one text on the usage encoder."""
 
 
 def _sig(default: Any, doc: str) -> Any:
@@ -99,6 +113,9 @@ class ModelDescription:
     """Text-conditioned requests may merge."""
     validate: Callable[[SamplingParams], None] | None = field(default=None, compare=False, repr=False)
     """The model's own checks (size limits, frame counts, ...): raises InvalidRequestError naming the field."""
+    prompt_tokens: PromptCounter | None = field(default=None, compare=False, repr=False)
+    """THE owner of prompt token counts (limits, truncation warnings, usage), built once per loaded model on
+    private tokenizer copies; its `count` tokenizes, so callers run it off the event loop. None: not known."""
 
 
 def _pick(value: Any, default: Any) -> Any:

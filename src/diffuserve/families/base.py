@@ -82,6 +82,22 @@ class ProfileFacts:
 
 
 @dataclass(frozen=True)
+class TextEncoderFacts:
+    """One text encoder a prompt goes through, and how much of the prompt it reads (the server warns about,
+    or with `--reject-truncated-prompts` refuses, a prompt longer than that: `pipelines/prompt_limits.py`)."""
+
+    tokenizer: str
+    """model_index.json key of the encoder's tokenizer (`tokenizer_2`), or of a processor holding one
+    (`processor`: Qwen-Image 2.1 and the edit models)."""
+    label: str
+    """Name shown to users, e.g. `text_encoder_2 (T5)`."""
+    max_tokens: int | None
+    """Tokens of the prompt (special tokens included) the published pipeline reads, its `max_sequence_length`
+    default; the rest is cut off. At load it is capped by the length the checkpoint's tokenizer declares
+    (`model_max_length`), as the pipelines cap their own. None: the pipeline reads the whole prompt (no cut)."""
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """Every fact about one model family. One instance per family, in `families/<module>.py`."""
 
@@ -123,6 +139,10 @@ class FamilySpec:
     """`make-tiny --family` name -> "module:function" that writes a tiny checkpoint of this family."""
     base_family: str | None = None
     """The family whose plan defaults a variant shares (e.g. `qwen_image` for `qwen_image_edit`)."""
+    text_encoders: tuple[TextEncoderFacts, ...] = ()
+    """The text encoders a prompt goes through, with their token limits (prompt truncation warnings and the
+    `usage` text tokens, which count the last one listed: the long-context T5 of FLUX.1 and SD3). Empty: no
+    warnings; usage counts the pipeline's longest-context tokenizer."""
 
     @property
     def has_native(self) -> bool:

@@ -1,6 +1,10 @@
 """FLUX.1 (dev, schnell) and FLUX.1 Kontext."""
 
-from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults
+from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults, TextEncoderFacts
+
+# CLIP's 77 tokens (pooled), then T5: diffusers' max_sequence_length 512 (capped by what tokenizer_2 declares).
+FLUX_TEXT_ENCODERS = (TextEncoderFacts("tokenizer", "text_encoder (CLIP)", 77),
+                      TextEncoderFacts("tokenizer_2", "text_encoder_2 (T5)", 512))
 
 SPECS = (
     FamilySpec(
@@ -25,6 +29,7 @@ SPECS = (
         size_multiple=16,
         max_image_inputs=1,
         tiny_builds={"flux": "diffuserve.models.tiny:build_flux"},
+        text_encoders=FLUX_TEXT_ENCODERS,
     ),
     FamilySpec(
         name="flux_kontext",
@@ -36,5 +41,6 @@ SPECS = (
         profile=ProfileFacts(dit_supports_layerwise=True),
         max_image_inputs=1,
         base_family="flux",
+        text_encoders=FLUX_TEXT_ENCODERS,
     ),
 )

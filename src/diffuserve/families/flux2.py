@@ -5,7 +5,7 @@ diffusers pipelines' `image=`). Sizes are multiples of 16 (VAE factor 8 x 2x2 pa
 position ids, so no positional table limits the size.
 """
 
-from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults
+from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults, TextEncoderFacts
 
 _FLUX2_LAYERS = {
     "Flux2Transformer2DModel": (
@@ -29,6 +29,8 @@ SPECS = (
         layer_containers=_FLUX2_LAYERS,
         max_image_inputs=4,
         tiny_builds={"flux2": "diffuserve.models.tiny_flux2:build_flux2"},
+        # The chat-formatted prompt (system message + user turn), 512 tokens (diffusers' max_sequence_length).
+        text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Mistral3)", 512),),
     ),
     FamilySpec(
         name="flux2_klein",
@@ -45,5 +47,6 @@ SPECS = (
         max_image_inputs=4,
         tiny_builds={"flux2-klein": "diffuserve.models.tiny_flux2:build_flux2_klein"},
         base_family="flux2",
+        text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Qwen3)", 512),),
     ),
 )

@@ -1,7 +1,7 @@
 """Qwen-Image (and 2512): Qwen2.5-VL text, MM-DiT, norm-rescaled true CFG; Qwen-Image 2.1: Qwen3-VL text,
 single-stream block-causal DiT with a prefix KV cache."""
 
-from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults
+from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults, TextEncoderFacts
 
 QWEN_IMAGE_LAYERS = {"QwenImageTransformer2DModel": (("transformer_blocks", "num_layers"),)}
 """The Qwen-Image DiT's repeated blocks (shared with the edit families)."""
@@ -47,6 +47,8 @@ SPECS = (
         size_multiple=16,
         max_latent_side=qwen_image_max_latent_side,
         tiny_builds={"qwen-image": "diffuserve.models.tiny_qwen_image:build_qwen_image"},
+        # The prompt inside its template, system prefix dropped, cut to max_sequence_length (512) tokens.
+        text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Qwen2.5-VL)", QWEN_IMAGE_TEXT_TOKENS),),
     ),
     FamilySpec(
         name="qwen_image_21",
@@ -64,6 +66,9 @@ SPECS = (
         size_multiple=32,
         max_latent_side=qwen_image_21_max_latent_side,
         tiny_builds={"qwen-image-2.1": "diffuserve.models.tiny_qwen_image:build_qwen_image_21"},
+        # 2.1 reads the whole prompt through its processor's tokenizer, as far as the RoPE table's non-negative
+        # positions go (a longer one is refused by the adapter's validate, naming the field).
+        text_encoders=(TextEncoderFacts("processor", "text_encoder (Qwen3-VL)", QWEN_IMAGE_21_ROPE_POSITIONS[0] - 1),),
         base_family="qwen_image",
     ),
 )

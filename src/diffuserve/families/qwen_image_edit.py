@@ -1,7 +1,10 @@
 """Qwen-Image-Edit and Qwen-Image-Edit 2509/2511 (several input images)."""
 
-from diffuserve.families.base import FamilySpec, SamplingDefaults
+from diffuserve.families.base import FamilySpec, SamplingDefaults, TextEncoderFacts
 from diffuserve.families.qwen_image import QWEN_IMAGE_LAYERS, QWEN_PROFILE
+
+# diffusers' edit pipelines give the processor the whole templated prompt (no max_sequence_length cut).
+EDIT_TEXT_ENCODERS = (TextEncoderFacts("processor", "text_encoder (Qwen2.5-VL)", None),)
 
 SPECS = (
     FamilySpec(
@@ -19,6 +22,7 @@ SPECS = (
         supports_batching=False,
         tiny_builds={"qwen-image-edit": "diffuserve.models.tiny_qwen_image_edit:build_edit"},
         base_family="qwen_image",
+        text_encoders=EDIT_TEXT_ENCODERS,
     ),
     FamilySpec(
         name="qwen_image_edit_plus",
@@ -36,5 +40,6 @@ SPECS = (
         supports_batching=False,
         tiny_builds={"qwen-image-edit-plus": "diffuserve.models.tiny_qwen_image_edit:build_edit_plus"},
         base_family="qwen_image",
+        text_encoders=EDIT_TEXT_ENCODERS,
     ),
 )

@@ -1,6 +1,6 @@
 """Stable Diffusion 3 / 3.5 (two CLIP encoders and T5)."""
 
-from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults
+from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults, TextEncoderFacts
 
 
 def sd3_max_latent_side(cfg: dict) -> int | None:
@@ -21,4 +21,8 @@ SPEC = FamilySpec(
     layer_containers={"SD3Transformer2DModel": (("transformer_blocks", "num_layers"),)},
     max_latent_side=sd3_max_latent_side,
     tiny_builds={"sd3": "diffuserve.models.tiny_sd3:build"},
+    # Two CLIPs (77 tokens each) and T5 (diffusers' max_sequence_length 256); T5 may be left out.
+    text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (CLIP-L)", 77),
+                   TextEncoderFacts("tokenizer_2", "text_encoder_2 (CLIP-G)", 77),
+                   TextEncoderFacts("tokenizer_3", "text_encoder_3 (T5)", 256)),
 )

@@ -1,7 +1,10 @@
 """Wan2.1 / Wan2.2 text-to-video (one spec: A14B's two experts and TI2V-5B's per-token timesteps are settings of
 the same `WanPipeline` class) and Wan image-to-video."""
 
-from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults
+from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults, TextEncoderFacts
+
+WAN_TEXT_ENCODERS = (TextEncoderFacts("tokenizer", "text_encoder (UMT5)", 512),)
+"""UMT5, diffusers' max_sequence_length 512 (capped by what the tokenizer declares)."""
 
 # Wan: FSDP can replace DiT offload on validated multi-GPU set-ups; the video VAE peaks high, and frames and
 # resolution move the DiT peak too much for one auto threshold.
@@ -40,6 +43,7 @@ SPECS = (
             "wan2.2": "diffuserve.models.tiny_wan:build_wan22_a14b",
             "wan2.2-ti2v": "diffuserve.models.tiny_wan:build_wan22_ti2v",
         },
+        text_encoders=WAN_TEXT_ENCODERS,
     ),
     FamilySpec(
         name="wan_i2v",
@@ -58,5 +62,6 @@ SPECS = (
         base_family="wan",
         native_adapter="diffuserve.pipelines.wan:WanI2VNativePipeline",
         tiny_builds={"wan-i2v": "diffuserve.models.tiny_wan:build_wan_i2v"},
+        text_encoders=WAN_TEXT_ENCODERS,
     ),
 )

@@ -1,6 +1,6 @@
 """Z-Image and Z-Image-Turbo (Qwen3 encoder)."""
 
-from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults
+from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults, TextEncoderFacts
 
 SPEC = FamilySpec(
     name="z_image",
@@ -16,4 +16,6 @@ SPEC = FamilySpec(
         ("noise_refiner", "n_refiner_layers"), ("context_refiner", "n_refiner_layers"), ("layers", "n_layers"),
     )},
     tiny_builds={"z-image": "diffuserve.models.tiny_z_image:build"},
+    # The chat-templated prompt, diffusers' max_sequence_length 512 (the adapter also caps it by the DiT's caption axis).
+    text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Qwen3)", 512),),
 )

@@ -7,6 +7,7 @@ per request, its `n` outputs. Everything model-specific lives behind this interf
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     import torch
     from PIL import Image
 
+    from diffuserve.pipelines.prompt_limits import PromptTokens, TextEncoderLimit
     from diffuserve.sampling import ModelDescription, SamplingParams
 
 
@@ -100,6 +102,10 @@ class Pipeline:
     frame_multiple: int = 1
     """Video: num_frames - 1 must divide by this (the VAE's temporal compression)."""
     defaults: SamplingDefaults = SamplingDefaults()
+    _prompt_tokens_lock = threading.Lock()
+    """Builds each pipeline's `PromptTokens` once (its tokenizer copies are made once per loaded model)."""
+    _prompt_tokens_owner: PromptTokens | None = None
+    """The built `PromptTokens` (None until `prompt_tokens()` first runs)."""
 
     def __init__(self) -> None:
         self.residency: ComponentUser = AllResident()
@@ -161,7 +167,73 @@ class Pipeline:
             min_image_inputs=self.min_image_inputs,
             frame_multiple=self.frame_multiple,
             supports_batching=self.supports_batching, validate=self.validate,
+            prompt_tokens=self.prompt_tokens(),
         )
+
+    # -- prompt tokens: what the server counts (pipelines/prompt_limits.py) ------------------------------------
+
+    def tokenizer_part(self, key: str) -> Any:
+        """The loaded model_index part `key` (a tokenizer or a processor), or None when the checkpoint has none.
+        Adapters keep parts as attributes of their key; the diffusers backend keeps them on its `.pipe`."""
+        part = getattr(self, key, None)
+        return part if part is not None else getattr(getattr(self, "pipe", None), key, None)
+
+    def text_token_cap(self, key: str) -> int | None:
+        """A cap of the adapter's own on what the encoder behind tokenizer `key` reads, beyond its tokenizer's
+        declaration (e.g. the DiT's positions); None: none."""
+        return None
+
+    def text_frame(self, key: str) -> Callable[[Any], int] | None:
+        """How the adapter frames a text for the encoder behind tokenizer `key` (chat template, system message):
+        a function giving, for a tokenizer, the tokens an empty text becomes, after any prefix the adapter drops
+        (`TextEncoderLimit.framed_empty`). None: the encoder is given the text alone."""
+        return None
+
+    def prompt_token_limits(self) -> list[TextEncoderLimit]:
+        """What each text encoder takes, from the family spec's `text_encoders` and this checkpoint's tokenizers
+        (each capped by what its tokenizer declares and by `text_token_cap`). These are the pipeline's own
+        tokenizer objects: count only through `prompt_tokens()`, which copies them."""
+        from diffuserve.families import spec_for
+        from diffuserve.pipelines.prompt_limits import TextEncoderLimit, declared_limit, inner_tokenizer
+
+        try:
+            facts = spec_for(self.family).text_encoders
+        except KeyError:
+            return []
+        limits = []
+        for fact in facts:
+            part = self.tokenizer_part(fact.tokenizer)
+            if part is None:  # e.g. SD3 without T5
+                continue
+            tokenizer = inner_tokenizer(part)
+            limit, cap = declared_limit(tokenizer, fact.max_tokens), self.text_token_cap(fact.tokenizer)
+            if cap is not None and limit is not None:
+                limit = min(limit, cap)
+            limits.append(TextEncoderLimit(fact.label, tokenizer, limit, self.text_frame(fact.tokenizer)))
+        return limits
+
+    def _usage_fallback(self) -> TextEncoderLimit | None:
+        """For a family whose spec lists no encoders: the longest-context tokenizer (T5 for FLUX / SD3-style
+        pipelines, else the first), read up to min(declared, 512) tokens."""
+        from diffuserve.pipelines.prompt_limits import TextEncoderLimit, inner_tokenizer
+
+        for key in ("tokenizer_3", "tokenizer_2", "tokenizer"):
+            part = self.tokenizer_part(key)
+            if part is not None and callable(part):
+                tokenizer = inner_tokenizer(part)
+                declared = getattr(tokenizer, "model_max_length", 512)
+                return TextEncoderLimit(key, tokenizer, min(int(declared or 512), 512))
+        return None
+
+    def prompt_tokens(self) -> PromptTokens:
+        """THE owner of this model's prompt token counts, built once (private tokenizer copies)."""
+        from diffuserve.pipelines.prompt_limits import PromptTokens
+
+        with Pipeline._prompt_tokens_lock:
+            if self._prompt_tokens_owner is None:
+                limits = self.prompt_token_limits()
+                self._prompt_tokens_owner = PromptTokens(limits, usage=None if limits else self._usage_fallback())
+            return self._prompt_tokens_owner
 
     def describe(self) -> dict[str, Any]:
         """Facts for /server_info and the start-up log."""
@@ -173,4 +245,7 @@ class Pipeline:
             "max_size": [self.max_width, self.max_height],
             "max_image_inputs": self.max_image_inputs,
             "components": sorted(self.components),
+            # Prompt tokens each text encoder reads (null: the whole prompt). Asking builds the token owner, so
+            # the engine's start-up log (in its own thread, at load) makes the private tokenizer copies.
+            "text_encoders": {limit.encoder: limit.max_tokens for limit in self.prompt_tokens().limits},
         }

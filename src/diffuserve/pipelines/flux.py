@@ -24,7 +24,6 @@ from PIL import Image
 
 from diffuserve.families import spec_for
 from diffuserve.pipelines import stages
-from diffuserve.pipelines.prompt_limits import TextEncoderLimit
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
 logger = logging.getLogger(__name__)
@@ -153,11 +152,6 @@ class FluxNativePipeline(stages.RecipePipeline):
         return dataclasses.replace(defaults, num_inference_steps=4, guidance_scale=0.0)
 
     # -- 1. encode prompts ----------------------------------------------------------------------------
-
-    def prompt_token_limits(self) -> list[TextEncoderLimit]:
-        """What each text encoder takes (the server warns about longer prompts: pipelines/prompt_limits.py)."""
-        return [TextEncoderLimit("text_encoder (CLIP)", self.tokenizer, self._clip_max_length),
-                TextEncoderLimit("text_encoder_2 (T5)", self.tokenizer_2, self.max_sequence_length)]
 
     def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
         """CLIP's pooled output (`pooled`) or T5's hidden states (`prompt_embeds`), one row per text."""

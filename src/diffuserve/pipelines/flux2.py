@@ -31,7 +31,7 @@ import dataclasses
 import io
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -41,6 +41,7 @@ from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
 from diffusers.pipelines.flux2.pipeline_flux2 import (
     Flux2Pipeline,
     compute_empirical_mu,
+    format_input,
     retrieve_latents,
     retrieve_timesteps,
 )
@@ -172,6 +173,16 @@ class Flux2NativePipeline(stages.RecipePipeline):
         return cls(transformer=components["transformer"], vae=components["vae"], text_encoder=text_encoder,
                    tokenizer=components["tokenizer"], scheduler=components["scheduler"], device=device, dtype=dtype,
                    max_sequence_length=length, model_index=_model_index(root))
+
+    def text_token_cap(self, key: str) -> int | None:
+        """The encoder's positions cap the text too (`from_components`)."""
+        return self.max_sequence_length
+
+    def text_frame(self, key: str) -> Callable[[Any], int] | None:
+        """diffusers' chat format: the system message, then the text as the user turn."""
+        return lambda tokenizer: len(tokenizer.apply_chat_template(
+            format_input([""], system_message=SYSTEM_MESSAGE)[0], add_generation_prompt=False, tokenize=True,
+            return_dict=True)["input_ids"])
 
     # -- defaults and validation -------------------------------------------------------------------------
 
@@ -366,6 +377,12 @@ class Flux2KleinNativePipeline(Flux2NativePipeline):
         super().__init__(**kwargs)
         self._empty_embeds: torch.Tensor | None = None
         """The encoding of "" (the unconditional text), computed on first use."""
+
+    def text_frame(self, key: str) -> Callable[[Any], int] | None:
+        """diffusers' Qwen3 chat template: the text as one user turn, thinking off."""
+        return lambda tokenizer: len(tokenizer(tokenizer.apply_chat_template(
+            [{"role": "user", "content": ""}], tokenize=False, add_generation_prompt=True,
+            enable_thinking=False)).input_ids)
 
     @property
     def is_distilled(self) -> bool:

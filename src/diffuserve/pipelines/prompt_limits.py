@@ -1,15 +1,19 @@
-"""How many tokens a prompt takes in each text encoder, so a too-long prompt is reported, not silently cut.
+"""How many tokens a prompt takes in each text encoder, so a too-long prompt is reported, not silently cut,
+and the `usage` text tokens of a response.
 
-Family-agnostic: a pipeline lists its text encoders as `TextEncoderLimit`s (tokenizer + the most
-tokens the encoder is given, special tokens included) from `prompt_token_limits()`; the server calls
-`check_texts` before queueing a request and warns (or, with `--reject-truncated-prompts`, refuses).
+Family-agnostic: a family spec lists its text encoders (`families.base.TextEncoderFacts`); a loaded pipeline
+turns them into `TextEncoderLimit`s (its tokenizer + the most tokens the encoder is given, special tokens
+included) from `prompt_token_limits()`, and `PromptTokens` is THE owner of every count the server makes: it
+holds private copies of those tokenizers (never the encode path's objects) and counts a request's texts once,
+for prompt limits, truncation warnings and usage together. The server calls it off the event loop before
+queueing a request and warns (or, with `--reject-truncated-prompts`, refuses).
 """
 
 from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +26,13 @@ class TextEncoderLimit:
     """Name shown to users, e.g. `text_encoder_2 (T5)`."""
     tokenizer: Any
     """The encoder's tokenizer (a transformers tokenizer: callable, returns `input_ids`)."""
-    max_tokens: int
-    """Tokens the pipeline feeds the encoder, special tokens included; the rest is cut off."""
+    max_tokens: int | None
+    """Tokens the pipeline feeds the encoder, special tokens included; the rest is cut off. None: the whole
+    text (it is never cut, so never reported; it still counts as usage)."""
+    framed_empty: Callable[[Any], int] | None = None
+    """Tokens the encoder is given for an empty text, counted with a given tokenizer: the pipeline's framing
+    (chat template, system message, after any prefix it drops) takes that much of `max_tokens` from every
+    text. None: the text alone. Only `PromptTokens` applies it (on its private copy)."""
 
 
 @dataclass(frozen=True)
@@ -64,13 +73,100 @@ def count_tokens(tokenizer: Any, text: str) -> int:
 
 
 def check_texts(limits: Sequence[TextEncoderLimit], texts: Mapping[str, str | None]) -> list[PromptTruncation]:
-    """Every (field, encoder) pair whose text is longer than the encoder takes; empty when all fit."""
-    found: list[PromptTruncation] = []
-    for field, text in texts.items():
-        if not text:
-            continue
-        for limit in limits:
-            tokens = count_tokens(limit.tokenizer, text)
-            if tokens > limit.max_tokens:
-                found.append(PromptTruncation(field, limit.encoder, tokens, limit.max_tokens))
-    return found
+    """Every (field, encoder) pair whose text is longer than the encoder takes; empty when all fit. A one-off
+    check (it copies the tokenizers each call): a served model counts through its one `PromptTokens`."""
+    return list(PromptTokens(limits).count(texts).truncations)
+
+
+@dataclass(frozen=True)
+class PromptCount:
+    """What one count of a request's texts found: everything the server needs from the tokenizers."""
+
+    truncations: tuple[PromptTruncation, ...]
+    """Every (field, encoder) pair whose text is longer than the encoder takes (limits and warnings)."""
+    text_tokens: int
+    """The `usage` text tokens: the texts' tokens in the usage encoder (the spec's last), as far as it reads."""
+
+
+class PromptTokens:
+    """THE owner of the server's prompt token counts (limits, truncation warnings, usage) for one loaded model.
+
+    It tokenizes only on its own deep copies of the encoders' tokenizers, made once here: a fast (Rust)
+    tokenizer keeps its padding / truncation settings on the object for the length of a call, so counting on the
+    pipeline's own tokenizer while the encode lane tokenizes a batch changed what the encode got (an unpadded
+    27-token T5 row in a batch of 64-token rows, failing `stages.concat_cond`). Counts run one at a time (the
+    copies are not shared between threads) and belong off the event loop: the routes run `count` in a thread.
+    """
+
+    def __init__(self, limits: Sequence[TextEncoderLimit], *, usage: TextEncoderLimit | None = None) -> None:
+        """`limits`: the encoders whose limits are checked, in the family spec's order; `usage`: the encoder whose
+        tokens count as usage (default: the last of `limits`, the long-context T5 of FLUX.1 and SD3; with
+        neither, usage counts words)."""
+        copies: dict[int, Any] = {}
+
+        def private(limit: TextEncoderLimit) -> TextEncoderLimit:
+            if id(limit.tokenizer) not in copies:
+                copies[id(limit.tokenizer)] = copy.deepcopy(limit.tokenizer)
+            tokenizer, max_tokens = copies[id(limit.tokenizer)], limit.max_tokens
+            if limit.framed_empty is not None and max_tokens is not None:
+                # What the framing adds beyond the text's own special tokens is not the text's to use.
+                max_tokens -= limit.framed_empty(tokenizer) - self._tokens(tokenizer, "", {})
+            return TextEncoderLimit(limit.encoder, tokenizer, max_tokens)
+
+        self.limits: tuple[TextEncoderLimit, ...] = tuple(private(limit) for limit in limits)
+        """The checked encoders, each on its private tokenizer copy, `max_tokens` net of the pipeline's framing."""
+        chosen = private(usage) if usage is not None else (self.limits[-1] if self.limits else None)
+        self.usage: TextEncoderLimit | None = chosen
+        """The encoder whose tokens are the `usage` text tokens, on its private copy (None: words)."""
+        self._lock = threading.Lock()
+
+    def count(self, texts: Mapping[str, str | None]) -> PromptCount:
+        """Count `texts` (request field -> text; None/empty texts count nothing) once for every purpose."""
+        truncations: list[PromptTruncation] = []
+        text_tokens = 0
+        with self._lock:
+            for field, text in texts.items():
+                if not text:
+                    continue
+                counted: dict[int, int] = {}  # id(private tokenizer) -> tokens: each text tokenized once per tokenizer
+                for limit in self.limits:
+                    tokens = self._tokens(limit.tokenizer, text, counted)
+                    if limit.max_tokens is not None and tokens > limit.max_tokens:
+                        truncations.append(PromptTruncation(field, limit.encoder, tokens, limit.max_tokens))
+                if self.usage is None:
+                    text_tokens += len(text.split())
+                else:
+                    tokens = self._tokens(self.usage.tokenizer, text, counted)
+                    text_tokens += tokens if self.usage.max_tokens is None else min(tokens, self.usage.max_tokens)
+        return PromptCount(tuple(truncations), text_tokens)
+
+    def tokens(self, text: str) -> int:
+        """Tokens of `text` (special tokens included) in the usage encoder, uncut: for a model's own checks
+        (Qwen-Image 2.1 bounds its templated prompt by its RoPE table). Words when no tokenizer is known."""
+        if self.usage is None:
+            return len(text.split())
+        with self._lock:
+            return self._tokens(self.usage.tokenizer, text, {})
+
+    @staticmethod
+    def _tokens(tokenizer: Any, text: str, counted: dict[int, int]) -> int:
+        if id(tokenizer) not in counted:
+            # verbose=False: transformers otherwise logs "sequence length is longer than the maximum" itself.
+            counted[id(tokenizer)] = len(tokenizer(text, truncation=False, add_special_tokens=True,
+                                                   verbose=False)["input_ids"])
+        return counted[id(tokenizer)]
+
+
+def inner_tokenizer(part: Any) -> Any:
+    """The tokenizer of a model_index part: itself, or the one a processor holds (Qwen-Image 2.1, the edit
+    models, FLUX.2-dev's PixtralProcessor)."""
+    return getattr(part, "tokenizer", None) or part
+
+
+def declared_limit(tokenizer: Any, max_tokens: int | None) -> int | None:
+    """`max_tokens` capped by the tokenizer's declared `model_max_length` (the pipelines cap their own
+    sequence length the same way; tiny checkpoints declare fewer tokens than the published ones)."""
+    declared = getattr(tokenizer, "model_max_length", None)
+    if max_tokens is None or not isinstance(declared, int) or declared <= 0:
+        return max_tokens
+    return min(max_tokens, declared)

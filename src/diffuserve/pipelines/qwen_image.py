@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,10 @@ class _QwenBase(stages.RecipePipeline):
         self.components = {"text_encoder": text_encoder, "transformer": transformer, "vae": vae}
         self.size_multiple = self.vae_scale_factor * 2
         self._schedules: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+
+    def text_frame(self, key: str) -> Callable[[Any], int] | None:
+        """The prompt template around the text, its system prefix (`drop_idx` tokens) dropped."""
+        return lambda tokenizer: len(tokenizer(self.template.format("")).input_ids) - self.drop_idx
 
     def checkpoint_folder(self) -> Path | None:
         """The checkpoint folder, found as the parent of the folder the transformer was loaded from (the
@@ -260,7 +264,8 @@ class QwenImage21NativePipeline(_QwenBase):
         limit = QWEN_IMAGE_21_ROPE_POSITIONS[0] - 1
         for name, text in (("prompt", params.prompt), ("negative_prompt", params.negative_prompt)):
             if text and len(text) > limit // 8:  # cheap pre-check: a token covers at most a few characters
-                tokens = len(self.processor.tokenizer(self.template.format(text)).input_ids) - self.drop_idx
+                # On the token owner's private copy: the processor's tokenizer belongs to the encode path.
+                tokens = self.prompt_tokens().tokens(self.template.format(text)) - self.drop_idx
                 if tokens > limit:
                     raise InvalidRequestError(
                         f"{name} is {tokens} tokens long; Qwen-Image 2.1 positions at most {limit} text tokens. "

@@ -86,6 +86,8 @@ class SD3NativePipeline(stages.RecipePipeline):
                                     declared_sequence_length(self.t5_tokenizer, DIFFUSERS_MAX_SEQUENCE_LENGTH))
         """T5 tokens per text: diffusers' 256, capped by what tokenizer_3 declares."""
         self.clip_length = int(getattr(components["tokenizer"], "model_max_length", 77) or 77)
+        self._tokenizer_parts = {"tokenizer": components["tokenizer"], "tokenizer_2": components["tokenizer_2"],
+                                 "tokenizer_3": self.t5_tokenizer}
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.patch_size = int(self.transformer.config.patch_size)
         self.size_multiple = self.vae_scale_factor * self.patch_size
@@ -99,6 +101,10 @@ class SD3NativePipeline(stages.RecipePipeline):
         self._schedulers: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._empty: dict[str, Cond] = {}
         """Text encoder key -> its encoding of "" (see `_encode_empty`)."""
+
+    def tokenizer_part(self, key: str) -> Any:
+        """The model_index tokenizer `key` (this adapter keeps them by encoder; tokenizer_3 may be absent)."""
+        return self._tokenizer_parts.get(key)
 
     @classmethod
     def from_components(

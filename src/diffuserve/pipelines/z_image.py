@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,6 +40,12 @@ as diffusers does, so the embeddings are bit-identical to its call)."""
 
 MAX_CACHED_SCHEDULES = 64
 """Per-shape schedule templates are cleared past this many, so ever-new sizes cannot grow memory."""
+
+
+def _chat(tokenizer: Any, text: str) -> str:
+    """A text as one user turn of the chat template, as diffusers' ZImagePipeline gives it to Qwen3."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True, enable_thinking=True)
 
 
 class ZImageNativePipeline(stages.RecipePipeline):
@@ -85,6 +91,14 @@ class ZImageNativePipeline(stages.RecipePipeline):
         self.defaults = self._defaults_from_checkpoint()
         self._schedules: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
 
+    def text_token_cap(self, key: str) -> int | None:
+        """The caption axis of the DiT's RoPE table bounds the text (see `max_sequence_length`)."""
+        return self.max_sequence_length
+
+    def text_frame(self, key: str) -> Callable[[Any], int] | None:
+        """Each text is one user turn of the chat template (`encode_text`)."""
+        return lambda tokenizer: len(tokenizer(_chat(tokenizer, "")).input_ids)
+
     @classmethod
     def from_components(cls, components: dict[str, Any], *, device: torch.device | str,
                         dtype: torch.dtype) -> ZImageNativePipeline:
@@ -124,11 +138,7 @@ class ZImageNativePipeline(stages.RecipePipeline):
 
     def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
         """Chat-templated texts through Qwen3; `prompt_embeds` (second-to-last hidden state) + `prompt_mask`."""
-        templated = [
-            self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                               add_generation_prompt=True, enable_thinking=True)
-            for text in texts
-        ]
+        templated = [_chat(self.tokenizer, text) for text in texts]
         inputs = self.tokenizer(templated, padding="max_length", max_length=self.max_sequence_length,
                                 truncation=True, return_tensors="pt")
         ids = inputs.input_ids.to(self.device)

@@ -1,15 +1,19 @@
-"""Helpers every generation route shares: readiness, the server's request limits, result timings."""
+"""Helpers every generation route shares: readiness, the server's request limits, prompt token counts, result
+timings."""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 
 from diffuserve.engine.engine import EngineState, GenerationResult
 from diffuserve.errors import InvalidRequestError, ModelNotFoundError
+from diffuserve.pipelines.prompt_limits import PromptTokens
 from diffuserve.server.context import ServerContext
 
 
@@ -57,25 +61,38 @@ def check_request_limits(
 logger = logging.getLogger("diffuserve.server")
 
 
-def prompt_warnings(ctx: ServerContext, texts: dict[str, str | None]) -> list[str]:
-    """Texts longer than a text encoder takes: warnings for the response (logged once per request), or
-    a 400 naming the field with --reject-truncated-prompts. Called before the request is queued."""
-    pipeline = ctx.engine.pipeline
-    limits = getattr(pipeline, "prompt_token_limits", None)
-    if limits is None:
-        return []
-    from diffuserve.pipelines.prompt_limits import check_texts
+@dataclass(frozen=True)
+class PromptCheck:
+    """One count of a request's texts, serving its truncation warnings and its usage."""
 
-    found = check_texts(limits(), texts)
-    if not found:
-        return []
+    warnings: list[str]
+    """Texts longer than a text encoder takes (empty when all fit)."""
+    text_tokens: int
+    """The `usage` text tokens (server/usage.py)."""
+
+
+def check_prompt(ctx: ServerContext, texts: dict[str, str | None]) -> PromptCheck:
+    """Count the texts ONCE through the model's token owner: texts longer than a text encoder takes become
+    warnings for the response (logged once per request), or a 400 naming the field with
+    --reject-truncated-prompts; the same count gives the usage text tokens. It tokenizes, so call it off the
+    event loop (`count_prompt`), before the request is queued."""
+    model = ctx.engine.model
+    owner = model.prompt_tokens if model is not None else None
+    counted = (owner or PromptTokens(())).count(texts)
+    if not counted.truncations:
+        return PromptCheck([], counted.text_tokens)
     if ctx.args.reject_truncated_prompts:
-        first = found[0]
+        first = counted.truncations[0]
         raise InvalidRequestError(f"{first.message}; shorten it (this server runs with --reject-truncated-prompts).",
                                   param=first.field, code="prompt_too_long")
-    messages = [t.message for t in found]
+    messages = [t.message for t in counted.truncations]
     logger.warning("request truncated by the text encoders: %s", "; ".join(messages))
-    return messages
+    return PromptCheck(messages, counted.text_tokens)
+
+
+async def count_prompt(ctx: ServerContext, texts: dict[str, str | None]) -> PromptCheck:
+    """`check_prompt` in a worker thread: tokenizing never blocks the event loop."""
+    return await run_in_threadpool(check_prompt, ctx, texts)
 
 
 def result_timings(result: GenerationResult, *, encode_s: float, received: float) -> dict[str, Any]:

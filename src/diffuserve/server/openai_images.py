@@ -20,7 +20,7 @@ from diffuserve.media.images import decode_image, encode_image, mime_type
 from diffuserve.sampling import SamplingParams, build_sampling_params
 from diffuserve.server.common import (
     check_request_limits,
-    prompt_warnings,
+    count_prompt,
     require_ready,
     result_timings,
     server_context,
@@ -110,12 +110,14 @@ async def _generate_and_respond(
     """Run one request through the engine and shape the OpenAI response (shared by generations and edits)."""
     ctx = server_context(request)
     request_id = uuid.uuid4().hex
-    # Before queueing: a too-long prompt is a 400 with --reject-truncated-prompts, else a warning (a
-    # streamed answer carries none; the log says it either way).
-    warnings = prompt_warnings(ctx, {"prompt": params.prompt, "negative_prompt": params.negative_prompt})
+    # Before queueing, one count of the texts (in a worker thread, on the model's own tokenizer copies): a
+    # too-long prompt is a 400 with --reject-truncated-prompts, else a warning (a streamed answer carries none;
+    # the log says it either way); the same count gives the usage text tokens.
+    prompt = await count_prompt(ctx, {"prompt": params.prompt, "negative_prompt": params.negative_prompt})
+    warnings = prompt.warnings
     assert ctx.engine.model is not None
     inputs = [(params.width, params.height)] * len(params.image_inputs)  # inputs are resized to the output size
-    counted = usage(ctx.engine.pipeline, ctx.engine.model, params, input_sizes=inputs)
+    counted = usage(ctx.engine.model, params, text_tokens=prompt.text_tokens, input_sizes=inputs)
     if body.stream:
         common = {"size": f"{params.width}x{params.height}", "quality": reported_quality(body.quality),
                   "background": "opaque", "output_format": params.output_format}

@@ -36,7 +36,13 @@ from diffuserve.errors import (
 from diffuserve.media.images import decode_image
 from diffuserve.media.video import encode_mp4, spritesheet, thumbnail
 from diffuserve.sampling import SamplingParams, build_sampling_params
-from diffuserve.server.common import check_request_limits, require_ready, result_timings, server_context
+from diffuserve.server.common import (
+    check_request_limits,
+    count_prompt,
+    require_ready,
+    result_timings,
+    server_context,
+)
 from diffuserve.server.context import ServerContext
 from diffuserve.server.protocol import MAX_SEED, PromptRequest, coerce_form_fields, error_envelope, parse_size
 from diffuserve.server.video_jobs import VideoJob, VideoJobStore
@@ -290,10 +296,17 @@ async def _create_body(request: Request) -> tuple[VideoCreateRequest, bytes | No
     return body, image
 
 
-def _job_response(job: VideoJob) -> JSONResponse:
-    """A job object, with the poll interval header while it is still queued or running."""
+def _job_response(job: VideoJob, warnings: list[str] | None = None) -> JSONResponse:
+    """A job object, with the poll interval header while it is still queued or running; a new job's answer
+    also carries its prompt truncation `warnings` when there are any (the job object itself keeps none)."""
     headers = {} if job.terminal else {POLL_AFTER_HEADER: str(POLL_AFTER_MS)}
-    return JSONResponse(job.to_dict(), headers=headers)
+    return JSONResponse({**job.to_dict(), **({"warnings": warnings} if warnings else {})}, headers=headers)
+
+
+async def _prompt_warnings(ctx: ServerContext, params: SamplingParams) -> list[str]:
+    """Before queueing: a too-long prompt is a 400 with --reject-truncated-prompts, else a warning and a log line
+    (counted in a worker thread on the model's own tokenizer copies)."""
+    return (await count_prompt(ctx, {"prompt": params.prompt, "negative_prompt": params.negative_prompt})).warnings
 
 
 _CREATE_SCHEMA = {"requestBody": {"required": True, "content": {
@@ -326,7 +339,9 @@ async def create_video(request: Request) -> JSONResponse:
     ctx = server_context(request)
     require_ready(ctx)
     body, image = await _create_body(request)
-    return _job_response(_start_job(ctx, build_video_params(body, ctx, image), body, received))
+    params = build_video_params(body, ctx, image)
+    warnings = await _prompt_warnings(ctx, params)
+    return _job_response(_start_job(ctx, params, body, received), warnings)
 
 
 class VideoRemixRequest(BaseModel):
@@ -355,8 +370,9 @@ async def remix_video(video_id: str, body: VideoRemixRequest, request: Request) 
                                 num_frames=source.num_frames, fps=source.fps,
                                 num_inference_steps=source.num_inference_steps, guidance_scale=source.guidance_scale,
                                 negative_prompt=source.negative_prompt, seed=source.seed)
-    job = _start_job(ctx, build_video_params(fields, ctx), fields, received, remixed_from=video_id)
-    return _job_response(job)
+    params = build_video_params(fields, ctx)
+    warnings = await _prompt_warnings(ctx, params)
+    return _job_response(_start_job(ctx, params, fields, received, remixed_from=video_id), warnings)
 
 
 @router.get("/v1/videos", tags=["videos"])

@@ -2,8 +2,10 @@
 `output_compression`, and the `usage` token counts of a response.
 
 Token counts (OpenAI's `usage` object, for diffusion models):
-- text tokens: what the model's longest-context tokenizer (T5 for FLUX / SD3, UMT5 for Wan, else the first
-  tokenizer) makes of the prompt and the negative prompt, truncated to the length the model reads;
+- text tokens: what the family spec's last text encoder (T5 for FLUX / SD3, UMT5 for Wan, else the family's
+  one encoder) makes of the prompt and the negative prompt, truncated to the length the model reads. They are
+  counted by the model's `PromptTokens` owner (`pipelines/prompt_limits.py`, via `server/common.check_prompt`)
+  in the same count as the truncation warnings; this module never touches a tokenizer;
 - image tokens: one per `size_multiple x size_multiple` pixel patch (FLUX: the 16 px patches the transformer
   sees as tokens), for each output image (output tokens) and each input image of an edit (input tokens).
 """
@@ -11,7 +13,6 @@ Token counts (OpenAI's `usage` object, for diffusion models):
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from diffuserve.errors import InvalidRequestError
 from diffuserve.sampling import ModelDescription, SamplingParams
@@ -56,34 +57,12 @@ def encoder_quality(output_format: str, output_quality: int, output_compression:
     return max(1, output_compression)  # Pillow's encoders take 1-100
 
 
-def _tokenizer(pipeline: Any) -> Any:
-    holder = getattr(pipeline, "pipe", pipeline)  # the diffusers backend keeps the pipeline as `.pipe`
-    for name in ("tokenizer_3", "tokenizer_2", "tokenizer"):
-        tokenizer = getattr(holder, name, None)
-        if tokenizer is not None and callable(tokenizer):
-            return tokenizer
-    return None
-
-
-def text_tokens(pipeline: Any, texts: list[str | None]) -> int:
-    tokenizer = _tokenizer(pipeline)
-    total = 0
-    for text in texts:
-        if not text:
-            continue
-        if tokenizer is None:
-            total += len(text.split())
-            continue
-        limit = min(int(getattr(tokenizer, "model_max_length", 512) or 512), 512)
-        total += len(tokenizer(text, truncation=True, max_length=limit).input_ids)
-    return total
-
-
-def usage(pipeline: Any, model: ModelDescription, params: SamplingParams, *, input_sizes: list[tuple[int, int]] | None = None) -> dict[str, int | dict[str, int]]:
-    """The `usage` object of one request (all its `n` images)."""
+def usage(model: ModelDescription, params: SamplingParams, *, text_tokens: int,
+          input_sizes: list[tuple[int, int]] | None = None) -> dict[str, int | dict[str, int]]:
+    """The `usage` object of one request (all its `n` images); `text_tokens` from the request's prompt count."""
     patch = max(1, model.size_multiple)
     per_image = (params.width // patch) * (params.height // patch)
-    text = text_tokens(pipeline, [params.prompt, params.negative_prompt])
+    text = text_tokens
     image_in = sum((w // patch) * (h // patch) for w, h in (input_sizes or []))
     output = per_image * params.n
     return {"input_tokens": text + image_in, "output_tokens": output, "total_tokens": text + image_in + output,
