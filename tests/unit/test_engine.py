@@ -372,8 +372,7 @@ def test_a_queued_request_past_its_deadline_is_answered_504_without_running(stop
         task = asyncio.ensure_future(engine.generate(_params("queued"), timeout_s=5))
         await until_async(lambda: engine.scheduler.num_queued == 1, "the request to queue")
         clock.now += 6
-        with engine._cond:  # wake the idle loop at once rather than at its next idle check
-            engine._cond.notify_all()
+        engine.book.wake()  # wake the idle loop at once rather than at its next idle check
         return (await _settle([task]))[0]
 
     result = asyncio.run(scenario())
