@@ -177,6 +177,8 @@ class FakeSteps:
     def __init__(self, pipeline: FakePipeline):
         self.pipeline = pipeline
         self.dropped: list[str] = []
+        self.lanes = None
+        self.device = pipeline.device
 
     def start(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[Any]:
         out: list[Any] = []
@@ -201,6 +203,9 @@ class FakeSteps:
 
     def drop(self, request_id: str) -> None:
         self.dropped.append(request_id)
+
+    def snapshot(self, state: Any) -> Any:
+        return state
 
     def preview(self, state: Any) -> list[Any]:
         return self.pipeline.preview(state.latents, state.state)
@@ -235,9 +240,12 @@ class FakeExecutor:
             inner.load()
         return self.pipelines[0]
 
-    def execute(self, replica: int, call: Any) -> Any:
-        self.batches.append((replica, [r.params.prompt for r in call.requests]))
-        return self._inner[replica].execute(0, call)
+    def execute(self, replica: int, message: Any, events: Any) -> Any:
+        self.batches.append((replica, [p.prompt for p in message.params]))
+        return self._inner[replica].execute(0, message, events)
+
+    def prefetch(self, params: SamplingParams, on_done: Callable[[int], None]) -> bool:
+        return False
 
     def steps(self) -> FakeSteps:
         self.runner = FakeSteps(self.pipelines[0])

@@ -19,8 +19,9 @@ from diffuserve.engine.request import Request
 from diffuserve.engine.requests import GenerationResult, RequestBook
 from diffuserve.engine.scheduler import BatchingMode, Dispatch, ScheduledBatch, WaitUntil
 from diffuserve.errors import GenerationError, RequestCancelledError, RequestTimeoutError
-from diffuserve.executor.base import BatchCall, Executor
-from diffuserve.executor.worker import BatchOutcome
+from diffuserve.executor.base import Executor
+from diffuserve.executor.messages import BatchEvent, BatchMessage, Preview, Progress
+from diffuserve.executor.worker import BatchOutcome, PreviewSink
 
 logger = logging.getLogger("diffuserve.engine")
 
@@ -119,23 +120,21 @@ class BatchLoop:
             self.metrics.set_running(sum(len(b.requests) for b in self.scheduler.running_batches))
             previews = self.book.mark_started(requests, started)
 
-        def on_step(step: int, num_steps: int) -> None:
-            self._step_boundary(requests, step, num_steps)
-
-        def answer(outcome: BatchOutcome) -> None:
-            self._answer(requests, outcome, started)
-
-        # The row cap is a hard cap on every pipeline call in dynamic mode (operators size it to the
-        # device): an oversized request the scheduler dispatched alone runs as several calls.
-        max_rows = batch.effective_cap if self.scheduler.config.dynamic else None
-        # Overlap (dynamic / continuous): the batch's decode runs in the decode lane and `answer` is called from
-        # there, while this thread frees the scheduler and starts the next batch (executor/worker.py `run_batch`).
-        outcome = self.executor.execute(replica, BatchCall(requests, on_step=on_step, previews=previews,
-                                                           max_rows=max_rows,
-                                                           on_decoded=answer if self.defer_decode else None))
+        message = BatchMessage(
+            request_ids=tuple(r.request_id for r in requests), params=tuple(r.params for r in requests),
+            # The row cap is a hard cap on every pipeline call in dynamic mode (operators size it to the
+            # device): an oversized request the scheduler dispatched alone runs as several calls.
+            max_rows=batch.effective_cap if self.scheduler.config.dynamic else None,
+            previews=tuple((rid, sink.partial_images) for rid, sink in previews.items()),
+            # Overlap (dynamic / continuous): the batch's decode may run in the decode lane while this thread
+            # frees the scheduler and starts the next batch (executor/worker.py `run_batch`).
+            defer_decode=self.defer_decode)
+        outcome = self.executor.execute(replica, message, _BatchListener(self, requests, previews))
         self.recent_batch_s = outcome.inference_seconds
-        if not outcome.deferred:
-            answer(outcome)
+        if outcome.decoded is not None:  # answered once the decode lane has the outputs
+            outcome.decoded.add_done_callback(lambda done: self._answer(requests, done.result(), started))
+        else:
+            self._answer(requests, outcome, started)
         with self.book.cond:
             self.scheduler.complete(batch)
             produced = (outcome.batch_rows if outcome.deferred
@@ -179,3 +178,23 @@ class BatchLoop:
                     self.book.answer_locked(rid, error=outcome.errors.get(rid) or RequestCancelledError("cancelled"))
             self.book.cond.notify_all()
 
+
+class _BatchListener:
+    """The `BatchEvents` of one batch: progress and deadlines at each step boundary, previews to their sinks, and
+    the requests' cancel flags (client gone, deadline, shutdown) read back by the running batch."""
+
+    def __init__(self, loop: BatchLoop, requests: list[Request], previews: dict[str, PreviewSink]):
+        self.loop, self.requests, self.previews = loop, requests, previews
+        self._by_id = {r.request_id: r for r in requests}
+
+    def emit(self, event: BatchEvent) -> None:
+        if isinstance(event, Progress):
+            self.loop._step_boundary(self.requests, event.step, event.num_steps)
+        elif isinstance(event, Preview):
+            sink = self.previews.get(event.request_id)
+            if sink is not None:
+                sink.deliver(event.index, event.images)
+
+    def is_cancelled(self, request_id: str) -> bool:
+        request = self._by_id.get(request_id)
+        return request is None or request.cancel_event.is_set()

@@ -34,9 +34,9 @@ from diffuserve.errors import (
     RequestCancelledError,
     ServiceUnavailableError,
 )
-from diffuserve.executor.base import BatchCall, Executor, InProcessExecutor
-from diffuserve.executor.worker import PreviewSink
-from diffuserve.pipelines.base import Pipeline
+from diffuserve.executor.base import Executor, InProcessExecutor, Pipeline
+from diffuserve.executor.messages import BatchMessage
+from diffuserve.executor.worker import NoEvents, PreviewSink
 from diffuserve.sampling import ModelDescription, SamplingParams, build_sampling_params
 
 logger = logging.getLogger("diffuserve.engine")
@@ -282,13 +282,11 @@ class AsyncEngine:
         """Dynamic batching, one rank: a request queued behind a running batch has its texts encoded in the
         encode lane meanwhile (`pipelines/text_prefetch.py`), so its own batch starts at the denoise loop. Caller
         holds the lock."""
-        prefetch = getattr(self.pipeline, "prefetch_text", None)
-        if (prefetch is None or not isinstance(self.executor, InProcessExecutor) or not self.scheduler.config.dynamic
-                or self.mode is BatchingMode.CONTINUOUS or not self.scheduler.num_running
-                or request.ineligible_reason == "warmup"):
+        if (self.mode is not BatchingMode.DYNAMIC or not self.scheduler.config.dynamic
+                or not self.scheduler.num_running or request.ineligible_reason == "warmup"):
             return
         try:
-            prefetch(request.params, on_done=lambda steps: self.metrics.observe_overlap("encode", steps))
+            self.executor.prefetch(request.params, on_done=lambda steps: self.metrics.observe_overlap("encode", steps))
         except Exception:  # an optimisation: the batch encodes the text itself
             logger.warning("could not prefetch the text encode of %s", request.request_id, exc_info=True)
 
@@ -352,7 +350,7 @@ class AsyncEngine:
         if self.mode is not BatchingMode.CONTINUOUS:
             return self._batches
         stats = self.batching_stats
-        return StepLoop(self.book, self.scheduler, self.executor, pipeline=self.pipeline, fallback=self._batches,
+        return StepLoop(self.book, self.scheduler, self.executor, fallback=self._batches,
                         metrics=self.metrics, log_steps=bool(stats is not None and stats.log_enabled),
                         clock=self.clock, should_exit=self._step_loop_exits)
 
@@ -387,8 +385,8 @@ class AsyncEngine:
                                                num_inference_steps=self.config.warmup_steps, seed=0,
                                                image_inputs=_warmup_images(model, width, height))
                 started = time.monotonic()
-                request = Request(request_id="warmup", params=params, arrival_time=self.clock(), ineligible_reason="warmup")
-                outcome = self.executor.execute(replica, BatchCall([request]))
+                outcome = self.executor.execute(replica, BatchMessage(request_ids=("warmup",), params=(params,),
+                                                                      compile_warmup=True), NoEvents())
                 if outcome.errors:
                     raise RuntimeError(f"warm-up generation at {width}x{height} failed: {outcome.errors['warmup'].message}")
                 where = f" on replica {replica}" if len(self.executor.replicas) > 1 else ""

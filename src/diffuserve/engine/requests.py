@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from diffuserve.engine.metrics import EngineMetrics
 from diffuserve.engine.request import Request, RequestStatus
 from diffuserve.errors import DiffuserveError, RequestCancelledError, RequestTimeoutError
+from diffuserve.executor.base import RequestOutput
 from diffuserve.executor.worker import PreviewSink
-from diffuserve.pipelines.base import RequestOutput
 
 MAX_IDLE_WAIT_S = 0.5
 """Upper bound on a loop's sleep, so queued deadlines are checked even when nothing else happens."""

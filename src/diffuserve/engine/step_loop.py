@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from diffuserve.engine.batch_loop import BatchLoop
@@ -30,8 +31,6 @@ from diffuserve.engine.step_scheduler import REMOVED_DEADLINE, GroupEntry, StepP
 from diffuserve.errors import GenerationError, RequestTimeoutError
 from diffuserve.executor.base import Executor
 from diffuserve.executor.worker import preview_steps
-from diffuserve.pipelines import step_batch
-from diffuserve.pipelines.overlap import Overlap, SideResult, overlap_for
 
 logger = logging.getLogger("diffuserve.engine")
 
@@ -40,23 +39,24 @@ class StepLoop:
     """Serves a `StepScheduler`'s group step by step on `executor`'s replica 0, answering through `book`, until
     the engine stops; heads that cannot step go to `fallback` as request-level batches."""
 
-    def __init__(self, book: RequestBook, scheduler: StepScheduler, executor: Executor, *, pipeline: Any,
+    def __init__(self, book: RequestBook, scheduler: StepScheduler, executor: Executor, *,
                  fallback: BatchLoop, metrics: EngineMetrics, log_steps: bool, clock: Callable[[], float],
                  should_exit: Callable[[], bool]):
         self.book, self.scheduler, self.fallback = book, scheduler, fallback
         self.metrics, self.clock, self.should_exit = metrics, clock, should_exit
-        self.pipeline = pipeline
         self.stats = ContinuousStats(metrics, log_enabled=log_steps)
         self._timing: dict[str, dict[str, float]] = {}
         """request id -> its stage seconds (encode / denoise / decode) so far."""
-        self.overlap: Overlap | None = overlap_for(pipeline) if getattr(pipeline, "defers_decode", False) else None
+        self.steps = executor.steps()
+        """Start / step / drop on every rank of the replica; snapshot / preview / finish on its leader."""
+        self.lanes = self.steps.lanes
         """The side lanes (encode, decode) of a native pipeline; None = start and decode inline."""
-        self._starting: list[tuple[list[GroupEntry], Future[SideResult[list[Any]]]]] = []
+        self.encode_lane: Any = self.lanes.encode if self.lanes is not None else InlineLane()
+        self.decode_lane: Any = self.lanes.decode if self.lanes is not None else InlineLane()
+        self._starting: list[tuple[list[GroupEntry], Future[Any]]] = []
         """Entries that joined at one boundary and their start (encode + latents), running or not collected yet."""
         self._left = 0
         """Requests that left since the last step line."""
-        self.steps = executor.steps()
-        """Start / step / drop on every rank of the replica (one rank: the pipeline itself)."""
 
     def run(self) -> None:
         while True:
@@ -104,7 +104,6 @@ class StepLoop:
 
     # -- one turn -----------------------------------------------------------------------------------------
     def _turn(self, plan: StepPlan) -> None:
-        pipeline = self.pipeline
         if plan.joined:
             self._start(plan.joined)
         self._left += plan.left
@@ -120,16 +119,13 @@ class StepLoop:
         self.metrics.set_running(len(rows))
         started = time.perf_counter()
         try:
-            check_step = getattr(pipeline, "check_step", None)  # operator-only fault injection (engine/faults.py)
-            if check_step is not None:
-                check_step([e.request.params for e in rows])
             self.steps.step([(e.request.request_id, e.state) for e in rows])
         except Exception as exc:
             logger.exception("continuous denoising step of %d request(s) failed", len(rows))
             self._fail(rows, f"{type(exc).__name__}: {exc}")
             return
-        if self.overlap is not None:
-            self.overlap.count_step()
+        if self.lanes is not None:
+            self.lanes.count_step()
         seconds = time.perf_counter() - started
         for entry in rows:
             timing = self._timing.setdefault(entry.request.request_id, {})
@@ -157,15 +153,8 @@ class StepLoop:
         def start() -> list[Any]:  # shared encoder calls; a request whose start raises fails alone
             return self.steps.start(list(zip(ids, batch, strict=True)))
 
-        if self.overlap is None:
-            future: Future[SideResult[list[Any]]] = Future()
-            began = time.perf_counter()
-            try:
-                future.set_result(SideResult(value=start(), seconds=time.perf_counter() - began, steps_beside=0))
-            except Exception as exc:
-                future.set_exception(exc)
-        else:
-            future = self.overlap.encode.submit(start, prompts=[p.prompt for p in batch])
+        future = self.encode_lane.submit(start, prompts=[p.prompt for p in batch])
+        if self.lanes is not None:
             future.add_done_callback(lambda _: self.book.wake())
         self._starting.append((entries, future))
 
@@ -178,7 +167,7 @@ class StepLoop:
             try:
                 side = future.result()
                 # CUDA: the loop's stream waits for the encode lane's before using the rows it made.
-                results = side.take(self.pipeline.device) if self.overlap is not None else side.value  # type: ignore[union-attr]
+                results = side.take(self.steps.device)
             except Exception as exc:
                 results = [exc] * len(entries)
                 side = None
@@ -198,7 +187,7 @@ class StepLoop:
                 entry.ready = True
                 joined += 1
                 self._timing[request.request_id] = {"encode": side.seconds}
-            if side is not None and self.overlap is not None:
+            if side is not None and self.lanes is not None:
                 self.metrics.observe_overlap("encode", side.steps_beside)
         return joined
 
@@ -210,7 +199,6 @@ class StepLoop:
 
     # -- previews and decode, in the decode lane when it can ----------------------------------------------
     def _previews(self, rows: list[GroupEntry], finished: list[GroupEntry]) -> None:
-        pipeline = self.pipeline
         for entry in rows:
             if entry in finished or entry.request.cancel_event.is_set():
                 continue
@@ -223,18 +211,16 @@ class StepLoop:
             step = entry.step_index - 1
             if step not in steps:
                 continue
-            snapshot, index = step_batch.snapshot(entry.state), steps.index(step)
+            snapshot, index = self.steps.snapshot(entry.state), steps.index(step)
 
             def preview(sink=sink, snapshot=snapshot, index=index, request_id=entry.request.request_id) -> None:
                 try:
-                    sink.deliver(index, step_batch.preview_request(pipeline, snapshot))  # type: ignore[arg-type]
+                    sink.deliver(index, self.steps.preview(snapshot))
                 except Exception:  # a preview is best effort; the final image still follows
                     logger.exception("preview of request %s failed", request_id)
 
-            if self.overlap is None:
-                preview()
-            else:  # the lane runs jobs in order: a preview always reaches the client before its final image
-                self.overlap.decode.submit(preview, inputs=[snapshot])
+            # The lane runs jobs in order: a preview always reaches the client before its final image.
+            self.decode_lane.submit(preview, inputs=[snapshot])
 
     def _finish(self, entries: list[GroupEntry], *, batch_size: int) -> None:
         """Decode the requests whose last step this was (one decoder call) and answer them."""
@@ -242,25 +228,18 @@ class StepLoop:
         for entry in entries:
             self.steps.drop(entry.request.request_id)
         self.stats.record_leave("finished", len(entries))
-        pipeline, group = self.pipeline, [e.state for e in entries]
+        group = [e.state for e in entries]
         requests = [e.request for e in entries]
 
         def decode() -> list[Any]:
-            return step_batch.finish_requests(pipeline, group)  # type: ignore[arg-type]
+            return self.steps.finish(group)
 
-        if self.overlap is None:
-            future: Future[SideResult[list[Any]]] = Future()
-            began = time.perf_counter()
-            try:
-                future.set_result(SideResult(value=decode(), seconds=time.perf_counter() - began, steps_beside=0))
-            except Exception as exc:
-                future.set_exception(exc)
-            self._answer(requests, future, timings, batch_size, overlapped=False)
-        else:  # answered from the decode lane while the loop keeps stepping the others
-            job = self.overlap.decode.submit(decode, inputs=group, prompts=[r.params.prompt for r in requests])
-            job.add_done_callback(lambda f: self._answer(requests, f, timings, batch_size, overlapped=True))
+        # With lanes: answered from the decode lane while the loop keeps stepping the others; inline: at once.
+        job = self.decode_lane.submit(decode, inputs=group, prompts=[r.params.prompt for r in requests])
+        overlapped = self.lanes is not None
+        job.add_done_callback(lambda f: self._answer(requests, f, timings, batch_size, overlapped=overlapped))
 
-    def _answer(self, requests: list[Any], future: Future[SideResult[list[Any]]], timings: list[dict[str, float]],
+    def _answer(self, requests: list[Any], future: Future[Any], timings: list[dict[str, float]],
                 batch_size: int, *, overlapped: bool) -> None:
         book = self.book
         try:
@@ -309,3 +288,31 @@ class StepLoop:
             self.book.cond.notify_all()
         self.stats.record_leave("failed", len(failed))
 
+
+@dataclass
+class InlineResult:
+    """What a job run in line returned: the shape of a side lane's result (`SideResult` of `pipelines/overlap.py`)."""
+
+    value: Any
+    """The job's return value."""
+    seconds: float
+    """How long it ran."""
+    steps_beside: int = 0
+    """Denoising steps that ran beside it: none, it ran on the loop's thread."""
+
+    def take(self, device: Any) -> Any:
+        """The value (no stream to wait for)."""
+        return self.value
+
+
+class InlineLane:
+    """A side lane that runs each job at once on the loop's thread: the lanes of a pipeline that cannot overlap."""
+
+    def submit(self, fn: Any, *, inputs: Any = (), prompts: Any = ()) -> Future[Any]:
+        future: Future[Any] = Future()
+        began = time.perf_counter()
+        try:
+            future.set_result(InlineResult(value=fn(), seconds=time.perf_counter() - began))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future

@@ -1,6 +1,8 @@
-"""The picklable messages between the engine (rank 0) and the ranks: batches, pipeline calls, results.
+"""The picklable messages between the engine and the ranks that run its batches: batches, pipeline calls, the
+events a running batch reports (progress, previews), results.
 
-They travel through the TCP store of the process group (executor/channel.py), never through a collective, so a
+`BatchMessage` is the one shape of a scheduled batch, whether it runs in this process or on another replica's
+leader; `Progress` and `Preview` are what a running batch reports back at its step boundaries. Between ranks they travel through the TCP store of the process group (executor/channel.py), never through a collective, so a
 rank waiting for work is not blocked inside a collective (STACK.md's idle trap) and a dead peer shows up as a
 missing heartbeat instead of a hang.
 """
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from diffuserve.errors import DiffuserveError, GenerationError, RequestCancelledError
 from diffuserve.pipelines.base import RequestOutput
@@ -18,11 +20,11 @@ from diffuserve.sampling import SamplingParams
 
 @dataclass(frozen=True)
 class BatchMessage:
-    """One scheduled batch for a replica: rank 0 -> the replica's leader."""
+    """One scheduled batch for a replica: the engine -> the executor (and rank 0 -> a remote replica's leader)."""
 
-    seq: int
-    """Sequence number of the message on its replica (0, 1, 2 ...)."""
-    kind: Literal["batch", "shutdown"]
+    seq: int = 0
+    """Sequence number of the message on its replica (0, 1, 2 ...; set by the executor that posts it)."""
+    kind: Literal["batch", "shutdown"] = "batch"
     """batch: run it; shutdown: leave the serving loop."""
     request_ids: tuple[str, ...] = ()
     """The batch's requests, in order."""
@@ -32,6 +34,42 @@ class BatchMessage:
     """Row cap of every pipeline call of the batch (dynamic mode), None = one call."""
     compile_warmup: bool = False
     """The engine's warm-up batch: the replica runs it inside its residency's compile_warmup()."""
+    previews: tuple[tuple[str, int], ...] = ()
+    """(request id, partial images wanted) of the streaming requests: they get `Preview` events."""
+    defer_decode: bool = False
+    """Decode overlap: the executor may return once the batch is denoised, its decode running in the decode lane
+    (`BatchOutcome.decoded`); an executor that cannot defer returns the complete outcome."""
+
+    @property
+    def partial_images(self) -> dict[str, int]:
+        """`previews` as a dict."""
+        return dict(self.previews)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A running batch finished a denoising step (counted over all its pipeline calls)."""
+
+    step: int
+    """Index of the step just done (0-based)."""
+    num_steps: int
+    """Steps of the whole batch."""
+
+
+@dataclass(frozen=True)
+class Preview:
+    """A partial image of one streaming request, made after a denoising step."""
+
+    request_id: str
+    """The request it belongs to."""
+    index: int
+    """Which of the request's partial images it is (0-based)."""
+    images: list[Any]
+    """One PIL image per output row of the request."""
+
+
+BatchEvent = Progress | Preview
+"""What a running batch reports while it runs."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +146,7 @@ class BatchReport:
     """Pipeline calls the batch ran as."""
 
     @classmethod
-    def of(cls, seq: int, outcome) -> BatchReport:  # outcome: engine.worker.BatchOutcome
+    def of(cls, seq: int, outcome) -> BatchReport:  # outcome: executor.worker.BatchOutcome
         return cls(seq=seq, outputs=dict(outcome.outputs),
                    errors={rid: ErrorInfo.of(e) for rid, e in outcome.errors.items()},
                    stage_seconds=dict(outcome.stage_seconds), inference_seconds=outcome.inference_seconds,

@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diffuserve.executor.channel import StoreChannel
-from diffuserve.executor.messages import BatchMessage, BatchReport, CallMessage, StepMessage
+from diffuserve.executor.messages import (
+    BatchEvent,
+    BatchMessage,
+    BatchReport,
+    CallMessage,
+    Progress,
+    StepMessage,
+)
 from diffuserve.executor.topology import Topology
 from diffuserve.executor.worker import run_batch
 from diffuserve.pipelines.base import BatchResult, Pipeline
@@ -251,12 +258,24 @@ def follow_calls(pipeline: Pipeline, channel: StoreChannel, topology: Topology, 
 
 
 @dataclass
-class _Row:
-    """A batch row on a remote leader (stands in for the engine's Request)."""
+class _StoreProgress:
+    """A remote leader's `BatchEvents`: progress goes to the store for rank 0 to relay; rank 0's cancel arrives
+    through `ReplicaPipeline.also_stop`, so no request reads as cancelled here."""
 
-    request_id: str
-    params: SamplingParams
-    cancel_event: threading.Event = field(default_factory=threading.Event)
+    channel: StoreChannel
+    replica: int
+    seq: int
+
+    def emit(self, event: BatchEvent) -> None:
+        if not isinstance(event, Progress):
+            return
+        key = progress_key(self.replica, self.seq)
+        if event.step == 0:
+            self.channel.store.set(key + "/total", str(event.num_steps).encode())
+        self.channel.store.add(key, 1)  # atomic: rank 0 reads it with add(0)
+
+    def is_cancelled(self, request_id: str) -> bool:
+        return False
 
 
 def lead_batches(replica_pipeline: ReplicaPipeline, channel: StoreChannel, topology: Topology,
@@ -269,15 +288,8 @@ def lead_batches(replica_pipeline: ReplicaPipeline, channel: StoreChannel, topol
             replica_pipeline.shutdown_followers()
             channel.post(bye_key(topology.rank), "bye")
             return
-        rows = [_Row(rid, p) for rid, p in zip(message.request_ids, message.params, strict=True)]
-
-        def on_step(step: int, total: int, seq: int = seq) -> None:
-            if step == 0:
-                channel.store.set(progress_key(r, seq) + "/total", str(total).encode())
-            channel.store.add(progress_key(r, seq), 1)  # atomic: rank 0 reads it with add(0)
-
         replica_pipeline.also_stop = lambda seq=seq: channel.store.check([cancel_key(r, seq)])
         with _warmup_placement(replica_pipeline.pipeline, message.compile_warmup):
-            outcome = run_batch(replica_pipeline, rows, on_step=on_step, max_rows=message.max_rows)
+            outcome = run_batch(replica_pipeline, message, _StoreProgress(channel, r, seq))
         channel.post(report_key(r, seq), BatchReport.of(seq, outcome))  # rank 0 removes the batch's other keys
         seq += 1
