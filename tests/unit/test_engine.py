@@ -35,6 +35,7 @@ from diffuserve.errors import (
     ServiceUnavailableError,
 )
 from diffuserve.executor.base import InProcessExecutor, ReplicaState
+from diffuserve.executor.worker import PreviewSink
 from diffuserve.pipelines.base import BatchResult, Pipeline, RequestOutput
 from diffuserve.pipelines.stages import DenoiseState
 from diffuserve.pipelines.step_batch import RequestRows
@@ -680,4 +681,28 @@ def test_continuous_head_that_cannot_step_runs_as_a_request_level_batch(stop_eng
     result = asyncio.run(scenario())
     assert result.output.images == ["edit#0"]
     assert executor.batches == [(0, ["edit"])] and executor.pipeline.step_rows == []
+    assert _answers(engine) == {"success": 1}
+
+
+# -- previews (streaming) -------------------------------------------------------------------------------------
+def _sink(partial_images: int) -> tuple[PreviewSink, list[tuple[int, list[Any]]]]:
+    got: list[tuple[int, list[Any]]] = []
+    return PreviewSink(partial_images, lambda index, images: got.append((index, images))), got
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "continuous"])
+def test_previews_reach_their_sink_before_the_final_image(stop_engines, mode):
+    executor = FakeExecutor()
+    engine = _engine(executor, mode=mode, max_size=1)
+    stop_engines.append((engine, executor))
+    executor.pipeline.open()
+    sink, got = _sink(2)
+
+    async def scenario() -> Any:
+        return await engine.generate(_params("streamed", steps=6), preview=sink)
+
+    result = asyncio.run(scenario())
+    assert len(got) == 2 and [index for index, _ in got] == [0, 1]
+    assert all(len(images) == 1 for _, images in got)
+    assert result.output.images in (["streamed#0"], ["streamed#final"])
     assert _answers(engine) == {"success": 1}

@@ -350,7 +350,7 @@ class AsyncEngine:
         if self.mode is not BatchingMode.CONTINUOUS:
             return self._batches
         stats = self.batching_stats
-        return StepLoop(self.book, self.scheduler, self.executor, fallback=self._batches,
+        return StepLoop(self.book, self.scheduler, self.executor, fallback=self._batches.run_batch,
                         metrics=self.metrics, log_steps=bool(stats is not None and stats.log_enabled),
                         clock=self.clock, should_exit=self._step_loop_exits)
 

@@ -6,8 +6,8 @@ their latents, `pipelines/overlap.py`) -> collect the starts that finished: thos
 boundary on -> ONE denoising step for the ready rows -> previews and the decode of every request whose last step
 it was go to the decode lane, which answers them, while the loop goes on to the next turn. Without lanes (a
 pipeline that cannot overlap) the same happens inline. Heads that cannot run step by step (image-conditioned
-requests, a family that is not continuous) run as request-level batches through `BatchLoop.run_batch`
-(`engine/batch_loop.py`).
+requests, a family that is not continuous) run as request-level batches through `fallback` (the engine passes
+`BatchLoop.run_batch`, `engine/batch_loop.py`).
 
 Failures: a request whose start (encode / prepare) raises fails alone; a step that raises fails every request in
 that step (they shared the one denoiser call, so none of their latents can be trusted) and the loop keeps serving.
@@ -23,10 +23,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from diffuserve.engine.batch_loop import BatchLoop
 from diffuserve.engine.metrics import ContinuousStats, EngineMetrics
 from diffuserve.engine.requests import GenerationResult, RequestBook
-from diffuserve.engine.scheduler import Dispatch, WaitUntil
+from diffuserve.engine.scheduler import Dispatch, ScheduledBatch, WaitUntil
 from diffuserve.engine.step_scheduler import REMOVED_DEADLINE, GroupEntry, StepPlan, StepScheduler
 from diffuserve.errors import GenerationError, RequestTimeoutError
 from diffuserve.executor.base import Executor
@@ -40,8 +39,8 @@ class StepLoop:
     the engine stops; heads that cannot step go to `fallback` as request-level batches."""
 
     def __init__(self, book: RequestBook, scheduler: StepScheduler, executor: Executor, *,
-                 fallback: BatchLoop, metrics: EngineMetrics, log_steps: bool, clock: Callable[[], float],
-                 should_exit: Callable[[], bool]):
+                 fallback: Callable[[ScheduledBatch], None], metrics: EngineMetrics, log_steps: bool,
+                 clock: Callable[[], float], should_exit: Callable[[], bool]):
         self.book, self.scheduler, self.fallback = book, scheduler, fallback
         self.metrics, self.clock, self.should_exit = metrics, clock, should_exit
         self.stats = ContinuousStats(metrics, log_enabled=log_steps)
@@ -64,7 +63,7 @@ class StepLoop:
             if decision is None:
                 return
             if isinstance(decision, Dispatch):
-                self.fallback.run_batch(decision.batch)
+                self.fallback(decision.batch)
                 continue
             try:
                 self._turn(decision)

@@ -69,7 +69,7 @@ def start_requests(pipeline: RecipePipeline, batch: Sequence[Any]) -> list[Reque
     (trimmed as if it had been encoded alone), latents, schedule and scheduler, as `start_request` would."""
     batch = list(batch)
     with torch.inference_mode():
-        positive, negative = pipeline._encode(batch, pipeline.uses_cfg(batch[0]))
+        positive, negative = pipeline.encode_batch(batch, pipeline.uses_cfg(batch[0]))
         out, first = [], 0
         for params in batch:
             index = torch.arange(first, first + params.n)
@@ -152,8 +152,8 @@ def _step_part(pipeline: RecipePipeline, model_key: str, group: list[RequestRows
         # One state for the call: the head's schedule (the guidance combine reads its step's expert), with the
         # extras of the whole group (`step_extras`: equal across the group key, or merged where they count rows).
         state = dataclasses.replace(head.state, extras=pipeline.step_extras([r.state for r in group]))
-        noise_pred = pipeline._guided(latents, timestep, positive, negative, head.params, state,
-                                      head.step_index, model_key)
+        noise_pred = pipeline.guided_prediction(latents, timestep, positive, negative, head.params, state,
+                                                head.step_index, model_key)
         for rows, t, pred in zip(group, timesteps, noise_pred.split([r.latents.shape[0] for r in group]),
                                  strict=True):
             rows.latents = pipeline.scheduler_step(pred, t, rows.latents, rows.state)
