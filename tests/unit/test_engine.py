@@ -706,3 +706,34 @@ def test_previews_reach_their_sink_before_the_final_image(stop_engines, mode):
     assert all(len(images) == 1 for _, images in got)
     assert result.output.images in (["streamed#0"], ["streamed#final"])
     assert _answers(engine) == {"success": 1}
+
+
+# -- shape ------------------------------------------------------------------------------------------------------
+def _imports_of(module: str) -> set[str]:
+    """Every diffuserve module `engine/<module>.py` imports, function-level imports included."""
+    import ast
+    from pathlib import Path
+
+    import diffuserve.engine
+
+    tree = ast.parse((Path(diffuserve.engine.__file__).parent / f"{module}.py").read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("diffuserve"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("diffuserve"))
+    return found
+
+
+def test_the_engine_core_imports_down_the_stack_only():
+    core = ("engine", "requests", "batch_loop", "step_loop", "scheduler", "step_scheduler", "request")
+    for module in core:
+        imports = _imports_of(module)
+        assert not any(m.startswith("diffuserve.pipelines") for m in imports), (module, imports)
+        assert not any(m.startswith(("diffuserve.server", "diffuserve.launch")) for m in imports), (module, imports)
+    # The two loops know nothing of each other or of the facade; the book knows no loop.
+    assert not _imports_of("batch_loop") & {"diffuserve.engine.step_loop", "diffuserve.engine.engine"}
+    assert not _imports_of("step_loop") & {"diffuserve.engine.batch_loop", "diffuserve.engine.engine"}
+    assert not _imports_of("requests") & {"diffuserve.engine.batch_loop", "diffuserve.engine.step_loop",
+                                          "diffuserve.engine.engine"}
