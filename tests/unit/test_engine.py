@@ -577,6 +577,23 @@ def test_replica_choice_free_replica_with_fewest_rows(stop_engines):
     assert _answers(engine) == {"success": 3}
 
 
+def test_warm_up_runs_one_generation_per_replica_before_ready_and_answers_nobody():
+    executor = FakeExecutor(replicas=2)
+    for pipeline in executor.pipelines:
+        pipeline.open()
+    scheduler = DynamicBatcher(BatchingConfig(mode="dynamic", max_size=2), model_names=["fake"], slots=2)
+    engine = AsyncEngine(executor, scheduler, config=EngineConfig(enable_warmup=True, warmup_steps=1),
+                         metrics=CountingMetrics(), model_name="fake")
+    engine.start()
+    try:
+        assert engine.wait_ready(WAIT_S)
+        assert executor.batches == [(0, ["warm-up"]), (1, ["warm-up"])]
+        assert [p.steps_run for p in executor.pipelines] == [1, 1]
+        assert _answers(engine) == {} and engine.num_pending == 0
+    finally:
+        engine.stop()
+
+
 # -- continuous batching -------------------------------------------------------------------------------------
 def test_continuous_requests_join_step_together_and_finish_on_their_own_step(stop_engines):
     executor = FakeExecutor()
