@@ -1,8 +1,9 @@
 """The engine loop of `--batching-mode continuous`: the step scheduler (`engine/step_scheduler.py`) driving the
-resumable recipe (`pipelines/step_batch.py`) on the engine's worker thread.
+executor's `StepRunner` (executor/base.py: the resumable recipe of `pipelines/step_batch.py`, on every rank of the
+replica) on the engine's worker thread.
 
-Each turn: plan under the engine lock -> hand the requests that joined to the encode lane (one shared encode +
-their latents, `pipelines/overlap.py`) -> collect the starts that finished: those requests step from this
+Each turn: schedule under the engine lock -> hand the requests that joined to the encode lane (one shared encode +
+their latents, in the StepRunner's `lanes`) -> collect the starts that finished: those requests step from this
 boundary on -> ONE denoising step for the ready rows -> previews and the decode of every request whose last step
 it was go to the decode lane, which answers them, while the loop goes on to the next turn. Without lanes (a
 pipeline that cannot overlap) the same happens inline. Heads that cannot run step by step (image-conditioned

@@ -9,7 +9,7 @@ request-level scheduler; the engine's step loop (`engine/step_loop.py`) is::
                  denoising step for the ready rows, then scheduler.step_done(decision, those rows) -> the
                  requests whose last step it was (decode + answer)
     Dispatch  -> a request-level batch (a head that cannot run step by step): run it whole, then complete()
-    WaitUntil -> sleep until the time or a new request, then plan again
+    WaitUntil -> sleep until the time or a new request, then schedule again
     Idle      -> sleep until a request arrives
 
 Rules (on top of the module docstring of `engine/scheduler.py`: order, caps counting rows, delay):
