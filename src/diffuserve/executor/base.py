@@ -72,6 +72,8 @@ class PipelineSteps:
         """The replica's StepRunner for start / step / drop on every rank; None = this rank alone."""
         self.lanes = overlap_for(pipeline) if getattr(pipeline, "defers_decode", False) else None
         self.device = pipeline.device
+        self._conds: Any = None
+        """The group's stacked conditioning across steps (`step_batch.GroupConds`, made on the first step)."""
 
     def start(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[Any]:
         if self.ranks is not None:
@@ -89,7 +91,9 @@ class PipelineSteps:
             return
         from diffuserve.pipelines import step_batch
 
-        step_batch.denoise_step(self.pipeline, [state for _, state in rows])  # type: ignore[arg-type]
+        if self._conds is None:
+            self._conds = step_batch.GroupConds()
+        step_batch.denoise_step(self.pipeline, [state for _, state in rows], self._conds)  # type: ignore[arg-type]
 
     def drop(self, request_id: str) -> None:
         if self.ranks is not None:

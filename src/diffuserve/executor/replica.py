@@ -123,6 +123,8 @@ class ReplicaPipeline:
     _sent: set[str] = field(default_factory=set, init=False)
     _dropped: set[str] = field(default_factory=set, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _conds: Any = field(default=None, init=False)
+    """The group's stacked conditioning across continuous steps (`step_batch.GroupConds`, made on first step)."""
 
     def __getattr__(self, name: str) -> Any:  # describe_model, output_kind, supports_batching ...
         return getattr(self.pipeline, name)
@@ -165,7 +167,9 @@ class ReplicaPipeline:
         for rank in peers:
             self.channel.post(call_key(self.topology.replica, seq, rank), message)
         try:
-            step_batch.denoise_step(self.pipeline, [state for _, state in rows])  # type: ignore[arg-type]
+            if self._conds is None:
+                self._conds = step_batch.GroupConds()
+            step_batch.denoise_step(self.pipeline, [state for _, state in rows], self._conds)  # type: ignore[arg-type]
         finally:
             self._collect_acks(seq, peers, time.monotonic())
 
@@ -229,6 +233,7 @@ def follow_calls(pipeline: Pipeline, channel: StoreChannel, topology: Topology, 
 
     seq = 0
     states: dict[str, Any] = {}  # continuous batching: each group request's rows on this rank
+    conds = step_batch.GroupConds()  # ... and the group's stacked conditioning, across steps
     while True:
         message: CallMessage | StepMessage = channel.receive(call_key(topology.replica, seq, topology.rank),
                                                keep_waiting=lambda: not stop.is_set())
@@ -244,7 +249,7 @@ def follow_calls(pipeline: Pipeline, channel: StoreChannel, topology: Topology, 
                                   if not isinstance(rows, Exception))
                 for rid in message.drops:
                     states.pop(rid, None)
-                step_batch.denoise_step(pipeline, [states[rid] for rid in message.rows])  # type: ignore[arg-type]
+                step_batch.denoise_step(pipeline, [states[rid] for rid in message.rows], conds)  # type: ignore[arg-type]
             else:
                 run = pipeline.run_to_latents if message.latents_only else pipeline.run  # type: ignore[attr-defined]
                 with _warmup_placement(pipeline, message.compile_warmup):
