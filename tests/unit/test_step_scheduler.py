@@ -36,29 +36,29 @@ def ids(entries) -> list[str]:
 def test_rows_join_at_step_boundaries_and_leave_after_their_own_last_step() -> None:
     s = sched()
     s.add(req("a", 0.0, steps=3))
-    p1 = step(s.plan(0.0))
+    p1 = step(s.schedule(0.0))
     assert ids(p1.rows) == ["a"] and ids(p1.joined) == ["a"] and p1.step_id == 1
     assert s.step_done(p1) == []
     s.add(req("b", 0.5, steps=2))  # arrives mid-run: joins at the next boundary
-    p2 = step(s.plan(0.5))
+    p2 = step(s.schedule(0.5))
     assert ids(p2.rows) == ["a", "b"] and ids(p2.joined) == ["b"]
     assert [e.step_index for e in p2.rows] == [1, 0]
     assert s.step_done(p2) == []
-    p3 = step(s.plan(1.0))
+    p3 = step(s.schedule(1.0))
     assert ids(p3.joined) == [] and [e.step_index for e in p3.rows] == [2, 1]
     finished = s.step_done(p3)
     assert ids(finished) == ["a", "b"] and all(e.request.status is RequestStatus.FINISHED for e in finished)
-    assert s.plan(1.5) == Idle()
+    assert s.schedule(1.5) == Idle()
 
 
 def test_different_step_counts_share_the_group_and_left_is_reported() -> None:
     s = sched()
     s.add(req("a", 0.0, steps=1))
     s.add(req("b", 0.0, steps=2))
-    p1 = step(s.plan(0.0))
+    p1 = step(s.schedule(0.0))
     assert ids(p1.rows) == ["a", "b"]
     assert ids(s.step_done(p1)) == ["a"]
-    p2 = step(s.plan(0.1))
+    p2 = step(s.schedule(0.1))
     assert ids(p2.rows) == ["b"] and p2.left == 1
 
 
@@ -67,12 +67,12 @@ def test_cap_counts_rows_and_strict_order_stops_the_scan() -> None:
     s.add(req("a", 0.0, n=2))
     s.add(req("b", 0.1, n=3))  # does not fit beside a (2 + 3 > 4)
     s.add(req("c", 0.2, n=1))  # would fit, but may not overtake b
-    p = step(s.plan(0.2))
+    p = step(s.schedule(0.2))
     assert ids(p.rows) == ["a"] and p.cap == 4 and p.num_rows == 2
     s.step_done(p)
-    s.step_done(step(s.plan(0.3)))
-    s.step_done(step(s.plan(0.4)))  # a finishes after 3 steps
-    p = step(s.plan(0.5))
+    s.step_done(step(s.schedule(0.3)))
+    s.step_done(step(s.schedule(0.4)))  # a finishes after 3 steps
+    p = step(s.schedule(0.5))
     assert ids(p.joined) == ["b", "c"] and p.num_rows == 4
 
 
@@ -81,7 +81,7 @@ def test_rule_caps_lower_the_group_cap() -> None:
     s = sched(max_size=8, rules=rules)
     for i in range(3):
         s.add(req(f"r{i}", 0.0))
-    p = step(s.plan(0.0))
+    p = step(s.schedule(0.0))
     assert p.cap == 2 and ids(p.rows) == ["r0", "r1"]
 
 
@@ -94,31 +94,31 @@ def test_group_key_separates_shape_guidance_and_cfg_but_not_steps() -> None:
     s = sched()
     s.add(req("a", 0.0))
     s.add(req("b", 0.0, width=128))  # incompatible: waits until the group drains, then anchors its own
-    p = step(s.plan(0.0))
+    p = step(s.schedule(0.0))
     assert ids(p.rows) == ["a"]
     s.step_done(p)
-    s.step_done(step(s.plan(0.1)))
-    s.step_done(step(s.plan(0.2)))
-    assert ids(step(s.plan(0.3)).joined) == ["b"]
+    s.step_done(step(s.schedule(0.1)))
+    s.step_done(step(s.schedule(0.2)))
+    assert ids(step(s.schedule(0.3)).joined) == ["b"]
 
 
 def test_delay_waits_for_companions_only_when_the_group_is_empty() -> None:
     s = sched(max_size=4, delay_ms=100.0)
     s.add(req("a", 0.0))
-    assert s.plan(0.05) == WaitUntil(0.1)
+    assert s.schedule(0.05) == WaitUntil(0.1)
     s.add(req("b", 0.06))
-    p = step(s.plan(0.1))
+    p = step(s.schedule(0.1))
     assert ids(p.rows) == ["a", "b"]
     s.step_done(p)
     s.add(req("c", 0.2))  # the group runs: c joins at once, without a delay
-    assert ids(step(s.plan(0.2)).joined) == ["c"]
+    assert ids(step(s.schedule(0.2)).joined) == ["c"]
 
 
 def test_full_group_starts_without_waiting_out_the_delay() -> None:
     s = sched(max_size=2, delay_ms=1000.0)
     s.add(req("a", 0.0))
     s.add(req("b", 0.0))
-    assert ids(step(s.plan(0.0)).rows) == ["a", "b"]
+    assert ids(step(s.schedule(0.0)).rows) == ["a", "b"]
 
 
 def test_cancelled_and_expired_rows_leave_at_the_next_step() -> None:
@@ -126,45 +126,45 @@ def test_cancelled_and_expired_rows_leave_at_the_next_step() -> None:
     a, b, c = req("a", 0.0, steps=5), req("b", 0.0, steps=5, deadline=1.0), req("c", 0.0, steps=5)
     for r in (a, b, c):
         s.add(r)
-    s.step_done(step(s.plan(0.0)))
+    s.step_done(step(s.schedule(0.0)))
     a.cancel_event.set()
-    p = step(s.plan(2.0))
+    p = step(s.schedule(2.0))
     assert p.removed == [(a, "cancelled"), (b, "deadline")] and ids(p.rows) == ["c"] and p.left == 2
     assert a.status is RequestStatus.ABORTED and b.status is RequestStatus.TIMED_OUT
     c.cancel_event.set()
-    p = step(s.plan(2.1))
+    p = step(s.schedule(2.1))
     assert p.rows == [] and p.removed == [(c, "cancelled")]
-    assert s.plan(2.2) == Idle()
+    assert s.schedule(2.2) == Idle()
 
 
 def test_failed_step_removes_its_rows() -> None:
     s = sched()
     s.add(req("a", 0.0))
-    p = step(s.plan(0.0))
+    p = step(s.schedule(0.0))
     assert ids(s.fail(p.rows)) == ["a"] and s.group == [] and p.rows[0].request.status is RequestStatus.FAILED
-    assert s.plan(0.1) == Idle()
+    assert s.schedule(0.1) == Idle()
 
 
 def test_ineligible_heads_and_non_continuous_families_use_request_level_batches() -> None:
     s = sched()
     s.add(req("edit", 0.0, ineligible="image_conditioning"))
-    d = s.plan(0.0)
+    d = s.schedule(0.0)
     assert isinstance(d, Dispatch) and d.batch.request_ids == ["edit"]
     s.add(req("b", 0.1))
-    assert s.plan(0.1) == Idle(busy=True)  # the request-level batch runs
+    assert s.schedule(0.1) == Idle(busy=True)  # the request-level batch runs
     s.complete(d.batch)
-    assert ids(step(s.plan(0.2)).rows) == ["b"]
+    assert ids(step(s.schedule(0.2)).rows) == ["b"]
     s2 = sched(supports_continuous=False)
     s2.add(req("x", 0.0))
     s2.add(req("y", 0.0))
-    d2 = s2.plan(0.0)
+    d2 = s2.schedule(0.0)
     assert isinstance(d2, Dispatch) and d2.batch.request_ids == ["x", "y"]  # dynamic merging instead
 
 
 def test_ids_stay_unique_across_queue_and_group() -> None:
     s = sched()
     s.add(req("a", 0.0))
-    step(s.plan(0.0))
+    step(s.schedule(0.0))
     try:
         s.add(req("a", 0.1))
     except ValueError as exc:
@@ -200,17 +200,17 @@ def test_a_request_still_starting_holds_its_rows_but_does_not_step() -> None:
     the cap, and `step_done` advances only the rows that stepped."""
     s = sched(max_size=2)
     s.add(req("a", 0.0, steps=3))
-    p1 = step(s.plan(0.0))
+    p1 = step(s.schedule(0.0))
     s.step_done(p1)
     s.add(req("b", 0.1, steps=2))
-    p2 = step(s.plan(0.1))
+    p2 = step(s.schedule(0.1))
     (b,) = p2.joined
     b.ready = False  # what the engine does while b's encode runs
     s.add(req("c", 0.2))
     ready = [e for e in p2.rows if e.ready]
     assert s.step_done(p2, ready) == []
     assert [(e.request.request_id, e.step_index) for e in s.group] == [("a", 2), ("b", 0)]
-    p3 = step(s.plan(0.3))
+    p3 = step(s.schedule(0.3))
     assert p3.joined == [] and s.num_active_rows == 2  # c waits: b's rows count against the cap of 2
     b.ready = True
     assert ids(s.step_done(p3)) == ["a"]

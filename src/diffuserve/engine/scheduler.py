@@ -31,8 +31,8 @@ goes to a free replica):
    `--batching-delay-ms` since its arrival, `schedule` returns `WaitUntil(head arrival + delay)`.
 6. **Oversized requests.** A head whose `n` alone is at least the effective cap is dispatched
    at once, alone, as a full batch (`num_outputs` may then exceed `effective_cap`), so it never
-   starves. The cap still bounds every pipeline call: the worker runs such a request as
-   consecutive calls of at most `effective_cap` rows (see `engine/worker.py`).
+   starves. The cap still bounds every pipeline call: the batch runner runs such a request as
+   consecutive calls of at most `effective_cap` rows (see `executor/batch_runner.py`).
 7. **Stop reasons.** `max_size` (reached the user cap), `config_cap:N` (reached a rule cap N below
    the user cap), `delay` (the delay ran out, or was 0, below the cap), `dynamic_disabled`
    (singleton mode or max size 1: every batch is one request), `head:<reason>` (the head is
@@ -213,6 +213,20 @@ class DynamicBatcher:
     def queued_requests(self) -> list[Request]:
         """The queued requests in scheduling order (a copy)."""
         return self._ordered()
+
+    def take(self, request_id: str) -> Request | None:
+        """Remove a queued request that another scheduler layer starts (the step scheduler's group); its status
+        is left to the caller. None when it is not queued."""
+        return self._pop(request_id)
+
+    def ineligible_reason(self, request: Request) -> str | None:
+        """Why `request` may not merge with others (its own reason, or the family's), None when it may."""
+        return self._ineligible_reason(request)
+
+    def set_capabilities(self, *, supports_batching: bool, supports_continuous: bool = False) -> None:
+        """What the loaded model can do decides what may be merged (the engine calls this once it is loaded);
+        the request-level rules have no use for `supports_continuous`."""
+        self.supports_batching = supports_batching
 
     # -- scheduling -------------------------------------------------------------------------------
     def schedule(self, now: float) -> Decision:

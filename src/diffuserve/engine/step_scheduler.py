@@ -1,14 +1,15 @@
 """The pure step-level scheduler of `--batching-mode continuous`: which rows denoise together at each step.
 
-Like `engine/scheduler.py` (whose queue, ordering, caps and expiry it inherits) it has no torch, no I/O, no
-threads and no clock of its own. The engine's continuous loop is::
+Like `engine/scheduler.py` (whose `DynamicBatcher` it composes for the queue, ordering, caps, expiry and the
+request-level rules) it has no torch, no I/O, no threads and no clock of its own. It answers the same verb as the
+request-level scheduler; the engine's step loop (`engine/step_loop.py`) is::
 
-    decision = scheduler.plan(now)
+    decision = scheduler.schedule(now)
     StepPlan  -> start decision.joined (encode + latents; beside the loop: they are not `ready` yet), run ONE
                  denoising step for the ready rows, then scheduler.step_done(decision, those rows) -> the
                  requests whose last step it was (decode + answer)
     Dispatch  -> a request-level batch (a head that cannot run step by step): run it whole, then complete()
-    WaitUntil -> sleep until the time or a new request, then plan again
+    WaitUntil -> sleep until the time or a new request, then schedule again
     Idle      -> sleep until a request arrives
 
 Rules (on top of the module docstring of `engine/scheduler.py`: order, caps counting rows, delay):
@@ -32,7 +33,7 @@ Rules (on top of the module docstring of `engine/scheduler.py`: order, caps coun
    rules instead (`DynamicBatcher.schedule`: it runs alone, or merged with equal signatures when the family
    batches but is not continuous).
 6. **Leaving.** A request leaves after its own last step (`step_done`), or at the next boundary when it was
-   cancelled (`cancel_event` set: client gone, engine shutdown) or its deadline passed (`plan` returns it in
+   cancelled (`cancel_event` set: client gone, engine shutdown) or its deadline passed (`schedule` returns it in
    `removed`). A step that raised removes every request in it (`fail`).
 """
 
@@ -43,7 +44,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diffuserve.engine.request import Request, RequestStatus
-from diffuserve.engine.scheduler import BatchingConfig, Decision, DynamicBatcher, Idle, WaitUntil
+from diffuserve.engine.scheduler import (
+    BatchingConfig,
+    Dispatch,
+    DynamicBatcher,
+    Idle,
+    ScheduledBatch,
+    WaitUntil,
+)
 
 GROUP_KEY_FIELDS = ("width", "height", "num_frames", "guidance_scale", "true_cfg_scale", "guidance_scale_2",
                     "strength", "cfg_enabled")
@@ -101,18 +109,91 @@ class StepPlan:
         return sum(e.num_rows for e in self.rows)
 
 
-class StepScheduler(DynamicBatcher):
-    """The queue of `DynamicBatcher` plus the running group of the module docstring. Not thread-safe."""
+StepDecision = Dispatch | StepPlan | WaitUntil | Idle
+"""What `StepScheduler.schedule` returns: a request-level batch, one denoising step, a wait, or nothing."""
+
+
+class StepScheduler:
+    """The request queue (a composed `DynamicBatcher`) plus the running group of the module docstring.
+    Not thread-safe."""
 
     def __init__(self, config: BatchingConfig, *, model_names: Sequence[str], supports_batching: bool = True,
                  supports_continuous: bool = True):
-        super().__init__(config, model_names=model_names, supports_batching=supports_batching)
+        self.requests = DynamicBatcher(config, model_names=model_names, supports_batching=supports_batching)
+        """The queue and the request-level rules (heads that cannot run step by step are dispatched by it)."""
         self.supports_continuous = supports_continuous
         """Whether the served family can run step by step (set by the engine once the pipeline is loaded)."""
         self._group: list[GroupEntry] = []
         self._cap = 1
         self._left = 0
         self._steps = 0
+
+    # -- the queue (the composed request scheduler's) ----------------------------------------------------
+    @property
+    def config(self) -> BatchingConfig:
+        return self.requests.config
+
+    @property
+    def supports_batching(self) -> bool:
+        return self.requests.supports_batching
+
+    def set_capabilities(self, *, supports_batching: bool, supports_continuous: bool = False) -> None:
+        """What the loaded model can do: merge requests at all, and run them step by step."""
+        self.requests.set_capabilities(supports_batching=supports_batching)
+        self.supports_continuous = supports_continuous
+
+    def add(self, request: Request) -> None:
+        if any(e.request.request_id == request.request_id for e in self._group):
+            raise ValueError(f"request id {request.request_id!r} is already running; ids must be unique")
+        self.requests.add(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Remove a queued request; running rows leave at the next boundary by their `cancel_event`."""
+        return self.requests.abort(request_id)
+
+    def expire(self, now: float) -> list[Request]:
+        return self.requests.expire(now)
+
+    def drain(self) -> list[Request]:
+        """Queued requests (see `DynamicBatcher.drain`); running rows stop at the next boundary by their
+        `cancel_event`, which the engine sets."""
+        return self.requests.drain()
+
+    def next_deadline(self) -> float | None:
+        return self.requests.next_deadline()
+
+    def is_queued(self, request_id: str) -> bool:
+        return self.requests.is_queued(request_id)
+
+    @property
+    def num_queued(self) -> int:
+        return self.requests.num_queued
+
+    @property
+    def num_queued_outputs(self) -> int:
+        return self.requests.num_queued_outputs
+
+    @property
+    def running(self) -> ScheduledBatch | None:
+        """The request-level batch in flight (a head that could not step), or None."""
+        return self.requests.running
+
+    @property
+    def num_running(self) -> int:
+        return self.requests.num_running
+
+    @property
+    def running_batches(self) -> tuple[ScheduledBatch, ...]:
+        return self.requests.running_batches
+
+    def is_running(self, batch: ScheduledBatch) -> bool:
+        return self.requests.is_running(batch)
+
+    def complete(self, batch: ScheduledBatch) -> None:
+        self.requests.complete(batch)
+
+    def effective_cap_for(self, request: Request) -> int:
+        return self.requests.effective_cap_for(request)
 
     # -- state ------------------------------------------------------------------------------------------
     @property
@@ -124,17 +205,12 @@ class StepScheduler(DynamicBatcher):
     def num_active_rows(self) -> int:
         return sum(e.num_rows for e in self._group)
 
-    def add(self, request: Request) -> None:
-        if any(e.request.request_id == request.request_id for e in self._group):
-            raise ValueError(f"request id {request.request_id!r} is already running; ids must be unique")
-        super().add(request)
-
     def can_step(self, request: Request) -> bool:
         """Whether `request` may run step by step (rule 2's eligibility)."""
-        return self.supports_continuous and self._ineligible_reason(request) is None
+        return self.supports_continuous and self.requests.ineligible_reason(request) is None
 
     # -- scheduling ---------------------------------------------------------------------------------------
-    def plan(self, now: float) -> Decision | StepPlan:
+    def schedule(self, now: float) -> StepDecision:
         """What to do at clock time `now` (see the module docstring). A returned plan must be followed by
         `step_done` or `fail`; a returned `Dispatch` by `complete`."""
         if self.running is not None:
@@ -146,12 +222,12 @@ class StepScheduler(DynamicBatcher):
         if self._group:
             joined = self._take_joiners(group_key(self._group[0].request), self._cap - self.num_active_rows)
             return self._step(joined, removed)
-        ordered = self._ordered()
+        ordered = self.requests.queued_requests()
         if not ordered:
             return Idle()
         head = ordered[0]
         if not self.can_step(head):
-            return self.schedule(now)
+            return self.requests.schedule(now)
         cap = self.effective_cap_for(head)
         rows = self._fitting_rows(head, cap)
         if rows < cap and now < head.arrival_time + self.config.delay_ms / 1000.0:
@@ -174,16 +250,6 @@ class StepScheduler(DynamicBatcher):
     def fail(self, entries: Sequence[GroupEntry]) -> list[GroupEntry]:
         """The step (or start) of `entries` raised: they leave the group (status FAILED)."""
         return self._leave([e for e in entries if e in self._group], RequestStatus.FAILED)
-
-    def finish(self, entry: GroupEntry) -> None:
-        """`entry` reached its last step early (the pipeline's schedule is shorter than requested)."""
-        if entry in self._group:
-            self._leave([entry], RequestStatus.FINISHED)
-
-    def drain(self) -> list[Request]:
-        """Queued requests (see `DynamicBatcher.drain`); running rows stop at the next boundary by their
-        `cancel_event`, which the engine sets."""
-        return super().drain()
 
     # -- helpers ------------------------------------------------------------------------------------------
     def _step(self, joined: list[GroupEntry], removed: list[tuple[Request, str]]) -> StepPlan:
@@ -220,7 +286,7 @@ class StepScheduler(DynamicBatcher):
     def _fitting_rows(self, head: Request, cap: int) -> int:
         """Rows a group anchored by `head` would start with (the same scan as `_take_joiners`)."""
         rows, key = 0, group_key(head)
-        for request in self._ordered():
+        for request in self.requests.queued_requests():
             if not self._compatible(key, request) or (rows and rows + request.num_outputs > cap):
                 break
             rows += request.num_outputs
@@ -228,7 +294,7 @@ class StepScheduler(DynamicBatcher):
 
     def _take_joiners(self, key: tuple[Any, ...], room: int) -> list[GroupEntry]:
         joined = []
-        for request in self._ordered():
+        for request in self.requests.queued_requests():
             if room <= 0 or not self._compatible(key, request) or request.num_outputs > room:
                 break  # rule 3: strict order, the scan stops at the first request that cannot join
             joined.append(self._enter(request))
@@ -236,7 +302,7 @@ class StepScheduler(DynamicBatcher):
         return joined
 
     def _enter(self, request: Request) -> GroupEntry:
-        self._pop(request.request_id)
+        self.requests.take(request.request_id)
         request.status = RequestStatus.RUNNING
         entry = GroupEntry(request=request, num_steps=request.params.num_inference_steps)
         self._group.append(entry)

@@ -1,15 +1,20 @@
-"""The engine's side of the seam: `Executor`, and the one-rank `InProcessExecutor`."""
+"""The engine's side of the seam: `Executor` (request-level batches in, outcomes out), `StepRunner` (continuous
+batching's moves), and their one-rank implementations `InProcessExecutor` and `PipelineSteps`."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from diffuserve.executor.worker import BatchOutcome, PreviewSink, Request, run_batch
-from diffuserve.pipelines.base import Pipeline
+from diffuserve.executor.messages import BatchMessage
+from diffuserve.executor.worker import BatchEvents, BatchOutcome, run_batch
+from diffuserve.pipelines.base import Pipeline, RequestOutput
 from diffuserve.sampling import SamplingParams
+
+__all__ = ["Executor", "InProcessExecutor", "Pipeline", "PipelineSteps", "ReplicaState", "RequestOutput", "StepRunner"]
+"""`Pipeline` and `RequestOutput` are re-exported: the engine sees the loaded pipeline and the outputs only through
+this seam (it imports nothing from `pipelines/`)."""
 
 
 @dataclass
@@ -30,28 +35,16 @@ class ReplicaState:
     """Why it is out of service (a rank fault); None while healthy."""
 
 
-@dataclass
-class BatchCall:
-    """One execute() request: the batch and the engine's hooks for it (the hooks stay on rank 0)."""
-
-    requests: Sequence[Request]
-    """The batch's requests, in order (their cancel events are read at step boundaries)."""
-    on_step: Callable[[int, int], None] | None = None
-    """Progress and deadline hook, called after each denoising step."""
-    previews: dict[str, PreviewSink] = field(default_factory=dict)
-    """Streaming requests' preview sinks."""
-    max_rows: int | None = None
-    """Row cap of every pipeline call (dynamic mode); None = one call."""
-    on_decoded: Callable[[BatchOutcome], None] | None = None
-    """Decode overlap (`run_batch`): the batch's decode may run in the decode lane while the engine goes on; the
-    complete outcome then comes here from that lane (the returned one is `deferred`). An executor that cannot
-    defer ignores it and returns the complete outcome."""
-
-
 class StepRunner(Protocol):
-    """Continuous batching's three moves, on every rank of replica 0: start the requests joining at one boundary
-    (shared encoder calls; each gets its `pipelines.step_batch.RequestRows`, or the exception that failed it
-    alone), step the group, drop a request that left. Start may run in the encode lane's thread."""
+    """Continuous batching's moves, on every rank of replica 0 (start, step, drop) or on its leader (snapshot,
+    preview, finish): start the requests joining at one boundary (shared encoder calls; each gets its
+    `pipelines.step_batch.RequestRows`, or the exception that failed it alone), step the group, drop a request
+    that left, copy a request's state for a preview, make its preview, decode the requests that finished.
+    `lanes` are the pipeline's side lanes (`pipelines/overlap.py`: start in the encode lane, previews and finishes
+    in the decode lane, beside the loop), None when they run inline; `device` is where the rows live."""
+
+    lanes: Any
+    device: Any
 
     def start(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[Any]: ...
 
@@ -59,37 +52,84 @@ class StepRunner(Protocol):
 
     def drop(self, request_id: str) -> None: ...
 
+    def snapshot(self, state: Any) -> Any: ...
 
-class LocalSteps:
-    """StepRunner of one rank: the step_batch pieces on this process's pipeline."""
+    def preview(self, state: Any) -> list[Any]: ...
 
-    def __init__(self, pipeline: Pipeline):
+    def finish(self, states: Sequence[Any]) -> list[RequestOutput]: ...
+
+
+class PipelineSteps:
+    """StepRunner over this process's pipeline: the `pipelines/step_batch.py` pieces. Start, step and drop go to
+    `ranks` when the replica has several ranks (`executor/replica.py`: every rank runs them); snapshot, preview and
+    finish run here only (the leader answers)."""
+
+    def __init__(self, pipeline: Pipeline, ranks: Any = None):
+        from diffuserve.pipelines.overlap import overlap_for
+
         self.pipeline = pipeline
+        self.ranks = ranks
+        """The replica's StepRunner for start / step / drop on every rank; None = this rank alone."""
+        self.lanes = overlap_for(pipeline) if getattr(pipeline, "defers_decode", False) else None
+        self.device = pipeline.device
+        self._conds: Any = None
+        """The group's stacked conditioning across steps (`step_batch.GroupConds`, made on the first step)."""
 
     def start(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[Any]:
+        if self.ranks is not None:
+            return self.ranks.start(requests)
         from diffuserve.pipelines import step_batch
 
         return step_batch.start_group(self.pipeline, [params for _, params in requests])  # type: ignore[arg-type]
 
     def step(self, rows: Sequence[tuple[str, Any]]) -> None:
+        check_step = getattr(self.pipeline, "check_step", None)  # operator-only fault injection (engine/faults.py)
+        if check_step is not None:
+            check_step([state.params for _, state in rows])
+        if self.ranks is not None:
+            self.ranks.step(rows)
+            return
         from diffuserve.pipelines import step_batch
 
-        step_batch.denoise_step(self.pipeline, [state for _, state in rows])  # type: ignore[arg-type]
+        if self._conds is None:
+            self._conds = step_batch.GroupConds()
+        step_batch.denoise_step(self.pipeline, [state for _, state in rows], self._conds)  # type: ignore[arg-type]
 
     def drop(self, request_id: str) -> None:
-        pass
+        if self.ranks is not None:
+            self.ranks.drop(request_id)
+
+    def snapshot(self, state: Any) -> Any:
+        from diffuserve.pipelines import step_batch
+
+        return step_batch.snapshot(state)
+
+    def preview(self, state: Any) -> list[Any]:
+        from diffuserve.pipelines import step_batch
+
+        return step_batch.preview_request(self.pipeline, state)  # type: ignore[arg-type]
+
+    def finish(self, states: Sequence[Any]) -> list[RequestOutput]:
+        from diffuserve.pipelines import step_batch
+
+        return step_batch.finish_requests(self.pipeline, states)  # type: ignore[arg-type]
 
 
 class Executor(Protocol):
-    """Runs scheduled batches. `load()` returns rank 0's pipeline (the model description comes from it)."""
+    """Runs scheduled batches. `load()` returns rank 0's pipeline (the model description comes from it).
+
+    `execute` takes the batch as data (`BatchMessage`) and returns data (`BatchOutcome`); while it runs, the batch
+    reports `Progress` / `Preview` events to `events` and reads back which requests were cancelled."""
 
     replicas: list[ReplicaState]
 
     def load(self) -> Pipeline: ...
 
-    def execute(self, replica: int, call: BatchCall) -> BatchOutcome: ...
+    def execute(self, replica: int, message: BatchMessage, events: BatchEvents) -> BatchOutcome: ...
 
     def steps(self) -> StepRunner: ...
+
+    def prefetch(self, params: SamplingParams, on_done: Callable[[int], None]) -> bool: ...
 
     def shutdown(self) -> None: ...
 
@@ -102,21 +142,25 @@ class InProcessExecutor:
         self._clock = clock
         self.pipeline: Pipeline | None = None
         self.replicas = [ReplicaState(0, (0,))]
-        self._lock = threading.Lock()
 
     def load(self) -> Pipeline:
         self.pipeline = self._load_pipeline()
         return self.pipeline
 
-    def execute(self, replica: int, call: BatchCall) -> BatchOutcome:
+    def execute(self, replica: int, message: BatchMessage, events: BatchEvents) -> BatchOutcome:
         assert self.pipeline is not None, "load() first"
         extra: dict[str, Any] = {"clock": self._clock} if self._clock is not None else {}
-        return run_batch(self.pipeline, call.requests, on_step=call.on_step, previews=call.previews or None,
-                         max_rows=call.max_rows, on_decoded=call.on_decoded, **extra)
+        return run_batch(self.pipeline, message, events, **extra)
 
     def steps(self) -> StepRunner:
         assert self.pipeline is not None, "load() first"
-        return LocalSteps(self.pipeline)
+        return PipelineSteps(self.pipeline)
+
+    def prefetch(self, params: SamplingParams, on_done: Callable[[int], None]) -> bool:
+        """Dynamic batching: encode a queued request's texts in the encode lane beside the running batch
+        (`pipelines/text_prefetch.py`). False when the pipeline cannot (or there was nothing to do)."""
+        prefetch_text = getattr(self.pipeline, "prefetch_text", None)
+        return bool(prefetch_text(params, on_done=on_done)) if prefetch_text is not None else False
 
     def shutdown(self) -> None:
         pass

@@ -9,19 +9,22 @@ exits non-zero so the orchestrator restarts the group. Waits on a faulty group g
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-from diffuserve.executor.base import BatchCall, ReplicaState
+from diffuserve.executor.base import PipelineSteps, ReplicaState
 from diffuserve.executor.channel import StoreChannel
+from diffuserve.executor.messages import BatchMessage, Progress
 from diffuserve.executor.monitor import RankMonitor
-from diffuserve.executor.protocol import BatchMessage, RankLink, ReplicaLink
+from diffuserve.executor.protocol import RankLink, ReplicaLink
 from diffuserve.executor.replica import RankFault, ReplicaPipeline, StepSync
 from diffuserve.executor.topology import Topology
-from diffuserve.executor.worker import BatchOutcome, run_batch
+from diffuserve.executor.worker import BatchEvents, BatchOutcome, run_batch
 from diffuserve.pipelines.base import Pipeline
+from diffuserve.sampling import SamplingParams
 
 logger = logging.getLogger("diffuserve.executor")
 
@@ -84,10 +87,14 @@ class MultiRankExecutor:
                                      is_alive=lambda: self.alive, observe=self._observe_call)
         return pipeline
 
-    def steps(self) -> Any:
+    def steps(self) -> PipelineSteps:
         """Continuous batching on replica 0's ranks (the only replica continuous mode runs with)."""
         assert self.local is not None, "load() first"
-        return self.local
+        return PipelineSteps(self.local.pipeline, ranks=self.local)
+
+    def prefetch(self, params: SamplingParams, on_done: Callable[[int], None]) -> bool:
+        """No text prefetch across ranks (every rank would have to encode the same texts at the same time)."""
+        return False
 
     def _fault(self, rank: int, message: str) -> None:
         for state in self.replicas:
@@ -95,28 +102,28 @@ class MultiRankExecutor:
                 state.failed = message
         self.on_fault(message)
 
-    def execute(self, replica: int, call: BatchCall) -> BatchOutcome:
+    def execute(self, replica: int, message: BatchMessage, events: BatchEvents) -> BatchOutcome:
         if not self.alive:
             raise RankFault(self.monitor.fault if self.monitor else "the rank group is down")
         if replica == 0:
             assert self.local is not None and self._sync is not None
-            return run_batch(self.local, call.requests, on_step=call.on_step, previews=call.previews or None,
-                             max_rows=call.max_rows, clock=self._clock, on_decoded=call.on_decoded)
-        return self._execute_remote(replica, call)
+            return run_batch(self.local, message, events, clock=self._clock)
+        return self._execute_remote(replica, message, events)
 
-    def _execute_remote(self, replica: int, call: BatchCall) -> BatchOutcome:
+    def _execute_remote(self, replica: int, message: BatchMessage, events: BatchEvents) -> BatchOutcome:
         """Post the batch to the replica's leader; relay progress and cancellation until its report arrives."""
         link = self._links[replica]
         seq = self._seq[replica]
         self._seq[replica] += 1
-        live = [r for r in call.requests if not r.cancel_event.is_set()]
+        live = [(rid, p) for rid, p in zip(message.request_ids, message.params, strict=True)
+                if not events.is_cancelled(rid)]
         if not live:
             return BatchOutcome()
         started = self._clock()
-        link.post_batch(BatchMessage(
-            seq=seq, kind="batch", request_ids=tuple(r.request_id for r in live),
-            params=tuple(r.params for r in live), max_rows=call.max_rows,
-            compile_warmup=any(getattr(r, "ineligible_reason", None) == "warmup" for r in live)))
+        # A remote leader makes no previews and decodes in line (its report carries the outputs).
+        link.post_batch(dataclasses.replace(
+            message, seq=seq, kind="batch", request_ids=tuple(rid for rid, _ in live),
+            params=tuple(p for _, p in live), previews=(), defer_decode=False))
         steps_seen, cancelled = 0, False
         while True:
             report = link.poll_report(seq)
@@ -125,11 +132,11 @@ class MultiRankExecutor:
             if not self.alive:
                 raise RankFault(self.monitor.fault if self.monitor else "the rank group is down")
             done, total = link.read_progress(seq)
-            if done > steps_seen and call.on_step is not None:
+            if done > steps_seen:
                 for step in range(steps_seen, done):
-                    call.on_step(step, total)
+                    events.emit(Progress(step, total))
             steps_seen = max(steps_seen, done)
-            if not cancelled and all(r.cancel_event.is_set() for r in live):
+            if not cancelled and all(events.is_cancelled(rid) for rid, _ in live):
                 link.request_cancel(seq)
                 cancelled = True
             time.sleep(0.005 if self._clock() - started < 1 else 0.02)

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from diffuserve.errors import DiffuserveError, GenerationError, RequestCancelledError
 from diffuserve.executor.channel import StoreChannel
+from diffuserve.executor.messages import BatchMessage
 from diffuserve.pipelines.base import RequestOutput
 from diffuserve.sampling import SamplingParams
 
@@ -80,24 +81,6 @@ def _fault_key(rank: int) -> str:
 
 
 # -- messages ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class BatchMessage:
-    """One scheduled batch for a replica: rank 0 -> the replica's leader."""
-
-    seq: int
-    """Sequence number of the message on its replica (0, 1, 2 ...)."""
-    kind: Literal["batch", "shutdown"]
-    """batch: run it; shutdown: leave the serving loop."""
-    request_ids: tuple[str, ...] = ()
-    """The batch's requests, in order."""
-    params: tuple[SamplingParams, ...] = ()
-    """Each request's sampling parameters (same order as request_ids)."""
-    max_rows: int | None = None
-    """Row cap of every pipeline call of the batch (dynamic mode), None = one call."""
-    compile_warmup: bool = False
-    """The engine's warm-up batch: the replica runs it inside its residency's compile_warmup()."""
-
-
 @dataclass(frozen=True)
 class CallMessage:
     """One pipeline call for every rank of a replica: the replica's leader -> its other ranks."""

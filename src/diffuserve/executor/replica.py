@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diffuserve.executor.channel import StoreChannel
+from diffuserve.executor.messages import BatchEvent, BatchMessage, Progress
 from diffuserve.executor.protocol import (
-    BatchMessage,
     BatchReport,
     CallMessage,
     RankLink,
@@ -95,6 +95,8 @@ class ReplicaPipeline:
     _sent: set[str] = field(default_factory=set, init=False)
     _dropped: set[str] = field(default_factory=set, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _conds: Any = field(default=None, init=False)
+    """The group's stacked conditioning across continuous steps (`step_batch.GroupConds`, made on first step)."""
 
     def __post_init__(self) -> None:
         self._link = ReplicaLink(self.channel, self.topology.replica)
@@ -140,7 +142,9 @@ class ReplicaPipeline:
         for rank in peers:
             self._link.post_call(rank, message)
         try:
-            step_batch.denoise_step(self.pipeline, [state for _, state in rows])  # type: ignore[arg-type]
+            if self._conds is None:
+                self._conds = step_batch.GroupConds()
+            step_batch.denoise_step(self.pipeline, [state for _, state in rows], self._conds)  # type: ignore[arg-type]
         finally:
             self._collect_acks(seq, peers, time.monotonic())
 
@@ -203,6 +207,7 @@ def follow_calls(pipeline: Pipeline, channel: StoreChannel, topology: Topology, 
 
     seq, link = 0, ReplicaLink(channel, topology.replica)
     states: dict[str, Any] = {}  # continuous batching: each group request's rows on this rank
+    conds = step_batch.GroupConds()  # ... and the group's stacked conditioning, across steps
     while True:
         message = link.receive_call(seq, topology.rank, keep_waiting=lambda: not stop.is_set())
         if message.kind == "shutdown":
@@ -217,7 +222,7 @@ def follow_calls(pipeline: Pipeline, channel: StoreChannel, topology: Topology, 
                                   if not isinstance(rows, Exception))
                 for rid in message.drops:
                     states.pop(rid, None)
-                step_batch.denoise_step(pipeline, [states[rid] for rid in message.rows])  # type: ignore[arg-type]
+                step_batch.denoise_step(pipeline, [states[rid] for rid in message.rows], conds)  # type: ignore[arg-type]
             else:
                 run = pipeline.run_to_latents if message.latents_only else pipeline.run  # type: ignore[attr-defined]
                 with _warmup_placement(pipeline, message.compile_warmup):
@@ -231,12 +236,19 @@ def follow_calls(pipeline: Pipeline, channel: StoreChannel, topology: Topology, 
 
 
 @dataclass
-class _Row:
-    """A batch row on a remote leader (stands in for the engine's Request)."""
+class _StoreProgress:
+    """A remote leader's `BatchEvents`: progress goes to the store for rank 0 to relay; rank 0's cancel arrives
+    through `ReplicaPipeline.also_stop`, so no request reads as cancelled here."""
 
-    request_id: str
-    params: SamplingParams
-    cancel_event: threading.Event = field(default_factory=threading.Event)
+    link: ReplicaLink
+    seq: int
+
+    def emit(self, event: BatchEvent) -> None:
+        if isinstance(event, Progress):
+            self.link.report_progress(self.seq, event.step, event.num_steps)
+
+    def is_cancelled(self, request_id: str) -> bool:
+        return False
 
 
 def lead_batches(replica_pipeline: ReplicaPipeline, channel: StoreChannel, topology: Topology,
@@ -249,13 +261,8 @@ def lead_batches(replica_pipeline: ReplicaPipeline, channel: StoreChannel, topol
             replica_pipeline.shutdown_followers()
             RankLink(channel).say_bye(topology.rank)
             return
-        rows = [_Row(rid, p) for rid, p in zip(message.request_ids, message.params, strict=True)]
-
-        def on_step(step: int, total: int, seq: int = seq) -> None:
-            link.report_progress(seq, step, total)
-
         replica_pipeline.also_stop = lambda seq=seq: link.cancelled(seq)
         with _warmup_placement(replica_pipeline.pipeline, message.compile_warmup):
-            outcome = run_batch(replica_pipeline, rows, on_step=on_step, max_rows=message.max_rows)
+            outcome = run_batch(replica_pipeline, message, _StoreProgress(link, seq))
         link.post_report(BatchReport.of(seq, outcome))  # rank 0 removes the batch's other keys
         seq += 1

@@ -7,9 +7,12 @@ seeded `seed + j`, so its images are the same as in one call). If a call raises,
 cannot be split back per request, every request of the batch gets an error that says so; there is
 no silent retry.
 
-Decode overlap (dynamic and continuous modes): given `on_decoded`, a one-call batch of a native pipeline returns
-once it is denoised; its decode runs in the pipeline's decode lane (`pipelines/overlap.py`) while the engine
-starts the next batch, and the complete outcome reaches `on_decoded` from the lane.
+Data in, data out: the batch arrives as a `BatchMessage` (executor/messages.py), it reports `Progress` and
+`Preview` events to the caller's `BatchEvents` at its step boundaries and reads back which requests were cancelled
+there, and it returns a `BatchOutcome`. Decode overlap (`BatchMessage.defer_decode`, dynamic and continuous modes):
+a one-call batch of a native pipeline returns once it is denoised; its decode runs in the pipeline's decode lane
+(`pipelines/overlap.py`) while the engine starts the next batch, and the complete outcome is the result of the
+returned outcome's `decoded` future.
 """
 
 from __future__ import annotations
@@ -17,14 +20,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from diffuserve.errors import DiffuserveError, GenerationError, RequestCancelledError
+from diffuserve.executor.messages import BatchEvent, BatchMessage, Preview, Progress
 from diffuserve.pipelines.base import BatchResult, Pipeline, RequestOutput
 from diffuserve.sampling import SamplingParams
 
@@ -34,14 +37,30 @@ if TYPE_CHECKING:
 logger = logging.getLogger("diffuserve.worker")
 
 
-class Request(Protocol):
-    """What a batch row needs of the engine's request (engine/request.py): its id, parameters and cancel flag."""
+class Row(NamedTuple):
+    """One request of a batch: its id and parameters (the part of a request that crosses the seam)."""
 
     request_id: str
     params: SamplingParams
-    cancel_event: threading.Event
 
 
+class BatchEvents(Protocol):
+    """Where a running batch reports, at its step boundaries, on the thread that runs it: the engine's loop
+    records progress, answers deadlines, forwards previews, and says which requests nobody waits for any more."""
+
+    def emit(self, event: BatchEvent) -> None: ...
+
+    def is_cancelled(self, request_id: str) -> bool: ...
+
+
+class NoEvents:
+    """A batch nobody watches (warm-up, a remote leader without a listener): nothing is cancelled."""
+
+    def emit(self, event: BatchEvent) -> None:
+        pass
+
+    def is_cancelled(self, request_id: str) -> bool:
+        return False
 
 
 def preview_steps(num_steps: int, partial_images: int) -> list[int]:
@@ -78,7 +97,9 @@ class BatchOutcome:
     """Pipeline calls the batch ran as (1 unless a request's n was split under the row cap)."""
     deferred: bool = False
     """The decode runs in the decode lane: in what `run_batch` returns, the outputs are not there yet (the
-    complete outcome, also marked deferred, goes to `on_decoded`; see there)."""
+    complete outcome, also marked deferred, is the result of `decoded`)."""
+    decoded: Future[BatchOutcome] | None = field(default=None, repr=False, compare=False)
+    """A deferred outcome's complete outcome, resolved from the decode lane (never fails); None otherwise."""
     decode_overlap_steps: int = 0
     """Denoising steps (of later batches) the loop ran while this batch's decode ran in the decode lane."""
 
@@ -113,14 +134,14 @@ def plan_calls(batch: Sequence[SamplingParams], max_rows: int | None) -> list[li
     return calls
 
 
-def _batch_error(requests: Sequence[Request], what: str) -> GenerationError:
+def _batch_error(requests: Sequence[Row], what: str) -> GenerationError:
     if len(requests) > 1:
         ids = ", ".join(r.request_id for r in requests)
         return GenerationError(f"The dynamic batch of {len(requests)} requests ({ids}) failed: {what}")
     return GenerationError(f"Generation failed: {what}")
 
 
-def split_outputs(requests: Sequence[Request], result: BatchResult, kind: str) -> dict[str, RequestOutput]:
+def split_outputs(requests: Sequence[Row], result: BatchResult, kind: str) -> dict[str, RequestOutput]:
     """Check the pipeline gave each request exactly its `n` outputs; raise ValueError otherwise."""
     if len(result.outputs) != len(requests):
         raise ValueError(f"the pipeline returned {len(result.outputs)} outputs for {len(requests)} requests")
@@ -135,98 +156,69 @@ def split_outputs(requests: Sequence[Request], result: BatchResult, kind: str) -
 
 def run_batch(
     pipeline: Pipeline,
-    requests: Sequence[Request],
+    message: BatchMessage,
+    events: BatchEvents | None = None,
     *,
-    on_step: Callable[[int, int], None] | None = None,
-    previews: dict[str, PreviewSink] | None = None,
     clock: Callable[[], float] = time.monotonic,
-    max_rows: int | None = None,
-    on_decoded: Callable[[BatchOutcome], None] | None = None,
 ) -> BatchOutcome:
-    """Run `requests` as one pipeline call (several when their rows exceed `max_rows`).
+    """Run `message`'s requests as one pipeline call (several when their rows exceed `message.max_rows`).
 
-    Never raises: every request gets an output or an error. `on_step` counts steps over all calls.
-    `on_decoded` turns on decode overlap: when the batch is one call of a pipeline that can stop before its
-    decode (`defers_decode`), this returns as soon as denoising is done with `deferred=True` (no outputs yet),
+    Never raises: every request gets an output or an error. `Progress` counts steps over all calls.
+    `message.defer_decode` turns on decode overlap: when the batch is one call of a pipeline that can stop before
+    its decode (`defers_decode`), this returns as soon as denoising is done with `deferred=True` (no outputs yet),
     the decode runs in the pipeline's decode lane (`pipelines/overlap.py`) while the caller starts the next
-    batch, and `on_decoded` receives the complete outcome from that lane, exactly once. Otherwise
-    `on_decoded` is never called and the returned outcome is complete.
-    `previews` (request id -> sink) asks for partial images: after each denoising step that some
-    still-waiting request wants a preview of, the pipeline's previews are made once for the whole batch
-    and each such request gets its own rows. A batch split into several calls makes no previews (a
-    call holds only part of a request's rows, and a preview shows all of them).
+    batch, and `decoded` resolves to the complete outcome. Otherwise the returned outcome is complete.
+    `message.previews` asks for partial images: after each denoising step that some still-waiting request wants
+    a preview of, the pipeline's previews are made once for the whole batch and each such request gets a
+    `Preview` of its own rows. A batch split into several calls makes no previews (a call holds only part of a
+    request's rows, and a preview shows all of them).
     """
+    events = events or NoEvents()
     outcome = BatchOutcome()
-    live = [r for r in requests if not r.cancel_event.is_set()]
+    live = [Row(rid, p) for rid, p in zip(message.request_ids, message.params, strict=True)
+            if not events.is_cancelled(rid)]
     if not live:
         return outcome
 
     def everyone_gone() -> bool:
         # Stop the whole batch only when nobody in it still wants an answer; a single cancelled row
         # keeps running with the others and its output is dropped.
-        return all(r.cancel_event.is_set() for r in live)
+        return all(events.is_cancelled(r.request_id) for r in live)
 
-    calls = plan_calls([r.params for r in live], max_rows)
+    calls = plan_calls([r.params for r in live], message.max_rows)
     if len(calls) > 1:
         logger.info("batch of %d request(s), %d rows: above the row cap of %d, running as %d pipeline calls",
-                    len(live), sum(r.params.n for r in live), max_rows, len(calls))
-    steps_done = [0, 0]
-    call_index = [0]
+                    len(live), sum(r.params.n for r in live), message.max_rows, len(calls))
     # torch only once a batch runs, not at import: `plan` and `--help` stay fast.
     from diffuserve.pipelines.overlap import overlap_for
 
     overlap = overlap_for(pipeline) if getattr(pipeline, "defers_decode", False) else None
-
-    def step_done(step: int, num_steps: int) -> None:
-        overall, total = call_index[0] * num_steps + step, len(calls) * num_steps
-        steps_done[:] = [overall + 1, total]
-        if overlap is not None:
-            overlap.count_step()  # a decode running in the lane sees the loop advance (`steps_beside`)
-        if on_step is not None:
-            on_step(overall, total)
-
-    sinks = [(i, previews[r.request_id]) for i, r in enumerate(live) if previews and r.request_id in previews]
-    if len(calls) > 1:
-        sinks = []
+    counter = _StepCounter(len(calls), events, overlap)
+    wanted = message.partial_images if len(calls) == 1 else {}
+    sinks = [(i, wanted[r.request_id]) for i, r in enumerate(live) if r.request_id in wanted]
 
     def on_preview(step: int, num_steps: int, make_previews: Callable[[], list[list[Any]]]) -> None:
-        wanted = []
-        for i, sink in sinks:
-            steps = preview_steps(num_steps, sink.partial_images)
-            if step in steps and not live[i].cancel_event.is_set():
-                wanted.append((i, sink, steps.index(step)))
-        if not wanted:
+        due = []
+        for i, partial_images in sinks:
+            steps = preview_steps(num_steps, partial_images)
+            if step in steps and not events.is_cancelled(live[i].request_id):
+                due.append((i, steps.index(step)))
+        if not due:
             return
         per_request = make_previews()
-        for i, sink, index in wanted:
-            sink.deliver(index, per_request[i])
+        for i, index in due:
+            events.emit(Preview(live[i].request_id, index, per_request[i]))
 
+    hooks: dict[str, Any] = {"on_step": counter.step_done, "should_stop": everyone_gone,
+                             **({"on_preview": on_preview} if sinks else {})}
     start = clock()
-    if on_decoded is not None and overlap is not None and len(calls) == 1:
-        return _run_deferred(pipeline, live, outcome, on_decoded, overlap, clock, start, everyone_gone, steps_done,
-                             {"on_step": step_done, "should_stop": everyone_gone,
-                              **({"on_preview": on_preview} if sinks else {})})
+    if message.defer_decode and overlap is not None and len(calls) == 1:
+        return _run_deferred(pipeline, live, outcome, overlap, clock, start, everyone_gone, counter, hooks)
     try:
-        parts: list[list[RequestOutput]] = [[] for _ in live]
-        stage_seconds: dict[str, float] = {}
-        for call_index[0], call in enumerate(calls):
-            if everyone_gone():
-                raise RequestCancelledError("every request of the batch was cancelled")
-            result = pipeline.run([p for _, _, p in call], on_step=step_done, should_stop=everyone_gone,
-                                  **({"on_preview": on_preview} if sinks else {}))
-            chunk = split_outputs([dataclasses.replace(live[i], params=p) for i, _, p in call], result,
-                                  pipeline.output_kind)
-            for (i, _, _), output in zip(call, chunk.values(), strict=True):
-                parts[i].append(output)
-            for stage, seconds in result.stage_seconds.items():
-                stage_seconds[stage] = stage_seconds.get(stage, 0.0) + seconds
-        outcome.outputs = {r.request_id: _concat(p) for r, p in zip(live, parts, strict=True)}
-        outcome.stage_seconds = stage_seconds
-        outcome.batch_rows = max(sum(p.n for _, _, p in call) for call in calls)
-        outcome.pipeline_calls = len(calls)
+        _run_calls(pipeline, live, calls, counter, everyone_gone, hooks, outcome)
     except RequestCancelledError as exc:
         logger.info("batch of %d request(s) stopped at step %d/%d: every request in it was cancelled",
-                    len(live), *steps_done)
+                    len(live), *counter.done)
         for request in live:
             outcome.errors[request.request_id] = exc
     except Exception as exc:  # the batch loop must survive anything the pipeline raises
@@ -238,16 +230,54 @@ def run_batch(
     return outcome
 
 
-def _run_deferred(pipeline: Any, live: list[Request], outcome: BatchOutcome,
-                  on_decoded: Callable[[BatchOutcome], None], overlap: Overlap, clock: Callable[[], float],
-                  start: float, should_stop: Callable[[], bool], steps_done: list[int],
-                  callbacks: dict[str, Any]) -> BatchOutcome:
+class _StepCounter:
+    """Counts a batch's steps over all its pipeline calls and reports each as `Progress`."""
+
+    def __init__(self, num_calls: int, events: BatchEvents, overlap: Overlap | None):
+        self.num_calls, self.events, self.overlap = num_calls, events, overlap
+        self.call_index = 0
+        """The pipeline call running now."""
+        self.done = (0, 0)
+        """(steps done, total steps) so far, over all calls."""
+
+    def step_done(self, step: int, num_steps: int) -> None:
+        overall, total = self.call_index * num_steps + step, self.num_calls * num_steps
+        self.done = (overall + 1, total)
+        if self.overlap is not None:
+            self.overlap.count_step()  # a decode running in the lane sees the loop advance (`steps_beside`)
+        self.events.emit(Progress(overall, total))
+
+
+def _run_calls(pipeline: Pipeline, live: list[Row], calls: list[list[tuple[int, int, SamplingParams]]],
+               counter: _StepCounter, everyone_gone: Callable[[], bool], hooks: dict[str, Any],
+               outcome: BatchOutcome) -> None:
+    """The batch's pipeline calls, one after the other; fills `outcome` (raises what a call raised)."""
+    parts: list[list[RequestOutput]] = [[] for _ in live]
+    stage_seconds: dict[str, float] = {}
+    for counter.call_index, call in enumerate(calls):
+        if everyone_gone():
+            raise RequestCancelledError("every request of the batch was cancelled")
+        result = pipeline.run([p for _, _, p in call], **hooks)
+        chunk = split_outputs([live[i]._replace(params=p) for i, _, p in call], result, pipeline.output_kind)
+        for (i, _, _), output in zip(call, chunk.values(), strict=True):
+            parts[i].append(output)
+        for stage, seconds in result.stage_seconds.items():
+            stage_seconds[stage] = stage_seconds.get(stage, 0.0) + seconds
+    outcome.outputs = {r.request_id: _concat(p) for r, p in zip(live, parts, strict=True)}
+    outcome.stage_seconds = stage_seconds
+    outcome.batch_rows = max(sum(p.n for _, _, p in call) for call in calls)
+    outcome.pipeline_calls = len(calls)
+
+
+def _run_deferred(pipeline: Any, live: list[Row], outcome: BatchOutcome, overlap: Overlap,
+                  clock: Callable[[], float], start: float, should_stop: Callable[[], bool], counter: _StepCounter,
+                  hooks: dict[str, Any]) -> BatchOutcome:
     """`run_batch` with the decode in the decode lane (one pipeline call; see `run_batch`)."""
     try:
-        denoised = pipeline.run_to_latents([r.params for r in live], **callbacks)
+        denoised = pipeline.run_to_latents([r.params for r in live], **hooks)
     except RequestCancelledError as exc:
         logger.info("batch of %d request(s) stopped at step %d/%d: every request in it was cancelled",
-                    len(live), *steps_done)
+                    len(live), *counter.done)
         outcome.errors = {r.request_id: exc for r in live}
         outcome.inference_seconds = clock() - start
         return outcome
@@ -263,6 +293,8 @@ def _run_deferred(pipeline: Any, live: list[Request], outcome: BatchOutcome,
             raise RequestCancelledError("every request of the batch was cancelled")
         return pipeline.decode_batch(denoised)
 
+    decoded: Future[BatchOutcome] = Future()
+
     def deliver(future: Future[SideResult[BatchResult]]) -> None:
         done = BatchOutcome(batch_rows=denoised.latents.shape[0], pipeline_calls=1, deferred=True)
         try:
@@ -277,16 +309,14 @@ def _run_deferred(pipeline: Any, live: list[Request], outcome: BatchOutcome,
             error = _batch_error(live, f"{type(exc).__name__}: {exc}")
             done.errors = {r.request_id: error for r in live}
         done.inference_seconds = clock() - start
-        try:
-            on_decoded(done)
-        except Exception:  # pragma: no cover - the engine's answer path does not raise
-            logger.exception("answering a decoded batch failed")
+        decoded.set_result(done)
 
-    overlap.decode.submit(decode, inputs=[denoised], prompts=[r.params.prompt for r in live]).add_done_callback(deliver)
+    outcome.decoded = decoded
     outcome.deferred = True
     outcome.stage_seconds = dict(denoised.stage_seconds)
     outcome.batch_rows, outcome.pipeline_calls = denoised.latents.shape[0], 1
     outcome.inference_seconds = clock() - start
+    overlap.decode.submit(decode, inputs=[denoised], prompts=[r.params.prompt for r in live]).add_done_callback(deliver)
     return outcome
 
 

@@ -312,7 +312,10 @@ class RecipePipeline(Pipeline):
 
     # -- the shared run ----------------------------------------------------------------------------------
 
-    def _encode(self, batch: Sequence[SamplingParams], cfg: bool) -> tuple[Cond, Cond | None]:
+    def encode_batch(self, batch: Sequence[SamplingParams], cfg: bool) -> tuple[Cond, Cond | None]:
+        """Recipe step 1: the batch's conditioning, one row per output (and the negative one when `cfg`).
+
+        Public: the continuous start (`pipelines/step_batch.py`) encodes joining requests with it."""
         # Each distinct text is encoded once (negative prompts in the same encoder calls), then gathered to
         # one row per output: request i's row repeated n_i times, as diffusers does for num_images_per_prompt.
         texts = [p.prompt for p in batch]
@@ -362,8 +365,10 @@ class RecipePipeline(Pipeline):
         texts = [params.prompt] + ([params.negative_prompt or ""] if self.uses_cfg(params) else [])
         return prefetch.submit(params, texts, on_done)
 
-    def _guided(self, latents: torch.Tensor, timestep: torch.Tensor, positive: Cond, negative: Cond | None,
-                head: SamplingParams, state: DenoiseState, step_index: int, model_key: str) -> torch.Tensor:
+    def guided_prediction(self, latents: torch.Tensor, timestep: torch.Tensor, positive: Cond, negative: Cond | None,
+                          head: SamplingParams, state: DenoiseState, step_index: int, model_key: str) -> torch.Tensor:
+        """Recipe step 3, one denoiser call: the prediction for `latents` at `timestep`, guided by the negative
+        branch when there is one (CFG, or CFG parallel's split). Public: the continuous step calls it."""
         if negative is None:
             return self.predict(latents, timestep, positive, state, model_key)
         if self.cfg_parallel is not None:
@@ -398,7 +403,7 @@ class RecipePipeline(Pipeline):
                     scope.enter_context(self.residency.use(model_key))
                     active = model_key
                 timestep = t.expand(latents.shape[0])
-                noise_pred = self._guided(latents, timestep, positive, negative, head, state, i, model_key)
+                noise_pred = self.guided_prediction(latents, timestep, positive, negative, head, state, i, model_key)
                 latents = self.scheduler_step(noise_pred, t, latents, state)
                 if on_step is not None:
                     on_step(i, num_steps)
@@ -461,7 +466,7 @@ class RecipePipeline(Pipeline):
         with torch.inference_mode():
             # 1. Encode every distinct prompt (and negative prompt when CFG runs), one scope per encoder.
             with timer.stage("encode"):
-                positive, negative = self._encode(batch, cfg)
+                positive, negative = self.encode_batch(batch, cfg)
             # 2. Latents, schedule and per-batch extras (edits encode their input images here).
             with timer.stage("latents"), contextlib.ExitStack() as scope:
                 for key in self.prepare_components(head):

@@ -69,7 +69,7 @@ def start_requests(pipeline: RecipePipeline, batch: Sequence[Any]) -> list[Reque
     (trimmed as if it had been encoded alone), latents, schedule and scheduler, as `start_request` would."""
     batch = list(batch)
     with torch.inference_mode():
-        positive, negative = pipeline._encode(batch, pipeline.uses_cfg(batch[0]))
+        positive, negative = pipeline.encode_batch(batch, pipeline.uses_cfg(batch[0]))
         out, first = [], 0
         for params in batch:
             index = torch.arange(first, first + params.n)
@@ -109,51 +109,58 @@ def _stack(conds: Sequence[Cond], masked: dict[str, str]) -> Cond:
     return out
 
 
-def _group_cond(pipeline: RecipePipeline, model_key: str, group: list[RequestRows]) -> tuple[Cond, Cond | None]:
-    """The stacked conditioning of `group`, the same tensors for as long as the group (of this denoiser) does not
-    change: as in `run`, where every step gets the same tensors (Qwen-Image 2.1 finds its prefix KV cache by
-    them; a new stack per step would miss it and add a cache every step)."""
-    cache: dict[str, tuple[list[RequestRows], Cond, Cond | None]] | None = getattr(pipeline, "_group_conds", None)
-    if cache is None:  # one per pipeline; only the loop's thread steps
-        cache = pipeline._group_conds = {}  # type: ignore[attr-defined]
-    found = cache.get(model_key)
-    if (found is not None and len(found[0]) == len(group)
-            and all(a is b for a, b in zip(found[0], group, strict=True))):
-        return found[1], found[2]
-    positive = _stack([r.positive for r in group], pipeline.masked_sequences)
-    negatives = [r.negative for r in group]
-    negative = None if negatives[0] is None else _stack(negatives, pipeline.masked_sequences)  # type: ignore[arg-type]
-    cache[model_key] = (list(group), positive, negative)
-    return positive, negative
+class GroupConds:
+    """The stacked conditioning of the last group stepped, per denoiser, kept by whoever steps the group (the
+    engine's StepRunner, a follower rank's loop) across steps; one per stepping thread."""
+
+    def __init__(self) -> None:
+        self._by_denoiser: dict[str, tuple[list[RequestRows], Cond, Cond | None]] = {}
+
+    def stacked(self, pipeline: RecipePipeline, model_key: str, group: list[RequestRows]) -> tuple[Cond, Cond | None]:
+        """The stacked conditioning of `group`, the same tensors for as long as the group (of this denoiser) does
+        not change: as in `run`, where every step gets the same tensors (Qwen-Image 2.1 finds its prefix KV cache
+        by them; a new stack per step would miss it and add a cache every step)."""
+        found = self._by_denoiser.get(model_key)
+        if (found is not None and len(found[0]) == len(group)
+                and all(a is b for a, b in zip(found[0], group, strict=True))):
+            return found[1], found[2]
+        positive = _stack([r.positive for r in group], pipeline.masked_sequences)
+        negatives = [r.negative for r in group]
+        negative = None if negatives[0] is None else _stack(negatives, pipeline.masked_sequences)  # type: ignore[arg-type]
+        self._by_denoiser[model_key] = (list(group), positive, negative)
+        return positive, negative
 
 
-def denoise_step(pipeline: RecipePipeline, group: Sequence[RequestRows]) -> None:
+def denoise_step(pipeline: RecipePipeline, group: Sequence[RequestRows], conds: GroupConds | None = None) -> None:
     """One denoising step for every request of `group`, each at its own step index.
 
     Rows that need the same denoiser this step share ONE call (two with unbatched CFG); a family with several
     denoisers (Wan2.2 A14B's two experts, chosen by timestep) makes one call per expert the group's rows need,
     in the order of the group. The rows' latents advance in place (`RequestRows.latents`, `step_index`).
+    `conds` is the caller's cache of the group's stacked conditioning, kept across steps (every serving loop
+    passes one); None stacks afresh for this step only.
     """
+    conds = conds if conds is not None else GroupConds()
     parts: dict[str, list[RequestRows]] = {}
     for rows in group:
         t = rows.state.timesteps[rows.step_index]
         parts.setdefault(pipeline.denoiser_for_step(rows.step_index, t, rows.state), []).append(rows)
     for model_key, part in parts.items():
-        _step_part(pipeline, model_key, part)
+        _step_part(pipeline, model_key, part, conds)
 
 
-def _step_part(pipeline: RecipePipeline, model_key: str, group: list[RequestRows]) -> None:
+def _step_part(pipeline: RecipePipeline, model_key: str, group: list[RequestRows], conds: GroupConds) -> None:
     head = group[0]
     timesteps = [rows.state.timesteps[rows.step_index] for rows in group]
     with torch.inference_mode(), pipeline.residency.use(model_key):
         latents = torch.cat([r.latents for r in group])
         timestep = torch.cat([t.expand(r.latents.shape[0]) for r, t in zip(group, timesteps, strict=True)])
-        positive, negative = _group_cond(pipeline, model_key, group)
+        positive, negative = conds.stacked(pipeline, model_key, group)
         # One state for the call: the head's schedule (the guidance combine reads its step's expert), with the
         # extras of the whole group (`step_extras`: equal across the group key, or merged where they count rows).
         state = dataclasses.replace(head.state, extras=pipeline.step_extras([r.state for r in group]))
-        noise_pred = pipeline._guided(latents, timestep, positive, negative, head.params, state,
-                                      head.step_index, model_key)
+        noise_pred = pipeline.guided_prediction(latents, timestep, positive, negative, head.params, state,
+                                                head.step_index, model_key)
         for rows, t, pred in zip(group, timesteps, noise_pred.split([r.latents.shape[0] for r in group]),
                                  strict=True):
             rows.latents = pipeline.scheduler_step(pred, t, rows.latents, rows.state)

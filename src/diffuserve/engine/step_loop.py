@@ -1,71 +1,70 @@
 """The engine loop of `--batching-mode continuous`: the step scheduler (`engine/step_scheduler.py`) driving the
-resumable recipe (`pipelines/step_batch.py`) on the engine's worker thread.
+executor's `StepRunner` (executor/base.py: the resumable recipe of `pipelines/step_batch.py`, on every rank of the
+replica) on the engine's worker thread.
 
-Each turn: plan under the engine lock -> hand the requests that joined to the encode lane (one shared encode +
-their latents, `pipelines/overlap.py`) -> collect the starts that finished: those requests step from this
+Each turn: schedule under the engine lock -> hand the requests that joined to the encode lane (one shared encode +
+their latents, in the StepRunner's `lanes`) -> collect the starts that finished: those requests step from this
 boundary on -> ONE denoising step for the ready rows -> previews and the decode of every request whose last step
 it was go to the decode lane, which answers them, while the loop goes on to the next turn. Without lanes (a
 pipeline that cannot overlap) the same happens inline. Heads that cannot run step by step (image-conditioned
-requests, a family that is not continuous) run as request-level batches through the engine's usual `_execute`.
+requests, a family that is not continuous) run as request-level batches through `fallback` (the engine passes
+`BatchLoop.run_batch`, `engine/batch_loop.py`).
 
 Failures: a request whose start (encode / prepare) raises fails alone; a step that raises fails every request in
 that step (they shared the one denoiser call, so none of their latents can be trusted) and the loop keeps serving.
-Cancellation, deadline and disconnect remove a row at the next step boundary (`StepScheduler.plan`).
+Cancellation, deadline and disconnect remove a row at the next step boundary (`StepScheduler.schedule`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
-from diffuserve.engine.metrics import ContinuousStats
-from diffuserve.engine.scheduler import Dispatch, WaitUntil
+from diffuserve.engine.metrics import ContinuousStats, EngineMetrics
+from diffuserve.engine.requests import GenerationResult, RequestBook
+from diffuserve.engine.scheduler import Dispatch, ScheduledBatch, WaitUntil
 from diffuserve.engine.step_scheduler import REMOVED_DEADLINE, GroupEntry, StepPlan, StepScheduler
 from diffuserve.errors import GenerationError, RequestTimeoutError
+from diffuserve.executor.base import Executor
 from diffuserve.executor.worker import preview_steps
-from diffuserve.pipelines import step_batch
-from diffuserve.pipelines.overlap import Overlap, SideResult, overlap_for
-
-if TYPE_CHECKING:
-    from diffuserve.engine.engine import AsyncEngine
 
 logger = logging.getLogger("diffuserve.engine")
 
-_MAX_IDLE_WAIT_S = 0.5
-"""Upper bound on a worker sleep, so queued deadlines are checked even when nothing else happens."""
 
+class StepLoop:
+    """Serves a `StepScheduler`'s group step by step on `executor`'s replica 0, answering through `book`, until
+    the engine stops; heads that cannot step go to `fallback` as request-level batches."""
 
-class ContinuousLoop:
-    """Serves an `AsyncEngine` whose scheduler is a `StepScheduler` until the engine stops."""
-
-    def __init__(self, engine: AsyncEngine):
-        self.engine = engine
-        assert isinstance(engine.scheduler, StepScheduler)
-        self.scheduler: StepScheduler = engine.scheduler
-        stats = engine.batching_stats
-        self.stats = ContinuousStats(engine.metrics, log_enabled=bool(stats is not None and stats.log_enabled))
+    def __init__(self, book: RequestBook, scheduler: StepScheduler, executor: Executor, *,
+                 fallback: Callable[[ScheduledBatch], None], metrics: EngineMetrics, log_steps: bool,
+                 clock: Callable[[], float], should_exit: Callable[[], bool]):
+        self.book, self.scheduler, self.fallback = book, scheduler, fallback
+        self.metrics, self.clock, self.should_exit = metrics, clock, should_exit
+        self.stats = ContinuousStats(metrics, log_enabled=log_steps)
         self._timing: dict[str, dict[str, float]] = {}
         """request id -> its stage seconds (encode / denoise / decode) so far."""
-        pipeline = engine.pipeline
-        self.overlap: Overlap | None = overlap_for(pipeline) if getattr(pipeline, "defers_decode", False) else None
+        self.steps = executor.steps()
+        """Start / step / drop on every rank of the replica; snapshot / preview / finish on its leader."""
+        self.lanes = self.steps.lanes
         """The side lanes (encode, decode) of a native pipeline; None = start and decode inline."""
-        self._starting: list[tuple[list[GroupEntry], Future[SideResult[list[Any]]]]] = []
+        self.encode_lane: Any = self.lanes.encode if self.lanes is not None else InlineLane()
+        self.decode_lane: Any = self.lanes.decode if self.lanes is not None else InlineLane()
+        self._starting: list[tuple[list[GroupEntry], Future[Any]]] = []
         """Entries that joined at one boundary and their start (encode + latents), running or not collected yet."""
         self._left = 0
         """Requests that left since the last step line."""
-        self.steps = engine.executor.steps()
-        """Start / step / drop on every rank of the replica (one rank: the pipeline itself)."""
 
     def run(self) -> None:
-        engine = self.engine
         while True:
             decision = self._next()
             if decision is None:
                 return
             if isinstance(decision, Dispatch):
-                engine._run_guarded(decision.batch)
+                self.fallback(decision.batch)
                 continue
             try:
                 self._turn(decision)
@@ -75,39 +74,36 @@ class ContinuousLoop:
 
     # -- scheduling ---------------------------------------------------------------------------------------
     def _next(self) -> Dispatch | StepPlan | None:
-        engine, scheduler = self.engine, self.scheduler
-        with engine._cond:
+        book, scheduler = self.book, self.scheduler
+        with book.cond:
             while True:
-                if engine._stop:
+                if self.should_exit():
                     return None
-                now = engine.clock()
+                now = self.clock()
                 for request in scheduler.expire(now):
-                    engine._answer_locked(request.request_id, error=RequestTimeoutError(
+                    book.answer_locked(request.request_id, error=RequestTimeoutError(
                         "The request waited in the queue past its deadline and was not run."))
-                decision = scheduler.plan(now)
-                engine.metrics.set_queue_depth(scheduler.num_queued)
+                decision = scheduler.schedule(now)
+                self.metrics.set_queue_depth(scheduler.num_queued)
                 if isinstance(decision, StepPlan):
                     for request, reason in decision.removed:
                         self._timing.pop(request.request_id, None)
                         self.steps.drop(request.request_id)
                         self.stats.record_leave(reason)
                         if reason == REMOVED_DEADLINE:
-                            engine._answer_locked(request.request_id, error=RequestTimeoutError(
+                            book.answer_locked(request.request_id, error=RequestTimeoutError(
                                 "The request ran past its deadline and was removed from the denoise group."))
                         # cancelled rows were answered when they were cancelled (abort / fail_all)
                     return decision
                 if isinstance(decision, Dispatch):
                     return decision
                 self.stats.set_idle()
-                engine.metrics.set_running(0)
-                wake_at = [t for t in (scheduler.next_deadline(),
-                                       decision.time if isinstance(decision, WaitUntil) else None) if t is not None]
-                engine._cond.wait(min([_MAX_IDLE_WAIT_S, *(max(0.0, t - now) for t in wake_at)]))
+                self.metrics.set_running(0)
+                book.idle_wait(now, scheduler.next_deadline(),
+                               decision.time if isinstance(decision, WaitUntil) else None)
 
     # -- one turn -----------------------------------------------------------------------------------------
     def _turn(self, plan: StepPlan) -> None:
-        engine, pipeline = self.engine, self.engine.pipeline
-        assert pipeline is not None
         if plan.joined:
             self._start(plan.joined)
         self._left += plan.left
@@ -120,29 +116,24 @@ class ContinuousLoop:
         num_rows = sum(e.num_rows for e in rows)
         self.stats.record_step(num_rows, plan.cap, joined, self._left, len(rows))
         self._left = 0
-        engine.metrics.set_running(len(rows))
+        self.metrics.set_running(len(rows))
         started = time.perf_counter()
         try:
-            check_step = getattr(pipeline, "check_step", None)  # operator-only fault injection (engine/faults.py)
-            if check_step is not None:
-                check_step([e.request.params for e in rows])
             self.steps.step([(e.request.request_id, e.state) for e in rows])
         except Exception as exc:
             logger.exception("continuous denoising step of %d request(s) failed", len(rows))
             self._fail(rows, f"{type(exc).__name__}: {exc}")
             return
-        if self.overlap is not None:
-            self.overlap.count_step()
+        if self.lanes is not None:
+            self.lanes.count_step()
         seconds = time.perf_counter() - started
         for entry in rows:
             timing = self._timing.setdefault(entry.request.request_id, {})
             timing["denoise"] = timing.get("denoise", 0.0) + seconds
-        with engine._cond:
+        with self.book.cond:
             finished = self.scheduler.step_done(plan, rows)
             for entry in rows:
-                pending = engine._pending.get(entry.request.request_id)
-                if pending is not None:
-                    pending.steps_done, pending.num_steps = entry.step_index, entry.num_steps
+                self.book.set_progress(entry.request.request_id, entry.step_index, entry.num_steps)
         self._previews(rows, finished)
         if finished:
             self._finish(finished, batch_size=len(rows))
@@ -150,49 +141,33 @@ class ContinuousLoop:
     # -- starting (encode + latents), beside the loop when it can -----------------------------------------
     def _start(self, entries: list[GroupEntry]) -> None:
         """Start the requests that joined at this boundary: one encode-lane job for all of them."""
-        engine = self.engine
-        now = engine.clock()
-        with engine._cond:
+        now = self.clock()
+        with self.book.cond:
             for entry in entries:
-                request = entry.request
-                engine.metrics.observe_queue_wait(now - request.arrival_time)
-                pending = engine._pending.get(request.request_id)
-                if pending is not None:
-                    pending.dispatched_at = now
-                    pending.num_steps = request.params.num_inference_steps
+                self.metrics.observe_queue_wait(now - entry.request.arrival_time)
                 entry.ready = False
+            self.book.mark_started([e.request for e in entries], now)
         batch = [e.request.params for e in entries]
         ids = [e.request.request_id for e in entries]
 
         def start() -> list[Any]:  # shared encoder calls; a request whose start raises fails alone
             return self.steps.start(list(zip(ids, batch, strict=True)))
 
-        if self.overlap is None:
-            future: Future[SideResult[list[Any]]] = Future()
-            began = time.perf_counter()
-            try:
-                future.set_result(SideResult(value=start(), seconds=time.perf_counter() - began, steps_beside=0))
-            except Exception as exc:
-                future.set_exception(exc)
-        else:
-            future = self.overlap.encode.submit(start, prompts=[p.prompt for p in batch])
-            future.add_done_callback(lambda _: self._wake())
+        future = self.encode_lane.submit(start, prompts=[p.prompt for p in batch])
+        if self.lanes is not None:
+            future.add_done_callback(lambda _: self.book.wake())
         self._starting.append((entries, future))
-
-    def _wake(self) -> None:
-        with self.engine._cond:
-            self.engine._cond.notify_all()
 
     def _collect_started(self) -> int:
         """Entries whose start finished become ready (they step from this boundary on); returns how many."""
-        engine, joined = self.engine, 0
+        joined = 0
         for item in [item for item in self._starting if item[1].done()]:
             self._starting.remove(item)
             entries, future = item
             try:
                 side = future.result()
                 # CUDA: the loop's stream waits for the encode lane's before using the rows it made.
-                results = side.take(engine.pipeline.device) if self.overlap is not None else side.value  # type: ignore[union-attr]
+                results = side.take(self.steps.device)
             except Exception as exc:
                 results = [exc] * len(entries)
                 side = None
@@ -212,43 +187,40 @@ class ContinuousLoop:
                 entry.ready = True
                 joined += 1
                 self._timing[request.request_id] = {"encode": side.seconds}
-            if side is not None and self.overlap is not None:
-                engine.metrics.observe_overlap("encode", side.steps_beside)
+            if side is not None and self.lanes is not None:
+                self.metrics.observe_overlap("encode", side.steps_beside)
         return joined
 
     def _wait_for_starts(self) -> None:
         """Nothing is ready to step: sleep until a start finishes (or a request arrives, or the stop)."""
-        engine = self.engine
-        with engine._cond:
-            if not engine._stop and not any(f.done() for _, f in self._starting):
-                engine._cond.wait(_MAX_IDLE_WAIT_S)
+        with self.book.cond:
+            if not self.should_exit() and not any(f.done() for _, f in self._starting):
+                self.book.idle_wait(self.clock())
 
     # -- previews and decode, in the decode lane when it can ----------------------------------------------
     def _previews(self, rows: list[GroupEntry], finished: list[GroupEntry]) -> None:
-        engine, pipeline = self.engine, self.engine.pipeline
         for entry in rows:
             if entry in finished or entry.request.cancel_event.is_set():
                 continue
-            pending = engine._pending.get(entry.request.request_id)
-            sink = None if pending is None else pending.preview
+            with self.book.cond:
+                pending = self.book.get(entry.request.request_id)
+                sink = None if pending is None else pending.preview
             if sink is None:
                 continue
             steps = preview_steps(entry.num_steps, sink.partial_images)
             step = entry.step_index - 1
             if step not in steps:
                 continue
-            snapshot, index = step_batch.snapshot(entry.state), steps.index(step)
+            snapshot, index = self.steps.snapshot(entry.state), steps.index(step)
 
             def preview(sink=sink, snapshot=snapshot, index=index, request_id=entry.request.request_id) -> None:
                 try:
-                    sink.deliver(index, step_batch.preview_request(pipeline, snapshot))  # type: ignore[arg-type]
+                    sink.deliver(index, self.steps.preview(snapshot))
                 except Exception:  # a preview is best effort; the final image still follows
                     logger.exception("preview of request %s failed", request_id)
 
-            if self.overlap is None:
-                preview()
-            else:  # the lane runs jobs in order: a preview always reaches the client before its final image
-                self.overlap.decode.submit(preview, inputs=[snapshot])
+            # The lane runs jobs in order: a preview always reaches the client before its final image.
+            self.decode_lane.submit(preview, inputs=[snapshot])
 
     def _finish(self, entries: list[GroupEntry], *, batch_size: int) -> None:
         """Decode the requests whose last step this was (one decoder call) and answer them."""
@@ -256,65 +228,55 @@ class ContinuousLoop:
         for entry in entries:
             self.steps.drop(entry.request.request_id)
         self.stats.record_leave("finished", len(entries))
-        pipeline, group = self.engine.pipeline, [e.state for e in entries]
+        group = [e.state for e in entries]
         requests = [e.request for e in entries]
 
         def decode() -> list[Any]:
-            return step_batch.finish_requests(pipeline, group)  # type: ignore[arg-type]
+            return self.steps.finish(group)
 
-        if self.overlap is None:
-            future: Future[SideResult[list[Any]]] = Future()
-            began = time.perf_counter()
-            try:
-                future.set_result(SideResult(value=decode(), seconds=time.perf_counter() - began, steps_beside=0))
-            except Exception as exc:
-                future.set_exception(exc)
-            self._answer(requests, future, timings, batch_size, overlapped=False)
-        else:  # answered from the decode lane while the loop keeps stepping the others
-            job = self.overlap.decode.submit(decode, inputs=group, prompts=[r.params.prompt for r in requests])
-            job.add_done_callback(lambda f: self._answer(requests, f, timings, batch_size, overlapped=True))
+        # With lanes: answered from the decode lane while the loop keeps stepping the others; inline: at once.
+        job = self.decode_lane.submit(decode, inputs=group, prompts=[r.params.prompt for r in requests])
+        overlapped = self.lanes is not None
+        job.add_done_callback(lambda f: self._answer(requests, f, timings, batch_size, overlapped=overlapped))
 
-    def _answer(self, requests: list[Any], future: Future[SideResult[list[Any]]], timings: list[dict[str, float]],
+    def _answer(self, requests: list[Any], future: Future[Any], timings: list[dict[str, float]],
                 batch_size: int, *, overlapped: bool) -> None:
-        from diffuserve.engine.engine import GenerationResult
-
-        engine = self.engine
+        book = self.book
         try:
             side = future.result()
             if len(side.value) != len(requests):  # every request is answered, even by a decode that lost rows
                 raise ValueError(f"the decode returned {len(side.value)} outputs for {len(requests)} requests")
         except Exception as exc:
             logger.error("decoding request(s) %s failed", ", ".join(r.request_id for r in requests), exc_info=exc)
-            with engine._cond:
+            with book.cond:
                 for request in requests:
-                    engine._answer_locked(request.request_id, error=GenerationError(
+                    book.answer_locked(request.request_id, error=GenerationError(
                         f"Generation failed while decoding: {type(exc).__name__}: {exc}"))
             return
         if overlapped:
-            engine.metrics.observe_overlap("decode", side.steps_beside)
+            self.metrics.observe_overlap("decode", side.steps_beside)
         for timing in timings:
             timing["decode"] = side.seconds
             for stage, seconds in timing.items():
-                engine.metrics.observe_stage(stage, seconds)
-        with engine._cond:
+                self.metrics.observe_stage(stage, seconds)
+        with book.cond:
             for request, output, timing in zip(requests, side.value, timings, strict=True):
-                pending = engine._pending.get(request.request_id)
+                pending = book.get(request.request_id)
                 dispatched = (pending.dispatched_at if pending is not None and pending.dispatched_at
                               else request.arrival_time)
-                engine.metrics.add_outputs_generated(request.params.n)
-                engine._answer_locked(request.request_id, result=GenerationResult(
+                self.metrics.add_outputs_generated(request.params.n)
+                book.answer_locked(request.request_id, result=GenerationResult(
                     request_id=request.request_id,
                     output=output,
                     queue_wait_s=dispatched - request.arrival_time,
-                    inference_s=engine.clock() - dispatched,
+                    inference_s=self.clock() - dispatched,
                     batch_size=batch_size,
                     stage_seconds=timing,
                 ))
-            engine._cond.notify_all()
+            book.cond.notify_all()
 
     def _fail(self, entries: list[GroupEntry], what: str) -> None:
-        engine = self.engine
-        with engine._cond:
+        with self.book.cond:
             failed = self.scheduler.fail(entries)
             ids = ", ".join(e.request.request_id for e in failed)
             prefix = (f"The continuous denoising step of {len(failed)} requests ({ids}) failed"
@@ -322,11 +284,35 @@ class ContinuousLoop:
             for entry in failed:
                 self._timing.pop(entry.request.request_id, None)
                 self.steps.drop(entry.request.request_id)
-                engine._answer_locked(entry.request.request_id, error=GenerationError(f"{prefix}: {what}"))
-            engine._cond.notify_all()
+                self.book.answer_locked(entry.request.request_id, error=GenerationError(f"{prefix}: {what}"))
+            self.book.cond.notify_all()
         self.stats.record_leave("failed", len(failed))
 
 
-def serve_continuous(engine: Any) -> None:
-    """The worker thread's serving loop in continuous mode (called by `AsyncEngine._serve_forever`)."""
-    ContinuousLoop(engine).run()
+@dataclass
+class InlineResult:
+    """What a job run in line returned: the shape of a side lane's result (`SideResult` of `pipelines/overlap.py`)."""
+
+    value: Any
+    """The job's return value."""
+    seconds: float
+    """How long it ran."""
+    steps_beside: int = 0
+    """Denoising steps that ran beside it: none, it ran on the loop's thread."""
+
+    def take(self, device: Any) -> Any:
+        """The value (no stream to wait for)."""
+        return self.value
+
+
+class InlineLane:
+    """A side lane that runs each job at once on the loop's thread: the lanes of a pipeline that cannot overlap."""
+
+    def submit(self, fn: Any, *, inputs: Any = (), prompts: Any = ()) -> Future[Any]:
+        future: Future[Any] = Future()
+        began = time.perf_counter()
+        try:
+            future.set_result(InlineResult(value=fn(), seconds=time.perf_counter() - began))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
