@@ -1,6 +1,33 @@
 """FLUX.1 (dev, schnell) and FLUX.1 Kontext."""
 
-from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults
+import dataclasses
+
+from diffuserve.families.base import (
+    CheckpointConfigs,
+    FamilySpec,
+    LatentGeometry,
+    ProfileFacts,
+    SamplingDefaults,
+)
+from diffuserve.families.checkpoint import square_default
+from diffuserve.families.components import autoencoder_kl_factor
+
+
+def flux_geometry(configs: CheckpointConfigs) -> LatentGeometry:
+    """FLUX packs 2x2 latent patches into tokens: sizes divide by the VAE factor times 2."""
+    return LatentGeometry(vae_factor=autoencoder_kl_factor(configs["vae"]), patch=2)
+
+
+def flux_defaults(defaults: SamplingDefaults, configs: CheckpointConfigs, geometry: LatentGeometry) -> SamplingDefaults:
+    """The size: the VAE's `sample_size` is the training resolution in pixels (1024 for FLUX.1, which is also
+    diffusers' 128 latent px x 8); a tiny checkpoint's is its small native size instead of an expensive 1024.
+    The variant: dev (guidance-distilled, embedded guidance) keeps the spec's 28 steps at 3.5; schnell (its
+    transformer has no guidance embedding) samples 4 steps without guidance."""
+    defaults = square_default(defaults, geometry, configs["vae"].get("sample_size") or 128 * geometry.vae_factor)
+    if configs.get("transformer", {}).get("guidance_embeds", False):
+        return defaults
+    return dataclasses.replace(defaults, num_inference_steps=4, guidance_scale=0.0)
+
 
 SPECS = (
     FamilySpec(
@@ -10,9 +37,10 @@ SPECS = (
         id_priority=0,
         tasks=frozenset({"t2i", "i2i"}),
         native_adapter="diffuserve.pipelines.flux:FluxNativePipeline",
-        # FLUX.1-dev: guidance-distilled (embedded guidance 3.5), 28 steps at 1024^2; the adapter switches
+        # FLUX.1-dev: guidance-distilled (embedded guidance 3.5), 28 steps at 1024^2; `flux_defaults` switches
         # to schnell's 4 steps without guidance when the transformer has no guidance embedding.
         defaults=SamplingDefaults(width=1024, height=1024, num_inference_steps=28, guidance_scale=3.5),
+        checkpoint_defaults=flux_defaults,
         # One branch per step by default; the native adapter streams double and single blocks.
         profile=ProfileFacts(default_uses_cfg=False, dit_supports_layerwise=True, sequence_parallel=True,
                              tensor_parallel=True),
@@ -22,7 +50,11 @@ SPECS = (
                 ("single_transformer_blocks", "num_single_layers"),
             ),
         },
-        size_multiple=16,
+        latent_geometry=flux_geometry,
+        # FlowMatchEulerDiscreteScheduler steps from the row's own sigma[i], sigma[i+1]; the transformer takes a
+        # per-row timestep; position ids and the guidance vector depend only on size and guidance (the group key).
+        supports_continuous=True,
+        text_encoders=("text_encoder", "text_encoder_2"),
         max_image_inputs=1,
         tiny_builds={"flux": "diffuserve.models.tiny:build_flux"},
     ),
@@ -34,6 +66,7 @@ SPECS = (
         tasks=frozenset({"t2i", "i2i"}),
         defaults=SamplingDefaults(num_inference_steps=28, guidance_scale=2.5),
         profile=ProfileFacts(dit_supports_layerwise=True),
+        size_multiple=16,  # diffusers' FluxKontextPipeline: VAE 8 x 2x2 packing
         max_image_inputs=1,
         base_family="flux",
     ),

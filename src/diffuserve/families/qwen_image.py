@@ -1,7 +1,15 @@
 """Qwen-Image (and 2512): Qwen2.5-VL text, MM-DiT, norm-rescaled true CFG; Qwen-Image 2.1: Qwen3-VL text,
 single-stream block-causal DiT with a prefix KV cache."""
 
-from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults
+import dataclasses
+
+from diffuserve.families.base import (
+    CheckpointConfigs,
+    FamilySpec,
+    LatentGeometry,
+    ProfileFacts,
+    SamplingDefaults,
+)
 
 QWEN_IMAGE_LAYERS = {"QwenImageTransformer2DModel": (("transformer_blocks", "num_layers"),)}
 """The Qwen-Image DiT's repeated blocks (shared with the edit families)."""
@@ -29,6 +37,28 @@ def qwen_image_21_max_latent_side(cfg: dict) -> int:
     positive, negative = QWEN_IMAGE_21_ROPE_POSITIONS
     return min(2 * negative, 2 * positive) * int(cfg.get("patch_size") or 1)
 
+
+def qwen_image_geometry(configs: CheckpointConfigs) -> LatentGeometry:
+    """The Qwen-Image VAE halves the side at each temporal-downsample level (diffusers' `2 **
+    len(vae.temperal_downsample)`: 8), then 2x2 latent patches per token."""
+    levels = configs["vae"].get("temperal_downsample") or (False, True, True)
+    return LatentGeometry(vae_factor=2 ** len(levels), patch=2)
+
+
+def qwen_image_21_geometry(configs: CheckpointConfigs) -> LatentGeometry:
+    """2.1's VAE is 16x (a constant of diffusers' QwenImage21Pipeline), and each encoder image slot stands for 2x2
+    latent tokens."""
+    return LatentGeometry(vae_factor=16, patch=2)
+
+
+def qwen_image_21_defaults(defaults: SamplingDefaults, configs: CheckpointConfigs,
+                           geometry: LatentGeometry) -> SamplingDefaults:
+    """A Turbo checkpoint carries its sampling grid in model_index.json (`sample_sigmas`): its length is the step
+    count."""
+    sigmas = configs.get("model_index", {}).get("sample_sigmas")
+    return dataclasses.replace(defaults, num_inference_steps=len(sigmas)) if sigmas else defaults
+
+
 SPECS = (
     FamilySpec(
         name="qwen_image",
@@ -43,9 +73,11 @@ SPECS = (
                                   true_cfg_scale=4.0, negative_prompt=" "),
         profile=QWEN_PROFILE,
         layer_containers=QWEN_IMAGE_LAYERS,
-        # VAE 8x, then 2x2 patches per token.
-        size_multiple=16,
+        latent_geometry=qwen_image_geometry,
         max_latent_side=qwen_image_max_latent_side,
+        # Flow-match per request; masked text rows are padded per step like a merged batch (verified row by row).
+        supports_continuous=True,
+        text_encoders=("text_encoder",),
         tiny_builds={"qwen-image": "diffuserve.models.tiny_qwen_image:build_qwen_image"},
     ),
     FamilySpec(
@@ -60,9 +92,11 @@ SPECS = (
                                   true_cfg_scale=1.0, negative_prompt=None),
         profile=ProfileFacts(default_uses_cfg=False, dit_supports_layerwise=True),
         layer_containers={"QwenImage21Transformer2DModel": (("transformer_blocks", "num_layers"),)},
-        # VAE 16x, and each encoder image slot stands for 2x2 latent tokens.
-        size_multiple=32,
+        checkpoint_defaults=qwen_image_21_defaults,
+        latent_geometry=qwen_image_21_geometry,
         max_latent_side=qwen_image_21_max_latent_side,
+        supports_continuous=True,
+        text_encoders=("text_encoder",),
         tiny_builds={"qwen-image-2.1": "diffuserve.models.tiny_qwen_image:build_qwen_image_21"},
         base_family="qwen_image",
     ),

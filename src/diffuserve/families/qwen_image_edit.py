@@ -1,7 +1,19 @@
 """Qwen-Image-Edit and Qwen-Image-Edit 2509/2511 (several input images)."""
 
 from diffuserve.families.base import FamilySpec, SamplingDefaults
-from diffuserve.families.qwen_image import QWEN_IMAGE_LAYERS, QWEN_PROFILE
+from diffuserve.families.qwen_image import (
+    QWEN_IMAGE_LAYERS,
+    QWEN_IMAGE_ROPE_POSITIONS,
+    QWEN_PROFILE,
+    qwen_image_geometry,
+)
+
+
+def qwen_image_edit_max_latent_side(cfg: dict) -> int:
+    """The edit adapter's size limit: a side of at most the RoPE table's positions in patches (rows and columns
+    are centred, and the text positions follow from half the longest side on)."""
+    return QWEN_IMAGE_ROPE_POSITIONS * int(cfg.get("patch_size") or 2)
+
 
 SPECS = (
     FamilySpec(
@@ -15,6 +27,10 @@ SPECS = (
         profile=QWEN_PROFILE,
         layer_containers=QWEN_IMAGE_LAYERS,
         native_adapter="diffuserve.pipelines.qwen_image_edit:QwenImageEditNativePipeline",
+        latent_geometry=qwen_image_geometry,
+        max_latent_side=qwen_image_edit_max_latent_side,
+        # Image-conditioned: not continuous (its edits run as request-level batches under `continuous`).
+        text_encoders=("text_encoder",),
         max_image_inputs=1,
         supports_batching=False,
         tiny_builds={"qwen-image-edit": "diffuserve.models.tiny_qwen_image_edit:build_edit"},
@@ -31,6 +47,9 @@ SPECS = (
         profile=QWEN_PROFILE,
         layer_containers=QWEN_IMAGE_LAYERS,
         native_adapter="diffuserve.pipelines.qwen_image_edit:QwenImageEditPlusNativePipeline",
+        latent_geometry=qwen_image_geometry,
+        max_latent_side=qwen_image_edit_max_latent_side,
+        text_encoders=("text_encoder",),
         # The 2509/2511 model cards: multi-image editing works best with 1 to 3 input images.
         max_image_inputs=3,
         supports_batching=False,

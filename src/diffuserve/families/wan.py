@@ -1,7 +1,13 @@
 """Wan2.1 / Wan2.2 text-to-video (one spec: A14B's two experts and TI2V-5B's per-token timesteps are settings of
 the same `WanPipeline` class) and Wan image-to-video."""
 
-from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults
+from diffuserve.families.base import (
+    CheckpointConfigs,
+    FamilySpec,
+    LatentGeometry,
+    ProfileFacts,
+    SamplingDefaults,
+)
 
 # Wan: FSDP can replace DiT offload on validated multi-GPU set-ups; the video VAE peaks high, and frames and
 # resolution move the DiT peak too much for one auto threshold.
@@ -22,6 +28,14 @@ def wan_max_latent_side(cfg: dict) -> int:
     patch = cfg.get("patch_size") or (1, 2, 2)
     return int(cfg.get("rope_max_seq_len", 1024)) * int(patch[-1])
 
+
+def wan_geometry(configs: CheckpointConfigs) -> LatentGeometry:
+    """The VAE's spatial factor (`scale_factor_spatial`: 8 for Wan2.1, 16 for Wan2.2 TI2V-5B) times the spatial
+    part of the DiT's (frames, height, width) patch."""
+    patch = configs["transformer"].get("patch_size") or (1, 2, 2)
+    return LatentGeometry(vae_factor=int(configs["vae"]["scale_factor_spatial"]), patch=int(patch[1]))
+
+
 SPECS = (
     FamilySpec(
         name="wan",
@@ -34,7 +48,13 @@ SPECS = (
         profile=WAN_PROFILE,
         layer_containers=WAN_LAYERS,
         max_latent_side=wan_max_latent_side,
+        latent_geometry=wan_geometry,
         native_adapter="diffuserve.pipelines.wan:WanNativePipeline",
+        # Continuous (Wan2.1, Wan2.2 TI2V-5B and A14B): UniPC keeps its multistep history per request. With two
+        # experts (A14B) a step whose rows straddle the boundary makes one call per expert; guidance_scale_2 is in
+        # the group key.
+        supports_continuous=True,
+        text_encoders=("text_encoder",),
         tiny_builds={
             "wan": "diffuserve.models.tiny:build_wan",
             "wan2.2": "diffuserve.models.tiny_wan:build_wan22_a14b",
@@ -53,6 +73,9 @@ SPECS = (
         profile=WAN_PROFILE,
         layer_containers=WAN_LAYERS,
         max_latent_side=wan_max_latent_side,
+        latent_geometry=wan_geometry,
+        # Image-conditioned: not continuous.
+        text_encoders=("text_encoder",),
         max_image_inputs=1,
         supports_batching=False,
         base_family="wan",

@@ -7,17 +7,33 @@ per request, its `n` outputs. Everything model-specific lives behind this interf
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from diffuserve.families.base import SamplingDefaults
+from diffuserve.families.base import FamilySpec, SamplingDefaults
 
 if TYPE_CHECKING:
     import torch
     from PIL import Image
 
+    from diffuserve.families.checkpoint import CheckpointFacts
     from diffuserve.sampling import ModelDescription, SamplingParams
+
+
+def component_configs(components: Mapping[str, Any], model_index: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The `families.base.CheckpointConfigs` of loaded components: each one's config (diffusers' FrozenDict, or
+    transformers' config as a dict), plus the checkpoint's model_index.json when given."""
+    configs: dict[str, Any] = {}
+    for key, value in components.items():
+        config = getattr(value, "config", None)
+        if isinstance(config, Mapping):
+            configs[key] = dict(config)
+        elif callable(getattr(config, "to_dict", None)):
+            configs[key] = config.to_dict()
+    if model_index is not None:
+        configs["model_index"] = dict(model_index)
+    return configs
 
 
 class ComponentUser(Protocol):
@@ -83,11 +99,12 @@ class Pipeline:
     supports_batching: bool = True
     """False for families whose requests must run alone (dynamic batching treats them as ineligible)."""
     supports_continuous: bool = False
-    """Whether `--batching-mode continuous` may step this family's requests in a shared denoise group
-    (`pipelines/step_batch.py`): its denoiser takes a per-row timestep, its scheduler state is per request and
-    its per-batch extras depend only on the continuous group key. False falls back to request-level batching."""
-    size_multiple: int = 16
-    """Width/height must be multiples of this (VAE scale x patch size)."""
+    """Whether `--batching-mode continuous` may step this pipeline's requests in a shared denoise group: the
+    family spec's `supports_continuous` for a native adapter (`bind_facts`); False falls back to request-level
+    batching (the diffusers backend)."""
+    size_multiple: int = 1
+    """Width/height must be multiples of this: the checkpoint's figure (`bind_facts`, or derived by the diffusers
+    backend from the loaded pipeline); 1 only for a pipeline that states none."""
     max_pixels: int = 4096 * 4096
     max_width: int | None = None
     """Largest width the checkpoint's positional tables allow (None: no limit of the model's own)."""
@@ -100,6 +117,35 @@ class Pipeline:
     frame_multiple: int = 1
     """Video: num_frames - 1 must divide by this (the VAE's temporal compression)."""
     defaults: SamplingDefaults = SamplingDefaults()
+
+    facts: CheckpointFacts | None = None
+    """A native adapter's checkpoint facts (`families.checkpoint.describe_checkpoint`), set by `bind_facts`."""
+
+    @property
+    def spec(self) -> FamilySpec:
+        """This pipeline's family spec (the generic one for a family no spec lists)."""
+        from diffuserve.families import spec_for
+
+        try:
+            return spec_for(self.family)
+        except KeyError:
+            return spec_for("generic")
+
+    def bind_facts(self, configs: Mapping[str, Any]) -> CheckpointFacts:
+        """Describe this checkpoint from its configs under the family spec, and take its facts as this pipeline's
+        settings: the ONE place an adapter learns them (size multiple and limit, defaults, capabilities)."""
+        from diffuserve.families.checkpoint import describe_checkpoint
+
+        facts = self.facts = describe_checkpoint(self.spec, configs)
+        if facts.size_multiple is not None:
+            self.size_multiple = facts.size_multiple
+        self.max_width = self.max_height = facts.max_side
+        self.defaults = facts.defaults
+        self.supports_continuous = facts.supports_continuous
+        self.batched_cfg = facts.cfg_batched
+        """Run CFG as one doubled batch (`RecipePipeline.batched_cfg`); tests may flip it on an instance."""
+        self.text_encoders = facts.text_encoders
+        return facts
 
     def __init__(self) -> None:
         self.residency: ComponentUser = AllResident()
