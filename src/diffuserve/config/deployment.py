@@ -490,10 +490,12 @@ def _resolve_sequence_degrees(args: DeploymentArgs, trace: Any) -> tuple[int, in
 
 def diffusers_backend_refusal(family: str, flag: str) -> ConfigError:
     """The refusal of a parallel mode for a model the diffusers backend serves (`plan` and start-up alike)."""
-    native = families.named_list(families.families_with("has_native"))
+    native = families.families_with("has_native")
+    instead = ("serve it natively (--backend auto or native)" if family in native else
+               f"serve a native family ({families.named_list(native)})")
     return ConfigError(f"{flag}: the {family} model runs on the diffusers backend, whose denoising loop cannot be "
-                       f"split over ranks; serve it with --dp-size (one replica per rank), or serve a native family "
-                       f"({native}) with --backend auto or native.", param=_param(flag))
+                       f"split over ranks; serve it with --dp-size (one replica per rank), or {instead}.",
+                       param=_param(flag))
 
 
 def _check_parallel_support(profile: ModelProfile, ulysses: int, ring: int, tp: int, args: DeploymentArgs) -> None:

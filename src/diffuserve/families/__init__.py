@@ -1,4 +1,6 @@
-"""Every model family the product knows, one spec each (see `families/base.py` for the fields).
+"""Every model family the product knows, one folder each: `families/<family>/spec.py` (its `FamilySpec`, see
+`families/base.py` for the fields), `adapter.py` (its native pipeline, if any) and `tiny.py` (its `make-tiny`
+builders). This module is the registry over the specs; it imports no adapter and no torch.
 
 Precedence between a checkpoint and `--model-id`: the folder's model_index.json `_class_name` decides the
 family whenever it is a class some spec lists, because the folder is what will actually be loaded; the
@@ -34,7 +36,7 @@ FAMILY_MODULES: tuple[str, ...] = (
     "video_others",
     "image_others",
 )
-"""Modules under `diffuserve.families` that define `SPECS` (a tuple) or `SPEC`; one line per module."""
+"""Family folders under `diffuserve.families` whose `spec.py` defines `SPECS` (a tuple) or `SPEC`; one line each."""
 
 GENERIC = FamilySpec(name="generic")
 """Plan defaults for a checkpoint whose class no spec lists (it still runs through the diffusers backend)."""
@@ -45,11 +47,11 @@ def all_specs() -> dict[str, FamilySpec]:
     """family name -> spec, over every module in FAMILY_MODULES."""
     specs: dict[str, FamilySpec] = {}
     for name in FAMILY_MODULES:
-        module = importlib.import_module(f"diffuserve.families.{name}")
+        module = importlib.import_module(f"diffuserve.families.{name}.spec")
         found = getattr(module, "SPECS", None) or (module.SPEC,)
         for spec in found:
             if spec.name in specs:
-                raise RuntimeError(f"family {spec.name!r} is defined twice (families/{name}.py)")
+                raise RuntimeError(f"family {spec.name!r} is defined twice (families/{name}/spec.py)")
             specs[spec.name] = spec
     return specs
 

@@ -104,7 +104,7 @@ class ProfileFacts:
 
 @dataclass(frozen=True)
 class FamilySpec:
-    """Every fact about one model family. One instance per family, in `families/<module>.py`.
+    """Every fact about one model family. One instance per family, in `families/<family>/spec.py`.
 
     Static facts only, and checkpoint-dependent ones as small pure functions of the checkpoint's configs
     (`latent_geometry`, `checkpoint_defaults`, `max_latent_side`): `families.checkpoint.describe_checkpoint` applies

@@ -21,6 +21,13 @@ if TYPE_CHECKING:
     from diffuserve.sampling import ModelDescription, SamplingParams
 
 
+def declared_sequence_length(tokenizer: Any, default: int) -> int:
+    """`default`, capped by the tokenizer's declared `model_max_length` (the longest text the checkpoint
+    was made for; real FLUX.1 declares 512, so it gets diffusers' default unchanged)."""
+    declared = getattr(tokenizer, "model_max_length", None)
+    return min(default, int(declared)) if isinstance(declared, int) and declared > 0 else default
+
+
 def component_configs(components: Mapping[str, Any], model_index: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The `families.base.CheckpointConfigs` of loaded components: each one's config (diffusers' FrozenDict, or
     transformers' config as a dict), plus the checkpoint's model_index.json when given."""

@@ -49,6 +49,7 @@ from diffuserve.pipelines.base import (
     StepCallback,
     StopCheck,
     component_configs,
+    declared_sequence_length,
 )
 
 logger = logging.getLogger(__name__)
@@ -202,7 +203,6 @@ class DiffusersBackendPipeline(Pipeline):
         Same rule as the native FLUX pipeline, so both run a checkpoint with the text length it
         declares; None when the pipeline takes no such argument or has no T5 tokenizer.
         """
-        from diffuserve.pipelines.flux import declared_sequence_length
 
         parameter = inspect.signature(pipe.__call__).parameters.get("max_sequence_length")
         if parameter is None or not isinstance(parameter.default, int):

@@ -35,7 +35,7 @@ SPEC = FamilySpec(
     name="sd3",
     pipeline_classes=("StableDiffusion3Pipeline",),
     model_id_patterns=(r"stable[-_]?diffusion[-_]?3|sd3",),
-    native_adapter="diffuserve.pipelines.sd3:SD3NativePipeline",
+    native_adapter="diffuserve.families.sd3.adapter:SD3NativePipeline",
     # diffusers' call defaults; CFG runs whenever guidance_scale > 1, against "" when no negative is given.
     defaults=SamplingDefaults(num_inference_steps=28, guidance_scale=7.0),
     checkpoint_defaults=sd3_defaults,
@@ -51,5 +51,5 @@ SPEC = FamilySpec(
     latent_geometry=sd3_geometry,
     layer_containers={"SD3Transformer2DModel": (("transformer_blocks", "num_layers"),)},
     max_latent_side=sd3_max_latent_side,
-    tiny_builds={"sd3": "diffuserve.models.tiny_sd3:build"},
+    tiny_builds={"sd3": "diffuserve.families.sd3.tiny:build"},
 )

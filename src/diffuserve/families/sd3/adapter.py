@@ -31,9 +31,9 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
 )
 from PIL import Image
 
+from diffuserve.families.flux.adapter import MAX_CACHED_SHAPES
 from diffuserve.pipelines import stages
-from diffuserve.pipelines.base import component_configs
-from diffuserve.pipelines.flux import MAX_CACHED_SHAPES, declared_sequence_length
+from diffuserve.pipelines.base import component_configs, declared_sequence_length
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
 logger = logging.getLogger(__name__)

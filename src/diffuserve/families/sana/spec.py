@@ -28,7 +28,7 @@ SPEC = FamilySpec(
     name="sana",
     pipeline_classes=("SanaPipeline",),
     model_id_patterns=(r"sana",),
-    native_adapter="diffuserve.pipelines.sana:SanaNativePipeline",
+    native_adapter="diffuserve.families.sana.adapter:SanaNativePipeline",
     defaults=SamplingDefaults(num_inference_steps=20, guidance_scale=4.5),
     checkpoint_defaults=sana_defaults,
     profile=ProfileFacts(default_uses_cfg=True),
@@ -41,5 +41,5 @@ SPEC = FamilySpec(
     text_encoders=("text_encoder",),
     layer_containers={"SanaTransformer2DModel": (("transformer_blocks", "num_layers"),)},
     latent_geometry=sana_geometry,
-    tiny_builds={"sana": "diffuserve.models.tiny_sana:build"},
+    tiny_builds={"sana": "diffuserve.families.sana.tiny:build"},
 )

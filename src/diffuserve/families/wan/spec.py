@@ -49,7 +49,7 @@ SPECS = (
         layer_containers=WAN_LAYERS,
         max_latent_side=wan_max_latent_side,
         latent_geometry=wan_geometry,
-        native_adapter="diffuserve.pipelines.wan:WanNativePipeline",
+        native_adapter="diffuserve.families.wan.adapter:WanNativePipeline",
         # Continuous (Wan2.1, Wan2.2 TI2V-5B and A14B): UniPC keeps its multistep history per request. With two
         # experts (A14B) a step whose rows straddle the boundary makes one call per expert; guidance_scale_2 is in
         # the group key.
@@ -57,8 +57,8 @@ SPECS = (
         text_encoders=("text_encoder",),
         tiny_builds={
             "wan": "diffuserve.models.tiny:build_wan",
-            "wan2.2": "diffuserve.models.tiny_wan:build_wan22_a14b",
-            "wan2.2-ti2v": "diffuserve.models.tiny_wan:build_wan22_ti2v",
+            "wan2.2": "diffuserve.families.wan.tiny:build_wan22_a14b",
+            "wan2.2-ti2v": "diffuserve.families.wan.tiny:build_wan22_ti2v",
         },
     ),
     FamilySpec(
@@ -79,7 +79,7 @@ SPECS = (
         max_image_inputs=1,
         supports_batching=False,
         base_family="wan",
-        native_adapter="diffuserve.pipelines.wan:WanI2VNativePipeline",
-        tiny_builds={"wan-i2v": "diffuserve.models.tiny_wan:build_wan_i2v"},
+        native_adapter="diffuserve.families.wan.adapter:WanI2VNativePipeline",
+        tiny_builds={"wan-i2v": "diffuserve.families.wan.tiny:build_wan_i2v"},
     ),
 )

@@ -2,7 +2,7 @@
 
 from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults
 
-_TINY = "diffuserve.models.tiny_image_others"
+_TINY = "diffuserve.families.image_others.tiny"
 
 SPECS = (
     # GLM-Image: an AR model writes prior tokens (one per 32 px), then the DiT; merged requests share one batched

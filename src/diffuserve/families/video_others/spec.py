@@ -9,7 +9,7 @@ from diffuserve.families.base import FamilySpec, ProfileFacts
 
 # Unprofiled video: no auto DiT residency; frames and resolution decide its peak (the seed's rule).
 _VIDEO_PROFILE = ProfileFacts(dit_resident_threshold_gib=None)
-_TINY = "diffuserve.models.tiny_video_others"
+_TINY = "diffuserve.families.video_others.tiny"
 
 SPECS = (
     FamilySpec(name="hunyuan_video", pipeline_classes=("HunyuanVideoPipeline",),

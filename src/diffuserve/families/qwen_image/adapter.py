@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from diffuserve.families.qwen_image import QWEN_IMAGE_21_ROPE_POSITIONS, QWEN_IMAGE_TEXT_TOKENS
-from diffuserve.pipelines import qwen_image_ops as ops
+from diffuserve.families.qwen_image import ops
+from diffuserve.families.qwen_image.spec import QWEN_IMAGE_21_ROPE_POSITIONS, QWEN_IMAGE_TEXT_TOKENS
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.stages import Cond, DenoiseState

@@ -1,7 +1,7 @@
 """Qwen-Image-Edit and Qwen-Image-Edit 2509/2511 (several input images)."""
 
 from diffuserve.families.base import FamilySpec, SamplingDefaults
-from diffuserve.families.qwen_image import (
+from diffuserve.families.qwen_image.spec import (
     QWEN_IMAGE_LAYERS,
     QWEN_IMAGE_ROPE_POSITIONS,
     QWEN_PROFILE,
@@ -26,14 +26,14 @@ SPECS = (
                                   negative_prompt=" "),
         profile=QWEN_PROFILE,
         layer_containers=QWEN_IMAGE_LAYERS,
-        native_adapter="diffuserve.pipelines.qwen_image_edit:QwenImageEditNativePipeline",
+        native_adapter="diffuserve.families.qwen_image_edit.adapter:QwenImageEditNativePipeline",
         latent_geometry=qwen_image_geometry,
         max_latent_side=qwen_image_edit_max_latent_side,
         # Image-conditioned: not continuous (its edits run as request-level batches under `continuous`).
         text_encoders=("text_encoder",),
         max_image_inputs=1,
         supports_batching=False,
-        tiny_builds={"qwen-image-edit": "diffuserve.models.tiny_qwen_image_edit:build_edit"},
+        tiny_builds={"qwen-image-edit": "diffuserve.families.qwen_image_edit.tiny:build_edit"},
         base_family="qwen_image",
     ),
     FamilySpec(
@@ -46,14 +46,14 @@ SPECS = (
                                   negative_prompt=" "),
         profile=QWEN_PROFILE,
         layer_containers=QWEN_IMAGE_LAYERS,
-        native_adapter="diffuserve.pipelines.qwen_image_edit:QwenImageEditPlusNativePipeline",
+        native_adapter="diffuserve.families.qwen_image_edit.adapter:QwenImageEditPlusNativePipeline",
         latent_geometry=qwen_image_geometry,
         max_latent_side=qwen_image_edit_max_latent_side,
         text_encoders=("text_encoder",),
         # The 2509/2511 model cards: multi-image editing works best with 1 to 3 input images.
         max_image_inputs=3,
         supports_batching=False,
-        tiny_builds={"qwen-image-edit-plus": "diffuserve.models.tiny_qwen_image_edit:build_edit_plus"},
+        tiny_builds={"qwen-image-edit-plus": "diffuserve.families.qwen_image_edit.tiny:build_edit_plus"},
         base_family="qwen_image",
     ),
 )

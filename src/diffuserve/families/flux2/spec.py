@@ -1,6 +1,6 @@
 """FLUX.2-dev (Mistral3 encoder) and FLUX.2-Klein 4B/9B / Klein-Base (Qwen3 encoder).
 
-Both run natively (`pipelines/flux2.py`), text-to-image and with reference images on /v1/images/edits (the
+Both run natively (`families/flux2/adapter.py`), text-to-image and with reference images on /v1/images/edits (the
 diffusers pipelines' `image=`). Sizes are multiples of 16 (VAE factor 8 x 2x2 patches); RoPE is computed from
 position ids, so no positional table limits the size.
 """
@@ -15,7 +15,7 @@ from diffuserve.families.base import (
     SamplingDefaults,
 )
 from diffuserve.families.checkpoint import square_default
-from diffuserve.families.flux import flux_geometry
+from diffuserve.families.flux.spec import flux_geometry
 
 
 def flux2_defaults(defaults: SamplingDefaults, configs: CheckpointConfigs, geometry: LatentGeometry) -> SamplingDefaults:
@@ -46,7 +46,7 @@ SPECS = (
         model_id_patterns=(r"flux\.?2",),
         id_priority=20,
         tasks=frozenset({"t2i", "i2i"}),
-        native_adapter="diffuserve.pipelines.flux2:Flux2NativePipeline",
+        native_adapter="diffuserve.families.flux2.adapter:Flux2NativePipeline",
         # diffusers' Flux2Pipeline call defaults: 50 steps, embedded guidance 4.0 (guidance-distilled: no CFG).
         defaults=SamplingDefaults(num_inference_steps=50, guidance_scale=4.0),
         checkpoint_defaults=flux2_defaults,
@@ -59,7 +59,7 @@ SPECS = (
         profile=ProfileFacts(dit_resident_threshold_gib=80.0, dit_supports_layerwise=True),
         layer_containers=_FLUX2_LAYERS,
         max_image_inputs=4,
-        tiny_builds={"flux2": "diffuserve.models.tiny_flux2:build_flux2"},
+        tiny_builds={"flux2": "diffuserve.families.flux2.tiny:build_flux2"},
     ),
     FamilySpec(
         name="flux2_klein",
@@ -67,7 +67,7 @@ SPECS = (
         model_id_patterns=(r"flux\.?2[-_.]?klein",),
         id_priority=30,
         tasks=frozenset({"t2i", "i2i"}),
-        native_adapter="diffuserve.pipelines.flux2:Flux2KleinNativePipeline",
+        native_adapter="diffuserve.families.flux2.adapter:Flux2KleinNativePipeline",
         # The step-distilled Klein 4B/9B: 4 steps, guidance ignored. `klein_defaults` gives Klein-Base
         # (model_index.json `is_distilled: false`) diffusers' call defaults instead: 50 steps, CFG at 4.0.
         defaults=SamplingDefaults(num_inference_steps=4, guidance_scale=1.0),
@@ -78,7 +78,7 @@ SPECS = (
         profile=ProfileFacts(dit_resident_threshold_gib=24.0, dit_supports_layerwise=True),
         layer_containers=_FLUX2_LAYERS,
         max_image_inputs=4,
-        tiny_builds={"flux2-klein": "diffuserve.models.tiny_flux2:build_flux2_klein"},
+        tiny_builds={"flux2-klein": "diffuserve.families.flux2.tiny:build_flux2_klein"},
         base_family="flux2",
     ),
 )

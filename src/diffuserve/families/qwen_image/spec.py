@@ -65,7 +65,7 @@ SPECS = (
         pipeline_classes=("QwenImagePipeline",),
         model_id_patterns=(r"qwen[-_]?image",),
         id_priority=0,
-        native_adapter="diffuserve.pipelines.qwen_image:QwenImageNativePipeline",
+        native_adapter="diffuserve.families.qwen_image.adapter:QwenImageNativePipeline",
         # diffusers' call defaults (1024x1024 from default_sample_size 128 x VAE 8, 50 steps, true_cfg_scale 4),
         # with the negative prompt " " of Qwen's own example: diffusers' None would leave true_cfg_scale without
         # effect, and Qwen-Image is a CFG workload. A diffusers call with negative_prompt=" " gives the same image.
@@ -78,14 +78,14 @@ SPECS = (
         # Flow-match per request; masked text rows are padded per step like a merged batch (verified row by row).
         supports_continuous=True,
         text_encoders=("text_encoder",),
-        tiny_builds={"qwen-image": "diffuserve.models.tiny_qwen_image:build_qwen_image"},
+        tiny_builds={"qwen-image": "diffuserve.families.qwen_image.tiny:build_qwen_image"},
     ),
     FamilySpec(
         name="qwen_image_21",
         pipeline_classes=("QwenImage21Pipeline",),
         model_id_patterns=(r"qwen[-_]?image[-_.]?2\.?1",),
         id_priority=5,
-        native_adapter="diffuserve.pipelines.qwen_image:QwenImage21NativePipeline",
+        native_adapter="diffuserve.families.qwen_image.adapter:QwenImage21NativePipeline",
         # diffusers' call defaults: output_resolution 1024, 40 steps, true_cfg_scale 1 (2.1 samples without
         # guidance); a Turbo checkpoint's `sample_sigmas` fixes the step count instead (the adapter reads it).
         defaults=SamplingDefaults(width=1024, height=1024, num_inference_steps=40, guidance_scale=1.0,
@@ -97,7 +97,7 @@ SPECS = (
         max_latent_side=qwen_image_21_max_latent_side,
         supports_continuous=True,
         text_encoders=("text_encoder",),
-        tiny_builds={"qwen-image-2.1": "diffuserve.models.tiny_qwen_image:build_qwen_image_21"},
+        tiny_builds={"qwen-image-2.1": "diffuserve.families.qwen_image.tiny:build_qwen_image_21"},
         base_family="qwen_image",
     ),
 )

@@ -38,9 +38,9 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus_m
 from PIL import Image
 
 from diffuserve.errors import CheckpointError, InvalidRequestError
+from diffuserve.families.qwen_image.ops import latents_stats, norm_rescaled_cfg, pad_rows
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.base import component_configs
-from diffuserve.pipelines.qwen_image_ops import latents_stats, norm_rescaled_cfg, pad_rows
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ SPEC = FamilySpec(
     name="z_image",
     pipeline_classes=("ZImagePipeline",),
     model_id_patterns=(r"z[-_]?image",),
-    native_adapter="diffuserve.pipelines.z_image:ZImageNativePipeline",
+    native_adapter="diffuserve.families.z_image.adapter:ZImageNativePipeline",
     # Z-Image-Turbo samples without CFG in 8-9 steps; single-GPU no-offload measured faster than FSDP/SP.
     defaults=SamplingDefaults(num_inference_steps=9, guidance_scale=0.0),
     checkpoint_defaults=z_image_defaults,
@@ -47,5 +47,5 @@ SPEC = FamilySpec(
     layer_containers={"ZImageTransformer2DModel": (
         ("noise_refiner", "n_refiner_layers"), ("context_refiner", "n_refiner_layers"), ("layers", "n_layers"),
     )},
-    tiny_builds={"z-image": "diffuserve.models.tiny_z_image:build"},
+    tiny_builds={"z-image": "diffuserve.families.z_image.tiny:build"},
 )

@@ -22,7 +22,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
 from diffuserve.pipelines import stages
-from diffuserve.pipelines.base import component_configs
+from diffuserve.pipelines.base import component_configs, declared_sequence_length
 from diffuserve.pipelines.prompt_limits import TextEncoderLimit
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
@@ -33,15 +33,6 @@ MAX_CACHED_SHAPES = 64
 requests with ever new sizes or step counts cannot grow memory without bound."""
 
 
-
-
-def declared_sequence_length(tokenizer: Any, default: int) -> int:
-    """`default`, capped by the tokenizer's declared `model_max_length` (the longest text the checkpoint
-    was made for; real FLUX.1 declares 512, so it gets diffusers' default unchanged)."""
-    declared = getattr(tokenizer, "model_max_length", None)
-    return min(default, int(declared)) if isinstance(declared, int) and declared > 0 else default
-
-
 def _make_room(cache: dict) -> None:
     if len(cache) >= MAX_CACHED_SHAPES:
         cache.clear()
@@ -49,7 +40,7 @@ def _make_room(cache: dict) -> None:
 
 class FluxNativePipeline(stages.RecipePipeline):
     """FLUX.1 text-to-image (dev and schnell style) as a batched stage pipeline. Its static facts (size multiple,
-    dev/schnell defaults, continuous, text encoders) are the family spec's (`families/flux.py`, `bind_facts`)."""
+    dev/schnell defaults, continuous, text encoders) are the family spec's (`families/flux/spec.py`, `bind_facts`)."""
 
     family = "flux"
     output_kind = "image"
