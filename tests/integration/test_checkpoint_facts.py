@@ -26,6 +26,8 @@ def test_the_plan_and_the_adapter_describe_a_checkpoint_alike(name: str, tiny_ch
     assert pipeline.supports_continuous is spec.supports_continuous
     assert pipeline.batched_cfg is spec.cfg_batched
     assert tuple(pipeline.text_encoders) == planned.text_encoders
+    assert (pipeline.output_kind, pipeline.supports_batching, pipeline.max_image_inputs) == (
+        spec.output_kind, spec.supports_batching, spec.max_image_inputs)
 
 
 def test_flux_schnell_is_a_pure_function_of_the_transformer_config() -> None:

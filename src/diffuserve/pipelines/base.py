@@ -139,11 +139,16 @@ class Pipeline:
             return spec_for("generic")
 
     def bind_facts(self, configs: Mapping[str, Any]) -> CheckpointFacts:
-        """Describe this checkpoint from its configs under the family spec, and take its facts as this pipeline's
-        settings: the ONE place an adapter learns them (size multiple and limit, defaults, capabilities)."""
+        """Describe this checkpoint from its configs under the family spec, and take the spec's facts as this
+        pipeline's settings: the ONE place an adapter learns them (output kind, batching, image inputs, size multiple
+        and limit, defaults, continuous, CFG as one doubled batch, text encoders)."""
         from diffuserve.families.checkpoint import describe_checkpoint
 
-        facts = self.facts = describe_checkpoint(self.spec, configs)
+        spec = self.spec
+        self.output_kind = spec.output_kind
+        self.supports_batching = spec.supports_batching
+        self.max_image_inputs = spec.max_image_inputs
+        facts = self.facts = describe_checkpoint(spec, configs)
         if facts.size_multiple is not None:
             self.size_multiple = facts.size_multiple
         self.max_width = self.max_height = facts.max_side

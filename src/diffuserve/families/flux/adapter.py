@@ -43,9 +43,6 @@ class FluxNativePipeline(stages.RecipePipeline):
     dev/schnell defaults, continuous, text encoders) are the family spec's (`families/flux/spec.py`, `bind_facts`)."""
 
     family = "flux"
-    output_kind = "image"
-    supports_batching = True
-    max_image_inputs = 1
 
     def __init__(
         self,

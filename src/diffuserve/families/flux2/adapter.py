@@ -107,8 +107,6 @@ class Flux2NativePipeline(stages.RecipePipeline):
     """FLUX.2-dev: Mistral3 text encoder, embedded guidance (`guidance_scale`), no CFG; reference images."""
 
     family = "flux2"
-    output_kind = "image"
-    supports_batching = True
     denoisers = ("transformer",)
     hidden_states_layers: ClassVar[tuple[int, ...]] = (10, 20, 30)
     """Encoder layers whose hidden states are stacked (diffusers' `text_encoder_out_layers` default)."""
@@ -135,7 +133,6 @@ class Flux2NativePipeline(stages.RecipePipeline):
         facts = self.bind_facts(component_configs(self.components, self.model_index))
         self.vae_scale_factor = facts.vae_factor
         self.image_processor = Flux2ImageProcessor(vae_scale_factor=self.size_multiple)
-        self.max_image_inputs = self.spec.max_image_inputs
         self.defaults = self._with_suggested(self.defaults, suggested_defaults or {})
         self._latent_ids: dict[tuple[int, int], torch.Tensor] = {}
         self._text_ids: dict[int, torch.Tensor] = {}

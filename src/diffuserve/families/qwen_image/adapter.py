@@ -47,8 +47,6 @@ def _required(components: dict[str, Any], keys: tuple[str, ...], what: str) -> N
 class _QwenBase(stages.RecipePipeline):
     """What both Qwen-Image generations share: the schedule, the noise, one text encoder, the decode."""
 
-    output_kind = "image"
-    supports_batching = True
     masked_sequences = {"embeds": "mask"}
 
     def __init__(self, *, transformer: Any, vae: Any, text_encoder: Any, scheduler: Any,

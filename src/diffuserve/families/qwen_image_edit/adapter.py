@@ -68,9 +68,6 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
     """Qwen-Image-Edit: one input image, the instruction encoded together with it."""
 
     family = "qwen_image_edit"
-    output_kind = "image"
-    supports_batching = False
-    text_encoders = ("text_encoder",)
     masked_sequences = {"prompt_embeds": "prompt_mask"}
     min_image_inputs = 1
     multi_image = False
@@ -92,7 +89,6 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
         # The spec's facts: latents packed in 2x2 patches, so sizes divide by the VAE factor times 2 (diffusers
         # rounds down to this; we refuse other sizes instead, naming `size`); the RoPE size limit; the defaults.
         self.vae_scale_factor = self.bind_facts(component_configs(self.components)).vae_factor
-        self.max_image_inputs = self.spec.max_image_inputs
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
         pipe_class = getattr(self.diffusers_module, self._diffusers_class_name())
         # The prompt encoding (chat template, image blocks, dropped system prefix) is the diffusers pipeline's

@@ -60,8 +60,6 @@ class SanaNativePipeline(stages.RecipePipeline):
     """SANA text-to-image as a batched recipe pipeline."""
 
     family = "sana"
-    output_kind = "image"
-    supports_batching = True
     # Continuous (the spec's `supports_continuous`): each request keeps its own DPM-Solver++ history (`_schedule`
     # copies), and `step_extras` gives a mixed step the group's row count, which `predict` needs to tell the doubled
     # CFG call (the spec's `cfg_batched`) from a plain one.

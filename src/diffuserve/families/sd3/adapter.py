@@ -52,8 +52,6 @@ class SD3NativePipeline(stages.RecipePipeline):
     """SD3 / SD3.5 text-to-image on the shared recipe."""
 
     family = "sd3"
-    output_kind = "image"
-    supports_batching = True
 
     def __init__(self, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()

@@ -33,8 +33,6 @@ class WanNativePipeline(stages.RecipePipeline):
     """Wan text-to-video: one or two denoising experts, classic CFG."""
 
     family = "wan"
-    output_kind = "video"
-    supports_batching = True
 
     def __init__(self, *, transformer: Any, vae: Any, text_encoder: Any, tokenizer: Any, scheduler: Any,
                  transformer_2: Any = None, boundary_ratio: float | None = None, expand_timesteps: bool = False,
@@ -177,8 +175,6 @@ class WanI2VNativePipeline(WanNativePipeline):
     """
 
     family = "wan_i2v"
-    supports_batching = False
-    max_image_inputs = 1
     min_image_inputs = 1
 
     def __init__(self, *, image_encoder: Any = None, image_processor: Any = None, **kwargs: Any) -> None:

@@ -45,8 +45,6 @@ class ZImageNativePipeline(stages.RecipePipeline):
     """Z-Image and Z-Image-Turbo text-to-image as a batched recipe pipeline."""
 
     family = "z_image"
-    output_kind = "image"
-    supports_batching = True
     masked_sequences = {"prompt_embeds": "prompt_mask"}
 
     def __init__(
