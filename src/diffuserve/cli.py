@@ -121,7 +121,9 @@ def _build_parser() -> argparse.ArgumentParser:
     add = functools.partial(plan.add_argument, default=argparse.SUPPRESS)
     add("--model-path", help="Checkpoint folder (default: the embedded model).")
     add("--model-id", help="Family hint (e.g. FLUX.1-dev) when model_index.json is ambiguous.")
-    add("--backend", choices=["auto", "native", "diffusers"],
+    from diffuserve.families import BACKENDS
+
+    add("--backend", choices=list(BACKENDS),
         help="The backend `serve` would use (default: auto = native when the family has an adapter); the plan "
              "refuses the parallel modes that backend cannot run, as start-up does.")
     add("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
