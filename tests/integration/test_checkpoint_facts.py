@@ -45,4 +45,4 @@ def test_wan_size_multiple_is_the_vae_factor_times_the_patch() -> None:
     ti2v = describe_checkpoint(spec, {"vae": {"scale_factor_spatial": 16}, "transformer": {"patch_size": [1, 2, 2]}})
     wan21 = describe_checkpoint(spec, {"vae": {"scale_factor_spatial": 8}, "transformer": {"patch_size": [1, 2, 2]}})
     assert (ti2v.size_multiple, wan21.size_multiple) == (32, 16)
-    assert wan21.max_side == 1024 * 2 * 8  # rope_max_seq_len (default 1024) patches of 2 latent px, VAE 8x
+    assert wan21.max_width == wan21.max_height == 1024 * 2 * 8  # rope_max_seq_len (1024) patches of 2 px, VAE 8x

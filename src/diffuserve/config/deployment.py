@@ -459,8 +459,8 @@ def describe_model(profile: ModelProfile) -> str:
     assert facts is not None
     d = facts.defaults
     sizes = f"multiples of {facts.size_multiple}" if facts.size_multiple else "the pipeline's own rule"
-    if facts.max_side:
-        sizes += f" up to {facts.max_side} px"
+    if facts.max_width and facts.max_height:
+        sizes += f" up to {facts.max_width}x{facts.max_height} px"
     stepping = ("steps in a shared denoise group" if profile.supports_continuous else
                 "runs as request-level batches (its family cannot step)")
     cfg = "; CFG: one doubled batch" if profile.cfg_batched else ""

@@ -140,10 +140,11 @@ class FamilySpec:
     checkpoint_defaults: Callable[[SamplingDefaults, CheckpointConfigs, LatentGeometry], SamplingDefaults] | None = None
     """Variants and sizes read from the configs: `defaults` refined for this checkpoint (FLUX.1 schnell's 4 steps
     without guidance when its transformer has no guidance embedding; a default size from the VAE's sample size)."""
-    max_latent_side: Callable[[dict[str, Any]], int | None] | None = None
+    max_latent_side: Callable[[dict[str, Any]], int | tuple[int, int] | None] | None = None
     """Positional limit of the DiT: from its config.json, the longest side in latent pixels (before patching)
-    its position tables cover, or None for no table limit (RoPE computed on the fly). Pixel limit = this x the
-    VAE's spatial factor; larger sizes are a 400 naming `size` before queueing, not an error inside the model."""
+    its position tables cover, or a (height, width) pair where the axes differ (Z-Image), or None for no table
+    limit (RoPE computed on the fly). Pixel limit = this x the VAE's spatial factor; larger sizes are a 400
+    naming `size` before queueing, not an error inside the model."""
     max_image_inputs: int = 0
     """Input images an edit request may carry (0: the family takes none)."""
     output_size_follows_input: bool = False

@@ -30,8 +30,10 @@ class CheckpointFacts:
     from the loaded pipeline)."""
     vae_factor: int | None
     """Pixels per latent pixel; None where the spec has no geometry rule."""
-    max_side: int | None
-    """Largest width/height in pixels the DiT's position tables cover (None: no table limit known)."""
+    max_height: int | None
+    """Largest height in pixels the DiT's position tables cover (None: no table limit known)."""
+    max_width: int | None
+    """Largest width in pixels the DiT's position tables cover (None: no table limit known)."""
     defaults: SamplingDefaults
     """Request defaults for this checkpoint: the spec's, refined by its `checkpoint_defaults` rule."""
     supports_continuous: bool
@@ -54,17 +56,19 @@ def describe_checkpoint(spec: FamilySpec, configs: CheckpointConfigs) -> Checkpo
         # A folder without the configs the rules read (no VAE config ...): the spec's published figures. The
         # loader refuses such a checkpoint for the native backend, naming the missing part.
         geometry, defaults = None, spec.defaults
-    max_side = None
+    limit: int | tuple[int, int] | None = None
     transformer = configs.get("transformer")
     if spec.max_latent_side is not None and transformer is not None and geometry is not None:
-        side = spec.max_latent_side(dict(transformer))
-        max_side = None if side is None else side * geometry.vae_factor
+        limit = spec.max_latent_side(dict(transformer))
+    height, width = limit if isinstance(limit, tuple) else (limit, limit)
+    vae_factor = geometry.vae_factor if geometry is not None else 1  # a limit is only read with a geometry
     present = [key for key in spec.text_encoders if key in configs or not configs]
     return CheckpointFacts(
         family=spec.name,
         size_multiple=geometry.size_multiple if geometry is not None else spec.size_multiple,
         vae_factor=geometry.vae_factor if geometry is not None else None,
-        max_side=max_side,
+        max_height=None if height is None else height * vae_factor,
+        max_width=None if width is None else width * vae_factor,
         defaults=defaults,
         supports_continuous=spec.supports_continuous,
         cfg_batched=spec.cfg_batched,

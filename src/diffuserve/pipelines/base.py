@@ -151,7 +151,7 @@ class Pipeline:
         facts = self.facts = describe_checkpoint(spec, configs)
         if facts.size_multiple is not None:
             self.size_multiple = facts.size_multiple
-        self.max_width = self.max_height = facts.max_side
+        self.max_width, self.max_height = facts.max_width, facts.max_height
         self.defaults = facts.defaults
         self.supports_continuous = facts.supports_continuous
         self.batched_cfg = facts.cfg_batched

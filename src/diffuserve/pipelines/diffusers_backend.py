@@ -103,7 +103,7 @@ class DiffusersBackendPipeline(Pipeline):
         # adapters use): its size rule or the pipeline class's own multiple, and its positional size limit.
         self.facts = describe_checkpoint(self.spec, component_configs(pipe.components))
         self.size_multiple = max(self._size_multiple(pipe), self.facts.size_multiple or 1)
-        self.max_width = self.max_height = self.facts.max_side
+        self.max_width, self.max_height = self.facts.max_width, self.facts.max_height
         if "image" in self._call_params:
             # An edit pipeline (its __call__ takes `image`): image inputs go to it unmodified; edits run alone. A
             # family whose spec names no limit takes one image.

@@ -61,13 +61,11 @@ class ZImageNativePipeline(stages.RecipePipeline):
         super().__init__()
         self.bind_parts({"text_encoder": text_encoder, "tokenizer": tokenizer, "transformer": transformer, "vae": vae,
                          "scheduler": scheduler}, device=device, dtype=dtype)
-        # Size multiple (VAE factor x 2), default size and CFG as one doubled batch: the spec's facts.
+        # Size multiple (VAE factor x 2), the RoPE tables' size limits (axes 1 and 2), default size and CFG as one
+        # doubled batch: the spec's facts.
         self.vae_scale_factor = self.bind_facts(component_configs(self.components)).vae_factor
         axes_lens = list(transformer.config.axes_lens)
-        # RoPE tables: image token (row, col) indices index axes 1 and 2; the caption occupies indices
-        # 1..len (padded to 32) of axis 0 and the image frame the next one, so axis 0 bounds the text length.
-        self.max_height = axes_lens[1] * self.size_multiple
-        self.max_width = axes_lens[2] * self.size_multiple
+        # The caption occupies indices 1..len (padded to 32) of RoPE axis 0, so axis 0 bounds the text length.
         self.max_sequence_length = min(MAX_SEQUENCE_LENGTH, (axes_lens[0] - 2) // 32 * 32)
         if self.max_sequence_length < MAX_SEQUENCE_LENGTH:
             logger.warning("z_image: axes_lens[0]=%d limits texts to %d tokens (diffusers' default is %d)",

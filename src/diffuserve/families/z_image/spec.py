@@ -16,6 +16,14 @@ def z_image_geometry(configs: CheckpointConfigs) -> LatentGeometry:
     return LatentGeometry(vae_factor=autoencoder_kl_factor(configs["vae"]), patch=2)
 
 
+def z_image_max_latent_side(cfg: dict) -> tuple[int, int]:
+    """RoPE tables: image token (row, col) indices index `axes_lens` 1 and 2 (the caption occupies indices 1..len,
+    padded to 32, of axis 0 and the image frame the next one, so axis 0 bounds the text length instead); one token
+    is a 2x2 latent patch."""
+    axes = list(cfg["axes_lens"])
+    return axes[1] * 2, axes[2] * 2
+
+
 def z_image_defaults(defaults: SamplingDefaults, configs: CheckpointConfigs,
                      geometry: LatentGeometry) -> SamplingDefaults:
     """The size: the VAE's sample_size is the training resolution in pixels (1024 upstream; a tiny checkpoint's is
@@ -35,6 +43,7 @@ SPEC = FamilySpec(
     defaults=SamplingDefaults(num_inference_steps=9, guidance_scale=0.0),
     checkpoint_defaults=z_image_defaults,
     latent_geometry=z_image_geometry,
+    max_latent_side=z_image_max_latent_side,
     # The native adapter streams the refiners and the main layers (tests: layer-wise equals resident).
     profile=ProfileFacts(default_uses_cfg=False, dit_supports_layerwise=True),
     # diffusers runs the positive and negative rows through one transformer call; the transformer pads the rows of
