@@ -56,7 +56,7 @@ SPECS = (
         supports_continuous=True,
         text_encoders=("text_encoder", "text_encoder_2"),
         max_image_inputs=1,
-        tiny_builds={"flux": "diffuserve.models.tiny:build_flux"},
+        tiny_builds={"flux": "diffuserve.families.flux.tiny:build_flux"},
     ),
     FamilySpec(
         name="flux_kontext",

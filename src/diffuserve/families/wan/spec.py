@@ -56,7 +56,7 @@ SPECS = (
         supports_continuous=True,
         text_encoders=("text_encoder",),
         tiny_builds={
-            "wan": "diffuserve.models.tiny:build_wan",
+            "wan": "diffuserve.families.wan.tiny:build_wan",
             "wan2.2": "diffuserve.families.wan.tiny:build_wan22_a14b",
             "wan2.2-ti2v": "diffuserve.families.wan.tiny:build_wan22_ti2v",
         },
