@@ -34,7 +34,7 @@ def tiny_flux_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_sd3_path(tiny_checkpoint) -> Path:
-    """The tiny SD3 / 3.5 checkpoint (models/tiny_sd3.py): native, and the diffusers-backend test model."""
+    """The tiny SD3 / 3.5 checkpoint (families/sd3/tiny.py): native, and the diffusers-backend test model."""
     return tiny_checkpoint("sd3")
 
 

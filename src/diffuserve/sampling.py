@@ -101,8 +101,9 @@ class ModelDescription:
     """image | video."""
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     """Values a request gets for fields it leaves unset."""
-    size_multiple: int = 16
-    """Width and height must be multiples of this."""
+    size_multiple: int = 1
+    """Width and height must be multiples of this: the served checkpoint's figure (`Pipeline.describe_model`, from
+    its family spec's size rule); 1 (no constraint) only for a description built without a pipeline."""
     max_image_inputs: int = 0
     """Input images one request may carry (0: none)."""
     min_image_inputs: int = 0

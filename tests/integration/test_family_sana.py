@@ -58,7 +58,7 @@ def reference_images(reference, params: SamplingParams) -> list:
 
 
 def test_native_adapter_is_used(native) -> None:
-    from diffuserve.pipelines.sana import SanaNativePipeline
+    from diffuserve.families.sana.adapter import SanaNativePipeline
 
     assert isinstance(native, SanaNativePipeline)
     assert native.size_multiple == 32

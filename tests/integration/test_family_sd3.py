@@ -45,7 +45,7 @@ def reference(tiny_sd3_path: Path):
 @pytest.fixture(scope="module")
 def twin(reference):
     """The native adapter over the diffusers pipeline's own modules (the very same weight tensors)."""
-    from diffuserve.pipelines.sd3 import SD3NativePipeline
+    from diffuserve.families.sd3.adapter import SD3NativePipeline
 
     return SD3NativePipeline.from_components(dict(reference.components), device="cpu", dtype=torch.float32)
 
@@ -76,7 +76,7 @@ def _reference_images(reference, params: SamplingParams) -> list:
 def test_tiny_builder_is_byte_identical_small_and_loads(tiny_sd3_path: Path, tmp_path: Path) -> None:
     from diffusers import StableDiffusion3Pipeline
 
-    from diffuserve.models import tiny_sd3
+    from diffuserve.families.sd3 import tiny as tiny_sd3
 
     def digest(folder: Path) -> str:
         h = hashlib.sha256()
@@ -94,7 +94,7 @@ def test_tiny_builder_is_byte_identical_small_and_loads(tiny_sd3_path: Path, tmp
 def test_defaults_and_limits_come_from_the_checkpoint(native, reference) -> None:
     import inspect
 
-    from diffuserve.pipelines.sd3 import SD3NativePipeline
+    from diffuserve.families.sd3.adapter import SD3NativePipeline
 
     assert isinstance(native, SD3NativePipeline) and native.family == "sd3"
     # diffusers' call defaults: transformer sample size x VAE factor (64 px here), 28 steps, guidance 7.0.

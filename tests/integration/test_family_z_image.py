@@ -59,7 +59,7 @@ def reference_images(reference, params: SamplingParams) -> list:
 
 
 def test_native_adapter_is_used(native) -> None:
-    from diffuserve.pipelines.z_image import ZImageNativePipeline
+    from diffuserve.families.z_image.adapter import ZImageNativePipeline
 
     assert isinstance(native, ZImageNativePipeline)
     assert native.defaults.width == native.defaults.height == 64  # the tiny VAE's sample_size

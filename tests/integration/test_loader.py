@@ -29,7 +29,7 @@ def broken(tiny_flux_path: Path, tmp_path: Path) -> Path:
 
 
 def test_loads_native_by_default(tiny_flux_path: Path) -> None:
-    from diffuserve.pipelines.flux import FluxNativePipeline
+    from diffuserve.families.flux.adapter import FluxNativePipeline
 
     pipe = load_pipeline(tiny_flux_path)
     assert isinstance(pipe, FluxNativePipeline)

@@ -435,3 +435,25 @@ def test_resolve_layer_containers_finds_nested_paths() -> None:
     missing = ComponentProfile(name="x", class_name="X", layer_container_paths=("blocks",))
     with pytest.raises(CheckpointError, match="matches none"):
         resolve_layer_containers(clip, missing)
+
+
+def test_plan_and_start_up_refuse_a_diffusers_backend_split_with_the_same_words(checkpoint) -> None:
+    """`diffuserve plan --backend diffusers --enable-cfg-parallel` and `serve` with the same flags stop at the same
+    plan check, before any weight loads, with one message."""
+    from diffuserve.config.server_args import ServerArgs
+    from diffuserve.generate import print_plan
+    from diffuserve.launch.setup import plan_deployment
+
+    root, _ = checkpoint
+    flags = {"num_gpus": 2, "enable_cfg_parallel": True}
+    with pytest.raises(ConfigError) as planned:
+        print_plan({"model_path": str(root), "backend": "diffusers", "gpu_memory_gib": 80.0, **flags})
+    with pytest.raises(ConfigError) as started:
+        plan_deployment(ServerArgs(model_path=str(root), backend="diffusers", deployment=DeploymentArgs(**flags)),
+                        root, "cpu", log_plan=False)
+    assert planned.value.message == started.value.message
+    assert planned.value.param == "enable_cfg_parallel" and "runs on the diffusers backend" in planned.value.message
+    # The same checkpoint natively: the plan describes it from its configs (no weights) and accepts the flag.
+    natively = profile_from_checkpoint(root)
+    assert natively.backend == "native" and natively.checkpoint is not None
+    assert natively.checkpoint.size_multiple == 2 * 2  # this VAE has two levels (factor 2), FLUX packs 2x2

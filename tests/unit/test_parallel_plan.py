@@ -68,3 +68,82 @@ def test_topology_replicas_and_groups_layout():
     t = Topology(world_size=8, rank=5, local_rank=5, dp_size=2, cfg=2, ulysses=2)
     assert t.ranks_per_replica == 4 and t.replica == 1 and t.replica_ranks() == (4, 5, 6, 7)
     assert t.leader == 4 and not t.is_leader and t.replica_ranks(0) == (0, 1, 2, 3)
+
+
+# -- the plan knows the backend: `plan` refuses what start-up refuses, with the same words -------------------------
+def backend_plan(family: str, backend: str, num_gpus: int = 2, **flags: Any):
+    """The plan for `family` served by `backend` (what `diffuserve plan --backend` and start-up resolve)."""
+    from tests.unit.test_deployment import profile as sized
+
+    served = family_profile(family, backend)
+    base = sized(family) if family in ("flux", "qwen_image", "wan", "sana") else served
+    profile = dataclasses.replace(base, backend=served.backend, supports_continuous=served.supports_continuous,
+                                  dit_attention_heads=24)
+    return resolve(DeploymentArgs(num_gpus=num_gpus, **flags), describe_hardware(num_gpus, 80.0), profile)
+
+
+@pytest.mark.parametrize(("family", "backend", "flags", "param"), [
+    ("flux", "diffusers", {"enable_cfg_parallel": True}, "enable_cfg_parallel"),
+    ("qwen_image", "diffusers", {"ulysses_degree": 2}, "ulysses_degree"),
+    ("wan", "diffusers", {"ring_degree": 2}, "ring_degree"),
+    ("flux", "diffusers", {"sp_degree": 2}, "sp_degree"),
+    ("flux", "diffusers", {"tp_size": 2}, "tp_size"),
+    ("wan", "diffusers", {"use_fsdp_inference": True}, "use_fsdp_inference"),
+    ("glm_image", "auto", {"enable_cfg_parallel": True}, "enable_cfg_parallel"),  # no native adapter: diffusers
+    ("hunyuan_video", "auto", {"tp_size": 2}, "tp_size"),
+])
+def test_a_diffusers_backend_family_is_refused_every_split_of_its_loop(family, backend, flags, param):
+    from diffuserve import families
+
+    with pytest.raises(ConfigError) as err:
+        backend_plan(family, backend, **flags)
+    message = err.value.message
+    assert err.value.param == param and "runs on the diffusers backend" in message, message
+    if families.spec_for(family).has_native:
+        assert "serve it natively (--backend auto or native)" in message, message
+    else:  # the list of native families comes from the specs
+        assert families.named_list(families.families_with("has_native")) in message, message
+
+
+def test_the_backend_turns_auto_parallel_modes_off_instead_of_failing_at_start_up():
+    glm = backend_plan("glm_image", "auto")  # a CFG family: auto would pick CFG parallel on a native backend
+    assert not glm.enable_cfg_parallel and glm.dp_size == 2
+    assert any("runs on the diffusers backend" in line for line in glm.trace), glm.trace
+    qwen = backend_plan("qwen_image", "diffusers")
+    assert not qwen.enable_cfg_parallel and qwen.dp_size == 2
+    assert backend_plan("qwen_image", "auto").enable_cfg_parallel  # the same family natively: CFG parallel
+    assert not backend_plan("wan", "diffusers").use_fsdp_inference
+
+
+def test_backend_native_for_a_family_without_an_adapter_fails_in_the_plan_as_at_load():
+    from diffuserve.models.registry import select_backend
+
+    with pytest.raises(ConfigError) as planned:
+        family_profile("glm_image", "native")
+    with pytest.raises(ConfigError) as loaded:
+        select_backend("glm_image", "native")
+    assert planned.value.message == loaded.value.message and planned.value.param == "backend"
+
+
+def test_profiles_carry_the_specs_capabilities_for_their_backend():
+    from diffuserve import families
+
+    for name, spec in families.all_specs().items():
+        profile = family_profile(name)
+        assert profile.backend == ("native" if spec.has_native else "diffusers")
+        assert profile.supports_continuous == (spec.supports_continuous and spec.has_native)
+        assert profile.cfg_batched == spec.cfg_batched
+    assert family_profile("flux").supports_continuous and not family_profile("wan_i2v").supports_continuous
+    assert not family_profile("flux", "diffusers").supports_continuous  # the diffusers backend never steps
+
+
+@pytest.mark.parametrize(("flags", "capability"), [
+    ({"family": "sd3", "ulysses_degree": 2}, "sequence_parallel"),
+    ({"family": "sd3", "tp_size": 2}, "tensor_parallel"),
+])
+def test_family_lists_in_refusals_are_generated_from_the_specs(flags, capability):
+    from diffuserve import families
+
+    with pytest.raises(ConfigError) as err:
+        plan(**flags)
+    assert families.named_list(families.families_with(capability)) in err.value.message

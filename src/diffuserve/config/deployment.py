@@ -31,6 +31,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from diffuserve import families
 from diffuserve.config.model_profiles import GROUPS, ComponentProfile, ModelProfile
 from diffuserve.config.plan import ComponentPlan, DeploymentPlan, Lifetime, ResidencyMode
 from diffuserve.errors import ConfigError
@@ -356,7 +357,9 @@ def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile,
         trace(f"fsdp: {'on' if fsdp else 'off'} (explicit --use-fsdp-inference)")
     elif mode == "auto" and accelerator and num_gpus >= 2 and dits:
         offloaded = [d for d in dits if modes[d] is not ResidencyMode.RESIDENT]
-        if not profile.fsdp_can_replace_dit_offload:
+        if profile.backend != "native":
+            trace(f"fsdp: off (auto: {profile.family} runs on the diffusers backend, whose DiT is not sharded)")
+        elif not profile.fsdp_can_replace_dit_offload:
             trace(f"fsdp: off (auto: {profile.family} profile does not let FSDP replace DiT offload)")
         elif any(d in explicit for d in dits):
             trace("fsdp: off (auto: the DiT residency was set explicitly)")
@@ -369,6 +372,8 @@ def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile,
                   f"GPUs; DiT shard {shard / GIB:.1f} GiB {'fits' if fsdp else 'does not fit'} in {ctx.min_free / GIB:.1f} GiB)")
     plan.use_fsdp_inference = bool(fsdp)
     if plan.use_fsdp_inference:
+        if profile.backend != "native":
+            raise diffusers_backend_refusal(profile.family, "--use-fsdp-inference")
         if num_gpus < 2:
             raise ConfigError("--use-fsdp-inference shards the DiT over GPUs; with --num-gpus 1 use component or layer-wise offload instead.", param="use_fsdp_inference")
         for d in dits:
@@ -446,7 +451,24 @@ def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile,
     # 8. Parallelism, then compile and graphs.
     _resolve_parallelism(args, plan, profile, trace)
     _resolve_compile(args, plan, profile, hardware, trace)
+    if profile.checkpoint is not None:
+        trace(describe_model(profile))
     return plan
+
+
+def describe_model(profile: ModelProfile) -> str:
+    """One trace line of what the checkpoint is (its family spec applied to its configs, no weights)."""
+    facts = profile.checkpoint
+    assert facts is not None
+    d = facts.defaults
+    sizes = f"multiples of {facts.size_multiple}" if facts.size_multiple else "the pipeline's own rule"
+    if facts.max_width and facts.max_height:
+        sizes += f" up to {facts.max_width}x{facts.max_height} px"
+    stepping = ("steps in a shared denoise group" if profile.supports_continuous else
+                "runs as request-level batches (its family cannot step)")
+    cfg = "; CFG: one doubled batch" if profile.cfg_batched else ""
+    return (f"model: {profile.family} on the {profile.backend} backend; sizes {sizes}; defaults {d.width}x{d.height}, "
+            f"{d.num_inference_steps} steps, guidance {d.guidance_scale:g}; --batching-mode continuous: {stepping}{cfg}")
 
 
 def _resolve_sequence_degrees(args: DeploymentArgs, trace: Any) -> tuple[int, int]:
@@ -469,16 +491,34 @@ def _resolve_sequence_degrees(args: DeploymentArgs, trace: Any) -> tuple[int, in
     return ulysses, ring
 
 
+def diffusers_backend_refusal(family: str, flag: str) -> ConfigError:
+    """The refusal of a parallel mode for a model the diffusers backend serves (`plan` and start-up alike)."""
+    native = families.families_with("has_native")
+    instead = ("serve it natively (--backend auto or native)" if family in native else
+               f"serve a native family ({families.named_list(native)})")
+    return ConfigError(f"{flag}: the {family} model runs on the diffusers backend, whose denoising loop cannot be "
+                       f"split over ranks; serve it with --dp-size (one replica per rank), or {instead}.",
+                       param=_param(flag))
+
+
 def _check_parallel_support(profile: ModelProfile, ulysses: int, ring: int, tp: int, args: DeploymentArgs) -> None:
-    """Refuse degrees the family or its DiT's head count cannot run, naming the flag (before any weight loads)."""
+    """Refuse degrees the family, its backend or its DiT's head count cannot run, naming the flag (before any weight
+    loads)."""
     sp_flag = "--ulysses-degree" if ulysses > 1 and args.ulysses_degree else "--ring-degree" if ring > 1 and args.ring_degree else "--sp-degree"
+    if profile.backend != "native":
+        for flag, on in ((sp_flag, ulysses * ring > 1), ("--tp-size", tp > 1),
+                         ("--enable-cfg-parallel", bool(args.enable_cfg_parallel))):
+            if on:
+                raise diffusers_backend_refusal(profile.family, flag)
     if ulysses * ring > 1 and not profile.sequence_parallel:
+        split = families.named_list(families.families_with("sequence_parallel"))
         raise ConfigError(f"{sp_flag}: the {profile.family} model has no sequence split in this release (sequence "
-                          "parallel runs for the native FLUX.1, Qwen-Image and Wan DiTs); use --enable-cfg-parallel, "
+                          f"parallel runs for the native {split} DiTs); use --enable-cfg-parallel, "
                           "--use-fsdp-inference or --dp-size instead.", param=_param(sp_flag))
     if tp > 1 and not profile.tensor_parallel:
+        plans = families.named_list(families.families_with("tensor_parallel"))
         raise ConfigError(f"--tp-size: the {profile.family} model has no tensor-parallel plan in this release (tensor "
-                          "parallel runs for the native FLUX.1, Qwen-Image and Wan DiTs); use --use-fsdp-inference to "
+                          f"parallel runs for the native {plans} DiTs); use --use-fsdp-inference to "
                           "shard its weights instead.", param="tp_size")
     heads = profile.dit_attention_heads
     if heads is None:
@@ -509,10 +549,11 @@ def _resolve_parallelism(args: DeploymentArgs, plan: DeploymentPlan, profile: Mo
     if cfg is None:
         policy_set = explicit_degrees or args.dp_size is not None
         cfg = (plan.performance_mode in ("auto", "speed") and plan.num_gpus >= 2 and profile.default_uses_cfg
-               and not policy_set and not profile.cfg_batched)
+               and not policy_set and not profile.cfg_batched and profile.backend == "native")
         if plan.num_gpus >= 2:
             reason = ("family default uses CFG, no parallelism flags" if cfg else
                       "parallelism flags set" if policy_set else
+                      f"{profile.family} runs on the diffusers backend" if profile.backend != "native" else
                       f"{profile.family} does not run CFG by default" if not profile.default_uses_cfg else
                       f"{profile.family} runs CFG as one doubled batch" if profile.cfg_batched else
                       f"{plan.performance_mode} does not add it")

@@ -8,11 +8,11 @@ from typing import ClassVar
 
 from diffuserve.config.argparse_dataclass import flag
 from diffuserve.errors import ConfigError
+from diffuserve.families import BACKENDS  # one list: the family registry owns the backends
 
 MODEL_GROUP = "Model"
 _ALL = ("serve", "generate", "plan")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-BACKENDS = ("auto", "native", "diffusers")
 
 
 @dataclass
@@ -32,7 +32,12 @@ class ModelArgs:
     """Registry hint; also the public name when --served-model-name is unset."""
     served_model_name: str | None = flag(None, "Public model name in /v1/models and responses (default: --model-id, then --model-path).", MODEL_GROUP)
     """Stable public name across replicas and mount paths."""
-    backend: str = flag("auto", "Pipeline backend: native adapter, the diffusers pipeline, or auto (native when there is one).", MODEL_GROUP, choices=BACKENDS)
+    backend: str = flag(
+        "auto", "Pipeline backend: native adapter, the diffusers pipeline, or auto (native when there is one).",
+        MODEL_GROUP, choices=BACKENDS, commands=_ALL,
+        per_command={"plan": {"help": "The backend `serve` would use (default: auto = native when the family has an "
+                                      "adapter); the plan refuses the parallel modes that backend cannot run, as "
+                                      "start-up does.", "group": None}})
     """auto | native | diffusers."""
     device: str = flag("auto", "Device: auto (cuda when present, else cpu), cpu, cuda, cuda:N.", MODEL_GROUP)
     """Torch device the pipeline runs on."""

@@ -19,6 +19,7 @@ from typing import Any
 
 from diffuserve.errors import CheckpointError, ConfigError
 from diffuserve.families.base import ProfileFacts
+from diffuserve.families.checkpoint import CheckpointFacts, describe_checkpoint, read_checkpoint_configs
 
 GROUPS = ("dit", "text_encoder", "image_encoder", "vae", "other")
 """Component groups, usable as `--component-residency` selectors (with `all`)."""
@@ -74,6 +75,16 @@ class ModelProfile(ProfileFacts):
     dit_attention_heads: int | None = None
     """Attention heads of the DiT (`transformer/config.json` `num_attention_heads`); sequence and tensor
     parallel degrees must divide it. None when the config does not say."""
+    backend: str = "native"
+    """native | diffusers: the backend that will serve it (`families.backend_for` under `--backend`). The diffusers
+    backend's denoising loop cannot be split over ranks, so the plan refuses CFG parallel / SP / TP / FSDP for it."""
+    cfg_batched: bool = False
+    """The family spec's `cfg_batched` (CFG as one doubled batch: no CFG parallel)."""
+    supports_continuous: bool = False
+    """The family spec's `supports_continuous` on the native backend (`--batching-mode continuous` steps it)."""
+    checkpoint: CheckpointFacts | None = None
+    """The checkpoint's facts from its configs (`families.checkpoint.describe_checkpoint`, as the native adapter
+    derives them at load); None for a profile built without a folder."""
 
     def with_components(self, components: dict[str, ComponentProfile]) -> ModelProfile:
         return dataclasses.replace(self, components=dict(components))
@@ -82,8 +93,9 @@ class ModelProfile(ProfileFacts):
         return [name for name, comp in self.components.items() if comp.group == group]
 
 
-def family_profile(family: str) -> ModelProfile:
-    """The family's plan facts (no components), from its spec in `diffuserve.families`.
+def family_profile(family: str, backend: str = "auto") -> ModelProfile:
+    """The family's plan facts (no components), from its spec in `diffuserve.families`, served by the backend
+    `--backend` picks (`auto`: native when the family has an adapter).
 
     `generic`/`unknown` give the generic defaults. Names no spec knows fail with the closest known one.
     """
@@ -95,7 +107,10 @@ def family_profile(family: str) -> ModelProfile:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"Unknown model family {family!r}; known: {', '.join(known)}.{hint}", param="family")
     spec = families.spec_for(family)
+    served_by = families.backend_for(family, backend)
     return ModelProfile(family="generic" if family == "unknown" else family, kind=spec.output_kind,
+                        backend=served_by, cfg_batched=spec.cfg_batched,
+                        supports_continuous=spec.supports_continuous and served_by == "native",
                         **dataclasses.asdict(spec.profile))
 
 
@@ -243,13 +258,14 @@ def component_profile(name: str, class_name: str, folder: Path, load_dtype: str 
 
 
 def profile_from_checkpoint(model_path: Path, *, family: str | None = None, model_id: str | None = None,
-                            load_dtype: str | None = None) -> ModelProfile:
+                            load_dtype: str | None = None, backend: str = "auto") -> ModelProfile:
     """The ModelProfile of a diffusers-format folder, from JSON and safetensors headers only.
 
     `family` overrides detection; otherwise `families.family_for(_class_name, model_id)` decides (the one
     precedence rule: a class some spec lists wins over the `--model-id` hint).
     `load_dtype` (float32 | bfloat16 | float16) counts floating-point weights at the dtype they are
-    loaded in rather than stored in; None keeps the stored sizes.
+    loaded in rather than stored in; None keeps the stored sizes. `backend` is `--backend` (auto | native |
+    diffusers): the plan refuses what the backend that will serve the checkpoint cannot run, as start-up does.
     """
     model_path = Path(model_path)
     if load_dtype is not None and load_dtype not in LOAD_DTYPE_SIZES:
@@ -271,7 +287,9 @@ def profile_from_checkpoint(model_path: Path, *, family: str | None = None, mode
             )
         components[key] = component_profile(key, str(value[1]), folder, load_dtype)
     heads = _dit_attention_heads(model_path)
-    return dataclasses.replace(family_profile(family).with_components(components), dit_attention_heads=heads)
+    profile = family_profile(family, backend).with_components(components)
+    facts = describe_checkpoint(families.spec_for(family), read_checkpoint_configs(model_path))
+    return dataclasses.replace(profile, dit_attention_heads=heads, checkpoint=facts)
 
 
 def _dit_attention_heads(model_path: Path) -> int | None:

@@ -1,4 +1,6 @@
-"""Every model family the product knows, one spec each (see `families/base.py` for the fields).
+"""Every model family the product knows, one folder each: `families/<family>/spec.py` (its `FamilySpec`, see
+`families/base.py` for the fields), `adapter.py` (its native pipeline, if any) and `tiny.py` (its `make-tiny`
+builders). This module is the registry over the specs; it imports no adapter and no torch.
 
 Precedence between a checkpoint and `--model-id`: the folder's model_index.json `_class_name` decides the
 family whenever it is a class some spec lists, because the folder is what will actually be loaded; the
@@ -16,7 +18,11 @@ from diffuserve.families.base import FamilySpec, LayerRules, ProfileFacts, Sampl
 from diffuserve.families.components import SHARED_LAYER_RULES
 
 __all__ = ["FamilySpec", "ProfileFacts", "SamplingDefaults", "all_specs", "spec_for", "family_for",
-           "family_from_class", "family_from_model_id", "tiny_builds", "layer_rules", "GENERIC"]
+           "family_from_class", "family_from_model_id", "tiny_builds", "layer_rules", "GENERIC", "families_with",
+           "named_list", "BACKENDS", "backend_for"]
+
+BACKENDS = ("auto", "native", "diffusers")
+"""`--backend` choices: auto runs the native adapter when the family has one, else the diffusers backend."""
 
 FAMILY_MODULES: tuple[str, ...] = (
     "flux",
@@ -30,7 +36,7 @@ FAMILY_MODULES: tuple[str, ...] = (
     "video_others",
     "image_others",
 )
-"""Modules under `diffuserve.families` that define `SPECS` (a tuple) or `SPEC`; one line per module."""
+"""Family folders under `diffuserve.families` whose `spec.py` defines `SPECS` (a tuple) or `SPEC`; one line each."""
 
 GENERIC = FamilySpec(name="generic")
 """Plan defaults for a checkpoint whose class no spec lists (it still runs through the diffusers backend)."""
@@ -41,11 +47,11 @@ def all_specs() -> dict[str, FamilySpec]:
     """family name -> spec, over every module in FAMILY_MODULES."""
     specs: dict[str, FamilySpec] = {}
     for name in FAMILY_MODULES:
-        module = importlib.import_module(f"diffuserve.families.{name}")
+        module = importlib.import_module(f"diffuserve.families.{name}.spec")
         found = getattr(module, "SPECS", None) or (module.SPEC,)
         for spec in found:
             if spec.name in specs:
-                raise RuntimeError(f"family {spec.name!r} is defined twice (families/{name}.py)")
+                raise RuntimeError(f"family {spec.name!r} is defined twice (families/{name}/spec.py)")
             specs[spec.name] = spec
     return specs
 
@@ -85,6 +91,46 @@ def family_for(class_name: str, model_id: str | None = None) -> str:
     """THE precedence rule (module docstring): the class when a spec lists it, else the model-id hint,
     else `unknown`."""
     return family_from_class(class_name) or (family_from_model_id(model_id) if model_id else None) or "unknown"
+
+
+def _capability(spec: FamilySpec, capability: str) -> bool:
+    if hasattr(spec, capability):
+        return bool(getattr(spec, capability))
+    if hasattr(spec.profile, capability):
+        return bool(getattr(spec.profile, capability))
+    raise AttributeError(f"no family spec field or profile fact is named {capability!r}")
+
+
+def families_with(capability: str) -> list[str]:
+    """Names of the families whose spec says `capability` (a FamilySpec field or property such as
+    `supports_continuous` / `has_native`, or a ProfileFacts field such as `sequence_parallel`), sorted: every
+    list of families in an error message or in `--help` is generated here."""
+    return sorted(name for name, spec in all_specs().items() if _capability(spec, capability))
+
+
+def named_list(names: list[str]) -> str:
+    """"a, b and c" (for error messages)."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}" if names else "none"
+
+
+def backend_for(family: str, backend: str) -> str:
+    """native | diffusers: the backend that runs `family` under `--backend auto|native|diffusers` (the plan and
+    the loader both ask here)."""
+    from diffuserve.errors import ConfigError
+
+    if backend not in BACKENDS:
+        raise ConfigError(f"--backend {backend!r} is not one of {list(BACKENDS)}.", param="backend")
+    if backend == "diffusers":
+        return "diffusers"
+    native = families_with("has_native")
+    has_native = family in native
+    if backend == "native" and not has_native:
+        raise ConfigError(
+            f"--backend native: family {family!r} has no native adapter (native families: "
+            f"{native}); use --backend auto or --backend diffusers.",
+            param="backend",
+        )
+    return "native" if has_native else "diffusers"
 
 
 def tiny_builds() -> dict[str, str]:

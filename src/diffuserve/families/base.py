@@ -8,7 +8,7 @@ request builder (default sampling values). Nothing here imports torch: `diffuser
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -20,6 +20,30 @@ LayerRules = dict[str, tuple[tuple[str, LayerCount], ...]]
 """model class name -> (module-list path or path suffix, its layer count), in execution order."""
 
 OutputKind = Literal["image", "video"]
+
+CheckpointConfigs = Mapping[str, Mapping[str, Any]]
+"""A checkpoint's configs, read without weights: model_index.json key -> that component's config.json
+(scheduler_config.json for a scheduler), plus "model_index" -> model_index.json itself. `diffuserve plan` reads
+them from the folder (`families.checkpoint.read_checkpoint_configs`); an adapter from its loaded modules."""
+
+
+@dataclass(frozen=True)
+class LatentGeometry:
+    """How a checkpoint maps pixels to DiT tokens (a pure function of its VAE and transformer configs)."""
+
+    vae_factor: int
+    """Pixels per latent pixel (the VAE's spatial compression)."""
+    patch: int
+    """Latent pixels per token side (the DiT's patch, or FLUX's 2x2 packing)."""
+
+    @property
+    def size_multiple(self) -> int:
+        """Width and height must be multiples of this: one token's side in pixels."""
+        return self.vae_factor * self.patch
+
+    def snap(self, pixels: int) -> int:
+        """`pixels` rounded down to the size multiple (at least one token)."""
+        return max(self.size_multiple, int(pixels) // self.size_multiple * self.size_multiple)
 
 
 @dataclass(frozen=True)
@@ -76,9 +100,6 @@ class ProfileFacts:
     refuses them for families without one, naming the flag)."""
     tensor_parallel: bool = False
     """The native DiT has a tensor-parallel plan, so `--tp-size` runs for it."""
-    cfg_batched: bool = False
-    """CFG runs as ONE doubled transformer batch to match diffusers exactly, so CFG parallel (one branch per
-    rank) cannot reproduce it and is refused at start-up; the native adapter reads this fact."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +120,11 @@ class TextEncoderFacts:
 
 @dataclass(frozen=True)
 class FamilySpec:
-    """Every fact about one model family. One instance per family, in `families/<module>.py`."""
+    """Every fact about one model family. One instance per family, in `families/<family>/spec.py`.
+
+    Static facts only, and checkpoint-dependent ones as small pure functions of the checkpoint's configs
+    (`latent_geometry`, `checkpoint_defaults`, `max_latent_side`): `families.checkpoint.describe_checkpoint` applies
+    them, for `diffuserve plan` (no weights) and for the loaded adapter alike."""
 
     name: str
     """Family name used everywhere (`flux`, `qwen_image`, `wan` ...)."""
@@ -122,19 +147,38 @@ class FamilySpec:
     layer_containers: LayerRules = field(default_factory=dict)
     """Layer table rows of this family's own model classes (its DiT); shared encoder and VAE classes are
     in `families/components.py`."""
-    size_multiple: int = 16
-    """Width and height must be multiples of this for the published checkpoint (VAE factor x patch); the
-    loaded adapter derives the exact figure from the checkpoint's configs."""
-    max_latent_side: Callable[[dict[str, Any]], int | None] | None = None
+    size_multiple: int | None = None
+    """Width and height must be multiples of this: the diffusers pipeline class's own input check, for a family
+    whose figure is not a rule of its configs (LTX-2: 32 whatever its VAE). None: `latent_geometry` decides (native
+    families), or the diffusers backend derives it from the loaded pipeline."""
+    latent_geometry: Callable[[CheckpointConfigs], LatentGeometry] | None = None
+    """The size-multiple rule: VAE factor and patch from the checkpoint's configs (`describe_checkpoint`)."""
+    checkpoint_defaults: Callable[[SamplingDefaults, CheckpointConfigs, LatentGeometry], SamplingDefaults] | None = None
+    """Variants and sizes read from the configs: `defaults` refined for this checkpoint (FLUX.1 schnell's 4 steps
+    without guidance when its transformer has no guidance embedding; a default size from the VAE's sample size)."""
+    max_latent_side: Callable[[dict[str, Any]], int | tuple[int, int] | None] | None = None
     """Positional limit of the DiT: from its config.json, the longest side in latent pixels (before patching)
-    its position tables cover, or None for no table limit (RoPE computed on the fly). Pixel limit = this x the
-    VAE's spatial factor; larger sizes are a 400 naming `size` before queueing, not an error inside the model."""
+    its position tables cover, or a (height, width) pair where the axes differ (Z-Image), or None for no table
+    limit (RoPE computed on the fly). Pixel limit = this x the VAE's spatial factor; larger sizes are a 400
+    naming `size` before queueing, not an error inside the model."""
     max_image_inputs: int = 0
     """Input images an edit request may carry (0: the family takes none)."""
     output_size_follows_input: bool = False
     """The pipeline picks its output size from the input image (Qwen-Image-Layered), whatever `size` asks."""
     supports_batching: bool = True
     """Text-conditioned requests with equal signatures may merge into one pipeline call."""
+    supports_continuous: bool = False
+    """`--batching-mode continuous` may step this family's requests in a shared denoise group
+    (`pipelines/step_batch.py`): its native denoiser takes a per-row timestep, its scheduler state is per request
+    and its per-batch extras depend only on the continuous group key. False (and the diffusers backend): its
+    requests run as request-level batches under `continuous`."""
+    cfg_batched: bool = False
+    """CFG runs as ONE doubled transformer batch to match diffusers exactly, so CFG parallel (one branch per
+    rank) cannot reproduce it: `plan` and start-up refuse `--enable-cfg-parallel`, and the recipe runs the
+    doubled batch (`RecipePipeline.batched_cfg`)."""
+    text_encoder_keys: tuple[str, ...] = ()
+    """model_index.json keys of the text encoders the native adapter runs, in encode order (an optional one the
+    checkpoint leaves out, such as SD3's T5, is dropped by `describe_checkpoint`)."""
     tiny_builds: dict[str, str] = field(default_factory=dict)
     """`make-tiny --family` name -> "module:function" that writes a tiny checkpoint of this family."""
     base_family: str | None = None

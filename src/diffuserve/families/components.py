@@ -8,6 +8,7 @@ module lists stream) both read. Paths are suffixes where library versions nest t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from diffuserve.families.base import LayerRules
@@ -16,6 +17,12 @@ from diffuserve.families.base import LayerRules
 def num_vae_levels(cfg: dict[str, Any]) -> int:
     """Down/up blocks of an AutoencoderKL: one per `block_out_channels` entry."""
     return len(cfg.get("block_out_channels") or [])
+
+
+def autoencoder_kl_factor(cfg: Mapping[str, Any]) -> int:
+    """Pixels per latent pixel of an AutoencoderKL-style VAE: it halves the side at every level but the last
+    (diffusers' `2 ** (len(vae.config.block_out_channels) - 1)`)."""
+    return 2 ** (len(cfg["block_out_channels"]) - 1)
 
 
 _CLIP = (("encoder.layers", "num_hidden_layers"),)

@@ -81,7 +81,7 @@ def _qwen3vl_processor_substitute() -> type:
 
     class Qwen3VLProcessor(real):  # type: ignore[misc, valid-type]
         """`Qwen3VLProcessor` with only its image processor and tokenizer (no torchvision needed). The tiny
-        builder writes the `video_processor` entry the real class loads (models/tiny_qwen_image.py)."""
+        builder writes the `video_processor` entry the real class loads (families/qwen_image/tiny.py)."""
 
         def __init__(
             self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kwargs: Any

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from diffuserve import families
-from diffuserve.errors import CheckpointError, ConfigError
+from diffuserve.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "native", "diffusers")
+BACKENDS = families.BACKENDS
 
 DEFAULTS_KEY = "_diffuserve_defaults"
 """model_index.json key where a checkpoint may suggest request defaults (width, height, num_frames,
@@ -106,21 +106,8 @@ def index_components(index: dict) -> dict[str, tuple[str, str]]:
     return out
 
 
-def select_backend(family: str, backend: str) -> str:
-    """native | diffusers for `family` under `--backend auto|native|diffusers`."""
-    if backend not in BACKENDS:
-        raise ConfigError(f"--backend {backend!r} is not one of {list(BACKENDS)}.", param="backend")
-    if backend == "diffusers":
-        return "diffusers"
-    native = native_families()
-    has_native = family in native
-    if backend == "native" and not has_native:
-        raise ConfigError(
-            f"--backend native: family {family!r} has no native adapter (native families: "
-            f"{sorted(native)}); use --backend auto or --backend diffusers.",
-            param="backend",
-        )
-    return "native" if has_native else "diffusers"
+select_backend = families.backend_for
+"""native | diffusers for `family` under `--backend auto|native|diffusers` (the rule is the families')."""
 
 
 def resolve(model_path: Path, *, model_id: str | None = None, backend: str = "auto") -> ModelSpec:

@@ -119,7 +119,7 @@ def _flag(ulysses_degree: int, ring_degree: int) -> str:
 
 def check_sequence_parallel(pipeline: Any, *, ulysses_degree: int, ring_degree: int) -> None:
     """Refuse (ConfigError naming the flag) a pipeline or degree the sequence split cannot run."""
-    from diffuserve.families import all_specs, spec_for
+    from diffuserve.families import families_with, named_list, spec_for
     from diffuserve.pipelines.stages import RecipePipeline
 
     if ulysses_degree < 1 or ring_degree < 1:
@@ -131,8 +131,9 @@ def check_sequence_parallel(pipeline: Any, *, ulysses_degree: int, ring_degree: 
     family = getattr(pipeline, "family", "?")
     if not isinstance(pipeline, RecipePipeline):
         raise ConfigError(f"--{flag.replace('_', '-')}: the {family} model runs on the diffusers backend, which has "
-                          "no sequence split here; serve it with --backend native (FLUX.1, Qwen-Image, Wan) or "
-                          "drop --ulysses-degree/--ring-degree.", param=flag)
+                          f"no sequence split here; serve it with --backend native "
+                          f"({named_list(families_with('sequence_parallel'))}) or drop --ulysses-degree/--ring-degree.",
+                          param=flag)
     try:
         supported = spec_for(family).profile.sequence_parallel
     except KeyError:  # an unknown family name: no spec, so no split
@@ -140,7 +141,7 @@ def check_sequence_parallel(pipeline: Any, *, ulysses_degree: int, ring_degree: 
     keys = [k for k in pipeline.denoisers if k in pipeline.components]
     plans = {k: _plan_of(pipeline.components[k]) for k in keys}
     if not supported or not keys or None in plans.values():
-        split = sorted(name for name, spec in all_specs().items() if spec.profile.sequence_parallel)
+        split = families_with("sequence_parallel")
         raise ConfigError(f"--{flag.replace('_', '-')}: the {family} family has no sequence split (families with "
                           f"one: {', '.join(split)}); drop --ulysses-degree/--ring-degree (replicas with --dp-size "
                           "use several GPUs with any model).", param=flag)

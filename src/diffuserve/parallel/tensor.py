@@ -55,6 +55,13 @@ _DIFFUSERS_PLANNED = ("FluxTransformer2DModel", "QwenImageTransformer2DModel")
 _FLAG = "--tp-size"
 
 
+def _tp_families() -> str:
+    """The families with a tensor-parallel plan, from their specs (for the refusals below)."""
+    from diffuserve.families import families_with, named_list
+
+    return named_list(families_with("tensor_parallel"))
+
+
 def _refuse(message: str) -> ConfigError:
     return ConfigError(f"{_FLAG}: {message}", param="tp_size")
 
@@ -107,7 +114,7 @@ def _check_denoiser(key: str, module: torch.nn.Module, plan: dict[str, Any] | No
 
     name = type(module).__name__
     if plan is None:
-        raise _refuse(f"{key} ({name}) has no tensor-parallel plan; TP runs the FLUX.1, Qwen-Image and Wan DiTs. "
+        raise _refuse(f"{key} ({name}) has no tensor-parallel plan; TP runs the {_tp_families()} DiTs. "
                       "Drop --tp-size (or shard with --use-fsdp-inference).")
     heads = module.config.get("num_attention_heads")
     if isinstance(heads, int) and heads % degree:
@@ -182,13 +189,13 @@ def check_tensor_parallel(pipeline: Any, degree: int) -> dict[str, dict[str, Any
     keys = [k for k in getattr(pipeline, "denoisers", ()) if k in getattr(pipeline, "components", {})]
     if not keys:
         raise _refuse(f"the {family} model runs on the diffusers backend, whose DiT is not sharded here; serve a "
-                      "native family (FLUX.1, Qwen-Image, Wan) or drop --tp-size.")
+                      f"native family with a tensor-parallel plan ({_tp_families()}) or drop --tp-size.")
     try:
         has_plan = spec_for(family).profile.tensor_parallel
     except KeyError:
         has_plan = False
     if not has_plan:
-        raise _refuse(f"the {family} family has no tensor-parallel plan (TP runs FLUX.1, Qwen-Image and Wan); drop "
+        raise _refuse(f"the {family} family has no tensor-parallel plan (TP runs {_tp_families()}); drop "
                       "--tp-size, or shard the DiT with --use-fsdp-inference.")
     plans = {}
     for key in keys:  # every denoiser is checked before any is sharded

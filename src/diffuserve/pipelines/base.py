@@ -8,18 +8,41 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from diffuserve.families.base import SamplingDefaults
+from diffuserve.families.base import FamilySpec, SamplingDefaults
 
 if TYPE_CHECKING:
     import torch
     from PIL import Image
 
+    from diffuserve.families.checkpoint import CheckpointFacts
     from diffuserve.pipelines.prompt_limits import PromptTokens, TextEncoderLimit
     from diffuserve.sampling import ModelDescription, SamplingParams
+
+
+def declared_sequence_length(tokenizer: Any, default: int) -> int:
+    """`default`, capped by the tokenizer's declared `model_max_length` (the longest text the checkpoint
+    was made for; real FLUX.1 declares 512, so it gets diffusers' default unchanged)."""
+    declared = getattr(tokenizer, "model_max_length", None)
+    return min(default, int(declared)) if isinstance(declared, int) and declared > 0 else default
+
+
+def component_configs(components: Mapping[str, Any], model_index: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The `families.base.CheckpointConfigs` of loaded components: each one's config (diffusers' FrozenDict, or
+    transformers' config as a dict), plus the checkpoint's model_index.json when given."""
+    configs: dict[str, Any] = {}
+    for key, value in components.items():
+        config = getattr(value, "config", None)
+        if isinstance(config, Mapping):
+            configs[key] = dict(config)
+        elif callable(getattr(config, "to_dict", None)):
+            configs[key] = config.to_dict()
+    if model_index is not None:
+        configs["model_index"] = dict(model_index)
+    return configs
 
 
 class ComponentUser(Protocol):
@@ -85,11 +108,12 @@ class Pipeline:
     supports_batching: bool = True
     """False for families whose requests must run alone (dynamic batching treats them as ineligible)."""
     supports_continuous: bool = False
-    """Whether `--batching-mode continuous` may step this family's requests in a shared denoise group
-    (`pipelines/step_batch.py`): its denoiser takes a per-row timestep, its scheduler state is per request and
-    its per-batch extras depend only on the continuous group key. False falls back to request-level batching."""
-    size_multiple: int = 16
-    """Width/height must be multiples of this (VAE scale x patch size)."""
+    """Whether `--batching-mode continuous` may step this pipeline's requests in a shared denoise group: the
+    family spec's `supports_continuous` for a native adapter (`bind_facts`); False falls back to request-level
+    batching (the diffusers backend)."""
+    size_multiple: int = 1
+    """Width/height must be multiples of this: the checkpoint's figure (`bind_facts`, or derived by the diffusers
+    backend from the loaded pipeline); 1 only for a pipeline that states none."""
     max_pixels: int = 4096 * 4096
     max_width: int | None = None
     """Largest width the checkpoint's positional tables allow (None: no limit of the model's own)."""
@@ -106,6 +130,40 @@ class Pipeline:
     """Builds each pipeline's `PromptTokens` once (its tokenizer copies are made once per loaded model)."""
     _prompt_tokens_owner: PromptTokens | None = None
     """The built `PromptTokens` (None until `prompt_tokens()` first runs)."""
+
+    facts: CheckpointFacts | None = None
+    """A native adapter's checkpoint facts (`families.checkpoint.describe_checkpoint`), set by `bind_facts`."""
+
+    @property
+    def spec(self) -> FamilySpec:
+        """This pipeline's family spec (the generic one for a family no spec lists)."""
+        from diffuserve.families import spec_for
+
+        try:
+            return spec_for(self.family)
+        except KeyError:
+            return spec_for("generic")
+
+    def bind_facts(self, configs: Mapping[str, Any]) -> CheckpointFacts:
+        """Describe this checkpoint from its configs under the family spec, and take the spec's facts as this
+        pipeline's settings: the ONE place an adapter learns them (output kind, batching, image inputs, size multiple
+        and limit, defaults, continuous, CFG as one doubled batch, text encoders)."""
+        from diffuserve.families.checkpoint import describe_checkpoint
+
+        spec = self.spec
+        self.output_kind = spec.output_kind
+        self.supports_batching = spec.supports_batching
+        self.max_image_inputs = spec.max_image_inputs
+        facts = self.facts = describe_checkpoint(spec, configs)
+        if facts.size_multiple is not None:
+            self.size_multiple = facts.size_multiple
+        self.max_width, self.max_height = facts.max_width, facts.max_height
+        self.defaults = facts.defaults
+        self.supports_continuous = facts.supports_continuous
+        self.batched_cfg = facts.cfg_batched
+        """Run CFG as one doubled batch (`RecipePipeline.batched_cfg`); tests may flip it on an instance."""
+        self.text_encoders = facts.text_encoders
+        return facts
 
     def __init__(self) -> None:
         self.residency: ComponentUser = AllResident()

@@ -38,6 +38,7 @@ from PIL import Image
 
 from diffuserve.errors import CheckpointError, InvalidRequestError, RequestCancelledError
 from diffuserve.families.base import SamplingDefaults
+from diffuserve.families.checkpoint import describe_checkpoint
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.base import (
     BatchResult,
@@ -46,6 +47,8 @@ from diffuserve.pipelines.base import (
     RequestOutput,
     StepCallback,
     StopCheck,
+    component_configs,
+    declared_sequence_length,
 )
 
 logger = logging.getLogger(__name__)
@@ -95,24 +98,29 @@ class DiffusersBackendPipeline(Pipeline):
         self._call_params = set(inspect.signature(pipe.__call__).parameters)
         self._max_sequence_length = self._declared_sequence_length(pipe)
         self.output_kind = "video" if "num_frames" in self._call_params else "image"
-        self.size_multiple = self._size_multiple(pipe)
-        self.max_width = self.max_height = self._max_side(pipe)
+        # The family spec's facts for this checkpoint (the same `describe_checkpoint` the plan and the native
+        # adapters use): its size rule or the pipeline class's own multiple, and its positional size limit.
+        self.facts = describe_checkpoint(self.spec, component_configs(pipe.components))
+        self.size_multiple = max(self._size_multiple(pipe), self.facts.size_multiple or 1)
+        self.max_width, self.max_height = self.facts.max_width, self.facts.max_height
         if "image" in self._call_params:
-            # An edit pipeline (its __call__ takes `image`): image inputs go to it unmodified; edits run alone.
-            self.max_image_inputs = self._family_image_limit()
+            # An edit pipeline (its __call__ takes `image`): image inputs go to it unmodified; edits run alone. A
+            # family whose spec names no limit takes one image.
+            self.max_image_inputs = max(1, self.spec.max_image_inputs)
         self.layered = "layers" in self._call_params
         """A layer-decomposition pipeline: one input image in, `n` layers out (see the module docstring)."""
         if self.layered:
             self.min_image_inputs = 1
             self.max_image_inputs = 1
-        self.supports_batching = self._family_batches()
+        # False where diffusers cannot run a prompt list (HunyuanVideo 1.5's VAE); unknown families batch.
+        self.supports_batching = self.spec.supports_batching
         self.ar_prior = hasattr(pipe, "generate_prior_tokens") and hasattr(pipe, "vision_language_encoder")
         """GLM-Image: an AR stage writes prior tokens before the DiT (batched across requests in `run`)."""
         if self.ar_prior:
             from diffuserve.pipelines import glm_image_ar
 
             # The AR tokens cover 32 px each (2x2 DiT tokens): the spec's size_multiple (32) says so, and
-            # `_size_multiple` already takes it as the minimum.
+            # `self.size_multiple` already takes it as the minimum.
             # Image-to-image (condition images through the AR model's vision tower) is not wired here.
             self.max_image_inputs = 0
             self.supports_batching = self.supports_batching and glm_image_ar.can_batch(pipe.vision_language_encoder)
@@ -120,7 +128,9 @@ class DiffusersBackendPipeline(Pipeline):
         """Video: num_frames - 1 must divide by this (the VAE's temporal compression; 4 for Wan)."""
         self.defaults = self._defaults(pipe, suggested_defaults or {})
 
-    def _size_multiple(self, pipe: Any) -> int:
+    @staticmethod
+    def _size_multiple(pipe: Any) -> int:
+        """The multiple the loaded pipeline itself implies (for families with no size rule in their spec)."""
         vae_factor = _vae_factor(pipe, _SPATIAL_FACTORS, 8)
         # Patchified transformers need the latent size to divide by the patch; FLUX-like pipelines
         # pack 2x2 latent patches instead, which their image processor's factor carries. Video
@@ -130,52 +140,7 @@ class DiffusersBackendPipeline(Pipeline):
             patch = max(int(p) for p in patch[-2:]) if patch else 1
         processor = getattr(pipe, "image_processor", None)
         processor_factor = int(getattr(getattr(processor, "config", None), "vae_scale_factor", 0) or 0)
-        return max(vae_factor * int(patch if isinstance(patch, int) else 1), processor_factor, self._class_multiple(), 1)
-
-    def _class_multiple(self) -> int:
-        """A backend-only family's spec `size_multiple`: the diffusers pipeline class's own input check (LTX-2
-        wants multiples of 32 whatever its VAE), so a size it would refuse is a 400 before queueing. Families
-        with a native adapter (and unknown ones) keep the figure derived from the checkpoint alone."""
-        from diffuserve.families import spec_for
-
-        try:
-            spec = spec_for(self.family)
-        except KeyError:
-            return 1
-        return 1 if spec.has_native or spec.name == "generic" else spec.size_multiple
-
-    def _family_batches(self) -> bool:
-        """The family spec's `supports_batching` (False where diffusers cannot run a prompt list, e.g.
-        HunyuanVideo 1.5's VAE); unknown families batch, as any pipeline taking a prompt list does."""
-        from diffuserve.families import spec_for
-
-        try:
-            return spec_for(self.family).supports_batching
-        except KeyError:
-            return True
-
-    def _family_image_limit(self) -> int:
-        from diffuserve.families import spec_for
-
-        try:
-            return max(1, spec_for(self.family).max_image_inputs)
-        except KeyError:
-            return 1
-
-    def _max_side(self, pipe: Any) -> int | None:
-        """The family's positional limit (its spec's `max_latent_side`) in pixels, for this checkpoint."""
-        from diffuserve.families import spec_for
-
-        transformer = getattr(pipe, "transformer", None)
-        try:
-            limit = spec_for(self.family).max_latent_side
-        except KeyError:
-            return None
-        if limit is None or transformer is None:
-            return None
-        side = limit(dict(transformer.config))
-        vae_factor = _vae_factor(pipe, _SPATIAL_FACTORS, 8)
-        return None if side is None else side * vae_factor
+        return max(vae_factor * int(patch if isinstance(patch, int) else 1), processor_factor, 1)
 
     def _defaults(self, pipe: Any, suggested: dict[str, Any]) -> SamplingDefaults:
         # The checkpoint's suggestions first, then the pipeline's own defaults: its __call__ keyword
@@ -196,12 +161,7 @@ class DiffusersBackendPipeline(Pipeline):
 
         # True CFG's defaults are the family's (Qwen-Image: 4 with a " " negative prompt), as on the native path,
         # so a request leaving them unset runs the same call on both backends.
-        from diffuserve.families import spec_for
-
-        try:
-            family = spec_for(self.family).defaults
-        except KeyError:
-            family = SamplingDefaults()
+        family = self.spec.defaults
         return SamplingDefaults(
             true_cfg_scale=family.true_cfg_scale if "true_cfg_scale" in params else 1.0,
             negative_prompt=family.negative_prompt if "negative_prompt" in params else None,
@@ -242,7 +202,6 @@ class DiffusersBackendPipeline(Pipeline):
         Same rule as the native FLUX pipeline, so both run a checkpoint with the text length it
         declares; None when the pipeline takes no such argument or has no T5 tokenizer.
         """
-        from diffuserve.pipelines.flux import declared_sequence_length
 
         parameter = inspect.signature(pipe.__call__).parameters.get("max_sequence_length")
         if parameter is None or not isinstance(parameter.default, int):

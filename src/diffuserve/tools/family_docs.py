@@ -100,6 +100,13 @@ def _gib(value: float | None) -> str:
     return "never" if value is None else f"{value:g}"
 
 
+def _size_multiple(spec: FamilySpec) -> str:
+    """A fixed multiple, or the rule the spec applies to the checkpoint's configs (VAE factor x patch)."""
+    if spec.size_multiple:
+        return str(spec.size_multiple)
+    return "VAE factor x patch" if spec.latent_geometry is not None else "–"
+
+
 SERVING_COLUMNS: tuple[Column, ...] = (
     Column("Family", lambda s: f"`{s.name}`"),
     Column("Pipeline classes", lambda s: _code(s.pipeline_classes)),
@@ -108,7 +115,7 @@ SERVING_COLUMNS: tuple[Column, ...] = (
     Column("Default size", _size),
     Column("Steps", _steps),
     Column("Guidance defaults", _guidance),
-    Column("Size multiple", lambda s: str(s.size_multiple)),
+    Column("Size multiple", lambda s: _size_multiple(s)),
     Column("Positional limit", lambda s: "from config" if s.max_latent_side else "none"),
     Column("Input images", lambda s: str(s.max_image_inputs) if s.max_image_inputs else "–"),
     Column("Merges requests", lambda s: _yes(s.supports_batching)),

@@ -38,9 +38,9 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus_m
 from PIL import Image
 
 from diffuserve.errors import CheckpointError, InvalidRequestError
-from diffuserve.families import spec_for
+from diffuserve.families.qwen_image.ops import latents_stats, norm_rescaled_cfg, pad_rows
 from diffuserve.pipelines import stages
-from diffuserve.pipelines.qwen_image_ops import latents_stats, norm_rescaled_cfg, pad_rows
+from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
 logger = logging.getLogger(__name__)
@@ -50,11 +50,6 @@ REQUIRED_COMPONENTS = ("transformer", "vae", "text_encoder", "processor", "sched
 
 MAX_CACHED_SCHEDULES = 64
 """Timestep schedules cached per (steps, output tokens); cleared past this many entries."""
-
-ROPE_POSITIONS = 4096
-"""Positions per axis in diffusers' QwenEmbedRope tables. Patch rows and columns are centred (half the side
-on each side of 0) and the text positions follow from half the longest side on, so a side of at most this
-many patches leaves room for 2048 text tokens."""
 
 
 @dataclass(frozen=True)
@@ -73,9 +68,6 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
     """Qwen-Image-Edit: one input image, the instruction encoded together with it."""
 
     family = "qwen_image_edit"
-    output_kind = "image"
-    supports_batching = False
-    text_encoders = ("text_encoder",)
     masked_sequences = {"prompt_embeds": "prompt_mask"}
     min_image_inputs = 1
     multi_image = False
@@ -94,13 +86,9 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
         self.device = torch.device(device)
         self.dtype = dtype
         self.components = {"text_encoder": text_encoder, "transformer": transformer, "vae": vae}
-        self.vae_scale_factor = 2 ** len(vae.temperal_downsample)
-        # Latents are packed in 2x2 patches, so sizes divide by the VAE factor times 2 (diffusers rounds down
-        # to this; we refuse other sizes instead, naming `size`).
-        self.size_multiple = self.vae_scale_factor * 2
-        self.max_width = self.max_height = ROPE_POSITIONS * self.size_multiple
-        self.max_image_inputs = spec_for(self.family).max_image_inputs
-        self.defaults = spec_for(self.family).defaults
+        # The spec's facts: latents packed in 2x2 patches, so sizes divide by the VAE factor times 2 (diffusers
+        # rounds down to this; we refuse other sizes instead, naming `size`); the RoPE size limit; the defaults.
+        self.vae_scale_factor = self.bind_facts(component_configs(self.components)).vae_factor
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
         pipe_class = getattr(self.diffusers_module, self._diffusers_class_name())
         # The prompt encoding (chat template, image blocks, dropped system prefix) is the diffusers pipeline's

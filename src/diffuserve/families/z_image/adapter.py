@@ -16,7 +16,6 @@ give the same image:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,8 +27,8 @@ from diffusers.pipelines.z_image.pipeline_z_image import (
     retrieve_timesteps,
 )
 
-from diffuserve.families import spec_for
 from diffuserve.pipelines import stages
+from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
 logger = logging.getLogger(__name__)
@@ -52,15 +51,7 @@ class ZImageNativePipeline(stages.RecipePipeline):
     """Z-Image and Z-Image-Turbo text-to-image as a batched recipe pipeline."""
 
     family = "z_image"
-    output_kind = "image"
-    supports_batching = True
-    supports_continuous = True
-    """Flow-match per request; masked text rows are padded per step like a merged batch (verified row by row)."""
-    text_encoders = ("text_encoder",)
     masked_sequences = {"prompt_embeds": "prompt_mask"}
-    # diffusers runs the positive and negative rows through one transformer call; the transformer pads
-    # the rows of a call to a common length, so matching its batch composition keeps results bit-equal.
-    batched_cfg = spec_for(family).profile.cfg_batched  # one fact, in the family spec
 
     def __init__(
         self,
@@ -76,19 +67,15 @@ class ZImageNativePipeline(stages.RecipePipeline):
         super().__init__()
         self.bind_parts({"text_encoder": text_encoder, "tokenizer": tokenizer, "transformer": transformer, "vae": vae,
                          "scheduler": scheduler}, device=device, dtype=dtype)
-        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
-        # diffusers calls the transformer with its default patch size 2: sizes divide by the VAE factor x 2.
-        self.size_multiple = self.vae_scale_factor * 2
+        # Size multiple (VAE factor x 2), the RoPE tables' size limits (axes 1 and 2), default size and CFG as one
+        # doubled batch: the spec's facts.
+        self.vae_scale_factor = self.bind_facts(component_configs(self.components)).vae_factor
         axes_lens = list(transformer.config.axes_lens)
-        # RoPE tables: image token (row, col) indices index axes 1 and 2; the caption occupies indices
-        # 1..len (padded to 32) of axis 0 and the image frame the next one, so axis 0 bounds the text length.
-        self.max_height = axes_lens[1] * self.size_multiple
-        self.max_width = axes_lens[2] * self.size_multiple
+        # The caption occupies indices 1..len (padded to 32) of RoPE axis 0, so axis 0 bounds the text length.
         self.max_sequence_length = min(MAX_SEQUENCE_LENGTH, (axes_lens[0] - 2) // 32 * 32)
         if self.max_sequence_length < MAX_SEQUENCE_LENGTH:
             logger.warning("z_image: axes_lens[0]=%d limits texts to %d tokens (diffusers' default is %d)",
                            axes_lens[0], self.max_sequence_length, MAX_SEQUENCE_LENGTH)
-        self.defaults = self._defaults_from_checkpoint()
         self._schedules: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
 
     def text_token_cap(self, key: str) -> int | None:
@@ -112,14 +99,6 @@ class ZImageNativePipeline(stages.RecipePipeline):
                 f"a Z-Image checkpoint needs components {list(required)}; its model_index.json lacks {missing}."
             )
         return cls(**{key: components[key] for key in required}, device=device, dtype=dtype)
-
-    def _defaults_from_checkpoint(self) -> Any:
-        # The VAE's sample_size is the training resolution in pixels (1024 upstream); a tiny checkpoint's is
-        # its small native size, so it does not default to an expensive 1024x1024.
-        size = int(getattr(self.vae.config, "sample_size", 0) or 1024)
-        size = max(self.size_multiple, min(size // self.size_multiple * self.size_multiple,
-                                           self.max_width, self.max_height))
-        return dataclasses.replace(spec_for(self.family).defaults, width=size, height=size)
 
     # -- family parts ------------------------------------------------------------------------------------
 

@@ -73,7 +73,7 @@ def build_ernie_image(output_dir: Path) -> None:
     import torch
     from diffusers import ErnieImagePipeline, ErnieImageTransformer2DModel, FlowMatchEulerDiscreteScheduler
 
-    from diffuserve.models.tiny_flux2 import LATENT_CHANNELS, _vae, build_mistral_tokenizer
+    from diffuserve.families.flux2.tiny import LATENT_CHANNELS, _vae, build_mistral_tokenizer
 
     tokenizer = build_mistral_tokenizer()
     torch.manual_seed(901)
@@ -113,8 +113,8 @@ def build_qwen_image_layered(output_dir: Path) -> None:
     import torch
     from diffusers import AutoencoderKLQwenImage, QwenImageLayeredPipeline, QwenImageTransformer2DModel
 
-    from diffuserve.models import tiny_qwen_image_edit as edit
-    from diffuserve.models.tiny_qwen_image import _qwen25_vl_encoder, build_qwen2_tokenizer
+    from diffuserve.families.qwen_image.tiny import _qwen25_vl_encoder, build_qwen2_tokenizer
+    from diffuserve.families.qwen_image_edit import tiny as edit
 
     # 8 latent channels, not 4: the pipeline takes an input whose channel count equals z_dim for latents, and an
     # RGBA image has 4.
@@ -181,7 +181,7 @@ def _glm_tokenizer() -> Any:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import TokenizersBackend
 
-    from diffuserve.models.tiny_flux2 import _byte_bpe_vocab
+    from diffuserve.families.flux2.tiny import _byte_bpe_vocab
 
     image_tokens = tuple(f"<|dit_token_{i}|>" for i in range(GLM_CODEBOOK + 2))
     specials = image_tokens + _GLM_SPECIALS

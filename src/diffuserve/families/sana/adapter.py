@@ -20,7 +20,6 @@ same call give the same image:
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 from collections.abc import Sequence
@@ -31,8 +30,8 @@ from diffusers.image_processor import PixArtImageProcessor
 from diffusers.pipelines.sana import pipeline_sana
 from diffusers.pipelines.sana.pipeline_sana import SanaPipeline, retrieve_timesteps
 
-from diffuserve.families import spec_for
 from diffuserve.pipelines import stages
+from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
 logger = logging.getLogger(__name__)
@@ -61,19 +60,12 @@ class SanaNativePipeline(stages.RecipePipeline):
     """SANA text-to-image as a batched recipe pipeline."""
 
     family = "sana"
-    output_kind = "image"
-    supports_batching = True
-    supports_continuous = True
-    """Continuous: each request keeps its own DPM-Solver++ history (`_schedule` copies), and `step_extras` gives a
-    mixed step the group's row count, which `predict` needs to tell the doubled CFG call from a plain one."""
-    text_encoders = ("text_encoder",)
+    # Continuous (the spec's `supports_continuous`): each request keeps its own DPM-Solver++ history (`_schedule`
+    # copies), and `step_extras` gives a mixed step the group's row count, which `predict` needs to tell the doubled
+    # CFG call (the spec's `cfg_batched`) from a plain one.
     # No trimming of the padded text columns: every row is 300 tokens wide as in diffusers, whose
     # transformer output depends (~1e-6) on how many masked columns cross-attention sees.
     masked_sequences: dict[str, str] = {}
-    # diffusers runs [negatives, positives] as one doubled call; per-row results do not depend on the
-    # order inside a call, but do (~1e-6) on the call's size, so the doubled call keeps them bit-equal.
-    # `predict` also relies on it: the doubled call is how it knows which rows take the negative encoding.
-    batched_cfg = spec_for(family).profile.cfg_batched  # one fact, in the family spec
 
     def __init__(
         self,
@@ -89,8 +81,7 @@ class SanaNativePipeline(stages.RecipePipeline):
         super().__init__()
         self.bind_parts({"text_encoder": text_encoder, "tokenizer": tokenizer, "transformer": transformer, "vae": vae,
                          "scheduler": scheduler}, device=device, dtype=dtype)
-        self.vae_scale_factor = 2 ** (len(vae.config.encoder_block_out_channels) - 1)
-        self.size_multiple = self.vae_scale_factor * transformer.config.patch_size
+        self.vae_scale_factor = self.bind_facts(component_configs(self.components)).vae_factor
         self.image_processor = PixArtImageProcessor(vae_scale_factor=self.vae_scale_factor)
         self.aspect_ratio_bin = ASPECT_RATIO_BINS.get(int(transformer.config.sample_size))
         if self.aspect_ratio_bin is None:
@@ -102,7 +93,6 @@ class SanaNativePipeline(stages.RecipePipeline):
         self._instruction = instruction
         self._prompt_length = len(tokenizer.encode(instruction)) + MAX_SEQUENCE_LENGTH - 2
         self._keep = torch.tensor([0, *range(self._prompt_length - MAX_SEQUENCE_LENGTH + 1, self._prompt_length)])
-        self.defaults = self._defaults_from_checkpoint()
         self._schedules: dict[int, tuple[Any, torch.Tensor]] = {}
 
     @classmethod
@@ -118,12 +108,6 @@ class SanaNativePipeline(stages.RecipePipeline):
                 f"a SANA checkpoint needs components {list(required)}; its model_index.json lacks {missing}."
             )
         return cls(**{key: components[key] for key in required}, device=device, dtype=dtype)
-
-    def _defaults_from_checkpoint(self) -> Any:
-        # sample_size is in latent pixels (32 -> 1024 px upstream); a tiny checkpoint's 16 would be 512 px,
-        # which binning would generate anyway, so the tiny one suggests 64 px through its model_index.
-        size = int(self.transformer.config.sample_size) * self.vae_scale_factor
-        return dataclasses.replace(spec_for(self.family).defaults, width=size, height=size)
 
     # -- family parts ------------------------------------------------------------------------------------
 

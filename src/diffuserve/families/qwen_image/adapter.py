@@ -14,7 +14,6 @@ so nothing is padded inside the encoder either.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,10 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from diffuserve.families import spec_for
-from diffuserve.families.qwen_image import QWEN_IMAGE_21_ROPE_POSITIONS, QWEN_IMAGE_TEXT_TOKENS
-from diffuserve.pipelines import qwen_image_ops as ops
+from diffuserve.families.qwen_image import ops
+from diffuserve.families.qwen_image.spec import QWEN_IMAGE_21_ROPE_POSITIONS, QWEN_IMAGE_TEXT_TOKENS
 from diffuserve.pipelines import stages
+from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
 MAX_CACHED_SHAPES = 64
@@ -48,14 +47,7 @@ def _required(components: dict[str, Any], keys: tuple[str, ...], what: str) -> N
 class _QwenBase(stages.RecipePipeline):
     """What both Qwen-Image generations share: the schedule, the noise, one text encoder, the decode."""
 
-    output_kind = "image"
-    supports_batching = True
-    supports_continuous = True
-    """Flow-match per request; masked text rows are padded per step like a merged batch (verified row by row)."""
-    text_encoders = ("text_encoder",)
     masked_sequences = {"embeds": "mask"}
-    vae_scale_factor = 8
-    """Pixels per latent pixel."""
 
     def __init__(self, *, transformer: Any, vae: Any, text_encoder: Any, scheduler: Any,
                  device: torch.device | str, dtype: torch.dtype) -> None:
@@ -67,7 +59,9 @@ class _QwenBase(stages.RecipePipeline):
         self.device = torch.device(device)
         self.dtype = dtype
         self.components = {"text_encoder": text_encoder, "transformer": transformer, "vae": vae}
-        self.size_multiple = self.vae_scale_factor * 2
+        # The spec's facts: size multiple (VAE factor x 2x2 patches), RoPE size limit, defaults (2.1 Turbo's step
+        # count from model_index.json `sample_sigmas`), continuous batching.
+        self.vae_scale_factor = self.bind_facts(component_configs(self.components, self.checkpoint_index())).vae_factor
         self._schedules: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
 
     def text_frame(self, key: str) -> Callable[[Any], int] | None:
@@ -88,10 +82,6 @@ class _QwenBase(stages.RecipePipeline):
             return json.loads((folder / "model_index.json").read_text()) if folder else {}
         except (OSError, ValueError):
             return {}
-
-    def _max_side(self) -> int:
-        """The largest side in pixels the transformer's RoPE tables index (the family spec's rule)."""
-        return spec_for(self.family).max_latent_side(dict(self.transformer.config)) * self.vae_scale_factor
 
     # -- latents and schedule ---------------------------------------------------------------------------
 
@@ -157,10 +147,6 @@ class QwenImageNativePipeline(_QwenBase):
         self.template = reference.prompt_template_encode
         self.drop_idx = reference.prompt_template_encode_start_idx
         self.tokenizer_max_length = reference.tokenizer_max_length
-        self.vae_scale_factor = reference.vae_scale_factor
-        self.size_multiple = self.vae_scale_factor * 2
-        self.defaults = spec_for(self.family).defaults
-        self.max_width = self.max_height = self._max_side()
 
     @classmethod
     def from_components(cls, components: dict[str, Any], *, device: torch.device | str,
@@ -235,7 +221,6 @@ class QwenImage21NativePipeline(_QwenBase):
     with a prefix KV cache, plain true CFG (off by default)."""
 
     family = "qwen_image_21"
-    vae_scale_factor = 16
 
     def __init__(self, *, processor: Any, **kw: Any) -> None:
         super().__init__(**kw)
@@ -248,11 +233,6 @@ class QwenImage21NativePipeline(_QwenBase):
                                         processor=processor, transformer=self.transformer)
         self.template = reference.prompt_template_t2i
         self.drop_idx = reference._drop_idx
-        self.vae_scale_factor = reference.vae_scale_factor
-        self.size_multiple = self.vae_scale_factor * 2
-        steps = {"num_inference_steps": len(self.sample_sigmas)} if self.sample_sigmas else {}
-        self.defaults = dataclasses.replace(spec_for(self.family).defaults, **steps)
-        self.max_width = self.max_height = self._max_side()
         self._norm = getattr(self.text_encoder.model, "language_model", self.text_encoder.model).norm
 
     def validate(self, params: Any) -> None:

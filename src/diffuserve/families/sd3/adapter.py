@@ -20,7 +20,6 @@ transformer crops its positional table and cannot run beyond it: a 192-patch tab
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -32,9 +31,9 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
 )
 from PIL import Image
 
-from diffuserve.families import spec_for
+from diffuserve.families.flux.adapter import MAX_CACHED_SHAPES
 from diffuserve.pipelines import stages
-from diffuserve.pipelines.flux import MAX_CACHED_SHAPES, declared_sequence_length
+from diffuserve.pipelines.base import component_configs, declared_sequence_length
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
 logger = logging.getLogger(__name__)
@@ -53,14 +52,6 @@ class SD3NativePipeline(stages.RecipePipeline):
     """SD3 / SD3.5 text-to-image on the shared recipe."""
 
     family = "sd3"
-    output_kind = "image"
-    supports_batching = True
-    supports_continuous = True
-    """Flow-match Euler per request; the transformer takes a per-row timestep; fixed-length text (verified row by
-    row against the singleton run in a mixed group, tests/integration/test_continuous_steps.py)."""
-    text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
-    # diffusers runs SD3's CFG as one doubled batch; so do we (two passes round differently: +-1 level).
-    batched_cfg = spec_for(family).profile.cfg_batched  # one fact, in the family spec
 
     def __init__(self, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
@@ -75,9 +66,9 @@ class SD3NativePipeline(stages.RecipePipeline):
 
             raise CheckpointError("an SD3 checkpoint has text_encoder_3 and tokenizer_3 both or neither; "
                                   "model_index.json names only one of them.")
-        if self.t5 is None:
-            # Saved without T5 (a memory saving diffusers supports): its tokens are zeros, as diffusers does.
-            self.text_encoders = ("text_encoder", "text_encoder_2")
+        # The spec's facts for these configs: a checkpoint saved without T5 (a memory saving diffusers supports)
+        # encodes with the two CLIPs only, its T5 tokens zeros as diffusers does; size rule, limit and defaults.
+        facts = self.bind_facts(component_configs(components))
         self.scheduler = components["scheduler"]
         self.device = torch.device(device)
         self.dtype = dtype
@@ -88,16 +79,8 @@ class SD3NativePipeline(stages.RecipePipeline):
         self.clip_length = int(getattr(components["tokenizer"], "model_max_length", 77) or 77)
         self._tokenizer_parts = {"tokenizer": components["tokenizer"], "tokenizer_2": components["tokenizer_2"],
                                  "tokenizer_3": self.t5_tokenizer}
-        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.vae_scale_factor = facts.vae_factor
         self.patch_size = int(self.transformer.config.patch_size)
-        self.size_multiple = self.vae_scale_factor * self.patch_size
-        spec = spec_for(self.family)
-        side = spec.max_latent_side(dict(self.transformer.config)) if spec.max_latent_side else None
-        self.max_width = self.max_height = None if side is None else side * self.vae_scale_factor
-        # diffusers' default size is the transformer's sample size in latent pixels (1024 px for the real
-        # models, 64 px for the tiny one); steps and guidance are the spec's (diffusers' call defaults).
-        size = int(self.transformer.config.sample_size) * self.vae_scale_factor
-        self.defaults = dataclasses.replace(spec.defaults, width=size, height=size)
         self._schedulers: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._empty: dict[str, Cond] = {}
         """Text encoder key -> its encoding of "" (see `_encode_empty`)."""

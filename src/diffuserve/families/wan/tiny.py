@@ -1,15 +1,82 @@
-"""Tiny Wan2.2 checkpoints: A14B (two experts) and TI2V-5B (48-channel VAE, per-token timesteps).
+"""Tiny Wan checkpoints: Wan2.1 T2V, Wan2.2 A14B (two experts), TI2V-5B (48-channel VAE, per-token timesteps)
+and I2V.
 
-Built offline with the tiny Wan2.1 parts of `models/tiny.py` (UMT5 encoder, offline tokenizer, 3D transformer),
-fixed seeds per component, so two builds write the same bytes.
+Built offline from the tiny Wan2.1 parts below (UMT5 encoder with the offline tokenizer of `models/tiny.py`, 3D
+transformer, causal video VAE), fixed seeds per component, so two builds write the same bytes.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from diffuserve.models.tiny import PRESETS, WAN_TINY_DEFAULTS, _build_wan_components, write_defaults
+from diffuserve.models.tiny import PRESETS, TinyFluxPreset, _tiny_t5_config, build_tokenizers, write_defaults
+
+WAN_TINY_DEFAULTS = {"width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 4, "fps": 8}
+"""What the tiny Wan2.1 checkpoint suggests: small enough that a video job takes well under a second."""
+
+
+def _build_wan_components(preset: TinyFluxPreset) -> dict[str, Any]:
+    """A tiny Wan2.1 text-to-video layout (UMT5 encoder, 3D transformer, causal video VAE, UniPC).
+
+    The shapes follow the real Wan2.1 T2V checkpoint scaled down: patch (1, 2, 2) over a VAE with
+    8x spatial and 4x temporal compression, so sizes are multiples of 16 and frame counts are 4k+1.
+    """
+    import torch
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    _, t5_tok = build_tokenizers()
+    h = preset.text_hidden
+    z_dim = preset.latent_channels
+    torch.manual_seed(preset.seed + 21)
+    text_encoder = UMT5EncoderModel(UMT5Config(**_tiny_t5_config(t5_tok, h))).eval()
+    torch.manual_seed(preset.seed + 22)
+    # head dim 12 splits into RoPE axes (t, h, w) = (4, 4, 4), as 128 splits into (44, 42, 42) upstream.
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=z_dim,
+        out_channels=z_dim,
+        text_dim=h,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    ).eval()
+    torch.manual_seed(preset.seed + 23)
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        z_dim=z_dim,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * z_dim,
+        latents_std=[1.0] * z_dim,
+    ).eval()
+    # The scheduler of the published Wan2.1 T2V checkpoints: UniPC over flow-matching sigmas.
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000
+    )
+    return {
+        "tokenizer": t5_tok,
+        "text_encoder": text_encoder,
+        "vae": vae,
+        "scheduler": scheduler,
+        "transformer": transformer,
+    }
+
+
+def build_wan(output_dir: Path) -> None:
+    """A tiny Wan2.1 text-to-video checkpoint that suggests its own small defaults."""
+    from diffusers import WanPipeline
+
+    WanPipeline(**_build_wan_components(PRESETS["tiny"])).save_pretrained(output_dir, safe_serialization=True)
+    write_defaults(output_dir, WAN_TINY_DEFAULTS)
 
 A14B_BOUNDARY_RATIO = 0.875
 """The published Wan2.2 T2V A14B switches experts at 87.5% of the train timesteps."""

@@ -1,7 +1,20 @@
 """Qwen-Image (and 2512): Qwen2.5-VL text, MM-DiT, norm-rescaled true CFG; Qwen-Image 2.1: Qwen3-VL text,
 single-stream block-causal DiT with a prefix KV cache."""
 
-from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults, TextEncoderFacts
+import dataclasses
+
+from diffuserve.families.base import (
+    CheckpointConfigs,
+    FamilySpec,
+    LatentGeometry,
+    ProfileFacts,
+    SamplingDefaults,
+    TextEncoderFacts,
+)
+
+# Qwen-Image: the prompt inside its template, system prefix dropped, cut to max_sequence_length (512) tokens.
+# 2.1 reads the whole prompt through its processor's tokenizer, as far as the RoPE table's non-negative
+# positions go (a longer one is refused by the adapter's validate, naming the field).
 
 QWEN_IMAGE_LAYERS = {"QwenImageTransformer2DModel": (("transformer_blocks", "num_layers"),)}
 """The Qwen-Image DiT's repeated blocks (shared with the edit families)."""
@@ -29,13 +42,36 @@ def qwen_image_21_max_latent_side(cfg: dict) -> int:
     positive, negative = QWEN_IMAGE_21_ROPE_POSITIONS
     return min(2 * negative, 2 * positive) * int(cfg.get("patch_size") or 1)
 
+
+def qwen_image_geometry(configs: CheckpointConfigs) -> LatentGeometry:
+    """The Qwen-Image VAE halves the side at each temporal-downsample level (diffusers' `2 **
+    len(vae.temperal_downsample)`: 8), then 2x2 latent patches per token."""
+    levels = configs["vae"].get("temperal_downsample") or (False, True, True)
+    return LatentGeometry(vae_factor=2 ** len(levels), patch=2)
+
+
+def qwen_image_21_geometry(configs: CheckpointConfigs) -> LatentGeometry:
+    """2.1's VAE is 16x (a constant of diffusers' QwenImage21Pipeline), and each encoder image slot stands for 2x2
+    latent tokens."""
+    return LatentGeometry(vae_factor=16, patch=2)
+
+
+def qwen_image_21_defaults(defaults: SamplingDefaults, configs: CheckpointConfigs,
+                           geometry: LatentGeometry) -> SamplingDefaults:
+    """A Turbo checkpoint carries its sampling grid in model_index.json (`sample_sigmas`): its length is the step
+    count."""
+    sigmas = configs.get("model_index", {}).get("sample_sigmas")
+    return dataclasses.replace(defaults, num_inference_steps=len(sigmas)) if sigmas else defaults
+
+
 SPECS = (
     FamilySpec(
         name="qwen_image",
+        text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Qwen2.5-VL)", QWEN_IMAGE_TEXT_TOKENS),),
         pipeline_classes=("QwenImagePipeline",),
         model_id_patterns=(r"qwen[-_]?image",),
         id_priority=0,
-        native_adapter="diffuserve.pipelines.qwen_image:QwenImageNativePipeline",
+        native_adapter="diffuserve.families.qwen_image.adapter:QwenImageNativePipeline",
         # diffusers' call defaults (1024x1024 from default_sample_size 128 x VAE 8, 50 steps, true_cfg_scale 4),
         # with the negative prompt " " of Qwen's own example: diffusers' None would leave true_cfg_scale without
         # effect, and Qwen-Image is a CFG workload. A diffusers call with negative_prompt=" " gives the same image.
@@ -43,32 +79,32 @@ SPECS = (
                                   true_cfg_scale=4.0, negative_prompt=" "),
         profile=QWEN_PROFILE,
         layer_containers=QWEN_IMAGE_LAYERS,
-        # VAE 8x, then 2x2 patches per token.
-        size_multiple=16,
+        latent_geometry=qwen_image_geometry,
         max_latent_side=qwen_image_max_latent_side,
-        tiny_builds={"qwen-image": "diffuserve.models.tiny_qwen_image:build_qwen_image"},
-        # The prompt inside its template, system prefix dropped, cut to max_sequence_length (512) tokens.
-        text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Qwen2.5-VL)", QWEN_IMAGE_TEXT_TOKENS),),
+        # Flow-match per request; masked text rows are padded per step like a merged batch (verified row by row).
+        supports_continuous=True,
+        text_encoder_keys=("text_encoder",),
+        tiny_builds={"qwen-image": "diffuserve.families.qwen_image.tiny:build_qwen_image"},
     ),
     FamilySpec(
         name="qwen_image_21",
+        text_encoders=(TextEncoderFacts("processor", "text_encoder (Qwen3-VL)", QWEN_IMAGE_21_ROPE_POSITIONS[0] - 1),),
         pipeline_classes=("QwenImage21Pipeline",),
         model_id_patterns=(r"qwen[-_]?image[-_.]?2\.?1",),
         id_priority=5,
-        native_adapter="diffuserve.pipelines.qwen_image:QwenImage21NativePipeline",
+        native_adapter="diffuserve.families.qwen_image.adapter:QwenImage21NativePipeline",
         # diffusers' call defaults: output_resolution 1024, 40 steps, true_cfg_scale 1 (2.1 samples without
         # guidance); a Turbo checkpoint's `sample_sigmas` fixes the step count instead (the adapter reads it).
         defaults=SamplingDefaults(width=1024, height=1024, num_inference_steps=40, guidance_scale=1.0,
                                   true_cfg_scale=1.0, negative_prompt=None),
         profile=ProfileFacts(default_uses_cfg=False, dit_supports_layerwise=True),
         layer_containers={"QwenImage21Transformer2DModel": (("transformer_blocks", "num_layers"),)},
-        # VAE 16x, and each encoder image slot stands for 2x2 latent tokens.
-        size_multiple=32,
+        checkpoint_defaults=qwen_image_21_defaults,
+        latent_geometry=qwen_image_21_geometry,
         max_latent_side=qwen_image_21_max_latent_side,
-        tiny_builds={"qwen-image-2.1": "diffuserve.models.tiny_qwen_image:build_qwen_image_21"},
-        # 2.1 reads the whole prompt through its processor's tokenizer, as far as the RoPE table's non-negative
-        # positions go (a longer one is refused by the adapter's validate, naming the field).
-        text_encoders=(TextEncoderFacts("processor", "text_encoder (Qwen3-VL)", QWEN_IMAGE_21_ROPE_POSITIONS[0] - 1),),
+        supports_continuous=True,
+        text_encoder_keys=("text_encoder",),
+        tiny_builds={"qwen-image-2.1": "diffuserve.families.qwen_image.tiny:build_qwen_image_21"},
         base_family="qwen_image",
     ),
 )

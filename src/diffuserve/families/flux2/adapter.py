@@ -27,7 +27,6 @@ and the diffusers call with the same values give the same image. What diffusers 
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import logging
@@ -50,8 +49,8 @@ from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from PIL import Image
 
 from diffuserve.errors import CheckpointError, InvalidRequestError
-from diffuserve.families import spec_for
 from diffuserve.pipelines import stages
+from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
 logger = logging.getLogger(__name__)
@@ -107,11 +106,6 @@ class Flux2NativePipeline(stages.RecipePipeline):
     """FLUX.2-dev: Mistral3 text encoder, embedded guidance (`guidance_scale`), no CFG; reference images."""
 
     family = "flux2"
-    output_kind = "image"
-    supports_batching = True
-    supports_continuous = True
-    """Flow-match Euler per request, per-row timestep (FLUX.2 and Klein verified row by row in a mixed group)."""
-    text_encoders = ("text_encoder",)
     denoisers = ("transformer",)
     hidden_states_layers: ClassVar[tuple[int, ...]] = (10, 20, 30)
     """Encoder layers whose hidden states are stacked (diffusers' `text_encoder_out_layers` default)."""
@@ -132,15 +126,11 @@ class Flux2NativePipeline(stages.RecipePipeline):
         self.model_index = model_index or {}
         """The checkpoint's model_index.json (pipeline-level config such as Klein's `is_distilled`)."""
         self.components = {"text_encoder": text_encoder, "transformer": transformer, "vae": vae}
-        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
-        # Latents are 2x2-patchified into tokens, so sizes divide by the VAE factor times 2.
-        self.size_multiple = self.vae_scale_factor * 2
+        # The spec's facts: 2x2-patchified latents (size multiple), no positional table (RoPE from position ids),
+        # the variant's defaults (Klein-Base vs distilled Klein: `families/flux2/spec.py`).
+        facts = self.bind_facts(component_configs(self.components, self.model_index))
+        self.vae_scale_factor = facts.vae_factor
         self.image_processor = Flux2ImageProcessor(vae_scale_factor=self.size_multiple)
-        spec = spec_for(self.family)
-        self.max_image_inputs = spec.max_image_inputs
-        # RoPE is computed from the position ids on the fly: no positional table bounds the image size.
-        self.max_width = self.max_height = None
-        self.defaults = self._defaults_from_checkpoint(spec.defaults)
         self._latent_ids: dict[tuple[int, int], torch.Tensor] = {}
         self._text_ids: dict[int, torch.Tensor] = {}
         self._schedules: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
@@ -186,15 +176,6 @@ class Flux2NativePipeline(stages.RecipePipeline):
 
     # -- defaults and validation -------------------------------------------------------------------------
 
-    def _family_defaults(self, defaults: Any) -> Any:
-        return defaults
-
-    def _defaults_from_checkpoint(self, defaults: Any) -> Any:
-        # Size: the VAE's `sample_size` (1024 for the published FLUX.2 VAE, diffusers' default 128 latent px x 8).
-        size = int(getattr(self.vae.config, "sample_size", 0) or 128 * self.vae_scale_factor)
-        size = max(self.size_multiple, size // self.size_multiple * self.size_multiple)
-        # What the checkpoint itself suggests (tiny checkpoints: 64x64, 4 steps) wins: the loader applies it after.
-        return dataclasses.replace(self._family_defaults(defaults), width=size, height=size)
 
     def validate(self, params: Any) -> None:
         super().validate(params)
@@ -388,13 +369,6 @@ class Flux2KleinNativePipeline(Flux2NativePipeline):
     def is_distilled(self) -> bool:
         """model_index.json `is_distilled` (step-distilled Klein 4B/9B: guidance is ignored)."""
         return bool(self.model_index.get("is_distilled", False))
-
-    def _family_defaults(self, defaults: Any) -> Any:
-        # The spec holds the distilled models' 4 steps without guidance; Klein-Base is sampled like diffusers'
-        # call defaults (50 steps, CFG at 4.0).
-        if self.is_distilled:
-            return defaults
-        return dataclasses.replace(defaults, num_inference_steps=50, guidance_scale=4.0)
 
     def uses_cfg(self, head: Any) -> bool:
         return head.guidance_scale > 1.0 and not self.is_distilled

@@ -8,7 +8,6 @@ there is no progress bar or input re-tokenisation, which is where the speed over
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import logging
 from collections.abc import Sequence
@@ -22,8 +21,8 @@ from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
-from diffuserve.families import spec_for
 from diffuserve.pipelines import stages
+from diffuserve.pipelines.base import component_configs, declared_sequence_length
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
 logger = logging.getLogger(__name__)
@@ -33,31 +32,16 @@ MAX_CACHED_SHAPES = 64
 requests with ever new sizes or step counts cannot grow memory without bound."""
 
 
-
-
-def declared_sequence_length(tokenizer: Any, default: int) -> int:
-    """`default`, capped by the tokenizer's declared `model_max_length` (the longest text the checkpoint
-    was made for; real FLUX.1 declares 512, so it gets diffusers' default unchanged)."""
-    declared = getattr(tokenizer, "model_max_length", None)
-    return min(default, int(declared)) if isinstance(declared, int) and declared > 0 else default
-
-
 def _make_room(cache: dict) -> None:
     if len(cache) >= MAX_CACHED_SHAPES:
         cache.clear()
 
 
 class FluxNativePipeline(stages.RecipePipeline):
-    """FLUX.1 text-to-image (dev and schnell style) as a batched stage pipeline."""
+    """FLUX.1 text-to-image (dev and schnell style) as a batched stage pipeline. Its static facts (size multiple,
+    dev/schnell defaults, continuous, text encoders) are the family spec's (`families/flux/spec.py`, `bind_facts`)."""
 
     family = "flux"
-    output_kind = "image"
-    supports_batching = True
-    supports_continuous = True
-    """FlowMatchEulerDiscreteScheduler steps from the row's own sigma[i], sigma[i+1]; the transformer takes a
-    per-row timestep; position ids and the guidance vector depend only on size and guidance (the group key)."""
-    text_encoders = ("text_encoder", "text_encoder_2")
-    max_image_inputs = 1
 
     def __init__(
         self,
@@ -72,7 +56,6 @@ class FluxNativePipeline(stages.RecipePipeline):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         max_sequence_length: int = 512,
-        batched_cfg: bool = False,
     ) -> None:
         super().__init__()
         self.transformer = transformer
@@ -86,17 +69,13 @@ class FluxNativePipeline(stages.RecipePipeline):
         self.dtype = dtype
         self.max_sequence_length = max_sequence_length
         """T5 tokens per prompt: diffusers' 512, capped by what tokenizer_2 declares (see from_components)."""
-        self.batched_cfg = batched_cfg
         self.components = {
             "text_encoder": text_encoder,
             "text_encoder_2": text_encoder_2,
             "transformer": transformer,
             "vae": vae,
         }
-        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
-        # FLUX packs 2x2 latent patches into tokens, so sizes must divide by the VAE factor times 2.
-        self.size_multiple = self.vae_scale_factor * 2
-        self.defaults = self._defaults_from_checkpoint()
+        self.vae_scale_factor = self.bind_facts(component_configs(self.components)).vae_factor
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2,
                                                  vae_latent_channels=vae.config.latent_channels)
         self._clip_max_length = getattr(tokenizer, "model_max_length", 77) or 77
@@ -138,18 +117,6 @@ class FluxNativePipeline(stages.RecipePipeline):
             dtype=dtype,
             max_sequence_length=declared_sequence_length(components["tokenizer_2"], 512),
         )
-
-    def _defaults_from_checkpoint(self) -> Any:
-        # Size: the VAE's `sample_size` is the training resolution in pixels (1024 for FLUX.1), which
-        # is also what diffusers' default (128 latent px x vae factor 8) gives there; for tiny
-        # checkpoints it is their small native size instead of an expensive 1024.
-        size = int(getattr(self.vae.config, "sample_size", 0) or 128 * self.vae_scale_factor)
-        size = max(self.size_multiple, size // self.size_multiple * self.size_multiple)
-        # dev (guidance-distilled, embedded guidance) wants ~28 steps at 3.5; schnell 4 steps, no guidance.
-        defaults = dataclasses.replace(spec_for(self.family).defaults, width=size, height=size)
-        if getattr(self.transformer.config, "guidance_embeds", False):
-            return defaults
-        return dataclasses.replace(defaults, num_inference_steps=4, guidance_scale=0.0)
 
     # -- 1. encode prompts ----------------------------------------------------------------------------
 

@@ -1,7 +1,14 @@
 """Wan2.1 / Wan2.2 text-to-video (one spec: A14B's two experts and TI2V-5B's per-token timesteps are settings of
 the same `WanPipeline` class) and Wan image-to-video."""
 
-from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults, TextEncoderFacts
+from diffuserve.families.base import (
+    CheckpointConfigs,
+    FamilySpec,
+    LatentGeometry,
+    ProfileFacts,
+    SamplingDefaults,
+    TextEncoderFacts,
+)
 
 WAN_TEXT_ENCODERS = (TextEncoderFacts("tokenizer", "text_encoder (UMT5)", 512),)
 """UMT5, diffusers' max_sequence_length 512 (capped by what the tokenizer declares)."""
@@ -25,9 +32,18 @@ def wan_max_latent_side(cfg: dict) -> int:
     patch = cfg.get("patch_size") or (1, 2, 2)
     return int(cfg.get("rope_max_seq_len", 1024)) * int(patch[-1])
 
+
+def wan_geometry(configs: CheckpointConfigs) -> LatentGeometry:
+    """The VAE's spatial factor (`scale_factor_spatial`: 8 for Wan2.1, 16 for Wan2.2 TI2V-5B) times the spatial
+    part of the DiT's (frames, height, width) patch."""
+    patch = configs["transformer"].get("patch_size") or (1, 2, 2)
+    return LatentGeometry(vae_factor=int(configs["vae"]["scale_factor_spatial"]), patch=int(patch[1]))
+
+
 SPECS = (
     FamilySpec(
         name="wan",
+        text_encoders=WAN_TEXT_ENCODERS,
         pipeline_classes=("WanPipeline",),
         model_id_patterns=(r"wan",),
         output_kind="video",
@@ -37,16 +53,22 @@ SPECS = (
         profile=WAN_PROFILE,
         layer_containers=WAN_LAYERS,
         max_latent_side=wan_max_latent_side,
-        native_adapter="diffuserve.pipelines.wan:WanNativePipeline",
+        latent_geometry=wan_geometry,
+        native_adapter="diffuserve.families.wan.adapter:WanNativePipeline",
+        # Continuous (Wan2.1, Wan2.2 TI2V-5B and A14B): UniPC keeps its multistep history per request. With two
+        # experts (A14B) a step whose rows straddle the boundary makes one call per expert; guidance_scale_2 is in
+        # the group key.
+        supports_continuous=True,
+        text_encoder_keys=("text_encoder",),
         tiny_builds={
-            "wan": "diffuserve.models.tiny:build_wan",
-            "wan2.2": "diffuserve.models.tiny_wan:build_wan22_a14b",
-            "wan2.2-ti2v": "diffuserve.models.tiny_wan:build_wan22_ti2v",
+            "wan": "diffuserve.families.wan.tiny:build_wan",
+            "wan2.2": "diffuserve.families.wan.tiny:build_wan22_a14b",
+            "wan2.2-ti2v": "diffuserve.families.wan.tiny:build_wan22_ti2v",
         },
-        text_encoders=WAN_TEXT_ENCODERS,
     ),
     FamilySpec(
         name="wan_i2v",
+        text_encoders=WAN_TEXT_ENCODERS,
         pipeline_classes=("WanImageToVideoPipeline",),
         model_id_patterns=(r"wan.*i2v",),
         id_priority=10,
@@ -57,11 +79,13 @@ SPECS = (
         profile=WAN_PROFILE,
         layer_containers=WAN_LAYERS,
         max_latent_side=wan_max_latent_side,
+        latent_geometry=wan_geometry,
+        # Image-conditioned: not continuous.
+        text_encoder_keys=("text_encoder",),
         max_image_inputs=1,
         supports_batching=False,
         base_family="wan",
-        native_adapter="diffuserve.pipelines.wan:WanI2VNativePipeline",
-        tiny_builds={"wan-i2v": "diffuserve.models.tiny_wan:build_wan_i2v"},
-        text_encoders=WAN_TEXT_ENCODERS,
+        native_adapter="diffuserve.families.wan.adapter:WanI2VNativePipeline",
+        tiny_builds={"wan-i2v": "diffuserve.families.wan.tiny:build_wan_i2v"},
     ),
 )

@@ -10,7 +10,6 @@ to `transformer_2` (low noise, `guidance_scale_2`) at `boundary_ratio` x num_tra
 
 from __future__ import annotations
 
-import dataclasses
 import io
 from collections.abc import Sequence
 from typing import Any
@@ -22,8 +21,8 @@ from diffusers.video_processor import VideoProcessor
 from PIL import Image
 
 from diffuserve.errors import CheckpointError, InvalidRequestError
-from diffuserve.families import spec_for
 from diffuserve.pipelines import stages
+from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
 MAX_SEQUENCE_LENGTH = 512
@@ -34,9 +33,6 @@ class WanNativePipeline(stages.RecipePipeline):
     """Wan text-to-video: one or two denoising experts, classic CFG."""
 
     family = "wan"
-    output_kind = "video"
-    supports_batching = True
-    text_encoders = ("text_encoder",)
 
     def __init__(self, *, transformer: Any, vae: Any, text_encoder: Any, tokenizer: Any, scheduler: Any,
                  transformer_2: Any = None, boundary_ratio: float | None = None, expand_timesteps: bool = False,
@@ -50,22 +46,16 @@ class WanNativePipeline(stages.RecipePipeline):
         self.expand_timesteps = expand_timesteps
         self.device, self.dtype = torch.device(device), dtype
         self.denoisers = ("transformer",) if transformer_2 is None else ("transformer", "transformer_2")
-        # Continuous batching (Wan2.1, Wan2.2 TI2V-5B and A14B): UniPC keeps its multistep history per request (each
-        # request owns a fresh_scheduler copy). With two experts (A14B) a step whose rows straddle the boundary
-        # makes one call per expert (`step_batch.denoise_step`); guidance_scale_2 is in the group key.
-        self.supports_continuous = type(self).supports_batching  # I2V: False (image-conditioned)
         self.components = {"text_encoder": text_encoder, "vae": vae, "transformer": transformer}
         if transformer_2 is not None:
             self.components["transformer_2"] = transformer_2
         self.temporal_factor = int(vae.config.scale_factor_temporal)
         self.spatial_factor = int(vae.config.scale_factor_spatial)
         self.frame_multiple = self.temporal_factor
-        patch = transformer.config.patch_size
-        self.size_multiple = self.spatial_factor * int(patch[1])
-        spec = spec_for(self.family)
-        side = spec.max_latent_side(dict(transformer.config)) if spec.max_latent_side else None
-        self.max_width = self.max_height = None if side is None else side * self.spatial_factor
-        self.defaults = spec.defaults
+        # The spec's facts: the size multiple (VAE spatial factor x patch), the RoPE size limit, the defaults and
+        # continuous batching (Wan2.1, Wan2.2 TI2V-5B and A14B: each request owns a fresh_scheduler copy, so UniPC
+        # keeps its history per request; I2V is image-conditioned and does not step in a group).
+        self.bind_facts(component_configs(self.components))
         self.video_processor = VideoProcessor(vae_scale_factor=self.spatial_factor)
         self._max_length = min(MAX_SEQUENCE_LENGTH, int(getattr(tokenizer, "model_max_length", MAX_SEQUENCE_LENGTH)))
 
@@ -185,8 +175,6 @@ class WanI2VNativePipeline(WanNativePipeline):
     """
 
     family = "wan_i2v"
-    supports_batching = False
-    max_image_inputs = 1
     min_image_inputs = 1
 
     def __init__(self, *, image_encoder: Any = None, image_processor: Any = None, **kwargs: Any) -> None:
@@ -194,8 +182,6 @@ class WanI2VNativePipeline(WanNativePipeline):
         self.image_encoder, self.image_processor = image_encoder, image_processor
         if image_encoder is not None:
             self.components["image_encoder"] = image_encoder
-        self.defaults = dataclasses.replace(spec_for(self.family).defaults, **{
-            k: getattr(self.defaults, k) for k in ("width", "height", "num_frames", "num_inference_steps", "fps")})
 
     @classmethod
     def from_components(cls, components: dict[str, Any], *, device: torch.device | str,

@@ -1,0 +1,80 @@
+"""FLUX.1 (dev, schnell) and FLUX.1 Kontext."""
+
+import dataclasses
+
+from diffuserve.families.base import (
+    CheckpointConfigs,
+    FamilySpec,
+    LatentGeometry,
+    ProfileFacts,
+    SamplingDefaults,
+    TextEncoderFacts,
+)
+from diffuserve.families.checkpoint import square_default
+from diffuserve.families.components import autoencoder_kl_factor
+
+# CLIP's 77 tokens (pooled), then T5: diffusers' max_sequence_length 512 (capped by what tokenizer_2 declares).
+FLUX_TEXT_ENCODERS = (TextEncoderFacts("tokenizer", "text_encoder (CLIP)", 77),
+                      TextEncoderFacts("tokenizer_2", "text_encoder_2 (T5)", 512))
+
+
+def flux_geometry(configs: CheckpointConfigs) -> LatentGeometry:
+    """FLUX packs 2x2 latent patches into tokens: sizes divide by the VAE factor times 2."""
+    return LatentGeometry(vae_factor=autoencoder_kl_factor(configs["vae"]), patch=2)
+
+
+def flux_defaults(defaults: SamplingDefaults, configs: CheckpointConfigs, geometry: LatentGeometry) -> SamplingDefaults:
+    """The size: the VAE's `sample_size` is the training resolution in pixels (1024 for FLUX.1, which is also
+    diffusers' 128 latent px x 8); a tiny checkpoint's is its small native size instead of an expensive 1024.
+    The variant: dev (guidance-distilled, embedded guidance) keeps the spec's 28 steps at 3.5; schnell (its
+    transformer has no guidance embedding) samples 4 steps without guidance."""
+    defaults = square_default(defaults, geometry, configs["vae"].get("sample_size") or 128 * geometry.vae_factor)
+    if configs.get("transformer", {}).get("guidance_embeds", False):
+        return defaults
+    return dataclasses.replace(defaults, num_inference_steps=4, guidance_scale=0.0)
+
+
+SPECS = (
+    FamilySpec(
+        name="flux",
+        text_encoders=FLUX_TEXT_ENCODERS,
+        pipeline_classes=("FluxPipeline", "FluxImg2ImgPipeline"),
+        model_id_patterns=(r"flux",),
+        id_priority=0,
+        tasks=frozenset({"t2i", "i2i"}),
+        native_adapter="diffuserve.families.flux.adapter:FluxNativePipeline",
+        # FLUX.1-dev: guidance-distilled (embedded guidance 3.5), 28 steps at 1024^2; `flux_defaults` switches
+        # to schnell's 4 steps without guidance when the transformer has no guidance embedding.
+        defaults=SamplingDefaults(width=1024, height=1024, num_inference_steps=28, guidance_scale=3.5),
+        checkpoint_defaults=flux_defaults,
+        # One branch per step by default; the native adapter streams double and single blocks.
+        profile=ProfileFacts(default_uses_cfg=False, dit_supports_layerwise=True, sequence_parallel=True,
+                             tensor_parallel=True),
+        layer_containers={
+            "FluxTransformer2DModel": (
+                ("transformer_blocks", "num_layers"),
+                ("single_transformer_blocks", "num_single_layers"),
+            ),
+        },
+        latent_geometry=flux_geometry,
+        # FlowMatchEulerDiscreteScheduler steps from the row's own sigma[i], sigma[i+1]; the transformer takes a
+        # per-row timestep; position ids and the guidance vector depend only on size and guidance (the group key).
+        supports_continuous=True,
+        text_encoder_keys=("text_encoder", "text_encoder_2"),
+        max_image_inputs=1,
+        tiny_builds={"flux": "diffuserve.families.flux.tiny:build_flux"},
+    ),
+    FamilySpec(
+        name="flux_kontext",
+        text_encoders=FLUX_TEXT_ENCODERS,
+        pipeline_classes=("FluxKontextPipeline",),
+        model_id_patterns=(r"flux\.?1?[-_.]?kontext",),
+        id_priority=10,
+        tasks=frozenset({"t2i", "i2i"}),
+        defaults=SamplingDefaults(num_inference_steps=28, guidance_scale=2.5),
+        profile=ProfileFacts(dit_supports_layerwise=True),
+        size_multiple=16,  # diffusers' FluxKontextPipeline: VAE 8 x 2x2 packing
+        max_image_inputs=1,
+        base_family="flux",
+    ),
+)

@@ -1,0 +1,49 @@
+"""SANA 1.5 / 600M / 1600M (Gemma2 encoder, DC-AE VAE)."""
+
+import dataclasses
+
+from diffuserve.families.base import (
+    CheckpointConfigs,
+    FamilySpec,
+    LatentGeometry,
+    ProfileFacts,
+    SamplingDefaults,
+    TextEncoderFacts,
+)
+
+# After the complex-human instruction, the prompt keeps max_sequence_length (300) positions, <bos> included.
+
+
+def sana_geometry(configs: CheckpointConfigs) -> LatentGeometry:
+    """The DC-AE halves the side at every encoder level but the last (32x), then the DiT's patches."""
+    return LatentGeometry(vae_factor=2 ** (len(configs["vae"]["encoder_block_out_channels"]) - 1),
+                          patch=int(configs["transformer"]["patch_size"]))
+
+
+def sana_defaults(defaults: SamplingDefaults, configs: CheckpointConfigs, geometry: LatentGeometry) -> SamplingDefaults:
+    """The size: the transformer's sample_size is in latent pixels (32 -> 1024 px upstream); a tiny checkpoint's 16
+    would be 512 px, which binning would generate anyway, so the tiny one suggests 64 px through its model_index."""
+    size = int(configs["transformer"]["sample_size"]) * geometry.vae_factor
+    return dataclasses.replace(defaults, width=size, height=size)
+
+
+SPEC = FamilySpec(
+    name="sana",
+    text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Gemma2)", 300),),
+    pipeline_classes=("SanaPipeline",),
+    model_id_patterns=(r"sana",),
+    native_adapter="diffuserve.families.sana.adapter:SanaNativePipeline",
+    defaults=SamplingDefaults(num_inference_steps=20, guidance_scale=4.5),
+    checkpoint_defaults=sana_defaults,
+    profile=ProfileFacts(default_uses_cfg=True),
+    # diffusers runs [negatives, positives] as one doubled call; per-row results do not depend on the order inside
+    # a call, but do (~1e-6) on the call's size, so the doubled call keeps them bit-equal. The adapter's `predict`
+    # also relies on it: the doubled call is how it knows which rows take the negative encoding.
+    cfg_batched=True,
+    # Continuous: each request keeps its own DPM-Solver++ history, and a mixed step gets the group's row count.
+    supports_continuous=True,
+    text_encoder_keys=("text_encoder",),
+    layer_containers={"SanaTransformer2DModel": (("transformer_blocks", "num_layers"),)},
+    latent_geometry=sana_geometry,
+    tiny_builds={"sana": "diffuserve.families.sana.tiny:build"},
+)

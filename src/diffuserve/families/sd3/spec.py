@@ -1,0 +1,61 @@
+"""Stable Diffusion 3 / 3.5 (two CLIP encoders and T5)."""
+
+import dataclasses
+
+from diffuserve.families.base import (
+    CheckpointConfigs,
+    FamilySpec,
+    LatentGeometry,
+    ProfileFacts,
+    SamplingDefaults,
+    TextEncoderFacts,
+)
+from diffuserve.families.components import autoencoder_kl_factor
+
+# Two CLIPs (77 tokens each) and T5 (diffusers' max_sequence_length 256); T5 may be left out.
+
+
+def sd3_max_latent_side(cfg: dict) -> int | None:
+    """SD3 crops a fixed table of `pos_embed_max_size` patches per side."""
+    size = cfg.get("pos_embed_max_size")
+    return int(size) * int(cfg.get("patch_size", 2)) if size else None
+
+
+def sd3_geometry(configs: CheckpointConfigs) -> LatentGeometry:
+    """AutoencoderKL (8x), then the DiT's patches."""
+    return LatentGeometry(vae_factor=autoencoder_kl_factor(configs["vae"]),
+                          patch=int(configs["transformer"]["patch_size"]))
+
+
+def sd3_defaults(defaults: SamplingDefaults, configs: CheckpointConfigs, geometry: LatentGeometry) -> SamplingDefaults:
+    """diffusers' default size is the transformer's sample size in latent pixels (1024 px for the real models,
+    64 px for the tiny one); steps and guidance are the spec's (diffusers' call defaults)."""
+    size = int(configs["transformer"]["sample_size"]) * geometry.vae_factor
+    return dataclasses.replace(defaults, width=size, height=size)
+
+
+SPEC = FamilySpec(
+    name="sd3",
+    text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (CLIP-L)", 77),
+                   TextEncoderFacts("tokenizer_2", "text_encoder_2 (CLIP-G)", 77),
+                   TextEncoderFacts("tokenizer_3", "text_encoder_3 (T5)", 256)),
+    pipeline_classes=("StableDiffusion3Pipeline",),
+    model_id_patterns=(r"stable[-_]?diffusion[-_]?3|sd3",),
+    native_adapter="diffuserve.families.sd3.adapter:SD3NativePipeline",
+    # diffusers' call defaults; CFG runs whenever guidance_scale > 1, against "" when no negative is given.
+    defaults=SamplingDefaults(num_inference_steps=28, guidance_scale=7.0),
+    checkpoint_defaults=sd3_defaults,
+    # Layer-wise offload of the DiT (transformer_blocks) is tested to reproduce the resident output.
+    profile=ProfileFacts(default_uses_cfg=True, dit_supports_layerwise=True),
+    # diffusers runs SD3's CFG as one doubled batch; so does the adapter (two passes round differently: +-1 level).
+    cfg_batched=True,
+    # Flow-match Euler per request; the transformer takes a per-row timestep; fixed-length text (verified row by
+    # row against the singleton run in a mixed group, tests/integration/test_continuous_steps.py).
+    supports_continuous=True,
+    # T5 (text_encoder_3) is optional: a checkpoint saved without it encodes zeros in its place, as diffusers.
+    text_encoder_keys=("text_encoder", "text_encoder_2", "text_encoder_3"),
+    latent_geometry=sd3_geometry,
+    layer_containers={"SD3Transformer2DModel": (("transformer_blocks", "num_layers"),)},
+    max_latent_side=sd3_max_latent_side,
+    tiny_builds={"sd3": "diffuserve.families.sd3.tiny:build"},
+)
