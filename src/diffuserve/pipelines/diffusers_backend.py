@@ -50,6 +50,8 @@ from diffuserve.pipelines.base import (
 
 logger = logging.getLogger(__name__)
 
+LAYERED_RESOLUTIONS = (640, 1024)
+"""Qwen-Image-Layered's resolution buckets (the `resolution` its `__call__` takes; vLLM-Omni's field)."""
 _SPATIAL_FACTORS = ("vae_scale_factor", "vae_scale_factor_spatial", "vae_spatial_compression_ratio")
 """Pipeline attributes that hold the VAE's spatial factor (LTX/LTX-2 use the `*_compression_ratio` names)."""
 
@@ -300,13 +302,28 @@ class DiffusersBackendPipeline(Pipeline):
             wanted.update(prompt=head.prompt, layers=head.n, num_images_per_prompt=1,
                           image=Image.open(io.BytesIO(head.image_inputs[0])).convert("RGBA"),
                           generator=stages.row_generators(batch)[:1])
+            if head.resolution is not None:
+                wanted["resolution"] = head.resolution
         if "max_sequence_length" in self._call_params and self._max_sequence_length is not None:
             wanted["max_sequence_length"] = self._max_sequence_length
         if "output_type" in self._call_params:
             wanted["output_type"] = "pil" if self.output_kind == "image" else "np"
         return {k: v for k, v in wanted.items() if k in self._call_params}
 
+    def request_fields(self) -> frozenset[str]:
+        """Peer fields the wrapped pipeline's `__call__` takes: true_cfg_scale; guidance_scale_2 on a two-expert
+        checkpoint; a layered pipeline's `layers` (= n) and `resolution` bucket."""
+        fields = {name for name in ("true_cfg_scale",) if name in self._call_params}
+        if "guidance_scale_2" in self._call_params and getattr(self.pipe.config, "boundary_ratio", None) is not None:
+            fields.add("guidance_scale_2")
+        if self.layered:
+            fields.update({"layers", *(("resolution",) if "resolution" in self._call_params else ())})
+        return frozenset(fields)
+
     def validate(self, params: Any) -> None:
+        if params.resolution is not None and params.resolution not in LAYERED_RESOLUTIONS:
+            raise InvalidRequestError(f"resolution={params.resolution} is not one of this {self.family} model's "
+                                      f"buckets {list(LAYERED_RESOLUTIONS)}.", param="resolution")
         if self.output_kind == "video":
             self._validate_video(params)
         # max_image_inputs stays 0 unless the pipeline's call takes `image`: an unmodified text-to-image
