@@ -155,6 +155,12 @@ def test_flow_shift_is_the_static_shift_diffusers_runs(tiny_flux_path):
                        max_sequence_length=reference.tokenizer_2.model_max_length,
                        generator=torch.Generator().manual_seed(4)).images
     assert max_pixel_diff(ours, theirs) <= 1
+    # Through the diffusers backend the request's scheduler is swapped in for the call, then restored.
+    backend = load_pipeline(tiny_flux_path, backend="diffusers")
+    original = backend.pipe.scheduler
+    assert max_pixel_diff(backend.run([build_sampling_params(backend.describe_model(), flow_shift=2.5, **common)])
+                          .outputs[0].images, theirs) <= 1
+    assert backend.pipe.scheduler is original
 
 
 def test_wan22_boundary_ratio_moves_the_expert_switch_as_diffusers(tiny_checkpoint):
@@ -174,6 +180,11 @@ def test_wan22_boundary_ratio_moves_the_expert_switch_as_diffusers(tiny_checkpoi
                        generator=torch.Generator().manual_seed(3)).frames[0]
     theirs = [(np.clip(f, 0, 1) * 255).round().astype("uint8") for f in frames]
     assert max_pixel_diff([ours], [theirs]) == 0
+    backend = load_pipeline(path, backend="diffusers")
+    assert {"guidance_scale_2", "boundary_ratio"} <= backend.describe_model().request_fields
+    theirs_backend = backend.run([build_sampling_params(backend.describe_model(), boundary_ratio=0.5, **common)])
+    assert max_pixel_diff(theirs_backend.outputs[0].videos, [theirs]) <= 1
+    assert backend.pipe.config.boundary_ratio == 0.875  # the checkpoint's again after the call
     with pytest.raises(InvalidRequestError) as bad:
         build_sampling_params(model, boundary_ratio=1.5, **common)
     assert bad.value.param == "boundary_ratio"
@@ -191,12 +202,13 @@ def test_single_expert_wan_refuses_the_expert_fields(tiny_wan_path):
 def test_layered_resolution_reaches_the_pipeline(tiny_checkpoint):
     pipe = load_pipeline(tiny_checkpoint("qwen-image-layered"))
     model = pipe.describe_model()
-    assert {"layers", "resolution"} <= model.request_fields and "flow_shift" not in model.request_fields
+    assert {"layers", "resolution", "flow_shift"} <= model.request_fields  # its scheduler: FlowMatchEuler
+    assert "boundary_ratio" not in model.request_fields
     params = build_sampling_params(model, prompt="a cat", n=2, resolution=1024, image_inputs=(_png(),))
     assert pipe._kwargs([params])["resolution"] == 1024 and pipe._kwargs([params])["layers"] == 2
     with pytest.raises(InvalidRequestError) as bad:
         build_sampling_params(model, prompt="a cat", resolution=512, image_inputs=(_png(),))
     assert bad.value.param == "resolution"
     with pytest.raises(InvalidRequestError) as bad:
-        build_sampling_params(model, prompt="a cat", flow_shift=3.0, image_inputs=(_png(),))
-    assert bad.value.param == "flow_shift"
+        build_sampling_params(model, prompt="a cat", boundary_ratio=0.5, image_inputs=(_png(),))
+    assert bad.value.param == "boundary_ratio"
