@@ -110,6 +110,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "Video models always write mp4.")
     add("--num-frames", type=int, help="Video models only: frames per video (default: the model's).")
     add("--fps", type=int, help="Video models only: frames per second of the MP4 (default: the model's).")
+    add("--image-path", action="append", metavar="PATH", help="Input image (PNG, JPEG or WebP) for edit, "
+        "image-to-image, image-to-video and layered models; repeat it for models that take several. Checked as "
+        "POST /v1/images/edits checks `image` (and /v1/videos `input_reference`), before the model loads.")
+    add("--strength", type=float, help="With --image-path on an image model: the share of the schedule re-noised "
+        "from the input image, in (0, 1] (default: 0.6, as POST /v1/images/edits).")
     _add_config_arguments(gen, "generate")
 
     _add_config_flag(plan := sub.add_parser("plan", help="Print the resolved deployment plan without loading weights.",

@@ -64,6 +64,91 @@ def _check_applicable(values: dict[str, Any], video: bool, family: str) -> None:
                           "which are always written as mp4. Drop the flag.")
 
 
+FLAG_OF_FIELD = {
+    "prompt": "--prompt", "negative_prompt": "--negative-prompt", "size": "--width/--height", "width": "--width",
+    "height": "--height", "num_inference_steps": "--num-inference-steps", "guidance_scale": "--guidance-scale",
+    "true_cfg_scale": "--true-cfg-scale", "seed": "--seed", "num_frames": "--num-frames", "fps": "--fps",
+    "image": "--image-path", "input_reference": "--image-path", "strength": "--strength",
+    "output_format": "--output-format", "model": "--model-path",
+}
+"""A request field (as the API's 400s name it) -> the `generate` flag that sets it."""
+_API_FIELDS = ("negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "true_cfg_scale",
+               "seed", "num_frames", "fps", "strength")
+"""The flags `generate` checks through the API's own request models, before any weight is loaded."""
+
+
+def _flag_error(field: str, message: str) -> ConfigError:
+    """The API's message for `field`, named by its flag (exit 2)."""
+    return ConfigError(f"{FLAG_OF_FIELD.get(field, '--' + field.replace('_', '-'))}: {message}")
+
+
+def check_values(values: dict[str, Any], prompts: list[str], video: bool) -> None:
+    """Every value the API validates, with the API's rules and messages (the same pydantic request models as
+    POST /v1/images/edits and /v1/videos), each error naming its flag: empty prompt, steps 0, negative seed,
+    guidance out of range, ... A model-free check, so it runs before the model loads."""
+    from pydantic import ValidationError
+
+    from diffuserve.server.protocol import ImageEditRequest
+    from diffuserve.server.video_params import VideoCreateRequest
+
+    model = VideoCreateRequest if video else ImageEditRequest
+    given = {k: values[k] for k in _API_FIELDS if values.get(k) is not None and k in model.model_fields}
+    for prompt in prompts:
+        try:
+            model.model_validate({"prompt": prompt, **given})
+        except ValidationError as exc:
+            first = exc.errors(include_url=False)[0]
+            field = str(first["loc"][0]) if first.get("loc") else "prompt"
+            raise _flag_error(field, f"Invalid value for {field!r}: {first.get('msg', 'invalid')}.") from None
+
+
+def read_images(values: dict[str, Any], max_side: int, *, video: bool) -> tuple[bytes, ...]:
+    """The `--image-path` files' bytes, each decoded as the API decodes uploads (formats, pixel limit), so a
+    bad file is refused before the model loads, with the API's message naming the flag."""
+    from diffuserve.errors import InvalidRequestError
+    from diffuserve.media.images import decode_image
+
+    paths = values.get("image_path") or []
+    blobs = []
+    for path in [paths] if isinstance(paths, str) else paths:  # a --config file may give one path as a string
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"--image-path {path}: cannot read it ({exc.strerror or exc}).") from None
+        try:
+            decode_image(data, max_pixels=max_side ** 2, param="input_reference" if video else "image",
+                         limit_flag=f"--max-image-side {max_side} (at most {max_side}x{max_side} pixels)")
+        except InvalidRequestError as exc:
+            raise ConfigError(f"--image-path {path}: {exc.message}") from None
+        blobs.append(data)
+    return tuple(blobs)
+
+
+def check_inputs(values: dict[str, Any], images: tuple[bytes, ...], *, family: str, max_inputs: int,
+                 min_inputs: int, video: bool, size_multiple: int | None) -> None:
+    """What the model takes: input images (none for a text-only model, at least one for an edit-only, image-to-video
+    or layered model, at most its limit), `--strength` (image edits only) and, when known before loading, the
+    size multiple."""
+    if images and max_inputs == 0:
+        raise ConfigError(f"--image-path: the model ({family}) takes no input image (it is text-to-"
+                          f"{'video' if video else 'image'} only). Drop the flag, or serve an edit, image-to-image "
+                          "or image-to-video model.")
+    if len(images) > max(max_inputs, 1) and max_inputs:
+        raise ConfigError(f"--image-path: the model ({family}) takes at most {max_inputs} input image(s); got "
+                          f"{len(images)}.")
+    if len(images) < min_inputs:
+        raise ConfigError(f"--image-path: the model ({family}) needs {min_inputs} input image(s) "
+                          f"({'the first frame' if video else 'the image to edit'}); got {len(images)}.")
+    if values.get("strength") is not None and (video or not images):
+        raise ConfigError("--strength applies to image edits (with --image-path on an image model): the share of the "
+                          "schedule re-noised from the input image. Drop it.")
+    for name in ("width", "height"):
+        value = values.get(name)
+        if size_multiple and value is not None and value % size_multiple:
+            raise ConfigError(f"--{name} {value} is not a multiple of {size_multiple}, which this {family} model "
+                              f"needs; choose e.g. {max(size_multiple, value // size_multiple * size_multiple)}.")
+
+
 def _warn_truncated(pipeline: Any, prompts: list[str], negative_prompt: str | None) -> None:
     """Say when a prompt is longer than a text encoder takes (it runs cut off, as in `serve`), counted by the
     model's token owner as `serve` counts."""
@@ -97,40 +182,70 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     from diffuserve.models.registry import resolve as resolve_model
 
     spec = resolve_model(model_path, model_id=args.model_id, backend=args.backend)
+    video = spec.output_kind == "video"
+    images = read_images(values, args.max_image_side, video=video)
     if spec.family != "unknown":  # known from model_index.json alone: refuse before loading any weight
-        _check_applicable(values, spec.output_kind == "video", spec.family)
+        _check_applicable(values, video, spec.family)
+        check_values(values, prompts, video)
+        _check_family_inputs(values, images, spec)
     pipeline, close = open_pipeline(args)
     try:
-        return _generate(args, values, pipeline, prompts, n, stem)
+        return _generate(args, values, pipeline, prompts, n, stem, images)
     finally:
         close()
 
 
+def _check_family_inputs(values: dict[str, Any], images: tuple[bytes, ...], spec: Any) -> None:
+    """`check_inputs` with what the family spec says before loading (the size multiple only for native adapters,
+    whose multiple the spec states; the loaded model's own checks follow in `_generate`)."""
+    from diffuserve.families import spec_for
+
+    family = spec_for(spec.family)
+    text_conditioned = bool(family.tasks & {"t2i", "t2v"})
+    check_inputs(values, images, family=spec.family, max_inputs=family.max_image_inputs,
+                 min_inputs=0 if text_conditioned else 1, video=spec.output_kind == "video",
+                 size_multiple=family.size_multiple if spec.backend == "native" else None)
+
+
+def _build_params(values: dict[str, Any], model: Any, prompts: list[str], n: int,
+                  images: tuple[bytes, ...]) -> list[SamplingParams]:
+    """One SamplingParams per prompt through the API's builder. With input images on an image model, the size
+    defaults to the first input's (rounded down to the model's multiple) and strength to 0.6, as for
+    POST /v1/images/edits; an image-to-video input is the first frame, as `input_reference`."""
+    video = model.output_kind == "video"
+    width, height = values.get("width"), values.get("height")
+    edit = bool(images) and not video
+    if edit and width is None and height is None:
+        from diffuserve.media.images import decode_image
+
+        first, multiple = decode_image(images[0], max_pixels=2 ** 62), model.size_multiple
+        width = max(multiple, first.width // multiple * multiple)
+        height = max(multiple, first.height // multiple * multiple)
+    return [
+        build_sampling_params(
+            model, prompt=prompt, negative_prompt=values.get("negative_prompt"), width=width, height=height,
+            num_inference_steps=values.get("num_inference_steps"), guidance_scale=values.get("guidance_scale"),
+            true_cfg_scale=values.get("true_cfg_scale"), seed=values.get("seed", 0) + i, n=n,
+            num_frames=values.get("num_frames") if video else None, fps=values.get("fps"),
+            output_format="mp4" if video else values.get("output_format", "png"), image_inputs=images,
+            strength=values.get("strength", 0.6) if edit else 1.0,
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+
+
 def _generate(args: ServerArgs, values: dict[str, Any], pipeline: Any, prompts: list[str], n: int,
-              stem: str | None) -> int:
+              stem: str | None, images: tuple[bytes, ...] = ()) -> int:
     from tqdm import tqdm
 
     model = pipeline.describe_model()
     video = model.output_kind == "video"
     _check_applicable(values, video, model.family)
-    params = [
-        build_sampling_params(
-            model,
-            prompt=prompt,
-            negative_prompt=values.get("negative_prompt"),
-            width=values.get("width") or None,
-            height=values.get("height") or None,
-            num_inference_steps=values.get("num_inference_steps") or None,
-            guidance_scale=values.get("guidance_scale"),
-            true_cfg_scale=values.get("true_cfg_scale"),
-            seed=values.get("seed", 0) + i,
-            n=n,
-            num_frames=(values.get("num_frames") or None) if video else None,
-            fps=values.get("fps") or None,
-            output_format="mp4" if video else values.get("output_format", "png"),
-        )
-        for i, prompt in enumerate(prompts)
-    ]
+    # Again with what the loaded model says (a checkpoint of an unknown family is only known now).
+    check_values(values, prompts, video)
+    check_inputs(values, images, family=model.family, max_inputs=model.max_image_inputs,
+                 min_inputs=model.min_image_inputs, video=video, size_multiple=model.size_multiple)
+    params = _build_params(values, model, prompts, n, images)
     _warn_truncated(pipeline, prompts, values.get("negative_prompt"))
     # --batching-max-size bounds the rows of every pipeline call in dynamic mode (as in `serve`);
     # singleton mode runs one prompt (all its n rows) per call.

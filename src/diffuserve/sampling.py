@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
+from diffuserve.errors import InvalidRequestError
 from diffuserve.families.base import SamplingDefaults
 
 
@@ -66,6 +67,12 @@ class SamplingParams:
     output_quality: int = _row(90, "Encoder quality for jpeg/webp (1-100).")
     image_inputs: tuple[bytes, ...] = _row((), "Encoded input images (edits / image conditioning).")
     strength: float = _sig(1.0, "Image-to-image: share of the schedule re-noised from the input image (0-1].")
+    flow_shift: float | None = _sig(None, "The flow-matching scheduler's sigma shift in place of the checkpoint's "
+                                    "(static; replaces dynamic shifting); None: the checkpoint's schedule.")
+    boundary_ratio: float | None = _sig(None, "Wan2.2 A14B: the timestep share at which the low-noise expert takes "
+                                        "over; None: the checkpoint's model_index.json value.")
+    resolution: int | None = _sig(None, "Qwen-Image-Layered: the pipeline's resolution bucket (640 or 1024); "
+                                  "None: the pipeline's default.")
 
     @property
     def cfg_enabled(self) -> bool:
@@ -114,9 +121,34 @@ class ModelDescription:
     """Text-conditioned requests may merge."""
     validate: Callable[[SamplingParams], None] | None = field(default=None, compare=False, repr=False)
     """The model's own checks (size limits, frame counts, ...): raises InvalidRequestError naming the field."""
+    request_fields: frozenset[str] = frozenset()
+    """Optional request fields this model gives meaning to beyond the common ones (`PEER_FIELDS`): a request that
+    sets one outside this set is refused, naming the field."""
     prompt_tokens: PromptCounter | None = field(default=None, compare=False, repr=False)
     """THE owner of prompt token counts (limits, truncation warnings, usage), built once per loaded model on
     private tokenizer copies; its `count` tokenizes, so callers run it off the event loop. None: not known."""
+
+
+PEER_FIELDS: dict[str, str] = {
+    "flow_shift": "models whose flow-matching scheduler has a shift (natively FLUX.1, SD3, Qwen-Image, Wan; "
+                  "any such scheduler through the diffusers backend)",
+    "guidance_scale_2": "two-expert Wan2.2 A14B checkpoints",
+    "boundary_ratio": "two-expert Wan2.2 A14B checkpoints",
+    "true_cfg_scale": "families that run true CFG (FLUX.1, Qwen-Image, ...; Wan's CFG is guidance_scale)",
+    "resolution": "Qwen-Image-Layered (its 640 / 1024 buckets)",
+    "layers": "Qwen-Image-Layered (the number of layers, same as n)",
+}
+"""Request fields of other servers' clients (SGLang-Diffusion, vLLM-Omni, FastVideo) that only some models take
+-> which models, for the 400 a request gets when the served model is not one of them."""
+
+
+def check_request_fields(model: ModelDescription, given: dict[str, Any]) -> None:
+    """400 naming the first field of `PEER_FIELDS` that is set but means nothing to the served model."""
+    for name, value in given.items():
+        if value is not None and name in PEER_FIELDS and name not in model.request_fields:
+            raise InvalidRequestError(
+                f"{name} applies only to {PEER_FIELDS[name]}; the served {model.family} model does not take it. "
+                f"Leave {name} out.", param=name)
 
 
 def _pick(value: Any, default: Any) -> Any:
@@ -142,13 +174,18 @@ def build_sampling_params(
     output_quality: int = 90,
     image_inputs: tuple[bytes, ...] = (),
     strength: float = 1.0,
+    flow_shift: float | None = None,
+    boundary_ratio: float | None = None,
+    resolution: int | None = None,
 ) -> SamplingParams:
     """THE builder: request fields (None = unset) + the model's defaults -> checked SamplingParams.
 
     Unset fields take the family's defaults; an unset seed draws a random one (reported in the response so
-    the result can be reproduced); images get png and videos mp4 unless a format is given. The model's own
-    validation runs last, so every caller (HTTP, CLI, warm-up) refuses the same things the same way.
+    the result can be reproduced); images get png and videos mp4 unless a format is given. Peer fields
+    (`PEER_FIELDS`) the model does not take are refused, naming them. The model's own validation runs last, so every caller (HTTP, CLI, warm-up) refuses the same things the same way.
     """
+    check_request_fields(model, {"guidance_scale_2": guidance_scale_2, "boundary_ratio": boundary_ratio,
+                                 "flow_shift": flow_shift, "resolution": resolution})
     d = model.defaults
     video = model.output_kind == "video"
     params = SamplingParams(
@@ -168,6 +205,9 @@ def build_sampling_params(
         output_quality=output_quality,
         image_inputs=tuple(image_inputs),
         strength=strength,
+        flow_shift=flow_shift,
+        boundary_ratio=boundary_ratio,
+        resolution=resolution,
     )
     if model.validate is not None:
         model.validate(params)

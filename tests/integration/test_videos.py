@@ -191,7 +191,7 @@ def test_job_deadline_is_the_servers_not_a_clients(wan_server, hold):
     ({"prompt": "x", "size": "1024x1024"}, "size"),  # beyond the tiny checkpoint's rotary table: 400, not a job error
     ({"prompt": "x", "surprise": True}, "surprise"),
     ({"prompt": "  "}, "prompt"),
-    ({"prompt": "x", "seconds": "4", "num_frames": 5}, "seconds"),
+    ({"prompt": "x", "seconds": "soon", "num_frames": 5}, "seconds"),  # with num_frames too (it wins), still checked
     ({"prompt": "x", "n": 2}, "n"),
     ({"prompt": "x", "num_inference_steps": LONG_STEPS + 1}, "num_inference_steps"),
 ])

@@ -107,7 +107,9 @@ def test_build_params_refuses_image_models_and_maps_seconds_to_frames():
     # 2 s at 8 fps = 16 frames, snapped to the nearest 4k+1.
     assert build_video_params(VideoCreateRequest(prompt="x", seconds="2"), video).num_frames == 17
     assert build_video_params(VideoCreateRequest(prompt="x", seconds=1, fps=16), video).num_frames == 17
-    for body, param in (({"seconds": "2", "num_frames": 9}, "seconds"), ({"seconds": "soon"}, "seconds"),
+    # Both given (SGLang's and FastVideo's clients send both): an explicit num_frames wins; seconds must still be a number.
+    assert build_video_params(VideoCreateRequest(prompt="x", seconds="2", num_frames=9), video).num_frames == 9
+    for body, param in (({"seconds": "soon", "num_frames": 9}, "seconds"), ({"seconds": "soon"}, "seconds"),
                         ({"num_frames": 37}, "num_frames")):
         with pytest.raises(InvalidRequestError) as bad:
             build_video_params(VideoCreateRequest(prompt="x", **body), video)

@@ -215,6 +215,10 @@ class Pipeline:
         honoured by pipelines that can preview (native families); others ignore it."""
         raise NotImplementedError
 
+    def request_fields(self) -> frozenset[str]:
+        """The peer request fields (`sampling.PEER_FIELDS`) this model gives meaning to; the base: none."""
+        return frozenset()
+
     def describe_model(self) -> ModelDescription:
         """What the routes and the request builder need to know (`diffuserve.sampling.ModelDescription`)."""
         from diffuserve.sampling import ModelDescription
@@ -225,7 +229,7 @@ class Pipeline:
             min_image_inputs=self.min_image_inputs,
             frame_multiple=self.frame_multiple,
             supports_batching=self.supports_batching, validate=self.validate,
-            prompt_tokens=self.prompt_tokens(),
+            prompt_tokens=self.prompt_tokens(), request_fields=self.request_fields(),
         )
 
     # -- prompt tokens: what the server counts (pipelines/prompt_limits.py) ------------------------------------

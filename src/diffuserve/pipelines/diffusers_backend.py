@@ -53,6 +53,8 @@ from diffuserve.pipelines.base import (
 
 logger = logging.getLogger(__name__)
 
+LAYERED_RESOLUTIONS = (640, 1024)
+"""Qwen-Image-Layered's resolution buckets (the `resolution` its `__call__` takes; vLLM-Omni's field)."""
 _SPATIAL_FACTORS = ("vae_scale_factor", "vae_scale_factor_spatial", "vae_spatial_compression_ratio")
 """Pipeline attributes that hold the VAE's spatial factor (LTX/LTX-2 use the `*_compression_ratio` names)."""
 
@@ -218,6 +220,24 @@ class DiffusersBackendPipeline(Pipeline):
         return None
 
     @contextlib.contextmanager
+    def _request_settings(self, head: Any) -> Iterator[None]:
+        """A request's `flow_shift` and `boundary_ratio` for one call: diffusers reads them from the pipeline's
+        scheduler and config, not from `__call__`, so they are swapped in for the call and restored after (the
+        calls on one pipeline never overlap)."""
+        scheduler, ratio = getattr(self.pipe, "scheduler", None), getattr(self.pipe.config, "boundary_ratio", None)
+        if head.flow_shift is not None:
+            self.pipe.scheduler = stages.scheduler_template(scheduler, head.flow_shift)
+        if head.boundary_ratio is not None:
+            self.pipe.register_to_config(boundary_ratio=head.boundary_ratio)
+        try:
+            yield
+        finally:
+            if head.flow_shift is not None:
+                self.pipe.scheduler = scheduler
+            if head.boundary_ratio is not None:
+                self.pipe.register_to_config(boundary_ratio=ratio)
+
+    @contextlib.contextmanager
     def _all_components_in_use(self) -> Iterator[None]:
         """Residency for an unmodified pipeline: it calls its modules itself, so no stage boundary can
         be scoped; every component is `use`d for the whole call (offloaded ones come on for the call
@@ -259,13 +279,35 @@ class DiffusersBackendPipeline(Pipeline):
             wanted.update(prompt=head.prompt, layers=head.n, num_images_per_prompt=1,
                           image=Image.open(io.BytesIO(head.image_inputs[0])).convert("RGBA"),
                           generator=stages.row_generators(batch)[:1])
+            if head.resolution is not None:
+                wanted["resolution"] = head.resolution
         if "max_sequence_length" in self._call_params and self._max_sequence_length is not None:
             wanted["max_sequence_length"] = self._max_sequence_length
         if "output_type" in self._call_params:
             wanted["output_type"] = "pil" if self.output_kind == "image" else "np"
         return {k: v for k, v in wanted.items() if k in self._call_params}
 
+    def request_fields(self) -> frozenset[str]:
+        """Peer fields the wrapped pipeline honours: true_cfg_scale where its `__call__` takes it; flow_shift where
+        its scheduler has a shift; guidance_scale_2 and boundary_ratio on a two-expert checkpoint; a layered
+        pipeline's `layers` (= n) and `resolution` bucket."""
+        fields = {name for name in ("true_cfg_scale",) if name in self._call_params}
+        scheduler = getattr(self.pipe, "scheduler", None)
+        if scheduler is not None and hasattr(scheduler, "config") and stages.has_flow_shift(scheduler):
+            fields.add("flow_shift")
+        if "guidance_scale_2" in self._call_params and getattr(self.pipe.config, "boundary_ratio", None) is not None:
+            fields.update({"guidance_scale_2", "boundary_ratio"})
+        if self.layered:
+            fields.update({"layers", *(("resolution",) if "resolution" in self._call_params else ())})
+        return frozenset(fields)
+
     def validate(self, params: Any) -> None:
+        if params.boundary_ratio is not None and not 0.0 < params.boundary_ratio < 1.0:
+            raise InvalidRequestError(f"boundary_ratio={params.boundary_ratio} must be between 0 and 1 (exclusive).",
+                                      param="boundary_ratio")
+        if params.resolution is not None and params.resolution not in LAYERED_RESOLUTIONS:
+            raise InvalidRequestError(f"resolution={params.resolution} is not one of this {self.family} model's "
+                                      f"buckets {list(LAYERED_RESOLUTIONS)}.", param="resolution")
         if self.output_kind == "video":
             self._validate_video(params)
         # max_image_inputs stays 0 unless the pipeline's call takes `image`: an unmodified text-to-image
@@ -316,7 +358,7 @@ class DiffusersBackendPipeline(Pipeline):
         start = time.perf_counter()
         if self.ar_prior:
             return self._run_ar_prior(batch, callback if "callback_on_step_end" in self._call_params else None, start)
-        with torch.inference_mode(), self._all_components_in_use():
+        with torch.inference_mode(), self._all_components_in_use(), self._request_settings(batch[0]):
             result = self.pipe(**kwargs)
         elapsed = time.perf_counter() - start
         items = (
@@ -343,7 +385,7 @@ class DiffusersBackendPipeline(Pipeline):
 
         head = batch[0]
         outputs = []
-        with torch.inference_mode(), self._all_components_in_use():
+        with torch.inference_mode(), self._all_components_in_use(), self._request_settings(head):
             prior = glm_image_ar.prior_tokens(self.pipe, [p.prompt for p in batch],
                                               [stages.row_seeds(p)[0] for p in batch],
                                               height=head.height, width=head.width, device=self.device)

@@ -143,6 +143,22 @@ def combine_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch
 # -- the loop's helpers -----------------------------------------------------------------------------------
 
 
+def has_flow_shift(scheduler: Any) -> bool:
+    """Whether `scheduler` is a flow-matching scheduler with a sigma shift a request's `flow_shift` can set:
+    FlowMatchEuler's `shift`, or `flow_shift` of a multistep solver over flow sigmas (Wan's UniPC)."""
+    config = scheduler.config
+    return "shift" in config or ("flow_shift" in config and bool(config.get("use_flow_sigmas", False)))
+
+
+def scheduler_template(scheduler: Any, flow_shift: float | None) -> Any:
+    """A new scheduler from the checkpoint's config; with `flow_shift`, its static shift is that value and dynamic
+    (resolution-dependent) shifting is off, as SGLang-Diffusion and FastVideo apply their `flow_shift`."""
+    if flow_shift is None:
+        return scheduler.__class__.from_config(scheduler.config)
+    key = "flow_shift" if "flow_shift" in scheduler.config else "shift"
+    return scheduler.__class__.from_config(scheduler.config, **{key: flow_shift, "use_dynamic_shifting": False})
+
+
 def fresh_scheduler(template: Any) -> Any:
     """A private copy of a scheduler whose timesteps are already set.
 

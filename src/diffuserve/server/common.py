@@ -15,6 +15,7 @@ from diffuserve.engine.engine import EngineState, GenerationResult
 from diffuserve.errors import InvalidRequestError, ModelNotFoundError
 from diffuserve.pipelines.prompt_limits import PromptTokens
 from diffuserve.server.context import ServerContext
+from diffuserve.server.protocol import parse_size
 
 
 def server_context(request: Request) -> ServerContext:
@@ -56,6 +57,38 @@ def check_request_limits(
         raise InvalidRequestError(
             f"num_inference_steps={steps} exceeds the limit of {args.max_inference_steps} (--max-inference-steps).",
             param="num_inference_steps")
+
+
+def resolve_size(size: str | None, width: int | None, height: int | None,
+                 default: tuple[int, int]) -> tuple[int, int]:
+    """(width, height) from `size` and/or `width`/`height` (the SGLang / vLLM-Omni / FastVideo spelling): given
+    together they must agree (else 400 naming the field that differs); a side left out is the default's."""
+    if size is None:
+        return width or default[0], height or default[1]
+    parsed = parse_size(size)
+    for name, given, from_size in (("width", width, parsed[0]), ("height", height, parsed[1])):
+        if given is not None and given != from_size:
+            raise InvalidRequestError(f"{name}={given} disagrees with size={size!r} ({name} {from_size}); give size "
+                                      f"or width/height, or make them agree.", param=name)
+    return parsed
+
+
+def check_image_only_fields(num_frames: int | None) -> None:
+    """An image request may carry `num_frames` (SGLang-Diffusion's clients always send it): 1 means one image."""
+    if num_frames is not None and num_frames != 1:
+        raise InvalidRequestError(f"num_frames={num_frames}: an image request makes one frame per image, so "
+                                  "num_frames may only be 1 (leave it out, or use n for more images; videos: "
+                                  "POST /v1/videos).", param="num_frames")
+
+
+def layer_count(n: int, n_given: bool, layers: int | None) -> int:
+    """Qwen-Image-Layered: vLLM-Omni's `layers` is our `n` (the number of layers); both given must agree."""
+    if layers is None:
+        return n
+    if n_given and n != layers:
+        raise InvalidRequestError(f"layers={layers} and n={n} disagree: both are the number of layers; give one.",
+                                  param="layers")
+    return layers
 
 
 logger = logging.getLogger("diffuserve.server")

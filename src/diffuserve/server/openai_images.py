@@ -17,10 +17,12 @@ from starlette.concurrency import run_in_threadpool
 from diffuserve.engine.engine import GenerationResult
 from diffuserve.errors import InvalidRequestError, NotFoundError, RequestCancelledError
 from diffuserve.media.images import decode_image, encode_image, mime_type
-from diffuserve.sampling import SamplingParams, build_sampling_params
+from diffuserve.sampling import SamplingParams, build_sampling_params, check_request_fields
 from diffuserve.server.common import (
+    check_image_only_fields,
     check_request_limits,
     count_prompt,
+    layer_count,
     require_ready,
     result_timings,
     server_context,
@@ -65,6 +67,9 @@ def image_params(body: ImageGenerationRequest, ctx: ServerContext, *, image_inpu
         width, height = parse_size(body.size)
     else:
         width, height = body.width or model.defaults.width, body.height or model.defaults.height
+    check_image_only_fields(body.num_frames)
+    check_request_fields(model, {"layers": body.layers})
+    n = layer_count(body.n, "n" in body.model_fields_set, body.layers)
     check_background(body.background, model)
     steps = (body.num_inference_steps or steps_for_quality(body.quality, model.defaults.num_inference_steps)
              or model.defaults.num_inference_steps)
@@ -77,8 +82,8 @@ def image_params(body: ImageGenerationRequest, ctx: ServerContext, *, image_inpu
     return build_sampling_params(
         model, prompt=body.prompt, negative_prompt=body.negative_prompt, width=width, height=height,
         num_inference_steps=steps, guidance_scale=body.guidance_scale, true_cfg_scale=body.true_cfg_scale,
-        seed=body.seed, n=body.n, output_format=body.output_format, output_quality=quality,
-        image_inputs=image_inputs, strength=strength,
+        seed=body.seed, n=n, output_format=body.output_format, output_quality=quality,
+        image_inputs=image_inputs, strength=strength, flow_shift=body.flow_shift, resolution=body.resolution,
     )
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import math
 import time
 import uuid
 from typing import Any, Literal
@@ -23,7 +22,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from diffuserve.engine.engine import GenerationResult
@@ -35,17 +34,12 @@ from diffuserve.errors import (
 )
 from diffuserve.media.images import decode_image
 from diffuserve.media.video import encode_mp4, spritesheet, thumbnail
-from diffuserve.sampling import SamplingParams, build_sampling_params
-from diffuserve.server.common import (
-    check_request_limits,
-    count_prompt,
-    require_ready,
-    result_timings,
-    server_context,
-)
+from diffuserve.sampling import SamplingParams
+from diffuserve.server.common import count_prompt, require_ready, result_timings, server_context
 from diffuserve.server.context import ServerContext
-from diffuserve.server.protocol import MAX_SEED, PromptRequest, coerce_form_fields, error_envelope, parse_size
+from diffuserve.server.protocol import coerce_form_fields, error_envelope
 from diffuserve.server.video_jobs import VideoJob, VideoJobStore
+from diffuserve.server.video_params import VideoCreateRequest, build_video_params, frames_note
 
 router = APIRouter()
 
@@ -58,70 +52,9 @@ class VideoNotReadyError(DiffuserveError):
     code = "video_not_ready"
 
 
-class VideoCreateRequest(PromptRequest):
-    """Body of POST /v1/videos (prompt, model and size as for images)."""
-
-    seconds: StrictStr | StrictFloat | StrictInt | None = Field(
-        default=None, description="Duration (OpenAI sends a string such as \"4\"); frames = seconds x fps, "
-        "rounded to the nearest count the model can make. Give this or num_frames.")
-    num_frames: StrictInt | None = Field(default=None, ge=1, description="Frames (Wan: 4k+1); omitted = the model's default.")
-    fps: StrictInt | None = Field(default=None, ge=1, le=120, description="Frames per second of the MP4.")
-    num_inference_steps: StrictInt | None = Field(default=None, ge=1, description="Denoising steps.")
-    guidance_scale: float | None = Field(default=None, ge=0, le=100, description="Classifier-free guidance scale.")
-    negative_prompt: str | None = Field(default=None, description="What not to film (used when guidance_scale > 1).")
-    seed: StrictInt | None = Field(default=None, ge=0, le=MAX_SEED, description="Random seed (0 to 2^63-1).")
-    n: StrictInt = Field(default=1, ge=1, le=1, description="Videos per job; 1 (submit several jobs for more).")
-    timeout: float | None = Field(default=None, gt=0, description="Seconds the job may take in the engine (capped by --request-timeout-s).")
-    priority: StrictInt = Field(default=0, ge=-100, le=100, description="Lower runs first among queued requests.")
-    user: str | None = Field(default=None, max_length=256, description="End-user id (accepted for OpenAI compatibility).")
-
-
-
 def _store(ctx: ServerContext) -> VideoJobStore:
     assert ctx.videos is not None, "create_app makes the video job store"
     return ctx.videos
-
-
-def _frames(body: VideoCreateRequest, fps: int, default: int, step: int) -> int:
-    """num_frames from the body: explicit, from `seconds` (snapped to step*k+1), or the default."""
-    if body.seconds is None:
-        return default if body.num_frames is None else body.num_frames
-    if body.num_frames is not None:
-        raise InvalidRequestError("Give either seconds or num_frames, not both.", param="seconds")
-    try:
-        seconds = float(body.seconds)
-    except ValueError:
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise InvalidRequestError(f"seconds={body.seconds!r} must be a positive number, e.g. \"4\".", param="seconds")
-    return max(1, round((seconds * fps - 1) / step) * step + 1)
-
-
-def build_video_params(body: VideoCreateRequest, ctx: ServerContext, image: bytes | None = None) -> SamplingParams:
-    """Request body + the model's defaults -> SamplingParams, checked against the server's caps."""
-    args = ctx.args
-    model = ctx.engine.model
-    assert model is not None
-    if model.output_kind != "video":
-        raise InvalidRequestError(
-            f"The served model {args.public_model_name!r} makes images, not videos; use "
-            "POST /v1/images/generations.", param="model", code="model_not_supported")
-    defaults = model.defaults
-    width, height = parse_size(body.size) if body.size is not None else (defaults.width, defaults.height)
-    steps = body.num_inference_steps or defaults.num_inference_steps
-    check_request_limits(ctx, model=body.model, texts={"prompt": body.prompt, "negative_prompt": body.negative_prompt},
-                         width=width, height=height, steps=steps)
-    fps = body.fps or defaults.fps
-    num_frames = _frames(body, fps, defaults.num_frames, model.frame_multiple)
-    if num_frames > args.max_video_frames:
-        raise InvalidRequestError(
-            f"num_frames={num_frames} exceeds the limit of {args.max_video_frames} (--max-video-frames).",
-            param="seconds" if body.seconds is not None else "num_frames")
-    return build_sampling_params(
-        model, prompt=body.prompt, negative_prompt=body.negative_prompt, width=width, height=height,
-        num_frames=num_frames, fps=fps, num_inference_steps=steps, guidance_scale=body.guidance_scale,
-        seed=body.seed, n=1, output_format="mp4", image_inputs=() if image is None else (image,),
-    )
 
 
 def _error_dict(exc: DiffuserveError) -> dict[str, Any]:
@@ -322,7 +255,8 @@ def _start_job(ctx: ServerContext, params: SamplingParams, body: VideoCreateRequ
                    width=params.width, height=params.height, num_frames=params.num_frames, fps=params.fps,
                    num_inference_steps=params.num_inference_steps, seed=params.seed or 0,
                    negative_prompt=body.negative_prompt, guidance_scale=body.guidance_scale,
-                   has_input_reference=conditioned, remixed_from_video_id=remixed_from)
+                   guidance_scale_2=body.guidance_scale_2, boundary_ratio=body.boundary_ratio,
+                   true_cfg_scale=body.true_cfg_scale, flow_shift=body.flow_shift, has_input_reference=conditioned, remixed_from_video_id=remixed_from)
     # Admission (429 queue full, 503 not ready) raises here, to this client, not into the job. Jobs
     # conditioned on an image never merge with others.
     generation = ctx.engine.submit(params, endpoint="videos", timeout_s=body.timeout, priority=body.priority,
@@ -340,7 +274,7 @@ async def create_video(request: Request) -> JSONResponse:
     require_ready(ctx)
     body, image = await _create_body(request)
     params = build_video_params(body, ctx, image)
-    warnings = await _prompt_warnings(ctx, params)
+    warnings = frames_note(body, params) + await _prompt_warnings(ctx, params)
     return _job_response(_start_job(ctx, params, body, received), warnings)
 
 
@@ -369,7 +303,9 @@ async def remix_video(video_id: str, body: VideoRemixRequest, request: Request) 
     fields = VideoCreateRequest(prompt=body.prompt, size=f"{source.width}x{source.height}",
                                 num_frames=source.num_frames, fps=source.fps,
                                 num_inference_steps=source.num_inference_steps, guidance_scale=source.guidance_scale,
-                                negative_prompt=source.negative_prompt, seed=source.seed)
+                                negative_prompt=source.negative_prompt, seed=source.seed,
+                                guidance_scale_2=source.guidance_scale_2, boundary_ratio=source.boundary_ratio,
+                                true_cfg_scale=source.true_cfg_scale, flow_shift=source.flow_shift)
     params = build_video_params(fields, ctx)
     warnings = await _prompt_warnings(ctx, params)
     return _job_response(_start_job(ctx, params, fields, received, remixed_from=video_id), warnings)

@@ -84,6 +84,17 @@ class ImageGenerationRequest(PromptRequest):
                          "completed event per image.")
     partial_images: StrictInt | None = Field(
         default=None, ge=0, le=3, description="Streaming only: previews per image (0-3), at evenly spaced steps.")
+    num_frames: StrictInt | None = Field(
+        default=None, description="Accepted as 1 (SGLang-Diffusion's clients send it on every image call); any other "
+        "value is refused.")
+    flow_shift: float | None = Field(
+        default=None, gt=0, le=100, description="The flow-matching scheduler's shift in place of the checkpoint's "
+        "(static: it replaces resolution-dependent shifting), for models whose scheduler has one; else 400.")
+    layers: StrictInt | None = Field(
+        default=None, ge=1, le=10, description="Qwen-Image-Layered: the number of layers (vLLM-Omni's name for n; "
+        "with n too, they must agree). Other models: 400.")
+    resolution: StrictInt | None = Field(
+        default=None, description="Qwen-Image-Layered: the pipeline's resolution bucket, 640 or 1024. Other models: 400.")
 
 
 class ImageEditRequest(ImageGenerationRequest):

@@ -49,6 +49,14 @@ class VideoJob:
     """The request's negative prompt (kept so a remix repeats it)."""
     guidance_scale: float | None = None
     """The request's guidance scale (None: the model's default)."""
+    guidance_scale_2: float | None = None
+    """Wan2.2 A14B: the request's low-noise expert guidance (None: the default), kept for a remix."""
+    boundary_ratio: float | None = None
+    """Wan2.2 A14B: the request's expert boundary (None: the checkpoint's), kept for a remix."""
+    true_cfg_scale: float | None = None
+    """The request's true CFG scale (None: the default), kept for a remix."""
+    flow_shift: float | None = None
+    """The request's scheduler shift (None: the checkpoint's), kept for a remix."""
     has_input_reference: bool = False
     """The job was conditioned on an input image (not kept, so such a job cannot be remixed)."""
     remixed_from_video_id: str | None = None
@@ -104,7 +112,8 @@ class VideoJob:
 
 
     _META = ("model", "prompt", "width", "height", "num_frames", "fps", "num_inference_steps", "seed",
-             "negative_prompt", "guidance_scale", "has_input_reference", "remixed_from_video_id",
+             "negative_prompt", "guidance_scale", "guidance_scale_2", "boundary_ratio", "true_cfg_scale", "flow_shift",
+             "has_input_reference", "remixed_from_video_id",
              "progress", "error", "timings")
 
     def meta(self) -> dict[str, Any]:

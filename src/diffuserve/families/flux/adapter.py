@@ -81,7 +81,7 @@ class FluxNativePipeline(stages.RecipePipeline):
         self._clip_max_length = getattr(tokenizer, "model_max_length", 77) or 77
         self._image_ids: dict[tuple[int, int], torch.Tensor] = {}
         self._text_ids: dict[int, torch.Tensor] = {}
-        self._schedulers: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._schedulers: dict[tuple[int, int, float | None], tuple[Any, torch.Tensor]] = {}
 
     @classmethod
     def from_components(
@@ -174,6 +174,9 @@ class FluxNativePipeline(stages.RecipePipeline):
         latents = torch.cat(rows)
         return FluxPipeline._pack_latents(latents, latents.shape[0], channels, lh, lw), timesteps
 
+    def request_fields(self) -> frozenset[str]:
+        return frozenset({"true_cfg_scale", *(("flow_shift",) if stages.has_flow_shift(self.scheduler) else ())})
+
     def validate(self, params: Any) -> None:
         super().validate(params)
         if params.image_inputs:
@@ -202,12 +205,13 @@ class FluxNativePipeline(stages.RecipePipeline):
             self._text_ids[seq_len] = torch.zeros(seq_len, 3, device=self.device, dtype=self.dtype)
         return self._text_ids[seq_len]
 
-    def _timesteps(self, num_steps: int, image_seq_len: int) -> tuple[Any, torch.Tensor]:
-        """A private scheduler with its timesteps set for this shape (the set-up is cached per shape)."""
-        key = (num_steps, image_seq_len)
+    def _timesteps(self, num_steps: int, image_seq_len: int,
+                   flow_shift: float | None = None) -> tuple[Any, torch.Tensor]:
+        """A private scheduler with its timesteps set for this shape and shift (the set-up is cached per key)."""
+        key = (num_steps, image_seq_len, flow_shift)
         if key not in self._schedulers:
             _make_room(self._schedulers)
-            template = self.scheduler.__class__.from_config(self.scheduler.config)
+            template = stages.scheduler_template(self.scheduler, flow_shift)
             cfg = template.config
             sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
             if getattr(cfg, "use_flow_sigmas", False):
@@ -260,7 +264,7 @@ class FluxNativePipeline(stages.RecipePipeline):
         start from their re-noised input image instead."""
         height, width = head.height, head.width
         lh, lw = self._latent_hw(height, width)
-        scheduler, timesteps = self._timesteps(head.num_inference_steps, (lh // 2) * (lw // 2))
+        scheduler, timesteps = self._timesteps(head.num_inference_steps, (lh // 2) * (lw // 2), head.flow_shift)
         if head.image_inputs:
             latents, timesteps = self.prepare_image_latents(batch, height, width, scheduler, timesteps)
         else:

@@ -62,7 +62,7 @@ class _QwenBase(stages.RecipePipeline):
         # The spec's facts: size multiple (VAE factor x 2x2 patches), RoPE size limit, defaults (2.1 Turbo's step
         # count from model_index.json `sample_sigmas`), continuous batching.
         self.vae_scale_factor = self.bind_facts(component_configs(self.components, self.checkpoint_index())).vae_factor
-        self._schedules: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._schedules: dict[tuple[int, int, float | None], tuple[Any, torch.Tensor]] = {}
 
     def text_frame(self, key: str) -> Callable[[Any], int] | None:
         """The prompt template around the text, its system prefix (`drop_idx` tokens) dropped."""
@@ -93,17 +93,20 @@ class _QwenBase(stages.RecipePipeline):
         # diffusers draws (rows, 1, C, h, w): the frame axis of the video VAE is part of the noise shape.
         return stages.batch_noise(batch, (1, channels, lh, lw), device=self.device, dtype=self.dtype)
 
+    def request_fields(self) -> frozenset[str]:
+        return frozenset({"true_cfg_scale", *(("flow_shift",) if stages.has_flow_shift(self.scheduler) else ())})
+
     def _timesteps(self, num_steps: int, image_seq_len: int,
-                   grid: list[float] | None = None) -> tuple[Any, torch.Tensor]:
-        """A private scheduler with its timesteps set for this shape (the set-up is cached per shape).
+                   grid: list[float] | None = None, flow_shift: float | None = None) -> tuple[Any, torch.Tensor]:
+        """A private scheduler with its timesteps set for this shape (the set-up is cached per shape and shift).
         `grid`: the checkpoint's own sigmas (2.1 Turbo) instead of diffusers' `linspace(1, 1/N, N)`."""
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
-        key = (num_steps, image_seq_len)
+        key = (num_steps, image_seq_len, flow_shift)
         if key not in self._schedules:
             if len(self._schedules) >= MAX_CACHED_SHAPES:
                 self._schedules.clear()
-            template = self.scheduler.__class__.from_config(self.scheduler.config)
+            template = stages.scheduler_template(self.scheduler, flow_shift)
             cfg = template.config
             mu = calculate_shift(image_seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
                                  cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
@@ -179,7 +182,7 @@ class QwenImageNativePipeline(_QwenBase):
         from diffusers import QwenImagePipeline
 
         latents = QwenImagePipeline._pack_latents(noise, noise.shape[0], channels, lh, lw)
-        scheduler, timesteps = self._timesteps(head.num_inference_steps, latents.shape[1])
+        scheduler, timesteps = self._timesteps(head.num_inference_steps, latents.shape[1], flow_shift=head.flow_shift)
         guidance = None
         if self.transformer.config.guidance_embeds:
             guidance = torch.full([1], head.guidance_scale, device=self.device, dtype=torch.float32)
@@ -294,7 +297,8 @@ class QwenImage21NativePipeline(_QwenBase):
         channels = self.transformer.config.in_channels
         noise = self._noise(batch, channels, lh, lw)
         latents = QwenImage21Pipeline._pack_latents(noise, noise.shape[0], channels, lh, lw)
-        scheduler, timesteps = self._timesteps(head.num_inference_steps, latents.shape[1], self.sample_sigmas)
+        scheduler, timesteps = self._timesteps(head.num_inference_steps, latents.shape[1], self.sample_sigmas,
+                                               head.flow_shift)
         extras = {"size": (height, width), "img_shape": (1, lh, lw), "kv": []}
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)
 

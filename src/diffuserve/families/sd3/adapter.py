@@ -81,7 +81,7 @@ class SD3NativePipeline(stages.RecipePipeline):
                                  "tokenizer_3": self.t5_tokenizer}
         self.vae_scale_factor = facts.vae_factor
         self.patch_size = int(self.transformer.config.patch_size)
-        self._schedulers: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._schedulers: dict[tuple[int, int, float | None], tuple[Any, torch.Tensor]] = {}
         self._empty: dict[str, Cond] = {}
         """Text encoder key -> its encoding of "" (see `_encode_empty`)."""
 
@@ -161,13 +161,14 @@ class SD3NativePipeline(stages.RecipePipeline):
 
     # -- 2. latents and timesteps -----------------------------------------------------------------------
 
-    def _timesteps(self, num_steps: int, image_seq_len: int) -> tuple[Any, torch.Tensor]:
-        """A private scheduler with this shape's timesteps (the set-up is cached per shape)."""
-        key = (num_steps, image_seq_len)
+    def _timesteps(self, num_steps: int, image_seq_len: int,
+                   flow_shift: float | None = None) -> tuple[Any, torch.Tensor]:
+        """A private scheduler with this shape's timesteps (the set-up is cached per shape and shift)."""
+        key = (num_steps, image_seq_len, flow_shift)
         if key not in self._schedulers:
             if len(self._schedulers) >= MAX_CACHED_SHAPES:
                 self._schedulers.clear()
-            template = self.scheduler.__class__.from_config(self.scheduler.config)
+            template = stages.scheduler_template(self.scheduler, flow_shift)
             cfg = template.config
             kwargs: dict[str, Any] = {}
             if cfg.get("use_dynamic_shifting", None):
@@ -183,13 +184,16 @@ class SD3NativePipeline(stages.RecipePipeline):
         template, timesteps = self._schedulers[key]
         return stages.fresh_scheduler(template), timesteps
 
+    def request_fields(self) -> frozenset[str]:
+        return frozenset({"flow_shift"}) if stages.has_flow_shift(self.scheduler) else frozenset()
+
     def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
         """Noise row j of a request from `seed + j`, in the text embeddings' dtype as diffusers; the schedule."""
         lh, lw = head.height // self.vae_scale_factor, head.width // self.vae_scale_factor
         latents = stages.batch_noise(batch, (self.transformer.config.in_channels, lh, lw),
                                      device=self.device, dtype=self._join(positive)[0].dtype)
         scheduler, timesteps = self._timesteps(head.num_inference_steps,
-                                               (lh // self.patch_size) * (lw // self.patch_size))
+                                               (lh // self.patch_size) * (lw // self.patch_size), head.flow_shift)
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras={})
 
     # -- 3. the transformer call ------------------------------------------------------------------------

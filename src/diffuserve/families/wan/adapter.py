@@ -81,10 +81,19 @@ class WanNativePipeline(stages.RecipePipeline):
             raise InvalidRequestError(
                 f"num_frames={frames} does not fit this Wan checkpoint: it needs {step}k+1 frames (its VAE "
                 f"compresses time {step}x); use {below} or {below + step}.", param="num_frames")
-        if params.guidance_scale_2 is not None and self.boundary_ratio is None:
-            raise InvalidRequestError("guidance_scale_2 applies only to two-expert Wan2.2 checkpoints "
-                                      "(boundary_ratio in model_index.json); this one has one transformer.",
-                                      param="guidance_scale_2")
+        for name in ("guidance_scale_2", "boundary_ratio"):
+            if getattr(params, name) is not None and self.boundary_ratio is None:
+                raise InvalidRequestError(f"{name} applies only to two-expert Wan2.2 checkpoints "
+                                          "(boundary_ratio in model_index.json); this one has one transformer.",
+                                          param=name)
+        if params.boundary_ratio is not None and not 0.0 < params.boundary_ratio < 1.0:
+            raise InvalidRequestError(f"boundary_ratio={params.boundary_ratio} must be between 0 and 1 (exclusive): "
+                                      "the timestep share at which the low-noise expert takes over.",
+                                      param="boundary_ratio")
+
+    def request_fields(self) -> frozenset[str]:
+        experts = ("guidance_scale_2", "boundary_ratio") if self.boundary_ratio is not None else ()
+        return frozenset({*experts, *(("flow_shift",) if stages.has_flow_shift(self.scheduler) else ())})
 
     # -- 1. encode --------------------------------------------------------------------------------------------
 
@@ -111,10 +120,12 @@ class WanNativePipeline(stages.RecipePipeline):
                  head.width // self.spatial_factor)
         latents = stages.batch_noise(batch, shape, device=self.device, dtype=torch.float32)
         # A private scheduler per batch: UniPC keeps multistep history in lists it mutates in place.
-        scheduler = self.scheduler.__class__.from_config(self.scheduler.config)
+        scheduler = stages.scheduler_template(self.scheduler, head.flow_shift)
         scheduler.set_timesteps(head.num_inference_steps, device=self.device)
         scheduler.set_begin_index(0)
-        boundary = None if self.boundary_ratio is None else self.boundary_ratio * scheduler.config.num_train_timesteps
+        # A job's own boundary_ratio (validated: two-expert checkpoints only) moves the expert switch.
+        ratio = self.boundary_ratio if head.boundary_ratio is None else head.boundary_ratio
+        boundary = None if ratio is None else ratio * scheduler.config.num_train_timesteps
         extras = {"boundary": boundary, "size": (head.height, head.width)}
         return DenoiseState(latents=latents, timesteps=scheduler.timesteps, scheduler=scheduler, extras=extras)
 
