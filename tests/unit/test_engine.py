@@ -34,7 +34,7 @@ from diffuserve.errors import (
     RequestTimeoutError,
     ServiceUnavailableError,
 )
-from diffuserve.executor.base import InProcessExecutor, ReplicaState
+from diffuserve.executor.base import InProcessExecutor, ReplicaState, ServingPipeline
 from diffuserve.executor.worker import PreviewSink
 from diffuserve.pipelines.base import BatchResult, Pipeline, RequestOutput
 from diffuserve.pipelines.stages import DenoiseState
@@ -226,7 +226,7 @@ class FakeExecutor:
 
     def __init__(self, replicas: int = 1, *, defers_decode: bool = False, clock: Callable[[], float] | None = None):
         self.pipelines = [FakePipeline(defers_decode=defers_decode) for _ in range(replicas)]
-        self._inner = [InProcessExecutor(lambda p=p: p, clock=clock) for p in self.pipelines]
+        self._inner = [InProcessExecutor(lambda p=p: ServingPipeline.of(p), clock=clock) for p in self.pipelines]
         self.replicas = [ReplicaState(r, (r,)) for r in range(replicas)]
         self.batches: list[tuple[int, list[str]]] = []
         """(replica, request prompts) of every executed batch, in order."""
@@ -236,10 +236,8 @@ class FakeExecutor:
     def pipeline(self) -> FakePipeline:
         return self.pipelines[0]
 
-    def load(self) -> Pipeline:
-        for inner in self._inner:
-            inner.load()
-        return self.pipelines[0]
+    def load(self) -> ServingPipeline:
+        return [inner.load() for inner in self._inner][0]
 
     def execute(self, replica: int, message: Any, events: Any) -> Any:
         self.batches.append((replica, [p.prompt for p in message.params]))

@@ -34,7 +34,7 @@ from diffuserve.errors import (
     RequestCancelledError,
     ServiceUnavailableError,
 )
-from diffuserve.executor.base import Executor, InProcessExecutor, Pipeline
+from diffuserve.executor.base import Executor, ServingPipeline
 from diffuserve.executor.messages import BatchMessage
 from diffuserve.executor.worker import NoEvents, PreviewSink
 from diffuserve.sampling import ModelDescription, SamplingParams, build_sampling_params
@@ -71,7 +71,7 @@ class AsyncEngine:
 
     def __init__(
         self,
-        executor: Executor | Callable[[], Pipeline],
+        executor: Executor,
         scheduler: Any,
         *,
         config: EngineConfig | None = None,
@@ -80,8 +80,8 @@ class AsyncEngine:
         model_name: str = "",
         clock: Callable[[], float] = time.monotonic,
     ):
-        # A bare loader is the one-rank case.
-        self.executor: Executor = executor if hasattr(executor, "execute") else InProcessExecutor(executor, clock=clock)  # type: ignore[arg-type]
+        self.executor = executor
+        """Runs the batches: `InProcessExecutor` for one rank, `MultiRankExecutor` for several."""
         self.scheduler = scheduler
         """A `DynamicBatcher` (singleton / dynamic) or a `StepScheduler` (continuous): `schedule(now)` either way."""
         self.mode = BatchingMode(scheduler.config.mode)
@@ -93,7 +93,8 @@ class AsyncEngine:
         self.book = RequestBook(self.metrics, clock)
         """Pending requests, answer-once, abort, progress; its `cond` is the engine's one lock."""
         self._cond = self.book.cond
-        self.pipeline: Pipeline | None = None
+        self.pipeline: ServingPipeline | None = None
+        """Rank 0's serving pipeline, once loaded (its capabilities and model description)."""
         self.state = EngineState.LOADING
         self.failure: str | None = None
         self._stop = False
@@ -342,8 +343,9 @@ class AsyncEngine:
         started = time.monotonic()
         self.pipeline = self.executor.load()
         # What the loaded model can do decides what the scheduler may merge.
-        self.scheduler.set_capabilities(supports_batching=self.pipeline.supports_batching,
-                                        supports_continuous=self.pipeline.supports_continuous)
+        capabilities = self.pipeline.capabilities
+        self.scheduler.set_capabilities(supports_batching=capabilities.batching,
+                                        supports_continuous=capabilities.continuous)
         logger.info("model loaded in %.1fs: %s", time.monotonic() - started, self.pipeline.describe())
         if self.config.enable_warmup:
             with self._cond:

@@ -16,6 +16,7 @@ from diffuserve.engine.engine import AsyncEngine
 from diffuserve.engine.metrics import BatchingStats, EngineMetrics
 from diffuserve.engine.scheduler import DynamicBatcher
 from diffuserve.errors import ConfigError
+from diffuserve.executor.base import InProcessExecutor
 from diffuserve.launch.follower import serve_rank
 from diffuserve.launch.ranks import (
     LaunchInfo,
@@ -26,7 +27,7 @@ from diffuserve.launch.ranks import (
     spawn_local_ranks,
 )
 from diffuserve.launch.setup import RankSetup, load_rank_pipeline, prepare_rank
-from diffuserve.pipelines.base import Pipeline
+from diffuserve.pipelines.serving import ServingPipeline
 
 logger = logging.getLogger("diffuserve")
 
@@ -108,11 +109,11 @@ def build_engine(args: ServerArgs) -> tuple[AsyncEngine, EngineMetrics, dict | N
     if info is not None:
         executor = _multi_rank_executor(args, info, setup, metrics)
 
-    def load() -> Pipeline:
+    def load() -> ServingPipeline:
         return load_rank_pipeline(args, setup, None, metrics)
 
     engine = AsyncEngine(
-        executor if executor is not None else load,
+        executor if executor is not None else InProcessExecutor(load),
         scheduler,
         config=replace(args.engine, warmup_resolutions=[
             tuple(int(v) for v in r.lower().split("x")) for r in plan.warmup_resolutions]),
