@@ -64,10 +64,10 @@ def _check_applicable(values: dict[str, Any], video: bool, family: str) -> None:
                           "which are always written as mp4. Drop the flag.")
 
 
-def _warn_truncated(pipeline: Any, prompts: list[str], negative_prompt: str | None) -> None:
+def _warn_truncated(model: Any, prompts: list[str], negative_prompt: str | None) -> None:
     """Say when a prompt is longer than a text encoder takes (it runs cut off, as in `serve`), counted by the
     model's token owner as `serve` counts."""
-    owner = pipeline.describe_model().prompt_tokens
+    owner = model.prompt_tokens
     if owner is None:
         return
     for i, prompt in enumerate(prompts):
@@ -76,7 +76,8 @@ def _warn_truncated(pipeline: Any, prompts: list[str], negative_prompt: str | No
 
 
 def generate(args: ServerArgs, values: dict[str, Any]) -> int:
-    from diffuserve.launch.root import open_pipeline
+    from diffuserve.engine.offline import OfflineEngine
+    from diffuserve.launch.root import build_generate_engine
     from diffuserve.launch.setup import resolve_model_path
 
     prompts = values.get("prompt")
@@ -99,18 +100,15 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     spec = resolve_model(model_path, model_id=args.model_id, backend=args.backend)
     if spec.family != "unknown":  # known from model_index.json alone: refuse before loading any weight
         _check_applicable(values, spec.output_kind == "video", spec.family)
-    pipeline, close = open_pipeline(args)
+    engine = OfflineEngine(build_generate_engine(args))
     try:
-        return _generate(args, values, pipeline, prompts, n, stem)
+        return _generate(values, engine, engine.start(), prompts, n, stem)
     finally:
-        close()
+        engine.close()
 
 
-def _generate(args: ServerArgs, values: dict[str, Any], pipeline: Any, prompts: list[str], n: int,
+def _generate(values: dict[str, Any], engine: Any, model: Any, prompts: list[str], n: int,
               stem: str | None) -> int:
-    from tqdm import tqdm
-
-    model = pipeline.describe_model()
     video = model.output_kind == "video"
     _check_applicable(values, video, model.family)
     params = [
@@ -131,40 +129,53 @@ def _generate(args: ServerArgs, values: dict[str, Any], pipeline: Any, prompts: 
         )
         for i, prompt in enumerate(prompts)
     ]
-    _warn_truncated(pipeline, prompts, values.get("negative_prompt"))
-    # --batching-max-size bounds the rows of every pipeline call in dynamic mode (as in `serve`);
-    # singleton mode runs one prompt (all its n rows) per call.
-    max_rows = args.batching_max_size if args.batching_mode == "dynamic" else None
+    _warn_truncated(model, prompts, values.get("negative_prompt"))
     names = output_names(prompts, n, stem)
     out_dir = Path(values.get("output_path") or "outputs")
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    progress = [0, params[0].num_inference_steps]
+    # The engine batches as `serve` does: singleton runs one prompt (all its n rows) per call; dynamic merges the
+    # prompts into calls of at most --batching-max-size rows. Files are written as each prompt's answer arrives.
+    progress, running = (0, params[0].num_inference_steps), None
     try:
-        for call in chunk_rows(params, max_rows):
-            steps = call[0][2].num_inference_steps
-            progress[:] = [0, steps]
-
-            def step(i: int, total: int) -> None:
-                progress[:] = [i + 1, total]
-                bar.update(1)
-
-            with tqdm(total=steps, desc=f"denoising {sum(p.n for _, _, p in call)} row(s)", unit="step") as bar:
-                result = pipeline.run([p for _, _, p in call], on_step=step)
-            for (prompt_index, first_row, part), output in zip(call, result.outputs, strict=True):
-                for j, blob in enumerate(_encoded(part, output)):
-                    path = out_dir / f"{names[prompt_index][first_row + j]}.{part.output_format}"
-                    path.write_bytes(blob)
-                    written.append(path)
+        for prompt_index, submitted in enumerate(engine.submit_all(params)):
+            progress, running = (0, submitted.params.num_inference_steps), submitted.request_id
+            output = _wait(engine, submitted).output
+            for j, blob in enumerate(_encoded(submitted.params, output)):
+                path = out_dir / f"{names[prompt_index][j]}.{submitted.params.output_format}"
+                path.write_bytes(blob)
+                written.append(path)
     except KeyboardInterrupt:
         import sys
 
+        progress = (engine.progress(running) if running else None) or progress
         print(f"\ninterrupted at step {progress[0]}/{progress[1]}; wrote {len(written)} files to {out_dir}",
               file=sys.stderr)
         return INTERRUPTED
     for path in written:
         print(path)
     return 0
+
+
+def _wait(engine: Any, submitted: Any) -> Any:
+    """One request's result, with a progress bar of its denoising steps (raises its error)."""
+    from concurrent.futures import TimeoutError as Pending
+
+    from tqdm import tqdm
+
+    params = submitted.params
+    with tqdm(total=params.num_inference_steps, desc=f"denoising {params.n} row(s)", unit="step") as bar:
+        while True:
+            try:
+                result = submitted.result.result(timeout=0.1)
+            except Pending:
+                done, total = engine.progress(submitted.request_id) or (0, 0)
+                if total:
+                    bar.total = total
+                bar.update(done - bar.n)
+                continue
+            bar.update(bar.total - bar.n)
+            return result
 
 
 def print_plan(values: dict[str, Any]) -> int:

@@ -12,12 +12,13 @@ the loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from diffuserve.config.batching import BatchingMode
@@ -97,6 +98,8 @@ class AsyncEngine:
         """Rank 0's serving pipeline, once loaded (its capabilities and model description)."""
         self.state = EngineState.LOADING
         self.failure: str | None = None
+        self.load_error: Exception | None = None
+        """What the model load / warm-up raised (FAILED before serving); `generate` re-raises it as it was."""
         self._stop = False
         self._thread: threading.Thread | None = None
         self._ready_event = threading.Event()
@@ -227,6 +230,13 @@ class AsyncEngine:
         return self._admit(params, asyncio.get_running_loop(), endpoint, timeout_s, priority,
                            ineligible_reason, request_id, preview).future
 
+    @contextlib.contextmanager
+    def admitting_together(self) -> Iterator[None]:
+        """Requests submitted inside arrive as one: no loop dispatches before the last is queued (`generate`'s
+        prompts batch as a burst of HTTP requests would, whatever the machine's speed)."""
+        with self._cond:
+            yield
+
     def _admit(self, params, loop, endpoint, timeout_s, priority, ineligible_reason, request_id,
                preview=None) -> PendingRequest:
         with self._cond:
@@ -323,6 +333,7 @@ class AsyncEngine:
             with self._cond:
                 self.state = EngineState.FAILED
                 self.failure = message
+                self.load_error = exc
             self._ready_event.set()
             if self.on_fatal is not None:
                 self.on_fatal(f"the model failed to load: {message}")
