@@ -23,6 +23,7 @@ import pytest
 
 from diffuserve.engine.engine import AsyncEngine, EngineConfig, EngineState
 from diffuserve.engine.metrics import EngineMetrics
+from diffuserve.engine.offline import OfflineEngine
 from diffuserve.engine.scheduler import BatchingConfig, DynamicBatcher
 from diffuserve.engine.step_scheduler import StepScheduler
 from diffuserve.errors import (
@@ -573,6 +574,65 @@ def test_previews_reach_their_sink_before_the_final_image(stop_engines, mode):
     assert all(len(images) == 1 for _, images in got)
     assert result.output.images in (["streamed#0"], ["streamed#final"])
     assert _answers(engine) == {"success": 1}
+
+
+# -- the serving pipeline ---------------------------------------------------------------------------------------
+def test_the_serving_pipeline_declares_what_its_adapter_can_do():
+    from diffuserve.errors import ConfigError
+    from diffuserve.executor.base import Capabilities, ServingPipeline
+
+    deferring = ServingPipeline.of(FakePipeline(defers_decode=True))
+    assert deferring.capabilities == Capabilities(batching=True, continuous=True, defers_decode=True)
+    assert deferring.lanes is deferring.adapter.side_lanes()  # the adapter's own lanes, made once
+    inline = ServingPipeline.of(FakePipeline())
+    assert inline.lanes is None and not inline.capabilities.defers_decode
+    assert inline.prefetch_text(_params("x"), lambda steps: None) is False
+    with pytest.raises(ConfigError, match="cannot split its CFG branches"):
+        inline.adapter.use_cfg_parallel(object())  # not a native recipe loop
+
+
+# -- the offline client (`generate`) -------------------------------------------------------------------------------
+def _offline(executor: FakeExecutor) -> OfflineEngine:
+    config = BatchingConfig(mode="dynamic", max_size=4, delay_ms=0.0)
+    return OfflineEngine(AsyncEngine(executor, DynamicBatcher(config, model_names=["fake"]),
+                                     config=EngineConfig(max_queue_size=0, enable_warmup=False), model_name="fake"))
+
+
+def test_the_offline_client_answers_every_prompt_and_admits_them_as_one_arrival():
+    executor = FakeExecutor()
+    executor.pipeline.open()
+    offline = _offline(executor)
+    try:
+        assert offline.start().family == "simulated"
+        submitted = offline.submit_all([_params(f"p{i}") for i in range(3)])
+        outputs = [s.result.result(WAIT_S).output.images for s in submitted]
+    finally:
+        offline.close()
+    assert outputs == [[f"p{i}#0"] for i in range(3)]
+    assert executor.batches == [(0, ["p0", "p1", "p2"])]  # delay 0, yet one batch: they arrived together
+
+
+def test_the_offline_client_raises_the_load_error_as_it_was_and_close_cancels_what_runs():
+    class Broken(FakeExecutor):
+        def load(self) -> Any:
+            raise ValueError("no such checkpoint")
+
+    offline = _offline(Broken())
+    with pytest.raises(ValueError, match="no such checkpoint"):
+        offline.start()
+    offline.close()
+    executor = FakeExecutor()
+    offline = _offline(executor)
+    offline.start()
+    running, = offline.submit_all([_params("held", steps=3)])
+    executor.pipeline.allow(1)
+    until(lambda: offline.progress(running.request_id) == (1, 3), "the first step reported")
+    # Once answered (cancelled), the held step may go on: the batch then stops at the next boundary.
+    threading.Thread(target=lambda: (running.result.exception(WAIT_S), executor.pipeline.open())).start()
+    offline.close()  # a Ctrl-C in `generate`: what runs is cancelled, the engine stops
+    with pytest.raises(RequestCancelledError):
+        running.result.result(WAIT_S)
+    assert executor.pipeline.steps_run < 3
 
 
 # -- shape ------------------------------------------------------------------------------------------------------
