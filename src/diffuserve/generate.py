@@ -149,10 +149,10 @@ def check_inputs(values: dict[str, Any], images: tuple[bytes, ...], *, family: s
                               f"needs; choose e.g. {max(size_multiple, value // size_multiple * size_multiple)}.")
 
 
-def _warn_truncated(pipeline: Any, prompts: list[str], negative_prompt: str | None) -> None:
+def _warn_truncated(model: Any, prompts: list[str], negative_prompt: str | None) -> None:
     """Say when a prompt is longer than a text encoder takes (it runs cut off, as in `serve`), counted by the
     model's token owner as `serve` counts."""
-    owner = pipeline.describe_model().prompt_tokens
+    owner = model.prompt_tokens
     if owner is None:
         return
     for i, prompt in enumerate(prompts):
@@ -161,7 +161,8 @@ def _warn_truncated(pipeline: Any, prompts: list[str], negative_prompt: str | No
 
 
 def generate(args: ServerArgs, values: dict[str, Any]) -> int:
-    from diffuserve.launch.root import open_pipeline
+    from diffuserve.engine.offline import OfflineEngine
+    from diffuserve.launch.root import build_generate_engine
     from diffuserve.launch.setup import resolve_model_path
 
     prompts = values.get("prompt")
@@ -187,24 +188,26 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     if spec.family != "unknown":  # known from model_index.json alone: refuse before loading any weight
         _check_applicable(values, video, spec.family)
         check_values(values, prompts, video)
-        _check_family_inputs(values, images, spec)
-    pipeline, close = open_pipeline(args)
+        _check_family_inputs(values, images, spec, model_path)
+    engine = OfflineEngine(build_generate_engine(args))
     try:
-        return _generate(args, values, pipeline, prompts, n, stem, images)
+        return _generate(values, engine, engine.start(), prompts, n, stem, images)
     finally:
-        close()
+        engine.close()
 
 
-def _check_family_inputs(values: dict[str, Any], images: tuple[bytes, ...], spec: Any) -> None:
-    """`check_inputs` with what the family spec says before loading (the size multiple only for native adapters,
-    whose multiple the spec states; the loaded model's own checks follow in `_generate`)."""
+def _check_family_inputs(values: dict[str, Any], images: tuple[bytes, ...], spec: Any, model_path: Path) -> None:
+    """`check_inputs` with what the family spec says of the checkpoint's configs before loading (the size multiple
+    only for native adapters, whose rule the spec states; the loaded model's own checks follow in `_generate`)."""
     from diffuserve.families import spec_for
+    from diffuserve.families.checkpoint import describe_checkpoint, read_checkpoint_configs
 
     family = spec_for(spec.family)
+    multiple = describe_checkpoint(family, read_checkpoint_configs(model_path)).size_multiple
     text_conditioned = bool(family.tasks & {"t2i", "t2v"})
     check_inputs(values, images, family=spec.family, max_inputs=family.max_image_inputs,
                  min_inputs=0 if text_conditioned else 1, video=spec.output_kind == "video",
-                 size_multiple=family.size_multiple if spec.backend == "native" else None)
+                 size_multiple=multiple if spec.backend == "native" else None)
 
 
 def _build_params(values: dict[str, Any], model: Any, prompts: list[str], n: int,
@@ -234,11 +237,8 @@ def _build_params(values: dict[str, Any], model: Any, prompts: list[str], n: int
     ]
 
 
-def _generate(args: ServerArgs, values: dict[str, Any], pipeline: Any, prompts: list[str], n: int,
+def _generate(values: dict[str, Any], engine: Any, model: Any, prompts: list[str], n: int,
               stem: str | None, images: tuple[bytes, ...] = ()) -> int:
-    from tqdm import tqdm
-
-    model = pipeline.describe_model()
     video = model.output_kind == "video"
     _check_applicable(values, video, model.family)
     # Again with what the loaded model says (a checkpoint of an unknown family is only known now).
@@ -246,40 +246,53 @@ def _generate(args: ServerArgs, values: dict[str, Any], pipeline: Any, prompts: 
     check_inputs(values, images, family=model.family, max_inputs=model.max_image_inputs,
                  min_inputs=model.min_image_inputs, video=video, size_multiple=model.size_multiple)
     params = _build_params(values, model, prompts, n, images)
-    _warn_truncated(pipeline, prompts, values.get("negative_prompt"))
-    # --batching-max-size bounds the rows of every pipeline call in dynamic mode (as in `serve`);
-    # singleton mode runs one prompt (all its n rows) per call.
-    max_rows = args.batching_max_size if args.batching_mode == "dynamic" else None
+    _warn_truncated(model, prompts, values.get("negative_prompt"))
     names = output_names(prompts, n, stem)
     out_dir = Path(values.get("output_path") or "outputs")
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    progress = [0, params[0].num_inference_steps]
+    # The engine batches as `serve` does: singleton runs one prompt (all its n rows) per call; dynamic merges the
+    # prompts into calls of at most --batching-max-size rows. Files are written as each prompt's answer arrives.
+    progress, running = (0, params[0].num_inference_steps), None
     try:
-        for call in chunk_rows(params, max_rows):
-            steps = call[0][2].num_inference_steps
-            progress[:] = [0, steps]
-
-            def step(i: int, total: int) -> None:
-                progress[:] = [i + 1, total]
-                bar.update(1)
-
-            with tqdm(total=steps, desc=f"denoising {sum(p.n for _, _, p in call)} row(s)", unit="step") as bar:
-                result = pipeline.run([p for _, _, p in call], on_step=step)
-            for (prompt_index, first_row, part), output in zip(call, result.outputs, strict=True):
-                for j, blob in enumerate(_encoded(part, output)):
-                    path = out_dir / f"{names[prompt_index][first_row + j]}.{part.output_format}"
-                    path.write_bytes(blob)
-                    written.append(path)
+        for prompt_index, submitted in enumerate(engine.submit_all(params)):
+            progress, running = (0, submitted.params.num_inference_steps), submitted.request_id
+            output = _wait(engine, submitted).output
+            for j, blob in enumerate(_encoded(submitted.params, output)):
+                path = out_dir / f"{names[prompt_index][j]}.{submitted.params.output_format}"
+                path.write_bytes(blob)
+                written.append(path)
     except KeyboardInterrupt:
         import sys
 
+        progress = (engine.progress(running) if running else None) or progress
         print(f"\ninterrupted at step {progress[0]}/{progress[1]}; wrote {len(written)} files to {out_dir}",
               file=sys.stderr)
         return INTERRUPTED
     for path in written:
         print(path)
     return 0
+
+
+def _wait(engine: Any, submitted: Any) -> Any:
+    """One request's result, with a progress bar of its denoising steps (raises its error)."""
+    from concurrent.futures import TimeoutError as Pending
+
+    from tqdm import tqdm
+
+    params = submitted.params
+    with tqdm(total=params.num_inference_steps, desc=f"denoising {params.n} row(s)", unit="step") as bar:
+        while True:
+            try:
+                result = submitted.result.result(timeout=0.1)
+            except Pending:
+                done, total = engine.progress(submitted.request_id) or (0, 0)
+                if total:
+                    bar.total = total
+                bar.update(done - bar.n)
+                continue
+            bar.update(bar.total - bar.n)
+            return result
 
 
 def print_plan(values: dict[str, Any]) -> int:

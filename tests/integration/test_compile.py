@@ -46,6 +46,7 @@ def _warm_engine(tiny_flux_path: Path, plan: DeploymentPlan):
     and the ledger moves it made, each with the engine state at that moment."""
     from diffuserve.engine.engine import AsyncEngine, EngineConfig
     from diffuserve.engine.scheduler import BatchingConfig, DynamicBatcher
+    from diffuserve.executor.base import InProcessExecutor, ServingPipeline
     from diffuserve.runtime.ledger import TransferLedger
     from diffuserve.runtime.residency import build_residency
 
@@ -54,12 +55,12 @@ def _warm_engine(tiny_flux_path: Path, plan: DeploymentPlan):
 
     def load():
         pipeline = load_pipeline(tiny_flux_path, placement="host")
-        pipeline.residency = build_residency(plan, pipeline.components, device="cpu", ledger=ledger)
+        pipeline.use_residency(build_residency(plan, pipeline.components, device="cpu", ledger=ledger))
         apply_compile(pipeline.components, plan, backend="eager")
-        return pipeline
+        return ServingPipeline.of(pipeline)
 
     batcher = DynamicBatcher(BatchingConfig(mode="dynamic", max_size=1, delay_ms=0), model_names=["tiny"])
-    engine = AsyncEngine(load, batcher, config=EngineConfig(enable_warmup=True, warmup_steps=1))
+    engine = AsyncEngine(InProcessExecutor(load), batcher, config=EngineConfig(enable_warmup=True, warmup_steps=1))
     ledger.add_listener(lambda move: moves.append((move, engine.state.name)))
     engine.start()
     try:

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from diffuserve.engine.engine import AsyncEngine, EngineConfig
-from diffuserve.engine.faults import FaultInjectingPipeline
+from diffuserve.engine.faults import inject_faults
 from diffuserve.engine.metrics import EngineMetrics
 from diffuserve.engine.scheduler import BatchingConfig, DynamicBatcher
 from diffuserve.errors import GenerationError
+from diffuserve.executor.base import InProcessExecutor, ServingPipeline
 from diffuserve.models.loader import load_pipeline
 from diffuserve.sampling import SamplingParams
 
@@ -20,12 +21,12 @@ MARKER = "BOOM"
 
 @pytest.fixture(scope="module")
 def pipeline(tiny_flux_path: Path):
-    return FaultInjectingPipeline(load_pipeline(tiny_flux_path), MARKER)
+    return inject_faults(ServingPipeline.of(load_pipeline(tiny_flux_path)), MARKER)
 
 
 def _engine(pipeline, *, max_size: int, delay_ms: float) -> AsyncEngine:
     batcher = DynamicBatcher(BatchingConfig(mode="dynamic", max_size=max_size, delay_ms=delay_ms), model_names=["tiny"])
-    engine = AsyncEngine(lambda: pipeline, batcher, config=EngineConfig(max_queue_size=0, enable_warmup=False),
+    engine = AsyncEngine(InProcessExecutor(lambda: pipeline), batcher, config=EngineConfig(max_queue_size=0, enable_warmup=False),
                          metrics=EngineMetrics(), model_name="tiny")
     engine.start()
     assert engine.wait_ready(60)
@@ -103,12 +104,14 @@ def test_an_internal_error_around_a_batch_does_not_kill_the_loop(pipeline):
 
 
 def test_fault_hook_is_transparent_for_every_family(tiny_checkpoint):
-    """A wrapped Wan model is still a video model with its own defaults and limits (only `run` is hooked)."""
+    """A served Wan model with fault hooks is still a video model with its own defaults and limits (only the
+    calls are hooked)."""
     inner = load_pipeline(tiny_checkpoint("wan"))
-    wrapped = FaultInjectingPipeline(inner, MARKER)
+    wrapped = inject_faults(ServingPipeline.of(inner), MARKER)
     assert wrapped.output_kind == "video" and wrapped.family == inner.family == "wan"
     assert wrapped.defaults == inner.defaults and wrapped.describe_model().output_kind == "video"
-    assert (wrapped.size_multiple, wrapped.frame_multiple, wrapped.max_width) == (
+    model = wrapped.describe_model()
+    assert (model.size_multiple, model.frame_multiple, wrapped.describe()["max_size"][0]) == (
         inner.size_multiple, inner.frame_multiple, inner.max_width)
     params = SamplingParams(prompt=f"a {MARKER}", width=32, height=32, num_frames=5, num_inference_steps=1, seed=0)
     with pytest.raises(Exception, match="injected fault"):

@@ -58,11 +58,7 @@ KNOWN_CYCLES: set[tuple[str, ...]] = set()
 """Import circles (strongly connected modules, sorted) present when this test was written (the engine <-> continuous
 and launch <-> launch_ranks circles are gone: issue 25 items 2 and 6)."""
 
-KNOWN_UPWARD: set[tuple[str, str]] = {
-    # Issue 25 item 4: fault injection wraps the pipeline from the engine's folder.
-    ("engine.faults", "pipelines.base"),
-    ("engine.faults", "pipelines.overlap"),
-}
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 """(importer, imported) module pairs that point up the layers (or skip the executor) when this test was written."""
 
 KNOWN_LONG_MODULES: set[str] = {

@@ -13,19 +13,17 @@ decides where every batch stands; it waits on observed state (steps run, calls m
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import torch
 
 from diffuserve.engine.engine import AsyncEngine, EngineConfig, EngineState
 from diffuserve.engine.metrics import EngineMetrics
+from diffuserve.engine.offline import OfflineEngine
 from diffuserve.engine.scheduler import BatchingConfig, DynamicBatcher
 from diffuserve.engine.step_scheduler import StepScheduler
 from diffuserve.errors import (
@@ -34,12 +32,9 @@ from diffuserve.errors import (
     RequestTimeoutError,
     ServiceUnavailableError,
 )
-from diffuserve.executor.base import InProcessExecutor, ReplicaState
 from diffuserve.executor.worker import PreviewSink
-from diffuserve.pipelines.base import BatchResult, Pipeline, RequestOutput
-from diffuserve.pipelines.stages import DenoiseState
-from diffuserve.pipelines.step_batch import RequestRows
 from diffuserve.sampling import SamplingParams
+from diffuserve.tools.sim_executor import SimulatedExecutor, SimulatedPipeline
 
 WAIT_S = 20.0
 """Upper bound of every wait on observed state (a generous cap for a loaded machine; never a timing gate)."""
@@ -73,30 +68,14 @@ class FakeClock:
         return self.now
 
 
-class FakePipeline(Pipeline):
-    """A pipeline without a model: each denoising step waits for a permit; outputs name their request's prompt."""
-
-    family = "fake"
-    supports_batching = True
-    supports_continuous = True
+class FakePipeline(SimulatedPipeline):
+    """The simulated pipeline (`tools/sim_executor.py`) whose every denoising step waits for a permit the test grants."""
 
     def __init__(self, *, defers_decode: bool = False):
-        super().__init__()
-        self.device = torch.device("cpu")
-        self._defers_decode = defers_decode
+        super().__init__(defers_decode=defers_decode)
         self.free = False
         """True: steps run without permits."""
         self._permits = threading.Semaphore(0)
-        self._changed = threading.Condition()
-        self.steps_run = 0
-        """Denoising steps run (request-level calls and continuous steps alike)."""
-        self.calls: list[list[str]] = []
-        """Prompts of each request-level call, in order."""
-        self.step_rows: list[list[str]] = []
-        """Continuous mode: prompts of the rows of each step."""
-        self.decode_gate = threading.Event()
-        self.decode_gate.set()
-        self.decodes: list[list[str]] = []
 
     # -- test controls ----------------------------------------------------------------------------------
     def allow(self, steps: int = 1) -> None:
@@ -110,150 +89,22 @@ class FakePipeline(Pipeline):
     def wait_steps(self, n: int) -> None:
         until(lambda: self.steps_run >= n, f"{n} denoising steps")
 
-    def _step(self, prompts: Sequence[str]) -> None:
+    def wait_turn(self, prompts: Sequence[str], rows: int) -> None:
         while not self.free and not self._permits.acquire(timeout=0.05):
             pass
-        if any("FAIL" in p for p in prompts):
-            raise RuntimeError("injected step failure")
-        with self._changed:
-            self.steps_run += 1
-
-    # -- Pipeline -----------------------------------------------------------------------------------------
-    @property
-    def defers_decode(self) -> bool:
-        return self._defers_decode
-
-    def run_to_latents(self, batch, *, on_step=None, should_stop=None, on_preview=None) -> Any:
-        prompts = [p.prompt for p in batch]
-        self.calls.append(prompts)
-        num_steps = batch[0].num_inference_steps
-        for i in range(num_steps):
-            if should_stop is not None and should_stop():
-                raise RequestCancelledError(f"cancelled before denoising step {i + 1}/{num_steps}")
-            self._step(prompts)
-            if on_step is not None:
-                on_step(i, num_steps)
-            if on_preview is not None:
-                on_preview(i, num_steps, lambda i=i: [[f"{p.prompt}@{i}"] * p.n for p in batch])
-        rows = sum(p.n for p in batch)
-        return _Denoised(list(batch), torch.zeros(rows, 1), {"denoise": 0.0})
-
-    def decode_batch(self, denoised: Any) -> BatchResult:
-        self.decode_gate.wait(WAIT_S)
-        self.decodes.append([p.prompt for p in denoised.batch])
-        return BatchResult(outputs=[RequestOutput(images=[f"{p.prompt}#{j}" for j in range(p.n)])  # type: ignore[misc]
-                                    for p in denoised.batch], stage_seconds={"decode": 0.0})
-
-    def run(self, batch, *, on_step=None, should_stop=None, on_preview=None) -> BatchResult:
-        return self.decode_batch(self.run_to_latents(batch, on_step=on_step, should_stop=should_stop,
-                                                     on_preview=on_preview))
-
-    # -- the family parts continuous mode's finish and preview use -----------------------------------------
-    def step_extras(self, states: Sequence[DenoiseState]) -> dict[str, Any]:
-        return states[0].extras
-
-    def decoder_scope(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    def decode(self, latents: torch.Tensor, state: DenoiseState) -> list[Any]:
-        self.decode_gate.wait(WAIT_S)
-        labels = state.extras["labels"]
-        self.decodes.append(list(labels))
-        return [f"{label}#final" for label in labels]
-
-    def preview(self, latents: torch.Tensor, state: DenoiseState) -> list[Any]:
-        return [f"{label}#preview" for label in state.extras["labels"]]
 
 
-@dataclass
-class _Denoised:
-    batch: list[SamplingParams]
-    latents: torch.Tensor
-    stage_seconds: dict[str, float]
-
-
-class FakeSteps:
-    """Continuous mode's StepRunner on a fake pipeline: a request's state is `RequestRows` with labelled rows."""
-
-    def __init__(self, pipeline: FakePipeline):
-        self.pipeline = pipeline
-        self.dropped: list[str] = []
-        self.lanes = None
-        self.device = pipeline.device
-
-    def start(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[Any]:
-        out: list[Any] = []
-        for _, params in requests:
-            if "BADSTART" in params.prompt:
-                out.append(RuntimeError("injected start failure"))
-                continue
-            latents = torch.zeros(params.n, 1)
-            labels = [params.prompt] * params.n
-            state = DenoiseState(latents=latents, timesteps=torch.arange(params.num_inference_steps), scheduler=None,
-                                 extras={"labels": labels})
-            out.append(RequestRows(params=params, latents=latents, positive=None, negative=None,  # type: ignore[arg-type]
-                                   state=state))
-        return out
-
-    def step(self, rows: Sequence[tuple[str, Any]]) -> None:
-        prompts = [state.params.prompt for _, state in rows]
-        self.pipeline.step_rows.append(prompts)
-        self.pipeline._step(prompts)
-        for _, state in rows:
-            state.step_index += 1
-
-    def drop(self, request_id: str) -> None:
-        self.dropped.append(request_id)
-
-    def snapshot(self, state: Any) -> Any:
-        return state
-
-    def preview(self, state: Any) -> list[Any]:
-        return self.pipeline.preview(state.latents, state.state)
-
-    def finish(self, states: Sequence[Any]) -> list[RequestOutput]:
-        labels = [label for s in states for label in s.state.extras["labels"]]
-        decoded = iter(self.pipeline.decode(torch.zeros(len(labels), 1), _labelled(states[0].state, labels)))
-        return [RequestOutput(images=[next(decoded) for _ in range(s.params.n)]) for s in states]
-
-
-def _labelled(state: DenoiseState, labels: list[str]) -> DenoiseState:
-    return DenoiseState(latents=state.latents, timesteps=state.timesteps, scheduler=None, extras={"labels": labels})
-
-
-class FakeExecutor:
+class FakeExecutor(SimulatedExecutor):
     """`replicas` fake pipelines, each run by the in-process executor of its own replica; records every batch."""
 
+    pipelines: list[FakePipeline]  # type: ignore[assignment]
+
     def __init__(self, replicas: int = 1, *, defers_decode: bool = False, clock: Callable[[], float] | None = None):
-        self.pipelines = [FakePipeline(defers_decode=defers_decode) for _ in range(replicas)]
-        self._inner = [InProcessExecutor(lambda p=p: p, clock=clock) for p in self.pipelines]
-        self.replicas = [ReplicaState(r, (r,)) for r in range(replicas)]
-        self.batches: list[tuple[int, list[str]]] = []
-        """(replica, request prompts) of every executed batch, in order."""
-        self.runner: FakeSteps | None = None
+        super().__init__(replicas, make_pipeline=lambda: FakePipeline(defers_decode=defers_decode), clock=clock)
 
     @property
     def pipeline(self) -> FakePipeline:
         return self.pipelines[0]
-
-    def load(self) -> Pipeline:
-        for inner in self._inner:
-            inner.load()
-        return self.pipelines[0]
-
-    def execute(self, replica: int, message: Any, events: Any) -> Any:
-        self.batches.append((replica, [p.prompt for p in message.params]))
-        return self._inner[replica].execute(0, message, events)
-
-    def prefetch(self, params: SamplingParams, on_done: Callable[[int], None]) -> bool:
-        return False
-
-    def steps(self) -> FakeSteps:
-        self.runner = FakeSteps(self.pipelines[0])
-        return self.runner
-
-    def shutdown(self) -> None:
-        pass
 
 
 class CountingMetrics(EngineMetrics):
@@ -723,6 +574,65 @@ def test_previews_reach_their_sink_before_the_final_image(stop_engines, mode):
     assert all(len(images) == 1 for _, images in got)
     assert result.output.images in (["streamed#0"], ["streamed#final"])
     assert _answers(engine) == {"success": 1}
+
+
+# -- the serving pipeline ---------------------------------------------------------------------------------------
+def test_the_serving_pipeline_declares_what_its_adapter_can_do():
+    from diffuserve.errors import ConfigError
+    from diffuserve.executor.base import Capabilities, ServingPipeline
+
+    deferring = ServingPipeline.of(FakePipeline(defers_decode=True))
+    assert deferring.capabilities == Capabilities(batching=True, continuous=True, defers_decode=True)
+    assert deferring.lanes is deferring.adapter.side_lanes()  # the adapter's own lanes, made once
+    inline = ServingPipeline.of(FakePipeline())
+    assert inline.lanes is None and not inline.capabilities.defers_decode
+    assert inline.prefetch_text(_params("x"), lambda steps: None) is False
+    with pytest.raises(ConfigError, match="cannot split its CFG branches"):
+        inline.adapter.use_cfg_parallel(object())  # not a native recipe loop
+
+
+# -- the offline client (`generate`) -------------------------------------------------------------------------------
+def _offline(executor: FakeExecutor) -> OfflineEngine:
+    config = BatchingConfig(mode="dynamic", max_size=4, delay_ms=0.0)
+    return OfflineEngine(AsyncEngine(executor, DynamicBatcher(config, model_names=["fake"]),
+                                     config=EngineConfig(max_queue_size=0, enable_warmup=False), model_name="fake"))
+
+
+def test_the_offline_client_answers_every_prompt_and_admits_them_as_one_arrival():
+    executor = FakeExecutor()
+    executor.pipeline.open()
+    offline = _offline(executor)
+    try:
+        assert offline.start().family == "simulated"
+        submitted = offline.submit_all([_params(f"p{i}") for i in range(3)])
+        outputs = [s.result.result(WAIT_S).output.images for s in submitted]
+    finally:
+        offline.close()
+    assert outputs == [[f"p{i}#0"] for i in range(3)]
+    assert executor.batches == [(0, ["p0", "p1", "p2"])]  # delay 0, yet one batch: they arrived together
+
+
+def test_the_offline_client_raises_the_load_error_as_it_was_and_close_cancels_what_runs():
+    class Broken(FakeExecutor):
+        def load(self) -> Any:
+            raise ValueError("no such checkpoint")
+
+    offline = _offline(Broken())
+    with pytest.raises(ValueError, match="no such checkpoint"):
+        offline.start()
+    offline.close()
+    executor = FakeExecutor()
+    offline = _offline(executor)
+    offline.start()
+    running, = offline.submit_all([_params("held", steps=3)])
+    executor.pipeline.allow(1)
+    until(lambda: offline.progress(running.request_id) == (1, 3), "the first step reported")
+    # Once answered (cancelled), the held step may go on: the batch then stops at the next boundary.
+    threading.Thread(target=lambda: (running.result.exception(WAIT_S), executor.pipeline.open())).start()
+    offline.close()  # a Ctrl-C in `generate`: what runs is cancelled, the engine stops
+    with pytest.raises(RequestCancelledError):
+        running.result.result(WAIT_S)
+    assert executor.pipeline.steps_run < 3
 
 
 # -- shape ------------------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from diffuserve.engine.faults import ENV_VAR, FaultInjectingPipeline, InjectedFault, maybe_inject_faults
+from diffuserve.engine.faults import ENV_VAR, InjectedFault, InjectedFaults, maybe_inject_faults
+from diffuserve.pipelines.serving import ServingPipeline
 
 WAIT_S = 30
 
@@ -40,13 +41,13 @@ class _Loop:
 def _wrapped(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, inner: Any) -> tuple[Any, Path]:
     release = tmp_path / "release"
     monkeypatch.setenv(ENV_VAR, f"prompt:BOOM,hold_step:HOLD,release:{release}")
-    return maybe_inject_faults(inner), release
+    return maybe_inject_faults(ServingPipeline(inner)), release
 
 
 def test_a_marked_call_reports_no_step_until_released(monkeypatch, tmp_path):
     inner = _Loop()
     pipeline, release = _wrapped(monkeypatch, tmp_path, inner)
-    assert isinstance(pipeline, FaultInjectingPipeline)
+    assert isinstance(pipeline.faults, InjectedFaults)
     result: list[str] = []
     thread = threading.Thread(target=lambda: result.append(pipeline.run([_Params("a HOLD b")])))
     thread.start()
@@ -82,10 +83,10 @@ def test_continuous_steps_of_a_marked_row_wait_in_check_step(monkeypatch, tmp_pa
 def test_hold_step_needs_an_absolute_release_path(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "hold_step:HOLD")
     with pytest.raises(ValueError, match="release:"):
-        maybe_inject_faults(_Loop())  # type: ignore[arg-type]
+        maybe_inject_faults(ServingPipeline(_Loop()))  # type: ignore[arg-type]
     monkeypatch.setenv(ENV_VAR, "hold:SIDE")
-    inner = _Loop()
-    assert maybe_inject_faults(inner) is inner  # type: ignore[arg-type]
+    inner = ServingPipeline(_Loop())  # type: ignore[arg-type]
+    assert maybe_inject_faults(inner) is inner
 
 
 def test_a_numbered_release_lets_that_many_steps_go_on(monkeypatch, tmp_path):

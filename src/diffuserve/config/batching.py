@@ -38,7 +38,8 @@ class BatchingMode(str, enum.Enum):
 
 _MODES = tuple(m.value for m in BatchingMode)
 _GENERATE_MODES = (BatchingMode.SINGLETON.value, BatchingMode.DYNAMIC.value)
-"""`generate` runs its prompts through the pipeline itself, not the engine: no continuous mode."""
+"""`generate`'s choices: its prompts all arrive at once (through the serving engine, `engine/offline.py`), so
+continuous mode's joins at step boundaries would add nothing to dynamic batching there."""
 
 
 @dataclass

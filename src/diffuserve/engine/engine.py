@@ -12,12 +12,13 @@ the loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from diffuserve.config.batching import BatchingMode
@@ -34,7 +35,7 @@ from diffuserve.errors import (
     RequestCancelledError,
     ServiceUnavailableError,
 )
-from diffuserve.executor.base import Executor, InProcessExecutor, Pipeline
+from diffuserve.executor.base import Executor, ServingPipeline
 from diffuserve.executor.messages import BatchMessage
 from diffuserve.executor.worker import NoEvents, PreviewSink
 from diffuserve.sampling import ModelDescription, SamplingParams, build_sampling_params
@@ -71,7 +72,7 @@ class AsyncEngine:
 
     def __init__(
         self,
-        executor: Executor | Callable[[], Pipeline],
+        executor: Executor,
         scheduler: Any,
         *,
         config: EngineConfig | None = None,
@@ -80,8 +81,8 @@ class AsyncEngine:
         model_name: str = "",
         clock: Callable[[], float] = time.monotonic,
     ):
-        # A bare loader is the one-rank case.
-        self.executor: Executor = executor if hasattr(executor, "execute") else InProcessExecutor(executor, clock=clock)  # type: ignore[arg-type]
+        self.executor = executor
+        """Runs the batches: `InProcessExecutor` for one rank, `MultiRankExecutor` for several."""
         self.scheduler = scheduler
         """A `DynamicBatcher` (singleton / dynamic) or a `StepScheduler` (continuous): `schedule(now)` either way."""
         self.mode = BatchingMode(scheduler.config.mode)
@@ -93,9 +94,12 @@ class AsyncEngine:
         self.book = RequestBook(self.metrics, clock)
         """Pending requests, answer-once, abort, progress; its `cond` is the engine's one lock."""
         self._cond = self.book.cond
-        self.pipeline: Pipeline | None = None
+        self.pipeline: ServingPipeline | None = None
+        """Rank 0's serving pipeline, once loaded (its capabilities and model description)."""
         self.state = EngineState.LOADING
         self.failure: str | None = None
+        self.load_error: Exception | None = None
+        """What the model load / warm-up raised (FAILED before serving); `generate` re-raises it as it was."""
         self._stop = False
         self._thread: threading.Thread | None = None
         self._ready_event = threading.Event()
@@ -226,6 +230,13 @@ class AsyncEngine:
         return self._admit(params, asyncio.get_running_loop(), endpoint, timeout_s, priority,
                            ineligible_reason, request_id, preview).future
 
+    @contextlib.contextmanager
+    def admitting_together(self) -> Iterator[None]:
+        """Requests submitted inside arrive as one: no loop dispatches before the last is queued (`generate`'s
+        prompts batch as a burst of HTTP requests would, whatever the machine's speed)."""
+        with self._cond:
+            yield
+
     def _admit(self, params, loop, endpoint, timeout_s, priority, ineligible_reason, request_id,
                preview=None) -> PendingRequest:
         with self._cond:
@@ -322,6 +333,7 @@ class AsyncEngine:
             with self._cond:
                 self.state = EngineState.FAILED
                 self.failure = message
+                self.load_error = exc
             self._ready_event.set()
             if self.on_fatal is not None:
                 self.on_fatal(f"the model failed to load: {message}")
@@ -342,8 +354,9 @@ class AsyncEngine:
         started = time.monotonic()
         self.pipeline = self.executor.load()
         # What the loaded model can do decides what the scheduler may merge.
-        self.scheduler.set_capabilities(supports_batching=self.pipeline.supports_batching,
-                                        supports_continuous=self.pipeline.supports_continuous)
+        capabilities = self.pipeline.capabilities
+        self.scheduler.set_capabilities(supports_batching=capabilities.batching,
+                                        supports_continuous=capabilities.continuous)
         logger.info("model loaded in %.1fs: %s", time.monotonic() - started, self.pipeline.describe())
         if self.config.enable_warmup:
             with self._cond:

@@ -28,12 +28,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from diffuserve.pipelines.base import BatchResult, Pipeline
+from diffuserve.executor.base import ServingPipeline
 
 ENV_VAR = "DIFFUSERVE_FAULT_INJECTION"
 HOLD_STEP_TIMEOUT_S = 120.0
@@ -96,57 +96,44 @@ class StepHold:
         return held
 
 
-class FaultInjectingPipeline:
-    """Wraps a pipeline; raises InjectedFault for batches that contain the marker, holds steps (`StepHold`).
+@dataclass(frozen=True)
+class InjectedFaults:
+    """The serving pipeline's fault hooks (`pipelines/serving.FaultHooks`): raise InjectedFault for a call or step
+    whose prompts contain `marker`, hold the steps of one marked for `step_hold`."""
 
-    A transparent proxy, not a `Pipeline` subclass: every attribute (output kind, defaults, size limits, the
-    model description) is the wrapped family's own, so a wrapped Wan model is still a video model with its
-    defaults; only `run` is intercepted.
-    """
+    marker: str | None = None
+    """A prompt containing this fails its call (or continuous step)."""
+    step_hold: StepHold | None = None
+    """`hold_step:` - the steps of a marked call wait for the release file."""
 
-    def __init__(self, inner: Pipeline, marker: str | None, step_hold: StepHold | None = None):
-        self.__dict__["_inner"] = inner
-        self.__dict__["_marker"] = marker
-        self.__dict__["_step_hold"] = step_hold
+    def check(self, batch: Sequence[Any]) -> None:
+        if self.marker and any(self.marker in p.prompt for p in batch):
+            raise InjectedFault(f"injected fault: a prompt in this batch contains {self.marker!r}")
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+    def hold(self, batch: Sequence[Any], hooks: dict[str, Any]) -> dict[str, Any]:
+        if self.step_hold is None:
+            return hooks
+        return {**hooks, "on_step": self.step_hold.wrap(list(batch), hooks.get("on_step"))}
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._inner, name, value)
-
-    def run(self, batch: list[Any], **callbacks: Any) -> BatchResult:
-        self._check(batch)
-        return self._inner.run(batch, **self._hold(batch, callbacks))
-
-    def run_to_latents(self, batch: list[Any], **callbacks: Any) -> Any:
-        """The first part of `run` when its decode overlaps the next batch (`executor/worker.py`)."""
-        self._check(batch)
-        return self._inner.run_to_latents(batch, **self._hold(batch, callbacks))
-
-    def _hold(self, batch: list[Any], callbacks: dict[str, Any]) -> dict[str, Any]:
-        if self._step_hold is None:
-            return callbacks
-        return {**callbacks, "on_step": self._step_hold.wrap(batch, callbacks.get("on_step"))}
-
-    def _check(self, batch: list[Any]) -> None:
-        if self._marker and any(self._marker in p.prompt for p in batch):
-            raise InjectedFault(f"injected fault: a prompt in this batch contains {self._marker!r}")
-
-    def check_step(self, batch: list[Any]) -> None:
+    def check_step(self, batch: Sequence[Any]) -> None:
         """Continuous mode, before each step: the same fault (and hold) for a step whose rows include the marker."""
-        if self._marker and any(self._marker in p.prompt for p in batch):
-            raise InjectedFault(f"injected fault: a prompt in this denoising step contains {self._marker!r}")
-        if self._step_hold is not None and self._step_hold.marks(batch):
-            self._step_hold.wait("a continuous denoising step")
+        if self.marker and any(self.marker in p.prompt for p in batch):
+            raise InjectedFault(f"injected fault: a prompt in this denoising step contains {self.marker!r}")
+        if self.step_hold is not None and self.step_hold.marks(list(batch)):
+            self.step_hold.wait("a continuous denoising step")
 
 
-def maybe_inject_faults(pipeline: Pipeline) -> Pipeline | FaultInjectingPipeline:
+def inject_faults(pipeline: ServingPipeline, marker: str | None, step_hold: StepHold | None = None) -> ServingPipeline:
+    """`pipeline` with fault hooks (tests build these directly; serving reads the environment)."""
+    return replace(pipeline, faults=InjectedFaults(marker, step_hold))
+
+
+def maybe_inject_faults(pipeline: ServingPipeline) -> ServingPipeline:
+    """`pipeline` with the faults `DIFFUSERVE_FAULT_INJECTION` asks for (itself when it asks for none)."""
     parts = dict(part.split(":", 1) for part in os.environ.get(ENV_VAR, "").split(",") if ":" in part)
-    if parts.get("hold"):
-        from diffuserve.pipelines.overlap import overlap_for
-
-        overlap_for(pipeline).hold_marker = parts["hold"]
+    if parts.get("hold") and (pipeline.lanes is not None or pipeline.capabilities.text_prefetch):
+        # Side jobs (decodes, continuous starts, text prefetch) run in the adapter's lanes only.
+        (pipeline.lanes or pipeline.adapter.side_lanes()).hold_marker = parts["hold"]
     step_hold = None
     if parts.get("hold_step"):
         release = Path(parts.get("release", ""))
@@ -154,5 +141,5 @@ def maybe_inject_faults(pipeline: Pipeline) -> Pipeline | FaultInjectingPipeline
             raise ValueError(f"{ENV_VAR}: hold_step:<marker> needs release:<absolute path of the release file>")
         step_hold = StepHold(parts["hold_step"], release)
     if parts.get("prompt") or step_hold is not None:
-        return FaultInjectingPipeline(pipeline, parts.get("prompt"), step_hold)
+        return inject_faults(pipeline, parts.get("prompt"), step_hold)
     return pipeline

@@ -9,12 +9,14 @@ from typing import Any, Protocol
 
 from diffuserve.executor.messages import BatchMessage
 from diffuserve.executor.worker import BatchEvents, BatchOutcome, run_batch
-from diffuserve.pipelines.base import Pipeline, RequestOutput
+from diffuserve.pipelines.base import Capabilities, Pipeline, RequestOutput
+from diffuserve.pipelines.serving import ServingPipeline
 from diffuserve.sampling import SamplingParams
 
-__all__ = ["Executor", "InProcessExecutor", "Pipeline", "PipelineSteps", "ReplicaState", "RequestOutput", "StepRunner"]
-"""`Pipeline` and `RequestOutput` are re-exported: the engine sees the loaded pipeline and the outputs only through
-this seam (it imports nothing from `pipelines/`)."""
+__all__ = ["Capabilities", "Executor", "InProcessExecutor", "Pipeline", "PipelineSteps", "ReplicaState",
+           "RequestOutput", "ServingPipeline", "StepRunner"]
+"""`Pipeline`, `ServingPipeline`, `Capabilities` and `RequestOutput` are re-exported: the engine sees the loaded
+pipeline and the outputs only through this seam (it imports nothing from `pipelines/`)."""
 
 
 @dataclass
@@ -64,13 +66,11 @@ class PipelineSteps:
     `ranks` when the replica has several ranks (`executor/replica.py`: every rank runs them); snapshot, preview and
     finish run here only (the leader answers)."""
 
-    def __init__(self, pipeline: Pipeline, ranks: Any = None):
-        from diffuserve.pipelines.overlap import overlap_for
-
+    def __init__(self, pipeline: ServingPipeline, ranks: Any = None):
         self.pipeline = pipeline
         self.ranks = ranks
         """The replica's StepRunner for start / step / drop on every rank; None = this rank alone."""
-        self.lanes = overlap_for(pipeline) if getattr(pipeline, "defers_decode", False) else None
+        self.lanes = pipeline.lanes
         self.device = pipeline.device
         self._conds: Any = None
         """The group's stacked conditioning across steps (`step_batch.GroupConds`, made on the first step)."""
@@ -80,12 +80,10 @@ class PipelineSteps:
             return self.ranks.start(requests)
         from diffuserve.pipelines import step_batch
 
-        return step_batch.start_group(self.pipeline, [params for _, params in requests])  # type: ignore[arg-type]
+        return step_batch.start_group(self.pipeline.adapter, [params for _, params in requests])  # type: ignore[arg-type]
 
     def step(self, rows: Sequence[tuple[str, Any]]) -> None:
-        check_step = getattr(self.pipeline, "check_step", None)  # operator-only fault injection (engine/faults.py)
-        if check_step is not None:
-            check_step([state.params for _, state in rows])
+        self.pipeline.check_step([state.params for _, state in rows])  # operator-only fault injection
         if self.ranks is not None:
             self.ranks.step(rows)
             return
@@ -93,7 +91,7 @@ class PipelineSteps:
 
         if self._conds is None:
             self._conds = step_batch.GroupConds()
-        step_batch.denoise_step(self.pipeline, [state for _, state in rows], self._conds)  # type: ignore[arg-type]
+        step_batch.denoise_step(self.pipeline.adapter, [state for _, state in rows], self._conds)  # type: ignore[arg-type]
 
     def drop(self, request_id: str) -> None:
         if self.ranks is not None:
@@ -107,23 +105,23 @@ class PipelineSteps:
     def preview(self, state: Any) -> list[Any]:
         from diffuserve.pipelines import step_batch
 
-        return step_batch.preview_request(self.pipeline, state)  # type: ignore[arg-type]
+        return step_batch.preview_request(self.pipeline.adapter, state)  # type: ignore[arg-type]
 
     def finish(self, states: Sequence[Any]) -> list[RequestOutput]:
         from diffuserve.pipelines import step_batch
 
-        return step_batch.finish_requests(self.pipeline, states)  # type: ignore[arg-type]
+        return step_batch.finish_requests(self.pipeline.adapter, states)  # type: ignore[arg-type]
 
 
 class Executor(Protocol):
-    """Runs scheduled batches. `load()` returns rank 0's pipeline (the model description comes from it).
+    """Runs scheduled batches. `load()` returns rank 0's serving pipeline (the model description comes from it).
 
     `execute` takes the batch as data (`BatchMessage`) and returns data (`BatchOutcome`); while it runs, the batch
     reports `Progress` / `Preview` events to `events` and reads back which requests were cancelled."""
 
     replicas: list[ReplicaState]
 
-    def load(self) -> Pipeline: ...
+    def load(self) -> ServingPipeline: ...
 
     def execute(self, replica: int, message: BatchMessage, events: BatchEvents) -> BatchOutcome: ...
 
@@ -133,17 +131,20 @@ class Executor(Protocol):
 
     def shutdown(self) -> None: ...
 
+    def describe(self) -> dict[str, Any] | None:
+        """/server_info's `distributed` section: the ranks and their topology; None for one process."""
+
 
 class InProcessExecutor:
     """One rank: the batch runs on this process's pipeline, in the calling (engine worker) thread."""
 
-    def __init__(self, load_pipeline: Callable[[], Pipeline], *, clock: Callable[[], float] | None = None):
+    def __init__(self, load_pipeline: Callable[[], ServingPipeline], *, clock: Callable[[], float] | None = None):
         self._load_pipeline = load_pipeline
         self._clock = clock
-        self.pipeline: Pipeline | None = None
+        self.pipeline: ServingPipeline | None = None
         self.replicas = [ReplicaState(0, (0,))]
 
-    def load(self) -> Pipeline:
+    def load(self) -> ServingPipeline:
         self.pipeline = self._load_pipeline()
         return self.pipeline
 
@@ -159,8 +160,11 @@ class InProcessExecutor:
     def prefetch(self, params: SamplingParams, on_done: Callable[[int], None]) -> bool:
         """Dynamic batching: encode a queued request's texts in the encode lane beside the running batch
         (`pipelines/text_prefetch.py`). False when the pipeline cannot (or there was nothing to do)."""
-        prefetch_text = getattr(self.pipeline, "prefetch_text", None)
-        return bool(prefetch_text(params, on_done=on_done)) if prefetch_text is not None else False
+        assert self.pipeline is not None, "load() first"
+        return self.pipeline.prefetch_text(params, on_done)
 
     def shutdown(self) -> None:
         pass
+
+    def describe(self) -> dict[str, Any] | None:
+        return None

@@ -23,7 +23,7 @@ from diffuserve.executor.protocol import RankLink, ReplicaLink
 from diffuserve.executor.replica import RankFault, ReplicaPipeline, StepSync
 from diffuserve.executor.topology import Topology
 from diffuserve.executor.worker import BatchEvents, BatchOutcome, run_batch
-from diffuserve.pipelines.base import Pipeline
+from diffuserve.pipelines.serving import ServingPipeline
 from diffuserve.sampling import SamplingParams
 
 logger = logging.getLogger("diffuserve.executor")
@@ -33,7 +33,7 @@ class MultiRankExecutor:
     """Executor over `topology.world_size` ranks in `dp_size` replicas; this process is global rank 0."""
 
     def __init__(self, topology: Topology, *, connect: Callable[[], tuple[StoreChannel, Any]],
-                 load_local: Callable[[Any], Pipeline], children: dict[int, Any], heartbeat_timeout_s: float,
+                 load_local: Callable[[Any], ServingPipeline], children: dict[int, Any], heartbeat_timeout_s: float,
                  timeout_s: float, clock: Callable[[], float] = time.monotonic,
                  observe_call: Callable[[float, float], None] | None = None):
         self.topology = topology
@@ -73,7 +73,7 @@ class MultiRankExecutor:
     def alive(self) -> bool:
         return self.monitor is None or self.monitor.fault is None
 
-    def load(self) -> Pipeline:
+    def load(self) -> ServingPipeline:
         """Join the group (the other ranks load at the same time), then load replica 0's share here."""
         self.channel, groups = self._connect()
         self._ranks = RankLink(self.channel)

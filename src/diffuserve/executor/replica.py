@@ -30,7 +30,9 @@ from diffuserve.executor.protocol import (
 )
 from diffuserve.executor.topology import Topology
 from diffuserve.executor.worker import run_batch
-from diffuserve.pipelines.base import BatchResult, Pipeline
+from diffuserve.pipelines.base import BatchResult
+from diffuserve.pipelines.overlap import Overlap
+from diffuserve.pipelines.serving import ServingPipeline
 from diffuserve.sampling import SamplingParams
 
 logger = logging.getLogger("diffuserve.executor")
@@ -40,10 +42,9 @@ class RankFault(RuntimeError):
     """A rank of the replica died, hung or fell out of step; the message names it."""
 
 
-def _warmup_placement(pipeline: Any, wanted: bool) -> Any:
+def _warmup_placement(pipeline: ServingPipeline, wanted: bool) -> Any:
     """The rank's own compile warm-up placement (`--offload-during-compile`) when its leader is in one."""
-    residency = getattr(pipeline, "residency", None)
-    return residency.compile_warmup() if wanted and residency is not None else contextlib.nullcontext()
+    return pipeline.residency.compile_warmup() if wanted else contextlib.nullcontext()
 
 
 def _with_seed(params: SamplingParams) -> SamplingParams:
@@ -72,8 +73,8 @@ class StepSync:
 class ReplicaPipeline:
     """The leader's view of the replica: `run` has Pipeline.run's signature and runs the call on every rank."""
 
-    pipeline: Pipeline
-    """This (leader) rank's pipeline."""
+    pipeline: ServingPipeline
+    """This (leader) rank's serving pipeline."""
     channel: StoreChannel
     """The store channel."""
     topology: Topology
@@ -101,8 +102,18 @@ class ReplicaPipeline:
     def __post_init__(self) -> None:
         self._link = ReplicaLink(self.channel, self.topology.replica)
 
-    def __getattr__(self, name: str) -> Any:  # describe_model, output_kind, supports_batching ...
-        return getattr(self.pipeline, name)
+    @property
+    def lanes(self) -> Overlap | None:
+        """The leader's side lanes: the other ranks denoise, only the leader decodes (in its lane)."""
+        return self.pipeline.lanes
+
+    @property
+    def output_kind(self) -> str:
+        return self.pipeline.output_kind
+
+    def decode_batch(self, denoised: Any) -> BatchResult:
+        """The leader's decode of a call all ranks denoised (`run_to_latents`)."""
+        return self.pipeline.decode_batch(denoised)
 
     def shutdown_followers(self) -> None:
         t = self.topology
@@ -116,7 +127,7 @@ class ReplicaPipeline:
         from diffuserve.pipelines import step_batch
 
         group = tuple((rid, _with_seed(params)) for rid, params in requests)
-        results = step_batch.start_group(self.pipeline, [params for _, params in group])  # type: ignore[arg-type]
+        results = step_batch.start_group(self.pipeline.adapter, [params for _, params in group])  # type: ignore[arg-type]
         with self._lock:
             self._unsent_starts.append(group)
         return results
@@ -144,7 +155,7 @@ class ReplicaPipeline:
         try:
             if self._conds is None:
                 self._conds = step_batch.GroupConds()
-            step_batch.denoise_step(self.pipeline, [state for _, state in rows], self._conds)  # type: ignore[arg-type]
+            step_batch.denoise_step(self.pipeline.adapter, [state for _, state in rows], self._conds)  # type: ignore[arg-type]
         finally:
             self._collect_acks(seq, peers, time.monotonic())
 
@@ -180,7 +191,7 @@ class ReplicaPipeline:
     def _call(self, batch: Sequence[SamplingParams], hooks: dict[str, Any], *, latents_only: bool) -> Any:
         seq, peers = self._next_seq()
         batch = [_with_seed(p) for p in batch]
-        warming = bool(getattr(getattr(self.pipeline, "residency", None), "in_compile_warmup", False))
+        warming = self.pipeline.residency.in_compile_warmup
         message = CallMessage(seq=seq, kind="call", params=tuple(batch), posted_at=time.time(),
                               compile_warmup=warming, latents_only=latents_only)
         for rank in peers:  # one key per reader: a read removes its key
@@ -194,13 +205,13 @@ class ReplicaPipeline:
         hooks["should_stop"] = should_stop
         try:
             if latents_only:
-                return self.pipeline.run_to_latents(batch, **hooks)  # type: ignore[attr-defined]
+                return self.pipeline.run_to_latents(batch, **hooks)
             return self.pipeline.run(batch, **hooks)
         finally:
             self._collect_acks(seq, peers, time.monotonic())
 
 
-def follow_calls(pipeline: Pipeline, channel: StoreChannel, topology: Topology, sync: StepSync,
+def follow_calls(pipeline: ServingPipeline, channel: StoreChannel, topology: Topology, sync: StepSync,
                  stop: threading.Event) -> None:
     """A non-leader rank: run every pipeline call (or continuous step) its leader posts, until a shutdown call."""
     from diffuserve.pipelines import step_batch
@@ -217,14 +228,14 @@ def follow_calls(pipeline: Pipeline, channel: StoreChannel, topology: Topology, 
         try:
             if isinstance(message, StepMessage):
                 for group in message.starts:
-                    started = step_batch.start_group(pipeline, [p for _, p in group])  # type: ignore[arg-type]
+                    started = step_batch.start_group(pipeline.adapter, [p for _, p in group])  # type: ignore[arg-type]
                     states.update((rid, rows) for (rid, _), rows in zip(group, started, strict=True)
                                   if not isinstance(rows, Exception))
                 for rid in message.drops:
                     states.pop(rid, None)
-                step_batch.denoise_step(pipeline, [states[rid] for rid in message.rows], conds)  # type: ignore[arg-type]
+                step_batch.denoise_step(pipeline.adapter, [states[rid] for rid in message.rows], conds)  # type: ignore[arg-type]
             else:
-                run = pipeline.run_to_latents if message.latents_only else pipeline.run  # type: ignore[attr-defined]
+                run = pipeline.run_to_latents if message.latents_only else pipeline.run
                 with _warmup_placement(pipeline, message.compile_warmup):
                     run(list(message.params), should_stop=lambda: sync(False))
             ack = "ok"

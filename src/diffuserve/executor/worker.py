@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from diffuserve.errors import DiffuserveError, GenerationError, RequestCancelledError
 from diffuserve.executor.messages import BatchEvent, BatchMessage, Preview, Progress
-from diffuserve.pipelines.base import BatchResult, Pipeline, RequestOutput
+from diffuserve.pipelines.base import BatchResult, RequestOutput
 from diffuserve.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -154,8 +154,25 @@ def split_outputs(requests: Sequence[Row], result: BatchResult, kind: str) -> di
     return split
 
 
+class PipelineCalls(Protocol):
+    """What `run_batch` calls: a rank's `ServingPipeline` (pipelines/serving.py), or a replica's leader view of its
+    ranks (`executor/replica.ReplicaPipeline`), which runs each call on every rank."""
+
+    lanes: Overlap | None
+    """The side lanes when the decode may run apart (`defers_decode`); None: every call decodes in line."""
+
+    @property
+    def output_kind(self) -> str: ...
+
+    def run(self, batch: list[SamplingParams], **hooks: Any) -> BatchResult: ...
+
+    def run_to_latents(self, batch: list[SamplingParams], **hooks: Any) -> Any: ...
+
+    def decode_batch(self, denoised: Any) -> BatchResult: ...
+
+
 def run_batch(
-    pipeline: Pipeline,
+    pipeline: PipelineCalls,
     message: BatchMessage,
     events: BatchEvents | None = None,
     *,
@@ -189,10 +206,7 @@ def run_batch(
     if len(calls) > 1:
         logger.info("batch of %d request(s), %d rows: above the row cap of %d, running as %d pipeline calls",
                     len(live), sum(r.params.n for r in live), message.max_rows, len(calls))
-    # torch only once a batch runs, not at import: `plan` and `--help` stay fast.
-    from diffuserve.pipelines.overlap import overlap_for
-
-    overlap = overlap_for(pipeline) if getattr(pipeline, "defers_decode", False) else None
+    overlap = pipeline.lanes
     counter = _StepCounter(len(calls), events, overlap)
     wanted = message.partial_images if len(calls) == 1 else {}
     sinks = [(i, wanted[r.request_id]) for i, r in enumerate(live) if r.request_id in wanted]
@@ -248,7 +262,7 @@ class _StepCounter:
         self.events.emit(Progress(overall, total))
 
 
-def _run_calls(pipeline: Pipeline, live: list[Row], calls: list[list[tuple[int, int, SamplingParams]]],
+def _run_calls(pipeline: PipelineCalls, live: list[Row], calls: list[list[tuple[int, int, SamplingParams]]],
                counter: _StepCounter, everyone_gone: Callable[[], bool], hooks: dict[str, Any],
                outcome: BatchOutcome) -> None:
     """The batch's pipeline calls, one after the other; fills `outcome` (raises what a call raised)."""
@@ -269,7 +283,7 @@ def _run_calls(pipeline: Pipeline, live: list[Row], calls: list[list[tuple[int, 
     outcome.pipeline_calls = len(calls)
 
 
-def _run_deferred(pipeline: Any, live: list[Row], outcome: BatchOutcome, overlap: Overlap,
+def _run_deferred(pipeline: PipelineCalls, live: list[Row], outcome: BatchOutcome, overlap: Overlap,
                   clock: Callable[[], float], start: float, should_stop: Callable[[], bool], counter: _StepCounter,
                   hooks: dict[str, Any]) -> BatchOutcome:
     """`run_batch` with the decode in the decode lane (one pipeline call; see `run_batch`)."""

@@ -16,6 +16,7 @@ from diffuserve.engine.engine import AsyncEngine
 from diffuserve.engine.metrics import BatchingStats, EngineMetrics
 from diffuserve.engine.scheduler import DynamicBatcher
 from diffuserve.errors import ConfigError
+from diffuserve.executor.base import InProcessExecutor
 from diffuserve.launch.follower import serve_rank
 from diffuserve.launch.ranks import (
     LaunchInfo,
@@ -26,7 +27,7 @@ from diffuserve.launch.ranks import (
     spawn_local_ranks,
 )
 from diffuserve.launch.setup import RankSetup, load_rank_pipeline, prepare_rank
-from diffuserve.pipelines.base import Pipeline
+from diffuserve.pipelines.serving import ServingPipeline
 
 logger = logging.getLogger("diffuserve")
 
@@ -70,27 +71,31 @@ def _multi_rank_executor(args: ServerArgs, info: LaunchInfo, setup: RankSetup, m
                              observe_call=metrics.observe_rank_call if metrics is not None else None)
 
 
-def open_pipeline(args: ServerArgs) -> tuple[Any, Any]:
-    """`generate`'s pipeline: this process's own, or (with several ranks) replica 0's, whose calls run on every
-    rank of it. Returns (pipeline, close); close() stops the other ranks. A rank fault ends the process (1)."""
+def build_generate_engine(args: ServerArgs) -> AsyncEngine:
+    """`generate`'s engine: serve's engine, scheduler and executor in this process (with several ranks, replica 0's
+    ranks start here and follow its calls). No warm-up, queue limit or server deadline: the prompts are all there
+    is, and `generate` has no flags for those. A rank fault ends the process (1)."""
     info = launch_info(args, plan_num_gpus(args))
     setup = prepare_rank(args, info)
+    plan = setup.deployment.plan
+    executor: Any
     if info is None:
-        return load_rank_pipeline(args, setup, None), lambda: None
-    if setup.deployment.plan.dp_size > 1:
-        raise ConfigError(f"generate runs its prompts on one replica; --dp-size {setup.deployment.plan.dp_size} "
-                          "(or ranks no parallel degree uses) needs `serve`. Give degrees that fill --num-gpus.",
-                          param="dp_size")
-    executor = _multi_rank_executor(args, info, setup, None)
+        executor = InProcessExecutor(lambda: load_rank_pipeline(args, setup, None))
+    else:
+        if plan.dp_size > 1:
+            raise ConfigError(f"generate runs its prompts on one replica; --dp-size {plan.dp_size} (or ranks no "
+                              "parallel degree uses) needs `serve`. Give degrees that fill --num-gpus.",
+                              param="dp_size")
+        executor = _multi_rank_executor(args, info, setup, None)
 
-    def fault(message: str) -> None:
-        logger.error("exiting: %s", message)
-        executor.shutdown()
-        os._exit(1)
+        def fault(message: str) -> None:
+            logger.error("exiting: %s", message)
+            executor.shutdown()
+            os._exit(1)
 
-    executor.on_fault = fault
-    executor.load()
-    return executor.local, executor.shutdown
+        executor.on_fault = fault
+    config = replace(args.engine, enable_warmup=False, max_queue_size=0, request_timeout_s=0.0)
+    return AsyncEngine(executor, build_batcher(args), config=config, model_name=args.public_model_name)
 
 
 def build_engine(args: ServerArgs) -> tuple[AsyncEngine, EngineMetrics, dict | None]:
@@ -108,11 +113,11 @@ def build_engine(args: ServerArgs) -> tuple[AsyncEngine, EngineMetrics, dict | N
     if info is not None:
         executor = _multi_rank_executor(args, info, setup, metrics)
 
-    def load() -> Pipeline:
+    def load() -> ServingPipeline:
         return load_rank_pipeline(args, setup, None, metrics)
 
     engine = AsyncEngine(
-        executor if executor is not None else load,
+        executor if executor is not None else InProcessExecutor(load),
         scheduler,
         config=replace(args.engine, warmup_resolutions=[
             tuple(int(v) for v in r.lower().split("x")) for r in plan.warmup_resolutions]),

@@ -1,5 +1,6 @@
 """One rank's set-up, the same on every rank: checkpoint, device and plan, then
-load -> shard -> residency -> parallel -> compile -> (operator-only) fault injection.
+load -> shard -> residency -> parallel -> compile -> (operator-only) fault injection, which yields the rank's
+`ServingPipeline` (pipelines/serving.py): the one place that builds the object that serves.
 
 Used by the serving root (launch/root.py) for rank 0 or a single process and by every follower
 (launch/follower.py); it knows nothing of HTTP, the scheduler or the engine loop.
@@ -16,7 +17,7 @@ from typing import Any
 from diffuserve.config.server_args import ServerArgs
 from diffuserve.engine.metrics import EngineMetrics
 from diffuserve.launch.ranks import LaunchInfo, hosts_of
-from diffuserve.pipelines.base import Pipeline
+from diffuserve.pipelines.serving import ServingPipeline
 
 logger = logging.getLogger("diffuserve")
 
@@ -108,9 +109,9 @@ def plan_deployment(args: ServerArgs, model_path: Path, device: str, *, log_plan
 
 
 def load_serving_pipeline(args: ServerArgs, model_path: Path, device: str, deployment: ResolvedDeployment,
-                          metrics: EngineMetrics | None, groups: Any = None) -> Pipeline:
-    """Load the pipeline, attach residency and (on several ranks, `groups`) the plan's parallel modes, compile,
-    and (operator-only) fault injection."""
+                          metrics: EngineMetrics | None, groups: Any = None) -> ServingPipeline:
+    """Load the adapter, give it residency and (on several ranks, `groups`) the plan's parallel modes, compile,
+    and serve it with (operator-only) fault injection."""
     from diffuserve.engine.faults import maybe_inject_faults
     from diffuserve.models.loader import load_pipeline
 
@@ -134,8 +135,8 @@ def load_serving_pipeline(args: ServerArgs, model_path: Path, device: str, deplo
         ledger = TransferLedger()
         if metrics is not None:
             ledger.forward_to(metrics)
-        pipeline.residency = build_residency(deployment.plan, pipeline.components, device=torch.device(device),
-                                             ledger=ledger, device_budget_bytes=deployment.device_budget_bytes)
+        pipeline.use_residency(build_residency(deployment.plan, pipeline.components, device=torch.device(device),
+                                               ledger=ledger, device_budget_bytes=deployment.device_budget_bytes))
     if groups is not None:
         from diffuserve.parallel.apply import apply_parallelism
 
@@ -145,7 +146,7 @@ def load_serving_pipeline(args: ServerArgs, model_path: Path, device: str, deplo
     from diffuserve.runtime.compile import apply_compile
 
     apply_compile(pipeline.components, deployment.plan)
-    return maybe_inject_faults(pipeline)
+    return maybe_inject_faults(ServingPipeline.of(pipeline, parallel=applied))
 
 
 @dataclass
@@ -172,6 +173,7 @@ def prepare_rank(args: ServerArgs, info: LaunchInfo | None, *, log_plan: bool = 
     return RankSetup(model_path, device, deployment)
 
 
-def load_rank_pipeline(args: ServerArgs, setup: RankSetup, groups: Any, metrics: EngineMetrics | None = None) -> Pipeline:
+def load_rank_pipeline(args: ServerArgs, setup: RankSetup, groups: Any,
+                       metrics: EngineMetrics | None = None) -> ServingPipeline:
     """One rank's pipeline: loaded, with residency and this rank's share of the plan's parallel modes."""
     return load_serving_pipeline(args, setup.model_path, setup.device, setup.deployment, metrics, groups)

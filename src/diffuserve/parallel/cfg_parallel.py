@@ -22,7 +22,7 @@ from diffuserve.errors import ConfigError
 
 @dataclass
 class CfgParallel:
-    """The CFG-parallel strategy a `RecipePipeline` uses when `pipeline.cfg_parallel` is set."""
+    """The CFG-parallel strategy a `RecipePipeline` uses once `pipeline.use_cfg_parallel` gave it one."""
 
     group: Any = None
     """The torch.distributed process group of the two CFG ranks (None: the default group)."""
@@ -45,7 +45,7 @@ class CfgParallel:
 
 def enable_cfg_parallel(pipeline: Any, group: Any = None) -> CfgParallel:
     """Attach CFG parallel to a native pipeline (refusing families whose CFG must stay one doubled batch)."""
-    if not hasattr(pipeline, "cfg_parallel"):
+    if not pipeline.capabilities.split_over_ranks:
         raise ConfigError(f"--enable-cfg-parallel: the {pipeline.family} model runs on the diffusers backend, whose "
                           "denoising loop cannot be split across ranks; serve a native family.",
                           param="enable_cfg_parallel")
@@ -53,5 +53,6 @@ def enable_cfg_parallel(pipeline: Any, group: Any = None) -> CfgParallel:
         raise ConfigError(f"--enable-cfg-parallel: {pipeline.family} runs CFG as one doubled batch to match "
                           "diffusers exactly, which two ranks cannot reproduce; leave it off for this family.",
                           param="enable_cfg_parallel")
-    pipeline.cfg_parallel = CfgParallel(group)
-    return pipeline.cfg_parallel
+    strategy = CfgParallel(group)
+    pipeline.use_cfg_parallel(strategy)
+    return strategy

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from PIL import Image
 
     from diffuserve.families.checkpoint import CheckpointFacts
+    from diffuserve.pipelines.overlap import Overlap
     from diffuserve.pipelines.prompt_limits import PromptTokens, TextEncoderLimit
     from diffuserve.sampling import ModelDescription, SamplingParams
 
@@ -52,6 +53,9 @@ class ComponentUser(Protocol):
     as the deployment plan says; the default does nothing (everything resident).
     """
 
+    in_compile_warmup: bool
+    """True while `compile_warmup()` is entered (a replica's leader tells its other ranks to place the same)."""
+
     def use(self, component: str) -> contextlib.AbstractContextManager[None]: ...
 
     def compile_warmup(self) -> contextlib.AbstractContextManager[None]:
@@ -61,6 +65,8 @@ class ComponentUser(Protocol):
 
 class AllResident:
     """Default residency: every component stays where the loader put it."""
+
+    in_compile_warmup = False
 
     @contextlib.contextmanager
     def use(self, component: str) -> Iterator[None]:
@@ -100,6 +106,28 @@ PreviewCallback = Callable[[int, int, Callable[[], list[list["Image.Image"]]]], 
 called, so steps nobody wants a preview of cost nothing)."""
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a loaded pipeline can do, declared once: the engine, the executor and the parallel strategies read
+    these fields instead of probing the pipeline for attributes."""
+
+    batching: bool = False
+    """Requests may share a pipeline call (dynamic batching); False runs each alone."""
+    continuous: bool = False
+    """`--batching-mode continuous` may step its requests in a shared denoise group (`pipelines/step_batch.py`)."""
+    defers_decode: bool = False
+    """`run` is `run_to_latents` + `decode_batch`, so the decode may run in the decode lane beside the next batch."""
+    text_prefetch: bool = False
+    """Texts of queued requests may be encoded in the encode lane beside the running batch (`text_prefetch.py`)."""
+    split_over_ranks: bool = False
+    """A native denoising loop: tensor / sequence / FSDP parallel and CFG parallel can split it over ranks."""
+    cfg_parallel: bool = False
+    """The two CFG branches may run on two ranks (a native loop whose CFG is not one doubled batch)."""
+
+
+_LANES_LOCK = threading.Lock()
+
+
 class Pipeline:
     """Base class of every pipeline. Subclasses implement `run` and declare their capabilities."""
 
@@ -126,6 +154,19 @@ class Pipeline:
     frame_multiple: int = 1
     """Video: num_frames - 1 must divide by this (the VAE's temporal compression)."""
     defaults: SamplingDefaults = SamplingDefaults()
+    defers_decode: bool = False
+    """Whether `run` is exactly `run_to_latents` + `decode_batch` (the native recipe says so per family)."""
+    prefetches_text: bool = False
+    """Whether `prefetch_text` can encode a queued request's texts beside the running batch."""
+    split_over_ranks: bool = False
+    """Whether the denoising loop is the native recipe's, which the parallel strategies can split over ranks."""
+    batched_cfg: bool = False
+    """Run CFG as one doubled batch instead of two passes (such families refuse CFG parallel)."""
+    cfg_parallel: Any = None
+    """The CFG-parallel strategy (`parallel/cfg_parallel.CfgParallel`) once `use_cfg_parallel` set it; None in one
+    process."""
+    _side_lanes: Overlap | None = None
+    """The encode and decode side lanes (`pipelines/overlap.py`), made on first use by `side_lanes()`."""
     _prompt_tokens_lock = threading.Lock()
     """Builds each pipeline's `PromptTokens` once (its tokenizer copies are made once per loaded model)."""
     _prompt_tokens_owner: PromptTokens | None = None
@@ -171,6 +212,41 @@ class Pipeline:
         """model_index.json key -> module, for residency and metrics."""
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this pipeline can do (from its declared class facts)."""
+        return Capabilities(batching=self.supports_batching, continuous=self.supports_continuous,
+                            defers_decode=self.defers_decode, text_prefetch=self.prefetches_text,
+                            split_over_ranks=self.split_over_ranks,
+                            cfg_parallel=self.split_over_ranks and not self.batched_cfg)
+
+    def use_residency(self, residency: ComponentUser) -> None:
+        """Place components through `residency` from now on (the serving set-up, `launch/setup.py`, builds it
+        from the plan once the components are loaded)."""
+        self.residency = residency
+
+    def use_cfg_parallel(self, strategy: Any) -> None:
+        """Run the two CFG branches of every step through `strategy` (`parallel/cfg_parallel.py`)."""
+        from diffuserve.errors import ConfigError
+
+        if not self.capabilities.cfg_parallel:
+            raise ConfigError(f"--enable-cfg-parallel: the {self.family} model cannot split its CFG branches over "
+                              "two ranks; leave it off for this model.", param="enable_cfg_parallel")
+        self.cfg_parallel = strategy
+
+    def side_lanes(self) -> Overlap:
+        """This pipeline's encode and decode side lanes (`pipelines/overlap.py`), made once, on its device."""
+        with _LANES_LOCK:
+            if self._side_lanes is None:
+                from diffuserve.pipelines.overlap import Overlap
+
+                self._side_lanes = Overlap(self.device or "cpu")
+            return self._side_lanes
+
+    def prefetch_text(self, params: SamplingParams, on_done: Callable[[int], None] | None = None) -> bool:
+        """Encode a queued request's texts beside the running batch; False: this pipeline cannot (the default)."""
+        return False
 
     def validate(self, params: SamplingParams) -> None:
         """Reject what this family cannot run, naming the field (InvalidRequestError)."""

@@ -207,14 +207,6 @@ class Overlap:
             yield
 
 
-_MAKING = threading.Lock()
-
-
 def overlap_for(pipeline: Any) -> Overlap:
-    """The pipeline's `Overlap` (made on first use, on the pipeline's device)."""
-    with _MAKING:
-        found = getattr(pipeline, "_overlap", None)
-        if found is None:
-            found = Overlap(getattr(pipeline, "device", "cpu"))
-            pipeline._overlap = found
-        return found
+    """The pipeline's `Overlap` (its own `side_lanes()`: made on first use, on the pipeline's device)."""
+    return pipeline.side_lanes()

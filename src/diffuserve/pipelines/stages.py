@@ -40,6 +40,7 @@ from diffuserve.pipelines.overlap import overlap_for
 if TYPE_CHECKING:
     from PIL import Image
 
+    from diffuserve.pipelines.text_prefetch import TextPrefetch
     from diffuserve.sampling import SamplingParams
 
 T = TypeVar("T")
@@ -268,6 +269,10 @@ class RecipePipeline(Pipeline):
     """Run CFG as one doubled batch instead of two passes (diffusers runs two passes)."""
     cfg_parallel: Any = None
     """A `parallel.cfg_parallel.CfgParallel` when the two CFG branches run on two ranks; None in one process."""
+    prefetches_text = True
+    split_over_ranks = True
+    _text_prefetch: TextPrefetch | None = None
+    """Texts encoded in the encode lane ahead of their batch (`prefetch_text`); made on first use."""
 
     def bind_parts(self, parts: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype) -> None:
         """Keep each loaded part as an attribute of its model_index.json key; the torch modules among them are
@@ -338,7 +343,7 @@ class RecipePipeline(Pipeline):
         if cfg:
             texts += [p.negative_prompt or "" for p in batch]
         unique = list(dict.fromkeys(texts))
-        prefetch = self.__dict__.get("_text_prefetch")
+        prefetch = self._text_prefetch
         ready = {t: c for t in unique if prefetch is not None and (c := prefetch.take(t, batch[0])) is not None}
         missing = [t for t in unique if t not in ready]
         encoded = self._encode_texts(missing, batch) if missing else {}
@@ -375,9 +380,11 @@ class RecipePipeline(Pipeline):
             return False
         from diffuserve.pipelines.text_prefetch import TextPrefetch
 
-        prefetch = self.__dict__.setdefault("_text_prefetch", TextPrefetch(
-            self, lambda text, p: gather_rows(self._encode_texts([text], [p]), torch.tensor([0]),
-                                              self.masked_sequences)))
+        if self._text_prefetch is None:  # the engine's admission calls this under its lock: made once
+            self._text_prefetch = TextPrefetch(
+                self, lambda text, p: gather_rows(self._encode_texts([text], [p]), torch.tensor([0]),
+                                                  self.masked_sequences))
+        prefetch = self._text_prefetch
         texts = [params.prompt] + ([params.negative_prompt or ""] if self.uses_cfg(params) else [])
         return prefetch.submit(params, texts, on_done)
 

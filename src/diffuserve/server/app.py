@@ -128,7 +128,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     if ctx.videos is None:
         ctx.videos = VideoJobStore(ctx.results, ctx.args.max_video_jobs)
     app.state.ctx = ctx
-    count = getattr(ctx.metrics, "observe_error", None)
+    count = ctx.metrics.observe_error
     install_error_handlers(app, count)
     app.include_router(health.router)
     app.include_router(models_routes.router)

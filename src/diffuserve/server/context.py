@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from diffuserve.config.server_args import ServerArgs
 from diffuserve.engine.engine import AsyncEngine
@@ -64,3 +65,6 @@ class ServerContext:
     """The results store under --output-dir that `images` and `videos` keep their rows and files in."""
     videos: VideoJobStore | None = None
     """Async video jobs; `create_app` makes one sized by --max-video-jobs when none is given."""
+    plan: dict[str, Any] | None = None
+    """The resolved deployment plan (`DeploymentPlan.to_dict()`) that /server_info shows; None when not served
+    from a plan (tests that build a context by hand)."""

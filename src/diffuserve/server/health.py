@@ -59,7 +59,7 @@ async def server_info(request: Request) -> dict:
         "uptime_s": round(time.time() - ctx.started_at, 3),
         "pipeline": pipeline.describe() if pipeline is not None else None,
         "defaults": dataclasses.asdict(pipeline.defaults) if pipeline is not None else None,
-        "deployment_plan": getattr(ctx, "plan_dict", None),
+        "deployment_plan": ctx.plan,
         "batching": {
             "mode": args.batching_mode,
             "max_size": args.batching_max_size,
@@ -68,7 +68,7 @@ async def server_info(request: Request) -> dict:
         },
         "queue": {"queued": scheduler.num_queued, "max_queue_size": args.max_queue_size},
         "replicas": [dataclasses.asdict(state) for state in ctx.engine.executor.replicas],
-        "distributed": ctx.engine.executor.describe() if hasattr(ctx.engine.executor, "describe") else None,
+        "distributed": ctx.engine.executor.describe(),
         "limits": {
             "request_timeout_s": args.request_timeout_s,
             "max_request_bytes": args.max_request_bytes,

@@ -91,8 +91,7 @@ def serve(args: ServerArgs) -> int:
     engine, metrics, plan_dict = build_engine(args)
     results = open_results_store(args)
     ctx = ServerContext(args=args, engine=engine, metrics=metrics, results=results,
-                        images=ImageStore(results, args.url_store_max_images))
-    ctx.plan_dict = plan_dict  # type: ignore[attr-defined]
+                        images=ImageStore(results, args.url_store_max_images), plan=plan_dict)
     app = create_app(ctx)
     config = uvicorn.Config(
         app,

@@ -1,0 +1,98 @@
+"""The serving engine driven from synchronous code: `generate` runs its prompts through the same `AsyncEngine` as
+`serve` (as vLLM's offline `LLM` reuses its engine core), so batching modes, overlap, deadlines and faults behave
+the same in both.
+
+The engine answers on an asyncio loop; `OfflineEngine` runs one in a daemon thread and hands the caller
+`concurrent.futures.Future`s, whose waits a Ctrl-C interrupts in the main thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from diffuserve.engine.engine import AsyncEngine, EngineState
+from diffuserve.engine.requests import GenerationResult
+from diffuserve.errors import GenerationError
+from diffuserve.sampling import ModelDescription, SamplingParams
+
+
+@dataclass
+class Submitted:
+    """One request handed to the engine."""
+
+    request_id: str
+    """The engine's id of it (for `progress` and `abort`)."""
+    params: SamplingParams
+    """What was asked."""
+    result: Future[GenerationResult]
+    """Resolves to its result, or raises its error (GenerationError, RequestTimeoutError, ...)."""
+
+
+class OfflineEngine:
+    """An in-process `AsyncEngine` with a synchronous client: start, submit, wait, close."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="diffuserve-offline-loop", daemon=True)
+        self._submitted: list[Submitted] = []
+
+    def start(self) -> ModelDescription:
+        """Load the model (in the engine's worker thread) and wait until it serves; returns its description.
+        A load failure is raised as the loader raised it (a CheckpointError stays one)."""
+        self._thread.start()
+        self.engine.start()
+        self.engine.wait_ready()
+        if self.engine.state is not EngineState.READY:
+            if self.engine.load_error is not None:
+                raise self.engine.load_error
+            raise GenerationError(f"the model failed to load: {self.engine.failure}")
+        model = self.engine.model
+        assert model is not None
+        return model
+
+    def submit_all(self, batch: Sequence[SamplingParams]) -> list[Submitted]:
+        """Admit every request at once (the scheduler sees them together, as one arrival)."""
+
+        async def admit() -> list[Submitted]:
+            with self.engine.admitting_together():
+                return [self._admit(params) for params in batch]
+
+        made = asyncio.run_coroutine_threadsafe(admit(), self._loop).result()
+        self._submitted += made
+        return made
+
+    def _admit(self, params: SamplingParams) -> Submitted:
+        request_id = uuid.uuid4().hex
+        answer = self.engine.submit(params, request_id=request_id)
+        result: Future[GenerationResult] = Future()
+
+        def deliver(done: asyncio.Future[GenerationResult]) -> None:
+            if done.cancelled():
+                result.cancel()
+            elif done.exception() is not None:
+                result.set_exception(done.exception())  # type: ignore[arg-type]
+            else:
+                result.set_result(done.result())
+
+        answer.add_done_callback(deliver)
+        return Submitted(request_id, params, result)
+
+    def progress(self, request_id: str) -> tuple[int, int] | None:
+        """(steps done, total steps) of a running request; None while queued or once answered."""
+        return self.engine.progress(request_id)
+
+    def close(self) -> None:
+        """Cancel what is still queued or running (a running batch stops at its next step), stop the engine and
+        its executor (the other ranks, if any)."""
+        for submitted in self._submitted:
+            if not submitted.result.done():
+                self.engine.abort(submitted.request_id)
+        self.engine.stop()
+        self.engine.executor.shutdown()
+        self._loop.call_soon_threadsafe(self._loop.stop)

@@ -1,0 +1,120 @@
+"""The object that serves: a loaded adapter with its residency, side lanes, parallel strategies and (operator-only)
+fault hooks as declared fields, and its `Capabilities`.
+
+`launch/setup.py` builds one per rank (`ServingPipeline.of`); the executor runs batches and continuous steps on it
+and the engine reads its capabilities and model description. Nothing else is attached to the adapter from outside:
+residency and CFG parallel go in through the adapter's own `use_residency` / `use_cfg_parallel`, the side lanes
+are the adapter's `side_lanes()`, and fault injection is the `faults` hook, consulted around every call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+from diffuserve.pipelines.base import BatchResult, Capabilities, ComponentUser, Pipeline
+
+if TYPE_CHECKING:
+    from diffuserve.families.base import SamplingDefaults
+    from diffuserve.pipelines.overlap import Overlap
+    from diffuserve.sampling import ModelDescription, SamplingParams
+
+__all__ = ["Capabilities", "FaultHooks", "ServingPipeline"]
+
+
+class FaultHooks(Protocol):
+    """Operator-only fault injection (`engine/faults.py`), consulted around every pipeline call and step."""
+
+    def check(self, batch: Sequence[Any]) -> None:
+        """Raise before a request-level call whose prompts are marked to fail."""
+
+    def hold(self, batch: Sequence[Any], hooks: dict[str, Any]) -> dict[str, Any]:
+        """The call's hooks, with `on_step` held until released when its prompts are marked to hold."""
+        return hooks
+
+    def check_step(self, batch: Sequence[Any]) -> None:
+        """Continuous mode, before a step: the same fault (and hold) for a step whose rows are marked."""
+
+
+@dataclass
+class ServingPipeline:
+    """One rank's serving pipeline. `run` / `run_to_latents` / `decode_batch` have the adapter's signatures."""
+
+    adapter: Pipeline
+    """The family adapter (native recipe or diffusers backend) that owns the model's parts."""
+    capabilities: Capabilities = field(default_factory=Capabilities)
+    """What it can do (`Pipeline.capabilities`, read once at build)."""
+    lanes: Overlap | None = None
+    """The adapter's encode / decode side lanes when it defers its decode; None: everything runs in line."""
+    parallel: tuple[str, ...] = ()
+    """The parallel modes applied on this rank (for the log and /server_info)."""
+    faults: FaultHooks | None = None
+    """Operator-only fault injection (`DIFFUSERVE_FAULT_INJECTION`); None in normal serving."""
+
+    @classmethod
+    def of(cls, adapter: Pipeline, *, parallel: Sequence[str] = (), faults: FaultHooks | None = None) -> ServingPipeline:
+        """Serve `adapter` as it is now (residency and parallel strategies already in place)."""
+        capabilities = adapter.capabilities
+        lanes = adapter.side_lanes() if capabilities.defers_decode else None
+        return cls(adapter, capabilities, lanes, tuple(parallel), faults)
+
+    def with_faults(self, faults: FaultHooks) -> ServingPipeline:
+        return replace(self, faults=faults)
+
+    # -- calls --------------------------------------------------------------------------------------------
+    def run(self, batch: list[SamplingParams], **hooks: Any) -> BatchResult:
+        if self.faults is not None:
+            self.faults.check(batch)
+            hooks = self.faults.hold(batch, hooks)
+        return self.adapter.run(batch, **hooks)
+
+    def run_to_latents(self, batch: list[SamplingParams], **hooks: Any) -> Any:
+        """The first part of `run` when its decode runs in the decode lane (`executor/worker.py`)."""
+        if self.faults is not None:
+            self.faults.check(batch)
+            hooks = self.faults.hold(batch, hooks)
+        return self.adapter.run_to_latents(batch, **hooks)  # type: ignore[attr-defined]
+
+    def decode_batch(self, denoised: Any) -> BatchResult:
+        return self.adapter.decode_batch(denoised)  # type: ignore[attr-defined]
+
+    def check_step(self, batch: Sequence[Any]) -> None:
+        """Continuous mode, before each step of rows whose params are `batch` (fault injection only)."""
+        if self.faults is not None:
+            self.faults.check_step(batch)
+
+    def prefetch_text(self, params: SamplingParams, on_done: Callable[[int], None]) -> bool:
+        """Encode a queued request's texts beside the running batch; False when the adapter cannot."""
+        return self.capabilities.text_prefetch and self.adapter.prefetch_text(params, on_done=on_done)
+
+    # -- what the engine and the server read -----------------------------------------------------------------
+    @property
+    def residency(self) -> ComponentUser:
+        return self.adapter.residency
+
+    @property
+    def output_kind(self) -> str:
+        return self.adapter.output_kind
+
+    @property
+    def family(self) -> str:
+        return self.adapter.family
+
+    @property
+    def device(self) -> Any:
+        return self.adapter.device
+
+    @property
+    def defaults(self) -> SamplingDefaults:
+        return self.adapter.defaults
+
+    @property
+    def components(self) -> dict[str, Any]:
+        return self.adapter.components
+
+    def describe_model(self) -> ModelDescription:
+        return self.adapter.describe_model()
+
+    def describe(self) -> dict[str, Any]:
+        return self.adapter.describe()
