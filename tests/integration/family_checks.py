@@ -96,3 +96,29 @@ def assert_rebuild_identical(build: str, built: Path, work: Path, *, max_bytes: 
     different = [str(f) for f in files if (built / f).read_bytes() != (again / f).read_bytes()]
     assert not different, different
     assert sum((built / f).stat().st_size for f in files) < max_bytes
+
+
+def simulate_steps(pipeline: Any, arrivals: dict[int, list]) -> dict[int, list]:
+    """Run the continuous group loop as the engine does: the requests in `arrivals[k]` start together (shared
+    encoder calls) and join before global step k; those that finish at one step are decoded together. Returns
+    each request's images (or videos) by its index in arrival order."""
+    from diffuserve.pipelines import step_batch
+
+    group: list[tuple[int, Any]] = []
+    out: dict[int, list] = {}
+    order = [p for k in sorted(arrivals) for p in arrivals[k]]
+    tick = 0
+    while len(out) < len(order):
+        joining = arrivals.get(tick, [])
+        if joining:
+            started = step_batch.start_requests(pipeline, joining)
+            group += [(order.index(params), rows) for params, rows in zip(joining, started, strict=True)]
+        step_batch.denoise_step(pipeline, [rows for _, rows in group])
+        done = [g for g in group if g[1].done]
+        if done:
+            outputs = step_batch.finish_requests(pipeline, [rows for _, rows in done])
+            for (index, rows), output in zip(done, outputs, strict=True):
+                out[index] = output.videos if pipeline.output_kind == "video" else output.images
+                group.remove((index, rows))
+        tick += 1
+    return out
