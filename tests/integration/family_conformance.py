@@ -1,7 +1,7 @@
 """The family conformance cases: one `FamilyCase` per served family (tiny checkpoint), read by
 `test_family_conformance.py`, whose generic checks each run for the cases that say they apply.
 
-Adding a family is adding a case here (and, for the diffusers comparison, a reference call below). Facts that
+Adding a family is adding a case here (and, for the diffusers comparison, its call in family_references.py). Facts that
 fit no generic check stay in the family's own small test file (`test_family_<family>.py`).
 
 Tolerances are uint8 steps (of 255) per pixel channel:
@@ -15,219 +15,29 @@ Tolerances are uint8 steps (of 255) per pixel channel:
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-from PIL import Image
-
 from diffuserve.sampling import SamplingParams, build_sampling_params
-from tests.integration.family_checks import row_generators
-
-
-def png(width: int = 96, height: int = 80, seed: int = 0) -> bytes:
-    """A random RGB picture (an edit's reference image)."""
-    array = (np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8")
-    buffer = io.BytesIO()
-    Image.fromarray(array).save(buffer, "PNG")
-    return buffer.getvalue()
-
-
-def two_tone_png(width: int, height: int, colour: tuple[int, int, int]) -> bytes:
-    """A two-tone picture: distinct inputs give visibly different edits with the tiny Qwen edit models."""
-    array = np.zeros((height, width, 3), dtype=np.uint8)
-    array[...] = colour
-    array[: height // 2, :, 1] = 255 - colour[1]
-    buffer = io.BytesIO()
-    Image.fromarray(array).save(buffer, "PNG")
-    return buffer.getvalue()
-
-
-def rgba_png(width: int, height: int) -> bytes:
-    """Two overlapping translucent rectangles (Qwen-Image-Layered's input)."""
-    image = Image.new("RGBA", (width, height), (0, 0, 0, 0))
-    image.paste((220, 40, 30, 255), (8, 8, width // 2, height // 2))
-    image.paste((30, 60, 200, 160), (width // 3, height // 3, width - 4, height - 4))
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return buffer.getvalue()
-
-
-def _rgb(params: SamplingParams) -> list[Image.Image]:
-    return [Image.open(io.BytesIO(b)).convert("RGB") for b in params.image_inputs]
-
-
-def _uint8_frames(frames: Any) -> list[np.ndarray]:
-    return [(np.clip(f, 0, 1) * 255).round().astype("uint8") for f in frames]
-
-
-@dataclass(frozen=True)
-class Subject:
-    """What a reference call needs: the loaded native pipeline, its folder, and the session's diffusers loader."""
-
-    native: Any
-    """The pipeline under test (`load_pipeline` of `path`)."""
-    path: Path
-    """The tiny checkpoint folder."""
-    diffusers: Callable[[str, Path], Any]
-    """`diffusers(class_name, path)` -> a cached `from_pretrained` diffusers pipeline (conftest)."""
-
-
-Reference = Callable[[Subject, SamplingParams], list]
-"""The diffusers call a request stands for: images, or videos (lists of uint8 frames), one per output row."""
-
-
-_RUNS: dict[tuple[int, tuple[SamplingParams, ...]], list] = {}
-
-
-def resident_run(native: Any, batch: list[SamplingParams]) -> list:
-    """Each request's images (or videos) of `native.run(batch)`, run once per session: the resident reference
-    several checks compare with (edits cost seconds per input image)."""
-    key = (id(native), tuple(batch))
-    if key not in _RUNS:
-        _RUNS[key] = [outputs_of(native, out) for out in native.run(batch).outputs]
-    return _RUNS[key]
-
-
-def outputs_of(native: Any, output: Any) -> list:
-    return output.videos if native.output_kind == "video" else output.images
-
-
-# -- reference calls, one per diffusers pipeline class -------------------------------------------------------
-
-FLUX2_SEQ = 64
-"""Text tokens the tiny FLUX.2 checkpoints declare (the diffusers calls pass it as max_sequence_length)."""
-
-
-def flux2_on_same_modules(native: Any) -> Any:
-    """The diffusers pipeline of `native`'s FLUX.2 family on the very same modules (and a fresh scheduler)."""
-    from diffusers import Flux2KleinPipeline, Flux2Pipeline
-
-    parts = dict(scheduler=native.scheduler.__class__.from_config(native.scheduler.config), vae=native.vae,
-                 text_encoder=native.text_encoder, tokenizer=native.tokenizer, transformer=native.transformer)
-    if native.family == "flux2_klein":
-        pipe = Flux2KleinPipeline(**parts, is_distilled=native.is_distilled)
-    else:
-        pipe = Flux2Pipeline(**parts)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def flux2_images(pipe: Any, params: SamplingParams) -> list[Image.Image]:
-    """A FLUX.2 diffusers call: same fields, one CPU generator per row seeded seed + j."""
-    return pipe(prompt=params.prompt, image=_rgb(params) or None, height=params.height, width=params.width,
-                num_inference_steps=params.num_inference_steps, guidance_scale=params.guidance_scale,
-                num_images_per_prompt=params.n, max_sequence_length=FLUX2_SEQ,
-                generator=row_generators(params.seed, params.n)).images
-
-
-def _flux2(subject: Subject, params: SamplingParams) -> list:
-    return flux2_images(flux2_on_same_modules(subject.native), params)
-
-
-def qwen_on_same_modules(native: Any) -> Any:
-    """The diffusers Qwen-Image (2.1) pipeline around the modules our loader loaded."""
-    from diffusers import QwenImage21Pipeline, QwenImagePipeline
-
-    if native.family == "qwen_image":
-        return QwenImagePipeline(scheduler=native.scheduler, vae=native.vae, text_encoder=native.text_encoder,
-                                 tokenizer=native.tokenizer, transformer=native.transformer)
-    return QwenImage21Pipeline(scheduler=native.scheduler, vae=native.vae, text_encoder=native.text_encoder,
-                               processor=native.processor, transformer=native.transformer)
-
-
-def _qwen(subject: Subject, params: SamplingParams) -> list:
-    return qwen_on_same_modules(subject.native)(
-        prompt=params.prompt, negative_prompt=params.negative_prompt, true_cfg_scale=params.true_cfg_scale,
-        height=params.height, width=params.width, num_inference_steps=params.num_inference_steps,
-        num_images_per_prompt=params.n, generator=row_generators(params.seed, params.n)).images
-
-
-def _qwen_edit(class_name: str) -> Reference:
-    def call(subject: Subject, params: SamplingParams) -> list:
-        images = _rgb(params)
-        return subject.diffusers(class_name, subject.path)(
-            image=images[0] if class_name == "QwenImageEditPipeline" else images, prompt=params.prompt,
-            negative_prompt=params.negative_prompt, true_cfg_scale=params.true_cfg_scale, width=params.width,
-            height=params.height, num_inference_steps=params.num_inference_steps, num_images_per_prompt=params.n,
-            generator=row_generators(params.seed, params.n)).images
-    return call
-
-
-def _sana(subject: Subject, params: SamplingParams) -> list:
-    """diffusers' default SANA call (complex human instruction, resolution binning on, 300 tokens)."""
-    return subject.diffusers("SanaPipeline", subject.path)(
-        params.prompt, negative_prompt=params.negative_prompt or "", height=params.height, width=params.width,
-        num_inference_steps=params.num_inference_steps, guidance_scale=params.guidance_scale,
-        num_images_per_prompt=params.n, generator=row_generators(params.seed, params.n)).images
-
-
-def _z_image(subject: Subject, params: SamplingParams) -> list:
-    kwargs = {"negative_prompt": params.negative_prompt} if params.negative_prompt else {}
-    return subject.diffusers("ZImagePipeline", subject.path)(
-        params.prompt, height=params.height, width=params.width, num_inference_steps=params.num_inference_steps,
-        guidance_scale=params.guidance_scale, num_images_per_prompt=params.n,
-        generator=row_generators(params.seed, params.n), **kwargs).images
-
-
-def sd3_images(reference: Any, params: SamplingParams) -> list:
-    """A StableDiffusion3Pipeline call (the tiny tokenizer_3 declares 64 tokens; diffuserve caps 256 by it)."""
-    return reference(
-        params.prompt, negative_prompt=params.negative_prompt, height=params.height, width=params.width,
-        num_inference_steps=params.num_inference_steps, guidance_scale=params.guidance_scale,
-        num_images_per_prompt=params.n, generator=row_generators(params.seed, params.n),
-        max_sequence_length=reference.tokenizer_3.model_max_length if reference.tokenizer_3 else 256).images
-
-
-def _sd3(subject: Subject, params: SamplingParams) -> list:
-    return sd3_images(subject.diffusers("StableDiffusion3Pipeline", subject.path), params)
-
-
-def _wan(subject: Subject, params: SamplingParams) -> list:
-    frames = subject.diffusers("WanPipeline", subject.path)(
-        prompt=params.prompt, negative_prompt=params.negative_prompt, height=params.height, width=params.width,
-        num_frames=params.num_frames, num_inference_steps=params.num_inference_steps,
-        guidance_scale=params.guidance_scale, guidance_scale_2=params.guidance_scale_2, output_type="np",
-        generator=torch.Generator().manual_seed(params.seed)).frames[0]
-    return [_uint8_frames(frames)]
-
-
-def _wan_i2v(subject: Subject, params: SamplingParams) -> list:
-    clips = subject.diffusers("WanImageToVideoPipeline", subject.path)(
-        image=_rgb(params)[0], prompt=params.prompt, negative_prompt=params.negative_prompt,
-        guidance_scale=params.guidance_scale, height=params.height, width=params.width, num_frames=params.num_frames,
-        num_inference_steps=params.num_inference_steps, num_videos_per_prompt=params.n, output_type="np",
-        generator=row_generators(params.seed, params.n)).frames
-    return [_uint8_frames(clip) for clip in clips]
-
-
-def _ernie(subject: Subject, params: SamplingParams) -> list:
-    return subject.diffusers("ErnieImagePipeline", subject.path)(
-        [params.prompt] * params.n, negative_prompt=[params.negative_prompt or ""] * params.n,
-        height=params.height, width=params.width, num_inference_steps=params.num_inference_steps,
-        guidance_scale=params.guidance_scale, generator=row_generators(params.seed, params.n)).images
-
-
-def _layered(subject: Subject, params: SamplingParams) -> list:
-    """Qwen-Image-Layered: the request's `n` is the number of layers of ONE call (one generator)."""
-    source = Image.open(io.BytesIO(params.image_inputs[0])).convert("RGBA")
-    return subject.diffusers("QwenImageLayeredPipeline", subject.path)(
-        source, params.prompt, layers=params.n, num_inference_steps=params.num_inference_steps,
-        true_cfg_scale=params.guidance_scale, generator=row_generators(params.seed, 1)).images[0]
-
-
-def tokenizer_tokens(native: Any, text: str) -> int:
-    return len(native.tokenizer(text).input_ids)
-
-
-def encoded_tokens(native: Any, text: str) -> int:
-    """Tokens the text encoder really attends to (Qwen drops its template's system prefix)."""
-    return int(native.encode_text("text_encoder", [text], [])["mask"].sum())
-
+from tests.integration.family_references import (
+    Reference,
+    encoded_tokens,
+    ernie_reference,
+    flux2_reference,
+    layered_reference,
+    png,
+    qwen_edit_reference,
+    qwen_reference,
+    rgba_png,
+    sana_reference,
+    sd3_reference,
+    tokenizer_tokens,
+    two_tone_png,
+    wan_i2v_reference,
+    wan_reference,
+    z_image_reference,
+)
 
 # -- the cases --------------------------------------------------------------------------------------------------
 
@@ -275,6 +85,8 @@ class FamilyCase:
     reference_params: tuple[tuple[str, dict[str, Any]], ...] = ()
     """(id, request fields) compared with `reference`."""
     reference_tolerance: int = 0
+    sized_as_requested: bool = True
+    """Output images have the requested width x height (Qwen-Image-Layered sizes by its own area rule)."""
     merge_batches: tuple[tuple[dict[str, Any], ...], ...] = ()
     """Batches of request fields run merged and compared row by row with each request run alone."""
     merge_tolerance: int = 1
@@ -322,7 +134,8 @@ FLUX2_REFERENCE = tuple(
             "guidance_scale": 1.0 if name == "t2i-nocfg" else 4.0, "image_inputs": images})
     for name, images in (("t2i", ()), ("t2i-nocfg", ()), ("reference", (png(),)),
                          ("two-references", (png(), png(64, 128, seed=1)))))
-FLUX2_MERGE = (({"prompt": SHORT, "width": 64, "height": 64, "num_inference_steps": 2, "guidance_scale": 4.0, "seed": 1},
+FLUX2_MERGE = (({"prompt": SHORT, "width": 64, "height": 64, "num_inference_steps": 2, "guidance_scale": 4.0,
+                 "seed": 1},
                 {"prompt": "a small green dog with a blue hat, painting", "width": 64, "height": 64,
                  "num_inference_steps": 2, "guidance_scale": 4.0, "seed": 9, "n": 2}),)
 # An edit: the VAE encodes the reference under its scope too; Klein's CFG runs both text branches.
@@ -333,7 +146,8 @@ FLUX2_SERVER = {"prompt": "a blue dog", "width": 64, "height": 64, "n": 2, "seed
 
 def _flux2_case(id: str, family: str, pipeline_class: str) -> FamilyCase:
     return FamilyCase(
-        id, id, family, pipeline_class, reference=_flux2, reference_params=FLUX2_REFERENCE, merge_batches=FLUX2_MERGE,
+        id, id, family, pipeline_class, reference=flux2_reference, reference_params=FLUX2_REFERENCE,
+        merge_batches=FLUX2_MERGE,
         merged_rows_differ=True, continuous=True, residency_batch=FLUX2_RESIDENCY, residency_tolerance=1,
         layered=frozenset({"transformer", "text_encoder", "vae"}), size_multiple=16, off_grid=((72, 64),),
         server_args=(), server_request=FLUX2_SERVER, server_tolerance=1)
@@ -344,7 +158,8 @@ def _qwen_case(id: str, family: str, size_multiple: int, max_side: int) -> Famil
     base = {"width": 64, "height": 64, "num_inference_steps": 2}
     return FamilyCase(
         id, id, family, {"qwen_image": "QwenImageNativePipeline"}.get(family, "QwenImage21NativePipeline"),
-        reference=_qwen, reference_params=(("long-cfg-n2", {**base, "prompt": QWEN_LONG, "seed": 7, "n": 2, **QWEN_CFG}),),
+        reference=qwen_reference,
+        reference_params=(("long-cfg-n2", {**base, "prompt": QWEN_LONG, "seed": 7, "n": 2, **QWEN_CFG}),),
         merge_batches=(({**base, "prompt": SHORT, "seed": 1, **no_cfg}, {**base, "prompt": QWEN_LONG, "seed": 2, "n": 2,
                                                                           **no_cfg}),
                        ({**base, "prompt": SHORT, "seed": 1, "negative_prompt": "blurry", **cfg},
@@ -374,15 +189,16 @@ CASES: tuple[FamilyCase, ...] = (
     _qwen_case("qwen-image", "qwen_image", 16, 114688),
     _qwen_case("qwen-image-2.1", "qwen_image_21", 32, 32768),
     FamilyCase("qwen-image-edit", "qwen-image-edit", "qwen_image_edit", "QwenImageEditNativePipeline",
-               reference=_qwen_edit("QwenImageEditPipeline"),
+               reference=qwen_edit_reference("QwenImageEditPipeline"),
                reference_params=(("edit-n2", {**QWEN_EDIT, "seed": 11, "n": 2, "image_inputs": (RED,)}),),
                server_args=_EDIT_ARGS),
-    FamilyCase("qwen-image-edit-plus", "qwen-image-edit-plus", "qwen_image_edit_plus", "QwenImageEditPlusNativePipeline",
-               reference=_qwen_edit("QwenImageEditPlusPipeline"),
+    FamilyCase("qwen-image-edit-plus", "qwen-image-edit-plus", "qwen_image_edit_plus",
+               "QwenImageEditPlusNativePipeline",
+               reference=qwen_edit_reference("QwenImageEditPlusPipeline"),
                reference_params=(("two-images", {**QWEN_EDIT, "seed": 5, "n": 1, "image_inputs": (RED, BLUE_WIDE)}),),
                server_args=_EDIT_ARGS),
     FamilyCase(
-        "sana", "sana", "sana", "SanaNativePipeline", reference=_sana,
+        "sana", "sana", "sana", "SanaNativePipeline", reference=sana_reference,
         reference_params=(
             ("no-cfg", {"prompt": "a red cat", "seed": 7, "guidance_scale": 1.0, "num_inference_steps": 2}),
             # CFG with the default empty negative prompt, two rows.
@@ -403,7 +219,7 @@ CASES: tuple[FamilyCase, ...] = (
                         "num_inference_steps": 2, "guidance_scale": 4.5},
         http_refused_size="80x64"),
     FamilyCase(
-        "z-image", "z-image", "z_image", "ZImageNativePipeline", reference=_z_image,
+        "z-image", "z-image", "z_image", "ZImageNativePipeline", reference=z_image_reference,
         reference_params=(
             # Turbo-style: guidance 0 runs no negative branch.
             ("no-cfg", {"prompt": "a red cat", "seed": 7, "guidance_scale": 0.0, "num_inference_steps": 2}),
@@ -425,7 +241,7 @@ CASES: tuple[FamilyCase, ...] = (
                         "num_inference_steps": 2, "guidance_scale": 2.5},
         http_refused_size="1024x1024"),
     FamilyCase(
-        "sd3", "sd3", "sd3", "SD3NativePipeline", reference=_sd3, reference_tolerance=1,
+        "sd3", "sd3", "sd3", "SD3NativePipeline", reference=sd3_reference, reference_tolerance=1,
         reference_params=(
             # diffusers' defaults: CFG at 7.0 against the empty negative prompt
             ("cfg-default-negative", {"prompt": "a photo of a cat", "seed": 5, "n": 2, "num_inference_steps": 3,
@@ -450,7 +266,7 @@ CASES: tuple[FamilyCase, ...] = (
                         "num_inference_steps": 2, "guidance_scale": 3.0},
         http_refused_size="528x528", http_refused_message="512"),
     FamilyCase(
-        "wan", "wan", "wan", "WanNativePipeline", output="video", build_params=video_params, reference=_wan,
+        "wan", "wan", "wan", "WanNativePipeline", output="video", build_params=video_params, reference=wan_reference,
         reference_params=(("cfg-negative", {"prompt": "a cat surfing", "seed": 3, "guidance_scale": 4.0,
                                             "negative_prompt": "blurry"}),),
         merge_batches=(({"prompt": SHORT, "seed": 1, "guidance_scale": 3.0},
@@ -458,22 +274,25 @@ CASES: tuple[FamilyCase, ...] = (
                          "n": 2}),),
         continuous=True, residency_batch=({"prompt": "a red kite", "seed": 4, "guidance_scale": 3.0},)),
     FamilyCase(
-        "wan2.2", "wan2.2", "wan", "WanNativePipeline", output="video", build_params=video_params, reference=_wan,
+        "wan2.2", "wan2.2", "wan", "WanNativePipeline", output="video", build_params=video_params,
+        reference=wan_reference,
         reference_params=(("two-experts", {"prompt": "a cat surfing", "seed": 3, "guidance_scale": 4.0,
                                            "guidance_scale_2": 2.0}),),
         continuous=True, residency_batch=({"prompt": "a red kite", "seed": 4, "guidance_scale": 3.0},)),
     FamilyCase(
         "wan2.2-ti2v", "wan2.2-ti2v", "wan", "WanNativePipeline", output="video", build_params=video_params,
-        reference=_wan, reference_params=(("no-cfg", {"prompt": "a cat surfing", "seed": 3, "guidance_scale": 1.0}),),
+        reference=wan_reference,
+        reference_params=(("no-cfg", {"prompt": "a cat surfing", "seed": 3, "guidance_scale": 1.0}),),
         continuous=True),
     FamilyCase(
         "wan-i2v", "wan-i2v", "wan_i2v", "WanI2VNativePipeline", output="video", build_params=video_params,
-        reference=_wan_i2v,
+        reference=wan_i2v_reference,
         reference_params=(("cfg-negative-n2", {"prompt": "a cat", "seed": 2, "guidance_scale": 4.0,
-                                               "negative_prompt": "blurry", "n": 2, "image_inputs": (png(32, 32, 1),)}),),
+                                               "negative_prompt": "blurry", "n": 2,
+                                               "image_inputs": (png(32, 32, 1),)}),),
         residency_batch=({"prompt": "a kite", "seed": 5, "guidance_scale": 3.0, "image_inputs": (png(32, 32, 2),)},)),
     FamilyCase(
-        "ernie", "ernie-image", "ernie_image", "DiffusersBackendPipeline", reference=_ernie,
+        "ernie", "ernie-image", "ernie_image", "DiffusersBackendPipeline", reference=ernie_reference,
         reference_params=(
             ("no-cfg-n2", {"prompt": "a red cat", "seed": 7, "guidance_scale": 1.0, "n": 2, "num_inference_steps": 2}),
             ("cfg-negative-wide", {"prompt": "a dog in the sea", "negative_prompt": "blurry", "seed": 3,
@@ -488,7 +307,7 @@ CASES: tuple[FamilyCase, ...] = (
         http_refused_size="72x64"),
     FamilyCase(
         "qwen-image-layered", "qwen-image-layered", "qwen_image_layered", "DiffusersBackendPipeline",
-        reference=_layered,
+        reference=layered_reference, sized_as_requested=False,
         reference_params=(("two-layers", {"prompt": "a red cat", "seed": 5, "n": 2, "guidance_scale": 1.0,
                                           "num_inference_steps": 2, "image_inputs": (rgba_png(64, 48),)}),)),
     FamilyCase("glm-image", "glm-image", "glm_image", "DiffusersBackendPipeline", size_multiple=32,

@@ -17,7 +17,7 @@ import pytest
 from diffuserve.errors import InvalidRequestError
 from diffuserve.sampling import SamplingParams
 from tests.integration.family_checks import max_pixel_diff
-from tests.integration.family_conformance import FLUX2_SEQ, flux2_images, flux2_on_same_modules, png
+from tests.integration.family_references import FLUX2_SEQ, flux2_images, flux2_on_same_modules, png
 
 pytestmark = pytest.mark.timeout(300)
 

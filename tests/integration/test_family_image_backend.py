@@ -15,7 +15,8 @@ import pytest
 from diffuserve.errors import InvalidRequestError
 from diffuserve.sampling import SamplingParams
 from tests.integration.family_checks import max_pixel_diff, row_generators
-from tests.integration.family_conformance import BY_ID, resident_run
+from tests.integration.family_conformance import BY_ID
+from tests.integration.family_references import resident_run
 
 pytestmark = pytest.mark.timeout(300)
 

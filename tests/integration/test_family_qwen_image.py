@@ -17,7 +17,8 @@ import torch
 from diffuserve.errors import InvalidRequestError
 from diffuserve.sampling import SamplingParams
 from tests.integration.family_checks import max_pixel_diff
-from tests.integration.family_conformance import QWEN_LONG, qwen_on_same_modules
+from tests.integration.family_conformance import QWEN_LONG
+from tests.integration.family_references import qwen_on_same_modules
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -17,7 +17,8 @@ import pytest
 from diffuserve.errors import InvalidRequestError
 from diffuserve.sampling import SamplingParams
 from tests.integration.family_checks import max_pixel_diff
-from tests.integration.family_conformance import BY_ID, RED, resident_run
+from tests.integration.family_conformance import BY_ID, RED
+from tests.integration.family_references import resident_run
 
 EDIT = SamplingParams(**dict(BY_ID["qwen-image-edit"].reference_params)["edit-n2"])
 """The suite's edit request (n=2): its resident run is shared with the suite's diffusers and server checks."""

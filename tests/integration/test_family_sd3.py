@@ -16,7 +16,8 @@ import torch
 
 from diffuserve.sampling import SamplingParams
 from tests.integration.family_checks import max_pixel_diff
-from tests.integration.family_conformance import BY_ID, sd3_images
+from tests.integration.family_conformance import BY_ID
+from tests.integration.family_references import sd3_images
 
 pytestmark = pytest.mark.timeout(300)
 
