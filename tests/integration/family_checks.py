@@ -1,9 +1,10 @@
-"""Checks every native family's tests share: residency modes reproduce the resident output, pixel comparison.
+"""Helpers the family tests share: pixel comparison, residency set-up, rebuilds, the continuous group loop.
 
-Use from a family test module:
+The generic checks themselves (diffusers parity, merged rows, residency modes, limits ...) are the family
+conformance suite, test_family_conformance.py. Use from a family test module:
 
-    from tests.integration.family_checks import assert_residency_modes_match, max_pixel_diff
-    assert_residency_modes_match(pipeline, lambda: pipeline.run([params]).outputs[0].images)
+    from tests.integration.family_checks import max_pixel_diff, with_residency
+    output, ledger = with_residency(pipeline, {"vae": ResidencyMode.COMPONENT_OFFLOAD}, run)
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from diffuserve.pipelines.base import AllResident
 from diffuserve.runtime.layerwise import default_layer_specs
 from diffuserve.runtime.ledger import TransferLedger
 from diffuserve.runtime.residency import build_residency
-
-OFFLOAD_MODES = (ResidencyMode.COMPONENT_OFFLOAD, ResidencyMode.SNAPSHOT_OFFLOAD, ResidencyMode.LAYERWISE_OFFLOAD)
 
 
 def _frames(output: Any) -> list[np.ndarray]:
@@ -59,24 +58,6 @@ def with_residency(pipeline: Any, modes: dict[str, ResidencyMode], run: Callable
         if close is not None:
             close()
         pipeline.residency = AllResident()
-
-
-def assert_residency_modes_match(pipeline: Any, run: Callable[[], Any], *, tolerance: int = 0) -> dict[str, int]:
-    """Component-, snapshot- and layer-wise offload (of every component with layers; the others offload as
-    whole components) each reproduce the resident output within `tolerance`/255. Returns mode -> max diff."""
-    reference = run()
-    layered = set(layered_components(pipeline))
-    assert layered, "a native family with repeated blocks must declare layers for layer-wise offload"
-    diffs = {}
-    for mode in OFFLOAD_MODES:
-        modes = {name: (mode if mode is not ResidencyMode.LAYERWISE_OFFLOAD or name in layered
-                        else ResidencyMode.COMPONENT_OFFLOAD) for name in pipeline.components}
-        output, ledger = with_residency(pipeline, modes, run)
-        diffs[mode.value] = max_pixel_diff(output, reference)
-        assert diffs[mode.value] <= tolerance, (mode, diffs)
-        moved = {m.component for m in ledger.moves()}
-        assert moved == set(pipeline.components), (mode, moved)  # every component really moved
-    return diffs
 
 
 def row_generators(seed: int, n: int) -> list:
