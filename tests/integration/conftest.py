@@ -64,3 +64,41 @@ def wan_server(tiny_wan_path: Path, tmp_path_factory: pytest.TempPathFactory) ->
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def family_pipeline():
+    """`family_pipeline(path, backend="auto")` -> `load_pipeline(path)`, loaded at most once per test session, so the
+    family conformance suite and the per-family tests share one pipeline per tiny checkpoint. A test that changes
+    the pipeline (residency, batched CFG) must put it back."""
+    from diffuserve.models.loader import load_pipeline
+
+    loaded: dict[tuple[Path, str], object] = {}
+
+    def get(path: Path, backend: str = "auto"):
+        if (path, backend) not in loaded:
+            loaded[path, backend] = load_pipeline(path, backend=backend)
+        return loaded[path, backend]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def diffusers_pipeline():
+    """`diffusers_pipeline(class_name, path)` -> `diffusers.<class_name>.from_pretrained(path)` (offline, progress
+    bar off), loaded at most once per test session: the reference the family tests compare with."""
+    loaded: dict[tuple[str, Path], object] = {}
+
+    def get(class_name: str, path: Path):
+        if (class_name, path) not in loaded:
+            import diffusers
+
+            from diffuserve.models.processor_substitutes import install_processor_substitutes
+
+            install_processor_substitutes()  # Qwen processors without torchvision (a no-op where it exists)
+            pipe = getattr(diffusers, class_name).from_pretrained(path, local_files_only=True)
+            pipe.set_progress_bar_config(disable=True)
+            loaded[class_name, path] = pipe
+        return loaded[class_name, path]
+
+    return get

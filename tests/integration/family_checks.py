@@ -1,9 +1,10 @@
-"""Checks every native family's tests share: residency modes reproduce the resident output, pixel comparison.
+"""Helpers the family tests share: pixel comparison, residency set-up, rebuilds, the continuous group loop.
 
-Use from a family test module:
+The generic checks themselves (diffusers parity, merged rows, residency modes, limits ...) are the family
+conformance suite, test_family_conformance.py. Use from a family test module:
 
-    from tests.integration.family_checks import assert_residency_modes_match, max_pixel_diff
-    assert_residency_modes_match(pipeline, lambda: pipeline.run([params]).outputs[0].images)
+    from tests.integration.family_checks import max_pixel_diff, with_residency
+    output, ledger = with_residency(pipeline, {"vae": ResidencyMode.COMPONENT_OFFLOAD}, run)
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from diffuserve.pipelines.base import AllResident
 from diffuserve.runtime.layerwise import default_layer_specs
 from diffuserve.runtime.ledger import TransferLedger
 from diffuserve.runtime.residency import build_residency
-
-OFFLOAD_MODES = (ResidencyMode.COMPONENT_OFFLOAD, ResidencyMode.SNAPSHOT_OFFLOAD, ResidencyMode.LAYERWISE_OFFLOAD)
 
 
 def _frames(output: Any) -> list[np.ndarray]:
@@ -61,24 +60,6 @@ def with_residency(pipeline: Any, modes: dict[str, ResidencyMode], run: Callable
         pipeline.residency = AllResident()
 
 
-def assert_residency_modes_match(pipeline: Any, run: Callable[[], Any], *, tolerance: int = 0) -> dict[str, int]:
-    """Component-, snapshot- and layer-wise offload (of every component with layers; the others offload as
-    whole components) each reproduce the resident output within `tolerance`/255. Returns mode -> max diff."""
-    reference = run()
-    layered = set(layered_components(pipeline))
-    assert layered, "a native family with repeated blocks must declare layers for layer-wise offload"
-    diffs = {}
-    for mode in OFFLOAD_MODES:
-        modes = {name: (mode if mode is not ResidencyMode.LAYERWISE_OFFLOAD or name in layered
-                        else ResidencyMode.COMPONENT_OFFLOAD) for name in pipeline.components}
-        output, ledger = with_residency(pipeline, modes, run)
-        diffs[mode.value] = max_pixel_diff(output, reference)
-        assert diffs[mode.value] <= tolerance, (mode, diffs)
-        moved = {m.component for m in ledger.moves()}
-        assert moved == set(pipeline.components), (mode, moved)  # every component really moved
-    return diffs
-
-
 def row_generators(seed: int, n: int) -> list:
     """A diffusers reference call's generators: one CPU generator per output row, row j seeded seed + j."""
     import torch
@@ -96,3 +77,29 @@ def assert_rebuild_identical(build: str, built: Path, work: Path, *, max_bytes: 
     different = [str(f) for f in files if (built / f).read_bytes() != (again / f).read_bytes()]
     assert not different, different
     assert sum((built / f).stat().st_size for f in files) < max_bytes
+
+
+def simulate_steps(pipeline: Any, arrivals: dict[int, list]) -> dict[int, list]:
+    """Run the continuous group loop as the engine does: the requests in `arrivals[k]` start together (shared
+    encoder calls) and join before global step k; those that finish at one step are decoded together. Returns
+    each request's images (or videos) by its index in arrival order."""
+    from diffuserve.pipelines import step_batch
+
+    group: list[tuple[int, Any]] = []
+    out: dict[int, list] = {}
+    order = [p for k in sorted(arrivals) for p in arrivals[k]]
+    tick = 0
+    while len(out) < len(order):
+        joining = arrivals.get(tick, [])
+        if joining:
+            started = step_batch.start_requests(pipeline, joining)
+            group += [(order.index(params), rows) for params, rows in zip(joining, started, strict=True)]
+        step_batch.denoise_step(pipeline, [rows for _, rows in group])
+        done = [g for g in group if g[1].done]
+        if done:
+            outputs = step_batch.finish_requests(pipeline, [rows for _, rows in done])
+            for (index, rows), output in zip(done, outputs, strict=True):
+                out[index] = output.videos if pipeline.output_kind == "video" else output.images
+                group.remove((index, rows))
+        tick += 1
+    return out

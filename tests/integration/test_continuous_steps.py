@@ -13,6 +13,7 @@ import pytest
 
 from diffuserve.pipelines import step_batch
 from diffuserve.sampling import SamplingParams
+from tests.integration.family_checks import simulate_steps as _simulate
 
 PIXEL_TOL = 1  # uint8 steps, i.e. 1/255
 
@@ -26,30 +27,6 @@ def flux(tiny_flux_path: Path):
 
 def _max_diff(a, b) -> int:
     return int(np.abs(np.asarray(a).astype(np.int16) - np.asarray(b).astype(np.int16)).max())
-
-
-def _simulate(pipeline, arrivals: dict[int, list[SamplingParams]]) -> dict[int, list]:
-    """Run the group loop as the engine does: the requests in `arrivals[k]` start together (shared encoder calls)
-    and join before global step k; those that finish at one step are decoded together. Returns images by request
-    index."""
-    group: list[tuple[int, step_batch.RequestRows]] = []
-    out: dict[int, list] = {}
-    order = [p for k in sorted(arrivals) for p in arrivals[k]]
-    tick = 0
-    while len(out) < len(order):
-        joining = arrivals.get(tick, [])
-        if joining:
-            started = step_batch.start_requests(pipeline, joining)
-            group += [(order.index(params), rows) for params, rows in zip(joining, started, strict=True)]
-        step_batch.denoise_step(pipeline, [rows for _, rows in group])
-        done = [g for g in group if g[1].done]
-        if done:
-            outputs = step_batch.finish_requests(pipeline, [rows for _, rows in done])
-            for (index, rows), output in zip(done, outputs, strict=True):
-                out[index] = output.videos if pipeline.output_kind == "video" else output.images
-                group.remove((index, rows))
-        tick += 1
-    return out
 
 
 def test_flux_declares_continuous(flux) -> None:
@@ -80,34 +57,8 @@ def test_cfg_rows_equal_their_singleton_runs(flux) -> None:
         assert _max_diff(got[i][0], flux.run([params]).outputs[0].images[0]) <= PIXEL_TOL
 
 
-def _frames(output, kind: str) -> list:
-    """Every image of an output: the images, or every frame of every video."""
-    return output.images if kind == "image" else [f for video in output.videos for f in video]
-
-
-CONTINUOUS_FAMILIES = ["sd3", "wan", "z-image", "flux2", "flux2-klein", "qwen-image", "qwen-image-2.1", "wan2.2-ti2v",
-                       "sana", "wan2.2"]
-
-
-@pytest.mark.parametrize("family", CONTINUOUS_FAMILIES)
-def test_every_continuous_family_equals_its_singleton_runs(family: str, tiny_checkpoint) -> None:
-    from diffuserve.models.loader import load_pipeline
-
-    pipeline = load_pipeline(tiny_checkpoint(family))
-    assert pipeline.supports_continuous, f"{family} should declare supports_continuous"
-    d = pipeline.defaults
-    kw = {"width": d.width, "height": d.height, "num_frames": d.num_frames, "guidance_scale": d.guidance_scale}
-    a = SamplingParams(prompt="a red square", seed=1, num_inference_steps=3, **kw)
-    b = SamplingParams(prompt="a much longer prompt about a blue circle", seed=2, num_inference_steps=2, n=2, **kw)
-    c = SamplingParams(prompt="green", seed=3, num_inference_steps=2, **kw)
-    # b and c start together (one encoder call for texts of different lengths); a, b and c decode together
-    got = _simulate(pipeline, {0: [a], 1: [b, c]})
-    for i, params in enumerate([a, b, c]):
-        result = pipeline.run([params]).outputs[0]
-        kind = pipeline.output_kind
-        stepped = got[i] if kind == "image" else [f for video in got[i] for f in video]
-        for x, y in zip(stepped, _frames(result, kind), strict=True):
-            assert _max_diff(x, y) <= PIXEL_TOL, f"{family}: request {i} differs from its singleton run"
+# Every continuous family's join equals its singleton runs, and the families that are not continuous say so:
+# the family conformance suite (test_family_conformance.py).
 
 
 def test_wan22_experts_split_a_step_whose_rows_straddle_the_boundary(tiny_checkpoint) -> None:
@@ -123,13 +74,6 @@ def test_wan22_experts_split_a_step_whose_rows_straddle_the_boundary(tiny_checkp
     a.step_index = 1
     experts = {pipeline.denoiser_for_step(r.step_index, r.state.timesteps[r.step_index], r.state) for r in (a, b)}
     assert experts == {"transformer", "transformer_2"}
-
-
-@pytest.mark.parametrize("family", ["wan-i2v"])
-def test_families_that_are_not_continuous_say_so(family: str, tiny_checkpoint) -> None:
-    from diffuserve.models.loader import load_pipeline
-
-    assert load_pipeline(tiny_checkpoint(family)).supports_continuous is False
 
 
 def test_side_lanes_beside_an_offloaded_loop_equal_the_singleton_runs(tiny_flux_path: Path) -> None:

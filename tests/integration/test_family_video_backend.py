@@ -1,22 +1,17 @@
 """Video families through the diffusers backend, each on its tiny checkpoint: HunyuanVideo, HunyuanVideo 1.5,
 LTX-2 and Helios. The backend's frames equal the diffusers pipeline class called directly with the same
-arguments and seed (1/255 per pixel), a merged batch equals the solo runs where the family batches, rebuilds
-are byte-identical, and one real server answers the official `openai` SDK's video methods for HunyuanVideo."""
+arguments and seed (1/255 per pixel), and a merged batch equals the solo runs where the family batches.
+(Byte-identical rebuilds, and HunyuanVideo's real server answering the official `openai` SDK's video methods:
+the conformance suite, test_family_conformance.py.)"""
 
 from __future__ import annotations
 
-import io
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import av
 import numpy as np
-import openai
 import pytest
-
-from tests.serverproc import ServerProcess
 
 
 @dataclass(frozen=True)
@@ -57,14 +52,12 @@ def _direct(pipe: Any, case: Case, prompt: str, seed: int, params: Any) -> np.nd
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.tiny for c in CASES])
-def test_backend_frames_equal_the_diffusers_pipeline(case: Case, tiny_checkpoint):
-    import diffusers
-
-    from diffuserve.models.loader import load_pipeline
+def test_backend_frames_equal_the_diffusers_pipeline(case: Case, tiny_checkpoint, family_pipeline,
+                                                     diffusers_pipeline):
     from diffuserve.sampling import SamplingParams
 
     path = tiny_checkpoint(case.tiny)
-    backend = load_pipeline(path, backend="diffusers")
+    backend = family_pipeline(path)  # auto: the diffusers backend (no native adapter; the suite checks the class)
     assert (backend.family, backend.output_kind, backend.supports_batching) == (case.family, "video", case.batches)
     assert (backend.defaults.width, backend.defaults.num_frames, backend.defaults.num_inference_steps) == (
         32, case.frames, 2)
@@ -73,8 +66,7 @@ def test_backend_frames_equal_the_diffusers_pipeline(case: Case, tiny_checkpoint
     batch = [SamplingParams(prompt=prompt, seed=seed, **common) for prompt, seed in PROMPTS]
     # A batching family runs both prompts as one merged call; each row must equal its own solo direct run.
     outputs = backend.run(batch).outputs if case.batches else [backend.run([p]).outputs[0] for p in batch]
-    direct = getattr(diffusers, case.pipeline_class).from_pretrained(path, local_files_only=True)
-    direct.set_progress_bar_config(disable=True)
+    direct = diffusers_pipeline(case.pipeline_class, path)
     for output, (prompt, seed), params in zip(outputs, PROMPTS, batch, strict=True):
         expected = _direct(direct, case, prompt, seed, params)
         got = np.stack([np.asarray(f, dtype=np.float64) for f in output.videos[0]])
@@ -84,52 +76,15 @@ def test_backend_frames_equal_the_diffusers_pipeline(case: Case, tiny_checkpoint
                   - np.asarray(outputs[1].videos[0][0], dtype=np.int16)).max() > 0  # the prompts matter
 
 
-def test_hunyuan_video_15_cannot_decode_a_prompt_list_in_diffusers(tiny_checkpoint):
+def test_hunyuan_video_15_cannot_decode_a_prompt_list_in_diffusers(tiny_checkpoint, diffusers_pipeline):
     """Why its spec says supports_batching=False: diffusers' HunyuanVideo 1.5 VAE attention mask breaks for a
     batch of two. When a diffusers release fixes it this fails, and the family can batch."""
     import torch
-    from diffusers import HunyuanVideo15Pipeline
 
-    pipe = HunyuanVideo15Pipeline.from_pretrained(tiny_checkpoint("hunyuan-video-1.5"), local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = diffusers_pipeline("HunyuanVideo15Pipeline", tiny_checkpoint("hunyuan-video-1.5"))
     with torch.inference_mode(), pytest.raises(RuntimeError, match="broadcast shape"):
         pipe(prompt=["a red fox", "a cat surfing"], height=32, width=32, num_frames=5, num_inference_steps=1,
              output_type="np")
-
-
-@pytest.mark.parametrize("name", [c.tiny for c in CASES])
-def test_rebuild_is_byte_identical(name: str, tiny_checkpoint, tmp_path: Path):
-    from diffuserve.models.tiny import build_tiny_checkpoint
-
-    first = tiny_checkpoint(name)
-    second = build_tiny_checkpoint(name, tmp_path / name)
-    files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(second) for p in second.rglob("*") if p.is_file())
-    assert [f for f in files if (first / f).read_bytes() != (second / f).read_bytes()] == []
-    assert sum((first / f).stat().st_size for f in files) < 20 * 2**20
-
-
-@pytest.fixture(scope="module")
-def hunyuan_server(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    logs = tmp_path_factory.mktemp("hunyuan-video")
-    server = ServerProcess(["--model-path", str(tiny_checkpoint("hunyuan-video")), "--served-model-name",
-                            "tiny-hunyuan-video"], logs / "server.log")
-    server.start(timeout_s=180)
-    yield server
-    server.stop()
-
-
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK marks its video methods deprecated
-def test_openai_sdk_create_and_poll_then_download(hunyuan_server: ServerProcess):
-    client = openai.OpenAI(base_url=f"{hunyuan_server.base_url}/v1", api_key="unused", max_retries=0)
-    video = client.videos.create_and_poll(prompt="a red fox", size="32x32", seconds="1")
-    assert (video.status, video.size, video.model) == ("completed", "32x32", "tiny-hunyuan-video")
-    data = client.videos.download_content(video.id).read()
-    with av.open(io.BytesIO(data)) as container:
-        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-    # 1 s at the checkpoint's 8 fps -> the nearest 4k+1 frame count, 9.
-    assert len(frames) == 9 and frames[0].shape == (32, 32, 3)
-    assert np.ptp(np.stack(frames)) > 0
 
 
 def test_pipeline_local_components_load_beside_a_folder_of_the_same_name(tiny_checkpoint, tmp_path: Path,
@@ -144,14 +99,13 @@ def test_pipeline_local_components_load_beside_a_folder_of_the_same_name(tiny_ch
         "LTX2TextConnectors")
 
 
-def test_ltx2_sizes_and_frames_it_would_refuse_are_invalid_requests(tiny_checkpoint):
+def test_ltx2_sizes_and_frames_it_would_refuse_are_invalid_requests(tiny_checkpoint, family_pipeline):
     """LTX2Pipeline raises inside diffusers unless sizes divide by 32, and names its VAE factors
     `vae_*_compression_ratio`: both reach the backend's checks, so a bad request is a 400 before queueing."""
     from diffuserve.errors import InvalidRequestError
-    from diffuserve.models.loader import load_pipeline
     from diffuserve.sampling import SamplingParams
 
-    backend = load_pipeline(tiny_checkpoint("ltx2"), backend="diffusers")
+    backend = family_pipeline(tiny_checkpoint("ltx2"))
     assert (backend.size_multiple, backend.frame_multiple) == (32, backend.pipe.vae_temporal_compression_ratio)
     with pytest.raises(InvalidRequestError) as size:
         backend.validate(SamplingParams(prompt="x", width=48, height=32, num_frames=9))

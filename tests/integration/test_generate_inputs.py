@@ -1,6 +1,6 @@
 """`diffuserve generate` with input images (`--image-path`, `--strength`) and the API's validation of every value,
 before the model loads (exit 2 naming the flag). Run in process through `cli.main`; "before the model loads" is
-checked by making `open_pipeline` fail the test if it is reached."""
+checked by making `build_generate_engine` (where the model would load) fail the test if it is reached."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def no_load(monkeypatch):
     def refuse(*_args, **_kwargs):
         raise AssertionError("the model was loaded before the flags were checked")
 
-    monkeypatch.setattr("diffuserve.launch.root.open_pipeline", refuse)
+    monkeypatch.setattr("diffuserve.launch.root.build_generate_engine", refuse)
 
 
 def _generate(capsys, model: Path, out: Path, *flags: str) -> tuple[int, str, str]:
