@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import logging
 import math
 import time
 import uuid
@@ -22,7 +23,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, RedirectResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError
 from starlette.concurrency import run_in_threadpool
 
@@ -48,6 +49,7 @@ from diffuserve.server.protocol import MAX_SEED, PromptRequest, coerce_form_fiel
 from diffuserve.server.video_jobs import VideoJob, VideoJobStore
 
 router = APIRouter()
+logger = logging.getLogger("diffuserve.server")
 
 
 class VideoNotReadyError(DiffuserveError):
@@ -174,7 +176,18 @@ def start_results_sweep(ctx: ServerContext) -> None:
         for job_id in store.live_ids_finished_elsewhere():
             ctx.engine.abort(job_id, RequestCancelledError(f"The video job {job_id} was cancelled or deleted."))
 
+    def stop_if_mine(job_id: str) -> None:
+        # Another replica finished or deleted `job_id` (PostgreSQL NOTIFY): if it runs here, stop it now
+        # (at its next denoising step) rather than at the next sweep.
+        store = _store(ctx)
+        if job_id in store.live_ids():
+            for gone in store.live_ids_finished_elsewhere():
+                logger.info("video job %s was finished or deleted through another replica (notified); stopping it",
+                            gone)
+                ctx.engine.abort(gone, RequestCancelledError(f"The video job {gone} was cancelled or deleted."))
+
     results.fail_interrupted(INTERRUPTED_ERROR)
+    results.watch(stop_if_mine)
     results.start_sweeper(ctx.args.result_sweep_interval_s, INTERRUPTED_ERROR, sync_live_jobs)
 
 
@@ -327,7 +340,12 @@ def _start_job(ctx: ServerContext, params: SamplingParams, body: VideoCreateRequ
     # conditioned on an image never merge with others.
     generation = ctx.engine.submit(params, endpoint="videos", timeout_s=body.timeout, priority=body.priority,
                                    request_id=job.id, ineligible_reason="image_conditioning" if conditioned else None)
-    _store(ctx).add(job)
+    try:
+        _store(ctx).add(job)
+    except Exception:
+        # The store is unavailable (503 naming it): the job is not kept, so it must not run either.
+        ctx.engine.abort(job.id, RequestCancelledError(f"The video job {job.id} could not be recorded."))
+        raise
     job.runner = asyncio.ensure_future(_drive_job(ctx, job, generation, received))
     return job
 
@@ -405,6 +423,10 @@ async def video_content(video_id: str, request: Request, variant: str = Query(de
     if variant not in VARIANTS:
         raise InvalidRequestError(f"variant={variant!r} is not served; choose one of {list(VARIANTS)}.", param="variant")
     job = _get_job(ctx, video_id)
+    if variant == "video" and job.status == "completed" and ctx.args.media_presign_s > 0:
+        url = await run_in_threadpool(_store(ctx).presign, job, ctx.args.media_presign_s)
+        if url is not None:  # --media-store with --media-presign-s: the client fetches from the bucket
+            return RedirectResponse(url, status_code=307)
     content = await run_in_threadpool(_store(ctx).content, job) if job.status == "completed" else None
     if content is None:
         hint = "poll GET /v1/videos/{id} until status is completed" if not job.terminal else "it has no video"

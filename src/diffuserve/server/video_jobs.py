@@ -6,7 +6,8 @@ job never changes again: a late result of a cancelled job is dropped, a late can
 is refused by the route.
 
 Jobs are rows of the results store (storage/results.py), so they survive a restart and are seen by
-every process sharing --output-dir; the MP4 is a file there. The jobs this process is running are
+every process sharing its stores (--output-dir, or --results-db and --media-store across hosts); the MP4
+is a file or object there. The jobs this process is running are
 also kept as objects in memory (progress is updated at every poll and written through). Past
 `max_jobs` rows, the oldest *finished* jobs (and their files) are dropped first; running and queued
 jobs never are, since their number is already bounded by the engine's queue.
@@ -171,6 +172,13 @@ class VideoJobStore:
         if record is None or record.status != COMPLETED:
             return None
         return self.results.read_file(record, VIDEO_FILE)
+
+    def presign(self, job: VideoJob, expires_s: int) -> str | None:
+        """A presigned URL of a completed job's MP4 in the media store (None where it cannot sign)."""
+        record = self.results.get(job.id)
+        if record is None or record.status != COMPLETED:
+            return None
+        return self.results.presign(record, VIDEO_FILE, expires_s)
 
     def remove(self, job_id: str) -> VideoJob | None:
         job = self.get(job_id)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diffuserve.storage.media import FileMedia, MediaStore, safe_name
+from diffuserve.storage.media import FileMedia, MediaStore, StoreUnavailableError, safe_name
 from diffuserve.storage.metadata import MetadataStore, SqliteMetadata, Transaction
 from diffuserve.storage.owners import Owner
 
@@ -350,6 +350,8 @@ class ResultStore:
                     self.sweep(interrupted_error)
                     if after_sweep is not None:
                         after_sweep()
+                except StoreUnavailableError as exc:  # a store that is down: one line, no traceback
+                    logger.warning("results sweep skipped: %s", exc.message)
                 except Exception:  # noqa: BLE001 - retention must never take the server down
                     logger.exception("results sweep failed; retrying in %.0fs", interval_s)
 
