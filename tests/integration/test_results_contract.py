@@ -297,3 +297,17 @@ def test_a_store_that_goes_away_fails_requests_with_503_naming_it_then_recovers(
         store.close()
         db.close()
         s3.close()
+
+
+def test_serve_with_an_unusable_store_exits_2_naming_the_flag(s3_server, tmp_path: Path):
+    from tests.serverproc import free_port
+
+    base = [sys.executable, "-m", "diffuserve.cli", "serve", "--port", str(free_port()),
+            "--output-dir", str(tmp_path / "out")]
+    cases = [(["--results-db", "mysql://x"], "--results-db: 'mysql://x' is not a PostgreSQL URL"),
+             (["--media-store", "s3://no-such-bucket/p", "--s3-endpoint-url", s3_server.endpoint],
+              "bucket 'no-such-bucket' does not exist")]
+    for flags, message in cases:
+        out = subprocess.run(base + flags, capture_output=True, text=True, timeout=240)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert message in out.stderr
