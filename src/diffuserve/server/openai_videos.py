@@ -400,7 +400,8 @@ async def list_videos(request: Request, limit: int = Query(default=20, ge=1, le=
     """Kept jobs, newest first (`order=asc`: oldest first); `after` is the last id of the previous page."""
     ctx = server_context(request)
     try:
-        page, has_more = _store(ctx).list(limit=limit, after=after, newest_first=order == "desc")
+        page, has_more = await run_in_threadpool(_store(ctx).list, limit=limit, after=after,
+                                                 newest_first=order == "desc")
     except KeyError:
         raise InvalidRequestError(f"after={after!r} is not a kept video job id.", param="after") from None
     data = [_refresh(ctx, job).to_dict() for job in page]
@@ -410,7 +411,8 @@ async def list_videos(request: Request, limit: int = Query(default=20, ge=1, le=
 
 @router.get("/v1/videos/{video_id}", tags=["videos"])
 async def get_video(video_id: str, request: Request) -> JSONResponse:
-    return _job_response(_get_job(server_context(request), video_id))
+    # A store read (a PostgreSQL round trip with --results-db) off the event loop, so polls overlap.
+    return _job_response(await run_in_threadpool(_get_job, server_context(request), video_id))
 
 
 @router.get("/v1/videos/{video_id}/content", tags=["videos"], response_class=Response, responses={

@@ -48,6 +48,8 @@ LIVE_STATUSES = ("queued", "in_progress")
 
 ORPHAN_GRACE_S = 600.0
 """Media without a row are removed only after this long (a writer may be between its upload and its commit)."""
+ORPHAN_SCAN_INTERVAL_S = 60.0
+"""The sweep looks for orphaned media at most this often."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ class ResultStore:
         self.heartbeat()
         self._sweeper: threading.Thread | None = None
         self._stop = threading.Event()
+        self._orphans_checked_at = float("-inf")
 
     # -- plumbing ----------------------------------------------------------------------------------
 
@@ -336,8 +339,11 @@ class ResultStore:
                     self.delete(rid)
                     total -= size
                     report["over_budget"].append(rid)
-        known = {r[0] for r in self._query("SELECT id FROM results")}
-        report["orphans"] = self.media_backend.remove_orphans(known, now, ORPHAN_GRACE_S)
+        if now - self._orphans_checked_at >= ORPHAN_SCAN_INTERVAL_S:
+            # Listing every object (a bucket listing on S3) is the sweep's costliest part: not every pass.
+            self._orphans_checked_at = now
+            known = {r[0] for r in self._query("SELECT id FROM results")}
+            report["orphans"] = self.media_backend.remove_orphans(known, now, ORPHAN_GRACE_S)
 
     # -- background sweep ------------------------------------------------------------------------------
 
