@@ -311,3 +311,23 @@ def test_serve_with_an_unusable_store_exits_2_naming_the_flag(s3_server, tmp_pat
         out = subprocess.run(base + flags, capture_output=True, text=True, timeout=240)
         assert out.returncode == 2, out.stderr[-2000:]
         assert message in out.stderr
+
+
+def test_url_images_resolve_on_another_replica_and_presign_to_the_bucket(postgres_server, s3_server, tmp_path: Path):
+    import httpx
+
+    from diffuserve.server.context import ImageStore, StoredImage
+
+    urls = {"results_db": postgres_server.new_database(), "media_store": s3_server.new_store_url(),
+            "s3_endpoint_url": s3_server.endpoint}
+    made_here, there = (open_results(tmp_path / name, RetentionPolicy(), **urls) for name in ("a", "b"))
+    try:
+        ImageStore(made_here, 8).put("img_x", [StoredImage(b"png-0", "image/png"), StoredImage(b"webp-1", "image/webp")])
+        other = ImageStore(there, 8)
+        assert [(i.data, i.media_type) for i in other.get("img_x")] == [(b"png-0", "image/png"), (b"webp-1", "image/webp")]
+        url = other.presign("img_x", 1, 60)
+        assert url.startswith(s3_server.endpoint) and httpx.get(url, timeout=30).content == b"webp-1"
+        assert other.presign("img_x", 2, 60) is None and other.presign("img_nope", 0, 60) is None
+    finally:
+        made_here.close()
+        there.close()

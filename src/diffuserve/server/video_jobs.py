@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diffuserve.storage import Record, ResultStore
+from diffuserve.storage.media import StoreUnavailableError
 
 QUEUED = "queued"
 IN_PROGRESS = "in_progress"
@@ -119,6 +120,9 @@ class VideoJob:
                    completed_at=None if record.completed_at is None else int(record.completed_at),
                    expires_at=None if record.expires_at is None else int(record.expires_at), **meta)
 
+
+FINISH_RETRIES_S = (1.0, 2.0, 4.0, 8.0)
+"""Waits between attempts to record a finished job while the results store is unavailable."""
 
 VIDEO_FILE = "video.mp4"
 """Name of a completed job's MP4 inside its results folder."""
@@ -243,7 +247,7 @@ class VideoJobStore:
         if status == COMPLETED:
             final.progress, final.timings = 100, timings
         files = {VIDEO_FILE: content} if content is not None else None
-        if not self.results.finish(job_id, status, final.meta(), files):
+        if not self._finish_row(job_id, status, final.meta(), files):
             with self._lock:
                 self._live.pop(job_id, None)
             return False
@@ -255,6 +259,18 @@ class VideoJobStore:
                 job.completed_at = int(record.completed_at or time.time())
                 job.expires_at = None if record.expires_at is None else int(record.expires_at)
         return True
+
+    def _finish_row(self, job_id: str, status: str, meta: dict[str, Any], files: dict[str, bytes] | None) -> bool:
+        """`results.finish`, retried while the store is unavailable (FINISH_RETRIES_S): a finished video is
+        kept in memory meanwhile, and recorded once the store answers again (else the error propagates)."""
+        for wait_s in (*FINISH_RETRIES_S, None):
+            try:
+                return self.results.finish(job_id, status, meta, files)
+            except StoreUnavailableError:
+                if wait_s is None:
+                    raise
+                time.sleep(wait_s)
+        raise AssertionError("unreachable")
 
     def complete(self, job_id: str, content: bytes, timings: dict[str, Any]) -> bool:
         return self._finish(job_id, COMPLETED, content=content, timings=timings)
