@@ -218,7 +218,7 @@ def test_postgres_notifies_every_replica_and_sweeps_once_across_the_fleet(postgr
         arrived = threading.Event()
         owner.watch(lambda rid: (seen.append(rid), arrived.set()))
         owner.add("video_x", "video", "in_progress", {})
-        threading.Event().wait(0.7)  # the listener connects before the cancel is sent
+        assert owner.metadata.listening.wait(10), "the owner's LISTEN connection is up before the cancel"
         assert other.finish("video_x", "cancelled", {})  # a cancel sent to another replica
         assert arrived.wait(5), "the owner hears of the cancel without waiting for its sweep"
         assert seen == ["video_x"]

@@ -101,6 +101,8 @@ class PostgresMetadata:
                                     check=ConnectionPool.check_connection, name="diffuserve-results")
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self.listening = threading.Event()
+        """Set while the LISTEN connection is up (notifications from then on are delivered)."""
 
     def _connect(self) -> Any:
         return self._psycopg.connect(self.url, autocommit=True, connect_timeout=max(1, int(self.timeout_s)))
@@ -180,6 +182,7 @@ class PostgresMetadata:
             try:
                 with self._connect() as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
+                    self.listening.set()
                     while not self._watch_stop.is_set():
                         for note in conn.notifies(timeout=0.5):
                             try:
@@ -187,6 +190,7 @@ class PostgresMetadata:
                             except Exception:  # noqa: BLE001 - one bad callback must not stop the listener
                                 logger.exception("results notification %s: callback failed", note.payload)
             except self._psycopg.Error as exc:
+                self.listening.clear()
                 logger.warning("%s: LISTEN connection lost (%s); reconnecting", self.name, str(exc).strip())
                 self._watch_stop.wait(2.0)
 
