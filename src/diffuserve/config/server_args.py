@@ -137,6 +137,11 @@ class ServerArgs:
         sections = [getattr(self, name) for name in SECTIONS]
         for section in sections:
             section.validate()
+        # A replica renews its lease at every sweep: a timeout within two sweeps would fail live jobs of replicas
+        # that are only between two renewals.
+        if self.owner_timeout_s <= 2 * self.result_sweep_interval_s:
+            raise ConfigError(f"--owner-timeout-s: {self.owner_timeout_s} must exceed twice "
+                              f"--result-sweep-interval-s ({self.result_sweep_interval_s}), the lease renewal period.")
         for section in sections:
             if hasattr(section, "check_files"):
                 section.check_files()
