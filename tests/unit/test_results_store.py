@@ -138,3 +138,25 @@ def test_several_processes_share_one_folder(tmp_path: Path):
     page, more = store.list("video", limit=200)
     assert len(page) == 120 and not more
     assert json.loads(json.dumps(page[0].meta)) == page[0].meta
+
+
+def test_a_folder_from_before_schema_versions_is_version_1_and_a_newer_one_is_refused(tmp_path: Path):
+    import sqlite3
+
+    import pytest
+
+    from diffuserve.errors import ConfigError
+    from diffuserve.storage.metadata import SCHEMA_VERSION, SQLITE_MIGRATIONS
+
+    with sqlite3.connect(tmp_path / "results.db") as conn:  # what a release without versions wrote
+        conn.executescript(SQLITE_MIGRATIONS[1])
+        conn.execute("INSERT INTO results (id, kind, status, owner, created_at) VALUES ('img_old', 'image', "
+                     "'completed', 'h@1:1', 1.0)")
+    store = ResultStore(tmp_path)
+    assert store.get("img_old").status == "completed"
+    assert store._query("PRAGMA user_version")[0][0] == SCHEMA_VERSION
+    store.close()
+    with sqlite3.connect(tmp_path / "results.db") as conn:
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(ConfigError, match=f"version {SCHEMA_VERSION + 1}, newer than version {SCHEMA_VERSION}"):
+        ResultStore(tmp_path)

@@ -205,3 +205,14 @@ def test_a_flag_is_validated_once_with_one_message():
     assert from_args.value.message == from_config.value.message == (
         "--batching-max-size: 0 must be >= 1 (1 turns merging off).")
     assert EngineConfig().max_queue_size == ServerArgs().max_queue_size == 256
+
+
+def test_store_flags_fail_at_start_naming_the_flag():
+    assert ServerArgs(results_db="postgresql://u:p@db:5432/d", media_store="s3://b/p").validate() is None
+    for flags, message in [({"results_db": "sqlite:///x"}, "--results-db: 'sqlite:///x' is not a PostgreSQL URL"),
+                           ({"media_store": "s3:/b"}, "--media-store: 's3:/b' is not an S3 URL"),
+                           ({"s3_endpoint_url": "http://x"}, "--s3-endpoint-url: only applies with --media-store"),
+                           ({"media_presign_s": 60}, "--media-presign-s: needs --media-store"),
+                           ({"owner_timeout_s": 3, "result_sweep_interval_s": 2}, "--owner-timeout-s: 3 must exceed")]:
+        with pytest.raises(ConfigError, match=message):
+            ServerArgs(**flags).validate()

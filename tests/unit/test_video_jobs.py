@@ -117,3 +117,28 @@ def test_build_params_refuses_image_models_and_maps_seconds_to_frames():
     with pytest.raises(ModelNotFoundError) as unknown:  # 404 model_not_found, as OpenAI answers
         build_video_params(VideoCreateRequest(prompt="x", model="other"), video)
     assert unknown.value.param == "model" and unknown.value.http_status == 404
+
+
+def test_a_finished_job_is_recorded_once_the_store_answers_again(tmp_path, monkeypatch):
+    from diffuserve.server import video_jobs
+    from diffuserve.storage.media import StoreUnavailableError
+
+    monkeypatch.setattr(video_jobs, "FINISH_RETRIES_S", (0.0, 0.0))
+    store = _store(tmp_path, 4)
+    store.add(_job(1))
+    real, calls = store.results.finish, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) <= 2:
+            raise StoreUnavailableError("The results database (--results-db x) is unavailable: down.")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store.results, "finish", flaky)
+    assert store.complete("video_1", b"mp4", {}) and len(calls) == 3
+    assert store.get("video_1").status == "completed"
+    store.add(_job(2))
+    # Every attempt fails now: after the retries the error reaches the caller.
+    monkeypatch.setattr(store.results, "finish", lambda *a, **k: (_ for _ in ()).throw(StoreUnavailableError("down")))
+    with pytest.raises(StoreUnavailableError):
+        store.complete("video_2", b"mp4", {})

@@ -5,6 +5,7 @@ commands that take it, its validation):
 
     ModelArgs       config/model_args.py     --model-path, --backend, --device, --dtype, ...
     HttpArgs        config/http_args.py      --host, --port, --log-level, request caps, results store
+    StoreArgs       config/store_args.py     --results-db, --media-store, --s3-endpoint-url, --owner-timeout-s
     BatchingConfig  config/batching.py       --batching-mode/-max-size/-delay-ms/-config, --enable-batching-metrics
     EngineConfig    config/engine_limits.py  --max-queue-size, --request-timeout-s, --enable-warmup, --warmup-steps
     LimitsArgs      config/limits.py         --max-request-bytes, --api-key, prompt and upload caps
@@ -34,14 +35,15 @@ from diffuserve.config.engine_limits import EngineConfig
 from diffuserve.config.http_args import SERVER_GROUP, HttpArgs
 from diffuserve.config.limits import LIMITS_GROUP, LimitsArgs
 from diffuserve.config.model_args import MODEL_GROUP, ModelArgs
+from diffuserve.config.store_args import STORE_GROUP, StoreArgs
 from diffuserve.errors import ConfigError
 
 SECTIONS: dict[str, type] = {
     "model": ModelArgs, "http": HttpArgs, "batching": BatchingConfig, "engine": EngineConfig,
-    "limits": LimitsArgs, "dist": DistArgs,
+    "limits": LimitsArgs, "dist": DistArgs, "store": StoreArgs,
 }
 """ServerArgs attribute -> the sub-config it holds, in `--help` order within a group."""
-GROUP_ORDER = (MODEL_GROUP, SERVER_GROUP, BATCHING_GROUP, LIMITS_GROUP, DIST_GROUP)
+GROUP_ORDER = (MODEL_GROUP, SERVER_GROUP, STORE_GROUP, BATCHING_GROUP, LIMITS_GROUP, DIST_GROUP)
 """The `--help` sections of ServerArgs' flags, in order (the deployment sections follow)."""
 
 _OWNER: dict[str, tuple[str, str]] = {
@@ -70,6 +72,8 @@ class ServerArgs:
     """Body and prompt caps, API key, security switches."""
     dist: DistArgs = field(default_factory=DistArgs)
     """Multi-host launch and rank fault detection."""
+    store: StoreArgs = field(default_factory=StoreArgs)
+    """The shared results database and media store (PostgreSQL, S3) and the owner lease."""
     deployment: DeploymentArgs | None = None
     """DeploymentArgs (config/deployment.py); filled by the CLI (None: every deployment flag unset)."""
     config: str | None = None
@@ -77,9 +81,10 @@ class ServerArgs:
 
     def __init__(self, model: ModelArgs | None = None, http: HttpArgs | None = None,
                  batching: BatchingConfig | None = None, engine: EngineConfig | None = None,
-                 limits: LimitsArgs | None = None, dist: DistArgs | None = None,
+                 limits: LimitsArgs | None = None, dist: DistArgs | None = None, store: StoreArgs | None = None,
                  deployment: DeploymentArgs | None = None, config: str | None = None, **flags: Any) -> None:
-        given = {"model": model, "http": http, "batching": batching, "engine": engine, "limits": limits, "dist": dist}
+        given = {"model": model, "http": http, "batching": batching, "engine": engine, "limits": limits, "dist": dist,
+                 "store": store}
         unknown = sorted(set(flags) - set(_OWNER))
         if unknown:
             raise TypeError(f"ServerArgs got unexpected keyword arguments {unknown}")
@@ -132,6 +137,11 @@ class ServerArgs:
         sections = [getattr(self, name) for name in SECTIONS]
         for section in sections:
             section.validate()
+        # A replica renews its lease at every sweep: a timeout within two sweeps would fail live jobs of replicas
+        # that are only between two renewals.
+        if self.owner_timeout_s <= 2 * self.result_sweep_interval_s:
+            raise ConfigError(f"--owner-timeout-s: {self.owner_timeout_s} must exceed twice "
+                              f"--result-sweep-interval-s ({self.result_sweep_interval_s}), the lease renewal period.")
         for section in sections:
             if hasattr(section, "check_files"):
                 section.check_files()

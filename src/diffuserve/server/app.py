@@ -20,6 +20,7 @@ from diffuserve.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddlewa
 from diffuserve.server.protocol import ErrorEnvelope, error_envelope
 from diffuserve.server.video_jobs import VideoJobStore
 from diffuserve.storage import ResultStore, RetentionPolicy
+from diffuserve.storage.open import open_results
 
 logger = logging.getLogger("diffuserve.server")
 
@@ -98,8 +99,11 @@ ERROR_RESPONSES: dict[int | str, dict] = {
 def open_results_store(args) -> ResultStore:
     """The results store under --output-dir, with the retention flags (a clear start-up error if unusable)."""
     folder = args.resolved_output_dir()
+    policy = RetentionPolicy(ttl_s=args.result_ttl_s, max_bytes=args.max_output_bytes,
+                             heartbeat_stale_s=args.owner_timeout_s)
     try:
-        return ResultStore(folder, RetentionPolicy(ttl_s=args.result_ttl_s, max_bytes=args.max_output_bytes))
+        return open_results(folder, policy, results_db=args.results_db, media_store=args.media_store,
+                            s3_endpoint_url=args.s3_endpoint_url, create_bucket=args.media_store_create_bucket)
     except (OSError, sqlite3.Error) as exc:
         raise ConfigError(f"--output-dir: cannot keep results in {str(folder)!r} ({exc}); give a writable folder "
                           "on a local filesystem.") from exc

@@ -40,6 +40,16 @@ class ImageStore:
         self.results.put_completed(image_id, "image", {"media_types": [img.media_type for img in images]}, files)
         self.results.evict("image", self.max_images, by_files=True)
 
+    def presign(self, image_id: str, index: int, expires_s: int) -> str | None:
+        """A presigned URL of image `index` in the media store (None: unknown, or the store cannot sign)."""
+        record = self.results.get(image_id)
+        if record is None or record.kind != "image":
+            return None
+        types = record.meta.get("media_types", [])
+        if index >= len(types):
+            return None
+        return self.results.presign(record, f"{index}.{_EXTENSIONS.get(types[index], 'bin')}", expires_s)
+
     def get(self, image_id: str) -> list[StoredImage] | None:
         record = self.results.get(image_id)
         if record is None or record.kind != "image":

@@ -10,7 +10,7 @@ import uuid
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import StreamingResponse
+from fastapi.responses import RedirectResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
@@ -225,7 +225,12 @@ async def edit_image(request: Request) -> ImageGenerationResponse | StreamingRes
 @router.get("/v1/images/{image_id}/content", tags=["images"], response_class=Response, responses={
     200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}, "description": "The encoded image."}})
 async def image_content(image_id: str, request: Request, index: int = Query(default=0, ge=0)) -> Response:
-    images = await run_in_threadpool(server_context(request).images.get, image_id)
+    ctx = server_context(request)
+    if ctx.args.media_presign_s > 0:  # --media-store with --media-presign-s: the client fetches from the bucket
+        url = await run_in_threadpool(ctx.images.presign, image_id, index, ctx.args.media_presign_s)
+        if url is not None:
+            return RedirectResponse(url, status_code=307)
+    images = await run_in_threadpool(ctx.images.get, image_id)
     if images is None:
         raise NotFoundError(f"No image {image_id!r} (unknown id, or dropped from the URL store).", param="image_id")
     if index >= len(images):

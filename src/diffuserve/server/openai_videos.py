@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import logging
 import time
 import uuid
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, RedirectResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 from starlette.concurrency import run_in_threadpool
 
@@ -42,6 +43,7 @@ from diffuserve.server.video_jobs import VideoJob, VideoJobStore
 from diffuserve.server.video_params import VideoCreateRequest, build_video_params, frames_note
 
 router = APIRouter()
+logger = logging.getLogger("diffuserve.server")
 
 
 class VideoNotReadyError(DiffuserveError):
@@ -107,7 +109,18 @@ def start_results_sweep(ctx: ServerContext) -> None:
         for job_id in store.live_ids_finished_elsewhere():
             ctx.engine.abort(job_id, RequestCancelledError(f"The video job {job_id} was cancelled or deleted."))
 
+    def stop_if_mine(job_id: str) -> None:
+        # Another replica finished or deleted `job_id` (PostgreSQL NOTIFY): if it runs here, stop it now
+        # (at its next denoising step) rather than at the next sweep.
+        store = _store(ctx)
+        if job_id in store.live_ids():
+            for gone in store.live_ids_finished_elsewhere():
+                logger.info("video job %s was finished or deleted through another replica (notified); stopping it",
+                            gone)
+                ctx.engine.abort(gone, RequestCancelledError(f"The video job {gone} was cancelled or deleted."))
+
     results.fail_interrupted(INTERRUPTED_ERROR)
+    results.watch(stop_if_mine)
     results.start_sweeper(ctx.args.result_sweep_interval_s, INTERRUPTED_ERROR, sync_live_jobs)
 
 
@@ -261,7 +274,12 @@ def _start_job(ctx: ServerContext, params: SamplingParams, body: VideoCreateRequ
     # conditioned on an image never merge with others.
     generation = ctx.engine.submit(params, endpoint="videos", timeout_s=body.timeout, priority=body.priority,
                                    request_id=job.id, ineligible_reason="image_conditioning" if conditioned else None)
-    _store(ctx).add(job)
+    try:
+        _store(ctx).add(job)
+    except Exception:
+        # The store is unavailable (503 naming it): the job is not kept, so it must not run either.
+        ctx.engine.abort(job.id, RequestCancelledError(f"The video job {job.id} could not be recorded."))
+        raise
     job.runner = asyncio.ensure_future(_drive_job(ctx, job, generation, received))
     return job
 
@@ -318,7 +336,8 @@ async def list_videos(request: Request, limit: int = Query(default=20, ge=1, le=
     """Kept jobs, newest first (`order=asc`: oldest first); `after` is the last id of the previous page."""
     ctx = server_context(request)
     try:
-        page, has_more = _store(ctx).list(limit=limit, after=after, newest_first=order == "desc")
+        page, has_more = await run_in_threadpool(_store(ctx).list, limit=limit, after=after,
+                                                 newest_first=order == "desc")
     except KeyError:
         raise InvalidRequestError(f"after={after!r} is not a kept video job id.", param="after") from None
     data = [_refresh(ctx, job).to_dict() for job in page]
@@ -328,7 +347,8 @@ async def list_videos(request: Request, limit: int = Query(default=20, ge=1, le=
 
 @router.get("/v1/videos/{video_id}", tags=["videos"])
 async def get_video(video_id: str, request: Request) -> JSONResponse:
-    return _job_response(_get_job(server_context(request), video_id))
+    # A store read (a PostgreSQL round trip with --results-db) off the event loop, so polls overlap.
+    return _job_response(await run_in_threadpool(_get_job, server_context(request), video_id))
 
 
 @router.get("/v1/videos/{video_id}/content", tags=["videos"], response_class=Response, responses={
@@ -341,6 +361,10 @@ async def video_content(video_id: str, request: Request, variant: str = Query(de
     if variant not in VARIANTS:
         raise InvalidRequestError(f"variant={variant!r} is not served; choose one of {list(VARIANTS)}.", param="variant")
     job = _get_job(ctx, video_id)
+    if variant == "video" and job.status == "completed" and ctx.args.media_presign_s > 0:
+        url = await run_in_threadpool(_store(ctx).presign, job, ctx.args.media_presign_s)
+        if url is not None:  # --media-store with --media-presign-s: the client fetches from the bucket
+            return RedirectResponse(url, status_code=307)
     content = await run_in_threadpool(_store(ctx).content, job) if job.status == "completed" else None
     if content is None:
         hint = "poll GET /v1/videos/{id} until status is completed" if not job.terminal else "it has no video"

@@ -6,7 +6,8 @@ job never changes again: a late result of a cancelled job is dropped, a late can
 is refused by the route.
 
 Jobs are rows of the results store (storage/results.py), so they survive a restart and are seen by
-every process sharing --output-dir; the MP4 is a file there. The jobs this process is running are
+every process sharing its stores (--output-dir, or --results-db and --media-store across hosts); the MP4
+is a file or object there. The jobs this process is running are
 also kept as objects in memory (progress is updated at every poll and written through). Past
 `max_jobs` rows, the oldest *finished* jobs (and their files) are dropped first; running and queued
 jobs never are, since their number is already bounded by the engine's queue.
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diffuserve.storage import Record, ResultStore
+from diffuserve.storage.media import StoreUnavailableError
 
 QUEUED = "queued"
 IN_PROGRESS = "in_progress"
@@ -128,6 +130,9 @@ class VideoJob:
                    expires_at=None if record.expires_at is None else int(record.expires_at), **meta)
 
 
+FINISH_RETRIES_S = (1.0, 2.0, 4.0, 8.0)
+"""Waits between attempts to record a finished job while the results store is unavailable."""
+
 VIDEO_FILE = "video.mp4"
 """Name of a completed job's MP4 inside its results folder."""
 
@@ -180,6 +185,13 @@ class VideoJobStore:
         if record is None or record.status != COMPLETED:
             return None
         return self.results.read_file(record, VIDEO_FILE)
+
+    def presign(self, job: VideoJob, expires_s: int) -> str | None:
+        """A presigned URL of a completed job's MP4 in the media store (None where it cannot sign)."""
+        record = self.results.get(job.id)
+        if record is None or record.status != COMPLETED:
+            return None
+        return self.results.presign(record, VIDEO_FILE, expires_s)
 
     def remove(self, job_id: str) -> VideoJob | None:
         job = self.get(job_id)
@@ -244,7 +256,7 @@ class VideoJobStore:
         if status == COMPLETED:
             final.progress, final.timings = 100, timings
         files = {VIDEO_FILE: content} if content is not None else None
-        if not self.results.finish(job_id, status, final.meta(), files):
+        if not self._finish_row(job_id, status, final.meta(), files):
             with self._lock:
                 self._live.pop(job_id, None)
             return False
@@ -256,6 +268,18 @@ class VideoJobStore:
                 job.completed_at = int(record.completed_at or time.time())
                 job.expires_at = None if record.expires_at is None else int(record.expires_at)
         return True
+
+    def _finish_row(self, job_id: str, status: str, meta: dict[str, Any], files: dict[str, bytes] | None) -> bool:
+        """`results.finish`, retried while the store is unavailable (FINISH_RETRIES_S): a finished video is
+        kept in memory meanwhile, and recorded once the store answers again (else the error propagates)."""
+        for wait_s in (*FINISH_RETRIES_S, None):
+            try:
+                return self.results.finish(job_id, status, meta, files)
+            except StoreUnavailableError:
+                if wait_s is None:
+                    raise
+                time.sleep(wait_s)
+        raise AssertionError("unreachable")
 
     def complete(self, job_id: str, content: bytes, timings: dict[str, Any]) -> bool:
         return self._finish(job_id, COMPLETED, content=content, timings=timings)

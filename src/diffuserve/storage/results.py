@@ -1,21 +1,28 @@
-"""The results store: one SQLite database (WAL) for metadata, one folder of media files.
+"""The results store: a metadata store (one row per result) and a media store (the files of results).
 
-Layout under the root (`--output-dir`)::
+Two backends of each, behind one interface (storage/metadata.py, storage/media.py), usable together or apart:
+
+    metadata   SQLite (WAL) `results.db` under --output-dir      PostgreSQL (--results-db postgresql://...)
+    media      files under --output-dir/media/<id>/<name>        S3-compatible objects (--media-store s3://b/p)
+
+The embedded default (SQLite + files under `--output-dir`) serves one host, and several processes on it::
 
     results.db (+ -wal, -shm)   one row per result: id, kind (video | image), status, owner, times, meta
     media/<id>/<name>           the files of a result (the MP4, the images of a url response)
     tmp/                        files being written; renamed into media/ only when complete
 
-Why it is safe with several processes on one host: SQLite serialises writers (WAL lets readers go
-on while one writes; `busy_timeout` waits for the lock instead of failing), every state change is
-one conditional UPDATE (a finished result never changes again, whoever tries), and a file is first
-written and fsynced under tmp/ and then renamed into media/ (atomic on one filesystem) *before* the
-row that points at it is committed, so a reader never finds a row whose file is half-written. A
-crash between the rename and the commit leaves an orphan folder that the sweep removes later.
+PostgreSQL + S3 serve a fleet of replicas on many hosts: any replica answers any job.
 
-Retention (`sweep`): rows past `expires_at` go, then the oldest finished results while the media
-bytes exceed `max_bytes`; deleting a result removes its files. Live (queued / in_progress) results
-of a dead owner are failed with code `interrupted`.
+Why it is safe with several processes: the database serialises writers, every state change is one
+conditional UPDATE (a finished result never changes again, whoever tries), and a result's media are
+written completely *before* the row that names them is committed, so a reader never finds a row whose
+media is missing or half-written. A crash between the upload and the commit leaves an orphan that the
+sweep removes once it is older than ORPHAN_GRACE_S.
+
+Retention (`sweep`): rows past `expires_at` go, then the oldest finished results while the media bytes
+exceed `max_bytes`; deleting a result removes its media. Live (queued / in_progress) results of a dead
+owner are failed with code `interrupted`. On PostgreSQL the retention part runs on one replica at a time
+(an advisory lock); every replica beats its heartbeat and fails dead owners' jobs.
 """
 
 from __future__ import annotations
@@ -23,17 +30,15 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import shutil
-import sqlite3
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diffuserve.storage.media import FileMedia, MediaStore, StoreUnavailableError, safe_name
+from diffuserve.storage.metadata import MetadataStore, SqliteMetadata, Transaction
 from diffuserve.storage.owners import Owner
 
 logger = logging.getLogger("diffuserve.storage")
@@ -42,29 +47,9 @@ LIVE_STATUSES = ("queued", "in_progress")
 """Statuses of a result whose process is still working on it."""
 
 ORPHAN_GRACE_S = 600.0
-"""Files in tmp/ or media/ without a row are removed only after this long (a writer may be mid-way)."""
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS results (
-    seq          INTEGER PRIMARY KEY AUTOINCREMENT,
-    id           TEXT NOT NULL UNIQUE,
-    kind         TEXT NOT NULL,
-    status       TEXT NOT NULL,
-    owner        TEXT NOT NULL,
-    created_at   REAL NOT NULL,
-    completed_at REAL,
-    expires_at   REAL,
-    bytes        INTEGER NOT NULL DEFAULT 0,
-    files        TEXT NOT NULL DEFAULT '[]',
-    meta         TEXT NOT NULL DEFAULT '{}'
-);
-CREATE INDEX IF NOT EXISTS results_kind_seq ON results (kind, seq);
-CREATE INDEX IF NOT EXISTS results_status ON results (status);
-CREATE TABLE IF NOT EXISTS owners (
-    owner        TEXT PRIMARY KEY,
-    heartbeat_at REAL NOT NULL
-);
-"""
+"""Media without a row are removed only after this long (a writer may be between its upload and its commit)."""
+ORPHAN_SCAN_INTERVAL_S = 60.0
+"""The sweep looks for orphaned media at most this often."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +61,8 @@ class RetentionPolicy:
     max_bytes: int = 0
     """Media bytes kept in all; past it the oldest finished results are removed first. 0 = no cap."""
     heartbeat_stale_s: float = 120.0
-    """An owner on another host whose heartbeat is older than this is taken as dead."""
+    """An owner whose heartbeat (its lease, renewed at every sweep) is older than this is taken as dead and
+    its live results fail `interrupted` (--owner-timeout-s)."""
 
 
 @dataclass
@@ -108,68 +94,68 @@ def _record(row: tuple) -> Record:
     return Record(rid, kind, status, owner, created, completed, expires, size, json.loads(files), json.loads(meta))
 
 
-def _safe_name(name: str) -> str:
-    # Ids and file names are generated by the server, never by a request; refuse anything path-like anyway.
-    if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
-        raise ValueError(f"not a plain file name: {name!r}")
-    return name
-
-
 class ResultStore:
-    """Thread-safe within a process (one connection behind a lock), process-safe through SQLite."""
+    """Thread-safe; process-safe (and, on PostgreSQL + S3, host-safe) through its stores.
 
-    def __init__(self, root: Path | str, policy: RetentionPolicy | None = None, *,
-                 clock: Callable[[], float] = time.time):
-        self.root = Path(root).expanduser()
+    `ResultStore(root)` is the embedded default (SQLite + files under `root`); `metadata` and `media`
+    replace either half (storage/open.py builds them from the flags).
+    """
+
+    def __init__(self, root: Path | str | None, policy: RetentionPolicy | None = None, *,
+                 clock: Callable[[], float] = time.time, metadata: MetadataStore | None = None,
+                 media: MediaStore | None = None):
+        self.root = Path(root).expanduser() if root is not None else None
         self.policy = policy or RetentionPolicy()
         self.clock = clock
         self.owner = str(Owner.current())
-        self.media = self.root / "media"
-        self.tmp = self.root / "tmp"
-        for folder in (self.root, self.media, self.tmp):
-            folder.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.root / "results.db", timeout=30.0, isolation_level=None,
-                                   check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA busy_timeout=30000")
-        self._db.executescript(_SCHEMA)  # autocommit mode: executescript manages its own transaction
+        if (metadata is None or media is None) and self.root is None:
+            raise ValueError("a results store without a root folder needs both a metadata and a media store")
+        if self.root is not None:
+            self.root.mkdir(parents=True, exist_ok=True)
+        self.media_backend: MediaStore = media if media is not None else FileMedia(self.root)  # type: ignore[arg-type]
+        self.metadata: MetadataStore = metadata if metadata is not None else SqliteMetadata(
+            self.root / "results.db", f"--output-dir {str(self.root)!r}")  # type: ignore[operator]
+        files = self.media_backend if isinstance(self.media_backend, FileMedia) else None
+        self.media: Path | None = files.media if files else None
+        """media/ of the file store (None for an object store)."""
+        self.tmp: Path | None = files.tmp if files else None
+        """tmp/ of the file store (None for an object store)."""
         self.heartbeat()
         self._sweeper: threading.Thread | None = None
         self._stop = threading.Event()
+        self._orphans_checked_at = float("-inf")
 
     # -- plumbing ----------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction (BEGIN IMMEDIATE takes the write lock up front: no upgrade deadlocks)."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+    @property
+    def names(self) -> str:
+        """The stores as the flags name them (for messages)."""
+        return f"{self.metadata.name} and {self.media_backend.name}"
+
+    def _tx(self) -> contextlib.AbstractContextManager[Transaction]:
+        return self.metadata.transaction()
 
     def _query(self, sql: str, args: tuple = ()) -> list[tuple]:
-        with self._lock:
-            return self._db.execute(sql, args).fetchall()
+        return self.metadata.query(sql, args)
 
     def close(self) -> None:
         self.stop_sweeper()
-        with self._lock:
-            self._db.close()
+        self.metadata.close()
+        self.media_backend.close()
 
     def expiry(self, finished_at: float) -> float | None:
         return finished_at + self.policy.ttl_s if self.policy.ttl_s > 0 else None
+
+    def watch(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(id)` when any process finishes or deletes a result (where the metadata store can
+        tell: PostgreSQL's LISTEN/NOTIFY; elsewhere the periodic sweep finds it)."""
+        self.metadata.watch(callback)
 
     # -- writing -----------------------------------------------------------------------------------
 
     def add(self, rid: str, kind: str, status: str, meta: dict[str, Any], *, created_at: float | None = None) -> None:
         """A new row owned by this process (no files yet)."""
-        _safe_name(rid)
+        safe_name(rid)
         with self._tx() as db:
             db.execute(f"INSERT INTO results ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, NULL, NULL, 0, '[]', ?)",
                        (rid, kind, status, self.owner, created_at or self.clock(), json.dumps(meta)))
@@ -190,40 +176,34 @@ class ResultStore:
                                 (*args, rid, *LIVE_STATUSES))
             return cursor.rowcount == 1
 
-    def _write_files(self, rid: str, files: dict[str, bytes]) -> int:
-        """Write each file fully (fsynced) under tmp/, then rename it into media/<id>/. Returns bytes."""
-        folder = self.media / _safe_name(rid)
-        folder.mkdir(parents=True, exist_ok=True)
-        total = 0
-        for name, data in files.items():
-            partial = self.tmp / f"{uuid.uuid4().hex}.partial"
-            with open(partial, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(partial, folder / _safe_name(name))
-            total += len(data)
-        return total
-
     def finish(self, rid: str, status: str, meta: dict[str, Any], files: dict[str, bytes] | None = None) -> bool:
         """Move a live row to a final status (with its files). False (and no files left behind) when the
         row was already finished or deleted, e.g. cancelled by another replica."""
         files = files or {}
-        size = self._write_files(rid, files) if files else 0
+        size = self.media_backend.put(rid, files) if files else 0
         now = self.clock()
-        with self._tx() as db:
-            cursor = db.execute(
-                "UPDATE results SET status = ?, meta = ?, files = ?, bytes = ?, completed_at = ?, expires_at = ? "
-                "WHERE id = ? AND status IN (?, ?)",
-                (status, json.dumps(meta), json.dumps(sorted(files)), size, now, self.expiry(now), rid, *LIVE_STATUSES))
-            done = cursor.rowcount == 1
+        try:
+            with self._tx() as db:
+                cursor = db.execute(
+                    "UPDATE results SET status = ?, meta = ?, files = ?, bytes = ?, completed_at = ?, expires_at = ? "
+                    "WHERE id = ? AND status IN (?, ?)",
+                    (status, json.dumps(meta), json.dumps(sorted(files)), size, now, self.expiry(now), rid,
+                     *LIVE_STATUSES))
+                done = cursor.rowcount == 1
+                if done:
+                    self.metadata.notify(db, rid)
+        except BaseException:
+            if files:  # no row names them: do not leave them for the sweep's grace period
+                with contextlib.suppress(Exception):
+                    self.media_backend.remove(rid)
+            raise
         if not done and files:
-            self._remove_files(rid)
+            self.media_backend.remove(rid)
         return done
 
     def put_completed(self, rid: str, kind: str, meta: dict[str, Any], files: dict[str, bytes]) -> None:
         """A finished result in one go (the images of a url response)."""
-        size = self._write_files(rid, files)
+        size = self.media_backend.put(rid, files)
         now = self.clock()
         with self._tx() as db:
             db.execute(f"INSERT INTO results ({_COLUMNS}) VALUES (?, ?, 'completed', ?, ?, ?, ?, ?, ?, ?)",
@@ -233,12 +213,10 @@ class ResultStore:
     def delete(self, rid: str) -> bool:
         with self._tx() as db:
             gone = db.execute("DELETE FROM results WHERE id = ?", (rid,)).rowcount == 1
-        self._remove_files(rid)
+            if gone:
+                self.metadata.notify(db, rid)
+        self.media_backend.remove(rid)
         return gone
-
-    def _remove_files(self, rid: str) -> None:
-        with contextlib.suppress(FileNotFoundError, ValueError):
-            shutil.rmtree(self.media / _safe_name(rid))
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -251,10 +229,13 @@ class ResultStore:
         """A file of a finished result; None when it is not there (never a half-written one)."""
         if name not in record.files:
             return None
-        try:
-            return (self.media / _safe_name(record.id) / _safe_name(name)).read_bytes()
-        except FileNotFoundError:
+        return self.media_backend.get(record.id, name)
+
+    def presign(self, record: Record, name: str, expires_s: int) -> str | None:
+        """A URL the client may fetch the file from directly (None where the media store cannot sign)."""
+        if name not in record.files:
             return None
+        return self.media_backend.presign(record.id, name, expires_s)
 
     def list(self, kind: str, *, limit: int, after: str | None = None,
              newest_first: bool = True) -> tuple[list[Record], bool]:
@@ -275,7 +256,7 @@ class ResultStore:
         return self._query("SELECT COUNT(*) FROM results WHERE kind = ?", (kind,))[0][0]
 
     def total_bytes(self) -> int:
-        return self._query("SELECT COALESCE(SUM(bytes), 0) FROM results")[0][0]
+        return int(self._query("SELECT COALESCE(SUM(bytes), 0) FROM results")[0][0])
 
     # -- retention and recovery ----------------------------------------------------------------------
 
@@ -286,7 +267,8 @@ class ResultStore:
                        (self.owner, self.clock()))
 
     def fail_interrupted(self, error: dict[str, Any]) -> list[str]:
-        """Fail every live row whose owner process is gone; returns their ids."""
+        """Fail every live row whose owner process is gone (known dead on this host, or its lease, the
+        heartbeat, older than `heartbeat_stale_s`); returns their ids."""
         now = self.clock()
         beats = dict(self._query("SELECT owner, heartbeat_at FROM owners"))
         live = self._query("SELECT id, owner, meta FROM results WHERE status IN (?, ?)", LIVE_STATUSES)
@@ -304,8 +286,8 @@ class ResultStore:
                     "UPDATE results SET status = 'failed', meta = ?, completed_at = ?, expires_at = ? "
                     "WHERE id = ? AND owner = ? AND status IN (?, ?)",
                     (json.dumps(meta), now, self.expiry(now), rid, owner_text, *LIVE_STATUSES))
-            if cursor.rowcount == 1:
-                failed.append(rid)
+                if cursor.rowcount == 1:
+                    failed.append(rid)
         if failed:
             logger.warning("%d result(s) of a server process that died were marked failed (interrupted): %s",
                            len(failed), ", ".join(failed))
@@ -314,11 +296,11 @@ class ResultStore:
     def evict(self, kind: str, keep: int, *, by_files: bool = False) -> list[str]:
         """Remove the oldest finished rows of `kind` while more than `keep` rows (or, with `by_files`,
         files) remain; live rows and the newest row are never removed."""
-        measure = "json_array_length(files)" if by_files else "1"
-        rows = self._query(f"SELECT id, status, {measure} FROM results WHERE kind = ? ORDER BY seq", (kind,))
-        total = sum(r[2] for r in rows)
+        rows = self._query("SELECT id, status, files FROM results WHERE kind = ? ORDER BY seq", (kind,))
+        weights = [len(json.loads(files)) if by_files else 1 for _, _, files in rows]
+        total = sum(weights)
         removed: list[str] = []
-        for rid, status, weight in rows[:-1]:
+        for (rid, status, _), weight in list(zip(rows, weights, strict=True))[:-1]:
             if total <= keep:
                 break
             if status in LIVE_STATUSES:
@@ -329,10 +311,18 @@ class ResultStore:
         return removed
 
     def sweep(self, interrupted_error: dict[str, Any]) -> dict[str, list[str]]:
-        """One retention pass: heartbeat, dead owners' live rows, expired rows, the byte budget, orphans."""
-        now = self.clock()
+        """One pass: heartbeat, dead owners' live rows, then (on one process of the fleet at a time)
+        expired rows, the byte budget and orphaned media."""
         self.heartbeat()
-        report = {"interrupted": self.fail_interrupted(interrupted_error), "expired": [], "over_budget": []}
+        report = {"interrupted": self.fail_interrupted(interrupted_error), "expired": [], "over_budget": [],
+                  "orphans": []}
+        with self.metadata.fleet_lock() as mine:
+            if mine:
+                self._retention(report)
+        return report
+
+    def _retention(self, report: dict[str, list[str]]) -> None:
+        now = self.clock()
         expired = self._query("SELECT id FROM results WHERE expires_at IS NOT NULL AND expires_at <= ? "
                               "AND status NOT IN (?, ?)", (now, *LIVE_STATUSES))
         for (rid,) in expired:
@@ -349,19 +339,11 @@ class ResultStore:
                     self.delete(rid)
                     total -= size
                     report["over_budget"].append(rid)
-        self._remove_orphans(now)
-        return report
-
-    def _remove_orphans(self, now: float) -> None:
-        for partial in self.tmp.iterdir():
-            with contextlib.suppress(OSError):
-                if now - partial.stat().st_mtime > ORPHAN_GRACE_S:
-                    partial.unlink()
-        known = {r[0] for r in self._query("SELECT id FROM results")}
-        for folder in self.media.iterdir():
-            with contextlib.suppress(OSError):
-                if folder.name not in known and now - folder.stat().st_mtime > ORPHAN_GRACE_S:
-                    shutil.rmtree(folder)
+        if now - self._orphans_checked_at >= ORPHAN_SCAN_INTERVAL_S:
+            # Listing every object (a bucket listing on S3) is the sweep's costliest part: not every pass.
+            self._orphans_checked_at = now
+            known = {r[0] for r in self._query("SELECT id FROM results")}
+            report["orphans"] = self.media_backend.remove_orphans(known, now, ORPHAN_GRACE_S)
 
     # -- background sweep ------------------------------------------------------------------------------
 
@@ -374,6 +356,8 @@ class ResultStore:
                     self.sweep(interrupted_error)
                     if after_sweep is not None:
                         after_sweep()
+                except StoreUnavailableError as exc:  # a store that is down: one line, no traceback
+                    logger.warning("results sweep skipped: %s", exc.message)
                 except Exception:  # noqa: BLE001 - retention must never take the server down
                     logger.exception("results sweep failed; retrying in %.0fs", interval_s)
 
