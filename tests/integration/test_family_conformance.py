@@ -238,7 +238,11 @@ def test_usage_is_counted(native) -> None:
 
     m = native.size_multiple
     params = SamplingParams(prompt="a red cat", negative_prompt="blurry", width=4 * m, height=2 * m, n=2)
-    counted = usage(native, native.describe_model(), params, input_sizes=[(2 * m, 2 * m)])
+    model = native.describe_model()
+    # The server's one count of the request's texts (`PromptTokens`, on its private tokenizer copies).
+    texts = {"prompt": params.prompt, "negative_prompt": params.negative_prompt}
+    counted = usage(model, params, text_tokens=model.prompt_tokens.count(texts).text_tokens,
+                    input_sizes=[(2 * m, 2 * m)])
     assert counted["output_tokens"] == 2 * 4 * 2
     assert counted["input_tokens_details"] == {"text_tokens": counted["input_tokens"] - 4,  # type: ignore[index]
                                                "image_tokens": 4}
