@@ -275,8 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         args = _server_args(values, getattr(ns, "config", None))
         _setup_logging(args.log_level)
         if ns.command == "serve":
-            from diffuserve.server.runner import serve
+            from diffuserve.server.runner import install_startup_signal_handlers, serve
 
+            install_startup_signal_handlers()  # before torch's imports: a signal then stops at once, exit 0 / 130
             return serve(args)
         from diffuserve.launch.follower import serve_other_node
         from diffuserve.launch.ranks import is_serving_process
