@@ -167,6 +167,9 @@ def load_config_file(path: str, known_keys: set[str], *, elsewhere: dict[str, st
         text = file.read_text()
     except OSError as exc:
         raise ConfigError(f"--config: cannot read {path!r}: {exc.strerror or exc}.") from exc
+    if file.suffix.lower() == ".toml":
+        raise ConfigError(f"--config: {path!r}: TOML is not read; use JSON or YAML (.yaml / .yml) with the same "
+                          "keys.")
     try:
         if file.suffix.lower() in (".yaml", ".yml"):
             import yaml
@@ -175,7 +178,8 @@ def load_config_file(path: str, known_keys: set[str], *, elsewhere: dict[str, st
         else:
             data = json.loads(text)
     except Exception as exc:  # json/yaml raise their own types; the message is what matters
-        raise ConfigError(f"--config: {path!r} is not valid {file.suffix.lstrip('.') or 'JSON'}: {exc}.") from exc
+        kind = "YAML" if file.suffix.lower() in (".yaml", ".yml") else "JSON (files not named .yaml / .yml are read as JSON)"
+        raise ConfigError(f"--config: {path!r} is not valid {kind}: {exc}.") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"--config: {path!r} must hold a mapping of flag names to values.")
     values: dict[str, Any] = {}

@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -59,11 +60,17 @@ def stop_before_serving(sig: int, phase: str) -> None:
     os._exit(code)
 
 
-def install_startup_signal_handlers() -> None:
+def install_startup_signal_handlers() -> Callable[[], None]:
     """From process start until uvicorn takes the signals over: SIGTERM / SIGINT stop at once (see
-    `stop_before_serving`). The CLI calls this before the heavy imports (torch) of `serve`."""
-    for sig in _STOP_SIGNALS:
-        signal.signal(sig, lambda s, _frame: stop_before_serving(s, "starting"))
+    `stop_before_serving`). The CLI calls this before the heavy imports (torch) of `serve`. Returns what puts
+    the previous handlers back (for callers that go on after `serve` returns, such as tests)."""
+    previous = {sig: signal.signal(sig, lambda s, _frame: stop_before_serving(s, "starting")) for sig in _STOP_SIGNALS}
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore
 
 
 def bind_port(host: str, port: int) -> socket.socket:
