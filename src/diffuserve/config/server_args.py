@@ -22,6 +22,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,8 +101,10 @@ class ServerArgs:
     # -- derived -----------------------------------------------------------------------------
     @property
     def public_model_name(self) -> str:
-        """--served-model-name, then --model-id, then --model-path, then the embedded model's name."""
-        return self.served_model_name or self.model_id or self.model_path or EMBEDDED_MODEL_NAME
+        """--served-model-name, then --model-id, then the --model-path folder's base name (never a server path
+        in ids and listings; `/ckpt/flux/` -> `flux`), then the embedded model's name."""
+        folder = Path(self.model_path).name if self.model_path else None  # Path drops a trailing slash
+        return self.served_model_name or self.model_id or folder or EMBEDDED_MODEL_NAME
 
     @property
     def model_names(self) -> list[str]:
@@ -116,12 +119,14 @@ class ServerArgs:
         return seen
 
     def resolved_output_dir(self) -> Path:
-        """--output-dir, or `outputs` under the cache folder ($DIFFUSERVE_CACHE, else ~/.cache/diffuserve)."""
+        """--output-dir, or `outputs/<served model name>` under the cache folder ($DIFFUSERVE_CACHE, else
+        ~/.cache/diffuserve): keyed by the model, so servers of different models never list or serve each
+        other's jobs, and replicas of one model (same name) share theirs."""
         if self.output_dir:
             return Path(self.output_dir).expanduser()
         from diffuserve.paths import default_output_dir
 
-        return default_output_dir()
+        return default_output_dir() / re.sub(r"[^A-Za-z0-9._-]", "_", self.public_model_name).lstrip(".")
 
     def resolved_api_key(self) -> str | None:
         return self.api_key or os.environ.get("DIFFUSERVE_API_KEY") or None
