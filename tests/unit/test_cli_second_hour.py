@@ -57,3 +57,13 @@ def test_help_shows_what_each_command_uses(capsys):
         cli.main(["serve", "--help"])
     serve = capsys.readouterr().out
     assert "Dynamic batching:" not in serve and "Batching:" in serve and "continuous" in serve
+
+
+def test_default_results_folder_is_keyed_by_the_served_model(monkeypatch, tmp_path: Path):
+    from diffuserve.config.server_args import ServerArgs
+
+    monkeypatch.setenv("DIFFUSERVE_CACHE", str(tmp_path))
+    image = ServerArgs(model_path="/ckpt/flux/").resolved_output_dir()
+    video = ServerArgs(model_path="/ckpt/wan", served_model_name="wan video/v2").resolved_output_dir()
+    assert image == tmp_path / "outputs" / "flux" and video == tmp_path / "outputs" / "wan_video_v2"
+    assert ServerArgs(output_dir=str(tmp_path / "mine")).resolved_output_dir() == tmp_path / "mine"
