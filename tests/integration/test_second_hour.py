@@ -42,3 +42,16 @@ def test_folder_name_ids_no_foreign_video_jobs_and_oversized_edit_input(tiny_flu
     finally:
         server.stop()
     assert "serving 'my-flux'" in server.log()
+
+
+def test_continuous_mode_reports_batch_rows(tiny_flux_path: Path, tmp_path: Path):
+    server = ServerProcess(["--model-path", str(tiny_flux_path), "--batching-mode", "continuous",
+                            "--batching-max-size", "4"], tmp_path / "server.log")
+    server.start(timeout_s=180)
+    try:
+        answer = httpx.post(f"{server.base_url}/v1/images/generations", timeout=120,
+                            json={"prompt": "a red circle", "size": "64x64", "n": 2, "num_inference_steps": 2})
+    finally:
+        server.stop()
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["timings"]["batch_rows"] == 2, answer.json()["timings"]

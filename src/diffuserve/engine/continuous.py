@@ -145,7 +145,8 @@ class ContinuousLoop:
                     pending.steps_done, pending.num_steps = entry.step_index, entry.num_steps
         self._previews(rows, finished)
         if finished:
-            self._finish(finished, batch_size=len(rows))
+            # batch_rows: the rows of the step that finished them (was always 0 in continuous mode).
+            self._finish(finished, batch_size=len(rows), batch_rows=sum(e.num_rows for e in rows))
 
     # -- starting (encode + latents), beside the loop when it can -----------------------------------------
     def _start(self, entries: list[GroupEntry]) -> None:
@@ -250,7 +251,7 @@ class ContinuousLoop:
             else:  # the lane runs jobs in order: a preview always reaches the client before its final image
                 self.overlap.decode.submit(preview, inputs=[snapshot])
 
-    def _finish(self, entries: list[GroupEntry], *, batch_size: int) -> None:
+    def _finish(self, entries: list[GroupEntry], *, batch_size: int, batch_rows: int = 0) -> None:
         """Decode the requests whose last step this was (one decoder call) and answer them."""
         timings = [self._timing.pop(e.request.request_id, {}) for e in entries]
         for entry in entries:
@@ -269,13 +270,14 @@ class ContinuousLoop:
                 future.set_result(SideResult(value=decode(), seconds=time.perf_counter() - began, steps_beside=0))
             except Exception as exc:
                 future.set_exception(exc)
-            self._answer(requests, future, timings, batch_size, overlapped=False)
+            self._answer(requests, future, timings, batch_size, overlapped=False, batch_rows=batch_rows)
         else:  # answered from the decode lane while the loop keeps stepping the others
             job = self.overlap.decode.submit(decode, inputs=group, prompts=[r.params.prompt for r in requests])
-            job.add_done_callback(lambda f: self._answer(requests, f, timings, batch_size, overlapped=True))
+            job.add_done_callback(lambda f: self._answer(requests, f, timings, batch_size, overlapped=True,
+                                                         batch_rows=batch_rows))
 
     def _answer(self, requests: list[Any], future: Future[SideResult[list[Any]]], timings: list[dict[str, float]],
-                batch_size: int, *, overlapped: bool) -> None:
+                batch_size: int, *, overlapped: bool, batch_rows: int = 0) -> None:
         from diffuserve.engine.engine import GenerationResult
 
         engine = self.engine
@@ -308,6 +310,7 @@ class ContinuousLoop:
                     queue_wait_s=dispatched - request.arrival_time,
                     inference_s=engine.clock() - dispatched,
                     batch_size=batch_size,
+                    batch_rows=batch_rows,
                     stage_seconds=timing,
                 ))
             engine._cond.notify_all()
