@@ -47,6 +47,8 @@ def _held_warmup_server(tiny_flux_path: Path, tmp_path: Path) -> ServerProcess:
     (signal.SIGTERM, 0, "fault injection: holding", ("warming_up",)),
     (signal.SIGINT, 130, "fault injection: holding", ("warming_up",)),
     (signal.SIGTERM, 0, "Loading ", ("loading", "warming_up")),
+    # The plan is logged before uvicorn runs: the CLI's own start-up handler (or uvicorn's, if it already took over).
+    (signal.SIGINT, 130, "deployment plan:", ("starting", "loading", "warming_up")),
 ])
 def test_signal_before_serving_stops_at_once(tiny_flux_path: Path, tmp_path: Path, sig, code, gate, phases):
     server = _held_warmup_server(tiny_flux_path, tmp_path)
