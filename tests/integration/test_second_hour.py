@@ -1,6 +1,7 @@
 """Defaults that fit (issue 22 items 5 and 7), over a real server: an absolute --model-path is served under its
-folder's name, an image server lists no video jobs of a shared results folder, and an edit input larger than
---max-image-side (without size) is a 400 naming `image`."""
+folder's name, an image server lists no video jobs of a shared results folder, an edit input larger than
+--max-image-side (without size) is a 400 naming `image`, the log at info has no transformers loading chatter, and
+continuous mode reports `timings.batch_rows`."""
 
 from __future__ import annotations
 
@@ -41,7 +42,10 @@ def test_folder_name_ids_no_foreign_video_jobs_and_oversized_edit_input(tiny_flu
         assert error["param"] == "image" and "--max-image-side" in error["message"], error
     finally:
         server.stop()
-    assert "serving 'my-flux'" in server.log()
+    log = server.log()
+    assert "serving 'my-flux'" in log
+    # transformers' loading chatter stays below info (issue 22 item 7): no torchvision fallback note, no bars.
+    assert "requires torchvision" not in log and "Loading weights" not in log, log[-3000:]
 
 
 def test_continuous_mode_reports_batch_rows(tiny_flux_path: Path, tmp_path: Path):
