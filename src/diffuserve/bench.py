@@ -134,7 +134,7 @@ class BenchRequestSpec:
 
     endpoint: str = "images"
     """`images` (POST /v1/images/generations) or `videos` (async jobs under /v1/videos)."""
-    prompt: str = "a red fox in fresh snow, golden hour"
+    prompt: str = "a red circle on a white background"  # one the embedded demo model draws (docs/demo-model.md)
     """Prompt of every request."""
     model: str | None = None
     """Model name to send; the server's default when None."""

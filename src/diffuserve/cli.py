@@ -59,9 +59,10 @@ class _DefaultsFormatter(argparse.HelpFormatter):
         return f"{text} (default: {shown.replace('%', '%%')})"
 
 
-def _add_config_flag(parser: argparse.ArgumentParser) -> None:
+def _add_config_flag(parser: argparse.ArgumentParser, example: str = '{"port": 8000}') -> None:
     parser.add_argument("--config", default=None, metavar="FILE",
-                        help="JSON or YAML file whose keys are flag names (e.g. {\"port\": 8000}); command-line flags win.")
+                        help=f"JSON or YAML file whose keys are flag names (e.g. {example}); command-line flags win."
+                        .replace("%", "%%"))
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser, command: str, *, deployment: bool = True) -> dict:
@@ -86,9 +87,9 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_config_flag(serve)
     _add_config_arguments(serve, "serve")
 
-    gen = sub.add_parser("generate", help="Generate images once and write them to files.",
+    gen = sub.add_parser("generate", help="Generate images or videos once and write them to files.",
                          description="Load the model, generate, write image (or MP4) files, print their paths.")
-    _add_config_flag(gen)
+    _add_config_flag(gen, '{"prompt": "a red fox", "seed": 1}')
     g = gen.add_argument_group("Generation")
     # Defaults are applied by generate() (argparse.SUPPRESS here), so a --config file can give any of
     # these and the command line still wins.
@@ -118,7 +119,8 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(gen, "generate")
 
     _add_config_flag(plan := sub.add_parser("plan", help="Print the resolved deployment plan without loading weights.",
-                          description="Resolve the deployment plan for a checkpoint and hardware; print it and why."))
+                          description="Resolve the deployment plan for a checkpoint and hardware; print it and why."),
+                     '{"model_path": "ckpt", "num_gpus": 2}')
     groups = _add_config_arguments(plan, "plan", deployment=False)
     add = functools.partial(plan.add_argument, default=argparse.SUPPRESS)
     add("--gpu-memory-gib", type=float, help="Describe GPUs with this much free memory each instead of detecting.")
@@ -244,6 +246,25 @@ def _server_args(values: dict[str, Any], config: str | None) -> ServerArgs:
     return ServerArgs.from_flags(values, config)
 
 
+def _make_tiny(ns: argparse.Namespace) -> int:
+    """Write the checkpoint; an --output that is a file or cannot be written is one line, exit 2."""
+    from diffuserve.models.tiny import build_tiny_checkpoint
+
+    output = Path(ns.output)
+    if output.exists() and not output.is_dir():
+        raise ConfigError(f"--output: {ns.output!r} is a file; give a folder (created if missing).")
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        probe = output / ".diffuserve-write-check"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"--output: cannot write to {ns.output!r} ({exc.strerror or exc}); give a writable "
+                          "folder.") from exc
+    print(build_tiny_checkpoint(ns.family, output, preset=ns.preset))
+    return 0
+
+
 def _setup_logging(level: str = "info") -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -261,11 +282,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_bench(ns)
         if ns.command == "make-tiny":
-            from diffuserve.models.tiny import build_tiny_checkpoint
-
-            path = build_tiny_checkpoint(ns.family, Path(ns.output), preset=ns.preset)
-            print(path)
-            return 0
+            return _make_tiny(ns)
         if ns.command == "compat":
             from diffuserve.compat import render, run_compat
 
@@ -274,15 +291,22 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         values = _merge_config_file(ns, parser)
         if ns.command == "plan":
+            from diffuserve.config.model_args import ModelArgs
             from diffuserve.generate import print_plan
+
+            ModelArgs(model_path=values.get("model_path")).check_files()  # serve's message and exit code (2)
 
             return print_plan(values)
         args = _server_args(values, getattr(ns, "config", None))
         _setup_logging(args.log_level)
         if ns.command == "serve":
-            from diffuserve.server.runner import serve
+            from diffuserve.server.runner import install_startup_signal_handlers, serve
 
-            return serve(args)
+            restore = install_startup_signal_handlers()  # before torch's imports: a signal stops at once, 0 / 130
+            try:
+                return serve(args)
+            finally:
+                restore()
         from diffuserve.launch.follower import serve_other_node
         from diffuserve.launch.ranks import is_serving_process
 

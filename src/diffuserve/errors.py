@@ -88,7 +88,7 @@ class RequestCancelledError(DiffuserveError):
     """The client went away or cancelled; nobody reads this answer but it still closes the request."""
 
     http_status = 499
-    error_type = "server_error"
+    error_type = "cancelled"  # the client's own doing, not a server fault (a cancelled video job shows this)
     code = "cancelled"
 
 

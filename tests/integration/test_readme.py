@@ -14,7 +14,8 @@ Rules (docs/testing.md states them too):
   `--config` file parse, ServerArgs validate and the deployment plan resolves for its model. When more
   commands follow it in the same block, it is also started for real (on a free port; once per command line,
   so a later page repeating the line talks to the same server) and they talk to it; other blocks talk to the
-  shared test server. `127.0.0.1:30010` is rewritten to the server's port.
+  shared test server. `127.0.0.1:30010` is rewritten to the server's port, and so is `127.0.0.1:P` once a started
+  server's line gave `--port P` (a second server on a free port, beside `make serve`'s 30010).
 """
 
 from __future__ import annotations
@@ -149,6 +150,16 @@ def check_serve(argv: list[str], cwd: Path, monkeypatch: pytest.MonkeyPatch) -> 
     plan_deployment(args, resolve_model_path(args), "cpu")
 
 
+def _port_of(argv: list[str]) -> str | None:
+    """The value of `--port` in a command line, if any."""
+    for index, item in enumerate(argv):
+        if item == "--port" and index + 1 < len(argv):
+            return argv[index + 1]
+        if item.startswith("--port="):
+            return item.split("=", 1)[1]
+    return None
+
+
 def _without_port(argv: list[str]) -> list[str]:
     out, skip = [], False
     for item in argv:
@@ -178,6 +189,8 @@ class DocsRun:
         self.env = {**os.environ, "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}", "DIFFUSERVE_CACHE": str(self.cache)}
         self.started: dict[tuple[str, ...], ServerProcess] = {}
         """Servers started for real, by their command line (a repeated line reuses its server)."""
+        self.addresses: dict[str, int] = {}
+        """`127.0.0.1:P` of a started server whose line gave `--port P` -> its real port."""
         self.ran: list[str] = []
         self.seconds: dict[str, float] = {}
         """Wall time per block (printed slowest first: `pytest -s` shows where the test's time goes)."""
@@ -205,7 +218,7 @@ class DocsRun:
             return last_port
         if block.lang == "python":
             # It talks to the server the previous bash block started, else to the shared one.
-            self.python.run(block, block.code.replace(README_PORT, f"127.0.0.1:{last_port}"))
+            self.python.run(block, self.rewrite(block.code.replace(README_PORT, f"127.0.0.1:{last_port}")))
             self.ran.append(block.where)
         elif block.lang == "bash":
             return self.run_bash(block)
@@ -228,6 +241,9 @@ class DocsRun:
             rest = [w for later in lines[index + 1:] for w in shlex.split(later, comments=True)]
             if rest:  # commands follow that talk to it: start it for real
                 port = self.server(words[2:]).port
+                given = _port_of(words)
+                if given is not None:  # the page's own port for this server: its commands reach it there
+                    self.addresses[f"127.0.0.1:{given}"] = port
         self.run_script(block, "\n".join(segment), port)
         return port
 
@@ -240,8 +256,14 @@ class DocsRun:
             server.start(timeout_s=300)
         return self.started[key]
 
+    def rewrite(self, code: str) -> str:
+        """The pages' `127.0.0.1:P` of servers started with `--port P` -> their real ports."""
+        for address, port in self.addresses.items():
+            code = code.replace(address, f"127.0.0.1:{port}")
+        return code
+
     def run_script(self, block: Block, script: str, port: int) -> None:
-        script = script.replace(README_PORT, f"127.0.0.1:{port}")
+        script = self.rewrite(script.replace(README_PORT, f"127.0.0.1:{port}"))
         script = re.sub(r"^(\s*)make ", rf"\1make -n -C {shlex.quote(str(REPO))} ", script, flags=re.M)
         if not script.strip():
             return

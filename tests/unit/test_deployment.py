@@ -68,7 +68,9 @@ CPU = HardwareInfo(device_kind="cpu", host_memory_bytes=16 * GIB)
 CASES: list[tuple[str, dict[str, Any], dict[str, str], dict[str, Any]]] = [
     # -- auto: the 45 GiB DiT threshold, decided by the smallest free memory of the selected GPUs
     ("auto_44.9_offloads_dit", {"gib": 44.9}, {"transformer": CO, "text_encoder_2": CO}, {}),
-    ("auto_45_keeps_dit", {"gib": 45.0}, {"transformer": R, "text_encoder_2": LW, "text_encoder": CO}, {}),
+    # Issue 22 item 5: a small encoder stays resident when the DiT does and the whole model fits comfortably.
+    ("auto_45_keeps_dit", {"gib": 45.0}, {"transformer": R, "text_encoder_2": LW, "text_encoder": R}, {}),
+    ("auto_small_encoder_offloaded_with_the_dit", {"gib": 44.9}, {"transformer": CO, "text_encoder": CO}, {}),
     ("auto_46_keeps_dit", {"gib": 46.0}, {"transformer": R}, {}),
     ("auto_min_over_selected_gpus", {"gib": [80.0, 40.0], "num_gpus": 2}, {"transformer": CO}, {}),
     ("auto_unselected_gpu_ignored", {"gib": [80.0, 40.0], "num_gpus": 1}, {"transformer": R}, {}),
@@ -76,7 +78,7 @@ CASES: list[tuple[str, dict[str, Any], dict[str, str], dict[str, Any]]] = [
     ("auto_tight_gpu_no_dit_preset", {"family": "sana", "gib": 3.5}, {"transformer": CO}, {}),
     ("auto_vae_below_threshold", {"gib": 23.9}, {"vae": CO}, {}),
     ("auto_vae_at_threshold", {"gib": 24.0}, {"vae": R}, {}),
-    ("auto_small_encoder_not_streamed", {"gib": 80.0}, {"text_encoder": CO, "text_encoder_2": LW}, {}),
+    ("auto_small_encoder_not_streamed", {"gib": 80.0}, {"text_encoder": R, "text_encoder_2": LW}, {}),
     # -- video: DiT residency is per model profile; FSDP/CFG parallel on validated multi-GPU set-ups
     ("auto_video_dit_offloaded_on_big_gpu", {"family": "wan", "gib": 80.0}, {"transformer": CO}, {"use_fsdp_inference": False}),
     ("auto_video_fsdp_replaces_offload", {"family": "wan", "gib": 80.0, "num_gpus": 2}, {"transformer": R},

@@ -14,7 +14,9 @@ from diffuserve.errors import ConfigError
 
 @pytest.mark.parametrize(("kwargs", "public"), [
     ({}, EMBEDDED_MODEL_NAME),
-    ({"model_path": "/ckpt/flux"}, "/ckpt/flux"),
+    ({"model_path": "/ckpt/flux"}, "flux"),  # issue 22 item 5: the folder's name, never the server's path
+    ({"model_path": "/ckpt/flux/"}, "flux"),
+    ({"model_path": "ckpt/flux"}, "flux"),
     ({"model_path": "/ckpt/flux", "model_id": "FLUX.1-dev"}, "FLUX.1-dev"),
     ({"model_path": "/ckpt/flux", "model_id": "FLUX.1-dev", "served_model_name": "prod"}, "prod"),
     ({"served_model_name": "prod"}, "prod"),

@@ -15,7 +15,7 @@ from diffuserve.config.argparse_dataclass import check_flags, flag
 from diffuserve.config.batching_rules import BatchingRules, load_batching_rules
 from diffuserve.errors import ConfigError
 
-BATCHING_GROUP = "Dynamic batching"
+BATCHING_GROUP = "Batching"
 
 
 class BatchingMode(str, enum.Enum):

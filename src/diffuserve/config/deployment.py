@@ -254,12 +254,23 @@ def _mode_default(comp: ComponentProfile, profile: ModelProfile, ctx: _Ctx, dit_
         return mode, f"{rule}; DiT {'fits' if fits else 'does not fit'} comfortably -> {mode.value}"
     if comp.group in ("text_encoder", "image_encoder"):
         if dit_resident and large and comp.has_layers:
-            return ResidencyMode.LAYERWISE_OFFLOAD, f"auto: DiT resident and encoder >= {profile.large_encoder_gib:g} GiB -> layerwise-offload"
-        return ResidencyMode.COMPONENT_OFFLOAD, "auto: legacy safe default for encoders -> component-offload"
+            return ResidencyMode.LAYERWISE_OFFLOAD, f"auto: DiT resident and encoder >= {profile.large_encoder_gib:g} GiB (large) -> layerwise-offload"
+        # Small encoders: offloading one saves little memory but costs a host->GPU copy on every request, so it
+        # stays on the GPU when the DiT does and the whole model fits comfortably (docs/deployment.md states it).
+        total = sum(c.param_bytes for c in profile.components.values())
+        budget = profile.comfortable_fit_fraction * ctx.min_free
+        whole = (f"whole model {total / GIB:.1f} GiB vs {profile.comfortable_fit_fraction:g} x {where} "
+                 f"= {budget / GIB:.1f} GiB")
+        if not large and dit_resident and total <= budget:
+            return ResidencyMode.RESIDENT, (f"auto: small encoder (< {profile.large_encoder_gib:g} GiB), DiT resident "
+                                            f"and the {whole} fits -> resident")
+        why = ("large encoder" if large else "DiT offloaded" if not dit_resident
+               else f"the {whole} does not fit")
+        return ResidencyMode.COMPONENT_OFFLOAD, f"auto: {why} -> component-offload (on the GPU only while it runs)"
     threshold = profile.vae_resident_threshold_gib
     if free_gib >= threshold:
-        return ResidencyMode.RESIDENT, f"auto: {where} >= VAE-like threshold {threshold:g} GiB -> resident"
-    return ResidencyMode.COMPONENT_OFFLOAD, f"auto: {where} < VAE-like threshold {threshold:g} GiB -> component-offload"
+        return ResidencyMode.RESIDENT, f"auto: {where} >= the VAE residency threshold {threshold:g} GiB -> resident"
+    return ResidencyMode.COMPONENT_OFFLOAD, f"auto: {where} < the VAE residency threshold {threshold:g} GiB -> component-offload"
 
 
 # --- helpers for the numeric knobs ----------------------------------------------------------------------

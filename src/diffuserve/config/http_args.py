@@ -27,13 +27,13 @@ class HttpArgs:
     """Graceful drain budget."""
     max_inference_steps: int = flag(200, "Largest num_inference_steps a request may ask for.", SERVER_GROUP)
     """Cap on per-request steps."""
-    max_image_side: int = flag(4096, "Largest width/height a request may ask for.", SERVER_GROUP)
+    max_image_side: int = flag(4096, "Largest width/height a request (or an edit's input image) may have, on every device. The work of a step grows with width x height: on a CPU, a 4096x4096 image of a real model takes minutes per step, so lower it there.", SERVER_GROUP)
     """Cap on output width and height."""
     url_store_max_images: int = flag(1024, "Images kept for response_format=url links (oldest dropped first).", SERVER_GROUP)
     """Capacity of the in-memory store behind /v1/images/{id}/content."""
     max_video_jobs: int = flag(128, "Video jobs kept for GET /v1/videos (with their MP4); past it the oldest finished jobs are dropped.", SERVER_GROUP)
     """Capacity of the video job store (queued and running jobs are never dropped)."""
-    output_dir: str | None = flag(None, "Folder of the results store (SQLite metadata + media files of video jobs and url images); survives restarts and may be shared by several processes on one host. Default: $DIFFUSERVE_CACHE/outputs.", SERVER_GROUP)
+    output_dir: str | None = flag(None, "Folder of the results store (SQLite metadata + media files of video jobs and url images); survives restarts and may be shared by several processes on one host. Default: $DIFFUSERVE_CACHE/outputs/<served model name> (one folder per model, so different servers never mix their jobs).", SERVER_GROUP)
     """Results store root; None = `<cache>/outputs`."""
     result_ttl_s: float = flag(86400.0, "Seconds a finished video job or url image is kept (its expires_at); 0 = until removed.", SERVER_GROUP)
     """Retention by age, enforced by the background sweep."""

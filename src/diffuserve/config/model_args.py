@@ -30,7 +30,8 @@ class ModelArgs:
         commands=_ALL,
         per_command={"plan": {"help": "Family hint (e.g. FLUX.1-dev) when model_index.json is ambiguous.", "group": None}})
     """Registry hint; also the public name when --served-model-name is unset."""
-    served_model_name: str | None = flag(None, "Public model name in /v1/models and responses (default: --model-id, then --model-path).", MODEL_GROUP)
+    served_model_name: str | None = flag(None, "Public model name in /v1/models and responses (default: --model-id, then the --model-path folder's name).", MODEL_GROUP,
+        commands=("serve",))
     """Stable public name across replicas and mount paths."""
     backend: str = flag(
         "auto", "Pipeline backend: native adapter, the diffusers pipeline, or auto (native when there is one).",

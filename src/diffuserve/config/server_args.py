@@ -23,6 +23,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,8 +106,10 @@ class ServerArgs:
     # -- derived -----------------------------------------------------------------------------
     @property
     def public_model_name(self) -> str:
-        """--served-model-name, then --model-id, then --model-path, then the embedded model's name."""
-        return self.served_model_name or self.model_id or self.model_path or EMBEDDED_MODEL_NAME
+        """--served-model-name, then --model-id, then the --model-path folder's base name (never a server path
+        in ids and listings; `/ckpt/flux/` -> `flux`), then the embedded model's name."""
+        folder = Path(self.model_path).name if self.model_path else None  # Path drops a trailing slash
+        return self.served_model_name or self.model_id or folder or EMBEDDED_MODEL_NAME
 
     @property
     def model_names(self) -> list[str]:
@@ -121,12 +124,14 @@ class ServerArgs:
         return seen
 
     def resolved_output_dir(self) -> Path:
-        """--output-dir, or `outputs` under the cache folder ($DIFFUSERVE_CACHE, else ~/.cache/diffuserve)."""
+        """--output-dir, or `outputs/<served model name>` under the cache folder ($DIFFUSERVE_CACHE, else
+        ~/.cache/diffuserve): keyed by the model, so servers of different models never list or serve each
+        other's jobs, and replicas of one model (same name) share theirs."""
         if self.output_dir:
             return Path(self.output_dir).expanduser()
         from diffuserve.paths import default_output_dir
 
-        return default_output_dir()
+        return default_output_dir() / re.sub(r"[^A-Za-z0-9._-]", "_", self.public_model_name).lstrip(".")
 
     def resolved_api_key(self) -> str | None:
         return self.api_key or os.environ.get("DIFFUSERVE_API_KEY") or None
@@ -177,6 +182,9 @@ def load_config_file(path: str, known_keys: set[str], *, elsewhere: dict[str, st
         text = file.read_text()
     except OSError as exc:
         raise ConfigError(f"--config: cannot read {path!r}: {exc.strerror or exc}.") from exc
+    if file.suffix.lower() == ".toml":
+        raise ConfigError(f"--config: {path!r}: TOML is not read; use JSON or YAML (.yaml / .yml) with the same "
+                          "keys.")
     try:
         if file.suffix.lower() in (".yaml", ".yml"):
             import yaml
@@ -185,7 +193,8 @@ def load_config_file(path: str, known_keys: set[str], *, elsewhere: dict[str, st
         else:
             data = json.loads(text)
     except Exception as exc:  # json/yaml raise their own types; the message is what matters
-        raise ConfigError(f"--config: {path!r} is not valid {file.suffix.lstrip('.') or 'JSON'}: {exc}.") from exc
+        kind = "YAML" if file.suffix.lower() in (".yaml", ".yml") else "JSON (files not named .yaml / .yml are read as JSON)"
+        raise ConfigError(f"--config: {path!r} is not valid {kind}: {exc}.") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"--config: {path!r} must hold a mapping of flag names to values.")
     values: dict[str, Any] = {}

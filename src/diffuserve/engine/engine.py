@@ -175,6 +175,17 @@ class AsyncEngine:
         if self.on_fatal is not None:
             self.on_fatal(message)
 
+    def stop_before_serving(self) -> bool:
+        """Stop a load or warm-up that has not finished: True (and the engine never turns ready) when it had
+        not served yet; False once it serves (then drain). `serve` calls it from its signal handler."""
+        with self._cond:
+            if self.state not in (EngineState.LOADING, EngineState.WARMING_UP):
+                return False
+            self._stop = True
+            self.state = EngineState.STOPPED
+            self._cond.notify_all()
+            return True
+
     def stop(self) -> None:
         with self._cond:
             self._stop = True
@@ -366,8 +377,9 @@ class AsyncEngine:
             with self.pipeline.residency.compile_warmup():
                 self._run_warmup()
         with self._cond:
-            if self.state in (EngineState.LOADING, EngineState.WARMING_UP):
-                self.state = EngineState.READY
+            if self.state not in (EngineState.LOADING, EngineState.WARMING_UP):
+                return  # told to stop (or drain) before it served: never "ready"
+            self.state = EngineState.READY
         logger.info("ready to serve after %.1fs", time.monotonic() - started)
 
     def _run_warmup(self) -> None:

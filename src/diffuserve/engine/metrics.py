@@ -251,11 +251,16 @@ def summarize(batches: Sequence[ScheduledBatch]) -> BatchWindowStats:
 
 
 def format_dispatch(batch: ScheduledBatch) -> str:
-    """The per-dispatch log line."""
-    return (
-        f"Dynamic batch dispatch: size={batch.num_outputs}/{batch.user_max}, user_max={batch.user_max}, "
-        f"queue_wait={batch.head_queue_wait_s * 1000:.2f}ms, stop_reason={batch.stop_reason}"
-    )
+    """The per-dispatch log line. A single request whose n exceeds the cap runs as several calls of at most the
+    cap; its line says so (requests, rows, calls) rather than a `size=10/8` that reads as a cap violation."""
+    tail = (f"user_max={batch.user_max}, queue_wait={batch.head_queue_wait_s * 1000:.2f}ms, "
+            f"stop_reason={batch.stop_reason}")
+    cap = max(1, batch.effective_cap)
+    if batch.num_outputs > cap:
+        calls = -(-batch.num_outputs // cap)
+        return (f"Dynamic batch dispatch: requests={batch.num_requests}, rows={batch.num_outputs} "
+                f"in {calls} calls of <= {cap} rows, {tail}")
+    return f"Dynamic batch dispatch: size={batch.num_outputs}/{batch.user_max}, {tail}"
 
 
 def format_stats(stats: BatchWindowStats) -> str:

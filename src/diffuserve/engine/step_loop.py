@@ -136,7 +136,8 @@ class StepLoop:
                 self.book.set_progress(entry.request.request_id, entry.step_index, entry.num_steps)
         self._previews(rows, finished)
         if finished:
-            self._finish(finished, batch_size=len(rows))
+            # batch_rows: the rows of the step that finished them (was always 0 in continuous mode).
+            self._finish(finished, batch_size=len(rows), batch_rows=sum(e.num_rows for e in rows))
 
     # -- starting (encode + latents), beside the loop when it can -----------------------------------------
     def _start(self, entries: list[GroupEntry]) -> None:
@@ -222,7 +223,7 @@ class StepLoop:
             # The lane runs jobs in order: a preview always reaches the client before its final image.
             self.decode_lane.submit(preview, inputs=[snapshot])
 
-    def _finish(self, entries: list[GroupEntry], *, batch_size: int) -> None:
+    def _finish(self, entries: list[GroupEntry], *, batch_size: int, batch_rows: int = 0) -> None:
         """Decode the requests whose last step this was (one decoder call) and answer them."""
         timings = [self._timing.pop(e.request.request_id, {}) for e in entries]
         for entry in entries:
@@ -237,10 +238,11 @@ class StepLoop:
         # With lanes: answered from the decode lane while the loop keeps stepping the others; inline: at once.
         job = self.decode_lane.submit(decode, inputs=group, prompts=[r.params.prompt for r in requests])
         overlapped = self.lanes is not None
-        job.add_done_callback(lambda f: self._answer(requests, f, timings, batch_size, overlapped=overlapped))
+        job.add_done_callback(lambda f: self._answer(requests, f, timings, batch_size, overlapped=overlapped,
+                                                     batch_rows=batch_rows))
 
     def _answer(self, requests: list[Any], future: Future[Any], timings: list[dict[str, float]],
-                batch_size: int, *, overlapped: bool) -> None:
+                batch_size: int, *, overlapped: bool, batch_rows: int = 0) -> None:
         book = self.book
         try:
             side = future.result()
@@ -271,6 +273,7 @@ class StepLoop:
                     queue_wait_s=dispatched - request.arrival_time,
                     inference_s=self.clock() - dispatched,
                     batch_size=batch_size,
+                    batch_rows=batch_rows,
                     stage_seconds=timing,
                 ))
             book.cond.notify_all()

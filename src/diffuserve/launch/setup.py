@@ -108,6 +108,29 @@ def plan_deployment(args: ServerArgs, model_path: Path, device: str, *, log_plan
     return ResolvedDeployment(plan, budget)
 
 
+class _DropTorchvisionFallback(logging.Filter):
+    """transformers' "`XImageProcessor` requires torchvision (not installed); falling back to ..." (one per
+    processor class): the PIL processors it falls back to are the ones we use, so at info it is only noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "requires torchvision (not installed); falling back" not in record.getMessage()
+
+
+def quiet_library_loading() -> None:
+    """Below debug, keep transformers' loading chatter (the torchvision fallback notes and its per-component
+    "Loading weights" progress bars) out of the log; `--log-level debug` shows them again."""
+    if logger.getEffectiveLevel() <= logging.DEBUG:
+        return
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # transformers is a dependency; nothing to quiet without it
+        return
+    hf_logging.disable_progress_bar()
+    fallback = logging.getLogger("transformers.utils.import_utils")
+    if not any(isinstance(f, _DropTorchvisionFallback) for f in fallback.filters):
+        fallback.addFilter(_DropTorchvisionFallback())
+
+
 def load_serving_pipeline(args: ServerArgs, model_path: Path, device: str, deployment: ResolvedDeployment,
                           metrics: EngineMetrics | None, groups: Any = None) -> ServingPipeline:
     """Load the adapter, give it residency and (on several ranks, `groups`) the plan's parallel modes, compile,
@@ -115,6 +138,7 @@ def load_serving_pipeline(args: ServerArgs, model_path: Path, device: str, deplo
     from diffuserve.engine.faults import maybe_inject_faults
     from diffuserve.models.loader import load_pipeline
 
+    quiet_library_loading()
     # To host: the residency manager below moves resident components to the device and leaves offloaded ones
     # on the host, so a model that fits only when offloaded still loads.
     pipeline = load_pipeline(

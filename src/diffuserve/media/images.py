@@ -27,6 +27,8 @@ _ALIASES = {"jpg": "jpeg"}
 #: Container formats accepted on upload. A closed list keeps rarely used (and rarely hardened)
 #: Pillow decoders out of reach of request bodies.
 _DECODE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+ACCEPTED_FORMATS = "PNG, JPEG, WebP, GIF or BMP"
+"""The input formats `_DECODE_FORMATS` reads, as every message and the docs name them (one list)."""
 
 
 def normalize_format(fmt: str, *, param: str = "output_format") -> str:
@@ -96,7 +98,7 @@ def decode_image(data: bytes, *, max_pixels: int, param: str = "image", limit_fl
     """
     if not data:
         raise InvalidRequestError(
-            f"{param} is empty; send the bytes of a PNG, JPEG or WebP image", param=param
+            f"{param} is empty; send the bytes of a {ACCEPTED_FORMATS} image", param=param
         )
     try:
         with warnings.catch_warnings():
@@ -114,10 +116,10 @@ def decode_image(data: bytes, *, max_pixels: int, param: str = "image", limit_fl
         ) from exc
     except UnidentifiedImageError as exc:
         # Pillow's message names an in-memory object (`<_io.BytesIO object at 0x...>`): useless to a client.
-        raise InvalidRequestError(f"{param}: not a PNG, JPEG, WebP, GIF or BMP file", param=param) from exc
+        raise InvalidRequestError(f"{param}: not a {ACCEPTED_FORMATS} file", param=param) from exc
     except (OSError, ValueError) as exc:
         raise InvalidRequestError(
-            f"{param} could not be read as an image ({exc}); send PNG, JPEG, WebP, GIF or BMP bytes",
+            f"{param} could not be read as an image ({exc}); send {ACCEPTED_FORMATS} bytes",
             param=param,
         ) from exc
 

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from diffuserve import __version__
 from diffuserve.errors import ConfigError, DiffuserveError
-from diffuserve.server import health, models_routes, openai_images, openai_videos, playground
+from diffuserve.server import api_docs, health, models_routes, openai_images, openai_videos, playground
 from diffuserve.server.context import ServerContext
 from diffuserve.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, TrailingSlashMiddleware
 from diffuserve.server.protocol import ErrorEnvelope, error_envelope
@@ -126,7 +126,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
     # redirect_slashes off: TrailingSlashMiddleware serves `/route/` as `/route` instead of a 307.
     app = FastAPI(title="diffuserve", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible image generation with dynamic batching.",
-                  responses=ERROR_RESPONSES, redirect_slashes=False)
+                  responses=ERROR_RESPONSES, redirect_slashes=False,
+                  docs_url=None, redoc_url=None)  # /docs: api_docs, offline; ReDoc breaks under the CSP
     if ctx.results is None:
         ctx.results = open_results_store(ctx.args)
     if ctx.videos is None:
@@ -139,6 +140,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app.include_router(openai_images.router)
     app.include_router(openai_videos.router)
     app.include_router(playground.router)
+    app.include_router(api_docs.router)
     # Outermost first: the body cap runs before auth so an oversized anonymous upload is never read.
     api_key = ctx.args.resolved_api_key()
     if api_key:

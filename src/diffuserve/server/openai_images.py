@@ -215,6 +215,11 @@ async def edit_image(request: Request) -> ImageGenerationResponse | StreamingRes
     if body.size is None and body.width is None and body.height is None:
         # Default to the (first) input's size, rounded down to what the model can produce.
         multiple = ctx.engine.model.size_multiple  # type: ignore[union-attr]
+        if max(sources[0].size) > side:  # the output would take this size: the image is what is too large
+            raise InvalidRequestError(
+                f"image is {sources[0].width}x{sources[0].height}; without size the output takes the input's size, "
+                f"and its sides must be at most {side} (--max-image-side). Downscale the image or give size.",
+                param="image")
         body = body.model_copy(update={"width": max(multiple, sources[0].width // multiple * multiple),
                                        "height": max(multiple, sources[0].height // multiple * multiple)})
     params = image_params(body, ctx, image_inputs=blobs, strength=body.strength)

@@ -335,6 +335,9 @@ async def list_videos(request: Request, limit: int = Query(default=20, ge=1, le=
                       order: Literal["asc", "desc"] = Query(default="desc")) -> dict[str, Any]:
     """Kept jobs, newest first (`order=asc`: oldest first); `after` is the last id of the previous page."""
     ctx = server_context(request)
+    model = ctx.engine.model
+    if model is not None and model.output_kind != "video":  # a shared --output-dir: not this server's jobs
+        return {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
     try:
         page, has_more = await run_in_threadpool(_store(ctx).list, limit=limit, after=after,
                                                  newest_first=order == "desc")

@@ -5,26 +5,91 @@ accepted requests finish and are answered, then the process exits 0. Past --shut
 rest are answered with a 503 error first. A second signal cuts the drain short the same way: every
 request still in flight is answered with the 503 envelope at once, then the server stops with exit
 code 130 (interrupted). A third signal stops uvicorn without waiting for connections.
+
+Before the server has served (imports, plan, model load, warm-up) there is nothing to drain: a signal
+stops the process at once (`stop_before_serving`), exit 0 for SIGTERM and 130 for SIGINT, and the log
+never says "ready" or "drained". The port is bound before any of that, so a port in use is a one-line
+configuration error (exit 2), not a model load followed by uvicorn's exit 3.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
+import signal
+import socket
+from collections.abc import Callable
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from diffuserve.config.server_args import ServerArgs
-from diffuserve.launch.root import build_engine
-from diffuserve.server.app import create_app, open_results_store
-from diffuserve.server.context import ImageStore, ServerContext
+from diffuserve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from diffuserve.server.context import ServerContext
 
 logger = logging.getLogger("diffuserve.server")
 
 INTERRUPTED = 130
-"""Exit code when a second signal cut the drain short (128 + SIGINT, as `generate` after Ctrl-C)."""
+"""Exit code when a second signal cut the drain short, or SIGINT stopped the start-up (128 + SIGINT, as
+`generate` after Ctrl-C)."""
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def stop_before_serving(sig: int, phase: str) -> None:
+    """Exit now, from a signal handler: the server has served nothing, so there is nothing to drain or save.
+
+    os._exit, not sys.exit: the model may be loading or warming up in another thread, inside a torch op that
+    cannot be interrupted (a 2048x2048 warm-up step takes seconds); interpreter shutdown around that thread
+    aborts ("terminate called without an active exception", SIGABRT), and a KeyboardInterrupt raised inside
+    an extension's import prints a pybind11 traceback. This host's rank processes (our children, which load
+    their share too) are stopped first. The results store is SQLite (crash-safe) and holds nothing of ours yet.
+    """
+    import multiprocessing
+
+    code = INTERRUPTED if sig == signal.SIGINT else 0
+    logger.warning("%s during start-up (%s): stopping before serving, exit %d", signal.Signals(sig).name, phase, code)
+    for child in multiprocessing.active_children():
+        child.kill()
+    logging.shutdown()
+    os._exit(code)
+
+
+def install_startup_signal_handlers() -> Callable[[], None]:
+    """From process start until uvicorn takes the signals over: SIGTERM / SIGINT stop at once (see
+    `stop_before_serving`). The CLI calls this before the heavy imports (torch) of `serve`. Returns what puts
+    the previous handlers back (for callers that go on after `serve` returns, such as tests)."""
+    previous = {sig: signal.signal(sig, lambda s, _frame: stop_before_serving(s, "starting")) for sig in _STOP_SIGNALS}
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """Bind the HTTP port before anything loads: one clear line when it is taken (uvicorn would first load the
+    model, then log the OSError and exit 3)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: rebinding after a restart works
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"port {port} on {host} is already in use (another server?); stop it or choose "
+                              "another with --port.", param="port") from exc
+        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); check --host and --port.",
+                          param="port") from exc
+    return sock
+
 
 
 class DrainingServer(uvicorn.Server):
@@ -50,10 +115,11 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._loop is None:
-            # No loop yet (still starting): stop the uvicorn way.
-            self.should_exit = True
-            return
+        engine = self.ctx.engine
+        if not self._drain_started:
+            phase = engine.state.value
+            if self._loop is None or engine.stop_before_serving():  # still loading or warming up
+                stop_before_serving(sig, phase)
         if self._drain_started:
             if self._forced:
                 self.force_exit = True  # third signal: do not even wait for the answers to go out
@@ -62,23 +128,30 @@ class DrainingServer(uvicorn.Server):
             # 500 from a cancelled handler), then stop as after a drain, exiting 130.
             self._forced = True
             self.exit_code = INTERRUPTED
-            logger.warning("signal %s again: answering %d unfinished request(s) with 503 and exiting",
-                           sig, self.ctx.engine.num_pending)
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit(0.0)))
+            name = signal.Signals(sig).name
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit(0.0, again=name)))
             return
         self._drain_started = True
         self.ctx.draining = True
-        self.ctx.engine.begin_drain()
-        logger.info("signal %s: draining %d accepted request(s), up to %.0fs", sig, self.ctx.engine.num_pending,
+        engine.begin_drain()
+        logger.info("%s: draining %d accepted request(s), up to %.0fs", signal.Signals(sig).name, engine.num_pending,
                     self.ctx.args.shutdown_timeout_s)
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit()))
 
-    async def _drain_then_exit(self, timeout_s: float | None = None) -> None:
+    async def _drain_then_exit(self, timeout_s: float | None = None, again: str | None = None) -> None:
+        """Drain, then stop uvicorn. `again`: the second signal's name; it cut the drain short, and the log says
+        so once (how many it answered with 503), with no "drained" line."""
         budget = self.ctx.args.shutdown_timeout_s if timeout_s is None else timeout_s
         failed = await self.ctx.engine.drain(budget)
-        if failed:
-            logger.warning("shutdown timeout: answered %d unfinished request(s) with an error", failed)
-        logger.info("drained; exiting")
+        if again is None and self._forced:
+            return  # a second signal cut this drain short; its own call logs and exits
+        if again is not None:
+            logger.warning("%s again: answered %d unfinished request(s) with 503; exiting %d", again, failed,
+                           INTERRUPTED)
+        else:
+            if failed:
+                logger.warning("shutdown timeout: answered %d unfinished request(s) with an error", failed)
+            logger.info("drained; exiting")
         self.should_exit = True
 
 
@@ -88,6 +161,11 @@ def serve(args: ServerArgs) -> int:
 
     if not is_serving_process(args):  # another host's ranks, or a torchrun rank other than 0: no HTTP
         return serve_other_node(args)
+    sock = bind_port(args.host, args.port)
+    from diffuserve.launch.root import build_engine
+    from diffuserve.server.app import create_app, open_results_store
+    from diffuserve.server.context import ImageStore, ServerContext
+
     engine, metrics, plan_dict = build_engine(args)
     results = open_results_store(args)
     ctx = ServerContext(args=args, engine=engine, metrics=metrics, results=results,
@@ -103,7 +181,7 @@ def serve(args: ServerArgs) -> int:
     )
     server = DrainingServer(config, ctx)
     logger.info("serving %r on http://%s:%d", args.public_model_name, args.host, args.port)
-    server.run()
+    server.run(sockets=[sock])
     engine.executor.shutdown()
     if hasattr(engine.executor, "topology"):
         # Several ranks: a worker thread may still sit in a collective with a failed peer, and torch's exit

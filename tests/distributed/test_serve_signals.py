@@ -1,0 +1,62 @@
+"""Stopping a torchrun deployment (issue 22 item 3): SIGTERM drains on rank 0, which then stops the other ranks.
+
+torchrun signals every rank at once; the ranks without HTTP ignore it once they serve (rank 0 stops them after its
+drain), so nothing is cut mid-batch. SIGTERM to rank 0 (what docs/multi-gpu.md recommends) ends torchrun with 0;
+SIGTERM to torchrun itself ends the ranks the same way, and torchrun then reports the signal it got (its own
+behaviour, exit 1).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serverproc import REPO, free_port
+
+
+def _start(tiny_flux_path: Path, tmp_path: Path) -> tuple[subprocess.Popen, Path, int]:
+    port, log_path = free_port(), tmp_path / "torchrun.log"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    log = open(log_path, "wb")  # noqa: SIM115 - the child holds it; closed when the test's process ends
+    proc = subprocess.Popen([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), "-m",
+                             "diffuserve.cli", "serve", "--model-path", str(tiny_flux_path), "--device", "cpu",
+                             "--num-gpus", "2", "--enable-cfg-parallel", "--port", str(port),
+                             "--output-dir", str(tmp_path / "outputs")],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    deadline = time.monotonic() + 300
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return proc, log_path, port
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("target", ["rank0", "torchrun"])
+def test_sigterm_drains_every_rank(tiny_flux_path: Path, tmp_path: Path, target: str):
+    proc, log_path, _ = _start(tiny_flux_path, tmp_path)
+    try:
+        rank0 = int(re.search(r"Started server process \[(\d+)\]", log_path.read_text()).group(1))
+        os.kill(rank0 if target == "rank0" else proc.pid, signal.SIGTERM)
+        code = proc.wait(90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    log = log_path.read_text()
+    assert "drained; exiting" in log and "rank 1: shutdown" in log, log[-3000:]
+    assert "ChannelClosed" not in log and "not every rank confirmed" not in log, log[-3000:]
+    if target == "rank0":
+        assert code == 0 and "Traceback" not in log, log[-3000:]
+    else:  # torchrun's own report of the signal it got is its only traceback
+        assert log.count("Traceback") <= 1 and "ChildFailedError" not in log, log[-3000:]

@@ -1,0 +1,61 @@
+"""Defaults that fit (issue 22 items 5 and 7), over a real server: an absolute --model-path is served under its
+folder's name, an image server lists no video jobs of a shared results folder, an edit input larger than
+--max-image-side (without size) is a 400 naming `image`, the log at info has no transformers loading chatter, and
+continuous mode reports `timings.batch_rows`."""
+
+from __future__ import annotations
+
+import io
+import shutil
+from pathlib import Path
+
+import httpx
+from PIL import Image
+
+from tests.serverproc import ServerProcess
+
+
+def test_folder_name_ids_no_foreign_video_jobs_and_oversized_edit_input(tiny_flux_path: Path, tmp_path: Path):
+    from diffuserve.storage import ResultStore
+
+    checkpoint = tmp_path / "my-flux"
+    shutil.copytree(tiny_flux_path, checkpoint)
+    outputs = tmp_path / "shared-outputs"
+    video_store = ResultStore(outputs)  # a video server's job in the same folder
+    video_store.add("video_foreign", "video", "completed", {"model": "wan", "prompt": "a cat surfing"})
+    video_store.close()
+    server = ServerProcess(["--model-path", f"{checkpoint.resolve()}/", "--max-image-side", "64",
+                            "--output-dir", str(outputs)], tmp_path / "server.log")
+    server.start(timeout_s=180)
+    try:
+        base = server.base_url
+        models = httpx.get(f"{base}/v1/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]] == ["my-flux"], models
+        listed = httpx.get(f"{base}/v1/videos", timeout=30).json()
+        assert listed["data"] == [] and listed["has_more"] is False, listed
+        wide = io.BytesIO()
+        Image.new("RGB", (80, 16), "white").save(wide, format="PNG")  # 1,280 pixels (under 64^2), one side over 64
+        edit = httpx.post(f"{base}/v1/images/edits", timeout=60, data={"prompt": "a red circle"},
+                          files={"image": ("wide.png", wide.getvalue(), "image/png")})
+        assert edit.status_code == 400, edit.text
+        error = edit.json()["error"]
+        assert error["param"] == "image" and "--max-image-side" in error["message"], error
+    finally:
+        server.stop()
+    log = server.log()
+    assert "serving 'my-flux'" in log
+    # transformers' loading chatter stays below info (issue 22 item 7): no torchvision fallback note, no bars.
+    assert "requires torchvision" not in log and "Loading weights" not in log, log[-3000:]
+
+
+def test_continuous_mode_reports_batch_rows(tiny_flux_path: Path, tmp_path: Path):
+    server = ServerProcess(["--model-path", str(tiny_flux_path), "--batching-mode", "continuous",
+                            "--batching-max-size", "4"], tmp_path / "server.log")
+    server.start(timeout_s=180)
+    try:
+        answer = httpx.post(f"{server.base_url}/v1/images/generations", timeout=120,
+                            json={"prompt": "a red circle", "size": "64x64", "n": 2, "num_inference_steps": 2})
+    finally:
+        server.stop()
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["timings"]["batch_rows"] == 2, answer.json()["timings"]

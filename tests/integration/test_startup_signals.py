@@ -1,0 +1,110 @@
+"""Signals before a server served, and a port in use: real processes, real signals (issue 22 items 3-4, 7).
+
+The warm-up is held with the operator-only `hold_step` fault (its prompt is "warm-up"), so the signal lands in
+warm-up however fast the machine is; each test gates on the log line that shows the phase, never on a sleep.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serverproc import REPO, ServerProcess
+from tests.step_hold import StepHold, running
+
+
+def _wait_log(server: ServerProcess, text: str, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in server.log():
+        assert server.proc is not None and server.proc.poll() is None, server.log()[-3000:]
+        assert time.monotonic() < deadline, f"never logged {text!r}:\n{server.log()[-3000:]}"
+        time.sleep(0.05)
+
+
+def _held_warmup_server(tiny_flux_path: Path, tmp_path: Path) -> ServerProcess:
+    """A server whose warm-up generation waits at its first step until the test releases it (it never does)."""
+    release = tmp_path / "release-warm-up"
+    env = {"DIFFUSERVE_FAULT_INJECTION": f"hold_step:warm-up,release:{release}"}
+    server = ServerProcess(["--model-path", str(tiny_flux_path)], tmp_path / "server.log", env=env)
+    cmd = [sys.executable, "-m", "diffuserve.cli", "serve", "--port", str(server.port), *server.args,
+           "--output-dir", str(tmp_path / "outputs")]
+    server._log = open(server.log_path, "wb")  # noqa: SIM115 - closed by server.stop()
+    server.proc = subprocess.Popen(cmd, stdout=server._log, stderr=subprocess.STDOUT, cwd=REPO,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+    return server
+
+
+@pytest.mark.parametrize(("sig", "code", "gate", "phases"), [
+    (signal.SIGTERM, 0, "fault injection: holding", ("warming_up",)),
+    (signal.SIGINT, 130, "fault injection: holding", ("warming_up",)),
+    (signal.SIGTERM, 0, "Loading ", ("loading", "warming_up")),
+    # The plan is logged before uvicorn runs: the CLI's own start-up handler (or uvicorn's, if it already took over).
+    (signal.SIGINT, 130, "deployment plan:", ("starting", "loading", "warming_up")),
+])
+def test_signal_before_serving_stops_at_once(tiny_flux_path: Path, tmp_path: Path, sig, code, gate, phases):
+    server = _held_warmup_server(tiny_flux_path, tmp_path)
+    try:
+        _wait_log(server, gate)
+        server.signal(sig)
+        # The warm-up stays held for HOLD_STEP_TIMEOUT_S (120 s): exiting well within that shows the process did
+        # not wait for it (nor for the engine thread's 10 s join).
+        assert server.proc.wait(30) == code, server.log()[-3000:]
+    finally:
+        server.stop()
+    log = server.log()
+    name = signal.Signals(sig).name
+    assert any(f"{name} during start-up ({phase}): stopping before serving, exit {code}" in log for phase in phases), log
+    for never in ("ready to serve", "drained", "Traceback", "KeyboardInterrupt", "terminate called"):
+        assert never not in log, log
+
+
+def test_port_in_use_fails_before_the_model_loads(tiny_flux_path: Path, tmp_path: Path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "diffuserve.cli", "serve", "--model-path", str(tiny_flux_path),
+                                 "--port", str(port), "--output-dir", str(tmp_path / "outputs")],
+                                capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(port) in lines[0] and "--port" in lines[0], result.stderr
+    assert "serving" not in result.stderr + result.stdout
+    assert "Loading" not in result.stderr + result.stdout
+
+
+def test_second_signal_says_what_happened_once(tiny_flux_path: Path, tmp_path: Path):
+    hold = StepHold(tmp_path)
+    hold.arm()
+    server = ServerProcess(["--model-path", str(tiny_flux_path), "--shutdown-timeout-s", "600"], tmp_path / "log",
+                           env=hold.env())
+    server.start()
+    answers: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: answers.append(httpx.post(
+        f"{server.base_url}/v1/images/generations", json={"prompt": f"slow {StepHold.MARKER}", "size": "64x64"},
+        timeout=120)))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not running(server):
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.05)
+    server.signal(signal.SIGTERM)
+    _wait_log(server, "draining 1 accepted request(s)")
+    server.signal(signal.SIGTERM)
+    thread.join(60)
+    hold.release()
+    assert server.proc.wait(60) == 130
+    server.stop()
+    assert answers and answers[0].status_code == 503
+    log = server.log()
+    assert log.count("SIGTERM again: answered 1 unfinished request(s) with 503; exiting 130") == 1, log
+    assert "drained" not in log and "shutdown timeout" not in log, log
