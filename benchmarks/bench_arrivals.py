@@ -46,8 +46,8 @@ from typing import Any
 
 import httpx
 
-from diffuserve.bench import BenchRequestSpec, _client, _drive, _send
-from diffuserve.bench_report import RequestResult, poisson_arrivals, summarize_setting
+from diffuserve.tools.bench import BenchRequestSpec, _client, _drive, _send
+from diffuserve.tools.bench_report import RequestResult, poisson_arrivals, summarize_setting
 
 SERVERS = {
     "singleton": [],
@@ -244,7 +244,7 @@ def _plot(reports: list[dict[str, Any]], path: Path) -> None:
 
 def run_simulation(cost_names: list[str], args: argparse.Namespace) -> list[str]:
     """The load points on each simulated cost curve (see the module docstring); returns the printed lines."""
-    from diffuserve.bench_report import percentile
+    from diffuserve.tools.bench_report import percentile
     from diffuserve.tools.sim_executor import COST_MODELS, simulate_arrivals, singleton_capacity_rps
 
     lines: list[str] = []

@@ -49,7 +49,7 @@ from typing import Any
 
 import httpx
 
-from diffuserve.bench import percentile
+from diffuserve.tools.bench import percentile
 
 NUM_CLIENTS = 8
 """Concurrent closed-loop clients against each server (and the direct batch size)."""

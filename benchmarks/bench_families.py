@@ -42,7 +42,7 @@ def bench_family(build: str, work: Path, *, size: int, steps: int, runs: int, wa
         size = 32
     image = None
     if is_edit:
-        from diffuserve.compat import _input_image
+        from diffuserve.tools.compat import _input_image
 
         image = (_input_image(),)
 

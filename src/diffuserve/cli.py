@@ -149,7 +149,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="Benchmark a running server over HTTP.", formatter_class=_DefaultsFormatter,
                            description="Drive a running server with concurrent requests and report throughput and latency.")
-    from diffuserve.bench import add_bench_arguments
+    from diffuserve.tools.bench import add_bench_arguments
 
     add_bench_arguments(bench)
     return parser
@@ -278,13 +278,13 @@ def main(argv: list[str] | None = None) -> int:
         _subparsers(parser)[ns.command].unknown_flags(extras)
     try:
         if ns.command == "bench":
-            from diffuserve.bench import run_bench
+            from diffuserve.tools.bench import run_bench
 
             return run_bench(ns)
         if ns.command == "make-tiny":
             return _make_tiny(ns)
         if ns.command == "compat":
-            from diffuserve.compat import render, run_compat
+            from diffuserve.tools.compat import render, run_compat
 
             names = [n.strip() for n in ns.families.split(",") if n.strip()] if ns.families else None
             print(render(run_compat(names, Path(ns.output) if ns.output else None, quick=ns.quick)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffuserve.compat import COLUMNS, QUICK_COLUMNS, image_builds, parse_grid, render, run_compat
+from diffuserve.tools.compat import COLUMNS, QUICK_COLUMNS, image_builds, parse_grid, render, run_compat
 
 README = Path(__file__).resolve().parents[2] / "docs" / "families.md"
 """The page holding the grid (it was the README's until the docs split)."""

@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from PIL import Image
 
-from diffuserve.bench import (
+from diffuserve.tools.bench import (
     RequestResult,
     add_bench_arguments,
     percentile,

@@ -26,7 +26,7 @@ FAMILY_PART_LAYERS = {"adapter": "families.adapter", "ops": "families.adapter", 
 
 LAYERS: dict[str, float] = {
     # Leaves: shared vocabulary, media and storage formats, hardware probing.
-    "diffuserve": 0, "paths": 0, "errors": 0, "families": 0, "hardware": 0, "media": 0, "storage": 0, "bench_report": 0,
+    "diffuserve": 0, "paths": 0, "errors": 0, "families": 0, "hardware": 0, "media": 0, "storage": 0,
     # Pure configuration: what to run (never what a model is made of).
     "sampling": 1, "config": 1,
     # Weight placement and streaming.
@@ -47,7 +47,7 @@ LAYERS: dict[str, float] = {
     "launch": 7, "demo": 7,
     "server": 8,
     # Entry points.
-    "cli": 9, "generate": 9, "compat": 9, "bench": 9, "tools": 9,
+    "cli": 9, "generate": 9, "tools": 9,
 }
 """Top-level module or folder of `diffuserve` -> layer. An import between two of them must go to a lower layer."""
 

@@ -246,10 +246,10 @@ def simulate_arrivals(mode: str, cost: StepCost, *, rate: float, requests: int, 
     import asyncio
     import random
 
-    from diffuserve.bench_report import poisson_arrivals
     from diffuserve.engine.engine import AsyncEngine, EngineConfig
     from diffuserve.engine.scheduler import BatchingConfig, DynamicBatcher
     from diffuserve.engine.step_scheduler import StepScheduler
+    from diffuserve.tools.bench_report import poisson_arrivals
 
     max_size, delay_ms = SIM_MODES[mode]
     config = BatchingConfig(mode=mode, max_size=max_size, delay_ms=delay_ms)

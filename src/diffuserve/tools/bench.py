@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from diffuserve.bench_report import (
+from diffuserve.tools.bench_report import (
     RequestResult,
     format_table,
     load_run,
