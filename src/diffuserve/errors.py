@@ -42,18 +42,6 @@ class NotFoundError(DiffuserveError):
     code = "not_found"
 
 
-class AuthenticationError(DiffuserveError):
-    http_status = 401
-    error_type = "authentication_error"
-    code = "invalid_api_key"
-
-
-class PayloadTooLargeError(DiffuserveError):
-    http_status = 413
-    error_type = "invalid_request_error"
-    code = "request_too_large"
-
-
 class QueueFullError(DiffuserveError):
     """Admission control: the queue is at --max-queue-size. Sent with Retry-After."""
 

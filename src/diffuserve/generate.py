@@ -10,7 +10,7 @@ from typing import Any
 
 from diffuserve.config.server_args import ServerArgs
 from diffuserve.errors import ConfigError
-from diffuserve.executor.worker import plan_calls
+from diffuserve.executor.batch_runner import plan_calls
 from diffuserve.sampling import SamplingParams, build_sampling_params
 
 INTERRUPTED = 130

@@ -100,7 +100,7 @@ def test_disconnect_mid_stream_cancels_the_row(streaming_server):
     start = len(streaming_server.log())
     # The run may go up to its first preview, then it is held until the disconnect was seen: on any machine the
     # client leaves mid-run.
-    from diffuserve.executor.worker import preview_steps
+    from diffuserve.executor.batch_runner import preview_steps
 
     hold = StepHold(streaming_server.log_path.parent)
     hold.arm()

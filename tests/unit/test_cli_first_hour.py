@@ -13,7 +13,7 @@ import pytest
 
 from diffuserve import cli
 from diffuserve.engine.metrics import EngineMetrics
-from diffuserve.executor.worker import plan_calls, split_rows
+from diffuserve.executor.batch_runner import plan_calls, split_rows
 from diffuserve.generate import chunk_rows, output_names
 from diffuserve.sampling import SamplingParams
 

@@ -32,7 +32,7 @@ from diffuserve.errors import (
     RequestTimeoutError,
     ServiceUnavailableError,
 )
-from diffuserve.executor.worker import PreviewSink
+from diffuserve.executor.batch_runner import PreviewSink
 from diffuserve.sampling import SamplingParams
 from diffuserve.tools.sim_executor import SimulatedExecutor, SimulatedPipeline
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from diffuserve.errors import InvalidRequestError
-from diffuserve.executor.worker import preview_steps
+from diffuserve.executor.batch_runner import preview_steps
 from diffuserve.server.streaming import sse
 from diffuserve.server.usage import encoder_quality, reported_quality, steps_for_quality
 

@@ -21,8 +21,8 @@ from diffuserve.engine.requests import GenerationResult, RequestBook
 from diffuserve.engine.scheduler import Dispatch, ScheduledBatch, WaitUntil
 from diffuserve.errors import GenerationError, RequestCancelledError, RequestTimeoutError
 from diffuserve.executor.base import Executor
+from diffuserve.executor.batch_runner import BatchOutcome, PreviewSink
 from diffuserve.executor.messages import BatchEvent, BatchMessage, Preview, Progress
-from diffuserve.executor.worker import BatchOutcome, PreviewSink
 
 logger = logging.getLogger("diffuserve.engine")
 
@@ -128,7 +128,7 @@ class BatchLoop:
             max_rows=batch.effective_cap if self.scheduler.config.dynamic else None,
             previews=tuple((rid, sink.partial_images) for rid, sink in previews.items()),
             # Overlap (dynamic / continuous): the batch's decode may run in the decode lane while this thread
-            # frees the scheduler and starts the next batch (executor/worker.py `run_batch`).
+            # frees the scheduler and starts the next batch (executor/batch_runner.py `run_batch`).
             defer_decode=self.defer_decode)
         outcome = self.executor.execute(replica, message, _BatchListener(self, requests, previews))
         self.recent_batch_s = outcome.inference_seconds

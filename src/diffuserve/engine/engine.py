@@ -36,8 +36,8 @@ from diffuserve.errors import (
     ServiceUnavailableError,
 )
 from diffuserve.executor.base import Executor, ServingPipeline
+from diffuserve.executor.batch_runner import NoEvents, PreviewSink
 from diffuserve.executor.messages import BatchMessage
-from diffuserve.executor.worker import NoEvents, PreviewSink
 from diffuserve.sampling import ModelDescription, SamplingParams, build_sampling_params
 
 logger = logging.getLogger("diffuserve.engine")

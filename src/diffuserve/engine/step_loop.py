@@ -30,7 +30,7 @@ from diffuserve.engine.scheduler import Dispatch, ScheduledBatch, WaitUntil
 from diffuserve.engine.step_scheduler import REMOVED_DEADLINE, GroupEntry, StepPlan, StepScheduler
 from diffuserve.errors import GenerationError, RequestTimeoutError
 from diffuserve.executor.base import Executor
-from diffuserve.executor.worker import preview_steps
+from diffuserve.executor.batch_runner import preview_steps
 
 logger = logging.getLogger("diffuserve.engine")
 

@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from diffuserve.executor.batch_runner import BatchEvents, BatchOutcome, run_batch
 from diffuserve.executor.messages import BatchMessage
-from diffuserve.executor.worker import BatchEvents, BatchOutcome, run_batch
 from diffuserve.pipelines.base import Capabilities, Pipeline, RequestOutput
 from diffuserve.pipelines.serving import ServingPipeline
 from diffuserve.sampling import SamplingParams

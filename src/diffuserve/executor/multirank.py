@@ -16,13 +16,13 @@ from collections.abc import Callable
 from typing import Any
 
 from diffuserve.executor.base import PipelineSteps, ReplicaState
+from diffuserve.executor.batch_runner import BatchEvents, BatchOutcome, run_batch
 from diffuserve.executor.channel import StoreChannel
 from diffuserve.executor.messages import BatchMessage, Progress
 from diffuserve.executor.monitor import RankMonitor
 from diffuserve.executor.protocol import RankLink, ReplicaLink
 from diffuserve.executor.replica import RankFault, ReplicaPipeline, StepSync
 from diffuserve.executor.topology import Topology
-from diffuserve.executor.worker import BatchEvents, BatchOutcome, run_batch
 from diffuserve.pipelines.serving import ServingPipeline
 from diffuserve.sampling import SamplingParams
 

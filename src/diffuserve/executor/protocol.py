@@ -155,7 +155,7 @@ class BatchReport:
     """Pipeline calls the batch ran as."""
 
     @classmethod
-    def of(cls, seq: int, outcome) -> BatchReport:  # outcome: executor.worker.BatchOutcome
+    def of(cls, seq: int, outcome) -> BatchReport:  # outcome: executor.batch_runner.BatchOutcome
         return cls(seq=seq, outputs=dict(outcome.outputs),
                    errors={rid: ErrorInfo.of(e) for rid, e in outcome.errors.items()},
                    stage_seconds=dict(outcome.stage_seconds), inference_seconds=outcome.inference_seconds,

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffuserve.executor.batch_runner import run_batch
 from diffuserve.executor.channel import StoreChannel
 from diffuserve.executor.messages import BatchEvent, BatchMessage, Progress
 from diffuserve.executor.protocol import (
@@ -29,7 +30,6 @@ from diffuserve.executor.protocol import (
     StepMessage,
 )
 from diffuserve.executor.topology import Topology
-from diffuserve.executor.worker import run_batch
 from diffuserve.pipelines.base import BatchResult
 from diffuserve.pipelines.overlap import Overlap
 from diffuserve.pipelines.serving import ServingPipeline
@@ -185,7 +185,7 @@ class ReplicaPipeline:
         return self._call(batch, hooks, latents_only=False)
 
     def run_to_latents(self, batch: Sequence[SamplingParams], **hooks: Any) -> Any:
-        """Decode overlap (executor/worker.py): every rank denoises, only the leader decodes (in its lane)."""
+        """Decode overlap (executor/batch_runner.py): every rank denoises, only the leader decodes (in its lane)."""
         return self._call(batch, hooks, latents_only=True)
 
     def _call(self, batch: Sequence[SamplingParams], hooks: dict[str, Any], *, latents_only: bool) -> Any:

@@ -70,7 +70,7 @@ class ServingPipeline:
         return self.adapter.run(batch, **hooks)
 
     def run_to_latents(self, batch: list[SamplingParams], **hooks: Any) -> Any:
-        """The first part of `run` when its decode runs in the decode lane (`executor/worker.py`)."""
+        """The first part of `run` when its decode runs in the decode lane (`executor/batch_runner.py`)."""
         if self.faults is not None:
             self.faults.check(batch)
             hooks = self.faults.hold(batch, hooks)

@@ -113,14 +113,6 @@ def num_rows(batch: Sequence[SamplingParams]) -> int:
     return sum(params.n for params in batch)
 
 
-def repeat_per_row(tensor: torch.Tensor, batch: Sequence[SamplingParams]) -> torch.Tensor:
-    """Expand one entry per request (dim 0) to one per output row (request i repeated n_i times)."""
-    counts = [params.n for params in batch]
-    if all(c == 1 for c in counts):
-        return tensor
-    return tensor.repeat_interleave(torch.tensor(counts, device=tensor.device), dim=0)
-
-
 def split_rows(rows: Sequence[T], batch: Sequence[SamplingParams]) -> list[list[T]]:
     """Split per-row outputs back per request: request i owns the next n_i rows."""
     if len(rows) != num_rows(batch):
@@ -482,7 +474,7 @@ class RecipePipeline(Pipeline):
         on_preview: PreviewCallback | None = None,
     ) -> Denoised:
         """Stages 1-3 of `run` (encode, latents, denoise); `decode_batch` is stage 4. Split so that the decode
-        can run in the decode lane while the next batch denoises (`executor/worker.py`, `pipelines/overlap.py`)."""
+        can run in the decode lane while the next batch denoises (`executor/batch_runner.py`, `pipelines/overlap.py`)."""
         head = check_batch(batch)
         cfg = self.uses_cfg(head)
         timer = StageTimer()

@@ -85,8 +85,3 @@ class TextPrefetch:
         if event is not None:  # CUDA: the loop's stream waits for the encode lane's work
             torch.cuda.current_stream(event.device).wait_event(event)
         return cond
-
-    @property
-    def num_entries(self) -> int:
-        with self._lock:
-            return len(self._entries)

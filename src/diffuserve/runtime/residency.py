@@ -160,12 +160,6 @@ class ComponentResidencyManager:
         """Device bytes held for good: resident components and permanent resident layer sets."""
         return sum(s.permanent_bytes() for s in self.strategies.values())
 
-    def estimated_peak_bytes(self) -> int:
-        """Weights only: the permanent sets plus the largest per-use set (components run one at a
-        time). Activations need headroom beyond this."""
-        transient = max((s.transient_bytes() for s in self.strategies.values()), default=0)
-        return self.permanent_bytes() + transient
-
     def check_budget(self) -> None:
         """Raise ConfigError when the plan's weights cannot fit `device_budget_bytes`."""
         budget = self.device_budget_bytes

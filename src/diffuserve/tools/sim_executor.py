@@ -25,8 +25,8 @@ import torch
 
 from diffuserve.errors import RequestCancelledError
 from diffuserve.executor.base import InProcessExecutor, ReplicaState, ServingPipeline
+from diffuserve.executor.batch_runner import BatchEvents, BatchOutcome
 from diffuserve.executor.messages import BatchMessage
-from diffuserve.executor.worker import BatchEvents, BatchOutcome
 from diffuserve.pipelines.base import BatchResult, Pipeline, RequestOutput
 from diffuserve.pipelines.stages import DenoiseState
 from diffuserve.pipelines.step_batch import RequestRows
