@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 from diffuserve import __version__
 from diffuserve.config.argparse_dataclass import add_dataclass_arguments, add_groups
-from diffuserve.config.deployment import DeploymentArgs
+from diffuserve.config.deployment_args import DeploymentArgs
 from diffuserve.config.server_args import GROUP_ORDER, SECTIONS, ServerArgs, load_config_file
 from diffuserve.errors import CheckpointError, ConfigError, DiffuserveError, InvalidRequestError
 

@@ -10,7 +10,7 @@ commands that take it, its validation):
     EngineConfig    config/engine_limits.py  --max-queue-size, --request-timeout-s, --enable-warmup, --warmup-steps
     LimitsArgs      config/limits.py         --max-request-bytes, --api-key, prompt and upload caps
     DistArgs        config/distributed.py    --nnodes, --node-rank, --dist-*
-    DeploymentArgs  config/deployment.py     --performance-mode, residency, offload, parallelism
+    DeploymentArgs  config/deployment_args.py --performance-mode, residency, offload, parallelism
 
 `ServerArgs` holds one instance of each (`args.batching`, `args.engine`, ...), and every flag is also a
 flat attribute (`args.batching_max_size` is `args.batching.max_size`), the name the CLI, `--config` files
@@ -30,7 +30,7 @@ from typing import Any
 
 from diffuserve.config.argparse_dataclass import flag_dest, flag_fields, flag_values
 from diffuserve.config.batching import BATCHING_GROUP, BatchingConfig
-from diffuserve.config.deployment import DeploymentArgs
+from diffuserve.config.deployment_args import DeploymentArgs
 from diffuserve.config.distributed import DIST_GROUP, DistArgs
 from diffuserve.config.engine_limits import EngineConfig
 from diffuserve.config.http_args import SERVER_GROUP, HttpArgs
@@ -76,7 +76,7 @@ class ServerArgs:
     store: StoreArgs = field(default_factory=StoreArgs)
     """The shared results database and media store (PostgreSQL, S3) and the owner lease."""
     deployment: DeploymentArgs | None = None
-    """DeploymentArgs (config/deployment.py); filled by the CLI (None: every deployment flag unset)."""
+    """DeploymentArgs (config/deployment_args.py); filled by the CLI (None: every deployment flag unset)."""
     config: str | None = None
     """Path of the --config file (handled by the CLI before the other flags)."""
 

@@ -13,6 +13,7 @@ Random weights with one fixed seed per component, offline tokenizers: the same b
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 TINY_SD3_T5_LENGTH = 64
 """T5 tokens per prompt the tiny checkpoint declares (tokenizer_3 `model_max_length`).
@@ -25,21 +26,11 @@ POS_EMBED_MAX_SIZE = 32
 """Side of the transformer's positional table in patches: 32 patches x 2 x VAE 8 = 512 px at most."""
 
 
-def build(output_dir: Path) -> None:
-    """Write the tiny SD3 checkpoint (diffusers layout, safetensors) into `output_dir`."""
+def _text_encoders(clip_tok: Any, t5_tok: Any, clip_hidden: int) -> tuple[list[Any], Any]:
+    """The two tiny CLIPs (with projection) and the tiny T5, each from its fixed seed."""
     import torch
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    from diffuserve.models.tiny import build_tokenizers
-
-    clip_tok, t5_tok = build_tokenizers(TINY_SD3_T5_LENGTH)
-    clip_hidden = 32
     encoders = []
     for seed in (11, 12):
         torch.manual_seed(seed)
@@ -74,6 +65,24 @@ def build(output_dir: Path) -> None:
             eos_token_id=t5_tok.eos_token_id,
         )
     ).eval()
+    return encoders, t5
+
+
+def build(output_dir: Path) -> None:
+    """Write the tiny SD3 checkpoint (diffusers layout, safetensors) into `output_dir`."""
+    import torch
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+
+    from diffuserve.models.tiny import build_tokenizers
+
+    clip_tok, t5_tok = build_tokenizers(TINY_SD3_T5_LENGTH)
+    clip_hidden = 32
+    encoders, t5 = _text_encoders(clip_tok, t5_tok, clip_hidden)  # seeds 11, 12 (CLIPs) and 13 (T5)
     torch.manual_seed(14)
     transformer = SD3Transformer2DModel(
         sample_size=8,  # latent pixels: 8 x VAE 8 = the 64 px default of diffusers' call
