@@ -316,6 +316,6 @@ def print_plan(values: dict[str, Any]) -> int:
     device_kind = "cuda" if hardware.gpus else "cpu"
     dtype = resolve_dtype(values.get("dtype", "auto"), device_kind)
     plan = resolve_deployment(deployment, model_path, model_id=values.get("model_id"), dtype=dtype, hardware=hardware,
-                              backend=values.get("backend", "auto"))
+                              backend=values.get("backend", "auto"), batching_mode=values.get("batching_mode"))
     print(json.dumps(plan.to_dict(), indent=2) if values.get("json") else format_plan(plan))
     return 0

@@ -459,3 +459,25 @@ def test_plan_and_start_up_refuse_a_diffusers_backend_split_with_the_same_words(
     natively = profile_from_checkpoint(root)
     assert natively.backend == "native" and natively.checkpoint is not None
     assert natively.checkpoint.size_multiple == 2 * 2  # this VAE has two levels (factor 2), FLUX packs 2x2
+
+
+def test_plan_and_start_up_refuse_continuous_for_a_model_that_cannot_step(checkpoint) -> None:
+    """`--batching-mode continuous` for a model whose denoiser cannot step row by row (here: the diffusers
+    backend) stops `plan` and `serve` at the same check, before any weight loads, with one message naming the
+    flag and the families that can; natively the same checkpoint plans fine."""
+    from diffuserve.config.server_args import ServerArgs
+    from diffuserve.generate import print_plan
+    from diffuserve.launch.setup import plan_deployment
+
+    root, _ = checkpoint
+    with pytest.raises(ConfigError) as planned:
+        print_plan({"model_path": str(root), "backend": "diffusers", "batching_mode": "continuous"})
+    with pytest.raises(ConfigError) as started:
+        plan_deployment(ServerArgs(model_path=str(root), backend="diffusers", batching_mode="continuous",
+                                   batching_max_size=4), root, "cpu", log_plan=False)
+    assert planned.value.message == started.value.message
+    assert planned.value.param == "batching_mode"
+    assert planned.value.message.startswith("--batching-mode continuous: the flux model runs on the diffusers backend")
+    assert "Use --batching-mode dynamic" in planned.value.message and "wan" in planned.value.message
+    plan_deployment(ServerArgs(model_path=str(root), batching_mode="continuous", batching_max_size=4), root, "cpu",
+                    log_plan=False)

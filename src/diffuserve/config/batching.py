@@ -52,9 +52,11 @@ class BatchingConfig:
         BatchingMode.SINGLETON,
         "singleton (one request per pipeline call), dynamic (merge compatible queued requests) or continuous "
         "(requests join and leave the running denoise group at step boundaries).", BATCHING_GROUP,
-        dest="batching_mode", choices=_MODES, commands=("serve", "generate"),
+        dest="batching_mode", choices=_MODES, commands=("serve", "generate", "plan"),
         per_command={"generate": {"choices": _GENERATE_MODES, "help": "With several --prompt flags: dynamic runs "
-                                  "them in batches of --batching-max-size outputs."}})
+                                  "them in batches of --batching-max-size outputs."},
+                     "plan": {"group": None, "help": "The batching mode `serve` would use: the plan refuses "
+                              "continuous for a model that cannot step in a shared group, as start-up does."}})
     """`singleton` (one request per pipeline call), `dynamic` (merge compatible requests) or `continuous`
     (step-level: requests join and leave the running denoise group at step boundaries)."""
     max_size: int = flag(

@@ -30,6 +30,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Any
 
+from diffuserve import families
 from diffuserve.config.deployment_args import (
     LIFETIMES,
     PERFORMANCE_MODES,
@@ -394,6 +395,17 @@ def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile,
     if profile.checkpoint is not None:
         trace(describe_model(profile))
     return plan
+
+
+def continuous_refusal(profile: ModelProfile) -> ConfigError:
+    """`--batching-mode continuous` for a model that cannot step in a shared denoise group (its family has no
+    per-row timestep, or the diffusers backend serves it): `plan` and start-up say the same words."""
+    steppable = families.named_list(families.families_with("supports_continuous"))
+    why = ("runs on the diffusers backend, whose denoising loop cannot be stepped row by row"
+           if profile.backend != "native" else "cannot step in a shared denoise group")
+    return ConfigError(f"--batching-mode continuous: the {profile.family} model {why}; continuous batching serves "
+                       f"{steppable} natively. Use --batching-mode dynamic (requests merged per call) instead.",
+                       param="batching_mode")
 
 
 def describe_model(profile: ModelProfile) -> str:

@@ -80,13 +80,15 @@ class ResolvedDeployment:
 
 
 def resolve_deployment(deployment: Any, model_path: Path, *, model_id: str | None, dtype: str | None,
-                       hardware: Any, hosts: int = 1, backend: str = "auto") -> Any:
+                       hardware: Any, hosts: int = 1, backend: str = "auto", batching_mode: str | None = None) -> Any:
     """The plan for a checkpoint from JSON and safetensors headers only (no weights loaded), for the backend
-    `--backend` picks (so `plan` and start-up refuse the same parallel modes)."""
-    from diffuserve.config.deployment import resolve
+    `--backend` picks and the batching mode (so `plan` and start-up refuse the same things with the same words)."""
+    from diffuserve.config.deployment import continuous_refusal, resolve
     from diffuserve.config.model_profiles import profile_from_checkpoint
 
     profile = profile_from_checkpoint(model_path, model_id=model_id, load_dtype=dtype, backend=backend)
+    if batching_mode == "continuous" and not profile.supports_continuous:
+        raise continuous_refusal(profile)
     return resolve(deployment, hardware, profile, hosts=hosts)
 
 
@@ -98,7 +100,7 @@ def plan_deployment(args: ServerArgs, model_path: Path, device: str, *, log_plan
     hardware = detect_hardware(device)
     plan = resolve_deployment(args.deployment or DeploymentArgs(), model_path, model_id=args.model_id,
                               dtype=resolve_dtype(args.dtype, device), hardware=hardware, hosts=hosts_of(args),
-                              backend=args.backend)
+                              backend=args.backend, batching_mode=str(args.batching_mode))
     if log_plan:
         logger.info("deployment plan:\n%s", format_plan(plan))
     from diffuserve.runtime.compile import check_executable
