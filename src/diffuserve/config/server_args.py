@@ -8,6 +8,7 @@ commands that take it, its validation):
     BatchingConfig  config/batching.py       --batching-mode/-max-size/-delay-ms/-config, --enable-batching-metrics
     EngineConfig    config/engine_limits.py  --max-queue-size, --request-timeout-s, --enable-warmup, --warmup-steps
     LimitsArgs      config/limits.py         --max-request-bytes, --api-key, prompt and upload caps
+    LoraArgs        config/lora.py           --lora-modules, --max-loras, --max-lora-rank
     DistArgs        config/distributed.py    --nnodes, --node-rank, --dist-*
     DeploymentArgs  config/deployment.py     --performance-mode, residency, offload, parallelism
 
@@ -33,15 +34,16 @@ from diffuserve.config.distributed import DIST_GROUP, DistArgs
 from diffuserve.config.engine_limits import EngineConfig
 from diffuserve.config.http_args import SERVER_GROUP, HttpArgs
 from diffuserve.config.limits import LIMITS_GROUP, LimitsArgs
+from diffuserve.config.lora import LORA_GROUP, LoraArgs
 from diffuserve.config.model_args import MODEL_GROUP, ModelArgs
 from diffuserve.errors import ConfigError
 
 SECTIONS: dict[str, type] = {
     "model": ModelArgs, "http": HttpArgs, "batching": BatchingConfig, "engine": EngineConfig,
-    "limits": LimitsArgs, "dist": DistArgs,
+    "limits": LimitsArgs, "dist": DistArgs, "lora": LoraArgs,
 }
 """ServerArgs attribute -> the sub-config it holds, in `--help` order within a group."""
-GROUP_ORDER = (MODEL_GROUP, SERVER_GROUP, BATCHING_GROUP, LIMITS_GROUP, DIST_GROUP)
+GROUP_ORDER = (MODEL_GROUP, SERVER_GROUP, BATCHING_GROUP, LIMITS_GROUP, LORA_GROUP, DIST_GROUP)
 """The `--help` sections of ServerArgs' flags, in order (the deployment sections follow)."""
 
 _OWNER: dict[str, tuple[str, str]] = {
@@ -70,6 +72,8 @@ class ServerArgs:
     """Body and prompt caps, API key, security switches."""
     dist: DistArgs = field(default_factory=DistArgs)
     """Multi-host launch and rank fault detection."""
+    lora: LoraArgs = field(default_factory=LoraArgs)
+    """The LoRA adapters loaded at start-up and their slots."""
     deployment: DeploymentArgs | None = None
     """DeploymentArgs (config/deployment.py); filled by the CLI (None: every deployment flag unset)."""
     config: str | None = None
@@ -77,9 +81,10 @@ class ServerArgs:
 
     def __init__(self, model: ModelArgs | None = None, http: HttpArgs | None = None,
                  batching: BatchingConfig | None = None, engine: EngineConfig | None = None,
-                 limits: LimitsArgs | None = None, dist: DistArgs | None = None,
+                 limits: LimitsArgs | None = None, dist: DistArgs | None = None, lora: LoraArgs | None = None,
                  deployment: DeploymentArgs | None = None, config: str | None = None, **flags: Any) -> None:
-        given = {"model": model, "http": http, "batching": batching, "engine": engine, "limits": limits, "dist": dist}
+        given = {"model": model, "http": http, "batching": batching, "engine": engine, "limits": limits, "dist": dist,
+                 "lora": lora}
         unknown = sorted(set(flags) - set(_OWNER))
         if unknown:
             raise TypeError(f"ServerArgs got unexpected keyword arguments {unknown}")
