@@ -179,6 +179,7 @@ def build_sampling_params(
     flow_shift: float | None = None,
     boundary_ratio: float | None = None,
     resolution: int | None = None,
+    lora: tuple[tuple[str, float], ...] = (),
 ) -> SamplingParams:
     """THE builder: request fields (None = unset) + the model's defaults -> checked SamplingParams.
 
@@ -210,6 +211,7 @@ def build_sampling_params(
         flow_shift=flow_shift,
         boundary_ratio=boundary_ratio,
         resolution=resolution,
+        lora=tuple(lora),
     )
     if model.validate is not None:
         model.validate(params)
