@@ -159,3 +159,32 @@ def test_a_mismatching_adapter_is_refused_naming_the_module(tiny_flux_path: Path
         read_adapter("bad", tmp_path / "bad", "flux", transformer, max_rank=16)
     with pytest.raises(ConfigError, match="--max-lora-rank"):
         read_adapter("ink", adapters["ink"], "flux", transformer, max_rank=4)
+
+
+def test_a_kohya_file_goes_through_diffusers_converter(tiny_flux_path: Path, tmp_path: Path) -> None:
+    """A community (kohya / sd-scripts) FLUX file: fused qkv, lora_down/lora_up, alpha; converted by diffusers."""
+    from diffusers import FluxPipeline
+    from safetensors.torch import save_file
+
+    from diffuserve.lora.layers import install_lora
+    from diffuserve.models.loader import load_pipeline
+
+    reference = FluxPipeline.from_pretrained(tiny_flux_path, local_files_only=True)
+    reference.set_progress_bar_config(disable=True)
+    inner = reference.transformer.transformer_blocks[0].attn.to_q.out_features
+    rank, gen = 4, torch.Generator().manual_seed(5)
+    state = {}
+    for key, out in (("img_attn_qkv", 3 * inner), ("img_attn_proj", inner)):
+        state[f"lora_unet_double_blocks_0_{key}.lora_down.weight"] = torch.randn(rank, inner, generator=gen) * 0.3
+        state[f"lora_unet_double_blocks_0_{key}.lora_up.weight"] = torch.randn(out, rank, generator=gen) * 0.3
+        state[f"lora_unet_double_blocks_0_{key}.alpha"] = torch.tensor(2.0)
+    save_file(state, tmp_path / "kohya.safetensors")
+    reference.load_lora_weights(str(tmp_path / "kohya.safetensors"), adapter_name="kohya")
+    native = load_pipeline(tiny_flux_path)
+    install_lora(native, "flux", {"kohya": str(tmp_path / "kohya.safetensors")}, max_loras=1, max_rank=4,
+                 device="cpu", dtype=torch.float32)
+    params = _params((("kohya", 0.8),))
+    ours = native.run([params]).outputs[0].images[0]
+    worst, mean = _diff(ours, _reference(reference, params))
+    assert worst <= 3 and mean <= 0.5, (worst, mean)
+    assert _diff(ours, native.run([_params(())]).outputs[0].images[0])[0] > 3
