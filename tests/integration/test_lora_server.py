@@ -98,3 +98,23 @@ def test_bad_lora_values_are_400_naming_the_field(lora_server: ServerProcess, ex
     error = err.value.body if isinstance(err.value.body, dict) else {}
     error = error.get("error", error)
     assert words in error["message"] and "lora" in (error.get("param") or ""), error
+
+
+def test_an_adapter_for_another_model_stops_start_up_naming_the_module(tiny_flux_path: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file, save_file
+
+    from diffuserve.lora.tiny import write_random_lora
+    from tests.serverproc import free_port
+
+    folder = write_random_lora(tiny_flux_path, tmp_path / "other", rank=2, seed=4)
+    state = load_file(folder / "pytorch_lora_weights.safetensors")
+    moved = {k.replace("transformer_blocks.0.", "transformer_blocks.7."): v for k, v in state.items()}
+    save_file(moved, folder / "pytorch_lora_weights.safetensors")
+    out = subprocess.run([sys.executable, "-m", "diffuserve.cli", "serve", "--model-path", str(tiny_flux_path),
+                          "--port", str(free_port()), "--lora-modules", f"other={folder}"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "--lora-modules other=" in out.stderr and "transformer_blocks.7.attn.to_k' does not exist" in out.stderr, out.stderr[-2000:]
