@@ -118,3 +118,22 @@ def test_an_adapter_for_another_model_stops_start_up_naming_the_module(tiny_flux
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 1, out.stderr[-2000:]
     assert "--lora-modules other=" in out.stderr and "transformer_blocks.7.attn.to_k' does not exist" in out.stderr, out.stderr[-2000:]
+
+
+def test_edits_take_the_lora_field(lora_server: ServerProcess) -> None:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 40, 40)).save(buffer, format="PNG")
+
+    def edit(**fields: str) -> httpx.Response:
+        return httpx.post(f"{lora_server.base_url}/v1/images/edits", files={"image": ("in.png", buffer.getvalue())},
+                          data={"prompt": "make it blue", "seed": "3", "num_inference_steps": "3", **fields},
+                          timeout=120)
+
+    styled, plain, unknown = edit(lora="style"), edit(), edit(lora="nope")
+    assert styled.status_code == plain.status_code == 200, styled.text
+    assert np.abs(_images(styled.json())[0] - _images(plain.json())[0]).max() > 3
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "lora"
