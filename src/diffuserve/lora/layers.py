@@ -87,7 +87,7 @@ def _lora_hook_class() -> type:
                     continue
                 part = torch.nn.functional.linear(x.index_select(0, idx), self.down[slot])
                 part = torch.nn.functional.linear(part, self.up[slot]) * scales.view(view)
-                y = y.index_add(0, idx, part)
+                y.index_add_(0, idx, part)  # in place: `y` is the base layer's own fresh output
             return y
 
     return LoraRowsHook
