@@ -1,4 +1,4 @@
-"""The `diffuserve` command: serve | generate | plan | bench | make-tiny | compat.
+"""The `diffuserve` command: serve | generate | plan | bench | make-tiny | make-tiny-lora | compat.
 
 Flags are built from the config dataclasses (the sub-configs ServerArgs composes, and DeploymentArgs):
 each field says which subcommands take it, so `--help`, `--config` files and the code share one
@@ -75,6 +75,20 @@ def _add_config_arguments(parser: argparse.ArgumentParser, command: str, *, depl
     return groups
 
 
+def _add_make_tiny_lora(sub: Any) -> None:
+    """`make-tiny-lora`: a random adapter in diffusers' format for a tiny checkpoint (lora/tiny.py)."""
+    lora = sub.add_parser("make-tiny-lora", help="Write a random LoRA adapter for a tiny checkpoint (offline).",
+                          description="Write a random LoRA adapter in diffusers' format (pytorch_lora_weights."
+                                      "safetensors), loadable by pipe.load_lora_weights and --lora-modules.")
+    lora.add_argument("--checkpoint", required=True, help="The tiny checkpoint folder (make-tiny --family flux).")
+    lora.add_argument("--output", required=True, help="Output folder.")
+    lora.add_argument("--rank", type=int, default=4, help="LoRA rank (default: 4).")
+    lora.add_argument("--alpha", type=float, default=None, help="lora_alpha (default: the rank, scaling 1).")
+    lora.add_argument("--seed", type=int, default=0, help="Seed of the random weights (default: 0).")
+    lora.add_argument("--targets", default="to_q,to_k,to_v,to_out.0",
+                      help="Comma-separated module names to adapt (default: to_q,to_k,to_v,to_out.0).")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="diffuserve",
@@ -137,6 +151,8 @@ def _build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--output", required=True, help="Output folder.")
     tiny.add_argument("--preset", default="tiny", choices=["tiny", "36m"],
                       help="tiny (~72k-parameter transformer) or 36m (benchmarks) (default: tiny).")
+
+    _add_make_tiny_lora(sub)
 
     compat = sub.add_parser("compat", help="Build every tiny checkpoint and write the compatibility grid from real runs.",
                             description="For each image family's tiny checkpoint: T2I, I2I, batching, residency and "
@@ -283,6 +299,12 @@ def main(argv: list[str] | None = None) -> int:
             return run_bench(ns)
         if ns.command == "make-tiny":
             return _make_tiny(ns)
+        if ns.command == "make-tiny-lora":
+            from diffuserve.lora.tiny import write_random_lora
+
+            print(write_random_lora(ns.checkpoint, ns.output, rank=ns.rank, alpha=ns.alpha, seed=ns.seed,
+                                    targets=tuple(t.strip() for t in ns.targets.split(",") if t.strip())))
+            return 0
         if ns.command == "compat":
             from diffuserve.tools.compat import render, run_compat
 

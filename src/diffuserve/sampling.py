@@ -67,6 +67,8 @@ class SamplingParams:
     output_quality: int = _row(90, "Encoder quality for jpeg/webp (1-100).")
     image_inputs: tuple[bytes, ...] = _row((), "Encoded input images (edits / image conditioning).")
     strength: float = _sig(1.0, "Image-to-image: share of the schedule re-noised from the input image (0-1].")
+    lora: tuple[tuple[str, float], ...] = _row((), "LoRA adapters as (name, scale) pairs, summed; () = the base "
+                                                 "model. Per row, so requests with different adapters share a batch.")
     flow_shift: float | None = _sig(None, "The flow-matching scheduler's sigma shift in place of the checkpoint's "
                                     "(static; replaces dynamic shifting); None: the checkpoint's schedule.")
     boundary_ratio: float | None = _sig(None, "Wan2.2 A14B: the timestep share at which the low-noise expert takes "
@@ -177,6 +179,7 @@ def build_sampling_params(
     flow_shift: float | None = None,
     boundary_ratio: float | None = None,
     resolution: int | None = None,
+    lora: tuple[tuple[str, float], ...] = (),
 ) -> SamplingParams:
     """THE builder: request fields (None = unset) + the model's defaults -> checked SamplingParams.
 
@@ -208,6 +211,7 @@ def build_sampling_params(
         flow_shift=flow_shift,
         boundary_ratio=boundary_ratio,
         resolution=resolution,
+        lora=tuple(lora),
     )
     if model.validate is not None:
         model.validate(params)

@@ -228,7 +228,7 @@ def test_reject_truncated_prompts_is_a_400_naming_the_field():
 
 
 @pytest.mark.parametrize(("command", "sections"), [
-    ("serve", ["Model", "Server", "Results store", "Batching", "Admission, limits and security",
+    ("serve", ["Model", "Server", "Results store", "Batching", "Admission, limits and security", "LoRA",
                "Distributed launch (several ranks, several hosts)"]),
     ("generate", ["Generation", "Model", "Server", "Batching",
                   "Distributed launch (several ranks, several hosts)"]),

@@ -29,8 +29,8 @@ LAYERS: dict[str, float] = {
     "diffuserve": 0, "paths": 0, "errors": 0, "families": 0, "hardware": 0, "media": 0, "storage": 0,
     # Pure configuration: what to run (never what a model is made of).
     "sampling": 1, "config": 1,
-    # Weight placement and streaming.
-    "runtime": 2,
+    # Weight placement and streaming; per-row LoRA layers on the model's Linear layers.
+    "runtime": 2, "lora": 2,
     # The recipes.
     "pipelines": 3,
     # A family's adapter (`families/<f>/adapter.py`, and its maths `ops.py`) runs on the recipe.

@@ -113,7 +113,8 @@ def test_thread_default_leaves_a_core_for_serving(monkeypatch):
 # -- flags owned by their config: one declaration per flag, the same CLI as before -----------------------
 SNAPSHOT = Path(__file__).with_name("cli_flags_snapshot.json")
 """serve / generate / plan flags as they were before the flags moved onto their sub-configs (commit f87b464), plus
-`plan --backend` and `plan --batching-mode` (issue 18: the plan refuses what start-up refuses)."""
+`plan --backend` and `plan --batching-mode` (issue 18: the plan refuses what start-up refuses), plus the `LoRA` flags
+of serve (issue 20)."""
 
 
 def flag_table(command: str) -> dict[str, dict]:

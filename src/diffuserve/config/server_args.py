@@ -9,6 +9,7 @@ commands that take it, its validation):
     BatchingConfig  config/batching.py       --batching-mode/-max-size/-delay-ms/-config, --enable-batching-metrics
     EngineConfig    config/engine_limits.py  --max-queue-size, --request-timeout-s, --enable-warmup, --warmup-steps
     LimitsArgs      config/limits.py         --max-request-bytes, --api-key, prompt and upload caps
+    LoraArgs        config/lora.py           --lora-modules, --max-loras, --max-lora-rank
     DistArgs        config/distributed.py    --nnodes, --node-rank, --dist-*
     DeploymentArgs  config/deployment_args.py --performance-mode, residency, offload, parallelism
 
@@ -35,16 +36,17 @@ from diffuserve.config.distributed import DIST_GROUP, DistArgs
 from diffuserve.config.engine_limits import EngineConfig
 from diffuserve.config.http_args import SERVER_GROUP, HttpArgs
 from diffuserve.config.limits import LIMITS_GROUP, LimitsArgs
+from diffuserve.config.lora import LORA_GROUP, LoraArgs
 from diffuserve.config.model_args import MODEL_GROUP, ModelArgs
 from diffuserve.config.store_args import STORE_GROUP, StoreArgs
 from diffuserve.errors import ConfigError
 
 SECTIONS: dict[str, type] = {
     "model": ModelArgs, "http": HttpArgs, "batching": BatchingConfig, "engine": EngineConfig,
-    "limits": LimitsArgs, "dist": DistArgs, "store": StoreArgs,
+    "limits": LimitsArgs, "dist": DistArgs, "store": StoreArgs, "lora": LoraArgs,
 }
 """ServerArgs attribute -> the sub-config it holds, in `--help` order within a group."""
-GROUP_ORDER = (MODEL_GROUP, SERVER_GROUP, STORE_GROUP, BATCHING_GROUP, LIMITS_GROUP, DIST_GROUP)
+GROUP_ORDER = (MODEL_GROUP, SERVER_GROUP, STORE_GROUP, BATCHING_GROUP, LIMITS_GROUP, LORA_GROUP, DIST_GROUP)
 """The `--help` sections of ServerArgs' flags, in order (the deployment sections follow)."""
 
 _OWNER: dict[str, tuple[str, str]] = {
@@ -75,6 +77,8 @@ class ServerArgs:
     """Multi-host launch and rank fault detection."""
     store: StoreArgs = field(default_factory=StoreArgs)
     """The shared results database and media store (PostgreSQL, S3) and the owner lease."""
+    lora: LoraArgs = field(default_factory=LoraArgs)
+    """The LoRA adapters loaded at start-up and their slots."""
     deployment: DeploymentArgs | None = None
     """DeploymentArgs (config/deployment_args.py); filled by the CLI (None: every deployment flag unset)."""
     config: str | None = None
@@ -83,9 +87,10 @@ class ServerArgs:
     def __init__(self, model: ModelArgs | None = None, http: HttpArgs | None = None,
                  batching: BatchingConfig | None = None, engine: EngineConfig | None = None,
                  limits: LimitsArgs | None = None, dist: DistArgs | None = None, store: StoreArgs | None = None,
-                 deployment: DeploymentArgs | None = None, config: str | None = None, **flags: Any) -> None:
+                 lora: LoraArgs | None = None, deployment: DeploymentArgs | None = None, config: str | None = None,
+                 **flags: Any) -> None:
         given = {"model": model, "http": http, "batching": batching, "engine": engine, "limits": limits, "dist": dist,
-                 "store": store}
+                 "store": store, "lora": lora}
         unknown = sorted(set(flags) - set(_OWNER))
         if unknown:
             raise TypeError(f"ServerArgs got unexpected keyword arguments {unknown}")

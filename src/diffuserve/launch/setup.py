@@ -148,6 +148,8 @@ def load_serving_pipeline(args: ServerArgs, model_path: Path, device: str, deplo
         dtype=resolve_dtype(args.dtype, device), placement="host",
     )
     applied: list[str] = []
+    if args.lora.lora_modules:
+        _install_lora(args, pipeline, device, multi_rank=groups is not None)
     if groups is not None:
         from diffuserve.parallel.apply import shard_weights
 
@@ -173,6 +175,27 @@ def load_serving_pipeline(args: ServerArgs, model_path: Path, device: str, deplo
 
     apply_compile(pipeline.components, deployment.plan)
     return maybe_inject_faults(ServingPipeline.of(pipeline, parallel=applied))
+
+
+def _install_lora(args: ServerArgs, pipeline: Any, device: str, *, multi_rank: bool) -> None:
+    """--lora-modules: read the adapters through diffusers and hook the transformer's adapted layers."""
+    from diffuserve.errors import ConfigError
+
+    if multi_rank:
+        raise ConfigError("--lora-modules: per-request LoRA runs in one process for now (tensor / sequence / CFG "
+                          "parallel do not shard adapter slots yet); serve on one device.")
+    if args.batching_mode == "continuous":
+        raise ConfigError("--lora-modules: per-request LoRA runs with dynamic batching for now; drop "
+                          "--batching-mode continuous.")
+    import torch
+
+    from diffuserve.lora.layers import install_lora
+
+    bank = install_lora(pipeline, pipeline.family, args.lora.adapters, max_loras=args.max_loras,
+                        max_rank=args.max_lora_rank, device=device,
+                        dtype=getattr(torch, resolve_dtype(args.dtype, device)))
+    logger.info("LoRA adapters: %s (%d adapted layers, %d slots of rank %d)", ", ".join(bank.slots), bank.layers,
+                args.max_loras, args.max_lora_rank)
 
 
 @dataclass

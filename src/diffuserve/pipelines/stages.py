@@ -40,6 +40,7 @@ from diffuserve.pipelines.overlap import overlap_for
 if TYPE_CHECKING:
     from PIL import Image
 
+    from diffuserve.lora.layers import LoraBank
     from diffuserve.pipelines.text_prefetch import TextPrefetch
     from diffuserve.sampling import SamplingParams
 
@@ -263,6 +264,8 @@ class RecipePipeline(Pipeline):
     """A `parallel.cfg_parallel.CfgParallel` when the two CFG branches run on two ranks; None in one process."""
     prefetches_text = True
     split_over_ranks = True
+    lora: LoraBank | None = None
+    """The adapters loaded at start-up in per-row slots of the denoiser (`lora/layers.py`, `use_lora`); None: none."""
     _text_prefetch: TextPrefetch | None = None
     """Texts encoded in the encode lane ahead of their batch (`prefetch_text`); made on first use."""
 
@@ -274,6 +277,20 @@ class RecipePipeline(Pipeline):
         self.components = {key: part for key, part in parts.items() if isinstance(part, torch.nn.Module)}
         self.device = torch.device(device)
         self.dtype = dtype
+
+    def use_lora(self, bank: LoraBank) -> None:
+        """Serve per-request LoRA: each batch's rows apply their own adapters from `bank` during the denoise."""
+        self.lora = bank
+
+    def lora_scope(self, batch: Sequence[SamplingParams]) -> contextlib.AbstractContextManager[None]:
+        """Within: every row of `batch` applies its request's adapters (rows of a request, and both CFG
+        branches, share them)."""
+        if self.lora is None:
+            named = next((p.lora for p in batch if p.lora), None)
+            if named:
+                raise ValueError(f"lora: {named[0][0]!r} is asked for but this pipeline has no adapters loaded")
+            return contextlib.nullcontext()
+        return self.lora.rows([p.lora for p in batch for _ in range(p.n)])
 
     # -- family parts ------------------------------------------------------------------------------------
 
@@ -488,7 +505,7 @@ class RecipePipeline(Pipeline):
                     scope.enter_context(self.component_scope(key))
                 state = self.prepare(batch, head, positive)
             # 3. Denoise: the family's denoiser call(s), guidance, scheduler steps, cancellation.
-            with timer.stage("denoise"):
+            with timer.stage("denoise"), self.lora_scope(batch):
                 latents = self._denoise(state, positive, negative, head, on_step, should_stop, on_preview, batch)
         return Denoised(batch=list(batch), latents=latents, state=state, stage_seconds=timer.seconds)
 

@@ -21,14 +21,22 @@ def _card(ctx: ServerContext) -> dict:
     }
 
 
+def _adapter_card(ctx: ServerContext, name: str) -> dict:
+    """A LoRA adapter as a model (vLLM's convention): `parent` is the base model, `model: <name>` selects it."""
+    return {**_card(ctx), "id": name, "root": ctx.args.lora.adapters[name], "parent": ctx.args.public_model_name}
+
+
 @router.get("/v1/models", tags=["models"])
 async def list_models(request: Request) -> dict:
-    return {"object": "list", "data": [_card(server_context(request))]}
+    ctx = server_context(request)
+    return {"object": "list", "data": [_card(ctx)] + [_adapter_card(ctx, name) for name in ctx.args.lora.adapters]}
 
 
 @router.get("/v1/models/{model_id:path}", tags=["models"])
 async def get_model(model_id: str, request: Request) -> dict:
     ctx: ServerContext = server_context(request)
+    if model_id in ctx.args.lora.adapters:
+        return _adapter_card(ctx, model_id)
     if model_id not in ctx.args.model_names:
         raise ModelNotFoundError(
             f"The model {model_id!r} does not exist on this server; it serves {ctx.args.public_model_name!r}.",

@@ -28,6 +28,7 @@ from diffuserve.server.common import (
     server_context,
 )
 from diffuserve.server.context import ServerContext, StoredImage
+from diffuserve.server.lora_fields import base_model_name, request_loras
 from diffuserve.server.protocol import (
     ImageData,
     ImageEditRequest,
@@ -77,13 +78,16 @@ def image_params(body: ImageGenerationRequest, ctx: ServerContext, *, image_inpu
                               "output_quality" in body.model_fields_set)
     if body.partial_images is not None and not body.stream:
         raise InvalidRequestError("partial_images needs stream=true.", param="partial_images")
-    check_request_limits(ctx, model=body.model, texts={"prompt": body.prompt, "negative_prompt": body.negative_prompt},
+    check_request_limits(ctx, model=base_model_name(ctx, body.model),
+                         texts={"prompt": body.prompt, "negative_prompt": body.negative_prompt},
                          width=width, height=height, steps=steps)
+    lora = request_loras(ctx, body.lora, body.model)
     return build_sampling_params(
         model, prompt=body.prompt, negative_prompt=body.negative_prompt, width=width, height=height,
         num_inference_steps=steps, guidance_scale=body.guidance_scale, true_cfg_scale=body.true_cfg_scale,
         seed=body.seed, n=n, output_format=body.output_format, output_quality=quality,
         image_inputs=image_inputs, strength=strength, flow_shift=body.flow_shift, resolution=body.resolution,
+        lora=lora,
     )
 
 

@@ -52,6 +52,20 @@ class PromptRequest(BaseModel):
         return f"{width}x{height}"
 
 
+class LoraEntry(BaseModel):
+    """One adapter of a request's `lora` list: its name (from GET /v1/models) and the weight of its change."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="An adapter the server loaded (--lora-modules); GET /v1/models lists them.")
+    scale: float = Field(default=1.0, description="Weight of the adapter's change (1 = as trained; summed over "
+                         "the list, as diffusers' set_adapters(adapter_weights=...)).")
+
+
+LoraField = str | list[LoraEntry] | None
+"""The `lora` request field: an adapter name (scale 1), or a list of {name, scale} whose changes are summed."""
+
+
 class ImageGenerationRequest(PromptRequest):
     """Body of POST /v1/images/generations."""
 
@@ -95,6 +109,22 @@ class ImageGenerationRequest(PromptRequest):
         "with n too, they must agree). Other models: 400.")
     resolution: StrictInt | None = Field(
         default=None, description="Qwen-Image-Layered: the pipeline's resolution bucket, 640 or 1024. Other models: 400.")
+    lora: LoraField = Field(
+        default=None, description="LoRA adapter(s) for this request: a name, or a list of {name, scale} (summed). "
+        "Requests with different adapters still share a batch. `model: <adapter name>` selects one too.")
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_shape(cls, value: Any) -> Any:
+        """One message for a malformed `lora` (pydantic's would name a branch of the union)."""
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("lora must be an adapter name or a list of {name, scale}")
+        for i, entry in enumerate(value):
+            if not isinstance(entry, dict) or "name" not in entry or set(entry) - {"name", "scale"}:
+                raise ValueError(f"lora[{i}] must be {{name, scale}} (scale optional), got {entry!r}")
+        return value
 
 
 class ImageEditRequest(ImageGenerationRequest):

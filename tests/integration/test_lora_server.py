@@ -1,0 +1,139 @@
+"""Per-request LoRA over HTTP: `--lora-modules` at start-up, adapters as models, the `lora` field, rows with
+different adapters in one dynamic batch, and 400s naming the field (one shared server)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from tests.integration.helpers import decode_b64_png, pixels
+from tests.integration.test_dynamic_batching import _meeting_in_the_queue
+from tests.serverproc import ServerProcess
+from tests.step_hold import StepHold
+
+MODEL = "tiny-flux-lora"
+
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Dynamic batching (max 4, 32x32 capped to 1 for the held request) with two random adapters loaded."""
+    from diffuserve.lora.tiny import write_random_lora
+
+    logs = tmp_path_factory.mktemp("lora")
+    style = write_random_lora(tiny_flux_path, logs / "style", rank=4, seed=1)
+    ink = write_random_lora(tiny_flux_path, logs / "ink", rank=8, alpha=4, seed=2,
+                            targets=("to_q", "to_v", "proj_mlp", "ff.net.2"))
+    rules = logs / "batching.json"
+    rules.write_text(json.dumps({"schema_version": 1, "rules": [
+        {"model_contains": "tiny", "resolution": "32x32", "max_batch_size": 1}]}))
+    server = ServerProcess(
+        ["--model-path", str(tiny_flux_path), "--served-model-name", MODEL, "--batching-mode", "dynamic",
+         "--batching-max-size", "4", "--batching-delay-ms", "300", "--batching-config", str(rules),
+         "--lora-modules", f"style={style}", f"ink={ink}", "--max-loras", "2", "--max-lora-rank", "8"],
+        logs / "server.log", env=StepHold(logs).env())
+    server.start(timeout_s=180)
+    yield server
+    server.stop()
+
+
+def _body(prompt: str, seed: int, **extra) -> dict:
+    return {"prompt": prompt, "seed": seed, "size": "64x64", "num_inference_steps": 3, **extra}
+
+
+def _post(server: ServerProcess, body: dict) -> dict:
+    response = httpx.post(f"{server.base_url}/v1/images/generations", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _images(result: dict) -> list[np.ndarray]:
+    return [pixels(decode_b64_png(item["b64_json"])) for item in result["data"]]
+
+
+def test_adapters_are_models_whose_parent_is_the_base(lora_server: ServerProcess) -> None:
+    cards = httpx.get(f"{lora_server.base_url}/v1/models").json()["data"]
+    assert [c["id"] for c in cards] == [MODEL, "style", "ink"]
+    assert "parent" not in cards[0] and {c["parent"] for c in cards[1:]} == {MODEL}
+    assert httpx.get(f"{lora_server.base_url}/v1/models/ink").json()["parent"] == MODEL
+
+
+def test_model_naming_an_adapter_selects_it(lora_server: ServerProcess) -> None:
+    by_field = _images(_post(lora_server, _body("a cat", 5, lora="style")))
+    by_model = _images(_post(lora_server, _body("a cat", 5, model="style")))
+    by_list = _images(_post(lora_server, _body("a cat", 5, lora=[{"name": "style", "scale": 1.0}])))
+    base = _images(_post(lora_server, _body("a cat", 5)))
+    assert np.array_equal(by_field[0], by_model[0]) and np.array_equal(by_field[0], by_list[0])
+    assert np.abs(by_field[0] - base[0]).max() > 3
+
+
+def test_rows_with_different_adapters_merge_and_equal_their_runs_alone(lora_server: ServerProcess) -> None:
+    bodies = [_body("red house", 1, lora="style"), _body("a dog", 2),
+              _body("sea at night", 3, n=2, lora=[{"name": "ink", "scale": 0.7}, {"name": "style", "scale": -0.5}])]
+    merged = _meeting_in_the_queue(lora_server, bodies)
+    assert [r.status_code for r in merged] == [200] * 3
+    assert {r.json()["timings"]["batch_size"] for r in merged} == {3}
+    for body, response in zip(bodies, merged, strict=True):
+        alone = _post(lora_server, body)
+        assert alone["timings"]["batch_size"] == 1
+        for a, b in zip(_images(response.json()), _images(alone), strict=True):
+            assert np.abs(a - b).max() <= 1, body
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    ({"lora": "nope"}, "no adapter named 'nope'"),
+    ({"lora": [{"name": "style", "scale": 100.0}]}, "scale=100.0 is outside"),
+    ({"lora": [{"name": "style"}, {"name": "style"}]}, "given twice"),
+    ({"lora": [{"name": "style", "weight": 1}]}, "weight"),
+])
+def test_bad_lora_values_are_400_naming_the_field(lora_server: ServerProcess, extra: dict, words: str) -> None:
+    client = openai.OpenAI(base_url=f"{lora_server.base_url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.images.generate(prompt="a cat", model=MODEL, size="64x64", extra_body=extra)
+    error = err.value.body if isinstance(err.value.body, dict) else {}
+    error = error.get("error", error)
+    assert words in error["message"] and "lora" in (error.get("param") or ""), error
+
+
+def test_an_adapter_for_another_model_stops_start_up_naming_the_module(tiny_flux_path: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file, save_file
+
+    from diffuserve.lora.tiny import write_random_lora
+    from tests.serverproc import free_port
+
+    folder = write_random_lora(tiny_flux_path, tmp_path / "other", rank=2, seed=4)
+    state = load_file(folder / "pytorch_lora_weights.safetensors")
+    moved = {k.replace("transformer_blocks.0.", "transformer_blocks.7."): v for k, v in state.items()}
+    save_file(moved, folder / "pytorch_lora_weights.safetensors")
+    out = subprocess.run([sys.executable, "-m", "diffuserve.cli", "serve", "--model-path", str(tiny_flux_path),
+                          "--port", str(free_port()), "--lora-modules", f"other={folder}"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "--lora-modules other=" in out.stderr and "transformer_blocks.7.attn.to_k' does not exist" in out.stderr, out.stderr[-2000:]
+
+
+def test_edits_take_the_lora_field(lora_server: ServerProcess) -> None:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 40, 40)).save(buffer, format="PNG")
+
+    def edit(**fields: str) -> httpx.Response:
+        return httpx.post(f"{lora_server.base_url}/v1/images/edits", files={"image": ("in.png", buffer.getvalue())},
+                          data={"prompt": "make it blue", "seed": "3", "num_inference_steps": "3", **fields},
+                          timeout=120)
+
+    styled, plain, unknown = edit(lora="style"), edit(), edit(lora="nope")
+    assert styled.status_code == plain.status_code == 200, styled.text
+    assert np.abs(_images(styled.json())[0] - _images(plain.json())[0]).max() > 3
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "lora"
