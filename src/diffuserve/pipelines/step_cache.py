@@ -1,0 +1,381 @@
+"""Step caches that decide per row: each output row computes or reuses a denoising step from its own history.
+
+Peers decide per batch (one mean over the batch, one `.item()`), which makes a user's image depend on who it was
+batched with. Here every row carries its own `RowCache` (its residuals, its Taylor factors, its counters), made
+from its request's `StepCacheSettings` (`config/step_cache.py`), and the denoiser's blocks run only the rows
+that compute at this step; the others reuse their own cached residual or forecast. The CFG branches of a row
+decide together (the conditional branch measures, the negative one follows).
+
+How the denoiser is cut: the family spec's layer containers (the repeated blocks, `families/*.py`) get named
+diffusers `ModelHook`s (`HookRegistry`, as diffusers' own FirstBlockCache / TaylorSeer hooks). The first
+block's hook decides and narrows the call to the computing rows; the later blocks run on those rows only (their
+per-row arguments are indexed); the last block's hook rebuilds every row: `base + residual`, the residual being
+the one just computed, the row's cached one, or its Taylor forecast. What runs before and after the blocks
+(embedders, final norm and projection) runs for every row: it is cheap, and keeps the call's shape.
+
+Methods (settings in `config/step_cache.py`):
+* `fbcache`: the first block runs for every row; a row reuses when the relative L1 change of its first-block
+  residual, against its last computed step, is under the threshold (ParaAttention's First Block Cache).
+* `teacache`: a row reuses while the accumulated change of its timestep-modulated input, rescaled by the
+  published per-model polynomial, stays under the threshold (TeaCache; FLUX.1's coefficients).
+* `taylorseer`: a row computes every `refresh_interval` steps and forecasts the blocks' residual between by a
+  Taylor expansion in the step (diffusers' `TaylorSeerState` holds each row's factors).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.hooks._helpers import TransformerBlockRegistry
+from diffusers.hooks.taylorseer_cache import TaylorSeerState
+
+from diffuserve.config.step_cache import StepCacheSettings
+
+HEAD_HOOK = "diffuserve_step_cache_head"
+BLOCK_HOOK = "diffuserve_step_cache_block"
+
+TEACACHE_COEFFICIENTS: dict[str, tuple[float, ...]] = {
+    # TeaCache4FLUX (ali-vilab/TeaCache): the rescale polynomial fitted on FLUX.1-dev, highest power first.
+    "FluxTransformer2DModel": (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01),
+}
+"""Denoiser class -> published TeaCache rescale coefficients. Families without an entry refuse `teacache`."""
+
+PER_ROW_ARGUMENTS = ("hidden_states", "encoder_hidden_states", "temb", "encoder_hidden_states_mask",
+                     "attention_mask", "encoder_attention_mask", "timestep")
+"""Block arguments with one entry per row (dim 0), narrowed to the computing rows; others (rotary tables,
+attention kwargs) are shared by every row and pass unchanged."""
+
+
+@dataclass(eq=False)
+class RowCache:
+    """One output row's step-cache history (one per row of a request; it travels with the row)."""
+
+    settings: StepCacheSettings
+    num_steps: int
+    """Steps of the row's schedule (its last one computes when `compute_last_step`)."""
+    step: int = 0
+    """Steps this row has been through."""
+    computed: int = 0
+    reused: int = 0
+    consecutive: int = 0
+    """Reused steps since the row last computed."""
+    last_computed: int = -1
+    compute: bool = True
+    """This step's decision (valid once `decided`)."""
+    decided: bool = False
+    accumulated: float = 0.0
+    """teacache: rescaled change accumulated since the row last computed."""
+    probe: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Per CFG branch: the row's first-block residual (fbcache) or modulated input (teacache) at its last
+    computed step."""
+    residual: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    """Per CFG branch: the blocks' residual (hidden, encoder) at the row's last computed step."""
+    taylor: dict[int, TaylorSeerState] = field(default_factory=dict)
+    """taylorseer, per CFG branch: the row's Taylor factors of the blocks' residual."""
+
+    def must_compute(self) -> bool:
+        """Whatever its measure says: warm-up, the last step, the cap on consecutive reuse, nothing cached yet."""
+        s = self.settings
+        return (self.step < s.warmup_steps or not self.residual and not self.taylor
+                or (s.compute_last_step and self.step >= self.num_steps - 1)
+                or (s.max_cached_steps > 0 and self.consecutive >= s.max_cached_steps))
+
+    def end_step(self) -> None:
+        """Count the step and move on (called once per row per denoising step)."""
+        if self.compute:
+            self.computed += 1
+            self.consecutive = 0
+            self.last_computed = self.step
+        else:
+            self.reused += 1
+            self.consecutive += 1
+        self.step += 1
+        self.decided = False
+        self.compute = True
+
+
+def new_row_caches(settings: StepCacheSettings | None, rows: int, num_steps: int) -> list[RowCache] | None:
+    """`rows` fresh row caches for a request (None when it asked for none)."""
+    if settings is None:
+        return None
+    return [RowCache(settings=settings, num_steps=num_steps) for _ in range(rows)]
+
+
+def step_counts(rows: Sequence[RowCache] | None) -> dict[str, Any] | None:
+    """A request's counts for `timings`: steps its rows computed and reused (summed over its rows)."""
+    if not rows:
+        return None
+    return {"method": rows[0].settings.method, "computed_steps": sum(r.computed for r in rows),
+            "reused_steps": sum(r.reused for r in rows)}
+
+
+def _rel_l1(now: torch.Tensor, before: torch.Tensor) -> float:
+    """Relative L1 change of one row (diffusers' FirstBlockCache measure, taken per row)."""
+    return float(((now - before).abs().mean() / before.abs().mean().clamp_min(1e-12)).item())
+
+
+def _rescale(coefficients: Sequence[float], x: float) -> float:
+    out = 0.0
+    for c in coefficients:
+        out = out * x + c
+    return out
+
+
+# -- the call's rows and the span of blocks ------------------------------------------------------------------
+
+
+@dataclass
+class CallRows:
+    """The rows of one denoiser call: row i of the call is `rows[i]`'s CFG branch `branches[i]`."""
+
+    rows: list[RowCache]
+    branches: list[int]
+
+    @property
+    def method(self) -> str:
+        return self.rows[0].settings.method
+
+
+@dataclass
+class Span:
+    """What the first block's hook hands the later blocks within one call."""
+
+    call: CallRows
+    index: torch.Tensor
+    """Rows of the call that compute (ascending)."""
+    full: int
+    """Rows of the call."""
+    base: tuple[torch.Tensor, torch.Tensor | None]
+    """Hidden (and encoder) states of every row where the narrowed blocks start."""
+
+
+class StepCacheHooks:
+    """The hooks on one denoiser's blocks, and the rows of the call in progress (one caller thread at a time: the
+    loop that runs the denoiser)."""
+
+    def __init__(self, denoiser: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
+        if len(blocks) < 2:
+            raise ValueError("a step cache needs a denoiser with at least two repeated blocks")
+        self.denoiser_class = type(denoiser).__name__
+        self.call: CallRows | None = None
+        self.span: Span | None = None
+        metas = [TransformerBlockRegistry.get(type(b)) for b in blocks]
+        for position, block in enumerate(blocks):
+            registry = HookRegistry.check_if_exists_or_initialize(block)
+            hook: ModelHook = (_HeadHook(self, metas[0]) if position == 0
+                               else _BlockHook(self, metas[position], tail=position == len(blocks) - 1))
+            registry.register_hook(hook, HEAD_HOOK if position == 0 else BLOCK_HOOK)
+
+    @contextmanager
+    def rows(self, call: CallRows | None) -> Iterator[None]:
+        """The rows of the denoiser call made inside (None: every row computes, no hook acts)."""
+        self.call, self.span = call, None
+        try:
+            yield
+        finally:
+            self.call, self.span = None, None
+
+
+def block_hooks(denoiser: torch.nn.Module, containers: Sequence[str]) -> StepCacheHooks:
+    """The step-cache hooks of `denoiser`, installed once on the blocks of its layer containers (in order)."""
+    found = denoiser.__dict__.get("_diffuserve_step_cache")
+    if found is None:
+        blocks = [block for name in containers for block in getattr(denoiser, name)]
+        found = StepCacheHooks(denoiser, blocks)
+        denoiser.__dict__["_diffuserve_step_cache"] = found
+    return found
+
+
+def supports_blocks(denoiser: torch.nn.Module, containers: Sequence[str]) -> str | None:
+    """None when the step-cache hooks can cut `denoiser`; otherwise why not."""
+    blocks = [block for name in containers for block in getattr(denoiser, name, ())]
+    if len(blocks) < 2:
+        return "its denoiser has no repeated blocks declared (the family spec's layer containers)"
+    for block in blocks:
+        try:
+            TransformerBlockRegistry.get(type(block))
+        except ValueError:
+            return f"its block class {type(block).__name__} has no diffusers block metadata"
+    return None
+
+
+class _Block:
+    """Argument access shared by the hooks (the diffusers block metadata says where outputs sit)."""
+
+    def __init__(self, owner: StepCacheHooks, meta: Any) -> None:
+        super().__init__()
+        self.owner = owner
+        self.meta = meta
+        self._signature: inspect.Signature | None = None
+
+    def bind(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+        if self._signature is None:
+            self._signature = inspect.signature(self.fn_ref.original_forward)  # type: ignore[attr-defined]
+        return self._signature.bind(*args, **kwargs)
+
+    def outputs(self, out: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not isinstance(out, tuple):
+            return out, None
+        enc = self.meta.return_encoder_hidden_states_index
+        return out[self.meta.return_hidden_states_index], (None if enc is None else out[enc])
+
+    def pack(self, hidden: torch.Tensor, encoder: torch.Tensor | None, like: Any) -> Any:
+        if not isinstance(like, tuple) or self.meta.return_encoder_hidden_states_index is None:
+            return hidden
+        out: list[Any] = [None, None]
+        out[self.meta.return_hidden_states_index] = hidden
+        out[self.meta.return_encoder_hidden_states_index] = encoder
+        return tuple(out)
+
+    def run_rows(self, bound: inspect.BoundArguments, index: torch.Tensor, full: int) -> Any:
+        """The block on rows `index` only: per-row arguments of `full` rows are narrowed."""
+        arguments = dict(bound.arguments)
+        if index.numel() != full:
+            for name in PER_ROW_ARGUMENTS:
+                value = arguments.get(name)
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == full:
+                    arguments[name] = value.index_select(0, index.to(value.device))
+        return self.fn_ref.original_forward(**arguments)  # type: ignore[attr-defined]
+
+
+class _HeadHook(_Block, ModelHook):
+    """First block: decides per row, then narrows the call to the rows that compute."""
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        call = self.owner.call
+        if call is None:
+            return self.fn_ref.original_forward(*args, **kwargs)
+        bound = self.bind(module, args, kwargs)
+        hidden = bound.arguments["hidden_states"]
+        encoder = bound.arguments.get("encoder_hidden_states")
+        full = hidden.shape[0]
+        if call.method == "fbcache":
+            out = self.fn_ref.original_forward(*args, **kwargs)
+            first_hidden, first_encoder = self.outputs(out)
+            _decide_fbcache(call, first_hidden - hidden)
+            base = (first_hidden, first_encoder)
+        else:
+            if call.method == "teacache":
+                temb = bound.arguments["temb"]
+                modulated = module.norm1(hidden, emb=temb)[0]
+                _decide_teacache(call, modulated, TEACACHE_COEFFICIENTS[self.owner.denoiser_class])
+            else:
+                _decide_taylorseer(call)
+            base = (hidden, encoder)
+        index = torch.tensor([i for i, row in enumerate(call.rows) if row.compute], dtype=torch.long)
+        self.owner.span = Span(call=call, index=index, full=full, base=base)
+        if call.method == "fbcache":
+            if index.numel() == full:
+                return out
+            return self.pack(base[0].index_select(0, index.to(hidden.device)),
+                             None if base[1] is None else base[1].index_select(0, index.to(hidden.device)), out)
+        if index.numel() == 0:
+            return self.pack(hidden, encoder, (None, None))
+        return self.run_rows(bound, index, full)
+
+
+class _BlockHook(_Block, ModelHook):
+    """Later blocks: run the computing rows only; the last one rebuilds every row of the call."""
+
+    def __init__(self, owner: StepCacheHooks, meta: Any, *, tail: bool) -> None:
+        super().__init__(owner, meta)
+        self.tail = tail
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        span = self.owner.span
+        if span is None:
+            return self.fn_ref.original_forward(*args, **kwargs)
+        bound = self.bind(module, args, kwargs)
+        if span.index.numel() == 0:  # every row reuses: nothing runs
+            out = None
+            hidden = bound.arguments["hidden_states"]
+            encoder = bound.arguments.get("encoder_hidden_states")
+        else:
+            out = self.run_rows(bound, span.index, span.full)
+            hidden, encoder = self.outputs(out)
+        if not self.tail:
+            return out if out is not None else self.pack(hidden, encoder, (None, None))
+        hidden, encoder = _rebuild(span, hidden, encoder)
+        self.owner.span = None
+        return self.pack(hidden, encoder, out if out is not None else (None, None))
+
+
+# -- the per-row policies --------------------------------------------------------------------------------------
+
+
+def _decide_fbcache(call: CallRows, first_residual: torch.Tensor) -> None:
+    """Per row: reuse while the first block's residual changed less than the threshold since the row's last
+    computed step (the conditional branch measures; the negative branch follows its row)."""
+    for i, (row, branch) in enumerate(zip(call.rows, call.branches, strict=True)):
+        if not row.decided:
+            before = row.probe.get(branch)
+            row.compute = (row.must_compute() or before is None
+                           or _rel_l1(first_residual[i], before) > row.settings.resolved_threshold)
+            row.decided = True
+        if row.compute:
+            row.probe[branch] = first_residual[i]
+
+
+def _decide_teacache(call: CallRows, modulated: torch.Tensor, coefficients: Sequence[float]) -> None:
+    """Per row: accumulate the rescaled relative L1 change of the modulated input; compute when it passes the
+    threshold (then start accumulating again)."""
+    for i, (row, branch) in enumerate(zip(call.rows, call.branches, strict=True)):
+        if not row.decided:
+            before = row.probe.get(branch)
+            if before is not None:
+                row.accumulated += _rescale(coefficients, _rel_l1(modulated[i], before))
+            row.compute = row.must_compute() or before is None or row.accumulated >= row.settings.resolved_threshold
+            if row.compute:
+                row.accumulated = 0.0
+            row.decided = True
+        row.probe[branch] = modulated[i]
+
+
+def _decide_taylorseer(call: CallRows) -> None:
+    """Per row: compute every `refresh_interval` steps since its last computed one, forecast between."""
+    for row in call.rows:
+        if not row.decided:
+            interval = row.settings.refresh_interval
+            row.compute = row.must_compute() or row.step - row.last_computed >= interval
+            row.decided = True
+
+
+def _rebuild(span: Span, hidden: torch.Tensor, encoder: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+    """Every row of the call after the blocks: `base + residual`, the residual computed now (and kept), cached,
+    or forecast (taylorseer)."""
+    base_hidden, base_encoder = span.base
+    computed = {int(i): k for k, i in enumerate(span.index.tolist())}
+    out_hidden, out_encoder = [], []
+    for i, (row, branch) in enumerate(zip(span.call.rows, span.call.branches, strict=True)):
+        k = computed.get(i)
+        if k is not None:
+            res_h = hidden[k] - base_hidden[i]
+            res_e = None if encoder is None or base_encoder is None else encoder[k] - base_encoder[i]
+            row.residual[branch] = (res_h, res_e)
+            # A computed row leaves with its own output, not base + residual (bit-equal to an uncached step).
+            out_hidden.append(hidden[k])
+            if base_encoder is not None:
+                out_encoder.append(encoder[k] if encoder is not None else base_encoder[i])
+            if row.settings.method == "taylorseer":
+                state = row.taylor.setdefault(
+                    branch, TaylorSeerState(taylor_factors_dtype=torch.float32, max_order=row.settings.order))
+                state.current_step = row.step
+                state.update((res_h,) if res_e is None else (res_h, res_e))
+            continue
+        if row.settings.method == "taylorseer":
+            state = row.taylor[branch]
+            state.current_step = row.step
+            forecast = state.predict()
+            res_h, res_e = forecast[0], (forecast[1] if len(forecast) > 1 else None)
+        else:
+            res_h, res_e = row.residual[branch]
+        out_hidden.append(base_hidden[i] + res_h)
+        if base_encoder is not None:
+            out_encoder.append(base_encoder[i] + res_e if res_e is not None else base_encoder[i])
+    return torch.stack(out_hidden), (torch.stack(out_encoder) if out_encoder else encoder)
