@@ -21,6 +21,7 @@ from diffuserve.sampling import SamplingParams, build_sampling_params
 from diffuserve.server.common import (
     check_request_limits,
     count_prompt,
+    request_step_cache,
     require_ready,
     result_timings,
     server_context,
@@ -78,7 +79,7 @@ def image_params(body: ImageGenerationRequest, ctx: ServerContext, *, image_inpu
         model, prompt=body.prompt, negative_prompt=body.negative_prompt, width=width, height=height,
         num_inference_steps=steps, guidance_scale=body.guidance_scale, true_cfg_scale=body.true_cfg_scale,
         seed=body.seed, n=body.n, output_format=body.output_format, output_quality=quality,
-        image_inputs=image_inputs, strength=strength,
+        image_inputs=image_inputs, strength=strength, step_cache=request_step_cache(body, ctx),
     )
 
 

@@ -39,6 +39,7 @@ from diffuserve.sampling import SamplingParams, build_sampling_params
 from diffuserve.server.common import (
     check_request_limits,
     count_prompt,
+    request_step_cache,
     require_ready,
     result_timings,
     server_context,
@@ -121,6 +122,7 @@ def build_video_params(body: VideoCreateRequest, ctx: ServerContext, image: byte
         model, prompt=body.prompt, negative_prompt=body.negative_prompt, width=width, height=height,
         num_frames=num_frames, fps=fps, num_inference_steps=steps, guidance_scale=body.guidance_scale,
         seed=body.seed, n=1, output_format="mp4", image_inputs=() if image is None else (image,),
+        step_cache=request_step_cache(body, ctx),
     )
 
 
