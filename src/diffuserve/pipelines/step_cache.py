@@ -115,9 +115,22 @@ def step_counts(rows: Sequence[RowCache] | None) -> dict[str, Any] | None:
             "reused_steps": sum(r.reused for r in rows)}
 
 
-def _rel_l1(now: torch.Tensor, before: torch.Tensor) -> float:
-    """Relative L1 change of one row (diffusers' FirstBlockCache measure, taken per row)."""
-    return float(((now - before).abs().mean() / before.abs().mean().clamp_min(1e-12)).item())
+def _changes(call: CallRows, now: torch.Tensor) -> list[float | None]:
+    """Per row of the call that still decides this step: the relative L1 change of `now[i]` against the row's
+    probe (diffusers' FirstBlockCache measure, taken per row instead of over the batch); None where the row
+    has no probe or has decided already. One device sync for the whole call."""
+    wanted = [i for i, (row, branch) in enumerate(zip(call.rows, call.branches, strict=True))
+              if not row.decided and branch in row.probe]
+    out: list[float | None] = [None] * len(call.rows)
+    if not wanted:
+        return out
+    current = now.index_select(0, torch.tensor(wanted, device=now.device))
+    before = torch.stack([call.rows[i].probe[call.branches[i]] for i in wanted])
+    dims = tuple(range(1, current.dim()))
+    change = (current - before).abs().mean(dim=dims) / before.abs().mean(dim=dims).clamp_min(1e-12)
+    for i, value in zip(wanted, change.float().tolist(), strict=True):
+        out[i] = value
+    return out
 
 
 def _rescale(coefficients: Sequence[float], x: float) -> float:
@@ -312,11 +325,11 @@ class _BlockHook(_Block, ModelHook):
 def _decide_fbcache(call: CallRows, first_residual: torch.Tensor) -> None:
     """Per row: reuse while the first block's residual changed less than the threshold since the row's last
     computed step (the conditional branch measures; the negative branch follows its row)."""
+    changes = _changes(call, first_residual)
     for i, (row, branch) in enumerate(zip(call.rows, call.branches, strict=True)):
         if not row.decided:
-            before = row.probe.get(branch)
-            row.compute = (row.must_compute() or before is None
-                           or _rel_l1(first_residual[i], before) > row.settings.resolved_threshold)
+            change = changes[i]
+            row.compute = row.must_compute() or change is None or change > row.settings.resolved_threshold
             row.decided = True
         if row.compute:
             row.probe[branch] = first_residual[i]
@@ -325,12 +338,13 @@ def _decide_fbcache(call: CallRows, first_residual: torch.Tensor) -> None:
 def _decide_teacache(call: CallRows, modulated: torch.Tensor, coefficients: Sequence[float]) -> None:
     """Per row: accumulate the rescaled relative L1 change of the modulated input; compute when it passes the
     threshold (then start accumulating again)."""
+    changes = _changes(call, modulated)
     for i, (row, branch) in enumerate(zip(call.rows, call.branches, strict=True)):
         if not row.decided:
-            before = row.probe.get(branch)
-            if before is not None:
-                row.accumulated += _rescale(coefficients, _rel_l1(modulated[i], before))
-            row.compute = row.must_compute() or before is None or row.accumulated >= row.settings.resolved_threshold
+            change = changes[i]
+            if change is not None:
+                row.accumulated += _rescale(coefficients, change)
+            row.compute = row.must_compute() or change is None or row.accumulated >= row.settings.resolved_threshold
             if row.compute:
                 row.accumulated = 0.0
             row.decided = True
@@ -347,35 +361,49 @@ def _decide_taylorseer(call: CallRows) -> None:
 
 
 def _rebuild(span: Span, hidden: torch.Tensor, encoder: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
-    """Every row of the call after the blocks: `base + residual`, the residual computed now (and kept), cached,
-    or forecast (taylorseer)."""
+    """Every row of the call after the blocks: a computed row leaves with its own output (bit-equal to an uncached
+    step) and keeps its residual; the others get `base + residual`, their cached residual or their forecast."""
     base_hidden, base_encoder = span.base
-    computed = {int(i): k for k, i in enumerate(span.index.tolist())}
-    out_hidden, out_encoder = [], []
-    for i, (row, branch) in enumerate(zip(span.call.rows, span.call.branches, strict=True)):
-        k = computed.get(i)
-        if k is not None:
-            res_h = hidden[k] - base_hidden[i]
-            res_e = None if encoder is None or base_encoder is None else encoder[k] - base_encoder[i]
-            row.residual[branch] = (res_h, res_e)
-            # A computed row leaves with its own output, not base + residual (bit-equal to an uncached step).
-            out_hidden.append(hidden[k])
-            if base_encoder is not None:
-                out_encoder.append(encoder[k] if encoder is not None else base_encoder[i])
+    index = span.index.to(base_hidden.device)
+    computed = span.index.tolist()
+    keep_encoder = encoder is not None and base_encoder is not None
+    if computed:
+        res_hidden = hidden - base_hidden.index_select(0, index)
+        res_encoder = encoder - base_encoder.index_select(0, index) if keep_encoder else None  # type: ignore[union-attr]
+        for k, i in enumerate(computed):
+            row, branch = span.call.rows[i], span.call.branches[i]
+            res = (res_hidden[k], None if res_encoder is None else res_encoder[k])
+            row.residual[branch] = res
             if row.settings.method == "taylorseer":
                 state = row.taylor.setdefault(
                     branch, TaylorSeerState(taylor_factors_dtype=torch.float32, max_order=row.settings.order))
                 state.current_step = row.step
-                state.update((res_h,) if res_e is None else (res_h, res_e))
-            continue
-        if row.settings.method == "taylorseer":
-            state = row.taylor[branch]
-            state.current_step = row.step
-            forecast = state.predict()
-            res_h, res_e = forecast[0], (forecast[1] if len(forecast) > 1 else None)
-        else:
-            res_h, res_e = row.residual[branch]
-        out_hidden.append(base_hidden[i] + res_h)
-        if base_encoder is not None:
-            out_encoder.append(base_encoder[i] + res_e if res_e is not None else base_encoder[i])
-    return torch.stack(out_hidden), (torch.stack(out_encoder) if out_encoder else encoder)
+                state.update(res if res[1] is not None else (res[0],))
+    if len(computed) == span.full:
+        return hidden, encoder
+    cached = [i for i in range(span.full) if i not in set(computed)]
+    residuals = [_cached_residual(span.call.rows[i], span.call.branches[i]) for i in cached]
+    where = torch.tensor(cached, device=base_hidden.device)
+    out_hidden = base_hidden.clone()
+    out_hidden.index_copy_(0, where, base_hidden.index_select(0, where) + torch.stack([r[0] for r in residuals]))
+    if computed:
+        out_hidden.index_copy_(0, index, hidden)
+    out_encoder = base_encoder
+    if base_encoder is not None:
+        out_encoder = base_encoder.clone()
+        if all(r[1] is not None for r in residuals):
+            out_encoder.index_copy_(0, where, base_encoder.index_select(0, where)
+                                    + torch.stack([r[1] for r in residuals]))  # type: ignore[misc]
+        if computed and encoder is not None:
+            out_encoder.index_copy_(0, index, encoder)
+    return out_hidden, out_encoder
+
+
+def _cached_residual(row: RowCache, branch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A reusing row's residual: its last computed one, or (taylorseer) its forecast for this step."""
+    if row.settings.method != "taylorseer":
+        return row.residual[branch]
+    state = row.taylor[branch]
+    state.current_step = row.step
+    forecast = state.predict()
+    return forecast[0], (forecast[1] if len(forecast) > 1 else None)
