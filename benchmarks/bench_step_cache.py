@@ -6,8 +6,10 @@ demo model's colour-and-shape accuracy, per method at three settings (docs/step-
 
 Each setting generates the demo model's shapes test set (every colour x shape, `demo/semantics.py`) as ONE batch,
 rows deciding per row; the uncached batch runs beside it, interleaved round by round so that load from other
-processes hits both alike. Speed-up is the median wall time of the uncached batch over the cached one (the
-`denoise` stage's speed-up is printed too: text encoders and the VAE do not change with a cache). Finally a merged
+processes hits both alike. Speed-up is the median wall time of the uncached batch over the cached one; `cpu x` is
+the same ratio of the process' CPU time, which other processes on a shared machine disturb far less (run with
+`--threads 1` there); `denoise x` is the wall speed-up of the denoise stage alone (text encoders and the VAE do not
+change with a cache). Finally a merged
 batch of 8 is checked against the same 8 requests alone (largest pixel difference, in 1/255 steps).
 """
 
@@ -81,51 +83,56 @@ def main(argv: list[str] | None = None) -> None:
                                num_inference_steps=args.steps, guidance_scale=0.0, step_cache=cache)
                 for scene, seed in cases]
 
-    def run(cache: Any) -> tuple[float, float, list[Any], list[Any]]:
-        start = time.perf_counter()
+    def run(cache: Any) -> tuple[float, float, float, list[Any], list[Any]]:
+        start, cpu = time.perf_counter(), time.process_time()
         result = pipeline.run(batch(cache))
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         images = [np.asarray(o.images[0].convert("RGB")) for o in result.outputs]
-        return wall, result.stage_seconds.get("denoise", wall), images, [o.step_cache for o in result.outputs]
+        return wall, cpu, result.stage_seconds.get("denoise", wall), images, [o.step_cache for o in result.outputs]
 
     run(None)  # warm-up
     rows = [("uncached", None)] + [(f"{m} {json.dumps(o)}", parse_step_cache({"method": m, **o}))
                                    for m, options in SETTINGS.items() for o in options]
     walls: dict[str, list[float]] = {name: [] for name, _ in rows}
+    cpus: dict[str, list[float]] = {name: [] for name, _ in rows}
     denoise: dict[str, list[float]] = {name: [] for name, _ in rows}
     outputs: dict[str, tuple[list[Any], list[Any]]] = {}
     for i in range(args.runs):
         for name, cache in rows if i % 2 == 0 else rows[::-1]:
-            wall, den, images, counts = run(cache)
+            wall, cpu, den, images, counts = run(cache)
             walls[name].append(wall)
+            cpus[name].append(cpu)
             denoise[name].append(den)
             outputs[name] = (images, counts)
-    report = _report(rows, walls, denoise, outputs, cases, psnr, ssim, _accuracy)
+    report = _report(rows, walls, cpus, denoise, outputs, cases)
     report["merged_vs_alone_max_diff"] = _merged_vs_alone(pipeline, parse_step_cache, SamplingParams, args.steps)
     print(f"merged batch of 8 vs alone, largest pixel difference: {report['merged_vs_alone_max_diff']}/255")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 
 
-def _report(rows, walls, denoise, outputs, cases, psnr, ssim, accuracy) -> dict[str, Any]:
+def _report(rows: list[tuple[str, Any]], walls: dict[str, list[float]], cpus: dict[str, list[float]],
+            denoise: dict[str, list[float]], outputs: dict[str, Any], cases: list[Any]) -> dict[str, Any]:
     import statistics as st
 
-    base_wall, base_den = st.median(walls["uncached"]), st.median(denoise["uncached"])
+    med = {name: (st.median(walls[name]), st.median(cpus[name]), st.median(denoise[name])) for name, _ in rows}
+    base_wall, base_cpu, base_den = med["uncached"]
     base_images = outputs["uncached"][0]
-    print(f"{'setting':<52}{'wall s':>8}{'speed-up':>9}{'denoise x':>10}{'PSNR dB':>9}{'SSIM':>7}{'acc':>6}"
-          f"{'reused':>8}")
+    print(f"{'setting':<52}{'wall s':>8}{'speed-up':>9}{'cpu x':>7}{'denoise x':>10}{'PSNR dB':>9}{'SSIM':>7}"
+          f"{'acc':>6}{'reused':>8}")
     report: dict[str, Any] = {"settings": []}
     for name, _cache in rows:
         images, counts = outputs[name]
-        wall, den = st.median(walls[name]), st.median(denoise[name])
+        wall, cpu, den = med[name]
         value = statistics.mean(min(psnr(a, b), 99.0) for a, b in zip(images, base_images, strict=True))
         sim = statistics.mean(ssim(a, b) for a, b in zip(images, base_images, strict=True))
         reused = sum(c["reused_steps"] for c in counts if c) / max(1, sum(
             c["reused_steps"] + c["computed_steps"] for c in counts if c))
-        acc = accuracy(cases, images)
-        print(f"{name:<52}{wall:>8.2f}{base_wall / wall:>8.2f}x{base_den / den:>9.2f}x{value:>9.1f}{sim:>7.3f}"
-              f"{acc:>6.0%}{reused:>8.0%}")
+        acc = _accuracy(cases, images)
+        print(f"{name:<52}{wall:>8.2f}{base_wall / wall:>8.2f}x{base_cpu / cpu:>6.2f}x{base_den / den:>9.2f}x"
+              f"{value:>9.1f}{sim:>7.3f}{acc:>6.0%}{reused:>8.0%}")
         report["settings"].append({"setting": name, "wall_s": wall, "speedup": base_wall / wall,
+                                   "cpu_speedup": base_cpu / cpu,
                                    "denoise_speedup": base_den / den, "psnr_db": value, "ssim": sim,
                                    "accuracy": acc, "reused_share": reused})
     return report

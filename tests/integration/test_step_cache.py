@@ -181,3 +181,35 @@ def test_merged_requests_equal_their_requests_alone_over_http(cache_server: Serv
     for (image, timings), (image_alone, timings_alone) in zip(merged, alone, strict=True):
         assert timings["step_cache"] == timings_alone["step_cache"]
         assert _max_diff(image, image_alone) <= PIXEL_TOL
+
+
+# -- every native family whose denoiser has repeated blocks ---------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["sd3", "sana", "qwen-image", "z-image", "wan"])
+def test_other_native_families_decide_per_row(tiny_checkpoint, family: str) -> None:
+    """The same hooks cut every family's blocks (its spec's layer containers): merged rows equal alone; teacache,
+    whose coefficients are published for FLUX.1 only, is refused naming the field and the family that has them."""
+    from diffuserve.errors import InvalidRequestError
+    from diffuserve.models.loader import load_pipeline
+
+    pipeline = load_pipeline(tiny_checkpoint(family))
+    d = pipeline.defaults
+    batch = [SamplingParams(prompt=f"prompt {i}", width=d.width, height=d.height, num_frames=d.num_frames,
+                            num_inference_steps=6, guidance_scale=d.guidance_scale, true_cfg_scale=d.true_cfg_scale,
+                            negative_prompt=d.negative_prompt, seed=i,
+                            step_cache=parse_step_cache({"method": "fbcache", "threshold": threshold}))
+             for i, threshold in enumerate((0.01, 2.0))]
+    for params in batch:
+        pipeline.validate(params)
+    merged = pipeline.run(batch).outputs
+    assert merged[0].step_cache != merged[1].step_cache
+    for params, output in zip(batch, merged, strict=True):
+        alone = pipeline.run([params]).outputs[0]
+        first = (output.videos[0] if output.videos else output.images)[0]
+        first_alone = (alone.videos[0] if alone.videos else alone.images)[0]
+        assert alone.step_cache == output.step_cache
+        assert _max_diff(first, first_alone) <= PIXEL_TOL
+    with pytest.raises(InvalidRequestError, match="FluxTransformer2DModel") as raised:
+        pipeline.validate(SamplingParams(**{**batch[0].__dict__, "step_cache": parse_step_cache("teacache")}))
+    assert raised.value.param == "step_cache"

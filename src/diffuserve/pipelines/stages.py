@@ -377,6 +377,8 @@ class RecipePipeline(Pipeline):
         if rows is None:
             return self._guided(latents, timestep, positive, negative, head, state, step_index, model_key)
         hooks = self.step_cache_hooks(model_key)
+        for row in rows:
+            row.use_denoiser(model_key)
         try:
             return self._guided(latents, timestep, positive, negative, head, state, step_index, model_key,
                                 (hooks, list(rows)))

@@ -46,10 +46,14 @@ TEACACHE_COEFFICIENTS: dict[str, tuple[float, ...]] = {
 }
 """Denoiser class -> published TeaCache rescale coefficients. Families without an entry refuse `teacache`."""
 
-PER_ROW_ARGUMENTS = ("hidden_states", "encoder_hidden_states", "temb", "encoder_hidden_states_mask",
-                     "attention_mask", "encoder_attention_mask", "timestep")
-"""Block arguments with one entry per row (dim 0), narrowed to the computing rows; others (rotary tables,
-attention kwargs) are shared by every row and pass unchanged."""
+SHARED_ARGUMENT_WORDS = ("rotary", "rope")
+"""Block arguments whose name holds one of these are shared by every row (position tables) and pass unchanged;
+every other tensor argument with one entry per row of the call (dim 0) is narrowed to the computing rows."""
+
+CHAINED_CONTAINERS = frozenset({"FluxTransformer2DModel"})
+"""Denoisers whose layer containers form one chain (each block takes the previous block's hidden states, across
+containers). Elsewhere the span is the last container: FLUX.2 joins the text and image streams before its single
+blocks and Z-Image's refiners run on other token sets, so only the last container's blocks chain."""
 
 
 @dataclass(eq=False)
@@ -78,6 +82,17 @@ class RowCache:
     """Per CFG branch: the blocks' residual (hidden, encoder) at the row's last computed step."""
     taylor: dict[int, TaylorSeerState] = field(default_factory=dict)
     """taylorseer, per CFG branch: the row's Taylor factors of the blocks' residual."""
+    denoiser: str = ""
+    """The denoiser its cache belongs to (Wan2.2 switches experts mid-schedule: the new one starts afresh)."""
+
+    def use_denoiser(self, key: str) -> None:
+        """Forget what another denoiser cached: its residuals mean nothing to this one."""
+        if key != self.denoiser:
+            self.probe.clear()
+            self.residual.clear()
+            self.taylor.clear()
+            self.accumulated = 0.0
+            self.denoiser = key
 
     def must_compute(self) -> bool:
         """Whatever its measure says: warm-up, the last step, the cap on consecutive reuse, nothing cached yet."""
@@ -178,7 +193,7 @@ class StepCacheHooks:
         self.denoiser_class = type(denoiser).__name__
         self.call: CallRows | None = None
         self.span: Span | None = None
-        metas = [TransformerBlockRegistry.get(type(b)) for b in blocks]
+        metas = [_block_metadata(type(b)) for b in blocks]
         for position, block in enumerate(blocks):
             registry = HookRegistry.check_if_exists_or_initialize(block)
             hook: ModelHook = (_HeadHook(self, metas[0]) if position == 0
@@ -195,11 +210,18 @@ class StepCacheHooks:
             self.call, self.span = None, None
 
 
+def span_blocks(denoiser: torch.nn.Module, containers: Sequence[str]) -> list[torch.nn.Module]:
+    """The blocks a step cache narrows: every container's when they chain (`CHAINED_CONTAINERS`), else the last's."""
+    if type(denoiser).__name__ not in CHAINED_CONTAINERS:
+        containers = containers[-1:]
+    return [block for name in containers for block in getattr(denoiser, name, ())]
+
+
 def block_hooks(denoiser: torch.nn.Module, containers: Sequence[str]) -> StepCacheHooks:
-    """The step-cache hooks of `denoiser`, installed once on the blocks of its layer containers (in order)."""
+    """The step-cache hooks of `denoiser`, installed once on the blocks it narrows (`span_blocks`)."""
     found = denoiser.__dict__.get("_diffuserve_step_cache")
     if found is None:
-        blocks = [block for name in containers for block in getattr(denoiser, name)]
+        blocks = span_blocks(denoiser, containers)
         found = StepCacheHooks(denoiser, blocks)
         denoiser.__dict__["_diffuserve_step_cache"] = found
     return found
@@ -207,15 +229,28 @@ def block_hooks(denoiser: torch.nn.Module, containers: Sequence[str]) -> StepCac
 
 def supports_blocks(denoiser: torch.nn.Module, containers: Sequence[str]) -> str | None:
     """None when the step-cache hooks can cut `denoiser`; otherwise why not."""
-    blocks = [block for name in containers for block in getattr(denoiser, name, ())]
+    blocks = span_blocks(denoiser, containers)
     if len(blocks) < 2:
-        return "its denoiser has no repeated blocks declared (the family spec's layer containers)"
-    for block in blocks:
-        try:
-            TransformerBlockRegistry.get(type(block))
-        except ValueError:
-            return f"its block class {type(block).__name__} has no diffusers block metadata"
+        return (f"a step cache narrows at least two repeated blocks; this {type(denoiser).__name__} has "
+                f"{len(blocks)} in {list(containers)[-1:] or 'no declared layer container'}")
     return None
+
+
+@dataclass(frozen=True)
+class _TensorBlock:
+    """Metadata of a block diffusers has not registered: it must return its hidden states alone (SANA's)."""
+
+    return_hidden_states_index: int = 0
+    return_encoder_hidden_states_index: int | None = None
+    unregistered: str = ""
+
+
+def _block_metadata(cls: type) -> Any:
+    """diffusers' block metadata (where the hidden and encoder states sit in the output), else `_TensorBlock`."""
+    try:
+        return TransformerBlockRegistry.get(cls)
+    except ValueError:
+        return _TensorBlock(unregistered=cls.__name__)
 
 
 class _Block:
@@ -232,9 +267,19 @@ class _Block:
             self._signature = inspect.signature(self.fn_ref.original_forward)  # type: ignore[attr-defined]
         return self._signature.bind(*args, **kwargs)
 
+    def states(self, bound: inspect.BoundArguments) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block's hidden states (`hidden_states`, else its first argument: Z-Image's `x`) and encoder states."""
+        hidden = bound.arguments.get("hidden_states")
+        if hidden is None:
+            hidden = next(iter(bound.arguments.values()))
+        return hidden, bound.arguments.get("encoder_hidden_states")
+
     def outputs(self, out: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not isinstance(out, tuple):
             return out, None
+        if getattr(self.meta, "unregistered", ""):
+            raise TypeError(f"step cache: block {self.meta.unregistered} returns a tuple, but diffusers' "
+                            "TransformerBlockRegistry does not say where its hidden states are; register it")
         enc = self.meta.return_encoder_hidden_states_index
         return out[self.meta.return_hidden_states_index], (None if enc is None else out[enc])
 
@@ -250,9 +295,9 @@ class _Block:
         """The block on rows `index` only: per-row arguments of `full` rows are narrowed."""
         arguments = dict(bound.arguments)
         if index.numel() != full:
-            for name in PER_ROW_ARGUMENTS:
-                value = arguments.get(name)
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == full:
+            for name, value in arguments.items():
+                if (isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == full
+                        and not any(word in name for word in SHARED_ARGUMENT_WORDS)):
                     arguments[name] = value.index_select(0, index.to(value.device))
         return self.fn_ref.original_forward(**arguments)  # type: ignore[attr-defined]
 
@@ -265,8 +310,7 @@ class _HeadHook(_Block, ModelHook):
         if call is None:
             return self.fn_ref.original_forward(*args, **kwargs)
         bound = self.bind(module, args, kwargs)
-        hidden = bound.arguments["hidden_states"]
-        encoder = bound.arguments.get("encoder_hidden_states")
+        hidden, encoder = self.states(bound)
         full = hidden.shape[0]
         if call.method == "fbcache":
             out = self.fn_ref.original_forward(*args, **kwargs)
@@ -307,8 +351,7 @@ class _BlockHook(_Block, ModelHook):
         bound = self.bind(module, args, kwargs)
         if span.index.numel() == 0:  # every row reuses: nothing runs
             out = None
-            hidden = bound.arguments["hidden_states"]
-            encoder = bound.arguments.get("encoder_hidden_states")
+            hidden, encoder = self.states(bound)
         else:
             out = self.run_rows(bound, span.index, span.full)
             hidden, encoder = self.outputs(out)
