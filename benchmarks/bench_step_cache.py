@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    parser.add_argument("--plot", default=None, help="also draw speed-up against PSNR per method to this PNG")
     args = parser.parse_args(argv)
 
     import numpy as np
@@ -109,6 +110,28 @@ def main(argv: list[str] | None = None) -> None:
     print(f"merged batch of 8 vs alone, largest pixel difference: {report['merged_vs_alone_max_diff']}/255")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
+    if args.plot:
+        _plot(report, args.plot)
+
+
+def _plot(report: dict[str, Any], path: str) -> None:
+    """Speed-up (wall) against PSNR, one line per method through its three settings."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in SETTINGS:
+        points = [(r["psnr_db"], r["speedup"]) for r in report["settings"] if r["setting"].startswith(method)]
+        ax.plot(*zip(*points, strict=True), marker="o", label=method)
+    ax.axhline(1.8, color="grey", linestyle=":", linewidth=1)
+    ax.axvline(30, color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("PSNR against uncached (dB)")
+    ax.set_ylabel("speed-up (wall)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 def _report(rows: list[tuple[str, Any]], walls: dict[str, list[float]], cpus: dict[str, list[float]],

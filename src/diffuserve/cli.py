@@ -1,4 +1,4 @@
-"""The `diffuserve` command: serve | generate | plan | bench | make-tiny | compat.
+"""The `diffuserve` command: serve | generate | plan | bench | make-tiny | compat | calibrate-cache.
 
 Flags are built from the config dataclasses (the sub-configs ServerArgs composes, and DeploymentArgs):
 each field says which subcommands take it, so `--help`, `--config` files and the code share one
@@ -140,6 +140,13 @@ def _build_parser() -> argparse.ArgumentParser:
     compat.add_argument("--quick", action="store_true",
                         help="Only the cheap columns (T2I, I2I, Batching); Residency and Matches diffusers show -.")
 
+    calibrate = sub.add_parser("calibrate-cache", help="Write a checkpoint's MagCache ratios (docs/step-caches.md).",
+                               description="Generate a few prompts with every step computed and write the magnitude "
+                                           "ratios that --step-cache-calibration loads for magcache.")
+    from diffuserve.tools.calibrate_cache import add_arguments as add_calibrate_arguments
+
+    add_calibrate_arguments(calibrate)
+
     bench = sub.add_parser("bench", help="Benchmark a running server over HTTP.", formatter_class=_DefaultsFormatter,
                            description="Drive a running server with concurrent requests and report throughput and latency.")
     from diffuserve.bench import add_bench_arguments
@@ -261,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
             path = build_tiny_checkpoint(ns.family, Path(ns.output), preset=ns.preset)
             print(path)
             return 0
+        if ns.command == "calibrate-cache":
+            from diffuserve.tools.calibrate_cache import run as run_calibration
+
+            return run_calibration(ns)
         if ns.command == "compat":
             from diffuserve.compat import render, run_compat
 

@@ -20,7 +20,7 @@ import numpy as np
 import openai
 import pytest
 
-from diffuserve.config.step_cache import parse_step_cache
+from diffuserve.config.step_cache import parse_step_cache, with_calibration
 from diffuserve.pipelines import step_batch
 from diffuserve.sampling import SamplingParams
 from tests.integration.helpers import decode_b64_png, metric_value, pixels
@@ -33,6 +33,7 @@ SETTINGS = {  # per method, three rows with different options: they compute at d
     "fbcache": [{"threshold": 0.02}, {"threshold": 0.3}, {"threshold": 0.12, "max_cached_steps": 1}],
     "teacache": [{"threshold": 0.05}, {"threshold": 0.6}, {"threshold": 0.3}],
     "taylorseer": [{"refresh_interval": 1}, {"refresh_interval": 3, "order": 2}, {"refresh_interval": 2}],
+    "magcache": [{"threshold": 0.01}, {"threshold": 0.3}, {"threshold": 0.1, "retention_ratio": 0.4}],
 }
 
 
@@ -43,9 +44,22 @@ def flux(tiny_flux_path: Path):
     return load_pipeline(tiny_flux_path)
 
 
-def _params(method: str, steps: int = 10) -> list[SamplingParams]:
+@pytest.fixture(scope="module")
+def calibration(flux, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The demo checkpoint's MagCache ratios, as `diffuserve calibrate-cache` writes them."""
+    from diffuserve.tools.calibrate_cache import calibrate
+
+    result = calibrate(flux, steps=10, prompts=PROMPTS[:2])
+    assert len(result["mag_ratios"]) == 10 and result["mag_ratios"][0] == 1.0
+    path = tmp_path_factory.mktemp("calibration") / "mag.json"
+    path.write_text(json.dumps(result))
+    return str(path)
+
+
+def _params(method: str, steps: int = 10, calibration: str | None = None) -> list[SamplingParams]:
     return [SamplingParams(prompt=prompt, width=64, height=64, num_inference_steps=steps, guidance_scale=0.0,
-                           seed=i, step_cache=parse_step_cache({"method": method, **options}))
+                           seed=i, step_cache=with_calibration(parse_step_cache({"method": method, **options}),
+                                                               calibration))
             for i, (prompt, options) in enumerate(zip(PROMPTS, SETTINGS[method], strict=True))]
 
 
@@ -54,8 +68,8 @@ def _max_diff(a, b) -> int:
 
 
 @pytest.mark.parametrize("method", sorted(SETTINGS))
-def test_rows_of_a_merged_batch_equal_their_requests_alone(flux, method: str) -> None:
-    batch = _params(method)
+def test_rows_of_a_merged_batch_equal_their_requests_alone(flux, calibration, method: str) -> None:
+    batch = _params(method, calibration=calibration)
     merged = flux.run(batch)
     counts = [output.step_cache for output in merged.outputs]
     # Rows decided differently at the same steps: some computed while others reused.
@@ -85,8 +99,8 @@ def test_rows_of_a_continuous_group_equal_their_requests_alone(flux, method: str
 
 
 @pytest.mark.parametrize("method", sorted(SETTINGS))
-def test_cached_output_skips_steps_and_stays_close(flux, method: str) -> None:
-    params = _params(method, steps=20)[1]
+def test_cached_output_skips_steps_and_stays_close(flux, calibration, method: str) -> None:
+    params = _params(method, steps=20, calibration=calibration)[1]
     cached = flux.run([params]).outputs[0]
     plain = flux.run([SamplingParams(**{**params.__dict__, "step_cache": None})]).outputs[0]
     assert cached.step_cache["reused_steps"] > 0 and plain.step_cache is None
@@ -100,12 +114,15 @@ def test_cached_output_skips_steps_and_stays_close(flux, method: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def cache_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """Dynamic batching of 3 with a server default of fbcache; `StepHold.MARKER` prompts wait at their steps."""
+def cache_server(tiny_flux_path: Path, calibration: str,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Dynamic batching of 3 with a server default of fbcache and a MagCache calibration; `StepHold.MARKER` prompts
+    wait at their steps."""
     logs = tmp_path_factory.mktemp("step-cache")
     server = ServerProcess(
         ["--model-path", str(tiny_flux_path), "--served-model-name", "tiny-flux-cache", "--batching-mode", "dynamic",
          "--batching-max-size", "3", "--batching-delay-ms", "200", "--max-queue-size", "0",
+         "--step-cache-calibration", calibration,
          "--step-cache", "fbcache", "--step-cache-config", json.dumps({"threshold": 0.2, "warmup_steps": 1})],
         logs / "server.log", env=StepHold(logs).env())
     server.start()
@@ -133,6 +150,8 @@ def test_server_default_request_field_and_metrics(cache_server: ServerProcess) -
     assert tea["step_cache"]["method"] == "teacache"
     _, taylor = _generate(cache_server, PROMPTS[0], 1, step_cache={"method": "taylorseer", "refresh_interval": 2})
     assert taylor["step_cache"]["reused_steps"] > 0
+    _, mag = _generate(cache_server, PROMPTS[0], 1, step_cache={"method": "magcache", "threshold": 0.3})
+    assert mag["step_cache"]["method"] == "magcache" and mag["step_cache"]["reused_steps"] > 0
     after = metric_value(cache_server.base_url, "diffuserve_step_cache_steps_total",
                          {"method": "fbcache", "outcome": "reused"})
     assert after - before == default["step_cache"]["reused_steps"]
@@ -142,6 +161,7 @@ def test_server_default_request_field_and_metrics(cache_server: ServerProcess) -
     ({"step_cache": "deepcache"}, "step_cache"),
     ({"step_cache": {"method": "fbcache", "threshold": 99}}, "step_cache"),
     ({"step_cache": {"method": "taylorseer", "colour": 1}}, "step_cache"),
+    ({"step_cache": {"method": "magcache", "mag_ratios": [1.0]}}, "step_cache"),
     ({"step_cache": 7}, "step_cache"),
     ({"enable_teacache": True, "step_cache": "fbcache"}, "enable_teacache"),
 ])

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 
 from diffuserve.config.engine_limits import EngineConfig
-from diffuserve.config.step_cache import StepCacheSettings, parse_step_cache, server_step_cache
+from diffuserve.config.step_cache import (
+    StepCacheSettings,
+    parse_step_cache,
+    server_step_cache,
+    with_calibration,
+)
 from diffuserve.errors import ConfigError, InvalidRequestError
 from diffuserve.sampling import SamplingParams, signature_difference
 
@@ -47,6 +52,20 @@ def test_server_flags() -> None:
         EngineConfig(step_cache="magic").validate()
     with pytest.raises(ConfigError, match="--step-cache-config"):
         EngineConfig(step_cache_config='{"threshold": 0.1}').validate()
+
+
+def test_magcache_needs_the_servers_calibration(tmp_path) -> None:
+    asked = parse_step_cache("magcache")
+    with pytest.raises(InvalidRequestError, match="--step-cache-calibration") as raised:
+        with_calibration(asked, None)
+    assert raised.value.param == "step_cache"
+    (tmp_path / "mag.json").write_text('{"mag_ratios": [1.0, 0.98, 0.95]}')
+    assert with_calibration(asked, str(tmp_path / "mag.json")).mag_ratios == (1.0, 0.98, 0.95)
+    (tmp_path / "bad.json").write_text('{"ratios": []}')
+    with pytest.raises(ConfigError, match="calibrate-cache"):
+        EngineConfig(step_cache="magcache", step_cache_calibration=str(tmp_path / "bad.json")).validate()
+    with pytest.raises(ConfigError, match="--step-cache-calibration"):
+        EngineConfig(step_cache="magcache").validate()
 
 
 def test_only_the_method_joins_the_batch_signature() -> None:

@@ -9,7 +9,7 @@ from typing import ClassVar
 from diffuserve.config.argparse_dataclass import check_flags, flag
 from diffuserve.config.http_args import SERVER_GROUP
 from diffuserve.config.limits import LIMITS_GROUP
-from diffuserve.config.step_cache import METHODS, server_step_cache
+from diffuserve.config.step_cache import METHODS, load_calibration, server_step_cache, with_calibration
 from diffuserve.errors import ConfigError, InvalidRequestError
 
 
@@ -34,6 +34,9 @@ class EngineConfig:
                                          '"warmup_steps": 2, "max_cached_steps": 3}\'.', SERVER_GROUP)
     """JSON object of the default method's options (threshold, warmup_steps, max_cached_steps, order,
     refresh_interval, compute_last_step)."""
+    step_cache_calibration: str | None = flag(None, "JSON file of the checkpoint's magnitude ratios for "
+                                              "--step-cache magcache (`diffuserve calibrate-cache`).", SERVER_GROUP)
+    """The `diffuserve calibrate-cache` output that magcache requests use."""
     warmup_resolutions: list[tuple[int, int]] = field(default_factory=list, metadata={"cli": False})
     """(width, height) pairs warmed up besides the default size (compile / graph capture per shape); from the
     deployment plan's `--warmup-resolutions`."""
@@ -48,6 +51,12 @@ class EngineConfig:
              "gives options but --step-cache names no method; add e.g. --step-cache fbcache"),
         ])
         try:
-            server_step_cache(self.step_cache, self.step_cache_config)
+            default = server_step_cache(self.step_cache, self.step_cache_config)
         except (InvalidRequestError, ValueError) as exc:
             raise ConfigError(f"--step-cache / --step-cache-config: {exc}") from exc
+        try:
+            if self.step_cache_calibration:
+                load_calibration(self.step_cache_calibration)
+            with_calibration(default, self.step_cache_calibration, "--step-cache")
+        except (InvalidRequestError, ValueError) as exc:
+            raise ConfigError(f"--step-cache-calibration: {exc}") from exc

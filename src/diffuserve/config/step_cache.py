@@ -10,16 +10,17 @@ accepted as `{"method": "teacache"}` by the routes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
 
 from diffuserve.errors import InvalidRequestError
 
-METHODS = ("fbcache", "taylorseer", "teacache")
+METHODS = ("fbcache", "magcache", "taylorseer", "teacache")
 """The step-cache methods this server runs (`docs/step-caches.md` says which to pick)."""
 
-DEFAULT_THRESHOLDS = {"fbcache": 0.12, "teacache": 0.4, "taylorseer": 0.0}
+DEFAULT_THRESHOLDS = {"fbcache": 0.12, "magcache": 0.06, "teacache": 0.4, "taylorseer": 0.0}
 """Per-method threshold when a setting leaves it out (taylorseer has none: it refreshes on a fixed interval)."""
 
 
@@ -28,7 +29,7 @@ class StepCacheSettings:
     """One request's step-cache method and options. Every row of the request decides from its own history."""
 
     method: str
-    """fbcache | taylorseer | teacache."""
+    """fbcache | magcache | taylorseer | teacache."""
     threshold: float = -1.0
     """fbcache: relative L1 change of the first block's residual below which a row reuses its cached residual;
     teacache: accumulated rescaled change of the modulated input below which a row reuses. -1: the method's
@@ -43,6 +44,14 @@ class StepCacheSettings:
     """taylorseer: a row computes every `refresh_interval` steps and forecasts the ones between."""
     compute_last_step: bool = True
     """Every row computes its final step (the detail a cached last step would blur)."""
+    retention_ratio: float = 0.2
+    """magcache: share of the first steps every row computes (MagCache's retention ratio)."""
+    mag_ratios: tuple[float, ...] = ()
+    """magcache: the checkpoint's magnitude ratios per step, from `diffuserve calibrate-cache` (the server fills
+    them from `--step-cache-calibration`; not a request option)."""
+    calibrate: bool = False
+    """Record the magnitude ratios of every computed step instead of reusing any (`diffuserve calibrate-cache`;
+    not a request option)."""
 
     @property
     def resolved_threshold(self) -> float:
@@ -52,7 +61,9 @@ class StepCacheSettings:
         return dataclasses.asdict(self)
 
 
-_OPTIONS = {f.name: f.type for f in dataclasses.fields(StepCacheSettings) if f.name != "method"}
+_OPTIONS = {f.name: f.type for f in dataclasses.fields(StepCacheSettings)
+            if f.name not in ("method", "mag_ratios", "calibrate")}
+"""The options a request or `--step-cache-config` may set, and their types."""
 
 
 def _option(field: str, key: str, value: Any) -> Any:
@@ -69,7 +80,7 @@ def _option(field: str, key: str, value: Any) -> Any:
             raise InvalidRequestError(f"{field}.{key} must be a whole number, got {value!r}.", param=field)
         value = int(value)
     limits = {"threshold": (0.0, 10.0), "warmup_steps": (0, 1000), "max_cached_steps": (0, 1000),
-              "order": (0, 4), "refresh_interval": (1, 100)}
+              "order": (0, 4), "refresh_interval": (1, 100), "retention_ratio": (0.0, 1.0)}
     low, high = limits[key]
     if key == "threshold" and value == -1:
         return float(value)
@@ -126,3 +137,30 @@ def server_step_cache(method: str | None, config: str | None) -> StepCacheSettin
             raise InvalidRequestError("--step-cache-config must be a JSON object of options.",
                                       param="--step-cache-config")
     return parse_step_cache({**options, "method": method}, "--step-cache")
+
+
+@functools.lru_cache(maxsize=8)
+def load_calibration(path: str) -> tuple[float, ...]:
+    """The magnitude ratios of a `diffuserve calibrate-cache` file; ValueError naming what is wrong."""
+    try:
+        with open(path) as file:
+            data = json.load(file)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read the calibration {path!r}: {exc}") from exc
+    ratios = data.get("mag_ratios") if isinstance(data, dict) else None
+    if not isinstance(ratios, list) or not ratios or not all(isinstance(r, int | float) for r in ratios):
+        raise ValueError(f"{path!r} holds no 'mag_ratios' list; write it with `diffuserve calibrate-cache`")
+    return tuple(float(r) for r in ratios)
+
+
+def with_calibration(settings: StepCacheSettings | None, path: str | None,
+                     field: str = "step_cache") -> StepCacheSettings | None:
+    """`settings` with the server's magnitude ratios when its method is magcache (a 400 naming `field` when the
+    server has none)."""
+    if settings is None or settings.method != "magcache" or settings.mag_ratios:
+        return settings
+    if not path:
+        raise InvalidRequestError(f"{field}: magcache needs this checkpoint's magnitude ratios; start the server with "
+                                  "--step-cache-calibration FILE (made by `diffuserve calibrate-cache`), or use "
+                                  "fbcache, taylorseer or teacache.", param=field)
+    return dataclasses.replace(settings, mag_ratios=load_calibration(path))

@@ -151,6 +151,10 @@ class Pipeline:
             if problem is not None:
                 raise InvalidRequestError(f"step_cache {params.step_cache.method!r} cannot run on this {self.family} "
                                           f"model: {problem}.", param="step_cache")
+            settings = params.step_cache
+            if settings.method == "magcache" and not settings.mag_ratios and not settings.calibrate:
+                raise InvalidRequestError("step_cache magcache needs this checkpoint's magnitude ratios (`diffuserve "
+                                          "calibrate-cache`, then --step-cache-calibration FILE).", param="step_cache")
 
     def step_cache_problem(self, method: str) -> str | None:
         """Why this pipeline cannot run step-cache `method` (None: it can). Native families answer from their

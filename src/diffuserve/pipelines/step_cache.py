@@ -18,6 +18,9 @@ Methods (settings in `config/step_cache.py`):
   residual, against its last computed step, is under the threshold (ParaAttention's First Block Cache).
 * `teacache`: a row reuses while the accumulated change of its timestep-modulated input, rescaled by the
   published per-model polynomial, stays under the threshold (TeaCache; FLUX.1's coefficients).
+* `magcache`: a row reuses while the error its skipped steps accumulate, predicted from the checkpoint's
+  calibrated magnitude ratios (`diffuserve calibrate-cache`), stays under the threshold (MagCache; diffusers'
+  calibration formula and `nearest_interp`).
 * `taylorseer`: a row computes every `refresh_interval` steps and forecasts the blocks' residual between by a
   Taylor expansion in the step (diffusers' `TaylorSeerState` holds each row's factors).
 """
@@ -27,7 +30,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,7 +38,19 @@ from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.hooks._helpers import TransformerBlockRegistry
 from diffusers.hooks.taylorseer_cache import TaylorSeerState
 
-from diffuserve.config.step_cache import StepCacheSettings
+from diffuserve.pipelines.step_cache_rows import (
+    CallRows,
+    RowCache,
+    decide_fbcache,
+    decide_magcache,
+    decide_taylorseer,
+    decide_teacache,
+    new_row_caches,
+    step_counts,
+)
+
+__all__ = ["CallRows", "RowCache", "StepCacheHooks", "block_hooks", "new_row_caches", "step_counts",
+           "supports_blocks"]
 
 HEAD_HOOK = "diffuserve_step_cache_head"
 BLOCK_HOOK = "diffuserve_step_cache_block"
@@ -56,119 +71,7 @@ containers). Elsewhere the span is the last container: FLUX.2 joins the text and
 blocks and Z-Image's refiners run on other token sets, so only the last container's blocks chain."""
 
 
-@dataclass(eq=False)
-class RowCache:
-    """One output row's step-cache history (one per row of a request; it travels with the row)."""
-
-    settings: StepCacheSettings
-    num_steps: int
-    """Steps of the row's schedule (its last one computes when `compute_last_step`)."""
-    step: int = 0
-    """Steps this row has been through."""
-    computed: int = 0
-    reused: int = 0
-    consecutive: int = 0
-    """Reused steps since the row last computed."""
-    last_computed: int = -1
-    compute: bool = True
-    """This step's decision (valid once `decided`)."""
-    decided: bool = False
-    accumulated: float = 0.0
-    """teacache: rescaled change accumulated since the row last computed."""
-    probe: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Per CFG branch: the row's first-block residual (fbcache) or modulated input (teacache) at its last
-    computed step."""
-    residual: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
-    """Per CFG branch: the blocks' residual (hidden, encoder) at the row's last computed step."""
-    taylor: dict[int, TaylorSeerState] = field(default_factory=dict)
-    """taylorseer, per CFG branch: the row's Taylor factors of the blocks' residual."""
-    denoiser: str = ""
-    """The denoiser its cache belongs to (Wan2.2 switches experts mid-schedule: the new one starts afresh)."""
-
-    def use_denoiser(self, key: str) -> None:
-        """Forget what another denoiser cached: its residuals mean nothing to this one."""
-        if key != self.denoiser:
-            self.probe.clear()
-            self.residual.clear()
-            self.taylor.clear()
-            self.accumulated = 0.0
-            self.denoiser = key
-
-    def must_compute(self) -> bool:
-        """Whatever its measure says: warm-up, the last step, the cap on consecutive reuse, nothing cached yet."""
-        s = self.settings
-        return (self.step < s.warmup_steps or not self.residual and not self.taylor
-                or (s.compute_last_step and self.step >= self.num_steps - 1)
-                or (s.max_cached_steps > 0 and self.consecutive >= s.max_cached_steps))
-
-    def end_step(self) -> None:
-        """Count the step and move on (called once per row per denoising step)."""
-        if self.compute:
-            self.computed += 1
-            self.consecutive = 0
-            self.last_computed = self.step
-        else:
-            self.reused += 1
-            self.consecutive += 1
-        self.step += 1
-        self.decided = False
-        self.compute = True
-
-
-def new_row_caches(settings: StepCacheSettings | None, rows: int, num_steps: int) -> list[RowCache] | None:
-    """`rows` fresh row caches for a request (None when it asked for none)."""
-    if settings is None:
-        return None
-    return [RowCache(settings=settings, num_steps=num_steps) for _ in range(rows)]
-
-
-def step_counts(rows: Sequence[RowCache] | None) -> dict[str, Any] | None:
-    """A request's counts for `timings`: steps its rows computed and reused (summed over its rows)."""
-    if not rows:
-        return None
-    return {"method": rows[0].settings.method, "computed_steps": sum(r.computed for r in rows),
-            "reused_steps": sum(r.reused for r in rows)}
-
-
-def _changes(call: CallRows, now: torch.Tensor) -> list[float | None]:
-    """Per row of the call that still decides this step: the relative L1 change of `now[i]` against the row's
-    probe (diffusers' FirstBlockCache measure, taken per row instead of over the batch); None where the row
-    has no probe or has decided already. One device sync for the whole call."""
-    wanted = [i for i, (row, branch) in enumerate(zip(call.rows, call.branches, strict=True))
-              if not row.decided and branch in row.probe]
-    out: list[float | None] = [None] * len(call.rows)
-    if not wanted:
-        return out
-    current = now.index_select(0, torch.tensor(wanted, device=now.device))
-    before = torch.stack([call.rows[i].probe[call.branches[i]] for i in wanted])
-    dims = tuple(range(1, current.dim()))
-    change = (current - before).abs().mean(dim=dims) / before.abs().mean(dim=dims).clamp_min(1e-12)
-    for i, value in zip(wanted, change.float().tolist(), strict=True):
-        out[i] = value
-    return out
-
-
-def _rescale(coefficients: Sequence[float], x: float) -> float:
-    out = 0.0
-    for c in coefficients:
-        out = out * x + c
-    return out
-
-
 # -- the call's rows and the span of blocks ------------------------------------------------------------------
-
-
-@dataclass
-class CallRows:
-    """The rows of one denoiser call: row i of the call is `rows[i]`'s CFG branch `branches[i]`."""
-
-    rows: list[RowCache]
-    branches: list[int]
-
-    @property
-    def method(self) -> str:
-        return self.rows[0].settings.method
-
 
 @dataclass
 class Span:
@@ -315,15 +218,17 @@ class _HeadHook(_Block, ModelHook):
         if call.method == "fbcache":
             out = self.fn_ref.original_forward(*args, **kwargs)
             first_hidden, first_encoder = self.outputs(out)
-            _decide_fbcache(call, first_hidden - hidden)
+            decide_fbcache(call, first_hidden - hidden)
             base = (first_hidden, first_encoder)
         else:
             if call.method == "teacache":
                 temb = bound.arguments["temb"]
                 modulated = module.norm1(hidden, emb=temb)[0]
-                _decide_teacache(call, modulated, TEACACHE_COEFFICIENTS[self.owner.denoiser_class])
+                decide_teacache(call, modulated, TEACACHE_COEFFICIENTS[self.owner.denoiser_class])
+            elif call.method == "magcache":
+                decide_magcache(call)
             else:
-                _decide_taylorseer(call)
+                decide_taylorseer(call)
             base = (hidden, encoder)
         index = torch.tensor([i for i, row in enumerate(call.rows) if row.compute], dtype=torch.long)
         self.owner.span = Span(call=call, index=index, full=full, base=base)
@@ -361,48 +266,6 @@ class _BlockHook(_Block, ModelHook):
         self.owner.span = None
         return self.pack(hidden, encoder, out if out is not None else (None, None))
 
-
-# -- the per-row policies --------------------------------------------------------------------------------------
-
-
-def _decide_fbcache(call: CallRows, first_residual: torch.Tensor) -> None:
-    """Per row: reuse while the first block's residual changed less than the threshold since the row's last
-    computed step (the conditional branch measures; the negative branch follows its row)."""
-    changes = _changes(call, first_residual)
-    for i, (row, branch) in enumerate(zip(call.rows, call.branches, strict=True)):
-        if not row.decided:
-            change = changes[i]
-            row.compute = row.must_compute() or change is None or change > row.settings.resolved_threshold
-            row.decided = True
-        if row.compute:
-            row.probe[branch] = first_residual[i]
-
-
-def _decide_teacache(call: CallRows, modulated: torch.Tensor, coefficients: Sequence[float]) -> None:
-    """Per row: accumulate the rescaled relative L1 change of the modulated input; compute when it passes the
-    threshold (then start accumulating again)."""
-    changes = _changes(call, modulated)
-    for i, (row, branch) in enumerate(zip(call.rows, call.branches, strict=True)):
-        if not row.decided:
-            change = changes[i]
-            if change is not None:
-                row.accumulated += _rescale(coefficients, change)
-            row.compute = row.must_compute() or change is None or row.accumulated >= row.settings.resolved_threshold
-            if row.compute:
-                row.accumulated = 0.0
-            row.decided = True
-        row.probe[branch] = modulated[i]
-
-
-def _decide_taylorseer(call: CallRows) -> None:
-    """Per row: compute every `refresh_interval` steps since its last computed one, forecast between."""
-    for row in call.rows:
-        if not row.decided:
-            interval = row.settings.refresh_interval
-            row.compute = row.must_compute() or row.step - row.last_computed >= interval
-            row.decided = True
-
-
 def _rebuild(span: Span, hidden: torch.Tensor, encoder: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
     """Every row of the call after the blocks: a computed row leaves with its own output (bit-equal to an uncached
     step) and keeps its residual; the others get `base + residual`, their cached residual or their forecast."""
@@ -415,6 +278,8 @@ def _rebuild(span: Span, hidden: torch.Tensor, encoder: torch.Tensor | None) -> 
         res_encoder = encoder - base_encoder.index_select(0, index) if keep_encoder else None  # type: ignore[union-attr]
         for k, i in enumerate(computed):
             row, branch = span.call.rows[i], span.call.branches[i]
+            if row.settings.calibrate and branch == 0:
+                _record_ratio(row, res_hidden[k])
             res = (res_hidden[k], None if res_encoder is None else res_encoder[k])
             row.residual[branch] = res
             if row.settings.method == "taylorseer":
@@ -440,6 +305,17 @@ def _rebuild(span: Span, hidden: torch.Tensor, encoder: torch.Tensor | None) -> 
         if computed and encoder is not None:
             out_encoder.index_copy_(0, index, encoder)
     return out_hidden, out_encoder
+
+
+def _record_ratio(row: RowCache, residual: torch.Tensor) -> None:
+    """Calibration: mean over tokens of |residual now| / |residual at the previous step| (diffusers' MagCache
+    calibration formula; 1.0 for the first step)."""
+    before = row.residual.get(0)
+    if before is None:
+        row.ratios.append(1.0)
+        return
+    now, then = torch.linalg.norm(residual.float(), dim=-1), torch.linalg.norm(before[0].float(), dim=-1)
+    row.ratios.append(float((now / (then + 1e-8)).mean().item()))
 
 
 def _cached_residual(row: RowCache, branch: int) -> tuple[torch.Tensor, torch.Tensor | None]:

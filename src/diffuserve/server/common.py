@@ -11,7 +11,12 @@ from typing import Any
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from diffuserve.config.step_cache import StepCacheSettings, parse_step_cache, server_step_cache
+from diffuserve.config.step_cache import (
+    StepCacheSettings,
+    parse_step_cache,
+    server_step_cache,
+    with_calibration,
+)
 from diffuserve.engine.engine import EngineState, GenerationResult
 from diffuserve.errors import InvalidRequestError, ModelNotFoundError
 from diffuserve.pipelines.prompt_limits import PromptTokens
@@ -113,7 +118,12 @@ def result_timings(result: GenerationResult, *, encode_s: float, received: float
 
 
 def request_step_cache(body: Any, ctx: ServerContext) -> StepCacheSettings | None:
-    """A body's step cache: its `step_cache` (or `enable_teacache: true`), else the server's `--step-cache`."""
+    """A body's step cache: its `step_cache` (or `enable_teacache: true`), else the server's `--step-cache`; magcache
+    gets the checkpoint's ratios from `--step-cache-calibration`."""
+    return with_calibration(_asked_step_cache(body, ctx), ctx.args.step_cache_calibration)
+
+
+def _asked_step_cache(body: Any, ctx: ServerContext) -> StepCacheSettings | None:
     fields = body.model_fields_set
     if "enable_teacache" in fields and body.enable_teacache is not None:
         if "step_cache" in fields and body.step_cache is not None:
