@@ -28,6 +28,7 @@ SETTINGS: dict[str, list[dict[str, Any]]] = {
     "teacache": [{"threshold": 0.25}, {"threshold": 0.4}, {"threshold": 0.6, "max_cached_steps": 4}],
     "taylorseer": [{"refresh_interval": 2, "order": 1}, {"refresh_interval": 3, "order": 2},
                    {"refresh_interval": 4, "order": 2}],
+    "magcache": [{"threshold": 0.06}, {"threshold": 0.12}, {"threshold": 0.25, "max_cached_steps": 4}],
 }
 """Three settings per method, from conservative to aggressive."""
 
@@ -70,14 +71,18 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from diffuserve.config.step_cache import parse_step_cache
+    from diffuserve.config.step_cache import parse_step_cache, with_calibration
     from diffuserve.demo import semantics, shapes
     from diffuserve.models.loader import load_pipeline
     from diffuserve.models.tiny import ensure_default_model
     from diffuserve.sampling import SamplingParams
+    from diffuserve.tools.calibrate_cache import calibrate
 
     pipeline = load_pipeline(ensure_default_model(Path(tempfile.mkdtemp(prefix="bench-cache-"))), device=args.device)
     cases = semantics.cases_for((0,))
+    # MagCache's ratios from a calibration run on other prompts and seeds than the test set (calibrate-cache's own).
+    ratios = Path(tempfile.mkdtemp(prefix="bench-cache-")) / "mag.json"
+    ratios.write_text(json.dumps(calibrate(pipeline, steps=args.steps)))
 
     def batch(cache: Any) -> list[SamplingParams]:
         return [SamplingParams(prompt=scene.prompt(), seed=seed, width=shapes.SIZE, height=shapes.SIZE,
@@ -92,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
         return wall, cpu, result.stage_seconds.get("denoise", wall), images, [o.step_cache for o in result.outputs]
 
     run(None)  # warm-up
-    rows = [("uncached", None)] + [(f"{m} {json.dumps(o)}", parse_step_cache({"method": m, **o}))
+    rows = [("uncached", None)] + [(f"{m} {json.dumps(o)}",
+                                    with_calibration(parse_step_cache({"method": m, **o}), str(ratios)))
                                    for m, options in SETTINGS.items() for o in options]
     walls: dict[str, list[float]] = {name: [] for name, _ in rows}
     cpus: dict[str, list[float]] = {name: [] for name, _ in rows}
