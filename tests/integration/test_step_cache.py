@@ -10,6 +10,7 @@ official openai SDK. Tolerance: 1/255 per pixel channel (the dynamic-batching to
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -79,6 +80,23 @@ def test_rows_of_a_merged_batch_equal_their_requests_alone(flux, calibration, me
         alone = flux.run([params]).outputs[0]
         assert alone.step_cache == output.step_cache
         assert _max_diff(output.images[0], alone.images[0]) <= PIXEL_TOL
+
+
+@pytest.mark.parametrize("batched_cfg", [False, True])
+def test_cfg_branches_of_a_row_decide_together(flux, batched_cfg: bool) -> None:
+    """True CFG, as two passes or one doubled batch: each row's branches follow the conditional branch's decision,
+    and merged rows still equal their requests alone."""
+    batch = [dataclasses.replace(p, negative_prompt="blurry", true_cfg_scale=3.0) for p in _params("fbcache")]
+    flux.batched_cfg = batched_cfg
+    try:
+        merged = flux.run(batch).outputs
+        assert len({o.step_cache["computed_steps"] for o in merged}) > 1
+        for params, output in zip(batch, merged, strict=True):
+            alone = flux.run([params]).outputs[0]
+            assert alone.step_cache == output.step_cache
+            assert _max_diff(output.images[0], alone.images[0]) <= PIXEL_TOL
+    finally:
+        flux.batched_cfg = False
 
 
 @pytest.mark.parametrize("method", ["fbcache", "taylorseer"])
