@@ -251,3 +251,25 @@ def test_other_native_families_decide_per_row(tiny_checkpoint, family: str) -> N
     with pytest.raises(InvalidRequestError, match="FluxTransformer2DModel") as raised:
         pipeline.validate(SamplingParams(**{**batch[0].__dict__, "step_cache": parse_step_cache("teacache")}))
     assert raised.value.param == "step_cache"
+
+
+def test_continuous_server_reports_each_requests_own_counts(tiny_flux_path: Path,
+                                                           tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Continuous batching over HTTP: requests with different settings step in one group; each answer equals the
+    same request run alone on the same server, counts included."""
+    logs = tmp_path_factory.mktemp("step-cache-continuous")
+    server = ServerProcess(["--model-path", str(tiny_flux_path), "--served-model-name", "tiny-flux-cache",
+                            "--batching-mode", "continuous", "--batching-max-size", "3", "--step-cache", "taylorseer"],
+                           logs / "server.log").start()
+    options = [{"method": "taylorseer", **o} for o in SETTINGS["taylorseer"]]
+    try:
+        alone = [_generate(server, PROMPTS[i], i, step_cache=options[i]) for i in range(3)]
+        with ThreadPoolExecutor(3) as pool:
+            together = list(pool.map(lambda i: _generate(server, PROMPTS[i], i, step_cache=options[i]), range(3)))
+    finally:
+        server.stop()
+    assert max(t["batch_size"] for _, t in together) > 1
+    assert len({t["step_cache"]["computed_steps"] for _, t in together}) > 1
+    for (image, timings), (image_alone, timings_alone) in zip(together, alone, strict=True):
+        assert timings["step_cache"] == timings_alone["step_cache"]
+        assert _max_diff(image, image_alone) <= PIXEL_TOL
