@@ -273,3 +273,45 @@ def test_continuous_server_reports_each_requests_own_counts(tiny_flux_path: Path
     for (image, timings), (image_alone, timings_alone) in zip(together, alone, strict=True):
         assert timings["step_cache"] == timings_alone["step_cache"]
         assert _max_diff(image, image_alone) <= PIXEL_TOL
+
+
+def test_layerwise_offload_streams_no_block_a_step_reuses(flux, tiny_flux_path: Path) -> None:
+    """Under layer-wise offload (set up at load, before any cached request: the step-cache hooks sit outside the
+    streaming hooks), a step on which every row reuses moves no block weights: the ledger shows the bytes saved,
+    and the images equal the resident ones."""
+    import torch
+
+    from diffuserve.config.plan import ComponentPlan, ResidencyMode
+    from diffuserve.models.loader import load_pipeline
+    from diffuserve.runtime.ledger import TransferLedger
+    from diffuserve.runtime.residency import ComponentResidencyManager
+
+    pipeline = load_pipeline(tiny_flux_path)
+    ledger = TransferLedger()
+    manager = ComponentResidencyManager(
+        {"transformer": pipeline.transformer},
+        {"transformer": ComponentPlan("transformer", "dit", ResidencyMode.LAYERWISE_OFFLOAD)},
+        device=torch.device("cpu"), ledger=ledger)
+    manager.setup()
+    pipeline.residency = manager
+
+    def moved() -> int:
+        return sum(sum(d.values()) for d in ledger.totals().values())
+
+    batch = [dataclasses.replace(p, step_cache=parse_step_cache({"method": "taylorseer", "refresh_interval": 3}))
+             for p in _params("taylorseer", steps=12)[:2]]
+    try:
+        start = moved()
+        plain = pipeline.run([dataclasses.replace(p, step_cache=None) for p in batch]).outputs
+        middle = moved()
+        cached = pipeline.run(batch).outputs
+        end = moved()
+    finally:
+        manager.close()
+    assert all(o.step_cache["reused_steps"] == 6 for o in cached)
+    assert end - middle < 0.75 * (middle - start), (middle - start, end - middle)
+    for params, output in zip(batch, cached, strict=True):
+        assert _max_diff(output.images[0], flux.run([params]).outputs[0].images[0]) <= PIXEL_TOL
+    for params, output in zip(batch, plain, strict=True):
+        resident = flux.run([dataclasses.replace(params, step_cache=None)]).outputs[0]
+        assert _max_diff(output.images[0], resident.images[0]) <= PIXEL_TOL
