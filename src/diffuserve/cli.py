@@ -1,4 +1,4 @@
-"""The `diffuserve` command: serve | generate | plan | bench | make-tiny | make-tiny-lora | compat.
+"""The `diffuserve` command: serve | generate | plan | bench | make-tiny | make-tiny-lora | compat | calibrate-cache.
 
 Flags are built from the config dataclasses (the sub-configs ServerArgs composes, and DeploymentArgs):
 each field says which subcommands take it, so `--help`, `--config` files and the code share one
@@ -73,6 +73,31 @@ def _add_config_arguments(parser: argparse.ArgumentParser, command: str, *, depl
     if deployment:
         add_dataclass_arguments(parser, DeploymentArgs, command=command, groups=groups)
     return groups
+
+
+def _add_tool_commands(sub: Any) -> None:
+    """`compat`, `calibrate-cache` and `bench`: the tools (diffuserve/tools/), each with its own flags."""
+    compat = sub.add_parser("compat", help="Build every tiny checkpoint and write the compatibility grid from real runs.",
+                            description="For each image family's tiny checkpoint: T2I, I2I, batching, residency and "
+                                        "diffusers parity through the serving path; writes the grid as Markdown.")
+    compat.add_argument("--output", default=None, help="Markdown file to write the grid to (default: print only).")
+    compat.add_argument("--families", default=None,
+                        help="Comma-separated make-tiny names to check (default: every image family).")
+    compat.add_argument("--quick", action="store_true",
+                        help="Only the cheap columns (T2I, I2I, Batching); Residency and Matches diffusers show -.")
+
+    calibrate = sub.add_parser("calibrate-cache", help="Write a checkpoint's MagCache ratios (docs/step-caches.md).",
+                               description="Generate a few prompts with every step computed and write the magnitude "
+                                           "ratios that --step-cache-calibration loads for magcache.")
+    from diffuserve.tools.calibrate_cache import add_arguments as add_calibrate_arguments
+
+    add_calibrate_arguments(calibrate)
+
+    bench = sub.add_parser("bench", help="Benchmark a running server over HTTP.", formatter_class=_DefaultsFormatter,
+                           description="Drive a running server with concurrent requests and report throughput and latency.")
+    from diffuserve.tools.bench import add_bench_arguments
+
+    add_bench_arguments(bench)
 
 
 def _add_make_tiny_lora(sub: Any) -> None:
@@ -154,20 +179,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     _add_make_tiny_lora(sub)
 
-    compat = sub.add_parser("compat", help="Build every tiny checkpoint and write the compatibility grid from real runs.",
-                            description="For each image family's tiny checkpoint: T2I, I2I, batching, residency and "
-                                        "diffusers parity through the serving path; writes the grid as Markdown.")
-    compat.add_argument("--output", default=None, help="Markdown file to write the grid to (default: print only).")
-    compat.add_argument("--families", default=None,
-                        help="Comma-separated make-tiny names to check (default: every image family).")
-    compat.add_argument("--quick", action="store_true",
-                        help="Only the cheap columns (T2I, I2I, Batching); Residency and Matches diffusers show -.")
-
-    bench = sub.add_parser("bench", help="Benchmark a running server over HTTP.", formatter_class=_DefaultsFormatter,
-                           description="Drive a running server with concurrent requests and report throughput and latency.")
-    from diffuserve.tools.bench import add_bench_arguments
-
-    add_bench_arguments(bench)
+    _add_tool_commands(sub)
     return parser
 
 
@@ -305,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
             print(write_random_lora(ns.checkpoint, ns.output, rank=ns.rank, alpha=ns.alpha, seed=ns.seed,
                                     targets=tuple(t.strip() for t in ns.targets.split(",") if t.strip())))
             return 0
+        if ns.command == "calibrate-cache":
+            from diffuserve.tools.calibrate_cache import run as run_calibration
+
+            return run_calibration(ns)
         if ns.command == "compat":
             from diffuserve.tools.compat import render, run_compat
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
+from diffuserve.config.step_cache import StepCacheSettings
 from diffuserve.errors import InvalidRequestError
 from diffuserve.families.base import SamplingDefaults
 
@@ -75,21 +76,30 @@ class SamplingParams:
                                         "over; None: the checkpoint's model_index.json value.")
     resolution: int | None = _sig(None, "Qwen-Image-Layered: the pipeline's resolution bucket (640 or 1024); "
                                   "None: the pipeline's default.")
+    step_cache: StepCacheSettings | None = _row(
+        None, "Step cache of this request's rows (None: every step computes); only its method joins the signature.")
 
     @property
     def cfg_enabled(self) -> bool:
         """Whether the classifier-free-guidance branch runs (doubles the rows of the batch)."""
         return self.true_cfg_scale > 1.0 and bool(self.negative_prompt)
 
+    @property
+    def step_cache_method(self) -> str:
+        """The step-cache method, or "off". The one cache setting in the batch signature (and the continuous group
+        key): methods decide at different points of the denoiser call; thresholds and the rest are per row."""
+        return self.step_cache.method if self.step_cache is not None else "off"
+
     def signature(self) -> tuple[tuple[str, Any], ...]:
         """The batch signature: equal signatures run the same tensor program."""
         items = [(f.name, getattr(self, f.name)) for f in fields(self) if f.metadata.get("signature")]
         items.append(("cfg_enabled", self.cfg_enabled))
+        items.append(("step_cache_method", self.step_cache_method))
         return tuple(items)
 
     @classmethod
     def signature_fields(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls) if f.metadata.get("signature")) + ("cfg_enabled",)
+        return tuple(f.name for f in fields(cls) if f.metadata.get("signature")) + ("cfg_enabled", "step_cache_method")
 
 
 def signature_difference(a: SamplingParams, b: SamplingParams) -> str | None:
@@ -180,6 +190,7 @@ def build_sampling_params(
     boundary_ratio: float | None = None,
     resolution: int | None = None,
     lora: tuple[tuple[str, float], ...] = (),
+    step_cache: StepCacheSettings | None = None,
 ) -> SamplingParams:
     """THE builder: request fields (None = unset) + the model's defaults -> checked SamplingParams.
 
@@ -212,6 +223,7 @@ def build_sampling_params(
         boundary_ratio=boundary_ratio,
         resolution=resolution,
         lora=tuple(lora),
+        step_cache=step_cache,
     )
     if model.validate is not None:
         model.validate(params)

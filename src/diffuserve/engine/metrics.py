@@ -30,6 +30,7 @@ import math
 from collections import Counter as _Tally
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -105,6 +106,9 @@ class EngineMetrics:
         self.stage_seconds = Histogram(f"{p}stage_seconds", "Time per pipeline stage per batch.", ["stage"],
                                        buckets=_STAGE_BUCKETS, registry=r)
         self.outputs_generated = Counter(f"{p}outputs_generated", "Images or videos produced.", registry=r)
+        self.step_cache_steps = Counter(
+            f"{p}step_cache_steps", "Denoising steps of rows that ran a step cache, by method and whether the row "
+            "computed the step or reused its cache (summed over rows).", ["method", "outcome"], registry=r)
         self.overlap_jobs = Counter(
             f"{p}overlap_jobs", "Text encodes / decodes run in a side lane beside the denoise loop, by stage.",
             ["stage"], registry=r)
@@ -190,6 +194,14 @@ class EngineMetrics:
         """One side-lane job (`encode` or `decode`) and the denoising steps that ran beside it."""
         self.overlap_jobs.labels(stage=stage).inc()
         self.overlap_steps.labels(stage=stage).inc(max(0, steps_beside))
+
+    def observe_step_cache(self, counts: dict[str, Any] | None) -> None:
+        """One answered request's step-cache counts (`RequestOutput.step_cache`); None: it ran no cache."""
+        if not counts:
+            return
+        method = str(counts.get("method"))
+        self.step_cache_steps.labels(method=method, outcome="computed").inc(int(counts.get("computed_steps", 0)))
+        self.step_cache_steps.labels(method=method, outcome="reused").inc(int(counts.get("reused_steps", 0)))
 
     def add_outputs_generated(self, n: int) -> None:
         self.outputs_generated.inc(n)

@@ -144,6 +144,8 @@ class RequestBook:
         request.status, label = status_of(error)
         if request.ineligible_reason != "warmup":
             self.metrics.observe_request(pending.endpoint, label, self.clock() - request.arrival_time)
+            if result is not None:
+                self.metrics.observe_step_cache(result.output.step_cache)
 
         def deliver() -> None:
             if pending.future.done():

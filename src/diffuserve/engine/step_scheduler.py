@@ -54,7 +54,7 @@ from diffuserve.engine.scheduler import (
 )
 
 GROUP_KEY_FIELDS = ("width", "height", "num_frames", "guidance_scale", "true_cfg_scale", "guidance_scale_2",
-                    "strength", "cfg_enabled")
+                    "strength", "cfg_enabled", "step_cache_method")
 """The `SamplingParams` fields (besides the model name) of the continuous group key (rule 2)."""
 REMOVED_CANCELLED = "cancelled"
 REMOVED_DEADLINE = "deadline"

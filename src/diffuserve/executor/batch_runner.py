@@ -337,4 +337,9 @@ def _run_deferred(pipeline: PipelineCalls, live: list[Row], outcome: BatchOutcom
 def _concat(outputs: list[RequestOutput]) -> RequestOutput:
     if len(outputs) == 1:
         return outputs[0]
-    return RequestOutput(images=[i for o in outputs for i in o.images], videos=[v for o in outputs for v in o.videos])
+    counts = [o.step_cache for o in outputs if o.step_cache]
+    step_cache = None if not counts else {  # one request's rows over several calls: their steps add up
+        "method": counts[0]["method"], "computed_steps": sum(c["computed_steps"] for c in counts),
+        "reused_steps": sum(c["reused_steps"] for c in counts)}
+    return RequestOutput(images=[i for o in outputs for i in o.images], videos=[v for o in outputs for v in o.videos],
+                         step_cache=step_cache)

@@ -83,6 +83,8 @@ class RequestOutput:
 
     images: list[Image.Image] = field(default_factory=list)
     videos: list[list[Image.Image]] = field(default_factory=list)
+    step_cache: dict[str, Any] | None = None
+    """Step-cache counts of the request's rows (method, computed_steps, reused_steps); None without a cache."""
 
 
 @dataclass
@@ -278,6 +280,20 @@ class Pipeline:
             )
         if self.output_kind == "image" and params.num_frames != 1:
             raise InvalidRequestError("num_frames must be 1 for an image model.", param="num_frames")
+        if params.step_cache is not None:
+            problem = self.step_cache_problem(params.step_cache.method)
+            if problem is not None:
+                raise InvalidRequestError(f"step_cache {params.step_cache.method!r} cannot run on this {self.family} "
+                                          f"model: {problem}.", param="step_cache")
+            settings = params.step_cache
+            if settings.method == "magcache" and not settings.mag_ratios and not settings.calibrate:
+                raise InvalidRequestError("step_cache magcache needs this checkpoint's magnitude ratios (`diffuserve "
+                                          "calibrate-cache`, then --step-cache-calibration FILE).", param="step_cache")
+
+    def step_cache_problem(self, method: str) -> str | None:
+        """Why this pipeline cannot run step-cache `method` (None: it can). Native families answer from their
+        denoiser's blocks (`stages.RecipePipeline`); other pipelines run no step cache."""
+        return "only native families run step caches (this pipeline runs through the diffusers backend)"
 
     def run(
         self,

@@ -36,6 +36,7 @@ from diffuserve.pipelines.base import (
     StopCheck,
 )
 from diffuserve.pipelines.overlap import overlap_for
+from diffuserve.pipelines.step_cache import RowCache, new_row_caches, step_counts
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -398,28 +399,91 @@ class RecipePipeline(Pipeline):
         return prefetch.submit(params, texts, on_done)
 
     def guided_prediction(self, latents: torch.Tensor, timestep: torch.Tensor, positive: Cond, negative: Cond | None,
-                          head: SamplingParams, state: DenoiseState, step_index: int, model_key: str) -> torch.Tensor:
+                          head: SamplingParams, state: DenoiseState, step_index: int, model_key: str,
+                          rows: Sequence[RowCache] | None = None) -> torch.Tensor:
         """Recipe step 3, one denoiser call: the prediction for `latents` at `timestep`, guided by the negative
-        branch when there is one (CFG, or CFG parallel's split). Public: the continuous step calls it."""
+        branch when there is one (CFG, or CFG parallel's split). Public: the continuous step calls it.
+
+        `rows`: the step cache of each row (`pipelines/step_cache.py`), or None when the rows run no cache; each
+        row decides for itself whether the denoiser's blocks run for it at this step."""
+        if rows is None:
+            return self._guided(latents, timestep, positive, negative, head, state, step_index, model_key)
+        hooks = self.step_cache_hooks(model_key)
+        for row in rows:
+            row.use_denoiser(model_key)
+        try:
+            return self._guided(latents, timestep, positive, negative, head, state, step_index, model_key,
+                                (hooks, list(rows)))
+        finally:
+            for row in rows:
+                row.end_step()
+
+    def _guided(self, latents: torch.Tensor, timestep: torch.Tensor, positive: Cond, negative: Cond | None,
+                head: SamplingParams, state: DenoiseState, step_index: int, model_key: str,
+                cache: tuple[Any, list[RowCache]] | None = None) -> torch.Tensor:
+        def predict(x: torch.Tensor, t: torch.Tensor, cond: Cond, branches: Sequence[int]) -> torch.Tensor:
+            if cache is None:
+                return self.predict(x, t, cond, state, model_key)
+            from diffuserve.pipelines.step_cache import CallRows
+
+            hooks, rows = cache
+            with hooks.rows(CallRows(rows=rows * (len(branches)), branches=[b for b in branches for _ in rows])):
+                return self.predict(x, t, cond, state, model_key)
+
         if negative is None:
-            return self.predict(latents, timestep, positive, state, model_key)
+            return predict(latents, timestep, positive, (0,))
         if self.cfg_parallel is not None:
             # The split point for CFG parallel: each rank runs one branch (parallel/cfg_parallel.py).
             return self.cfg_parallel.guided(
                 lambda cond: self.predict(latents, timestep, cond, state, model_key), positive, negative,
                 lambda cond, uncond: self.combine_guidance(cond, uncond, head, state, step_index))
         if self.batched_cfg:
-            both = self.predict(torch.cat([latents, latents]), torch.cat([timestep, timestep]),
-                                concat_cond(positive, negative, self.masked_sequences), state, model_key)
+            both = predict(torch.cat([latents, latents]), torch.cat([timestep, timestep]),
+                           concat_cond(positive, negative, self.masked_sequences), (0, 1))
             cond, uncond = both.chunk(2)
-        else:
-            cond = self.predict(latents, timestep, positive, state, model_key)
-            uncond = self.predict(latents, timestep, negative, state, model_key)
+        else:  # the conditional branch first: it decides for the row, the negative branch follows
+            cond = predict(latents, timestep, positive, (0,))
+            uncond = predict(latents, timestep, negative, (1,))
         return self.combine_guidance(cond, uncond, head, state, step_index)
+
+    # -- step caches (pipelines/step_cache.py) -------------------------------------------------------------
+
+    def step_cache_containers(self, model_key: str) -> tuple[str, ...]:
+        """Attribute names of denoiser `model_key`'s repeated blocks: its class' layer containers in the family
+        spec's layer table (`families/*.py`)."""
+        from diffuserve.families import layer_rules
+
+        denoiser = getattr(self, model_key, None)
+        rules = layer_rules().get(type(denoiser).__name__, ())
+        return tuple(path for path, _count in rules)
+
+    def step_cache_hooks(self, model_key: str) -> Any:
+        """The step-cache hooks of denoiser `model_key` (installed on its blocks at first use)."""
+        from diffuserve.pipelines.step_cache import block_hooks
+
+        return block_hooks(getattr(self, model_key), self.step_cache_containers(model_key))
+
+    def step_cache_problem(self, method: str) -> str | None:
+        from diffuserve.pipelines.step_cache import TEACACHE_COEFFICIENTS, supports_blocks
+
+        if self.cfg_parallel is not None:
+            return "step caches do not run with CFG parallel yet (its ranks would have to agree on each decision)"
+        for key in self.denoisers:
+            denoiser = getattr(self, key, None)
+            if denoiser is None:
+                continue
+            problem = supports_blocks(denoiser, self.step_cache_containers(key))
+            if problem is not None:
+                return problem
+            if method == "teacache" and type(denoiser).__name__ not in TEACACHE_COEFFICIENTS:
+                return (f"teacache needs published rescale coefficients for {type(denoiser).__name__}; they exist for "
+                        f"{sorted(TEACACHE_COEFFICIENTS)} (FLUX.1); use fbcache or taylorseer here")
+        return None
 
     def _denoise(self, state: DenoiseState, positive: Cond, negative: Cond | None, head: SamplingParams,
                  on_step: StepCallback | None, should_stop: StopCheck | None,
-                 on_preview: PreviewCallback | None, batch: Sequence[SamplingParams]) -> torch.Tensor:
+                 on_preview: PreviewCallback | None, batch: Sequence[SamplingParams],
+                 rows: list[RowCache] | None = None) -> torch.Tensor:
         latents = state.latents
         num_steps = len(state.timesteps)
         with contextlib.ExitStack() as scope:
@@ -435,7 +499,8 @@ class RecipePipeline(Pipeline):
                     scope.enter_context(self.residency.use(model_key))
                     active = model_key
                 timestep = t.expand(latents.shape[0])
-                noise_pred = self.guided_prediction(latents, timestep, positive, negative, head, state, i, model_key)
+                noise_pred = self.guided_prediction(latents, timestep, positive, negative, head, state, i, model_key,
+                                                    rows)
                 latents = self.scheduler_step(noise_pred, t, latents, state)
                 if on_step is not None:
                     on_step(i, num_steps)
@@ -505,9 +570,11 @@ class RecipePipeline(Pipeline):
                     scope.enter_context(self.component_scope(key))
                 state = self.prepare(batch, head, positive)
             # 3. Denoise: the family's denoiser call(s), guidance, scheduler steps, cancellation.
+            rows = batch_row_caches(batch, len(state.timesteps))
             with timer.stage("denoise"), self.lora_scope(batch):
-                latents = self._denoise(state, positive, negative, head, on_step, should_stop, on_preview, batch)
-        return Denoised(batch=list(batch), latents=latents, state=state, stage_seconds=timer.seconds)
+                latents = self._denoise(state, positive, negative, head, on_step, should_stop, on_preview, batch,
+                                        rows)
+        return Denoised(batch=list(batch), latents=latents, state=state, stage_seconds=timer.seconds, row_caches=rows)
 
     def decode_batch(self, denoised: Denoised) -> BatchResult:
         """Stage 4 of `run`: decode, then split the rows back per request."""
@@ -516,10 +583,12 @@ class RecipePipeline(Pipeline):
         with torch.inference_mode(), timer.stage("decode"), self.decoder_scope():
             decoded = self.decode(denoised.latents, denoised.state)
         rows = split_rows(decoded, denoised.batch)
+        caches = (split_rows(denoised.row_caches, denoised.batch) if denoised.row_caches
+                  else [None] * len(denoised.batch))
         if self.output_kind == "video":
-            outputs = [RequestOutput(videos=r) for r in rows]
+            outputs = [RequestOutput(videos=r, step_cache=step_counts(c)) for r, c in zip(rows, caches, strict=True)]
         else:
-            outputs = [RequestOutput(images=r) for r in rows]
+            outputs = [RequestOutput(images=r, step_cache=step_counts(c)) for r, c in zip(rows, caches, strict=True)]
         return BatchResult(outputs=outputs, stage_seconds=timer.seconds)
 
 
@@ -533,6 +602,17 @@ class Denoised:
     state: DenoiseState
     stage_seconds: dict[str, float]
     """Seconds of the stages run so far."""
+    row_caches: list[RowCache] | None = None
+    """The step cache of each row (None: the batch ran none), for the per-request counts in `timings`."""
+
+
+def batch_row_caches(batch: Sequence[SamplingParams], num_steps: int) -> list[RowCache] | None:
+    """One step cache per output row of the batch, in row order (None when its requests asked for none: the
+    method is in the batch signature, so they all did or none did)."""
+    rows: list[RowCache] = []
+    for params in batch:
+        rows.extend(new_row_caches(params.step_cache, params.n, num_steps) or [])
+    return rows or None
 
 
 def to_pil_images(images: torch.Tensor) -> list[Image.Image]:

@@ -32,6 +32,7 @@ import torch
 
 from diffuserve.pipelines.base import RequestOutput
 from diffuserve.pipelines.stages import Cond, DenoiseState, RecipePipeline, concat_cond, gather_rows
+from diffuserve.pipelines.step_cache import RowCache, new_row_caches, step_counts
 
 
 @dataclass(eq=False)
@@ -48,6 +49,8 @@ class RequestRows:
     """Its own schedule, private scheduler and extras (from the family's `prepare`)."""
     step_index: int = 0
     """Steps done; the next step runs `state.timesteps[step_index]`."""
+    cache: list[RowCache] | None = None
+    """Its rows' step caches (None: it asked for none); each row decides from its own history."""
 
     @property
     def num_steps(self) -> int:
@@ -81,7 +84,8 @@ def start_requests(pipeline: RecipePipeline, batch: Sequence[Any]) -> list[Reque
                     scope.enter_context(pipeline.component_scope(key))
                 state = pipeline.prepare([params], params, own)
             out.append(RequestRows(params=params, latents=state.latents, positive=own, negative=own_negative,
-                                   state=state))
+                                   state=state,
+                                   cache=new_row_caches(params.step_cache, params.n, len(state.timesteps))))
     return out
 
 
@@ -159,8 +163,10 @@ def _step_part(pipeline: RecipePipeline, model_key: str, group: list[RequestRows
         # One state for the call: the head's schedule (the guidance combine reads its step's expert), with the
         # extras of the whole group (`step_extras`: equal across the group key, or merged where they count rows).
         state = dataclasses.replace(head.state, extras=pipeline.step_extras([r.state for r in group]))
+        # The step-cache method is in the group key: every request of the group has caches, or none has.
+        caches = [c for r in group for c in (r.cache or [])] or None
         noise_pred = pipeline.guided_prediction(latents, timestep, positive, negative, head.params, state,
-                                                head.step_index, model_key)
+                                                head.step_index, model_key, caches)
         for rows, t, pred in zip(group, timesteps, noise_pred.split([r.latents.shape[0] for r in group]),
                                  strict=True):
             rows.latents = pipeline.scheduler_step(pred, t, rows.latents, rows.state)
@@ -197,5 +203,7 @@ def finish_requests(pipeline: RecipePipeline, group: Sequence[RequestRows]) -> l
     for rows in group:
         mine = list(decoded[first:first + rows.latents.shape[0]])
         first += rows.latents.shape[0]
-        outputs.append(RequestOutput(videos=mine) if pipeline.output_kind == "video" else RequestOutput(images=mine))
+        counts = step_counts(rows.cache)
+        outputs.append(RequestOutput(videos=mine, step_cache=counts) if pipeline.output_kind == "video"
+                       else RequestOutput(images=mine, step_cache=counts))
     return outputs

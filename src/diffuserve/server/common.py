@@ -11,6 +11,12 @@ from typing import Any
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
+from diffuserve.config.step_cache import (
+    StepCacheSettings,
+    parse_step_cache,
+    server_step_cache,
+    with_calibration,
+)
 from diffuserve.engine.engine import EngineState, GenerationResult
 from diffuserve.errors import InvalidRequestError, ModelNotFoundError
 from diffuserve.pipelines.prompt_limits import PromptTokens
@@ -140,4 +146,22 @@ def result_timings(result: GenerationResult, *, encode_s: float, received: float
         "batch_rows": result.batch_rows,
         "pipeline_calls": result.pipeline_calls,
         "stages_ms": {k: round(v * 1000, 3) for k, v in result.stage_seconds.items()},
+        "step_cache": result.output.step_cache,
     }
+
+
+def request_step_cache(body: Any, ctx: ServerContext) -> StepCacheSettings | None:
+    """A body's step cache: its `step_cache` (or `enable_teacache: true`), else the server's `--step-cache`; magcache
+    gets the checkpoint's ratios from `--step-cache-calibration`."""
+    return with_calibration(_asked_step_cache(body, ctx), ctx.args.step_cache_calibration)
+
+
+def _asked_step_cache(body: Any, ctx: ServerContext) -> StepCacheSettings | None:
+    fields = body.model_fields_set
+    if "enable_teacache" in fields and body.enable_teacache is not None:
+        if "step_cache" in fields and body.step_cache is not None:
+            raise InvalidRequestError("Give step_cache or enable_teacache, not both.", param="enable_teacache")
+        return parse_step_cache("teacache" if body.enable_teacache else "off", "enable_teacache")
+    if "step_cache" in fields:
+        return parse_step_cache(body.step_cache if body.step_cache is not None else "off")
+    return server_step_cache(ctx.args.step_cache, ctx.args.step_cache_config)

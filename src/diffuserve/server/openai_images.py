@@ -23,6 +23,7 @@ from diffuserve.server.common import (
     check_request_limits,
     count_prompt,
     layer_count,
+    request_step_cache,
     require_ready,
     result_timings,
     server_context,
@@ -87,7 +88,7 @@ def image_params(body: ImageGenerationRequest, ctx: ServerContext, *, image_inpu
         num_inference_steps=steps, guidance_scale=body.guidance_scale, true_cfg_scale=body.true_cfg_scale,
         seed=body.seed, n=n, output_format=body.output_format, output_quality=quality,
         image_inputs=image_inputs, strength=strength, flow_shift=body.flow_shift, resolution=body.resolution,
-        lora=lora,
+        lora=lora, step_cache=request_step_cache(body, ctx),
     )
 
 

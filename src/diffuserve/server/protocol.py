@@ -33,6 +33,11 @@ class PromptRequest(BaseModel):
     prompt: str = Field(description="What to generate.")
     model: str | None = Field(default=None, description="Served model name; omitted = the served model.")
     size: str | None = Field(default=None, description="WIDTHxHEIGHT, e.g. 1024x1024; omitted = the model's default.")
+    step_cache: Any = Field(  # checked by config/step_cache.py, whose errors name the field
+        default=None, description='Step cache of this request: a method (fbcache, teacache, taylorseer), an object '
+        'with its options ({"method": "fbcache", "threshold": 0.1}), or "off"; omitted = the server\'s --step-cache.')
+    enable_teacache: bool | None = Field(
+        default=None, description='FastVideo / SGLang compatibility: true is {"method": "teacache"}.')
 
     @field_validator("prompt")
     @classmethod
@@ -180,6 +185,9 @@ class Timings(BaseModel):
     pipeline_calls: int = 1
     """Pipeline calls it ran as (> 1 when its n was above the row cap)."""
     stages_ms: dict[str, float] = {}
+    step_cache: dict[str, Any] | None = None
+    """The step cache its rows ran: method, computed_steps and reused_steps (summed over its rows); absent
+    without one."""
 
 
 class UsageTokenDetails(BaseModel):

@@ -14,7 +14,7 @@ from pydantic import Field, StrictFloat, StrictInt, StrictStr
 
 from diffuserve.errors import InvalidRequestError
 from diffuserve.sampling import SamplingParams, build_sampling_params, check_request_fields
-from diffuserve.server.common import check_request_limits, resolve_size
+from diffuserve.server.common import check_request_limits, request_step_cache, resolve_size
 from diffuserve.server.context import ServerContext
 from diffuserve.server.protocol import MAX_SEED, PromptRequest
 
@@ -106,4 +106,5 @@ def build_video_params(body: VideoCreateRequest, ctx: ServerContext, image: byte
         true_cfg_scale=body.true_cfg_scale, guidance_scale_2=body.guidance_scale_2,
         boundary_ratio=body.boundary_ratio, flow_shift=body.flow_shift,
         seed=body.seed, n=1, output_format="mp4", image_inputs=() if image is None else (image,),
+        step_cache=request_step_cache(body, ctx),
     )

@@ -1,0 +1,328 @@
+"""Step caches that decide per row: each output row computes or reuses a denoising step from its own history.
+
+Peers decide per batch (one mean over the batch, one `.item()`), which makes a user's image depend on who it was
+batched with. Here every row carries its own `RowCache` (its residuals, its Taylor factors, its counters), made
+from its request's `StepCacheSettings` (`config/step_cache.py`), and the denoiser's blocks run only the rows
+that compute at this step; the others reuse their own cached residual or forecast. The CFG branches of a row
+decide together (the conditional branch measures, the negative one follows).
+
+How the denoiser is cut: the family spec's layer containers (the repeated blocks, `families/*.py`) get named
+diffusers `ModelHook`s (`HookRegistry`, as diffusers' own FirstBlockCache / TaylorSeer hooks). The first
+block's hook decides and narrows the call to the computing rows; the later blocks run on those rows only (their
+per-row arguments are indexed); the last block's hook rebuilds every row: `base + residual`, the residual being
+the one just computed, the row's cached one, or its Taylor forecast. What runs before and after the blocks
+(embedders, final norm and projection) runs for every row: it is cheap, and keeps the call's shape.
+
+Methods (settings in `config/step_cache.py`):
+* `fbcache`: the first block runs for every row; a row reuses when the relative L1 change of its first-block
+  residual, against its last computed step, is under the threshold (ParaAttention's First Block Cache).
+* `teacache`: a row reuses while the accumulated change of its timestep-modulated input, rescaled by the
+  published per-model polynomial, stays under the threshold (TeaCache; FLUX.1's coefficients).
+* `magcache`: a row reuses while the error its skipped steps accumulate, predicted from the checkpoint's
+  calibrated magnitude ratios (`diffuserve calibrate-cache`), stays under the threshold (MagCache; diffusers'
+  calibration formula and `nearest_interp`).
+* `taylorseer`: a row computes every `refresh_interval` steps and forecasts the blocks' residual between by a
+  Taylor expansion in the step (diffusers' `TaylorSeerState` holds each row's factors).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.hooks._helpers import TransformerBlockRegistry
+from diffusers.hooks.taylorseer_cache import TaylorSeerState
+
+from diffuserve.pipelines.step_cache_rows import (
+    CallRows,
+    RowCache,
+    decide_fbcache,
+    decide_magcache,
+    decide_taylorseer,
+    decide_teacache,
+    new_row_caches,
+    step_counts,
+)
+
+__all__ = ["CallRows", "RowCache", "StepCacheHooks", "block_hooks", "new_row_caches", "step_counts",
+           "supports_blocks"]
+
+HEAD_HOOK = "diffuserve_step_cache_head"
+BLOCK_HOOK = "diffuserve_step_cache_block"
+
+TEACACHE_COEFFICIENTS: dict[str, tuple[float, ...]] = {
+    # TeaCache4FLUX (ali-vilab/TeaCache): the rescale polynomial fitted on FLUX.1-dev, highest power first.
+    "FluxTransformer2DModel": (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01),
+}
+"""Denoiser class -> published TeaCache rescale coefficients. Families without an entry refuse `teacache`."""
+
+SHARED_ARGUMENT_WORDS = ("rotary", "rope")
+"""Block arguments whose name holds one of these are shared by every row (position tables) and pass unchanged;
+every other tensor argument with one entry per row of the call (dim 0) is narrowed to the computing rows."""
+
+CHAINED_CONTAINERS = frozenset({"FluxTransformer2DModel"})
+"""Denoisers whose layer containers form one chain (each block takes the previous block's hidden states, across
+containers). Elsewhere the span is the last container: FLUX.2 joins the text and image streams before its single
+blocks and Z-Image's refiners run on other token sets, so only the last container's blocks chain."""
+
+
+# -- the call's rows and the span of blocks ------------------------------------------------------------------
+
+@dataclass
+class Span:
+    """What the first block's hook hands the later blocks within one call."""
+
+    call: CallRows
+    index: torch.Tensor
+    """Rows of the call that compute (ascending)."""
+    full: int
+    """Rows of the call."""
+    base: tuple[torch.Tensor, torch.Tensor | None]
+    """Hidden (and encoder) states of every row where the narrowed blocks start."""
+
+
+class StepCacheHooks:
+    """The hooks on one denoiser's blocks, and the rows of the call in progress (one caller thread at a time: the
+    loop that runs the denoiser)."""
+
+    def __init__(self, denoiser: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
+        if len(blocks) < 2:
+            raise ValueError("a step cache needs a denoiser with at least two repeated blocks")
+        self.denoiser_class = type(denoiser).__name__
+        self.call: CallRows | None = None
+        self.span: Span | None = None
+        metas = [_block_metadata(type(b)) for b in blocks]
+        for position, block in enumerate(blocks):
+            registry = HookRegistry.check_if_exists_or_initialize(block)
+            hook: ModelHook = (_HeadHook(self, metas[0]) if position == 0
+                               else _BlockHook(self, metas[position], tail=position == len(blocks) - 1))
+            registry.register_hook(hook, HEAD_HOOK if position == 0 else BLOCK_HOOK)
+
+    @contextmanager
+    def rows(self, call: CallRows | None) -> Iterator[None]:
+        """The rows of the denoiser call made inside (None: every row computes, no hook acts)."""
+        self.call, self.span = call, None
+        try:
+            yield
+        finally:
+            self.call, self.span = None, None
+
+
+def span_blocks(denoiser: torch.nn.Module, containers: Sequence[str]) -> list[torch.nn.Module]:
+    """The blocks a step cache narrows: every container's when they chain (`CHAINED_CONTAINERS`), else the last's."""
+    if type(denoiser).__name__ not in CHAINED_CONTAINERS:
+        containers = containers[-1:]
+    return [block for name in containers for block in getattr(denoiser, name, ())]
+
+
+def block_hooks(denoiser: torch.nn.Module, containers: Sequence[str]) -> StepCacheHooks:
+    """The step-cache hooks of `denoiser`, installed once on the blocks it narrows (`span_blocks`)."""
+    found = denoiser.__dict__.get("_diffuserve_step_cache")
+    if found is None:
+        blocks = span_blocks(denoiser, containers)
+        found = StepCacheHooks(denoiser, blocks)
+        denoiser.__dict__["_diffuserve_step_cache"] = found
+    return found
+
+
+def supports_blocks(denoiser: torch.nn.Module, containers: Sequence[str]) -> str | None:
+    """None when the step-cache hooks can cut `denoiser`; otherwise why not."""
+    blocks = span_blocks(denoiser, containers)
+    if len(blocks) < 2:
+        return (f"a step cache narrows at least two repeated blocks; this {type(denoiser).__name__} has "
+                f"{len(blocks)} in {list(containers)[-1:] or 'no declared layer container'}")
+    return None
+
+
+@dataclass(frozen=True)
+class _TensorBlock:
+    """Metadata of a block diffusers has not registered: it must return its hidden states alone (SANA's)."""
+
+    return_hidden_states_index: int = 0
+    return_encoder_hidden_states_index: int | None = None
+    unregistered: str = ""
+
+
+def _block_metadata(cls: type) -> Any:
+    """diffusers' block metadata (where the hidden and encoder states sit in the output), else `_TensorBlock`."""
+    try:
+        return TransformerBlockRegistry.get(cls)
+    except ValueError:
+        return _TensorBlock(unregistered=cls.__name__)
+
+
+class _Block:
+    """Argument access shared by the hooks (the diffusers block metadata says where outputs sit)."""
+
+    def __init__(self, owner: StepCacheHooks, meta: Any) -> None:
+        super().__init__()
+        self.owner = owner
+        self.meta = meta
+        self._signature: inspect.Signature | None = None
+
+    def bind(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+        if self._signature is None:
+            self._signature = inspect.signature(self.fn_ref.original_forward)  # type: ignore[attr-defined]
+        return self._signature.bind(*args, **kwargs)
+
+    def states(self, bound: inspect.BoundArguments) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block's hidden states (`hidden_states`, else its first argument: Z-Image's `x`) and encoder states."""
+        hidden = bound.arguments.get("hidden_states")
+        if hidden is None:
+            hidden = next(iter(bound.arguments.values()))
+        return hidden, bound.arguments.get("encoder_hidden_states")
+
+    def outputs(self, out: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not isinstance(out, tuple):
+            return out, None
+        if getattr(self.meta, "unregistered", ""):
+            raise TypeError(f"step cache: block {self.meta.unregistered} returns a tuple, but diffusers' "
+                            "TransformerBlockRegistry does not say where its hidden states are; register it")
+        enc = self.meta.return_encoder_hidden_states_index
+        return out[self.meta.return_hidden_states_index], (None if enc is None else out[enc])
+
+    def pack(self, hidden: torch.Tensor, encoder: torch.Tensor | None, like: Any) -> Any:
+        if not isinstance(like, tuple) or self.meta.return_encoder_hidden_states_index is None:
+            return hidden
+        out: list[Any] = [None, None]
+        out[self.meta.return_hidden_states_index] = hidden
+        out[self.meta.return_encoder_hidden_states_index] = encoder
+        return tuple(out)
+
+    def run_rows(self, bound: inspect.BoundArguments, index: torch.Tensor, full: int) -> Any:
+        """The block on rows `index` only: per-row arguments of `full` rows are narrowed."""
+        arguments = dict(bound.arguments)
+        if index.numel() != full:
+            for name, value in arguments.items():
+                if (isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == full
+                        and not any(word in name for word in SHARED_ARGUMENT_WORDS)):
+                    arguments[name] = value.index_select(0, index.to(value.device))
+        return self.fn_ref.original_forward(**arguments)  # type: ignore[attr-defined]
+
+
+class _HeadHook(_Block, ModelHook):
+    """First block: decides per row, then narrows the call to the rows that compute."""
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        call = self.owner.call
+        if call is None:
+            return self.fn_ref.original_forward(*args, **kwargs)
+        bound = self.bind(module, args, kwargs)
+        hidden, encoder = self.states(bound)
+        full = hidden.shape[0]
+        if call.method == "fbcache":
+            out = self.fn_ref.original_forward(*args, **kwargs)
+            first_hidden, first_encoder = self.outputs(out)
+            decide_fbcache(call, first_hidden - hidden)
+            base = (first_hidden, first_encoder)
+        else:
+            if call.method == "teacache":
+                temb = bound.arguments["temb"]
+                modulated = module.norm1(hidden, emb=temb)[0]
+                decide_teacache(call, modulated, TEACACHE_COEFFICIENTS[self.owner.denoiser_class])
+            elif call.method == "magcache":
+                decide_magcache(call)
+            else:
+                decide_taylorseer(call)
+            base = (hidden, encoder)
+        index = torch.tensor([i for i, row in enumerate(call.rows) if row.compute], dtype=torch.long)
+        self.owner.span = Span(call=call, index=index, full=full, base=base)
+        if call.method == "fbcache":
+            if index.numel() == full:
+                return out
+            return self.pack(base[0].index_select(0, index.to(hidden.device)),
+                             None if base[1] is None else base[1].index_select(0, index.to(hidden.device)), out)
+        if index.numel() == 0:
+            return self.pack(hidden, encoder, (None, None))
+        return self.run_rows(bound, index, full)
+
+
+class _BlockHook(_Block, ModelHook):
+    """Later blocks: run the computing rows only; the last one rebuilds every row of the call."""
+
+    def __init__(self, owner: StepCacheHooks, meta: Any, *, tail: bool) -> None:
+        super().__init__(owner, meta)
+        self.tail = tail
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        span = self.owner.span
+        if span is None:
+            return self.fn_ref.original_forward(*args, **kwargs)
+        bound = self.bind(module, args, kwargs)
+        if span.index.numel() == 0:  # every row reuses: nothing runs
+            out = None
+            hidden, encoder = self.states(bound)
+        else:
+            out = self.run_rows(bound, span.index, span.full)
+            hidden, encoder = self.outputs(out)
+        if not self.tail:
+            return out if out is not None else self.pack(hidden, encoder, (None, None))
+        hidden, encoder = _rebuild(span, hidden, encoder)
+        self.owner.span = None
+        return self.pack(hidden, encoder, out if out is not None else (None, None))
+
+def _rebuild(span: Span, hidden: torch.Tensor, encoder: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+    """Every row of the call after the blocks: a computed row leaves with its own output (bit-equal to an uncached
+    step) and keeps its residual; the others get `base + residual`, their cached residual or their forecast."""
+    base_hidden, base_encoder = span.base
+    index = span.index.to(base_hidden.device)
+    computed = span.index.tolist()
+    keep_encoder = encoder is not None and base_encoder is not None
+    if computed:
+        res_hidden = hidden - base_hidden.index_select(0, index)
+        res_encoder = encoder - base_encoder.index_select(0, index) if keep_encoder else None  # type: ignore[union-attr]
+        for k, i in enumerate(computed):
+            row, branch = span.call.rows[i], span.call.branches[i]
+            if row.settings.calibrate and branch == 0:
+                _record_ratio(row, res_hidden[k])
+            res = (res_hidden[k], None if res_encoder is None else res_encoder[k])
+            row.residual[branch] = res
+            if row.settings.method == "taylorseer":
+                state = row.taylor.setdefault(
+                    branch, TaylorSeerState(taylor_factors_dtype=torch.float32, max_order=row.settings.order))
+                state.current_step = row.step
+                state.update(res if res[1] is not None else (res[0],))
+    if len(computed) == span.full:
+        return hidden, encoder
+    cached = [i for i in range(span.full) if i not in set(computed)]
+    residuals = [_cached_residual(span.call.rows[i], span.call.branches[i]) for i in cached]
+    where = torch.tensor(cached, device=base_hidden.device)
+    out_hidden = base_hidden.clone()
+    out_hidden.index_copy_(0, where, base_hidden.index_select(0, where) + torch.stack([r[0] for r in residuals]))
+    if computed:
+        out_hidden.index_copy_(0, index, hidden)
+    out_encoder = base_encoder
+    if base_encoder is not None:
+        out_encoder = base_encoder.clone()
+        if all(r[1] is not None for r in residuals):
+            out_encoder.index_copy_(0, where, base_encoder.index_select(0, where)
+                                    + torch.stack([r[1] for r in residuals]))  # type: ignore[misc]
+        if computed and encoder is not None:
+            out_encoder.index_copy_(0, index, encoder)
+    return out_hidden, out_encoder
+
+
+def _record_ratio(row: RowCache, residual: torch.Tensor) -> None:
+    """Calibration: mean over tokens of |residual now| / |residual at the previous step| (diffusers' MagCache
+    calibration formula; 1.0 for the first step)."""
+    before = row.residual.get(0)
+    if before is None:
+        row.ratios.append(1.0)
+        return
+    now, then = torch.linalg.norm(residual.float(), dim=-1), torch.linalg.norm(before[0].float(), dim=-1)
+    row.ratios.append(float((now / (then + 1e-8)).mean().item()))
+
+
+def _cached_residual(row: RowCache, branch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A reusing row's residual: its last computed one, or (taylorseer) its forecast for this step."""
+    if row.settings.method != "taylorseer":
+        return row.residual[branch]
+    state = row.taylor[branch]
+    state.current_step = row.step
+    forecast = state.predict()
+    return forecast[0], (forecast[1] if len(forecast) > 1 else None)
