@@ -42,6 +42,7 @@ from prometheus_client import (
 )
 
 from diffuserve.engine.scheduler import ScheduledBatch
+from diffuserve.runtime.cpu_time import PIPELINE_CPU
 
 logger = logging.getLogger("diffuserve.batching")
 
@@ -52,6 +53,7 @@ REQUEST_STATUSES = ("success", "error", "cancelled", "timeout", "rejected")
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+_OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
@@ -105,6 +107,15 @@ class EngineMetrics:
         self.stage_seconds = Histogram(f"{p}stage_seconds", "Time per pipeline stage per batch.", ["stage"],
                                        buckets=_STAGE_BUCKETS, registry=r)
         self.outputs_generated = Counter(f"{p}outputs_generated", "Images or videos produced.", registry=r)
+        # Serving overhead: where the time outside the model goes (docs/operations.md).
+        self.serving_overhead = Histogram(
+            f"{p}serving_overhead_seconds", "Per answered request: server time outside its pipeline calls and its "
+            "queue wait (HTTP parsing, token counts, scheduling, result hand-off, PNG/base64 encoding).",
+            buckets=_OVERHEAD_BUCKETS, registry=r)
+        self.pipeline_cpu = Gauge(f"{p}pipeline_cpu_seconds", "CPU time of this process inside pipeline calls "
+                                  "(loop and side lanes); diffuserve_process_cpu_seconds_total - this = serving CPU.",
+                                  registry=r)
+        self.pipeline_cpu.set_function(lambda: PIPELINE_CPU.seconds)
         self.overlap_jobs = Counter(
             f"{p}overlap_jobs", "Text encodes / decodes run in a side lane beside the denoise loop, by stage.",
             ["stage"], registry=r)
@@ -190,6 +201,10 @@ class EngineMetrics:
         """One side-lane job (`encode` or `decode`) and the denoising steps that ran beside it."""
         self.overlap_jobs.labels(stage=stage).inc()
         self.overlap_steps.labels(stage=stage).inc(max(0, steps_beside))
+
+    def observe_serving_overhead(self, seconds: float) -> None:
+        """One answered request's server time outside its pipeline calls and queue wait."""
+        self.serving_overhead.observe(max(0.0, seconds))
 
     def add_outputs_generated(self, n: int) -> None:
         self.outputs_generated.inc(n)
