@@ -107,15 +107,7 @@ class EngineMetrics:
         self.stage_seconds = Histogram(f"{p}stage_seconds", "Time per pipeline stage per batch.", ["stage"],
                                        buckets=_STAGE_BUCKETS, registry=r)
         self.outputs_generated = Counter(f"{p}outputs_generated", "Images or videos produced.", registry=r)
-        # Serving overhead: where the time outside the model goes (docs/operations.md).
-        self.serving_overhead = Histogram(
-            f"{p}serving_overhead_seconds", "Per answered request: server time outside its pipeline calls and its "
-            "queue wait (HTTP parsing, token counts, scheduling, result hand-off, PNG/base64 encoding).",
-            buckets=_OVERHEAD_BUCKETS, registry=r)
-        self.pipeline_cpu = Gauge(f"{p}pipeline_cpu_seconds", "CPU time of this process inside pipeline calls "
-                                  "(loop and side lanes); diffuserve_process_cpu_seconds_total - this = serving CPU.",
-                                  registry=r)
-        self.pipeline_cpu.set_function(lambda: PIPELINE_CPU.seconds)
+        self._serving_overhead_collectors(r)
         self.overlap_jobs = Counter(
             f"{p}overlap_jobs", "Text encodes / decodes run in a side lane beside the denoise loop, by stage.",
             ["stage"], registry=r)
@@ -145,6 +137,17 @@ class EngineMetrics:
                                             "the slowest other rank of replica 0.", buckets=overhead_buckets, registry=r)
         self.rank_call_straggle = Histogram(f"{p}rank_call_straggle_seconds", "Time rank 0 waited for the other ranks "
                                             "to finish a call after its own part.", buckets=overhead_buckets, registry=r)
+
+    def _serving_overhead_collectors(self, r: CollectorRegistry) -> None:
+        """Where the time outside the model goes (docs/operations.md, "Serving overhead")."""
+        self.serving_overhead = Histogram(
+            f"{PREFIX}serving_overhead_seconds", "Per answered request: server time outside its pipeline calls and "
+            "its queue wait (HTTP parsing, token counts, scheduling, result hand-off, PNG/base64 encoding).",
+            buckets=_OVERHEAD_BUCKETS, registry=r)
+        self.pipeline_cpu = Gauge(f"{PREFIX}pipeline_cpu_seconds", "CPU time of this process inside pipeline calls "
+                                  "(loop and side lanes); diffuserve_process_cpu_seconds_total - this = serving CPU.",
+                                  registry=r)
+        self.pipeline_cpu.set_function(lambda: PIPELINE_CPU.seconds)
 
     def watch_cuda_memory(self, device: str) -> None:
         """Report the CUDA allocator's bytes (allocated, peak, reserved) at every scrape."""
