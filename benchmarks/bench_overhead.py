@@ -15,7 +15,8 @@ the order alternating every round (load from other processes hits them alike):
 Per serving configuration it reports img/s, the average batch a request ran in (the `timings.batch_size` of each
 answer), and the serving CPU per image: the server process's CPU time outside pipeline calls
 (`diffuserve_process_cpu_seconds_total - diffuserve_pipeline_cpu_seconds` from /metrics, `runtime/cpu_time.py`) over
-the round, divided by its images. Cold start is the time from spawning the singleton server to /health 200.
+the round, divided by its images. Cold start: spawning `diffuserve serve` on the embedded default model, alone,
+to /health 200 (the second of two starts, so a first build of the model's cache is not counted).
 Targets (issue 24 item 6): dynamic@8 >= 1.0x plain b8; singleton@1 >= 1.1x plain b1; serving CPU per image
 <= 5 ms; cold start <= 8 s.
 """
@@ -29,6 +30,7 @@ import os
 import re
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +40,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_batching import _PROMPTS, Sample, Scenario, Server, _direct_runner  # noqa: E402
+from bench_batching import _PROMPTS, Sample, Scenario, Server, _direct_runner, _free_port  # noqa: E402
 
 CONFIGS = ("plain b1", "plain b8", "singleton@1", "dynamic@8")
 CLIENTS = {"singleton@1": 1, "dynamic@8": 8}
@@ -82,24 +84,47 @@ async def serve_round(base_url: str, scenario: Scenario, clients: int, num_reque
         return time.perf_counter() - start, samples
 
 
+def cold_start_s(env: dict[str, str], timeout_s: float = 300.0) -> float:
+    """Seconds from spawning `diffuserve serve` on the embedded default model (no --model-path) to /health 200."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "diffuserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", "warning"]
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while time.monotonic() - started < timeout_s:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the embedded-model server exited with {proc.returncode}: {' '.join(cmd)}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
+                    return time.monotonic() - started
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"the embedded-model server was not healthy after {timeout_s:.0f}s")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def run(workdir: Path, num_requests: int, num_rounds: int, delay_ms: float, log: Any) -> dict[str, Any]:
     from diffuserve.models.tiny import build_tiny_checkpoint
 
     scenario = Scenario("tiny", 64, 4, num_requests, num_rounds)
     model_path = build_tiny_checkpoint("flux", workdir / "tiny")
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    cold_start_s(env)  # the first start may build the embedded model's cache; the second is the figure
+    cold_s = cold_start_s(env)
     flags = {"singleton@1": [], "dynamic@8": ["--batching-mode", "dynamic", "--batching-max-size", "8",
                                                 "--batching-delay-ms", f"{delay_ms:g}"]}
-    spawned = time.monotonic()
     servers = {name: Server(model_path, extra, workdir / f"{name.replace('@', '-')}.log", env)
                for name, extra in flags.items()}
     throughput: dict[str, list[float]] = {c: [] for c in CONFIGS}
     batches: dict[str, list[int]] = {c: [] for c in CLIENTS}
     cpu_ms: dict[str, list[float]] = {c: [] for c in CLIENTS}
     try:
-        servers["singleton@1"].wait_healthy()
-        cold_start_s = time.monotonic() - spawned
-        servers["dynamic@8"].wait_healthy()
+        for server in servers.values():
+            server.wait_healthy()
         direct = _direct_runner(model_path, scenario)
         for round_index in range(num_rounds + 1):  # round 0: untimed warm-up
             order = CONFIGS if round_index % 2 == 0 else CONFIGS[::-1]
@@ -132,7 +157,7 @@ def run(workdir: Path, num_requests: int, num_rounds: int, delay_ms: float, log:
         "ratios": ratios,
         "mean_batch": {c: sum(v) / len(v) for c, v in batches.items()},
         "serving_cpu_ms_per_image": {c: statistics.median(v) for c, v in cpu_ms.items()},
-        "cold_start_s": cold_start_s,
+        "cold_start_s": cold_s,
     }
 
 
@@ -152,7 +177,7 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(f"  serving CPU per image <= {CPU_TARGET_MS:g} ms: {'met' if worst <= CPU_TARGET_MS else 'MISSED'}"
                  f" (worst {worst:.1f} ms)")
     lines.append(f"  cold start to /health 200: {r['cold_start_s']:.1f} s (target <= {COLD_START_TARGET_S:g} s: "
-                 f"{'met' if r['cold_start_s'] <= COLD_START_TARGET_S else 'MISSED'}; two servers start at once)")
+                 f"{'met' if r['cold_start_s'] <= COLD_START_TARGET_S else 'MISSED'}; embedded model, alone, warm cache)")
     return "\n".join(lines)
 
 
