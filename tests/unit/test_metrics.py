@@ -178,3 +178,20 @@ def test_scheduler_to_log_line_end_to_end(caplog: pytest.LogCaptureFixture) -> N
 def test_window_must_be_positive() -> None:
     with pytest.raises(ValueError, match="window"):
         BatchingStats(None, log_enabled=False, window=0)
+
+
+def test_serving_overhead_and_pipeline_cpu_are_exported() -> None:
+    from diffuserve.runtime.cpu_time import CpuAccount
+
+    account = CpuAccount()
+    with account.measure():
+        sum(i * i for i in range(200_000))  # some CPU in this thread
+    assert account.seconds > 0
+    metrics = EngineMetrics()
+    metrics.observe_serving_overhead(0.003)
+    metrics.observe_serving_overhead(-1.0)  # clamped: a clock step never makes a negative bucket
+    text = metrics.render()[0].decode()
+    assert "diffuserve_serving_overhead_seconds_count 2.0" in text
+    assert 'diffuserve_serving_overhead_seconds_bucket{le="0.005"} 2.0' in text
+    assert re.search(r"^diffuserve_pipeline_cpu_seconds [0-9.e+-]+$", text, re.MULTILINE)
+    assert "diffuserve_process_cpu_seconds_total" in text

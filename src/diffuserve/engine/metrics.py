@@ -43,6 +43,7 @@ from prometheus_client import (
 )
 
 from diffuserve.engine.scheduler import ScheduledBatch
+from diffuserve.runtime.cpu_time import PIPELINE_CPU
 
 logger = logging.getLogger("diffuserve.batching")
 
@@ -53,6 +54,7 @@ REQUEST_STATUSES = ("success", "error", "cancelled", "timeout", "rejected")
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+_OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
@@ -109,6 +111,7 @@ class EngineMetrics:
         self.step_cache_steps = Counter(
             f"{p}step_cache_steps", "Denoising steps of rows that ran a step cache, by method and whether the row "
             "computed the step or reused its cache (summed over rows).", ["method", "outcome"], registry=r)
+        self._serving_overhead_collectors(r)
         self.overlap_jobs = Counter(
             f"{p}overlap_jobs", "Text encodes / decodes run in a side lane beside the denoise loop, by stage.",
             ["stage"], registry=r)
@@ -138,6 +141,17 @@ class EngineMetrics:
                                             "the slowest other rank of replica 0.", buckets=overhead_buckets, registry=r)
         self.rank_call_straggle = Histogram(f"{p}rank_call_straggle_seconds", "Time rank 0 waited for the other ranks "
                                             "to finish a call after its own part.", buckets=overhead_buckets, registry=r)
+
+    def _serving_overhead_collectors(self, r: CollectorRegistry) -> None:
+        """Where the time outside the model goes (docs/operations.md, "Serving overhead")."""
+        self.serving_overhead = Histogram(
+            f"{PREFIX}serving_overhead_seconds", "Per answered request: server time outside its pipeline calls and "
+            "its queue wait (HTTP parsing, token counts, scheduling, result hand-off, PNG/base64 encoding).",
+            buckets=_OVERHEAD_BUCKETS, registry=r)
+        self.pipeline_cpu = Gauge(f"{PREFIX}pipeline_cpu_seconds", "CPU time of this process inside pipeline calls "
+                                  "(loop and side lanes); diffuserve_process_cpu_seconds_total - this = serving CPU.",
+                                  registry=r)
+        self.pipeline_cpu.set_function(lambda: PIPELINE_CPU.seconds)
 
     def watch_cuda_memory(self, device: str) -> None:
         """Report the CUDA allocator's bytes (allocated, peak, reserved) at every scrape."""
@@ -202,6 +216,10 @@ class EngineMetrics:
         method = str(counts.get("method"))
         self.step_cache_steps.labels(method=method, outcome="computed").inc(int(counts.get("computed_steps", 0)))
         self.step_cache_steps.labels(method=method, outcome="reused").inc(int(counts.get("reused_steps", 0)))
+
+    def observe_serving_overhead(self, seconds: float) -> None:
+        """One answered request's server time outside its pipeline calls and queue wait."""
+        self.serving_overhead.observe(max(0.0, seconds))
 
     def add_outputs_generated(self, n: int) -> None:
         self.outputs_generated.inc(n)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from diffuserve.errors import DiffuserveError, GenerationError, RequestCancelledError
 from diffuserve.executor.messages import BatchEvent, BatchMessage, Preview, Progress
 from diffuserve.pipelines.base import BatchResult, RequestOutput
+from diffuserve.runtime.cpu_time import PIPELINE_CPU
 from diffuserve.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -271,7 +272,8 @@ def _run_calls(pipeline: PipelineCalls, live: list[Row], calls: list[list[tuple[
     for counter.call_index, call in enumerate(calls):
         if everyone_gone():
             raise RequestCancelledError("every request of the batch was cancelled")
-        result = pipeline.run([p for _, _, p in call], **hooks)
+        with PIPELINE_CPU.measure():
+            result = pipeline.run([p for _, _, p in call], **hooks)
         chunk = split_outputs([live[i]._replace(params=p) for i, _, p in call], result, pipeline.output_kind)
         for (i, _, _), output in zip(call, chunk.values(), strict=True):
             parts[i].append(output)
@@ -288,7 +290,8 @@ def _run_deferred(pipeline: PipelineCalls, live: list[Row], outcome: BatchOutcom
                   hooks: dict[str, Any]) -> BatchOutcome:
     """`run_batch` with the decode in the decode lane (one pipeline call; see `run_batch`)."""
     try:
-        denoised = pipeline.run_to_latents([r.params for r in live], **hooks)
+        with PIPELINE_CPU.measure():
+            denoised = pipeline.run_to_latents([r.params for r in live], **hooks)
     except RequestCancelledError as exc:
         logger.info("batch of %d request(s) stopped at step %d/%d: every request in it was cancelled",
                     len(live), *counter.done)

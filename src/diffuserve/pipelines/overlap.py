@@ -44,6 +44,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from diffuserve.runtime.cpu_time import PIPELINE_CPU
+
 logger = logging.getLogger("diffuserve.overlap")
 
 T = TypeVar("T")
@@ -135,10 +137,11 @@ class SideLane:
         started = time.perf_counter()
         overlap.maybe_hold(self.name, prompts, before)
         if self.stream is None:
-            value = fn()
+            with PIPELINE_CPU.measure():
+                value = fn()
             event = None
         else:
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.stream(self.stream), PIPELINE_CPU.measure():
                 self.stream.wait_event(ready)
                 for tensor in _tensors(inputs):
                     if tensor.is_cuda:

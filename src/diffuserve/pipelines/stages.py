@@ -200,6 +200,12 @@ class RecipePipeline(Pipeline):
                     encoded.update(self.encode_text(key, texts, batch))
         return encoded
 
+    def _encode_rows(self, texts: list[str], params: SamplingParams) -> list[Cond]:
+        """`texts` (of queued requests sharing `params`' signature) through each text encoder in one call, cut
+        back to one one-row conditioning per text (masked sequences trimmed to the text's own length)."""
+        encoded = self._encode_texts(texts, [params])
+        return [gather_rows(encoded, torch.tensor([i]), self.masked_sequences) for i in range(len(texts))]
+
     def prefetch_text(self, params: SamplingParams, on_done: Any = None) -> bool:
         """Dynamic batching: encode a queued text-only request's texts in the encode lane, beside the running
         batch (`pipelines/text_prefetch.py`); its batch takes them. False when there was nothing to do."""
@@ -208,9 +214,7 @@ class RecipePipeline(Pipeline):
         from diffuserve.pipelines.text_prefetch import TextPrefetch
 
         if self._text_prefetch is None:  # the engine's admission calls this under its lock: made once
-            self._text_prefetch = TextPrefetch(
-                self, lambda text, p: gather_rows(self._encode_texts([text], [p]), torch.tensor([0]),
-                                                  self.masked_sequences))
+            self._text_prefetch = TextPrefetch(self, self._encode_rows)
         prefetch = self._text_prefetch
         texts = [params.prompt] + ([params.negative_prompt or ""] if self.uses_cfg(params) else [])
         return prefetch.submit(params, texts, on_done)

@@ -18,6 +18,7 @@ from diffuserve.config.step_cache import (
     with_calibration,
 )
 from diffuserve.engine.engine import EngineState, GenerationResult
+from diffuserve.engine.metrics import EngineMetrics
 from diffuserve.errors import InvalidRequestError, ModelNotFoundError
 from diffuserve.pipelines.prompt_limits import PromptTokens
 from diffuserve.server.context import ServerContext
@@ -134,13 +135,18 @@ async def count_prompt(ctx: ServerContext, texts: dict[str, str | None]) -> Prom
     return await run_in_threadpool(check_prompt, ctx, texts)
 
 
-def result_timings(result: GenerationResult, *, encode_s: float, received: float) -> dict[str, Any]:
-    """The `timings` object of a response (milliseconds)."""
+def result_timings(result: GenerationResult, *, encode_s: float, received: float,
+                   metrics: EngineMetrics | None = None) -> dict[str, Any]:
+    """The `timings` object of a response (milliseconds); with `metrics`, the request's serving overhead (its
+    server time outside queue wait and pipeline calls) goes to `diffuserve_serving_overhead_seconds`."""
+    total_s = time.monotonic() - received
+    if metrics is not None:
+        metrics.observe_serving_overhead(total_s - result.queue_wait_s - result.inference_s)
     return {
         "queue_wait_ms": round(result.queue_wait_s * 1000, 3),
         "inference_ms": round(result.inference_s * 1000, 3),
         "encode_ms": round(encode_s * 1000, 3),
-        "total_ms": round((time.monotonic() - received) * 1000, 3),
+        "total_ms": round(total_s * 1000, 3),
         "batch_size": result.batch_size,
         "batch_requests": result.batch_requests,
         "batch_rows": result.batch_rows,

@@ -159,7 +159,7 @@ async def _generate_and_respond(
         output_format=params.output_format,
         size=f"{params.width}x{params.height}",
         seed=params.seed or 0,
-        timings=Timings(**result_timings(result, encode_s=encode_s, received=received)),
+        timings=Timings(**result_timings(result, encode_s=encode_s, received=received, metrics=ctx.metrics)),
         warnings=warnings,
         background="opaque",
         quality=reported_quality(body.quality),

@@ -84,7 +84,7 @@ async def _drive_job(ctx: ServerContext, job: VideoJob, generation: asyncio.Futu
         return
     # Writing the MP4 (fsync, rename) and its row is blocking I/O: off the event loop.
     await run_in_threadpool(store.complete, job.id, content,
-                            result_timings(result, encode_s=encode_s, received=received))
+                            result_timings(result, encode_s=encode_s, received=received, metrics=ctx.metrics))
 
 
 INTERRUPTED_ERROR = error_envelope(

@@ -178,6 +178,8 @@ def serve(args: ServerArgs) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
         access_log=args.log_level == "debug",
+        loop="uvloop",  # the production stack: uvloop's event loop and httptools' HTTP parser (issue 24)
+        http="httptools",
     )
     server = DrainingServer(config, ctx)
     logger.info("serving %r on http://%s:%d", args.public_model_name, args.host, args.port)
