@@ -126,7 +126,7 @@ def split_outputs(requests: Sequence[Request], result: BatchResult, kind: str) -
         raise ValueError(f"the pipeline returned {len(result.outputs)} outputs for {len(requests)} requests")
     split: dict[str, RequestOutput] = {}
     for request, output in zip(requests, result.outputs, strict=True):
-        produced = len(output.videos if kind == "video" else output.images)
+        produced = len(output.videos if kind == "video" else output.meshes if kind == "mesh" else output.images)
         if produced != request.params.n:
             raise ValueError(f"request {request.request_id} asked for n={request.params.n} but got {produced}")
         split[request.request_id] = output
@@ -293,4 +293,5 @@ def _run_deferred(pipeline: Any, live: list[Request], outcome: BatchOutcome,
 def _concat(outputs: list[RequestOutput]) -> RequestOutput:
     if len(outputs) == 1:
         return outputs[0]
-    return RequestOutput(images=[i for o in outputs for i in o.images], videos=[v for o in outputs for v in o.videos])
+    return RequestOutput(images=[i for o in outputs for i in o.images], videos=[v for o in outputs for v in o.videos],
+                         meshes=[m for o in outputs for m in o.meshes])

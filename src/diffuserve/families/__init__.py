@@ -29,6 +29,7 @@ FAMILY_MODULES: tuple[str, ...] = (
     "wan",
     "video_others",
     "image_others",
+    "hunyuan3d",
 )
 """Modules under `diffuserve.families` that define `SPECS` (a tuple) or `SPEC`; one line per module."""
 
