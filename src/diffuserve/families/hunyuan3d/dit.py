@@ -193,11 +193,13 @@ class Hunyuan3DDiT(nn.Module):
     def forward(self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor,
                 guidance: torch.Tensor | None = None) -> torch.Tensor:
         latent = self.latent_in(x)
-        vec = self.time_in(timestep_embedding(t, 256, self.time_factor).to(dtype=latent.dtype))
+        # The published models were trained with the config's `time_factor` in the embedding's max_period slot
+        # (and the fixed 1000 as the time scale); kept, since the weights depend on it.
+        vec = self.time_in(timestep_embedding(t, 256, max_period=self.time_factor).to(dtype=latent.dtype))
         if self.guidance_embed:
             if guidance is None:
                 raise ValueError("this guidance-distilled (turbo) DiT needs a guidance value per row")
-            vec = vec + self.guidance_in(timestep_embedding(guidance, 256, self.time_factor))
+            vec = vec + self.guidance_in(timestep_embedding(guidance, 256, max_period=self.time_factor))
         cond = self.cond_in(cond)
         for block in self.double_blocks:
             latent, cond = block(latent, cond, vec)
