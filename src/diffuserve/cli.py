@@ -106,8 +106,9 @@ def _build_parser() -> argparse.ArgumentParser:
     add("--output-path", help="Folder for the files (created; default: outputs).")
     add("--output-file-name", help="File name stem (default: derived from the prompt). Files are STEM.EXT for one "
         "output, else STEM_<prompt index>_<output index>.EXT, with or without this flag.")
-    add("--output-format", choices=["png", "jpeg", "webp"], help="Image models only: image format (default: png). "
-        "Video models always write mp4.")
+    add("--output-format", choices=["png", "jpeg", "webp", "glb", "obj"], help="Image models: png, jpeg or webp "
+        "(default: png); mesh models (Hunyuan3D-2): glb or obj (default: glb). Video models always write mp4.")
+    add("--image-path", help="Mesh models (Hunyuan3D-2): the input image to reconstruct in 3D (no --prompt needed).")
     add("--num-frames", type=int, help="Video models only: frames per video (default: the model's).")
     add("--fps", type=int, help="Video models only: frames per second of the MP4 (default: the model's).")
     _add_config_arguments(gen, "generate")

@@ -82,6 +82,8 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     prompts = values.get("prompt")
     if isinstance(prompts, str):
         prompts = [prompts]
+    if not prompts and values.get("image_path"):
+        prompts = [""]  # a mesh model is conditioned on the image alone
     if not prompts:
         raise ConfigError("--prompt is required: give it on the command line (repeat it for several prompts) "
                           "or as `prompt` (a string or a list) in --config.")
@@ -111,6 +113,8 @@ def _generate(args: ServerArgs, values: dict[str, Any], pipeline: Any, prompts: 
     from tqdm import tqdm
 
     model = pipeline.describe_model()
+    if model.output_kind == "mesh":
+        return _generate_mesh(values, pipeline, stem)
     video = model.output_kind == "video"
     _check_applicable(values, video, model.family)
     params = [
@@ -164,6 +168,31 @@ def _generate(args: ServerArgs, values: dict[str, Any], pipeline: Any, prompts: 
         return INTERRUPTED
     for path in written:
         print(path)
+    return 0
+
+
+def _generate_mesh(values: dict[str, Any], pipeline: Any, stem: str | None) -> int:
+    """Mesh families: `--image-path` -> one mesh file (.glb unless --output-format obj)."""
+    from diffuserve.media.meshes import MESH_FORMATS, encode_mesh
+
+    image_path = values.get("image_path")
+    if not image_path:
+        raise ConfigError("--image-path is required: this model (image-to-3D) reconstructs the object in an image.")
+    output_format = values.get("output_format") or "glb"
+    if output_format not in MESH_FORMATS:
+        raise ConfigError(f"--output-format {output_format}: a mesh model writes glb or obj.")
+    model = pipeline.describe_model()
+    params = build_sampling_params(model, prompt="", num_inference_steps=values.get("num_inference_steps") or None,
+                                   guidance_scale=values.get("guidance_scale"), seed=values.get("seed", 0),
+                                   output_format=output_format, image_inputs=(Path(image_path).read_bytes(),))
+    mesh = pipeline.run([params]).outputs[0].meshes[0]
+    if mesh.error:
+        raise ConfigError(f"no mesh for {image_path}: {mesh.error}")
+    out_dir = Path(values.get("output_path") or "outputs")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{stem or Path(image_path).stem}.{output_format}"
+    path.write_bytes(encode_mesh(mesh.vertices, mesh.faces, output_format))
+    print(path)
     return 0
 
 

@@ -163,7 +163,7 @@ def test_each_flag_is_declared_once_on_its_sub_config():
     own = {"serve": {"config"}, "plan": {"config", "gpu_memory_gib", "json"},
            "generate": {"config", "prompt", "negative_prompt", "width", "height", "num_inference_steps",
                         "guidance_scale", "true_cfg_scale", "seed", "num_outputs_per_prompt", "output_path",
-                        "output_file_name", "output_format", "num_frames", "fps"}}
+                        "output_file_name", "output_format", "num_frames", "fps", "image_path"}}
     for command, extra in own.items():
         assert set(flag_table(command)) - set(owners) == extra
 

@@ -142,6 +142,10 @@ def build_mesh_params(body: MeshCreateRequest, ctx: ServerContext, image: bytes)
     params = build_sampling_params(model, prompt=body.prompt or "", num_inference_steps=steps,
                                    guidance_scale=None if body.guidance_scale is None else float(body.guidance_scale),
                                    seed=body.seed, output_format=body.output_format, image_inputs=(image,))
+    if body.octree_resolution is not None and body.octree_resolution > ctx.args.max_octree_resolution:
+        raise InvalidRequestError(f"octree_resolution={body.octree_resolution} exceeds this server's limit of "
+                                  f"{ctx.args.max_octree_resolution} (--max-octree-resolution).",
+                                  param="octree_resolution")
     params = dataclasses.replace(params, octree_resolution=body.octree_resolution or 0)
     if model.validate is not None:
         model.validate(params)
