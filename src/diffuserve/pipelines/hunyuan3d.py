@@ -9,6 +9,7 @@ Encoding the mesh (GLB/OBJ) happens after the split, like PNG encoding for image
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from diffuserve.families.base import SamplingDefaults
 from diffuserve.families.hunyuan3d import conditioning
 from diffuserve.families.hunyuan3d.dit import Hunyuan3DDiT
 from diffuserve.families.hunyuan3d.layout import find_subfolder, read_config, target_name
+from diffuserve.families.hunyuan3d.spec import LICENSE_NOTE
 from diffuserve.families.hunyuan3d.vae import ShapeVAE, decode_volume
 from diffuserve.pipelines.base import BatchResult, Pipeline, RequestOutput
 from diffuserve.pipelines.stages import batch_noise, check_batch
@@ -58,6 +60,8 @@ class MeshSettings:
     max_octree_resolution: int = 512
     """Largest octree_resolution a request may ask for."""
 
+
+logger = logging.getLogger(__name__)
 
 SCHEDULERS = ("FlowMatchEulerDiscreteScheduler", "ConsistencyFlowMatchEulerDiscreteScheduler")
 
@@ -109,6 +113,7 @@ class Hunyuan3DPipeline(Pipeline):
 
         folder = find_subfolder(Path(model_path), model_id)
         config = read_config(folder)
+        logger.info("%s: %s", folder.name, LICENSE_NOTE)
         weights = folder / "model.fp16.safetensors"
         if not weights.is_file():
             raise CheckpointError(f"{folder} has no model.fp16.safetensors (Tencent's layout keeps the DiT, VAE "
