@@ -118,3 +118,11 @@ def test_rejected_creates_name_the_field_and_keep_no_job(mesh_server, kind, para
         assert reply.status_code == 400, reply.text
         assert reply.json()["error"]["param"] == param
         assert client.get("/v1/meshes", params={"limit": 100}).json()["data"] == before
+
+
+def test_image_and_video_routes_point_to_meshes(mesh_server):
+    with httpx.Client(base_url=mesh_server.base_url, timeout=30) as client:
+        for route, body in (("/v1/images/generations", {"prompt": "a cat"}), ("/v1/videos", {"prompt": "a cat"})):
+            reply = client.post(route, json=body)
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == "model", reply.text
+            assert "/v1/meshes" in reply.json()["error"]["message"]
