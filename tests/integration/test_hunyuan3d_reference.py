@@ -39,7 +39,7 @@ def reference_site(tmp_path_factory) -> Path:
     return site
 
 
-@pytest.mark.parametrize("variant", ["hunyuan3d-dit-v2-0", "hunyuan3d-dit-v2-0-turbo"])
+@pytest.mark.parametrize("variant", ["hunyuan3d-dit-v2-0", "hunyuan3d-dit-v2-0-fast", "hunyuan3d-dit-v2-0-turbo"])
 def test_volume_and_vertices_equal_hy3dgen(reference_site, tiny_checkpoint, tmp_path, variant):
     folder = tiny_checkpoint("hunyuan3d") / variant
     png_path = tmp_path / "object.png"
