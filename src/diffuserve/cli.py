@@ -146,13 +146,14 @@ def _build_parser() -> argparse.ArgumentParser:
     add("--output-path", help="Folder for the files (created; default: outputs).")
     add("--output-file-name", help="File name stem (default: derived from the prompt). Files are STEM.EXT for one "
         "output, else STEM_<prompt index>_<output index>.EXT, with or without this flag.")
-    add("--output-format", choices=["png", "jpeg", "webp"], help="Image models only: image format (default: png). "
-        "Video models always write mp4.")
+    add("--output-format", choices=["png", "jpeg", "webp", "glb", "obj"], help="Image models: png, jpeg or webp "
+        "(default: png); mesh models (Hunyuan3D-2): glb or obj (default: glb). Video models always write mp4.")
     add("--num-frames", type=int, help="Video models only: frames per video (default: the model's).")
     add("--fps", type=int, help="Video models only: frames per second of the MP4 (default: the model's).")
     add("--image-path", action="append", metavar="PATH", help="Input image (PNG, JPEG or WebP) for edit, "
         "image-to-image, image-to-video and layered models; repeat it for models that take several. Checked as "
-        "POST /v1/images/edits checks `image` (and /v1/videos `input_reference`), before the model loads.")
+        "POST /v1/images/edits checks `image` (and /v1/videos `input_reference`), before the model loads. Mesh models "
+        "(Hunyuan3D-2): the one image of the object to reconstruct in 3D (no --prompt needed).")
     add("--strength", type=float, help="With --image-path on an image model: the share of the schedule re-noised "
         "from the input image, in (0, 1] (default: 0.6, as POST /v1/images/edits).")
     _add_config_arguments(gen, "generate")

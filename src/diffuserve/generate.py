@@ -168,6 +168,8 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     prompts = values.get("prompt")
     if isinstance(prompts, str):
         prompts = [prompts]
+    if not prompts and values.get("image_path"):
+        prompts = [""]  # a mesh model is conditioned on the image alone
     if not prompts:
         raise ConfigError("--prompt is required: give it on the command line (repeat it for several prompts) "
                           "or as `prompt` (a string or a list) in --config.")
@@ -187,8 +189,9 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     images = read_images(values, args.max_image_side, video=video)
     if spec.family != "unknown":  # known from model_index.json alone: refuse before loading any weight
         _check_applicable(values, video, spec.family)
-        check_values(values, prompts, video)
-        _check_family_inputs(values, images, spec, model_path)
+        if spec.output_kind != "mesh":  # a mesh model ignores the prompt (its image is the condition)
+            check_values(values, prompts, video)
+            _check_family_inputs(values, images, spec, model_path)
     engine = OfflineEngine(build_generate_engine(args))
     try:
         return _generate(values, engine, engine.start(), prompts, n, stem, images)
@@ -239,6 +242,8 @@ def _build_params(values: dict[str, Any], model: Any, prompts: list[str], n: int
 
 def _generate(values: dict[str, Any], engine: Any, model: Any, prompts: list[str], n: int,
               stem: str | None, images: tuple[bytes, ...] = ()) -> int:
+    if model.output_kind == "mesh":
+        return _generate_mesh(values, engine, model, stem)
     video = model.output_kind == "video"
     _check_applicable(values, video, model.family)
     # Again with what the loaded model says (a checkpoint of an unknown family is only known now).
@@ -293,6 +298,33 @@ def _wait(engine: Any, submitted: Any) -> Any:
                 continue
             bar.update(bar.total - bar.n)
             return result
+
+
+def _generate_mesh(values: dict[str, Any], engine: Any, model: Any, stem: str | None) -> int:
+    """Mesh families: `--image-path` -> one mesh file (.glb unless --output-format obj), run by the engine."""
+    from diffuserve.media.meshes import MESH_FORMATS, encode_mesh
+
+    paths = values.get("image_path") or []
+    paths = [paths] if isinstance(paths, str) else list(paths)  # a --config file may give one path as a string
+    if len(paths) != 1:
+        raise ConfigError("--image-path is required, once: this model (image-to-3D) reconstructs the object in one "
+                          f"image; got {len(paths)}.")
+    image_path = paths[0]
+    output_format = values.get("output_format") or "glb"
+    if output_format not in MESH_FORMATS:
+        raise ConfigError(f"--output-format {output_format}: a mesh model writes glb or obj.")
+    params = build_sampling_params(model, prompt="", num_inference_steps=values.get("num_inference_steps") or None,
+                                   guidance_scale=values.get("guidance_scale"), seed=values.get("seed", 0),
+                                   output_format=output_format, image_inputs=(Path(image_path).read_bytes(),))
+    mesh = _wait(engine, next(iter(engine.submit_all([params])))).output.meshes[0]
+    if mesh.error:
+        raise ConfigError(f"no mesh for {image_path}: {mesh.error}")
+    out_dir = Path(values.get("output_path") or "outputs")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{stem or Path(image_path).stem}.{output_format}"
+    path.write_bytes(encode_mesh(mesh.vertices, mesh.faces, output_format))
+    print(path)
+    return 0
 
 
 def print_plan(values: dict[str, Any]) -> int:

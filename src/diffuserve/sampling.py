@@ -67,6 +67,7 @@ class SamplingParams:
     output_format: str = _row("png", "png | jpeg | webp (images), mp4 (video).")
     output_quality: int = _row(90, "Encoder quality for jpeg/webp (1-100).")
     image_inputs: tuple[bytes, ...] = _row((), "Encoded input images (edits / image conditioning).")
+    octree_resolution: int = _sig(0, "Mesh families: grid cells per side of the decoded volume (0: the model's default).")
     strength: float = _sig(1.0, "Image-to-image: share of the schedule re-noised from the input image (0-1].")
     lora: tuple[tuple[str, float], ...] = _row((), "LoRA adapters as (name, scale) pairs, summed; () = the base "
                                                  "model. Per row, so requests with different adapters share a batch.")

@@ -29,6 +29,9 @@ class HttpArgs:
     """Cap on per-request steps."""
     max_image_side: int = flag(4096, "Largest width/height a request (or an edit's input image) may have, on every device. The work of a step grows with width x height: on a CPU, a 4096x4096 image of a real model takes minutes per step, so lower it there.", SERVER_GROUP)
     """Cap on output width and height."""
+    max_octree_resolution: int = flag(512, "Mesh models (Hunyuan3D-2): largest octree_resolution a mesh job may ask "
+                                      "for (the volume decode grows with its cube).", SERVER_GROUP)
+    """Cap on per-request mesh grid resolution."""
     url_store_max_images: int = flag(1024, "Images kept for response_format=url links (oldest dropped first).", SERVER_GROUP)
     """Capacity of the in-memory store behind /v1/images/{id}/content."""
     max_video_jobs: int = flag(128, "Video jobs kept for GET /v1/videos (with their MP4); past it the oldest finished jobs are dropped.", SERVER_GROUP)
@@ -50,6 +53,7 @@ class HttpArgs:
             (self.port < 0 or self.port > 65535, "--port", f"{self.port} is not a TCP port (0-65535)"),
             (self.shutdown_timeout_s < 0, "--shutdown-timeout-s", f"{self.shutdown_timeout_s} must be >= 0"),
             (self.max_inference_steps < 1, "--max-inference-steps", f"{self.max_inference_steps} must be >= 1"),
+            (self.max_octree_resolution < 16, "--max-octree-resolution", f"{self.max_octree_resolution} must be >= 16"),
             (self.max_video_jobs < 1, "--max-video-jobs", f"{self.max_video_jobs} must be >= 1"),
             (self.result_ttl_s < 0, "--result-ttl-s", f"{self.result_ttl_s} must be >= 0 (0 = keep until removed)"),
             (self.max_output_bytes < 0, "--max-output-bytes", f"{self.max_output_bytes} must be >= 0 (0 = no cap)"),

@@ -50,10 +50,18 @@ class ModelArgs:
     num_threads: int | None = flag(None, "CPU threads for torch ops. Default: $OMP_NUM_THREADS if set; else, on a CPU device, all cores but one (the HTTP loop and encoding need one); on CUDA, torch's default.", MODEL_GROUP)
     """Intra-op threads (torch.set_num_threads)."""
 
+    mesh_texture: bool = flag(False, "Mesh models (Hunyuan3D-2): texture the mesh. Not available (refused at start-up): "
+                              "texturing needs Tencent's compiled CUDA rasterizer.", MODEL_GROUP)
+    """Refused: only untextured shapes are served."""
+
     def validate(self) -> None:
         """Fail at start-up, naming the flag and the fix."""
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"--num-threads: {self.num_threads} must be >= 1.")
+        if self.mesh_texture:
+            raise ConfigError("--mesh-texture: texturing Hunyuan3D-2 meshes needs Tencent's compiled CUDA rasterizer "
+                              "(hy3dgen's texgen), which diffuserve does not run; drop the flag to serve untextured "
+                              "shapes (GLB/OBJ).", param="mesh_texture")
 
     def check_files(self) -> None:
         """The checks that read the file system (after every value check)."""

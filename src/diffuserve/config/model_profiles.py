@@ -270,8 +270,12 @@ def profile_from_checkpoint(model_path: Path, *, family: str | None = None, mode
     model_path = Path(model_path)
     if load_dtype is not None and load_dtype not in LOAD_DTYPE_SIZES:
         raise ConfigError(f"--dtype {load_dtype!r} is not one of {', '.join(LOAD_DTYPE_SIZES)}.", param="dtype")
-    index = _read_json(model_path / "model_index.json")
     from diffuserve import families
+    from diffuserve.families.hunyuan3d import layout as hunyuan3d_layout
+
+    if not (model_path / "model_index.json").is_file() and hunyuan3d_layout.looks_like_hunyuan3d(model_path):
+        return _hunyuan3d_profile(hunyuan3d_layout.find_subfolder(model_path, model_id))
+    index = _read_json(model_path / "model_index.json")
 
     family = family or families.family_for(str(index.get("_class_name", "")), model_id)
     components: dict[str, ComponentProfile] = {}
@@ -290,6 +294,16 @@ def profile_from_checkpoint(model_path: Path, *, family: str | None = None, mode
     profile = family_profile(family, backend).with_components(components)
     facts = describe_checkpoint(families.spec_for(family), read_checkpoint_configs(model_path))
     return dataclasses.replace(profile, dit_attention_heads=heads, checkpoint=facts)
+
+
+def _hunyuan3d_profile(folder: Path) -> ModelProfile:
+    """Tencent's Hunyuan3D-2 layout: the three weight prefixes of model.fp16.safetensors as components."""
+    from diffuserve.families.hunyuan3d.layout import COMPONENTS, component_bytes
+
+    sizes = component_bytes(folder)
+    components = {key: ComponentProfile(name=key, group=group, class_name=cls, param_bytes=sizes[key])
+                  for key, (group, cls) in COMPONENTS.items()}
+    return family_profile("hunyuan3d").with_components(components)
 
 
 def _dit_attention_heads(model_path: Path) -> int | None:

@@ -148,7 +148,7 @@ def split_outputs(requests: Sequence[Row], result: BatchResult, kind: str) -> di
         raise ValueError(f"the pipeline returned {len(result.outputs)} outputs for {len(requests)} requests")
     split: dict[str, RequestOutput] = {}
     for request, output in zip(requests, result.outputs, strict=True):
-        produced = len(output.videos if kind == "video" else output.images)
+        produced = len(output.videos if kind == "video" else output.meshes if kind == "mesh" else output.images)
         if produced != request.params.n:
             raise ValueError(f"request {request.request_id} asked for n={request.params.n} but got {produced}")
         split[request.request_id] = output
@@ -345,4 +345,4 @@ def _concat(outputs: list[RequestOutput]) -> RequestOutput:
         "method": counts[0]["method"], "computed_steps": sum(c["computed_steps"] for c in counts),
         "reused_steps": sum(c["reused_steps"] for c in counts)}
     return RequestOutput(images=[i for o in outputs for i in o.images], videos=[v for o in outputs for v in o.videos],
-                         step_cache=step_cache)
+                         meshes=[m for o in outputs for m in o.meshes], step_cache=step_cache)

@@ -35,6 +35,7 @@ FAMILY_MODULES: tuple[str, ...] = (
     "wan",
     "video_others",
     "image_others",
+    "hunyuan3d",
 )
 """Family folders under `diffuserve.families` whose `spec.py` defines `SPECS` (a tuple) or `SPEC`; one line each."""
 

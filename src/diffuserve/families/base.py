@@ -19,7 +19,7 @@ the config, or None (count the indices in the safetensors header)."""
 LayerRules = dict[str, tuple[tuple[str, LayerCount], ...]]
 """model class name -> (module-list path or path suffix, its layer count), in execution order."""
 
-OutputKind = Literal["image", "video"]
+OutputKind = Literal["image", "video", "mesh"]
 
 CheckpointConfigs = Mapping[str, Mapping[str, Any]]
 """A checkpoint's configs, read without weights: model_index.json key -> that component's config.json
@@ -135,7 +135,7 @@ class FamilySpec:
     id_priority: int = 0
     """Higher is tried first among model-id patterns (a variant such as `qwen-image-edit` before `qwen-image`)."""
     output_kind: OutputKind = "image"
-    """image | video."""
+    """image | video | mesh."""
     tasks: frozenset[str] = frozenset({"t2i"})
     """What it does: t2i, i2i (edits), t2v, i2v."""
     native_adapter: str | None = None

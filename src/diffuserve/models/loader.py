@@ -293,6 +293,10 @@ def load_pipeline(
     )
     # A checkpoint's own suggestions (tiny test models: `_diffuserve_defaults`) beat the family's published
     # defaults on both backends. The loader reads them, so no adapter reaches back into models/.
+    if spec.backend == "native" and not spec.components:
+        # A native family with its own folder layout (Hunyuan3D-2): the adapter reads the folder itself.
+        return _native_class(spec.family).from_folder(model_path, model_id=model_id, device=torch_device,
+                                                      dtype=torch_dtype)
     suggested = registry.read_suggested_defaults(model_path)
     if spec.backend == "native":
         components = load_components(model_path, spec, device=torch_device, dtype=torch_dtype, placement=placement)

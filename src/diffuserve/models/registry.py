@@ -117,6 +117,13 @@ def resolve(model_path: Path, *, model_id: str | None = None, backend: str = "au
     folder is what will actually be loaded; the hint only names a family when the class is not one we know.
     """
     model_path = Path(model_path)
+    if not (model_path / "model_index.json").is_file():
+        from diffuserve.families.hunyuan3d.layout import looks_like_hunyuan3d
+
+        if looks_like_hunyuan3d(model_path):  # Tencent's own layout: no diffusers pipeline, a native family only
+            return ModelSpec(family="hunyuan3d", pipeline_class="Hunyuan3DDiTFlowMatchingPipeline",
+                             backend=select_backend("hunyuan3d", "native" if backend == "auto" else backend),
+                             model_path=model_path)
     index = read_model_index(model_path)
     class_name = index["_class_name"]
     family = families.family_for(class_name, model_id)

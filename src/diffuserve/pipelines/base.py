@@ -79,12 +79,14 @@ class AllResident:
 
 @dataclass
 class RequestOutput:
-    """The outputs of one request: `n` images, or `n` videos (each a list of frames)."""
+    """The outputs of one request: `n` images, or `n` videos (each a list of frames), or `n` meshes."""
 
     images: list[Image.Image] = field(default_factory=list)
     videos: list[list[Image.Image]] = field(default_factory=list)
     step_cache: dict[str, Any] | None = None
     """Step-cache counts of the request's rows (method, computed_steps, reused_steps); None without a cache."""
+    meshes: list[Any] = field(default_factory=list)
+    """Mesh families: one `pipelines.hunyuan3d.Mesh` (vertices, faces) per output row."""
 
 
 @dataclass
@@ -134,7 +136,7 @@ class Pipeline:
     """Base class of every pipeline. Subclasses implement `run` and declare their capabilities."""
 
     family: str = "unknown"
-    output_kind: Literal["image", "video"] = "image"
+    output_kind: Literal["image", "video", "mesh"] = "image"
     supports_batching: bool = True
     """False for families whose requests must run alone (dynamic batching treats them as ineligible)."""
     supports_continuous: bool = False

@@ -14,7 +14,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from diffuserve import __version__
 from diffuserve.errors import ConfigError, DiffuserveError
-from diffuserve.server import api_docs, health, models_routes, openai_images, openai_videos, playground
+from diffuserve.server import (
+    api_docs,
+    health,
+    models_routes,
+    openai_images,
+    openai_meshes,
+    openai_videos,
+    playground,
+)
 from diffuserve.server.context import ServerContext
 from diffuserve.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, TrailingSlashMiddleware
 from diffuserve.server.protocol import ErrorEnvelope, error_envelope
@@ -139,6 +147,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app.include_router(models_routes.router)
     app.include_router(openai_images.router)
     app.include_router(openai_videos.router)
+    app.include_router(openai_meshes.router)
     app.include_router(playground.router)
     app.include_router(api_docs.router)
     # Outermost first: the body cap runs before auth so an oversized anonymous upload is never read.

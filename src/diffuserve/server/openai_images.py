@@ -60,9 +60,10 @@ def image_params(body: ImageGenerationRequest, ctx: ServerContext, *, image_inpu
     model = ctx.engine.model
     assert model is not None
     if model.output_kind != "image":
+        route = "a mesh job with POST /v1/meshes" if model.output_kind == "mesh" else "a video job with POST /v1/videos"
         raise InvalidRequestError(
-            f"The served model is a {model.family} {model.output_kind} model: it makes videos, not images. "
-            "Create a video job with POST /v1/videos instead.", param="model", code="model_not_supported")
+            f"The served model is a {model.family} {model.output_kind} model: it makes {model.output_kind}s, not "
+            f"images. Create {route} instead.", param="model", code="model_not_supported")
     if body.size is not None:
         if body.width is not None or body.height is not None:
             raise InvalidRequestError("Give either size or width/height, not both.", param="size")

@@ -149,6 +149,8 @@ def check_build(build: str, work_dir: Path, *, quick: bool = False) -> CompatRow
 
     spec = families.spec_for(families.family_of_tiny(build))
     path = build_tiny_checkpoint(build, work_dir / build)
+    if spec.output_kind == "mesh":
+        return _check_mesh_build(build, spec, path, quick=quick)
     row = CompatRow(build=build, family=spec.name, pipeline_class=read_model_index(path)["_class_name"])
     if spec.output_kind != "image":
         row.notes.append("video family: see the video grid")
@@ -209,11 +211,64 @@ def check_build(build: str, work_dir: Path, *, quick: bool = False) -> CompatRow
     return row
 
 
+MESH_TOLERANCE = 1e-4
+"""Largest vertex coordinate difference (in the [-1.01, 1.01] box) that still counts as equal for meshes."""
+
+
+def _same_meshes(a: Sequence[Any], b: Sequence[Any]) -> tuple[bool, float]:
+    import numpy as np
+
+    if len(a) != len(b) or any(x.vertices.shape != y.vertices.shape for x, y in zip(a, b, strict=True)):
+        return False, float("inf")
+    worst = max((float(np.abs(x.vertices - y.vertices).max(initial=0)) for x, y in zip(a, b, strict=True)), default=0)
+    return worst <= MESH_TOLERANCE, worst
+
+
+def _check_mesh_build(build: str, spec: Any, path: Path, *, quick: bool) -> CompatRow:
+    """Image-to-3D families (Hunyuan3D-2): I2I is one image -> one mesh; Batching, two jobs merged, each row's
+    vertices equal to its solo run; Residency, whole-component offloads reproduce the resident mesh. Nothing to
+    compare with diffusers (no diffusers pipeline): equality with the reference package is its own test."""
+    from diffuserve.models.registry import resolve
+
+    row = CompatRow(build=build, family=spec.name, pipeline_class=resolve(path).pipeline_class)
+    first = {"prompt": "", "seed": 1, "num_inference_steps": STEPS, "image_inputs": (_input_image(),)}
+    second = {**first, "seed": 2}
+    with _Engine(path) as singleton:
+        reference = singleton.run([first])[0].output.meshes
+        solo = singleton.run([second])[0].output.meshes
+    _check(row, "I2I", lambda: (len(reference) == 1 and reference[0].error is None,
+                                reference[0].error or f"{len(reference[0].faces)} faces"))
+
+    def merged() -> tuple[bool, str]:
+        with _Engine(path, batching_mode="dynamic", batching_max_size=2, batching_delay_ms=60_000) as dynamic:
+            results = dynamic.run([first, second])
+        sizes = [r.batch_size for r in results]
+        ok_a, diff_a = _same_meshes(results[0].output.meshes, reference)
+        ok_b, diff_b = _same_meshes(results[1].output.meshes, solo)
+        return sizes == [2, 2] and ok_a and ok_b, f"batch sizes {sizes}, max vertex diff {max(diff_a, diff_b):.1e}"
+    _check(row, "Batching", merged)
+    if not quick:
+        def residency() -> tuple[bool, str]:
+            worst, failures = 0.0, []
+            for mode in RESIDENCY_MODES[:2]:  # no layer table for Tencent's layout: whole components only
+                with _Engine(path, component_residency=[f"all={mode}"]) as offloaded:
+                    ok, diff = _same_meshes(offloaded.run([first])[0].output.meshes, reference)
+                worst = max(worst, diff)
+                if not ok:
+                    failures.append(f"{mode} differs by {diff:.1e}")
+            return not failures, "; ".join(failures) or f"max vertex diff {worst:.1e} (component and snapshot offload)"
+        _check(row, "Residency", residency)
+    row.notes.append("Matches diffusers: no diffusers pipeline; equals hy3dgen 2.0.2 "
+                     "(tests/integration/test_hunyuan3d_reference.py)")
+    return row
+
+
 def image_builds() -> list[str]:
-    """Every `make-tiny` name of an image family, in the order the family modules list them."""
+    """Every `make-tiny` name of an image (or image-to-mesh) family, in the order the family modules list them."""
     from diffuserve import families
 
-    return [name for spec in families.all_specs().values() if spec.output_kind == "image" for name in spec.tiny_builds]
+    return [name for spec in families.all_specs().values() if spec.output_kind in ("image", "mesh")
+            for name in spec.tiny_builds]
 
 
 def render(rows: Sequence[CompatRow]) -> str:

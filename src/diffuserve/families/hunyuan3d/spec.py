@@ -1,0 +1,23 @@
+"""The Hunyuan3D-2 family spec (read by the registry, the plan and `make-tiny`; no torch here)."""
+
+from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults
+
+LICENSE_NOTE = ("Hunyuan3D-2 weights are under the Tencent Hunyuan 3D 2.0 Community License Agreement: not licensed "
+                "in the European Union, the United Kingdom and South Korea, and a licensee above 1 million monthly "
+                "active users (on 21 January 2025) must request a license from Tencent; see docs/families.md.")
+"""Said in the start-up log and the docs."""
+
+SPEC = FamilySpec(
+    name="hunyuan3d",
+    # No diffusers pipeline class: the registry recognises the folder layout (families/hunyuan3d/layout.py).
+    pipeline_classes=(),
+    model_id_patterns=(r"hunyuan3d",),
+    output_kind="mesh",
+    tasks=frozenset({"i2mesh"}),
+    native_adapter="diffuserve.pipelines.hunyuan3d:Hunyuan3DPipeline",
+    # SGLang's (and the reference's flow-matching pipeline's) defaults.
+    defaults=SamplingDefaults(width=64, height=64, num_inference_steps=50, guidance_scale=5.0),
+    profile=ProfileFacts(default_uses_cfg=True),
+    max_image_inputs=1,
+    tiny_builds={"hunyuan3d": "diffuserve.families.hunyuan3d.tiny:build_hunyuan3d"},
+)

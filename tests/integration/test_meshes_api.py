@@ -1,0 +1,128 @@
+"""`/v1/meshes` (SGLang-Diffusion's mesh job API) against a real server on the tiny Hunyuan3D-2 release: four jobs
+with equal steps / guidance / octree run as ONE DiT batch and each equals its solo in-process run; GLB is a real
+GLB, OBJ is text; errors name the field and keep no job; list / get / cancel / delete. The official `openai` SDK
+has no meshes resource, so the test talks httpx (as SGLang's clients do) and lists once through the SDK's generic
+`client.get`."""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.integration.test_family_hunyuan3d import object_png
+
+
+@pytest.fixture(scope="module")
+def mesh_server(tiny_checkpoint, tmp_path_factory):
+    from tests.serverproc import ServerProcess
+
+    logs = tmp_path_factory.mktemp("meshes")
+    # A long batching delay: the head job waits for the other three, so the batch closes on max_size.
+    server = ServerProcess(["--model-path", str(tiny_checkpoint("hunyuan3d")), "--served-model-name", "tiny-h3d",
+                            "--batching-mode", "dynamic", "--batching-max-size", "4", "--batching-delay-ms", "4000",
+                            "--enable-batching-metrics", "--max-octree-resolution", "64"], logs / "server.log")
+    server.start(timeout_s=180)
+    yield server
+    server.stop()
+
+
+def _wait(client: httpx.Client, job_id: str, timeout_s: float = 120) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/meshes/{job_id}").json()
+        if job["status"] in ("completed", "failed", "cancelled"):
+            return job
+        time.sleep(0.1)
+    raise AssertionError(f"mesh job {job_id} still {job['status']}")
+
+
+def _create(client: httpx.Client, seed: int, **fields) -> dict:
+    data = {"seed": str(seed), "num_inference_steps": "2", "octree_resolution": "24", **fields}
+    reply = client.post("/v1/meshes", files={"image": ("object.png", object_png(), "image/png")}, data=data)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_four_jobs_run_as_one_batch_each_equal_to_solo(mesh_server, tiny_checkpoint):
+    import trimesh
+
+    from diffuserve.media.meshes import encode_mesh
+    from diffuserve.models.loader import load_pipeline
+    from diffuserve.sampling import SamplingParams
+
+    with httpx.Client(base_url=mesh_server.base_url, timeout=30) as client:
+        jobs = [_create(client, seed, prompt="ignored") for seed in (11, 12, 13, 14)]
+        assert all(j["status"] == "queued" and j["object"] == "mesh" for j in jobs)
+        done = [_wait(client, j["id"]) for j in jobs]
+        assert [d["status"] for d in done] == ["completed"] * 4, done
+        assert {d["timings"]["batch_size"] for d in done} == {4}
+        assert {"encode", "denoise", "volume_decode", "marching_cubes"} <= set(done[0]["timings"]["stages_ms"])
+        assert "stop_reason=max_size" in mesh_server.log()
+        pipe = load_pipeline(tiny_checkpoint("hunyuan3d"))
+        for job in done:
+            reply = client.get(f"/v1/meshes/{job['id']}/content")
+            assert reply.headers["content-type"] == "model/gltf-binary" and reply.content[:4] == b"glTF"
+            served = trimesh.load(io.BytesIO(reply.content), file_type="glb", force="mesh")
+            solo = pipe.run([SamplingParams(image_inputs=(object_png(),), num_inference_steps=2, guidance_scale=5.0,
+                                            seed=job["seed"], octree_resolution=24)]).outputs[0].meshes[0]
+            alone = trimesh.load(io.BytesIO(encode_mesh(solo.vertices, solo.faces, "glb")), file_type="glb",
+                                 force="mesh")
+            assert served.vertices.shape == alone.vertices.shape
+            assert np.abs(np.asarray(served.vertices) - np.asarray(alone.vertices)).max() < 1e-4
+
+
+def test_json_data_url_obj_and_job_lifecycle(mesh_server):
+    import openai
+
+    png = base64.b64encode(object_png()).decode()
+    with httpx.Client(base_url=mesh_server.base_url, timeout=30) as client:
+        reply = client.post("/v1/meshes", json={"input_image": f"data:image/png;base64,{png}", "output_format": "obj",
+                                                "seed": 3, "num_inference_steps": 2, "octree_resolution": 24})
+        assert reply.status_code == 200, reply.text
+        job = _wait(client, reply.json()["id"])
+        assert job["status"] == "completed" and job["num_faces"] > 0
+        content = client.get(f"/v1/meshes/{job['id']}/content")
+        assert content.headers["content-type"].startswith("text/plain") and b"\nv " in content.content
+        cancel = client.post(f"/v1/meshes/{job['id']}/cancel")
+        assert cancel.status_code == 409 and cancel.json()["error"]["param"] == "mesh_id"
+        sdk = openai.OpenAI(base_url=f"{mesh_server.base_url}/v1", api_key="unused")
+        listed = sdk.get("/meshes", cast_to=object)
+        assert job["id"] in [j["id"] for j in listed["data"]]
+        assert client.delete(f"/v1/meshes/{job['id']}").json()["deleted"] is True
+        assert client.get(f"/v1/meshes/{job['id']}").status_code == 404
+        # A queued job (the head waits up to the batching delay for company) is cancelled before it runs.
+        queued = _create(client, 5)
+        cancelled = client.post(f"/v1/meshes/{queued['id']}/cancel").json()
+        assert cancelled["status"] == "cancelled" and cancelled["error"]["code"]
+
+
+@pytest.mark.parametrize("kind, param", [("none", "image"), ("two", "image"), ("not_image", "input_image"),
+                                         ("format", "output_format"), ("octree", "octree_resolution")])
+def test_rejected_creates_name_the_field_and_keep_no_job(mesh_server, kind, param):
+    png = base64.b64encode(object_png()).decode()
+    body = {"input_image": f"data:image/png;base64,{png}", "seed": 1}
+    with httpx.Client(base_url=mesh_server.base_url, timeout=30) as client:
+        before = client.get("/v1/meshes", params={"limit": 100}).json()["data"]
+        if kind == "two":
+            reply = client.post("/v1/meshes", files=[("image", ("a.png", object_png(), "image/png")),
+                                                     ("image", ("b.png", object_png(), "image/png"))])
+        else:
+            body = {"none": {"seed": 1}, "not_image": {**body, "input_image": "data:image/png;base64,AAAA"},
+                    "format": {**body, "output_format": "stl"}, "octree": {**body, "octree_resolution": 65}}[kind]
+            reply = client.post("/v1/meshes", json=body)
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] == param
+        assert client.get("/v1/meshes", params={"limit": 100}).json()["data"] == before
+
+
+def test_image_and_video_routes_point_to_meshes(mesh_server):
+    with httpx.Client(base_url=mesh_server.base_url, timeout=30) as client:
+        for route, body in (("/v1/images/generations", {"prompt": "a cat"}), ("/v1/videos", {"prompt": "a cat"})):
+            reply = client.post(route, json=body)
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == "model", reply.text
+            assert "/v1/meshes" in reply.json()["error"]["message"]
