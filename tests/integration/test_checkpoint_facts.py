@@ -9,7 +9,10 @@ from diffuserve import families
 from diffuserve.families.checkpoint import describe_checkpoint, read_checkpoint_configs
 
 NATIVE_TINY = sorted(name for name, spec in ((n, families.spec_for(families.family_of_tiny(n)))
-                                             for n in families.tiny_builds()) if spec.has_native)
+                                             for n in families.tiny_builds())
+                     # Diffusers-format checkpoints: describe_checkpoint reads their JSON configs. Hunyuan3D-2 comes
+                     # in Tencent's layout (config.yaml), which its own reader describes (test_hunyuan3d_*.py).
+                     if spec.has_native and spec.output_kind != "mesh")
 
 
 @pytest.mark.parametrize("name", NATIVE_TINY)

@@ -39,9 +39,10 @@ SGLANG_VIDEO = {"num_frames": 5, "width": 32, "height": 32, "num_inference_steps
 """SGLang-Diffusion's video job: `seconds` (a create argument) and num_frames together, width/height with size."""
 FASTVIDEO_VIDEO = {"num_frames": 5, "num_inference_steps": 2, "seed": 5, "guidance_scale": 3.0, "flow_shift": 3.0}
 """FastVideo's video job: num_frames wins over seconds; flow_shift for Wan's flow-matching UniPC."""
-OTHER_EXTENSIONS = [("enable_teacache", True), ("embedded_cfg_scale", 6.0), ("cfg_normalize", True),
-                    ("use_en_prompt", False), ("sigmas", [1.0, 0.5])]
-"""Extensions of those servers this one does not implement: each stays a 400 naming the field."""
+OTHER_EXTENSIONS = [("embedded_cfg_scale", 6.0), ("cfg_normalize", True), ("use_en_prompt", False),
+                    ("sigmas", [1.0, 0.5])]
+"""Extensions of those servers this one does not implement: each stays a 400 naming the field. (`enable_teacache`
+is implemented, as `{"method": "teacache"}`: tests/integration/test_step_cache.py.)"""
 
 
 def _client(server: ServerProcess) -> openai.OpenAI:
