@@ -120,6 +120,9 @@ class Executor(Protocol):
     reports `Progress` / `Preview` events to `events` and reads back which requests were cancelled."""
 
     replicas: list[ReplicaState]
+    multi_rank: bool
+    """Batches run on other processes' ranks too (the server leaves with `os._exit` after its drain: a worker thread
+    may still sit in a collective with a failed peer)."""
 
     def load(self) -> ServingPipeline: ...
 
@@ -137,6 +140,8 @@ class Executor(Protocol):
 
 class InProcessExecutor:
     """One rank: the batch runs on this process's pipeline, in the calling (engine worker) thread."""
+
+    multi_rank = False
 
     def __init__(self, load_pipeline: Callable[[], ServingPipeline], *, clock: Callable[[], float] | None = None):
         self._load_pipeline = load_pipeline

@@ -32,6 +32,8 @@ logger = logging.getLogger("diffuserve.executor")
 class MultiRankExecutor:
     """Executor over `topology.world_size` ranks in `dp_size` replicas; this process is global rank 0."""
 
+    multi_rank = True
+
     def __init__(self, topology: Topology, *, connect: Callable[[], tuple[StoreChannel, Any]],
                  load_local: Callable[[Any], ServingPipeline], children: dict[int, Any], heartbeat_timeout_s: float,
                  timeout_s: float, clock: Callable[[], float] = time.monotonic,

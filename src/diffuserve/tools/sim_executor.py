@@ -193,6 +193,8 @@ class SimulatedExecutor:
     """`replicas` simulated pipelines, each run by the in-process executor of its own replica; records every
     batch. `make_pipeline()` builds each replica's pipeline."""
 
+    multi_rank = False
+
     def __init__(self, replicas: int = 1, *, make_pipeline: Callable[[], SimulatedPipeline] = SimulatedPipeline,
                  clock: Callable[[], float] | None = None):
         self.pipelines = [make_pipeline() for _ in range(replicas)]
