@@ -31,6 +31,7 @@ test-unit: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check src tests benchmarks
 
 bench: setup
 	$(PY) benchmarks/bench_pipeline.py

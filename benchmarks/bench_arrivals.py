@@ -8,7 +8,8 @@ Per scenario (a FLUX.1-style checkpoint built into a temp dir: `tiny`, a ~72k-pa
 capacity (closed loop, one client: requests / s), then at 30 / 50 / 70 / 90 % of that capacity send the same
 Poisson arrivals (same seeds) to each server in turn, and finally a saturation point: a closed loop of
 `--saturation-concurrency` clients. The grid runs in `--rounds` rounds, each with a fresh capacity and a share of
-the requests, and each point pools its rounds, so load from other processes hits every server alike. Prints throughput and mean / p50 / p99 latency per point, and the issue-10
+the requests, and each point pools its rounds, so load from other processes hits every server alike. Prints throughput
+and mean / p50 / p99 latency per point, and the issue-10
 targets: at 70 % load continuous mean latency <= 0.7x dynamic and p99 <= dynamic; at saturation continuous
 throughput >= dynamic. With `--output-dir`: `arrivals.txt` (the printed table), `arrivals.json` and
 `arrivals.svg` (latency against load, drawn with matplotlib, which the dev environment has; SVG because it is
@@ -80,10 +81,26 @@ class Scenario:
 
 def _scenarios(args: argparse.Namespace) -> dict[str, Scenario]:
     return {
-        "tiny": Scenario("tiny", "64x64", args.steps, args.requests, tuple(args.loads), tuple(args.load_servers),
-                         args.saturation_concurrency, args.rounds),
-        "36m": Scenario("36m", "256x256", args.steps, args.requests_36m, tuple(args.loads_36m),
-                        tuple(args.load_servers_36m), args.saturation_concurrency_36m, args.rounds_36m),
+        "tiny": Scenario(
+            "tiny",
+            "64x64",
+            args.steps,
+            args.requests,
+            tuple(args.loads),
+            tuple(args.load_servers),
+            args.saturation_concurrency,
+            args.rounds,
+        ),
+        "36m": Scenario(
+            "36m",
+            "256x256",
+            args.steps,
+            args.requests_36m,
+            tuple(args.loads_36m),
+            tuple(args.load_servers_36m),
+            args.saturation_concurrency_36m,
+            args.rounds_36m,
+        ),
     }
 
 
@@ -95,8 +112,21 @@ def _free_port() -> int:
 
 def _start(model: Path, extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    cmd = [sys.executable, "-m", "diffuserve.cli", "serve", "--model-path", str(model), "--port", str(port),
-           "--max-queue-size", "0", "--output-dir", str(log.parent / f"out-{port}"), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "diffuserve.cli",
+        "serve",
+        "--model-path",
+        str(model),
+        "--port",
+        str(port),
+        "--max-queue-size",
+        "0",
+        "--output-dir",
+        str(log.parent / f"out-{port}"),
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=os.environ.copy())
     return proc, f"http://127.0.0.1:{port}"
 
@@ -116,14 +146,16 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
     raise TimeoutError(f"server not healthy: {log.read_text()[-2000:]}")
 
 
-async def _requests(url: str, spec: BenchRequestSpec, *, rate: float, concurrency: int, requests: int,
-                    seed: int) -> tuple[list[RequestResult], float]:
+async def _requests(
+    url: str, spec: BenchRequestSpec, *, rate: float, concurrency: int, requests: int, seed: int
+) -> tuple[list[RequestResult], float]:
     """Raw results and duration of one batch of requests (closed loop when `rate` is inf, else Poisson)."""
     arrivals = None if math.isinf(rate) else poisson_arrivals(requests, rate, random.Random(seed))
     async with _client(url, None, spec.timeout_s, concurrency) as client:
         started = time.perf_counter()
-        results = await _drive(lambda i: _send(client, spec, seed + i), requests, concurrency, arrivals,
-                               lambda _r: None)
+        results = await _drive(
+            lambda i: _send(client, spec, seed + i), requests, concurrency, arrivals, lambda _r: None
+        )
         return results, time.perf_counter() - started
 
 
@@ -147,19 +179,36 @@ def run_scenario(name: str, scenario: Scenario, workdir: Path) -> dict[str, Any]
         per_round = max(1, scenario.requests // scenario.rounds)
         for round_index in range(scenario.rounds):
             # Capacity again every round: the machine's speed moves with other work, and a load is a share of it.
-            results, seconds = asyncio.run(_requests(urls["singleton"], spec, rate=math.inf, concurrency=1,
-                                                     requests=max(2, per_round // 2), seed=1 + round_index))
+            results, seconds = asyncio.run(
+                _requests(
+                    urls["singleton"],
+                    spec,
+                    rate=math.inf,
+                    concurrency=1,
+                    requests=max(2, per_round // 2),
+                    seed=1 + round_index,
+                )
+            )
             cap_rps = sum(r.ok for r in results) / seconds
             capacities.append(cap_rps)
-            print(f"{name} round {round_index + 1}/{scenario.rounds}: singleton capacity {cap_rps:.3f} req/s",
-                  flush=True)
+            print(
+                f"{name} round {round_index + 1}/{scenario.rounds}: singleton capacity {cap_rps:.3f} req/s", flush=True
+            )
             for load in points:
                 rate = math.inf if load == SATURATION else load * cap_rps
                 count = max(per_round, saturation) if load == SATURATION else per_round
                 for label in scenario.load_servers:
                     concurrency = saturation if load == SATURATION else count
-                    results, seconds = asyncio.run(_requests(urls[label], spec, rate=rate, concurrency=concurrency,
-                                                             requests=count, seed=1000 * (round_index + 1)))
+                    results, seconds = asyncio.run(
+                        _requests(
+                            urls[label],
+                            spec,
+                            rate=rate,
+                            concurrency=concurrency,
+                            requests=count,
+                            seed=1000 * (round_index + 1),
+                        )
+                    )
                     done, total = raw.get((load, label), ([], 0.0))
                     raw[(load, label)] = (done + results, total + seconds)
         rows = []
@@ -167,13 +216,25 @@ def run_scenario(name: str, scenario: Scenario, workdir: Path) -> dict[str, Any]
             for label in scenario.load_servers:
                 results, seconds = raw[(load, label)]
                 rate = math.inf if load == SATURATION else load * statistics.mean(capacities)
-                summary = summarize_setting(results, concurrency=saturation if load == SATURATION else len(results),
-                                            request_rate=rate, duration_s=seconds)
+                summary = summarize_setting(
+                    results,
+                    concurrency=saturation if load == SATURATION else len(results),
+                    request_rate=rate,
+                    duration_s=seconds,
+                )
                 rows.append({"load": load, "server": label, **summary})
                 print(_format_row(name, rows[-1]), flush=True)
-        return {"scenario": name, "size": scenario.size, "steps": scenario.steps, "requests": per_round * scenario.rounds,
-                "rounds": scenario.rounds, "singleton_capacity_rps": statistics.mean(capacities),
-                "capacity_per_round": capacities, "saturation_concurrency": saturation, "rows": rows}
+        return {
+            "scenario": name,
+            "size": scenario.size,
+            "steps": scenario.steps,
+            "requests": per_round * scenario.rounds,
+            "rounds": scenario.rounds,
+            "singleton_capacity_rps": statistics.mean(capacities),
+            "capacity_per_round": capacities,
+            "saturation_concurrency": saturation,
+            "rows": rows,
+        }
     finally:
         for proc, _ in servers.values():
             proc.terminate()
@@ -190,9 +251,11 @@ def _load_label(load: Any) -> str:
 
 def _format_row(scenario: str, row: dict[str, Any]) -> str:
     lat = row["latency_ms"]
-    return (f"{scenario:5} load={_load_label(row['load'])} {row['server']:10} ok={row['completed']:3d} "
-            f"fail={row['failed']} thr={row['throughput_rps']:.3f} req/s mean={lat['mean'] or 0:.0f}ms "
-            f"p50={lat['p50'] or 0:.0f}ms p99={lat['p99'] or 0:.0f}ms")
+    return (
+        f"{scenario:5} load={_load_label(row['load'])} {row['server']:10} ok={row['completed']:3d} "
+        f"fail={row['failed']} thr={row['throughput_rps']:.3f} req/s mean={lat['mean'] or 0:.0f}ms "
+        f"p50={lat['p50'] or 0:.0f}ms p99={lat['p99'] or 0:.0f}ms"
+    )
 
 
 def _find(report: dict[str, Any], load: Any, server: str) -> dict[str, Any] | None:
@@ -205,16 +268,22 @@ def targets(report: dict[str, Any]) -> list[str]:
     dyn, cont = _find(report, 0.7, "dynamic"), _find(report, 0.7, "continuous")
     if dyn and cont:
         ratio = cont["latency_ms"]["mean"] / dyn["latency_ms"]["mean"]
-        lines.append(f"{report['scenario']}: 70% load mean continuous/dynamic = {ratio:.2f} (target <= 0.70): "
-                     f"{'met' if ratio <= 0.7 else 'NOT met'}")
+        lines.append(
+            f"{report['scenario']}: 70% load mean continuous/dynamic = {ratio:.2f} (target <= 0.70): "
+            f"{'met' if ratio <= 0.7 else 'NOT met'}"
+        )
         p99c, p99d = cont["latency_ms"]["p99"], dyn["latency_ms"]["p99"]
-        lines.append(f"{report['scenario']}: 70% load p99 continuous {p99c:.0f}ms vs dynamic {p99d:.0f}ms "
-                     f"(target <=): {'met' if p99c <= p99d else 'NOT met'}")
+        lines.append(
+            f"{report['scenario']}: 70% load p99 continuous {p99c:.0f}ms vs dynamic {p99d:.0f}ms "
+            f"(target <=): {'met' if p99c <= p99d else 'NOT met'}"
+        )
     dyn, cont = _find(report, SATURATION, "dynamic"), _find(report, SATURATION, "continuous")
     if dyn and cont:
         tc, td = cont["throughput_rps"], dyn["throughput_rps"]
-        lines.append(f"{report['scenario']}: saturation throughput continuous {tc:.3f} vs dynamic {td:.3f} req/s "
-                     f"(target >=): {'met' if tc >= td else 'NOT met'}")
+        lines.append(
+            f"{report['scenario']}: saturation throughput continuous {tc:.3f} vs dynamic {td:.3f} req/s "
+            f"(target >=): {'met' if tc >= td else 'NOT met'}"
+        )
     return lines
 
 
@@ -233,9 +302,11 @@ def _plot(reports: list[dict[str, Any]], path: Path) -> None:
             loads = [r["load"] * 100 for r in rows]
             ax.plot(loads, [r["latency_ms"]["mean"] for r in rows], "o-", color=COLORS[label], label=f"{label} mean")
             ax.plot(loads, [r["latency_ms"]["p99"] for r in rows], "s--", color=COLORS[label], label=f"{label} p99")
-        ax.set(title=f"{report['scenario']} {report['size']}, {report['steps']} steps, "
-                     f"{report['requests']} req/point",
-               xlabel="load (% of singleton capacity)", ylabel="latency (ms)")
+        ax.set(
+            title=f"{report['scenario']} {report['size']}, {report['steps']} steps, {report['requests']} req/point",
+            xlabel="load (% of singleton capacity)",
+            ylabel="latency (ms)",
+        )
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
     figure.tight_layout()
@@ -251,24 +322,36 @@ def run_simulation(cost_names: list[str], args: argparse.Namespace) -> list[str]
     for name in cost_names:
         cost = COST_MODELS[name]
         capacity = singleton_capacity_rps(cost, args.steps)
-        lines.append(f"sim-{name}: {cost.name}; {args.steps} steps; singleton capacity {capacity:.2f} req/s; "
-                     f"{args.sim_requests} requests per point")
+        lines.append(
+            f"sim-{name}: {cost.name}; {args.steps} steps; singleton capacity {capacity:.2f} req/s; "
+            f"{args.sim_requests} requests per point"
+        )
         print(lines[-1], flush=True)
         means: dict[tuple[float, str], tuple[float, float]] = {}
         for load in args.loads:
             for label in args.load_servers:
-                latencies = simulate_arrivals(label, cost, rate=load * capacity, requests=args.sim_requests,
-                                              steps=args.steps, seed=int(load * 1000))
+                latencies = simulate_arrivals(
+                    label,
+                    cost,
+                    rate=load * capacity,
+                    requests=args.sim_requests,
+                    steps=args.steps,
+                    seed=int(load * 1000),
+                )
                 mean, p99 = statistics.mean(latencies) * 1000, percentile(latencies, 99) * 1000
                 means[(load, label)] = (mean, p99)
-                lines.append(f"sim-{name:3} load={_load_label(load)} {label:10} mean={mean:.0f}ms "
-                             f"p50={percentile(latencies, 50) * 1000:.0f}ms p99={p99:.0f}ms")
+                lines.append(
+                    f"sim-{name:3} load={_load_label(load)} {label:10} mean={mean:.0f}ms "
+                    f"p50={percentile(latencies, 50) * 1000:.0f}ms p99={p99:.0f}ms"
+                )
                 print(lines[-1], flush=True)
         if (0.7, "dynamic") in means and (0.7, "continuous") in means:
             (md, pd), (mc, pc) = means[(0.7, "dynamic")], means[(0.7, "continuous")]
-            lines.append(f"sim-{name}: 70% load mean continuous/dynamic = {mc / md:.2f} (target <= 0.70): "
-                         f"{'met' if mc / md <= 0.7 else 'NOT met'}; p99 continuous {pc:.0f}ms vs dynamic {pd:.0f}ms "
-                         f"(target <=): {'met' if pc <= pd else 'NOT met'}")
+            lines.append(
+                f"sim-{name}: 70% load mean continuous/dynamic = {mc / md:.2f} (target <= 0.70): "
+                f"{'met' if mc / md <= 0.7 else 'NOT met'}; p99 continuous {pc:.0f}ms vs dynamic {pd:.0f}ms "
+                f"(target <=): {'met' if pc <= pd else 'NOT met'}"
+            )
             print(lines[-1], flush=True)
     return lines
 
@@ -279,24 +362,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="Denoising steps of every request.")
     parser.add_argument("--requests", type=int, default=30, help="tiny: requests per load point and server.")
     parser.add_argument("--loads", type=float, nargs="+", default=list(LOADS), help="tiny: loads (share of capacity).")
-    parser.add_argument("--load-servers", nargs="+", choices=list(SERVERS), default=list(SERVERS),
-                        help="tiny: servers measured at the load points.")
-    parser.add_argument("--saturation-concurrency", type=int, default=8,
-                        help="tiny: clients of the closed-loop saturation point (= the servers' --batching-max-size).")
+    parser.add_argument(
+        "--load-servers",
+        nargs="+",
+        choices=list(SERVERS),
+        default=list(SERVERS),
+        help="tiny: servers measured at the load points.",
+    )
+    parser.add_argument(
+        "--saturation-concurrency",
+        type=int,
+        default=8,
+        help="tiny: clients of the closed-loop saturation point (= the servers' --batching-max-size).",
+    )
     parser.add_argument("--rounds", type=int, default=4, help="tiny: rounds the requests of a point are spread over.")
     parser.add_argument("--requests-36m", type=int, default=6, help="36m: requests per load point and server.")
     parser.add_argument("--loads-36m", type=float, nargs="+", default=list(LOADS), help="36m: loads.")
-    parser.add_argument("--load-servers-36m", nargs="+", choices=list(SERVERS), default=list(SERVERS),
-                        help="36m: servers measured at the load points.")
-    parser.add_argument("--saturation-concurrency-36m", type=int, default=8,
-                        help="36m: clients of the closed-loop saturation point.")
+    parser.add_argument(
+        "--load-servers-36m",
+        nargs="+",
+        choices=list(SERVERS),
+        default=list(SERVERS),
+        help="36m: servers measured at the load points.",
+    )
+    parser.add_argument(
+        "--saturation-concurrency-36m", type=int, default=8, help="36m: clients of the closed-loop saturation point."
+    )
     parser.add_argument("--rounds-36m", type=int, default=2, help="36m: rounds.")
-    parser.add_argument("--output-dir", type=Path, default=None,
-                        help="Write arrivals.txt, arrivals.json and arrivals.svg here.")
-    parser.add_argument("--plot-from", type=Path, default=None,
-                        help="Only redraw the plot of a saved arrivals.json (next to it, as arrivals.svg).")
-    parser.add_argument("--simulate", nargs="+", choices=["gpu", "cpu"], default=None,
-                        help="No model: the real engine on a simulated accelerator with these step-cost curves.")
+    parser.add_argument(
+        "--output-dir", type=Path, default=None, help="Write arrivals.txt, arrivals.json and arrivals.svg here."
+    )
+    parser.add_argument(
+        "--plot-from",
+        type=Path,
+        default=None,
+        help="Only redraw the plot of a saved arrivals.json (next to it, as arrivals.svg).",
+    )
+    parser.add_argument(
+        "--simulate",
+        nargs="+",
+        choices=["gpu", "cpu"],
+        default=None,
+        help="No model: the real engine on a simulated accelerator with these step-cost curves.",
+    )
     parser.add_argument("--sim-requests", type=int, default=200, help="--simulate: requests per load point.")
     args = parser.parse_args(argv)
     if args.simulate:
@@ -315,8 +423,10 @@ def main(argv: list[str] | None = None) -> int:
     lines = [_format_row(r["scenario"], row) for r in reports for row in r["rows"]]
     lines += [f"{r['scenario']}: singleton capacity {r['singleton_capacity_rps']:.3f} req/s" for r in reports]
     lines += [line for r in reports for line in targets(r)]
-    lines.append(f"wall time {time.monotonic() - started:.0f}s; command: bench_arrivals.py {' '.join(argv or sys.argv[1:])}")
-    print("\n".join(lines[sum(len(r["rows"]) for r in reports):]))
+    lines.append(
+        f"wall time {time.monotonic() - started:.0f}s; command: bench_arrivals.py {' '.join(argv or sys.argv[1:])}"
+    )
+    print("\n".join(lines[sum(len(r["rows"]) for r in reports) :]))
     if args.output_dir:
         args.output_dir.mkdir(parents=True, exist_ok=True)
         (args.output_dir / "arrivals.txt").write_text("\n".join(lines) + "\n")

@@ -133,7 +133,10 @@ class ConfigResult:
                 k: round(med(k), 2) for k in ("queue_wait_ms", "inference_ms", "encode_ms", "total_ms")
             }
             out["server_ms_median"]["other_ms"] = round(
-                statistics.median(s.latency_ms - float(s.timings.get("total_ms") or 0.0) for s in self.samples if s.timings), 2
+                statistics.median(
+                    s.latency_ms - float(s.timings.get("total_ms") or 0.0) for s in self.samples if s.timings
+                ),
+                2,
             )
             sizes = [int(t.get("batch_size") or 1) for t in timed]
             out["mean_batch_size_per_request"] = round(sum(sizes) / len(sizes), 2)
@@ -303,8 +306,11 @@ def run_scenario(
                     results[config].throughput.append(len(samples) / wall_s)
                     results[config].samples.extend(samples)
             if round_index:
-                log(f"  {scenario.name} round {round_index}/{scenario.num_rounds}: " + ", ".join(
-                    f"{c} {results[c].throughput[-1]:.1f}" for c in CONFIGS) + " img/s")
+                log(
+                    f"  {scenario.name} round {round_index}/{scenario.num_rounds}: "
+                    + ", ".join(f"{c} {results[c].throughput[-1]:.1f}" for c in CONFIGS)
+                    + " img/s"
+                )
     finally:
         for server in servers.values():
             server.stop()
@@ -344,7 +350,8 @@ def format_scenario(report: dict[str, Any]) -> str:
         extra = (
             f"{s['mean_batch_size_per_request']:>7.2f}{split['queue_wait_ms']:>8.1f}{split['inference_ms']:>8.1f}"
             f"{split['encode_ms']:>8.1f}{split['other_ms']:>8.1f}"
-            if split else f"{'1' if config.endswith('b1') else str(NUM_CLIENTS):>7}"
+            if split
+            else f"{'1' if config.endswith('b1') else str(NUM_CLIENTS):>7}"
         )
         lines.append(
             f"{config:<17}{s['images_per_s_median']:>8.2f}{s['latency_ms_p50']:>9.1f}{s['latency_ms_p95']:>9.1f}{extra}"
@@ -365,7 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per scenario")
     parser.add_argument("--delay-ms", type=float, default=DEFAULT_DELAY_MS, help="dynamic server's --batching-delay-ms")
     parser.add_argument(
-        "--threads", type=int, default=1,
+        "--threads",
+        type=int,
+        default=1,
         help="torch intra-op threads of every side (this process and both servers); see README (%(default)s)",
     )
     parser.add_argument("--quick", action="store_true", help="fewer requests and rounds: a smoke run")

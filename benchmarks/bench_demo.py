@@ -40,9 +40,17 @@ def main(argv: list[str] | None = None) -> None:
     pipelines = {name: load_pipeline(path) for name, path in paths.items()}
 
     def call(name: str, batch: int, seed: int) -> float:
-        params = [SamplingParams(prompt="a red circle in the top left", width=args.size, height=args.size,
-                                 num_inference_steps=args.steps, guidance_scale=0.0, seed=seed + j)
-                  for j in range(batch)]
+        params = [
+            SamplingParams(
+                prompt="a red circle in the top left",
+                width=args.size,
+                height=args.size,
+                num_inference_steps=args.steps,
+                guidance_scale=0.0,
+                seed=seed + j,
+            )
+            for j in range(batch)
+        ]
         start = time.perf_counter()
         pipelines[name].run(params)
         return time.perf_counter() - start

@@ -47,8 +47,16 @@ def bench_family(build: str, work: Path, *, size: int, steps: int, runs: int, wa
         image = (_input_image(),)
 
     def request(i: int):
-        return build_sampling_params(model, prompt=f"a red circle number {i}", seed=i, width=size, height=size,
-                                     num_inference_steps=steps, image_inputs=image or (), **extra)
+        return build_sampling_params(
+            model,
+            prompt=f"a red circle number {i}",
+            seed=i,
+            width=size,
+            height=size,
+            num_inference_steps=steps,
+            image_inputs=image or (),
+            **extra,
+        )
 
     one = [request(0)]
     for _ in range(warmup):
@@ -57,12 +65,14 @@ def bench_family(build: str, work: Path, *, size: int, steps: int, runs: int, wa
     native_times, diffusers_times = [], []
     for i in range(runs):
         pair = [(native, native_times), (reference, diffusers_times)]
-        for pipe, times in (pair if i % 2 == 0 else pair[::-1]):
+        for pipe, times in pair if i % 2 == 0 else pair[::-1]:
             start = time.perf_counter()
             pipe.run(one)
             times.append(time.perf_counter() - start)
-    result = {"native_ms": statistics.median(native_times) * 1000,
-              "diffusers_ms": statistics.median(diffusers_times) * 1000}
+    result = {
+        "native_ms": statistics.median(native_times) * 1000,
+        "diffusers_ms": statistics.median(diffusers_times) * 1000,
+    }
     result["ratio"] = result["native_ms"] / result["diffusers_ms"]
     if spec.supports_batching and not is_edit:
         batch_size = 4 if video else 8
@@ -71,7 +81,7 @@ def bench_family(build: str, work: Path, *, size: int, steps: int, runs: int, wa
         b1, b8 = [], []
         for i in range(max(3, runs // 4)):
             order = [(one, b1), (eight, b8)]
-            for batch, times in (order if i % 2 == 0 else order[::-1]):
+            for batch, times in order if i % 2 == 0 else order[::-1]:
                 start = time.perf_counter()
                 native.run(batch)
                 times.append(time.perf_counter() - start)
@@ -93,30 +103,46 @@ def expert_offload_bytes(work: Path, *, steps: int) -> dict[str, int]:
 
     pipe = load_pipeline(build_tiny_checkpoint("wan2.2", work / "wan2.2-experts"))
     experts = ("transformer", "transformer_2")
-    plan = DeploymentPlan(components={e: ComponentPlan(name=e, group="dit", mode=ResidencyMode.COMPONENT_OFFLOAD)
-                                      for e in experts})
+    plan = DeploymentPlan(
+        components={e: ComponentPlan(name=e, group="dit", mode=ResidencyMode.COMPONENT_OFFLOAD) for e in experts}
+    )
     sizes = {e: sum(p.numel() * p.element_size() for p in pipe.components[e].parameters()) for e in experts}
     ledger = TransferLedger()
     pipe.residency = build_residency(plan, pipe.components, device="cpu", ledger=ledger)
-    params = build_sampling_params(pipe.describe_model(), prompt="a kite", seed=0, width=32, height=32,
-                                   num_frames=5, num_inference_steps=max(steps, 8), guidance_scale=3.0)
+    params = build_sampling_params(
+        pipe.describe_model(),
+        prompt="a kite",
+        seed=0,
+        width=32,
+        height=32,
+        num_frames=5,
+        num_inference_steps=max(steps, 8),
+        guidance_scale=3.0,
+    )
     pipe.run([params])  # first request: settles the set-up moves
     ledger.begin_window()
     pipe.run([params])
     summary = ledger.window_summary()
-    return {**{f"{e}_h2d": summary.bytes(e, "h2d") for e in experts}, **{f"{e}_weights": sizes[e] for e in experts},
-            "peak_device_bytes": summary.peak_device_bytes}
+    return {
+        **{f"{e}_h2d": summary.bytes(e, "h2d") for e in experts},
+        **{f"{e}_weights": sizes[e] for e in experts},
+        "peak_device_bytes": summary.peak_device_bytes,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", default=None, help="comma-separated make-tiny names (default: every native image build)")
+    parser.add_argument(
+        "--families", default=None, help="comma-separated make-tiny names (default: every native image build)"
+    )
     parser.add_argument("--size", type=int, default=64, help="image width and height in pixels")
     parser.add_argument("--steps", type=int, default=4, help="denoising steps")
     parser.add_argument("--runs", type=int, default=10, help="timed calls per side")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per side first")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--experts", action="store_true", help="also report Wan2.2 A14B expert-offload bytes per request")
+    parser.add_argument(
+        "--experts", action="store_true", help="also report Wan2.2 A14B expert-offload bytes per request"
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -124,20 +150,30 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     from diffuserve import families
 
-    builds = ([b.strip() for b in args.families.split(",")] if args.families else
-              [name for spec in families.all_specs().values() if spec.has_native for name in spec.tiny_builds])
-    print(f"{'family':<22}{'native ms':>11}{'diffusers ms':>14}{'ratio':>8}{'b1 out/s':>10}{'bN out/s':>10}"
-          f"{'bN/b1':>8}{'N':>4}")
+    builds = (
+        [b.strip() for b in args.families.split(",")]
+        if args.families
+        else [name for spec in families.all_specs().values() if spec.has_native for name in spec.tiny_builds]
+    )
+    print(
+        f"{'family':<22}{'native ms':>11}{'diffusers ms':>14}{'ratio':>8}{'b1 out/s':>10}{'bN out/s':>10}"
+        f"{'bN/b1':>8}{'N':>4}"
+    )
     with tempfile.TemporaryDirectory(prefix="bench-families-") as tmp:
         for build in builds:
             r = bench_family(build, Path(tmp), size=args.size, steps=args.steps, runs=args.runs, warmup=args.warmup)
-            batch = (f"{r['b1_img_s']:>10.1f}{r['b8_img_s']:>10.1f}{r['batch_gain']:>8.2f}{r['batch']:>4}"
-                     if "batch_gain" in r else f"{'-':>10}{'-':>10}{'-':>8}{'-':>4}")
+            batch = (
+                f"{r['b1_img_s']:>10.1f}{r['b8_img_s']:>10.1f}{r['batch_gain']:>8.2f}{r['batch']:>4}"
+                if "batch_gain" in r
+                else f"{'-':>10}{'-':>10}{'-':>8}{'-':>4}"
+            )
             print(f"{build:<22}{r['native_ms']:>11.1f}{r['diffusers_ms']:>14.1f}{r['ratio']:>8.2f}{batch}", flush=True)
         if args.experts:
             moved = expert_offload_bytes(Path(tmp), steps=args.steps)
-            print("Wan2.2 A14B, both experts component-offloaded, bytes per request: " +
-                  ", ".join(f"{k}={v}" for k, v in moved.items()))
+            print(
+                "Wan2.2 A14B, both experts component-offloaded, bytes per request: "
+                + ", ".join(f"{k}={v}" for k, v in moved.items())
+            )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,16 @@ def measure(pipe, octree: int, batch: int, steps: int) -> dict[str, float]:
     from diffuserve.media.meshes import encode_mesh
     from diffuserve.sampling import SamplingParams
 
-    params = [SamplingParams(image_inputs=(object_png(),), num_inference_steps=steps, guidance_scale=5.0, seed=s,
-                             octree_resolution=octree) for s in range(batch)]
+    params = [
+        SamplingParams(
+            image_inputs=(object_png(),),
+            num_inference_steps=steps,
+            guidance_scale=5.0,
+            seed=s,
+            octree_resolution=octree,
+        )
+        for s in range(batch)
+    ]
     result = pipe.run(params)
     stages = dict(result.stage_seconds)
     started = time.perf_counter()
@@ -74,8 +82,12 @@ def main() -> None:
             runs = [measure(pipe, octree, batch, ns.steps) for _ in range(ns.repeats)]
             best = min(runs, key=lambda r: sum(r.values()))
             total = sum(best.get(s, 0.0) for s in order)
-            print(f"{octree:>6} {batch:>4} " + " ".join(f"{best.get(s, 0.0) * 1000:>14.1f}" for s in order)
-                  + f" {total * 1000:>9.1f} {total * 1000 / batch:>9.1f}", flush=True)
+            print(
+                f"{octree:>6} {batch:>4} "
+                + " ".join(f"{best.get(s, 0.0) * 1000:>14.1f}" for s in order)
+                + f" {total * 1000:>9.1f} {total * 1000 / batch:>9.1f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

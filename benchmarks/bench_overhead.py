@@ -60,8 +60,9 @@ def serving_cpu_s(base_url: str) -> float:
     return _metric(text, "diffuserve_process_cpu_seconds_total") - _metric(text, "diffuserve_pipeline_cpu_seconds")
 
 
-async def serve_round(base_url: str, scenario: Scenario, clients: int, num_requests: int,
-                      seed0: int) -> tuple[float, list[Sample]]:
+async def serve_round(
+    base_url: str, scenario: Scenario, clients: int, num_requests: int, seed0: int
+) -> tuple[float, list[Sample]]:
     """`num_requests` requests from `clients` closed-loop clients; (wall seconds, samples)."""
     samples: list[Sample] = []
     indices = iter(range(num_requests))
@@ -70,8 +71,13 @@ async def serve_round(base_url: str, scenario: Scenario, clients: int, num_reque
 
         async def worker() -> None:
             for i in indices:  # shared iterator: the next free client takes the next request
-                body = {"prompt": _PROMPTS[i % len(_PROMPTS)], "size": f"{scenario.size}x{scenario.size}",
-                        "num_inference_steps": scenario.steps, "seed": seed0 + i, "response_format": "b64_json"}
+                body = {
+                    "prompt": _PROMPTS[i % len(_PROMPTS)],
+                    "size": f"{scenario.size}x{scenario.size}",
+                    "num_inference_steps": scenario.steps,
+                    "seed": seed0 + i,
+                    "response_format": "b64_json",
+                }
                 start = time.perf_counter()
                 response = await client.post("/v1/images/generations", json=body)
                 payload = response.json()
@@ -87,8 +93,18 @@ async def serve_round(base_url: str, scenario: Scenario, clients: int, num_reque
 def cold_start_s(env: dict[str, str], timeout_s: float = 300.0) -> float:
     """Seconds from spawning `diffuserve serve` on the embedded default model (no --model-path) to /health 200."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "diffuserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "diffuserve.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     started = time.monotonic()
     proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -115,10 +131,13 @@ def run(workdir: Path, num_requests: int, num_rounds: int, delay_ms: float, log:
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     cold_start_s(env)  # the first start may build the embedded model's cache; the second is the figure
     cold_s = cold_start_s(env)
-    flags = {"singleton@1": [], "dynamic@8": ["--batching-mode", "dynamic", "--batching-max-size", "8",
-                                                "--batching-delay-ms", f"{delay_ms:g}"]}
-    servers = {name: Server(model_path, extra, workdir / f"{name.replace('@', '-')}.log", env)
-               for name, extra in flags.items()}
+    flags = {
+        "singleton@1": [],
+        "dynamic@8": ["--batching-mode", "dynamic", "--batching-max-size", "8", "--batching-delay-ms", f"{delay_ms:g}"],
+    }
+    servers = {
+        name: Server(model_path, extra, workdir / f"{name.replace('@', '-')}.log", env) for name, extra in flags.items()
+    }
     throughput: dict[str, list[float]] = {c: [] for c in CONFIGS}
     batches: dict[str, list[int]] = {c: [] for c in CLIENTS}
     cpu_ms: dict[str, list[float]] = {c: [] for c in CLIENTS}
@@ -143,16 +162,27 @@ def run(workdir: Path, num_requests: int, num_rounds: int, delay_ms: float, log:
                 if round_index:
                     throughput[config].append(len(samples) / wall)
             if round_index:
-                log(f"round {round_index}/{num_rounds}: "
-                    + ", ".join(f"{c} {throughput[c][-1]:.1f}" for c in CONFIGS) + " img/s")
+                log(
+                    f"round {round_index}/{num_rounds}: "
+                    + ", ".join(f"{c} {throughput[c][-1]:.1f}" for c in CONFIGS)
+                    + " img/s"
+                )
     finally:
         for server in servers.values():
             server.stop()
-    ratios = {f"{a} / {b}": {"median": statistics.median(x / y for x, y in zip(throughput[a], throughput[b],
-                                                                                 strict=True)), "target": t}
-              for a, b, t in TARGETS}
+    ratios = {
+        f"{a} / {b}": {
+            "median": statistics.median(x / y for x, y in zip(throughput[a], throughput[b], strict=True)),
+            "target": t,
+        }
+        for a, b, t in TARGETS
+    }
     return {
-        "size": "64x64", "steps": 4, "requests_per_round": num_requests, "rounds": num_rounds, "delay_ms": delay_ms,
+        "size": "64x64",
+        "steps": 4,
+        "requests_per_round": num_requests,
+        "rounds": num_rounds,
+        "delay_ms": delay_ms,
         "images_per_s": {c: statistics.median(v) for c, v in throughput.items()},
         "ratios": ratios,
         "mean_batch": {c: sum(v) / len(v) for c, v in batches.items()},
@@ -162,22 +192,30 @@ def run(workdir: Path, num_requests: int, num_rounds: int, delay_ms: float, log:
 
 
 def format_report(r: dict[str, Any]) -> str:
-    lines = [f"bench_overhead: tiny FLUX {r['size']}, {r['steps']} steps, {r['requests_per_round']} images x "
-             f"{r['rounds']} rounds, dynamic delay {r['delay_ms']:g} ms, 1 torch thread, {os.cpu_count()} CPUs"]
+    lines = [
+        f"bench_overhead: tiny FLUX {r['size']}, {r['steps']} steps, {r['requests_per_round']} images x "
+        f"{r['rounds']} rounds, dynamic delay {r['delay_ms']:g} ms, 1 torch thread, {os.cpu_count()} CPUs"
+    ]
     for config, ips in r["images_per_s"].items():
         extra = ""
         if config in r["mean_batch"]:
-            extra = (f"   mean batch {r['mean_batch'][config]:.2f}   serving CPU "
-                     f"{r['serving_cpu_ms_per_image'][config]:.1f} ms/img")
+            extra = (
+                f"   mean batch {r['mean_batch'][config]:.2f}   serving CPU "
+                f"{r['serving_cpu_ms_per_image'][config]:.1f} ms/img"
+            )
         lines.append(f"  {config:<12}{ips:>8.1f} img/s{extra}")
     for name, ratio in r["ratios"].items():
         verdict = "met" if ratio["median"] >= ratio["target"] else "MISSED"
         lines.append(f"  {name} = {ratio['median']:.2f}x (target >= {ratio['target']:.1f}x: {verdict})")
     worst = max(r["serving_cpu_ms_per_image"].values())
-    lines.append(f"  serving CPU per image <= {CPU_TARGET_MS:g} ms: {'met' if worst <= CPU_TARGET_MS else 'MISSED'}"
-                 f" (worst {worst:.1f} ms)")
-    lines.append(f"  cold start to /health 200: {r['cold_start_s']:.1f} s (target <= {COLD_START_TARGET_S:g} s: "
-                 f"{'met' if r['cold_start_s'] <= COLD_START_TARGET_S else 'MISSED'}; embedded model, alone, warm cache)")
+    lines.append(
+        f"  serving CPU per image <= {CPU_TARGET_MS:g} ms: {'met' if worst <= CPU_TARGET_MS else 'MISSED'}"
+        f" (worst {worst:.1f} ms)"
+    )
+    lines.append(
+        f"  cold start to /health 200: {r['cold_start_s']:.1f} s (target <= {COLD_START_TARGET_S:g} s: "
+        f"{'met' if r['cold_start_s'] <= COLD_START_TARGET_S else 'MISSED'}; embedded model, alone, warm cache)"
+    )
     return "\n".join(lines)
 
 
@@ -195,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
-        report = run(Path(tmp), args.requests, args.rounds, args.delay_ms,
-                     lambda text: print(text, file=sys.stderr, flush=True))
+        report = run(
+            Path(tmp), args.requests, args.rounds, args.delay_ms, lambda text: print(text, file=sys.stderr, flush=True)
+        )
     print(format_report(report))
     if args.output_json:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)

@@ -148,9 +148,14 @@ def _last_error(log: Path) -> str:
 
 def _generate(client: openai.OpenAI, model: str, size: str, steps: int, seed: int) -> float:
     started = time.perf_counter()
-    result = client.images.generate(model=model, prompt=f"a red fox in the snow, photo {seed}", size=size, n=1,
-                                    response_format="b64_json",
-                                    extra_body={"num_inference_steps": steps, "seed": seed, **CFG})
+    result = client.images.generate(
+        model=model,
+        prompt=f"a red fox in the snow, photo {seed}",
+        size=size,
+        n=1,
+        response_format="b64_json",
+        extra_body={"num_inference_steps": steps, "seed": seed, **CFG},
+    )
     elapsed = (time.perf_counter() - started) * 1000
     assert result.data and result.data[0].b64_json, "the server answered without an image"
     return elapsed
@@ -195,10 +200,18 @@ def _process_tree_size(pid: int) -> int | None:
 
 def _plan_summary(info: dict) -> str:
     plan = info.get("deployment_plan") or {}
-    keys = (("num_gpus", "gpus"), ("cfg_parallel", "cfg"), ("ulysses_degree", "ulysses"), ("ring_degree", "ring"),
-            ("tp_size", "tp"), ("fsdp", "fsdp"), ("dp_size", "dp"))
-    shown = [f"{short}={plan[k]}" for k, short in keys
-             if plan.get(k) is True or (type(plan.get(k)) is int and plan[k] > 1)]
+    keys = (
+        ("num_gpus", "gpus"),
+        ("cfg_parallel", "cfg"),
+        ("ulysses_degree", "ulysses"),
+        ("ring_degree", "ring"),
+        ("tp_size", "tp"),
+        ("fsdp", "fsdp"),
+        ("dp_size", "dp"),
+    )
+    shown = [
+        f"{short}={plan[k]}" for k, short in keys if plan.get(k) is True or (type(plan.get(k)) is int and plan[k] > 1)
+    ]
     replicas = [",".join(str(r) for r in rep.get("ranks", ())) for rep in info.get("replicas") or []]
     if replicas:  # the ranks each replica really runs on
         shown.append("replicas " + " | ".join(f"[{r}]" for r in replicas))
@@ -220,9 +233,25 @@ class Server:
         ranks, flags = MODES[mode]
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "diffuserve.cli", "serve", "--model-path", str(args.model_path),
-               "--port", str(port), "--device", args.device, "--num-gpus", str(ranks), *flags,
-               "--max-queue-size", "0", "--output-dir", str(workdir / f"out-{mode}")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "diffuserve.cli",
+            "serve",
+            "--model-path",
+            str(args.model_path),
+            "--port",
+            str(port),
+            "--device",
+            args.device,
+            "--num-gpus",
+            str(ranks),
+            *flags,
+            "--max-queue-size",
+            "0",
+            "--output-dir",
+            str(workdir / f"out-{mode}"),
+        ]
         if args.threads:
             cmd += ["--num-threads", str(args.threads)]
         print(f"[{mode}] {' '.join(cmd[3:])}", flush=True)
@@ -230,8 +259,12 @@ class Server:
         proc = _start(cmd, url, workdir / f"{mode}.log", args.startup_timeout)
         result.startup_s = time.monotonic() - started
         try:
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
-                                   http_client=httpx.Client(trust_env=False, timeout=args.request_timeout))
+            client = openai.OpenAI(
+                base_url=f"{url}/v1",
+                api_key="unused",
+                max_retries=0,
+                http_client=httpx.Client(trust_env=False, timeout=args.request_timeout),
+            )
             server = cls(mode, proc, url, client, client.models.list().data[0].id)
             result.processes = _process_tree_size(proc.pid)
             result.plan = _plan_summary(httpx.get(f"{url}/server_info", timeout=10, trust_env=False).json())
@@ -246,8 +279,10 @@ class Server:
         steps = 1 if one_step else args.steps
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
-            futures = [pool.submit(_generate, self.client, self.model, args.size, steps, seed + i)
-                       for i in range(args.concurrency)]
+            futures = [
+                pool.submit(_generate, self.client, self.model, args.size, steps, seed + i)
+                for i in range(args.concurrency)
+            ]
             for future in futures:
                 (into.one_step_ms if one_step else into.full_ms).append(future.result())
         if not one_step:
@@ -293,15 +328,17 @@ def _ms(value: float | None) -> str:
 
 
 def _table(results: list[ModeResult], args: argparse.Namespace) -> str:
-    lines = [f"bench_parallel: {args.size}, {args.steps} steps, true CFG on, {args.requests} rounds per mode of "
-             f"{args.concurrency} request(s), device {args.device}, model {args.model_label}",
-             "N/1: latency over the single-rank server's, measured interleaved with it (same load). Per-call overhead "
-             "of the ranks: deliver = a call reaching the slowest other rank, straggle = rank 0 waiting for the others "
-             "after its part (the server's histograms, replica 0); 1-step +ms = 1-step latency minus the paired "
-             "1-rank one (an estimate that also holds that step's collectives)",
-             f"{'mode':14} {'ranks':>5} {'mean ms':>8} {'p50 ms':>8} {'1-rank':>7} {'N/1 mean':>8} {'N/1 p50':>7} "
-             f"{'req/s':>6} {'1-step ms':>9} {'1-step +ms':>10} {'deliver ms':>10} {'straggle ms':>11} {'start s':>7} "
-             f"{'procs':>5}  plan and replicas (/server_info)"]
+    lines = [
+        f"bench_parallel: {args.size}, {args.steps} steps, true CFG on, {args.requests} rounds per mode of "
+        f"{args.concurrency} request(s), device {args.device}, model {args.model_label}",
+        "N/1: latency over the single-rank server's, measured interleaved with it (same load). Per-call overhead "
+        "of the ranks: deliver = a call reaching the slowest other rank, straggle = rank 0 waiting for the others "
+        "after its part (the server's histograms, replica 0); 1-step +ms = 1-step latency minus the paired "
+        "1-rank one (an estimate that also holds that step's collectives)",
+        f"{'mode':14} {'ranks':>5} {'mean ms':>8} {'p50 ms':>8} {'1-rank':>7} {'N/1 mean':>8} {'N/1 p50':>7} "
+        f"{'req/s':>6} {'1-step ms':>9} {'1-step +ms':>10} {'deliver ms':>10} {'straggle ms':>11} {'start s':>7} "
+        f"{'procs':>5}  plan and replicas (/server_info)",
+    ]
     for r in results:
         if r.error:
             lines.append(f"{r.mode:14} {r.ranks:5d}  not run: {r.error}")
@@ -316,26 +353,42 @@ def _table(results: list[ModeResult], args: argparse.Namespace) -> str:
             ratio_p50 = f"{p50 / statistics.median(base.full_ms):.2f}"
         if r.baseline.one_step_ms:
             extra = f"{one - statistics.mean(r.baseline.one_step_ms):.0f}"
-        lines.append(f"{r.mode:14} {r.ranks:5d} {mean:8.0f} {p50:8.0f} {base_mean:>7} {ratio_mean:>8} {ratio_p50:>7} "
-                     f"{statistics.mean(own.burst_rps):6.2f} {one:9.0f} {extra:>10} {_ms(r.delivery_ms):>10} "
-                     f"{_ms(r.straggle_ms):>11} {r.startup_s:7.0f} {r.processes or '?':>5}  {r.plan}")
+        lines.append(
+            f"{r.mode:14} {r.ranks:5d} {mean:8.0f} {p50:8.0f} {base_mean:>7} {ratio_mean:>8} {ratio_p50:>7} "
+            f"{statistics.mean(own.burst_rps):6.2f} {one:9.0f} {extra:>10} {_ms(r.delivery_ms):>10} "
+            f"{_ms(r.straggle_ms):>11} {r.startup_s:7.0f} {r.processes or '?':>5}  {r.plan}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--modes", default=",".join(MODES),
-                        help=f"comma-separated modes ({', '.join(MODES)}); {BASELINE} always runs first")
-    parser.add_argument("--requests", type=int, default=4, help="rounds per mode, at --steps and again at 1 step (each side)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated modes ({', '.join(MODES)}); {BASELINE} always runs first",
+    )
+    parser.add_argument(
+        "--requests", type=int, default=4, help="rounds per mode, at --steps and again at 1 step (each side)"
+    )
     parser.add_argument("--size", default="256x256", help="image size WxH")
     parser.add_argument("--steps", type=int, default=4, help="denoising steps of the timed requests")
     parser.add_argument("--device", default="cpu", help="serve --device: cpu (gloo ranks) or cuda (NCCL)")
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight (2+ shows --dp-size)")
-    parser.add_argument("--threads", type=int, default=None, help="serve --num-threads per rank (None: the server's choice)")
-    parser.add_argument("--model-path", type=Path, default=None, help="checkpoint folder (None: the 36M FLUX.1-style one)")
-    parser.add_argument("--cache-dir", type=Path, default=None,
-                        help="where the 36M checkpoint is built once (None: $DIFFUSERVE_CACHE/bench)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="serve --num-threads per rank (None: the server's choice)"
+    )
+    parser.add_argument(
+        "--model-path", type=Path, default=None, help="checkpoint folder (None: the 36M FLUX.1-style one)"
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="where the 36M checkpoint is built once (None: $DIFFUSERVE_CACHE/bench)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a server to turn healthy")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--output", type=Path, default=None, help="also write the table to this file")

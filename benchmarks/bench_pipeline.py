@@ -25,15 +25,9 @@ def _time(fn: Callable[[], object]) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--model-path", type=Path, default=None, help="checkpoint (default: build the tiny one)"
-    )
-    parser.add_argument(
-        "--preset", default="tiny", help="tiny-checkpoint preset when --model-path is not given"
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", type=Path, default=None, help="checkpoint (default: build the tiny one)")
+    parser.add_argument("--preset", default="tiny", help="tiny-checkpoint preset when --model-path is not given")
     parser.add_argument("--size", type=int, default=64, help="image width and height in pixels")
     parser.add_argument("--steps", type=int, default=4, help="denoising steps")
     parser.add_argument("--runs", type=int, default=30, help="timed calls per side")

@@ -18,14 +18,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-PROMPTS = ("a cat surfing a wave at sunset", "a red house on a green mountain", "a small bird in a tree",
-           "a portrait of an old dog", "a blue river at night", "a yellow sun over the sea",
-           "a painting of a city", "a black and white photo of a forest")
+PROMPTS = (
+    "a cat surfing a wave at sunset",
+    "a red house on a green mountain",
+    "a small bird in a tree",
+    "a portrait of an old dog",
+    "a blue river at night",
+    "a yellow sun over the sea",
+    "a painting of a city",
+    "a black and white photo of a forest",
+)
 TINY = {"qwen_image": "qwen-image", "qwen_image_21": "qwen-image-2.1"}
 
 
-def calls(family: str, model_path: Path, *, size: int = 64, steps: int = 4, batch: int = 1,
-          seed: int = 0) -> dict[str, Callable[[], Any]]:
+def calls(
+    family: str, model_path: Path, *, size: int = 64, steps: int = 4, batch: int = 1, seed: int = 0
+) -> dict[str, Callable[[], Any]]:
     """{"native": fn, "diffusers": fn}: the same `batch` prompts at `size` px and `steps` steps, one seed per row."""
     import torch
     from diffusers import QwenImage21Pipeline, QwenImagePipeline
@@ -38,11 +46,24 @@ def calls(family: str, model_path: Path, *, size: int = 64, steps: int = 4, batc
         raise ValueError(f"{model_path} is a {pipe.family} checkpoint, not {family}")
     d = pipe.defaults
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
-    params = [SamplingParams(prompt=p, negative_prompt=d.negative_prompt, true_cfg_scale=d.true_cfg_scale,
-                             width=size, height=size, num_inference_steps=steps, seed=seed + i)
-              for i, p in enumerate(prompts)]
-    modules = {"scheduler": pipe.scheduler, "vae": pipe.vae, "text_encoder": pipe.text_encoder,
-               "transformer": pipe.transformer}
+    params = [
+        SamplingParams(
+            prompt=p,
+            negative_prompt=d.negative_prompt,
+            true_cfg_scale=d.true_cfg_scale,
+            width=size,
+            height=size,
+            num_inference_steps=steps,
+            seed=seed + i,
+        )
+        for i, p in enumerate(prompts)
+    ]
+    modules = {
+        "scheduler": pipe.scheduler,
+        "vae": pipe.vae,
+        "text_encoder": pipe.text_encoder,
+        "transformer": pipe.transformer,
+    }
     if family == "qwen_image":
         reference = QwenImagePipeline(tokenizer=pipe.tokenizer, **modules)
     else:
@@ -54,9 +75,15 @@ def calls(family: str, model_path: Path, *, size: int = 64, steps: int = 4, batc
         return pipe.run(params)
 
     def diffusers_call() -> Any:
-        return reference(prompt=prompts, negative_prompt=negative, true_cfg_scale=d.true_cfg_scale, height=size,
-                         width=size, num_inference_steps=steps,
-                         generator=[torch.Generator().manual_seed(seed + i) for i in range(batch)])
+        return reference(
+            prompt=prompts,
+            negative_prompt=negative,
+            true_cfg_scale=d.true_cfg_scale,
+            height=size,
+            width=size,
+            num_inference_steps=steps,
+            generator=[torch.Generator().manual_seed(seed + i) for i in range(batch)],
+        )
 
     return {"native": native, "diffusers": diffusers_call}
 
@@ -95,8 +122,10 @@ def main(argv: list[str] | None = None) -> None:
         b8 = calls(family, path, size=args.size, steps=args.steps, batch=8)["native"]
         tput = _median_times({"b1": b1, "b8": b8}, args.runs, args.warmup)
         r1, r8 = 1 / tput["b1"], 8 / tput["b8"]
-        print(f"{family:<15} {one['native'] * 1e3:9.1f}  {one['diffusers'] * 1e3:12.1f}  "
-              f"{one['native'] / one['diffusers']:16.2f}  {r1:8.1f}  {r8:8.1f}  {r8 / r1:5.2f}")
+        print(
+            f"{family:<15} {one['native'] * 1e3:9.1f}  {one['diffusers'] * 1e3:12.1f}  "
+            f"{one['native'] / one['diffusers']:16.2f}  {r1:8.1f}  {r8:8.1f}  {r8 / r1:5.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -66,8 +66,12 @@ def _plan(variant: Variant, pipeline) -> DeploymentPlan:
             specs = default_layer_specs(name, module) or []
             resident = min(variant.resident_layers, len(expand_layers(name, module, specs)))
         comps[name] = ComponentPlan(
-            name=name, group=group, mode=variant.mode, prefetch_size=variant.prefetch_size,
-            resident_layers=resident, lifetime=variant.lifetime,
+            name=name,
+            group=group,
+            mode=variant.mode,
+            prefetch_size=variant.prefetch_size,
+            resident_layers=resident,
+            lifetime=variant.lifetime,
         )
     return DeploymentPlan(components=comps)
 
@@ -85,8 +89,11 @@ def bench_preset(preset: str, args: argparse.Namespace, workdir: Path) -> dict[s
     path = build_tiny_checkpoint("flux", workdir / f"flux-{preset}", preset=preset)
     pipe = load_pipeline(path, device="cpu", dtype="float32")
     params = SamplingParams(
-        prompt="a lighthouse at dusk", width=args.size, height=args.size,
-        num_inference_steps=args.steps, seed=1,
+        prompt="a lighthouse at dusk",
+        width=args.size,
+        height=args.size,
+        num_inference_steps=args.steps,
+        seed=1,
     )
     n_params = sum(p.numel() for p in pipe.components["transformer"].parameters())
     print(f"\n[{preset}] transformer parameters: {n_params / 1e6:.2f}M, {args.size}px, {args.steps} steps")
@@ -95,8 +102,9 @@ def bench_preset(preset: str, args: argparse.Namespace, workdir: Path) -> dict[s
     for _ in range(args.rounds):
         for variant in VARIANTS:
             ledger = TransferLedger()
-            pipe.residency = build_residency(_plan(variant, pipe), pipe.components, device=torch.device("cpu"),
-                                             ledger=ledger)
+            pipe.residency = build_residency(
+                _plan(variant, pipe), pipe.components, device=torch.device("cpu"), ledger=ledger
+            )
             try:
                 ledger.reset_peak()
                 ledger.begin_window()
@@ -129,9 +137,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         table = {p: bench_preset(p, args, Path(tmp)) for p in presets}
     mib = 1 << 20
-    head = f"{'mode':<26}" + "".join(
-        f"| {p + ' moved MiB':>16} {'peak MiB':>9} {'lat/res':>8} " for p in presets
-    )
+    head = f"{'mode':<26}" + "".join(f"| {p + ' moved MiB':>16} {'peak MiB':>9} {'lat/res':>8} " for p in presets)
     print("\n" + head)
     print("-" * len(head))
     for v in VARIANTS:
@@ -142,9 +148,11 @@ def main() -> None:
             base = min(table[p]["resident"].seconds)
             row += f"| {r.bytes_moved / mib:>16.3f} {r.peak_bytes / mib:>9.3f} {min(r.seconds) / base:>8.2f} "
         print(row)
-    print("\nmoved = h2d + d2h bytes per request (frees of kept host copies cost no copy); peak = most bytes "
-          "attached on the device during the request, per the TransferLedger; lat/res = fastest-round latency ÷ "
-          "resident fastest round. On CPU the latency ratio shows only hook/bookkeeping overhead.")
+    print(
+        "\nmoved = h2d + d2h bytes per request (frees of kept host copies cost no copy); peak = most bytes "
+        "attached on the device during the request, per the TransferLedger; lat/res = fastest-round latency ÷ "
+        "resident fastest round. On CPU the latency ratio shows only hook/bookkeeping overhead."
+    )
 
 
 if __name__ == "__main__":

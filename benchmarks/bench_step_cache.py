@@ -26,8 +26,11 @@ from typing import Any
 SETTINGS: dict[str, list[dict[str, Any]]] = {
     "fbcache": [{"threshold": 0.08}, {"threshold": 0.12}, {"threshold": 0.2, "max_cached_steps": 4}],
     "teacache": [{"threshold": 0.25}, {"threshold": 0.4}, {"threshold": 0.6, "max_cached_steps": 4}],
-    "taylorseer": [{"refresh_interval": 2, "order": 1}, {"refresh_interval": 3, "order": 2},
-                   {"refresh_interval": 4, "order": 2}],
+    "taylorseer": [
+        {"refresh_interval": 2, "order": 1},
+        {"refresh_interval": 3, "order": 2},
+        {"refresh_interval": 4, "order": 2},
+    ],
     "magcache": [{"threshold": 0.06}, {"threshold": 0.12}, {"threshold": 0.25, "max_cached_steps": 4}],
 }
 """Three settings per method, from conservative to aggressive."""
@@ -85,9 +88,18 @@ def main(argv: list[str] | None = None) -> None:
     ratios.write_text(json.dumps(calibrate(pipeline, steps=args.steps)))
 
     def batch(cache: Any) -> list[SamplingParams]:
-        return [SamplingParams(prompt=scene.prompt(), seed=seed, width=shapes.SIZE, height=shapes.SIZE,
-                               num_inference_steps=args.steps, guidance_scale=0.0, step_cache=cache)
-                for scene, seed in cases]
+        return [
+            SamplingParams(
+                prompt=scene.prompt(),
+                seed=seed,
+                width=shapes.SIZE,
+                height=shapes.SIZE,
+                num_inference_steps=args.steps,
+                guidance_scale=0.0,
+                step_cache=cache,
+            )
+            for scene, seed in cases
+        ]
 
     def run(cache: Any) -> tuple[float, float, float, list[Any], list[Any]]:
         start, cpu = time.perf_counter(), time.process_time()
@@ -97,9 +109,11 @@ def main(argv: list[str] | None = None) -> None:
         return wall, cpu, result.stage_seconds.get("denoise", wall), images, [o.step_cache for o in result.outputs]
 
     run(None)  # warm-up
-    rows = [("uncached", None)] + [(f"{m} {json.dumps(o)}",
-                                    with_calibration(parse_step_cache({"method": m, **o}), str(ratios)))
-                                   for m, options in SETTINGS.items() for o in options]
+    rows = [("uncached", None)] + [
+        (f"{m} {json.dumps(o)}", with_calibration(parse_step_cache({"method": m, **o}), str(ratios)))
+        for m, options in SETTINGS.items()
+        for o in options
+    ]
     walls: dict[str, list[float]] = {name: [] for name, _ in rows}
     cpus: dict[str, list[float]] = {name: [] for name, _ in rows}
     denoise: dict[str, list[float]] = {name: [] for name, _ in rows}
@@ -140,30 +154,50 @@ def _plot(report: dict[str, Any], path: str) -> None:
     fig.savefig(path)
 
 
-def _report(rows: list[tuple[str, Any]], walls: dict[str, list[float]], cpus: dict[str, list[float]],
-            denoise: dict[str, list[float]], outputs: dict[str, Any], cases: list[Any]) -> dict[str, Any]:
+def _report(
+    rows: list[tuple[str, Any]],
+    walls: dict[str, list[float]],
+    cpus: dict[str, list[float]],
+    denoise: dict[str, list[float]],
+    outputs: dict[str, Any],
+    cases: list[Any],
+) -> dict[str, Any]:
     import statistics as st
 
     med = {name: (st.median(walls[name]), st.median(cpus[name]), st.median(denoise[name])) for name, _ in rows}
     base_wall, base_cpu, base_den = med["uncached"]
     base_images = outputs["uncached"][0]
-    print(f"{'setting':<52}{'wall s':>8}{'speed-up':>9}{'cpu x':>7}{'denoise x':>10}{'PSNR dB':>9}{'SSIM':>7}"
-          f"{'acc':>6}{'reused':>8}")
+    print(
+        f"{'setting':<52}{'wall s':>8}{'speed-up':>9}{'cpu x':>7}{'denoise x':>10}{'PSNR dB':>9}{'SSIM':>7}"
+        f"{'acc':>6}{'reused':>8}"
+    )
     report: dict[str, Any] = {"settings": []}
     for name, _cache in rows:
         images, counts = outputs[name]
         wall, cpu, den = med[name]
         value = statistics.mean(min(psnr(a, b), 99.0) for a, b in zip(images, base_images, strict=True))
         sim = statistics.mean(ssim(a, b) for a, b in zip(images, base_images, strict=True))
-        reused = sum(c["reused_steps"] for c in counts if c) / max(1, sum(
-            c["reused_steps"] + c["computed_steps"] for c in counts if c))
+        reused = sum(c["reused_steps"] for c in counts if c) / max(
+            1, sum(c["reused_steps"] + c["computed_steps"] for c in counts if c)
+        )
         acc = _accuracy(cases, images)
-        print(f"{name:<52}{wall:>8.2f}{base_wall / wall:>8.2f}x{base_cpu / cpu:>6.2f}x{base_den / den:>9.2f}x"
-              f"{value:>9.1f}{sim:>7.3f}{acc:>6.0%}{reused:>8.0%}")
-        report["settings"].append({"setting": name, "wall_s": wall, "speedup": base_wall / wall,
-                                   "cpu_speedup": base_cpu / cpu,
-                                   "denoise_speedup": base_den / den, "psnr_db": value, "ssim": sim,
-                                   "accuracy": acc, "reused_share": reused})
+        print(
+            f"{name:<52}{wall:>8.2f}{base_wall / wall:>8.2f}x{base_cpu / cpu:>6.2f}x{base_den / den:>9.2f}x"
+            f"{value:>9.1f}{sim:>7.3f}{acc:>6.0%}{reused:>8.0%}"
+        )
+        report["settings"].append(
+            {
+                "setting": name,
+                "wall_s": wall,
+                "speedup": base_wall / wall,
+                "cpu_speedup": base_cpu / cpu,
+                "denoise_speedup": base_den / den,
+                "psnr_db": value,
+                "ssim": sim,
+                "accuracy": acc,
+                "reused_share": reused,
+            }
+        )
     return report
 
 
@@ -174,10 +208,18 @@ def _merged_vs_alone(pipeline: Any, parse: Any, params_cls: Any, steps: int) -> 
     from diffuserve.demo import semantics, shapes
 
     cases = semantics.cases_for((1,))[:8]
-    batch = [params_cls(prompt=scene.prompt(), seed=seed + i, width=shapes.SIZE, height=shapes.SIZE,
-                        num_inference_steps=steps, guidance_scale=0.0,
-                        step_cache=parse({"method": "fbcache", "threshold": 0.05 + 0.03 * i}))
-             for i, (scene, seed) in enumerate(cases)]
+    batch = [
+        params_cls(
+            prompt=scene.prompt(),
+            seed=seed + i,
+            width=shapes.SIZE,
+            height=shapes.SIZE,
+            num_inference_steps=steps,
+            guidance_scale=0.0,
+            step_cache=parse({"method": "fbcache", "threshold": 0.05 + 0.03 * i}),
+        )
+        for i, (scene, seed) in enumerate(cases)
+    ]
     merged = pipeline.run(batch).outputs
     worst = 0
     for params, output in zip(batch, merged, strict=True):

@@ -32,9 +32,24 @@ from tests.stores import S3_ENV, PostgresServer, SeaweedS3, postgres_bin, weed_b
 
 
 def _replicas(wan: Path, folder: Path, store_flags: list[str]) -> list[ServerProcess]:
-    servers = [ServerProcess(["--model-path", str(wan), "--served-model-name", "tiny-wan",
-                              "--output-dir", str(folder / "shared"), "--result-sweep-interval-s", "0.5",
-                              *store_flags], folder / f"replica{i}.log", env=S3_ENV) for i in range(3)]
+    servers = [
+        ServerProcess(
+            [
+                "--model-path",
+                str(wan),
+                "--served-model-name",
+                "tiny-wan",
+                "--output-dir",
+                str(folder / "shared"),
+                "--result-sweep-interval-s",
+                "0.5",
+                *store_flags,
+            ],
+            folder / f"replica{i}.log",
+            env=S3_ENV,
+        )
+        for i in range(3)
+    ]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         for future in [pool.submit(s.start, timeout_s=300) for s in servers]:
             future.result()
@@ -47,8 +62,9 @@ def _overhead(servers: list[ServerProcess], jobs: int) -> list[float]:
     with httpx.Client(timeout=60) as client:
         for i in range(jobs):
             started = time.monotonic()
-            job = client.post(f"{servers[0].base_url}/v1/videos",
-                              json={"prompt": "a red fox", "num_inference_steps": 2, "seed": i}).json()
+            job = client.post(
+                f"{servers[0].base_url}/v1/videos", json={"prompt": "a red fox", "num_inference_steps": 2, "seed": i}
+            ).json()
             while True:
                 seen = client.get(f"{servers[1].base_url}/v1/videos/{job['id']}").json()
                 if seen["status"] in ("completed", "failed", "cancelled"):
@@ -63,7 +79,9 @@ def _overhead(servers: list[ServerProcess], jobs: int) -> list[float]:
 def _poll(servers: list[ServerProcess], pollers: int, seconds: float) -> list[float]:
     """Latencies (ms) of GET /v1/videos/{id} from `pollers` threads over the replicas, for `seconds`."""
     with httpx.Client(timeout=60) as client:
-        job = client.post(f"{servers[0].base_url}/v1/videos", json={"prompt": "polled", "num_inference_steps": 2}).json()
+        job = client.post(
+            f"{servers[0].base_url}/v1/videos", json={"prompt": "polled", "num_inference_steps": 2}
+        ).json()
         while client.get(f"{servers[0].base_url}/v1/videos/{job['id']}").json()["status"] != "completed":
             time.sleep(0.05)
     latencies: list[float] = []
@@ -107,9 +125,17 @@ def main() -> None:
         wan = build_tiny_checkpoint("wan", root / "wan-tiny", preset="tiny")
         pg, s3 = PostgresServer(postgres_bin()).start(), SeaweedS3(weed_bin())
         s3.start()
-        sides = {"sqlite+files": [],
-                 "postgres+s3": ["--results-db", pg.new_database(), "--media-store", s3.new_store_url(),
-                                 "--s3-endpoint-url", s3.endpoint]}
+        sides = {
+            "sqlite+files": [],
+            "postgres+s3": [
+                "--results-db",
+                pg.new_database(),
+                "--media-store",
+                s3.new_store_url(),
+                "--s3-endpoint-url",
+                s3.endpoint,
+            ],
+        }
         servers: dict[str, list[ServerProcess]] = {}
         overhead: dict[str, list[float]] = {name: [] for name in sides}
         latencies: dict[str, list[float]] = {name: [] for name in sides}
@@ -128,10 +154,20 @@ def main() -> None:
                     server.stop()
             pg.stop()
             s3.stop()
-        rows = [(name, statistics.median(overhead[name]), _pct(latencies[name], 0.5), _pct(latencies[name], 0.99),
-                 len(latencies[name]) / (opts.poll_seconds * opts.rounds)) for name in sides]
-    print(f"{'store':<14} {'create->completed overhead_ms (median)':>40} {'retrieve_p50_ms':>16} "
-          f"{'retrieve_p99_ms':>16} {'retrieves_per_s':>16}")
+        rows = [
+            (
+                name,
+                statistics.median(overhead[name]),
+                _pct(latencies[name], 0.5),
+                _pct(latencies[name], 0.99),
+                len(latencies[name]) / (opts.poll_seconds * opts.rounds),
+            )
+            for name in sides
+        ]
+    print(
+        f"{'store':<14} {'create->completed overhead_ms (median)':>40} {'retrieve_p50_ms':>16} "
+        f"{'retrieve_p99_ms':>16} {'retrieves_per_s':>16}"
+    )
     for name, overhead, p50, p99, rate in rows:
         print(f"{name:<14} {overhead:>40.1f} {p50:>16.1f} {p99:>16.1f} {rate:>16.0f}")
 

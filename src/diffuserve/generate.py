@@ -37,8 +37,10 @@ def output_names(prompts: list[str], n: int, stem: str | None) -> list[list[str]
     Derived stems of equal prompts would collide, so they always carry the suffix too.
     """
     single = len(prompts) == 1 and n == 1
-    return [[(stem or _file_stem(prompt)) + ("" if single else f"_{i}_{j}") for j in range(n)]
-            for i, prompt in enumerate(prompts)]
+    return [
+        [(stem or _file_stem(prompt)) + ("" if single else f"_{i}_{j}") for j in range(n)]
+        for i, prompt in enumerate(prompts)
+    ]
 
 
 def _encoded(params: SamplingParams, output: Any) -> list[bytes]:
@@ -57,23 +59,48 @@ def _check_applicable(values: dict[str, Any], video: bool, family: str) -> None:
     if not video:
         for key in ("num_frames", "fps"):
             if values.get(key) is not None:
-                raise ConfigError(f"--{key.replace('_', '-')}: the served model ({family}) makes images; "
-                                  "this flag applies to video models only. Drop it.")
+                raise ConfigError(
+                    f"--{key.replace('_', '-')}: the served model ({family}) makes images; "
+                    "this flag applies to video models only. Drop it."
+                )
     elif values.get("output_format") not in (None, "mp4"):
-        raise ConfigError(f"--output-format {values['output_format']}: the served model ({family}) makes videos, "
-                          "which are always written as mp4. Drop the flag.")
+        raise ConfigError(
+            f"--output-format {values['output_format']}: the served model ({family}) makes videos, "
+            "which are always written as mp4. Drop the flag."
+        )
 
 
 FLAG_OF_FIELD = {
-    "prompt": "--prompt", "negative_prompt": "--negative-prompt", "size": "--width/--height", "width": "--width",
-    "height": "--height", "num_inference_steps": "--num-inference-steps", "guidance_scale": "--guidance-scale",
-    "true_cfg_scale": "--true-cfg-scale", "seed": "--seed", "num_frames": "--num-frames", "fps": "--fps",
-    "image": "--image-path", "input_reference": "--image-path", "strength": "--strength",
-    "output_format": "--output-format", "model": "--model-path",
+    "prompt": "--prompt",
+    "negative_prompt": "--negative-prompt",
+    "size": "--width/--height",
+    "width": "--width",
+    "height": "--height",
+    "num_inference_steps": "--num-inference-steps",
+    "guidance_scale": "--guidance-scale",
+    "true_cfg_scale": "--true-cfg-scale",
+    "seed": "--seed",
+    "num_frames": "--num-frames",
+    "fps": "--fps",
+    "image": "--image-path",
+    "input_reference": "--image-path",
+    "strength": "--strength",
+    "output_format": "--output-format",
+    "model": "--model-path",
 }
 """A request field (as the API's 400s name it) -> the `generate` flag that sets it."""
-_API_FIELDS = ("negative_prompt", "width", "height", "num_inference_steps", "guidance_scale", "true_cfg_scale",
-               "seed", "num_frames", "fps", "strength")
+_API_FIELDS = (
+    "negative_prompt",
+    "width",
+    "height",
+    "num_inference_steps",
+    "guidance_scale",
+    "true_cfg_scale",
+    "seed",
+    "num_frames",
+    "fps",
+    "strength",
+)
 """The flags `generate` checks through the API's own request models, before any weight is loaded."""
 
 
@@ -116,37 +143,58 @@ def read_images(values: dict[str, Any], max_side: int, *, video: bool) -> tuple[
         except OSError as exc:
             raise ConfigError(f"--image-path {path}: cannot read it ({exc.strerror or exc}).") from None
         try:
-            decode_image(data, max_pixels=max_side ** 2, param="input_reference" if video else "image",
-                         limit_flag=f"--max-image-side {max_side} (at most {max_side}x{max_side} pixels)")
+            decode_image(
+                data,
+                max_pixels=max_side**2,
+                param="input_reference" if video else "image",
+                limit_flag=f"--max-image-side {max_side} (at most {max_side}x{max_side} pixels)",
+            )
         except InvalidRequestError as exc:
             raise ConfigError(f"--image-path {path}: {exc.message}") from None
         blobs.append(data)
     return tuple(blobs)
 
 
-def check_inputs(values: dict[str, Any], images: tuple[bytes, ...], *, family: str, max_inputs: int,
-                 min_inputs: int, video: bool, size_multiple: int | None) -> None:
+def check_inputs(
+    values: dict[str, Any],
+    images: tuple[bytes, ...],
+    *,
+    family: str,
+    max_inputs: int,
+    min_inputs: int,
+    video: bool,
+    size_multiple: int | None,
+) -> None:
     """What the model takes: input images (none for a text-only model, at least one for an edit-only, image-to-video
     or layered model, at most its limit), `--strength` (image edits only) and, when known before loading, the
     size multiple."""
     if images and max_inputs == 0:
-        raise ConfigError(f"--image-path: the model ({family}) takes no input image (it is text-to-"
-                          f"{'video' if video else 'image'} only). Drop the flag, or serve an edit, image-to-image "
-                          "or image-to-video model.")
+        raise ConfigError(
+            f"--image-path: the model ({family}) takes no input image (it is text-to-"
+            f"{'video' if video else 'image'} only). Drop the flag, or serve an edit, image-to-image "
+            "or image-to-video model."
+        )
     if len(images) > max(max_inputs, 1) and max_inputs:
-        raise ConfigError(f"--image-path: the model ({family}) takes at most {max_inputs} input image(s); got "
-                          f"{len(images)}.")
+        raise ConfigError(
+            f"--image-path: the model ({family}) takes at most {max_inputs} input image(s); got {len(images)}."
+        )
     if len(images) < min_inputs:
-        raise ConfigError(f"--image-path: the model ({family}) needs {min_inputs} input image(s) "
-                          f"({'the first frame' if video else 'the image to edit'}); got {len(images)}.")
+        raise ConfigError(
+            f"--image-path: the model ({family}) needs {min_inputs} input image(s) "
+            f"({'the first frame' if video else 'the image to edit'}); got {len(images)}."
+        )
     if values.get("strength") is not None and (video or not images):
-        raise ConfigError("--strength applies to image edits (with --image-path on an image model): the share of the "
-                          "schedule re-noised from the input image. Drop it.")
+        raise ConfigError(
+            "--strength applies to image edits (with --image-path on an image model): the share of the "
+            "schedule re-noised from the input image. Drop it."
+        )
     for name in ("width", "height"):
         value = values.get(name)
         if size_multiple and value is not None and value % size_multiple:
-            raise ConfigError(f"--{name} {value} is not a multiple of {size_multiple}, which this {family} model "
-                              f"needs; choose e.g. {max(size_multiple, value // size_multiple * size_multiple)}.")
+            raise ConfigError(
+                f"--{name} {value} is not a multiple of {size_multiple}, which this {family} model "
+                f"needs; choose e.g. {max(size_multiple, value // size_multiple * size_multiple)}."
+            )
 
 
 def _warn_truncated(model: Any, prompts: list[str], negative_prompt: str | None) -> None:
@@ -171,12 +219,16 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     if not prompts and values.get("image_path"):
         prompts = [""]  # a mesh model is conditioned on the image alone
     if not prompts:
-        raise ConfigError("--prompt is required: give it on the command line (repeat it for several prompts) "
-                          "or as `prompt` (a string or a list) in --config.")
+        raise ConfigError(
+            "--prompt is required: give it on the command line (repeat it for several prompts) "
+            "or as `prompt` (a string or a list) in --config."
+        )
     stem = values.get("output_file_name")
     if stem is not None and (Path(stem).name != stem or stem in ("", ".", "..")):
         # Files go into --output-path only: a name may not climb out of it or name another folder.
-        raise ConfigError(f"--output-file-name: {stem!r} must be a plain file name without folders; use --output-path for the folder.")
+        raise ConfigError(
+            f"--output-file-name: {stem!r} must be a plain file name without folders; use --output-path for the folder."
+        )
     n = values.get("num_outputs_per_prompt", 1)
     if n < 1:
         raise ConfigError("--num-outputs-per-prompt must be >= 1.")
@@ -208,13 +260,20 @@ def _check_family_inputs(values: dict[str, Any], images: tuple[bytes, ...], spec
     family = spec_for(spec.family)
     multiple = describe_checkpoint(family, read_checkpoint_configs(model_path)).size_multiple
     text_conditioned = bool(family.tasks & {"t2i", "t2v"})
-    check_inputs(values, images, family=spec.family, max_inputs=family.max_image_inputs,
-                 min_inputs=0 if text_conditioned else 1, video=spec.output_kind == "video",
-                 size_multiple=multiple if spec.backend == "native" else None)
+    check_inputs(
+        values,
+        images,
+        family=spec.family,
+        max_inputs=family.max_image_inputs,
+        min_inputs=0 if text_conditioned else 1,
+        video=spec.output_kind == "video",
+        size_multiple=multiple if spec.backend == "native" else None,
+    )
 
 
-def _build_params(values: dict[str, Any], model: Any, prompts: list[str], n: int,
-                  images: tuple[bytes, ...]) -> list[SamplingParams]:
+def _build_params(
+    values: dict[str, Any], model: Any, prompts: list[str], n: int, images: tuple[bytes, ...]
+) -> list[SamplingParams]:
     """One SamplingParams per prompt through the API's builder. With input images on an image model, the size
     defaults to the first input's (rounded down to the model's multiple) and strength to 0.6, as for
     POST /v1/images/edits; an image-to-video input is the first frame, as `input_reference`."""
@@ -224,32 +283,55 @@ def _build_params(values: dict[str, Any], model: Any, prompts: list[str], n: int
     if edit and width is None and height is None:
         from diffuserve.media.images import decode_image
 
-        first, multiple = decode_image(images[0], max_pixels=2 ** 62), model.size_multiple
+        first, multiple = decode_image(images[0], max_pixels=2**62), model.size_multiple
         width = max(multiple, first.width // multiple * multiple)
         height = max(multiple, first.height // multiple * multiple)
     return [
         build_sampling_params(
-            model, prompt=prompt, negative_prompt=values.get("negative_prompt"), width=width, height=height,
-            num_inference_steps=values.get("num_inference_steps"), guidance_scale=values.get("guidance_scale"),
-            true_cfg_scale=values.get("true_cfg_scale"), seed=values.get("seed", 0) + i, n=n,
-            num_frames=values.get("num_frames") if video else None, fps=values.get("fps"),
-            output_format="mp4" if video else values.get("output_format", "png"), image_inputs=images,
+            model,
+            prompt=prompt,
+            negative_prompt=values.get("negative_prompt"),
+            width=width,
+            height=height,
+            num_inference_steps=values.get("num_inference_steps"),
+            guidance_scale=values.get("guidance_scale"),
+            true_cfg_scale=values.get("true_cfg_scale"),
+            seed=values.get("seed", 0) + i,
+            n=n,
+            num_frames=values.get("num_frames") if video else None,
+            fps=values.get("fps"),
+            output_format="mp4" if video else values.get("output_format", "png"),
+            image_inputs=images,
             strength=values.get("strength", 0.6) if edit else 1.0,
         )
         for i, prompt in enumerate(prompts)
     ]
 
 
-def _generate(values: dict[str, Any], engine: Any, model: Any, prompts: list[str], n: int,
-              stem: str | None, images: tuple[bytes, ...] = ()) -> int:
+def _generate(
+    values: dict[str, Any],
+    engine: Any,
+    model: Any,
+    prompts: list[str],
+    n: int,
+    stem: str | None,
+    images: tuple[bytes, ...] = (),
+) -> int:
     if model.output_kind == "mesh":
         return _generate_mesh(values, engine, model, stem)
     video = model.output_kind == "video"
     _check_applicable(values, video, model.family)
     # Again with what the loaded model says (a checkpoint of an unknown family is only known now).
     check_values(values, prompts, video)
-    check_inputs(values, images, family=model.family, max_inputs=model.max_image_inputs,
-                 min_inputs=model.min_image_inputs, video=video, size_multiple=model.size_multiple)
+    check_inputs(
+        values,
+        images,
+        family=model.family,
+        max_inputs=model.max_image_inputs,
+        min_inputs=model.min_image_inputs,
+        video=video,
+        size_multiple=model.size_multiple,
+    )
     params = _build_params(values, model, prompts, n, images)
     _warn_truncated(model, prompts, values.get("negative_prompt"))
     names = output_names(prompts, n, stem)
@@ -271,8 +353,10 @@ def _generate(values: dict[str, Any], engine: Any, model: Any, prompts: list[str
         import sys
 
         progress = (engine.progress(running) if running else None) or progress
-        print(f"\ninterrupted at step {progress[0]}/{progress[1]}; wrote {len(written)} files to {out_dir}",
-              file=sys.stderr)
+        print(
+            f"\ninterrupted at step {progress[0]}/{progress[1]}; wrote {len(written)} files to {out_dir}",
+            file=sys.stderr,
+        )
         return INTERRUPTED
     for path in written:
         print(path)
@@ -307,15 +391,23 @@ def _generate_mesh(values: dict[str, Any], engine: Any, model: Any, stem: str | 
     paths = values.get("image_path") or []
     paths = [paths] if isinstance(paths, str) else list(paths)  # a --config file may give one path as a string
     if len(paths) != 1:
-        raise ConfigError("--image-path is required, once: this model (image-to-3D) reconstructs the object in one "
-                          f"image; got {len(paths)}.")
+        raise ConfigError(
+            "--image-path is required, once: this model (image-to-3D) reconstructs the object in one "
+            f"image; got {len(paths)}."
+        )
     image_path = paths[0]
     output_format = values.get("output_format") or "glb"
     if output_format not in MESH_FORMATS:
         raise ConfigError(f"--output-format {output_format}: a mesh model writes glb or obj.")
-    params = build_sampling_params(model, prompt="", num_inference_steps=values.get("num_inference_steps") or None,
-                                   guidance_scale=values.get("guidance_scale"), seed=values.get("seed", 0),
-                                   output_format=output_format, image_inputs=(Path(image_path).read_bytes(),))
+    params = build_sampling_params(
+        model,
+        prompt="",
+        num_inference_steps=values.get("num_inference_steps") or None,
+        guidance_scale=values.get("guidance_scale"),
+        seed=values.get("seed", 0),
+        output_format=output_format,
+        image_inputs=(Path(image_path).read_bytes(),),
+    )
     mesh = _wait(engine, next(iter(engine.submit_all([params])))).output.meshes[0]
     if mesh.error:
         raise ConfigError(f"no mesh for {image_path}: {mesh.error}")
@@ -347,7 +439,14 @@ def print_plan(values: dict[str, Any]) -> int:
         hardware = detect_hardware("auto")
     device_kind = "cuda" if hardware.gpus else "cpu"
     dtype = resolve_dtype(values.get("dtype", "auto"), device_kind)
-    plan = resolve_deployment(deployment, model_path, model_id=values.get("model_id"), dtype=dtype, hardware=hardware,
-                              backend=values.get("backend", "auto"), batching_mode=values.get("batching_mode"))
+    plan = resolve_deployment(
+        deployment,
+        model_path,
+        model_id=values.get("model_id"),
+        dtype=dtype,
+        hardware=hardware,
+        backend=values.get("backend", "auto"),
+        batching_mode=values.get("batching_mode"),
+    )
     print(json.dumps(plan.to_dict(), indent=2) if values.get("json") else format_plan(plan))
     return 0

@@ -112,6 +112,8 @@ def detect_hardware(device: str = "auto") -> HardwareInfo:
         suffix = device.split(":", 1)[1]
         index = int(suffix) if suffix.isdigit() else -1
         if not 0 <= index < len(gpus):
-            raise ConfigError(f"--device {device}: expected cuda:N with N below {len(gpus)} (CUDA devices present).", param="device")
+            raise ConfigError(
+                f"--device {device}: expected cuda:N with N below {len(gpus)} (CUDA devices present).", param="device"
+            )
         gpus = [gpus[index]]
     return HardwareInfo(device_kind="cuda", gpus=gpus, host_memory_bytes=host)  # type: ignore[arg-type]

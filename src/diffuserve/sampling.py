@@ -67,18 +67,31 @@ class SamplingParams:
     output_format: str = _row("png", "png | jpeg | webp (images), mp4 (video).")
     output_quality: int = _row(90, "Encoder quality for jpeg/webp (1-100).")
     image_inputs: tuple[bytes, ...] = _row((), "Encoded input images (edits / image conditioning).")
-    octree_resolution: int = _sig(0, "Mesh families: grid cells per side of the decoded volume (0: the model's default).")
+    octree_resolution: int = _sig(
+        0, "Mesh families: grid cells per side of the decoded volume (0: the model's default)."
+    )
     strength: float = _sig(1.0, "Image-to-image: share of the schedule re-noised from the input image (0-1].")
-    lora: tuple[tuple[str, float], ...] = _row((), "LoRA adapters as (name, scale) pairs, summed; () = the base "
-                                                 "model. Per row, so requests with different adapters share a batch.")
-    flow_shift: float | None = _sig(None, "The flow-matching scheduler's sigma shift in place of the checkpoint's "
-                                    "(static; replaces dynamic shifting); None: the checkpoint's schedule.")
-    boundary_ratio: float | None = _sig(None, "Wan2.2 A14B: the timestep share at which the low-noise expert takes "
-                                        "over; None: the checkpoint's model_index.json value.")
-    resolution: int | None = _sig(None, "Qwen-Image-Layered: the pipeline's resolution bucket (640 or 1024); "
-                                  "None: the pipeline's default.")
+    lora: tuple[tuple[str, float], ...] = _row(
+        (),
+        "LoRA adapters as (name, scale) pairs, summed; () = the base "
+        "model. Per row, so requests with different adapters share a batch.",
+    )
+    flow_shift: float | None = _sig(
+        None,
+        "The flow-matching scheduler's sigma shift in place of the checkpoint's "
+        "(static; replaces dynamic shifting); None: the checkpoint's schedule.",
+    )
+    boundary_ratio: float | None = _sig(
+        None,
+        "Wan2.2 A14B: the timestep share at which the low-noise expert takes "
+        "over; None: the checkpoint's model_index.json value.",
+    )
+    resolution: int | None = _sig(
+        None, "Qwen-Image-Layered: the pipeline's resolution bucket (640 or 1024); None: the pipeline's default."
+    )
     step_cache: StepCacheSettings | None = _row(
-        None, "Step cache of this request's rows (None: every step computes); only its method joins the signature.")
+        None, "Step cache of this request's rows (None: every step computes); only its method joins the signature."
+    )
 
     @property
     def cfg_enabled(self) -> bool:
@@ -144,7 +157,7 @@ class ModelDescription:
 
 PEER_FIELDS: dict[str, str] = {
     "flow_shift": "models whose flow-matching scheduler has a shift (natively FLUX.1, SD3, Qwen-Image, Wan; "
-                  "any such scheduler through the diffusers backend)",
+    "any such scheduler through the diffusers backend)",
     "guidance_scale_2": "two-expert Wan2.2 A14B checkpoints",
     "boundary_ratio": "two-expert Wan2.2 A14B checkpoints",
     "true_cfg_scale": "families that run true CFG (FLUX.1, Qwen-Image, ...; Wan's CFG is guidance_scale)",
@@ -161,7 +174,9 @@ def check_request_fields(model: ModelDescription, given: dict[str, Any]) -> None
         if value is not None and name in PEER_FIELDS and name not in model.request_fields:
             raise InvalidRequestError(
                 f"{name} applies only to {PEER_FIELDS[name]}; the served {model.family} model does not take it. "
-                f"Leave {name} out.", param=name)
+                f"Leave {name} out.",
+                param=name,
+            )
 
 
 def _pick(value: Any, default: Any) -> Any:
@@ -197,10 +212,18 @@ def build_sampling_params(
 
     Unset fields take the family's defaults; an unset seed draws a random one (reported in the response so
     the result can be reproduced); images get png and videos mp4 unless a format is given. Peer fields
-    (`PEER_FIELDS`) the model does not take are refused, naming them. The model's own validation runs last, so every caller (HTTP, CLI, warm-up) refuses the same things the same way.
+    (`PEER_FIELDS`) the model does not take are refused, naming them. The model's own validation runs last, so every
+    caller (HTTP, CLI, warm-up) refuses the same things the same way.
     """
-    check_request_fields(model, {"guidance_scale_2": guidance_scale_2, "boundary_ratio": boundary_ratio,
-                                 "flow_shift": flow_shift, "resolution": resolution})
+    check_request_fields(
+        model,
+        {
+            "guidance_scale_2": guidance_scale_2,
+            "boundary_ratio": boundary_ratio,
+            "flow_shift": flow_shift,
+            "resolution": resolution,
+        },
+    )
     d = model.defaults
     video = model.output_kind == "video"
     params = SamplingParams(

@@ -33,8 +33,11 @@ def test_docs_render_offline_in_headless_chromium(streaming_server, chromium_pat
     errors: list[str] = []
     elsewhere: list[str] = []
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium_path, headless=True,
-                                             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        browser = playwright.chromium.launch(
+            executable_path=chromium_path,
+            headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"],
+        )
         try:
             context = browser.new_context(extra_http_headers=AUTH)
 

@@ -17,13 +17,20 @@ from PIL import Image
 
 from tests.conftest import STREAMING_API_KEY
 
-INSTALL_HINT = ("install a headless browser: `apt-get install -y chromium` (Debian) and `pip install playwright` "
-                "(in the test extra); or point DIFFUSERVE_CHROMIUM at a Chromium binary")
+INSTALL_HINT = (
+    "install a headless browser: `apt-get install -y chromium` (Debian) and `pip install playwright` "
+    "(in the test extra); or point DIFFUSERVE_CHROMIUM at a Chromium binary"
+)
 
 
 def _chromium() -> str | None:
-    candidates = [os.environ.get("DIFFUSERVE_CHROMIUM"), "/usr/lib/chromium/chromium", shutil.which("chromium"),
-                  shutil.which("chromium-browser"), shutil.which("google-chrome")]
+    candidates = [
+        os.environ.get("DIFFUSERVE_CHROMIUM"),
+        "/usr/lib/chromium/chromium",
+        shutil.which("chromium"),
+        shutil.which("chromium-browser"),
+        shutil.which("google-chrome"),
+    ]
     return next((c for c in candidates if c and Path(c).is_file()), None)
 
 
@@ -36,7 +43,9 @@ def chromium_path() -> str:
         path = None
     if path is None:
         if os.environ.get("CI"):
-            pytest.fail(f"CI must run the browser test, but no browser is available: {INSTALL_HINT} (.ci/run does this)")
+            pytest.fail(
+                f"CI must run the browser test, but no browser is available: {INSTALL_HINT} (.ci/run does this)"
+            )
         pytest.skip(f"no headless browser here: {INSTALL_HINT}")
     return path
 
@@ -50,11 +59,16 @@ def test_headers_and_only_its_own_files(streaming_server):
         assert "frame-ancestors 'none'" in csp and "script-src 'self'" in csp and "unsafe-inline" not in csp
         assert response.headers["x-content-type-options"] == "nosniff"
     page = httpx.get(f"{base}/playground", timeout=30).text
-    assert "<script src=\"/playground/playground.js\"" in page and "<script>" not in page, "no inline script"
+    assert '<script src="/playground/playground.js"' in page and "<script>" not in page, "no inline script"
     assert "http://" not in page and "https://" not in page, "no third-party assets"
     assert httpx.get(f"{base}/playground/config.json", timeout=30).json() == {"auth_required": True}
-    for path in ("/playground/__init__.py", "/playground/static/index.html", "/playground/..%2f__init__.py",
-                 "/playground/%2e%2e/app.py", "/playground/index.htm"):
+    for path in (
+        "/playground/__init__.py",
+        "/playground/static/index.html",
+        "/playground/..%2f__init__.py",
+        "/playground/%2e%2e/app.py",
+        "/playground/index.htm",
+    ):
         keyed = httpx.get(f"{base}{path}", timeout=30, headers={"Authorization": f"Bearer {STREAMING_API_KEY}"})
         assert keyed.status_code == 404, path
         assert httpx.get(f"{base}{path}", timeout=30).status_code == 401, "only the page's own files are public"
@@ -66,8 +80,11 @@ def test_playground_generates_in_headless_chromium(streaming_server, chromium_pa
 
     errors: list[str] = []
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium_path, headless=True,
-                                             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        browser = playwright.chromium.launch(
+            executable_path=chromium_path,
+            headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"],
+        )
         try:
             page = browser.new_page()
             page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
@@ -80,14 +97,24 @@ def test_playground_generates_in_headless_chromium(streaming_server, chromium_pa
             # Function forms, not expression strings: the page's CSP (rightly) forbids eval.
             page.wait_for_function("() => document.getElementById('model-name').textContent === 'tiny-flux-stream'")
             assert "components" in page.text_content("#plan")
-            for selector, value in (("#size", "64x64"), ("#steps", "4"), ("#seed", "11"), ("#n", "1"),
-                                    ("#partial-images", "2"), ("#prompt", "a red fox")):
+            for selector, value in (
+                ("#size", "64x64"),
+                ("#steps", "4"),
+                ("#seed", "11"),
+                ("#n", "1"),
+                ("#partial-images", "2"),
+                ("#prompt", "a red fox"),
+            ):
                 page.fill(selector, value)
             page.click("#generate")
-            page.wait_for_function("() => { const img = document.querySelector('figure img.final');"
-                                   " return img && img.complete && img.naturalWidth > 0; }", timeout=120_000)
+            page.wait_for_function(
+                "() => { const img = document.querySelector('figure img.final');"
+                " return img && img.complete && img.naturalWidth > 0; }",
+                timeout=120_000,
+            )
             width, height, src = page.eval_on_selector(
-                "figure img.final", "img => [img.naturalWidth, img.naturalHeight, img.src]")
+                "figure img.final", "img => [img.naturalWidth, img.naturalHeight, img.src]"
+            )
             partials = page.get_attribute("figure", "data-partials")
             page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)
         finally:
@@ -96,10 +123,12 @@ def test_playground_generates_in_headless_chromium(streaming_server, chromium_pa
     assert partials == "2", "both partial images were shown before the final one"
     assert errors == [], errors  # a CSP violation or a script error would show here
     # What the page rendered is what the API makes for the same request.
-    reference = httpx.post(f"{streaming_server.base_url}/v1/images/generations", timeout=60,
-                           headers={"Authorization": f"Bearer {STREAMING_API_KEY}"},
-                           json={"prompt": "a red fox", "size": "64x64", "num_inference_steps": 4, "seed": 11,
-                                 "guidance_scale": 3.5})
+    reference = httpx.post(
+        f"{streaming_server.base_url}/v1/images/generations",
+        timeout=60,
+        headers={"Authorization": f"Bearer {STREAMING_API_KEY}"},
+        json={"prompt": "a red fox", "size": "64x64", "num_inference_steps": 4, "seed": 11, "guidance_scale": 3.5},
+    )
     shown = Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1]))).convert("RGB")
     expected = Image.open(io.BytesIO(base64.b64decode(reference.json()["data"][0]["b64_json"]))).convert("RGB")
     assert np.array_equal(np.asarray(shown), np.asarray(expected))

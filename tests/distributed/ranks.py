@@ -22,8 +22,10 @@ def requests(model, build: str):
         common = {"width": 64, "height": 64, "num_inference_steps": 3, "true_cfg_scale": 4.0}
     else:
         common = {"width": 64, "height": 64, "num_inference_steps": 2, "true_cfg_scale": 4.0}
-    return [build_sampling_params(model, prompt="a red fox", negative_prompt="blurry", seed=1, n=2, **common),
-            build_sampling_params(model, prompt="a cat on a long sandy beach", negative_prompt="dark", seed=5, **common)]
+    return [
+        build_sampling_params(model, prompt="a red fox", negative_prompt="blurry", seed=1, n=2, **common),
+        build_sampling_params(model, prompt="a cat on a long sandy beach", negative_prompt="dark", seed=5, **common),
+    ]
 
 
 def pixels(result) -> np.ndarray:
@@ -54,8 +56,13 @@ def run_ranks(rank_main: Callable[..., None], checkpoints: dict[str, str], out_d
     """Spawn `rank_main(rank, world, init_file, checkpoints, out_dir)` on `world` ranks and wait for all."""
     init_file = Path(tempfile.mkdtemp()) / "rendezvous"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(rank_main, args=(world, str(init_file), checkpoints, str(out_dir)), nprocs=world,
-                       start_method="spawn", join=True)
+    mp.start_processes(
+        rank_main,
+        args=(world, str(init_file), checkpoints, str(out_dir)),
+        nprocs=world,
+        start_method="spawn",
+        join=True,
+    )
 
 
 def run_two_ranks(rank_main: Callable[..., None], checkpoints: dict[str, str], out_dir: Path) -> None:

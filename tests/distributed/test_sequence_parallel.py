@@ -45,8 +45,11 @@ def _batch(pipe, build: str):
     if build == "flux-odd":  # 48x48: 3x3 = 9 image tokens, padded to a multiple of the degree
         from diffuserve.sampling import build_sampling_params
 
-        return [build_sampling_params(pipe.describe_model(), prompt="a small odd square", seed=3, width=48,
-                                      height=48, num_inference_steps=2)]
+        return [
+            build_sampling_params(
+                pipe.describe_model(), prompt="a small odd square", seed=3, width=48, height=48, num_inference_steps=2
+            )
+        ]
     return requests(pipe.describe_model(), "wan" if build.startswith("wan") else build)
 
 
@@ -77,8 +80,12 @@ def _under(pipe, residency: str | None, run):
 
     mode = ResidencyMode(residency)
     layered = set(layered_components(pipe))
-    modes = {name: (mode if mode is not ResidencyMode.LAYERWISE_OFFLOAD or name in layered
-                    else ResidencyMode.COMPONENT_OFFLOAD) for name in pipe.components}
+    modes = {
+        name: (
+            mode if mode is not ResidencyMode.LAYERWISE_OFFLOAD or name in layered else ResidencyMode.COMPONENT_OFFLOAD
+        )
+        for name in pipe.components
+    }
     result, ledger = with_residency(pipe, modes, run)
     assert {m.component for m in ledger.moves()} == set(pipe.components)  # the offload really ran
     return result
@@ -115,12 +122,13 @@ def _rank_main(rank: int, world: int, init_file: str, checkpoints: dict[str, str
 
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
         pair = pairs[rank // 2]
-        for name, build, ulysses, ring, residency in TWO_RANKS[rank // 2::2]:
+        for name, build, ulysses, ring, residency in TWO_RANKS[rank // 2 :: 2]:
             pipe = pipeline(build)
 
             def split_run(pipe=pipe, build=build, ulysses=ulysses, ring=ring):
-                sp = enable_sequence_parallel(pipe, ulysses_group=pair if ulysses > 1 else None,
-                                              ring_group=pair if ring > 1 else None)
+                sp = enable_sequence_parallel(
+                    pipe, ulysses_group=pair if ulysses > 1 else None, ring_group=pair if ring > 1 else None
+                )
                 try:
                     return _run(pipe, build), sp
                 finally:
@@ -135,8 +143,9 @@ def _rank_main(rank: int, world: int, init_file: str, checkpoints: dict[str, str
                 pipe.cfg_parallel = CfgParallel(mesh["cfg"].get_group())
                 sp = enable_sequence_parallel(pipe, ulysses_group=mesh["ulysses"].get_group())
             else:
-                sp = enable_sequence_parallel(pipe, ulysses_group=mesh["ulysses"].get_group(),
-                                              ring_group=mesh["ring"].get_group())
+                sp = enable_sequence_parallel(
+                    pipe, ulysses_group=mesh["ulysses"].get_group(), ring_group=mesh["ring"].get_group()
+                )
             _save(out_dir, name, rank, _run(pipe, build), sp)
             sp.remove()
             pipe.cfg_parallel = None
@@ -200,7 +209,9 @@ def test_what_cannot_run_is_refused(tiny_checkpoint):
     flux = load_pipeline(tiny_checkpoint("flux"))  # 2 attention heads
     with pytest.raises(ConfigError) as err:
         check_sequence_parallel(flux, ulysses_degree=4, ring_degree=1)
-    assert err.value.param == "ulysses_degree" and "[1, 2]" in err.value.message and "--ring-degree" in err.value.message
+    assert (
+        err.value.param == "ulysses_degree" and "[1, 2]" in err.value.message and "--ring-degree" in err.value.message
+    )
     check_sequence_parallel(flux, ulysses_degree=2, ring_degree=3)  # Ring takes any degree
     sd3 = load_pipeline(tiny_checkpoint("sd3"))  # a native family without a sequence split
     with pytest.raises(ConfigError) as err:
@@ -230,5 +241,9 @@ def test_blockwise_attention_merges_to_the_whole():
     assert torch.allclose(kernel, formula, atol=1e-6) and torch.allclose(kernel_lse, formula_lse, atol=1e-6)
     out, lse = merge_partial(*merge_partial(None, None, kernel, kernel_lse), *block_attention(q, k2, v2, None, None))
     whole = torch.nn.functional.scaled_dot_product_attention(
-        q, torch.cat([k, k2], 2), torch.cat([v, v2], 2), attn_mask=torch.cat([mask, torch.ones(2, 4, dtype=torch.bool)], 1)[:, None, None])
+        q,
+        torch.cat([k, k2], 2),
+        torch.cat([v, v2], 2),
+        attn_mask=torch.cat([mask, torch.ones(2, 4, dtype=torch.bool)], 1)[:, None, None],
+    )
     assert (out - whole).abs().max() < 1e-6

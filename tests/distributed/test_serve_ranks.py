@@ -44,11 +44,16 @@ def _client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def _generate(server: ServerProcess, prompt: str, seed: int, steps: int = 3, size: str = "64x64",
-              **extra) -> np.ndarray:
-    result = _client(server).images.generate(model=_client(server).models.list().data[0].id, prompt=prompt,
-                                             size=size, response_format="b64_json",
-                                             extra_body={"num_inference_steps": steps, "seed": seed, **CFG, **extra})
+def _generate(
+    server: ServerProcess, prompt: str, seed: int, steps: int = 3, size: str = "64x64", **extra
+) -> np.ndarray:
+    result = _client(server).images.generate(
+        model=_client(server).models.list().data[0].id,
+        prompt=prompt,
+        size=size,
+        response_format="b64_json",
+        extra_body={"num_inference_steps": steps, "seed": seed, **CFG, **extra},
+    )
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json))).convert("RGB"), dtype=np.int16)
 
 
@@ -61,8 +66,9 @@ def reference(tiny_flux_path: Path):
     pipe = load_pipeline(tiny_flux_path)
 
     def run(prompt: str, seed: int, steps: int = 3) -> np.ndarray:
-        params = build_sampling_params(pipe.describe_model(), prompt=prompt, width=64, height=64,
-                                       num_inference_steps=steps, seed=seed, **CFG)
+        params = build_sampling_params(
+            pipe.describe_model(), prompt=prompt, width=64, height=64, num_inference_steps=steps, seed=seed, **CFG
+        )
         return np.asarray(pipe.run([params]).outputs[0].images[0].convert("RGB"), dtype=np.int16)
 
     return run
@@ -70,9 +76,11 @@ def reference(tiny_flux_path: Path):
 
 def _start(tiny_flux_path: Path, tmp: Path, *flags: str) -> ServerProcess:
     """A server whose ranks also hold marked requests' steps (`tests/step_hold.py`, release file beside the log)."""
-    return ServerProcess(args=["--model-path", str(tiny_flux_path), "--device", "cpu", *flags],
-                         log_path=tmp / "server.log",
-                         env={**ENV, **StepHold(tmp).env(fail_marker="BOOM")}).start(timeout_s=300)
+    return ServerProcess(
+        args=["--model-path", str(tiny_flux_path), "--device", "cpu", *flags],
+        log_path=tmp / "server.log",
+        env={**ENV, **StepHold(tmp).env(fail_marker="BOOM")},
+    ).start(timeout_s=300)
 
 
 def _hold(server: ServerProcess) -> StepHold:
@@ -81,8 +89,12 @@ def _hold(server: ServerProcess) -> StepHold:
 
 def _metric(server: ServerProcess, name: str) -> dict[tuple, float]:
     text = httpx.get(f"{server.base_url}/metrics").text
-    return {tuple(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text)
-            for s in f.samples if s.name == name}
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name
+    }
 
 
 def _rank_pid(server: ServerProcess, rank: int) -> int:
@@ -145,9 +157,21 @@ def _fault_follows(server: ServerProcess, rank: int, how: int, expected: str) ->
 # ---------------------------------------------------------------------------------------------- CFG parallel
 @pytest.fixture(scope="module")
 def cfg_server(tiny_flux_path, tmp_path_factory):
-    server = _start(tiny_flux_path, tmp_path_factory.mktemp("cfg-ranks"), "--num-gpus", "2", "--enable-cfg-parallel",
-                    "--batching-mode", "dynamic", "--batching-max-size", "4", "--batching-delay-ms", "1500",
-                    "--dist-heartbeat-timeout-s", "10")
+    server = _start(
+        tiny_flux_path,
+        tmp_path_factory.mktemp("cfg-ranks"),
+        "--num-gpus",
+        "2",
+        "--enable-cfg-parallel",
+        "--batching-mode",
+        "dynamic",
+        "--batching-max-size",
+        "4",
+        "--batching-delay-ms",
+        "1500",
+        "--dist-heartbeat-timeout-s",
+        "10",
+    )
     yield server
     server.stop()
 
@@ -170,8 +194,9 @@ def test_merged_batch_under_cfg_parallel_equals_its_singletons(cfg_server, refer
     hold.arm()
     wait_idle(cfg_server)
     held = threading.Thread(target=lambda: _generate(cfg_server, f"held {StepHold.MARKER}", 7, steps=2))
-    threads = [threading.Thread(target=lambda p=p, s=s: images.__setitem__(s, _generate(cfg_server, p, s)))
-               for p, s in prompts]
+    threads = [
+        threading.Thread(target=lambda p=p, s=s: images.__setitem__(s, _generate(cfg_server, p, s))) for p, s in prompts
+    ]
     held.start()
     try:
         deadline = time.monotonic() + 60
@@ -221,12 +246,26 @@ def test_a_killed_rank_fails_the_in_flight_request_naming_it_and_the_server_exit
 
 # ---------------------------------------------------------------------------------------------- replicas
 def test_data_parallel_replicas_share_the_load_and_a_hung_rank_is_declared(tiny_flux_path, tmp_path, reference):
-    server = _start(tiny_flux_path, tmp_path, "--num-gpus", "2", "--dp-size", "2", "--batching-mode", "dynamic",
-                    "--batching-max-size", "2", "--dist-heartbeat-timeout-s", "3")
+    server = _start(
+        tiny_flux_path,
+        tmp_path,
+        "--num-gpus",
+        "2",
+        "--dp-size",
+        "2",
+        "--batching-mode",
+        "dynamic",
+        "--batching-max-size",
+        "2",
+        "--dist-heartbeat-timeout-s",
+        "3",
+    )
     try:
         results: list[np.ndarray] = []
-        threads = [threading.Thread(target=lambda i=i: results.append(_generate(server, "a red fox", seed=1)))
-                   for i in range(6)]
+        threads = [
+            threading.Thread(target=lambda i=i: results.append(_generate(server, "a red fox", seed=1)))
+            for i in range(6)
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -251,12 +290,39 @@ def test_data_parallel_replicas_share_the_load_and_a_hung_rank_is_declared(tiny_
 def test_two_hosts_with_fsdp_times_ulysses_equal_one_process(tiny_flux_path, tmp_path, reference):
     addr = f"127.0.0.1:{free_port()}"
     # --dist-timeout-s 5 and an idle group for longer: ranks waiting for work are never inside a collective.
-    common = ["--num-gpus", "2", "--nnodes", "2", "--dist-init-addr", addr, "--use-fsdp-inference",
-              "--ulysses-degree", "2", "--dist-timeout-s", "5"]
+    common = [
+        "--num-gpus",
+        "2",
+        "--nnodes",
+        "2",
+        "--dist-init-addr",
+        addr,
+        "--use-fsdp-inference",
+        "--ulysses-degree",
+        "2",
+        "--dist-timeout-s",
+        "5",
+    ]
     node1_log = open(tmp_path / "node1.log", "wb")  # noqa: SIM115 - closed below
-    node1 = subprocess.Popen([sys.executable, "-m", "diffuserve.cli", "serve", "--model-path", str(tiny_flux_path),
-                              "--device", "cpu", "--node-rank", "1", *common], stdout=node1_log,
-                             stderr=subprocess.STDOUT, env={**os.environ, **ENV}, cwd=REPO)
+    node1 = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "diffuserve.cli",
+            "serve",
+            "--model-path",
+            str(tiny_flux_path),
+            "--device",
+            "cpu",
+            "--node-rank",
+            "1",
+            *common,
+        ],
+        stdout=node1_log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **ENV},
+        cwd=REPO,
+    )
     try:
         node0 = _start(tiny_flux_path, tmp_path, "--node-rank", "0", *common)
         try:
@@ -280,12 +346,39 @@ def test_torchrun_four_ranks_continuous_cfg_parallel_times_ulysses(tiny_flux_pat
     running denoise group at a later step, and each equals its one-process singleton within 1/255."""
     port, log = free_port(), open(tmp_path / "torchrun.log", "wb")  # noqa: SIM115 - closed below
     torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.Popen([str(torchrun), "--nproc-per-node", "4", "--master-port", str(free_port()), "-m",
-                             "diffuserve.cli", "serve", "--model-path", str(tiny_flux_path), "--device", "cpu",
-                             "--num-gpus", "4", "--enable-cfg-parallel", "--ulysses-degree", "2", "--port", str(port),
-                             "--batching-mode", "continuous", "--batching-max-size", "4",
-                             "--output-dir", str(tmp_path / "outputs")],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ENV}, cwd=REPO)
+    proc = subprocess.Popen(
+        [
+            str(torchrun),
+            "--nproc-per-node",
+            "4",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "diffuserve.cli",
+            "serve",
+            "--model-path",
+            str(tiny_flux_path),
+            "--device",
+            "cpu",
+            "--num-gpus",
+            "4",
+            "--enable-cfg-parallel",
+            "--ulysses-degree",
+            "2",
+            "--port",
+            str(port),
+            "--batching-mode",
+            "continuous",
+            "--batching-max-size",
+            "4",
+            "--output-dir",
+            str(tmp_path / "outputs"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **ENV},
+        cwd=REPO,
+    )
     server = ServerProcess(args=[], log_path=tmp_path / "torchrun.log", port=port)
     try:
         deadline = time.monotonic() + 300
@@ -323,27 +416,78 @@ def test_torchrun_four_ranks_continuous_cfg_parallel_times_ulysses(tiny_flux_pat
 
 # ---------------------------------------------------------------------------------------------- generate, refusals
 def test_generate_on_two_ranks_with_cfg_parallel_is_bit_identical(tiny_flux_path, tmp_path, reference):
-    out = subprocess.run([sys.executable, "-m", "diffuserve.cli", "generate", "--model-path", str(tiny_flux_path),
-                          "--device", "cpu", "--num-gpus", "2", "--enable-cfg-parallel", "--prompt", "a red fox",
-                          "--negative-prompt", "blurry", "--true-cfg-scale", "4", "--seed", "1", "--width", "64",
-                          "--height", "64", "--num-inference-steps", "3", "--output-path", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, **ENV}, cwd=REPO)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "diffuserve.cli",
+            "generate",
+            "--model-path",
+            str(tiny_flux_path),
+            "--device",
+            "cpu",
+            "--num-gpus",
+            "2",
+            "--enable-cfg-parallel",
+            "--prompt",
+            "a red fox",
+            "--negative-prompt",
+            "blurry",
+            "--true-cfg-scale",
+            "4",
+            "--seed",
+            "1",
+            "--width",
+            "64",
+            "--height",
+            "64",
+            "--num-inference-steps",
+            "3",
+            "--output-path",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **ENV},
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     image = np.asarray(Image.open(out.stdout.strip().splitlines()[-1]).convert("RGB"), dtype=np.int16)
     assert (image == reference("a red fox", seed=1)).all()
     assert "[rank 1]" in out.stderr and "cfg parallel" in out.stderr  # the second rank ran its branch
 
 
-@pytest.mark.parametrize(("build", "flags", "named"), [
-    ("flux", ["--num-gpus", "2", "--tp-size", "3"], "--tp-size 3"),  # degrees that do not multiply to the ranks
-    ("flux", ["--num-gpus", "4", "--ulysses-degree", "2"], "--dp-size 2"),  # explicit degrees must fill them
-    ("sd3", ["--num-gpus", "2", "--ulysses-degree", "2"], "no sequence split"),  # a family without a split
-    ("flux", ["--num-gpus", "2", "--ulysses-degree", "4"], "does not divide"),  # heads (tiny FLUX has 2)
-])
+@pytest.mark.parametrize(
+    ("build", "flags", "named"),
+    [
+        ("flux", ["--num-gpus", "2", "--tp-size", "3"], "--tp-size 3"),  # degrees that do not multiply to the ranks
+        ("flux", ["--num-gpus", "4", "--ulysses-degree", "2"], "--dp-size 2"),  # explicit degrees must fill them
+        ("sd3", ["--num-gpus", "2", "--ulysses-degree", "2"], "no sequence split"),  # a family without a split
+        ("flux", ["--num-gpus", "2", "--ulysses-degree", "4"], "does not divide"),  # heads (tiny FLUX has 2)
+    ],
+)
 def test_serve_refuses_what_cannot_run_before_loading_weights(tiny_checkpoint, build, flags, named):
-    out = subprocess.run([sys.executable, "-m", "diffuserve.cli", "serve", "--model-path", str(tiny_checkpoint(build)),
-                          "--device", "cpu", "--port", "0", *flags], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, **ENV}, cwd=REPO)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "diffuserve.cli",
+            "serve",
+            "--model-path",
+            str(tiny_checkpoint(build)),
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **ENV},
+        cwd=REPO,
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert named in out.stderr and "configuration error" in out.stderr, out.stderr[-2000:]
     assert "Loading" not in out.stderr  # refused from the plan, before any weight was read

@@ -26,11 +26,33 @@ def _start(tiny_flux_path: Path, tmp_path: Path) -> tuple[subprocess.Popen, Path
     port, log_path = free_port(), tmp_path / "torchrun.log"
     torchrun = Path(sys.executable).with_name("torchrun")
     log = open(log_path, "wb")  # noqa: SIM115 - the child holds it; closed when the test's process ends
-    proc = subprocess.Popen([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), "-m",
-                             "diffuserve.cli", "serve", "--model-path", str(tiny_flux_path), "--device", "cpu",
-                             "--num-gpus", "2", "--enable-cfg-parallel", "--port", str(port),
-                             "--output-dir", str(tmp_path / "outputs")],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    proc = subprocess.Popen(
+        [
+            str(torchrun),
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "diffuserve.cli",
+            "serve",
+            "--model-path",
+            str(tiny_flux_path),
+            "--device",
+            "cpu",
+            "--num-gpus",
+            "2",
+            "--enable-cfg-parallel",
+            "--port",
+            str(port),
+            "--output-dir",
+            str(tmp_path / "outputs"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=REPO,
+    )
     deadline = time.monotonic() + 300
     while True:
         assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]

@@ -63,10 +63,15 @@ def _offloaded(pipe):
     from diffuserve.runtime.ledger import TransferLedger
     from diffuserve.runtime.residency import build_residency
 
-    modes = {key: ResidencyMode.LAYERWISE_OFFLOAD if key == "transformer" else ResidencyMode.COMPONENT_OFFLOAD
-             for key in pipe.components}
-    plan = DeploymentPlan(components={k: ComponentPlan(name=k, group="dit" if k == "transformer" else "other", mode=m)
-                                      for k, m in modes.items()})
+    modes = {
+        key: ResidencyMode.LAYERWISE_OFFLOAD if key == "transformer" else ResidencyMode.COMPONENT_OFFLOAD
+        for key in pipe.components
+    }
+    plan = DeploymentPlan(
+        components={
+            k: ComponentPlan(name=k, group="dit" if k == "transformer" else "other", mode=m) for k, m in modes.items()
+        }
+    )
     return build_residency(plan, pipe.components, device="cpu", ledger=TransferLedger())
 
 
@@ -78,8 +83,12 @@ def _meta_load(rank: int, checkpoints: dict[str, str], out_dir: str) -> None:
     path = checkpoints["flux"]
     pipe = load_pipeline(path, placement={"transformer": "meta"})
     dit = pipe.components["transformer"]
-    facts = {"meta_at_load": is_meta(dit), "others_meta": any(is_meta(m) for k, m in pipe.components.items()
-                                                                if k != "transformer" and hasattr(m, "parameters"))}
+    facts = {
+        "meta_at_load": is_meta(dit),
+        "others_meta": any(
+            is_meta(m) for k, m in pipe.components.items() if k != "transformer" and hasattr(m, "parameters")
+        ),
+    }
     facts["full"] = sum(p.numel() * p.element_size() for p in dit.parameters())
     shard_denoisers(pipe)
     facts["read"] = materialize_module(dit, Path(path) / "transformer", device="cpu")

@@ -44,8 +44,9 @@ def _residency(components: dict):
     from diffuserve.runtime.ledger import TransferLedger
     from diffuserve.runtime.residency import ComponentResidencyManager
 
-    plans = {key: ComponentPlan(key, "other", ResidencyMode.COMPONENT_OFFLOAD)
-             for key in components if key != "transformer"}
+    plans = {
+        key: ComponentPlan(key, "other", ResidencyMode.COMPONENT_OFFLOAD) for key in components if key != "transformer"
+    }
     manager = ComponentResidencyManager(components, plans, device="cpu", ledger=TransferLedger())
     manager.setup()
     return manager
@@ -97,8 +98,9 @@ def tp_outputs(checkpoints, tmp_path_factory) -> Path:
     return out_dir
 
 
-def _assert_equal_to_single(out_dir: Path, mode: str, build: str, ranks: tuple[int, ...],
-                            single: tuple[np.ndarray, np.ndarray]) -> None:
+def _assert_equal_to_single(
+    out_dir: Path, mode: str, build: str, ranks: tuple[int, ...], single: tuple[np.ndarray, np.ndarray]
+) -> None:
     latents, frames = single
     outputs = [np.load(out_dir / f"{mode}-{build}-rank{rank}.npz") for rank in ranks]
     for rank, ranked in enumerate(outputs):

@@ -22,8 +22,11 @@ LONG_STEPS = 2000
 def singleton_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """Default serving (singleton), observed from process start for the readiness contract."""
     logs = tmp_path_factory.mktemp("singleton")
-    server = ServerProcess(["--model-path", str(tiny_flux_path), "--served-model-name", "tiny-flux",
-                            "--model-id", "FLUX.1-dev"], logs / "server.log", env=StepHold(logs).env())
+    server = ServerProcess(
+        ["--model-path", str(tiny_flux_path), "--served-model-name", "tiny-flux", "--model-id", "FLUX.1-dev"],
+        logs / "server.log",
+        env=StepHold(logs).env(),
+    )
     server.start(observe=True)
     yield server
     server.stop()
@@ -36,16 +39,39 @@ def dynamic_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactor
     `StepHold.MARKER` (denoising steps wait for the test's release, `tests/step_hold.py`)."""
     logs = tmp_path_factory.mktemp("dynamic")
     rules = logs / "batching.json"
-    rules.write_text(json.dumps({"schema_version": 1, "rules": [
-        {"model_contains": "tiny", "resolution": "32x32", "max_batch_size": 1},
-    ]}))
+    rules.write_text(
+        json.dumps(
+            {
+                "schema_version": 1,
+                "rules": [
+                    {"model_contains": "tiny", "resolution": "32x32", "max_batch_size": 1},
+                ],
+            }
+        )
+    )
     server = ServerProcess(
-        ["--model-path", str(tiny_flux_path), "--served-model-name", "tiny-flux-dynamic",
-         "--batching-mode", "dynamic", "--batching-max-size", "4", "--batching-delay-ms", "1500",
-         "--batching-config", str(rules), "--enable-batching-metrics", "--max-queue-size", "0"],
+        [
+            "--model-path",
+            str(tiny_flux_path),
+            "--served-model-name",
+            "tiny-flux-dynamic",
+            "--batching-mode",
+            "dynamic",
+            "--batching-max-size",
+            "4",
+            "--batching-delay-ms",
+            "1500",
+            "--batching-config",
+            str(rules),
+            "--enable-batching-metrics",
+            "--max-queue-size",
+            "0",
+        ],
         logs / "server.log",
-        env={"DIFFUSERVE_FAULT_INJECTION": f"prompt:{FAULT_MARKER},hold:{HOLD_MARKER},"
-                                          f"{StepHold(logs).env()['DIFFUSERVE_FAULT_INJECTION']}"},
+        env={
+            "DIFFUSERVE_FAULT_INJECTION": f"prompt:{FAULT_MARKER},hold:{HOLD_MARKER},"
+            f"{StepHold(logs).env()['DIFFUSERVE_FAULT_INJECTION']}"
+        },
     )
     server.start()
     yield server
@@ -57,10 +83,24 @@ def wan_server(tiny_wan_path: Path, tmp_path_factory: pytest.TempPathFactory) ->
     """Tiny Wan2.1 text-to-video, dynamic batching of 2 (shared by the video API tests); `StepHold.MARKER`
     prompts wait at their steps for the test's release."""
     logs = tmp_path_factory.mktemp("videos")
-    server = ServerProcess(["--model-path", str(tiny_wan_path), "--served-model-name", "tiny-wan",
-                            "--batching-mode", "dynamic", "--batching-max-size", "2",
-                            "--max-inference-steps", str(LONG_STEPS), "--max-queue-size", "0"],
-                           logs / "server.log", env=StepHold(logs).env())
+    server = ServerProcess(
+        [
+            "--model-path",
+            str(tiny_wan_path),
+            "--served-model-name",
+            "tiny-wan",
+            "--batching-mode",
+            "dynamic",
+            "--batching-max-size",
+            "2",
+            "--max-inference-steps",
+            str(LONG_STEPS),
+            "--max-queue-size",
+            "0",
+        ],
+        logs / "server.log",
+        env=StepHold(logs).env(),
+    )
     server.start()
     yield server
     server.stop()

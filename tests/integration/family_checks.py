@@ -27,7 +27,7 @@ def _frames(output: Any) -> list[np.ndarray]:
     """Images, or videos (lists of frames), as one flat list of int16 arrays."""
     flat: list[np.ndarray] = []
     for item in output:
-        for frame in (item if isinstance(item, list) else [item]):
+        for frame in item if isinstance(item, list) else [item]:
             flat.append(np.asarray(frame).astype(np.int16))
     return flat
 
@@ -44,8 +44,9 @@ def layered_components(pipeline: Any) -> list[str]:
     return [name for name, module in pipeline.components.items() if default_layer_specs(name, module)]
 
 
-def with_residency(pipeline: Any, modes: dict[str, ResidencyMode], run: Callable[[], Any],
-                   ledger: TransferLedger | None = None) -> tuple[Any, TransferLedger]:
+def with_residency(
+    pipeline: Any, modes: dict[str, ResidencyMode], run: Callable[[], Any], ledger: TransferLedger | None = None
+) -> tuple[Any, TransferLedger]:
     """`run()` with the given components under the given modes (the rest resident); the residency is removed
     afterwards. Returns run's output and the ledger of the moves (`ledger`, or a new one)."""
     plan = DeploymentPlan(components={n: ComponentPlan(name=n, group=group_of(n), mode=m) for n, m in modes.items()})

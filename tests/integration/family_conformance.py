@@ -57,8 +57,14 @@ SHORT, LONG = "a cat", "a very detailed painting of a big old house by the sea a
 QWEN_LONG = "a big old red house on a small green mountain under the night sky"
 QWEN_CFG = {"negative_prompt": "blurry", "true_cfg_scale": 4.0}
 RED, BLUE_WIDE = two_tone_png(64, 64, (200, 30, 30)), two_tone_png(80, 48, (30, 30, 200))
-QWEN_EDIT = {"prompt": "make the sky green", "negative_prompt": " ", "true_cfg_scale": 4.0, "width": 64,
-             "height": 64, "num_inference_steps": 2}
+QWEN_EDIT = {
+    "prompt": "make the sky green",
+    "negative_prompt": " ",
+    "true_cfg_scale": 4.0,
+    "width": 64,
+    "height": 64,
+    "num_inference_steps": 2,
+}
 """The Qwen edit family defaults (true CFG 4 with a " " negative prompt) spelled out for an explicit diffusers call."""
 
 
@@ -132,192 +138,534 @@ class FamilyCase:
 
 
 FLUX2_REFERENCE = tuple(
-    (name, {"prompt": "a photo of a red cat", "width": 48, "height": 64, "num_inference_steps": 3, "seed": 11, "n": 2,
-            "guidance_scale": 1.0 if name == "t2i-nocfg" else 4.0, "image_inputs": images})
-    for name, images in (("t2i", ()), ("t2i-nocfg", ()), ("reference", (png(),)),
-                         ("two-references", (png(), png(64, 128, seed=1)))))
-FLUX2_MERGE = (({"prompt": SHORT, "width": 64, "height": 64, "num_inference_steps": 2, "guidance_scale": 4.0,
-                 "seed": 1},
-                {"prompt": "a small green dog with a blue hat, painting", "width": 64, "height": 64,
-                 "num_inference_steps": 2, "guidance_scale": 4.0, "seed": 9, "n": 2}),)
+    (
+        name,
+        {
+            "prompt": "a photo of a red cat",
+            "width": 48,
+            "height": 64,
+            "num_inference_steps": 3,
+            "seed": 11,
+            "n": 2,
+            "guidance_scale": 1.0 if name == "t2i-nocfg" else 4.0,
+            "image_inputs": images,
+        },
+    )
+    for name, images in (
+        ("t2i", ()),
+        ("t2i-nocfg", ()),
+        ("reference", (png(),)),
+        ("two-references", (png(), png(64, 128, seed=1))),
+    )
+)
+FLUX2_MERGE = (
+    (
+        {"prompt": SHORT, "width": 64, "height": 64, "num_inference_steps": 2, "guidance_scale": 4.0, "seed": 1},
+        {
+            "prompt": "a small green dog with a blue hat, painting",
+            "width": 64,
+            "height": 64,
+            "num_inference_steps": 2,
+            "guidance_scale": 4.0,
+            "seed": 9,
+            "n": 2,
+        },
+    ),
+)
 # An edit: the VAE encodes the reference under its scope too; Klein's CFG runs both text branches.
-FLUX2_RESIDENCY = ({"prompt": "a red cat", "width": 64, "height": 64, "num_inference_steps": 2, "guidance_scale": 4.0,
-                    "seed": 2, "image_inputs": (png(),)},)
+FLUX2_RESIDENCY = (
+    {
+        "prompt": "a red cat",
+        "width": 64,
+        "height": 64,
+        "num_inference_steps": 2,
+        "guidance_scale": 4.0,
+        "seed": 2,
+        "image_inputs": (png(),),
+    },
+)
 FLUX2_SERVER = {"prompt": "a blue dog", "width": 64, "height": 64, "n": 2, "seed": 21, "num_inference_steps": 2}
 
 
 def _flux2_case(id: str, family: str, pipeline_class: str) -> FamilyCase:
     return FamilyCase(
-        id, id, family, pipeline_class, reference=flux2_reference, reference_params=FLUX2_REFERENCE,
+        id,
+        id,
+        family,
+        pipeline_class,
+        reference=flux2_reference,
+        reference_params=FLUX2_REFERENCE,
         merge_batches=FLUX2_MERGE,
-        merged_rows_differ=True, continuous=True, residency_batch=FLUX2_RESIDENCY, residency_tolerance=1,
-        layered=frozenset({"transformer", "text_encoder", "vae"}), size_multiple=16, off_grid=((72, 64),),
-        server_args=(), server_request=FLUX2_SERVER, server_tolerance=1)
+        merged_rows_differ=True,
+        continuous=True,
+        residency_batch=FLUX2_RESIDENCY,
+        residency_tolerance=1,
+        layered=frozenset({"transformer", "text_encoder", "vae"}),
+        size_multiple=16,
+        off_grid=((72, 64),),
+        server_args=(),
+        server_request=FLUX2_SERVER,
+        server_tolerance=1,
+    )
 
 
 def _qwen_case(id: str, family: str, size_multiple: int, max_side: int) -> FamilyCase:
     no_cfg, cfg = {"true_cfg_scale": 1.0}, {"true_cfg_scale": 4.0}
     base = {"width": 64, "height": 64, "num_inference_steps": 2}
     return FamilyCase(
-        id, id, family, {"qwen_image": "QwenImageNativePipeline"}.get(family, "QwenImage21NativePipeline"),
+        id,
+        id,
+        family,
+        {"qwen_image": "QwenImageNativePipeline"}.get(family, "QwenImage21NativePipeline"),
         reference=qwen_reference,
         reference_params=(("long-cfg-n2", {**base, "prompt": QWEN_LONG, "seed": 7, "n": 2, **QWEN_CFG}),),
-        merge_batches=(({**base, "prompt": SHORT, "seed": 1, **no_cfg}, {**base, "prompt": QWEN_LONG, "seed": 2, "n": 2,
-                                                                          **no_cfg}),
-                       ({**base, "prompt": SHORT, "seed": 1, "negative_prompt": "blurry", **cfg},
-                        {**base, "prompt": QWEN_LONG, "seed": 2, "n": 2, "negative_prompt": "low quality, ugly, dark",
-                         **cfg})),
-        token_ratio=1, count_tokens=encoded_tokens, continuous=True,
-        residency_batch=({**base, "prompt": SHORT, "seed": 3, **QWEN_CFG}, {**base, "prompt": QWEN_LONG, "seed": 4,
-                                                                             **QWEN_CFG}),
+        merge_batches=(
+            (
+                {**base, "prompt": SHORT, "seed": 1, **no_cfg},
+                {**base, "prompt": QWEN_LONG, "seed": 2, "n": 2, **no_cfg},
+            ),
+            (
+                {**base, "prompt": SHORT, "seed": 1, "negative_prompt": "blurry", **cfg},
+                {**base, "prompt": QWEN_LONG, "seed": 2, "n": 2, "negative_prompt": "low quality, ugly, dark", **cfg},
+            ),
+        ),
+        token_ratio=1,
+        count_tokens=encoded_tokens,
+        continuous=True,
+        residency_batch=(
+            {**base, "prompt": SHORT, "seed": 3, **QWEN_CFG},
+            {**base, "prompt": QWEN_LONG, "seed": 4, **QWEN_CFG},
+        ),
         layered=frozenset({"transformer", "text_encoder", "vae"}),
         layer_specs=(("transformer", ("transformer_blocks",)), ("text_encoder", ("model.language_model.layers",))),
-        size_multiple=size_multiple, max_side=max_side, off_grid=((size_multiple + 8, 64),), server_args=(),
-        server_request={"prompt": QWEN_LONG, "width": 64, "height": 64, "n": 1, "seed": 11, "num_inference_steps": 2,
-                        **QWEN_CFG})
+        size_multiple=size_multiple,
+        max_side=max_side,
+        off_grid=((size_multiple + 8, 64),),
+        server_args=(),
+        server_request={
+            "prompt": QWEN_LONG,
+            "width": 64,
+            "height": 64,
+            "n": 1,
+            "seed": 11,
+            "num_inference_steps": 2,
+            **QWEN_CFG,
+        },
+    )
 
 
-_EDIT_ARGS = ("--batching-mode", "dynamic", "--batching-max-size", "4", "--batching-delay-ms", "50",
-              "--enable-batching-metrics")
+_EDIT_ARGS = (
+    "--batching-mode",
+    "dynamic",
+    "--batching-max-size",
+    "4",
+    "--batching-delay-ms",
+    "50",
+    "--enable-batching-metrics",
+)
 """Dynamic batching on, so the dispatch line shows why an edit runs alone. Warm-up stays on: an edit-only model
 warms up with a gray input image."""
 
 CASES: tuple[FamilyCase, ...] = (
-    FamilyCase("flux", "flux", "flux", "FluxNativePipeline", continuous=True, warns_long_prompt=True,
-               size_multiple=16, rebuild=False),
+    FamilyCase(
+        "flux",
+        "flux",
+        "flux",
+        "FluxNativePipeline",
+        continuous=True,
+        warns_long_prompt=True,
+        size_multiple=16,
+        rebuild=False,
+    ),
     _flux2_case("flux2", "flux2", "Flux2NativePipeline"),
     _flux2_case("flux2-klein", "flux2_klein", "Flux2KleinNativePipeline"),
     # The RoPE tables' limits: Qwen-Image's text starts max(h, w) // 2 positions in; 2.1 centres rows.
     _qwen_case("qwen-image", "qwen_image", 16, 114688),
     _qwen_case("qwen-image-2.1", "qwen_image_21", 32, 32768),
-    FamilyCase("qwen-image-edit", "qwen-image-edit", "qwen_image_edit", "QwenImageEditNativePipeline",
-               reference=qwen_edit_reference("QwenImageEditPipeline"),
-               reference_params=(("edit-n2", {**QWEN_EDIT, "seed": 11, "n": 2, "image_inputs": (RED,)}),),
-               server_args=_EDIT_ARGS),
-    FamilyCase("qwen-image-edit-plus", "qwen-image-edit-plus", "qwen_image_edit_plus",
-               "QwenImageEditPlusNativePipeline",
-               reference=qwen_edit_reference("QwenImageEditPlusPipeline"),
-               reference_params=(("two-images", {**QWEN_EDIT, "seed": 5, "n": 1, "image_inputs": (RED, BLUE_WIDE)}),),
-               server_args=_EDIT_ARGS),
     FamilyCase(
-        "sana", "sana", "sana", "SanaNativePipeline", reference=sana_reference,
+        "qwen-image-edit",
+        "qwen-image-edit",
+        "qwen_image_edit",
+        "QwenImageEditNativePipeline",
+        reference=qwen_edit_reference("QwenImageEditPipeline"),
+        reference_params=(("edit-n2", {**QWEN_EDIT, "seed": 11, "n": 2, "image_inputs": (RED,)}),),
+        server_args=_EDIT_ARGS,
+    ),
+    FamilyCase(
+        "qwen-image-edit-plus",
+        "qwen-image-edit-plus",
+        "qwen_image_edit_plus",
+        "QwenImageEditPlusNativePipeline",
+        reference=qwen_edit_reference("QwenImageEditPlusPipeline"),
+        reference_params=(("two-images", {**QWEN_EDIT, "seed": 5, "n": 1, "image_inputs": (RED, BLUE_WIDE)}),),
+        server_args=_EDIT_ARGS,
+    ),
+    FamilyCase(
+        "sana",
+        "sana",
+        "sana",
+        "SanaNativePipeline",
+        reference=sana_reference,
         reference_params=(
             ("no-cfg", {"prompt": "a red cat", "seed": 7, "guidance_scale": 1.0, "num_inference_steps": 2}),
             # CFG with the default empty negative prompt, two rows.
             ("cfg-n2", {"prompt": "A Small Dog ", "seed": 3, "guidance_scale": 4.5, "n": 2, "num_inference_steps": 2}),
             # Non-square: generated at the closest bin and resized/cropped back, as diffusers does.
-            ("cfg-negative-binned", {"prompt": "sea at night", "negative_prompt": "blurry", "seed": 5,
-                                     "guidance_scale": 4.0, "width": 96, "height": 64, "num_inference_steps": 3})),
+            (
+                "cfg-negative-binned",
+                {
+                    "prompt": "sea at night",
+                    "negative_prompt": "blurry",
+                    "seed": 5,
+                    "guidance_scale": 4.0,
+                    "width": 96,
+                    "height": 64,
+                    "num_inference_steps": 3,
+                },
+            ),
+        ),
         # Request 2's negative prompt is request 1's prompt: SANA encodes the two roles differently.
-        merge_batches=(({"prompt": SHORT, "seed": 1, "guidance_scale": 3.0, "num_inference_steps": 2},
-                        {"prompt": LONG, "negative_prompt": SHORT, "seed": 2, "guidance_scale": 3.0, "n": 2,
-                         "num_inference_steps": 2}),),
-        merged_rows_differ=True, token_ratio=3, count_tokens=tokenizer_tokens, continuous=True,
+        merge_batches=(
+            (
+                {"prompt": SHORT, "seed": 1, "guidance_scale": 3.0, "num_inference_steps": 2},
+                {
+                    "prompt": LONG,
+                    "negative_prompt": SHORT,
+                    "seed": 2,
+                    "guidance_scale": 3.0,
+                    "n": 2,
+                    "num_inference_steps": 2,
+                },
+            ),
+        ),
+        merged_rows_differ=True,
+        token_ratio=3,
+        count_tokens=tokenizer_tokens,
+        continuous=True,
         residency_batch=({"prompt": "a green tree", "seed": 9, "guidance_scale": 2.0, "num_inference_steps": 2},),
-        streamed_layers=frozenset({("transformer", "transformer_blocks"), ("text_encoder", "layers"),
-                                   ("vae", "decoder.up_blocks")}),
-        size_multiple=32, server_args=(), server_reference="diffusers",
-        server_request={"prompt": "a blue car", "width": 64, "height": 64, "n": 1, "seed": 11,
-                        "num_inference_steps": 2, "guidance_scale": 4.5},
-        http_refused_size="80x64"),
+        streamed_layers=frozenset(
+            {("transformer", "transformer_blocks"), ("text_encoder", "layers"), ("vae", "decoder.up_blocks")}
+        ),
+        size_multiple=32,
+        server_args=(),
+        server_reference="diffusers",
+        server_request={
+            "prompt": "a blue car",
+            "width": 64,
+            "height": 64,
+            "n": 1,
+            "seed": 11,
+            "num_inference_steps": 2,
+            "guidance_scale": 4.5,
+        },
+        http_refused_size="80x64",
+    ),
     FamilyCase(
-        "z-image", "z-image", "z_image", "ZImageNativePipeline", reference=z_image_reference,
+        "z-image",
+        "z-image",
+        "z_image",
+        "ZImageNativePipeline",
+        reference=z_image_reference,
         reference_params=(
             # Turbo-style: guidance 0 runs no negative branch.
             ("no-cfg", {"prompt": "a red cat", "seed": 7, "guidance_scale": 0.0, "num_inference_steps": 2}),
             # CFG (any guidance > 0) with the default empty negative prompt, non-square, two rows.
-            ("cfg-n2-nonsquare", {"prompt": "a small dog on a big old house", "seed": 3, "guidance_scale": 3.0,
-                                  "n": 2, "width": 64, "height": 32, "num_inference_steps": 2}),
-            ("cfg-negative", {"prompt": "sea at night", "negative_prompt": "blurry", "seed": 5, "guidance_scale": 4.0,
-                              "num_inference_steps": 3})),
-        merge_batches=(({"prompt": SHORT, "seed": 1, "guidance_scale": 3.0, "num_inference_steps": 2},
-                        {"prompt": LONG, "negative_prompt": "dark", "seed": 2, "guidance_scale": 3.0, "n": 2,
-                         "num_inference_steps": 2}),),
-        merged_rows_differ=True, token_ratio=3, count_tokens=tokenizer_tokens, continuous=True,
+            (
+                "cfg-n2-nonsquare",
+                {
+                    "prompt": "a small dog on a big old house",
+                    "seed": 3,
+                    "guidance_scale": 3.0,
+                    "n": 2,
+                    "width": 64,
+                    "height": 32,
+                    "num_inference_steps": 2,
+                },
+            ),
+            (
+                "cfg-negative",
+                {
+                    "prompt": "sea at night",
+                    "negative_prompt": "blurry",
+                    "seed": 5,
+                    "guidance_scale": 4.0,
+                    "num_inference_steps": 3,
+                },
+            ),
+        ),
+        merge_batches=(
+            (
+                {"prompt": SHORT, "seed": 1, "guidance_scale": 3.0, "num_inference_steps": 2},
+                {
+                    "prompt": LONG,
+                    "negative_prompt": "dark",
+                    "seed": 2,
+                    "guidance_scale": 3.0,
+                    "n": 2,
+                    "num_inference_steps": 2,
+                },
+            ),
+        ),
+        merged_rows_differ=True,
+        token_ratio=3,
+        count_tokens=tokenizer_tokens,
+        continuous=True,
         residency_batch=({"prompt": "a green tree", "seed": 9, "guidance_scale": 2.0, "num_inference_steps": 2},),
-        streamed_layers=frozenset({("transformer", "noise_refiner"), ("transformer", "context_refiner"),
-                                   ("transformer", "layers"), ("text_encoder", "layers")}),
+        streamed_layers=frozenset(
+            {
+                ("transformer", "noise_refiner"),
+                ("transformer", "context_refiner"),
+                ("transformer", "layers"),
+                ("text_encoder", "layers"),
+            }
+        ),
         max_side=512,  # the tiny config's axes_lens allow 32 patches (512 px) per side
-        server_args=(), server_reference="diffusers",
-        server_request={"prompt": "a blue car", "width": 64, "height": 64, "n": 1, "seed": 11,
-                        "num_inference_steps": 2, "guidance_scale": 2.5},
-        http_refused_size="1024x1024"),
+        server_args=(),
+        server_reference="diffusers",
+        server_request={
+            "prompt": "a blue car",
+            "width": 64,
+            "height": 64,
+            "n": 1,
+            "seed": 11,
+            "num_inference_steps": 2,
+            "guidance_scale": 2.5,
+        },
+        http_refused_size="1024x1024",
+    ),
     FamilyCase(
-        "sd3", "sd3", "sd3", "SD3NativePipeline", reference=sd3_reference, reference_tolerance=1,
+        "sd3",
+        "sd3",
+        "sd3",
+        "SD3NativePipeline",
+        reference=sd3_reference,
+        reference_tolerance=1,
         reference_params=(
             # diffusers' defaults: CFG at 7.0 against the empty negative prompt
-            ("cfg-default-negative", {"prompt": "a photo of a cat", "seed": 5, "n": 2, "num_inference_steps": 3,
-                                      "guidance_scale": 7.0}),
-            ("cfg-negative-48x32", {"prompt": "a red fox", "negative_prompt": "blurry", "seed": 1,
-                                    "num_inference_steps": 3, "guidance_scale": 4.5, "width": 48, "height": 32}),
+            (
+                "cfg-default-negative",
+                {"prompt": "a photo of a cat", "seed": 5, "n": 2, "num_inference_steps": 3, "guidance_scale": 7.0},
+            ),
+            (
+                "cfg-negative-48x32",
+                {
+                    "prompt": "a red fox",
+                    "negative_prompt": "blurry",
+                    "seed": 1,
+                    "num_inference_steps": 3,
+                    "guidance_scale": 4.5,
+                    "width": 48,
+                    "height": 32,
+                },
+            ),
             # guidance_scale <= 1: no CFG branch at all
-            ("no-cfg", {"prompt": "a tree", "seed": 2, "num_inference_steps": 3, "guidance_scale": 1.0})),
+            ("no-cfg", {"prompt": "a tree", "seed": 2, "num_inference_steps": 3, "guidance_scale": 1.0}),
+        ),
         # Prompts of different token lengths (and one repeated), negative prompts on some rows.
-        merge_batches=(({"prompt": SHORT, "seed": 1, "n": 2, "num_inference_steps": 2, "guidance_scale": 5.0},
-                        {"prompt": "a detailed painting of an old house by the sea at night", "negative_prompt": "dark",
-                         "seed": 9, "num_inference_steps": 2, "guidance_scale": 5.0},
-                        {"prompt": SHORT, "seed": 4, "num_inference_steps": 2, "guidance_scale": 5.0}),),
+        merge_batches=(
+            (
+                {"prompt": SHORT, "seed": 1, "n": 2, "num_inference_steps": 2, "guidance_scale": 5.0},
+                {
+                    "prompt": "a detailed painting of an old house by the sea at night",
+                    "negative_prompt": "dark",
+                    "seed": 9,
+                    "num_inference_steps": 2,
+                    "guidance_scale": 5.0,
+                },
+                {"prompt": SHORT, "seed": 4, "num_inference_steps": 2, "guidance_scale": 5.0},
+            ),
+        ),
         continuous=True,
-        residency_batch=({"prompt": "a red cat", "negative_prompt": "blurry", "seed": 7, "n": 2,
-                          "num_inference_steps": 2, "guidance_scale": 4.0},),
+        residency_batch=(
+            {
+                "prompt": "a red cat",
+                "negative_prompt": "blurry",
+                "seed": 7,
+                "n": 2,
+                "num_inference_steps": 2,
+                "guidance_scale": 4.0,
+            },
+        ),
         # The DiT and all three text encoders have repeated layers: layer-wise streams each of them.
         layered=frozenset({"transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "vae"}),
-        size_multiple=16, max_side=32 * 2 * 8, size_error_match="positional table",
-        server_args=("--warmup-steps", "1"), server_tolerance=1,
-        server_request={"prompt": "a blue bird", "width": 64, "height": 64, "n": 2, "seed": 11,
-                        "num_inference_steps": 2, "guidance_scale": 3.0},
-        http_refused_size="528x528", http_refused_message="512"),
+        size_multiple=16,
+        max_side=32 * 2 * 8,
+        size_error_match="positional table",
+        server_args=("--warmup-steps", "1"),
+        server_tolerance=1,
+        server_request={
+            "prompt": "a blue bird",
+            "width": 64,
+            "height": 64,
+            "n": 2,
+            "seed": 11,
+            "num_inference_steps": 2,
+            "guidance_scale": 3.0,
+        },
+        http_refused_size="528x528",
+        http_refused_message="512",
+    ),
     FamilyCase(
-        "wan", "wan", "wan", "WanNativePipeline", output="video", build_params=video_params, reference=wan_reference,
-        reference_params=(("cfg-negative", {"prompt": "a cat surfing", "seed": 3, "guidance_scale": 4.0,
-                                            "negative_prompt": "blurry"}),),
-        merge_batches=(({"prompt": SHORT, "seed": 1, "guidance_scale": 3.0},
-                        {"prompt": "a dog running along a long sandy beach at dusk", "seed": 2, "guidance_scale": 3.0,
-                         "n": 2}),),
-        continuous=True, residency_batch=({"prompt": "a red kite", "seed": 4, "guidance_scale": 3.0},)),
-    FamilyCase(
-        "wan2.2", "wan2.2", "wan", "WanNativePipeline", output="video", build_params=video_params,
+        "wan",
+        "wan",
+        "wan",
+        "WanNativePipeline",
+        output="video",
+        build_params=video_params,
         reference=wan_reference,
-        reference_params=(("two-experts", {"prompt": "a cat surfing", "seed": 3, "guidance_scale": 4.0,
-                                           "guidance_scale_2": 2.0}),),
-        continuous=True, residency_batch=({"prompt": "a red kite", "seed": 4, "guidance_scale": 3.0},)),
+        reference_params=(
+            (
+                "cfg-negative",
+                {"prompt": "a cat surfing", "seed": 3, "guidance_scale": 4.0, "negative_prompt": "blurry"},
+            ),
+        ),
+        merge_batches=(
+            (
+                {"prompt": SHORT, "seed": 1, "guidance_scale": 3.0},
+                {"prompt": "a dog running along a long sandy beach at dusk", "seed": 2, "guidance_scale": 3.0, "n": 2},
+            ),
+        ),
+        continuous=True,
+        residency_batch=({"prompt": "a red kite", "seed": 4, "guidance_scale": 3.0},),
+    ),
     FamilyCase(
-        "wan2.2-ti2v", "wan2.2-ti2v", "wan", "WanNativePipeline", output="video", build_params=video_params,
+        "wan2.2",
+        "wan2.2",
+        "wan",
+        "WanNativePipeline",
+        output="video",
+        build_params=video_params,
+        reference=wan_reference,
+        reference_params=(
+            ("two-experts", {"prompt": "a cat surfing", "seed": 3, "guidance_scale": 4.0, "guidance_scale_2": 2.0}),
+        ),
+        continuous=True,
+        residency_batch=({"prompt": "a red kite", "seed": 4, "guidance_scale": 3.0},),
+    ),
+    FamilyCase(
+        "wan2.2-ti2v",
+        "wan2.2-ti2v",
+        "wan",
+        "WanNativePipeline",
+        output="video",
+        build_params=video_params,
         reference=wan_reference,
         reference_params=(("no-cfg", {"prompt": "a cat surfing", "seed": 3, "guidance_scale": 1.0}),),
-        continuous=True),
+        continuous=True,
+    ),
     FamilyCase(
-        "wan-i2v", "wan-i2v", "wan_i2v", "WanI2VNativePipeline", output="video", build_params=video_params,
+        "wan-i2v",
+        "wan-i2v",
+        "wan_i2v",
+        "WanI2VNativePipeline",
+        output="video",
+        build_params=video_params,
         reference=wan_i2v_reference,
-        reference_params=(("cfg-negative-n2", {"prompt": "a cat", "seed": 2, "guidance_scale": 4.0,
-                                               "negative_prompt": "blurry", "n": 2,
-                                               "image_inputs": (png(32, 32, 1),)}),),
-        residency_batch=({"prompt": "a kite", "seed": 5, "guidance_scale": 3.0, "image_inputs": (png(32, 32, 2),)},)),
+        reference_params=(
+            (
+                "cfg-negative-n2",
+                {
+                    "prompt": "a cat",
+                    "seed": 2,
+                    "guidance_scale": 4.0,
+                    "negative_prompt": "blurry",
+                    "n": 2,
+                    "image_inputs": (png(32, 32, 1),),
+                },
+            ),
+        ),
+        residency_batch=({"prompt": "a kite", "seed": 5, "guidance_scale": 3.0, "image_inputs": (png(32, 32, 2),)},),
+    ),
     FamilyCase(
-        "ernie", "ernie-image", "ernie_image", "DiffusersBackendPipeline", reference=ernie_reference,
+        "ernie",
+        "ernie-image",
+        "ernie_image",
+        "DiffusersBackendPipeline",
+        reference=ernie_reference,
         reference_params=(
             ("no-cfg-n2", {"prompt": "a red cat", "seed": 7, "guidance_scale": 1.0, "n": 2, "num_inference_steps": 2}),
-            ("cfg-negative-wide", {"prompt": "a dog in the sea", "negative_prompt": "blurry", "seed": 3,
-                                   "guidance_scale": 4.0, "width": 96, "height": 64, "num_inference_steps": 2})),
+            (
+                "cfg-negative-wide",
+                {
+                    "prompt": "a dog in the sea",
+                    "negative_prompt": "blurry",
+                    "seed": 3,
+                    "guidance_scale": 4.0,
+                    "width": 96,
+                    "height": 64,
+                    "num_inference_steps": 2,
+                },
+            ),
+        ),
         # ERNIE encodes every prompt alone and pads; only the batch size of the kernels differs.
-        merge_batches=(({"prompt": SHORT, "seed": 1, "guidance_scale": 4.0, "num_inference_steps": 2},
-                        {"prompt": "a very detailed painting of a big old house by the sea at night", "seed": 2,
-                         "guidance_scale": 4.0, "n": 2, "num_inference_steps": 2}),),
-        merged_rows_differ=True, server_args=(), server_reference="diffusers", server_tolerance=1,
-        server_request={"prompt": "a blue car", "width": 64, "height": 64, "n": 2, "seed": 11,
-                        "num_inference_steps": 2, "guidance_scale": 4.0},
-        http_refused_size="72x64"),
+        merge_batches=(
+            (
+                {"prompt": SHORT, "seed": 1, "guidance_scale": 4.0, "num_inference_steps": 2},
+                {
+                    "prompt": "a very detailed painting of a big old house by the sea at night",
+                    "seed": 2,
+                    "guidance_scale": 4.0,
+                    "n": 2,
+                    "num_inference_steps": 2,
+                },
+            ),
+        ),
+        merged_rows_differ=True,
+        server_args=(),
+        server_reference="diffusers",
+        server_tolerance=1,
+        server_request={
+            "prompt": "a blue car",
+            "width": 64,
+            "height": 64,
+            "n": 2,
+            "seed": 11,
+            "num_inference_steps": 2,
+            "guidance_scale": 4.0,
+        },
+        http_refused_size="72x64",
+    ),
     FamilyCase(
-        "qwen-image-layered", "qwen-image-layered", "qwen_image_layered", "DiffusersBackendPipeline",
-        reference=layered_reference, sized_as_requested=False,
-        reference_params=(("two-layers", {"prompt": "a red cat", "seed": 5, "n": 2, "guidance_scale": 1.0,
-                                          "num_inference_steps": 2, "image_inputs": (rgba_png(64, 48),)}),)),
-    FamilyCase("glm-image", "glm-image", "glm_image", "DiffusersBackendPipeline", size_multiple=32,
-               off_grid=((48, 64),)),
-    FamilyCase("hunyuan-video", "hunyuan-video", "hunyuan_video", "DiffusersBackendPipeline", output="video",
-               max_bytes=20 * 2**20, server_args=()),
-    FamilyCase("hunyuan-video-1.5", "hunyuan-video-1.5", "hunyuan_video_15", "DiffusersBackendPipeline",
-               output="video", max_bytes=20 * 2**20),
+        "qwen-image-layered",
+        "qwen-image-layered",
+        "qwen_image_layered",
+        "DiffusersBackendPipeline",
+        reference=layered_reference,
+        sized_as_requested=False,
+        reference_params=(
+            (
+                "two-layers",
+                {
+                    "prompt": "a red cat",
+                    "seed": 5,
+                    "n": 2,
+                    "guidance_scale": 1.0,
+                    "num_inference_steps": 2,
+                    "image_inputs": (rgba_png(64, 48),),
+                },
+            ),
+        ),
+    ),
+    FamilyCase(
+        "glm-image", "glm-image", "glm_image", "DiffusersBackendPipeline", size_multiple=32, off_grid=((48, 64),)
+    ),
+    FamilyCase(
+        "hunyuan-video",
+        "hunyuan-video",
+        "hunyuan_video",
+        "DiffusersBackendPipeline",
+        output="video",
+        max_bytes=20 * 2**20,
+        server_args=(),
+    ),
+    FamilyCase(
+        "hunyuan-video-1.5",
+        "hunyuan-video-1.5",
+        "hunyuan_video_15",
+        "DiffusersBackendPipeline",
+        output="video",
+        max_bytes=20 * 2**20,
+    ),
     FamilyCase("ltx2", "ltx2", "ltx2", "DiffusersBackendPipeline", output="video", max_bytes=20 * 2**20),
     FamilyCase("helios", "helios", "helios", "DiffusersBackendPipeline", output="video", max_bytes=20 * 2**20),
 )

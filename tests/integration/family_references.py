@@ -99,8 +99,13 @@ def flux2_on_same_modules(native: Any) -> Any:
     """The diffusers pipeline of `native`'s FLUX.2 family on the very same modules (and a fresh scheduler)."""
     from diffusers import Flux2KleinPipeline, Flux2Pipeline
 
-    parts = dict(scheduler=native.scheduler.__class__.from_config(native.scheduler.config), vae=native.vae,
-                 text_encoder=native.text_encoder, tokenizer=native.tokenizer, transformer=native.transformer)
+    parts = dict(
+        scheduler=native.scheduler.__class__.from_config(native.scheduler.config),
+        vae=native.vae,
+        text_encoder=native.text_encoder,
+        tokenizer=native.tokenizer,
+        transformer=native.transformer,
+    )
     if native.family == "flux2_klein":
         pipe = Flux2KleinPipeline(**parts, is_distilled=native.is_distilled)
     else:
@@ -111,10 +116,17 @@ def flux2_on_same_modules(native: Any) -> Any:
 
 def flux2_images(pipe: Any, params: SamplingParams) -> list[Image.Image]:
     """A FLUX.2 diffusers call: same fields, one CPU generator per row seeded seed + j."""
-    return pipe(prompt=params.prompt, image=_rgb(params) or None, height=params.height, width=params.width,
-                num_inference_steps=params.num_inference_steps, guidance_scale=params.guidance_scale,
-                num_images_per_prompt=params.n, max_sequence_length=FLUX2_SEQ,
-                generator=row_generators(params.seed, params.n)).images
+    return pipe(
+        prompt=params.prompt,
+        image=_rgb(params) or None,
+        height=params.height,
+        width=params.width,
+        num_inference_steps=params.num_inference_steps,
+        guidance_scale=params.guidance_scale,
+        num_images_per_prompt=params.n,
+        max_sequence_length=FLUX2_SEQ,
+        generator=row_generators(params.seed, params.n),
+    ).images
 
 
 def flux2_reference(subject: Subject, params: SamplingParams) -> list:
@@ -126,44 +138,79 @@ def qwen_on_same_modules(native: Any) -> Any:
     from diffusers import QwenImage21Pipeline, QwenImagePipeline
 
     if native.family == "qwen_image":
-        return QwenImagePipeline(scheduler=native.scheduler, vae=native.vae, text_encoder=native.text_encoder,
-                                 tokenizer=native.tokenizer, transformer=native.transformer)
-    return QwenImage21Pipeline(scheduler=native.scheduler, vae=native.vae, text_encoder=native.text_encoder,
-                               processor=native.processor, transformer=native.transformer)
+        return QwenImagePipeline(
+            scheduler=native.scheduler,
+            vae=native.vae,
+            text_encoder=native.text_encoder,
+            tokenizer=native.tokenizer,
+            transformer=native.transformer,
+        )
+    return QwenImage21Pipeline(
+        scheduler=native.scheduler,
+        vae=native.vae,
+        text_encoder=native.text_encoder,
+        processor=native.processor,
+        transformer=native.transformer,
+    )
 
 
 def qwen_reference(subject: Subject, params: SamplingParams) -> list:
     return qwen_on_same_modules(subject.native)(
-        prompt=params.prompt, negative_prompt=params.negative_prompt, true_cfg_scale=params.true_cfg_scale,
-        height=params.height, width=params.width, num_inference_steps=params.num_inference_steps,
-        num_images_per_prompt=params.n, generator=row_generators(params.seed, params.n)).images
+        prompt=params.prompt,
+        negative_prompt=params.negative_prompt,
+        true_cfg_scale=params.true_cfg_scale,
+        height=params.height,
+        width=params.width,
+        num_inference_steps=params.num_inference_steps,
+        num_images_per_prompt=params.n,
+        generator=row_generators(params.seed, params.n),
+    ).images
 
 
 def qwen_edit_reference(class_name: str) -> Reference:
     def call(subject: Subject, params: SamplingParams) -> list:
         images = _rgb(params)
         return subject.diffusers(class_name, subject.path)(
-            image=images[0] if class_name == "QwenImageEditPipeline" else images, prompt=params.prompt,
-            negative_prompt=params.negative_prompt, true_cfg_scale=params.true_cfg_scale, width=params.width,
-            height=params.height, num_inference_steps=params.num_inference_steps, num_images_per_prompt=params.n,
-            generator=row_generators(params.seed, params.n)).images
+            image=images[0] if class_name == "QwenImageEditPipeline" else images,
+            prompt=params.prompt,
+            negative_prompt=params.negative_prompt,
+            true_cfg_scale=params.true_cfg_scale,
+            width=params.width,
+            height=params.height,
+            num_inference_steps=params.num_inference_steps,
+            num_images_per_prompt=params.n,
+            generator=row_generators(params.seed, params.n),
+        ).images
+
     return call
 
 
 def sana_reference(subject: Subject, params: SamplingParams) -> list:
     """diffusers' default SANA call (complex human instruction, resolution binning on, 300 tokens)."""
     return subject.diffusers("SanaPipeline", subject.path)(
-        params.prompt, negative_prompt=params.negative_prompt or "", height=params.height, width=params.width,
-        num_inference_steps=params.num_inference_steps, guidance_scale=params.guidance_scale,
-        num_images_per_prompt=params.n, generator=row_generators(params.seed, params.n)).images
+        params.prompt,
+        negative_prompt=params.negative_prompt or "",
+        height=params.height,
+        width=params.width,
+        num_inference_steps=params.num_inference_steps,
+        guidance_scale=params.guidance_scale,
+        num_images_per_prompt=params.n,
+        generator=row_generators(params.seed, params.n),
+    ).images
 
 
 def z_image_reference(subject: Subject, params: SamplingParams) -> list:
     kwargs = {"negative_prompt": params.negative_prompt} if params.negative_prompt else {}
     return subject.diffusers("ZImagePipeline", subject.path)(
-        params.prompt, height=params.height, width=params.width, num_inference_steps=params.num_inference_steps,
-        guidance_scale=params.guidance_scale, num_images_per_prompt=params.n,
-        generator=row_generators(params.seed, params.n), **kwargs).images
+        params.prompt,
+        height=params.height,
+        width=params.width,
+        num_inference_steps=params.num_inference_steps,
+        guidance_scale=params.guidance_scale,
+        num_images_per_prompt=params.n,
+        generator=row_generators(params.seed, params.n),
+        **kwargs,
+    ).images
 
 
 _SD3_RUNS: dict[tuple[int, SamplingParams], tuple[Any, list]] = {}
@@ -175,11 +222,20 @@ def sd3_images(reference: Any, params: SamplingParams) -> list:
     once per session: the suite and test_family_sd3.py's same-tensors check compare with the same call."""
     key = (id(reference), params)
     if key not in _SD3_RUNS:
-        _SD3_RUNS[key] = (reference, reference(
-            params.prompt, negative_prompt=params.negative_prompt, height=params.height, width=params.width,
-            num_inference_steps=params.num_inference_steps, guidance_scale=params.guidance_scale,
-            num_images_per_prompt=params.n, generator=row_generators(params.seed, params.n),
-            max_sequence_length=reference.tokenizer_3.model_max_length if reference.tokenizer_3 else 256).images)
+        _SD3_RUNS[key] = (
+            reference,
+            reference(
+                params.prompt,
+                negative_prompt=params.negative_prompt,
+                height=params.height,
+                width=params.width,
+                num_inference_steps=params.num_inference_steps,
+                guidance_scale=params.guidance_scale,
+                num_images_per_prompt=params.n,
+                generator=row_generators(params.seed, params.n),
+                max_sequence_length=reference.tokenizer_3.model_max_length if reference.tokenizer_3 else 256,
+            ).images,
+        )
     return _SD3_RUNS[key][1]
 
 
@@ -189,35 +245,60 @@ def sd3_reference(subject: Subject, params: SamplingParams) -> list:
 
 def wan_reference(subject: Subject, params: SamplingParams) -> list:
     frames = subject.diffusers("WanPipeline", subject.path)(
-        prompt=params.prompt, negative_prompt=params.negative_prompt, height=params.height, width=params.width,
-        num_frames=params.num_frames, num_inference_steps=params.num_inference_steps,
-        guidance_scale=params.guidance_scale, guidance_scale_2=params.guidance_scale_2, output_type="np",
-        generator=torch.Generator().manual_seed(params.seed)).frames[0]
+        prompt=params.prompt,
+        negative_prompt=params.negative_prompt,
+        height=params.height,
+        width=params.width,
+        num_frames=params.num_frames,
+        num_inference_steps=params.num_inference_steps,
+        guidance_scale=params.guidance_scale,
+        guidance_scale_2=params.guidance_scale_2,
+        output_type="np",
+        generator=torch.Generator().manual_seed(params.seed),
+    ).frames[0]
     return [_uint8_frames(frames)]
 
 
 def wan_i2v_reference(subject: Subject, params: SamplingParams) -> list:
     clips = subject.diffusers("WanImageToVideoPipeline", subject.path)(
-        image=_rgb(params)[0], prompt=params.prompt, negative_prompt=params.negative_prompt,
-        guidance_scale=params.guidance_scale, height=params.height, width=params.width, num_frames=params.num_frames,
-        num_inference_steps=params.num_inference_steps, num_videos_per_prompt=params.n, output_type="np",
-        generator=row_generators(params.seed, params.n)).frames
+        image=_rgb(params)[0],
+        prompt=params.prompt,
+        negative_prompt=params.negative_prompt,
+        guidance_scale=params.guidance_scale,
+        height=params.height,
+        width=params.width,
+        num_frames=params.num_frames,
+        num_inference_steps=params.num_inference_steps,
+        num_videos_per_prompt=params.n,
+        output_type="np",
+        generator=row_generators(params.seed, params.n),
+    ).frames
     return [_uint8_frames(clip) for clip in clips]
 
 
 def ernie_reference(subject: Subject, params: SamplingParams) -> list:
     return subject.diffusers("ErnieImagePipeline", subject.path)(
-        [params.prompt] * params.n, negative_prompt=[params.negative_prompt or ""] * params.n,
-        height=params.height, width=params.width, num_inference_steps=params.num_inference_steps,
-        guidance_scale=params.guidance_scale, generator=row_generators(params.seed, params.n)).images
+        [params.prompt] * params.n,
+        negative_prompt=[params.negative_prompt or ""] * params.n,
+        height=params.height,
+        width=params.width,
+        num_inference_steps=params.num_inference_steps,
+        guidance_scale=params.guidance_scale,
+        generator=row_generators(params.seed, params.n),
+    ).images
 
 
 def layered_reference(subject: Subject, params: SamplingParams) -> list:
     """Qwen-Image-Layered: the request's `n` is the number of layers of ONE call (one generator)."""
     source = Image.open(io.BytesIO(params.image_inputs[0])).convert("RGBA")
     return subject.diffusers("QwenImageLayeredPipeline", subject.path)(
-        source, params.prompt, layers=params.n, num_inference_steps=params.num_inference_steps,
-        true_cfg_scale=params.guidance_scale, generator=row_generators(params.seed, 1)).images[0]
+        source,
+        params.prompt,
+        layers=params.n,
+        num_inference_steps=params.num_inference_steps,
+        true_cfg_scale=params.guidance_scale,
+        generator=row_generators(params.seed, 1),
+    ).images[0]
 
 
 def tokenizer_tokens(native: Any, text: str) -> int:

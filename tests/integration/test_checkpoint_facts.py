@@ -8,11 +8,13 @@ import pytest
 from diffuserve import families
 from diffuserve.families.checkpoint import describe_checkpoint, read_checkpoint_configs
 
-NATIVE_TINY = sorted(name for name, spec in ((n, families.spec_for(families.family_of_tiny(n)))
-                                             for n in families.tiny_builds())
-                     # Diffusers-format checkpoints: describe_checkpoint reads their JSON configs. Hunyuan3D-2 comes
-                     # in Tencent's layout (config.yaml), which its own reader describes (test_hunyuan3d_*.py).
-                     if spec.has_native and spec.output_kind != "mesh")
+NATIVE_TINY = sorted(
+    name
+    for name, spec in ((n, families.spec_for(families.family_of_tiny(n))) for n in families.tiny_builds())
+    # Diffusers-format checkpoints: describe_checkpoint reads their JSON configs. Hunyuan3D-2 comes
+    # in Tencent's layout (config.yaml), which its own reader describes (test_hunyuan3d_*.py).
+    if spec.has_native and spec.output_kind != "mesh"
+)
 
 
 @pytest.mark.parametrize("name", NATIVE_TINY)
@@ -30,7 +32,10 @@ def test_the_plan_and_the_adapter_describe_a_checkpoint_alike(name: str, tiny_ch
     assert pipeline.batched_cfg is spec.cfg_batched
     assert tuple(pipeline.text_encoders) == planned.text_encoders
     assert (pipeline.output_kind, pipeline.supports_batching, pipeline.max_image_inputs) == (
-        spec.output_kind, spec.supports_batching, spec.max_image_inputs)
+        spec.output_kind,
+        spec.supports_batching,
+        spec.max_image_inputs,
+    )
 
 
 def test_flux_schnell_is_a_pure_function_of_the_transformer_config() -> None:

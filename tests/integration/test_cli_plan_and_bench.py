@@ -18,7 +18,9 @@ from tests.serverproc import ServerProcess
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "diffuserve.cli", "plan", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "diffuserve.cli", "plan", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_plan_json_for_described_hardware(tiny_flux_path: Path):
@@ -31,10 +33,18 @@ def test_plan_json_for_described_hardware(tiny_flux_path: Path):
     roomy = json.loads(_plan("--model-path", str(tiny_flux_path), "--gpu-memory-gib", "80", "--json").stdout)
     assert roomy["components"]["transformer"]["mode"] == "resident"
     # torch is never imported by `plan`: it resolves from JSON and safetensors headers only.
-    probe = subprocess.run([sys.executable, "-c",
-                            "import sys; from diffuserve.cli import main; main(['plan', '--model-path', sys.argv[1], "
-                            "'--gpu-memory-gib', '24']); assert 'torch' not in sys.modules, 'torch imported'",
-                            str(tiny_flux_path)], capture_output=True, text=True, timeout=120)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from diffuserve.cli import main; main(['plan', '--model-path', sys.argv[1], "
+            "'--gpu-memory-gib', '24']); assert 'torch' not in sys.modules, 'torch imported'",
+            str(tiny_flux_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert probe.returncode == 0, probe.stderr
     assert "Why:" in probe.stdout
 
@@ -47,9 +57,19 @@ def test_plan_errors_name_the_flag(tiny_flux_path: Path):
 @pytest.fixture(scope="module")
 def offload_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     logs = tmp_path_factory.mktemp("offload")
-    server = ServerProcess(["--model-path", str(tiny_flux_path), "--component-residency", "dit=layerwise-offload",
-                            "text_encoder=component-offload", "vae=snapshot-offload", "--dit-offload-prefetch-size", "2"],
-                           logs / "server.log")
+    server = ServerProcess(
+        [
+            "--model-path",
+            str(tiny_flux_path),
+            "--component-residency",
+            "dit=layerwise-offload",
+            "text_encoder=component-offload",
+            "vae=snapshot-offload",
+            "--dit-offload-prefetch-size",
+            "2",
+        ],
+        logs / "server.log",
+    )
     server.start()
     yield server
     server.stop()
@@ -57,12 +77,17 @@ def offload_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactor
 
 def test_offloaded_server_matches_resident_and_reports_transfers(offload_server, singleton_server):
     body = {"prompt": "offloaded fox", "size": "64x64", "num_inference_steps": 3, "seed": 21}
-    moved_before = metric_value(offload_server.base_url, "diffuserve_transfer_bytes_total", {"component": "transformer"})
+    moved_before = metric_value(
+        offload_server.base_url, "diffuserve_transfer_bytes_total", {"component": "transformer"}
+    )
     offloaded = httpx.post(f"{offload_server.base_url}/v1/images/generations", json=body, timeout=120).json()
     resident = httpx.post(f"{singleton_server.base_url}/v1/images/generations", json=body, timeout=120).json()
     a, b = (pixels(decode_b64_png(r["data"][0]["b64_json"])) for r in (offloaded, resident))
     assert np.abs(a - b).max() <= 1
-    moved = metric_value(offload_server.base_url, "diffuserve_transfer_bytes_total", {"component": "transformer"}) - moved_before
+    moved = (
+        metric_value(offload_server.base_url, "diffuserve_transfer_bytes_total", {"component": "transformer"})
+        - moved_before
+    )
     assert moved > 0
     assert metric_value(offload_server.base_url, "diffuserve_device_peak_bytes", {"component": "transformer"}) > 0
     assert "layerwise-offload" in offload_server.log()
@@ -71,10 +96,32 @@ def test_offloaded_server_matches_resident_and_reports_transfers(offload_server,
 def test_bench_against_the_real_server(dynamic_server, tmp_path: Path):
     out_json = tmp_path / "run.json"
     out = subprocess.run(
-        [sys.executable, "-m", "diffuserve.cli", "bench", "--base-url", dynamic_server.base_url, "--num-requests", "8",
-         "--concurrency", "1,4", "--size", "32x32", "--steps", "1", "--label", "dyn", "--output-json", str(out_json),
-         "--plot", str(tmp_path / "plot.png"), "--no-progress"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "diffuserve.cli",
+            "bench",
+            "--base-url",
+            dynamic_server.base_url,
+            "--num-requests",
+            "8",
+            "--concurrency",
+            "1,4",
+            "--size",
+            "32x32",
+            "--steps",
+            "1",
+            "--label",
+            "dyn",
+            "--output-json",
+            str(out_json),
+            "--plot",
+            str(tmp_path / "plot.png"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     run = json.loads(out_json.read_text())

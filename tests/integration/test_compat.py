@@ -31,5 +31,7 @@ def test_readme_grid_agrees_with_a_fresh_quick_run() -> None:
     readme = _readme_grid()
     for build in CHECKED:
         assert {c: fresh[build][c] for c in QUICK_COLUMNS} == {c: readme[build][c] for c in QUICK_COLUMNS}, (
-            build, rows[CHECKED.index(build)].notes)
+            build,
+            rows[CHECKED.index(build)].notes,
+        )
     assert set(fresh[CHECKED[0]]) == set(COLUMNS)

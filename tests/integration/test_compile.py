@@ -29,8 +29,11 @@ def test_compiled_transformer_matches_eager(tiny_flux_path: Path):
     # (repeated blocks compiled, outputs unchanged) without minutes of inductor compilation on CPU.
     assert apply_compile(pipeline.components, DeploymentPlan(enable_torch_compile=True), backend="eager")
     assert not apply_compile(pipeline.components, DeploymentPlan(enable_torch_compile=False))
-    compiled_blocks = [m for m in pipeline.components["transformer"].modules() if hasattr(m, "_orig_mod") or
-                       getattr(m, "_compiled_call_impl", None) is not None]
+    compiled_blocks = [
+        m
+        for m in pipeline.components["transformer"].modules()
+        if hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None
+    ]
     assert compiled_blocks, "no block was compiled"
     compiled = np.asarray(pipeline.run(params).outputs[0].images[0], dtype=np.int16)
     assert np.abs(compiled - reference).max() <= 1
@@ -89,10 +92,15 @@ def test_compile_warmup_offloads_and_restores_the_serving_residency(tiny_flux_pa
     # ... and ends by putting the serving residency back: all four resident, no hooks left.
     assert [(m.component, m.direction) for m in warm[-4:]] == [(c, "h2d") for c in RESIDENT]
     assert {name: ledger.device_bytes(name) for name in RESIDENT} == sizes
-    assert {name: type(s).__name__ for name, s in manager.strategies.items()} == dict.fromkeys(RESIDENT,
-                                                                                              "ResidentStrategy")
-    guarded = [type(m).__name__ for name in RESIDENT for m in [pipeline.components[name], *pipeline.components[name].children()]
-               if getattr(m, "_diffusers_hook", None) is not None and m._diffusers_hook.get_hook(GUARD_HOOK) is not None]
+    assert {name: type(s).__name__ for name, s in manager.strategies.items()} == dict.fromkeys(
+        RESIDENT, "ResidentStrategy"
+    )
+    guarded = [
+        type(m).__name__
+        for name in RESIDENT
+        for m in [pipeline.components[name], *pipeline.components[name].children()]
+        if getattr(m, "_diffusers_hook", None) is not None and m._diffusers_hook.get_hook(GUARD_HOOK) is not None
+    ]
     assert guarded == []
     # Serving after warm-up moves nothing: the components are resident again.
     seq = len(ledger.moves())
@@ -110,8 +118,12 @@ def test_compile_warmup_keeps_planned_offload_and_detaches_the_evicted(tiny_flux
     from diffuserve.runtime.ledger import TransferLedger
     from diffuserve.runtime.residency import OffloadedWeightsError, build_residency
 
-    plan = DeploymentPlan(enable_torch_compile=True, components={
-        "transformer": ComponentPlan(name="transformer", group="dit", mode=ResidencyMode.LAYERWISE_OFFLOAD)})
+    plan = DeploymentPlan(
+        enable_torch_compile=True,
+        components={
+            "transformer": ComponentPlan(name="transformer", group="dit", mode=ResidencyMode.LAYERWISE_OFFLOAD)
+        },
+    )
     pipeline = load_pipeline(tiny_flux_path, placement="host")
     manager = build_residency(plan, pipeline.components, device="cpu", ledger=TransferLedger())
     try:

@@ -31,11 +31,27 @@ STEP_RE = r"Continuous denoising step batch: size=(\d+)/(\d+), joined=(\d+), lef
 
 def _server(path: Path, logs: Path) -> ServerProcess:
     return ServerProcess(
-        ["--model-path", str(path), "--served-model-name", "tiny-flux-continuous", "--batching-mode", "continuous",
-         "--batching-max-size", "4", "--enable-batching-metrics", "--max-queue-size", "0",
-         "--max-inference-steps", "5000"],
-        logs / "server.log", env={"DIFFUSERVE_FAULT_INJECTION": f"prompt:{FAULT_MARKER},hold:{HOLD_MARKER},"
-                                                                f"{StepHold(logs).env()['DIFFUSERVE_FAULT_INJECTION']}"})
+        [
+            "--model-path",
+            str(path),
+            "--served-model-name",
+            "tiny-flux-continuous",
+            "--batching-mode",
+            "continuous",
+            "--batching-max-size",
+            "4",
+            "--enable-batching-metrics",
+            "--max-queue-size",
+            "0",
+            "--max-inference-steps",
+            "5000",
+        ],
+        logs / "server.log",
+        env={
+            "DIFFUSERVE_FAULT_INJECTION": f"prompt:{FAULT_MARKER},hold:{HOLD_MARKER},"
+            f"{StepHold(logs).env()['DIFFUSERVE_FAULT_INJECTION']}"
+        },
+    )
 
 
 def _hold(server: ServerProcess) -> StepHold:
@@ -56,8 +72,12 @@ def _client(server: ServerProcess) -> openai.OpenAI:
 
 def _generate(server: ServerProcess, prompt: str, seed: int, steps: int, **extra: object) -> np.ndarray:
     result = _client(server).images.generate(
-        model="tiny-flux-continuous", prompt=prompt, size="64x64", response_format="b64_json",
-        extra_body={"seed": seed, "num_inference_steps": steps, **extra})
+        model="tiny-flux-continuous",
+        prompt=prompt,
+        size="64x64",
+        response_format="b64_json",
+        extra_body={"seed": seed, "num_inference_steps": steps, **extra},
+    )
     return pixels(decode_b64_png(result.data[0].b64_json))
 
 
@@ -68,16 +88,20 @@ def _singleton(server: ServerProcess, prompt: str, seed: int, steps: int) -> np.
 
 
 def _overlap_steps(server: ServerProcess) -> dict[str, float]:
-    return {stage: metric_value(server.base_url, "diffuserve_overlap_steps_total", {"stage": stage})
-            for stage in ("encode", "decode")}
+    return {
+        stage: metric_value(server.base_url, "diffuserve_overlap_steps_total", {"stage": stage})
+        for stage in ("encode", "decode")
+    }
 
 
 def _open_anchor(server: ServerProcess, steps: int) -> socket.socket:
     """A long request sent over a raw socket, so the test decides when its client goes away (close())."""
     body = json.dumps({"prompt": "the anchor", "seed": 99, "size": "64x64", "num_inference_steps": steps}).encode()
     sock = socket.create_connection(("127.0.0.1", server.port))
-    sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    sock.sendall(
+        b"POST /v1/images/generations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
     return sock
 
 
@@ -93,8 +117,12 @@ def test_arrivals_join_the_running_group_and_equal_their_singleton_images(contin
         jobs = [("joins first", 12, 3), ("joins second", 13, 5)]
         with ThreadPoolExecutor(2) as pool:
             second = pool.submit(_generate, server, *jobs[0])
-            wait_for_log(server, r"Continuous denoising step batch: size=2/4, joined=1, left=0, active=2",
-                         start=start, timeout_s=120)
+            wait_for_log(
+                server,
+                r"Continuous denoising step batch: size=2/4, joined=1, left=0, active=2",
+                start=start,
+                timeout_s=120,
+            )
             third = pool.submit(_generate, server, *jobs[1])
             got = [second.result(), third.result()]
         # both left while the anchor kept denoising: a later step has the anchor alone again
@@ -110,8 +138,9 @@ def test_arrivals_join_the_running_group_and_equal_their_singleton_images(contin
     deadline = time.monotonic() + 60
     while metric_value(server.base_url, "diffuserve_continuous_leaves_total", {"reason": "cancelled"}) < 1:
         assert time.monotonic() < deadline, "the disconnected request never left the denoise group"
-    assert metric_value(server.base_url, "diffuserve_requests_total",
-                        {"endpoint": "images", "status": "cancelled"}) >= 1
+    assert (
+        metric_value(server.base_url, "diffuserve_requests_total", {"endpoint": "images", "status": "cancelled"}) >= 1
+    )
 
 
 def test_a_joiners_encode_and_decode_run_beside_the_stepping_group(continuous_server, singleton_server):
@@ -145,8 +174,10 @@ def test_a_row_past_its_deadline_leaves_at_the_next_step(continuous_server):
         _generate(continuous_server, f"too slow {StepHold.MARKER}", 7, 5000, timeout=2)
     releaser.join(10)
     assert raised.value.status_code == 504
-    assert metric_value(continuous_server.base_url, "diffuserve_continuous_leaves_total",
-                        {"reason": "deadline"}) == before + 1
+    assert (
+        metric_value(continuous_server.base_url, "diffuserve_continuous_leaves_total", {"reason": "deadline"})
+        == before + 1
+    )
     assert _generate(continuous_server, "after the deadline", 8, 2).shape == (64, 64, 3)
 
 

@@ -93,8 +93,12 @@ def test_side_lanes_beside_an_offloaded_loop_equal_the_singleton_runs(tiny_flux_
     b = SamplingParams(prompt="HOLD short", seed=2, width=size, height=size, num_inference_steps=2)
     c = SamplingParams(prompt="HOLD joiner", seed=3, width=size, height=size, num_inference_steps=2)
     alone = [pipeline.run([p]).outputs[0].images for p in (a, b, c)]
-    modes = {"text_encoder": ResidencyMode.COMPONENT_OFFLOAD, "text_encoder_2": ResidencyMode.COMPONENT_OFFLOAD,
-             "vae": ResidencyMode.COMPONENT_OFFLOAD, "transformer": ResidencyMode.LAYERWISE_OFFLOAD}
+    modes = {
+        "text_encoder": ResidencyMode.COMPONENT_OFFLOAD,
+        "text_encoder_2": ResidencyMode.COMPONENT_OFFLOAD,
+        "vae": ResidencyMode.COMPONENT_OFFLOAD,
+        "transformer": ResidencyMode.LAYERWISE_OFFLOAD,
+    }
     groups = {"text_encoder": "text_encoder", "text_encoder_2": "text_encoder", "vae": "vae", "transformer": "dit"}
     plan = DeploymentPlan(components={n: ComponentPlan(name=n, group=groups[n], mode=m) for n, m in modes.items()})
     pipeline.residency = build_residency(plan, pipeline.components, device="cpu", ledger=TransferLedger())
@@ -104,8 +108,9 @@ def test_side_lanes_beside_an_offloaded_loop_equal_the_singleton_runs(tiny_flux_
     for _ in range(2):
         step_batch.denoise_step(pipeline, group)
     rows_b, group = group[1], group[:1]
-    decode_b = overlap.decode.submit(lambda: step_batch.finish_requests(pipeline, [rows_b]), inputs=[rows_b],
-                                     prompts=[b.prompt])
+    decode_b = overlap.decode.submit(
+        lambda: step_batch.finish_requests(pipeline, [rows_b]), inputs=[rows_b], prompts=[b.prompt]
+    )
     start_c = overlap.encode.submit(lambda: step_batch.start_requests(pipeline, [c]), prompts=[c.prompt])
     while not (decode_b.done() and start_c.done()) and not group[0].done:
         step_batch.denoise_step(pipeline, group)  # the lanes wait for these steps
@@ -133,23 +138,32 @@ def test_a_streamed_dit_streams_once_per_step_for_the_whole_group(tiny_flux_path
     pipeline = load_pipeline(tiny_flux_path)
     size = pipeline.defaults.width
     ledger = TransferLedger()
-    plan = DeploymentPlan(components={"transformer": ComponentPlan(name="transformer", group="dit",
-                                                                   mode=ResidencyMode.LAYERWISE_OFFLOAD)})
+    plan = DeploymentPlan(
+        components={"transformer": ComponentPlan(name="transformer", group="dit", mode=ResidencyMode.LAYERWISE_OFFLOAD)}
+    )
     pipeline.residency = build_residency(plan, pipeline.components, device="cpu", ledger=ledger)
-    first = step_batch.start_requests(pipeline, [SamplingParams(prompt="a", seed=1, width=size, height=size,
-                                                                num_inference_steps=6)])
+    first = step_batch.start_requests(
+        pipeline, [SamplingParams(prompt="a", seed=1, width=size, height=size, num_inference_steps=6)]
+    )
     step_batch.denoise_step(pipeline, first)  # the first request is one step ahead of the others
 
     def streamed_in(group) -> list[tuple[str | None, int]]:
         since = ledger.moves()[-1].seq + 1 if ledger.moves() else 0
         step_batch.denoise_step(pipeline, group)
-        return sorted((m.layer or "", m.nbytes) for m in ledger.moves(since) if m.component == "transformer"
-                      and m.direction == "h2d")
+        return sorted(
+            (m.layer or "", m.nbytes)
+            for m in ledger.moves(since)
+            if m.component == "transformer" and m.direction == "h2d"
+        )
 
     alone = streamed_in(first)
-    group = first + step_batch.start_requests(pipeline, [
-        SamplingParams(prompt="b much longer prompt", seed=2, width=size, height=size, num_inference_steps=6),
-        SamplingParams(prompt="c", seed=3, width=size, height=size, num_inference_steps=3)])
+    group = first + step_batch.start_requests(
+        pipeline,
+        [
+            SamplingParams(prompt="b much longer prompt", seed=2, width=size, height=size, num_inference_steps=6),
+            SamplingParams(prompt="c", seed=3, width=size, height=size, num_inference_steps=3),
+        ],
+    )
     together = streamed_in(group)
     layers = [layer for layer, _ in together if layer]
     assert layers and len(layers) == len(set(layers)), "a layer came onto the device more than once in one step"

@@ -66,7 +66,11 @@ def test_four_concurrent_requests_dispatch_as_one_batch(dynamic_server):
     responses = _meeting_in_the_queue(dynamic_server, [_body(f"prompt {i}", i) for i in range(4)])
     assert [r.status_code for r in responses] == [200] * 4
     assert {r.json()["timings"]["batch_size"] for r in responses} == {4}
-    wait_for_log(dynamic_server, r"Dynamic batch dispatch: size=4/4, user_max=4, queue_wait=\d+\.\d\dms, stop_reason=max_size", start=start)
+    wait_for_log(
+        dynamic_server,
+        r"Dynamic batch dispatch: size=4/4, user_max=4, queue_wait=\d+\.\d\dms, stop_reason=max_size",
+        start=start,
+    )
 
 
 def test_n_counts_against_the_cap(dynamic_server):
@@ -79,20 +83,25 @@ def test_n_counts_against_the_cap(dynamic_server):
 
 def test_different_step_counts_never_merge(dynamic_server):
     start = len(dynamic_server.log())
-    responses = _meeting_in_the_queue(dynamic_server, [  # both queued: the head's batch sees and rejects the other
-        _body("three steps", 1), _body("two steps", 2, num_inference_steps=2)])
+    responses = _meeting_in_the_queue(
+        dynamic_server,
+        [  # both queued: the head's batch sees and rejects the other
+            _body("three steps", 1),
+            _body("two steps", 2, num_inference_steps=2),
+        ],
+    )
     assert [r.status_code for r in responses] == [200, 200]
     assert [r.json()["timings"]["batch_size"] for r in responses] == [1, 1]
     wait_for_log(dynamic_server, r"(size=1/4, user_max=4, queue_wait=\S+, stop_reason=delay[\s\S]*){2}", start=start)
-    rejects = metric_value(dynamic_server.base_url, "diffuserve_batching_rejects_total",
-                           {"reason": "sampling_params.num_inference_steps"})
+    rejects = metric_value(
+        dynamic_server.base_url, "diffuserve_batching_rejects_total", {"reason": "sampling_params.num_inference_steps"}
+    )
     assert rejects >= 1
 
 
 def test_config_rule_caps_to_one(dynamic_server):
     start = len(dynamic_server.log())
-    responses = _post_concurrently(dynamic_server.base_url, [
-        _body("small", i, size="32x32") for i in range(2)])
+    responses = _post_concurrently(dynamic_server.base_url, [_body("small", i, size="32x32") for i in range(2)])
     assert [r.status_code for r in responses] == [200, 200]
     assert [r.json()["timings"]["batch_size"] for r in responses] == [1, 1]
     wait_for_log(dynamic_server, r"size=1/4, user_max=4, queue_wait=\S+, stop_reason=config_cap:1", start=start)
@@ -120,7 +129,9 @@ def test_batched_rows_match_singleton_runs(dynamic_server, singleton_server):
         alone = httpx.post(f"{singleton_server.base_url}/v1/images/generations", json=body, timeout=120).json()
         assert alone["timings"]["batch_size"] == 1
         for batched_item, alone_item in zip(response.json()["data"], alone["data"], strict=True):
-            diff = np.abs(pixels(decode_b64_png(batched_item["b64_json"])) - pixels(decode_b64_png(alone_item["b64_json"])))
+            diff = np.abs(
+                pixels(decode_b64_png(batched_item["b64_json"])) - pixels(decode_b64_png(alone_item["b64_json"]))
+            )
             assert diff.max() <= 1, f"max pixel difference {diff.max()} > 1/255"
 
 

@@ -90,8 +90,12 @@ def test_tiny_rebuild_is_byte_identical_and_small(case: FamilyCase, path: Path, 
 
 
 def _reference_cases() -> list:
-    return [pytest.param(c.id, name, id=f"{c.id}-{name}") for c in BY_ID.values() if c.reference
-            for name, _ in c.reference_params]
+    return [
+        pytest.param(c.id, name, id=f"{c.id}-{name}")
+        for c in BY_ID.values()
+        if c.reference
+        for name, _ in c.reference_params
+    ]
 
 
 @pytest.mark.parametrize(("case", "variant"), _reference_cases(), indirect=["case"])
@@ -153,8 +157,9 @@ MODES = (ResidencyMode.COMPONENT_OFFLOAD, ResidencyMode.SNAPSHOT_OFFLOAD, Reside
 
 
 def _residency_cases() -> list:
-    return [pytest.param(c.id, m.value, id=f"{c.id}-{m.value}") for c in BY_ID.values() if c.residency_batch
-            for m in MODES]
+    return [
+        pytest.param(c.id, m.value, id=f"{c.id}-{m.value}") for c in BY_ID.values() if c.residency_batch for m in MODES
+    ]
 
 
 @pytest.mark.parametrize(("case", "mode"), _residency_cases(), indirect=["case"])
@@ -170,8 +175,12 @@ def test_residency_mode_reproduces_the_resident_output(case: FamilyCase, native,
     batch = [params_of(case, native, fields) for fields in case.residency_batch]
     reference = resident_run(native, batch)
     wanted = ResidencyMode(mode)
-    modes = {name: wanted if wanted is not ResidencyMode.LAYERWISE_OFFLOAD or name in layered
-             else ResidencyMode.COMPONENT_OFFLOAD for name in native.components}
+    modes = {
+        name: wanted
+        if wanted is not ResidencyMode.LAYERWISE_OFFLOAD or name in layered
+        else ResidencyMode.COMPONENT_OFFLOAD
+        for name in native.components
+    }
     plan = DeploymentPlan(components={n: ComponentPlan(name=n, group=group_of(n), mode=m) for n, m in modes.items()})
     ledger = TransferLedger()
     manager = build_residency(plan, native.components, device="cpu", ledger=ledger)
@@ -190,8 +199,9 @@ def test_residency_mode_reproduces_the_resident_output(case: FamilyCase, native,
     for got, want in zip(offloaded, reference, strict=True):
         assert max_pixel_diff(got, want) <= case.residency_tolerance, mode
     if wanted is ResidencyMode.LAYERWISE_OFFLOAD:  # the declared layers really stream, not only whole components
-        streamed = {(m.component, m.layer.rsplit(".", 1)[0]) for m in ledger.moves()
-                    if m.layer and m.direction == "h2d"}
+        streamed = {
+            (m.component, m.layer.rsplit(".", 1)[0]) for m in ledger.moves() if m.layer and m.direction == "h2d"
+        }
         assert case.streamed_layers <= streamed, streamed
 
 
@@ -210,8 +220,9 @@ def test_sizes_beyond_the_positional_tables_or_off_the_grid_are_refused(case: Fa
             native.validate(SamplingParams(prompt="x", width=case.max_side, height=case.max_side))
         refused.append((case.max_side + step, 64))
     for width, height in refused:
-        with pytest.raises(InvalidRequestError, match=case.size_error_match if (width, height) not in case.off_grid
-                           else None) as info:
+        with pytest.raises(
+            InvalidRequestError, match=case.size_error_match if (width, height) not in case.off_grid else None
+        ) as info:
             native.validate(SamplingParams(prompt="x", width=width, height=height))
         assert info.value.param == "size", (width, height)
 
@@ -241,11 +252,14 @@ def test_usage_is_counted(native) -> None:
     model = native.describe_model()
     # The server's one count of the request's texts (`PromptTokens`, on its private tokenizer copies).
     texts = {"prompt": params.prompt, "negative_prompt": params.negative_prompt}
-    counted = usage(model, params, text_tokens=model.prompt_tokens.count(texts).text_tokens,
-                    input_sizes=[(2 * m, 2 * m)])
+    counted = usage(
+        model, params, text_tokens=model.prompt_tokens.count(texts).text_tokens, input_sizes=[(2 * m, 2 * m)]
+    )
     assert counted["output_tokens"] == 2 * 4 * 2
-    assert counted["input_tokens_details"] == {"text_tokens": counted["input_tokens"] - 4,  # type: ignore[index]
-                                               "image_tokens": 4}
+    assert counted["input_tokens_details"] == {
+        "text_tokens": counted["input_tokens"] - 4,  # type: ignore[index]
+        "image_tokens": 4,
+    }
     assert counted["input_tokens"] > 4  # the prompt's text tokens are counted
     assert counted["total_tokens"] == counted["input_tokens"] + counted["output_tokens"]  # type: ignore[operator]
 
@@ -256,8 +270,9 @@ def test_usage_is_counted(native) -> None:
 @pytest.fixture(scope="module")
 def server(case: FamilyCase, path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     logs = tmp_path_factory.mktemp(f"{case.id}-server")
-    proc = ServerProcess(["--model-path", str(path), "--served-model-name", f"tiny-{case.id}", *case.server_args],
-                         logs / "server.log")
+    proc = ServerProcess(
+        ["--model-path", str(path), "--served-model-name", f"tiny-{case.id}", *case.server_args], logs / "server.log"
+    )
     proc.start(timeout_s=300)
     yield proc
     proc.stop()
@@ -268,14 +283,19 @@ def client_of(server: ServerProcess) -> openai.OpenAI:
 
 
 @cases(lambda c: c.server_request)
-def test_server_answers_the_official_client_like_the_in_process_run(case: FamilyCase, native, subject: Subject,
-                                                                    server: ServerProcess) -> None:
+def test_server_answers_the_official_client_like_the_in_process_run(
+    case: FamilyCase, native, subject: Subject, server: ServerProcess
+) -> None:
     fields = dict(case.server_request)
     extra = {k: v for k, v in fields.items() if k not in ("prompt", "width", "height", "n")}
     result = client_of(server).images.generate(
-        model=f"tiny-{case.id}", prompt=fields["prompt"],
+        model=f"tiny-{case.id}",
+        prompt=fields["prompt"],
         size=f"{fields['width']}x{fields['height']}",  # type: ignore[arg-type]
-        n=fields["n"], response_format="b64_json", extra_body=extra)
+        n=fields["n"],
+        response_format="b64_json",
+        extra_body=extra,
+    )
     got = [decode_b64_png(d.b64_json) for d in result.data]
     # What the request stands for: the family's default guidance where it gives none.
     params = SamplingParams(**{"guidance_scale": native.defaults.guidance_scale, **fields})
@@ -293,9 +313,12 @@ def test_server_answers_the_official_client_like_the_in_process_run(case: Family
     assert result.usage.total_tokens == result.usage.input_tokens + result.usage.output_tokens
     if case.http_refused_size:
         with pytest.raises(openai.BadRequestError) as info:
-            client_of(server).images.generate(model=f"tiny-{case.id}", prompt="a size it cannot run",
-                                              size=case.http_refused_size,  # type: ignore[arg-type]
-                                              extra_body={"num_inference_steps": 1})
+            client_of(server).images.generate(
+                model=f"tiny-{case.id}",
+                prompt="a size it cannot run",
+                size=case.http_refused_size,  # type: ignore[arg-type]
+                extra_body={"num_inference_steps": 1},
+            )
         body = info.value.body
         assert isinstance(body, dict)
         error = body.get("error", body)
@@ -310,11 +333,20 @@ def test_flux2_edits_through_the_official_client(case: FamilyCase, native, serve
     client, model = client_of(server), f"tiny-{case.id}"
     common = {"width": 64, "height": 64, "num_inference_steps": 2, "guidance_scale": native.defaults.guidance_scale}
     reference = png(96, 80, seed=3)
-    edited = client.images.edit(model=model, image=("ref.png", reference, "image/png"), prompt="make it red",
-                                size="64x64", n=2, extra_body={"seed": 4, "num_inference_steps": 2})
+    edited = client.images.edit(
+        model=model,
+        image=("ref.png", reference, "image/png"),
+        prompt="make it red",
+        size="64x64",
+        n=2,
+        extra_body={"seed": 4, "num_inference_steps": 2},
+    )
     got = [decode_b64_png(d.b64_json) for d in edited.data]
-    want = native.run([SamplingParams(prompt="make it red", seed=4, n=2, image_inputs=(reference,),
-                                      **common)]).outputs[0].images
+    want = (
+        native.run([SamplingParams(prompt="make it red", seed=4, n=2, image_inputs=(reference,), **common)])
+        .outputs[0]
+        .images
+    )
     assert len(got) == 2 and max_pixel_diff(got, want) <= 1
     # The reference image conditions the output (native runs are deterministic, so any change is its effect;
     # a random tiny transformer at 2 steps moves the pixels only a little).
@@ -322,11 +354,19 @@ def test_flux2_edits_through_the_official_client(case: FamilyCase, native, serve
     assert max_pixel_diff([plain], want[:1]) > 0
     # Several references: the SDK sends a list as repeated image[] parts.
     second = png(64, 96, seed=8)
-    edited = client.images.edit(model=model, image=[("a.png", reference, "image/png"), ("b.png", second, "image/png")],
-                                prompt="both", size="64x64", extra_body={"seed": 4, "num_inference_steps": 2})
+    edited = client.images.edit(
+        model=model,
+        image=[("a.png", reference, "image/png"), ("b.png", second, "image/png")],
+        prompt="both",
+        size="64x64",
+        extra_body={"seed": 4, "num_inference_steps": 2},
+    )
     got = [decode_b64_png(d.b64_json) for d in edited.data]
-    want = native.run([SamplingParams(prompt="both", seed=4, image_inputs=(reference, second),
-                                      **common)]).outputs[0].images
+    want = (
+        native.run([SamplingParams(prompt="both", seed=4, image_inputs=(reference, second), **common)])
+        .outputs[0]
+        .images
+    )
     assert len(got) == 1 and max_pixel_diff(got, want) <= 1
     for images in ([("small.png", png(32, 32), "image/png")], [("r.png", reference, "image/png")] * 5):
         with pytest.raises(openai.BadRequestError) as info:
@@ -343,8 +383,13 @@ def test_qwen_edit_through_the_official_client(case: FamilyCase, native, server:
     fields = dict(case.reference_params)["edit-n2"]
     start = len(server.log())
     assert "warm-up generation" in server.log()
-    result = client_of(server).images.edit(image=("in.png", RED, "image/png"), prompt=QWEN_EDIT["prompt"], n=2,
-                                           size="64x64", extra_body=_edit_extra(fields))
+    result = client_of(server).images.edit(
+        image=("in.png", RED, "image/png"),
+        prompt=QWEN_EDIT["prompt"],
+        n=2,
+        size="64x64",
+        extra_body=_edit_extra(fields),
+    )
     got = [decode_b64_png(d.b64_json) for d in result.data]
     (want,) = resident_run(native, [SamplingParams(**fields)])
     assert [im.size for im in got] == [im.size for im in want] and max_pixel_diff(got, want) == 0
@@ -352,13 +397,18 @@ def test_qwen_edit_through_the_official_client(case: FamilyCase, native, server:
 
 
 @pytest.mark.parametrize("case", ["qwen-image-edit-plus"], indirect=True)
-def test_qwen_edit_plus_takes_an_image_list_through_the_official_client(case: FamilyCase, native,
-                                                                       server: ServerProcess) -> None:
+def test_qwen_edit_plus_takes_an_image_list_through_the_official_client(
+    case: FamilyCase, native, server: ServerProcess
+) -> None:
     fields = dict(case.reference_params)["two-images"]
     client = client_of(server)
     # A list is sent as repeated `image[]` parts, as the SDK does for several images.
-    result = client.images.edit(image=[("a.png", RED, "image/png"), ("b.png", BLUE_WIDE, "image/png")],
-                                prompt=QWEN_EDIT["prompt"], size="64x64", extra_body=_edit_extra(fields))
+    result = client.images.edit(
+        image=[("a.png", RED, "image/png"), ("b.png", BLUE_WIDE, "image/png")],
+        prompt=QWEN_EDIT["prompt"],
+        size="64x64",
+        extra_body=_edit_extra(fields),
+    )
     got = [decode_b64_png(d.b64_json) for d in result.data]
     (want,) = resident_run(native, [SamplingParams(**fields)])
     assert [im.size for im in got] == [im.size for im in want] and max_pixel_diff(got, want) == 0

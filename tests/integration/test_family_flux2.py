@@ -31,12 +31,20 @@ def natives(tiny_checkpoint, family_pipeline) -> dict:
 
 
 @pytest.mark.parametrize("family", list(TINY))
-def test_the_real_diffusers_class_loads_the_tiny_folder_and_agrees(family, natives, tiny_checkpoint,
-                                                                   diffusers_pipeline) -> None:
+def test_the_real_diffusers_class_loads_the_tiny_folder_and_agrees(
+    family, natives, tiny_checkpoint, diffusers_pipeline
+) -> None:
     cls = "Flux2KleinPipeline" if family == "flux2_klein" else "Flux2Pipeline"
     pipe = diffusers_pipeline(cls, tiny_checkpoint(TINY[family]))  # offline, a separate load: <= 1/255
-    params = SamplingParams(prompt="a red cat", width=64, height=64, num_inference_steps=2, guidance_scale=4.0,
-                            seed=5, image_inputs=(png(),))
+    params = SamplingParams(
+        prompt="a red cat",
+        width=64,
+        height=64,
+        num_inference_steps=2,
+        guidance_scale=4.0,
+        seed=5,
+        image_inputs=(png(),),
+    )
     theirs = flux2_images(pipe, params)
     ours = natives[family].run([params]).outputs[0].images
     assert len(ours) == len(theirs) == 1 and max_pixel_diff(ours, theirs) <= 1
@@ -73,8 +81,16 @@ def test_distilled_klein_reads_model_index_and_skips_cfg(tiny_checkpoint, tmp_pa
 def test_batched_cfg_matches_two_passes(natives) -> None:
     """Klein-Base's CFG as one doubled batch (reference tokens on every row) equals diffusers' two passes."""
     native = natives["flux2_klein"]
-    params = SamplingParams(prompt="a red cat", width=64, height=64, num_inference_steps=2, guidance_scale=4.0, seed=6,
-                            n=2, image_inputs=(png(),))
+    params = SamplingParams(
+        prompt="a red cat",
+        width=64,
+        height=64,
+        num_inference_steps=2,
+        guidance_scale=4.0,
+        seed=6,
+        n=2,
+        image_inputs=(png(),),
+    )
     two_passes = native.run([params]).outputs[0].images
     native.batched_cfg = True
     try:
@@ -84,15 +100,18 @@ def test_batched_cfg_matches_two_passes(natives) -> None:
     assert max_pixel_diff(batched, two_passes) <= 1
 
 
-@pytest.mark.parametrize(("fam", "fields", "param"), [
-    ("flux2", {"negative_prompt": "blurry"}, "negative_prompt"),
-    ("flux2", {"true_cfg_scale": 4.0}, "true_cfg_scale"),
-    ("flux2_klein", {"negative_prompt": "blurry", "guidance_scale": 1.0}, "negative_prompt"),
-    ("flux2_klein", {"image_inputs": (png(48, 96),)}, "image"),
-    ("flux2_klein", {"image_inputs": (png(64, 600),)}, "image"),
-    ("flux2", {"image_inputs": (png(),) * 5}, "image"),
-    # (An off-grid width, 72, is the suite's size check.)
-])
+@pytest.mark.parametrize(
+    ("fam", "fields", "param"),
+    [
+        ("flux2", {"negative_prompt": "blurry"}, "negative_prompt"),
+        ("flux2", {"true_cfg_scale": 4.0}, "true_cfg_scale"),
+        ("flux2_klein", {"negative_prompt": "blurry", "guidance_scale": 1.0}, "negative_prompt"),
+        ("flux2_klein", {"image_inputs": (png(48, 96),)}, "image"),
+        ("flux2_klein", {"image_inputs": (png(64, 600),)}, "image"),
+        ("flux2", {"image_inputs": (png(),) * 5}, "image"),
+        # (An off-grid width, 72, is the suite's size check.)
+    ],
+)
 def test_bad_requests_name_the_field(natives, fam: str, fields: dict, param: str) -> None:
     with pytest.raises(InvalidRequestError) as info:
         natives[fam].validate(SamplingParams(prompt="x", **fields))

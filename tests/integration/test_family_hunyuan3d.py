@@ -44,8 +44,14 @@ def pipe(release):
 
 
 def _params(seed: int, png: bytes | None = None, **extra) -> SamplingParams:
-    return SamplingParams(image_inputs=(png or object_png(),), num_inference_steps=2, guidance_scale=5.0, seed=seed,
-                          octree_resolution=24, **extra)
+    return SamplingParams(
+        image_inputs=(png or object_png(),),
+        num_inference_steps=2,
+        guidance_scale=5.0,
+        seed=seed,
+        octree_resolution=24,
+        **extra,
+    )
 
 
 def test_loads_tencents_layout_and_the_plain_model_by_default(pipe, release):
@@ -59,11 +65,14 @@ def test_loads_tencents_layout_and_the_plain_model_by_default(pipe, release):
     assert pipe.defaults.num_inference_steps == 2 and pipe.settings.default_octree_resolution == 32
 
 
-@pytest.mark.parametrize("model_id, variant, scheduler", [
-    ("tencent/Hunyuan3D-2/hunyuan3d-dit-v2-0-fast", "hunyuan3d-dit-v2-0-fast", "FlowMatchEulerDiscreteScheduler"),
-    ("Hunyuan3D-2-turbo", "hunyuan3d-dit-v2-0-turbo", "ConsistencyFlowMatchEulerDiscreteScheduler"),
-    ("tencent/Hunyuan3D-2mini", "hunyuan3d-dit-v2-mini", "FlowMatchEulerDiscreteScheduler"),
-])
+@pytest.mark.parametrize(
+    "model_id, variant, scheduler",
+    [
+        ("tencent/Hunyuan3D-2/hunyuan3d-dit-v2-0-fast", "hunyuan3d-dit-v2-0-fast", "FlowMatchEulerDiscreteScheduler"),
+        ("Hunyuan3D-2-turbo", "hunyuan3d-dit-v2-0-turbo", "ConsistencyFlowMatchEulerDiscreteScheduler"),
+        ("tencent/Hunyuan3D-2mini", "hunyuan3d-dit-v2-mini", "FlowMatchEulerDiscreteScheduler"),
+    ],
+)
 def test_variants_load_by_model_id_and_make_meshes(release, model_id, variant, scheduler):
     pipe = load_pipeline(release, model_id=model_id)
     assert pipe.variant == variant and pipe.scheduler["kind"] == scheduler

@@ -33,8 +33,9 @@ def test_layered_runs_alone_makes_rgba_layers_and_needs_one_input_image(tiny_che
     assert info.value.param == "image"
 
 
-def test_glm_solo_matches_diffusers_and_merged_rows_equal_singletons(tiny_checkpoint, family_pipeline,
-                                                                     diffusers_pipeline) -> None:
+def test_glm_solo_matches_diffusers_and_merged_rows_equal_singletons(
+    tiny_checkpoint, family_pipeline, diffusers_pipeline
+) -> None:
     path = tiny_checkpoint("glm-image")
     glm = family_pipeline(path)
     assert glm.ar_prior and glm.supports_batching
@@ -42,8 +43,14 @@ def test_glm_solo_matches_diffusers_and_merged_rows_equal_singletons(tiny_checkp
     second = SamplingParams(prompt="a cat", seed=9, guidance_scale=1.5, num_inference_steps=2)
     solo = glm.run([first]).outputs[0].images
     expected = diffusers_pipeline("GlmImagePipeline", path)(
-        first.prompt, height=64, width=64, num_inference_steps=2, guidance_scale=1.5, num_images_per_prompt=2,
-        generator=row_generators(4, 2)).images
+        first.prompt,
+        height=64,
+        width=64,
+        num_inference_steps=2,
+        guidance_scale=1.5,
+        num_images_per_prompt=2,
+        generator=row_generators(4, 2),
+    ).images
     assert len(solo) == 2 and max_pixel_diff(solo, expected) == 0
 
     # One AR call for both requests (its own stage time), then DiT and VAE per request: every row equals its solo run.

@@ -56,10 +56,16 @@ def test_tiny_checkpoint_names_the_real_processor_class(edit_path: Path, diffuse
 
 RESIDENCY_PLANS = {
     # The DiT and the text encoder (Qwen2.5-VL with its vision tower) stream layer by layer.
-    "layerwise": {"transformer": ("layerwise-offload", "dit"), "text_encoder": ("layerwise-offload", "text_encoder"),
-                  "vae": ("component-offload", "vae")},
-    "offload": {"transformer": ("component-offload", "dit"), "text_encoder": ("snapshot-offload", "text_encoder"),
-                "vae": ("layerwise-offload", "vae")},
+    "layerwise": {
+        "transformer": ("layerwise-offload", "dit"),
+        "text_encoder": ("layerwise-offload", "text_encoder"),
+        "vae": ("component-offload", "vae"),
+    },
+    "offload": {
+        "transformer": ("component-offload", "dit"),
+        "text_encoder": ("snapshot-offload", "text_encoder"),
+        "vae": ("layerwise-offload", "vae"),
+    },
 }
 
 
@@ -72,11 +78,14 @@ def test_edit_residency_modes_reproduce_the_resident_output(edit_path: Path, fam
 
     edit_native = family_pipeline(edit_path)
     (reference,) = resident_run(edit_native, [EDIT])
-    plans = {name: ComponentPlan(name=name, group=group, mode=ResidencyMode(mode))
-             for name, (mode, group) in RESIDENCY_PLANS[plan_name].items()}
+    plans = {
+        name: ComponentPlan(name=name, group=group, mode=ResidencyMode(mode))
+        for name, (mode, group) in RESIDENCY_PLANS[plan_name].items()
+    }
     ledger = TransferLedger()
-    edit_native.residency = build_residency(DeploymentPlan(components=plans), edit_native.components, device="cpu",
-                                            ledger=ledger)
+    edit_native.residency = build_residency(
+        DeploymentPlan(components=plans), edit_native.components, device="cpu", ledger=ledger
+    )
     try:
         ledger.begin_window()
         images = edit_native.run([EDIT]).outputs[0].images

@@ -54,8 +54,11 @@ def test_defaults_and_limits_come_from_the_checkpoint(native, reference) -> None
     call = inspect.signature(type(reference).__call__).parameters
     d = native.defaults
     assert (d.width, d.height) == (reference.default_sample_size * reference.vae_scale_factor,) * 2 == (64, 64)
-    assert (d.num_inference_steps, d.guidance_scale) == (call["num_inference_steps"].default,
-                                                        call["guidance_scale"].default) == (28, 7.0)
+    assert (
+        (d.num_inference_steps, d.guidance_scale)
+        == (call["num_inference_steps"].default, call["guidance_scale"].default)
+        == (28, 7.0)
+    )
     # The table's 512 px: the suite checks 512 runs and 528 is refused naming `size` and the table.
     assert native.max_width == native.max_height == reference.transformer.config.pos_embed_max_size * 2 * 8
 

@@ -41,9 +41,16 @@ PROMPTS = (("a red fox", 3), ("a cat surfing", 9))
 def _direct(pipe: Any, case: Case, prompt: str, seed: int, params: Any) -> np.ndarray:
     import torch
 
-    kwargs: dict[str, Any] = {"prompt": prompt, "height": params.height, "width": params.width,
-                              "num_frames": params.num_frames, "num_inference_steps": params.num_inference_steps,
-                              "generator": torch.Generator().manual_seed(seed), "output_type": "np", **dict(case.extra)}
+    kwargs: dict[str, Any] = {
+        "prompt": prompt,
+        "height": params.height,
+        "width": params.width,
+        "num_frames": params.num_frames,
+        "num_inference_steps": params.num_inference_steps,
+        "generator": torch.Generator().manual_seed(seed),
+        "output_type": "np",
+        **dict(case.extra),
+    }
     if case.family != "hunyuan_video_15":  # its guidance lives in the saved guider, not in __call__
         kwargs["guidance_scale"] = params.guidance_scale
     with torch.inference_mode():
@@ -52,17 +59,25 @@ def _direct(pipe: Any, case: Case, prompt: str, seed: int, params: Any) -> np.nd
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.tiny for c in CASES])
-def test_backend_frames_equal_the_diffusers_pipeline(case: Case, tiny_checkpoint, family_pipeline,
-                                                     diffusers_pipeline):
+def test_backend_frames_equal_the_diffusers_pipeline(case: Case, tiny_checkpoint, family_pipeline, diffusers_pipeline):
     from diffuserve.sampling import SamplingParams
 
     path = tiny_checkpoint(case.tiny)
     backend = family_pipeline(path)  # auto: the diffusers backend (no native adapter; the suite checks the class)
     assert (backend.family, backend.output_kind, backend.supports_batching) == (case.family, "video", case.batches)
     assert (backend.defaults.width, backend.defaults.num_frames, backend.defaults.num_inference_steps) == (
-        32, case.frames, 2)
-    common = {"width": 32, "height": 32, "num_frames": case.frames, "num_inference_steps": 2,
-              "guidance_scale": backend.defaults.guidance_scale, "output_format": "mp4"}
+        32,
+        case.frames,
+        2,
+    )
+    common = {
+        "width": 32,
+        "height": 32,
+        "num_frames": case.frames,
+        "num_inference_steps": 2,
+        "guidance_scale": backend.defaults.guidance_scale,
+        "output_format": "mp4",
+    }
     batch = [SamplingParams(prompt=prompt, seed=seed, **common) for prompt, seed in PROMPTS]
     # A batching family runs both prompts as one merged call; each row must equal its own solo direct run.
     outputs = backend.run(batch).outputs if case.batches else [backend.run([p]).outputs[0] for p in batch]
@@ -72,8 +87,12 @@ def test_backend_frames_equal_the_diffusers_pipeline(case: Case, tiny_checkpoint
         got = np.stack([np.asarray(f, dtype=np.float64) for f in output.videos[0]])
         assert got.shape == (case.out_frames, 32, 32, 3)
         assert np.abs(got - expected).max() <= 1.0
-    assert np.abs(np.asarray(outputs[0].videos[0][0], dtype=np.int16)
-                  - np.asarray(outputs[1].videos[0][0], dtype=np.int16)).max() > 0  # the prompts matter
+    assert (
+        np.abs(
+            np.asarray(outputs[0].videos[0][0], dtype=np.int16) - np.asarray(outputs[1].videos[0][0], dtype=np.int16)
+        ).max()
+        > 0
+    )  # the prompts matter
 
 
 def test_hunyuan_video_15_cannot_decode_a_prompt_list_in_diffusers(tiny_checkpoint, diffusers_pipeline):
@@ -83,12 +102,19 @@ def test_hunyuan_video_15_cannot_decode_a_prompt_list_in_diffusers(tiny_checkpoi
 
     pipe = diffusers_pipeline("HunyuanVideo15Pipeline", tiny_checkpoint("hunyuan-video-1.5"))
     with torch.inference_mode(), pytest.raises(RuntimeError, match="broadcast shape"):
-        pipe(prompt=["a red fox", "a cat surfing"], height=32, width=32, num_frames=5, num_inference_steps=1,
-             output_type="np")
+        pipe(
+            prompt=["a red fox", "a cat surfing"],
+            height=32,
+            width=32,
+            num_frames=5,
+            num_inference_steps=1,
+            output_type="np",
+        )
 
 
-def test_pipeline_local_components_load_beside_a_folder_of_the_same_name(tiny_checkpoint, tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch):
+def test_pipeline_local_components_load_beside_a_folder_of_the_same_name(
+    tiny_checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     """LTX-2's model_index.json names ["ltx2", "LTX2TextConnectors"] (a diffusers pipeline-local module); a folder
     called `ltx2` on sys.path (a checkpoint in the working directory under `python -m`) must not shadow it."""
     from diffuserve.models.loader import load_pipeline
@@ -96,7 +122,8 @@ def test_pipeline_local_components_load_beside_a_folder_of_the_same_name(tiny_ch
     (tmp_path / "ltx2").mkdir()
     monkeypatch.syspath_prepend(str(tmp_path))
     assert type(load_pipeline(tiny_checkpoint("ltx2"), backend="diffusers").pipe.connectors).__name__ == (
-        "LTX2TextConnectors")
+        "LTX2TextConnectors"
+    )
 
 
 def test_ltx2_sizes_and_frames_it_would_refuse_are_invalid_requests(tiny_checkpoint, family_pipeline):

@@ -47,8 +47,11 @@ def test_offloaded_experts_hold_the_device_one_at_a_time(pipelines):
     seen: list[set[str]] = []
 
     def run():
-        return pipe.run([params], on_step=lambda i, n: seen.append(
-            {e for e in experts if ledger.device_bytes(e) > 0})).outputs[0].videos
+        return (
+            pipe.run([params], on_step=lambda i, n: seen.append({e for e in experts if ledger.device_bytes(e) > 0}))
+            .outputs[0]
+            .videos
+        )
 
     with_residency(pipe, dict.fromkeys(experts, ResidencyMode.COMPONENT_OFFLOAD), run, ledger)
     assert all(len(on) == 1 for on in seen), seen
@@ -62,8 +65,11 @@ def test_sizes_and_frames_the_checkpoint_cannot_run_are_refused(pipelines):
     from diffuserve.errors import InvalidRequestError
 
     pipe = pipelines["wan"]
-    for fields, param in (({"width": 1024, "height": 1024}, "size"), ({"num_frames": 4}, "num_frames"),
-                          ({"guidance_scale_2": 2.0}, "guidance_scale_2")):
+    for fields, param in (
+        ({"width": 1024, "height": 1024}, "size"),
+        ({"num_frames": 4}, "num_frames"),
+        ({"guidance_scale_2": 2.0}, "guidance_scale_2"),
+    ):
         with pytest.raises(InvalidRequestError) as err:
             _params(pipe, "x", 0, **fields)
         assert err.value.param == param
@@ -97,10 +103,22 @@ def test_video_vae_resident_layers_move_once_per_request_not_once_per_chunk(pipe
     reference = run()
     decoder_blocks = len(pipe.vae.decoder.up_blocks)
     per_request: dict[str, int] = {}
-    for label, resident, lifetime in (("streamed", 0, Lifetime.FORWARD), ("forward", decoder_blocks, Lifetime.FORWARD),
-                                      ("permanent", decoder_blocks, Lifetime.PERMANENT)):
-        plan = DeploymentPlan(components={"vae": ComponentPlan(name="vae", group="vae", mode=ResidencyMode.LAYERWISE_OFFLOAD,
-                                                               resident_layers=resident, lifetime=lifetime)})
+    for label, resident, lifetime in (
+        ("streamed", 0, Lifetime.FORWARD),
+        ("forward", decoder_blocks, Lifetime.FORWARD),
+        ("permanent", decoder_blocks, Lifetime.PERMANENT),
+    ):
+        plan = DeploymentPlan(
+            components={
+                "vae": ComponentPlan(
+                    name="vae",
+                    group="vae",
+                    mode=ResidencyMode.LAYERWISE_OFFLOAD,
+                    resident_layers=resident,
+                    lifetime=lifetime,
+                )
+            }
+        )
         ledger = TransferLedger()
         pipe.residency = build_residency(plan, pipe.components, device="cpu", ledger=ledger)
         try:
@@ -110,8 +128,9 @@ def test_video_vae_resident_layers_move_once_per_request_not_once_per_chunk(pipe
         finally:
             pipe.residency.close()
             pipe.residency = AllResident()
-        per_request[label] = sum(m.nbytes for m in summary.moves if m.direction == "h2d"
-                                 and (m.layer or "").startswith("decoder.up_blocks"))
+        per_request[label] = sum(
+            m.nbytes for m in summary.moves if m.direction == "h2d" and (m.layer or "").startswith("decoder.up_blocks")
+        )
     decoder_bytes = sum(p.numel() * p.element_size() for p in pipe.vae.decoder.up_blocks.parameters())
     assert per_request["streamed"] >= 3 * decoder_bytes  # every chunk re-streams the decoder blocks
     assert per_request["forward"] == decoder_bytes  # placed once when the VAE's stage begins

@@ -26,8 +26,13 @@ def pipeline(tiny_flux_path: Path):
 
 def _engine(pipeline, *, max_size: int, delay_ms: float) -> AsyncEngine:
     batcher = DynamicBatcher(BatchingConfig(mode="dynamic", max_size=max_size, delay_ms=delay_ms), model_names=["tiny"])
-    engine = AsyncEngine(InProcessExecutor(lambda: pipeline), batcher, config=EngineConfig(max_queue_size=0, enable_warmup=False),
-                         metrics=EngineMetrics(), model_name="tiny")
+    engine = AsyncEngine(
+        InProcessExecutor(lambda: pipeline),
+        batcher,
+        config=EngineConfig(max_queue_size=0, enable_warmup=False),
+        metrics=EngineMetrics(),
+        model_name="tiny",
+    )
     engine.start()
     assert engine.wait_ready(60)
     return engine
@@ -58,8 +63,10 @@ def test_server_survives_100_consecutive_failing_batches(pipeline):
     engine = _engine(pipeline, max_size=1, delay_ms=0)
 
     async def scenario() -> tuple[list, object]:
-        failures = [await asyncio.gather(engine.generate(_params(f"{MARKER} {i}", i)), return_exceptions=True)
-                    for i in range(100)]
+        failures = [
+            await asyncio.gather(engine.generate(_params(f"{MARKER} {i}", i)), return_exceptions=True)
+            for i in range(100)
+        ]
         after = await engine.generate(_params("after the storm", 1))
         return failures, after
 
@@ -112,7 +119,10 @@ def test_fault_hook_is_transparent_for_every_family(tiny_checkpoint):
     assert wrapped.defaults == inner.defaults and wrapped.describe_model().output_kind == "video"
     model = wrapped.describe_model()
     assert (model.size_multiple, model.frame_multiple, wrapped.describe()["max_size"][0]) == (
-        inner.size_multiple, inner.frame_multiple, inner.max_width)
+        inner.size_multiple,
+        inner.frame_multiple,
+        inner.max_width,
+    )
     params = SamplingParams(prompt=f"a {MARKER}", width=32, height=32, num_frames=5, num_inference_steps=1, seed=0)
     with pytest.raises(Exception, match="injected fault"):
         wrapped.run([params])

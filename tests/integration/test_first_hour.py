@@ -36,10 +36,29 @@ def server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     """API key, dynamic batching capped at 2 rows, small limits for the 413, pixel-limit and 429 checks.
     The last test of the module shuts it down."""
     logs = tmp_path_factory.mktemp("first-hour")
-    proc = ServerProcess(["--model-path", str(tiny_flux_path), "--api-key", KEY, "--batching-mode", "dynamic",
-                          "--batching-max-size", "2", "--max-image-side", "256", "--max-request-bytes", "65536",
-                          "--max-inference-steps", "100000", "--warmup-steps", "1", "--max-queue-size", "2"],
-                         logs / "server.log")
+    proc = ServerProcess(
+        [
+            "--model-path",
+            str(tiny_flux_path),
+            "--api-key",
+            KEY,
+            "--batching-mode",
+            "dynamic",
+            "--batching-max-size",
+            "2",
+            "--max-image-side",
+            "256",
+            "--max-request-bytes",
+            "65536",
+            "--max-inference-steps",
+            "100000",
+            "--warmup-steps",
+            "1",
+            "--max-queue-size",
+            "2",
+        ],
+        logs / "server.log",
+    )
     proc.start(headers=AUTH)
     yield proc
     proc.stop()
@@ -54,8 +73,12 @@ def _errors(server: ServerProcess) -> dict[tuple[str, str], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
-    return {(s.labels["status"], s.labels["reason"]): s.value for f in text_string_to_metric_families(text)
-            for s in f.samples if s.name == "diffuserve_error_responses_total"}
+    return {
+        (s.labels["status"], s.labels["reason"]): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "diffuserve_error_responses_total"
+    }
 
 
 def test_http_details_and_error_counts(server: ServerProcess, client: openai.OpenAI):
@@ -81,19 +104,31 @@ def test_http_details_and_error_counts(server: ServerProcess, client: openai.Ope
     assert httpx.post(f"{base}/v1/images/generations", json={"prompt": ""}, headers=AUTH).status_code == 400
     assert httpx.get(f"{base}/v1/models").status_code == 401
     assert httpx.get(f"{base}/v1/nothing", headers=AUTH).status_code == 404
-    big = httpx.post(f"{base}/v1/images/generations", content=b"x" * 70000, headers={**AUTH, "content-type": "application/json"})
+    big = httpx.post(
+        f"{base}/v1/images/generations", content=b"x" * 70000, headers={**AUTH, "content-type": "application/json"}
+    )
     assert big.status_code == 413
     # Unknown model: 404 model_not_found, as OpenAI answers (and the README's error table says).
     with pytest.raises(openai.NotFoundError) as missing:
         client.images.generate(prompt="x", model="no-such-model", size="32x32")
     assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
-    late = httpx.post(f"{base}/v1/images/generations", headers=AUTH, timeout=120,
-                      json={"prompt": "slow", "size": "32x32", "num_inference_steps": 50000, "timeout": 0.5})
+    late = httpx.post(
+        f"{base}/v1/images/generations",
+        headers=AUTH,
+        timeout=120,
+        json={"prompt": "slow", "size": "32x32", "num_inference_steps": 50000, "timeout": 0.5},
+    )
     assert late.status_code == 504
     after = _errors(server)
     grew = {key: after.get(key, 0) - before.get(key, 0) for key in after if after.get(key, 0) > before.get(key, 0)}
-    assert grew == {("400", "invalid_value"): 1, ("401", "invalid_api_key"): 1, ("404", "not_found"): 1,
-                    ("413", "request_too_large"): 1, ("404", "model_not_found"): 1, ("504", "timeout"): 1}
+    assert grew == {
+        ("400", "invalid_value"): 1,
+        ("401", "invalid_api_key"): 1,
+        ("404", "not_found"): 1,
+        ("413", "request_too_large"): 1,
+        ("404", "model_not_found"): 1,
+        ("504", "timeout"): 1,
+    }
 
 
 def _png(width: int, height: int) -> bytes:
@@ -121,9 +156,16 @@ def test_batching_max_size_is_a_hard_cap_on_rows(server: ServerProcess, client: 
     timings = big.model_extra["timings"]
     assert (timings["batch_rows"], timings["batch_requests"], timings["pipeline_calls"]) == (2, 1, 3)
     wait_for_log(server, r"5 rows: above the row cap of 2, running as 3 pipeline calls", start=start)
-    parts = [client.images.generate(prompt="capped", n=n, size="32x32", response_format="b64_json",
-                                    extra_body={"num_inference_steps": 2, "seed": seed})
-             for n, seed in ((2, 11), (2, 13), (1, 15))]
+    parts = [
+        client.images.generate(
+            prompt="capped",
+            n=n,
+            size="32x32",
+            response_format="b64_json",
+            extra_body={"num_inference_steps": 2, "seed": seed},
+        )
+        for n, seed in ((2, 11), (2, 13), (1, 15))
+    ]
     reference = [pixels(decode_b64_png(d.b64_json)) for part in parts for d in part.data]
     got = [pixels(decode_b64_png(d.b64_json)) for d in big.data]
     assert len(got) == 5
@@ -148,8 +190,9 @@ def test_long_prompt_warns_naming_the_encoders(server: ServerProcess, client: op
 
 
 def _post_in_thread(base: str, body: dict, answers: list) -> threading.Thread:
-    thread = threading.Thread(target=lambda: answers.append(
-        httpx.post(f"{base}/v1/images/generations", json=body, headers=AUTH, timeout=120)))
+    thread = threading.Thread(
+        target=lambda: answers.append(httpx.post(f"{base}/v1/images/generations", json=body, headers=AUTH, timeout=120))
+    )
     thread.start()
     return thread
 
@@ -165,8 +208,9 @@ def _wait_metric(base: str, name: str, value: float, timeout_s: float = 60) -> N
 
 
 def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "diffuserve.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "diffuserve.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.parametrize("missing", ["vae", "tokenizer_2"])
@@ -183,11 +227,29 @@ def test_a_checkpoint_that_cannot_load_exits_1(tiny_flux_path: Path, tmp_path: P
 
 
 def test_flags_that_do_not_apply_to_the_model_are_errors(tiny_flux_path: Path, tiny_wan_path: Path, tmp_path: Path):
-    image = _cli("generate", "--model-path", str(tiny_flux_path), "--prompt", "x", "--num-frames", "9",
-                 "--output-path", str(tmp_path))
+    image = _cli(
+        "generate",
+        "--model-path",
+        str(tiny_flux_path),
+        "--prompt",
+        "x",
+        "--num-frames",
+        "9",
+        "--output-path",
+        str(tmp_path),
+    )
     assert image.returncode == 2 and "--num-frames" in image.stderr and "makes images" in image.stderr
-    video = _cli("generate", "--model-path", str(tiny_wan_path), "--prompt", "x", "--output-format", "png",
-                 "--output-path", str(tmp_path))
+    video = _cli(
+        "generate",
+        "--model-path",
+        str(tiny_wan_path),
+        "--prompt",
+        "x",
+        "--output-format",
+        "png",
+        "--output-path",
+        str(tmp_path),
+    )
     assert video.returncode == 2 and "--output-format png" in video.stderr and "mp4" in video.stderr
     assert not list(tmp_path.iterdir()), "nothing was generated"
 
@@ -196,10 +258,31 @@ def test_ctrl_c_during_generate_prints_one_line_and_exits_130(tiny_flux_path: Pa
     out_dir = tmp_path / "out"
     # Two prompts in singleton mode: the first call writes its file, the second is interrupted.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "diffuserve.cli", "generate", "--model-path", str(tiny_flux_path),
-         "--prompt", "quick", "--prompt", "slow", "--width", "32", "--height", "32",
-         "--num-inference-steps", "200", "--output-path", str(out_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        [
+            sys.executable,
+            "-m",
+            "diffuserve.cli",
+            "generate",
+            "--model-path",
+            str(tiny_flux_path),
+            "--prompt",
+            "quick",
+            "--prompt",
+            "slow",
+            "--width",
+            "32",
+            "--height",
+            "32",
+            "--num-inference-steps",
+            "200",
+            "--output-path",
+            str(out_dir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         deadline = time.monotonic() + 180
         while not (out_dir.exists() and any(out_dir.iterdir())):
@@ -224,9 +307,25 @@ def test_make_bench_leaves_no_temporary_folder(tmp_path: Path):
     """`make bench` runs benchmarks/bench_pipeline.py, which builds its checkpoint in a temp folder."""
     temp = tmp_path / "tmp"
     temp.mkdir()
-    out = subprocess.run([sys.executable, "benchmarks/bench_pipeline.py", "--runs", "2", "--warmup", "0",
-                          "--steps", "1", "--size", "32"], capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).resolve().parents[2], env={**os.environ, "TMPDIR": str(temp)})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/bench_pipeline.py",
+            "--runs",
+            "2",
+            "--warmup",
+            "0",
+            "--steps",
+            "1",
+            "--size",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "TMPDIR": str(temp)},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "native / diffusers" in out.stdout
     # torch keeps its own per-user compile cache (torchinductor_<user>) in TMPDIR by design; nothing else stays.

@@ -65,9 +65,7 @@ def _reference_images(reference, params: SamplingParams) -> list:
     "params",
     [
         SamplingParams(prompt="a cat surfing a wave", seed=7, guidance_scale=3.5),
-        SamplingParams(
-            prompt="red house", seed=11, width=32, height=48, num_inference_steps=3, guidance_scale=5.0
-        ),
+        SamplingParams(prompt="red house", seed=11, width=32, height=48, num_inference_steps=3, guidance_scale=5.0),
         SamplingParams(prompt="a dog", negative_prompt="blurry", true_cfg_scale=4.0, seed=3),
         SamplingParams(prompt="sea at night", seed=5, n=2),
     ],
@@ -242,6 +240,4 @@ def test_sd3_runs_on_diffusers_backend(tiny_sd3_path: Path) -> None:
 
 def test_batch_with_different_signatures_is_refused(native) -> None:
     with pytest.raises(ValueError, match="sampling_params.num_inference_steps"):
-        native.run(
-            [SamplingParams(prompt="a", seed=1), SamplingParams(prompt="b", seed=2, num_inference_steps=3)]
-        )
+        native.run([SamplingParams(prompt="a", seed=1), SamplingParams(prompt="b", seed=2, num_inference_steps=3)])

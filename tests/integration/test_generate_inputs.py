@@ -22,6 +22,7 @@ def _png(path: Path, width: int = 48, height: int = 32) -> Path:
 @pytest.fixture
 def no_load(monkeypatch):
     """Fail the test if `generate` gets as far as loading the model."""
+
     def refuse(*_args, **_kwargs):
         raise AssertionError("the model was loaded before the flags were checked")
 
@@ -34,17 +35,21 @@ def _generate(capsys, model: Path, out: Path, *flags: str) -> tuple[int, str, st
     return code, captured.out, captured.err
 
 
-@pytest.mark.parametrize(("flags", "named", "says"), [
-    (["--prompt", "   "], "--prompt", "must not be empty"),
-    (["--prompt", "x", "--num-inference-steps", "0"], "--num-inference-steps", "greater than or equal to 1"),
-    (["--prompt", "x", "--seed", "-1"], "--seed", "greater than or equal to 0"),
-    (["--prompt", "x", "--guidance-scale", "1000"], "--guidance-scale", "less than or equal to 100"),
-    (["--prompt", "x", "--width", "40"], "--width 40", "multiple of 16"),
-    (["--prompt", "x", "--strength", "0.5"], "--strength", "applies to image edits"),
-    (["--prompt", "x", "--image-path", "/nonexistent/in.png"], "--image-path /nonexistent/in.png", "cannot read"),
-])
-def test_generate_checks_values_as_the_api_before_loading(tiny_flux_path, tmp_path, capsys, no_load, flags, named,
-                                                          says):
+@pytest.mark.parametrize(
+    ("flags", "named", "says"),
+    [
+        (["--prompt", "   "], "--prompt", "must not be empty"),
+        (["--prompt", "x", "--num-inference-steps", "0"], "--num-inference-steps", "greater than or equal to 1"),
+        (["--prompt", "x", "--seed", "-1"], "--seed", "greater than or equal to 0"),
+        (["--prompt", "x", "--guidance-scale", "1000"], "--guidance-scale", "less than or equal to 100"),
+        (["--prompt", "x", "--width", "40"], "--width 40", "multiple of 16"),
+        (["--prompt", "x", "--strength", "0.5"], "--strength", "applies to image edits"),
+        (["--prompt", "x", "--image-path", "/nonexistent/in.png"], "--image-path /nonexistent/in.png", "cannot read"),
+    ],
+)
+def test_generate_checks_values_as_the_api_before_loading(
+    tiny_flux_path, tmp_path, capsys, no_load, flags, named, says
+):
     code, _, err = _generate(capsys, tiny_flux_path, tmp_path / "out", *flags)
     assert code == 2 and named in err and says in err, err
     assert "Traceback" not in err and not (tmp_path / "out").exists()
@@ -55,14 +60,24 @@ def test_generate_refuses_a_non_image_and_a_bad_strength_as_the_edit_api(tiny_fl
     text.write_text("not an image")
     code, _, err = _generate(capsys, tiny_flux_path, tmp_path / "out", "--prompt", "x", "--image-path", str(text))
     assert code == 2 and f"--image-path {text}" in err and "image" in err, err
-    code, _, err = _generate(capsys, tiny_flux_path, tmp_path / "out", "--prompt", "x", "--image-path",
-                             str(_png(tmp_path / "in.png")), "--strength", "1.5")
+    code, _, err = _generate(
+        capsys,
+        tiny_flux_path,
+        tmp_path / "out",
+        "--prompt",
+        "x",
+        "--image-path",
+        str(_png(tmp_path / "in.png")),
+        "--strength",
+        "1.5",
+    )
     assert code == 2 and "--strength" in err and "less than or equal to 1" in err, err
 
 
 def test_a_text_only_model_given_an_image_is_exit_2_naming_the_flag(tiny_wan_path, tmp_path, capsys, no_load):
-    code, _, err = _generate(capsys, tiny_wan_path, tmp_path / "out", "--prompt", "x", "--image-path",
-                             str(_png(tmp_path / "in.png")))
+    code, _, err = _generate(
+        capsys, tiny_wan_path, tmp_path / "out", "--prompt", "x", "--image-path", str(_png(tmp_path / "in.png"))
+    )
     assert code == 2 and "--image-path" in err and "takes no input image" in err, err
 
 
@@ -73,9 +88,21 @@ def test_an_image_to_video_model_needs_its_image(tiny_checkpoint, tmp_path, caps
 
 def test_generate_edits_an_input_image_at_its_size(tiny_flux_path, tmp_path, capsys):
     source = _png(tmp_path / "in.png", 48, 32)
-    code, out, err = _generate(capsys, tiny_flux_path, tmp_path / "out", "--prompt", "make it blue", "--image-path",
-                               str(source), "--strength", "0.5", "--num-inference-steps", "2",
-                               "--output-file-name", "edited")
+    code, out, err = _generate(
+        capsys,
+        tiny_flux_path,
+        tmp_path / "out",
+        "--prompt",
+        "make it blue",
+        "--image-path",
+        str(source),
+        "--strength",
+        "0.5",
+        "--num-inference-steps",
+        "2",
+        "--output-file-name",
+        "edited",
+    )
     assert code == 0, err
     written = Path(out.strip().splitlines()[-1])
     assert written.name == "edited.png" and Image.open(io.BytesIO(written.read_bytes())).size == (48, 32)
@@ -84,9 +111,23 @@ def test_generate_edits_an_input_image_at_its_size(tiny_flux_path, tmp_path, cap
 def test_generate_image_to_video_from_an_image(tiny_checkpoint, tmp_path, capsys):
     from diffuserve.media.video import probe_mp4
 
-    code, out, err = _generate(capsys, tiny_checkpoint("wan-i2v"), tmp_path / "out", "--prompt", "a cat",
-                               "--image-path", str(_png(tmp_path / "in.png", 32, 32)), "--num-inference-steps", "2",
-                               "--width", "32", "--height", "32", "--num-frames", "5")
+    code, out, err = _generate(
+        capsys,
+        tiny_checkpoint("wan-i2v"),
+        tmp_path / "out",
+        "--prompt",
+        "a cat",
+        "--image-path",
+        str(_png(tmp_path / "in.png", 32, 32)),
+        "--num-inference-steps",
+        "2",
+        "--width",
+        "32",
+        "--height",
+        "32",
+        "--num-frames",
+        "5",
+    )
     assert code == 0, err
     info = probe_mp4(Path(out.strip().splitlines()[-1]).read_bytes())
     assert (info["width"], info["height"], info["frames"]) == (32, 32, 5)

@@ -28,9 +28,18 @@ HELD = {"prompt": f"held {StepHold.MARKER}", "size": "64x64", "num_inference_ste
 def limits_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     logs = tmp_path_factory.mktemp("limits")
     server = ServerProcess(
-        ["--model-path", str(tiny_flux_path), "--max-request-bytes", "65536", "--max-queue-size", "2",
-         "--max-upload-bytes", "200000"],
-        logs / "server.log", env={"DIFFUSERVE_API_KEY": API_KEY, **StepHold(logs).env()},
+        [
+            "--model-path",
+            str(tiny_flux_path),
+            "--max-request-bytes",
+            "65536",
+            "--max-queue-size",
+            "2",
+            "--max-upload-bytes",
+            "200000",
+        ],
+        logs / "server.log",
+        env={"DIFFUSERVE_API_KEY": API_KEY, **StepHold(logs).env()},
     )
     server.start(headers=AUTH)
     yield server
@@ -109,8 +118,12 @@ def test_body_cap_413_before_reading_whole(limits_server):
             yield b"z" * 1024
         yield b'"}'
 
-    streamed = httpx.post(f"{limits_server.base_url}/v1/images/generations", content=chunks(),
-                          headers={**AUTH, "content-type": "application/json"}, timeout=30)
+    streamed = httpx.post(
+        f"{limits_server.base_url}/v1/images/generations",
+        content=chunks(),
+        headers={**AUTH, "content-type": "application/json"},
+        timeout=30,
+    )
     assert streamed.status_code == 413
 
 
@@ -129,10 +142,17 @@ def test_uploads_have_their_own_cap(limits_server):
     url = f"{limits_server.base_url}/v1/images/edits"
     medium = _noise_png(160)  # over --max-request-bytes, under --max-upload-bytes
     assert 65536 < len(medium) < 200000
-    ok = httpx.post(url, files={"image": ("in.png", medium)}, headers=AUTH, timeout=120,
-                    data={"prompt": "p", "size": "32x32", "num_inference_steps": "2"})
+    ok = httpx.post(
+        url,
+        files={"image": ("in.png", medium)},
+        headers=AUTH,
+        timeout=120,
+        data={"prompt": "p", "size": "32x32", "num_inference_steps": "2"},
+    )
     assert ok.status_code == 200, ok.text
-    too_big = httpx.post(url, files={"image": ("in.png", _noise_png(300))}, data={"prompt": "p"}, headers=AUTH, timeout=60)
+    too_big = httpx.post(
+        url, files={"image": ("in.png", _noise_png(300))}, data={"prompt": "p"}, headers=AUTH, timeout=60
+    )
     assert too_big.status_code == 413 and "--max-upload-bytes" in too_big.json()["error"]["message"]
 
 
@@ -177,9 +197,23 @@ def test_no_field_fetches_urls_and_paths_stay_inside(limits_server, tiny_flux_pa
         response = _post(limits_server, {"prompt": "x", field: "http://169.254.169.254/latest"})
         assert response.status_code == 400 and response.json()["error"]["param"] == field
     out = subprocess.run(
-        [sys.executable, "-m", "diffuserve.cli", "generate", "--model-path", str(tiny_flux_path), "--prompt", "x",
-         "--output-path", str(tmp_path / "out"), "--output-file-name", "../escape"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "diffuserve.cli",
+            "generate",
+            "--model-path",
+            str(tiny_flux_path),
+            "--prompt",
+            "x",
+            "--output-path",
+            str(tmp_path / "out"),
+            "--output-file-name",
+            "../escape",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 2 and "--output-file-name" in out.stderr
     assert not (tmp_path / "escape.png").exists()

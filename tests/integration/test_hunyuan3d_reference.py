@@ -32,8 +32,12 @@ REFERENCE = ("hy3dgen==2.0.2", "einops", "opencv-python-headless")
 @pytest.fixture(scope="session")
 def reference_site(tmp_path_factory) -> Path:
     site = tmp_path_factory.mktemp("hy3dgen") / "site"
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site),
-                           *REFERENCE], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), *REFERENCE],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if done.returncode != 0:
         pytest.skip(f"the reference package cannot be installed here ({' '.join(REFERENCE)}): {done.stderr[-500:]}")
     return site
@@ -50,15 +54,35 @@ def test_volume_and_vertices_equal_hy3dgen(reference_site, tiny_checkpoint, tmp_
     seed, steps, guidance, octree = 7, 3, 5.0, 24
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(reference_site), os.environ.get("PYTHONPATH", "")])}
     out = tmp_path / "reference.npz"
-    done = subprocess.run([sys.executable, str(HERE / "run_reference.py"), str(folder), str(png_path),
-                           str(tmp_path / "ours.npy"), str(seed), str(steps), str(guidance), str(octree), str(out),
-                           str(HERE / "stubs")],
-                          env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "run_reference.py"),
+            str(folder),
+            str(png_path),
+            str(tmp_path / "ours.npy"),
+            str(seed),
+            str(steps),
+            str(guidance),
+            str(octree),
+            str(out),
+            str(HERE / "stubs"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     reference = np.load(out)
 
-    params = SamplingParams(image_inputs=(png_path.read_bytes(),), num_inference_steps=steps,
-                            guidance_scale=guidance, seed=seed, octree_resolution=octree)
+    params = SamplingParams(
+        image_inputs=(png_path.read_bytes(),),
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        seed=seed,
+        octree_resolution=octree,
+    )
     volume = pipe.volumes([params], {})[0].numpy()
     assert np.abs(volume - reference["volume"][0]).max() < 1e-4
     mesh = pipe.run([params]).outputs[0].meshes[0]

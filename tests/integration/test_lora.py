@@ -30,8 +30,9 @@ def adapters(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return {
         "style": write_random_lora(tiny_flux_path, root / "style", rank=4, seed=1),
         "ink": write_random_lora(tiny_flux_path, root / "ink", rank=8, alpha=4, seed=2),
-        "mlp": write_random_lora(tiny_flux_path, root / "mlp", rank=2, seed=3,
-                                 targets=("to_q", "to_v", "proj_mlp", "proj_out", "ff.net.2")),
+        "mlp": write_random_lora(
+            tiny_flux_path, root / "mlp", rank=2, seed=3, targets=("to_q", "to_v", "proj_mlp", "proj_out", "ff.net.2")
+        ),
     }
 
 
@@ -41,8 +42,15 @@ def native(tiny_flux_path: Path, adapters: dict[str, Path]):
     from diffuserve.models.loader import load_pipeline
 
     pipe = load_pipeline(tiny_flux_path)
-    install_lora(pipe, "flux", {k: str(v) for k, v in adapters.items()}, max_loras=4, max_rank=8,
-                 device="cpu", dtype=torch.float32)
+    install_lora(
+        pipe,
+        "flux",
+        {k: str(v) for k, v in adapters.items()},
+        max_loras=4,
+        max_rank=8,
+        device="cpu",
+        dtype=torch.float32,
+    )
     return pipe
 
 
@@ -80,18 +88,28 @@ def _reference(reference, params: SamplingParams):
     kwargs = {}
     if params.cfg_enabled:
         kwargs = {"negative_prompt": params.negative_prompt, "true_cfg_scale": params.true_cfg_scale}
-    return reference(params.prompt, height=params.height, width=params.width,
-                     num_inference_steps=params.num_inference_steps, guidance_scale=params.guidance_scale,
-                     generator=torch.Generator().manual_seed(params.seed),
-                     max_sequence_length=reference.tokenizer_2.model_max_length, **kwargs).images[0]
+    return reference(
+        params.prompt,
+        height=params.height,
+        width=params.width,
+        num_inference_steps=params.num_inference_steps,
+        guidance_scale=params.guidance_scale,
+        generator=torch.Generator().manual_seed(params.seed),
+        max_sequence_length=reference.tokenizer_2.model_max_length,
+        **kwargs,
+    ).images[0]
 
 
-@pytest.mark.parametrize("lora", [
-    (("style", 1.0),),
-    (("ink", 0.7),),
-    (("style", 0.5), ("mlp", 1.5)),
-    (("ink", -1.0), ("style", 0.8), ("mlp", 1.0)),
-], ids=["one", "alpha", "two", "three-negative"])
+@pytest.mark.parametrize(
+    "lora",
+    [
+        (("style", 1.0),),
+        (("ink", 0.7),),
+        (("style", 0.5), ("mlp", 1.5)),
+        (("ink", -1.0), ("style", 0.8), ("mlp", 1.0)),
+    ],
+    ids=["one", "alpha", "two", "three-negative"],
+)
 def test_alone_matches_diffusers_set_adapters(native, reference, lora) -> None:
     params = _params(lora)
     ours = native.run([params]).outputs[0].images[0]
@@ -130,8 +148,10 @@ def test_rows_with_different_adapters_share_one_call(native) -> None:
 
 
 def test_batched_cfg_rows_keep_their_adapters(native) -> None:
-    batch = [_params((("style", 1.0),), seed=1, negative_prompt="blurry", true_cfg_scale=3.0),
-             _params((), seed=2, negative_prompt="blurry", true_cfg_scale=3.0)]
+    batch = [
+        _params((("style", 1.0),), seed=1, negative_prompt="blurry", true_cfg_scale=3.0),
+        _params((), seed=2, negative_prompt="blurry", true_cfg_scale=3.0),
+    ]
     alone = [native.run([p]).outputs[0].images[0] for p in batch]
     native.batched_cfg = True
     try:
@@ -154,7 +174,7 @@ def test_a_mismatching_adapter_is_refused_naming_the_module(tiny_flux_path: Path
     state[key] = torch.zeros(4, state[key].shape[1] + 1)
     (tmp_path / "bad").mkdir()
     save_file(state, tmp_path / "bad" / "pytorch_lora_weights.safetensors")
-    module = key[len("transformer."):-len(".lora_A.weight")]
+    module = key[len("transformer.") : -len(".lora_A.weight")]
     with pytest.raises(ConfigError, match=module.replace(".", r"\.")):
         read_adapter("bad", tmp_path / "bad", "flux", transformer, max_rank=16)
     with pytest.raises(ConfigError, match="--max-lora-rank"):
@@ -181,8 +201,15 @@ def test_a_kohya_file_goes_through_diffusers_converter(tiny_flux_path: Path, tmp
     save_file(state, tmp_path / "kohya.safetensors")
     reference.load_lora_weights(str(tmp_path / "kohya.safetensors"), adapter_name="kohya")
     native = load_pipeline(tiny_flux_path)
-    install_lora(native, "flux", {"kohya": str(tmp_path / "kohya.safetensors")}, max_loras=1, max_rank=4,
-                 device="cpu", dtype=torch.float32)
+    install_lora(
+        native,
+        "flux",
+        {"kohya": str(tmp_path / "kohya.safetensors")},
+        max_loras=1,
+        max_rank=4,
+        device="cpu",
+        dtype=torch.float32,
+    )
     params = _params((("kohya", 0.8),))
     ours = native.run([params]).outputs[0].images[0]
     worst, mean = _diff(ours, _reference(reference, params))

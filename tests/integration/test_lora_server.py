@@ -27,16 +27,40 @@ def lora_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory) 
 
     logs = tmp_path_factory.mktemp("lora")
     style = write_random_lora(tiny_flux_path, logs / "style", rank=4, seed=1)
-    ink = write_random_lora(tiny_flux_path, logs / "ink", rank=8, alpha=4, seed=2,
-                            targets=("to_q", "to_v", "proj_mlp", "ff.net.2"))
+    ink = write_random_lora(
+        tiny_flux_path, logs / "ink", rank=8, alpha=4, seed=2, targets=("to_q", "to_v", "proj_mlp", "ff.net.2")
+    )
     rules = logs / "batching.json"
-    rules.write_text(json.dumps({"schema_version": 1, "rules": [
-        {"model_contains": "tiny", "resolution": "32x32", "max_batch_size": 1}]}))
+    rules.write_text(
+        json.dumps(
+            {"schema_version": 1, "rules": [{"model_contains": "tiny", "resolution": "32x32", "max_batch_size": 1}]}
+        )
+    )
     server = ServerProcess(
-        ["--model-path", str(tiny_flux_path), "--served-model-name", MODEL, "--batching-mode", "dynamic",
-         "--batching-max-size", "4", "--batching-delay-ms", "300", "--batching-config", str(rules),
-         "--lora-modules", f"style={style}", f"ink={ink}", "--max-loras", "2", "--max-lora-rank", "8"],
-        logs / "server.log", env=StepHold(logs).env())
+        [
+            "--model-path",
+            str(tiny_flux_path),
+            "--served-model-name",
+            MODEL,
+            "--batching-mode",
+            "dynamic",
+            "--batching-max-size",
+            "4",
+            "--batching-delay-ms",
+            "300",
+            "--batching-config",
+            str(rules),
+            "--lora-modules",
+            f"style={style}",
+            f"ink={ink}",
+            "--max-loras",
+            "2",
+            "--max-lora-rank",
+            "8",
+        ],
+        logs / "server.log",
+        env=StepHold(logs).env(),
+    )
     server.start(timeout_s=180)
     yield server
     server.stop()
@@ -73,8 +97,11 @@ def test_model_naming_an_adapter_selects_it(lora_server: ServerProcess) -> None:
 
 
 def test_rows_with_different_adapters_merge_and_equal_their_runs_alone(lora_server: ServerProcess) -> None:
-    bodies = [_body("red house", 1, lora="style"), _body("a dog", 2),
-              _body("sea at night", 3, n=2, lora=[{"name": "ink", "scale": 0.7}, {"name": "style", "scale": -0.5}])]
+    bodies = [
+        _body("red house", 1, lora="style"),
+        _body("a dog", 2),
+        _body("sea at night", 3, n=2, lora=[{"name": "ink", "scale": 0.7}, {"name": "style", "scale": -0.5}]),
+    ]
     merged = _meeting_in_the_queue(lora_server, bodies)
     assert [r.status_code for r in merged] == [200] * 3
     assert {r.json()["timings"]["batch_size"] for r in merged} == {3}
@@ -85,12 +112,15 @@ def test_rows_with_different_adapters_merge_and_equal_their_runs_alone(lora_serv
             assert np.abs(a - b).max() <= 1, body
 
 
-@pytest.mark.parametrize(("extra", "words"), [
-    ({"lora": "nope"}, "no adapter named 'nope'"),
-    ({"lora": [{"name": "style", "scale": 100.0}]}, "scale=100.0 is outside"),
-    ({"lora": [{"name": "style"}, {"name": "style"}]}, "given twice"),
-    ({"lora": [{"name": "style", "weight": 1}]}, "weight"),
-])
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({"lora": "nope"}, "no adapter named 'nope'"),
+        ({"lora": [{"name": "style", "scale": 100.0}]}, "scale=100.0 is outside"),
+        ({"lora": [{"name": "style"}, {"name": "style"}]}, "given twice"),
+        ({"lora": [{"name": "style", "weight": 1}]}, "weight"),
+    ],
+)
 def test_bad_lora_values_are_400_naming_the_field(lora_server: ServerProcess, extra: dict, words: str) -> None:
     client = openai.OpenAI(base_url=f"{lora_server.base_url}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as err:
@@ -113,11 +143,27 @@ def test_an_adapter_for_another_model_stops_start_up_naming_the_module(tiny_flux
     state = load_file(folder / "pytorch_lora_weights.safetensors")
     moved = {k.replace("transformer_blocks.0.", "transformer_blocks.7."): v for k, v in state.items()}
     save_file(moved, folder / "pytorch_lora_weights.safetensors")
-    out = subprocess.run([sys.executable, "-m", "diffuserve.cli", "serve", "--model-path", str(tiny_flux_path),
-                          "--port", str(free_port()), "--lora-modules", f"other={folder}"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "diffuserve.cli",
+            "serve",
+            "--model-path",
+            str(tiny_flux_path),
+            "--port",
+            str(free_port()),
+            "--lora-modules",
+            f"other={folder}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 1, out.stderr[-2000:]
-    assert "--lora-modules other=" in out.stderr and "transformer_blocks.7.attn.to_k' does not exist" in out.stderr, out.stderr[-2000:]
+    assert "--lora-modules other=" in out.stderr and "transformer_blocks.7.attn.to_k' does not exist" in out.stderr, (
+        out.stderr[-2000:]
+    )
 
 
 def test_edits_take_the_lora_field(lora_server: ServerProcess) -> None:
@@ -129,9 +175,12 @@ def test_edits_take_the_lora_field(lora_server: ServerProcess) -> None:
     Image.new("RGB", (64, 64), (200, 40, 40)).save(buffer, format="PNG")
 
     def edit(**fields: str) -> httpx.Response:
-        return httpx.post(f"{lora_server.base_url}/v1/images/edits", files={"image": ("in.png", buffer.getvalue())},
-                          data={"prompt": "make it blue", "seed": "3", "num_inference_steps": "3", **fields},
-                          timeout=120)
+        return httpx.post(
+            f"{lora_server.base_url}/v1/images/edits",
+            files={"image": ("in.png", buffer.getvalue())},
+            data={"prompt": "make it blue", "seed": "3", "num_inference_steps": "3", **fields},
+            timeout=120,
+        )
 
     styled, plain, unknown = edit(lora="style"), edit(), edit(lora="nope")
     assert styled.status_code == plain.status_code == 200, styled.text

@@ -23,9 +23,24 @@ def mesh_server(tiny_checkpoint, tmp_path_factory):
 
     logs = tmp_path_factory.mktemp("meshes")
     # A long batching delay: the head job waits for the other three, so the batch closes on max_size.
-    server = ServerProcess(["--model-path", str(tiny_checkpoint("hunyuan3d")), "--served-model-name", "tiny-h3d",
-                            "--batching-mode", "dynamic", "--batching-max-size", "4", "--batching-delay-ms", "4000",
-                            "--enable-batching-metrics", "--max-octree-resolution", "64"], logs / "server.log")
+    server = ServerProcess(
+        [
+            "--model-path",
+            str(tiny_checkpoint("hunyuan3d")),
+            "--served-model-name",
+            "tiny-h3d",
+            "--batching-mode",
+            "dynamic",
+            "--batching-max-size",
+            "4",
+            "--batching-delay-ms",
+            "4000",
+            "--enable-batching-metrics",
+            "--max-octree-resolution",
+            "64",
+        ],
+        logs / "server.log",
+    )
     server.start(timeout_s=180)
     yield server
     server.stop()
@@ -68,10 +83,24 @@ def test_four_jobs_run_as_one_batch_each_equal_to_solo(mesh_server, tiny_checkpo
             reply = client.get(f"/v1/meshes/{job['id']}/content")
             assert reply.headers["content-type"] == "model/gltf-binary" and reply.content[:4] == b"glTF"
             served = trimesh.load(io.BytesIO(reply.content), file_type="glb", force="mesh")
-            solo = pipe.run([SamplingParams(image_inputs=(object_png(),), num_inference_steps=2, guidance_scale=5.0,
-                                            seed=job["seed"], octree_resolution=24)]).outputs[0].meshes[0]
-            alone = trimesh.load(io.BytesIO(encode_mesh(solo.vertices, solo.faces, "glb")), file_type="glb",
-                                 force="mesh")
+            solo = (
+                pipe.run(
+                    [
+                        SamplingParams(
+                            image_inputs=(object_png(),),
+                            num_inference_steps=2,
+                            guidance_scale=5.0,
+                            seed=job["seed"],
+                            octree_resolution=24,
+                        )
+                    ]
+                )
+                .outputs[0]
+                .meshes[0]
+            )
+            alone = trimesh.load(
+                io.BytesIO(encode_mesh(solo.vertices, solo.faces, "glb")), file_type="glb", force="mesh"
+            )
             assert served.vertices.shape == alone.vertices.shape
             assert np.abs(np.asarray(served.vertices) - np.asarray(alone.vertices)).max() < 1e-4
 
@@ -81,8 +110,16 @@ def test_json_data_url_obj_and_job_lifecycle(mesh_server):
 
     png = base64.b64encode(object_png()).decode()
     with httpx.Client(base_url=mesh_server.base_url, timeout=30) as client:
-        reply = client.post("/v1/meshes", json={"input_image": f"data:image/png;base64,{png}", "output_format": "obj",
-                                                "seed": 3, "num_inference_steps": 2, "octree_resolution": 24})
+        reply = client.post(
+            "/v1/meshes",
+            json={
+                "input_image": f"data:image/png;base64,{png}",
+                "output_format": "obj",
+                "seed": 3,
+                "num_inference_steps": 2,
+                "octree_resolution": 24,
+            },
+        )
         assert reply.status_code == 200, reply.text
         job = _wait(client, reply.json()["id"])
         assert job["status"] == "completed" and job["num_faces"] > 0
@@ -101,19 +138,36 @@ def test_json_data_url_obj_and_job_lifecycle(mesh_server):
         assert cancelled["status"] == "cancelled" and cancelled["error"]["code"]
 
 
-@pytest.mark.parametrize("kind, param", [("none", "image"), ("two", "image"), ("not_image", "input_image"),
-                                         ("format", "output_format"), ("octree", "octree_resolution")])
+@pytest.mark.parametrize(
+    "kind, param",
+    [
+        ("none", "image"),
+        ("two", "image"),
+        ("not_image", "input_image"),
+        ("format", "output_format"),
+        ("octree", "octree_resolution"),
+    ],
+)
 def test_rejected_creates_name_the_field_and_keep_no_job(mesh_server, kind, param):
     png = base64.b64encode(object_png()).decode()
     body = {"input_image": f"data:image/png;base64,{png}", "seed": 1}
     with httpx.Client(base_url=mesh_server.base_url, timeout=30) as client:
         before = client.get("/v1/meshes", params={"limit": 100}).json()["data"]
         if kind == "two":
-            reply = client.post("/v1/meshes", files=[("image", ("a.png", object_png(), "image/png")),
-                                                     ("image", ("b.png", object_png(), "image/png"))])
+            reply = client.post(
+                "/v1/meshes",
+                files=[
+                    ("image", ("a.png", object_png(), "image/png")),
+                    ("image", ("b.png", object_png(), "image/png")),
+                ],
+            )
         else:
-            body = {"none": {"seed": 1}, "not_image": {**body, "input_image": "data:image/png;base64,AAAA"},
-                    "format": {**body, "output_format": "stl"}, "octree": {**body, "octree_resolution": 65}}[kind]
+            body = {
+                "none": {"seed": 1},
+                "not_image": {**body, "input_image": "data:image/png;base64,AAAA"},
+                "format": {**body, "output_format": "stl"},
+                "octree": {**body, "octree_resolution": 65},
+            }[kind]
             reply = client.post("/v1/meshes", json=body)
         assert reply.status_code == 400, reply.text
         assert reply.json()["error"]["param"] == param

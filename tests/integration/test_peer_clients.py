@@ -39,8 +39,12 @@ SGLANG_VIDEO = {"num_frames": 5, "width": 32, "height": 32, "num_inference_steps
 """SGLang-Diffusion's video job: `seconds` (a create argument) and num_frames together, width/height with size."""
 FASTVIDEO_VIDEO = {"num_frames": 5, "num_inference_steps": 2, "seed": 5, "guidance_scale": 3.0, "flow_shift": 3.0}
 """FastVideo's video job: num_frames wins over seconds; flow_shift for Wan's flow-matching UniPC."""
-OTHER_EXTENSIONS = [("embedded_cfg_scale", 6.0), ("cfg_normalize", True), ("use_en_prompt", False),
-                    ("sigmas", [1.0, 0.5])]
+OTHER_EXTENSIONS = [
+    ("embedded_cfg_scale", 6.0),
+    ("cfg_normalize", True),
+    ("use_en_prompt", False),
+    ("sigmas", [1.0, 0.5]),
+]
 """Extensions of those servers this one does not implement: each stays a 400 naming the field. (`enable_teacache`
 is implemented, as `{"method": "teacache"}`: tests/integration/test_step_cache.py.)"""
 
@@ -70,36 +74,46 @@ def test_sglang_and_vllm_omni_image_bodies_work(singleton_server):
     for body in (SGLANG_IMAGE, VLLM_OMNI_IMAGE):
         result = client.images.generate(prompt="a red fox", size="32x32", extra_body=body)
         assert decode_b64_png(result.data[0].b64_json).size == (32, 32)
-    edit = client.images.edit(image=("in.png", _png(48, 32), "image/png"), prompt="make it blue", extra_body=SGLANG_EDIT)
+    edit = client.images.edit(
+        image=("in.png", _png(48, 32), "image/png"), prompt="make it blue", extra_body=SGLANG_EDIT
+    )
     assert decode_b64_png(edit.data[0].b64_json).size == (48, 32)
 
 
 def test_flow_shift_changes_the_schedule(singleton_server):
     client = _client(singleton_server)
     body = {"num_inference_steps": 2, "seed": 9}
-    plain, shifted = (decode_b64_png(client.images.generate(prompt="a fox", size="32x32", extra_body=extra)
-                                     .data[0].b64_json) for extra in (body, {**body, "flow_shift": 6.0}))
+    plain, shifted = (
+        decode_b64_png(client.images.generate(prompt="a fox", size="32x32", extra_body=extra).data[0].b64_json)
+        for extra in (body, {**body, "flow_shift": 6.0})
+    )
     assert np.abs(pixels(plain) - pixels(shifted)).max() > 0
 
 
-@pytest.mark.parametrize(("extra", "param"), [
-    ({"num_frames": 2}, "num_frames"),
-    ({"layers": 2}, "layers"),  # not a layered model
-    ({"resolution": 640}, "resolution"),
-    ({"flow_shift": 0}, "flow_shift"),
-    ({"boundary_ratio": 0.5}, "boundary_ratio"),
-    *[({name: value}, name) for name, value in OTHER_EXTENSIONS],
-])
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"num_frames": 2}, "num_frames"),
+        ({"layers": 2}, "layers"),  # not a layered model
+        ({"resolution": 640}, "resolution"),
+        ({"flow_shift": 0}, "flow_shift"),
+        ({"boundary_ratio": 0.5}, "boundary_ratio"),
+        *[({name: value}, name) for name, value in OTHER_EXTENSIONS],
+    ],
+)
 def test_image_fields_a_model_cannot_honour_are_400s_naming_them(singleton_server, extra, param):
     client = _client(singleton_server)
-    _refused(lambda: client.images.generate(prompt="x", size="32x32", extra_body={"num_inference_steps": 1, **extra}),
-             param)
+    _refused(
+        lambda: client.images.generate(prompt="x", size="32x32", extra_body={"num_inference_steps": 1, **extra}), param
+    )
 
 
 def test_edit_num_frames_other_than_one_is_refused(singleton_server):
     client = _client(singleton_server)
-    message = _refused(lambda: client.images.edit(image=("in.png", _png(), "image/png"), prompt="x",
-                                                  extra_body={"num_frames": 3}), "num_frames")
+    message = _refused(
+        lambda: client.images.edit(image=("in.png", _png(), "image/png"), prompt="x", extra_body={"num_frames": 3}),
+        "num_frames",
+    )
     assert "only be 1" in message
 
 
@@ -123,14 +137,17 @@ def test_fastvideo_body_and_width_height_instead_of_size(wan_server):
     assert (job.size, job.model_extra["num_frames"]) == ("48x32", 5)
 
 
-@pytest.mark.parametrize(("extra", "param"), [
-    ({"size": "32x32", "width": 48}, "width"),  # given together, size and width/height must agree
-    ({"guidance_scale_2": 2.0}, "guidance_scale_2"),  # Wan2.1: one expert
-    ({"boundary_ratio": 0.5}, "boundary_ratio"),
-    ({"true_cfg_scale": 4.0}, "true_cfg_scale"),  # Wan runs classic CFG under guidance_scale
-    ({"seconds": "soon", "num_frames": 5}, "seconds"),
-    *[({name: value}, name) for name, value in OTHER_EXTENSIONS],
-])
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"size": "32x32", "width": 48}, "width"),  # given together, size and width/height must agree
+        ({"guidance_scale_2": 2.0}, "guidance_scale_2"),  # Wan2.1: one expert
+        ({"boundary_ratio": 0.5}, "boundary_ratio"),
+        ({"true_cfg_scale": 4.0}, "true_cfg_scale"),  # Wan runs classic CFG under guidance_scale
+        ({"seconds": "soon", "num_frames": 5}, "seconds"),
+        *[({name: value}, name) for name, value in OTHER_EXTENSIONS],
+    ],
+)
 def test_video_fields_a_model_cannot_honour_are_400s_naming_them(wan_server, extra, param):
     response = httpx.post(f"{wan_server.base_url}/v1/videos", json={"prompt": "x", **extra}, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
@@ -150,17 +167,29 @@ def test_flow_shift_is_the_static_shift_diffusers_runs(tiny_flux_path):
     assert signature_difference(params, build_sampling_params(model, **common)) == "sampling_params.flow_shift"
     ours = pipe.run([params]).outputs[0].images
     reference = FluxPipeline.from_pretrained(tiny_flux_path, local_files_only=True)
-    reference.scheduler = FlowMatchEulerDiscreteScheduler.from_config(reference.scheduler.config, shift=2.5,
-                                                                      use_dynamic_shifting=False)
-    theirs = reference(prompt="a fox", height=32, width=32, num_inference_steps=3, guidance_scale=3.5,
-                       max_sequence_length=reference.tokenizer_2.model_max_length,
-                       generator=torch.Generator().manual_seed(4)).images
+    reference.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+        reference.scheduler.config, shift=2.5, use_dynamic_shifting=False
+    )
+    theirs = reference(
+        prompt="a fox",
+        height=32,
+        width=32,
+        num_inference_steps=3,
+        guidance_scale=3.5,
+        max_sequence_length=reference.tokenizer_2.model_max_length,
+        generator=torch.Generator().manual_seed(4),
+    ).images
     assert max_pixel_diff(ours, theirs) <= 1
     # Through the diffusers backend the request's scheduler is swapped in for the call, then restored.
     backend = load_pipeline(tiny_flux_path, backend="diffusers")
     original = backend.pipe.scheduler
-    assert max_pixel_diff(backend.run([build_sampling_params(backend.describe_model(), flow_shift=2.5, **common)])
-                          .outputs[0].images, theirs) <= 1
+    assert (
+        max_pixel_diff(
+            backend.run([build_sampling_params(backend.describe_model(), flow_shift=2.5, **common)]).outputs[0].images,
+            theirs,
+        )
+        <= 1
+    )
     assert backend.pipe.scheduler is original
 
 
@@ -171,14 +200,30 @@ def test_wan22_boundary_ratio_moves_the_expert_switch_as_diffusers(tiny_checkpoi
     pipe = load_pipeline(path)
     model = pipe.describe_model()
     assert {"guidance_scale_2", "boundary_ratio"} <= model.request_fields
-    common = {"prompt": "a cat surfing", "width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 3,
-              "seed": 3, "guidance_scale": 4.0, "guidance_scale_2": 2.0}
+    common = {
+        "prompt": "a cat surfing",
+        "width": 32,
+        "height": 32,
+        "num_frames": 5,
+        "num_inference_steps": 3,
+        "seed": 3,
+        "guidance_scale": 4.0,
+        "guidance_scale_2": 2.0,
+    }
     ours = pipe.run([build_sampling_params(model, boundary_ratio=0.5, **common)]).outputs[0].videos[0]
     reference = WanPipeline.from_pretrained(path, local_files_only=True)
     reference.register_to_config(boundary_ratio=0.5)
-    frames = reference(prompt="a cat surfing", height=32, width=32, num_frames=5, num_inference_steps=3,
-                       guidance_scale=4.0, guidance_scale_2=2.0, output_type="np",
-                       generator=torch.Generator().manual_seed(3)).frames[0]
+    frames = reference(
+        prompt="a cat surfing",
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=3,
+        guidance_scale=4.0,
+        guidance_scale_2=2.0,
+        output_type="np",
+        generator=torch.Generator().manual_seed(3),
+    ).frames[0]
     theirs = [(np.clip(f, 0, 1) * 255).round().astype("uint8") for f in frames]
     assert max_pixel_diff([ours], [theirs]) == 0
     backend = load_pipeline(path, backend="diffusers")

@@ -52,15 +52,18 @@ def test_host_load_leaves_placement_to_residency(tiny_flux_path, reference, devi
     assert moved == []  # the loader placed nothing
     assert all(p.device.type == "cpu" for m in pipe.components.values() for p in m.parameters())
     dit_bytes = _nbytes(pipe.transformer)
-    plan = DeploymentPlan(components={"transformer": ComponentPlan(name="transformer", group="dit",
-                                                                   mode=ResidencyMode.COMPONENT_OFFLOAD)})
+    plan = DeploymentPlan(
+        components={"transformer": ComponentPlan(name="transformer", group="dit", mode=ResidencyMode.COMPONENT_OFFLOAD)}
+    )
     ledger = TransferLedger()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     pipe.residency = build_residency(plan, pipe.components, device=device, ledger=ledger)
     try:
         # The residency layer moved the resident components, and only those, to the device ...
-        assert sorted(moved) == sorted(type(pipe.components[k]).__name__ for k in ("text_encoder", "text_encoder_2", "vae"))
+        assert sorted(moved) == sorted(
+            type(pipe.components[k]).__name__ for k in ("text_encoder", "text_encoder_2", "vae")
+        )
         assert {m.component for m in ledger.moves()} == {"text_encoder", "text_encoder_2", "vae"}
         # ... while the offloaded DiT stayed on the host: detached placeholders on the module, no device bytes.
         assert ledger.peak_bytes("transformer") == 0
@@ -85,8 +88,11 @@ def test_meta_load_reads_nothing_until_materialized(tiny_flux_path, reference):
         _pixels(pipe)  # no weights yet: a meta forward cannot run
     for key, module in modules.items():
         in_files = weight_files(tiny_flux_path / key)
-        expected = sum(t.numel() * t.element_size() for name, t in [*module.named_parameters(), *module.named_buffers()]
-                       if name in in_files)
+        expected = sum(
+            t.numel() * t.element_size()
+            for name, t in [*module.named_parameters(), *module.named_buffers()]
+            if name in in_files
+        )
         assert materialize_module(module, tiny_flux_path / key, device="cpu") == expected, key
         assert not is_meta(module)
     # Same weights; only their addresses differ (diffusers' load can leave tensors unaligned, which moves CPU

@@ -93,11 +93,10 @@ FAMILY_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("name", "backend", "length_attr"), FAMILY_CASES,
-                         ids=[f"{n}-{b}" for n, b, _ in FAMILY_CASES])
-def test_every_family_reports_a_truncated_prompt_from_its_spec(tiny_checkpoint, tiny_flux_path: Path,
-                                                               tiny_wan_path: Path, name: str, backend: str,
-                                                               length_attr: str | None):
+@pytest.mark.parametrize(("name", "backend", "length_attr"), FAMILY_CASES, ids=[f"{n}-{b}" for n, b, _ in FAMILY_CASES])
+def test_every_family_reports_a_truncated_prompt_from_its_spec(
+    tiny_checkpoint, tiny_flux_path: Path, tiny_wan_path: Path, name: str, backend: str, length_attr: str | None
+):
     path = {"flux": tiny_flux_path, "wan": tiny_wan_path}.get(name) or tiny_checkpoint(name)
     pipeline = _load(path, backend)
     facts = spec_for(pipeline.family).text_encoders

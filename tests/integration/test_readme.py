@@ -86,8 +86,15 @@ class PythonSession:
     def __init__(self, cwd: Path, env: dict[str, str]):
         self.errors = cwd.parent / "python-session.stderr"  # a file: a full stderr pipe would block the session
         self._stderr = open(self.errors, "w")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen([sys.executable, "-c", PYTHON_SESSION], cwd=cwd, env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", PYTHON_SESSION],
+            cwd=cwd,
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+        )
 
     def run(self, block: Block, code: str) -> None:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -112,8 +119,9 @@ def page_blocks(page: Path) -> list[Block]:
     for match in _FENCE.finditer(text):
         info = match.group(1).strip()
         lang = info.split()[0] if info else ""
-        blocks.append(Block(lang, info, match.group(2), text.count("\n", 0, match.start()) + 1,
-                            str(page.relative_to(REPO))))
+        blocks.append(
+            Block(lang, info, match.group(2), text.count("\n", 0, match.start()) + 1, str(page.relative_to(REPO)))
+        )
     return blocks
 
 
@@ -186,7 +194,11 @@ class DocsRun:
         shim.chmod(0o755)
         self.cache = tmp_path / "cache"  # the embedded model is built here once, as on a fresh machine
         monkeypatch.setenv("DIFFUSERVE_CACHE", str(self.cache))
-        self.env = {**os.environ, "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}", "DIFFUSERVE_CACHE": str(self.cache)}
+        self.env = {
+            **os.environ,
+            "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}",
+            "DIFFUSERVE_CACHE": str(self.cache),
+        }
         self.started: dict[tuple[str, ...], ServerProcess] = {}
         """Servers started for real, by their command line (a repeated line reuses its server)."""
         self.addresses: dict[str, int] = {}
@@ -238,7 +250,7 @@ class DocsRun:
             segment = []
             check_serve(words[1:], self.work, self.monkeypatch)
             self.ran.append(f"{block.where} (checked: {line.strip()[:60]})")
-            rest = [w for later in lines[index + 1:] for w in shlex.split(later, comments=True)]
+            rest = [w for later in lines[index + 1 :] for w in shlex.split(later, comments=True)]
             if rest:  # commands follow that talk to it: start it for real
                 port = self.server(words[2:]).port
                 given = _port_of(words)
@@ -250,8 +262,12 @@ class DocsRun:
     def server(self, argv: list[str]) -> ServerProcess:
         key = tuple(_without_port(argv))
         if key not in self.started:
-            server = ServerProcess(list(key) + ["--warmup-steps", "1"], self.tmp_path / f"server-{len(self.started)}.log",
-                                   env={"DIFFUSERVE_CACHE": str(self.cache)}, cwd=self.work)
+            server = ServerProcess(
+                list(key) + ["--warmup-steps", "1"],
+                self.tmp_path / f"server-{len(self.started)}.log",
+                env={"DIFFUSERVE_CACHE": str(self.cache)},
+                cwd=self.work,
+            )
             self.started[key] = server
             server.start(timeout_s=300)
         return self.started[key]
@@ -267,9 +283,17 @@ class DocsRun:
         script = re.sub(r"^(\s*)make ", rf"\1make -n -C {shlex.quote(str(REPO))} ", script, flags=re.M)
         if not script.strip():
             return
-        out = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=self.work, env=self.env,
-                             capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, f"{block.where} failed ({out.returncode}):\n{script}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        out = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", script],
+            cwd=self.work,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert out.returncode == 0, (
+            f"{block.where} failed ({out.returncode}):\n{script}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        )
         self.ran.append(block.where)
 
 
@@ -344,7 +368,9 @@ def test_every_relative_link_resolves() -> None:
 def test_link_checker_sees_broken_links(tmp_path: Path) -> None:
     (tmp_path / "b.md").write_text("# Some `code` title (v2)\n\n## Repeat\n\n## Repeat\n")
     page = tmp_path / "a.md"
-    page.write_text("[ok](b.md#some-code-title-v2) [ok](b.md#repeat-1) [bad](b.md#nope) [bad](c.md)\n"
-                    "`[skipped](d.md)` [web](https://example.com/x) [self](#a-title)\n\n# A title\n"
-                    "```bash\n# not a heading\n[in code](e.md)\n```\n")
+    page.write_text(
+        "[ok](b.md#some-code-title-v2) [ok](b.md#repeat-1) [bad](b.md#nope) [bad](c.md)\n"
+        "`[skipped](d.md)` [web](https://example.com/x) [self](#a-title)\n\n# A title\n"
+        "```bash\n# not a heading\n[in code](e.md)\n```\n"
+    )
     assert broken_links(page) == ["b.md#nope (no heading or <a id> 'nope' in b.md)", "c.md (no such file)"]

@@ -67,27 +67,61 @@ def cases() -> dict[str, Case]:
 
     torch.manual_seed(0)
     dit = FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8),
+        patch_size=1,
+        in_channels=16,
+        num_layers=2,
+        num_single_layers=3,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=(4, 4, 8),
     ).eval()
-    clip = CLIPTextModel(CLIPTextConfig(
-        vocab_size=99, hidden_size=32, intermediate_size=37, projection_dim=32, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1,
-    )).eval()
-    t5 = T5EncoderModel(T5Config(
-        vocab_size=99, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, feed_forward_proj="gated-gelu",
-    )).eval()
+    clip = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=99,
+            hidden_size=32,
+            intermediate_size=37,
+            projection_dim=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=77,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+        )
+    ).eval()
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=99,
+            d_model=32,
+            d_kv=8,
+            d_ff=37,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",
+        )
+    ).eval()
     vae = AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 8), layers_per_block=1,
-        latent_channels=4, norm_num_groups=4,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
     ).eval()
     g = torch.Generator().manual_seed(1)
     dit_in = dict(
-        hidden_states=torch.randn(1, 16, 16, generator=g), encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
-        pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),
-        img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3), return_dict=False,
+        hidden_states=torch.randn(1, 16, 16, generator=g),
+        encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
+        pooled_projections=torch.randn(1, 32, generator=g),
+        timestep=torch.tensor([0.5]),
+        img_ids=torch.zeros(16, 3),
+        txt_ids=torch.zeros(8, 3),
+        return_dict=False,
     )
     ids = torch.randint(0, 99, (2, 7), generator=g)
     z = torch.randn(1, 4, 8, 8, generator=g)
@@ -102,9 +136,13 @@ def cases() -> dict[str, Case]:
         for name, (module, run, forwards, specs_run) in runs.items():
             all_layers = _layers(module, default_layer_specs(name, module) or [])
             out[name] = Case(
-                module=module, run=run, reference=run().clone(), forwards_per_use=forwards,
+                module=module,
+                run=run,
+                reference=run().clone(),
+                forwards_per_use=forwards,
                 layers_run=list(_layers(module, specs_run)),
-                layer_bytes={n: tensor_bytes(m) for n, m in all_layers.items()}, total=tensor_bytes(module),
+                layer_bytes={n: tensor_bytes(m) for n, m in all_layers.items()},
+                total=tensor_bytes(module),
             )
     return out
 
@@ -115,7 +153,10 @@ def managed(
 ) -> Iterator[tuple[ComponentResidencyManager, TransferLedger]]:
     ledger = TransferLedger()
     manager = ComponentResidencyManager(
-        {n: cases[n].module for n in plans}, plans, device=torch.device("cpu"), ledger=ledger,
+        {n: cases[n].module for n in plans},
+        plans,
+        device=torch.device("cpu"),
+        ledger=ledger,
         device_budget_bytes=budget,
     )
     manager.setup()
@@ -208,6 +249,7 @@ def _watch_layers(case: Case, ledger: TransferLedger, name: str) -> tuple[list, 
     after: list[tuple[str, set]] = []
     handles = []
     for lname, layer in _layers(case.module, ["transformer_blocks", "single_transformer_blocks"]).items():
+
         def note(_mod, _args, lname=lname):
             during.append((lname, set(ledger.on_device().get(name, set()))))
 
@@ -362,9 +404,12 @@ def test_permanent_sets_that_do_not_fit_fail_naming_the_flag(cases: dict[str, Ca
     dit_layers = sum(dit.layer_bytes.values())
     te_layers = sum(te.layer_bytes.values())
     plans = {
-        "transformer": plan("transformer", ResidencyMode.LAYERWISE_OFFLOAD, resident_layers=5, lifetime=Lifetime.PERMANENT),
-        "text_encoder_2": plan("text_encoder_2", ResidencyMode.LAYERWISE_OFFLOAD, resident_layers=2,
-                               lifetime=Lifetime.PERMANENT),
+        "transformer": plan(
+            "transformer", ResidencyMode.LAYERWISE_OFFLOAD, resident_layers=5, lifetime=Lifetime.PERMANENT
+        ),
+        "text_encoder_2": plan(
+            "text_encoder_2", ResidencyMode.LAYERWISE_OFFLOAD, resident_layers=2, lifetime=Lifetime.PERMANENT
+        ),
     }
     # Together the two permanent sets are one byte over the budget; each alone would fit.
     budget = dit_layers + te_layers - 1
@@ -400,8 +445,10 @@ def test_failed_setup_undoes_what_it_placed(cases: dict[str, Case], monkeypatch:
         raise MemoryError("simulated out-of-memory while placing a permanent set")
 
     monkeypatch.setattr(layerwise.LayerwiseStrategy, "setup", out_of_memory)
-    plans = {"vae": plan("vae", ResidencyMode.COMPONENT_OFFLOAD),
-             "transformer": plan("transformer", ResidencyMode.LAYERWISE_OFFLOAD)}
+    plans = {
+        "vae": plan("vae", ResidencyMode.COMPONENT_OFFLOAD),
+        "transformer": plan("transformer", ResidencyMode.LAYERWISE_OFFLOAD),
+    }
     with pytest.raises(MemoryError):
         with managed(cases, plans):
             pass
@@ -415,8 +462,12 @@ def test_layerwise_without_layers_or_with_too_many_resident_layers(cases: dict[s
     ledger = TransferLedger()
     lonely = torch.nn.Linear(4, 4)
     with pytest.raises(ConfigError, match="--component-residency") as info:
-        ComponentResidencyManager({"proj": lonely}, {"proj": ComponentPlan("proj", "other", ResidencyMode.LAYERWISE_OFFLOAD)},
-                                  device="cpu", ledger=ledger)
+        ComponentResidencyManager(
+            {"proj": lonely},
+            {"proj": ComponentPlan("proj", "other", ResidencyMode.LAYERWISE_OFFLOAD)},
+            device="cpu",
+            ledger=ledger,
+        )
     assert "declares no layer structure" in info.value.message
     with pytest.raises(ConfigError, match="--layerwise-resident-layers") as info:
         with managed(cases, {"text_encoder": plan("text_encoder", ResidencyMode.LAYERWISE_OFFLOAD, resident_layers=3)}):
@@ -426,9 +477,13 @@ def test_layerwise_without_layers_or_with_too_many_resident_layers(cases: dict[s
 
 def test_default_layer_specs(cases: dict[str, Case]) -> None:
     assert default_layer_specs("transformer", cases["transformer"].module) == [
-        "transformer_blocks", "single_transformer_blocks"]
+        "transformer_blocks",
+        "single_transformer_blocks",
+    ]
     assert default_layer_specs("text_encoder", cases["text_encoder"].module) in (
-        ["text_model.encoder.layers"], ["encoder.layers"])  # transformers 4 / 5 layouts
+        ["text_model.encoder.layers"],
+        ["encoder.layers"],
+    )  # transformers 4 / 5 layouts
     assert default_layer_specs("text_encoder_2", cases["text_encoder_2"].module) == ["encoder.block"]
     assert default_layer_specs("vae", cases["vae"].module) == ["decoder.up_blocks", "encoder.down_blocks"]
     assert default_layer_specs("proj", torch.nn.Linear(2, 2)) is None
@@ -436,10 +491,18 @@ def test_default_layer_specs(cases: dict[str, Case]) -> None:
 
 def test_build_residency_defaults_missing_components_to_resident(cases: dict[str, Case]) -> None:
     ledger = TransferLedger()
-    dp = DeploymentPlan(components={"vae": plan("vae", ResidencyMode.SNAPSHOT_OFFLOAD),
-                                    "transformer_2": plan("transformer", ResidencyMode.COMPONENT_OFFLOAD)})
-    manager = build_residency(dp, {"vae": cases["vae"].module, "text_encoder": cases["text_encoder"].module,
-                                   "tokenizer": object()}, device="cpu", ledger=ledger)
+    dp = DeploymentPlan(
+        components={
+            "vae": plan("vae", ResidencyMode.SNAPSHOT_OFFLOAD),
+            "transformer_2": plan("transformer", ResidencyMode.COMPONENT_OFFLOAD),
+        }
+    )
+    manager = build_residency(
+        dp,
+        {"vae": cases["vae"].module, "text_encoder": cases["text_encoder"].module, "tokenizer": object()},
+        device="cpu",
+        ledger=ledger,
+    )
     try:
         assert manager.describe()["text_encoder"]["mode"] == "resident"
         assert manager.describe()["vae"] == {"mode": "snapshot-offload", "bytes": cases["vae"].total}
@@ -456,9 +519,12 @@ def test_cuda_layerwise_pinned_prefetch_matches_and_ledger_agrees_with_allocator
     name = "transformer"
     module = copy.deepcopy(cases[name].module)
     inputs = dict(
-        hidden_states=torch.randn(1, 16, 16), encoder_hidden_states=torch.randn(1, 8, 32),
-        pooled_projections=torch.randn(1, 32), timestep=torch.tensor([0.5]),
-        img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3),
+        hidden_states=torch.randn(1, 16, 16),
+        encoder_hidden_states=torch.randn(1, 8, 32),
+        pooled_projections=torch.randn(1, 32),
+        timestep=torch.tensor([0.5]),
+        img_ids=torch.zeros(16, 3),
+        txt_ids=torch.zeros(8, 3),
     )
     inputs = {k: v.cuda() for k, v in inputs.items()}
     with torch.no_grad():

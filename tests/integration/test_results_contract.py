@@ -70,7 +70,7 @@ def _listed(store: ResultStore) -> set[str]:
     media = store.media_backend
     if store.media is not None:
         return {p.name for p in store.media.iterdir()}
-    return {obj["Key"][len(media.prefix):].partition("/")[0] for obj in media._objects(media.prefix)}  # type: ignore[attr-defined]
+    return {obj["Key"][len(media.prefix) :].partition("/")[0] for obj in media._objects(media.prefix)}  # type: ignore[attr-defined]
 
 
 def test_media_first_then_the_row_and_a_finished_row_never_changes(make_store):
@@ -149,8 +149,12 @@ def test_dead_owners_and_expired_leases_fail_interrupted(make_store):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_owner = Owner(host=socket.gethostname(), pid=int(dead.stdout), start="1")
     live = Owner.current()
-    for rid, owner in [("video_dead", str(dead_owner)), ("video_neighbour", f"{live.host}@{live.pid}:{live.start}"),
-                       ("video_far_fresh", "other-host@7:1"), ("video_far_stale", "gone-host@7:1")]:
+    for rid, owner in [
+        ("video_dead", str(dead_owner)),
+        ("video_neighbour", f"{live.host}@{live.pid}:{live.start}"),
+        ("video_far_fresh", "other-host@7:1"),
+        ("video_far_stale", "gone-host@7:1"),
+    ]:
         store.add(rid, "video", "in_progress", {"progress": 40})
         with store._tx() as db:
             db.execute("UPDATE results SET owner = ? WHERE id = ?", (owner, rid))
@@ -195,8 +199,13 @@ store.close()
 
 def test_several_processes_share_one_store(make_store):
     store = make_store()  # the schema once, as the first server would
-    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, str(make_store.root), json.dumps(make_store.urls),
-                                 name], stderr=subprocess.PIPE) for name in ("a", "b")]
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WRITER, str(make_store.root), json.dumps(make_store.urls), name],
+            stderr=subprocess.PIPE,
+        )
+        for name in ("a", "b")
+    ]
     for writer in writers:
         assert writer.wait(120) == 0, writer.stderr.read().decode()
     assert store.count("video") == 30
@@ -256,12 +265,21 @@ def test_bad_store_settings_fail_at_start_naming_the_flag(postgres_server, s3_se
         open_results(tmp_path, RetentionPolicy(), results_db=f"postgresql://postgres:secret@127.0.0.1:{closed}/x")
     with pytest.raises(ConfigError, match="--results-db.*cannot connect"):
         open_results(tmp_path, RetentionPolicy(), results_db=postgres_server.url.replace("/postgres", "/no_such_db"))
-    with pytest.raises(ConfigError, match="--media-store s3://missing-bucket/p: bucket 'missing-bucket' does not "
-                                          "exist.*--media-store-create-bucket"):
-        open_results(tmp_path, RetentionPolicy(), media_store="s3://missing-bucket/p",
-                     s3_endpoint_url=s3_server.endpoint)
-    created = open_results(tmp_path, RetentionPolicy(), media_store="s3://made-at-start/p",
-                           s3_endpoint_url=s3_server.endpoint, create_bucket=True)
+    with pytest.raises(
+        ConfigError,
+        match="--media-store s3://missing-bucket/p: bucket 'missing-bucket' does not "
+        "exist.*--media-store-create-bucket",
+    ):
+        open_results(
+            tmp_path, RetentionPolicy(), media_store="s3://missing-bucket/p", s3_endpoint_url=s3_server.endpoint
+        )
+    created = open_results(
+        tmp_path,
+        RetentionPolicy(),
+        media_store="s3://made-at-start/p",
+        s3_endpoint_url=s3_server.endpoint,
+        create_bucket=True,
+    )
     created.close()
     with pytest.raises(ConfigError, match="--media-store.*cannot reach the S3 server"):
         open_results(tmp_path, RetentionPolicy(), media_store="s3://b/p", s3_endpoint_url=f"http://127.0.0.1:{closed}")
@@ -269,15 +287,21 @@ def test_bad_store_settings_fail_at_start_naming_the_flag(postgres_server, s3_se
         open_results(tmp_path, RetentionPolicy(), media_store="http://x")
 
 
-def test_a_store_that_goes_away_fails_requests_with_503_naming_it_then_recovers(postgres_server, s3_server,
-                                                                              tmp_path: Path):
+def test_a_store_that_goes_away_fails_requests_with_503_naming_it_then_recovers(
+    postgres_server, s3_server, tmp_path: Path
+):
     from tests.stores import TcpProxy
 
     db = TcpProxy(postgres_server.port)
     s3 = TcpProxy(s3_server.port)
     url = postgres_server.new_database().replace(f":{postgres_server.port}/", f":{db.port}/")
-    store = open_results(tmp_path, RetentionPolicy(), results_db=url,
-                         media_store=s3_server.new_store_url(), s3_endpoint_url=f"http://127.0.0.1:{s3.port}")
+    store = open_results(
+        tmp_path,
+        RetentionPolicy(),
+        results_db=url,
+        media_store=s3_server.new_store_url(),
+        s3_endpoint_url=f"http://127.0.0.1:{s3.port}",
+    )
     try:
         store.put_completed("img_1", "image", {}, {"0.png": b"png"})
         record = store.get("img_1")
@@ -302,11 +326,23 @@ def test_a_store_that_goes_away_fails_requests_with_503_naming_it_then_recovers(
 def test_serve_with_an_unusable_store_exits_2_naming_the_flag(s3_server, tmp_path: Path):
     from tests.serverproc import free_port
 
-    base = [sys.executable, "-m", "diffuserve.cli", "serve", "--port", str(free_port()),
-            "--output-dir", str(tmp_path / "out")]
-    cases = [(["--results-db", "mysql://x"], "--results-db: 'mysql://x' is not a PostgreSQL URL"),
-             (["--media-store", "s3://no-such-bucket/p", "--s3-endpoint-url", s3_server.endpoint],
-              "bucket 'no-such-bucket' does not exist")]
+    base = [
+        sys.executable,
+        "-m",
+        "diffuserve.cli",
+        "serve",
+        "--port",
+        str(free_port()),
+        "--output-dir",
+        str(tmp_path / "out"),
+    ]
+    cases = [
+        (["--results-db", "mysql://x"], "--results-db: 'mysql://x' is not a PostgreSQL URL"),
+        (
+            ["--media-store", "s3://no-such-bucket/p", "--s3-endpoint-url", s3_server.endpoint],
+            "bucket 'no-such-bucket' does not exist",
+        ),
+    ]
     for flags, message in cases:
         out = subprocess.run(base + flags, capture_output=True, text=True, timeout=240)
         assert out.returncode == 2, out.stderr[-2000:]
@@ -318,13 +354,21 @@ def test_url_images_resolve_on_another_replica_and_presign_to_the_bucket(postgre
 
     from diffuserve.server.context import ImageStore, StoredImage
 
-    urls = {"results_db": postgres_server.new_database(), "media_store": s3_server.new_store_url(),
-            "s3_endpoint_url": s3_server.endpoint}
+    urls = {
+        "results_db": postgres_server.new_database(),
+        "media_store": s3_server.new_store_url(),
+        "s3_endpoint_url": s3_server.endpoint,
+    }
     made_here, there = (open_results(tmp_path / name, RetentionPolicy(), **urls) for name in ("a", "b"))
     try:
-        ImageStore(made_here, 8).put("img_x", [StoredImage(b"png-0", "image/png"), StoredImage(b"webp-1", "image/webp")])
+        ImageStore(made_here, 8).put(
+            "img_x", [StoredImage(b"png-0", "image/png"), StoredImage(b"webp-1", "image/webp")]
+        )
         other = ImageStore(there, 8)
-        assert [(i.data, i.media_type) for i in other.get("img_x")] == [(b"png-0", "image/png"), (b"webp-1", "image/webp")]
+        assert [(i.data, i.media_type) for i in other.get("img_x")] == [
+            (b"png-0", "image/png"),
+            (b"webp-1", "image/webp"),
+        ]
         url = other.presign("img_x", 1, 60)
         assert url.startswith(s3_server.endpoint) and httpx.get(url, timeout=30).content == b"webp-1"
         assert other.presign("img_x", 2, 60) is None and other.presign("img_nope", 0, 60) is None

@@ -48,10 +48,23 @@ def _wait(client: openai.OpenAI, video_id: str, until, timeout_s: float = 60):
 
 
 def _wan(tiny_wan_path: Path, folder: Path, name: str) -> ServerProcess:
-    return ServerProcess(["--model-path", str(tiny_wan_path), "--served-model-name", "tiny-wan",
-                          "--max-inference-steps", str(LONG_STEPS), "--output-dir", str(folder / "outputs"),
-                          "--result-sweep-interval-s", "0.3", "--result-ttl-s", "3600"],
-                         folder / f"{name}.log")
+    return ServerProcess(
+        [
+            "--model-path",
+            str(tiny_wan_path),
+            "--served-model-name",
+            "tiny-wan",
+            "--max-inference-steps",
+            str(LONG_STEPS),
+            "--output-dir",
+            str(folder / "outputs"),
+            "--result-sweep-interval-s",
+            "0.3",
+            "--result-ttl-s",
+            "3600",
+        ],
+        folder / f"{name}.log",
+    )
 
 
 def test_kill9_restart_and_a_second_replica_share_the_results(tiny_wan_path: Path, tmp_path: Path):
@@ -122,25 +135,45 @@ def test_kill9_restart_and_a_second_replica_share_the_results(tiny_wan_path: Pat
             server.stop()
 
 
-def test_url_images_resolve_in_a_process_that_did_not_make_them(streaming_server, tiny_flux_path: Path,
-                                                                 tmp_path: Path):
+def test_url_images_resolve_in_a_process_that_did_not_make_them(streaming_server, tiny_flux_path: Path, tmp_path: Path):
     # The url links are rows and files in the shared folder, not memory: a process started afterwards
     # on the same --output-dir (a restart, or another replica) serves them byte for byte.
     key = {"Authorization": f"Bearer {STREAMING_API_KEY}"}
-    made = httpx.post(f"{streaming_server.base_url}/v1/images/generations", headers=key, timeout=60,
-                      json={"prompt": "a red fox", "n": 2, "size": "64x64", "response_format": "url",
-                            "num_inference_steps": 2, "seed": 1}).json()
+    made = httpx.post(
+        f"{streaming_server.base_url}/v1/images/generations",
+        headers=key,
+        timeout=60,
+        json={
+            "prompt": "a red fox",
+            "n": 2,
+            "size": "64x64",
+            "response_format": "url",
+            "num_inference_steps": 2,
+            "seed": 1,
+        },
+    ).json()
     urls = [d["url"] for d in made["data"]]
     before = [httpx.get(url, headers=key, timeout=30).content for url in urls]
-    other = ServerProcess(["--model-path", str(tiny_flux_path), "--api-key", STREAMING_API_KEY,
-                           "--output-dir", str(streaming_server.log_path.parent / "outputs")],
-                          tmp_path / "other.log").start(timeout_s=180)
+    other = ServerProcess(
+        [
+            "--model-path",
+            str(tiny_flux_path),
+            "--api-key",
+            STREAMING_API_KEY,
+            "--output-dir",
+            str(streaming_server.log_path.parent / "outputs"),
+        ],
+        tmp_path / "other.log",
+    ).start(timeout_s=180)
     try:
-        after = [httpx.get(url.replace(streaming_server.base_url, other.base_url), headers=key, timeout=30)
-                 for url in urls]
+        after = [
+            httpx.get(url.replace(streaming_server.base_url, other.base_url), headers=key, timeout=30) for url in urls
+        ]
         assert [r.status_code for r in after] == [200, 200]
         assert [r.content for r in after] == before
         assert Image.open(io.BytesIO(after[1].content)).size == (64, 64)
-        assert httpx.get(f"{other.base_url}/v1/images/{made['id']}x/content", headers=key, timeout=30).status_code == 404
+        assert (
+            httpx.get(f"{other.base_url}/v1/images/{made['id']}x/content", headers=key, timeout=30).status_code == 404
+        )
     finally:
         other.stop()

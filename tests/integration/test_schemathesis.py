@@ -26,8 +26,19 @@ from tests.serverproc import ServerProcess
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     logs = tmp_path_factory.mktemp("fuzz")
-    server = ServerProcess(["--model-path", str(tiny_flux_path), "--max-image-side", "64",
-                            "--max-inference-steps", "2", "--max-prompt-chars", "200"], logs / "server.log")
+    server = ServerProcess(
+        [
+            "--model-path",
+            str(tiny_flux_path),
+            "--max-image-side",
+            "64",
+            "--max-inference-steps",
+            "2",
+            "--max-prompt-chars",
+            "200",
+        ],
+        logs / "server.log",
+    )
     server.start()
     yield server
     server.stop()

@@ -24,8 +24,10 @@ def test_folder_name_ids_no_foreign_video_jobs_and_oversized_edit_input(tiny_flu
     video_store = ResultStore(outputs)  # a video server's job in the same folder
     video_store.add("video_foreign", "video", "completed", {"model": "wan", "prompt": "a cat surfing"})
     video_store.close()
-    server = ServerProcess(["--model-path", f"{checkpoint.resolve()}/", "--max-image-side", "64",
-                            "--output-dir", str(outputs)], tmp_path / "server.log")
+    server = ServerProcess(
+        ["--model-path", f"{checkpoint.resolve()}/", "--max-image-side", "64", "--output-dir", str(outputs)],
+        tmp_path / "server.log",
+    )
     server.start(timeout_s=180)
     try:
         base = server.base_url
@@ -35,8 +37,12 @@ def test_folder_name_ids_no_foreign_video_jobs_and_oversized_edit_input(tiny_flu
         assert listed["data"] == [] and listed["has_more"] is False, listed
         wide = io.BytesIO()
         Image.new("RGB", (80, 16), "white").save(wide, format="PNG")  # 1,280 pixels (under 64^2), one side over 64
-        edit = httpx.post(f"{base}/v1/images/edits", timeout=60, data={"prompt": "a red circle"},
-                          files={"image": ("wide.png", wide.getvalue(), "image/png")})
+        edit = httpx.post(
+            f"{base}/v1/images/edits",
+            timeout=60,
+            data={"prompt": "a red circle"},
+            files={"image": ("wide.png", wide.getvalue(), "image/png")},
+        )
         assert edit.status_code == 400, edit.text
         error = edit.json()["error"]
         assert error["param"] == "image" and "--max-image-side" in error["message"], error
@@ -49,12 +55,17 @@ def test_folder_name_ids_no_foreign_video_jobs_and_oversized_edit_input(tiny_flu
 
 
 def test_continuous_mode_reports_batch_rows(tiny_flux_path: Path, tmp_path: Path):
-    server = ServerProcess(["--model-path", str(tiny_flux_path), "--batching-mode", "continuous",
-                            "--batching-max-size", "4"], tmp_path / "server.log")
+    server = ServerProcess(
+        ["--model-path", str(tiny_flux_path), "--batching-mode", "continuous", "--batching-max-size", "4"],
+        tmp_path / "server.log",
+    )
     server.start(timeout_s=180)
     try:
-        answer = httpx.post(f"{server.base_url}/v1/images/generations", timeout=120,
-                            json={"prompt": "a red circle", "size": "64x64", "n": 2, "num_inference_steps": 2})
+        answer = httpx.post(
+            f"{server.base_url}/v1/images/generations",
+            timeout=120,
+            json={"prompt": "a red circle", "size": "64x64", "n": 2, "num_inference_steps": 2},
+        )
     finally:
         server.stop()
     assert answer.status_code == 200, answer.text

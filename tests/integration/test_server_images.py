@@ -36,8 +36,14 @@ def test_readiness_contract_observed_across_warmup(singleton_server):
 
 
 def test_openai_client_b64(client):
-    result = client.images.generate(model="tiny-flux", prompt="a red fox", n=2, size="64x64",
-                                    response_format="b64_json", extra_body={"num_inference_steps": 2, "seed": 7})
+    result = client.images.generate(
+        model="tiny-flux",
+        prompt="a red fox",
+        n=2,
+        size="64x64",
+        response_format="b64_json",
+        extra_body={"num_inference_steps": 2, "seed": 7},
+    )
     assert len(result.data) == 2
     images = [decode_b64_png(d.b64_json) for d in result.data]
     assert all(im.size == (64, 64) and im.format == "PNG" for im in images)
@@ -48,8 +54,13 @@ def test_openai_client_b64(client):
 
 
 def test_openai_client_url_and_formats(client, singleton_server):
-    result = client.images.generate(prompt="a blue car", n=2, size="32x48", response_format="url",
-                                    extra_body={"num_inference_steps": 2, "output_format": "jpeg", "seed": 3})
+    result = client.images.generate(
+        prompt="a blue car",
+        n=2,
+        size="32x48",
+        response_format="url",
+        extra_body={"num_inference_steps": 2, "output_format": "jpeg", "seed": 3},
+    )
     assert len(result.data) == 2
     for item in result.data:
         assert item.url.startswith(singleton_server.base_url)
@@ -65,33 +76,39 @@ def test_webp_and_seed_determinism(singleton_server):
     body = {"prompt": "a green tree", "size": "64x64", "num_inference_steps": 2, "seed": 11}
     first = httpx.post(f"{singleton_server.base_url}/v1/images/generations", json=body, timeout=60).json()
     again = httpx.post(f"{singleton_server.base_url}/v1/images/generations", json=body, timeout=60).json()
-    other = httpx.post(f"{singleton_server.base_url}/v1/images/generations", json={**body, "seed": 12}, timeout=60).json()
+    other = httpx.post(
+        f"{singleton_server.base_url}/v1/images/generations", json={**body, "seed": 12}, timeout=60
+    ).json()
     assert first["seed"] == 11
     a, b, c = (pixels(decode_b64_png(r["data"][0]["b64_json"])) for r in (first, again, other))
     assert (a == b).all()
     assert (a != c).any()
-    webp = httpx.post(f"{singleton_server.base_url}/v1/images/generations",
-                      json={**body, "output_format": "webp"}, timeout=60).json()
+    webp = httpx.post(
+        f"{singleton_server.base_url}/v1/images/generations", json={**body, "output_format": "webp"}, timeout=60
+    ).json()
     assert decode_b64_png(webp["data"][0]["b64_json"]).format == "WEBP"
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"prompt": "x", "size": "7x7"}, "size"),
-    ({"prompt": "x", "size": "0x0"}, "size"),
-    ({"prompt": "x", "size": "99999x99999"}, "size"),
-    ({"prompt": "x", "size": "big"}, "size"),
-    ({"prompt": "x", "n": 0}, "n"),
-    ({"prompt": "x", "n": 11}, "n"),
-    ({"prompt": "x", "num_inference_steps": 0}, "num_inference_steps"),
-    ({"prompt": "x", "num_inference_steps": 100000}, "num_inference_steps"),
-    ({"prompt": "x", "seed": -1}, "seed"),
-    ({"prompt": "x", "seed": 1.5}, "seed"),
-    ({"prompt": "   "}, "prompt"),
-    ({"prompt": "x" * 1_000_000}, "prompt"),
-    ({"prompt": "x", "surprise": 1}, "surprise"),
-    ({"prompt": "x", "response_format": "gif"}, "response_format"),
-    ({}, "prompt"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "size": "7x7"}, "size"),
+        ({"prompt": "x", "size": "0x0"}, "size"),
+        ({"prompt": "x", "size": "99999x99999"}, "size"),
+        ({"prompt": "x", "size": "big"}, "size"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "n": 11}, "n"),
+        ({"prompt": "x", "num_inference_steps": 0}, "num_inference_steps"),
+        ({"prompt": "x", "num_inference_steps": 100000}, "num_inference_steps"),
+        ({"prompt": "x", "seed": -1}, "seed"),
+        ({"prompt": "x", "seed": 1.5}, "seed"),
+        ({"prompt": "   "}, "prompt"),
+        ({"prompt": "x" * 1_000_000}, "prompt"),
+        ({"prompt": "x", "surprise": 1}, "surprise"),
+        ({"prompt": "x", "response_format": "gif"}, "response_format"),
+        ({}, "prompt"),
+    ],
+)
 def test_bad_requests_get_400_envelopes(singleton_server, body, param):
     response = httpx.post(f"{singleton_server.base_url}/v1/images/generations", json=body, timeout=30)
     assert response.status_code == 400, response.text
@@ -136,8 +153,10 @@ def _send_and_drop(base_url: str, body: dict, until: Callable[[], bool]) -> None
     """Send a request over a raw socket and close it once `until()` holds (a client that goes away)."""
     host, port = base_url.removeprefix("http://").split(":")
     payload = httpx.Request("POST", f"{base_url}/v1/images/generations", json=body)
-    raw = (f"POST /v1/images/generations HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-           f"Content-Length: {len(payload.content)}\r\n\r\n").encode() + payload.content
+    raw = (
+        f"POST /v1/images/generations HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload.content)}\r\n\r\n"
+    ).encode() + payload.content
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(raw)
         _wait(until)
@@ -168,8 +187,11 @@ def test_disconnects_queued_never_runs_running_stops(singleton_server):
     runner.start()
     try:
         _wait(lambda: running(singleton_server))
-        _send_and_drop(base, {"prompt": "queued then gone", "size": "64x64", "num_inference_steps": 2},
-                       lambda: metric_value(base, "diffuserve_queue_depth") == 1)
+        _send_and_drop(
+            base,
+            {"prompt": "queued then gone", "size": "64x64", "num_inference_steps": 2},
+            lambda: metric_value(base, "diffuserve_queue_depth") == 1,
+        )
         runner_gone.set()
         runner.join()
         # Both clients' disconnects were seen (the queued one removed, the running one cancelled): now the held
@@ -185,17 +207,41 @@ def test_disconnects_queued_never_runs_running_stops(singleton_server):
         assert time.monotonic() < deadline, "the queued request was not removed"
         time.sleep(0.1)
     # The server still serves.
-    ok = httpx.post(f"{base}/v1/images/generations", json={"prompt": "after", "size": "32x32", "num_inference_steps": 1}, timeout=60)
+    ok = httpx.post(
+        f"{base}/v1/images/generations", json={"prompt": "after", "size": "32x32", "num_inference_steps": 1}, timeout=60
+    )
     assert ok.status_code == 200
 
 
 def test_generate_cli_writes_files(tiny_flux_path: Path, tmp_path: Path):
     out = subprocess.run(
-        [sys.executable, "-m", "diffuserve.cli", "generate", "--model-path", str(tiny_flux_path),
-         "--prompt", "a cat", "--prompt", "a dog", "--num-outputs-per-prompt", "2", "--width", "32",
-         "--height", "32", "--num-inference-steps", "2", "--output-path", str(tmp_path / "out"),
-         "--output-file-name", "pic"],
-        capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "diffuserve.cli",
+            "generate",
+            "--model-path",
+            str(tiny_flux_path),
+            "--prompt",
+            "a cat",
+            "--prompt",
+            "a dog",
+            "--num-outputs-per-prompt",
+            "2",
+            "--width",
+            "32",
+            "--height",
+            "32",
+            "--num-inference-steps",
+            "2",
+            "--output-path",
+            str(tmp_path / "out"),
+            "--output-file-name",
+            "pic",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     paths = [Path(line) for line in out.stdout.split() if line.endswith(".png")]

@@ -51,11 +51,30 @@ def test_any_replica_answers_any_job(tiny_wan_path: Path, postgres_server, s3_se
     db, media = postgres_server.new_database(), s3_server.new_store_url()
 
     def replica(name: str, *extra: str) -> ServerProcess:
-        return ServerProcess(["--model-path", str(tiny_wan_path), "--served-model-name", "tiny-wan",
-                              "--max-inference-steps", str(LONG_STEPS), "--output-dir", str(tmp_path / name),
-                              "--results-db", db, "--media-store", media, "--s3-endpoint-url", s3_server.endpoint,
-                              "--result-sweep-interval-s", "0.5", "--owner-timeout-s", "30", *extra],
-                             tmp_path / f"{name}.log")
+        return ServerProcess(
+            [
+                "--model-path",
+                str(tiny_wan_path),
+                "--served-model-name",
+                "tiny-wan",
+                "--max-inference-steps",
+                str(LONG_STEPS),
+                "--output-dir",
+                str(tmp_path / name),
+                "--results-db",
+                db,
+                "--media-store",
+                media,
+                "--s3-endpoint-url",
+                s3_server.endpoint,
+                "--result-sweep-interval-s",
+                "0.5",
+                "--owner-timeout-s",
+                "30",
+                *extra,
+            ],
+            tmp_path / f"{name}.log",
+        )
 
     a, b = replica("a", "--result-sweep-interval-s", "5"), replica("b", "--media-presign-s", "60")
     with ThreadPoolExecutor(2) as pool:
@@ -64,8 +83,9 @@ def test_any_replica_answers_any_job(tiny_wan_path: Path, postgres_server, s3_se
     restarted = None
     try:
         on_a, on_b = _client(a), _client(b)
-        done_id = on_a.videos.create(prompt="a red fox", model="tiny-wan", extra_body={"num_inference_steps": 2,
-                                                                                      "seed": 3}).id
+        done_id = on_a.videos.create(
+            prompt="a red fox", model="tiny-wan", extra_body={"num_inference_steps": 2, "seed": 3}
+        ).id
         done = _wait(on_b, done_id, lambda j: j.status == "completed")
         assert done.progress == 100
         mp4 = on_a.videos.download_content(done_id).content  # streamed through A from the bucket
@@ -74,8 +94,10 @@ def test_any_replica_answers_any_job(tiny_wan_path: Path, postgres_server, s3_se
         assert redirect.status_code == 307 and redirect.headers["location"].startswith(s3_server.endpoint)
         assert on_b.videos.download_content(done_id).content == mp4, "the SDK follows the presigned redirect"
         for variant in ("thumbnail", "spritesheet"):
-            assert (on_b.videos.download_content(done_id, variant=variant).content
-                    == on_a.videos.download_content(done_id, variant=variant).content)
+            assert (
+                on_b.videos.download_content(done_id, variant=variant).content
+                == on_a.videos.download_content(done_id, variant=variant).content
+            )
 
         # Remix on B of A's job; list through either replica (limit / after / order).
         remix = on_b.videos.remix(done_id, prompt="a blue fox")
@@ -88,8 +110,9 @@ def test_any_replica_answers_any_job(tiny_wan_path: Path, postgres_server, s3_se
 
         # A cancel sent to B stops the job A runs, at its next denoising step: PostgreSQL NOTIFY tells A at
         # once (A sweeps only every 5 s, so the log line below is the notification's, not the sweep's).
-        long_id = on_a.videos.create(prompt="a long fox", model="tiny-wan",
-                                     extra_body={"num_inference_steps": LONG_STEPS}).id
+        long_id = on_a.videos.create(
+            prompt="a long fox", model="tiny-wan", extra_body={"num_inference_steps": LONG_STEPS}
+        ).id
         _wait(on_a, long_id, lambda j: j.status == "in_progress")
         # (The SDK has no videos.cancel: POST /v1/videos/{id}/cancel as other servers serve it.)
         cancelled = httpx.post(f"{b.base_url}/v1/videos/{long_id}/cancel", timeout=30).json()
@@ -104,8 +127,9 @@ def test_any_replica_answers_any_job(tiny_wan_path: Path, postgres_server, s3_se
             on_a.videos.retrieve(remix.id)
 
         # A dies mid-job (SIGKILL): B fails its job `interrupted`.
-        killed_id = on_a.videos.create(prompt="a doomed fox", model="tiny-wan",
-                                       extra_body={"num_inference_steps": LONG_STEPS}).id
+        killed_id = on_a.videos.create(
+            prompt="a doomed fox", model="tiny-wan", extra_body={"num_inference_steps": LONG_STEPS}
+        ).id
         _wait(on_a, killed_id, lambda j: j.status == "in_progress")
         a.signal(signal.SIGKILL)
         a.proc.wait(30)
@@ -131,6 +155,6 @@ def test_any_replica_answers_any_job(tiny_wan_path: Path, postgres_server, s3_se
         rows = {rid: files for rid, files in conn.execute("SELECT id, files FROM results")}
     bucket, prefix = media.removeprefix("s3://").split("/", 1)
     listed = s3_server.client().list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", [])
-    objects = {obj["Key"][len(prefix) + 1:] for obj in listed}
+    objects = {obj["Key"][len(prefix) + 1 :] for obj in listed}
     assert objects == {f"{done_id}/video.mp4"}
     assert set(rows) == {done_id, long_id, killed_id}

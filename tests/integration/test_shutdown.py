@@ -38,8 +38,9 @@ def _wait_accepted(base_url: str, count: int, timeout_s: float = 30) -> None:
                 queued = float(line.split()[1])
             if line.startswith("diffuserve_running_batch_size "):
                 running = float(line.split()[1])
-        done = sum(float(line.split()[1]) for line in text.splitlines()
-                   if line.startswith("diffuserve_requests_total{"))
+        done = sum(
+            float(line.split()[1]) for line in text.splitlines() if line.startswith("diffuserve_requests_total{")
+        )
         if queued + running + done >= count:
             return
         time.sleep(0.02)
@@ -66,11 +67,13 @@ def test_sigterm_with_16_in_flight(tiny_flux_path: Path, tmp_path: Path):
 def test_shutdown_timeout_answers_the_rest_with_errors(tiny_flux_path: Path, tmp_path: Path):
     hold = StepHold(tmp_path)  # the running request is held at its first step: none finishes within 0.5 s
     hold.arm()
-    server = ServerProcess(["--model-path", str(tiny_flux_path), "--shutdown-timeout-s", "0.5"], tmp_path / "log",
-                           env=hold.env())
+    server = ServerProcess(
+        ["--model-path", str(tiny_flux_path), "--shutdown-timeout-s", "0.5"], tmp_path / "log", env=hold.env()
+    )
     server.start()
-    threads, answers = _fire(server.base_url, 4, {"prompt": f"too slow {StepHold.MARKER}", "size": "512x512",
-                                                  "num_inference_steps": 200})
+    threads, answers = _fire(
+        server.base_url, 4, {"prompt": f"too slow {StepHold.MARKER}", "size": "512x512", "num_inference_steps": 200}
+    )
     _wait_accepted(server.base_url, 4)
     started = time.monotonic()
     server.signal(signal.SIGTERM)

@@ -23,8 +23,13 @@ PIXEL_TOL = 1  # uint8 steps, i.e. 1/255
 
 def _generate(server: ServerProcess, model: str, prompt: str, seed: int, steps: int) -> np.ndarray:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
-    result = client.images.generate(model=model, prompt=prompt, size="64x64", response_format="b64_json",
-                                    extra_body={"seed": seed, "num_inference_steps": steps})
+    result = client.images.generate(
+        model=model,
+        prompt=prompt,
+        size="64x64",
+        response_format="b64_json",
+        extra_body={"seed": seed, "num_inference_steps": steps},
+    )
     return pixels(decode_b64_png(result.data[0].b64_json))
 
 
@@ -43,8 +48,13 @@ def test_a_batch_decodes_while_the_next_batch_denoises(dynamic_server, singleton
     assert steps_beside >= 2, "the worker waited for the first batch's decode instead of denoising the next batch"
     for (prompt, seed, steps), image in zip(jobs, got, strict=True):
         body = {"prompt": prompt, "seed": seed, "size": "64x64", "num_inference_steps": steps}
-        alone = pixels(decode_b64_png(httpx.post(f"{singleton_server.base_url}/v1/images/generations",
-                                                 timeout=300, json=body).json()["data"][0]["b64_json"]))
+        alone = pixels(
+            decode_b64_png(
+                httpx.post(f"{singleton_server.base_url}/v1/images/generations", timeout=300, json=body).json()["data"][
+                    0
+                ]["b64_json"]
+            )
+        )
         assert int(np.abs(image.astype(np.int16) - alone.astype(np.int16)).max()) <= PIXEL_TOL, prompt
 
 
@@ -67,8 +77,13 @@ def test_a_queued_requests_text_encodes_while_the_running_batch_denoises(dynamic
     assert steps_beside >= 2, "the queued request's text encode did not run beside the running batch"
     for (prompt, seed, steps), image in zip(jobs, got, strict=True):
         body = {"prompt": prompt, "seed": seed, "size": "64x64", "num_inference_steps": steps}
-        alone = pixels(decode_b64_png(httpx.post(f"{singleton_server.base_url}/v1/images/generations",
-                                                 timeout=300, json=body).json()["data"][0]["b64_json"]))
+        alone = pixels(
+            decode_b64_png(
+                httpx.post(f"{singleton_server.base_url}/v1/images/generations", timeout=300, json=body).json()["data"][
+                    0
+                ]["b64_json"]
+            )
+        )
         assert int(np.abs(image.astype(np.int16) - alone.astype(np.int16)).max()) <= PIXEL_TOL, prompt
 
 
@@ -91,8 +106,12 @@ def test_counting_prompt_tokens_beside_an_encode_does_not_change_what_the_encode
     counter = threading.Thread(target=count)
     counter.start()
     try:
-        lengths = {tokenizer([text], padding="max_length", max_length=64, truncation=True,
-                             return_tensors="pt").input_ids.shape[1] for _ in range(300)}
+        lengths = {
+            tokenizer(
+                [text], padding="max_length", max_length=64, truncation=True, return_tensors="pt"
+            ).input_ids.shape[1]
+            for _ in range(300)
+        }
     finally:
         stop.set()
         counter.join()

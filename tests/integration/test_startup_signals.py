@@ -35,21 +35,35 @@ def _held_warmup_server(tiny_flux_path: Path, tmp_path: Path) -> ServerProcess:
     release = tmp_path / "release-warm-up"
     env = {"DIFFUSERVE_FAULT_INJECTION": f"hold_step:warm-up,release:{release}"}
     server = ServerProcess(["--model-path", str(tiny_flux_path)], tmp_path / "server.log", env=env)
-    cmd = [sys.executable, "-m", "diffuserve.cli", "serve", "--port", str(server.port), *server.args,
-           "--output-dir", str(tmp_path / "outputs")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "diffuserve.cli",
+        "serve",
+        "--port",
+        str(server.port),
+        *server.args,
+        "--output-dir",
+        str(tmp_path / "outputs"),
+    ]
     server._log = open(server.log_path, "wb")  # noqa: SIM115 - closed by server.stop()
-    server.proc = subprocess.Popen(cmd, stdout=server._log, stderr=subprocess.STDOUT, cwd=REPO,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+    server.proc = subprocess.Popen(
+        cmd, stdout=server._log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", **env}
+    )
     return server
 
 
-@pytest.mark.parametrize(("sig", "code", "gate", "phases"), [
-    (signal.SIGTERM, 0, "fault injection: holding", ("warming_up",)),
-    (signal.SIGINT, 130, "fault injection: holding", ("warming_up",)),
-    (signal.SIGTERM, 0, "Loading ", ("loading", "warming_up")),
-    # The plan is logged before uvicorn runs: the CLI's own start-up handler (or uvicorn's, if it already took over).
-    (signal.SIGINT, 130, "deployment plan:", ("starting", "loading", "warming_up")),
-])
+@pytest.mark.parametrize(
+    ("sig", "code", "gate", "phases"),
+    [
+        (signal.SIGTERM, 0, "fault injection: holding", ("warming_up",)),
+        (signal.SIGINT, 130, "fault injection: holding", ("warming_up",)),
+        (signal.SIGTERM, 0, "Loading ", ("loading", "warming_up")),
+        # The plan is logged before uvicorn runs: the CLI's own start-up handler (or uvicorn's, if it already took
+        # over).
+        (signal.SIGINT, 130, "deployment plan:", ("starting", "loading", "warming_up")),
+    ],
+)
 def test_signal_before_serving_stops_at_once(tiny_flux_path: Path, tmp_path: Path, sig, code, gate, phases):
     server = _held_warmup_server(tiny_flux_path, tmp_path)
     try:
@@ -62,7 +76,9 @@ def test_signal_before_serving_stops_at_once(tiny_flux_path: Path, tmp_path: Pat
         server.stop()
     log = server.log()
     name = signal.Signals(sig).name
-    assert any(f"{name} during start-up ({phase}): stopping before serving, exit {code}" in log for phase in phases), log
+    assert any(f"{name} during start-up ({phase}): stopping before serving, exit {code}" in log for phase in phases), (
+        log
+    )
     for never in ("ready to serve", "drained", "Traceback", "KeyboardInterrupt", "terminate called"):
         assert never not in log, log
 
@@ -72,9 +88,24 @@ def test_port_in_use_fails_before_the_model_loads(tiny_flux_path: Path, tmp_path
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "diffuserve.cli", "serve", "--model-path", str(tiny_flux_path),
-                                 "--port", str(port), "--output-dir", str(tmp_path / "outputs")],
-                                capture_output=True, text=True, timeout=120, cwd=REPO)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "diffuserve.cli",
+                "serve",
+                "--model-path",
+                str(tiny_flux_path),
+                "--port",
+                str(port),
+                "--output-dir",
+                str(tmp_path / "outputs"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and str(port) in lines[0] and "--port" in lines[0], result.stderr
@@ -85,13 +116,20 @@ def test_port_in_use_fails_before_the_model_loads(tiny_flux_path: Path, tmp_path
 def test_second_signal_says_what_happened_once(tiny_flux_path: Path, tmp_path: Path):
     hold = StepHold(tmp_path)
     hold.arm()
-    server = ServerProcess(["--model-path", str(tiny_flux_path), "--shutdown-timeout-s", "600"], tmp_path / "log",
-                           env=hold.env())
+    server = ServerProcess(
+        ["--model-path", str(tiny_flux_path), "--shutdown-timeout-s", "600"], tmp_path / "log", env=hold.env()
+    )
     server.start()
     answers: list[httpx.Response] = []
-    thread = threading.Thread(target=lambda: answers.append(httpx.post(
-        f"{server.base_url}/v1/images/generations", json={"prompt": f"slow {StepHold.MARKER}", "size": "64x64"},
-        timeout=120)))
+    thread = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(
+                f"{server.base_url}/v1/images/generations",
+                json={"prompt": f"slow {StepHold.MARKER}", "size": "64x64"},
+                timeout=120,
+            )
+        )
+    )
     thread.start()
     deadline = time.monotonic() + 60
     while not running(server):

@@ -58,10 +58,18 @@ def calibration(flux, tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _params(method: str, steps: int = 10, calibration: str | None = None) -> list[SamplingParams]:
-    return [SamplingParams(prompt=prompt, width=64, height=64, num_inference_steps=steps, guidance_scale=0.0,
-                           seed=i, step_cache=with_calibration(parse_step_cache({"method": method, **options}),
-                                                               calibration))
-            for i, (prompt, options) in enumerate(zip(PROMPTS, SETTINGS[method], strict=True))]
+    return [
+        SamplingParams(
+            prompt=prompt,
+            width=64,
+            height=64,
+            num_inference_steps=steps,
+            guidance_scale=0.0,
+            seed=i,
+            step_cache=with_calibration(parse_step_cache({"method": method, **options}), calibration),
+        )
+        for i, (prompt, options) in enumerate(zip(PROMPTS, SETTINGS[method], strict=True))
+    ]
 
 
 def _max_diff(a, b) -> int:
@@ -132,33 +140,59 @@ def test_cached_output_skips_steps_and_stays_close(flux, calibration, method: st
 
 
 @pytest.fixture(scope="module")
-def cache_server(tiny_flux_path: Path, calibration: str,
-                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def cache_server(
+    tiny_flux_path: Path, calibration: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
     """Dynamic batching of 3 with a server default of fbcache and a MagCache calibration; `StepHold.MARKER` prompts
     wait at their steps."""
     logs = tmp_path_factory.mktemp("step-cache")
     server = ServerProcess(
-        ["--model-path", str(tiny_flux_path), "--served-model-name", "tiny-flux-cache", "--batching-mode", "dynamic",
-         "--batching-max-size", "3", "--batching-delay-ms", "200", "--max-queue-size", "0",
-         "--step-cache-calibration", calibration,
-         "--step-cache", "fbcache", "--step-cache-config", json.dumps({"threshold": 0.2, "warmup_steps": 1})],
-        logs / "server.log", env=StepHold(logs).env())
+        [
+            "--model-path",
+            str(tiny_flux_path),
+            "--served-model-name",
+            "tiny-flux-cache",
+            "--batching-mode",
+            "dynamic",
+            "--batching-max-size",
+            "3",
+            "--batching-delay-ms",
+            "200",
+            "--max-queue-size",
+            "0",
+            "--step-cache-calibration",
+            calibration,
+            "--step-cache",
+            "fbcache",
+            "--step-cache-config",
+            json.dumps({"threshold": 0.2, "warmup_steps": 1}),
+        ],
+        logs / "server.log",
+        env=StepHold(logs).env(),
+    )
     server.start()
     yield server
     server.stop()
 
 
-def _generate(server: ServerProcess, prompt: str, seed: int, size: str = "64x64",
-              **extra: object) -> tuple[np.ndarray, dict]:
+def _generate(
+    server: ServerProcess, prompt: str, seed: int, size: str = "64x64", **extra: object
+) -> tuple[np.ndarray, dict]:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
-    result = client.images.generate(model="tiny-flux-cache", prompt=prompt, size=size, response_format="b64_json",
-                                    extra_body={"seed": seed, "num_inference_steps": 8, **extra})
+    result = client.images.generate(
+        model="tiny-flux-cache",
+        prompt=prompt,
+        size=size,
+        response_format="b64_json",
+        extra_body={"seed": seed, "num_inference_steps": 8, **extra},
+    )
     return pixels(decode_b64_png(result.data[0].b64_json)), result.model_extra["timings"]
 
 
 def test_server_default_request_field_and_metrics(cache_server: ServerProcess) -> None:
-    before = metric_value(cache_server.base_url, "diffuserve_step_cache_steps_total",
-                          {"method": "fbcache", "outcome": "reused"})
+    before = metric_value(
+        cache_server.base_url, "diffuserve_step_cache_steps_total", {"method": "fbcache", "outcome": "reused"}
+    )
     _, default = _generate(cache_server, PROMPTS[0], 1)
     assert default["step_cache"]["method"] == "fbcache"
     assert default["step_cache"]["computed_steps"] + default["step_cache"]["reused_steps"] == 8
@@ -170,19 +204,23 @@ def test_server_default_request_field_and_metrics(cache_server: ServerProcess) -
     assert taylor["step_cache"]["reused_steps"] > 0
     _, mag = _generate(cache_server, PROMPTS[0], 1, step_cache={"method": "magcache", "threshold": 0.3})
     assert mag["step_cache"]["method"] == "magcache" and mag["step_cache"]["reused_steps"] > 0
-    after = metric_value(cache_server.base_url, "diffuserve_step_cache_steps_total",
-                         {"method": "fbcache", "outcome": "reused"})
+    after = metric_value(
+        cache_server.base_url, "diffuserve_step_cache_steps_total", {"method": "fbcache", "outcome": "reused"}
+    )
     assert after - before == default["step_cache"]["reused_steps"]
 
 
-@pytest.mark.parametrize(("extra", "param"), [
-    ({"step_cache": "deepcache"}, "step_cache"),
-    ({"step_cache": {"method": "fbcache", "threshold": 99}}, "step_cache"),
-    ({"step_cache": {"method": "taylorseer", "colour": 1}}, "step_cache"),
-    ({"step_cache": {"method": "magcache", "mag_ratios": [1.0]}}, "step_cache"),
-    ({"step_cache": 7}, "step_cache"),
-    ({"enable_teacache": True, "step_cache": "fbcache"}, "enable_teacache"),
-])
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"step_cache": "deepcache"}, "step_cache"),
+        ({"step_cache": {"method": "fbcache", "threshold": 99}}, "step_cache"),
+        ({"step_cache": {"method": "taylorseer", "colour": 1}}, "step_cache"),
+        ({"step_cache": {"method": "magcache", "mag_ratios": [1.0]}}, "step_cache"),
+        ({"step_cache": 7}, "step_cache"),
+        ({"enable_teacache": True, "step_cache": "fbcache"}, "enable_teacache"),
+    ],
+)
 def test_bad_values_are_a_400_naming_the_field(cache_server: ServerProcess, extra: dict, param: str) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
         _generate(cache_server, "bad", 1, **extra)
@@ -207,8 +245,10 @@ def test_merged_requests_equal_their_requests_alone_over_http(cache_server: Serv
         try:
             held = pool.submit(_generate, cache_server, f"held {StepHold.MARKER}", 9, size="32x32")
             _wait(lambda: running(cache_server))
-            futures = [pool.submit(_generate, cache_server, p, i, step_cache=o)
-                       for i, (p, o) in enumerate(zip(PROMPTS, options, strict=True))]
+            futures = [
+                pool.submit(_generate, cache_server, p, i, step_cache=o)
+                for i, (p, o) in enumerate(zip(PROMPTS, options, strict=True))
+            ]
             _wait(lambda: metric_value(cache_server.base_url, "diffuserve_queue_depth") == 3)
         finally:
             hold.release()
@@ -233,11 +273,21 @@ def test_other_native_families_decide_per_row(tiny_checkpoint, family: str) -> N
 
     pipeline = load_pipeline(tiny_checkpoint(family))
     d = pipeline.defaults
-    batch = [SamplingParams(prompt=f"prompt {i}", width=d.width, height=d.height, num_frames=d.num_frames,
-                            num_inference_steps=6, guidance_scale=d.guidance_scale, true_cfg_scale=d.true_cfg_scale,
-                            negative_prompt=d.negative_prompt, seed=i,
-                            step_cache=parse_step_cache({"method": "fbcache", "threshold": threshold}))
-             for i, threshold in enumerate((0.01, 2.0))]
+    batch = [
+        SamplingParams(
+            prompt=f"prompt {i}",
+            width=d.width,
+            height=d.height,
+            num_frames=d.num_frames,
+            num_inference_steps=6,
+            guidance_scale=d.guidance_scale,
+            true_cfg_scale=d.true_cfg_scale,
+            negative_prompt=d.negative_prompt,
+            seed=i,
+            step_cache=parse_step_cache({"method": "fbcache", "threshold": threshold}),
+        )
+        for i, threshold in enumerate((0.01, 2.0))
+    ]
     for params in batch:
         pipeline.validate(params)
     merged = pipeline.run(batch).outputs
@@ -253,14 +303,27 @@ def test_other_native_families_decide_per_row(tiny_checkpoint, family: str) -> N
     assert raised.value.param == "step_cache"
 
 
-def test_continuous_server_reports_each_requests_own_counts(tiny_flux_path: Path,
-                                                           tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_continuous_server_reports_each_requests_own_counts(
+    tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """Continuous batching over HTTP: requests with different settings step in one group; each answer equals the
     same request run alone on the same server, counts included."""
     logs = tmp_path_factory.mktemp("step-cache-continuous")
-    server = ServerProcess(["--model-path", str(tiny_flux_path), "--served-model-name", "tiny-flux-cache",
-                            "--batching-mode", "continuous", "--batching-max-size", "3", "--step-cache", "taylorseer"],
-                           logs / "server.log").start()
+    server = ServerProcess(
+        [
+            "--model-path",
+            str(tiny_flux_path),
+            "--served-model-name",
+            "tiny-flux-cache",
+            "--batching-mode",
+            "continuous",
+            "--batching-max-size",
+            "3",
+            "--step-cache",
+            "taylorseer",
+        ],
+        logs / "server.log",
+    ).start()
     options = [{"method": "taylorseer", **o} for o in SETTINGS["taylorseer"]]
     try:
         alone = [_generate(server, PROMPTS[i], i, step_cache=options[i]) for i in range(3)]
@@ -291,15 +354,19 @@ def test_layerwise_offload_streams_no_block_a_step_reuses(flux, tiny_flux_path: 
     manager = ComponentResidencyManager(
         {"transformer": pipeline.transformer},
         {"transformer": ComponentPlan("transformer", "dit", ResidencyMode.LAYERWISE_OFFLOAD)},
-        device=torch.device("cpu"), ledger=ledger)
+        device=torch.device("cpu"),
+        ledger=ledger,
+    )
     manager.setup()
     pipeline.residency = manager
 
     def moved() -> int:
         return sum(sum(d.values()) for d in ledger.totals().values())
 
-    batch = [dataclasses.replace(p, step_cache=parse_step_cache({"method": "taylorseer", "refresh_interval": 3}))
-             for p in _params("taylorseer", steps=12)[:2]]
+    batch = [
+        dataclasses.replace(p, step_cache=parse_step_cache({"method": "taylorseer", "refresh_interval": 3}))
+        for p in _params("taylorseer", steps=12)[:2]
+    ]
     try:
         start = moved()
         plain = pipeline.run([dataclasses.replace(p, step_cache=None) for p in batch]).outputs

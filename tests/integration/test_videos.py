@@ -35,19 +35,30 @@ def test_backend_frames_equal_wan_pipeline(tiny_wan_path: Path):
     assert backend.family == "wan" and backend.output_kind == "video"
     assert (backend.defaults.width, backend.defaults.num_frames, backend.defaults.fps) == (32, 5, 8)
     common = {"width": 32, "height": 48, "num_frames": 5, "num_inference_steps": 3, "output_format": "mp4"}
-    batch = [SamplingParams(prompt="a red fox", seed=3, n=2, **common),
-             SamplingParams(prompt="a cat surfing", negative_prompt="blurry", seed=9, **common)]
+    batch = [
+        SamplingParams(prompt="a red fox", seed=3, n=2, **common),
+        SamplingParams(prompt="a cat surfing", negative_prompt="blurry", seed=9, **common),
+    ]
     outputs = backend.run(batch).outputs
     assert [len(o.videos) for o in outputs] == [2, 1]
     direct = WanPipeline.from_pretrained(tiny_wan_path, local_files_only=True)
     direct.set_progress_bar_config(disable=True)
     # Row j of a request uses seed + j, so request 0's second row is the direct run with seed 4.
-    for video, prompt, negative, seed in ((outputs[0].videos[1], "a red fox", None, 4),
-                                          (outputs[1].videos[0], "a cat surfing", "blurry", 9)):
+    for video, prompt, negative, seed in (
+        (outputs[0].videos[1], "a red fox", None, 4),
+        (outputs[1].videos[0], "a cat surfing", "blurry", 9),
+    ):
         with torch.inference_mode():
-            frames = direct(prompt=prompt, negative_prompt=negative, height=48, width=32, num_frames=5,
-                            num_inference_steps=3, generator=torch.Generator().manual_seed(seed),
-                            output_type="np").frames[0]
+            frames = direct(
+                prompt=prompt,
+                negative_prompt=negative,
+                height=48,
+                width=32,
+                num_frames=5,
+                num_inference_steps=3,
+                generator=torch.Generator().manual_seed(seed),
+                output_type="np",
+            ).frames[0]
         expected = (np.clip(frames, 0, 1) * 255).round()
         got = np.stack([np.asarray(f, dtype=np.float64) for f in video])
         assert got.shape == (5, 48, 32, 3)
@@ -136,8 +147,14 @@ def test_cancel_queued_and_running_progress_and_merged_jobs(wan_server, hold):
     # The long job may run its first 100 steps (progress rises), then waits until it is cancelled below: it is
     # still running meanwhile on any machine.
     hold.release(steps=100)
-    long = _create(wan_server, prompt=f"a red fox {StepHold.MARKER}", size="64x64", num_frames=9,
-                   num_inference_steps=LONG_STEPS, seed=1)
+    long = _create(
+        wan_server,
+        prompt=f"a red fox {StepHold.MARKER}",
+        size="64x64",
+        num_frames=9,
+        num_inference_steps=LONG_STEPS,
+        seed=1,
+    )
     _wait(wan_server, long["id"], lambda j: j["status"] == "in_progress")
     # Queued behind it: one to cancel, and two compatible jobs that must merge once it is gone.
     doomed = _create(wan_server, prompt="never runs", num_inference_steps=2)
@@ -166,8 +183,9 @@ def test_cancel_queued_and_running_progress_and_merged_jobs(wan_server, hold):
     # A merged row equals its singleton run.
     alone = _wait(wan_server, _create(wan_server, prompt="merged 1", num_inference_steps=2, seed=41)["id"], _finished)
     assert alone["timings"]["batch_size"] == 1
-    merged_frames, alone_frames = (_frames(httpx.get(f"{base}/v1/videos/{j['id']}/content").content)
-                                   for j in (jobs[1], alone))
+    merged_frames, alone_frames = (
+        _frames(httpx.get(f"{base}/v1/videos/{j['id']}/content").content) for j in (jobs[1], alone)
+    )
     assert np.abs(merged_frames - alone_frames).max() <= 2
 
 
@@ -183,18 +201,27 @@ def test_job_deadline_is_the_servers_not_a_clients(wan_server, hold):
     assert "deadline" in failed["error"]["message"]
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"prompt": "x", "num_frames": 4}, "num_frames"),
-    ({"prompt": "x", "num_frames": 0}, "num_frames"),
-    ({"prompt": "x", "size": "40x32"}, "size"),
-    ({"prompt": "x", "size": "wide"}, "size"),
-    ({"prompt": "x", "size": "1024x1024"}, "size"),  # beyond the tiny checkpoint's rotary table: 400, not a job error
-    ({"prompt": "x", "surprise": True}, "surprise"),
-    ({"prompt": "  "}, "prompt"),
-    ({"prompt": "x", "seconds": "soon", "num_frames": 5}, "seconds"),  # with num_frames too (it wins), still checked
-    ({"prompt": "x", "n": 2}, "n"),
-    ({"prompt": "x", "num_inference_steps": LONG_STEPS + 1}, "num_inference_steps"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "num_frames": 4}, "num_frames"),
+        ({"prompt": "x", "num_frames": 0}, "num_frames"),
+        ({"prompt": "x", "size": "40x32"}, "size"),
+        ({"prompt": "x", "size": "wide"}, "size"),
+        (
+            {"prompt": "x", "size": "1024x1024"},
+            "size",
+        ),  # beyond the tiny checkpoint's rotary table: 400, not a job error
+        ({"prompt": "x", "surprise": True}, "surprise"),
+        ({"prompt": "  "}, "prompt"),
+        (
+            {"prompt": "x", "seconds": "soon", "num_frames": 5},
+            "seconds",
+        ),  # with num_frames too (it wins), still checked
+        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "num_inference_steps": LONG_STEPS + 1}, "num_inference_steps"),
+    ],
+)
 def test_bad_requests_name_the_field(wan_server, body, param):
     response = httpx.post(f"{wan_server.base_url}/v1/videos", json=body, timeout=30)
     assert response.status_code == 400, response.text
@@ -217,10 +244,32 @@ def test_video_model_refuses_image_requests(wan_server):
 def test_bench_videos_endpoint(wan_server, tmp_path: Path):
     out_json = tmp_path / "videos.json"
     out = subprocess.run(
-        [sys.executable, "-m", "diffuserve.cli", "bench", "--base-url", wan_server.base_url, "--endpoint", "videos",
-         "--num-requests", "3", "--concurrency", "2", "--size", "32x32", "--steps", "1", "--num-frames", "5",
-         "--output-json", str(out_json), "--no-progress"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "diffuserve.cli",
+            "bench",
+            "--base-url",
+            wan_server.base_url,
+            "--endpoint",
+            "videos",
+            "--num-requests",
+            "3",
+            "--concurrency",
+            "2",
+            "--size",
+            "32x32",
+            "--steps",
+            "1",
+            "--num-frames",
+            "5",
+            "--output-json",
+            str(out_json),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out_json.read_text())["results"][0]
@@ -234,9 +283,27 @@ def test_generate_cli_writes_mp4_for_a_video_model(tiny_wan_path: Path, tmp_path
     from diffuserve.media.video import probe_mp4
 
     out = subprocess.run(
-        [sys.executable, "-m", "diffuserve.cli", "generate", "--model-path", str(tiny_wan_path), "--prompt", "a wave",
-         "--num-frames", "5", "--fps", "8", "--num-inference-steps", "2", "--output-path", str(tmp_path)],
-        capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "diffuserve.cli",
+            "generate",
+            "--model-path",
+            str(tiny_wan_path),
+            "--prompt",
+            "a wave",
+            "--num-frames",
+            "5",
+            "--fps",
+            "8",
+            "--num-inference-steps",
+            "2",
+            "--output-path",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     [path] = [Path(line) for line in out.stdout.split() if line.endswith(".mp4")]

@@ -34,8 +34,19 @@ def _client(server: ServerProcess) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def i2v_server(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     logs = tmp_path_factory.mktemp("i2v")
-    server = ServerProcess(["--model-path", str(tiny_checkpoint("wan-i2v")), "--served-model-name", "tiny-wan-i2v",
-                            "--batching-mode", "dynamic", "--batching-max-size", "2"], logs / "server.log")
+    server = ServerProcess(
+        [
+            "--model-path",
+            str(tiny_checkpoint("wan-i2v")),
+            "--served-model-name",
+            "tiny-wan-i2v",
+            "--batching-mode",
+            "dynamic",
+            "--batching-max-size",
+            "2",
+        ],
+        logs / "server.log",
+    )
     server.start()
     yield server
     server.stop()
@@ -65,8 +76,9 @@ def test_create_and_poll_then_every_variant(wan_server):
 
 def test_queued_jobs_carry_the_poll_header(wan_server):
     client = _client(wan_server)
-    raw = client.videos.with_raw_response.create(prompt="a slow kite", size="32x32",
-                                                  extra_body={"num_inference_steps": 40})
+    raw = client.videos.with_raw_response.create(
+        prompt="a slow kite", size="32x32", extra_body={"num_inference_steps": 40}
+    )
     job = raw.parse()
     assert raw.headers["openai-poll-after-ms"] == "500"
     assert client.videos.poll(job.id).status == "completed"
@@ -89,8 +101,9 @@ def test_list_pages_in_both_orders_and_delete(wan_server):
 
 def test_remix_keeps_the_settings_with_a_new_prompt(wan_server):
     client = _client(wan_server)
-    source = client.videos.create_and_poll(prompt="a red fox", size="48x32", seconds="1",
-                                           extra_body={"seed": 7, "num_inference_steps": 3})
+    source = client.videos.create_and_poll(
+        prompt="a red fox", size="48x32", seconds="1", extra_body={"seed": 7, "num_inference_steps": 3}
+    )
     remix = client.videos.remix(source.id, prompt="a blue fox")
     assert remix.prompt == "a blue fox" and remix.remixed_from_video_id == source.id
     done = client.videos.poll(remix.id)
@@ -105,20 +118,28 @@ def test_text_to_video_model_refuses_an_image_and_keeps_no_job(wan_server):
     with pytest.raises(openai.BadRequestError) as err:
         client.videos.create(prompt="x", size="32x32", input_reference=("in.png", _png(), "image/png"))
     assert err.value.body["param"] == "input_reference"
-    for bad in ({"prompt": "x", "num_frames": 4}, {"prompt": "x", "size": "1024x1024"},
-                {"prompt": "x", "num_frames": 10_001}):
+    for bad in (
+        {"prompt": "x", "num_frames": 4},
+        {"prompt": "x", "size": "1024x1024"},
+        {"prompt": "x", "num_frames": 10_001},
+    ):
         assert httpx.post(f"{wan_server.base_url}/v1/videos", json=bad, timeout=30).status_code == 400
     assert _job_count(wan_server) == before  # every rejected create left nothing behind
 
 
 def test_image_to_video_with_an_upload_and_a_data_url(i2v_server):
     client = _client(i2v_server)
-    uploaded = client.videos.create(prompt="the cat walks", size="32x32", input_reference=("in.png", _png(3), "image/png"))
+    uploaded = client.videos.create(
+        prompt="the cat walks", size="32x32", input_reference=("in.png", _png(3), "image/png")
+    )
     done = client.videos.poll(uploaded.id)
     assert done.status == "completed" and probe_mp4(client.videos.download_content(done.id).read())["frames"] >= 1
     data_url = "data:image/png;base64," + base64.b64encode(_png(4)).decode()
-    reply = httpx.post(f"{i2v_server.base_url}/v1/videos", timeout=30,
-                       json={"prompt": "the dog runs", "size": "32x32", "input_reference": {"image_url": data_url}})
+    reply = httpx.post(
+        f"{i2v_server.base_url}/v1/videos",
+        timeout=30,
+        json={"prompt": "the dog runs", "size": "32x32", "input_reference": {"image_url": data_url}},
+    )
     assert reply.status_code == 200, reply.text
     assert client.videos.poll(reply.json()["id"]).status == "completed"
     with pytest.raises(openai.BadRequestError) as err:
@@ -126,12 +147,15 @@ def test_image_to_video_with_an_upload_and_a_data_url(i2v_server):
     assert err.value.body["param"] == "video_id"  # the input image is not kept, so no remix
 
 
-@pytest.mark.parametrize(("reference", "needle"), [
-    (None, "exactly one input image"),
-    ({"image_url": "data:image/png;base64,bm90IGFuIGltYWdl"}, "input_reference"),
-    ({"image_url": "https://example.com/cat.png"}, "--allow-remote-urls"),
-    ({"file_id": "file_123"}, "file_id"),
-])
+@pytest.mark.parametrize(
+    ("reference", "needle"),
+    [
+        (None, "exactly one input image"),
+        ({"image_url": "data:image/png;base64,bm90IGFuIGltYWdl"}, "input_reference"),
+        ({"image_url": "https://example.com/cat.png"}, "--allow-remote-urls"),
+        ({"file_id": "file_123"}, "file_id"),
+    ],
+)
 def test_bad_image_references_get_400_naming_input_reference(i2v_server, reference, needle):
     before = _job_count(i2v_server)
     body = {"prompt": "x", "size": "32x32", **({"input_reference": reference} if reference else {})}

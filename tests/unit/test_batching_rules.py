@@ -29,8 +29,13 @@ def load_error(tmp_path: Path, data: object) -> str:
 
 
 def test_loads_the_seed_example(tmp_path: Path) -> None:
-    path = write(tmp_path, {"schema_version": 1, "rules": [
-        {"model_contains": "Qwen-Image", "resolution": "1024x1024", "max_batch_size": 1}]})
+    path = write(
+        tmp_path,
+        {
+            "schema_version": 1,
+            "rules": [{"model_contains": "Qwen-Image", "resolution": "1024x1024", "max_batch_size": 1}],
+        },
+    )
     rules = load_batching_rules(path)
     assert rules.cap_for(NAMES, 1024, 1024, 1) == 1
     assert rules.cap_for(NAMES, 512, 512, 1) is None
@@ -45,12 +50,15 @@ def test_loads_yaml(tmp_path: Path) -> None:
 
 
 def test_smallest_matching_cap_wins_and_selectors_match() -> None:
-    rules = BatchingRules(schema_version=1, rules=(
-        BatchingRule(model_contains="QWEN", max_batch_size=6),              # case-insensitive substring
-        BatchingRule(model="Qwen/Qwen-Image", resolution="512x256", max_batch_size=2),
-        BatchingRule(model="Qwen-Image", max_batch_size=1),                  # exact: matches no name
-        BatchingRule(model_contains="wan", num_frames=81, max_batch_size=1),
-    ))
+    rules = BatchingRules(
+        schema_version=1,
+        rules=(
+            BatchingRule(model_contains="QWEN", max_batch_size=6),  # case-insensitive substring
+            BatchingRule(model="Qwen/Qwen-Image", resolution="512x256", max_batch_size=2),
+            BatchingRule(model="Qwen-Image", max_batch_size=1),  # exact: matches no name
+            BatchingRule(model_contains="wan", num_frames=81, max_batch_size=1),
+        ),
+    )
     assert rules.cap_for(NAMES, 64, 64, 1) == 6
     assert rules.cap_for(NAMES, 512, 256, 1) == 2
     assert rules.cap_for(NAMES, 256, 512, 1) == 6  # WxH order matters
@@ -63,9 +71,13 @@ def test_empty_rules_match_nothing() -> None:
 
 
 def test_typo_names_rule_index_key_and_suggestion(tmp_path: Path) -> None:
-    message = load_error(tmp_path, {"schema_version": 1, "rules": [
-        {"model": "a", "max_batch_size": 2},
-        {"model_contains": "a", "max_batch_sise": 2}]})
+    message = load_error(
+        tmp_path,
+        {
+            "schema_version": 1,
+            "rules": [{"model": "a", "max_batch_size": 2}, {"model_contains": "a", "max_batch_sise": 2}],
+        },
+    )
     assert "rules[1]" in message and "'max_batch_sise'" in message
     assert "did you mean 'max_batch_size'" in message
     assert "rules[0]" not in message
@@ -89,8 +101,9 @@ def test_bad_max_batch_size(tmp_path: Path, value: object) -> None:
 
 @pytest.mark.parametrize("value", ["1024", "1024x", "0x64", "64*64", "ax b", "64X64"])
 def test_bad_resolution(tmp_path: Path, value: str) -> None:
-    message = load_error(tmp_path, {"schema_version": 1, "rules": [
-        {"model": "x", "resolution": value, "max_batch_size": 1}]})
+    message = load_error(
+        tmp_path, {"schema_version": 1, "rules": [{"model": "x", "resolution": value, "max_batch_size": 1}]}
+    )
     assert "rules[0] key 'resolution'" in message and "WxH" in message and repr(value) in message
 
 

@@ -30,8 +30,17 @@ def _merge(argv: list[str]) -> dict:
 
 
 def test_generate_config_accepts_generation_keys(tmp_path: Path):
-    config = _config(tmp_path, {"prompt": ["a cat", "a dog"], "output-path": "out", "num-inference-steps": "3",
-                                "num_outputs_per_prompt": 2, "seed": 5, "batching-max-size": 2})
+    config = _config(
+        tmp_path,
+        {
+            "prompt": ["a cat", "a dog"],
+            "output-path": "out",
+            "num-inference-steps": "3",
+            "num_outputs_per_prompt": 2,
+            "seed": 5,
+            "batching-max-size": 2,
+        },
+    )
     values = _merge(["generate", "--config", config, "--seed", "9"])
     assert values["prompt"] == ["a cat", "a dog"] and values["output_path"] == "out"
     assert values["num_inference_steps"] == 3 and values["num_outputs_per_prompt"] == 2
@@ -41,13 +50,16 @@ def test_generate_config_accepts_generation_keys(tmp_path: Path):
     assert _merge(["generate", "--config", config, "--prompt", "x"])["prompt"] == ["x"]
 
 
-@pytest.mark.parametrize(("command", "key", "owner"), [
-    ("generate", "port", "serve"),
-    ("generate", "api-key", "serve"),
-    ("generate", "batching-delay-ms", "serve"),
-    ("serve", "prompt", "generate"),
-    ("serve", "output-path", "generate"),
-])
+@pytest.mark.parametrize(
+    ("command", "key", "owner"),
+    [
+        ("generate", "port", "serve"),
+        ("generate", "api-key", "serve"),
+        ("generate", "batching-delay-ms", "serve"),
+        ("serve", "prompt", "generate"),
+        ("serve", "output-path", "generate"),
+    ],
+)
 def test_config_key_of_another_command_names_it(tmp_path: Path, capsys, command, key, owner):
     config = _config(tmp_path, {key: "1"})
     assert cli.main([command, "--config", config]) == 2
@@ -56,14 +68,17 @@ def test_config_key_of_another_command_names_it(tmp_path: Path, capsys, command,
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize(("data", "expected"), [
-    ({"port": "abc"}, ["'port'", "'abc'", "--port", "an integer"]),
-    ({"port": 1.5}, ["'port'", "1.5", "an integer"]),
-    ({"enable-warmup": "maybe"}, ["'enable-warmup'", "'maybe'", "true or false"]),
-    ({"log-level": "verbose"}, ["'log-level'", "'verbose'", "debug, info, warning, error"]),
-    ({"batching-max-size": True}, ["'batching-max-size'", "True", "an integer"]),
-    ({"component-residency": {"dit": "resident"}}, ["'component-residency'"]),
-])
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({"port": "abc"}, ["'port'", "'abc'", "--port", "an integer"]),
+        ({"port": 1.5}, ["'port'", "1.5", "an integer"]),
+        ({"enable-warmup": "maybe"}, ["'enable-warmup'", "'maybe'", "true or false"]),
+        ({"log-level": "verbose"}, ["'log-level'", "'verbose'", "debug, info, warning, error"]),
+        ({"batching-max-size": True}, ["'batching-max-size'", "True", "an integer"]),
+        ({"component-residency": {"dit": "resident"}}, ["'component-residency'"]),
+    ],
+)
 def test_bad_config_values_exit_2_with_file_key_value_and_allowed(tmp_path: Path, capsys, data, expected):
     config = _config(tmp_path, data)
     assert cli.main(["serve", "--config", config]) == 2
@@ -76,8 +91,12 @@ def test_bad_config_values_exit_2_with_file_key_value_and_allowed(tmp_path: Path
 
 def test_bad_config_value_in_a_real_process_has_no_traceback(tmp_path: Path):
     config = _config(tmp_path, {"port": "abc"}, "serve.json")
-    out = subprocess.run([sys.executable, "-m", "diffuserve.cli", "serve", "--config", config],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "diffuserve.cli", "serve", "--config", config],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert "Traceback" not in out.stderr and "'abc'" in out.stderr and "--port" in out.stderr
 
@@ -90,11 +109,14 @@ def test_yaml_config_values_are_coerced_like_flags(tmp_path: Path):
     assert values["component_residency"] == ["dit=component-offload", "vae=resident"]
 
 
-@pytest.mark.parametrize(("argv", "suggestion"), [
-    (["serve", "--batching-max-szie", "3"], "--batching-max-size"),
-    (["generate", "--prompt", "x", "--num-inferense-steps", "2"], "--num-inference-steps"),
-    (["bench", "--concurency", "2"], "--concurrency"),
-])
+@pytest.mark.parametrize(
+    ("argv", "suggestion"),
+    [
+        (["serve", "--batching-max-szie", "3"], "--batching-max-size"),
+        (["generate", "--prompt", "x", "--num-inferense-steps", "2"], "--num-inference-steps"),
+        (["bench", "--concurency", "2"], "--concurrency"),
+    ],
+)
 def test_unknown_flag_shows_subcommand_usage_and_closest_flag(capsys, argv, suggestion):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
@@ -121,8 +143,15 @@ def test_make_tiny_and_bench_help(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    for shown in ("(default: http://127.0.0.1:30010)", "(default: 32)", "(default: inf)", "(default: 1)",
-                  "(default: images)", "(default: 0)", "--allow-failures"):
+    for shown in (
+        "(default: http://127.0.0.1:30010)",
+        "(default: 32)",
+        "(default: inf)",
+        "(default: 1)",
+        "(default: images)",
+        "(default: 0)",
+        "--allow-failures",
+    ):
         assert shown in text, shown
 
 
@@ -146,7 +175,10 @@ def test_row_cap_splits_a_request_keeping_each_rows_seed():
     small = SamplingParams(prompt="q", n=1, seed=7)
     calls = plan_calls([big, small], 2)
     assert [[(i, first, p.n) for i, first, p in call] for call in calls] == [
-        [(0, 0, 2)], [(0, 2, 2)], [(0, 4, 1), (1, 0, 1)]]
+        [(0, 0, 2)],
+        [(0, 2, 2)],
+        [(0, 4, 1), (1, 0, 1)],
+    ]
     assert all(sum(p.n for _, _, p in call) <= 2 for call in calls)
     assert len(plan_calls([big, small], None)) == 1 and len(plan_calls([big, small], 6)) == 1
     # generate: singleton mode runs one prompt (all its rows) per call; dynamic mode the engine's plan.
@@ -163,7 +195,10 @@ def test_prompt_token_counting_with_real_tokenizers():
     assert check_texts(limits, {"prompt": "a red fox", "negative_prompt": None}) == []
     long = " ".join(["fox"] * 100)
     found = check_texts(limits, {"prompt": long, "negative_prompt": "blurry"})
-    assert [(f.field, f.encoder) for f in found] == [("prompt", "text_encoder (CLIP)"), ("prompt", "text_encoder_2 (T5)")]
+    assert [(f.field, f.encoder) for f in found] == [
+        ("prompt", "text_encoder (CLIP)"),
+        ("prompt", "text_encoder_2 (T5)"),
+    ]
     clip_tokens = count_tokens(clip, long)
     assert clip_tokens == len(clip(long)["input_ids"]) > 77
     assert found[0].message.startswith(f"prompt is {clip_tokens} tokens for text_encoder (CLIP), which takes 77")
@@ -177,8 +212,12 @@ def test_error_responses_are_counted_by_status_and_reason():
     metrics.observe_error(401, "invalid_api_key")
     metrics.observe_error(429, "queue_full")
     text = metrics.render()[0].decode()
-    samples = {(s.labels["status"], s.labels["reason"]): s.value for f in text_string_to_metric_families(text)
-               for s in f.samples if s.name == "diffuserve_error_responses_total"}
+    samples = {
+        (s.labels["status"], s.labels["reason"]): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "diffuserve_error_responses_total"
+    }
     assert samples == {("401", "invalid_api_key"): 2.0, ("429", "queue_full"): 1.0}
 
 
@@ -192,8 +231,10 @@ def test_component_residency_error_lists_components_once_and_what_groups_cover()
     assert "unknown component or group 'dti'. Did you mean 'dit'?" in message
     components = message.split("This model's components: ", 1)[1].split(".", 1)[0]
     assert components == "transformer, text_encoder, text_encoder_2, vae"
-    assert ("Groups: dit (transformer); text_encoder (text_encoder, text_encoder_2); image_encoder (none in this "
-            "model); vae (vae); other (none in this model); all (every component).") in message
+    assert (
+        "Groups: dit (transformer); text_encoder (text_encoder, text_encoder_2); image_encoder (none in this "
+        "model); vae (vae); other (none in this model); all (every component)."
+    ) in message
 
 
 def test_reject_truncated_prompts_is_a_400_naming_the_field():
@@ -211,8 +252,9 @@ def test_reject_truncated_prompts_is_a_400_naming_the_field():
     model = ModelDescription(family="flux", prompt_tokens=PromptTokens(limits))
 
     def ctx(reject: bool) -> SimpleNamespace:
-        return SimpleNamespace(engine=SimpleNamespace(model=model),
-                               args=SimpleNamespace(reject_truncated_prompts=reject))
+        return SimpleNamespace(
+            engine=SimpleNamespace(model=model), args=SimpleNamespace(reject_truncated_prompts=reject)
+        )
 
     long = " ".join(["fox"] * 70)
     counts = [len(clip(long)["input_ids"]), len(t5(long)["input_ids"])]
@@ -220,7 +262,8 @@ def test_reject_truncated_prompts_is_a_400_naming_the_field():
         f"negative_prompt is {counts[0]} tokens for text_encoder (CLIP), which takes 77; "
         f"the last {counts[0] - 77} tokens are cut off",
         f"negative_prompt is {counts[1]} tokens for text_encoder_2 (T5), which takes 64; "
-        f"the last {counts[1] - 64} tokens are cut off"]
+        f"the last {counts[1] - 64} tokens are cut off",
+    ]
     with pytest.raises(InvalidRequestError) as refused:
         check_prompt(ctx(True), {"prompt": long, "negative_prompt": None})
     assert refused.value.param == "prompt" and refused.value.http_status == 400
@@ -228,18 +271,37 @@ def test_reject_truncated_prompts_is_a_400_naming_the_field():
     assert check_prompt(ctx(True), {"prompt": "a fox", "negative_prompt": None}).warnings == []
 
 
-@pytest.mark.parametrize(("command", "sections"), [
-    ("serve", ["Model", "Server", "Results store", "Batching", "Admission, limits and security", "LoRA",
-               "Distributed launch (several ranks, several hosts)"]),
-    ("generate", ["Generation", "Model", "Server", "Batching",
-                  "Distributed launch (several ranks, several hosts)"]),
-    ("plan", []),
-])
+@pytest.mark.parametrize(
+    ("command", "sections"),
+    [
+        (
+            "serve",
+            [
+                "Model",
+                "Server",
+                "Results store",
+                "Batching",
+                "Admission, limits and security",
+                "LoRA",
+                "Distributed launch (several ranks, several hosts)",
+            ],
+        ),
+        (
+            "generate",
+            ["Generation", "Model", "Server", "Batching", "Distributed launch (several ranks, several hosts)"],
+        ),
+        ("plan", []),
+    ],
+)
 def test_help_sections_keep_their_order(capsys, command, sections):
     """The flags come from the sub-configs (config/), each in its `--help` section, in the order users know."""
     with pytest.raises(SystemExit):
         cli.main([command, "--help"])
     titles = [line[:-1] for line in capsys.readouterr().out.splitlines() if line.endswith(":") and line[:1].isupper()]
-    deployment = ["Deployment: performance mode and residency", "Deployment: layer-wise offload",
-                  "Deployment: compile and CUDA graphs", "Deployment: GPUs and parallelism"]
+    deployment = [
+        "Deployment: performance mode and residency",
+        "Deployment: layer-wise offload",
+        "Deployment: compile and CUDA graphs",
+        "Deployment: GPUs and parallelism",
+    ]
     assert titles == sections + deployment

@@ -30,15 +30,19 @@ def test_make_tiny_output_onto_a_file_or_unwritable_path(tmp_path: Path, capsys)
 def test_plan_and_serve_refuse_a_missing_folder_alike(tmp_path: Path, capsys):
     missing = str(tmp_path / "nope")
     code, plan_err = _run(["plan", "--model-path", missing], capsys)
-    serve = subprocess.run([sys.executable, "-m", "diffuserve.cli", "serve", "--model-path", missing, "--port", "0"],
-                           capture_output=True, text=True, timeout=120)
+    serve = subprocess.run(
+        [sys.executable, "-m", "diffuserve.cli", "serve", "--model-path", missing, "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert code == serve.returncode == 2, (plan_err, serve.stderr)
     assert plan_err.split(": ", 2)[2] == serve.stderr.split(": ", 2)[2], (plan_err, serve.stderr)
 
 
 @pytest.mark.parametrize("name", ["serve.toml", "pyproject.toml"])
 def test_toml_config_is_refused_naming_json_or_yaml(tmp_path: Path, capsys, name: str):
-    (tmp_path / name).write_text('port = 8000\n')
+    (tmp_path / name).write_text("port = 8000\n")
     code, err = _run(["plan", "--config", str(tmp_path / name)], capsys)
     assert code == 2 and "use JSON or YAML" in err, err
 
@@ -52,7 +56,9 @@ def test_help_shows_what_each_command_uses(capsys):
         cli.main(["generate", "--help"])
     gen = capsys.readouterr().out
     assert "--served-model-name" not in gen and '"port"' not in gen
-    assert [line for line in gen.splitlines() if "batching" in line.lower() and line.endswith(":") and line[:1].isupper()] == ["Batching:"]
+    assert [
+        line for line in gen.splitlines() if "batching" in line.lower() and line.endswith(":") and line[:1].isupper()
+    ] == ["Batching:"]
     with pytest.raises(SystemExit):
         cli.main(["serve", "--help"])
     serve = capsys.readouterr().out

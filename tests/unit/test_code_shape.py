@@ -26,17 +26,26 @@ FAMILY_PART_LAYERS = {"adapter": "families.adapter", "ops": "families.adapter", 
 
 LAYERS: dict[str, float] = {
     # Leaves: shared vocabulary, media and storage formats, hardware probing.
-    "diffuserve": 0, "paths": 0, "errors": 0, "families": 0, "hardware": 0, "media": 0, "storage": 0,
+    "diffuserve": 0,
+    "paths": 0,
+    "errors": 0,
+    "families": 0,
+    "hardware": 0,
+    "media": 0,
+    "storage": 0,
     # Pure configuration: what to run (never what a model is made of).
-    "sampling": 1, "config": 1,
+    "sampling": 1,
+    "config": 1,
     # Weight placement and streaming; per-row LoRA layers on the model's Linear layers.
-    "runtime": 2, "lora": 2,
+    "runtime": 2,
+    "lora": 2,
     # The recipes.
     "pipelines": 3,
     # A family's adapter (`families/<f>/adapter.py`, and its maths `ops.py`) runs on the recipe.
     "families.adapter": 3.5,
     # Load / build models into pipelines (`models.loader` builds adapters by name), and parallelise them.
-    "models": 4, "parallel": 4,
+    "models": 4,
+    "parallel": 4,
     # A family's tiny-checkpoint builder (`families/<f>/tiny.py`) uses the shared helpers of `models.tiny`.
     "families.tiny": 4.5,
     # One batch -> pipeline calls -> outcomes, on one rank or several.
@@ -44,10 +53,13 @@ LAYERS: dict[str, float] = {
     # Requests, scheduling, the loops.
     "engine": 6,
     # Composition roots below the HTTP server (the server's runner starts them).
-    "launch": 7, "demo": 7,
+    "launch": 7,
+    "demo": 7,
     "server": 8,
     # Entry points.
-    "cli": 9, "generate": 9, "tools": 9,
+    "cli": 9,
+    "generate": 9,
+    "tools": 9,
 }
 """Top-level module or folder of `diffuserve` -> layer. An import between two of them must go to a lower layer."""
 
@@ -213,12 +225,18 @@ def test_no_module_over_the_line_limit():
 
 
 def test_no_function_over_the_line_limit():
-    long = {f"{name}:{qualified}" for name, tree in TREES.items() for qualified, lines in _functions(tree)
-            if lines > MAX_FUNCTION_LINES}
+    long = {
+        f"{name}:{qualified}"
+        for name, tree in TREES.items()
+        for qualified, lines in _functions(tree)
+        if lines > MAX_FUNCTION_LINES
+    }
     _compare(f"functions over {MAX_FUNCTION_LINES} lines", long, KNOWN_LONG_FUNCTIONS)
 
 
 def test_the_checks_see_what_they_check():
     """The graph is not empty by accident: a known downward import and a function-level one are found."""
-    assert "executor.batch_runner" in GRAPH["engine.engine"] or "executor" in GRAPH["engine.engine"], GRAPH["engine.engine"]
+    assert "executor.batch_runner" in GRAPH["engine.engine"] or "executor" in GRAPH["engine.engine"], GRAPH[
+        "engine.engine"
+    ]
     assert "executor.multirank" in GRAPH["launch.root"]  # function-level imports only

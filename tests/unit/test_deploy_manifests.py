@@ -37,10 +37,12 @@ POD_NAME_LABEL = "statefulset.kubernetes.io/pod-name"
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 PROBE_PATHS = {"startupProbe": "/health", "readinessProbe": "/health", "livenessProbe": "/liveness"}
 
-SECRETS = {("diffuserve", "api-key"): "an-api-key",
-           ("diffuserve-stores", "results-db"): "postgresql://diffuserve:secret@postgres:5432/diffuserve",
-           ("diffuserve-stores", "aws-access-key-id"): "AKIAEXAMPLE",
-           ("diffuserve-stores", "aws-secret-access-key"): "secret"}
+SECRETS = {
+    ("diffuserve", "api-key"): "an-api-key",
+    ("diffuserve-stores", "results-db"): "postgresql://diffuserve:secret@postgres:5432/diffuserve",
+    ("diffuserve-stores", "aws-access-key-id"): "AKIAEXAMPLE",
+    ("diffuserve-stores", "aws-secret-access-key"): "secret",
+}
 """Stand-ins for the Secrets the manifests read (what `kubectl create secret` would hold)."""
 
 # The checkpoints the manifests name, with the facts the plan needs: family and the DiT's attention heads
@@ -100,7 +102,9 @@ class Manifest:
 
         def expand(arg: str) -> str:
             def one(match: re.Match[str]) -> str:
-                assert match.group(1) in env, f"{self.path.name}: {arg!r} names $({match.group(1)}), which no env entry sets"
+                assert match.group(1) in env, (
+                    f"{self.path.name}: {arg!r} names $({match.group(1)}), which no env entry sets"
+                )
                 return env[match.group(1)]
 
             return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", one, arg)
@@ -133,8 +137,12 @@ def manifest(request: pytest.FixtureRequest) -> Manifest:
 
 
 def test_the_three_deployments_are_here():
-    assert {p.name for p in MANIFESTS} >= {"diffuserve.yaml", "diffuserve-multigpu.yaml", "diffuserve-multinode.yaml",
-                                           "diffuserve-replicas.yaml"}
+    assert {p.name for p in MANIFESTS} >= {
+        "diffuserve.yaml",
+        "diffuserve-multigpu.yaml",
+        "diffuserve-multinode.yaml",
+        "diffuserve-replicas.yaml",
+    }
 
 
 def _plan(manifest: Manifest, index: int, gpus: int) -> Any:
@@ -214,7 +222,9 @@ def test_node_rank_is_the_pod_index(manifest: Manifest):
     args = manifest.server_args()
     if args.nnodes == 1:
         return
-    assert any("$(" in a and a.startswith("--node-rank") for a in manifest.container["args"]), "--node-rank is hard-coded"
+    assert any("$(" in a and a.startswith("--node-rank") for a in manifest.container["args"]), (
+        "--node-rank is hard-coded"
+    )
     assert manifest.workload["spec"]["podManagementPolicy"] == "Parallel"  # pod 0 is never ready alone
     assert [manifest.server_args(i).node_rank for i in range(manifest.pods)] == list(range(args.nnodes))
     per_pod = args.deployment.num_gpus // args.nnodes

@@ -30,29 +30,54 @@ R, CO, SO, LW = "resident", "component-offload", "snapshot-offload", "layerwise-
 
 def comp(name: str, group: str, gib: float, layers: int = 0, layers_gib: float = 0.0) -> ComponentProfile:
     return ComponentProfile(
-        name=name, group=group, class_name=f"{name}Class", param_bytes=int(gib * GIB),
-        layer_container_paths=("blocks",) if layers else (), num_layers=layers,
-        layers_bytes=int(layers_gib * GIB), has_layers=layers > 0,
+        name=name,
+        group=group,
+        class_name=f"{name}Class",
+        param_bytes=int(gib * GIB),
+        layer_container_paths=("blocks",) if layers else (),
+        num_layers=layers,
+        layers_bytes=int(layers_gib * GIB),
+        has_layers=layers > 0,
     )
 
 
 def profile(family: str, **overrides: Any) -> ModelProfile:
     """Realistic sizes: FLUX (24 GiB DiT, 9 GiB T5), Wan 14B video, Qwen-Image, Sana without DiT presets."""
     comps = {
-        "flux": [comp("transformer", "dit", 24, 57, 22.8), comp("text_encoder", "text_encoder", 0.25, 12),
-                 comp("text_encoder_2", "text_encoder", 9, 24), comp("vae", "vae", 0.3, 8)],
-        "qwen_image": [comp("transformer", "dit", 38, 60), comp("text_encoder", "text_encoder", 16, 28),
-                       comp("vae", "vae", 0.5, 8)],
-        "wan": [comp("transformer", "dit", 28, 40), comp("text_encoder", "text_encoder", 11, 24),
-                comp("image_encoder", "image_encoder", 1.2, 32), comp("vae", "vae", 0.5)],
-        "sana": [comp("transformer", "dit", 3.2, 20), comp("text_encoder", "text_encoder", 5, 26),
-                 comp("vae", "vae", 0.6)],
+        "flux": [
+            comp("transformer", "dit", 24, 57, 22.8),
+            comp("text_encoder", "text_encoder", 0.25, 12),
+            comp("text_encoder_2", "text_encoder", 9, 24),
+            comp("vae", "vae", 0.3, 8),
+        ],
+        "qwen_image": [
+            comp("transformer", "dit", 38, 60),
+            comp("text_encoder", "text_encoder", 16, 28),
+            comp("vae", "vae", 0.5, 8),
+        ],
+        "wan": [
+            comp("transformer", "dit", 28, 40),
+            comp("text_encoder", "text_encoder", 11, 24),
+            comp("image_encoder", "image_encoder", 1.2, 32),
+            comp("vae", "vae", 0.5),
+        ],
+        "sana": [
+            comp("transformer", "dit", 3.2, 20),
+            comp("text_encoder", "text_encoder", 5, 26),
+            comp("vae", "vae", 0.6),
+        ],
     }[family]
     return dataclasses.replace(family_profile(family), components={c.name: c for c in comps}, **overrides)
 
 
-def plan_for(family: str = "flux", gib: float | list[float] = 80.0, num_gpus: int = 1, prof: ModelProfile | None = None,
-             hardware: HardwareInfo | None = None, **args: Any):
+def plan_for(
+    family: str = "flux",
+    gib: float | list[float] = 80.0,
+    num_gpus: int = 1,
+    prof: ModelProfile | None = None,
+    hardware: HardwareInfo | None = None,
+    **args: Any,
+):
     gpus = len(gib) if isinstance(gib, list) else num_gpus
     hw = hardware or describe_hardware(gpus, gib)
     return resolve(DeploymentArgs(num_gpus=num_gpus, **args), hw, prof or profile(family))
@@ -80,63 +105,179 @@ CASES: list[tuple[str, dict[str, Any], dict[str, str], dict[str, Any]]] = [
     ("auto_vae_at_threshold", {"gib": 24.0}, {"vae": R}, {}),
     ("auto_small_encoder_not_streamed", {"gib": 80.0}, {"text_encoder": R, "text_encoder_2": LW}, {}),
     # -- video: DiT residency is per model profile; FSDP/CFG parallel on validated multi-GPU set-ups
-    ("auto_video_dit_offloaded_on_big_gpu", {"family": "wan", "gib": 80.0}, {"transformer": CO}, {"use_fsdp_inference": False}),
-    ("auto_video_fsdp_replaces_offload", {"family": "wan", "gib": 80.0, "num_gpus": 2}, {"transformer": R},
-     {"use_fsdp_inference": True, "enable_cfg_parallel": True}),
-    ("explicit_fsdp_false_stays_off", {"family": "wan", "gib": 80.0, "num_gpus": 2, "use_fsdp_inference": False},
-     {"transformer": CO}, {"use_fsdp_inference": False, "enable_cfg_parallel": True}),
-    ("explicit_fsdp_true_replaces_mode_offload", {"family": "qwen_image", "gib": 40.0, "num_gpus": 2, "use_fsdp_inference": True},
-     {"transformer": R}, {"use_fsdp_inference": True}),
-    ("explicit_cfg_false_stays_off", {"family": "wan", "gib": 80.0, "num_gpus": 2, "enable_cfg_parallel": False},
-     {}, {"enable_cfg_parallel": False, "use_fsdp_inference": True}),
-    ("explicit_dit_residency_blocks_auto_fsdp", {"family": "wan", "gib": 80.0, "num_gpus": 2, "dit_cpu_offload": True},
-     {"transformer": CO}, {"use_fsdp_inference": False}),
-    ("image_family_without_fsdp_profile", {"family": "qwen_image", "gib": 40.0, "num_gpus": 2}, {"transformer": LW},
-     {"use_fsdp_inference": False, "enable_cfg_parallel": True}),
-    ("parallel_policy_blocks_auto_cfg", {"family": "qwen_image", "gib": 80.0, "num_gpus": 2, "sp_degree": 2}, {},
-     {"enable_cfg_parallel": False, "sp_degree": 2}),
+    (
+        "auto_video_dit_offloaded_on_big_gpu",
+        {"family": "wan", "gib": 80.0},
+        {"transformer": CO},
+        {"use_fsdp_inference": False},
+    ),
+    (
+        "auto_video_fsdp_replaces_offload",
+        {"family": "wan", "gib": 80.0, "num_gpus": 2},
+        {"transformer": R},
+        {"use_fsdp_inference": True, "enable_cfg_parallel": True},
+    ),
+    (
+        "explicit_fsdp_false_stays_off",
+        {"family": "wan", "gib": 80.0, "num_gpus": 2, "use_fsdp_inference": False},
+        {"transformer": CO},
+        {"use_fsdp_inference": False, "enable_cfg_parallel": True},
+    ),
+    (
+        "explicit_fsdp_true_replaces_mode_offload",
+        {"family": "qwen_image", "gib": 40.0, "num_gpus": 2, "use_fsdp_inference": True},
+        {"transformer": R},
+        {"use_fsdp_inference": True},
+    ),
+    (
+        "explicit_cfg_false_stays_off",
+        {"family": "wan", "gib": 80.0, "num_gpus": 2, "enable_cfg_parallel": False},
+        {},
+        {"enable_cfg_parallel": False, "use_fsdp_inference": True},
+    ),
+    (
+        "explicit_dit_residency_blocks_auto_fsdp",
+        {"family": "wan", "gib": 80.0, "num_gpus": 2, "dit_cpu_offload": True},
+        {"transformer": CO},
+        {"use_fsdp_inference": False},
+    ),
+    (
+        "image_family_without_fsdp_profile",
+        {"family": "qwen_image", "gib": 40.0, "num_gpus": 2},
+        {"transformer": LW},
+        {"use_fsdp_inference": False, "enable_cfg_parallel": True},
+    ),
+    (
+        "parallel_policy_blocks_auto_cfg",
+        {"family": "qwen_image", "gib": 80.0, "num_gpus": 2, "sp_degree": 2},
+        {},
+        {"enable_cfg_parallel": False, "sp_degree": 2},
+    ),
     ("no_cfg_family_no_cfg_parallel", {"gib": 80.0, "num_gpus": 2}, {}, {"enable_cfg_parallel": False}),
     # -- speed / memory / manual presets
-    ("speed_all_resident_no_memory_check", {"gib": 8.0, "performance_mode": "speed"},
-     {"transformer": R, "text_encoder": R, "text_encoder_2": R, "vae": R}, {"enable_torch_compile": False}),
-    ("speed_explicit_offload_wins", {"gib": 8.0, "performance_mode": "speed", "dit_cpu_offload": True}, {"transformer": CO, "vae": R}, {}),
-    ("speed_cfg_parallel_on_2_gpus", {"family": "qwen_image", "performance_mode": "speed", "num_gpus": 2},
-     {}, {"enable_cfg_parallel": True, "use_fsdp_inference": False}),
-    ("memory_flux", {"gib": 80.0, "performance_mode": "memory"},
-     {"transformer": LW, "text_encoder": CO, "text_encoder_2": LW, "vae": LW}, {}),
-    ("memory_no_dit_layerwise_preset", {"family": "sana", "performance_mode": "memory"}, {"transformer": CO, "vae": CO}, {}),
-    ("memory_vae_resident_recipe", {"performance_mode": "memory", "component_residency": ["vae=resident"]},
-     {"vae": R, "transformer": LW}, {}),
-    ("manual_changes_nothing", {"family": "qwen_image", "gib": 8.0, "num_gpus": 2, "performance_mode": "manual"},
-     {"transformer": R, "text_encoder": R, "vae": R}, {"use_fsdp_inference": False, "enable_cfg_parallel": False}),
-    ("manual_legacy_flags", {"performance_mode": "manual", "text_encoder_cpu_offload": True},
-     {"transformer": R, "text_encoder": CO, "text_encoder_2": CO}, {}),
+    (
+        "speed_all_resident_no_memory_check",
+        {"gib": 8.0, "performance_mode": "speed"},
+        {"transformer": R, "text_encoder": R, "text_encoder_2": R, "vae": R},
+        {"enable_torch_compile": False},
+    ),
+    (
+        "speed_explicit_offload_wins",
+        {"gib": 8.0, "performance_mode": "speed", "dit_cpu_offload": True},
+        {"transformer": CO, "vae": R},
+        {},
+    ),
+    (
+        "speed_cfg_parallel_on_2_gpus",
+        {"family": "qwen_image", "performance_mode": "speed", "num_gpus": 2},
+        {},
+        {"enable_cfg_parallel": True, "use_fsdp_inference": False},
+    ),
+    (
+        "memory_flux",
+        {"gib": 80.0, "performance_mode": "memory"},
+        {"transformer": LW, "text_encoder": CO, "text_encoder_2": LW, "vae": LW},
+        {},
+    ),
+    (
+        "memory_no_dit_layerwise_preset",
+        {"family": "sana", "performance_mode": "memory"},
+        {"transformer": CO, "vae": CO},
+        {},
+    ),
+    (
+        "memory_vae_resident_recipe",
+        {"performance_mode": "memory", "component_residency": ["vae=resident"]},
+        {"vae": R, "transformer": LW},
+        {},
+    ),
+    (
+        "manual_changes_nothing",
+        {"family": "qwen_image", "gib": 8.0, "num_gpus": 2, "performance_mode": "manual"},
+        {"transformer": R, "text_encoder": R, "vae": R},
+        {"use_fsdp_inference": False, "enable_cfg_parallel": False},
+    ),
+    (
+        "manual_legacy_flags",
+        {"performance_mode": "manual", "text_encoder_cpu_offload": True},
+        {"transformer": R, "text_encoder": CO, "text_encoder_2": CO},
+        {},
+    ),
     # -- canonical selectors vs legacy flags vs mode defaults
-    ("selector_overrides_only_matching_legacy",
-     {"gib": 80.0, "text_encoder_cpu_offload": False, "vae_cpu_offload": True, "component_residency": ["text_encoder_2=layerwise-offload"]},
-     {"text_encoder": R, "text_encoder_2": LW, "vae": CO, "transformer": R}, {}),
-    ("selector_beats_legacy_same_component", {"gib": 30.0, "dit_cpu_offload": True, "component_residency": ["dit=resident"]},
-     {"transformer": R}, {}),
-    ("key_beats_group_beats_all",
-     {"component_residency": ["all=component-offload", "text_encoder=snapshot-offload", "text_encoder_2=resident"]},
-     {"transformer": CO, "text_encoder": SO, "text_encoder_2": R, "vae": CO}, {}),
+    (
+        "selector_overrides_only_matching_legacy",
+        {
+            "gib": 80.0,
+            "text_encoder_cpu_offload": False,
+            "vae_cpu_offload": True,
+            "component_residency": ["text_encoder_2=layerwise-offload"],
+        },
+        {"text_encoder": R, "text_encoder_2": LW, "vae": CO, "transformer": R},
+        {},
+    ),
+    (
+        "selector_beats_legacy_same_component",
+        {"gib": 30.0, "dit_cpu_offload": True, "component_residency": ["dit=resident"]},
+        {"transformer": R},
+        {},
+    ),
+    (
+        "key_beats_group_beats_all",
+        {"component_residency": ["all=component-offload", "text_encoder=snapshot-offload", "text_encoder_2=resident"]},
+        {"transformer": CO, "text_encoder": SO, "text_encoder_2": R, "vae": CO},
+        {},
+    ),
     ("later_selector_wins_on_tie", {"component_residency": ["vae=resident", "vae=snapshot-offload"]}, {"vae": SO}, {}),
-    ("legacy_dit_layerwise_under_speed", {"performance_mode": "speed", "dit_layerwise_offload": True}, {"transformer": LW, "vae": R}, {}),
-    ("legacy_dit_layerwise_false_under_memory", {"performance_mode": "memory", "dit_layerwise_offload": False},
-     {"transformer": CO, "vae": LW}, {}),
-    ("legacy_layerwise_list", {"performance_mode": "manual", "layerwise_offload_components": "dit, vae"},
-     {"transformer": LW, "vae": LW, "text_encoder": R}, {}),
+    (
+        "legacy_dit_layerwise_under_speed",
+        {"performance_mode": "speed", "dit_layerwise_offload": True},
+        {"transformer": LW, "vae": R},
+        {},
+    ),
+    (
+        "legacy_dit_layerwise_false_under_memory",
+        {"performance_mode": "memory", "dit_layerwise_offload": False},
+        {"transformer": CO, "vae": LW},
+        {},
+    ),
+    (
+        "legacy_layerwise_list",
+        {"performance_mode": "manual", "layerwise_offload_components": "dit, vae"},
+        {"transformer": LW, "vae": LW, "text_encoder": R},
+        {},
+    ),
     # -- no accelerator: auto does not invent GPU memory; offload modes still run on the CPU
-    ("cpu_auto_all_resident", {"hardware": CPU}, {"transformer": R, "text_encoder": R, "text_encoder_2": R, "vae": R}, {}),
-    ("cpu_memory_really_offloads", {"hardware": CPU, "performance_mode": "memory"}, {"transformer": LW, "text_encoder": CO}, {}),
-    ("cpu_snapshot_allowed", {"hardware": CPU, "component_residency": ["dit=snapshot-offload"]}, {"transformer": SO}, {}),
-    ("cpu_ranks_not_limited_by_gpus", {"hardware": CPU, "num_gpus": 2, "family": "qwen_image"}, {"transformer": R},
-     {"num_gpus": 2, "enable_cfg_parallel": True}),
+    (
+        "cpu_auto_all_resident",
+        {"hardware": CPU},
+        {"transformer": R, "text_encoder": R, "text_encoder_2": R, "vae": R},
+        {},
+    ),
+    (
+        "cpu_memory_really_offloads",
+        {"hardware": CPU, "performance_mode": "memory"},
+        {"transformer": LW, "text_encoder": CO},
+        {},
+    ),
+    (
+        "cpu_snapshot_allowed",
+        {"hardware": CPU, "component_residency": ["dit=snapshot-offload"]},
+        {"transformer": SO},
+        {},
+    ),
+    (
+        "cpu_ranks_not_limited_by_gpus",
+        {"hardware": CPU, "num_gpus": 2, "family": "qwen_image"},
+        {"transformer": R},
+        {"num_gpus": 2, "enable_cfg_parallel": True},
+    ),
 ]
 
 
 @pytest.mark.parametrize("kwargs,expected_modes,expected_attrs", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_resolution_table(kwargs: dict[str, Any], expected_modes: dict[str, str], expected_attrs: dict[str, Any]) -> None:
+def test_resolution_table(
+    kwargs: dict[str, Any], expected_modes: dict[str, str], expected_attrs: dict[str, Any]
+) -> None:
     plan = plan_for(**kwargs)
     assert {k: modes(plan)[k] for k in expected_modes} == expected_modes, format_plan(plan)
     for attr, value in expected_attrs.items():
@@ -146,41 +287,99 @@ def test_resolution_table(kwargs: dict[str, Any], expected_modes: dict[str, str]
 
 # (id, plan kwargs, ConfigError.param, text that must be in the message)
 ERRORS: list[tuple[str, dict[str, Any], str, str]] = [
-    ("layerwise_without_layers", {"family": "wan", "component_residency": ["vae=layerwise-offload"]},
-     "component_residency", "declares no layer"),
-    ("legacy_list_without_layers", {"family": "wan", "layerwise_offload_components": "vae"},
-     "layerwise_offload_components", "declares no layer"),
-    ("all_layerwise_reaches_layerless_vae", {"family": "sana", "component_residency": ["all=layerwise-offload"]},
-     "component_residency", "vae"),
+    (
+        "layerwise_without_layers",
+        {"family": "wan", "component_residency": ["vae=layerwise-offload"]},
+        "component_residency",
+        "declares no layer",
+    ),
+    (
+        "legacy_list_without_layers",
+        {"family": "wan", "layerwise_offload_components": "vae"},
+        "layerwise_offload_components",
+        "declares no layer",
+    ),
+    (
+        "all_layerwise_reaches_layerless_vae",
+        {"family": "sana", "component_residency": ["all=layerwise-offload"]},
+        "component_residency",
+        "vae",
+    ),
     ("unknown_component", {"component_residency": ["transfomer=resident"]}, "component_residency", "'transformer'"),
     ("unknown_mode", {"component_residency": ["dit=layerwise"]}, "component_residency", "'layerwise-offload'"),
     ("selector_without_equals", {"component_residency": ["dit"]}, "component_residency", "NAME=VALUE"),
-    ("unknown_lifetime", {"performance_mode": "memory", "layerwise_residency_lifetime": ["dit=forever"]},
-     "layerwise_residency_lifetime", "forward, permanent"),
+    (
+        "unknown_lifetime",
+        {"performance_mode": "memory", "layerwise_residency_lifetime": ["dit=forever"]},
+        "layerwise_residency_lifetime",
+        "forward, permanent",
+    ),
     ("unknown_performance_mode", {"performance_mode": "fast"}, "performance_mode", "not one of"),
-    ("snapshot_of_fsdp_shard", {"family": "wan", "num_gpus": 2, "use_fsdp_inference": True,
-                                "component_residency": ["dit=snapshot-offload"]}, "use_fsdp_inference", "offloads transformer"),
+    (
+        "snapshot_of_fsdp_shard",
+        {"family": "wan", "num_gpus": 2, "use_fsdp_inference": True, "component_residency": ["dit=snapshot-offload"]},
+        "use_fsdp_inference",
+        "offloads transformer",
+    ),
     ("fsdp_on_one_gpu", {"use_fsdp_inference": True}, "use_fsdp_inference", "--num-gpus 1"),
     ("cfg_parallel_on_one_gpu", {"enable_cfg_parallel": True}, "num_gpus", "2 ranks"),
     ("degrees_exceed_gpus", {"num_gpus": 2, "sp_degree": 2, "tp_size": 2}, "num_gpus", "4 ranks"),
     ("more_gpus_than_present", {"gib": [80.0, 80.0], "num_gpus": 3}, "num_gpus", "only 2"),
-    ("graph_needs_cuda", {"hardware": CPU, "enable_breakable_cuda_graph": True, "warmup_resolutions": ["512x512"]},
-     "enable_breakable_cuda_graph", "CUDA"),
-    ("graph_needs_resolutions", {"enable_breakable_cuda_graph": True}, "warmup_resolutions", "every serving resolution"),
-    ("graph_image_only", {"family": "wan", "enable_breakable_cuda_graph": True, "warmup_resolutions": ["832x480"]},
-     "enable_breakable_cuda_graph", "image pipelines"),
+    (
+        "graph_needs_cuda",
+        {"hardware": CPU, "enable_breakable_cuda_graph": True, "warmup_resolutions": ["512x512"]},
+        "enable_breakable_cuda_graph",
+        "CUDA",
+    ),
+    (
+        "graph_needs_resolutions",
+        {"enable_breakable_cuda_graph": True},
+        "warmup_resolutions",
+        "every serving resolution",
+    ),
+    (
+        "graph_image_only",
+        {"family": "wan", "enable_breakable_cuda_graph": True, "warmup_resolutions": ["832x480"]},
+        "enable_breakable_cuda_graph",
+        "image pipelines",
+    ),
     ("bad_warmup_resolution", {"warmup_resolutions": ["1024*1024"]}, "warmup_resolutions", "WxH"),
-    ("too_many_resident_layers", {"performance_mode": "memory", "layerwise_resident_layers": ["dit=58"]},
-     "layerwise_resident_layers", "57 layers"),
-    ("ratio_out_of_range", {"performance_mode": "memory", "layerwise_resident_layers": ["dit=1.5"]},
-     "layerwise_resident_layers", "between 0 and 1"),
-    ("bad_count_on_ignored_component", {"gib": 80.0, "layerwise_resident_layers": ["vae=lots"]},
-     "layerwise_resident_layers", "vae=lots"),
-    ("bad_lifetime_on_ignored_component", {"gib": 80.0, "layerwise_residency_lifetime": ["vae=forever"]},
-     "layerwise_residency_lifetime", "forward, permanent"),
-    ("negative_prefetch", {"performance_mode": "memory", "dit_offload_prefetch_size": -1}, "dit_offload_prefetch_size", "0 or more"),
-    ("contradicting_legacy_layerwise", {"dit_layerwise_offload": False, "layerwise_offload_components": "dit"},
-     "layerwise_offload_components", "drop one"),
+    (
+        "too_many_resident_layers",
+        {"performance_mode": "memory", "layerwise_resident_layers": ["dit=58"]},
+        "layerwise_resident_layers",
+        "57 layers",
+    ),
+    (
+        "ratio_out_of_range",
+        {"performance_mode": "memory", "layerwise_resident_layers": ["dit=1.5"]},
+        "layerwise_resident_layers",
+        "between 0 and 1",
+    ),
+    (
+        "bad_count_on_ignored_component",
+        {"gib": 80.0, "layerwise_resident_layers": ["vae=lots"]},
+        "layerwise_resident_layers",
+        "vae=lots",
+    ),
+    (
+        "bad_lifetime_on_ignored_component",
+        {"gib": 80.0, "layerwise_residency_lifetime": ["vae=forever"]},
+        "layerwise_residency_lifetime",
+        "forward, permanent",
+    ),
+    (
+        "negative_prefetch",
+        {"performance_mode": "memory", "dit_offload_prefetch_size": -1},
+        "dit_offload_prefetch_size",
+        "0 or more",
+    ),
+    (
+        "contradicting_legacy_layerwise",
+        {"dit_layerwise_offload": False, "layerwise_offload_components": "dit"},
+        "layerwise_offload_components",
+        "drop one",
+    ),
 ]
 
 
@@ -208,27 +407,42 @@ def test_permanent_sets_that_do_not_fit_fail_but_forward_is_accepted() -> None:
 
 
 def test_permanent_that_fits_is_placed_and_traced() -> None:
-    plan = plan_for(gib=24.0, performance_mode="memory", layerwise_resident_layers=["dit=40"],
-                    dit_layerwise_residency_lifetime="permanent")
+    plan = plan_for(
+        gib=24.0,
+        performance_mode="memory",
+        layerwise_resident_layers=["dit=40"],
+        dit_layerwise_residency_lifetime="permanent",
+    )
     assert plan.components["transformer"].lifetime is Lifetime.PERMANENT
     assert any(line.startswith("permanent:") and "fits" in line for line in plan.trace)
 
 
 def test_permanent_fit_is_not_checked_on_a_cpu_host() -> None:
-    plan = plan_for(hardware=CPU, **{k: v for k, v in PERM.items() if k != "gib"}, layerwise_residency_lifetime=["all=permanent"])
+    plan = plan_for(
+        hardware=CPU, **{k: v for k, v in PERM.items() if k != "gib"}, layerwise_residency_lifetime=["all=permanent"]
+    )
     assert plan.components["text_encoder_2"].lifetime is Lifetime.PERMANENT
     assert any("fit check skipped" in line for line in plan.trace)
 
 
 def test_canonical_lifetime_beats_legacy_dit_lifetime() -> None:
-    plan = plan_for(hardware=CPU, performance_mode="memory", dit_layerwise_residency_lifetime="permanent",
-                    layerwise_residency_lifetime=["transformer=forward"], layerwise_resident_layers=["dit=2"])
+    plan = plan_for(
+        hardware=CPU,
+        performance_mode="memory",
+        dit_layerwise_residency_lifetime="permanent",
+        layerwise_residency_lifetime=["transformer=forward"],
+        layerwise_resident_layers=["dit=2"],
+    )
     assert plan.components["transformer"].lifetime is Lifetime.FORWARD
 
 
 def test_resident_layer_ratio_prefetch_and_ignored_knobs() -> None:
-    plan = plan_for(gib=80.0, performance_mode="memory", dit_offload_prefetch_size=0,
-                    layerwise_resident_layers=["text_encoder_2=0.25", "text_encoder=3"])
+    plan = plan_for(
+        gib=80.0,
+        performance_mode="memory",
+        dit_offload_prefetch_size=0,
+        layerwise_resident_layers=["text_encoder_2=0.25", "text_encoder=3"],
+    )
     assert plan.components["text_encoder_2"].resident_layers == 6  # 0.25 x 24 layers
     assert plan.components["transformer"].prefetch_size == 1  # 0 means 1
     assert plan.components["text_encoder"].resident_layers == 0  # component-offload: knob ignored, traced
@@ -247,10 +461,18 @@ def test_pinning_follows_cuda_and_the_flag() -> None:
 # -- compile ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "mode,validated,explicit,expected",
-    [("speed", False, None, False), ("speed", True, None, True), ("auto", True, None, True),
-     ("manual", True, None, False), ("speed", True, False, False), ("manual", False, True, True)],
+    [
+        ("speed", False, None, False),
+        ("speed", True, None, True),
+        ("auto", True, None, True),
+        ("manual", True, None, False),
+        ("speed", True, False, False),
+        ("manual", False, True, True),
+    ],
 )
-def test_compile_follows_profile_unless_explicit(mode: str, validated: bool, explicit: bool | None, expected: bool) -> None:
+def test_compile_follows_profile_unless_explicit(
+    mode: str, validated: bool, explicit: bool | None, expected: bool
+) -> None:
     prof = profile("flux", compile_validated=validated)
     plan = plan_for(prof=prof, performance_mode=mode, enable_torch_compile=explicit)
     assert plan.enable_torch_compile is expected
@@ -258,7 +480,9 @@ def test_compile_follows_profile_unless_explicit(mode: str, validated: bool, exp
 
 
 def test_breakable_graph_with_resolutions_on_cuda() -> None:
-    plan = plan_for(enable_breakable_cuda_graph=True, warmup_resolutions=["1024x1024", "768X512"], offload_during_compile=False)
+    plan = plan_for(
+        enable_breakable_cuda_graph=True, warmup_resolutions=["1024x1024", "768X512"], offload_during_compile=False
+    )
     assert plan.enable_breakable_cuda_graph is True
     assert plan.warmup_resolutions == ["1024x1024", "768x512"]
     assert plan.offload_during_compile is False
@@ -267,7 +491,9 @@ def test_breakable_graph_with_resolutions_on_cuda() -> None:
 # -- traces and output ----------------------------------------------------------------------------------------
 def test_trace_names_the_rule_and_the_figures() -> None:
     plan = plan_for(gib=[80.0, 40.0], num_gpus=2)
-    assert any("transformer: component-offload (auto: min free 40.0 GiB over 2 GPUs < 45 GiB" in line for line in plan.trace)
+    assert any(
+        "transformer: component-offload (auto: min free 40.0 GiB over 2 GPUs < 45 GiB" in line for line in plan.trace
+    )
     explicit = plan_for(dit_cpu_offload=False, gib=10.0)
     assert "transformer: resident (explicit --dit-cpu-offload false)" in explicit.trace
 
@@ -317,13 +543,21 @@ def _config(folder: Path, data: dict[str, Any]) -> None:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
     root = tmp_path_factory.mktemp("ckpt")
-    (root / "model_index.json").write_text(json.dumps({
-        "_class_name": "FluxPipeline", "_diffusers_version": "0.35.0",
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"], "tokenizer": ["transformers", "CLIPTokenizer"],
-        "text_encoder": ["transformers", "CLIPTextModel"], "text_encoder_2": ["transformers", "T5EncoderModel"],
-        "transformer": ["diffusers", "FluxTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"],
-        "image_encoder": [None, None],
-    }))
+    (root / "model_index.json").write_text(
+        json.dumps(
+            {
+                "_class_name": "FluxPipeline",
+                "_diffusers_version": "0.35.0",
+                "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+                "tokenizer": ["transformers", "CLIPTokenizer"],
+                "text_encoder": ["transformers", "CLIPTextModel"],
+                "text_encoder_2": ["transformers", "T5EncoderModel"],
+                "transformer": ["diffusers", "FluxTransformer2DModel"],
+                "vae": ["diffusers", "AutoencoderKL"],
+                "image_encoder": [None, None],
+            }
+        )
+    )
     (root / "scheduler").mkdir()
     sizes = {}
     _config(root / "transformer", {"_class_name": "FluxTransformer2DModel", "num_layers": 2, "num_single_layers": 3})
@@ -334,15 +568,32 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     _save(root / "transformer" / "diffusion_pytorch_model.fp16.safetensors", dit)
     sizes["transformer_layers"] = 4 * (2 * 64 + 3 * 32)
     _config(root / "text_encoder", {"architectures": ["CLIPTextModel"], "num_hidden_layers": 2})
-    sizes["text_encoder"] = _save(root / "text_encoder" / "model.safetensors",
-                                  {"text_model.encoder.layers.0.mlp.fc1.weight": (4, 4), "text_model.encoder.layers.1.mlp.fc1.weight": (4, 4),
-                                   "text_model.embeddings.token_embedding.weight": (16, 4)})
+    sizes["text_encoder"] = _save(
+        root / "text_encoder" / "model.safetensors",
+        {
+            "text_model.encoder.layers.0.mlp.fc1.weight": (4, 4),
+            "text_model.encoder.layers.1.mlp.fc1.weight": (4, 4),
+            "text_model.embeddings.token_embedding.weight": (16, 4),
+        },
+    )
     _config(root / "text_encoder_2", {"architectures": ["T5EncoderModel"], "num_layers": 3})
-    sizes["text_encoder_2"] = _save(root / "text_encoder_2" / "model-00001-of-00002.safetensors", {"encoder.block.0.w": (4, 4), "encoder.block.1.w": (4, 4)})
-    sizes["text_encoder_2"] += _save(root / "text_encoder_2" / "model-00002-of-00002.safetensors", {"encoder.block.2.w": (4, 4), "shared.weight": (10, 4)})
+    sizes["text_encoder_2"] = _save(
+        root / "text_encoder_2" / "model-00001-of-00002.safetensors",
+        {"encoder.block.0.w": (4, 4), "encoder.block.1.w": (4, 4)},
+    )
+    sizes["text_encoder_2"] += _save(
+        root / "text_encoder_2" / "model-00002-of-00002.safetensors",
+        {"encoder.block.2.w": (4, 4), "shared.weight": (10, 4)},
+    )
     _config(root / "vae", {"_class_name": "AutoencoderKL", "block_out_channels": [4, 8]})
-    sizes["vae"] = _save(root / "vae" / "diffusion_pytorch_model.safetensors",
-                         {"encoder.down_blocks.0.conv.weight": (4, 4), "decoder.up_blocks.1.conv.weight": (4, 4), "decoder.conv_out.weight": (3, 4)})
+    sizes["vae"] = _save(
+        root / "vae" / "diffusion_pytorch_model.safetensors",
+        {
+            "encoder.down_blocks.0.conv.weight": (4, 4),
+            "decoder.up_blocks.1.conv.weight": (4, 4),
+            "decoder.conv_out.weight": (3, 4),
+        },
+    )
     return root, sizes
 
 
@@ -350,7 +601,12 @@ def test_profile_from_checkpoint_reads_sizes_layers_and_groups(checkpoint: tuple
     root, sizes = checkpoint
     prof = profile_from_checkpoint(root)
     assert prof.family == "flux" and prof.kind == "image"
-    assert list(prof.components) == ["text_encoder", "text_encoder_2", "transformer", "vae"]  # no tokenizer/scheduler/null
+    assert list(prof.components) == [
+        "text_encoder",
+        "text_encoder_2",
+        "transformer",
+        "vae",
+    ]  # no tokenizer/scheduler/null
     dit = prof.components["transformer"]
     assert (dit.group, dit.param_bytes, dit.num_layers) == ("dit", sizes["transformer"], 5)
     assert dit.layer_container_paths == ("transformer_blocks", "single_transformer_blocks")
@@ -371,11 +627,15 @@ def test_profile_family_override_and_generic(checkpoint: tuple[Path, dict[str, i
     assert (i2v.family, i2v.kind, i2v.fsdp_can_replace_dit_offload) == ("wan_i2v", "video", True)
     ltx = profile_from_checkpoint(root, family="ltx")  # registry-known, no profile of ours: generic, video
     assert (ltx.kind, ltx.dit_resident_threshold_gib) == ("video", None)
-    assert profile_from_checkpoint(root, family="glm_image").dit_resident_threshold_gib == 45.0  # spec without plan facts
+    assert (
+        profile_from_checkpoint(root, family="glm_image").dit_resident_threshold_gib == 45.0
+    )  # spec without plan facts
     assert profile_from_checkpoint(root, family="flux2").dit_resident_threshold_gib == 80.0  # ~32B DiT: its own figure
     with pytest.raises(ConfigError, match="'qwen_image'"):
         profile_from_checkpoint(root, family="qwen-image")
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "SomeNewPipeline", "unet": ["diffusers", "MyUNet"]}))
+    (tmp_path / "model_index.json").write_text(
+        json.dumps({"_class_name": "SomeNewPipeline", "unet": ["diffusers", "MyUNet"]})
+    )
     _config(tmp_path / "unet", {"_class_name": "MyUNet"})
     _save(tmp_path / "unet" / "diffusion_pytorch_model.safetensors", {"down.0.w": (2, 2)})
     prof = profile_from_checkpoint(tmp_path)
@@ -388,7 +648,9 @@ def test_profile_family_override_and_generic(checkpoint: tuple[Path, dict[str, i
 def test_profile_rejects_broken_checkpoints(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="model_index.json is missing"):
         profile_from_checkpoint(tmp_path)
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline", "vae": ["diffusers", "AutoencoderKL"]}))
+    (tmp_path / "model_index.json").write_text(
+        json.dumps({"_class_name": "FluxPipeline", "vae": ["diffusers", "AutoencoderKL"]})
+    )
     with pytest.raises(CheckpointError, match="folder .* is missing"):
         profile_from_checkpoint(tmp_path)
     (tmp_path / "vae").mkdir()
@@ -427,7 +689,9 @@ def test_resolve_layer_containers_finds_nested_paths() -> None:
     clip.text_model = nn.Module()
     clip.text_model.encoder = nn.Module()
     clip.text_model.encoder.layers = nn.ModuleList([nn.Linear(2, 2)])
-    comp_ = ComponentProfile(name="text_encoder", layer_container_paths=("encoder.layers",), num_layers=1, has_layers=True)
+    comp_ = ComponentProfile(
+        name="text_encoder", layer_container_paths=("encoder.layers",), num_layers=1, has_layers=True
+    )
     assert resolve_layer_containers(clip, comp_) == ["text_model.encoder.layers"]
     clip.vision = nn.Module()
     clip.vision.encoder = nn.Module()
@@ -451,8 +715,12 @@ def test_plan_and_start_up_refuse_a_diffusers_backend_split_with_the_same_words(
     with pytest.raises(ConfigError) as planned:
         print_plan({"model_path": str(root), "backend": "diffusers", "gpu_memory_gib": 80.0, **flags})
     with pytest.raises(ConfigError) as started:
-        plan_deployment(ServerArgs(model_path=str(root), backend="diffusers", deployment=DeploymentArgs(**flags)),
-                        root, "cpu", log_plan=False)
+        plan_deployment(
+            ServerArgs(model_path=str(root), backend="diffusers", deployment=DeploymentArgs(**flags)),
+            root,
+            "cpu",
+            log_plan=False,
+        )
     assert planned.value.message == started.value.message
     assert planned.value.param == "enable_cfg_parallel" and "runs on the diffusers backend" in planned.value.message
     # The same checkpoint natively: the plan describes it from its configs (no weights) and accepts the flag.
@@ -473,11 +741,16 @@ def test_plan_and_start_up_refuse_continuous_for_a_model_that_cannot_step(checkp
     with pytest.raises(ConfigError) as planned:
         print_plan({"model_path": str(root), "backend": "diffusers", "batching_mode": "continuous"})
     with pytest.raises(ConfigError) as started:
-        plan_deployment(ServerArgs(model_path=str(root), backend="diffusers", batching_mode="continuous",
-                                   batching_max_size=4), root, "cpu", log_plan=False)
+        plan_deployment(
+            ServerArgs(model_path=str(root), backend="diffusers", batching_mode="continuous", batching_max_size=4),
+            root,
+            "cpu",
+            log_plan=False,
+        )
     assert planned.value.message == started.value.message
     assert planned.value.param == "batching_mode"
     assert planned.value.message.startswith("--batching-mode continuous: the flux model runs on the diffusers backend")
     assert "Use --batching-mode dynamic" in planned.value.message and "wan" in planned.value.message
-    plan_deployment(ServerArgs(model_path=str(root), batching_mode="continuous", batching_max_size=4), root, "cpu",
-                    log_plan=False)
+    plan_deployment(
+        ServerArgs(model_path=str(root), batching_mode="continuous", batching_max_size=4), root, "cpu", log_plan=False
+    )

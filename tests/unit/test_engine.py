@@ -69,7 +69,8 @@ class FakeClock:
 
 
 class FakePipeline(SimulatedPipeline):
-    """The simulated pipeline (`tools/sim_executor.py`) whose every denoising step waits for a permit the test grants."""
+    """The simulated pipeline (`tools/sim_executor.py`) whose every denoising step waits for a permit the test
+    grants."""
 
     def __init__(self, *, defers_decode: bool = False):
         super().__init__(defers_decode=defers_decode)
@@ -123,17 +124,29 @@ def _params(prompt: str, *, steps: int = 2, n: int = 1, seed: int = 0) -> Sampli
     return SamplingParams(prompt=prompt, width=32, height=32, num_inference_steps=steps, seed=seed, n=n)
 
 
-def _engine(executor: FakeExecutor, *, mode: str = "dynamic", max_size: int = 4, delay_ms: float = 0.0,
-            clock: Callable[[], float] = time.monotonic, timeout_s: float = 0.0) -> AsyncEngine:
+def _engine(
+    executor: FakeExecutor,
+    *,
+    mode: str = "dynamic",
+    max_size: int = 4,
+    delay_ms: float = 0.0,
+    clock: Callable[[], float] = time.monotonic,
+    timeout_s: float = 0.0,
+) -> AsyncEngine:
     config = BatchingConfig(mode=mode, max_size=max_size, delay_ms=delay_ms)
     scheduler: DynamicBatcher
     if mode == "continuous":
         scheduler = StepScheduler(config, model_names=["fake"])
     else:
         scheduler = DynamicBatcher(config, model_names=["fake"], slots=len(executor.replicas))
-    engine = AsyncEngine(executor, scheduler, config=EngineConfig(max_queue_size=0, request_timeout_s=timeout_s,
-                                                                  enable_warmup=False),
-                         metrics=CountingMetrics(), model_name="fake", clock=clock)
+    engine = AsyncEngine(
+        executor,
+        scheduler,
+        config=EngineConfig(max_queue_size=0, request_timeout_s=timeout_s, enable_warmup=False),
+        metrics=CountingMetrics(),
+        model_name="fake",
+        clock=clock,
+    )
     engine.start()
     assert engine.wait_ready(WAIT_S)
     return engine
@@ -387,8 +400,9 @@ def test_a_deferred_decode_of_a_cancelled_batch_answers_once(stop_engines):
     async def scenario() -> list[Any]:
         task = asyncio.ensure_future(engine.generate(_params("gone", steps=1)))
         pipeline.open()
-        await until_async(lambda: pipeline.steps_run == 1 and engine.executor.replicas[0].batches == 1,
-                          "the batch to be denoised")
+        await until_async(
+            lambda: pipeline.steps_run == 1 and engine.executor.replicas[0].batches == 1, "the batch to be denoised"
+        )
         task.cancel()
         await until_async(lambda: engine.num_pending == 0, "the cancel answer")
         pipeline.decode_gate.set()
@@ -433,8 +447,13 @@ def test_warm_up_runs_one_generation_per_replica_before_ready_and_answers_nobody
     for pipeline in executor.pipelines:
         pipeline.open()
     scheduler = DynamicBatcher(BatchingConfig(mode="dynamic", max_size=2), model_names=["fake"], slots=2)
-    engine = AsyncEngine(executor, scheduler, config=EngineConfig(enable_warmup=True, warmup_steps=1),
-                         metrics=CountingMetrics(), model_name="fake")
+    engine = AsyncEngine(
+        executor,
+        scheduler,
+        config=EngineConfig(enable_warmup=True, warmup_steps=1),
+        metrics=CountingMetrics(),
+        model_name="fake",
+    )
     engine.start()
     try:
         assert engine.wait_ready(WAIT_S)
@@ -507,8 +526,9 @@ def test_continuous_failed_step_and_failed_start_fail_only_their_rows(stop_engin
     executor.pipeline.open()
 
     async def scenario() -> list[Any]:
-        bad = await _settle([asyncio.ensure_future(engine.generate(_params(p, steps=2)))
-                             for p in ("BADSTART x", "FAIL y")])
+        bad = await _settle(
+            [asyncio.ensure_future(engine.generate(_params(p, steps=2))) for p in ("BADSTART x", "FAIL y")]
+        )
         good = await _settle([asyncio.ensure_future(engine.generate(_params("z", steps=2)))])
         return bad + good
 
@@ -594,8 +614,14 @@ def test_the_serving_pipeline_declares_what_its_adapter_can_do():
 # -- the offline client (`generate`) -------------------------------------------------------------------------------
 def _offline(executor: FakeExecutor) -> OfflineEngine:
     config = BatchingConfig(mode="dynamic", max_size=4, delay_ms=0.0)
-    return OfflineEngine(AsyncEngine(executor, DynamicBatcher(config, model_names=["fake"]),
-                                     config=EngineConfig(max_queue_size=0, enable_warmup=False), model_name="fake"))
+    return OfflineEngine(
+        AsyncEngine(
+            executor,
+            DynamicBatcher(config, model_names=["fake"]),
+            config=EngineConfig(max_queue_size=0, enable_warmup=False),
+            model_name="fake",
+        )
+    )
 
 
 def test_the_offline_client_answers_every_prompt_and_admits_them_as_one_arrival():
@@ -624,7 +650,7 @@ def test_the_offline_client_raises_the_load_error_as_it_was_and_close_cancels_wh
     executor = FakeExecutor()
     offline = _offline(executor)
     offline.start()
-    running, = offline.submit_all([_params("held", steps=3)])
+    (running,) = offline.submit_all([_params("held", steps=3)])
     executor.pipeline.allow(1)
     until(lambda: offline.progress(running.request_id) == (1, 3), "the first step reported")
     # Once answered (cancelled), the held step may go on: the batch then stops at the next boundary.
@@ -662,5 +688,8 @@ def test_the_engine_core_imports_down_the_stack_only():
     # The two loops know nothing of each other or of the facade; the book knows no loop.
     assert not _imports_of("batch_loop") & {"diffuserve.engine.step_loop", "diffuserve.engine.engine"}
     assert not _imports_of("step_loop") & {"diffuserve.engine.batch_loop", "diffuserve.engine.engine"}
-    assert not _imports_of("requests") & {"diffuserve.engine.batch_loop", "diffuserve.engine.step_loop",
-                                          "diffuserve.engine.engine"}
+    assert not _imports_of("requests") & {
+        "diffuserve.engine.batch_loop",
+        "diffuserve.engine.step_loop",
+        "diffuserve.engine.engine",
+    }

@@ -26,7 +26,12 @@ def test_describe_per_gpu_figures_and_min_over_selected() -> None:
 
 @pytest.mark.parametrize(
     "num_gpus,memory,param",
-    [(0, 80.0, "num_gpus"), (2, [80.0], "gpu_memory_gib"), (1, 0.0, "gpu_memory_gib"), (2, [80.0, -1.0], "gpu_memory_gib")],
+    [
+        (0, 80.0, "num_gpus"),
+        (2, [80.0], "gpu_memory_gib"),
+        (1, 0.0, "gpu_memory_gib"),
+        (2, [80.0, -1.0], "gpu_memory_gib"),
+    ],
 )
 def test_describe_rejects_bad_figures(num_gpus: int, memory, param: str) -> None:
     with pytest.raises(ConfigError) as err:

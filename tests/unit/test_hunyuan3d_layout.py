@@ -21,13 +21,16 @@ def release(root: Path, names=NAMES) -> Path:
     return root
 
 
-@pytest.mark.parametrize("model_id, expected", [
-    (None, "hunyuan3d-dit-v2-0"),
-    ("tencent/Hunyuan3D-2", "hunyuan3d-dit-v2-0"),
-    ("tencent/Hunyuan3D-2/hunyuan3d-dit-v2-0-fast", "hunyuan3d-dit-v2-0-fast"),
-    ("Hunyuan3D-2-turbo", "hunyuan3d-dit-v2-0-turbo"),
-    ("tencent/Hunyuan3D-2mini", "hunyuan3d-dit-v2-mini"),
-])
+@pytest.mark.parametrize(
+    "model_id, expected",
+    [
+        (None, "hunyuan3d-dit-v2-0"),
+        ("tencent/Hunyuan3D-2", "hunyuan3d-dit-v2-0"),
+        ("tencent/Hunyuan3D-2/hunyuan3d-dit-v2-0-fast", "hunyuan3d-dit-v2-0-fast"),
+        ("Hunyuan3D-2-turbo", "hunyuan3d-dit-v2-0-turbo"),
+        ("tencent/Hunyuan3D-2mini", "hunyuan3d-dit-v2-mini"),
+    ],
+)
 def test_the_model_id_picks_the_subfolder(tmp_path: Path, model_id, expected):
     root = release(tmp_path / "Hunyuan3D-2")
     assert find_subfolder(root, model_id).name == expected
@@ -53,15 +56,22 @@ def test_registry_and_plan_read_the_layout(tmp_path: Path):
     from diffuserve.models.registry import resolve
 
     root = release(tmp_path / "r", names=("hunyuan3d-dit-v2-0",))
-    header = {"model.a": {"dtype": "F16", "shape": [4], "data_offsets": [0, 8]},
-              "vae.b": {"dtype": "F16", "shape": [2], "data_offsets": [8, 12]},
-              "conditioner.c": {"dtype": "F16", "shape": [1], "data_offsets": [12, 14]}}
+    header = {
+        "model.a": {"dtype": "F16", "shape": [4], "data_offsets": [0, 8]},
+        "vae.b": {"dtype": "F16", "shape": [2], "data_offsets": [8, 12]},
+        "conditioner.c": {"dtype": "F16", "shape": [1], "data_offsets": [12, 14]},
+    }
     blob = json.dumps(header).encode()
-    (root / "hunyuan3d-dit-v2-0" / "model.fp16.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(14))
+    (root / "hunyuan3d-dit-v2-0" / "model.fp16.safetensors").write_bytes(
+        struct.pack("<Q", len(blob)) + blob + bytes(14)
+    )
     spec = resolve(root)
     assert (spec.family, spec.backend) == ("hunyuan3d", "native")
     assert component_bytes(root / "hunyuan3d-dit-v2-0") == {"model": 8, "vae": 4, "conditioner": 2}
     profile = profile_from_checkpoint(root)
     assert profile.family == "hunyuan3d" and profile.kind == "mesh"
-    assert {k: c.group for k, c in profile.components.items()} == {"model": "dit", "vae": "vae",
-                                                                    "conditioner": "image_encoder"}
+    assert {k: c.group for k, c in profile.components.items()} == {
+        "model": "dit",
+        "vae": "vae",
+        "conditioner": "image_encoder",
+    }

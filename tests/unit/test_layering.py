@@ -30,10 +30,15 @@ def _imports(path: Path) -> set[str]:
 
 def test_launch_modules_import_one_way():
     modules = ("ranks", "setup", "follower", "root")
-    graph = {m: {n for n in modules if f"diffuserve.launch.{n}" in _imports(PACKAGE / "launch" / f"{m}.py")}
-             for m in modules}
-    allowed = {"ranks": set(), "setup": {"ranks"}, "follower": {"ranks", "setup"},
-               "root": {"ranks", "setup", "follower"}}
+    graph = {
+        m: {n for n in modules if f"diffuserve.launch.{n}" in _imports(PACKAGE / "launch" / f"{m}.py")} for m in modules
+    }
+    allowed = {
+        "ranks": set(),
+        "setup": {"ranks"},
+        "follower": {"ranks", "setup"},
+        "root": {"ranks", "setup", "follower"},
+    }
     assert all(graph[m] <= allowed[m] for m in modules), graph
     ranks = _imports(PACKAGE / "launch" / "ranks.py")
     assert not {n for n in ranks if n.split(".")[1] in ("executor", "engine", "pipelines", "models", "runtime")}, ranks

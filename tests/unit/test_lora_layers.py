@@ -20,8 +20,11 @@ class _Tiny(torch.nn.Module):
 
 def _adapter(name: str, rank: int, scaling: float, seed: int) -> LoraAdapter:
     gen = torch.Generator().manual_seed(seed)
-    return LoraAdapter(name, "mem", {"proj": LoraModule(torch.randn(rank, 6, generator=gen),
-                                                        torch.randn(5, rank, generator=gen), scaling)})
+    return LoraAdapter(
+        name,
+        "mem",
+        {"proj": LoraModule(torch.randn(rank, 6, generator=gen), torch.randn(5, rank, generator=gen), scaling)},
+    )
 
 
 def test_each_row_gets_its_own_adapters_and_a_bare_row_the_base_layer() -> None:
@@ -52,16 +55,25 @@ def test_each_row_gets_its_own_adapters_and_a_bare_row_the_base_layer() -> None:
 
 def test_more_adapters_than_slots_is_refused() -> None:
     with pytest.raises(ConfigError, match="--max-loras"):
-        LoraBank(_Tiny(), [_adapter("a", 2, 1.0, 1), _adapter("b", 2, 1.0, 2)], max_loras=1, max_rank=2,
-                 device="cpu", dtype=torch.float32)
+        LoraBank(
+            _Tiny(),
+            [_adapter("a", 2, 1.0, 1), _adapter("b", 2, 1.0, 2)],
+            max_loras=1,
+            max_rank=2,
+            device="cpu",
+            dtype=torch.float32,
+        )
 
 
-@pytest.mark.parametrize(("flags", "words"), [
-    ({"lora_modules": ["style"]}, "--lora-modules: 'style' is not NAME=PATH"),
-    ({"lora_modules": ["a=/x", "a=/y"]}, "given twice"),
-    ({"lora_modules": ["a=/x", "b=/y"], "max_loras": 1}, "--max-loras"),
-    ({"max_lora_rank": 0}, "--max-lora-rank"),
-])
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        ({"lora_modules": ["style"]}, "--lora-modules: 'style' is not NAME=PATH"),
+        ({"lora_modules": ["a=/x", "a=/y"]}, "given twice"),
+        ({"lora_modules": ["a=/x", "b=/y"], "max_loras": 1}, "--max-loras"),
+        ({"max_lora_rank": 0}, "--max-lora-rank"),
+    ],
+)
 def test_lora_flags_are_checked_at_start_up(flags: dict, words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         ServerArgs(**flags).validate()

@@ -112,9 +112,7 @@ def _png_bomb(width: int, height: int) -> bytes:
     """A valid PNG header declaring a huge image with (almost) no pixel data behind it."""
 
     def chunk(kind: bytes, payload: bytes) -> bytes:
-        return (
-            struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
-        )
+        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
 
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return (

@@ -23,20 +23,28 @@ STATS_RE = re.compile(
 )
 
 
-def batch(ns: list[int], cap: int, wait_ms: float, reason: str, rejects: dict[str, int] | None = None,
-          user_max: int = 8) -> ScheduledBatch:
+def batch(
+    ns: list[int], cap: int, wait_ms: float, reason: str, rejects: dict[str, int] | None = None, user_max: int = 8
+) -> ScheduledBatch:
     requests = [Request(f"r{i}", SamplingParams(prompt="p", n=n), arrival_time=0.0) for i, n in enumerate(ns)]
-    return ScheduledBatch(requests=requests, effective_cap=cap, user_max=user_max, num_outputs=sum(ns),
-                          stop_reason=reason, head_queue_wait_s=wait_ms / 1000, rejects=rejects or {})
+    return ScheduledBatch(
+        requests=requests,
+        effective_cap=cap,
+        user_max=user_max,
+        num_outputs=sum(ns),
+        stop_reason=reason,
+        head_queue_wait_s=wait_ms / 1000,
+        rejects=rejects or {},
+    )
 
 
 # Five hand-made dispatches; the expected figures below are worked out by hand in the comments.
 WINDOW = [
-    batch([1, 1], 8, 1.0, "delay", {"sampling_params.width": 2}),                       # rows 2, merged
-    batch([1, 1, 1, 1], 4, 2.0, "config_cap:4", {"batch_full": 1}),                     # rows 4, merged, full
+    batch([1, 1], 8, 1.0, "delay", {"sampling_params.width": 2}),  # rows 2, merged
+    batch([1, 1, 1, 1], 4, 2.0, "config_cap:4", {"batch_full": 1}),  # rows 4, merged, full
     batch([1], 8, 3.0, "delay", {"sampling_params.width": 1, "image_conditioning": 1}),  # rows 1
-    batch([6], 4, 4.0, "max_size", user_max=4),                                         # oversized: full, capacity 6
-    batch([1, 2], 8, 10.0, "delay", {"model": 1}),                                      # rows 3, merged
+    batch([6], 4, 4.0, "max_size", user_max=4),  # oversized: full, capacity 6
+    batch([1, 2], 8, 10.0, "delay", {"model": 1}),  # rows 3, merged
 ]
 # rows 16 / 5 = 3.20; merged 3/5 = 60.0%; full 2/5 = 40.0%; capacity 8+4+8+6+8 = 34, 16/34 = 47.1%;
 # waits 1,2,3,4,10 -> avg 4.00ms, nearest-rank p95 = rank ceil(4.75) = 5 -> 10.00ms.
@@ -65,8 +73,10 @@ def test_dispatch_and_stats_lines_match_hand_computed_values(caplog: pytest.LogC
     logged = lines(caplog)
     assert len(logged) == 6
     # The oversized single request (4th) says how it runs instead of `size=6/4` (issue 22 item 7).
-    assert logged[3] == ("Dynamic batch dispatch: requests=1, rows=6 in 2 calls of <= 4 rows, user_max=4, "
-                         "queue_wait=4.00ms, stop_reason=max_size")
+    assert logged[3] == (
+        "Dynamic batch dispatch: requests=1, rows=6 in 2 calls of <= 4 rows, user_max=4, "
+        "queue_wait=4.00ms, stop_reason=max_size"
+    )
     parsed = [DISPATCH_RE.match(line) for line in logged[:3] + logged[4:5]]
     assert all(parsed), logged
     assert [m.groups() for m in parsed if m] == [

@@ -44,8 +44,11 @@ def test_jobs_run_in_order_and_an_error_reaches_its_submitter_only() -> None:
     def fail() -> None:
         raise ValueError("bad decode")
 
-    futures = [overlap.decode.submit(lambda: seen.append(1)), overlap.decode.submit(fail),
-               overlap.decode.submit(lambda: seen.append(3))]
+    futures = [
+        overlap.decode.submit(lambda: seen.append(1)),
+        overlap.decode.submit(fail),
+        overlap.decode.submit(lambda: seen.append(3)),
+    ]
     assert futures[2].result(WAIT_S).steps_beside == 0
     with pytest.raises(ValueError, match="bad decode"):
         futures[1].result(WAIT_S)
@@ -70,8 +73,11 @@ def test_two_threads_in_one_offloaded_component_never_see_half_loaded_weights() 
     module = torch.nn.Linear(4, 4)
     ledger = TransferLedger()
     manager = ComponentResidencyManager(
-        {"vae": module}, {"vae": ComponentPlan(name="vae", group="vae", mode=ResidencyMode.COMPONENT_OFFLOAD)},
-        device=torch.device("cpu"), ledger=ledger)
+        {"vae": module},
+        {"vae": ComponentPlan(name="vae", group="vae", mode=ResidencyMode.COMPONENT_OFFLOAD)},
+        device=torch.device("cpu"),
+        ledger=ledger,
+    )
     manager.setup()
     moves: list[tuple[str, str]] = []
     ledger.add_listener(lambda move: moves.append((move.component, move.direction)))

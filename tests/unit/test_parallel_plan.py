@@ -23,19 +23,22 @@ def plan(family: str = "flux", num_gpus: int = 2, heads: int | None = 24, **flag
     return resolve(DeploymentArgs(num_gpus=num_gpus, **flags), describe_hardware(num_gpus, 80.0), profile)
 
 
-@pytest.mark.parametrize(("kwargs", "expected"), [
-    ({"sp_degree": 2}, {"ulysses_degree": 2, "ring_degree": 1, "sp_degree": 2}),  # --sp-degree alone is Ulysses
-    ({"num_gpus": 4, "sp_degree": 4, "ring_degree": 2}, {"ulysses_degree": 2, "ring_degree": 2}),
-    ({"num_gpus": 4, "ulysses_degree": 2, "ring_degree": 2}, {"sp_degree": 4, "dp_size": 1}),
-    ({"tp_size": 2}, {"tp_size": 2}),
-    ({"family": "qwen_image"}, {"enable_cfg_parallel": True, "dp_size": 1}),  # auto: CFG family on 2 ranks
-    ({"family": "qwen_image", "num_gpus": 4}, {"enable_cfg_parallel": True, "dp_size": 2}),  # the rest: replicas
-    ({"num_gpus": 2}, {"enable_cfg_parallel": False, "dp_size": 2}),  # FLUX runs no CFG by default: 2 replicas
-    ({"num_gpus": 4, "dp_size": 2, "enable_cfg_parallel": True}, {"dp_size": 2, "enable_cfg_parallel": True}),
-    ({"num_gpus": 4, "enable_cfg_parallel": True, "ulysses_degree": 2}, {"sp_degree": 2, "dp_size": 1}),
-    ({"use_fsdp_inference": True}, {"dp_size": 1, "use_fsdp_inference": True}),  # FSDP alone spans the ranks
-    ({"family": "qwen_image", "enable_cfg_parallel": False, "performance_mode": "manual"}, {"dp_size": 2}),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"sp_degree": 2}, {"ulysses_degree": 2, "ring_degree": 1, "sp_degree": 2}),  # --sp-degree alone is Ulysses
+        ({"num_gpus": 4, "sp_degree": 4, "ring_degree": 2}, {"ulysses_degree": 2, "ring_degree": 2}),
+        ({"num_gpus": 4, "ulysses_degree": 2, "ring_degree": 2}, {"sp_degree": 4, "dp_size": 1}),
+        ({"tp_size": 2}, {"tp_size": 2}),
+        ({"family": "qwen_image"}, {"enable_cfg_parallel": True, "dp_size": 1}),  # auto: CFG family on 2 ranks
+        ({"family": "qwen_image", "num_gpus": 4}, {"enable_cfg_parallel": True, "dp_size": 2}),  # the rest: replicas
+        ({"num_gpus": 2}, {"enable_cfg_parallel": False, "dp_size": 2}),  # FLUX runs no CFG by default: 2 replicas
+        ({"num_gpus": 4, "dp_size": 2, "enable_cfg_parallel": True}, {"dp_size": 2, "enable_cfg_parallel": True}),
+        ({"num_gpus": 4, "enable_cfg_parallel": True, "ulysses_degree": 2}, {"sp_degree": 2, "dp_size": 1}),
+        ({"use_fsdp_inference": True}, {"dp_size": 1, "use_fsdp_inference": True}),  # FSDP alone spans the ranks
+        ({"family": "qwen_image", "enable_cfg_parallel": False, "performance_mode": "manual"}, {"dp_size": 2}),
+    ],
+)
 def test_degrees_and_replicas(kwargs, expected):
     resolved = plan(**kwargs)
     for field, value in expected.items():
@@ -43,21 +46,24 @@ def test_degrees_and_replicas(kwargs, expected):
     Topology.from_plan(resolved, rank=0, local_rank=0)  # every resolved plan has a topology
 
 
-@pytest.mark.parametrize(("kwargs", "param", "text"), [
-    ({"num_gpus": 4, "ulysses_degree": 2}, "num_gpus", "--dp-size 2"),  # explicit degrees must fill the ranks
-    ({"num_gpus": 2, "tp_size": 3}, "num_gpus", "3 ranks"),
-    ({"num_gpus": 4, "dp_size": 3}, "dp_size", "does not divide"),
-    ({"num_gpus": 4, "dp_size": 2, "tp_size": 4}, "dp_size", "multiply to 2"),
-    ({"sp_degree": 2, "ulysses_degree": 2, "ring_degree": 2}, "sp_degree", "--ulysses-degree x --ring-degree"),
-    ({"ulysses_degree": 2, "heads": 3}, "ulysses_degree", "does not divide the DiT's 3 attention heads"),
-    ({"tp_size": 2, "heads": 5}, "tp_size", "5 attention heads"),
-    ({"family": "sd3", "ulysses_degree": 2}, "ulysses_degree", "no sequence split"),
-    ({"family": "sana", "ring_degree": 2}, "ring_degree", "no sequence split"),
-    ({"family": "sd3", "tp_size": 2}, "tp_size", "no tensor-parallel plan"),
-    ({"family": "sd3", "enable_cfg_parallel": True}, "enable_cfg_parallel", "doubled batch"),
-    ({"use_fsdp_inference": True, "tp_size": 2}, "use_fsdp_inference", "2-D"),
-    ({"tp_size": 2, "component_residency": ["dit=layerwise-offload"]}, "tp_size", "resident"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "param", "text"),
+    [
+        ({"num_gpus": 4, "ulysses_degree": 2}, "num_gpus", "--dp-size 2"),  # explicit degrees must fill the ranks
+        ({"num_gpus": 2, "tp_size": 3}, "num_gpus", "3 ranks"),
+        ({"num_gpus": 4, "dp_size": 3}, "dp_size", "does not divide"),
+        ({"num_gpus": 4, "dp_size": 2, "tp_size": 4}, "dp_size", "multiply to 2"),
+        ({"sp_degree": 2, "ulysses_degree": 2, "ring_degree": 2}, "sp_degree", "--ulysses-degree x --ring-degree"),
+        ({"ulysses_degree": 2, "heads": 3}, "ulysses_degree", "does not divide the DiT's 3 attention heads"),
+        ({"tp_size": 2, "heads": 5}, "tp_size", "5 attention heads"),
+        ({"family": "sd3", "ulysses_degree": 2}, "ulysses_degree", "no sequence split"),
+        ({"family": "sana", "ring_degree": 2}, "ring_degree", "no sequence split"),
+        ({"family": "sd3", "tp_size": 2}, "tp_size", "no tensor-parallel plan"),
+        ({"family": "sd3", "enable_cfg_parallel": True}, "enable_cfg_parallel", "doubled batch"),
+        ({"use_fsdp_inference": True, "tp_size": 2}, "use_fsdp_inference", "2-D"),
+        ({"tp_size": 2, "component_residency": ["dit=layerwise-offload"]}, "tp_size", "resident"),
+    ],
+)
 def test_combinations_that_cannot_run_fail_naming_the_flag(kwargs, param, text):
     with pytest.raises(ConfigError) as err:
         plan(**kwargs)
@@ -77,21 +83,25 @@ def backend_plan(family: str, backend: str, num_gpus: int = 2, **flags: Any):
 
     served = family_profile(family, backend)
     base = sized(family) if family in ("flux", "qwen_image", "wan", "sana") else served
-    profile = dataclasses.replace(base, backend=served.backend, supports_continuous=served.supports_continuous,
-                                  dit_attention_heads=24)
+    profile = dataclasses.replace(
+        base, backend=served.backend, supports_continuous=served.supports_continuous, dit_attention_heads=24
+    )
     return resolve(DeploymentArgs(num_gpus=num_gpus, **flags), describe_hardware(num_gpus, 80.0), profile)
 
 
-@pytest.mark.parametrize(("family", "backend", "flags", "param"), [
-    ("flux", "diffusers", {"enable_cfg_parallel": True}, "enable_cfg_parallel"),
-    ("qwen_image", "diffusers", {"ulysses_degree": 2}, "ulysses_degree"),
-    ("wan", "diffusers", {"ring_degree": 2}, "ring_degree"),
-    ("flux", "diffusers", {"sp_degree": 2}, "sp_degree"),
-    ("flux", "diffusers", {"tp_size": 2}, "tp_size"),
-    ("wan", "diffusers", {"use_fsdp_inference": True}, "use_fsdp_inference"),
-    ("glm_image", "auto", {"enable_cfg_parallel": True}, "enable_cfg_parallel"),  # no native adapter: diffusers
-    ("hunyuan_video", "auto", {"tp_size": 2}, "tp_size"),
-])
+@pytest.mark.parametrize(
+    ("family", "backend", "flags", "param"),
+    [
+        ("flux", "diffusers", {"enable_cfg_parallel": True}, "enable_cfg_parallel"),
+        ("qwen_image", "diffusers", {"ulysses_degree": 2}, "ulysses_degree"),
+        ("wan", "diffusers", {"ring_degree": 2}, "ring_degree"),
+        ("flux", "diffusers", {"sp_degree": 2}, "sp_degree"),
+        ("flux", "diffusers", {"tp_size": 2}, "tp_size"),
+        ("wan", "diffusers", {"use_fsdp_inference": True}, "use_fsdp_inference"),
+        ("glm_image", "auto", {"enable_cfg_parallel": True}, "enable_cfg_parallel"),  # no native adapter: diffusers
+        ("hunyuan_video", "auto", {"tp_size": 2}, "tp_size"),
+    ],
+)
 def test_a_diffusers_backend_family_is_refused_every_split_of_its_loop(family, backend, flags, param):
     from diffuserve import families
 
@@ -137,10 +147,13 @@ def test_profiles_carry_the_specs_capabilities_for_their_backend():
     assert not family_profile("flux", "diffusers").supports_continuous  # the diffusers backend never steps
 
 
-@pytest.mark.parametrize(("flags", "capability"), [
-    ({"family": "sd3", "ulysses_degree": 2}, "sequence_parallel"),
-    ({"family": "sd3", "tp_size": 2}, "tensor_parallel"),
-])
+@pytest.mark.parametrize(
+    ("flags", "capability"),
+    [
+        ({"family": "sd3", "ulysses_degree": 2}, "sequence_parallel"),
+        ({"family": "sd3", "tp_size": 2}, "tensor_parallel"),
+    ],
+)
 def test_family_lists_in_refusals_are_generated_from_the_specs(flags, capability):
     from diffuserve import families
 

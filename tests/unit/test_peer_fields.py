@@ -19,9 +19,14 @@ from diffuserve.server.video_params import VideoCreateRequest, build_video_param
 
 
 def _ctx(output_kind: str = "image", fields: frozenset[str] = frozenset()) -> SimpleNamespace:
-    model = ModelDescription(family="test", output_kind=output_kind, request_fields=fields, frame_multiple=4,
-                             defaults=SamplingDefaults(width=32, height=32, num_frames=5, fps=8),
-                             validate=lambda params: None)
+    model = ModelDescription(
+        family="test",
+        output_kind=output_kind,
+        request_fields=fields,
+        frame_multiple=4,
+        defaults=SamplingDefaults(width=32, height=32, num_frames=5, fps=8),
+        validate=lambda params: None,
+    )
     return SimpleNamespace(args=ServerArgs(served_model_name="m"), engine=SimpleNamespace(model=model))
 
 

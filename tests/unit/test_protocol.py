@@ -10,7 +10,9 @@ from diffuserve.server.app import _param_of
 from diffuserve.server.protocol import ImageGenerationRequest, parse_size
 
 
-@pytest.mark.parametrize(("text", "expected"), [("64x64", (64, 64)), (" 32 X 48 ", (32, 48)), ("1024×768", (1024, 768))])
+@pytest.mark.parametrize(
+    ("text", "expected"), [("64x64", (64, 64)), (" 32 X 48 ", (32, 48)), ("1024×768", (1024, 768))]
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
@@ -21,21 +23,24 @@ def test_parse_size_rejects(text):
         parse_size(text)
 
 
-@pytest.mark.parametrize(("body", "field"), [
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": "x", "n": 0}, "n"),
-    ({"prompt": "x", "n": 11}, "n"),
-    ({"prompt": "x", "n": "2"}, "n"),
-    ({"prompt": "x", "seed": -1}, "seed"),
-    ({"prompt": "x", "seed": 2**63}, "seed"),
-    ({"prompt": "x", "seed": 1.5}, "seed"),
-    ({"prompt": "x", "size": "0x0"}, "size"),
-    ({"prompt": "x", "response_format": "gif"}, "response_format"),
-    ({"prompt": "x", "output_quality": 0}, "output_quality"),
-    ({"prompt": "x", "num_inference_steps": 0}, "num_inference_steps"),
-    ({"prompt": "x", "timeout": 0}, "timeout"),
-    ({"prompt": "x", "unknown": 1}, "unknown"),
-])
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "n": 11}, "n"),
+        ({"prompt": "x", "n": "2"}, "n"),
+        ({"prompt": "x", "seed": -1}, "seed"),
+        ({"prompt": "x", "seed": 2**63}, "seed"),
+        ({"prompt": "x", "seed": 1.5}, "seed"),
+        ({"prompt": "x", "size": "0x0"}, "size"),
+        ({"prompt": "x", "response_format": "gif"}, "response_format"),
+        ({"prompt": "x", "output_quality": 0}, "output_quality"),
+        ({"prompt": "x", "num_inference_steps": 0}, "num_inference_steps"),
+        ({"prompt": "x", "timeout": 0}, "timeout"),
+        ({"prompt": "x", "unknown": 1}, "unknown"),
+    ],
+)
 def test_invalid_fields_are_named(body, field):
     with pytest.raises(ValidationError) as info:
         ImageGenerationRequest.model_validate(body)

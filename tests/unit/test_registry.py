@@ -74,9 +74,7 @@ def test_class_name_wins_over_model_id_hint(tmp_path: Path) -> None:
 
 
 def test_model_id_hint_names_unknown_class(tmp_path: Path) -> None:
-    spec = registry.resolve(
-        _folder(tmp_path, "MyFluxVariantPipeline"), model_id="black-forest-labs/FLUX.1-dev"
-    )
+    spec = registry.resolve(_folder(tmp_path, "MyFluxVariantPipeline"), model_id="black-forest-labs/FLUX.1-dev")
     assert spec.family == "flux" and spec.backend == "native"
     assert registry.resolve(_folder(tmp_path, "MyFluxVariantPipeline")).family == "unknown"
 

@@ -101,7 +101,10 @@ def test_live_rows_of_a_dead_process_fail_interrupted_and_of_a_live_one_stay(tmp
     with store._tx() as db:
         db.execute("UPDATE results SET owner = ? WHERE id = 'video_dead'", (str(dead_owner),))
         # A neighbour that is alive (same host, live pid) with a fresh heartbeat.
-        db.execute("UPDATE results SET owner = ? WHERE id = 'video_other'", (f"{live_owner.host}@{live_owner.pid}:{live_owner.start}",))
+        db.execute(
+            "UPDATE results SET owner = ? WHERE id = 'video_other'",
+            (f"{live_owner.host}@{live_owner.pid}:{live_owner.start}",),
+        )
     reopened = ResultStore(tmp_path)  # what a restarted server does first
     assert reopened.fail_interrupted(INTERRUPTED) == ["video_dead"]
     record = reopened.get("video_dead")
@@ -126,8 +129,10 @@ for i in range(40):
 def test_several_processes_share_one_folder(tmp_path: Path):
     root = tmp_path / "shared"
     ResultStore(root)  # create the schema once, as the first server would
-    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, str(root), name], stderr=subprocess.PIPE)
-               for name in ("a", "b", "c")]
+    writers = [
+        subprocess.Popen([sys.executable, "-c", _WRITER, str(root), name], stderr=subprocess.PIPE)
+        for name in ("a", "b", "c")
+    ]
     for writer in writers:
         assert writer.wait(120) == 0, writer.stderr.read().decode()
     store = ResultStore(root)
@@ -150,8 +155,10 @@ def test_a_folder_from_before_schema_versions_is_version_1_and_a_newer_one_is_re
 
     with sqlite3.connect(tmp_path / "results.db") as conn:  # what a release without versions wrote
         conn.executescript(SQLITE_MIGRATIONS[1])
-        conn.execute("INSERT INTO results (id, kind, status, owner, created_at) VALUES ('img_old', 'image', "
-                     "'completed', 'h@1:1', 1.0)")
+        conn.execute(
+            "INSERT INTO results (id, kind, status, owner, created_at) VALUES ('img_old', 'image', "
+            "'completed', 'h@1:1', 1.0)"
+        )
     store = ResultStore(tmp_path)
     assert store.get("img_old").status == "completed"
     assert store._query("PRAGMA user_version")[0][0] == SCHEMA_VERSION

@@ -20,8 +20,17 @@ from diffuserve.sampling import SamplingParams
 MODEL = "tiny-flux"
 
 
-def req(rid: str, t: float, *, n: int = 1, priority: int = 0, deadline: float | None = None,
-        ineligible: str | None = None, model: str = MODEL, **params: object) -> Request:
+def req(
+    rid: str,
+    t: float,
+    *,
+    n: int = 1,
+    priority: int = 0,
+    deadline: float | None = None,
+    ineligible: str | None = None,
+    model: str = MODEL,
+    **params: object,
+) -> Request:
     return Request(
         request_id=rid,
         params=SamplingParams(prompt=f"prompt {rid}", seed=hash(rid) % 1000, n=n, **params),  # type: ignore[arg-type]
@@ -33,8 +42,14 @@ def req(rid: str, t: float, *, n: int = 1, priority: int = 0, deadline: float | 
     )
 
 
-def batcher(max_size: int = 8, delay_ms: float = 0.0, *, mode: str = "dynamic",
-            rules: BatchingRules | None = None, supports_batching: bool = True) -> DynamicBatcher:
+def batcher(
+    max_size: int = 8,
+    delay_ms: float = 0.0,
+    *,
+    mode: str = "dynamic",
+    rules: BatchingRules | None = None,
+    supports_batching: bool = True,
+) -> DynamicBatcher:
     config = BatchingConfig(mode=mode, max_size=max_size, delay_ms=delay_ms, rules=rules)
     return DynamicBatcher(config, model_names=[MODEL, "/ckpt/tiny-flux"], supports_batching=supports_batching)
 
@@ -51,8 +66,12 @@ def rules(*items: dict) -> BatchingRules:
 # -- config -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("kwargs", "flag"),
-    [({"max_size": 0}, "--batching-max-size"), ({"delay_ms": -1.0}, "--batching-delay-ms"),
-     ({"delay_ms": float("nan")}, "--batching-delay-ms"), ({"mode": "greedy"}, "--batching-mode")],
+    [
+        ({"max_size": 0}, "--batching-max-size"),
+        ({"delay_ms": -1.0}, "--batching-delay-ms"),
+        ({"delay_ms": float("nan")}, "--batching-delay-ms"),
+        ({"mode": "greedy"}, "--batching-mode"),
+    ],
 )
 def test_config_validate_names_the_flag(kwargs: dict, flag: str) -> None:
     with pytest.raises(ConfigError, match=flag):
@@ -132,8 +151,9 @@ def test_max_size_stops_the_batch_and_leaves_the_rest_queued() -> None:
 
 
 def test_rule_caps_the_batch_with_config_cap_reason() -> None:
-    b = batcher(max_size=8, delay_ms=1000.0,
-                rules=rules({"model_contains": "TINY", "resolution": "64x64", "max_batch_size": 2}))
+    b = batcher(
+        max_size=8, delay_ms=1000.0, rules=rules({"model_contains": "TINY", "resolution": "64x64", "max_batch_size": 2})
+    )
     for i in range(3):
         b.add(req(f"r{i}", 0.0))
     batch = dispatched(b.schedule(0.0))
@@ -142,8 +162,7 @@ def test_rule_caps_the_batch_with_config_cap_reason() -> None:
 
 
 def test_rule_cap_of_one_and_rule_above_user_max() -> None:
-    b = batcher(max_size=4, rules=rules({"model": MODEL, "max_batch_size": 1},
-                                        {"model": "other", "max_batch_size": 1}))
+    b = batcher(max_size=4, rules=rules({"model": MODEL, "max_batch_size": 1}, {"model": "other", "max_batch_size": 1}))
     b.add(req("a", 0.0))
     b.add(req("b", 0.0))
     assert dispatched(b.schedule(0.0)).stop_reason == "config_cap:1"
@@ -167,7 +186,7 @@ def test_n_counts_against_the_cap_and_a_misfit_is_skipped() -> None:
     b = batcher(max_size=4, delay_ms=50.0)
     b.add(req("a", 0.0, n=2))
     b.add(req("big", 0.001, n=3))  # 2 + 3 > 4: skipped, stays queued
-    b.add(req("c", 0.002, n=2))    # 2 + 2 = 4: joins from behind the misfit
+    b.add(req("c", 0.002, n=2))  # 2 + 2 = 4: joins from behind the misfit
     batch = dispatched(b.schedule(0.003))
     assert batch.request_ids == ["a", "c"]
     assert (batch.num_outputs, batch.stop_reason) == (4, "max_size")

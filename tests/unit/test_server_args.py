@@ -12,15 +12,18 @@ from diffuserve.config.server_args import EMBEDDED_MODEL_NAME, ServerArgs, load_
 from diffuserve.errors import ConfigError
 
 
-@pytest.mark.parametrize(("kwargs", "public"), [
-    ({}, EMBEDDED_MODEL_NAME),
-    ({"model_path": "/ckpt/flux"}, "flux"),  # issue 22 item 5: the folder's name, never the server's path
-    ({"model_path": "/ckpt/flux/"}, "flux"),
-    ({"model_path": "ckpt/flux"}, "flux"),
-    ({"model_path": "/ckpt/flux", "model_id": "FLUX.1-dev"}, "FLUX.1-dev"),
-    ({"model_path": "/ckpt/flux", "model_id": "FLUX.1-dev", "served_model_name": "prod"}, "prod"),
-    ({"served_model_name": "prod"}, "prod"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "public"),
+    [
+        ({}, EMBEDDED_MODEL_NAME),
+        ({"model_path": "/ckpt/flux"}, "flux"),  # issue 22 item 5: the folder's name, never the server's path
+        ({"model_path": "/ckpt/flux/"}, "flux"),
+        ({"model_path": "ckpt/flux"}, "flux"),
+        ({"model_path": "/ckpt/flux", "model_id": "FLUX.1-dev"}, "FLUX.1-dev"),
+        ({"model_path": "/ckpt/flux", "model_id": "FLUX.1-dev", "served_model_name": "prod"}, "prod"),
+        ({"served_model_name": "prod"}, "prod"),
+    ],
+)
 def test_public_name_resolution_order(kwargs, public):
     args = ServerArgs(**kwargs)
     assert args.public_model_name == public
@@ -29,16 +32,19 @@ def test_public_name_resolution_order(kwargs, public):
         assert "flux" in args.model_names  # the folder name also matches batching rules and `model`
 
 
-@pytest.mark.parametrize(("kwargs", "flag"), [
-    ({"batching_max_size": 0}, "--batching-max-size"),
-    ({"batching_delay_ms": -1}, "--batching-delay-ms"),
-    ({"max_queue_size": -1}, "--max-queue-size"),
-    ({"request_timeout_s": -5}, "--request-timeout-s"),
-    ({"port": 70000}, "--port"),
-    ({"max_request_bytes": 10}, "--max-request-bytes"),
-    ({"model_path": "/no/such/folder"}, "--model-path"),
-    ({"batching_config": "/no/such/rules.json"}, "--batching-config"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "flag"),
+    [
+        ({"batching_max_size": 0}, "--batching-max-size"),
+        ({"batching_delay_ms": -1}, "--batching-delay-ms"),
+        ({"max_queue_size": -1}, "--max-queue-size"),
+        ({"request_timeout_s": -5}, "--request-timeout-s"),
+        ({"port": 70000}, "--port"),
+        ({"max_request_bytes": 10}, "--max-request-bytes"),
+        ({"model_path": "/no/such/folder"}, "--model-path"),
+        ({"batching_config": "/no/such/rules.json"}, "--batching-config"),
+    ],
+)
 def test_invalid_values_name_the_flag(kwargs, flag):
     with pytest.raises(ConfigError, match=flag):
         ServerArgs(**kwargs).validate()
@@ -68,8 +74,17 @@ def test_config_file_json_and_yaml(tmp_path: Path):
 
 def test_command_line_beats_config_file(tmp_path: Path):
     config = tmp_path / "serve.json"
-    config.write_text(json.dumps({"port": 8000, "batching_max_size": "4", "enable_batching_metrics": "true",
-                                  "component_residency": ["dit=component-offload"], "performance_mode": "memory"}))
+    config.write_text(
+        json.dumps(
+            {
+                "port": 8000,
+                "batching_max_size": "4",
+                "enable_batching_metrics": "true",
+                "component_residency": ["dit=component-offload"],
+                "performance_mode": "memory",
+            }
+        )
+    )
     ns = cli._build_parser().parse_args(["serve", "--config", str(config), "--port", "9001"])
     values = cli._merge_config_file(ns)
     args = cli._server_args(values, str(config))
@@ -132,10 +147,13 @@ def flag_table(command: str) -> dict[str, dict]:
             owner = next((o for o in owners if action.dest != "config" and hasattr(o, action.dest)), None)
             default = getattr(owner, action.dest) if owner is not None else action.default
             table[action.dest] = {
-                "flags": list(action.option_strings), "group": group.title,
+                "flags": list(action.option_strings),
+                "group": group.title,
                 "default": json.loads(json.dumps(default, default=str)),
                 "choices": None if action.choices is None else [str(c) for c in action.choices],
-                "nargs": action.nargs, "metavar": action.metavar, "kind": type(action).__name__,
+                "nargs": action.nargs,
+                "metavar": action.metavar,
+                "kind": type(action).__name__,
             }
     return table
 
@@ -155,7 +173,9 @@ def test_each_flag_is_declared_once_on_its_sub_config():
     owners: dict[str, str] = {}
     for cls in [*SECTIONS.values(), DeploymentArgs]:
         for f in flag_fields(cls):
-            assert flag_dest(f) not in owners, f"{flag_dest(f)} declared by {owners.get(flag_dest(f))} and {cls.__name__}"
+            assert flag_dest(f) not in owners, (
+                f"{flag_dest(f)} declared by {owners.get(flag_dest(f))} and {cls.__name__}"
+            )
             owners[flag_dest(f)] = cls.__name__
             assert f.metadata.get("help") and f.metadata.get("group"), f"{cls.__name__}.{f.name}: help and group"
             assert set(flag_commands(cls, f)) <= {"serve", "generate", "plan"}
@@ -164,10 +184,29 @@ def test_each_flag_is_declared_once_on_its_sub_config():
     args = ServerArgs(batching_max_size=3, port=8000)
     assert args.batching.max_size == args.batching_max_size == 3 and args.http.port == args.port == 8000
     # Every flag a subcommand has comes from a config dataclass, except the command's own inputs.
-    own = {"serve": {"config"}, "plan": {"config", "gpu_memory_gib", "json"},
-           "generate": {"config", "prompt", "negative_prompt", "width", "height", "num_inference_steps",
-                        "guidance_scale", "true_cfg_scale", "seed", "num_outputs_per_prompt", "output_path",
-                        "output_file_name", "output_format", "num_frames", "fps", "image_path", "strength"}}
+    own = {
+        "serve": {"config"},
+        "plan": {"config", "gpu_memory_gib", "json"},
+        "generate": {
+            "config",
+            "prompt",
+            "negative_prompt",
+            "width",
+            "height",
+            "num_inference_steps",
+            "guidance_scale",
+            "true_cfg_scale",
+            "seed",
+            "num_outputs_per_prompt",
+            "output_path",
+            "output_file_name",
+            "output_format",
+            "num_frames",
+            "fps",
+            "image_path",
+            "strength",
+        },
+    }
     for command, extra in own.items():
         assert set(flag_table(command)) - set(owners) == extra
 
@@ -205,17 +244,22 @@ def test_a_flag_is_validated_once_with_one_message():
         ServerArgs(batching_max_size=0).validate()
     with pytest.raises(ConfigError) as from_config:
         BatchingConfig(max_size=0).validate()
-    assert from_args.value.message == from_config.value.message == (
-        "--batching-max-size: 0 must be >= 1 (1 turns merging off).")
+    assert (
+        from_args.value.message
+        == from_config.value.message
+        == ("--batching-max-size: 0 must be >= 1 (1 turns merging off).")
+    )
     assert EngineConfig().max_queue_size == ServerArgs().max_queue_size == 256
 
 
 def test_store_flags_fail_at_start_naming_the_flag():
     assert ServerArgs(results_db="postgresql://u:p@db:5432/d", media_store="s3://b/p").validate() is None
-    for flags, message in [({"results_db": "sqlite:///x"}, "--results-db: 'sqlite:///x' is not a PostgreSQL URL"),
-                           ({"media_store": "s3:/b"}, "--media-store: 's3:/b' is not an S3 URL"),
-                           ({"s3_endpoint_url": "http://x"}, "--s3-endpoint-url: only applies with --media-store"),
-                           ({"media_presign_s": 60}, "--media-presign-s: needs --media-store"),
-                           ({"owner_timeout_s": 3, "result_sweep_interval_s": 2}, "--owner-timeout-s: 3 must exceed")]:
+    for flags, message in [
+        ({"results_db": "sqlite:///x"}, "--results-db: 'sqlite:///x' is not a PostgreSQL URL"),
+        ({"media_store": "s3:/b"}, "--media-store: 's3:/b' is not an S3 URL"),
+        ({"s3_endpoint_url": "http://x"}, "--s3-endpoint-url: only applies with --media-store"),
+        ({"media_presign_s": 60}, "--media-presign-s: needs --media-store"),
+        ({"owner_timeout_s": 3, "result_sweep_interval_s": 2}, "--owner-timeout-s: 3 must exceed"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             ServerArgs(**flags).validate()

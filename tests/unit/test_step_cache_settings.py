@@ -26,17 +26,20 @@ def test_accepted_shapes() -> None:
     assert parse_step_cache("fbcache").resolved_threshold == 0.12  # the method's default
 
 
-@pytest.mark.parametrize(("value", "words"), [
-    ("deepcache", "unknown method"),
-    ({"method": "fbcache", "threshold": 11}, "out of range"),
-    ({"method": "fbcache", "threshold": "high"}, "must be a number"),
-    ({"method": "taylorseer", "order": 1.5}, "whole number"),
-    ({"method": "taylorseer", "refresh_interval": 0}, "out of range"),
-    ({"method": "fbcache", "speed": 2}, "unknown option"),
-    ({"threshold": 0.1}, "no 'method'"),
-    (["fbcache"], "must be a method name"),
-    ("{not json", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ("deepcache", "unknown method"),
+        ({"method": "fbcache", "threshold": 11}, "out of range"),
+        ({"method": "fbcache", "threshold": "high"}, "must be a number"),
+        ({"method": "taylorseer", "order": 1.5}, "whole number"),
+        ({"method": "taylorseer", "refresh_interval": 0}, "out of range"),
+        ({"method": "fbcache", "speed": 2}, "unknown option"),
+        ({"threshold": 0.1}, "no 'method'"),
+        (["fbcache"], "must be a method name"),
+        ("{not json", "not valid JSON"),
+    ],
+)
 def test_refusals_name_the_field(value: object, words: str) -> None:
     with pytest.raises(InvalidRequestError, match=words) as raised:
         parse_step_cache(value)

@@ -11,15 +11,31 @@ from diffuserve.sampling import SamplingParams
 MODEL = "tiny-flux"
 
 
-def req(rid: str, t: float, *, n: int = 1, steps: int = 3, deadline: float | None = None,
-        ineligible: str | None = None, priority: int = 0, **params: object) -> Request:
-    return Request(request_id=rid, arrival_time=t, model=MODEL, deadline=deadline, ineligible_reason=ineligible,
-                   priority=priority,
-                   params=SamplingParams(prompt=rid, seed=1, n=n, num_inference_steps=steps, **params))  # type: ignore[arg-type]
+def req(
+    rid: str,
+    t: float,
+    *,
+    n: int = 1,
+    steps: int = 3,
+    deadline: float | None = None,
+    ineligible: str | None = None,
+    priority: int = 0,
+    **params: object,
+) -> Request:
+    return Request(
+        request_id=rid,
+        arrival_time=t,
+        model=MODEL,
+        deadline=deadline,
+        ineligible_reason=ineligible,
+        priority=priority,
+        params=SamplingParams(prompt=rid, seed=1, n=n, num_inference_steps=steps, **params),
+    )  # type: ignore[arg-type]
 
 
-def sched(max_size: int = 4, delay_ms: float = 0.0, *, rules: BatchingRules | None = None,
-          supports_continuous: bool = True) -> StepScheduler:
+def sched(
+    max_size: int = 4, delay_ms: float = 0.0, *, rules: BatchingRules | None = None, supports_continuous: bool = True
+) -> StepScheduler:
     config = BatchingConfig(mode="continuous", max_size=max_size, delay_ms=delay_ms, rules=rules)
     return StepScheduler(config, model_names=[MODEL], supports_continuous=supports_continuous)
 
@@ -186,8 +202,9 @@ def test_continuous_step_line_and_collectors(caplog) -> None:
         stats.record_step(1, 4, 0, 1, 1)
         stats.record_leave("finished", 2)
     messages = [r.getMessage() for r in caplog.records]
-    assert messages[-1] == ("Continuous denoising stats (last 2 steps): avg_size=2.00, utilization=50.0%, "
-                            "joins=1, leaves=1")
+    assert messages[-1] == (
+        "Continuous denoising stats (last 2 steps): avg_size=2.00, utilization=50.0%, joins=1, leaves=1"
+    )
     get = metrics.registry.get_sample_value
     assert get("diffuserve_continuous_joins_total") == 1
     assert get("diffuserve_continuous_leaves_total", {"reason": "finished"}) == 2

@@ -13,14 +13,17 @@ from diffuserve.server.streaming import sse
 from diffuserve.server.usage import encoder_quality, reported_quality, steps_for_quality
 
 
-@pytest.mark.parametrize(("num_steps", "partials", "expected"), [
-    (4, 2, [0, 2]),
-    (28, 3, [6, 13, 20]),
-    (8, 1, [3]),
-    (2, 2, [0]),  # a short schedule gives fewer previews, never one at the last step
-    (1, 3, []),
-    (10, 0, []),
-])
+@pytest.mark.parametrize(
+    ("num_steps", "partials", "expected"),
+    [
+        (4, 2, [0, 2]),
+        (28, 3, [6, 13, 20]),
+        (8, 1, [3]),
+        (2, 2, [0]),  # a short schedule gives fewer previews, never one at the last step
+        (1, 3, []),
+        (10, 0, []),
+    ],
+)
 def test_preview_steps_are_evenly_spaced_and_never_the_last(num_steps, partials, expected):
     assert preview_steps(num_steps, partials) == expected
 

@@ -19,8 +19,18 @@ def _store(tmp_path, max_jobs: int) -> VideoJobStore:
 
 
 def _job(i: int) -> VideoJob:
-    return VideoJob(id=f"video_{i}", model="m", prompt=f"p{i}", width=32, height=32, num_frames=5, fps=8,
-                    num_inference_steps=4, seed=i, created_at=1000 + i)
+    return VideoJob(
+        id=f"video_{i}",
+        model="m",
+        prompt=f"p{i}",
+        width=32,
+        height=32,
+        num_frames=5,
+        fps=8,
+        num_inference_steps=4,
+        seed=i,
+        created_at=1000 + i,
+    )
 
 
 def test_lifecycle_queued_progress_completed_is_final(tmp_path):
@@ -89,10 +99,15 @@ def test_list_newest_first_with_cursor_and_remove(tmp_path):
 
 
 def _ctx(output_kind: str) -> SimpleNamespace:
-    model = ModelDescription(output_kind=output_kind, defaults=SamplingDefaults(width=32, height=32, num_frames=5, fps=8),
-                             frame_multiple=4, validate=lambda params: None)
-    return SimpleNamespace(args=ServerArgs(served_model_name="m", max_video_frames=33),
-                           engine=SimpleNamespace(model=model))
+    model = ModelDescription(
+        output_kind=output_kind,
+        defaults=SamplingDefaults(width=32, height=32, num_frames=5, fps=8),
+        frame_multiple=4,
+        validate=lambda params: None,
+    )
+    return SimpleNamespace(
+        args=ServerArgs(served_model_name="m", max_video_frames=33), engine=SimpleNamespace(model=model)
+    )
 
 
 def test_build_params_refuses_image_models_and_maps_seconds_to_frames():
@@ -107,10 +122,14 @@ def test_build_params_refuses_image_models_and_maps_seconds_to_frames():
     # 2 s at 8 fps = 16 frames, snapped to the nearest 4k+1.
     assert build_video_params(VideoCreateRequest(prompt="x", seconds="2"), video).num_frames == 17
     assert build_video_params(VideoCreateRequest(prompt="x", seconds=1, fps=16), video).num_frames == 17
-    # Both given (SGLang's and FastVideo's clients send both): an explicit num_frames wins; seconds must still be a number.
+    # Both given (SGLang's and FastVideo's clients send both): an explicit num_frames wins; seconds must still be a
+    # number.
     assert build_video_params(VideoCreateRequest(prompt="x", seconds="2", num_frames=9), video).num_frames == 9
-    for body, param in (({"seconds": "soon", "num_frames": 9}, "seconds"), ({"seconds": "soon"}, "seconds"),
-                        ({"num_frames": 37}, "num_frames")):
+    for body, param in (
+        ({"seconds": "soon", "num_frames": 9}, "seconds"),
+        ({"seconds": "soon"}, "seconds"),
+        ({"num_frames": 37}, "num_frames"),
+    ):
         with pytest.raises(InvalidRequestError) as bad:
             build_video_params(VideoCreateRequest(prompt="x", **body), video)
         assert bad.value.param == param, body

@@ -43,8 +43,16 @@ def parse_bool(text: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def flag(default: Any, help: str, group: str, *, commands: Sequence[str] | None = None,
-         dest: str | None = None, per_command: dict[str, dict[str, Any]] | None = None, **meta: Any) -> Any:
+def flag(
+    default: Any,
+    help: str,
+    group: str,
+    *,
+    commands: Sequence[str] | None = None,
+    dest: str | None = None,
+    per_command: dict[str, dict[str, Any]] | None = None,
+    **meta: Any,
+) -> Any:
     """A dataclass field that is also a command-line flag (see the module docstring for the metadata)."""
     metadata: dict[str, Any] = {"help": help, "group": group, **meta}
     if commands is not None:

@@ -51,30 +51,54 @@ class BatchingConfig:
     mode: BatchingMode = flag(
         BatchingMode.SINGLETON,
         "singleton (one request per pipeline call), dynamic (merge compatible queued requests) or continuous "
-        "(requests join and leave the running denoise group at step boundaries).", BATCHING_GROUP,
-        dest="batching_mode", choices=_MODES, commands=("serve", "generate", "plan"),
-        per_command={"generate": {"choices": _GENERATE_MODES, "help": "With several --prompt flags: dynamic runs "
-                                  "them in batches of --batching-max-size outputs."},
-                     "plan": {"group": None, "help": "The batching mode `serve` would use: the plan refuses "
-                              "continuous for a model that cannot step in a shared group, as start-up does."}})
+        "(requests join and leave the running denoise group at step boundaries).",
+        BATCHING_GROUP,
+        dest="batching_mode",
+        choices=_MODES,
+        commands=("serve", "generate", "plan"),
+        per_command={
+            "generate": {
+                "choices": _GENERATE_MODES,
+                "help": "With several --prompt flags: dynamic runs them in batches of --batching-max-size outputs.",
+            },
+            "plan": {
+                "group": None,
+                "help": "The batching mode `serve` would use: the plan refuses "
+                "continuous for a model that cannot step in a shared group, as start-up does.",
+            },
+        },
+    )
     """`singleton` (one request per pipeline call), `dynamic` (merge compatible requests) or `continuous`
     (step-level: requests join and leave the running denoise group at step boundaries)."""
     max_size: int = flag(
-        1, "Dynamic mode: most rows (outputs, n) in one pipeline call. Compatible requests merge under it; a request "
-        "with a larger n runs as several calls (same images). 1 turns merging off.", BATCHING_GROUP,
-        dest="batching_max_size", commands=("serve", "generate"))
+        1,
+        "Dynamic mode: most rows (outputs, n) in one pipeline call. Compatible requests merge under it; a request "
+        "with a larger n runs as several calls (same images). 1 turns merging off.",
+        BATCHING_GROUP,
+        dest="batching_max_size",
+        commands=("serve", "generate"),
+    )
     """User cap on a batch, counting outputs (`n`), and a hard cap on the rows of every pipeline call in
     dynamic mode; 1 turns merging off."""
-    delay_ms: float = flag(0.0, "How long the head of the queue may wait for compatible requests.", BATCHING_GROUP,
-                           dest="batching_delay_ms")
+    delay_ms: float = flag(
+        0.0,
+        "How long the head of the queue may wait for compatible requests.",
+        BATCHING_GROUP,
+        dest="batching_delay_ms",
+    )
     """How long the head of the queue may wait for compatible requests, in milliseconds."""
     rules: BatchingRules | None = field(default=None, metadata={"cli": False})
     """Lower caps per model/resolution/frames from `--batching-config`; None for no rules."""
-    rules_path: str | None = flag(None, "JSON/YAML rules giving lower caps per model/resolution.", BATCHING_GROUP,
-                                  dest="batching_config")
+    rules_path: str | None = flag(
+        None, "JSON/YAML rules giving lower caps per model/resolution.", BATCHING_GROUP, dest="batching_config"
+    )
     """Path of the rules file (`with_rules()` loads it into `rules`)."""
-    enable_metrics: bool = flag(False, "Log one line per dispatch and a stats line every 5 dispatches.",
-                                BATCHING_GROUP, dest="enable_batching_metrics")
+    enable_metrics: bool = flag(
+        False,
+        "Log one line per dispatch and a stats line every 5 dispatches.",
+        BATCHING_GROUP,
+        dest="enable_batching_metrics",
+    )
     """Batching log lines (Prometheus metrics are always on)."""
 
     def __post_init__(self) -> None:
@@ -86,10 +110,12 @@ class BatchingConfig:
         if self.mode not in _MODES:
             raise ConfigError(f"--batching-mode: unknown mode {self.mode!r}; use one of {', '.join(_MODES)}.")
         max_size_ok = isinstance(self.max_size, int) and not isinstance(self.max_size, bool) and self.max_size >= 1
-        check_flags([
-            (not max_size_ok, "--batching-max-size", f"{self.max_size!r} must be >= 1 (1 turns merging off)"),
-            (not self.delay_ms >= 0, "--batching-delay-ms", f"{self.delay_ms!r} must be >= 0"),  # also rejects NaN
-        ])
+        check_flags(
+            [
+                (not max_size_ok, "--batching-max-size", f"{self.max_size!r} must be >= 1 (1 turns merging off)"),
+                (not self.delay_ms >= 0, "--batching-delay-ms", f"{self.delay_ms!r} must be >= 0"),  # also rejects NaN
+            ]
+        )
 
     def check_files(self) -> None:
         """The checks that read the file system (after every value check)."""

@@ -26,7 +26,6 @@ Decisions of ours where the seed is silent (each shows up in `plan.trace`):
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,111 +33,16 @@ from diffuserve import families
 from diffuserve.config.deployment_args import (
     LIFETIMES,
     PERFORMANCE_MODES,
-    RESIDENCY_MODES,
     DeploymentArgs,
-    flag_name,
     flag_param,
     positive,
 )
-from diffuserve.config.model_profiles import GROUPS, ComponentProfile, ModelProfile
+from diffuserve.config.model_profiles import ComponentProfile, ModelProfile
 from diffuserve.config.parallel_plan import diffusers_backend_refusal, resolve_compile, resolve_parallelism
 from diffuserve.config.plan import ComponentPlan, DeploymentPlan, Lifetime, ResidencyMode
+from diffuserve.config.residency_selectors import choose, explicit_residency, select_targets, split_selector
 from diffuserve.errors import ConfigError
 from diffuserve.hardware import GIB, HardwareInfo
-
-
-# --- selectors -------------------------------------------------------------------------------------------
-def _closest(word: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(word, options, n=1)
-    return f" Did you mean {close[0]!r}?" if close else ""
-
-
-def _split(flag: str, item: str) -> tuple[str, str]:
-    name, sep, value = item.partition("=")
-    if not sep or not name.strip() or not value.strip():
-        raise ConfigError(f"{flag} expects NAME=VALUE items, got {item!r}.", param=flag_param(flag))
-    return name.strip(), value.strip()
-
-
-def _targets(flag: str, name: str, profile: ModelProfile) -> tuple[list[str], int]:
-    """Components a selector name covers and its specificity (key 2 > group 1 > all 0)."""
-    if name == "all":
-        return list(profile.components), 0
-    if name in GROUPS:
-        return profile.group_members(name), 1
-    if name in profile.components:
-        return [name], 2
-    options = list(dict.fromkeys([*profile.components, *GROUPS, "all"]))
-    raise ConfigError(
-        f"{flag}: unknown component or group {name!r}.{_closest(name, options)} {describe_selectors(profile)}",
-        param=flag_param(flag),
-    )
-
-
-def describe_selectors(profile: ModelProfile) -> str:
-    """What a selector may name on this model: each component once, then each group with what it covers."""
-    def covers(group: str) -> str:
-        members = profile.group_members(group)
-        return ", ".join(members) if members else "none in this model"
-
-    groups = [f"{group} ({covers(group)})" for group in GROUPS]
-    return (f"This model's components: {', '.join(profile.components)}. "
-            f"Groups: {'; '.join(groups)}; all (every component).")
-
-
-def _select(flag: str, items: list[tuple[str, str]], profile: ModelProfile) -> dict[str, tuple[str, str]]:
-    """component -> (value, the item that set it), most specific selector winning, later on ties."""
-    chosen: dict[str, tuple[int, str, str]] = {}
-    for name, value in items:
-        comps, rank = _targets(flag, name, profile)
-        for comp in comps:
-            if comp not in chosen or rank >= chosen[comp][0]:
-                chosen[comp] = (rank, value, f"{flag} {name}={value}")
-    return {comp: (value, source) for comp, (_, value, source) in chosen.items()}
-
-
-def _choice(flag: str, value: str, options: tuple[str, ...]) -> str:
-    if value not in options:
-        raise ConfigError(f"{flag}: {value!r} is not one of {', '.join(options)}.{_closest(value, list(options))}", param=flag_param(flag))
-    return value
-
-
-# --- residency ------------------------------------------------------------------------------------------
-_LEGACY_OFFLOAD = {
-    "dit": "dit_cpu_offload",
-    "text_encoder": "text_encoder_cpu_offload",
-    "image_encoder": "image_encoder_cpu_offload",
-    "vae": "vae_cpu_offload",
-}
-
-
-def _explicit_residency(args: DeploymentArgs, profile: ModelProfile) -> dict[str, tuple[ResidencyMode, str]]:
-    """Residency set by the user (selectors, then legacy flags): component -> (mode, flag text)."""
-    flag = "--component-residency"
-    items = [_split(flag, item) for item in args.component_residency]
-    selected = {c: (ResidencyMode(_choice(flag, v, RESIDENCY_MODES)), src) for c, (v, src) in _select(flag, items, profile).items()}
-    layerwise_list: set[str] = set()
-    for name in filter(None, (n.strip() for n in (args.layerwise_offload_components or "").split(","))):
-        layerwise_list.update(_targets("--layerwise-offload-components", name, profile)[0])
-    explicit: dict[str, tuple[ResidencyMode, str]] = {}
-    for name, comp in profile.components.items():
-        legacy_offload = _LEGACY_OFFLOAD.get(comp.group)
-        offload = getattr(args, legacy_offload) if legacy_offload else None
-        if name in selected:
-            explicit[name] = selected[name]
-        elif comp.group == "dit" and args.dit_layerwise_offload:
-            explicit[name] = (ResidencyMode.LAYERWISE_OFFLOAD, "--dit-layerwise-offload")
-        elif name in layerwise_list:
-            if comp.group == "dit" and args.dit_layerwise_offload is False:
-                raise ConfigError(
-                    f"--layerwise-offload-components names {name} but --dit-layerwise-offload is false; drop one of them.",
-                    param="layerwise_offload_components",
-                )
-            explicit[name] = (ResidencyMode.LAYERWISE_OFFLOAD, "--layerwise-offload-components")
-        elif offload is not None:
-            mode = ResidencyMode.COMPONENT_OFFLOAD if offload else ResidencyMode.RESIDENT
-            explicit[name] = (mode, f"{flag_name(legacy_offload)} {str(offload).lower()}")  # type: ignore[arg-type]
-    return explicit
 
 
 @dataclass
@@ -153,7 +57,9 @@ def _layerwise_or_offload(comp: ComponentProfile, allowed: bool) -> ResidencyMod
     return ResidencyMode.LAYERWISE_OFFLOAD if allowed and comp.has_layers else ResidencyMode.COMPONENT_OFFLOAD
 
 
-def _mode_default(comp: ComponentProfile, profile: ModelProfile, ctx: _Ctx, dit_resident: bool) -> tuple[ResidencyMode, str]:
+def _mode_default(
+    comp: ComponentProfile, profile: ModelProfile, ctx: _Ctx, dit_resident: bool
+) -> tuple[ResidencyMode, str]:
     """The performance mode's choice for a component the user left alone, and the rule that made it."""
     free_gib = ctx.min_free / GIB
     where = f"min free {free_gib:.1f} GiB over {ctx.num_gpus} GPU{'s' if ctx.num_gpus > 1 else ''}"
@@ -162,10 +68,14 @@ def _mode_default(comp: ComponentProfile, profile: ModelProfile, ctx: _Ctx, dit_
         return ResidencyMode.RESIDENT, f"{ctx.mode}: unset -> resident"
     if ctx.mode == "memory":
         if comp.group == "dit":
-            return _layerwise_or_offload(comp, profile.dit_supports_layerwise), "memory: DiT offloaded, layer-wise where the family supports it"
+            return _layerwise_or_offload(
+                comp, profile.dit_supports_layerwise
+            ), "memory: DiT offloaded, layer-wise where the family supports it"
         if comp.group in ("text_encoder", "image_encoder"):
             return _layerwise_or_offload(comp, large), "memory: encoder offloaded, layer-wise when large and layered"
-        return _layerwise_or_offload(comp, True), "memory: in the default layer-wise set, component offload when it declares no layers"
+        return _layerwise_or_offload(
+            comp, True
+        ), "memory: in the default layer-wise set, component offload when it declares no layers"
     if not ctx.accelerator:
         return ResidencyMode.RESIDENT, "auto: no accelerator, host memory is the device memory -> resident"
     if comp.group == "dit":
@@ -181,23 +91,32 @@ def _mode_default(comp: ComponentProfile, profile: ModelProfile, ctx: _Ctx, dit_
         return mode, f"{rule}; DiT {'fits' if fits else 'does not fit'} comfortably -> {mode.value}"
     if comp.group in ("text_encoder", "image_encoder"):
         if dit_resident and large and comp.has_layers:
-            return ResidencyMode.LAYERWISE_OFFLOAD, f"auto: DiT resident and encoder >= {profile.large_encoder_gib:g} GiB (large) -> layerwise-offload"
+            return (
+                ResidencyMode.LAYERWISE_OFFLOAD,
+                f"auto: DiT resident and encoder >= {profile.large_encoder_gib:g} GiB (large) -> layerwise-offload",
+            )
         # Small encoders: offloading one saves little memory but costs a host->GPU copy on every request, so it
         # stays on the GPU when the DiT does and the whole model fits comfortably (docs/deployment.md states it).
         total = sum(c.param_bytes for c in profile.components.values())
         budget = profile.comfortable_fit_fraction * ctx.min_free
-        whole = (f"whole model {total / GIB:.1f} GiB vs {profile.comfortable_fit_fraction:g} x {where} "
-                 f"= {budget / GIB:.1f} GiB")
+        whole = (
+            f"whole model {total / GIB:.1f} GiB vs {profile.comfortable_fit_fraction:g} x {where} "
+            f"= {budget / GIB:.1f} GiB"
+        )
         if not large and dit_resident and total <= budget:
-            return ResidencyMode.RESIDENT, (f"auto: small encoder (< {profile.large_encoder_gib:g} GiB), DiT resident "
-                                            f"and the {whole} fits -> resident")
-        why = ("large encoder" if large else "DiT offloaded" if not dit_resident
-               else f"the {whole} does not fit")
+            return ResidencyMode.RESIDENT, (
+                f"auto: small encoder (< {profile.large_encoder_gib:g} GiB), DiT resident "
+                f"and the {whole} fits -> resident"
+            )
+        why = "large encoder" if large else "DiT offloaded" if not dit_resident else f"the {whole} does not fit"
         return ResidencyMode.COMPONENT_OFFLOAD, f"auto: {why} -> component-offload (on the GPU only while it runs)"
     threshold = profile.vae_resident_threshold_gib
     if free_gib >= threshold:
         return ResidencyMode.RESIDENT, f"auto: {where} >= the VAE residency threshold {threshold:g} GiB -> resident"
-    return ResidencyMode.COMPONENT_OFFLOAD, f"auto: {where} < the VAE residency threshold {threshold:g} GiB -> component-offload"
+    return (
+        ResidencyMode.COMPONENT_OFFLOAD,
+        f"auto: {where} < the VAE residency threshold {threshold:g} GiB -> component-offload",
+    )
 
 
 # --- helpers for the numeric knobs ----------------------------------------------------------------------
@@ -206,7 +125,9 @@ def _parse_count(source: str, text: str) -> int | float:
     try:
         number = float(text) if "." in text else int(text)
     except ValueError:
-        raise ConfigError(f"{source}: N must be a layer count or a ratio 0<r<1.", param="layerwise_resident_layers") from None
+        raise ConfigError(
+            f"{source}: N must be a layer count or a ratio 0<r<1.", param="layerwise_resident_layers"
+        ) from None
     if isinstance(number, float) and not 0 < number < 1:
         raise ConfigError(f"{source}: a ratio must lie strictly between 0 and 1.", param="layerwise_resident_layers")
     if number < 0:
@@ -230,8 +151,11 @@ def _resolve_devices(args: DeploymentArgs, hardware: HardwareInfo, plan: Deploym
     accelerator = hardware.device_kind != "cpu"
     num_gpus = positive("--num-gpus", args.num_gpus)
     if num_gpus % hosts:
-        raise ConfigError(f"--num-gpus {num_gpus} is not a multiple of --nnodes {hosts}; every host runs --num-gpus / "
-                          "--nnodes ranks.", param="nnodes")
+        raise ConfigError(
+            f"--num-gpus {num_gpus} is not a multiple of --nnodes {hosts}; every host runs --num-gpus / "
+            "--nnodes ranks.",
+            param="nnodes",
+        )
     per_host = num_gpus // hosts
     if accelerator and per_host > hardware.num_devices:
         how = "described with --gpu-memory-gib" if hardware.described else "present"
@@ -250,8 +174,14 @@ def _resolve_devices(args: DeploymentArgs, hardware: HardwareInfo, plan: Deploym
     return ctx
 
 
-def _resolve_fsdp(args: DeploymentArgs, profile: ModelProfile, ctx: _Ctx, modes: dict[str, ResidencyMode],
-                  explicit: dict[str, tuple[ResidencyMode, str]], trace: Any) -> bool:
+def _resolve_fsdp(
+    args: DeploymentArgs,
+    profile: ModelProfile,
+    ctx: _Ctx,
+    modes: dict[str, ResidencyMode],
+    explicit: dict[str, tuple[ResidencyMode, str]],
+    trace: Any,
+) -> bool:
     """FSDP on or off; when on, an offloaded DiT becomes resident (sharded instead), unless offload was explicit."""
     dits = profile.group_members("dit")
     fsdp = args.use_fsdp_inference
@@ -270,13 +200,20 @@ def _resolve_fsdp(args: DeploymentArgs, profile: ModelProfile, ctx: _Ctx, modes:
         else:
             shard = sum(profile.components[d].param_bytes for d in dits) / ctx.num_gpus
             fsdp = shard <= profile.comfortable_fit_fraction * ctx.min_free
-            trace(f"fsdp: {'on' if fsdp else 'off'} (auto: {profile.family} lets FSDP replace DiT offload on {ctx.num_gpus} "
-                  f"GPUs; DiT shard {shard / GIB:.1f} GiB {'fits' if fsdp else 'does not fit'} in {ctx.min_free / GIB:.1f} GiB)")
+            trace(
+                f"fsdp: {'on' if fsdp else 'off'} (auto: {profile.family} lets FSDP replace DiT offload on "
+                f"{ctx.num_gpus} GPUs; DiT shard {shard / GIB:.1f} GiB {'fits' if fsdp else 'does not fit'} in "
+                f"{ctx.min_free / GIB:.1f} GiB)"
+            )
     if fsdp:
         if profile.backend != "native":
             raise diffusers_backend_refusal(profile.family, "--use-fsdp-inference")
         if ctx.num_gpus < 2:
-            raise ConfigError("--use-fsdp-inference shards the DiT over GPUs; with --num-gpus 1 use component or layer-wise offload instead.", param="use_fsdp_inference")
+            raise ConfigError(
+                "--use-fsdp-inference shards the DiT over GPUs; with --num-gpus 1 use component or layer-wise offload "
+                "instead.",
+                param="use_fsdp_inference",
+            )
         for d in dits:
             if d in explicit and modes[d] is not ResidencyMode.RESIDENT:
                 raise ConfigError(
@@ -290,28 +227,35 @@ def _resolve_fsdp(args: DeploymentArgs, profile: ModelProfile, ctx: _Ctx, modes:
     return bool(fsdp)
 
 
-def _plan_components(args: DeploymentArgs, plan: DeploymentPlan, profile: ModelProfile,
-                     modes: dict[str, ResidencyMode], hardware: HardwareInfo) -> dict[str, tuple[str, str]]:
+def _plan_components(
+    args: DeploymentArgs,
+    plan: DeploymentPlan,
+    profile: ModelProfile,
+    modes: dict[str, ResidencyMode],
+    hardware: HardwareInfo,
+) -> dict[str, tuple[str, str]]:
     """Each component's plan: its mode, and for a layer-wise one the prefetch depth, resident layer set, lifetime
     and pinning. Returns the lifetimes chosen per component (with the flag that chose each)."""
     trace = plan.trace.append
     dits = profile.group_members("dit")
     prefetch = args.dit_offload_prefetch_size
     if prefetch is not None and prefetch < 0:
-        raise ConfigError(f"--dit-offload-prefetch-size must be 0 or more, got {prefetch}.", param="dit_offload_prefetch_size")
+        raise ConfigError(
+            f"--dit-offload-prefetch-size must be 0 or more, got {prefetch}.", param="dit_offload_prefetch_size"
+        )
     if prefetch == 0:
         trace("prefetch: --dit-offload-prefetch-size 0 means 1")
     prefetch = max(1, prefetch or 1)
     flag = "--layerwise-resident-layers"
-    counts = _select(flag, [_split(flag, i) for i in args.layerwise_resident_layers], profile)
+    counts = select_targets(flag, [split_selector(flag, i) for i in args.layerwise_resident_layers], profile)
     for value, source in counts.values():
         _parse_count(source, value)  # a bad value fails even where the knob ends up ignored
     flag = "--layerwise-residency-lifetime"
-    lifetimes = _select(flag, [_split(flag, i) for i in args.layerwise_residency_lifetime], profile)
+    lifetimes = select_targets(flag, [split_selector(flag, i) for i in args.layerwise_residency_lifetime], profile)
     for value, _ in lifetimes.values():
-        _choice(flag, value, LIFETIMES)
+        choose(flag, value, LIFETIMES)
     if args.dit_layerwise_residency_lifetime is not None:
-        legacy = _choice("--dit-layerwise-residency-lifetime", args.dit_layerwise_residency_lifetime, LIFETIMES)
+        legacy = choose("--dit-layerwise-residency-lifetime", args.dit_layerwise_residency_lifetime, LIFETIMES)
         for d in dits:
             lifetimes.setdefault(d, (legacy, f"--dit-layerwise-residency-lifetime {legacy}"))
     # Pinning is a CUDA feature; with CUDA it is on unless the user turned it off.
@@ -330,9 +274,11 @@ def _plan_components(args: DeploymentArgs, plan: DeploymentPlan, profile: ModelP
         if name in counts:
             cp.resident_layers = _resident_count(counts[name][1], counts[name][0], comp)
         if name in lifetimes:
-            cp.lifetime = Lifetime(_choice("--layerwise-residency-lifetime", lifetimes[name][0], LIFETIMES))
+            cp.lifetime = Lifetime(choose("--layerwise-residency-lifetime", lifetimes[name][0], LIFETIMES))
         cp.pin_memory = pin
-        trace(f"{name}: prefetch {prefetch}, {cp.resident_layers}/{comp.num_layers} layers resident ({cp.lifetime.value})")
+        trace(
+            f"{name}: prefetch {prefetch}, {cp.resident_layers}/{comp.num_layers} layers resident ({cp.lifetime.value})"
+        )
     if args.pin_cpu_memory and hardware.device_kind != "cuda":
         trace(f"pin_cpu_memory: ignored on {hardware.device_kind} (pinned memory is a CUDA feature)")
     return lifetimes
@@ -342,7 +288,7 @@ def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile,
     """Turn flags + hardware + model profile into a DeploymentPlan; every choice leaves a trace line.
 
     `hardware` is this host's; `hosts` (--nnodes) spreads --num-gpus over that many hosts like it."""
-    mode = _choice("--performance-mode", args.performance_mode, PERFORMANCE_MODES)
+    mode = choose("--performance-mode", args.performance_mode, PERFORMANCE_MODES)
     plan = DeploymentPlan(performance_mode=mode)
     trace = plan.trace.append
 
@@ -350,7 +296,7 @@ def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile,
     ctx = _resolve_devices(args, hardware, plan, hosts)
 
     # 2. Residency: explicit choices first, then the DiT's mode default (the encoders' rule depends on it).
-    explicit = _explicit_residency(args, profile)
+    explicit = explicit_residency(args, profile)
     modes: dict[str, ResidencyMode] = {}
     for name, comp in profile.components.items():
         if name in explicit:
@@ -359,7 +305,10 @@ def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile,
         elif comp.group == "dit":
             modes[name], why = _mode_default(comp, profile, ctx, dit_resident=False)
             if args.dit_layerwise_offload is False and modes[name] is ResidencyMode.LAYERWISE_OFFLOAD:
-                modes[name], why = ResidencyMode.COMPONENT_OFFLOAD, why + "; --dit-layerwise-offload false -> component-offload"
+                modes[name], why = (
+                    ResidencyMode.COMPONENT_OFFLOAD,
+                    why + "; --dit-layerwise-offload false -> component-offload",
+                )
             trace(f"{name}: {modes[name].value} ({why})")
 
     # 3. FSDP: explicit wins; auto shards the DiT only where the profile says it replaces DiT offload.
@@ -401,11 +350,16 @@ def continuous_refusal(profile: ModelProfile) -> ConfigError:
     """`--batching-mode continuous` for a model that cannot step in a shared denoise group (its family has no
     per-row timestep, or the diffusers backend serves it): `plan` and start-up say the same words."""
     steppable = families.named_list(families.families_with("supports_continuous"))
-    why = ("runs on the diffusers backend, whose denoising loop cannot be stepped row by row"
-           if profile.backend != "native" else "cannot step in a shared denoise group")
-    return ConfigError(f"--batching-mode continuous: the {profile.family} model {why}; continuous batching serves "
-                       f"{steppable} natively. Use --batching-mode dynamic (requests merged per call) instead.",
-                       param="batching_mode")
+    why = (
+        "runs on the diffusers backend, whose denoising loop cannot be stepped row by row"
+        if profile.backend != "native"
+        else "cannot step in a shared denoise group"
+    )
+    return ConfigError(
+        f"--batching-mode continuous: the {profile.family} model {why}; continuous batching serves "
+        f"{steppable} natively. Use --batching-mode dynamic (requests merged per call) instead.",
+        param="batching_mode",
+    )
 
 
 def describe_model(profile: ModelProfile) -> str:
@@ -416,16 +370,27 @@ def describe_model(profile: ModelProfile) -> str:
     sizes = f"multiples of {facts.size_multiple}" if facts.size_multiple else "the pipeline's own rule"
     if facts.max_width and facts.max_height:
         sizes += f" up to {facts.max_width}x{facts.max_height} px"
-    stepping = ("steps in a shared denoise group" if profile.supports_continuous else
-                "runs as request-level batches (its family cannot step)")
+    stepping = (
+        "steps in a shared denoise group"
+        if profile.supports_continuous
+        else "runs as request-level batches (its family cannot step)"
+    )
     cfg = "; CFG: one doubled batch" if profile.cfg_batched else ""
-    return (f"model: {profile.family} on the {profile.backend} backend; sizes {sizes}; defaults {d.width}x{d.height}, "
-            f"{d.num_inference_steps} steps, guidance {d.guidance_scale:g}; --batching-mode continuous: {stepping}{cfg}")
+    return (
+        f"model: {profile.family} on the {profile.backend} backend; sizes {sizes}; defaults {d.width}x{d.height}, "
+        f"{d.num_inference_steps} steps, guidance {d.guidance_scale:g}; --batching-mode continuous: {stepping}{cfg}"
+    )
 
 
-def _check_permanent(plan: DeploymentPlan, profile: ModelProfile, ctx: _Ctx, lifetimes: dict[str, tuple[str, str]], trace: Any) -> None:
+def _check_permanent(
+    plan: DeploymentPlan, profile: ModelProfile, ctx: _Ctx, lifetimes: dict[str, tuple[str, str]], trace: Any
+) -> None:
     """Resident components + every permanent set + the largest forward set + streaming buffers <= min free."""
-    permanent = [c for c in plan.components.values() if c.lifetime is Lifetime.PERMANENT and c.mode is ResidencyMode.LAYERWISE_OFFLOAD and c.resident_layers]
+    permanent = [
+        c
+        for c in plan.components.values()
+        if c.lifetime is Lifetime.PERMANENT and c.mode is ResidencyMode.LAYERWISE_OFFLOAD and c.resident_layers
+    ]
     if not permanent:
         return
     if not ctx.accelerator:
@@ -433,15 +398,20 @@ def _check_permanent(plan: DeploymentPlan, profile: ModelProfile, ctx: _Ctx, lif
         return
     layer = {n: profile.components[n].layer_bytes() for n in plan.components}
     shard = ctx.num_gpus if plan.use_fsdp_inference else 1
-    resident = sum(profile.components[c.name].param_bytes // (shard if c.group == "dit" else 1)
-                   for c in plan.components.values() if c.mode is ResidencyMode.RESIDENT)
+    resident = sum(
+        profile.components[c.name].param_bytes // (shard if c.group == "dit" else 1)
+        for c in plan.components.values()
+        if c.mode is ResidencyMode.RESIDENT
+    )
     perm = sum(c.resident_layers * layer[c.name] for c in permanent)
     layerwise = [c for c in plan.components.values() if c.mode is ResidencyMode.LAYERWISE_OFFLOAD]
     forward = max([c.resident_layers * layer[c.name] for c in layerwise if c.lifetime is Lifetime.FORWARD] or [0])
     buffers = max((c.prefetch_size + 1) * layer[c.name] for c in layerwise)
     need = resident + perm + forward + buffers
-    figures = (f"resident components {resident / GIB:.2f} + permanent sets {perm / GIB:.2f} + largest forward set "
-               f"{forward / GIB:.2f} + streaming buffers {buffers / GIB:.2f} = {need / GIB:.2f} GiB")
+    figures = (
+        f"resident components {resident / GIB:.2f} + permanent sets {perm / GIB:.2f} + largest forward set "
+        f"{forward / GIB:.2f} + streaming buffers {buffers / GIB:.2f} = {need / GIB:.2f} GiB"
+    )
     if need > ctx.min_free:
         source = lifetimes[permanent[0].name][1]
         raise ConfigError(
@@ -457,9 +427,17 @@ def format_plan(plan: DeploymentPlan) -> str:
     rows = [("component", "group", "mode", "prefetch", "resident layers", "lifetime", "pinned")]
     for c in plan.components.values():
         layerwise = c.mode is ResidencyMode.LAYERWISE_OFFLOAD
-        rows.append((c.name, c.group, c.mode.value, str(c.prefetch_size) if layerwise else "-",
-                     str(c.resident_layers) if layerwise else "-", c.lifetime.value if layerwise else "-",
-                     "yes" if c.pin_memory else "no"))
+        rows.append(
+            (
+                c.name,
+                c.group,
+                c.mode.value,
+                str(c.prefetch_size) if layerwise else "-",
+                str(c.resident_layers) if layerwise else "-",
+                c.lifetime.value if layerwise else "-",
+                "yes" if c.pin_memory else "no",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"Deployment plan (performance mode: {plan.performance_mode})"]
     lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
@@ -470,7 +448,8 @@ def format_plan(plan: DeploymentPlan) -> str:
     )
     lines.append(
         f"  compile={on[plan.enable_torch_compile]}  offload_during_compile={on[plan.offload_during_compile]}  "
-        f"breakable_cuda_graph={on[plan.enable_breakable_cuda_graph]}  warmup_resolutions={','.join(plan.warmup_resolutions) or '-'}"
+        f"breakable_cuda_graph={on[plan.enable_breakable_cuda_graph]}  "
+        f"warmup_resolutions={','.join(plan.warmup_resolutions) or '-'}"
     )
     lines.append("Why:")
     lines += [f"  - {line}" for line in plan.trace]

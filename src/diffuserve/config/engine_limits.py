@@ -19,23 +19,39 @@ class EngineConfig:
 
     COMMANDS: ClassVar[tuple[str, ...]] = ("serve",)
 
-    max_queue_size: int = flag(256, "Queued requests beyond which new ones get HTTP 429 with Retry-After; 0 = unlimited.", LIMITS_GROUP)
+    max_queue_size: int = flag(
+        256, "Queued requests beyond which new ones get HTTP 429 with Retry-After; 0 = unlimited.", LIMITS_GROUP
+    )
     """Queued requests beyond which submissions get QueueFullError (429); 0 = unlimited."""
-    request_timeout_s: float = flag(600.0, "Deadline per request (queued -> 504; running -> cancelled at the next step, 504). 0 = none.", LIMITS_GROUP)
+    request_timeout_s: float = flag(
+        600.0,
+        "Deadline per request (queued -> 504; running -> cancelled at the next step, 504). 0 = none.",
+        LIMITS_GROUP,
+    )
     """Default and maximum deadline of a request; 0 = none. A request's own `timeout` may only shorten it."""
     enable_warmup: bool = flag(True, "Run one real generation before /health turns 200.", SERVER_GROUP)
     """Run one real generation before turning ready (readiness waits for it)."""
     warmup_steps: int = flag(2, "Denoising steps of the warm-up generation.", SERVER_GROUP)
     """Steps of the warm-up generation (cheap but real)."""
-    step_cache: str | None = flag(None, f"Default step cache of requests that set no `step_cache`: one of {list(METHODS)} "
-                                  "or off (docs/step-caches.md).", SERVER_GROUP)
+    step_cache: str | None = flag(
+        None,
+        f"Default step cache of requests that set no `step_cache`: one of {list(METHODS)} "
+        "or off (docs/step-caches.md).",
+        SERVER_GROUP,
+    )
     """The step-cache method every request runs unless it sets its own `step_cache` (None / "off": none)."""
-    step_cache_config: str | None = flag(None, 'Options of --step-cache as JSON, e.g. \'{"threshold": 0.1, '
-                                         '"warmup_steps": 2, "max_cached_steps": 3}\'.', SERVER_GROUP)
+    step_cache_config: str | None = flag(
+        None,
+        'Options of --step-cache as JSON, e.g. \'{"threshold": 0.1, "warmup_steps": 2, "max_cached_steps": 3}\'.',
+        SERVER_GROUP,
+    )
     """JSON object of the default method's options (threshold, warmup_steps, max_cached_steps, order,
     refresh_interval, compute_last_step)."""
-    step_cache_calibration: str | None = flag(None, "JSON file of the checkpoint's magnitude ratios for "
-                                              "--step-cache magcache (`diffuserve calibrate-cache`).", SERVER_GROUP)
+    step_cache_calibration: str | None = flag(
+        None,
+        "JSON file of the checkpoint's magnitude ratios for --step-cache magcache (`diffuserve calibrate-cache`).",
+        SERVER_GROUP,
+    )
     """The `diffuserve calibrate-cache` output that magcache requests use."""
     warmup_resolutions: list[tuple[int, int]] = field(default_factory=list, metadata={"cli": False})
     """(width, height) pairs warmed up besides the default size (compile / graph capture per shape); from the
@@ -43,13 +59,22 @@ class EngineConfig:
 
     def validate(self) -> None:
         """Fail at start-up, naming the flag and the fix."""
-        check_flags([
-            (self.max_queue_size < 0, "--max-queue-size", f"{self.max_queue_size} must be >= 0 (0 = unlimited)"),
-            (self.request_timeout_s < 0, "--request-timeout-s", f"{self.request_timeout_s} must be >= 0 (0 = none)"),
-            (self.warmup_steps < 1, "--warmup-steps", f"{self.warmup_steps} must be >= 1"),
-            (bool(self.step_cache_config) and not self.step_cache, "--step-cache-config",
-             "gives options but --step-cache names no method; add e.g. --step-cache fbcache"),
-        ])
+        check_flags(
+            [
+                (self.max_queue_size < 0, "--max-queue-size", f"{self.max_queue_size} must be >= 0 (0 = unlimited)"),
+                (
+                    self.request_timeout_s < 0,
+                    "--request-timeout-s",
+                    f"{self.request_timeout_s} must be >= 0 (0 = none)",
+                ),
+                (self.warmup_steps < 1, "--warmup-steps", f"{self.warmup_steps} must be >= 1"),
+                (
+                    bool(self.step_cache_config) and not self.step_cache,
+                    "--step-cache-config",
+                    "gives options but --step-cache names no method; add e.g. --step-cache fbcache",
+                ),
+            ]
+        )
         try:
             default = server_step_cache(self.step_cache, self.step_cache_config)
         except (InvalidRequestError, ValueError) as exc:

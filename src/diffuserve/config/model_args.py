@@ -22,36 +22,73 @@ class ModelArgs:
     COMMANDS: ClassVar[tuple[str, ...]] = ("serve", "generate")
 
     model_path: str | None = flag(
-        None, "Diffusers-format checkpoint folder. Omit to use the embedded tiny default model.", MODEL_GROUP,
-        commands=_ALL, per_command={"plan": {"help": "Checkpoint folder (default: the embedded model).", "group": None}})
+        None,
+        "Diffusers-format checkpoint folder. Omit to use the embedded tiny default model.",
+        MODEL_GROUP,
+        commands=_ALL,
+        per_command={"plan": {"help": "Checkpoint folder (default: the embedded model).", "group": None}},
+    )
     """Checkpoint folder; None builds/uses the embedded default model from the cache."""
     model_id: str | None = flag(
-        None, "Model family/registry hint (e.g. FLUX.1-dev) when model_index.json is ambiguous.", MODEL_GROUP,
+        None,
+        "Model family/registry hint (e.g. FLUX.1-dev) when model_index.json is ambiguous.",
+        MODEL_GROUP,
         commands=_ALL,
-        per_command={"plan": {"help": "Family hint (e.g. FLUX.1-dev) when model_index.json is ambiguous.", "group": None}})
+        per_command={
+            "plan": {"help": "Family hint (e.g. FLUX.1-dev) when model_index.json is ambiguous.", "group": None}
+        },
+    )
     """Registry hint; also the public name when --served-model-name is unset."""
-    served_model_name: str | None = flag(None, "Public model name in /v1/models and responses (default: --model-id, then the --model-path folder's name).", MODEL_GROUP,
-        commands=("serve",))
+    served_model_name: str | None = flag(
+        None,
+        "Public model name in /v1/models and responses (default: --model-id, then the --model-path folder's name).",
+        MODEL_GROUP,
+        commands=("serve",),
+    )
     """Stable public name across replicas and mount paths."""
     backend: str = flag(
-        "auto", "Pipeline backend: native adapter, the diffusers pipeline, or auto (native when there is one).",
-        MODEL_GROUP, choices=BACKENDS, commands=_ALL,
-        per_command={"plan": {"help": "The backend `serve` would use (default: auto = native when the family has an "
-                                      "adapter); the plan refuses the parallel modes that backend cannot run, as "
-                                      "start-up does.", "group": None}})
+        "auto",
+        "Pipeline backend: native adapter, the diffusers pipeline, or auto (native when there is one).",
+        MODEL_GROUP,
+        choices=BACKENDS,
+        commands=_ALL,
+        per_command={
+            "plan": {
+                "help": "The backend `serve` would use (default: auto = native when the family has an "
+                "adapter); the plan refuses the parallel modes that backend cannot run, as "
+                "start-up does.",
+                "group": None,
+            }
+        },
+    )
     """auto | native | diffusers."""
     device: str = flag("auto", "Device: auto (cuda when present, else cpu), cpu, cuda, cuda:N.", MODEL_GROUP)
     """Torch device the pipeline runs on."""
     dtype: str = flag(
-        "auto", "Weights dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.", MODEL_GROUP,
-        choices=DTYPES, commands=_ALL,
-        per_command={"plan": {"help": "Weights dtype used to size components (default: auto = bfloat16 on GPUs).", "group": None}})
+        "auto",
+        "Weights dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.",
+        MODEL_GROUP,
+        choices=DTYPES,
+        commands=_ALL,
+        per_command={
+            "plan": {"help": "Weights dtype used to size components (default: auto = bfloat16 on GPUs).", "group": None}
+        },
+    )
     """Torch dtype of the weights."""
-    num_threads: int | None = flag(None, "CPU threads for torch ops. Default: $OMP_NUM_THREADS if set; else, on a CPU device, all cores but one (the HTTP loop and encoding need one); on CUDA, torch's default.", MODEL_GROUP)
+    num_threads: int | None = flag(
+        None,
+        "CPU threads for torch ops. Default: $OMP_NUM_THREADS if set; else, on a CPU device, all cores but one (the "
+        "HTTP loop and encoding need one); on CUDA, torch's default.",
+        MODEL_GROUP,
+    )
     """Intra-op threads (torch.set_num_threads)."""
 
-    mesh_texture: bool = flag(False, "Mesh models (Hunyuan3D-2): texture the mesh. Not available (refused at start-up): "
-                              "texturing needs Tencent's compiled CUDA rasterizer.", MODEL_GROUP)
+    mesh_texture: bool = flag(
+        False,
+        "Mesh models (Hunyuan3D-2): texture the mesh. Not available (refused at start-up): "
+        "texturing needs Tencent's compiled CUDA rasterizer.",
+        MODEL_GROUP,
+    )
     """Refused: only untextured shapes are served."""
 
     def validate(self) -> None:
@@ -59,11 +96,17 @@ class ModelArgs:
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"--num-threads: {self.num_threads} must be >= 1.")
         if self.mesh_texture:
-            raise ConfigError("--mesh-texture: texturing Hunyuan3D-2 meshes needs Tencent's compiled CUDA rasterizer "
-                              "(hy3dgen's texgen), which diffuserve does not run; drop the flag to serve untextured "
-                              "shapes (GLB/OBJ).", param="mesh_texture")
+            raise ConfigError(
+                "--mesh-texture: texturing Hunyuan3D-2 meshes needs Tencent's compiled CUDA rasterizer "
+                "(hy3dgen's texgen), which diffuserve does not run; drop the flag to serve untextured "
+                "shapes (GLB/OBJ).",
+                param="mesh_texture",
+            )
 
     def check_files(self) -> None:
         """The checks that read the file system (after every value check)."""
         if self.model_path is not None and not Path(self.model_path).is_dir():
-            raise ConfigError(f"--model-path: {self.model_path!r} is not a folder. Give a diffusers-format checkpoint folder (with model_index.json), or omit the flag to use the embedded default model.")
+            raise ConfigError(
+                f"--model-path: {self.model_path!r} is not a folder. Give a diffusers-format checkpoint folder (with "
+                "model_index.json), or omit the flag to use the embedded default model."
+            )

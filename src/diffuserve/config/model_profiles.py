@@ -108,10 +108,14 @@ def family_profile(family: str, backend: str = "auto") -> ModelProfile:
         raise ConfigError(f"Unknown model family {family!r}; known: {', '.join(known)}.{hint}", param="family")
     spec = families.spec_for(family)
     served_by = families.backend_for(family, backend)
-    return ModelProfile(family="generic" if family == "unknown" else family, kind=spec.output_kind,
-                        backend=served_by, cfg_batched=spec.cfg_batched,
-                        supports_continuous=spec.supports_continuous and served_by == "native",
-                        **dataclasses.asdict(spec.profile))
+    return ModelProfile(
+        family="generic" if family == "unknown" else family,
+        kind=spec.output_kind,
+        backend=served_by,
+        cfg_batched=spec.cfg_batched,
+        supports_continuous=spec.supports_continuous and served_by == "native",
+        **dataclasses.asdict(spec.profile),
+    )
 
 
 def group_of(key: str) -> str:
@@ -257,8 +261,14 @@ def component_profile(name: str, class_name: str, folder: Path, load_dtype: str 
     )
 
 
-def profile_from_checkpoint(model_path: Path, *, family: str | None = None, model_id: str | None = None,
-                            load_dtype: str | None = None, backend: str = "auto") -> ModelProfile:
+def profile_from_checkpoint(
+    model_path: Path,
+    *,
+    family: str | None = None,
+    model_id: str | None = None,
+    load_dtype: str | None = None,
+    backend: str = "auto",
+) -> ModelProfile:
     """The ModelProfile of a diffusers-format folder, from JSON and safetensors headers only.
 
     `family` overrides detection; otherwise `families.family_for(_class_name, model_id)` decides (the one
@@ -301,8 +311,10 @@ def _hunyuan3d_profile(folder: Path) -> ModelProfile:
     from diffuserve.families.hunyuan3d.layout import COMPONENTS, component_bytes
 
     sizes = component_bytes(folder)
-    components = {key: ComponentProfile(name=key, group=group, class_name=cls, param_bytes=sizes[key])
-                  for key, (group, cls) in COMPONENTS.items()}
+    components = {
+        key: ComponentProfile(name=key, group=group, class_name=cls, param_bytes=sizes[key])
+        for key, (group, cls) in COMPONENTS.items()
+    }
     return family_profile("hunyuan3d").with_components(components)
 
 

@@ -42,8 +42,14 @@ from diffuserve.config.store_args import STORE_GROUP, StoreArgs
 from diffuserve.errors import ConfigError
 
 SECTIONS: dict[str, type] = {
-    "model": ModelArgs, "http": HttpArgs, "batching": BatchingConfig, "engine": EngineConfig,
-    "limits": LimitsArgs, "dist": DistArgs, "store": StoreArgs, "lora": LoraArgs,
+    "model": ModelArgs,
+    "http": HttpArgs,
+    "batching": BatchingConfig,
+    "engine": EngineConfig,
+    "limits": LimitsArgs,
+    "dist": DistArgs,
+    "store": StoreArgs,
+    "lora": LoraArgs,
 }
 """ServerArgs attribute -> the sub-config it holds, in `--help` order within a group."""
 GROUP_ORDER = (MODEL_GROUP, SERVER_GROUP, STORE_GROUP, BATCHING_GROUP, LIMITS_GROUP, LORA_GROUP, DIST_GROUP)
@@ -84,13 +90,30 @@ class ServerArgs:
     config: str | None = None
     """Path of the --config file (handled by the CLI before the other flags)."""
 
-    def __init__(self, model: ModelArgs | None = None, http: HttpArgs | None = None,
-                 batching: BatchingConfig | None = None, engine: EngineConfig | None = None,
-                 limits: LimitsArgs | None = None, dist: DistArgs | None = None, store: StoreArgs | None = None,
-                 lora: LoraArgs | None = None, deployment: DeploymentArgs | None = None, config: str | None = None,
-                 **flags: Any) -> None:
-        given = {"model": model, "http": http, "batching": batching, "engine": engine, "limits": limits, "dist": dist,
-                 "store": store, "lora": lora}
+    def __init__(
+        self,
+        model: ModelArgs | None = None,
+        http: HttpArgs | None = None,
+        batching: BatchingConfig | None = None,
+        engine: EngineConfig | None = None,
+        limits: LimitsArgs | None = None,
+        dist: DistArgs | None = None,
+        store: StoreArgs | None = None,
+        lora: LoraArgs | None = None,
+        deployment: DeploymentArgs | None = None,
+        config: str | None = None,
+        **flags: Any,
+    ) -> None:
+        given = {
+            "model": model,
+            "http": http,
+            "batching": batching,
+            "engine": engine,
+            "limits": limits,
+            "dist": dist,
+            "store": store,
+            "lora": lora,
+        }
         unknown = sorted(set(flags) - set(_OWNER))
         if unknown:
             raise TypeError(f"ServerArgs got unexpected keyword arguments {unknown}")
@@ -150,8 +173,10 @@ class ServerArgs:
         # A replica renews its lease at every sweep: a timeout within two sweeps would fail live jobs of replicas
         # that are only between two renewals.
         if self.owner_timeout_s <= 2 * self.result_sweep_interval_s:
-            raise ConfigError(f"--owner-timeout-s: {self.owner_timeout_s} must exceed twice "
-                              f"--result-sweep-interval-s ({self.result_sweep_interval_s}), the lease renewal period.")
+            raise ConfigError(
+                f"--owner-timeout-s: {self.owner_timeout_s} must exceed twice "
+                f"--result-sweep-interval-s ({self.result_sweep_interval_s}), the lease renewal period."
+            )
         for section in sections:
             if hasattr(section, "check_files"):
                 section.check_files()
@@ -175,8 +200,9 @@ EMBEDDED_MODEL_NAME = "diffuserve-tiny-flux"
 """Public name of the embedded default model when no --model-path is given."""
 
 
-def load_config_file(path: str, known_keys: set[str], *, elsewhere: dict[str, str] | None = None,
-                     command: str = "serve") -> dict[str, Any]:
+def load_config_file(
+    path: str, known_keys: set[str], *, elsewhere: dict[str, str] | None = None, command: str = "serve"
+) -> dict[str, Any]:
     """Read a --config file (JSON, or YAML by suffix) whose keys are flag names (`--` optional, - or _).
 
     `elsewhere` maps keys that belong to other subcommands to the command's name, so such a key fails
@@ -188,8 +214,7 @@ def load_config_file(path: str, known_keys: set[str], *, elsewhere: dict[str, st
     except OSError as exc:
         raise ConfigError(f"--config: cannot read {path!r}: {exc.strerror or exc}.") from exc
     if file.suffix.lower() == ".toml":
-        raise ConfigError(f"--config: {path!r}: TOML is not read; use JSON or YAML (.yaml / .yml) with the same "
-                          "keys.")
+        raise ConfigError(f"--config: {path!r}: TOML is not read; use JSON or YAML (.yaml / .yml) with the same keys.")
     try:
         if file.suffix.lower() in (".yaml", ".yml"):
             import yaml
@@ -198,7 +223,11 @@ def load_config_file(path: str, known_keys: set[str], *, elsewhere: dict[str, st
         else:
             data = json.loads(text)
     except Exception as exc:  # json/yaml raise their own types; the message is what matters
-        kind = "YAML" if file.suffix.lower() in (".yaml", ".yml") else "JSON (files not named .yaml / .yml are read as JSON)"
+        kind = (
+            "YAML"
+            if file.suffix.lower() in (".yaml", ".yml")
+            else "JSON (files not named .yaml / .yml are read as JSON)"
+        )
         raise ConfigError(f"--config: {path!r} is not valid {kind}: {exc}.") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"--config: {path!r} must hold a mapping of flag names to values.")
@@ -206,8 +235,10 @@ def load_config_file(path: str, known_keys: set[str], *, elsewhere: dict[str, st
     for raw_key, value in data.items():
         key = str(raw_key).lstrip("-").replace("-", "_")
         if key not in known_keys and elsewhere and key in elsewhere:
-            raise ConfigError(f"--config: key {raw_key!r} in {path!r} is a flag of `diffuserve {elsewhere[key]}`, "
-                              f"not of `diffuserve {command}`; remove it from this file.")
+            raise ConfigError(
+                f"--config: key {raw_key!r} in {path!r} is a flag of `diffuserve {elsewhere[key]}`, "
+                f"not of `diffuserve {command}`; remove it from this file."
+            )
         if key not in known_keys:
             close = difflib.get_close_matches(key, sorted(known_keys), n=1)
             hint = f" Did you mean '{close[0].replace('_', '-')}'?" if close else ""

@@ -61,8 +61,9 @@ class StepCacheSettings:
         return dataclasses.asdict(self)
 
 
-_OPTIONS = {f.name: f.type for f in dataclasses.fields(StepCacheSettings)
-            if f.name not in ("method", "mag_ratios", "calibrate")}
+_OPTIONS = {
+    f.name: f.type for f in dataclasses.fields(StepCacheSettings) if f.name not in ("method", "mag_ratios", "calibrate")
+}
 """The options a request or `--step-cache-config` may set, and their types."""
 
 
@@ -79,8 +80,14 @@ def _option(field: str, key: str, value: Any) -> Any:
         if int(value) != value:
             raise InvalidRequestError(f"{field}.{key} must be a whole number, got {value!r}.", param=field)
         value = int(value)
-    limits = {"threshold": (0.0, 10.0), "warmup_steps": (0, 1000), "max_cached_steps": (0, 1000),
-              "order": (0, 4), "refresh_interval": (1, 100), "retention_ratio": (0.0, 1.0)}
+    limits = {
+        "threshold": (0.0, 10.0),
+        "warmup_steps": (0, 1000),
+        "max_cached_steps": (0, 1000),
+        "order": (0, 4),
+        "refresh_interval": (1, 100),
+        "retention_ratio": (0.0, 1.0),
+    }
     low, high = limits[key]
     if key == "threshold" and value == -1:
         return float(value)
@@ -107,21 +114,23 @@ def parse_step_cache(value: Any, field: str = "step_cache") -> StepCacheSettings
                 raise InvalidRequestError(f"{field} is not valid JSON: {exc}.", param=field) from exc
         value = {"method": text}
     if not isinstance(value, dict):
-        raise InvalidRequestError(f"{field} must be a method name, an object with a 'method', or \"off\"; "
-                                  f"got {value!r}.", param=field)
+        raise InvalidRequestError(
+            f"{field} must be a method name, an object with a 'method', or \"off\"; got {value!r}.", param=field
+        )
     method = value.get("method")
     if method in (None, "off"):
         if set(value) - {"method"}:
-            raise InvalidRequestError(f"{field} has options but no 'method'; name one of {list(METHODS)}.",
-                                      param=field)
+            raise InvalidRequestError(f"{field} has options but no 'method'; name one of {list(METHODS)}.", param=field)
         return None
     if method not in METHODS:
-        raise InvalidRequestError(f"{field}: unknown method {method!r}; choose one of {list(METHODS)} or \"off\".",
-                                  param=field)
+        raise InvalidRequestError(
+            f'{field}: unknown method {method!r}; choose one of {list(METHODS)} or "off".', param=field
+        )
     unknown = sorted(set(value) - set(_OPTIONS) - {"method"})
     if unknown:
-        raise InvalidRequestError(f"{field}: unknown option(s) {unknown}; the options are {sorted(_OPTIONS)}.",
-                                  param=field)
+        raise InvalidRequestError(
+            f"{field}: unknown option(s) {unknown}; the options are {sorted(_OPTIONS)}.", param=field
+        )
     options = {key: _option(field, key, v) for key, v in value.items() if key != "method"}
     return StepCacheSettings(method=str(method), **options)
 
@@ -134,8 +143,9 @@ def server_step_cache(method: str | None, config: str | None) -> StepCacheSettin
     if config:
         options = json.loads(config)
         if not isinstance(options, dict):
-            raise InvalidRequestError("--step-cache-config must be a JSON object of options.",
-                                      param="--step-cache-config")
+            raise InvalidRequestError(
+                "--step-cache-config must be a JSON object of options.", param="--step-cache-config"
+            )
     return parse_step_cache({**options, "method": method}, "--step-cache")
 
 
@@ -153,14 +163,18 @@ def load_calibration(path: str) -> tuple[float, ...]:
     return tuple(float(r) for r in ratios)
 
 
-def with_calibration(settings: StepCacheSettings | None, path: str | None,
-                     field: str = "step_cache") -> StepCacheSettings | None:
+def with_calibration(
+    settings: StepCacheSettings | None, path: str | None, field: str = "step_cache"
+) -> StepCacheSettings | None:
     """`settings` with the server's magnitude ratios when its method is magcache (a 400 naming `field` when the
     server has none)."""
     if settings is None or settings.method != "magcache" or settings.mag_ratios:
         return settings
     if not path:
-        raise InvalidRequestError(f"{field}: magcache needs this checkpoint's magnitude ratios; start the server with "
-                                  "--step-cache-calibration FILE (made by `diffuserve calibrate-cache`), or use "
-                                  "fbcache, taylorseer or teacache.", param=field)
+        raise InvalidRequestError(
+            f"{field}: magcache needs this checkpoint's magnitude ratios; start the server with "
+            "--step-cache-calibration FILE (made by `diffuserve calibrate-cache`), or use "
+            "fbcache, taylorseer or teacache.",
+            param=field,
+        )
     return dataclasses.replace(settings, mag_ratios=load_calibration(path))

@@ -54,12 +54,19 @@ class Report:
         return sum(map(checks, self.cases)) / len(self.cases)
 
     def summary(self) -> str:
-        wrong = [f"  {c.prompt!r} seed {c.seed}: drew {c.colour} {c.shape} (IoU {c.shape_iou:.2f}) at {c.position}"
-                 for c in self.cases if not c.agrees]
+        wrong = [
+            f"  {c.prompt!r} seed {c.seed}: drew {c.colour} {c.shape} (IoU {c.shape_iou:.2f}) at {c.position}"
+            for c in self.cases
+            if not c.agrees
+        ]
         return "\n".join(
-            [f"semantic check over {len(self.cases)} images: colour {self.rate('colour'):.1%}, "
-             f"shape {self.rate('shape'):.1%}, position {self.rate('position'):.1%}, "
-             f"colour and shape {self.rate('agrees'):.1%}"] + wrong)
+            [
+                f"semantic check over {len(self.cases)} images: colour {self.rate('colour'):.1%}, "
+                f"shape {self.rate('shape'):.1%}, position {self.rate('position'):.1%}, "
+                f"colour and shape {self.rate('agrees'):.1%}"
+            ]
+            + wrong
+        )
 
 
 def cases_for(seeds: Sequence[int]) -> list[tuple[shapes.Scene, int]]:
@@ -78,8 +85,14 @@ def evaluate(pipeline: Any, seeds: Sequence[int] = (0, 1, 2), steps: int = 4) ->
 
     cases = cases_for(seeds)
     batch = [
-        SamplingParams(prompt=scene.prompt(), seed=seed, width=shapes.SIZE, height=shapes.SIZE,
-                       num_inference_steps=steps, guidance_scale=0.0)
+        SamplingParams(
+            prompt=scene.prompt(),
+            seed=seed,
+            width=shapes.SIZE,
+            height=shapes.SIZE,
+            num_inference_steps=steps,
+            guidance_scale=0.0,
+        )
         for scene, seed in cases
     ]
     result = pipeline.run(batch)
@@ -87,8 +100,18 @@ def evaluate(pipeline: Any, seeds: Sequence[int] = (0, 1, 2), steps: int = 4) ->
     for (scene, seed), params, output in zip(cases, batch, result.outputs, strict=True):
         image = np.asarray(output.images[0].convert("RGB"))
         shape, score = shapes.best_shape(image, scene.position)
-        report.cases.append(Case(params.prompt, seed, scene, output.images[0], shapes.dominant_colour(image),
-                                 shape, score, shapes.nearest_position(image)))
+        report.cases.append(
+            Case(
+                params.prompt,
+                seed,
+                scene,
+                output.images[0],
+                shapes.dominant_colour(image),
+                shape,
+                score,
+                shapes.nearest_position(image),
+            )
+        )
     return report
 
 

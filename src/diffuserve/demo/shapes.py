@@ -64,9 +64,7 @@ class Scene:
         thing = f"a {self.colour} {self.shape}"
         if self.position == "center":
             return (f"{thing} on a white background", thing, f"{thing} in the center")[variant % 3]
-        return (f"{thing} in the {self.position}", f"{thing} in the {self.position} on a white background")[
-            variant % 2
-        ]
+        return (f"{thing} in the {self.position}", f"{thing} in the {self.position} on a white background")[variant % 2]
 
 
 def vocabulary() -> list[str]:

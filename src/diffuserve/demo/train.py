@@ -213,8 +213,10 @@ def train_flow(
         opt.step()
         running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
         if step % log_every == 0 or step == steps - 1:
-            print(f"flow step {step:5d}  loss {loss.item():.4f}  avg {running:.4f}  "
-                  f"{time.monotonic() - start:6.0f}s", flush=True)
+            print(
+                f"flow step {step:5d}  loss {loss.item():.4f}  avg {running:.4f}  {time.monotonic() - start:6.0f}s",
+                flush=True,
+            )
     transformer.eval()
 
 
@@ -252,8 +254,10 @@ def main(argv: list[str] | None = None) -> None:
     shift, scale = raw.mean().item(), 1.0 / raw.std().item()
     parts["vae"].register_to_config(shift_factor=round(shift, 4), scaling_factor=round(scale, 4))
     latents = (raw - parts["vae"].config.shift_factor) * parts["vae"].config.scaling_factor
-    print(f"latents: shift_factor={parts['vae'].config.shift_factor} "
-          f"scaling_factor={parts['vae'].config.scaling_factor}", flush=True)
+    print(
+        f"latents: shift_factor={parts['vae'].config.shift_factor} scaling_factor={parts['vae'].config.scaling_factor}",
+        flush=True,
+    )
 
     train_flow(parts, latents, prompts, args.flow_steps, args.flow_batch, args.seed + 20, args.log_every)
     save(parts, args.output)

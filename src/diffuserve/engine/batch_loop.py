@@ -30,8 +30,17 @@ logger = logging.getLogger("diffuserve.engine")
 class BatchLoop:
     """Runs request-level batches from `scheduler` on `executor`'s replicas, answering through `book`."""
 
-    def __init__(self, book: RequestBook, scheduler: Any, executor: Executor, *, metrics: EngineMetrics,
-                 batching_stats: BatchingStats | None, clock: Callable[[], float], should_exit: Callable[[], bool]):
+    def __init__(
+        self,
+        book: RequestBook,
+        scheduler: Any,
+        executor: Executor,
+        *,
+        metrics: EngineMetrics,
+        batching_stats: BatchingStats | None,
+        clock: Callable[[], float],
+        should_exit: Callable[[], bool],
+    ):
         self.book, self.scheduler, self.executor = book, scheduler, executor
         self.metrics, self.batching_stats, self.clock = metrics, batching_stats, clock
         self.should_exit = should_exit
@@ -44,8 +53,9 @@ class BatchLoop:
     def run(self) -> None:
         """Serve until the engine stops: one thread per extra replica, replica 0 on the calling thread."""
         for replica in range(1, len(self.executor.replicas)):
-            threading.Thread(target=self._replica_loop, args=(replica,), name=f"diffuserve-replica-{replica}",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._replica_loop, args=(replica,), name=f"diffuserve-replica-{replica}", daemon=True
+            ).start()
         self._replica_loop(0)
 
     def _replica_loop(self, replica: int) -> None:
@@ -98,8 +108,10 @@ class BatchLoop:
                     book.idle_wait(now)
                     continue
                 for request in scheduler.expire(now):
-                    book.answer_locked(request.request_id, error=RequestTimeoutError(
-                        "The request waited in the queue past its deadline and was not run."))
+                    book.answer_locked(
+                        request.request_id,
+                        error=RequestTimeoutError("The request waited in the queue past its deadline and was not run."),
+                    )
                 action = scheduler.schedule(now)
                 self.metrics.set_queue_depth(scheduler.num_queued)
                 if isinstance(action, Dispatch):
@@ -122,14 +134,16 @@ class BatchLoop:
             previews = self.book.mark_started(requests, started)
 
         message = BatchMessage(
-            request_ids=tuple(r.request_id for r in requests), params=tuple(r.params for r in requests),
+            request_ids=tuple(r.request_id for r in requests),
+            params=tuple(r.params for r in requests),
             # The row cap is a hard cap on every pipeline call in dynamic mode (operators size it to the
             # device): an oversized request the scheduler dispatched alone runs as several calls.
             max_rows=batch.effective_cap if self.scheduler.config.dynamic else None,
             previews=tuple((rid, sink.partial_images) for rid, sink in previews.items()),
             # Overlap (dynamic / continuous): the batch's decode may run in the decode lane while this thread
             # frees the scheduler and starts the next batch (executor/batch_runner.py `run_batch`).
-            defer_decode=self.defer_decode)
+            defer_decode=self.defer_decode,
+        )
         outcome = self.executor.execute(replica, message, _BatchListener(self, requests, previews))
         self.recent_batch_s = outcome.inference_seconds
         if outcome.decoded is not None:  # answered once the decode lane has the outputs
@@ -138,8 +152,11 @@ class BatchLoop:
             self._answer(requests, outcome, started)
         with self.book.cond:
             self.scheduler.complete(batch)
-            produced = (outcome.batch_rows if outcome.deferred
-                        else sum(r.params.n for r in requests if r.request_id in outcome.outputs))
+            produced = (
+                outcome.batch_rows
+                if outcome.deferred
+                else sum(r.params.n for r in requests if r.request_id in outcome.outputs)
+            )
             self._replica_done(replica, produced)
             self.book.cond.notify_all()
 
@@ -152,8 +169,12 @@ class BatchLoop:
                 self.book.set_progress(request.request_id, step + 1, num_steps)
                 if request.deadline is not None and now > request.deadline and not request.cancel_event.is_set():
                     request.cancel_event.set()
-                    self.book.answer_locked(request.request_id, error=RequestTimeoutError(
-                        f"The request ran past its deadline and was cancelled at step {step + 1}/{num_steps}."))
+                    self.book.answer_locked(
+                        request.request_id,
+                        error=RequestTimeoutError(
+                            f"The request ran past its deadline and was cancelled at step {step + 1}/{num_steps}."
+                        ),
+                    )
 
     def _answer(self, requests: list[Request], outcome: BatchOutcome, started: float) -> None:
         for stage, seconds in outcome.stage_seconds.items():
@@ -165,16 +186,19 @@ class BatchLoop:
                 rid = request.request_id
                 if rid in outcome.outputs:
                     self.metrics.add_outputs_generated(request.params.n)
-                    self.book.answer_locked(rid, result=GenerationResult(
-                        request_id=rid,
-                        output=outcome.outputs[rid],
-                        queue_wait_s=started - request.arrival_time,
-                        inference_s=outcome.inference_seconds,
-                        batch_size=len(requests),
-                        stage_seconds=outcome.stage_seconds,
-                        batch_rows=outcome.batch_rows,
-                        pipeline_calls=outcome.pipeline_calls,
-                    ))
+                    self.book.answer_locked(
+                        rid,
+                        result=GenerationResult(
+                            request_id=rid,
+                            output=outcome.outputs[rid],
+                            queue_wait_s=started - request.arrival_time,
+                            inference_s=outcome.inference_seconds,
+                            batch_size=len(requests),
+                            stage_seconds=outcome.stage_seconds,
+                            batch_rows=outcome.batch_rows,
+                            pipeline_calls=outcome.pipeline_calls,
+                        ),
+                    )
                 else:
                     self.book.answer_locked(rid, error=outcome.errors.get(rid) or RequestCancelledError("cancelled"))
             self.book.cond.notify_all()

@@ -105,8 +105,15 @@ class AsyncEngine:
         self._ready_event = threading.Event()
         self.on_fatal: Callable[[str], None] | None = None
         """Called (from the worker thread) when load or warm-up fails; `serve` uses it to exit non-zero."""
-        self._batches = BatchLoop(self.book, scheduler, self.executor, metrics=self.metrics,
-                                  batching_stats=batching_stats, clock=clock, should_exit=self._batch_loop_exits)
+        self._batches = BatchLoop(
+            self.book,
+            scheduler,
+            self.executor,
+            metrics=self.metrics,
+            batching_stats=batching_stats,
+            clock=clock,
+            should_exit=self._batch_loop_exits,
+        )
         """The request-level loop: serves singleton / dynamic mode, and continuous mode's fallback batches."""
 
     @property
@@ -148,7 +155,9 @@ class AsyncEngine:
         deadline = time.monotonic() + timeout_s
         while self.num_pending and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        failed = self.fail_all(ServiceUnavailableError("The server shut down before this request finished; retry on another replica."))
+        failed = self.fail_all(
+            ServiceUnavailableError("The server shut down before this request finished; retry on another replica.")
+        )
         # Let the answers reach their handlers before the caller tears the server down.
         await asyncio.sleep(0.05)
         return failed
@@ -169,7 +178,9 @@ class AsyncEngine:
             self.state = EngineState.FAILED
             self.failure = message
             self._cond.notify_all()
-        failed = self.fail_all(GenerationError(f"{message}; this request was not finished. The server is restarting; retry."))
+        failed = self.fail_all(
+            GenerationError(f"{message}; this request was not finished. The server is restarting; retry.")
+        )
         logger.error("%s: answered %d request(s) with an error; exiting", message, failed)
         self._ready_event.set()
         if self.on_fatal is not None:
@@ -215,8 +226,9 @@ class AsyncEngine:
         preview: PreviewSink | None = None,
     ) -> GenerationResult:
         """Submit and await one request. Cancelling the awaiting task aborts the request."""
-        pending = self._admit(params, asyncio.get_running_loop(), endpoint, timeout_s, priority,
-                              ineligible_reason, request_id, preview)
+        pending = self._admit(
+            params, asyncio.get_running_loop(), endpoint, timeout_s, priority, ineligible_reason, request_id, preview
+        )
         try:
             return await asyncio.shield(pending.future)
         except asyncio.CancelledError:
@@ -238,8 +250,9 @@ class AsyncEngine:
 
         For callers that outlive the HTTP request (video jobs); `generate` is submit + await.
         """
-        return self._admit(params, asyncio.get_running_loop(), endpoint, timeout_s, priority,
-                           ineligible_reason, request_id, preview).future
+        return self._admit(
+            params, asyncio.get_running_loop(), endpoint, timeout_s, priority, ineligible_reason, request_id, preview
+        ).future
 
     @contextlib.contextmanager
     def admitting_together(self) -> Iterator[None]:
@@ -248,8 +261,9 @@ class AsyncEngine:
         with self._cond:
             yield
 
-    def _admit(self, params, loop, endpoint, timeout_s, priority, ineligible_reason, request_id,
-               preview=None) -> PendingRequest:
+    def _admit(
+        self, params, loop, endpoint, timeout_s, priority, ineligible_reason, request_id, preview=None
+    ) -> PendingRequest:
         with self._cond:
             if self.state != EngineState.READY and ineligible_reason != "warmup":
                 raise self.not_ready_error()
@@ -257,7 +271,8 @@ class AsyncEngine:
             if limit and self.scheduler.num_queued >= limit:
                 self.metrics.observe_request(endpoint, "rejected", 0.0)
                 raise QueueFullError(
-                    f"The queue is full ({self.scheduler.num_queued} requests waiting, --max-queue-size {limit}); retry later.",
+                    f"The queue is full ({self.scheduler.num_queued} requests waiting, --max-queue-size {limit}); "
+                    "retry later.",
                     retry_after_s=self._retry_after_s(),
                 )
             now = self.clock()
@@ -288,8 +303,12 @@ class AsyncEngine:
         """Dynamic batching, one rank: a request queued behind a running batch has its texts encoded in the
         encode lane meanwhile (`pipelines/text_prefetch.py`), so its own batch starts at the denoise loop. Caller
         holds the lock."""
-        if (self.mode is not BatchingMode.DYNAMIC or not self.scheduler.config.dynamic
-                or not self.scheduler.num_running or request.ineligible_reason == "warmup"):
+        if (
+            self.mode is not BatchingMode.DYNAMIC
+            or not self.scheduler.config.dynamic
+            or not self.scheduler.num_running
+            or request.ineligible_reason == "warmup"
+        ):
             return
         try:
             self.executor.prefetch(request.params, on_done=lambda steps: self.metrics.observe_overlap("encode", steps))
@@ -357,17 +376,25 @@ class AsyncEngine:
         if self.mode is not BatchingMode.CONTINUOUS:
             return self._batches
         stats = self.batching_stats
-        return StepLoop(self.book, self.scheduler, self.executor, fallback=self._batches.run_batch,
-                        metrics=self.metrics, log_steps=bool(stats is not None and stats.log_enabled),
-                        clock=self.clock, should_exit=self._step_loop_exits)
+        return StepLoop(
+            self.book,
+            self.scheduler,
+            self.executor,
+            fallback=self._batches.run_batch,
+            metrics=self.metrics,
+            log_steps=bool(stats is not None and stats.log_enabled),
+            clock=self.clock,
+            should_exit=self._step_loop_exits,
+        )
 
     def _load_and_warm_up(self) -> None:
         started = time.monotonic()
         self.pipeline = self.executor.load()
         # What the loaded model can do decides what the scheduler may merge.
         capabilities = self.pipeline.capabilities
-        self.scheduler.set_capabilities(supports_batching=capabilities.batching,
-                                        supports_continuous=capabilities.continuous)
+        self.scheduler.set_capabilities(
+            supports_batching=capabilities.batching, supports_continuous=capabilities.continuous
+        )
         logger.info("model loaded in %.1fs: %s", time.monotonic() - started, self.pipeline.describe())
         if self.config.enable_warmup:
             with self._cond:
@@ -390,14 +417,29 @@ class AsyncEngine:
         sizes += [s for s in self.config.warmup_resolutions if s not in sizes]
         for replica in range(len(self.executor.replicas)):
             for width, height in sizes:
-                params = build_sampling_params(model, prompt="warm-up", width=width, height=height,
-                                               num_inference_steps=self.config.warmup_steps, seed=0,
-                                               image_inputs=_warmup_images(model, width, height))
+                params = build_sampling_params(
+                    model,
+                    prompt="warm-up",
+                    width=width,
+                    height=height,
+                    num_inference_steps=self.config.warmup_steps,
+                    seed=0,
+                    image_inputs=_warmup_images(model, width, height),
+                )
                 started = time.monotonic()
-                outcome = self.executor.execute(replica, BatchMessage(request_ids=("warmup",), params=(params,),
-                                                                      compile_warmup=True), NoEvents())
+                outcome = self.executor.execute(
+                    replica, BatchMessage(request_ids=("warmup",), params=(params,), compile_warmup=True), NoEvents()
+                )
                 if outcome.errors:
-                    raise RuntimeError(f"warm-up generation at {width}x{height} failed: {outcome.errors['warmup'].message}")
+                    raise RuntimeError(
+                        f"warm-up generation at {width}x{height} failed: {outcome.errors['warmup'].message}"
+                    )
                 where = f" on replica {replica}" if len(self.executor.replicas) > 1 else ""
-                logger.info("warm-up generation (%dx%d, %d steps)%s took %.2fs", width, height,
-                            params.num_inference_steps, where, time.monotonic() - started)
+                logger.info(
+                    "warm-up generation (%dx%d, %d steps)%s took %.2fs",
+                    width,
+                    height,
+                    params.num_inference_steps,
+                    where,
+                    time.monotonic() - started,
+                )

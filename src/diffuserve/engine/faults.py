@@ -19,7 +19,8 @@ the ranks stay at one step boundary. Tests arm it by deleting the file, see the 
 while held, however fast the machine), make the condition under test happen (a deadline passes, a client leaves,
 the queue fills) and create the file: the engine sees the condition at the held step's boundary. A file holding a
 number N releases steps 1..N only (step N + 1 waits again: a test can let a run reach a preview, then hold it);
-an empty file releases all. In continuous mode each step of a group with a marked row waits the same way before it runs (`check_step`, rank 0 only: the
+an empty file releases all. In continuous mode each step of a group with a marked row waits the same way before it runs
+(`check_step`, rank 0 only: the
 other ranks wait for its step message).
 """
 

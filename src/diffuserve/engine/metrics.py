@@ -9,7 +9,8 @@ Two pieces:
   `--enable-batching-metrics`, logs the seed's lines through the `diffuserve.batching` logger::
 
     Dynamic batch dispatch: size=2/8, user_max=8, queue_wait=5.12ms, stop_reason=delay
-    Dynamic batch stats (last 5 dispatches): avg_size=2.80, merged_rate=60.0%, full_rate=20.0%, utilization=35.0%, wait_avg=3.21ms, wait_p95=5.12ms, top_rejects=none
+    Dynamic batch stats (last 5 dispatches): avg_size=2.80, merged_rate=60.0%, full_rate=20.0%, utilization=35.0%,
+    wait_avg=3.21ms, wait_p95=5.12ms, top_rejects=none
 
 **Sizes count outputs (rows), not requests**, because the cap they are compared with counts
 outputs (`n`): `size=R/M` is the rows of the batch over `--batching-max-size` (as the seed prints it: a rule
@@ -70,87 +71,160 @@ class EngineMetrics:
         r = self.registry
         p = PREFIX
         # Requests and queue.
-        self.requests = Counter(f"{p}requests", "Answered requests by endpoint and final status.",
-                                ["endpoint", "status"], registry=r)
-        self.request_latency = Histogram(f"{p}request_latency_seconds", "Time from acceptance to answer.",
-                                         ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram(f"{p}queue_wait_seconds", "Time each request waited in the queue before running.",
-                                    buckets=_WAIT_BUCKETS, registry=r)
+        self.requests = Counter(
+            f"{p}requests", "Answered requests by endpoint and final status.", ["endpoint", "status"], registry=r
+        )
+        self.request_latency = Histogram(
+            f"{p}request_latency_seconds",
+            "Time from acceptance to answer.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            f"{p}queue_wait_seconds",
+            "Time each request waited in the queue before running.",
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
         self.error_responses = Counter(
-            f"{p}error_responses", "Error answers by HTTP status and reason (the envelope's code): rejected "
-            "requests (400, 401, 404, 413, 429, 503) as well as failed ones (500, 504).", ["status", "reason"],
-            registry=r)
+            f"{p}error_responses",
+            "Error answers by HTTP status and reason (the envelope's code): rejected "
+            "requests (400, 401, 404, 413, 429, 503) as well as failed ones (500, 504).",
+            ["status", "reason"],
+            registry=r,
+        )
         self.queue_depth = Gauge(f"{p}queue_depth", "Requests waiting in the queue.", registry=r)
         self.cancelled_before_run = Counter(
-            f"{p}requests_cancelled_before_run", "Queued requests removed because the client went away.", registry=r)
-        # Batches.
-        self.running_batch_size = Gauge(f"{p}running_batch_size", "Requests in the batch running now (0 when idle).",
-                                        registry=r)
-        self.batch_size = Histogram(f"{p}batch_size_outputs", "Outputs (rows) per dispatched batch.",
-                                    buckets=_SIZE_BUCKETS, registry=r)
-        self.batch_requests = Histogram(f"{p}batch_size_requests", "Requests per dispatched batch.",
-                                        buckets=_SIZE_BUCKETS, registry=r)
-        self.batch_capacity = Counter(
-            f"{p}batch_capacity_outputs", "Summed capacity (effective cap) of dispatched batches; "
-            "utilization = batch_size_outputs_sum / this.", registry=r)
-        self.batch_dispatches = Counter(f"{p}batch_dispatches", "Dispatched batches by stop reason.", ["reason"],
-                                        registry=r)
-        self.batch_merged = Counter(f"{p}batch_merged_dispatches", "Dispatches holding more than one request.",
-                                    registry=r)
-        self.batch_full = Counter(f"{p}batch_full_dispatches", "Dispatches that reached their effective cap.",
-                                  registry=r)
-        self.batch_rejects = Counter(f"{p}batching_rejects", "Queued candidates left out of a batch, by reason.",
-                                     ["reason"], registry=r)
-        self.batch_head_wait = Histogram(f"{p}batch_head_queue_wait_seconds",
-                                         "Queue wait of the head request of each dispatch.",
-                                         buckets=_WAIT_BUCKETS, registry=r)
+            f"{p}requests_cancelled_before_run", "Queued requests removed because the client went away.", registry=r
+        )
+        self._batch_collectors(r)
         # Execution.
-        self.stage_seconds = Histogram(f"{p}stage_seconds", "Time per pipeline stage per batch.", ["stage"],
-                                       buckets=_STAGE_BUCKETS, registry=r)
+        self.stage_seconds = Histogram(
+            f"{p}stage_seconds", "Time per pipeline stage per batch.", ["stage"], buckets=_STAGE_BUCKETS, registry=r
+        )
         self.outputs_generated = Counter(f"{p}outputs_generated", "Images or videos produced.", registry=r)
-        self.step_cache_steps = Counter(
-            f"{p}step_cache_steps", "Denoising steps of rows that ran a step cache, by method and whether the row "
-            "computed the step or reused its cache (summed over rows).", ["method", "outcome"], registry=r)
+        self._step_cache_collectors(r)
         self._serving_overhead_collectors(r)
         self.overlap_jobs = Counter(
-            f"{p}overlap_jobs", "Text encodes / decodes run in a side lane beside the denoise loop, by stage.",
-            ["stage"], registry=r)
+            f"{p}overlap_jobs",
+            "Text encodes / decodes run in a side lane beside the denoise loop, by stage.",
+            ["stage"],
+            registry=r,
+        )
         self.overlap_steps = Counter(
-            f"{p}overlap_steps", "Denoising steps the loop ran while a side-lane job of that stage ran (0 would "
-            "mean the loop waited for it).", ["stage"], registry=r)
-        # Residency (fed by the transfer ledger).
-        self.transfer_bytes = Counter(f"{p}transfer_bytes", "Bytes moved between host and device.",
-                                      ["component", "direction"], registry=r)
-        self.transfer_seconds = Counter(f"{p}transfer_seconds", "Time spent moving weights between host and device.",
-                                        ["component", "direction"], registry=r)
-        self.device_bytes = Gauge(f"{p}device_bytes", "Device bytes held by a component now.", ["component"],
-                                  registry=r)
-        self.device_peak_bytes = Gauge(f"{p}device_peak_bytes", "Peak device bytes held by a component.",
-                                       ["component"], registry=r)
+            f"{p}overlap_steps",
+            "Denoising steps the loop ran while a side-lane job of that stage ran (0 would "
+            "mean the loop waited for it).",
+            ["stage"],
+            registry=r,
+        )
+        self._placement_collectors(r)
+
+    def _batch_collectors(self, r: CollectorRegistry) -> None:
+        """Batches: sizes, capacity, merges, stop reasons, rejections and the head's wait."""
+        p = PREFIX
+        self.running_batch_size = Gauge(
+            f"{p}running_batch_size", "Requests in the batch running now (0 when idle).", registry=r
+        )
+        self.batch_size = Histogram(
+            f"{p}batch_size_outputs", "Outputs (rows) per dispatched batch.", buckets=_SIZE_BUCKETS, registry=r
+        )
+        self.batch_requests = Histogram(
+            f"{p}batch_size_requests", "Requests per dispatched batch.", buckets=_SIZE_BUCKETS, registry=r
+        )
+        self.batch_capacity = Counter(
+            f"{p}batch_capacity_outputs",
+            "Summed capacity (effective cap) of dispatched batches; utilization = batch_size_outputs_sum / this.",
+            registry=r,
+        )
+        self.batch_dispatches = Counter(
+            f"{p}batch_dispatches", "Dispatched batches by stop reason.", ["reason"], registry=r
+        )
+        self.batch_merged = Counter(
+            f"{p}batch_merged_dispatches", "Dispatches holding more than one request.", registry=r
+        )
+        self.batch_full = Counter(
+            f"{p}batch_full_dispatches", "Dispatches that reached their effective cap.", registry=r
+        )
+        self.batch_rejects = Counter(
+            f"{p}batching_rejects", "Queued candidates left out of a batch, by reason.", ["reason"], registry=r
+        )
+        self.batch_head_wait = Histogram(
+            f"{p}batch_head_queue_wait_seconds",
+            "Queue wait of the head request of each dispatch.",
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+
+    def _placement_collectors(self, r: CollectorRegistry) -> None:
+        """Residency (fed by the transfer ledger), accelerator memory, replicas and multi-rank calls."""
+        p = PREFIX
+        self.transfer_bytes = Counter(
+            f"{p}transfer_bytes", "Bytes moved between host and device.", ["component", "direction"], registry=r
+        )
+        self.transfer_seconds = Counter(
+            f"{p}transfer_seconds",
+            "Time spent moving weights between host and device.",
+            ["component", "direction"],
+            registry=r,
+        )
+        self.device_bytes = Gauge(
+            f"{p}device_bytes", "Device bytes held by a component now.", ["component"], registry=r
+        )
+        self.device_peak_bytes = Gauge(
+            f"{p}device_peak_bytes", "Peak device bytes held by a component.", ["component"], registry=r
+        )
         # Memory of the process itself (process_resident_memory_bytes, CPU seconds, open fds).
         ProcessCollector(namespace=PREFIX.rstrip("_"), registry=r)
-        self.accelerator_memory = Gauge(f"{p}accelerator_memory_bytes",
-                                        "Accelerator memory of this process (CUDA allocator).", ["kind"], registry=r)
+        self.accelerator_memory = Gauge(
+            f"{p}accelerator_memory_bytes", "Accelerator memory of this process (CUDA allocator).", ["kind"], registry=r
+        )
         self.replica_busy = Gauge(f"{p}replica_busy", "1 while a replica runs a batch.", ["replica"], registry=r)
-        self.replica_healthy = Gauge(f"{p}replica_healthy", "1 while every rank of a replica is alive.", ["replica"],
-                                     registry=r)
+        self.replica_healthy = Gauge(
+            f"{p}replica_healthy", "1 while every rank of a replica is alive.", ["replica"], registry=r
+        )
         self.replica_batches = Gauge(f"{p}replica_batches", "Batches a replica has run.", ["replica"], registry=r)
         self.replica_rows = Gauge(f"{p}replica_rows", "Output rows a replica has produced.", ["replica"], registry=r)
         overhead_buckets = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
-        self.rank_call_delivery = Histogram(f"{p}rank_call_delivery_seconds", "Time a pipeline call took to reach "
-                                            "the slowest other rank of replica 0.", buckets=overhead_buckets, registry=r)
-        self.rank_call_straggle = Histogram(f"{p}rank_call_straggle_seconds", "Time rank 0 waited for the other ranks "
-                                            "to finish a call after its own part.", buckets=overhead_buckets, registry=r)
+        self.rank_call_delivery = Histogram(
+            f"{p}rank_call_delivery_seconds",
+            "Time a pipeline call took to reach the slowest other rank of replica 0.",
+            buckets=overhead_buckets,
+            registry=r,
+        )
+        self.rank_call_straggle = Histogram(
+            f"{p}rank_call_straggle_seconds",
+            "Time rank 0 waited for the other ranks to finish a call after its own part.",
+            buckets=overhead_buckets,
+            registry=r,
+        )
+
+    def _step_cache_collectors(self, r: CollectorRegistry) -> None:
+        """Step caches: computed and reused denoising steps per method (issue 19)."""
+        self.step_cache_steps = Counter(
+            f"{PREFIX}step_cache_steps",
+            "Denoising steps of rows that ran a step cache, by method and whether the row "
+            "computed the step or reused its cache (summed over rows).",
+            ["method", "outcome"],
+            registry=r,
+        )
 
     def _serving_overhead_collectors(self, r: CollectorRegistry) -> None:
         """Where the time outside the model goes (docs/operations.md, "Serving overhead")."""
         self.serving_overhead = Histogram(
-            f"{PREFIX}serving_overhead_seconds", "Per answered request: server time outside its pipeline calls and "
+            f"{PREFIX}serving_overhead_seconds",
+            "Per answered request: server time outside its pipeline calls and "
             "its queue wait (HTTP parsing, token counts, scheduling, result hand-off, PNG/base64 encoding).",
-            buckets=_OVERHEAD_BUCKETS, registry=r)
-        self.pipeline_cpu = Gauge(f"{PREFIX}pipeline_cpu_seconds", "CPU time of this process inside pipeline calls "
-                                  "(loop and side lanes); diffuserve_process_cpu_seconds_total - this = serving CPU.",
-                                  registry=r)
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.pipeline_cpu = Gauge(
+            f"{PREFIX}pipeline_cpu_seconds",
+            "CPU time of this process inside pipeline calls "
+            "(loop and side lanes); diffuserve_process_cpu_seconds_total - this = serving CPU.",
+            registry=r,
+        )
         self.pipeline_cpu.set_function(lambda: PIPELINE_CPU.seconds)
 
     def watch_cuda_memory(self, device: str) -> None:
@@ -283,13 +357,16 @@ def summarize(batches: Sequence[ScheduledBatch]) -> BatchWindowStats:
 def format_dispatch(batch: ScheduledBatch) -> str:
     """The per-dispatch log line. A single request whose n exceeds the cap runs as several calls of at most the
     cap; its line says so (requests, rows, calls) rather than a `size=10/8` that reads as a cap violation."""
-    tail = (f"user_max={batch.user_max}, queue_wait={batch.head_queue_wait_s * 1000:.2f}ms, "
-            f"stop_reason={batch.stop_reason}")
+    tail = (
+        f"user_max={batch.user_max}, queue_wait={batch.head_queue_wait_s * 1000:.2f}ms, stop_reason={batch.stop_reason}"
+    )
     cap = max(1, batch.effective_cap)
     if batch.num_outputs > cap:
         calls = -(-batch.num_outputs // cap)
-        return (f"Dynamic batch dispatch: requests={batch.num_requests}, rows={batch.num_outputs} "
-                f"in {calls} calls of <= {cap} rows, {tail}")
+        return (
+            f"Dynamic batch dispatch: requests={batch.num_requests}, rows={batch.num_outputs} "
+            f"in {calls} calls of <= {cap} rows, {tail}"
+        )
     return f"Dynamic batch dispatch: size={batch.num_outputs}/{batch.user_max}, {tail}"
 
 
@@ -357,21 +434,24 @@ def format_step(rows: int, cap: int, joined: int, left: int, active: int) -> str
 class ContinuousStats:
     """The collectors and log lines of continuous batching (one object per engine, on its registry)::
 
-        Continuous denoising step batch: size=3/8, joined=1, left=0, active=2
-        Continuous denoising stats (last 20 steps): avg_size=2.85, utilization=35.6%, joins=4, leaves=3
+    Continuous denoising step batch: size=3/8, joined=1, left=0, active=2
+    Continuous denoising stats (last 20 steps): avg_size=2.85, utilization=35.6%, joins=4, leaves=3
     """
 
     def __init__(self, metrics: EngineMetrics, *, log_enabled: bool, window: int = 20):
         r, p = metrics.registry, PREFIX
         self.log_enabled = log_enabled
         self.window = window
-        self.active_rows = Gauge(f"{p}continuous_active_rows", "Rows in the running continuous denoise group.",
-                                 registry=r)
-        self.step_rows = Histogram(f"{p}continuous_step_batch_rows", "Rows per continuous denoising step.",
-                                   buckets=_SIZE_BUCKETS, registry=r)
+        self.active_rows = Gauge(
+            f"{p}continuous_active_rows", "Rows in the running continuous denoise group.", registry=r
+        )
+        self.step_rows = Histogram(
+            f"{p}continuous_step_batch_rows", "Rows per continuous denoising step.", buckets=_SIZE_BUCKETS, registry=r
+        )
         self.joins = Counter(f"{p}continuous_joins", "Requests that joined a running denoise group.", registry=r)
-        self.leaves = Counter(f"{p}continuous_leaves", "Requests that left the denoise group, by reason.",
-                              ["reason"], registry=r)
+        self.leaves = Counter(
+            f"{p}continuous_leaves", "Requests that left the denoise group, by reason.", ["reason"], registry=r
+        )
         self._recent: list[tuple[int, int, int, int]] = []
 
     def record_step(self, rows: int, cap: int, joined: int, left: int, active: int) -> None:
@@ -390,7 +470,8 @@ class ContinuousStats:
                 logger.info(
                     f"Continuous denoising stats (last {k} steps): avg_size={total / k:.2f}, "
                     f"utilization={total / capacity * 100:.1f}%, joins={sum(i[2] for i in self._recent)}, "
-                    f"leaves={sum(i[3] for i in self._recent)}")
+                    f"leaves={sum(i[3] for i in self._recent)}"
+                )
             self._recent = []
 
     def record_leave(self, reason: str, count: int = 1) -> None:

@@ -79,8 +79,9 @@ def status_of(error: DiffuserveError | None) -> tuple[RequestStatus, str]:
     """The request's final status and its metrics label, for an answer with `error` (None = success)."""
     if error is None:
         return RequestStatus.FINISHED, "success"
-    status = {RequestTimeoutError: RequestStatus.TIMED_OUT,
-              RequestCancelledError: RequestStatus.ABORTED}.get(type(error), RequestStatus.FAILED)
+    status = {RequestTimeoutError: RequestStatus.TIMED_OUT, RequestCancelledError: RequestStatus.ABORTED}.get(
+        type(error), RequestStatus.FAILED
+    )
     return status, {RequestStatus.TIMED_OUT: "timeout", RequestStatus.ABORTED: "cancelled"}.get(status, "error")
 
 
@@ -133,8 +134,9 @@ class RequestBook:
         if pending is not None:
             pending.steps_done, pending.num_steps = steps_done, num_steps
 
-    def answer_locked(self, request_id: str, *, result: GenerationResult | None = None,
-                      error: DiffuserveError | None = None) -> None:
+    def answer_locked(
+        self, request_id: str, *, result: GenerationResult | None = None, error: DiffuserveError | None = None
+    ) -> None:
         """Answer exactly once (caller holds the lock): the first answer wins, later ones do nothing."""
         pending = self._pending.pop(request_id, None)
         if pending is None or pending.answered:
@@ -160,8 +162,9 @@ class RequestBook:
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             pass
 
-    def answer(self, request_id: str, *, result: GenerationResult | None = None,
-               error: DiffuserveError | None = None) -> None:
+    def answer(
+        self, request_id: str, *, result: GenerationResult | None = None, error: DiffuserveError | None = None
+    ) -> None:
         """`answer_locked`, taking the lock."""
         with self.cond:
             self.answer_locked(request_id, result=result, error=error)

@@ -126,8 +126,9 @@ class DynamicBatcher:
     """The queue and the batch-formation rules of the module docstring. Not thread-safe: the
     engine calls it from one thread (or under one lock)."""
 
-    def __init__(self, config: BatchingConfig, *, model_names: Sequence[str], supports_batching: bool = True,
-                 slots: int = 1):
+    def __init__(
+        self, config: BatchingConfig, *, model_names: Sequence[str], supports_batching: bool = True, slots: int = 1
+    ):
         config.validate()
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
@@ -301,9 +302,7 @@ class DynamicBatcher:
                 cap = min(cap, rule_cap)
         return cap
 
-    def _collect(
-        self, head: Request, candidates: Iterable[Request], cap: int
-    ) -> tuple[list[Request], dict[str, int]]:
+    def _collect(self, head: Request, candidates: Iterable[Request], cap: int) -> tuple[list[Request], dict[str, int]]:
         batch = [head]
         room = cap - head.num_outputs
         rejects: dict[str, int] = {}

@@ -39,9 +39,18 @@ class StepLoop:
     """Serves a `StepScheduler`'s group step by step on `executor`'s replica 0, answering through `book`, until
     the engine stops; heads that cannot step go to `fallback` as request-level batches."""
 
-    def __init__(self, book: RequestBook, scheduler: StepScheduler, executor: Executor, *,
-                 fallback: Callable[[ScheduledBatch], None], metrics: EngineMetrics, log_steps: bool,
-                 clock: Callable[[], float], should_exit: Callable[[], bool]):
+    def __init__(
+        self,
+        book: RequestBook,
+        scheduler: StepScheduler,
+        executor: Executor,
+        *,
+        fallback: Callable[[ScheduledBatch], None],
+        metrics: EngineMetrics,
+        log_steps: bool,
+        clock: Callable[[], float],
+        should_exit: Callable[[], bool],
+    ):
         self.book, self.scheduler, self.fallback = book, scheduler, fallback
         self.metrics, self.clock, self.should_exit = metrics, clock, should_exit
         self.stats = ContinuousStats(metrics, log_enabled=log_steps)
@@ -81,8 +90,10 @@ class StepLoop:
                     return None
                 now = self.clock()
                 for request in scheduler.expire(now):
-                    book.answer_locked(request.request_id, error=RequestTimeoutError(
-                        "The request waited in the queue past its deadline and was not run."))
+                    book.answer_locked(
+                        request.request_id,
+                        error=RequestTimeoutError("The request waited in the queue past its deadline and was not run."),
+                    )
                 decision = scheduler.schedule(now)
                 self.metrics.set_queue_depth(scheduler.num_queued)
                 if isinstance(decision, StepPlan):
@@ -91,16 +102,21 @@ class StepLoop:
                         self.steps.drop(request.request_id)
                         self.stats.record_leave(reason)
                         if reason == REMOVED_DEADLINE:
-                            book.answer_locked(request.request_id, error=RequestTimeoutError(
-                                "The request ran past its deadline and was removed from the denoise group."))
+                            book.answer_locked(
+                                request.request_id,
+                                error=RequestTimeoutError(
+                                    "The request ran past its deadline and was removed from the denoise group."
+                                ),
+                            )
                         # cancelled rows were answered when they were cancelled (abort / fail_all)
                     return decision
                 if isinstance(decision, Dispatch):
                     return decision
                 self.stats.set_idle()
                 self.metrics.set_running(0)
-                book.idle_wait(now, scheduler.next_deadline(),
-                               decision.time if isinstance(decision, WaitUntil) else None)
+                book.idle_wait(
+                    now, scheduler.next_deadline(), decision.time if isinstance(decision, WaitUntil) else None
+                )
 
     # -- one turn -----------------------------------------------------------------------------------------
     def _turn(self, plan: StepPlan) -> None:
@@ -238,11 +254,20 @@ class StepLoop:
         # With lanes: answered from the decode lane while the loop keeps stepping the others; inline: at once.
         job = self.decode_lane.submit(decode, inputs=group, prompts=[r.params.prompt for r in requests])
         overlapped = self.lanes is not None
-        job.add_done_callback(lambda f: self._answer(requests, f, timings, batch_size, overlapped=overlapped,
-                                                     batch_rows=batch_rows))
+        job.add_done_callback(
+            lambda f: self._answer(requests, f, timings, batch_size, overlapped=overlapped, batch_rows=batch_rows)
+        )
 
-    def _answer(self, requests: list[Any], future: Future[Any], timings: list[dict[str, float]],
-                batch_size: int, *, overlapped: bool, batch_rows: int = 0) -> None:
+    def _answer(
+        self,
+        requests: list[Any],
+        future: Future[Any],
+        timings: list[dict[str, float]],
+        batch_size: int,
+        *,
+        overlapped: bool,
+        batch_rows: int = 0,
+    ) -> None:
         book = self.book
         try:
             side = future.result()
@@ -252,8 +277,10 @@ class StepLoop:
             logger.error("decoding request(s) %s failed", ", ".join(r.request_id for r in requests), exc_info=exc)
             with book.cond:
                 for request in requests:
-                    book.answer_locked(request.request_id, error=GenerationError(
-                        f"Generation failed while decoding: {type(exc).__name__}: {exc}"))
+                    book.answer_locked(
+                        request.request_id,
+                        error=GenerationError(f"Generation failed while decoding: {type(exc).__name__}: {exc}"),
+                    )
             return
         if overlapped:
             self.metrics.observe_overlap("decode", side.steps_beside)
@@ -264,26 +291,33 @@ class StepLoop:
         with book.cond:
             for request, output, timing in zip(requests, side.value, timings, strict=True):
                 pending = book.get(request.request_id)
-                dispatched = (pending.dispatched_at if pending is not None and pending.dispatched_at
-                              else request.arrival_time)
+                dispatched = (
+                    pending.dispatched_at if pending is not None and pending.dispatched_at else request.arrival_time
+                )
                 self.metrics.add_outputs_generated(request.params.n)
-                book.answer_locked(request.request_id, result=GenerationResult(
-                    request_id=request.request_id,
-                    output=output,
-                    queue_wait_s=dispatched - request.arrival_time,
-                    inference_s=self.clock() - dispatched,
-                    batch_size=batch_size,
-                    batch_rows=batch_rows,
-                    stage_seconds=timing,
-                ))
+                book.answer_locked(
+                    request.request_id,
+                    result=GenerationResult(
+                        request_id=request.request_id,
+                        output=output,
+                        queue_wait_s=dispatched - request.arrival_time,
+                        inference_s=self.clock() - dispatched,
+                        batch_size=batch_size,
+                        batch_rows=batch_rows,
+                        stage_seconds=timing,
+                    ),
+                )
             book.cond.notify_all()
 
     def _fail(self, entries: list[GroupEntry], what: str) -> None:
         with self.book.cond:
             failed = self.scheduler.fail(entries)
             ids = ", ".join(e.request.request_id for e in failed)
-            prefix = (f"The continuous denoising step of {len(failed)} requests ({ids}) failed"
-                      if len(failed) > 1 else "Generation failed")
+            prefix = (
+                f"The continuous denoising step of {len(failed)} requests ({ids}) failed"
+                if len(failed) > 1
+                else "Generation failed"
+            )
             for entry in failed:
                 self._timing.pop(entry.request.request_id, None)
                 self.steps.drop(entry.request.request_id)

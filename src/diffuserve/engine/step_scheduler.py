@@ -53,8 +53,17 @@ from diffuserve.engine.scheduler import (
     WaitUntil,
 )
 
-GROUP_KEY_FIELDS = ("width", "height", "num_frames", "guidance_scale", "true_cfg_scale", "guidance_scale_2",
-                    "strength", "cfg_enabled", "step_cache_method")
+GROUP_KEY_FIELDS = (
+    "width",
+    "height",
+    "num_frames",
+    "guidance_scale",
+    "true_cfg_scale",
+    "guidance_scale_2",
+    "strength",
+    "cfg_enabled",
+    "step_cache_method",
+)
 """The `SamplingParams` fields (besides the model name) of the continuous group key (rule 2)."""
 REMOVED_CANCELLED = "cancelled"
 REMOVED_DEADLINE = "deadline"
@@ -117,8 +126,14 @@ class StepScheduler:
     """The request queue (a composed `DynamicBatcher`) plus the running group of the module docstring.
     Not thread-safe."""
 
-    def __init__(self, config: BatchingConfig, *, model_names: Sequence[str], supports_batching: bool = True,
-                 supports_continuous: bool = True):
+    def __init__(
+        self,
+        config: BatchingConfig,
+        *,
+        model_names: Sequence[str],
+        supports_batching: bool = True,
+        supports_continuous: bool = True,
+    ):
         self.requests = DynamicBatcher(config, model_names=model_names, supports_batching=supports_batching)
         """The queue and the request-level rules (heads that cannot run step by step are dispatched by it)."""
         self.supports_continuous = supports_continuous
@@ -217,8 +232,9 @@ class StepScheduler:
             return Idle(busy=True)
         removed = self._remove_stopped(now)
         if removed and not self._group:  # no step to run, but the engine must answer the removed ones now
-            return StepPlan(rows=[], joined=[], removed=removed, left=self._pop_left(), cap=self._cap,
-                            user_max=self.config.max_size)
+            return StepPlan(
+                rows=[], joined=[], removed=removed, left=self._pop_left(), cap=self._cap, user_max=self.config.max_size
+            )
         if self._group:
             joined = self._take_joiners(group_key(self._group[0].request), self._cap - self.num_active_rows)
             return self._step(joined, removed)
@@ -254,8 +270,15 @@ class StepScheduler:
     # -- helpers ------------------------------------------------------------------------------------------
     def _step(self, joined: list[GroupEntry], removed: list[tuple[Request, str]]) -> StepPlan:
         self._steps += 1
-        return StepPlan(rows=list(self._group), joined=joined, removed=removed, left=self._pop_left(),
-                        cap=self._cap, user_max=self.config.max_size, step_id=self._steps)
+        return StepPlan(
+            rows=list(self._group),
+            joined=joined,
+            removed=removed,
+            left=self._pop_left(),
+            cap=self._cap,
+            user_max=self.config.max_size,
+            step_id=self._steps,
+        )
 
     def _pop_left(self) -> int:
         left, self._left = self._left, 0

@@ -13,8 +13,17 @@ from diffuserve.pipelines.base import Capabilities, Pipeline, RequestOutput
 from diffuserve.pipelines.serving import ServingPipeline
 from diffuserve.sampling import SamplingParams
 
-__all__ = ["Capabilities", "Executor", "InProcessExecutor", "Pipeline", "PipelineSteps", "ReplicaState",
-           "RequestOutput", "ServingPipeline", "StepRunner"]
+__all__ = [
+    "Capabilities",
+    "Executor",
+    "InProcessExecutor",
+    "Pipeline",
+    "PipelineSteps",
+    "ReplicaState",
+    "RequestOutput",
+    "ServingPipeline",
+    "StepRunner",
+]
 """`Pipeline`, `ServingPipeline`, `Capabilities` and `RequestOutput` are re-exported: the engine sees the loaded
 pipeline and the outputs only through this seam (it imports nothing from `pipelines/`)."""
 

@@ -111,8 +111,10 @@ def split_rows(params: SamplingParams, max_rows: int) -> list[SamplingParams]:
         return [params]
     # An unset seed is drawn once here so that every part continues the same row sequence.
     seed = params.seed if params.seed is not None else random.randrange(2**31)
-    return [dataclasses.replace(params, n=min(max_rows, params.n - offset), seed=seed + offset)
-            for offset in range(0, params.n, max_rows)]
+    return [
+        dataclasses.replace(params, n=min(max_rows, params.n - offset), seed=seed + offset)
+        for offset in range(0, params.n, max_rows)
+    ]
 
 
 def plan_calls(batch: Sequence[SamplingParams], max_rows: int | None) -> list[list[tuple[int, int, SamplingParams]]]:
@@ -193,8 +195,9 @@ def run_batch(
     """
     events = events or NoEvents()
     outcome = BatchOutcome()
-    live = [Row(rid, p) for rid, p in zip(message.request_ids, message.params, strict=True)
-            if not events.is_cancelled(rid)]
+    live = [
+        Row(rid, p) for rid, p in zip(message.request_ids, message.params, strict=True) if not events.is_cancelled(rid)
+    ]
     if not live:
         return outcome
 
@@ -205,12 +208,49 @@ def run_batch(
 
     calls = plan_calls([r.params for r in live], message.max_rows)
     if len(calls) > 1:
-        logger.info("batch of %d request(s), %d rows: above the row cap of %d, running as %d pipeline calls",
-                    len(live), sum(r.params.n for r in live), message.max_rows, len(calls))
+        logger.info(
+            "batch of %d request(s), %d rows: above the row cap of %d, running as %d pipeline calls",
+            len(live),
+            sum(r.params.n for r in live),
+            message.max_rows,
+            len(calls),
+        )
     overlap = pipeline.lanes
     counter = _StepCounter(len(calls), events, overlap)
-    wanted = message.partial_images if len(calls) == 1 else {}
+    on_preview = _preview_hook(live, message.partial_images if len(calls) == 1 else {}, events)
+
+    hooks: dict[str, Any] = {
+        "on_step": counter.step_done,
+        "should_stop": everyone_gone,
+        **({"on_preview": on_preview} if on_preview is not None else {}),
+    }
+    start = clock()
+    if message.defer_decode and overlap is not None and len(calls) == 1:
+        return _run_deferred(pipeline, live, outcome, overlap, clock, start, everyone_gone, counter, hooks)
+    try:
+        _run_calls(pipeline, live, calls, counter, everyone_gone, hooks, outcome)
+    except RequestCancelledError as exc:
+        logger.info(
+            "batch of %d request(s) stopped at step %d/%d: every request in it was cancelled", len(live), *counter.done
+        )
+        for request in live:
+            outcome.errors[request.request_id] = exc
+    except Exception as exc:  # the batch loop must survive anything the pipeline raises
+        logger.exception("batch of %d request(s) failed", len(live))
+        error = _batch_error(live, f"{type(exc).__name__}: {exc}")
+        for request in live:
+            outcome.errors[request.request_id] = error
+    outcome.inference_seconds = clock() - start
+    return outcome
+
+
+def _preview_hook(live: list[Row], wanted: dict[str, int], events: BatchEvents) -> Callable[..., None] | None:
+    """The pipeline's `on_preview` for the streaming requests of a batch (`wanted`: request id -> partial images),
+    or None when none of them wants previews: after a step some still-waiting request wants a preview of, the
+    previews are made once for the whole batch and each such request gets a `Preview` of its own rows."""
     sinks = [(i, wanted[r.request_id]) for i, r in enumerate(live) if r.request_id in wanted]
+    if not sinks:
+        return None
 
     def on_preview(step: int, num_steps: int, make_previews: Callable[[], list[list[Any]]]) -> None:
         due = []
@@ -224,25 +264,7 @@ def run_batch(
         for i, index in due:
             events.emit(Preview(live[i].request_id, index, per_request[i]))
 
-    hooks: dict[str, Any] = {"on_step": counter.step_done, "should_stop": everyone_gone,
-                             **({"on_preview": on_preview} if sinks else {})}
-    start = clock()
-    if message.defer_decode and overlap is not None and len(calls) == 1:
-        return _run_deferred(pipeline, live, outcome, overlap, clock, start, everyone_gone, counter, hooks)
-    try:
-        _run_calls(pipeline, live, calls, counter, everyone_gone, hooks, outcome)
-    except RequestCancelledError as exc:
-        logger.info("batch of %d request(s) stopped at step %d/%d: every request in it was cancelled",
-                    len(live), *counter.done)
-        for request in live:
-            outcome.errors[request.request_id] = exc
-    except Exception as exc:  # the batch loop must survive anything the pipeline raises
-        logger.exception("batch of %d request(s) failed", len(live))
-        error = _batch_error(live, f"{type(exc).__name__}: {exc}")
-        for request in live:
-            outcome.errors[request.request_id] = error
-    outcome.inference_seconds = clock() - start
-    return outcome
+    return on_preview
 
 
 class _StepCounter:
@@ -263,9 +285,15 @@ class _StepCounter:
         self.events.emit(Progress(overall, total))
 
 
-def _run_calls(pipeline: PipelineCalls, live: list[Row], calls: list[list[tuple[int, int, SamplingParams]]],
-               counter: _StepCounter, everyone_gone: Callable[[], bool], hooks: dict[str, Any],
-               outcome: BatchOutcome) -> None:
+def _run_calls(
+    pipeline: PipelineCalls,
+    live: list[Row],
+    calls: list[list[tuple[int, int, SamplingParams]]],
+    counter: _StepCounter,
+    everyone_gone: Callable[[], bool],
+    hooks: dict[str, Any],
+    outcome: BatchOutcome,
+) -> None:
     """The batch's pipeline calls, one after the other; fills `outcome` (raises what a call raised)."""
     parts: list[list[RequestOutput]] = [[] for _ in live]
     stage_seconds: dict[str, float] = {}
@@ -285,16 +313,25 @@ def _run_calls(pipeline: PipelineCalls, live: list[Row], calls: list[list[tuple[
     outcome.pipeline_calls = len(calls)
 
 
-def _run_deferred(pipeline: PipelineCalls, live: list[Row], outcome: BatchOutcome, overlap: Overlap,
-                  clock: Callable[[], float], start: float, should_stop: Callable[[], bool], counter: _StepCounter,
-                  hooks: dict[str, Any]) -> BatchOutcome:
+def _run_deferred(
+    pipeline: PipelineCalls,
+    live: list[Row],
+    outcome: BatchOutcome,
+    overlap: Overlap,
+    clock: Callable[[], float],
+    start: float,
+    should_stop: Callable[[], bool],
+    counter: _StepCounter,
+    hooks: dict[str, Any],
+) -> BatchOutcome:
     """`run_batch` with the decode in the decode lane (one pipeline call; see `run_batch`)."""
     try:
         with PIPELINE_CPU.measure():
             denoised = pipeline.run_to_latents([r.params for r in live], **hooks)
     except RequestCancelledError as exc:
-        logger.info("batch of %d request(s) stopped at step %d/%d: every request in it was cancelled",
-                    len(live), *counter.done)
+        logger.info(
+            "batch of %d request(s) stopped at step %d/%d: every request in it was cancelled", len(live), *counter.done
+        )
         outcome.errors = {r.request_id: exc for r in live}
         outcome.inference_seconds = clock() - start
         return outcome
@@ -341,8 +378,18 @@ def _concat(outputs: list[RequestOutput]) -> RequestOutput:
     if len(outputs) == 1:
         return outputs[0]
     counts = [o.step_cache for o in outputs if o.step_cache]
-    step_cache = None if not counts else {  # one request's rows over several calls: their steps add up
-        "method": counts[0]["method"], "computed_steps": sum(c["computed_steps"] for c in counts),
-        "reused_steps": sum(c["reused_steps"] for c in counts)}
-    return RequestOutput(images=[i for o in outputs for i in o.images], videos=[v for o in outputs for v in o.videos],
-                         meshes=[m for o in outputs for m in o.meshes], step_cache=step_cache)
+    step_cache = (
+        None
+        if not counts
+        else {  # one request's rows over several calls: their steps add up
+            "method": counts[0]["method"],
+            "computed_steps": sum(c["computed_steps"] for c in counts),
+            "reused_steps": sum(c["reused_steps"] for c in counts),
+        }
+    )
+    return RequestOutput(
+        images=[i for o in outputs for i in o.images],
+        videos=[v for o in outputs for v in o.videos],
+        meshes=[m for o in outputs for m in o.meshes],
+        step_cache=step_cache,
+    )

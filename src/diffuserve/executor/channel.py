@@ -45,8 +45,9 @@ class StoreChannel:
         self._store.delete_key(key)
         return pickle.loads(value)
 
-    def receive(self, key: str, *, keep_waiting: Callable[[], bool] = lambda: True,
-                timeout_s: float | None = None) -> Any:
+    def receive(
+        self, key: str, *, keep_waiting: Callable[[], bool] = lambda: True, timeout_s: float | None = None
+    ) -> Any:
         """Wait for the message under `key` (removed once read). `keep_waiting()` is asked at every poll; when it
         says no, or past `timeout_s`, ChannelClosed is raised."""
         delay, deadline = _POLL_START_S, None if timeout_s is None else time.monotonic() + timeout_s

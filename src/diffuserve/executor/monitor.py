@@ -23,8 +23,16 @@ _MONITOR_INTERVAL_S = 0.25
 class RankMonitor:
     """Watches every other rank: local child processes, fault reports, heartbeats."""
 
-    def __init__(self, ranks: RankLink, world_size: int, *, heartbeat_timeout_s: float,
-                 children: dict[int, Any], on_fault: Callable[[int, str], None], describe: Callable[[int], str]):
+    def __init__(
+        self,
+        ranks: RankLink,
+        world_size: int,
+        *,
+        heartbeat_timeout_s: float,
+        children: dict[int, Any],
+        on_fault: Callable[[int, str], None],
+        describe: Callable[[int], str],
+    ):
         self.ranks, self.world_size, self.timeout_s = ranks, world_size, heartbeat_timeout_s
         self.children, self.on_fault, self.describe = children, on_fault, describe
         self.fault: str | None = None

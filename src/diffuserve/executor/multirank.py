@@ -34,10 +34,18 @@ class MultiRankExecutor:
 
     multi_rank = True
 
-    def __init__(self, topology: Topology, *, connect: Callable[[], tuple[StoreChannel, Any]],
-                 load_local: Callable[[Any], ServingPipeline], children: dict[int, Any], heartbeat_timeout_s: float,
-                 timeout_s: float, clock: Callable[[], float] = time.monotonic,
-                 observe_call: Callable[[float, float], None] | None = None):
+    def __init__(
+        self,
+        topology: Topology,
+        *,
+        connect: Callable[[], tuple[StoreChannel, Any]],
+        load_local: Callable[[Any], ServingPipeline],
+        children: dict[int, Any],
+        heartbeat_timeout_s: float,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        observe_call: Callable[[float, float], None] | None = None,
+    ):
         self.topology = topology
         self._connect, self._load_local, self._children = connect, load_local, children
         self._heartbeat_timeout_s, self._timeout_s, self._clock = heartbeat_timeout_s, timeout_s, clock
@@ -67,9 +75,17 @@ class MultiRankExecutor:
                 info = None
             ranks.append(info or {"rank": rank})
         t = self.topology
-        return {"world_size": t.world_size, "dp_size": t.dp_size, "ranks_per_replica": t.ranks_per_replica,
-                "cfg": t.cfg, "ulysses": t.ulysses, "ring": t.ring, "tp": t.tp, "ranks": ranks,
-                "fault": self.monitor.fault if self.monitor is not None else None}
+        return {
+            "world_size": t.world_size,
+            "dp_size": t.dp_size,
+            "ranks_per_replica": t.ranks_per_replica,
+            "cfg": t.cfg,
+            "ulysses": t.ulysses,
+            "ring": t.ring,
+            "tp": t.tp,
+            "ranks": ranks,
+            "fault": self.monitor.fault if self.monitor is not None else None,
+        }
 
     @property
     def alive(self) -> bool:
@@ -80,13 +96,26 @@ class MultiRankExecutor:
         self.channel, groups = self._connect()
         self._ranks = RankLink(self.channel)
         self._links = [ReplicaLink(self.channel, r) for r in range(self.topology.dp_size)]
-        self.monitor = RankMonitor(self._ranks, self.topology.world_size, heartbeat_timeout_s=self._heartbeat_timeout_s,
-                                   children=self._children, on_fault=self._fault, describe=self.describe_rank)
+        self.monitor = RankMonitor(
+            self._ranks,
+            self.topology.world_size,
+            heartbeat_timeout_s=self._heartbeat_timeout_s,
+            children=self._children,
+            on_fault=self._fault,
+            describe=self.describe_rank,
+        )
         self.monitor.start()
         pipeline = self._load_local(groups)
         self._sync = StepSync(groups.control, 0, self.topology.ranks_per_replica)
-        self.local = ReplicaPipeline(pipeline, self.channel, self.topology, self._timeout_s, sync=self._sync,
-                                     is_alive=lambda: self.alive, observe=self._observe_call)
+        self.local = ReplicaPipeline(
+            pipeline,
+            self.channel,
+            self.topology,
+            self._timeout_s,
+            sync=self._sync,
+            is_alive=lambda: self.alive,
+            observe=self._observe_call,
+        )
         return pipeline
 
     def steps(self) -> PipelineSteps:
@@ -117,15 +146,24 @@ class MultiRankExecutor:
         link = self._links[replica]
         seq = self._seq[replica]
         self._seq[replica] += 1
-        live = [(rid, p) for rid, p in zip(message.request_ids, message.params, strict=True)
-                if not events.is_cancelled(rid)]
+        live = [
+            (rid, p) for rid, p in zip(message.request_ids, message.params, strict=True) if not events.is_cancelled(rid)
+        ]
         if not live:
             return BatchOutcome()
         started = self._clock()
         # A remote leader makes no previews and decodes in line (its report carries the outputs).
-        link.post_batch(dataclasses.replace(
-            message, seq=seq, kind="batch", request_ids=tuple(rid for rid, _ in live),
-            params=tuple(p for _, p in live), previews=(), defer_decode=False))
+        link.post_batch(
+            dataclasses.replace(
+                message,
+                seq=seq,
+                kind="batch",
+                request_ids=tuple(rid for rid, _ in live),
+                params=tuple(p for _, p in live),
+                previews=(),
+                defer_decode=False,
+            )
+        )
         steps_seen, cancelled = 0, False
         while True:
             report = link.poll_report(seq)

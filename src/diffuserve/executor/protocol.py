@@ -156,10 +156,15 @@ class BatchReport:
 
     @classmethod
     def of(cls, seq: int, outcome) -> BatchReport:  # outcome: executor.batch_runner.BatchOutcome
-        return cls(seq=seq, outputs=dict(outcome.outputs),
-                   errors={rid: ErrorInfo.of(e) for rid, e in outcome.errors.items()},
-                   stage_seconds=dict(outcome.stage_seconds), inference_seconds=outcome.inference_seconds,
-                   batch_rows=outcome.batch_rows, pipeline_calls=outcome.pipeline_calls)
+        return cls(
+            seq=seq,
+            outputs=dict(outcome.outputs),
+            errors={rid: ErrorInfo.of(e) for rid, e in outcome.errors.items()},
+            stage_seconds=dict(outcome.stage_seconds),
+            inference_seconds=outcome.inference_seconds,
+            batch_rows=outcome.batch_rows,
+            pipeline_calls=outcome.pipeline_calls,
+        )
 
     def fields(self) -> dict:
         """The report as BatchOutcome keyword arguments (errors rebuilt as exceptions)."""
@@ -227,8 +232,9 @@ class ReplicaLink:
         keys are removed too), else None."""
         report = self.channel.poll(_report_key(self.replica, seq))
         if report is not None:
-            self.channel.delete(_progress_key(self.replica, seq), _progress_total_key(self.replica, seq),
-                                _cancel_key(self.replica, seq))
+            self.channel.delete(
+                _progress_key(self.replica, seq), _progress_total_key(self.replica, seq), _cancel_key(self.replica, seq)
+            )
         return report
 
     def read_progress(self, seq: int) -> tuple[int, int]:

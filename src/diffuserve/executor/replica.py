@@ -171,8 +171,10 @@ class ReplicaPipeline:
             try:
                 ack = self._link.receive_ack(seq, rank, self.is_alive, self.timeout_s)
             except Exception as exc:
-                raise RankFault(f"rank {rank} did not finish call {seq} of replica {t.replica} within "
-                                f"{self.timeout_s:.0f}s of rank {t.rank} ({exc})") from exc
+                raise RankFault(
+                    f"rank {rank} did not finish call {seq} of replica {t.replica} within "
+                    f"{self.timeout_s:.0f}s of rank {t.rank} ({exc})"
+                ) from exc
             status, delivered = ack
             delivery = max(delivery, delivered)
             if status != "ok":
@@ -192,8 +194,14 @@ class ReplicaPipeline:
         seq, peers = self._next_seq()
         batch = [_with_seed(p) for p in batch]
         warming = self.pipeline.residency.in_compile_warmup
-        message = CallMessage(seq=seq, kind="call", params=tuple(batch), posted_at=time.time(),
-                              compile_warmup=warming, latents_only=latents_only)
+        message = CallMessage(
+            seq=seq,
+            kind="call",
+            params=tuple(batch),
+            posted_at=time.time(),
+            compile_warmup=warming,
+            latents_only=latents_only,
+        )
         for rank in peers:  # one key per reader: a read removes its key
             self._link.post_call(rank, message)
         local_stop = hooks.get("should_stop")
@@ -211,8 +219,9 @@ class ReplicaPipeline:
             self._collect_acks(seq, peers, time.monotonic())
 
 
-def follow_calls(pipeline: ServingPipeline, channel: StoreChannel, topology: Topology, sync: StepSync,
-                 stop: threading.Event) -> None:
+def follow_calls(
+    pipeline: ServingPipeline, channel: StoreChannel, topology: Topology, sync: StepSync, stop: threading.Event
+) -> None:
     """A non-leader rank: run every pipeline call (or continuous step) its leader posts, until a shutdown call."""
     from diffuserve.pipelines import step_batch
 
@@ -229,8 +238,11 @@ def follow_calls(pipeline: ServingPipeline, channel: StoreChannel, topology: Top
             if isinstance(message, StepMessage):
                 for group in message.starts:
                     started = step_batch.start_group(pipeline.adapter, [p for _, p in group])  # type: ignore[arg-type]
-                    states.update((rid, rows) for (rid, _), rows in zip(group, started, strict=True)
-                                  if not isinstance(rows, Exception))
+                    states.update(
+                        (rid, rows)
+                        for (rid, _), rows in zip(group, started, strict=True)
+                        if not isinstance(rows, Exception)
+                    )
                 for rid in message.drops:
                     states.pop(rid, None)
                 step_batch.denoise_step(pipeline.adapter, [states[rid] for rid in message.rows], conds)  # type: ignore[arg-type]
@@ -262,8 +274,9 @@ class _StoreProgress:
         return False
 
 
-def lead_batches(replica_pipeline: ReplicaPipeline, channel: StoreChannel, topology: Topology,
-                 stop: threading.Event) -> None:
+def lead_batches(
+    replica_pipeline: ReplicaPipeline, channel: StoreChannel, topology: Topology, stop: threading.Event
+) -> None:
     """The leader of a replica other than rank 0's: run each batch rank 0 posts and post its report back."""
     seq, link = 0, ReplicaLink(channel, topology.replica)
     while True:

@@ -60,9 +60,16 @@ class Topology:
         # FSDP alone (no degree) shards over the replica's ranks, which all run the same batch.
         if degrees not in (1, per_replica):
             raise ValueError(f"degrees {degrees} do not fill a replica of {per_replica} ranks")
-        return cls(world_size=plan.num_gpus, rank=rank, local_rank=local_rank, dp_size=plan.dp_size,
-                   cfg=2 if plan.enable_cfg_parallel else 1, ring=plan.ring_degree, ulysses=plan.ulysses_degree,
-                   tp=plan.tp_size)
+        return cls(
+            world_size=plan.num_gpus,
+            rank=rank,
+            local_rank=local_rank,
+            dp_size=plan.dp_size,
+            cfg=2 if plan.enable_cfg_parallel else 1,
+            ring=plan.ring_degree,
+            ulysses=plan.ulysses_degree,
+            tp=plan.tp_size,
+        )
 
 
 @dataclass
@@ -93,11 +100,20 @@ def build_groups(topology: Topology, device_type: str) -> RankGroups:
     replicas = init_device_mesh(device_type, (t.dp_size, t.ranks_per_replica), mesh_dim_names=("dp", "replica"))
     cfg = ring = ulysses = tp_mesh = None
     if t.cfg * t.ring * t.ulysses * t.tp > 1:
-        grid = init_device_mesh(device_type, (t.dp_size, t.cfg, t.ring, t.ulysses, t.tp),
-                                mesh_dim_names=("dp", "cfg", "ring", "ulysses", "tp"))
+        grid = init_device_mesh(
+            device_type,
+            (t.dp_size, t.cfg, t.ring, t.ulysses, t.tp),
+            mesh_dim_names=("dp", "cfg", "ring", "ulysses", "tp"),
+        )
         cfg = grid["cfg"].get_group() if t.cfg > 1 else None
         ring = grid["ring"].get_group() if t.ring > 1 else None
         ulysses = grid["ulysses"].get_group() if t.ulysses > 1 else None
         tp_mesh = grid["tp"] if t.tp > 1 else None
-    return RankGroups(control=controls[t.replica], replica_mesh=replicas["replica"], cfg=cfg, ring=ring,
-                      ulysses=ulysses, tp_mesh=tp_mesh)
+    return RankGroups(
+        control=controls[t.replica],
+        replica_mesh=replicas["replica"],
+        cfg=cfg,
+        ring=ring,
+        ulysses=ulysses,
+        tp_mesh=tp_mesh,
+    )

@@ -17,9 +17,23 @@ from functools import lru_cache
 from diffuserve.families.base import FamilySpec, LayerRules, ProfileFacts, SamplingDefaults
 from diffuserve.families.components import SHARED_LAYER_RULES
 
-__all__ = ["FamilySpec", "ProfileFacts", "SamplingDefaults", "all_specs", "spec_for", "family_for",
-           "family_from_class", "family_from_model_id", "tiny_builds", "layer_rules", "GENERIC", "families_with",
-           "named_list", "BACKENDS", "backend_for"]
+__all__ = [
+    "FamilySpec",
+    "ProfileFacts",
+    "SamplingDefaults",
+    "all_specs",
+    "spec_for",
+    "family_for",
+    "family_from_class",
+    "family_from_model_id",
+    "tiny_builds",
+    "layer_rules",
+    "GENERIC",
+    "families_with",
+    "named_list",
+    "BACKENDS",
+    "backend_for",
+]
 
 BACKENDS = ("auto", "native", "diffusers")
 """`--backend` choices: auto runs the native adapter when the family has one, else the diffusers backend."""
@@ -110,7 +124,7 @@ def families_with(capability: str) -> list[str]:
 
 
 def named_list(names: list[str]) -> str:
-    """"a, b and c" (for error messages)."""
+    """ "a, b and c" (for error messages)."""
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}" if names else "none"
 
 

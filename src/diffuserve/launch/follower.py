@@ -49,16 +49,21 @@ def serve_rank(args: ServerArgs, info: LaunchInfo) -> int:
         pipeline = load_rank_pipeline(args, setup, groups)
         sync = StepSync(groups.control, topology.leader, topology.ranks_per_replica)
         stop = threading.Event()
-        logger.info("rank %d ready (replica %d, %s)", info.rank, topology.replica,
-                    "leader" if topology.is_leader else f"follows rank {topology.leader}")
+        logger.info(
+            "rank %d ready (replica %d, %s)",
+            info.rank,
+            topology.replica,
+            "leader" if topology.is_leader else f"follows rank {topology.leader}",
+        )
         # From now on rank 0 stops this rank after its drain (torchrun and a terminal signal every rank at once):
         # the signal itself would cut this rank's part of the batches being drained.
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_IGN)
         if topology.is_leader:
-            lead_batches(ReplicaPipeline(pipeline, channel, topology, args.dist_timeout_s, sync=sync), channel,
-                         topology, stop)
+            lead_batches(
+                ReplicaPipeline(pipeline, channel, topology, args.dist_timeout_s, sync=sync), channel, topology, stop
+            )
         else:
             follow_calls(pipeline, channel, topology, sync, stop)
         logger.info("rank %d: shutdown", info.rank)

@@ -90,24 +90,41 @@ def launch_info(args: ServerArgs, num_gpus: int) -> LaunchInfo | None:
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if args.deployment is not None and args.deployment.num_gpus not in (None, world):
-            raise ConfigError(f"--num-gpus {args.deployment.num_gpus} but torchrun started {world} ranks "
-                              f"(WORLD_SIZE); make them equal.", param="num_gpus")
-        return LaunchInfo(world_size=world, rank=int(os.environ["RANK"]), local_rank=int(os.environ["LOCAL_RANK"]),
-                          local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-                          store_host=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
-                          torchrun=True)
+            raise ConfigError(
+                f"--num-gpus {args.deployment.num_gpus} but torchrun started {world} ranks "
+                f"(WORLD_SIZE); make them equal.",
+                param="num_gpus",
+            )
+        return LaunchInfo(
+            world_size=world,
+            rank=int(os.environ["RANK"]),
+            local_rank=int(os.environ["LOCAL_RANK"]),
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+            store_host=os.environ["MASTER_ADDR"],
+            store_port=int(os.environ["MASTER_PORT"]),
+            torchrun=True,
+        )
     if num_gpus == 1 and args.nnodes == 1:
         return None
     if num_gpus % args.nnodes:
-        raise ConfigError(f"--num-gpus {num_gpus} is not a multiple of --nnodes {args.nnodes}; every host runs "
-                          "--num-gpus / --nnodes ranks.", param="nnodes")
+        raise ConfigError(
+            f"--num-gpus {num_gpus} is not a multiple of --nnodes {args.nnodes}; every host runs "
+            "--num-gpus / --nnodes ranks.",
+            param="nnodes",
+        )
     per_node = num_gpus // args.nnodes
     if args.dist_init_addr:
         host, _, port = args.dist_init_addr.rpartition(":")
     else:
         host, port = "127.0.0.1", str(_free_port())
-    return LaunchInfo(world_size=num_gpus, rank=args.node_rank * per_node, local_rank=0, local_world_size=per_node,
-                      store_host=host.strip("[]"), store_port=int(port))
+    return LaunchInfo(
+        world_size=num_gpus,
+        rank=args.node_rank * per_node,
+        local_rank=0,
+        local_world_size=per_node,
+        store_host=host.strip("[]"),
+        store_port=int(port),
+    )
 
 
 def connect(info: LaunchInfo, device: str, timeout_s: float) -> tuple[Any, Any]:
@@ -123,10 +140,17 @@ def connect(info: LaunchInfo, device: str, timeout_s: float) -> tuple[Any, Any]:
         dist.init_process_group(backend, timeout=timeout)
         store = dist.distributed_c10d._get_default_store()
     else:
-        store = dist.TCPStore(info.store_host, info.store_port, info.world_size, is_master=info.rank == 0,
-                              timeout=timeout, wait_for_workers=False)
-        dist.init_process_group(backend, store=dist.PrefixStore("pg/", store), rank=info.rank,
-                                world_size=info.world_size, timeout=timeout)
+        store = dist.TCPStore(
+            info.store_host,
+            info.store_port,
+            info.world_size,
+            is_master=info.rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        dist.init_process_group(
+            backend, store=dist.PrefixStore("pg/", store), rank=info.rank, world_size=info.world_size, timeout=timeout
+        )
     return store, backend
 
 
@@ -147,8 +171,9 @@ def spawn_local_ranks(args: ServerArgs, info: LaunchInfo, entry: RankEntry) -> d
     children = {}
     for local_rank in range(1, info.local_world_size):
         child = dataclasses.replace(info, rank=info.rank + local_rank, local_rank=local_rank)
-        process = context.Process(target=_child_main, args=(entry, args, child), name=f"diffuserve-rank{child.rank}",
-                                  daemon=True)
+        process = context.Process(
+            target=_child_main, args=(entry, args, child), name=f"diffuserve-rank{child.rank}", daemon=True
+        )
         process.start()
         children[child.rank] = process
     return children
@@ -162,14 +187,22 @@ def _child_main(entry: RankEntry, args: ServerArgs, info: LaunchInfo) -> None:
 
 def rank_description(info: LaunchInfo, device: str) -> dict[str, Any]:
     """What /server_info shows of this rank."""
-    return {"rank": info.rank, "pid": os.getpid(), "host": socket.gethostname(), "local_rank": info.local_rank,
-            "device": device}
+    return {
+        "rank": info.rank,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "local_rank": info.local_rank,
+        "device": device,
+    }
 
 
 def configure_rank_logging(args: ServerArgs, rank: int) -> None:
     """Every log line of a rank without HTTP names its rank."""
-    logging.basicConfig(level=args.log_level.upper(), force=True,
-                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        force=True,
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
+    )
 
 
 def _heartbeat(beat: Callable[[], None], rank: int) -> None:

@@ -51,13 +51,21 @@ def _multi_rank_executor(args: ServerArgs, info: LaunchInfo, setup: RankSetup, m
 
     plan = setup.deployment.plan
     if args.batching_mode == "continuous" and plan.dp_size > 1:
-        raise ConfigError(f"--batching-mode continuous runs one denoise group, on one replica; --dp-size {plan.dp_size} "
-                          "(or ranks no parallel degree uses) needs dynamic batching, or give degrees that fill "
-                          "--num-gpus.", param="batching_mode")
+        raise ConfigError(
+            f"--batching-mode continuous runs one denoise group, on one replica; --dp-size {plan.dp_size} "
+            "(or ranks no parallel degree uses) needs dynamic batching, or give degrees that fill "
+            "--num-gpus.",
+            param="batching_mode",
+        )
     topology = Topology.from_plan(plan, rank=0, local_rank=0)
     children = spawn_local_ranks(args, info, serve_rank)
-    logger.info("ranks: %d over %d host(s); %d replica(s) of %d rank(s); rank 0 serves HTTP",
-                plan.num_gpus, args.nnodes, plan.dp_size, plan.ranks_per_replica)
+    logger.info(
+        "ranks: %d over %d host(s); %d replica(s) of %d rank(s); rank 0 serves HTTP",
+        plan.num_gpus,
+        args.nnodes,
+        plan.dp_size,
+        plan.ranks_per_replica,
+    )
 
     def join() -> tuple[StoreChannel, Any]:
         store, _ = connect(info, setup.device, args.dist_timeout_s)
@@ -65,10 +73,15 @@ def _multi_rank_executor(args: ServerArgs, info: LaunchInfo, setup: RankSetup, m
         RankLink(channel).publish_rank(0, rank_description(info, setup.device))
         return channel, build_groups(topology, "cuda" if setup.device.startswith("cuda") else "cpu")
 
-    return MultiRankExecutor(topology, connect=join, load_local=lambda groups: load_rank_pipeline(args, setup, groups, metrics),
-                             children=children, heartbeat_timeout_s=args.dist_heartbeat_timeout_s,
-                             timeout_s=args.dist_timeout_s,
-                             observe_call=metrics.observe_rank_call if metrics is not None else None)
+    return MultiRankExecutor(
+        topology,
+        connect=join,
+        load_local=lambda groups: load_rank_pipeline(args, setup, groups, metrics),
+        children=children,
+        heartbeat_timeout_s=args.dist_heartbeat_timeout_s,
+        timeout_s=args.dist_timeout_s,
+        observe_call=metrics.observe_rank_call if metrics is not None else None,
+    )
 
 
 def build_generate_engine(args: ServerArgs) -> AsyncEngine:
@@ -83,9 +96,11 @@ def build_generate_engine(args: ServerArgs) -> AsyncEngine:
         executor = InProcessExecutor(lambda: load_rank_pipeline(args, setup, None))
     else:
         if plan.dp_size > 1:
-            raise ConfigError(f"generate runs its prompts on one replica; --dp-size {plan.dp_size} (or ranks no "
-                              "parallel degree uses) needs `serve`. Give degrees that fill --num-gpus.",
-                              param="dp_size")
+            raise ConfigError(
+                f"generate runs its prompts on one replica; --dp-size {plan.dp_size} (or ranks no "
+                "parallel degree uses) needs `serve`. Give degrees that fill --num-gpus.",
+                param="dp_size",
+            )
         executor = _multi_rank_executor(args, info, setup, None)
 
         def fault(message: str) -> None:
@@ -119,8 +134,10 @@ def build_engine(args: ServerArgs) -> tuple[AsyncEngine, EngineMetrics, dict | N
     engine = AsyncEngine(
         executor if executor is not None else InProcessExecutor(load),
         scheduler,
-        config=replace(args.engine, warmup_resolutions=[
-            tuple(int(v) for v in r.lower().split("x")) for r in plan.warmup_resolutions]),
+        config=replace(
+            args.engine,
+            warmup_resolutions=[tuple(int(v) for v in r.lower().split("x")) for r in plan.warmup_resolutions],
+        ),
         metrics=metrics,
         batching_stats=stats,
         model_name=args.public_model_name,

@@ -79,8 +79,17 @@ class ResolvedDeployment:
     """Free device memory the permanent residency sets must fit in (None on a CPU host)."""
 
 
-def resolve_deployment(deployment: Any, model_path: Path, *, model_id: str | None, dtype: str | None,
-                       hardware: Any, hosts: int = 1, backend: str = "auto", batching_mode: str | None = None) -> Any:
+def resolve_deployment(
+    deployment: Any,
+    model_path: Path,
+    *,
+    model_id: str | None,
+    dtype: str | None,
+    hardware: Any,
+    hosts: int = 1,
+    backend: str = "auto",
+    batching_mode: str | None = None,
+) -> Any:
     """The plan for a checkpoint from JSON and safetensors headers only (no weights loaded), for the backend
     `--backend` picks and the batching mode (so `plan` and start-up refuse the same things with the same words)."""
     from diffuserve.config.deployment import continuous_refusal, resolve
@@ -98,9 +107,16 @@ def plan_deployment(args: ServerArgs, model_path: Path, device: str, *, log_plan
     from diffuserve.hardware import detect_hardware
 
     hardware = detect_hardware(device)
-    plan = resolve_deployment(args.deployment or DeploymentArgs(), model_path, model_id=args.model_id,
-                              dtype=resolve_dtype(args.dtype, device), hardware=hardware, hosts=hosts_of(args),
-                              backend=args.backend, batching_mode=str(args.batching_mode))
+    plan = resolve_deployment(
+        args.deployment or DeploymentArgs(),
+        model_path,
+        model_id=args.model_id,
+        dtype=resolve_dtype(args.dtype, device),
+        hardware=hardware,
+        hosts=hosts_of(args),
+        backend=args.backend,
+        batching_mode=str(args.batching_mode),
+    )
     if log_plan:
         logger.info("deployment plan:\n%s", format_plan(plan))
     from diffuserve.runtime.compile import check_executable
@@ -133,8 +149,14 @@ def quiet_library_loading() -> None:
         fallback.addFilter(_DropTorchvisionFallback())
 
 
-def load_serving_pipeline(args: ServerArgs, model_path: Path, device: str, deployment: ResolvedDeployment,
-                          metrics: EngineMetrics | None, groups: Any = None) -> ServingPipeline:
+def load_serving_pipeline(
+    args: ServerArgs,
+    model_path: Path,
+    device: str,
+    deployment: ResolvedDeployment,
+    metrics: EngineMetrics | None,
+    groups: Any = None,
+) -> ServingPipeline:
     """Load the adapter, give it residency and (on several ranks, `groups`) the plan's parallel modes, compile,
     and serve it with (operator-only) fault injection."""
     from diffuserve.engine.faults import maybe_inject_faults
@@ -144,8 +166,12 @@ def load_serving_pipeline(args: ServerArgs, model_path: Path, device: str, deplo
     # To host: the residency manager below moves resident components to the device and leaves offloaded ones
     # on the host, so a model that fits only when offloaded still loads.
     pipeline = load_pipeline(
-        model_path, model_id=args.model_id, backend=args.backend, device=device,
-        dtype=resolve_dtype(args.dtype, device), placement="host",
+        model_path,
+        model_id=args.model_id,
+        backend=args.backend,
+        device=device,
+        dtype=resolve_dtype(args.dtype, device),
+        placement="host",
     )
     applied: list[str] = []
     if args.lora.lora_modules:
@@ -163,8 +189,15 @@ def load_serving_pipeline(args: ServerArgs, model_path: Path, device: str, deplo
         ledger = TransferLedger()
         if metrics is not None:
             ledger.forward_to(metrics)
-        pipeline.use_residency(build_residency(deployment.plan, pipeline.components, device=torch.device(device),
-                                               ledger=ledger, device_budget_bytes=deployment.device_budget_bytes))
+        pipeline.use_residency(
+            build_residency(
+                deployment.plan,
+                pipeline.components,
+                device=torch.device(device),
+                ledger=ledger,
+                device_budget_bytes=deployment.device_budget_bytes,
+            )
+        )
     if groups is not None:
         from diffuserve.parallel.apply import apply_parallelism
 
@@ -182,20 +215,34 @@ def _install_lora(args: ServerArgs, pipeline: Any, device: str, *, multi_rank: b
     from diffuserve.errors import ConfigError
 
     if multi_rank:
-        raise ConfigError("--lora-modules: per-request LoRA runs in one process for now (tensor / sequence / CFG "
-                          "parallel do not shard adapter slots yet); serve on one device.")
+        raise ConfigError(
+            "--lora-modules: per-request LoRA runs in one process for now (tensor / sequence / CFG "
+            "parallel do not shard adapter slots yet); serve on one device."
+        )
     if args.batching_mode == "continuous":
-        raise ConfigError("--lora-modules: per-request LoRA runs with dynamic batching for now; drop "
-                          "--batching-mode continuous.")
+        raise ConfigError(
+            "--lora-modules: per-request LoRA runs with dynamic batching for now; drop --batching-mode continuous."
+        )
     import torch
 
     from diffuserve.lora.layers import install_lora
 
-    bank = install_lora(pipeline, pipeline.family, args.lora.adapters, max_loras=args.max_loras,
-                        max_rank=args.max_lora_rank, device=device,
-                        dtype=getattr(torch, resolve_dtype(args.dtype, device)))
-    logger.info("LoRA adapters: %s (%d adapted layers, %d slots of rank %d)", ", ".join(bank.slots), bank.layers,
-                args.max_loras, args.max_lora_rank)
+    bank = install_lora(
+        pipeline,
+        pipeline.family,
+        args.lora.adapters,
+        max_loras=args.max_loras,
+        max_rank=args.max_lora_rank,
+        device=device,
+        dtype=getattr(torch, resolve_dtype(args.dtype, device)),
+    )
+    logger.info(
+        "LoRA adapters: %s (%d adapted layers, %d slots of rank %d)",
+        ", ".join(bank.slots),
+        bank.layers,
+        args.max_loras,
+        args.max_lora_rank,
+    )
 
 
 @dataclass
@@ -222,7 +269,8 @@ def prepare_rank(args: ServerArgs, info: LaunchInfo | None, *, log_plan: bool = 
     return RankSetup(model_path, device, deployment)
 
 
-def load_rank_pipeline(args: ServerArgs, setup: RankSetup, groups: Any,
-                       metrics: EngineMetrics | None = None) -> ServingPipeline:
+def load_rank_pipeline(
+    args: ServerArgs, setup: RankSetup, groups: Any, metrics: EngineMetrics | None = None
+) -> ServingPipeline:
     """One rank's pipeline: loaded, with residency and this rank's share of the plan's parallel modes."""
     return load_serving_pipeline(args, setup.model_path, setup.device, setup.deployment, metrics, groups)

@@ -64,24 +64,28 @@ def _alpha(module: str, rank: int, alphas: dict[str, Any] | None, metadata: dict
     return float(rank)
 
 
-def read_lora_state_dict(family: str, path: str | Path) -> tuple[dict[str, Any], dict[str, Any] | None,
-                                                                  dict[str, Any] | None]:
+def read_lora_state_dict(
+    family: str, path: str | Path
+) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
     """(state dict in diffusers' keys, network alphas, saved LoraConfig) of the adapter at `path`."""
     import diffusers
 
     loader = LORA_LOADERS.get(family)
     if loader is None:
-        raise ConfigError(f"--lora-modules: per-request LoRA is not available for the {family} family yet "
-                          f"(it is for: {', '.join(sorted(LORA_LOADERS))}).")
+        raise ConfigError(
+            f"--lora-modules: per-request LoRA is not available for the {family} family yet "
+            f"(it is for: {', '.join(sorted(LORA_LOADERS))})."
+        )
     source = Path(path)
     if not source.exists():
-        raise ConfigError(f"--lora-modules: {str(path)!r} does not exist; give an adapter folder (with "
-                          "pytorch_lora_weights.safetensors) or a .safetensors file.")
+        raise ConfigError(
+            f"--lora-modules: {str(path)!r} does not exist; give an adapter folder (with "
+            "pytorch_lora_weights.safetensors) or a .safetensors file."
+        )
     kwargs: dict[str, Any] = {"weight_name": source.name} if source.is_file() else {}
     where = str(source.parent if source.is_file() else source)
     cls = getattr(diffusers, loader)
-    state_dict, alphas, metadata = cls.lora_state_dict(where, return_alphas=True, return_lora_metadata=True,
-                                                       **kwargs)
+    state_dict, alphas, metadata = cls.lora_state_dict(where, return_alphas=True, return_lora_metadata=True, **kwargs)
     return state_dict, alphas, metadata
 
 
@@ -92,7 +96,7 @@ def read_adapter(name: str, path: str | Path, family: str, transformer: Any, *, 
 
     state_dict, alphas, saved = read_lora_state_dict(family, path)
     # The saved LoraConfig of the transformer, under `transformer.`-prefixed keys (diffusers' metadata layout).
-    metadata = {k[len("transformer."):]: v for k, v in (saved or {}).items() if k.startswith("transformer.")}
+    metadata = {k[len("transformer.") :]: v for k, v in (saved or {}).items() if k.startswith("transformer.")}
     if metadata.get("use_dora"):
         raise ConfigError(f"--lora-modules {name}: DoRA adapters are not supported (only plain LoRA).")
     where = f"--lora-modules {name}={path}"
@@ -100,16 +104,20 @@ def read_adapter(name: str, path: str | Path, family: str, transformer: Any, *, 
     ups: dict[str, Any] = {}
     for key, tensor in state_dict.items():
         if not key.startswith("transformer."):
-            raise ConfigError(f"{where}: {key!r} adapts a part other than the transformer (text-encoder "
-                              "adapters are not supported); keep only transformer.* weights.")
-        module, _, kind = key[len("transformer."):].rpartition(".lora_")
+            raise ConfigError(
+                f"{where}: {key!r} adapts a part other than the transformer (text-encoder "
+                "adapters are not supported); keep only transformer.* weights."
+            )
+        module, _, kind = key[len("transformer.") :].rpartition(".lora_")
         if kind == "A.weight":
             downs[module] = tensor
         elif kind == "B.weight":
             ups[module] = tensor
         elif not key.endswith(".alpha"):
-            raise ConfigError(f"{where}: {key!r} is not a LoRA weight this server applies (lora_A / lora_B of a "
-                              "Linear layer); biases, DoRA magnitudes and full weights are not supported.")
+            raise ConfigError(
+                f"{where}: {key!r} is not a LoRA weight this server applies (lora_A / lora_B of a "
+                "Linear layer); biases, DoRA magnitudes and full weights are not supported."
+            )
     if not downs:
         raise ConfigError(f"{where}: the file holds no transformer LoRA weights.")
     layers = dict(transformer.named_modules())
@@ -121,16 +129,20 @@ def read_adapter(name: str, path: str | Path, family: str, transformer: Any, *, 
             raise ConfigError(f"{where}: module {module!r} has lora_A but no lora_B.")
         if not isinstance(layer, torch.nn.Linear):
             what = "does not exist in" if layer is None else f"is a {type(layer).__name__}, not a Linear, in"
-            raise ConfigError(f"{where}: module {module!r} {what} the served transformer; the adapter was made "
-                              "for another model.")
+            raise ConfigError(
+                f"{where}: module {module!r} {what} the served transformer; the adapter was made for another model."
+            )
         rank = down.shape[0]
         if tuple(down.shape) != (rank, layer.in_features) or tuple(up.shape) != (layer.out_features, rank):
-            raise ConfigError(f"{where}: module {module!r} has A {tuple(down.shape)} / B {tuple(up.shape)}, which "
-                              f"do not fit its Linear({layer.in_features} -> {layer.out_features}); the adapter "
-                              "was made for another model.")
+            raise ConfigError(
+                f"{where}: module {module!r} has A {tuple(down.shape)} / B {tuple(up.shape)}, which "
+                f"do not fit its Linear({layer.in_features} -> {layer.out_features}); the adapter "
+                "was made for another model."
+            )
         if rank > max_rank:
-            raise ConfigError(f"{where}: module {module!r} has rank {rank} > --max-lora-rank {max_rank}; raise "
-                              "--max-lora-rank.")
+            raise ConfigError(
+                f"{where}: module {module!r} has rank {rank} > --max-lora-rank {max_rank}; raise --max-lora-rank."
+            )
         alpha = _alpha(module, rank, alphas, metadata)
-        modules[module] = LoraModule(down, up, alpha / (rank ** 0.5 if metadata.get("use_rslora") else rank))
+        modules[module] = LoraModule(down, up, alpha / (rank**0.5 if metadata.get("use_rslora") else rank))
     return LoraAdapter(name, str(path), modules)

@@ -56,7 +56,8 @@ class _RowAssignment:
                         scales.append(scale)
             self._groups[key] = [
                 (slot, torch.tensor(idx, device=device), torch.tensor(scales, device=device, dtype=dtype))
-                for slot, (idx, scales) in sorted(per_slot.items())]
+                for slot, (idx, scales) in sorted(per_slot.items())
+            ]
         return self._groups[key]
 
 
@@ -96,11 +97,21 @@ def _lora_hook_class() -> type:
 class LoraBank:
     """The adapters loaded at start-up, in per-layer slots of the transformer, and the current batch's rows."""
 
-    def __init__(self, transformer: torch.nn.Module, adapters: Sequence[LoraAdapter], *, max_loras: int,
-                 max_rank: int, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        transformer: torch.nn.Module,
+        adapters: Sequence[LoraAdapter],
+        *,
+        max_loras: int,
+        max_rank: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> None:
         if len(adapters) > max_loras:
-            raise ConfigError(f"--lora-modules: {len(adapters)} adapters but --max-loras {max_loras}; raise "
-                              "--max-loras (adapters on the device at once) or load fewer.")
+            raise ConfigError(
+                f"--lora-modules: {len(adapters)} adapters but --max-loras {max_loras}; raise "
+                "--max-loras (adapters on the device at once) or load fewer."
+            )
         from diffusers.hooks import HookRegistry
 
         self.slots: dict[str, int] = {a.name: i for i, a in enumerate(adapters)}
@@ -159,15 +170,25 @@ class LoraBank:
                 self.current = None
 
 
-def install_lora(pipeline: Any, family: str, adapters: dict[str, str], *, max_loras: int, max_rank: int,
-                 device: torch.device | str, dtype: torch.dtype) -> LoraBank:
+def install_lora(
+    pipeline: Any,
+    family: str,
+    adapters: dict[str, str],
+    *,
+    max_loras: int,
+    max_rank: int,
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> LoraBank:
     """Read `adapters` (name -> path) through diffusers, check them against the pipeline's transformer, and hook
     its adapted layers; the pipeline's recipe then sets each batch's rows (`RecipePipeline.use_lora`)."""
     from diffuserve.lora.files import read_adapter
 
     if not hasattr(pipeline, "use_lora"):
-        raise ConfigError("--lora-modules: per-request LoRA needs the native backend (the diffusers backend does not "
-                          "take adapters yet); drop --backend diffusers.")
+        raise ConfigError(
+            "--lora-modules: per-request LoRA needs the native backend (the diffusers backend does not "
+            "take adapters yet); drop --backend diffusers."
+        )
     transformer = pipeline.components["transformer"]
     loaded = [read_adapter(name, path, family, transformer, max_rank=max_rank) for name, path in adapters.items()]
     bank = LoraBank(transformer, loaded, max_loras=max_loras, max_rank=max_rank, device=device, dtype=dtype)

@@ -17,8 +17,16 @@ DEFAULT_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 """The attention projections every FLUX block has: what most published FLUX LoRAs adapt."""
 
 
-def write_random_lora(checkpoint: str | Path, output_dir: str | Path, *, rank: int = 4, alpha: float | None = None,
-                      seed: int = 0, targets: tuple[str, ...] = DEFAULT_LORA_TARGETS, std: float = 0.2) -> Path:
+def write_random_lora(
+    checkpoint: str | Path,
+    output_dir: str | Path,
+    *,
+    rank: int = 4,
+    alpha: float | None = None,
+    seed: int = 0,
+    targets: tuple[str, ...] = DEFAULT_LORA_TARGETS,
+    std: float = 0.2,
+) -> Path:
     """Write a random rank-`rank` adapter for the transformer of `checkpoint` into `output_dir`; returns it.
 
     `std` is the spread of the random weights (B is random too, so the adapter changes the output); `alpha`
@@ -33,12 +41,15 @@ def write_random_lora(checkpoint: str | Path, output_dir: str | Path, *, rank: i
     index = json.loads((Path(checkpoint) / "model_index.json").read_text())
     family = "flux" if index.get("_class_name") == "FluxPipeline" else None
     if family is None:
-        raise ConfigError(f"make-tiny-lora: {checkpoint} is a {index.get('_class_name')} checkpoint; random "
-                          f"adapters are made for: {', '.join(sorted(LORA_LOADERS))}.")
+        raise ConfigError(
+            f"make-tiny-lora: {checkpoint} is a {index.get('_class_name')} checkpoint; random "
+            f"adapters are made for: {', '.join(sorted(LORA_LOADERS))}."
+        )
     pipeline_class = getattr(diffusers, LORA_LOADERS[family])
     transformer = diffusers.FluxTransformer2DModel.from_pretrained(Path(checkpoint) / "transformer")
-    config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else rank, init_lora_weights=False,
-                        target_modules=list(targets))
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha if alpha is not None else rank, init_lora_weights=False, target_modules=list(targets)
+    )
     torch.manual_seed(seed)
     transformer.add_adapter(config, adapter_name="default")
     state = get_peft_model_state_dict(transformer, adapter_name="default")
@@ -46,6 +57,7 @@ def write_random_lora(checkpoint: str | Path, output_dir: str | Path, *, rank: i
     state = {k: torch.randn(v.shape, generator=generator) * std for k, v in sorted(state.items())}
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    pipeline_class.save_lora_weights(out, transformer_lora_layers=state,
-                                     transformer_lora_adapter_metadata=config.to_dict())
+    pipeline_class.save_lora_weights(
+        out, transformer_lora_layers=state, transformer_lora_adapter_metadata=config.to_dict()
+    )
     return out

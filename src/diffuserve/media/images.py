@@ -35,9 +35,7 @@ def normalize_format(fmt: str, *, param: str = "output_format") -> str:
     """The canonical name (`png`, `jpeg`, `webp`) for `fmt`; InvalidRequestError naming `param` otherwise."""
     key = _ALIASES.get(fmt.strip().lower(), fmt.strip().lower())
     if key not in _FORMATS:
-        raise InvalidRequestError(
-            f"unsupported image format {fmt!r}; use one of {', '.join(_FORMATS)}", param=param
-        )
+        raise InvalidRequestError(f"unsupported image format {fmt!r}; use one of {', '.join(_FORMATS)}", param=param)
     return key
 
 
@@ -97,9 +95,7 @@ def decode_image(data: bytes, *, max_pixels: int, param: str = "image", limit_fl
     applied so a phone photo arrives the way it looks. Animated input yields its first frame.
     """
     if not data:
-        raise InvalidRequestError(
-            f"{param} is empty; send the bytes of a {ACCEPTED_FORMATS} image", param=param
-        )
+        raise InvalidRequestError(f"{param} is empty; send the bytes of a {ACCEPTED_FORMATS} image", param=param)
     try:
         with warnings.catch_warnings():
             # Pillow warns (and past 2x its own limit raises) for huge images; our own budget below

@@ -96,8 +96,9 @@ def _component_class(model_path: Path, key: str, library: str, class_name: str) 
     # folder in the working directory under `python -m`) and report the class missing.
     if library not in ("diffusers", "transformers"):
         with contextlib.suppress(ImportError):
-            return _class_in(importlib.import_module(f"diffusers.pipelines.{library}"), model_path, key, library,
-                             class_name)
+            return _class_in(
+                importlib.import_module(f"diffusers.pipelines.{library}"), model_path, key, library, class_name
+            )
     try:
         module = importlib.import_module(library)
     except ImportError as exc:
@@ -188,16 +189,20 @@ def check_tokenizers(model_path: Path, components: dict[str, Any]) -> None:
 # -- loading ------------------------------------------------------------------------------------------
 
 
-def resolve_placements(placement: Placement | Mapping[str, Placement], model_keys: list[str],
-                       model_path: Path) -> dict[str, Placement]:
+def resolve_placements(
+    placement: Placement | Mapping[str, Placement], model_keys: list[str], model_path: Path
+) -> dict[str, Placement]:
     """Per model component, where it loads: one placement for all, or a mapping (unnamed keys load to host)."""
     if isinstance(placement, str):
         chosen = dict.fromkeys(model_keys, placement)
     else:
         unknown = sorted(set(placement) - set(model_keys))
         if unknown:
-            raise ConfigError(f"placement names {unknown}, which checkpoint {model_path} has no model component "
-                              f"for; its model components are {model_keys}.", param="placement")
+            raise ConfigError(
+                f"placement names {unknown}, which checkpoint {model_path} has no model component "
+                f"for; its model components are {model_keys}.",
+                param="placement",
+            )
         chosen = {key: placement.get(key, "host") for key in model_keys}
     bad = sorted({p for p in chosen.values() if p not in PLACEMENTS})
     if bad:
@@ -205,8 +210,9 @@ def resolve_placements(placement: Placement | Mapping[str, Placement], model_key
     return chosen
 
 
-def _load_module(cls: type, folder: Path, *, placement: Placement, device: torch.device,
-                 dtype: torch.dtype) -> torch.nn.Module:
+def _load_module(
+    cls: type, folder: Path, *, placement: Placement, device: torch.device, dtype: torch.dtype
+) -> torch.nn.Module:
     if placement == "meta":
         from diffuserve.models.materialize import meta_module
 
@@ -218,7 +224,11 @@ def _load_module(cls: type, folder: Path, *, placement: Placement, device: torch
 
 
 def load_components(
-    model_path: Path, spec: registry.ModelSpec, *, device: torch.device, dtype: torch.dtype,
+    model_path: Path,
+    spec: registry.ModelSpec,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
     placement: Placement | Mapping[str, Placement] = "device",
 ) -> dict[str, Any]:
     """Load every component listed in model_index.json (local files only), checked and placed."""
@@ -257,8 +267,11 @@ def _place_unmanaged(pipeline: Pipeline, components: dict[str, Any], device: tor
     for key, module in components.items():
         if isinstance(module, torch.nn.Module) and id(module) not in managed:
             if any(t.is_meta for t in module.parameters()):
-                raise ConfigError(f"placement meta for component {key!r}: the pipeline does not manage it, so "
-                                  "nothing would materialize it; load it to host or device.", param="placement")
+                raise ConfigError(
+                    f"placement meta for component {key!r}: the pipeline does not manage it, so "
+                    "nothing would materialize it; load it to host or device.",
+                    param="placement",
+                )
             module.to(device)
 
 
@@ -288,15 +301,14 @@ def load_pipeline(
     torch_dtype = parse_dtype(dtype)
     torch_device = parse_device(device)
     spec = registry.resolve(model_path, model_id=model_id, backend=backend)
-    logger.info(
-        "Loading %s (%s, family=%s, backend=%s)", model_path, spec.pipeline_class, spec.family, spec.backend
-    )
+    logger.info("Loading %s (%s, family=%s, backend=%s)", model_path, spec.pipeline_class, spec.family, spec.backend)
     # A checkpoint's own suggestions (tiny test models: `_diffuserve_defaults`) beat the family's published
     # defaults on both backends. The loader reads them, so no adapter reaches back into models/.
     if spec.backend == "native" and not spec.components:
         # A native family with its own folder layout (Hunyuan3D-2): the adapter reads the folder itself.
-        return _native_class(spec.family).from_folder(model_path, model_id=model_id, device=torch_device,
-                                                      dtype=torch_dtype)
+        return _native_class(spec.family).from_folder(
+            model_path, model_id=model_id, device=torch_device, dtype=torch_dtype
+        )
     suggested = registry.read_suggested_defaults(model_path)
     if spec.backend == "native":
         components = load_components(model_path, spec, device=torch_device, dtype=torch_dtype, placement=placement)
@@ -305,9 +317,7 @@ def load_pipeline(
         index = registry.read_model_index(model_path)
         components.update({k: v for k, v in index.items() if not k.startswith("_") and not isinstance(v, list)})
         try:
-            pipeline = _native_class(spec.family).from_components(
-                components, device=torch_device, dtype=torch_dtype
-            )
+            pipeline = _native_class(spec.family).from_components(components, device=torch_device, dtype=torch_dtype)
         except CheckpointError as exc:
             raise CheckpointError(f"checkpoint {model_path}: {exc.message}") from exc
         _place_unmanaged(pipeline, components, torch_device)
@@ -318,12 +328,17 @@ def load_pipeline(
 
         check_checkpoint(model_path, spec)
         if placement not in ("device", "host"):
-            raise ConfigError(f"placement {placement!r}: the diffusers backend loads the whole pipeline at once, "
-                              "to the device or to host; meta or per-component placement needs a native family.",
-                              param="placement")
+            raise ConfigError(
+                f"placement {placement!r}: the diffusers backend loads the whole pipeline at once, "
+                "to the device or to host; meta or per-component placement needs a native family.",
+                param="placement",
+            )
         try:
             pipeline = DiffusersBackendPipeline.from_pretrained(
-                model_path, family=spec.family, device=torch_device, dtype=torch_dtype,
+                model_path,
+                family=spec.family,
+                device=torch_device,
+                dtype=torch_dtype,
                 to_device=placement == "device",
                 # Handed in rather than applied afterwards: the adapter snaps a suggested size to its size
                 # multiple and ignores frames on an image pipeline.

@@ -68,8 +68,10 @@ def weight_files(folder: Path) -> dict[str, Path]:
         with safe_open(str(path), framework="pt") as f:
             files.update(dict.fromkeys(f.keys(), path))
     if not files:
-        raise CheckpointError(f"{folder}: no *.safetensors weights to materialize a meta module from; "
-                              "meta placement reads safetensors only (convert *.bin checkpoints).")
+        raise CheckpointError(
+            f"{folder}: no *.safetensors weights to materialize a meta module from; "
+            "meta placement reads safetensors only (convert *.bin checkpoints)."
+        )
     return files
 
 
@@ -118,9 +120,11 @@ def materialize_module(module: torch.nn.Module, folder: str | Path, *, device: t
     files = weight_files(folder)
     missing = [name for name, _ in _state(module) if name not in kept and name not in files]
     if missing:
-        raise CheckpointError(f"{folder}: the safetensors files lack {len(missing)} tensor(s) of "
-                              f"{type(module).__name__}: {', '.join(missing[:8])}; the checkpoint does not "
-                              "match its config.")
+        raise CheckpointError(
+            f"{folder}: the safetensors files lack {len(missing)} tensor(s) of "
+            f"{type(module).__name__}: {', '.join(missing[:8])}; the checkpoint does not "
+            "match its config."
+        )
     read = 0
     handles: dict[Path, Any] = {}
     try:
@@ -135,8 +139,7 @@ def materialize_module(module: torch.nn.Module, folder: str | Path, *, device: t
                 read += _read_into(handles[path], name, tensor)
     finally:
         handles.clear()
-    logger.info("materialized %s on %s from %s: %.2f MiB read", type(module).__name__, device, folder,
-                read / (1 << 20))
+    logger.info("materialized %s on %s from %s: %.2f MiB read", type(module).__name__, device, folder, read / (1 << 20))
     return read
 
 
@@ -155,7 +158,9 @@ def _read_into(handle: Any, name: str, tensor: torch.Tensor) -> int:
         values = handle.get_slice(name)[index]
         target = tensor.to_local()
     if tuple(values.shape) != tuple(target.shape):
-        raise CheckpointError(f"tensor {name!r}: the file holds shape {tuple(values.shape)} where the model "
-                              f"expects {tuple(target.shape)}; the checkpoint does not match its config.")
+        raise CheckpointError(
+            f"tensor {name!r}: the file holds shape {tuple(values.shape)} where the model "
+            f"expects {tuple(target.shape)}; the checkpoint does not match its config."
+        )
     target.copy_(values)
     return values.numel() * values.element_size()

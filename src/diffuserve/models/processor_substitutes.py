@@ -3,7 +3,8 @@
 transformers' `Qwen2VLProcessor` (the processor of Qwen-Image-Edit, 2509 and 2511) and `Qwen3VLProcessor`
 (Qwen-Image 2.1) always build a video processor, and those classes need torchvision, which has no working
 CPU wheel beside our torch. These pipelines only process text and images, so each substitute is the same
-processor without its video processor. It keeps the real class's name and module: model_index.json and processor_config.json
+processor without its video processor. It keeps the real class's name and module: model_index.json and
+processor_config.json
 written through it name `Qwen2VLProcessor`, and it writes a `video_processor` entry, so a folder saved
 here loads with the real class wherever torchvision exists.
 
@@ -89,8 +90,13 @@ def _qwen3vl_processor_substitute() -> type:
             kwargs.pop("video_processor", None)
             # ProcessorMixin reads the sub-processors from this signature (image_processor, tokenizer); the
             # real __init__ then sets the vision token names and ids as usual.
-            super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
-                             chat_template=chat_template, **kwargs)
+            super().__init__(
+                image_processor=image_processor,
+                tokenizer=tokenizer,
+                video_processor=None,
+                chat_template=chat_template,
+                **kwargs,
+            )
 
     setattr(Qwen3VLProcessor, _SUBSTITUTE_FLAG, True)
     Qwen3VLProcessor.__module__ = real.__module__

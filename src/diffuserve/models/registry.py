@@ -26,8 +26,14 @@ DEFAULTS_KEY = "_diffuserve_defaults"
 num_inference_steps, guidance_scale, fps); diffusers ignores `_`-prefixed keys. Tiny video checkpoints use it so
 they do not default to the 832x480x81 of the real model."""
 
-_DEFAULT_FIELDS = {"width": int, "height": int, "num_frames": int, "num_inference_steps": int,
-                   "guidance_scale": float, "fps": int}
+_DEFAULT_FIELDS = {
+    "width": int,
+    "height": int,
+    "num_frames": int,
+    "num_inference_steps": int,
+    "guidance_scale": float,
+    "fps": int,
+}
 
 
 def native_families() -> dict[str, str]:
@@ -82,9 +88,7 @@ def read_model_index(model_path: Path) -> dict:
     try:
         index = json.loads(index_file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(
-            f"checkpoint {model_path}: model_index.json is not valid JSON ({exc})."
-        ) from exc
+        raise CheckpointError(f"checkpoint {model_path}: model_index.json is not valid JSON ({exc}).") from exc
     if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
         raise CheckpointError(
             f"checkpoint {model_path}: model_index.json has no string `_class_name` naming the diffusers "
@@ -121,9 +125,12 @@ def resolve(model_path: Path, *, model_id: str | None = None, backend: str = "au
         from diffuserve.families.hunyuan3d.layout import looks_like_hunyuan3d
 
         if looks_like_hunyuan3d(model_path):  # Tencent's own layout: no diffusers pipeline, a native family only
-            return ModelSpec(family="hunyuan3d", pipeline_class="Hunyuan3DDiTFlowMatchingPipeline",
-                             backend=select_backend("hunyuan3d", "native" if backend == "auto" else backend),
-                             model_path=model_path)
+            return ModelSpec(
+                family="hunyuan3d",
+                pipeline_class="Hunyuan3DDiTFlowMatchingPipeline",
+                backend=select_backend("hunyuan3d", "native" if backend == "auto" else backend),
+                model_path=model_path,
+            )
     index = read_model_index(model_path)
     class_name = index["_class_name"]
     family = families.family_for(class_name, model_id)

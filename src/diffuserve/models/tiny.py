@@ -34,7 +34,6 @@ DEMO_CHECKPOINT = Path(__file__).parent / "demo_flux"
 coloured shape on white ("a red circle in the top left"), written by `python -m diffuserve.demo.train`."""
 
 
-
 # -- tokenizers ---------------------------------------------------------------------------------------
 # Small but real vocabularies: byte-level BPE for CLIP (every byte is covered, so any prompt encodes
 # without <unk>) and unigram pieces for T5 (letters, digits, punctuation and some whole words), so
@@ -184,7 +183,8 @@ def build_tiny_checkpoint(family: str, output_dir: Path, *, preset: str = "tiny"
     """Write the tiny checkpoint `family` (a `make-tiny --family` name) into `output_dir`; returns it.
 
     Same bytes on every build; the diffusers layout, loadable with `local_files_only=True`. `preset` is
-    `tiny` or, for `flux` only, `36m` (a ~36M-parameter transformer for benchmarks); the 72k `tiny` FLUX is the test model.
+    `tiny` or, for `flux` only, `36m` (a ~36M-parameter transformer for benchmarks); the 72k `tiny` FLUX is the test
+    model.
     """
     import importlib
     import inspect

@@ -19,9 +19,11 @@ from diffuserve.errors import ConfigError
 def _require_native(pipeline: Any, plan: Any) -> None:
     parallel = plan.tp_size > 1 or plan.sp_degree > 1 or plan.enable_cfg_parallel or plan.use_fsdp_inference
     if parallel and not pipeline.capabilities.split_over_ranks:
-        raise ConfigError(f"the {pipeline.family} model runs on the diffusers backend, whose denoising loop cannot be "
-                          "split over ranks; serve it with --dp-size (one replica per rank) or use a native family.",
-                          param="num_gpus")
+        raise ConfigError(
+            f"the {pipeline.family} model runs on the diffusers backend, whose denoising loop cannot be "
+            "split over ranks; serve it with --dp-size (one replica per rank) or use a native family.",
+            param="num_gpus",
+        )
 
 
 def shard_weights(pipeline: Any, plan: Any, groups: Any, *, device_type: str) -> list[str]:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                    scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def block_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of (B, H, Lq, D) queries to (B, H, Lk, D) keys with its log-sum-exp: (out, lse (B, H, Lq)).
 
     `mask`: (B, Lk) bool key-padding mask (True = attend) or None. CPU uses the fused kernel that returns the
@@ -19,18 +20,21 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     if mask is not None:
         bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))[:, None, None]
     if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
-                                                                              scale=scale)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias, scale=scale
+        )
         return out, lse
     if q.device.type == "cuda" and bias is None:
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False,
-                                                                              scale=scale)
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, False, scale=scale
+        )
         return out, lse[..., : q.shape[2]]
     return math_attention(q, k, v, bias, scale)
 
 
-def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
-                   scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def math_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The plain formula in float32 (any device): (out, lse)."""
     scores = (q.float() @ k.float().transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
     if bias is not None:
@@ -39,8 +43,9 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
     return (torch.exp(scores - lse[..., None]) @ v.float()).to(q.dtype), lse
 
 
-def merge_partial(out: torch.Tensor | None, lse: torch.Tensor | None, part: torch.Tensor,
-                  part_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_partial(
+    out: torch.Tensor | None, lse: torch.Tensor | None, part: torch.Tensor, part_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Two partial attentions over disjoint keys -> the attention over both (float32, exact)."""
     part, part_lse = part.float(), part_lse.float()
     if out is None or lse is None:

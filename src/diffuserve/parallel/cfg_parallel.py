@@ -30,12 +30,19 @@ class CfgParallel:
     def __post_init__(self) -> None:
         size = dist.get_world_size(self.group)
         if size != 2:
-            raise ConfigError(f"--enable-cfg-parallel needs a CFG group of 2 ranks (one per branch); got {size}.",
-                              param="enable_cfg_parallel")
+            raise ConfigError(
+                f"--enable-cfg-parallel needs a CFG group of 2 ranks (one per branch); got {size}.",
+                param="enable_cfg_parallel",
+            )
         self.rank = dist.get_rank(self.group)
 
-    def guided(self, predict: Callable[[Any], torch.Tensor], positive: Any, negative: Any,
-               combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def guided(
+        self,
+        predict: Callable[[Any], torch.Tensor],
+        positive: Any,
+        negative: Any,
+        combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
         """This rank's branch, gathered with the other's, combined as the family combines them."""
         mine = predict(positive if self.rank == 0 else negative).contiguous()
         both = [torch.empty_like(mine) for _ in range(2)]
@@ -46,13 +53,17 @@ class CfgParallel:
 def enable_cfg_parallel(pipeline: Any, group: Any = None) -> CfgParallel:
     """Attach CFG parallel to a native pipeline (refusing families whose CFG must stay one doubled batch)."""
     if not pipeline.capabilities.split_over_ranks:
-        raise ConfigError(f"--enable-cfg-parallel: the {pipeline.family} model runs on the diffusers backend, whose "
-                          "denoising loop cannot be split across ranks; serve a native family.",
-                          param="enable_cfg_parallel")
+        raise ConfigError(
+            f"--enable-cfg-parallel: the {pipeline.family} model runs on the diffusers backend, whose "
+            "denoising loop cannot be split across ranks; serve a native family.",
+            param="enable_cfg_parallel",
+        )
     if pipeline.batched_cfg:
-        raise ConfigError(f"--enable-cfg-parallel: {pipeline.family} runs CFG as one doubled batch to match "
-                          "diffusers exactly, which two ranks cannot reproduce; leave it off for this family.",
-                          param="enable_cfg_parallel")
+        raise ConfigError(
+            f"--enable-cfg-parallel: {pipeline.family} runs CFG as one doubled batch to match "
+            "diffusers exactly, which two ranks cannot reproduce; leave it off for this family.",
+            param="enable_cfg_parallel",
+        )
     strategy = CfgParallel(group)
     pipeline.use_cfg_parallel(strategy)
     return strategy

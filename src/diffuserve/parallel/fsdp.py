@@ -18,8 +18,14 @@ from diffuserve.errors import ConfigError
 from diffuserve.runtime.layerwise import default_layer_specs
 
 
-def shard_denoisers(pipeline: Any, *, device_type: str = "cpu", world_size: int | None = None,
-                    reshard_after_forward: bool = True, mesh: Any = None) -> list[str]:
+def shard_denoisers(
+    pipeline: Any,
+    *,
+    device_type: str = "cpu",
+    world_size: int | None = None,
+    reshard_after_forward: bool = True,
+    mesh: Any = None,
+) -> list[str]:
     """FSDP2-shard every denoiser of `pipeline` (block by block, then the root); returns the sharded keys.
 
     `mesh`: the 1-D DeviceMesh to shard over (a replica's ranks); default: all `world_size` ranks."""
@@ -29,15 +35,20 @@ def shard_denoisers(pipeline: Any, *, device_type: str = "cpu", world_size: int 
 
     keys = [k for k in getattr(pipeline, "denoisers", ()) if k in pipeline.components]
     if not keys:
-        raise ConfigError(f"--use-fsdp-inference: the {pipeline.family} model has no native denoiser to shard "
-                          "(diffusers-backend models run unmodified).", param="use_fsdp_inference")
+        raise ConfigError(
+            f"--use-fsdp-inference: the {pipeline.family} model has no native denoiser to shard "
+            "(diffusers-backend models run unmodified).",
+            param="use_fsdp_inference",
+        )
     mesh = mesh if mesh is not None else init_device_mesh(device_type, (world_size or dist.get_world_size(),))
     for key in keys:
         module = pipeline.components[key]
         specs = default_layer_specs(key, module)
         if not specs:
-            raise ConfigError(f"--use-fsdp-inference: {key} ({type(module).__name__}) declares no repeated blocks "
-                              "to shard.", param="use_fsdp_inference")
+            raise ConfigError(
+                f"--use-fsdp-inference: {key} ({type(module).__name__}) declares no repeated blocks to shard.",
+                param="use_fsdp_inference",
+            )
         for spec in specs:
             for block in module.get_submodule(spec):
                 fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextvars
 import inspect
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,121 +44,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from diffuserve.errors import ConfigError
 from diffuserve.parallel.attention import block_attention, merge_partial
 
-# -- the per-DiT plans ------------------------------------------------------------------------------------
-
-
-def _image_tokens(transformer: Any, args: dict[str, Any]) -> int:
-    return int(args["hidden_states"].shape[1])
-
-
-def _video_tokens(transformer: Any, args: dict[str, Any]) -> int:
-    shape = args["hidden_states"].shape[2:]
-    return math.prod(int(n) // int(p) for n, p in zip(shape, transformer.config.patch_size, strict=True))
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """Where one DiT class's image tokens are split and gathered."""
-
-    module: str
-    """The diffusers module whose attention processors call `dispatch_attention_fn` (wrapped once)."""
-    tokens: Callable[[Any, dict[str, Any]], int]
-    """Image tokens of a call, from the transformer and its forward arguments (by name)."""
-    inputs: tuple[tuple[str, str, int, int], ...]
-    """(submodule path, argument, split dim, required ndim): arguments split on entry ("" = the transformer)."""
-    outputs: tuple[tuple[str, tuple[int, ...], int], ...] = ()
-    """(submodule path, output indices, split dim): positional tables split where they are made."""
-    attention: tuple[tuple[str, str], ...] = ()
-    """(block list, attribute): the joint self-attention modules (cross-attention runs locally unchanged)."""
-    gather: str = "proj_out"
-    """The submodule whose output (batch, local tokens, channels) is gathered back to every token."""
-
-
-_PLANS: dict[str, _Plan] = {
-    "FluxTransformer2DModel": _Plan(
-        module="diffusers.models.transformers.transformer_flux",
-        tokens=_image_tokens,
-        inputs=(("", "hidden_states", 1, 3), ("", "img_ids", 0, 2)),
-        attention=(("transformer_blocks", "attn"), ("single_transformer_blocks", "attn")),
-    ),
-    "QwenImageTransformer2DModel": _Plan(
-        module="diffusers.models.transformers.transformer_qwenimage",
-        tokens=_image_tokens,
-        inputs=(("", "hidden_states", 1, 3),),
-        outputs=(("pos_embed", (0,), 0),),  # (image freqs, text freqs): the text keeps all of its own
-        attention=(("transformer_blocks", "attn"),),
-    ),
-    "WanTransformer3DModel": _Plan(
-        module="diffusers.models.transformers.transformer_wan",
-        tokens=_video_tokens,
-        # Wan makes its tokens inside forward (patch embedding): split them where block 0 receives them, and
-        # TI2V-5B's per-token timesteps (batch, tokens) on entry.
-        inputs=(("", "timestep", 1, 2), ("blocks.0", "hidden_states", 1, 3)),
-        outputs=(("rope", (0, 1), 1),),
-        attention=(("blocks", "attn1"),),
-    ),
-}
-
-
-
-def _plan_of(module: Any) -> Any:
-    """The split plan of a DiT, looked up along its class's bases: FSDP2 wraps a sharded module in a dynamic
-    subclass (`FSDPFluxTransformer2DModel`), whose base is the model class the plan is for."""
-    for cls in type(module).__mro__:
-        if cls.__name__ in _PLANS:
-            return _PLANS[cls.__name__]
-    return None
-
-def _flag(ulysses_degree: int, ring_degree: int) -> str:
-    return "ulysses_degree" if ulysses_degree > 1 else "ring_degree"
-
-
-def check_sequence_parallel(pipeline: Any, *, ulysses_degree: int, ring_degree: int) -> None:
-    """Refuse (ConfigError naming the flag) a pipeline or degree the sequence split cannot run."""
-    from diffuserve.families import families_with, named_list, spec_for
-    from diffuserve.pipelines.stages import RecipePipeline
-
-    if ulysses_degree < 1 or ring_degree < 1:
-        raise ConfigError(f"--ulysses-degree ({ulysses_degree}) and --ring-degree ({ring_degree}) must be >= 1.",
-                          param=_flag(ulysses_degree, ring_degree))
-    if ulysses_degree * ring_degree == 1:
-        return
-    flag = _flag(ulysses_degree, ring_degree)
-    family = getattr(pipeline, "family", "?")
-    if not isinstance(pipeline, RecipePipeline):
-        raise ConfigError(f"--{flag.replace('_', '-')}: the {family} model runs on the diffusers backend, which has "
-                          f"no sequence split here; serve it with --backend native "
-                          f"({named_list(families_with('sequence_parallel'))}) or drop --ulysses-degree/--ring-degree.",
-                          param=flag)
-    try:
-        supported = spec_for(family).profile.sequence_parallel
-    except KeyError:  # an unknown family name: no spec, so no split
-        supported = False
-    keys = [k for k in pipeline.denoisers if k in pipeline.components]
-    plans = {k: _plan_of(pipeline.components[k]) for k in keys}
-    if not supported or not keys or None in plans.values():
-        split = families_with("sequence_parallel")
-        raise ConfigError(f"--{flag.replace('_', '-')}: the {family} family has no sequence split (families with "
-                          f"one: {', '.join(split)}); drop --ulysses-degree/--ring-degree (replicas with --dp-size "
-                          "use several GPUs with any model).", param=flag)
-    for key in keys:
-        config = pipeline.components[key].config
-        heads = int(config.num_attention_heads)
-        if heads % ulysses_degree:
-            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-            raise ConfigError(f"--ulysses-degree {ulysses_degree} does not divide the {heads} attention heads of "
-                              f"{key}; use one of {divisors} and put the rest of the ranks in --ring-degree "
-                              "(any degree works for Ring).", param="ulysses_degree")
-        if getattr(config, "zero_cond_t", False):
-            raise ConfigError(f"--{flag.replace('_', '-')}: {key} uses per-token modulation (zero_cond_t), which the "
-                              "sequence split does not shard; drop --ulysses-degree/--ring-degree for this model.",
-                              param=flag)
-
-
 # -- the state of one sharded transformer call -------------------------------------------------------------
+from diffuserve.parallel.sequence_plans import (
+    check_sequence_parallel,
+    plan_of,
+)
 
 
 @dataclass
@@ -213,9 +104,17 @@ def _wrap_dispatch(module_name: str) -> None:
     if getattr(original, "_diffuserve_sp", False):
         return
 
-    def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                              attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
-                              scale: float | None = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def dispatch_attention_fn(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         call = _ATTENTION.get()
         if call is None:
             return original(query, key, value, attn_mask, dropout_p, is_causal, scale, *args, **kwargs)
@@ -237,8 +136,10 @@ def _key_padding(attn_mask: torch.Tensor | None, text: int) -> torch.Tensor | No
     if attn_mask is None:
         return None
     if attn_mask.dtype != torch.bool or attn_mask.ndim != 4 or attn_mask.shape[1:3] != (1, 1):
-        raise ValueError(f"sequence-parallel attention takes a boolean key-padding mask (B, 1, 1, keys); got "
-                         f"{attn_mask.dtype} {tuple(attn_mask.shape)}")
+        raise ValueError(
+            f"sequence-parallel attention takes a boolean key-padding mask (B, 1, 1, keys); got "
+            f"{attn_mask.dtype} {tuple(attn_mask.shape)}"
+        )
     return attn_mask[:, 0, 0, :text]
 
 
@@ -277,7 +178,7 @@ class SequenceParallel:
 
     def install(self, transformer: torch.nn.Module) -> None:
         """Hook one DiT (its class must have a plan)."""
-        plan = _plan_of(transformer)
+        plan = plan_of(transformer)
         assert plan is not None
         _wrap_dispatch(plan.module)
         sp = self
@@ -296,8 +197,9 @@ class SequenceParallel:
         self.handles.append(transformer.register_forward_pre_hook(enter, with_kwargs=True))
         for path, name, dim, ndim in plan.inputs:
             target = transformer.get_submodule(path) if path else transformer
-            self.handles.append(target.register_forward_pre_hook(_split_argument(target, name, dim, ndim),
-                                                                 with_kwargs=True))
+            self.handles.append(
+                target.register_forward_pre_hook(_split_argument(target, name, dim, ndim), with_kwargs=True)
+            )
         for path, indices, dim in plan.outputs:
             self.handles.append(transformer.get_submodule(path).register_forward_hook(_split_output(indices, dim)))
         self.handles.append(transformer.get_submodule(plan.gather).register_forward_hook(_gather_output))
@@ -317,13 +219,22 @@ class SequenceParallel:
 
     # -- attention -------------------------------------------------------------------------------------------
 
-    def attention(self, call: _Call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attn_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    def attention(
+        self,
+        call: _Call,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        scale: float | None,
+    ) -> torch.Tensor:
         """Joint self-attention of `[text, local image tokens]` (B, L, H, D) over every rank's image tokens."""
         text = query.shape[1] - call.local
         if key.shape[1] != query.shape[1] or text < 0:
-            raise ValueError(f"sequence-parallel attention expects joint self-attention over [text, {call.local} "
-                             f"local tokens]; got queries {tuple(query.shape)}, keys {tuple(key.shape)}")
+            raise ValueError(
+                f"sequence-parallel attention expects joint self-attention over [text, {call.local} "
+                f"local tokens]; got queries {tuple(query.shape)}, keys {tuple(key.shape)}"
+            )
         text_mask = _key_padding(attn_mask, text)
         if self.ulysses_degree > 1:
             query, key, value = (self._to_heads(x, text) for x in (query, key, value))
@@ -341,7 +252,7 @@ class SequenceParallel:
         received = torch.empty_like(image)
         dist.all_to_all_single(received, image, group=self.ulysses_group)
         image = received.permute(2, 0, 1, 3, 4).reshape(batch, -1, h, dim)
-        mine = x[:, :text, self.ulysses_rank * h:(self.ulysses_rank + 1) * h]
+        mine = x[:, :text, self.ulysses_rank * h : (self.ulysses_rank + 1) * h]
         return torch.cat([mine, image], dim=1)
 
     def _to_sequence(self, x: torch.Tensor, text: int) -> torch.Tensor:
@@ -363,8 +274,16 @@ class SequenceParallel:
         size = call.local * self.ulysses_degree
         return max(0, min(size, call.tokens - ring_rank * size))
 
-    def _whole(self, call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text: int,
-               text_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    def _whole(
+        self,
+        call: _Call,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        text: int,
+        text_mask: torch.Tensor | None,
+        scale: float | None,
+    ) -> torch.Tensor:
         # Ulysses alone: every image token is here (for this rank's heads), in the original order; one attention
         # call over the unpadded keys, as diffusers' native backend makes it.
         keys = text + call.tokens
@@ -372,11 +291,20 @@ class SequenceParallel:
         if text_mask is not None:
             mask = torch.cat([text_mask, text_mask.new_ones(text_mask.shape[0], call.tokens)], dim=1)[:, None, None]
         out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k[:, :keys].transpose(1, 2), v[:, :keys].transpose(1, 2), attn_mask=mask, scale=scale)
+            q.transpose(1, 2), k[:, :keys].transpose(1, 2), v[:, :keys].transpose(1, 2), attn_mask=mask, scale=scale
+        )
         return out.transpose(1, 2)
 
-    def _ring(self, call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text: int,
-              text_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    def _ring(
+        self,
+        call: _Call,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        text: int,
+        text_mask: torch.Tensor | None,
+        scale: float | None,
+    ) -> torch.Tensor:
         r, n = self.ring_rank, self.ring_degree
         queries = q.transpose(1, 2)
         block = torch.stack([k[:, text:], v[:, text:]]).contiguous()  # this rank's image keys/values, travelling
@@ -388,8 +316,12 @@ class SequenceParallel:
             pending = []
             if step < n - 1:
                 incoming = torch.empty_like(block)
-                pending = dist.batch_isend_irecv([dist.P2POp(dist.isend, block, send_to, self.ring_group),
-                                                  dist.P2POp(dist.irecv, incoming, receive_from, self.ring_group)])
+                pending = dist.batch_isend_irecv(
+                    [
+                        dist.P2POp(dist.isend, block, send_to, self.ring_group),
+                        dist.P2POp(dist.irecv, incoming, receive_from, self.ring_group),
+                    ]
+                )
             real = self._block_tokens(call, owner)
             if step == 0:  # the local block carries the text keys (once over the ring)
                 keys, values = k[:, : text + real], v[:, : text + real]
@@ -428,7 +360,7 @@ def _split_argument(module: torch.nn.Module, name: str, dim: int, ndim: int) -> 
             if isinstance(kwargs[name], torch.Tensor) and kwargs[name].ndim == ndim:
                 kwargs = {**kwargs, name: call.shard(kwargs[name], dim)}
         elif position < len(args) and isinstance(args[position], torch.Tensor) and args[position].ndim == ndim:
-            args = (*args[:position], call.shard(args[position], dim), *args[position + 1:])
+            args = (*args[:position], call.shard(args[position], dim), *args[position + 1 :])
         return args, kwargs
 
     return hook

@@ -82,8 +82,9 @@ class ShardedRMSNorm(torch.nn.Module):
         width = self.full_dim // degree
         weight = None
         if norm.weight is not None:
-            weight = torch.nn.Parameter(norm.weight.detach()[rank * width:(rank + 1) * width].clone(),
-                                        requires_grad=False)
+            weight = torch.nn.Parameter(
+                norm.weight.detach()[rank * width : (rank + 1) * width].clone(), requires_grad=False
+            )
         self.weight = weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -114,19 +115,26 @@ def _check_denoiser(key: str, module: torch.nn.Module, plan: dict[str, Any] | No
 
     name = type(module).__name__
     if plan is None:
-        raise _refuse(f"{key} ({name}) has no tensor-parallel plan; TP runs the {_tp_families()} DiTs. "
-                      "Drop --tp-size (or shard with --use-fsdp-inference).")
+        raise _refuse(
+            f"{key} ({name}) has no tensor-parallel plan; TP runs the {_tp_families()} DiTs. "
+            "Drop --tp-size (or shard with --use-fsdp-inference)."
+        )
     heads = module.config.get("num_attention_heads")
     if isinstance(heads, int) and heads % degree:
         divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-        raise _refuse(f"{degree} does not divide the {heads} attention heads of {key} ({name}); "
-                      f"use a --tp-size in {divisors}.")
+        raise _refuse(
+            f"{degree} does not divide the {heads} attention heads of {key} ({name}); use a --tp-size in {divisors}."
+        )
     if any(isinstance(p, DTensor) for p in module.parameters()):
-        raise _refuse(f"{key} is already sharded (FSDP or TP applied before); --tp-size does not combine with "
-                      "--use-fsdp-inference. Pick one of them.")
+        raise _refuse(
+            f"{key} is already sharded (FSDP or TP applied before); --tp-size does not combine with "
+            "--use-fsdp-inference. Pick one of them."
+        )
     if any(p.numel() == 0 for p in module.parameters()):
-        raise _refuse(f"{key}'s weights are offloaded (a residency mode moved them off the module); a "
-                      "tensor-parallel DiT must stay resident. Keep the DiT resident with --tp-size.")
+        raise _refuse(
+            f"{key}'s weights are offloaded (a residency mode moved them off the module); a "
+            "tensor-parallel DiT must stay resident. Keep the DiT resident with --tp-size."
+        )
     if any(getattr(m, "fused_projections", False) for m in module.modules()):
         raise _refuse(f"{key} has fused q/k/v projections, which the plan does not shard; load it unfused.")
     from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
@@ -188,15 +196,19 @@ def check_tensor_parallel(pipeline: Any, degree: int) -> dict[str, dict[str, Any
     family = getattr(pipeline, "family", "unknown")
     keys = [k for k in getattr(pipeline, "denoisers", ()) if k in getattr(pipeline, "components", {})]
     if not keys:
-        raise _refuse(f"the {family} model runs on the diffusers backend, whose DiT is not sharded here; serve a "
-                      f"native family with a tensor-parallel plan ({_tp_families()}) or drop --tp-size.")
+        raise _refuse(
+            f"the {family} model runs on the diffusers backend, whose DiT is not sharded here; serve a "
+            f"native family with a tensor-parallel plan ({_tp_families()}) or drop --tp-size."
+        )
     try:
         has_plan = spec_for(family).profile.tensor_parallel
     except KeyError:
         has_plan = False
     if not has_plan:
-        raise _refuse(f"the {family} family has no tensor-parallel plan (TP runs {_tp_families()}); drop "
-                      "--tp-size, or shard the DiT with --use-fsdp-inference.")
+        raise _refuse(
+            f"the {family} family has no tensor-parallel plan (TP runs {_tp_families()}); drop "
+            "--tp-size, or shard the DiT with --use-fsdp-inference."
+        )
     plans = {}
     for key in keys:  # every denoiser is checked before any is sharded
         plan = tensor_parallel_plan(pipeline.components[key])

@@ -220,10 +220,14 @@ class Pipeline:
     @property
     def capabilities(self) -> Capabilities:
         """What this pipeline can do (from its declared class facts)."""
-        return Capabilities(batching=self.supports_batching, continuous=self.supports_continuous,
-                            defers_decode=self.defers_decode, text_prefetch=self.prefetches_text,
-                            split_over_ranks=self.split_over_ranks,
-                            cfg_parallel=self.split_over_ranks and not self.batched_cfg)
+        return Capabilities(
+            batching=self.supports_batching,
+            continuous=self.supports_continuous,
+            defers_decode=self.defers_decode,
+            text_prefetch=self.prefetches_text,
+            split_over_ranks=self.split_over_ranks,
+            cfg_parallel=self.split_over_ranks and not self.batched_cfg,
+        )
 
     def use_residency(self, residency: ComponentUser) -> None:
         """Place components through `residency` from now on (the serving set-up, `launch/setup.py`, builds it
@@ -235,8 +239,11 @@ class Pipeline:
         from diffuserve.errors import ConfigError
 
         if not self.capabilities.cfg_parallel:
-            raise ConfigError(f"--enable-cfg-parallel: the {self.family} model cannot split its CFG branches over "
-                              "two ranks; leave it off for this model.", param="enable_cfg_parallel")
+            raise ConfigError(
+                f"--enable-cfg-parallel: the {self.family} model cannot split its CFG branches over "
+                "two ranks; leave it off for this model.",
+                param="enable_cfg_parallel",
+            )
         self.cfg_parallel = strategy
 
     def side_lanes(self) -> Overlap:
@@ -261,20 +268,28 @@ class Pipeline:
             if value <= 0 or value % self.size_multiple:
                 raise InvalidRequestError(
                     f"{name}={value} is not a positive multiple of {self.size_multiple}, which this "
-                    f"{self.family} model needs; choose e.g. {max(self.size_multiple, value // self.size_multiple * self.size_multiple)}.",
+                    f"{self.family} model needs; choose e.g. "
+                    f"{max(self.size_multiple, value // self.size_multiple * self.size_multiple)}.",
                     param="size",
                 )
         for name, value, limit in (("width", params.width, self.max_width), ("height", params.height, self.max_height)):
             if limit is not None and value > limit:
                 raise InvalidRequestError(
                     f"{name}={value} is larger than this {self.family} checkpoint can run (its positional tables "
-                    f"end at {limit} px); choose a size up to {self.max_width}x{self.max_height}.", param="size")
+                    f"end at {limit} px); choose a size up to {self.max_width}x{self.max_height}.",
+                    param="size",
+                )
         if len(params.image_inputs) > self.max_image_inputs:
-            what = ("takes no input image (image inputs / edits are not supported for it)" if not self.max_image_inputs
-                    else f"takes at most {self.max_image_inputs} input image(s)")
+            what = (
+                "takes no input image (image inputs / edits are not supported for it)"
+                if not self.max_image_inputs
+                else f"takes at most {self.max_image_inputs} input image(s)"
+            )
             # The video API calls its image field `input_reference`; the images API `image`.
-            raise InvalidRequestError(f"this {self.family} model {what}; got {len(params.image_inputs)}.",
-                                      param="input_reference" if self.output_kind == "video" else "image")
+            raise InvalidRequestError(
+                f"this {self.family} model {what}; got {len(params.image_inputs)}.",
+                param="input_reference" if self.output_kind == "video" else "image",
+            )
         if params.width * params.height > self.max_pixels:
             raise InvalidRequestError(
                 f"size {params.width}x{params.height} exceeds this server's limit of {self.max_pixels} pixels.",
@@ -285,12 +300,17 @@ class Pipeline:
         if params.step_cache is not None:
             problem = self.step_cache_problem(params.step_cache.method)
             if problem is not None:
-                raise InvalidRequestError(f"step_cache {params.step_cache.method!r} cannot run on this {self.family} "
-                                          f"model: {problem}.", param="step_cache")
+                raise InvalidRequestError(
+                    f"step_cache {params.step_cache.method!r} cannot run on this {self.family} model: {problem}.",
+                    param="step_cache",
+                )
             settings = params.step_cache
             if settings.method == "magcache" and not settings.mag_ratios and not settings.calibrate:
-                raise InvalidRequestError("step_cache magcache needs this checkpoint's magnitude ratios (`diffuserve "
-                                          "calibrate-cache`, then --step-cache-calibration FILE).", param="step_cache")
+                raise InvalidRequestError(
+                    "step_cache magcache needs this checkpoint's magnitude ratios (`diffuserve "
+                    "calibrate-cache`, then --step-cache-calibration FILE).",
+                    param="step_cache",
+                )
 
     def step_cache_problem(self, method: str) -> str | None:
         """Why this pipeline cannot run step-cache `method` (None: it can). Native families answer from their
@@ -318,12 +338,17 @@ class Pipeline:
         from diffuserve.sampling import ModelDescription
 
         return ModelDescription(
-            family=self.family, output_kind=self.output_kind, defaults=self.defaults,
-            size_multiple=self.size_multiple, max_image_inputs=self.max_image_inputs,
+            family=self.family,
+            output_kind=self.output_kind,
+            defaults=self.defaults,
+            size_multiple=self.size_multiple,
+            max_image_inputs=self.max_image_inputs,
             min_image_inputs=self.min_image_inputs,
             frame_multiple=self.frame_multiple,
-            supports_batching=self.supports_batching, validate=self.validate,
-            prompt_tokens=self.prompt_tokens(), request_fields=self.request_fields(),
+            supports_batching=self.supports_batching,
+            validate=self.validate,
+            prompt_tokens=self.prompt_tokens(),
+            request_fields=self.request_fields(),
         )
 
     # -- prompt tokens: what the server counts (pipelines/prompt_limits.py) ------------------------------------

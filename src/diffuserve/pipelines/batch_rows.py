@@ -82,9 +82,7 @@ def check_batch(batch: Sequence[SamplingParams]) -> SamplingParams:
     for i, params in enumerate(batch[1:], start=1):
         diff = signature_difference(head, params)
         if diff is not None:
-            raise ValueError(
-                f"request {i} of the batch differs from request 0 in {diff}; it cannot share the call"
-            )
+            raise ValueError(f"request {i} of the batch differs from request 0 in {diff}; it cannot share the call")
     return head
 
 

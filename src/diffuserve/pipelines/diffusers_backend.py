@@ -177,8 +177,14 @@ class DiffusersBackendPipeline(Pipeline):
 
     @classmethod
     def from_pretrained(
-        cls, model_path: Path, *, family: str = "unknown", device: torch.device, dtype: torch.dtype,
-        to_device: bool = True, suggested_defaults: dict[str, Any] | None = None,
+        cls,
+        model_path: Path,
+        *,
+        family: str = "unknown",
+        device: torch.device,
+        dtype: torch.dtype,
+        to_device: bool = True,
+        suggested_defaults: dict[str, Any] | None = None,
     ) -> DiffusersBackendPipeline:
         """Load with `DiffusionPipeline.from_pretrained(..., local_files_only=True)`; `to_device=False` leaves
         the weights on the host for the residency manager to place. `suggested_defaults`: the checkpoint's own
@@ -270,15 +276,23 @@ class DiffusersBackendPipeline(Pipeline):
         if head.image_inputs:
             # Edits run alone (never merged): one prompt, its n outputs as num_images_per_prompt.
             images = [Image.open(io.BytesIO(data)).convert("RGB") for data in head.image_inputs]
-            wanted.update(prompt=head.prompt, image=images[0] if len(images) == 1 else images,
-                          num_images_per_prompt=head.n, strength=head.strength)
+            wanted.update(
+                prompt=head.prompt,
+                image=images[0] if len(images) == 1 else images,
+                num_images_per_prompt=head.n,
+                strength=head.strength,
+            )
             if "negative_prompt" in wanted:
                 wanted["negative_prompt"] = head.negative_prompt or ""
         if self.layered:
             # One decomposition per request: n layers of its single image, from the request's own seed.
-            wanted.update(prompt=head.prompt, layers=head.n, num_images_per_prompt=1,
-                          image=Image.open(io.BytesIO(head.image_inputs[0])).convert("RGBA"),
-                          generator=stages.row_generators(batch)[:1])
+            wanted.update(
+                prompt=head.prompt,
+                layers=head.n,
+                num_images_per_prompt=1,
+                image=Image.open(io.BytesIO(head.image_inputs[0])).convert("RGBA"),
+                generator=stages.row_generators(batch)[:1],
+            )
             if head.resolution is not None:
                 wanted["resolution"] = head.resolution
         if "max_sequence_length" in self._call_params and self._max_sequence_length is not None:
@@ -303,11 +317,15 @@ class DiffusersBackendPipeline(Pipeline):
 
     def validate(self, params: Any) -> None:
         if params.boundary_ratio is not None and not 0.0 < params.boundary_ratio < 1.0:
-            raise InvalidRequestError(f"boundary_ratio={params.boundary_ratio} must be between 0 and 1 (exclusive).",
-                                      param="boundary_ratio")
+            raise InvalidRequestError(
+                f"boundary_ratio={params.boundary_ratio} must be between 0 and 1 (exclusive).", param="boundary_ratio"
+            )
         if params.resolution is not None and params.resolution not in LAYERED_RESOLUTIONS:
-            raise InvalidRequestError(f"resolution={params.resolution} is not one of this {self.family} model's "
-                                      f"buckets {list(LAYERED_RESOLUTIONS)}.", param="resolution")
+            raise InvalidRequestError(
+                f"resolution={params.resolution} is not one of this {self.family} model's "
+                f"buckets {list(LAYERED_RESOLUTIONS)}.",
+                param="resolution",
+            )
         if self.output_kind == "video":
             self._validate_video(params)
         # max_image_inputs stays 0 unless the pipeline's call takes `image`: an unmodified text-to-image
@@ -317,7 +335,9 @@ class DiffusersBackendPipeline(Pipeline):
         if len(params.image_inputs) < self.min_image_inputs:
             raise InvalidRequestError(
                 f"this {self.family} model splits one input image into layers: send it with POST /v1/images/edits "
-                f"(one `image` file; `n` = number of layers); got {len(params.image_inputs)}.", param="image")
+                f"(one `image` file; `n` = number of layers); got {len(params.image_inputs)}.",
+                param="image",
+            )
 
     def _validate_video(self, params: Any) -> None:
         frames, step = params.num_frames, self.frame_multiple
@@ -326,7 +346,8 @@ class DiffusersBackendPipeline(Pipeline):
             raise InvalidRequestError(
                 f"num_frames={frames} does not fit this {self.family} model, which needs num_frames = "
                 f"{step}k+1 (its VAE compresses time {step}x); use {below} or {below + step}.",
-                param="num_frames")
+                param="num_frames",
+            )
 
     def run(
         self,
@@ -361,11 +382,7 @@ class DiffusersBackendPipeline(Pipeline):
         with torch.inference_mode(), self._all_components_in_use(), self._request_settings(batch[0]):
             result = self.pipe(**kwargs)
         elapsed = time.perf_counter() - start
-        items = (
-            getattr(result, "frames", None)
-            if self.output_kind == "video"
-            else getattr(result, "images", None)
-        )
+        items = getattr(result, "frames", None) if self.output_kind == "video" else getattr(result, "images", None)
         if items is None:
             items = result[0]
         if self.output_kind == "video":
@@ -386,9 +403,14 @@ class DiffusersBackendPipeline(Pipeline):
         head = batch[0]
         outputs = []
         with torch.inference_mode(), self._all_components_in_use(), self._request_settings(head):
-            prior = glm_image_ar.prior_tokens(self.pipe, [p.prompt for p in batch],
-                                              [stages.row_seeds(p)[0] for p in batch],
-                                              height=head.height, width=head.width, device=self.device)
+            prior = glm_image_ar.prior_tokens(
+                self.pipe,
+                [p.prompt for p in batch],
+                [stages.row_seeds(p)[0] for p in batch],
+                height=head.height,
+                width=head.width,
+                device=self.device,
+            )
             ar_done = time.perf_counter()
             for i, params in enumerate(batch):
                 kwargs = self._kwargs([params])
@@ -398,5 +420,6 @@ class DiffusersBackendPipeline(Pipeline):
                 images = self.pipe(**kwargs).images
                 outputs.append(RequestOutput(images=[_to_pil(im) for im in images]))
         end = time.perf_counter()
-        return BatchResult(outputs=outputs, stage_seconds={"ar": ar_done - start, "dit_vae": end - ar_done,
-                                                           "total": end - start})
+        return BatchResult(
+            outputs=outputs, stage_seconds={"ar": ar_done - start, "dit_vae": end - ar_done, "total": end - start}
+        )

@@ -24,8 +24,16 @@ from typing import Any
 import torch
 
 _SUPPORTED_WARPERS = ("temperature", "top_k", "top_p")
-_OTHER_SAMPLING_KNOBS = ("min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h", "repetition_penalty",
-                         "no_repeat_ngram_size", "watermarking_config")
+_OTHER_SAMPLING_KNOBS = (
+    "min_p",
+    "typical_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "top_h",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "watermarking_config",
+)
 
 
 def _resolved(config: Any, key: str) -> Any:
@@ -56,8 +64,9 @@ class _RowSampler:
         if probs.shape[0] != len(self.generators):
             raise RuntimeError(f"GLM-Image AR: {probs.shape[0]} rows but {len(self.generators)} generators")
         # The generators are CPU generators (as everywhere in diffuserve), so the draw happens on the CPU.
-        picks = torch.cat([torch.multinomial(probs[j : j + 1].float().cpu(), 1, generator=g)
-                           for j, g in enumerate(self.generators)]).to(scores.device)
+        picks = torch.cat(
+            [torch.multinomial(probs[j : j + 1].float().cpu(), 1, generator=g) for j, g in enumerate(self.generators)]
+        ).to(scores.device)
         one_hot = torch.full_like(scores, float("-inf"))
         return one_hot.scatter_(1, picks, 0.0)
 
@@ -88,21 +97,31 @@ def row_sampling(model: Any, generators: Sequence[torch.Generator]) -> Iterator[
 
     sampler = _RowSampler(_warpers(model.generation_config), generators)
     # The built-in warpers are off for this call: the sampler applies them itself, before drawing.
-    model.generate = functools.partial(type(model).generate.__get__(model),
-                                       logits_processor=LogitsProcessorList([sampler]),
-                                       temperature=1.0, top_k=0, top_p=1.0)
+    model.generate = functools.partial(
+        type(model).generate.__get__(model),
+        logits_processor=LogitsProcessorList([sampler]),
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+    )
     try:
         yield
     finally:
         del model.generate
 
 
-def prior_tokens(pipe: Any, prompts: list[str], seeds: list[int], *, height: int, width: int,
-                 device: torch.device) -> torch.Tensor:
+def prior_tokens(
+    pipe: Any, prompts: list[str], seeds: list[int], *, height: int, width: int, device: torch.device
+) -> torch.Tensor:
     """One batched AR call for `prompts` (row j drawn with seed `seeds[j]`): the (rows, tokens) prior token ids."""
     generators = [torch.Generator("cpu").manual_seed(s) for s in seeds]
     with row_sampling(pipe.vision_language_encoder, generators):
         # The pipeline seeds the global RNG from this generator; the rows do not draw from it.
-        prior, _, _ = pipe.generate_prior_tokens(prompt=prompts, height=height, width=width, device=device,
-                                                 generator=torch.Generator("cpu").manual_seed(seeds[0]))
+        prior, _, _ = pipe.generate_prior_tokens(
+            prompt=prompts,
+            height=height,
+            width=width,
+            device=device,
+            generator=torch.Generator("cpu").manual_seed(seeds[0]),
+        )
     return prior

@@ -72,9 +72,12 @@ def extract_surface(volume: np.ndarray, *, level: float, box: float, resolution:
     from skimage import measure
 
     if not volume.min() <= level <= volume.max():
-        return Mesh(np.zeros((0, 3), np.float32), np.zeros((0, 3), np.int64),
-                    error=f"the decoded volume never crosses the surface level {level} (values "
-                          f"{volume.min():.3g}..{volume.max():.3g}): no mesh; try another seed or image")
+        return Mesh(
+            np.zeros((0, 3), np.float32),
+            np.zeros((0, 3), np.int64),
+            error=f"the decoded volume never crosses the surface level {level} (values "
+            f"{volume.min():.3g}..{volume.max():.3g}): no mesh; try another seed or image",
+        )
     vertices, faces, _, _ = measure.marching_cubes(volume, level, method="lewiner")
     vertices = vertices / (resolution + 1) * (2 * box) - box
     return Mesh(vertices.astype(np.float32), np.ascontiguousarray(faces[:, ::-1]).astype(np.int64))
@@ -88,9 +91,18 @@ class Hunyuan3DPipeline(Pipeline):
     max_image_inputs = 1
     min_image_inputs = 1
 
-    def __init__(self, model: Hunyuan3DDiT, vae: ShapeVAE, conditioner: conditioning.DinoConditioner, *,
-                 scheduler: dict[str, Any], image_size: int = 512, border_ratio: float = 0.15,
-                 variant: str = "", settings: MeshSettings | None = None):
+    def __init__(
+        self,
+        model: Hunyuan3DDiT,
+        vae: ShapeVAE,
+        conditioner: conditioning.DinoConditioner,
+        *,
+        scheduler: dict[str, Any],
+        image_size: int = 512,
+        border_ratio: float = 0.15,
+        variant: str = "",
+        settings: MeshSettings | None = None,
+    ):
         super().__init__()
         self.model, self.vae, self.conditioner = model, vae, conditioner
         self.components = {"model": model, "vae": vae, "conditioner": conditioner}
@@ -106,8 +118,14 @@ class Hunyuan3DPipeline(Pipeline):
     # -- loading ----------------------------------------------------------------------------------------
 
     @classmethod
-    def from_folder(cls, model_path: str | Path, *, model_id: str | None = None, device: torch.device | str = "cpu",
-                    dtype: torch.dtype = torch.float32) -> Hunyuan3DPipeline:
+    def from_folder(
+        cls,
+        model_path: str | Path,
+        *,
+        model_id: str | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> Hunyuan3DPipeline:
         """Load `<root>/<subfolder>/config.yaml` + `model.fp16.safetensors` (or the subfolder itself)."""
         from safetensors.torch import load_file
 
@@ -116,45 +134,65 @@ class Hunyuan3DPipeline(Pipeline):
         logger.info("%s: %s", folder.name, LICENSE_NOTE)
         weights = folder / "model.fp16.safetensors"
         if not weights.is_file():
-            raise CheckpointError(f"{folder} has no model.fp16.safetensors (Tencent's layout keeps the DiT, VAE "
-                                  "and conditioner weights there).", param="model_path")
+            raise CheckpointError(
+                f"{folder} has no model.fp16.safetensors (Tencent's layout keeps the DiT, VAE "
+                "and conditioner weights there).",
+                param="model_path",
+            )
         parts: dict[str, dict[str, torch.Tensor]] = {"model": {}, "vae": {}, "conditioner": {}}
         for key, value in load_file(str(weights)).items():
             prefix, _, rest = key.partition(".")
             if prefix in parts:
                 parts[prefix][rest] = value
-        builders = {"model": (Hunyuan3DDiT, "Hunyuan3DDiT"), "vae": (ShapeVAE, "ShapeVAE"),
-                    "conditioner": (conditioning.DinoConditioner, "SingleImageEncoder")}
+        builders = {
+            "model": (Hunyuan3DDiT, "Hunyuan3DDiT"),
+            "vae": (ShapeVAE, "ShapeVAE"),
+            "conditioner": (conditioning.DinoConditioner, "SingleImageEncoder"),
+        }
         modules: dict[str, torch.nn.Module] = {}
         for name, (builder, expected) in builders.items():
             section = config.get(name) or {}
             if target_name(section) != expected:
-                raise CheckpointError(f"{folder}/config.yaml: {name}.target {section.get('target')!r} is not "
-                                      f"supported (expected a {expected}); multi-view and texture models are not "
-                                      "served.", param="model_path")
+                raise CheckpointError(
+                    f"{folder}/config.yaml: {name}.target {section.get('target')!r} is not "
+                    f"supported (expected a {expected}); multi-view and texture models are not "
+                    "served.",
+                    param="model_path",
+                )
             try:
                 module = builder(**(section.get("params") or {}))
                 module.load_state_dict(parts[name], strict=True)
             except (TypeError, ValueError, RuntimeError) as exc:
-                raise CheckpointError(f"{folder}: the {name} weights do not match config.yaml ({exc}).",
-                                      param="model_path") from exc
+                raise CheckpointError(
+                    f"{folder}: the {name} weights do not match config.yaml ({exc}).", param="model_path"
+                ) from exc
             modules[name] = module.to(device=device, dtype=dtype).eval()
         scheduler = config.get("scheduler") or {}
         if target_name(scheduler) not in SCHEDULERS:
-            raise CheckpointError(f"{folder}/config.yaml: scheduler {scheduler.get('target')!r} is not one of "
-                                  f"{list(SCHEDULERS)}.", param="model_path")
+            raise CheckpointError(
+                f"{folder}/config.yaml: scheduler {scheduler.get('target')!r} is not one of {list(SCHEDULERS)}.",
+                param="model_path",
+            )
         processor = (config.get("image_processor") or {}).get("params") or {}
         # A tiny checkpoint's own `diffuserve:` section suggests small defaults (the reference ignores it).
         suggested = config.get("diffuserve") or {}
         settings = MeshSettings(default_octree_resolution=int(suggested.get("octree_resolution", 384)))
-        pipeline = cls(modules["model"], modules["vae"], modules["conditioner"],  # type: ignore[arg-type]
-                       scheduler={"kind": target_name(scheduler), **(scheduler.get("params") or {})},
-                       image_size=int(processor.get("size", 512)),
-                       border_ratio=float(processor.get("border_ratio") or 0.15), variant=folder.name,
-                       settings=settings)
+        pipeline = cls(
+            modules["model"],
+            modules["vae"],
+            modules["conditioner"],  # type: ignore[arg-type]
+            scheduler={"kind": target_name(scheduler), **(scheduler.get("params") or {})},
+            image_size=int(processor.get("size", 512)),
+            border_ratio=float(processor.get("border_ratio") or 0.15),
+            variant=folder.name,
+            settings=settings,
+        )
         pipeline.defaults = SamplingDefaults(
-            width=64, height=64, num_inference_steps=int(suggested.get("num_inference_steps", 50)),
-            guidance_scale=float(suggested.get("guidance_scale", 5.0)))
+            width=64,
+            height=64,
+            num_inference_steps=int(suggested.get("num_inference_steps", 50)),
+            guidance_scale=float(suggested.get("guidance_scale", 5.0)),
+        )
         return pipeline
 
     # -- requests ---------------------------------------------------------------------------------------
@@ -169,42 +207,67 @@ class Hunyuan3DPipeline(Pipeline):
 
     def validate(self, params: SamplingParams) -> None:
         if len(params.image_inputs) != 1:
-            raise InvalidRequestError(f"a {self.family} mesh request takes exactly one image; got "
-                                      f"{len(params.image_inputs)}.", param="image")
+            raise InvalidRequestError(
+                f"a {self.family} mesh request takes exactly one image; got {len(params.image_inputs)}.", param="image"
+            )
         resolution = self.octree_resolution(params)
         if not 16 <= resolution <= self.settings.max_octree_resolution:
-            raise InvalidRequestError(f"octree_resolution={resolution} must be between 16 and "
-                                      f"{self.settings.max_octree_resolution}.", param="octree_resolution")
+            raise InvalidRequestError(
+                f"octree_resolution={resolution} must be between 16 and {self.settings.max_octree_resolution}.",
+                param="octree_resolution",
+            )
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         if self.scheduler["kind"] == "ConsistencyFlowMatchEulerDiscreteScheduler":
-            return conditioning.consistency_sigmas(num_steps, int(self.scheduler.get("num_train_timesteps", 1000)),
-                                                   int(self.scheduler.get("pcm_timesteps", 50)))
+            return conditioning.consistency_sigmas(
+                num_steps,
+                int(self.scheduler.get("num_train_timesteps", 1000)),
+                int(self.scheduler.get("pcm_timesteps", 50)),
+            )
         return conditioning.flow_sigmas(num_steps, float(self.scheduler.get("shift", 1.0)))
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "variant": self.variant, "scheduler": self.scheduler["kind"],
-                "guidance_distilled": self.guidance_distilled, "mesh_settings": self.settings.__dict__}
+        return {
+            **super().describe(),
+            "variant": self.variant,
+            "scheduler": self.scheduler["kind"],
+            "guidance_distilled": self.guidance_distilled,
+            "mesh_settings": self.settings.__dict__,
+        }
 
-    def run(self, batch: list[SamplingParams], *, on_step: StepCallback | None = None,
-            should_stop: StopCheck | None = None, on_preview: PreviewCallback | None = None) -> BatchResult:
+    def run(
+        self,
+        batch: list[SamplingParams],
+        *,
+        on_step: StepCallback | None = None,
+        should_stop: StopCheck | None = None,
+        on_preview: PreviewCallback | None = None,
+    ) -> BatchResult:
         """One DiT batch for every row of `batch`; previews are not made (a mesh has no cheap preview)."""
         stages: dict[str, float] = {}
         volume = self.volumes(batch, stages, on_step=on_step, should_stop=should_stop)
         # 5. Surface per row.
         started = time.perf_counter()
         resolution = self.octree_resolution(batch[0])
-        meshes = [extract_surface(v, level=self.settings.mc_level, box=self.settings.box, resolution=resolution)
-                  for v in volume.cpu().numpy()]
+        meshes = [
+            extract_surface(v, level=self.settings.mc_level, box=self.settings.box, resolution=resolution)
+            for v in volume.cpu().numpy()
+        ]
         stages["marching_cubes"] = time.perf_counter() - started
         outputs, row = [], 0
         for params in batch:
-            outputs.append(RequestOutput(meshes=meshes[row:row + params.n]))
+            outputs.append(RequestOutput(meshes=meshes[row : row + params.n]))
             row += params.n
         return BatchResult(outputs=outputs, stage_seconds=stages)
 
-    def volumes(self, batch: list[SamplingParams], stages: dict[str, float], *, on_step: StepCallback | None = None,
-                should_stop: StopCheck | None = None) -> torch.Tensor:
+    def volumes(
+        self,
+        batch: list[SamplingParams],
+        stages: dict[str, float],
+        *,
+        on_step: StepCallback | None = None,
+        should_stop: StopCheck | None = None,
+    ) -> torch.Tensor:
         """Steps 1-4 of the recipe: the occupancy volume of every output row, (rows, res+1, res+1, res+1)."""
         head = check_batch(batch)
 
@@ -217,8 +280,13 @@ class Hunyuan3DPipeline(Pipeline):
 
         # 1. Condition: each request's image, once per output row.
         started = time.perf_counter()
-        images = torch.cat([conditioning.preprocess(p.image_inputs[0], self.image_size, self.border_ratio)
-                            for p in batch for _ in range(p.n)])
+        images = torch.cat(
+            [
+                conditioning.preprocess(p.image_inputs[0], self.image_size, self.border_ratio)
+                for p in batch
+                for _ in range(p.n)
+            ]
+        )
         with torch.inference_mode(), self.residency.use("conditioner"):
             cond = self.conditioner(images).to(self.dtype)
             use_cfg = not self.guidance_distilled
@@ -236,20 +304,32 @@ class Hunyuan3DPipeline(Pipeline):
         resolution = self.octree_resolution(head)
         with torch.inference_mode(), self.residency.use("vae"):
             decoded = self.vae(latents / self.vae.scale_factor)
-            volume = decode_volume(decoded, self.vae.geo_decoder, bounds=self.settings.box, resolution=resolution,
-                                   chunk_size=self.settings.chunk_size, on_chunk=check_stop)
+            volume = decode_volume(
+                decoded,
+                self.vae.geo_decoder,
+                bounds=self.settings.box,
+                resolution=resolution,
+                chunk_size=self.settings.chunk_size,
+                on_chunk=check_stop,
+            )
         timed("volume_decode", started)
         return volume
 
-    def _denoise(self, latents: torch.Tensor, cond: torch.Tensor, head: SamplingParams, use_cfg: bool,
-                 on_step: StepCallback | None, check_stop: Any) -> torch.Tensor:
+    def _denoise(
+        self,
+        latents: torch.Tensor,
+        cond: torch.Tensor,
+        head: SamplingParams,
+        use_cfg: bool,
+        on_step: StepCallback | None,
+        check_stop: Any,
+    ) -> torch.Tensor:
         """The reference's flow-matching loop: sigma runs 0 -> 1, x += (sigma_next - sigma) * v."""
         steps = head.num_inference_steps
         sigmas = self.sigmas(steps)
         timesteps = sigmas[:-1] * 1000
         rows = latents.shape[0]
-        guidance = None if use_cfg else torch.full((rows,), head.guidance_scale, device=self.device,
-                                                   dtype=self.dtype)
+        guidance = None if use_cfg else torch.full((rows,), head.guidance_scale, device=self.device, dtype=self.dtype)
         with torch.inference_mode(), self.residency.use("model"):
             for i in range(steps):
                 check_stop()

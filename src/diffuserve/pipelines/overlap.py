@@ -111,7 +111,9 @@ class SideLane:
         self._thread = threading.Thread(target=self._main, name=f"diffuserve-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], T], *, inputs: Sequence[Any] = (), prompts: Sequence[str] = ()) -> Future[SideResult[T]]:
+    def submit(
+        self, fn: Callable[[], T], *, inputs: Sequence[Any] = (), prompts: Sequence[str] = ()
+    ) -> Future[SideResult[T]]:
         """Run `fn()` in the lane. `inputs`: objects holding the tensors it reads (see the module docstring);
         `prompts`: the prompts of its requests (only the `hold:` fault injection reads them)."""
         future: Future[SideResult[T]] = Future()
@@ -131,8 +133,9 @@ class SideLane:
             except BaseException as exc:  # the lane never dies; the submitter gets the error
                 future.set_exception(exc)
 
-    def _run(self, fn: Callable[[], T], inputs: list[Any], prompts: list[str], ready: Any,
-             before: int) -> SideResult[T]:
+    def _run(
+        self, fn: Callable[[], T], inputs: list[Any], prompts: list[str], ready: Any, before: int
+    ) -> SideResult[T]:
         overlap = self.overlap
         started = time.perf_counter()
         overlap.maybe_hold(self.name, prompts, before)
@@ -148,8 +151,9 @@ class SideLane:
                         tensor.record_stream(self.stream)
                 value = fn()
                 event = self.stream.record_event()
-        return SideResult(value=value, seconds=time.perf_counter() - started, steps_beside=overlap.steps - before,
-                          event=event)
+        return SideResult(
+            value=value, seconds=time.perf_counter() - started, steps_beside=overlap.steps - before, event=event
+        )
 
 
 class Overlap:

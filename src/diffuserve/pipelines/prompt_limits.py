@@ -48,8 +48,10 @@ class PromptTruncation:
 
     @property
     def message(self) -> str:
-        return (f"{self.field} is {self.tokens} tokens for {self.encoder}, which takes {self.max_tokens}; "
-                f"the last {self.tokens - self.max_tokens} tokens are cut off")
+        return (
+            f"{self.field} is {self.tokens} tokens for {self.encoder}, which takes {self.max_tokens}; "
+            f"the last {self.tokens - self.max_tokens} tokens are cut off"
+        )
 
 
 _COPIES: dict[int, tuple[Any, Any]] = {}
@@ -152,8 +154,9 @@ class PromptTokens:
     def _tokens(tokenizer: Any, text: str, counted: dict[int, int]) -> int:
         if id(tokenizer) not in counted:
             # verbose=False: transformers otherwise logs "sequence length is longer than the maximum" itself.
-            counted[id(tokenizer)] = len(tokenizer(text, truncation=False, add_special_tokens=True,
-                                                   verbose=False)["input_ids"])
+            counted[id(tokenizer)] = len(
+                tokenizer(text, truncation=False, add_special_tokens=True, verbose=False)["input_ids"]
+            )
         return counted[id(tokenizer)]
 
 

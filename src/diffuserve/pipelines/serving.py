@@ -53,7 +53,9 @@ class ServingPipeline:
     """Operator-only fault injection (`DIFFUSERVE_FAULT_INJECTION`); None in normal serving."""
 
     @classmethod
-    def of(cls, adapter: Pipeline, *, parallel: Sequence[str] = (), faults: FaultHooks | None = None) -> ServingPipeline:
+    def of(
+        cls, adapter: Pipeline, *, parallel: Sequence[str] = (), faults: FaultHooks | None = None
+    ) -> ServingPipeline:
         """Serve `adapter` as it is now (residency and parallel strategies already in place)."""
         capabilities = adapter.capabilities
         lanes = adapter.side_lanes() if capabilities.defers_decode else None

@@ -132,13 +132,15 @@ class RecipePipeline(Pipeline):
         """Initial latents (noise row j of a request from `seed + j`), timesteps, scheduler and extras."""
         raise NotImplementedError
 
-    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
-                model_key: str) -> torch.Tensor:
+    def predict(
+        self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
+    ) -> torch.Tensor:
         """One call of denoiser `model_key`; `timestep` is the raw scheduler timestep, one per row."""
         raise NotImplementedError
 
-    def combine_guidance(self, cond: torch.Tensor, uncond: torch.Tensor, head: SamplingParams,
-                         state: DenoiseState, step_index: int) -> torch.Tensor:
+    def combine_guidance(
+        self, cond: torch.Tensor, uncond: torch.Tensor, head: SamplingParams, state: DenoiseState, step_index: int
+    ) -> torch.Tensor:
         """The guided prediction from the two branches (default: the classic CFG combination)."""
         return combine_cfg(cond, uncond, self.cfg_scale(head))
 
@@ -146,8 +148,9 @@ class RecipePipeline(Pipeline):
         """Which denoiser runs this step (default: the only one)."""
         return self.denoisers[0]
 
-    def scheduler_step(self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor,
-                       state: DenoiseState) -> torch.Tensor:
+    def scheduler_step(
+        self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState
+    ) -> torch.Tensor:
         return state.scheduler.step(noise_pred, timestep, latents, return_dict=False)[0]
 
     def decode(self, latents: torch.Tensor, state: DenoiseState) -> list[Any]:
@@ -176,7 +179,7 @@ class RecipePipeline(Pipeline):
         encoded = self._encode_texts(missing, batch) if missing else {}
         if ready:  # texts encoded in the lane while the previous batch denoised (pipelines/text_prefetch.py)
             fresh = {t: i for i, t in enumerate(missing)}
-            parts = [ready.get(t) or {k: v[fresh[t]:fresh[t] + 1] for k, v in encoded.items()} for t in unique]
+            parts = [ready.get(t) or {k: v[fresh[t] : fresh[t] + 1] for k, v in encoded.items()} for t in unique]
             encoded = parts[0]
             for part in parts[1:]:
                 encoded = concat_cond(encoded, part, self.masked_sequences)
@@ -219,9 +222,18 @@ class RecipePipeline(Pipeline):
         texts = [params.prompt] + ([params.negative_prompt or ""] if self.uses_cfg(params) else [])
         return prefetch.submit(params, texts, on_done)
 
-    def guided_prediction(self, latents: torch.Tensor, timestep: torch.Tensor, positive: Cond, negative: Cond | None,
-                          head: SamplingParams, state: DenoiseState, step_index: int, model_key: str,
-                          rows: Sequence[RowCache] | None = None) -> torch.Tensor:
+    def guided_prediction(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        positive: Cond,
+        negative: Cond | None,
+        head: SamplingParams,
+        state: DenoiseState,
+        step_index: int,
+        model_key: str,
+        rows: Sequence[RowCache] | None = None,
+    ) -> torch.Tensor:
         """Recipe step 3, one denoiser call: the prediction for `latents` at `timestep`, guided by the negative
         branch when there is one (CFG, or CFG parallel's split). Public: the continuous step calls it.
 
@@ -233,15 +245,25 @@ class RecipePipeline(Pipeline):
         for row in rows:
             row.use_denoiser(model_key)
         try:
-            return self._guided(latents, timestep, positive, negative, head, state, step_index, model_key,
-                                (hooks, list(rows)))
+            return self._guided(
+                latents, timestep, positive, negative, head, state, step_index, model_key, (hooks, list(rows))
+            )
         finally:
             for row in rows:
                 row.end_step()
 
-    def _guided(self, latents: torch.Tensor, timestep: torch.Tensor, positive: Cond, negative: Cond | None,
-                head: SamplingParams, state: DenoiseState, step_index: int, model_key: str,
-                cache: tuple[Any, list[RowCache]] | None = None) -> torch.Tensor:
+    def _guided(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        positive: Cond,
+        negative: Cond | None,
+        head: SamplingParams,
+        state: DenoiseState,
+        step_index: int,
+        model_key: str,
+        cache: tuple[Any, list[RowCache]] | None = None,
+    ) -> torch.Tensor:
         def predict(x: torch.Tensor, t: torch.Tensor, cond: Cond, branches: Sequence[int]) -> torch.Tensor:
             if cache is None:
                 return self.predict(x, t, cond, state, model_key)
@@ -256,11 +278,18 @@ class RecipePipeline(Pipeline):
         if self.cfg_parallel is not None:
             # The split point for CFG parallel: each rank runs one branch (parallel/cfg_parallel.py).
             return self.cfg_parallel.guided(
-                lambda cond: self.predict(latents, timestep, cond, state, model_key), positive, negative,
-                lambda cond, uncond: self.combine_guidance(cond, uncond, head, state, step_index))
+                lambda cond: self.predict(latents, timestep, cond, state, model_key),
+                positive,
+                negative,
+                lambda cond, uncond: self.combine_guidance(cond, uncond, head, state, step_index),
+            )
         if self.batched_cfg:
-            both = predict(torch.cat([latents, latents]), torch.cat([timestep, timestep]),
-                           concat_cond(positive, negative, self.masked_sequences), (0, 1))
+            both = predict(
+                torch.cat([latents, latents]),
+                torch.cat([timestep, timestep]),
+                concat_cond(positive, negative, self.masked_sequences),
+                (0, 1),
+            )
             cond, uncond = both.chunk(2)
         else:  # the conditional branch first: it decides for the row, the negative branch follows
             cond = predict(latents, timestep, positive, (0,))
@@ -297,14 +326,24 @@ class RecipePipeline(Pipeline):
             if problem is not None:
                 return problem
             if method == "teacache" and type(denoiser).__name__ not in TEACACHE_COEFFICIENTS:
-                return (f"teacache needs published rescale coefficients for {type(denoiser).__name__}; they exist for "
-                        f"{sorted(TEACACHE_COEFFICIENTS)} (FLUX.1); use fbcache or taylorseer here")
+                return (
+                    f"teacache needs published rescale coefficients for {type(denoiser).__name__}; they exist for "
+                    f"{sorted(TEACACHE_COEFFICIENTS)} (FLUX.1); use fbcache or taylorseer here"
+                )
         return None
 
-    def _denoise(self, state: DenoiseState, positive: Cond, negative: Cond | None, head: SamplingParams,
-                 on_step: StepCallback | None, should_stop: StopCheck | None,
-                 on_preview: PreviewCallback | None, batch: Sequence[SamplingParams],
-                 rows: list[RowCache] | None = None) -> torch.Tensor:
+    def _denoise(
+        self,
+        state: DenoiseState,
+        positive: Cond,
+        negative: Cond | None,
+        head: SamplingParams,
+        on_step: StepCallback | None,
+        should_stop: StopCheck | None,
+        on_preview: PreviewCallback | None,
+        batch: Sequence[SamplingParams],
+        rows: list[RowCache] | None = None,
+    ) -> torch.Tensor:
         latents = state.latents
         num_steps = len(state.timesteps)
         with contextlib.ExitStack() as scope:
@@ -320,8 +359,9 @@ class RecipePipeline(Pipeline):
                     scope.enter_context(self.residency.use(model_key))
                     active = model_key
                 timestep = t.expand(latents.shape[0])
-                noise_pred = self.guided_prediction(latents, timestep, positive, negative, head, state, i, model_key,
-                                                    rows)
+                noise_pred = self.guided_prediction(
+                    latents, timestep, positive, negative, head, state, i, model_key, rows
+                )
                 latents = self.scheduler_step(noise_pred, t, latents, state)
                 if on_step is not None:
                     on_step(i, num_steps)
@@ -365,8 +405,9 @@ class RecipePipeline(Pipeline):
         should_stop: StopCheck | None = None,
         on_preview: PreviewCallback | None = None,
     ) -> BatchResult:
-        return self.decode_batch(self.run_to_latents(batch, on_step=on_step, should_stop=should_stop,
-                                                     on_preview=on_preview))
+        return self.decode_batch(
+            self.run_to_latents(batch, on_step=on_step, should_stop=should_stop, on_preview=on_preview)
+        )
 
     def run_to_latents(
         self,
@@ -377,7 +418,8 @@ class RecipePipeline(Pipeline):
         on_preview: PreviewCallback | None = None,
     ) -> Denoised:
         """Stages 1-3 of `run` (encode, latents, denoise); `decode_batch` is stage 4. Split so that the decode
-        can run in the decode lane while the next batch denoises (`executor/batch_runner.py`, `pipelines/overlap.py`)."""
+        can run in the decode lane while the next batch denoises (`executor/batch_runner.py`,
+        `pipelines/overlap.py`)."""
         head = check_batch(batch)
         cfg = self.uses_cfg(head)
         timer = StageTimer()
@@ -393,8 +435,7 @@ class RecipePipeline(Pipeline):
             # 3. Denoise: the family's denoiser call(s), guidance, scheduler steps, cancellation.
             rows = batch_row_caches(batch, len(state.timesteps))
             with timer.stage("denoise"), self.lora_scope(batch):
-                latents = self._denoise(state, positive, negative, head, on_step, should_stop, on_preview, batch,
-                                        rows)
+                latents = self._denoise(state, positive, negative, head, on_step, should_stop, on_preview, batch, rows)
         return Denoised(batch=list(batch), latents=latents, state=state, stage_seconds=timer.seconds, row_caches=rows)
 
     def decode_batch(self, denoised: Denoised) -> BatchResult:
@@ -404,8 +445,9 @@ class RecipePipeline(Pipeline):
         with torch.inference_mode(), timer.stage("decode"), self.decoder_scope():
             decoded = self.decode(denoised.latents, denoised.state)
         rows = split_rows(decoded, denoised.batch)
-        caches = (split_rows(denoised.row_caches, denoised.batch) if denoised.row_caches
-                  else [None] * len(denoised.batch))
+        caches = (
+            split_rows(denoised.row_caches, denoised.batch) if denoised.row_caches else [None] * len(denoised.batch)
+        )
         if self.output_kind == "video":
             outputs = [RequestOutput(videos=r, step_cache=step_counts(c)) for r, c in zip(rows, caches, strict=True)]
         else:

@@ -83,9 +83,16 @@ def start_requests(pipeline: RecipePipeline, batch: Sequence[Any]) -> list[Reque
                 for key in pipeline.prepare_components(params):
                     scope.enter_context(pipeline.component_scope(key))
                 state = pipeline.prepare([params], params, own)
-            out.append(RequestRows(params=params, latents=state.latents, positive=own, negative=own_negative,
-                                   state=state,
-                                   cache=new_row_caches(params.step_cache, params.n, len(state.timesteps))))
+            out.append(
+                RequestRows(
+                    params=params,
+                    latents=state.latents,
+                    positive=own,
+                    negative=own_negative,
+                    state=state,
+                    cache=new_row_caches(params.step_cache, params.n, len(state.timesteps)),
+                )
+            )
     return out
 
 
@@ -125,8 +132,11 @@ class GroupConds:
         not change: as in `run`, where every step gets the same tensors (Qwen-Image 2.1 finds its prefix KV cache
         by them; a new stack per step would miss it and add a cache every step)."""
         found = self._by_denoiser.get(model_key)
-        if (found is not None and len(found[0]) == len(group)
-                and all(a is b for a, b in zip(found[0], group, strict=True))):
+        if (
+            found is not None
+            and len(found[0]) == len(group)
+            and all(a is b for a, b in zip(found[0], group, strict=True))
+        ):
             return found[1], found[2]
         positive = _stack([r.positive for r in group], pipeline.masked_sequences)
         negatives = [r.negative for r in group]
@@ -165,10 +175,10 @@ def _step_part(pipeline: RecipePipeline, model_key: str, group: list[RequestRows
         state = dataclasses.replace(head.state, extras=pipeline.step_extras([r.state for r in group]))
         # The step-cache method is in the group key: every request of the group has caches, or none has.
         caches = [c for r in group for c in (r.cache or [])] or None
-        noise_pred = pipeline.guided_prediction(latents, timestep, positive, negative, head.params, state,
-                                                head.step_index, model_key, caches)
-        for rows, t, pred in zip(group, timesteps, noise_pred.split([r.latents.shape[0] for r in group]),
-                                 strict=True):
+        noise_pred = pipeline.guided_prediction(
+            latents, timestep, positive, negative, head.params, state, head.step_index, model_key, caches
+        )
+        for rows, t, pred in zip(group, timesteps, noise_pred.split([r.latents.shape[0] for r in group]), strict=True):
             rows.latents = pipeline.scheduler_step(pred, t, rows.latents, rows.state)
             rows.step_index += 1
 
@@ -201,9 +211,12 @@ def finish_requests(pipeline: RecipePipeline, group: Sequence[RequestRows]) -> l
         decoded = pipeline.decode(latents, state)
     outputs, first = [], 0
     for rows in group:
-        mine = list(decoded[first:first + rows.latents.shape[0]])
+        mine = list(decoded[first : first + rows.latents.shape[0]])
         first += rows.latents.shape[0]
         counts = step_counts(rows.cache)
-        outputs.append(RequestOutput(videos=mine, step_cache=counts) if pipeline.output_kind == "video"
-                       else RequestOutput(images=mine, step_cache=counts))
+        outputs.append(
+            RequestOutput(videos=mine, step_cache=counts)
+            if pipeline.output_kind == "video"
+            else RequestOutput(images=mine, step_cache=counts)
+        )
     return outputs

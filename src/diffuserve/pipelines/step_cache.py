@@ -49,8 +49,7 @@ from diffuserve.pipelines.step_cache_rows import (
     step_counts,
 )
 
-__all__ = ["CallRows", "RowCache", "StepCacheHooks", "block_hooks", "new_row_caches", "step_counts",
-           "supports_blocks"]
+__all__ = ["CallRows", "RowCache", "StepCacheHooks", "block_hooks", "new_row_caches", "step_counts", "supports_blocks"]
 
 HEAD_HOOK = "diffuserve_step_cache_head"
 BLOCK_HOOK = "diffuserve_step_cache_block"
@@ -72,6 +71,7 @@ blocks and Z-Image's refiners run on other token sets, so only the last containe
 
 
 # -- the call's rows and the span of blocks ------------------------------------------------------------------
+
 
 @dataclass
 class Span:
@@ -99,8 +99,11 @@ class StepCacheHooks:
         metas = [_block_metadata(type(b)) for b in blocks]
         for position, block in enumerate(blocks):
             registry = HookRegistry.check_if_exists_or_initialize(block)
-            hook: ModelHook = (_HeadHook(self, metas[0]) if position == 0
-                               else _BlockHook(self, metas[position], tail=position == len(blocks) - 1))
+            hook: ModelHook = (
+                _HeadHook(self, metas[0])
+                if position == 0
+                else _BlockHook(self, metas[position], tail=position == len(blocks) - 1)
+            )
             registry.register_hook(hook, HEAD_HOOK if position == 0 else BLOCK_HOOK)
 
     @contextmanager
@@ -134,8 +137,10 @@ def supports_blocks(denoiser: torch.nn.Module, containers: Sequence[str]) -> str
     """None when the step-cache hooks can cut `denoiser`; otherwise why not."""
     blocks = span_blocks(denoiser, containers)
     if len(blocks) < 2:
-        return (f"a step cache narrows at least two repeated blocks; this {type(denoiser).__name__} has "
-                f"{len(blocks)} in {list(containers)[-1:] or 'no declared layer container'}")
+        return (
+            f"a step cache narrows at least two repeated blocks; this {type(denoiser).__name__} has "
+            f"{len(blocks)} in {list(containers)[-1:] or 'no declared layer container'}"
+        )
     return None
 
 
@@ -181,8 +186,10 @@ class _Block:
         if not isinstance(out, tuple):
             return out, None
         if getattr(self.meta, "unregistered", ""):
-            raise TypeError(f"step cache: block {self.meta.unregistered} returns a tuple, but diffusers' "
-                            "TransformerBlockRegistry does not say where its hidden states are; register it")
+            raise TypeError(
+                f"step cache: block {self.meta.unregistered} returns a tuple, but diffusers' "
+                "TransformerBlockRegistry does not say where its hidden states are; register it"
+            )
         enc = self.meta.return_encoder_hidden_states_index
         return out[self.meta.return_hidden_states_index], (None if enc is None else out[enc])
 
@@ -199,8 +206,12 @@ class _Block:
         arguments = dict(bound.arguments)
         if index.numel() != full:
             for name, value in arguments.items():
-                if (isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == full
-                        and not any(word in name for word in SHARED_ARGUMENT_WORDS)):
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.dim() > 0
+                    and value.shape[0] == full
+                    and not any(word in name for word in SHARED_ARGUMENT_WORDS)
+                ):
                     arguments[name] = value.index_select(0, index.to(value.device))
         return self.fn_ref.original_forward(**arguments)  # type: ignore[attr-defined]
 
@@ -235,8 +246,11 @@ class _HeadHook(_Block, ModelHook):
         if call.method == "fbcache":
             if index.numel() == full:
                 return out
-            return self.pack(base[0].index_select(0, index.to(hidden.device)),
-                             None if base[1] is None else base[1].index_select(0, index.to(hidden.device)), out)
+            return self.pack(
+                base[0].index_select(0, index.to(hidden.device)),
+                None if base[1] is None else base[1].index_select(0, index.to(hidden.device)),
+                out,
+            )
         if index.numel() == 0:
             return self.pack(hidden, encoder, (None, None))
         return self.run_rows(bound, index, full)
@@ -266,6 +280,7 @@ class _BlockHook(_Block, ModelHook):
         self.owner.span = None
         return self.pack(hidden, encoder, out if out is not None else (None, None))
 
+
 def _rebuild(span: Span, hidden: torch.Tensor, encoder: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
     """Every row of the call after the blocks: a computed row leaves with its own output (bit-equal to an uncached
     step) and keeps its residual; the others get `base + residual`, their cached residual or their forecast."""
@@ -284,7 +299,8 @@ def _rebuild(span: Span, hidden: torch.Tensor, encoder: torch.Tensor | None) -> 
             row.residual[branch] = res
             if row.settings.method == "taylorseer":
                 state = row.taylor.setdefault(
-                    branch, TaylorSeerState(taylor_factors_dtype=torch.float32, max_order=row.settings.order))
+                    branch, TaylorSeerState(taylor_factors_dtype=torch.float32, max_order=row.settings.order)
+                )
                 state.current_step = row.step
                 state.update(res if res[1] is not None else (res[0],))
     if len(computed) == span.full:
@@ -300,8 +316,9 @@ def _rebuild(span: Span, hidden: torch.Tensor, encoder: torch.Tensor | None) -> 
     if base_encoder is not None:
         out_encoder = base_encoder.clone()
         if all(r[1] is not None for r in residuals):
-            out_encoder.index_copy_(0, where, base_encoder.index_select(0, where)
-                                    + torch.stack([r[1] for r in residuals]))  # type: ignore[misc]
+            out_encoder.index_copy_(
+                0, where, base_encoder.index_select(0, where) + torch.stack([r[1] for r in residuals])
+            )  # type: ignore[misc]
         if computed and encoder is not None:
             out_encoder.index_copy_(0, index, encoder)
     return out_hidden, out_encoder

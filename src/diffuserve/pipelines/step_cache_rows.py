@@ -60,9 +60,13 @@ class RowCache:
     def must_compute(self) -> bool:
         """Whatever its measure says: warm-up, the last step, the cap on consecutive reuse, nothing cached yet."""
         s = self.settings
-        return (self.step < s.warmup_steps or not self.residual and not self.taylor
-                or (s.compute_last_step and self.step >= self.num_steps - 1)
-                or (s.max_cached_steps > 0 and self.consecutive >= s.max_cached_steps))
+        return (
+            self.step < s.warmup_steps
+            or not self.residual
+            and not self.taylor
+            or (s.compute_last_step and self.step >= self.num_steps - 1)
+            or (s.max_cached_steps > 0 and self.consecutive >= s.max_cached_steps)
+        )
 
     def end_step(self) -> None:
         """Count the step and move on (called once per row per denoising step)."""
@@ -89,8 +93,11 @@ def step_counts(rows: Sequence[RowCache] | None) -> dict[str, Any] | None:
     """A request's counts for `timings`: steps its rows computed and reused (summed over its rows)."""
     if not rows:
         return None
-    counts: dict[str, Any] = {"method": rows[0].settings.method, "computed_steps": sum(r.computed for r in rows),
-                              "reused_steps": sum(r.reused for r in rows)}
+    counts: dict[str, Any] = {
+        "method": rows[0].settings.method,
+        "computed_steps": sum(r.computed for r in rows),
+        "reused_steps": sum(r.reused for r in rows),
+    }
     if rows[0].settings.calibrate:  # the request's rows' ratios, averaged step by step
         counts["mag_ratios"] = [sum(step) / len(step) for step in zip(*(r.ratios for r in rows), strict=True)]
     return counts
@@ -100,8 +107,11 @@ def changes(call: CallRows, now: torch.Tensor) -> list[float | None]:
     """Per row of the call that still decides this step: the relative L1 change of `now[i]` against the row's
     probe (diffusers' FirstBlockCache measure, taken per row instead of over the batch); None where the row
     has no probe or has decided already. One device sync for the whole call."""
-    wanted = [i for i, (row, branch) in enumerate(zip(call.rows, call.branches, strict=True))
-              if not row.decided and branch in row.probe]
+    wanted = [
+        i
+        for i, (row, branch) in enumerate(zip(call.rows, call.branches, strict=True))
+        if not row.decided and branch in row.probe
+    ]
     out: list[float | None] = [None] * len(call.rows)
     if not wanted:
         return out

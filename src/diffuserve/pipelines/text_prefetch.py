@@ -71,8 +71,11 @@ class TextPrefetch:
         `on_done(steps_beside)` gets the denoising steps the loop ran while the encode ran."""
         signature = repr(params.signature())
         with self._lock:
-            todo = [t for t in dict.fromkeys(texts)
-                    if (t, signature) not in self._entries and (t, signature) not in self._pending]
+            todo = [
+                t
+                for t in dict.fromkeys(texts)
+                if (t, signature) not in self._entries and (t, signature) not in self._pending
+            ]
             if not todo:
                 return False
             self._pending.update((t, signature) for t in todo)

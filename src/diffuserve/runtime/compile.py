@@ -27,8 +27,7 @@ def check_executable(plan: DeploymentPlan) -> None:
     for active, flag, what in unavailable:
         if active:
             raise ConfigError(
-                f"{flag} {what} is resolved by the deployment plan but cannot run in this release; "
-                f"drop {flag}."
+                f"{flag} {what} is resolved by the deployment plan but cannot run in this release; drop {flag}."
             )
 
 

@@ -217,8 +217,12 @@ class LayerwiseStrategy(Strategy):
             resident = i < n_resident
             # A permanent resident layer keeps no host copy: it is never reloaded.
             unit = WeightUnit(
-                self.name, lname, list(slots.values()), self.transfers,
-                keep_host=not (resident and permanent), pin_memory=pin,
+                self.name,
+                lname,
+                list(slots.values()),
+                self.transfers,
+                keep_host=not (resident and permanent),
+                pin_memory=pin,
             )
             self.layer_units.append(unit)
             self.layer_spec_of.append(spec)
@@ -255,8 +259,8 @@ class LayerwiseStrategy(Strategy):
         assert self.rest is not None and self.streamer is not None
         streamed = sorted((u.nbytes for u, s in zip(self.layer_units, self.streamed, strict=True) if s), reverse=True)
         window = sum(streamed[: self.streamer.depth + 1])
-        forward_resident = 0 if self.plan.lifetime is Lifetime.PERMANENT else sum(
-            u.nbytes for u in self._resident_units()
+        forward_resident = (
+            0 if self.plan.lifetime is Lifetime.PERMANENT else sum(u.nbytes for u in self._resident_units())
         )
         return self.rest.nbytes + forward_resident + window
 

@@ -65,8 +65,12 @@ class WholeOffloadStrategy(Strategy):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.unit = WeightUnit(
-            self.name, None, list(collect_slots(self.module.modules()).values()), self.transfers,
-            keep_host=self.mode is ResidencyMode.SNAPSHOT_OFFLOAD, pin_memory=self.plan.pin_memory,
+            self.name,
+            None,
+            list(collect_slots(self.module.modules()).values()),
+            self.transfers,
+            keep_host=self.mode is ResidencyMode.SNAPSHOT_OFFLOAD,
+            pin_memory=self.plan.pin_memory,
         )
 
     def transient_bytes(self) -> int:
@@ -316,7 +320,11 @@ def build_residency(
             logger.info("residency: plan names %r but the pipeline has no such module; ignored", name)
     plans = {name: plan.components[name] for name in modules if name in plan.components}
     manager = ComponentResidencyManager(
-        modules, plans, device=device, ledger=ledger, layer_specs=layer_specs,
+        modules,
+        plans,
+        device=device,
+        ledger=ledger,
+        layer_specs=layer_specs,
         device_budget_bytes=device_budget_bytes,
         offload_during_compile=plan.enable_torch_compile and plan.offload_during_compile,
     )

@@ -40,8 +40,11 @@ def _bundle_folder() -> Path:
     try:
         import fastapi_offline
     except ImportError as exc:  # a dependency; only a broken install lacks it
-        raise NotFoundError("Swagger UI is not installed here: `pip install fastapi-offline` (a dependency of "
-                            "diffuserve); the schema itself is at /openapi.json.", param="path") from exc
+        raise NotFoundError(
+            "Swagger UI is not installed here: `pip install fastapi-offline` (a dependency of "
+            "diffuserve); the schema itself is at /openapi.json.",
+            param="path",
+        ) from exc
     return Path(fastapi_offline.__file__).parent / "static"
 
 

@@ -33,8 +33,9 @@ from diffuserve.storage.open import open_results
 logger = logging.getLogger("diffuserve.server")
 
 
-def _error_response(status: int, message: str, error_type: str, param: str | None, code: str | None,
-                    retry_after_s: float | None = None) -> JSONResponse:
+def _error_response(
+    status: int, message: str, error_type: str, param: str | None, code: str | None, retry_after_s: float | None = None
+) -> JSONResponse:
     headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s else None
     return JSONResponse(error_envelope(message, error_type, param, code), status_code=status, headers=headers)
 
@@ -48,16 +49,23 @@ def _param_of(loc: tuple) -> str:
 def install_error_handlers(app: FastAPI, count: Callable[[int, str], None] | None = None) -> None:
     """Map every error to its envelope; `count(status, code)` records each answer for /metrics."""
 
-    def respond(status: int, message: str, error_type: str, param: str | None, code: str | None,
-                retry_after_s: float | None = None) -> JSONResponse:
+    def respond(
+        status: int,
+        message: str,
+        error_type: str,
+        param: str | None,
+        code: str | None,
+        retry_after_s: float | None = None,
+    ) -> JSONResponse:
         if count is not None:
             count(status, code or "none")
         return _error_response(status, message, error_type, param, code, retry_after_s)
 
     @app.exception_handler(DiffuserveError)
     async def _diffuserve_error(_: Request, exc: DiffuserveError) -> JSONResponse:
-        return respond(exc.http_status, exc.message, exc.error_type, exc.param, exc.code,
-                       getattr(exc, "retry_after_s", None))
+        return respond(
+            exc.http_status, exc.message, exc.error_type, exc.param, exc.code, getattr(exc, "retry_after_s", None)
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -68,7 +76,9 @@ def install_error_handlers(app: FastAPI, count: Callable[[int, str], None] | Non
             message = f"Unknown field {param!r}; remove it (see the API reference for accepted fields)."
         elif first.get("type") in ("json_invalid", "model_attributes_type", "dict_type") or param == "body":
             param = "body"
-            message = "The request body must be a JSON object (Content-Type: application/json). " + str(first.get("msg", ""))
+            message = "The request body must be a JSON object (Content-Type: application/json). " + str(
+                first.get("msg", "")
+            )
         else:
             message = f"Invalid value for {param!r}: {first.get('msg', 'invalid')}."
         return respond(400, message, "invalid_request_error", param, "invalid_value")
@@ -76,9 +86,17 @@ def install_error_handlers(app: FastAPI, count: Callable[[int, str], None] | Non
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
-            return respond(404, f"No route {request.method} {request.url.path}.", "invalid_request_error", None, "not_found")
+            return respond(
+                404, f"No route {request.method} {request.url.path}.", "invalid_request_error", None, "not_found"
+            )
         if exc.status_code == 405:
-            return respond(405, f"Method {request.method} is not allowed on {request.url.path}.", "invalid_request_error", None, "method_not_allowed")
+            return respond(
+                405,
+                f"Method {request.method} is not allowed on {request.url.path}.",
+                "invalid_request_error",
+                None,
+                "method_not_allowed",
+            )
         return respond(exc.status_code, str(exc.detail), "invalid_request_error", None, None)
 
     @app.exception_handler(Exception)
@@ -107,14 +125,23 @@ ERROR_RESPONSES: dict[int | str, dict] = {
 def open_results_store(args) -> ResultStore:
     """The results store under --output-dir, with the retention flags (a clear start-up error if unusable)."""
     folder = args.resolved_output_dir()
-    policy = RetentionPolicy(ttl_s=args.result_ttl_s, max_bytes=args.max_output_bytes,
-                             heartbeat_stale_s=args.owner_timeout_s)
+    policy = RetentionPolicy(
+        ttl_s=args.result_ttl_s, max_bytes=args.max_output_bytes, heartbeat_stale_s=args.owner_timeout_s
+    )
     try:
-        return open_results(folder, policy, results_db=args.results_db, media_store=args.media_store,
-                            s3_endpoint_url=args.s3_endpoint_url, create_bucket=args.media_store_create_bucket)
+        return open_results(
+            folder,
+            policy,
+            results_db=args.results_db,
+            media_store=args.media_store,
+            s3_endpoint_url=args.s3_endpoint_url,
+            create_bucket=args.media_store_create_bucket,
+        )
     except (OSError, sqlite3.Error) as exc:
-        raise ConfigError(f"--output-dir: cannot keep results in {str(folder)!r} ({exc}); give a writable folder "
-                          "on a local filesystem.") from exc
+        raise ConfigError(
+            f"--output-dir: cannot keep results in {str(folder)!r} ({exc}); give a writable folder "
+            "on a local filesystem."
+        ) from exc
 
 
 def create_app(ctx: ServerContext) -> FastAPI:
@@ -132,10 +159,16 @@ def create_app(ctx: ServerContext) -> FastAPI:
             ctx.engine.stop()
 
     # redirect_slashes off: TrailingSlashMiddleware serves `/route/` as `/route` instead of a 307.
-    app = FastAPI(title="diffuserve", version=__version__, lifespan=lifespan,
-                  description="OpenAI-compatible image generation with dynamic batching.",
-                  responses=ERROR_RESPONSES, redirect_slashes=False,
-                  docs_url=None, redoc_url=None)  # /docs: api_docs, offline; ReDoc breaks under the CSP
+    app = FastAPI(
+        title="diffuserve",
+        version=__version__,
+        lifespan=lifespan,
+        description="OpenAI-compatible image generation with dynamic batching.",
+        responses=ERROR_RESPONSES,
+        redirect_slashes=False,
+        docs_url=None,
+        redoc_url=None,
+    )  # /docs: api_docs, offline; ReDoc breaks under the CSP
     if ctx.results is None:
         ctx.results = open_results_store(ctx.args)
     if ctx.videos is None:
@@ -154,8 +187,12 @@ def create_app(ctx: ServerContext) -> FastAPI:
     api_key = ctx.args.resolved_api_key()
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, count=count)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=ctx.args.max_request_bytes,
-                       path_caps={"/v1/images/edits": (ctx.args.max_upload_bytes, "--max-upload-bytes")}, count=count)
+    app.add_middleware(
+        BodySizeLimitMiddleware,
+        max_bytes=ctx.args.max_request_bytes,
+        path_caps={"/v1/images/edits": (ctx.args.max_upload_bytes, "--max-upload-bytes")},
+        count=count,
+    )
     # Outermost: the other middleware and the router see the path without its trailing slash.
     app.add_middleware(TrailingSlashMiddleware)
     return app

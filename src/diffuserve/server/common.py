@@ -48,26 +48,31 @@ def check_request_limits(
     args = ctx.args
     if model is not None and model not in args.model_names:
         # As OpenAI answers an unknown model: 404 model_not_found (the README's error table says so).
-        raise ModelNotFoundError(f"Unknown model {model!r}; this server serves {args.public_model_name!r} "
-                                 "(see GET /v1/models).", param="model")
+        raise ModelNotFoundError(
+            f"Unknown model {model!r}; this server serves {args.public_model_name!r} (see GET /v1/models).",
+            param="model",
+        )
     for name, text in texts.items():
         if text is not None and len(text) > args.max_prompt_chars:
             raise InvalidRequestError(
                 f"{name} has {len(text)} characters; the limit is {args.max_prompt_chars} (--max-prompt-chars).",
-                param=name)
+                param=name,
+            )
     for name, value in (("width", width), ("height", height)):
         if value > args.max_image_side:
             raise InvalidRequestError(
-                f"{name}={value} exceeds the largest side this server allows ({args.max_image_side}, --max-image-side).",
-                param="size")
+                f"{name}={value} exceeds the largest side this server allows ({args.max_image_side}, "
+                "--max-image-side).",
+                param="size",
+            )
     if steps > args.max_inference_steps:
         raise InvalidRequestError(
             f"num_inference_steps={steps} exceeds the limit of {args.max_inference_steps} (--max-inference-steps).",
-            param="num_inference_steps")
+            param="num_inference_steps",
+        )
 
 
-def resolve_size(size: str | None, width: int | None, height: int | None,
-                 default: tuple[int, int]) -> tuple[int, int]:
+def resolve_size(size: str | None, width: int | None, height: int | None, default: tuple[int, int]) -> tuple[int, int]:
     """(width, height) from `size` and/or `width`/`height` (the SGLang / vLLM-Omni / FastVideo spelling): given
     together they must agree (else 400 naming the field that differs); a side left out is the default's."""
     if size is None:
@@ -75,17 +80,23 @@ def resolve_size(size: str | None, width: int | None, height: int | None,
     parsed = parse_size(size)
     for name, given, from_size in (("width", width, parsed[0]), ("height", height, parsed[1])):
         if given is not None and given != from_size:
-            raise InvalidRequestError(f"{name}={given} disagrees with size={size!r} ({name} {from_size}); give size "
-                                      f"or width/height, or make them agree.", param=name)
+            raise InvalidRequestError(
+                f"{name}={given} disagrees with size={size!r} ({name} {from_size}); give size "
+                f"or width/height, or make them agree.",
+                param=name,
+            )
     return parsed
 
 
 def check_image_only_fields(num_frames: int | None) -> None:
     """An image request may carry `num_frames` (SGLang-Diffusion's clients always send it): 1 means one image."""
     if num_frames is not None and num_frames != 1:
-        raise InvalidRequestError(f"num_frames={num_frames}: an image request makes one frame per image, so "
-                                  "num_frames may only be 1 (leave it out, or use n for more images; videos: "
-                                  "POST /v1/videos).", param="num_frames")
+        raise InvalidRequestError(
+            f"num_frames={num_frames}: an image request makes one frame per image, so "
+            "num_frames may only be 1 (leave it out, or use n for more images; videos: "
+            "POST /v1/videos).",
+            param="num_frames",
+        )
 
 
 def layer_count(n: int, n_given: bool, layers: int | None) -> int:
@@ -93,8 +104,9 @@ def layer_count(n: int, n_given: bool, layers: int | None) -> int:
     if layers is None:
         return n
     if n_given and n != layers:
-        raise InvalidRequestError(f"layers={layers} and n={n} disagree: both are the number of layers; give one.",
-                                  param="layers")
+        raise InvalidRequestError(
+            f"layers={layers} and n={n} disagree: both are the number of layers; give one.", param="layers"
+        )
     return layers
 
 
@@ -123,8 +135,11 @@ def check_prompt(ctx: ServerContext, texts: dict[str, str | None]) -> PromptChec
         return PromptCheck([], counted.text_tokens)
     if ctx.args.reject_truncated_prompts:
         first = counted.truncations[0]
-        raise InvalidRequestError(f"{first.message}; shorten it (this server runs with --reject-truncated-prompts).",
-                                  param=first.field, code="prompt_too_long")
+        raise InvalidRequestError(
+            f"{first.message}; shorten it (this server runs with --reject-truncated-prompts).",
+            param=first.field,
+            code="prompt_too_long",
+        )
     messages = [t.message for t in counted.truncations]
     logger.warning("request truncated by the text encoders: %s", "; ".join(messages))
     return PromptCheck(messages, counted.text_tokens)
@@ -135,8 +150,9 @@ async def count_prompt(ctx: ServerContext, texts: dict[str, str | None]) -> Prom
     return await run_in_threadpool(check_prompt, ctx, texts)
 
 
-def result_timings(result: GenerationResult, *, encode_s: float, received: float,
-                   metrics: EngineMetrics | None = None) -> dict[str, Any]:
+def result_timings(
+    result: GenerationResult, *, encode_s: float, received: float, metrics: EngineMetrics | None = None
+) -> dict[str, Any]:
     """The `timings` object of a response (milliseconds); with `metrics`, the request's serving overhead (its
     server time outside queue wait and pipeline calls) goes to `diffuserve_serving_overhead_seconds`."""
     total_s = time.monotonic() - received

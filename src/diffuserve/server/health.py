@@ -36,8 +36,12 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
-@router.get("/metrics", tags=["health"], response_class=PlainTextResponse,
-            responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format."}})
+@router.get(
+    "/metrics",
+    tags=["health"],
+    response_class=PlainTextResponse,
+    responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format."}},
+)
 async def metrics(request: Request) -> Response:
     payload, content_type = server_context(request).metrics.render()
     return Response(content=payload, media_type=content_type)

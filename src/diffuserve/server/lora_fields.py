@@ -31,8 +31,9 @@ def request_loras(ctx: ServerContext, lora: Any, model: str | None) -> tuple[tup
     for i, (name, scale) in enumerate(entries):
         if name not in loaded:
             have = f"loaded: {', '.join(loaded)}" if loaded else "none is loaded (serve with --lora-modules NAME=PATH)"
-            raise InvalidRequestError(f"lora: no adapter named {name!r} ({have}; GET /v1/models lists them).",
-                                      param="lora")
+            raise InvalidRequestError(
+                f"lora: no adapter named {name!r} ({have}; GET /v1/models lists them).", param="lora"
+            )
         if not low <= scale <= high:
             raise InvalidRequestError(f"lora[{i}].scale={scale} is outside [{low}, {high}].", param="lora")
         if name in seen:

@@ -50,8 +50,20 @@ class MeshJob:
     runner: Any = field(default=None, repr=False, compare=False)
     """The asyncio task driving the job."""
 
-    _META = ("model", "seed", "num_inference_steps", "guidance_scale", "octree_resolution", "output_format",
-             "prompt", "progress", "error", "timings", "num_vertices", "num_faces")
+    _META = (
+        "model",
+        "seed",
+        "num_inference_steps",
+        "guidance_scale",
+        "octree_resolution",
+        "output_format",
+        "prompt",
+        "progress",
+        "error",
+        "timings",
+        "num_vertices",
+        "num_faces",
+    )
 
     @property
     def terminal(self) -> bool:
@@ -65,14 +77,25 @@ class MeshJob:
         return {name: getattr(self, name) for name in self._META}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "mesh", "status": self.status, "created_at": self.created_at,
-                "completed_at": self.completed_at, **{k: v for k, v in self.meta().items()}}
+        return {
+            "id": self.id,
+            "object": "mesh",
+            "status": self.status,
+            "created_at": self.created_at,
+            "completed_at": self.completed_at,
+            **{k: v for k, v in self.meta().items()},
+        }
 
     @classmethod
     def from_record(cls, record: Record) -> MeshJob:
         meta = {k: v for k, v in record.meta.items() if k in cls._META}
-        return cls(id=record.id, status=record.status, created_at=int(record.created_at),
-                   completed_at=None if record.completed_at is None else int(record.completed_at), **meta)
+        return cls(
+            id=record.id,
+            status=record.status,
+            created_at=int(record.created_at),
+            completed_at=None if record.completed_at is None else int(record.completed_at),
+            **meta,
+        )
 
 
 class MeshJobStore:
@@ -126,8 +149,15 @@ class MeshJobStore:
         if changed:
             self.results.update_live(job_id, status="in_progress", meta=meta)
 
-    def finish(self, job_id: str, status: str, *, error: dict[str, Any] | None = None, content: bytes | None = None,
-               **fields: Any) -> bool:
+    def finish(
+        self,
+        job_id: str,
+        status: str,
+        *,
+        error: dict[str, Any] | None = None,
+        content: bytes | None = None,
+        **fields: Any,
+    ) -> bool:
         """Move a live job to a terminal status (False when unknown or already finished)."""
         with self._lock:
             job = self._live.get(job_id)

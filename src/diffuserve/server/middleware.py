@@ -25,16 +25,29 @@ ErrorCounter = Callable[[int, str], None]
 """count(status, code): records one error answer (EngineMetrics.observe_error)."""
 
 
-async def _send_error(send: Any, status: int, message: str, error_type: str, code: str, headers: list | None = None,
-                      count: ErrorCounter | None = None) -> None:
+async def _send_error(
+    send: Any,
+    status: int,
+    message: str,
+    error_type: str,
+    code: str,
+    headers: list | None = None,
+    count: ErrorCounter | None = None,
+) -> None:
     if count is not None:
         count(status, code)
     body = json.dumps(error_envelope(message, error_type, None, code)).encode()
-    await send({
-        "type": "http.response.start",
-        "status": status,
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(headers or [])],
-    })
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -77,8 +90,13 @@ class ApiKeyMiddleware:
         # Compare even when the scheme is wrong, so the answer time does not depend on the header.
         if not hmac.compare_digest(token.strip(), self._expected) or not ok:
             return await _send_error(
-                send, 401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
-                "authentication_error", "invalid_api_key", [(b"www-authenticate", b"Bearer")], self._count,
+                send,
+                401,
+                "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+                "authentication_error",
+                "invalid_api_key",
+                [(b"www-authenticate", b"Bearer")],
+                self._count,
             )
         return await self.app(scope, receive, send)
 
@@ -89,8 +107,13 @@ class BodySizeLimitMiddleware:
     `path_caps` gives some paths their own cap (uploads to /v1/images/edits); others get `max_bytes`.
     """
 
-    def __init__(self, app: Any, max_bytes: int, path_caps: dict[str, tuple[int, str]] | None = None,
-                 count: ErrorCounter | None = None):
+    def __init__(
+        self,
+        app: Any,
+        max_bytes: int,
+        path_caps: dict[str, tuple[int, str]] | None = None,
+        count: ErrorCounter | None = None,
+    ):
         self.app = app
         self._count = count
         self.default_cap = (max_bytes, "--max-request-bytes")
@@ -105,8 +128,14 @@ class BodySizeLimitMiddleware:
                 try:
                     declared = int(value)
                 except ValueError:
-                    return await _send_error(send, 400, "Invalid Content-Length header.", "invalid_request_error",
-                                             "invalid_value", count=self._count)
+                    return await _send_error(
+                        send,
+                        400,
+                        "Invalid Content-Length header.",
+                        "invalid_request_error",
+                        "invalid_value",
+                        count=self._count,
+                    )
                 if declared > max_bytes:
                     return await self._too_large(send, max_bytes, flag)
         # Stream the body through, counting; past the cap stop reading and answer 413.
@@ -137,6 +166,10 @@ class BodySizeLimitMiddleware:
 
     async def _too_large(self, send: Any, max_bytes: int, flag: str) -> None:
         await _send_error(
-            send, 413, f"The request body exceeds {max_bytes} bytes ({flag}).",
-            "invalid_request_error", "request_too_large", count=self._count,
+            send,
+            413,
+            f"The request body exceeds {max_bytes} bytes ({flag}).",
+            "invalid_request_error",
+            "request_too_large",
+            count=self._count,
         )

@@ -54,8 +54,9 @@ router = APIRouter()
 _DISCONNECT_POLL_S = 0.05
 
 
-def image_params(body: ImageGenerationRequest, ctx: ServerContext, *, image_inputs: tuple[bytes, ...] = (),
-                 strength: float = 1.0) -> SamplingParams:
+def image_params(
+    body: ImageGenerationRequest, ctx: ServerContext, *, image_inputs: tuple[bytes, ...] = (), strength: float = 1.0
+) -> SamplingParams:
     """Request body -> SamplingParams through the one builder, after the server's own caps."""
     model = ctx.engine.model
     assert model is not None
@@ -63,7 +64,10 @@ def image_params(body: ImageGenerationRequest, ctx: ServerContext, *, image_inpu
         route = "a mesh job with POST /v1/meshes" if model.output_kind == "mesh" else "a video job with POST /v1/videos"
         raise InvalidRequestError(
             f"The served model is a {model.family} {model.output_kind} model: it makes {model.output_kind}s, not "
-            f"images. Create {route} instead.", param="model", code="model_not_supported")
+            f"images. Create {route} instead.",
+            param="model",
+            code="model_not_supported",
+        )
     if body.size is not None:
         if body.width is not None or body.height is not None:
             raise InvalidRequestError("Give either size or width/height, not both.", param="size")
@@ -74,22 +78,44 @@ def image_params(body: ImageGenerationRequest, ctx: ServerContext, *, image_inpu
     check_request_fields(model, {"layers": body.layers})
     n = layer_count(body.n, "n" in body.model_fields_set, body.layers)
     check_background(body.background, model)
-    steps = (body.num_inference_steps or steps_for_quality(body.quality, model.defaults.num_inference_steps)
-             or model.defaults.num_inference_steps)
-    quality = encoder_quality(body.output_format, body.output_quality, body.output_compression,
-                              "output_quality" in body.model_fields_set)
+    steps = (
+        body.num_inference_steps
+        or steps_for_quality(body.quality, model.defaults.num_inference_steps)
+        or model.defaults.num_inference_steps
+    )
+    quality = encoder_quality(
+        body.output_format, body.output_quality, body.output_compression, "output_quality" in body.model_fields_set
+    )
     if body.partial_images is not None and not body.stream:
         raise InvalidRequestError("partial_images needs stream=true.", param="partial_images")
-    check_request_limits(ctx, model=base_model_name(ctx, body.model),
-                         texts={"prompt": body.prompt, "negative_prompt": body.negative_prompt},
-                         width=width, height=height, steps=steps)
+    check_request_limits(
+        ctx,
+        model=base_model_name(ctx, body.model),
+        texts={"prompt": body.prompt, "negative_prompt": body.negative_prompt},
+        width=width,
+        height=height,
+        steps=steps,
+    )
     lora = request_loras(ctx, body.lora, body.model)
     return build_sampling_params(
-        model, prompt=body.prompt, negative_prompt=body.negative_prompt, width=width, height=height,
-        num_inference_steps=steps, guidance_scale=body.guidance_scale, true_cfg_scale=body.true_cfg_scale,
-        seed=body.seed, n=n, output_format=body.output_format, output_quality=quality,
-        image_inputs=image_inputs, strength=strength, flow_shift=body.flow_shift, resolution=body.resolution,
-        lora=lora, step_cache=request_step_cache(body, ctx),
+        model,
+        prompt=body.prompt,
+        negative_prompt=body.negative_prompt,
+        width=width,
+        height=height,
+        num_inference_steps=steps,
+        guidance_scale=body.guidance_scale,
+        true_cfg_scale=body.true_cfg_scale,
+        seed=body.seed,
+        n=n,
+        output_format=body.output_format,
+        output_quality=quality,
+        image_inputs=image_inputs,
+        strength=strength,
+        flow_shift=body.flow_shift,
+        resolution=body.resolution,
+        lora=lora,
+        step_cache=request_step_cache(body, ctx),
     )
 
 
@@ -130,24 +156,47 @@ async def _generate_and_respond(
     inputs = [(params.width, params.height)] * len(params.image_inputs)  # inputs are resized to the output size
     counted = usage(ctx.engine.model, params, text_tokens=prompt.text_tokens, input_sizes=inputs)
     if body.stream:
-        common = {"size": f"{params.width}x{params.height}", "quality": reported_quality(body.quality),
-                  "background": "opaque", "output_format": params.output_format}
-        return stream_images(ctx.engine, params, prefix=prefix, partial_images=body.partial_images or 0,
-                             common=common, usage=counted, request_id=request_id,
-                             submit={"endpoint": "images", "timeout_s": body.timeout, "priority": body.priority,
-                                     "ineligible_reason": ineligible_reason})
-    result = await await_unless_disconnected(request, ctx.engine.generate(
-        params, endpoint="images", timeout_s=body.timeout, priority=body.priority, request_id=request_id,
-        ineligible_reason=ineligible_reason,
-    ))
+        common = {
+            "size": f"{params.width}x{params.height}",
+            "quality": reported_quality(body.quality),
+            "background": "opaque",
+            "output_format": params.output_format,
+        }
+        return stream_images(
+            ctx.engine,
+            params,
+            prefix=prefix,
+            partial_images=body.partial_images or 0,
+            common=common,
+            usage=counted,
+            request_id=request_id,
+            submit={
+                "endpoint": "images",
+                "timeout_s": body.timeout,
+                "priority": body.priority,
+                "ineligible_reason": ineligible_reason,
+            },
+        )
+    result = await await_unless_disconnected(
+        request,
+        ctx.engine.generate(
+            params,
+            endpoint="images",
+            timeout_s=body.timeout,
+            priority=body.priority,
+            request_id=request_id,
+            ineligible_reason=ineligible_reason,
+        ),
+    )
     encode_started = time.monotonic()
     encoded = await run_in_threadpool(
         lambda: [encode_image(img, params.output_format, params.output_quality) for img in result.output.images]
     )
     encode_s = time.monotonic() - encode_started
     if body.response_format == "url":
-        await run_in_threadpool(ctx.images.put, request_id,
-                                [StoredImage(data, mime_type(params.output_format)) for data in encoded])
+        await run_in_threadpool(
+            ctx.images.put, request_id, [StoredImage(data, mime_type(params.output_format)) for data in encoded]
+        )
         base = str(request.base_url).rstrip("/")
         data = [ImageData(url=f"{base}/v1/images/{request_id}/content?index={i}") for i in range(len(encoded))]
     else:
@@ -168,12 +217,17 @@ async def _generate_and_respond(
     )
 
 
-_STREAM_RESPONSE = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
-                         "description": "The images (JSON), or with stream=true Server-Sent Events."}}
+_STREAM_RESPONSE = {
+    200: {
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        "description": "The images (JSON), or with stream=true Server-Sent Events.",
+    }
+}
 
 
-@router.post("/v1/images/generations", tags=["images"], response_model=ImageGenerationResponse,
-             responses=_STREAM_RESPONSE)
+@router.post(
+    "/v1/images/generations", tags=["images"], response_model=ImageGenerationResponse, responses=_STREAM_RESPONSE
+)
 async def create_image(body: ImageGenerationRequest, request: Request) -> ImageGenerationResponse | StreamingResponse:
     received = time.monotonic()
     ctx = server_context(request)
@@ -184,29 +238,49 @@ async def create_image(body: ImageGenerationRequest, request: Request) -> ImageG
 _EDIT_FILE_FIELDS = ("image", "image[]")
 
 
-@router.post("/v1/images/edits", tags=["images"], response_model=ImageGenerationResponse,
-             responses=_STREAM_RESPONSE, openapi_extra={
-    "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
-        "type": "object", "required": ["image", "prompt"],
-        "properties": {"image": {"type": "string", "format": "binary"},
-                       **{k: v for k, v in ImageEditRequest.model_json_schema()["properties"].items()}},
-    }}}},
-})
+@router.post(
+    "/v1/images/edits",
+    tags=["images"],
+    response_model=ImageGenerationResponse,
+    responses=_STREAM_RESPONSE,
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "multipart/form-data": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["image", "prompt"],
+                        "properties": {
+                            "image": {"type": "string", "format": "binary"},
+                            **{k: v for k, v in ImageEditRequest.model_json_schema()["properties"].items()},
+                        },
+                    }
+                }
+            },
+        },
+    },
+)
 async def edit_image(request: Request) -> ImageGenerationResponse | StreamingResponse:
     """Image-to-image (multipart, OpenAI shape). Each edit runs alone: image-conditioned requests never merge."""
     received = time.monotonic()
     ctx = server_context(request)
     require_ready(ctx)
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise InvalidRequestError("POST /v1/images/edits takes multipart/form-data with an `image` file and a `prompt`.",
-                                  param="body")
+        raise InvalidRequestError(
+            "POST /v1/images/edits takes multipart/form-data with an `image` file and a `prompt`.", param="body"
+        )
     form = await request.form()
     uploads = [v for k in _EDIT_FILE_FIELDS for v in form.getlist(k) if not isinstance(v, str)]
     if "mask" in form:
-        raise InvalidRequestError("mask is not supported: this model edits the whole image (use strength).", param="mask")
+        raise InvalidRequestError(
+            "mask is not supported: this model edits the whole image (use strength).", param="mask"
+        )
     limit = ctx.engine.model.max_image_inputs  # type: ignore[union-attr]
     if not uploads or len(uploads) > max(limit, 1):
-        allowed = "exactly one `image` file" if limit <= 1 else f"1 to {limit} image files (`image` or repeated `image[]`)"
+        allowed = (
+            "exactly one `image` file" if limit <= 1 else f"1 to {limit} image files (`image` or repeated `image[]`)"
+        )
         raise InvalidRequestError(f"Send {allowed}; got {len(uploads)}.", param="image")
     fields = {k: v for k, v in form.multi_items() if k not in _EDIT_FILE_FIELDS and isinstance(v, str)}
     try:
@@ -215,8 +289,12 @@ async def edit_image(request: Request) -> ImageGenerationResponse | StreamingRes
         raise RequestValidationError(exc.errors(include_url=False)) from exc
     blobs = tuple([await upload.read() for upload in uploads])
     side = ctx.args.max_image_side
-    decode = functools.partial(decode_image, max_pixels=side ** 2, param="image",
-                               limit_flag=f"--max-image-side {side} (at most {side}x{side} pixels)")
+    decode = functools.partial(
+        decode_image,
+        max_pixels=side**2,
+        param="image",
+        limit_flag=f"--max-image-side {side} (at most {side}x{side} pixels)",
+    )
     sources = [await run_in_threadpool(decode, data) for data in blobs]
     if body.size is None and body.width is None and body.height is None:
         # Default to the (first) input's size, rounded down to what the model can produce.
@@ -225,16 +303,28 @@ async def edit_image(request: Request) -> ImageGenerationResponse | StreamingRes
             raise InvalidRequestError(
                 f"image is {sources[0].width}x{sources[0].height}; without size the output takes the input's size, "
                 f"and its sides must be at most {side} (--max-image-side). Downscale the image or give size.",
-                param="image")
-        body = body.model_copy(update={"width": max(multiple, sources[0].width // multiple * multiple),
-                                       "height": max(multiple, sources[0].height // multiple * multiple)})
+                param="image",
+            )
+        body = body.model_copy(
+            update={
+                "width": max(multiple, sources[0].width // multiple * multiple),
+                "height": max(multiple, sources[0].height // multiple * multiple),
+            }
+        )
     params = image_params(body, ctx, image_inputs=blobs, strength=body.strength)
-    return await _generate_and_respond(request, body, params, received=received,
-                                       ineligible_reason="image_conditioning", prefix="image_edit")
+    return await _generate_and_respond(
+        request, body, params, received=received, ineligible_reason="image_conditioning", prefix="image_edit"
+    )
 
 
-@router.get("/v1/images/{image_id}/content", tags=["images"], response_class=Response, responses={
-    200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}, "description": "The encoded image."}})
+@router.get(
+    "/v1/images/{image_id}/content",
+    tags=["images"],
+    response_class=Response,
+    responses={
+        200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}, "description": "The encoded image."}
+    },
+)
 async def image_content(image_id: str, request: Request, index: int = Query(default=0, ge=0)) -> Response:
     ctx = server_context(request)
     if ctx.args.media_presign_s > 0:  # --media-store with --media-presign-s: the client fetches from the bucket
@@ -245,6 +335,8 @@ async def image_content(image_id: str, request: Request, index: int = Query(defa
     if images is None:
         raise NotFoundError(f"No image {image_id!r} (unknown id, or dropped from the URL store).", param="image_id")
     if index >= len(images):
-        raise InvalidRequestError(f"index={index} is out of range: this result has {len(images)} image(s).", param="index")
+        raise InvalidRequestError(
+            f"index={index} is out of range: this result has {len(images)} image(s).", param="index"
+        )
     item = images[index]
     return Response(content=item.data, media_type=item.media_type)

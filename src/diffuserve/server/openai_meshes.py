@@ -71,8 +71,11 @@ def _decode_url(ctx: ServerContext, value: Any, field: str) -> bytes:
     if not isinstance(value, str) or not value:
         raise InvalidRequestError(f"{field} must be an image as a data: URL (data:image/png;base64,...).", param=field)
     if value.startswith(("http://", "https://")):
-        raise InvalidRequestError(f"{field}: remote URLs are not fetched unless the server runs with "
-                                  "--allow-remote-urls; send the image as a data: URL or upload it.", param=field)
+        raise InvalidRequestError(
+            f"{field}: remote URLs are not fetched unless the server runs with "
+            "--allow-remote-urls; send the image as a data: URL or upload it.",
+            param=field,
+        )
     header, _, payload = value.partition(",")
     if not value.startswith("data:") or ";base64" not in header or not payload:
         raise InvalidRequestError(f"{field}: not a base64 data: URL (data:image/png;base64,...).", param=field)
@@ -111,7 +114,9 @@ async def _create_body(request: Request) -> tuple[MeshCreateRequest, bytes]:
         try:
             data = await request.json()
         except ValueError:
-            raise InvalidRequestError("The body must be a JSON object or multipart form fields.", param="body") from None
+            raise InvalidRequestError(
+                "The body must be a JSON object or multipart form fields.", param="body"
+            ) from None
         if not isinstance(data, dict):
             raise InvalidRequestError("The body must be a JSON object.", param="body")
         images = [(k, data.pop(k)) for k in IMAGE_FIELDS if k in data]
@@ -120,14 +125,17 @@ async def _create_body(request: Request) -> tuple[MeshCreateRequest, bytes]:
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False)) from exc
     if not images:
-        raise InvalidRequestError("An image is required: upload it as `image` (multipart) or send `input_image` "
-                                  "as a data: URL.", param="image")
+        raise InvalidRequestError(
+            "An image is required: upload it as `image` (multipart) or send `input_image` as a data: URL.",
+            param="image",
+        )
     if len(images) > 1:
-        raise InvalidRequestError(f"One image per mesh job; got {len(images)}. Create one job per image.",
-                                  param="image")
+        raise InvalidRequestError(
+            f"One image per mesh job; got {len(images)}. Create one job per image.", param="image"
+        )
     field, value = images[0]
     image = await _image_value(ctx, field, value)
-    await run_in_threadpool(decode_image, image, max_pixels=ctx.args.max_image_side ** 2, param=field)
+    await run_in_threadpool(decode_image, image, max_pixels=ctx.args.max_image_side**2, param=field)
     return body, image
 
 
@@ -135,17 +143,28 @@ def build_mesh_params(body: MeshCreateRequest, ctx: ServerContext, image: bytes)
     model = ctx.engine.model
     assert model is not None
     if model.output_kind != "mesh":
-        raise InvalidRequestError(f"The served model {ctx.args.public_model_name!r} makes {model.output_kind}s, not "
-                                  "meshes.", param="model", code="model_not_supported")
+        raise InvalidRequestError(
+            f"The served model {ctx.args.public_model_name!r} makes {model.output_kind}s, not meshes.",
+            param="model",
+            code="model_not_supported",
+        )
     steps = body.num_inference_steps or model.defaults.num_inference_steps
     check_request_limits(ctx, model=body.model, texts={"prompt": body.prompt}, width=1, height=1, steps=steps)
-    params = build_sampling_params(model, prompt=body.prompt or "", num_inference_steps=steps,
-                                   guidance_scale=None if body.guidance_scale is None else float(body.guidance_scale),
-                                   seed=body.seed, output_format=body.output_format, image_inputs=(image,))
+    params = build_sampling_params(
+        model,
+        prompt=body.prompt or "",
+        num_inference_steps=steps,
+        guidance_scale=None if body.guidance_scale is None else float(body.guidance_scale),
+        seed=body.seed,
+        output_format=body.output_format,
+        image_inputs=(image,),
+    )
     if body.octree_resolution is not None and body.octree_resolution > ctx.args.max_octree_resolution:
-        raise InvalidRequestError(f"octree_resolution={body.octree_resolution} exceeds this server's limit of "
-                                  f"{ctx.args.max_octree_resolution} (--max-octree-resolution).",
-                                  param="octree_resolution")
+        raise InvalidRequestError(
+            f"octree_resolution={body.octree_resolution} exceeds this server's limit of "
+            f"{ctx.args.max_octree_resolution} (--max-octree-resolution).",
+            param="octree_resolution",
+        )
     params = dataclasses.replace(params, octree_resolution=body.octree_resolution or 0)
     if model.validate is not None:
         model.validate(params)
@@ -173,11 +192,24 @@ async def _drive(ctx: ServerContext, jobs: MeshJobStore, job: MeshJob, generatio
         jobs.finish(job.id, "failed", error=_error(exc))
         return
     except Exception as exc:  # noqa: BLE001 - a job always ends in a status
-        jobs.finish(job.id, "failed", error=error_envelope(f"Mesh job failed: {type(exc).__name__}: {exc}",
-                                                            "server_error", None, "generation_failed")["error"])
+        jobs.finish(
+            job.id,
+            "failed",
+            error=error_envelope(
+                f"Mesh job failed: {type(exc).__name__}: {exc}", "server_error", None, "generation_failed"
+            )["error"],
+        )
         return
-    await run_in_threadpool(lambda: jobs.finish(job.id, "completed", content=content, timings=timings,
-                                                 num_vertices=len(mesh.vertices), num_faces=len(mesh.faces)))
+    await run_in_threadpool(
+        lambda: jobs.finish(
+            job.id,
+            "completed",
+            content=content,
+            timings=timings,
+            num_vertices=len(mesh.vertices),
+            num_faces=len(mesh.faces),
+        )
+    )
 
 
 @router.post("/v1/meshes", tags=["meshes"])
@@ -189,10 +221,16 @@ async def create_mesh(request: Request) -> dict[str, Any]:
     body, image = await _create_body(request)
     params = build_mesh_params(body, ctx, image)
     jobs = _jobs(request)
-    job = MeshJob(id=f"mesh_{uuid.uuid4().hex}", model=ctx.args.public_model_name, seed=params.seed or 0,
-                  num_inference_steps=params.num_inference_steps, guidance_scale=params.guidance_scale,
-                  octree_resolution=params.octree_resolution, output_format=params.output_format,
-                  prompt=params.prompt)
+    job = MeshJob(
+        id=f"mesh_{uuid.uuid4().hex}",
+        model=ctx.args.public_model_name,
+        seed=params.seed or 0,
+        num_inference_steps=params.num_inference_steps,
+        guidance_scale=params.guidance_scale,
+        octree_resolution=params.octree_resolution,
+        output_format=params.output_format,
+        prompt=params.prompt,
+    )
     # Admission errors (429, 503) raise here, before any job is kept.
     generation = ctx.engine.submit(params, endpoint="meshes", request_id=job.id)
     jobs.add(job)
@@ -212,15 +250,24 @@ def _get(request: Request, mesh_id: str) -> MeshJob:
 
 
 @router.get("/v1/meshes", tags=["meshes"])
-async def list_meshes(request: Request, limit: int = Query(default=20, ge=1, le=100), after: str | None = None,
-                      order: Literal["asc", "desc"] = "desc") -> dict[str, Any]:
+async def list_meshes(
+    request: Request,
+    limit: int = Query(default=20, ge=1, le=100),
+    after: str | None = None,
+    order: Literal["asc", "desc"] = "desc",
+) -> dict[str, Any]:
     try:
         page, has_more = _jobs(request).list(limit=limit, after=after, newest_first=order == "desc")
     except KeyError:
         raise InvalidRequestError(f"after={after!r} is not a kept mesh job id.", param="after") from None
     data = [job.to_dict() for job in page]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
 
 
 @router.get("/v1/meshes/{mesh_id}", tags=["meshes"])
@@ -228,16 +275,24 @@ async def get_mesh(mesh_id: str, request: Request) -> dict[str, Any]:
     return _get(request, mesh_id).to_dict()
 
 
-@router.get("/v1/meshes/{mesh_id}/content", tags=["meshes"], response_class=Response, responses={
-    200: {"content": {"model/gltf-binary": {}, "text/plain": {}}}})
+@router.get(
+    "/v1/meshes/{mesh_id}/content",
+    tags=["meshes"],
+    response_class=Response,
+    responses={200: {"content": {"model/gltf-binary": {}, "text/plain": {}}}},
+)
 async def mesh_content(mesh_id: str, request: Request) -> Response:
     job = _get(request, mesh_id)
     content = await run_in_threadpool(_jobs(request).content, job) if job.status == "completed" else None
     if content is None:
-        raise MeshNotReadyError(f"Mesh job {mesh_id} is {job.status}; poll GET /v1/meshes/{{id}} until completed.",
-                                param="mesh_id")
-    return Response(content=content, media_type=MESH_FORMATS[job.output_format],
-                    headers={"Content-Disposition": f'inline; filename="{job.id}.{job.output_format}"'})
+        raise MeshNotReadyError(
+            f"Mesh job {mesh_id} is {job.status}; poll GET /v1/meshes/{{id}} until completed.", param="mesh_id"
+        )
+    return Response(
+        content=content,
+        media_type=MESH_FORMATS[job.output_format],
+        headers={"Content-Disposition": f'inline; filename="{job.id}.{job.output_format}"'},
+    )
 
 
 def _cancel(request: Request, job: MeshJob, how: str) -> None:
@@ -250,8 +305,11 @@ def _cancel(request: Request, job: MeshJob, how: str) -> None:
 async def cancel_mesh(mesh_id: str, request: Request) -> dict[str, Any]:
     job = _get(request, mesh_id)
     if job.terminal and job.status != "cancelled":
-        raise MeshNotReadyError(f"Mesh job {mesh_id} already {job.status}; DELETE it to remove it.",
-                                param="mesh_id", code="mesh_already_finished")
+        raise MeshNotReadyError(
+            f"Mesh job {mesh_id} already {job.status}; DELETE it to remove it.",
+            param="mesh_id",
+            code="mesh_already_finished",
+        )
     _cancel(request, job, f"POST /v1/meshes/{mesh_id}/cancel")
     return _get(request, mesh_id).to_dict()
 

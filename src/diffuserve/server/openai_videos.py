@@ -13,17 +13,14 @@ upload, or a data: URL) and never merge with other jobs.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import logging
 import time
 import uuid
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request, Response
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
 from starlette.concurrency import run_in_threadpool
 
 from diffuserve.engine.engine import GenerationResult
@@ -33,12 +30,12 @@ from diffuserve.errors import (
     NotFoundError,
     RequestCancelledError,
 )
-from diffuserve.media.images import decode_image
 from diffuserve.media.video import encode_mp4, spritesheet, thumbnail
 from diffuserve.sampling import SamplingParams
 from diffuserve.server.common import count_prompt, require_ready, result_timings, server_context
 from diffuserve.server.context import ServerContext
-from diffuserve.server.protocol import coerce_form_fields, error_envelope
+from diffuserve.server.protocol import error_envelope
+from diffuserve.server.video_inputs import create_body
 from diffuserve.server.video_jobs import VideoJob, VideoJobStore
 from diffuserve.server.video_params import VideoCreateRequest, build_video_params, frames_note
 
@@ -63,8 +60,9 @@ def _error_dict(exc: DiffuserveError) -> dict[str, Any]:
     return error_envelope(exc.message, exc.error_type, exc.param, exc.code)["error"]
 
 
-async def _drive_job(ctx: ServerContext, job: VideoJob, generation: asyncio.Future[GenerationResult],
-                     received: float) -> None:
+async def _drive_job(
+    ctx: ServerContext, job: VideoJob, generation: asyncio.Future[GenerationResult], received: float
+) -> None:
     """Await the engine's answer for `job`, encode the MP4 and record the outcome (never raises)."""
     store = _store(ctx)
     try:
@@ -79,17 +77,28 @@ async def _drive_job(ctx: ServerContext, job: VideoJob, generation: asyncio.Futu
         store.fail(job.id, _error_dict(exc))
         return
     except Exception as exc:  # noqa: BLE001 - a job must always end in a status, whatever went wrong
-        store.fail(job.id, error_envelope(f"Video job failed: {type(exc).__name__}: {exc}", "server_error",
-                                          None, "generation_failed")["error"])
+        store.fail(
+            job.id,
+            error_envelope(f"Video job failed: {type(exc).__name__}: {exc}", "server_error", None, "generation_failed")[
+                "error"
+            ],
+        )
         return
     # Writing the MP4 (fsync, rename) and its row is blocking I/O: off the event loop.
-    await run_in_threadpool(store.complete, job.id, content,
-                            result_timings(result, encode_s=encode_s, received=received, metrics=ctx.metrics))
+    await run_in_threadpool(
+        store.complete,
+        job.id,
+        content,
+        result_timings(result, encode_s=encode_s, received=received, metrics=ctx.metrics),
+    )
 
 
 INTERRUPTED_ERROR = error_envelope(
     "The server process running this job stopped before it finished (killed or crashed); create the job again.",
-    "server_error", None, "interrupted")["error"]
+    "server_error",
+    None,
+    "interrupted",
+)["error"]
 """The error of a job that was queued or running in a process that died."""
 
 
@@ -115,8 +124,9 @@ def start_results_sweep(ctx: ServerContext) -> None:
         store = _store(ctx)
         if job_id in store.live_ids():
             for gone in store.live_ids_finished_elsewhere():
-                logger.info("video job %s was finished or deleted through another replica (notified); stopping it",
-                            gone)
+                logger.info(
+                    "video job %s was finished or deleted through another replica (notified); stopping it", gone
+                )
                 ctx.engine.abort(gone, RequestCancelledError(f"The video job {gone} was cancelled or deleted."))
 
     results.fail_interrupted(INTERRUPTED_ERROR)
@@ -136,8 +146,9 @@ def _refresh(ctx: ServerContext, job: VideoJob) -> VideoJob:
 def _get_job(ctx: ServerContext, video_id: str) -> VideoJob:
     job = _store(ctx).get(video_id)
     if job is None:
-        raise NotFoundError(f"No video job {video_id!r} (unknown id, deleted, or dropped past --max-video-jobs).",
-                            param="video_id")
+        raise NotFoundError(
+            f"No video job {video_id!r} (unknown id, deleted, or dropped past --max-video-jobs).", param="video_id"
+        )
     return _refresh(ctx, job)
 
 
@@ -149,97 +160,10 @@ def _cancel(ctx: ServerContext, job: VideoJob, how: str) -> None:
         ctx.engine.abort(job.id, error)
 
 
-REFERENCE_FIELD = "input_reference"
 POLL_AFTER_HEADER = "openai-poll-after-ms"
 POLL_AFTER_MS = 500
 """What job reads tell pollers (the SDK's `poll` sleeps for this header) while a job is queued or running."""
 VARIANTS = ("video", "thumbnail", "spritesheet")
-
-
-async def _reference_image(ctx: ServerContext, value: Any) -> bytes:
-    """The bytes of `input_reference`: an upload, a `data:` URL (as a string or `{"image_url": ...}`), or a
-    remote URL (fetched only with --allow-remote-urls). `{"file_id": ...}` names a file this server does not
-    keep, so it is refused."""
-    if hasattr(value, "read"):
-        return await value.read()
-    if isinstance(value, dict):
-        if "file_id" in value and "image_url" not in value:
-            raise InvalidRequestError("input_reference.file_id is not supported (this server keeps no uploaded files); "
-                                      "upload the image or give image_url as a data: URL.", param=REFERENCE_FIELD)
-        value = value.get("image_url")
-    if not isinstance(value, str) or not value:
-        raise InvalidRequestError("input_reference must be an uploaded image, a data: URL, or {\"image_url\": ...}.",
-                                  param=REFERENCE_FIELD)
-    if value.startswith("data:"):
-        header, _, payload = value.partition(",")
-        if ";base64" not in header or not payload:
-            raise InvalidRequestError("input_reference: a data: URL must be base64 (data:image/png;base64,...).",
-                                      param=REFERENCE_FIELD)
-        try:
-            return base64.b64decode(payload, validate=True)
-        except binascii.Error:
-            raise InvalidRequestError("input_reference: the data: URL is not valid base64.", param=REFERENCE_FIELD) from None
-    if value.startswith(("http://", "https://")):
-        if not ctx.args.allow_remote_urls:
-            raise InvalidRequestError("input_reference: remote URLs are not fetched unless the server runs with "
-                                      "--allow-remote-urls; upload the image or send it as a data: URL.",
-                                      param=REFERENCE_FIELD)
-        return await _fetch(value, ctx.args.max_upload_bytes)
-    raise InvalidRequestError("input_reference: not a data: or http(s) URL.", param=REFERENCE_FIELD)
-
-
-async def _fetch(url: str, max_bytes: int) -> bytes:
-    """GET a remote image (operator opt-in), bounded in time and size."""
-    import httpx
-
-    try:
-        async with httpx.AsyncClient(timeout=10.0, follow_redirects=True) as client, client.stream("GET", url) as reply:
-            reply.raise_for_status()
-            data = b""
-            async for chunk in reply.aiter_bytes():
-                data += chunk
-                if len(data) > max_bytes:
-                    raise InvalidRequestError(f"input_reference: {url} is larger than {max_bytes} bytes "
-                                              "(--max-upload-bytes).", param=REFERENCE_FIELD)
-            return data
-    except httpx.HTTPError as exc:
-        raise InvalidRequestError(f"input_reference: could not fetch {url} ({exc}).", param=REFERENCE_FIELD) from None
-
-
-async def _create_body(request: Request) -> tuple[VideoCreateRequest, bytes | None]:
-    """The body as JSON, or as form fields (the official SDK always sends `videos.create` as multipart),
-    and the input image's bytes when the job has one."""
-    ctx = server_context(request)
-    content_type = request.headers.get("content-type", "")
-    reference: Any = None
-    if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-        form = await request.form()
-        fields: dict[str, Any] = {}
-        for key, value in form.multi_items():
-            if key == REFERENCE_FIELD:
-                reference = value  # an upload (or a data:/http(s) URL given as a plain form field)
-            elif not isinstance(value, str):
-                raise InvalidRequestError(f"{key}: only input_reference may be a file.", param=key)
-            else:
-                fields[key] = value
-        data: Any = coerce_form_fields(VideoCreateRequest, fields)
-    else:
-        try:
-            data = await request.json()
-        except ValueError:
-            raise InvalidRequestError("The request body must be a JSON object (Content-Type: application/json) or "
-                                      "multipart form fields.", param="body") from None
-        if isinstance(data, dict):
-            reference = data.pop(REFERENCE_FIELD, None)
-    try:
-        body = VideoCreateRequest.model_validate(data)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False)) from exc
-    if reference is None:
-        return body, None
-    image = await _reference_image(ctx, reference)
-    await run_in_threadpool(decode_image, image, max_pixels=ctx.args.max_image_side ** 2, param=REFERENCE_FIELD)
-    return body, image
 
 
 def _job_response(job: VideoJob, warnings: list[str] | None = None) -> JSONResponse:
@@ -255,25 +179,56 @@ async def _prompt_warnings(ctx: ServerContext, params: SamplingParams) -> list[s
     return (await count_prompt(ctx, {"prompt": params.prompt, "negative_prompt": params.negative_prompt})).warnings
 
 
-_CREATE_SCHEMA = {"requestBody": {"required": True, "content": {
-    media: {"schema": VideoCreateRequest.model_json_schema()}
-    for media in ("application/json", "multipart/form-data")}}}
+_CREATE_SCHEMA = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            media: {"schema": VideoCreateRequest.model_json_schema()}
+            for media in ("application/json", "multipart/form-data")
+        },
+    }
+}
 
 
-def _start_job(ctx: ServerContext, params: SamplingParams, body: VideoCreateRequest, received: float, *,
-               remixed_from: str | None = None) -> VideoJob:
+def _start_job(
+    ctx: ServerContext,
+    params: SamplingParams,
+    body: VideoCreateRequest,
+    received: float,
+    *,
+    remixed_from: str | None = None,
+) -> VideoJob:
     """Admit `params` to the engine and keep its job (admission errors raise before anything is kept)."""
     conditioned = bool(params.image_inputs)
-    job = VideoJob(id=f"video_{uuid.uuid4().hex}", model=ctx.args.public_model_name, prompt=params.prompt,
-                   width=params.width, height=params.height, num_frames=params.num_frames, fps=params.fps,
-                   num_inference_steps=params.num_inference_steps, seed=params.seed or 0,
-                   negative_prompt=body.negative_prompt, guidance_scale=body.guidance_scale,
-                   guidance_scale_2=body.guidance_scale_2, boundary_ratio=body.boundary_ratio,
-                   true_cfg_scale=body.true_cfg_scale, flow_shift=body.flow_shift, has_input_reference=conditioned, remixed_from_video_id=remixed_from)
+    job = VideoJob(
+        id=f"video_{uuid.uuid4().hex}",
+        model=ctx.args.public_model_name,
+        prompt=params.prompt,
+        width=params.width,
+        height=params.height,
+        num_frames=params.num_frames,
+        fps=params.fps,
+        num_inference_steps=params.num_inference_steps,
+        seed=params.seed or 0,
+        negative_prompt=body.negative_prompt,
+        guidance_scale=body.guidance_scale,
+        guidance_scale_2=body.guidance_scale_2,
+        boundary_ratio=body.boundary_ratio,
+        true_cfg_scale=body.true_cfg_scale,
+        flow_shift=body.flow_shift,
+        has_input_reference=conditioned,
+        remixed_from_video_id=remixed_from,
+    )
     # Admission (429 queue full, 503 not ready) raises here, to this client, not into the job. Jobs
     # conditioned on an image never merge with others.
-    generation = ctx.engine.submit(params, endpoint="videos", timeout_s=body.timeout, priority=body.priority,
-                                   request_id=job.id, ineligible_reason="image_conditioning" if conditioned else None)
+    generation = ctx.engine.submit(
+        params,
+        endpoint="videos",
+        timeout_s=body.timeout,
+        priority=body.priority,
+        request_id=job.id,
+        ineligible_reason="image_conditioning" if conditioned else None,
+    )
     try:
         _store(ctx).add(job)
     except Exception:
@@ -290,7 +245,7 @@ async def create_video(request: Request) -> JSONResponse:
     received = time.monotonic()
     ctx = server_context(request)
     require_ready(ctx)
-    body, image = await _create_body(request)
+    body, image = await create_body(request)
     params = build_video_params(body, ctx, image)
     warnings = frames_note(body, params) + await _prompt_warnings(ctx, params)
     return _job_response(_start_job(ctx, params, body, received), warnings)
@@ -303,8 +258,9 @@ class VideoRemixRequest(BaseModel):
     prompt: StrictStr = Field(min_length=1, description="The new prompt; every other setting is the source job's.")
 
 
-@router.post("/v1/videos/{video_id}/remix", tags=["videos"], responses={
-    409: {"description": "The source job is not completed."}})
+@router.post(
+    "/v1/videos/{video_id}/remix", tags=["videos"], responses={409: {"description": "The source job is not completed."}}
+)
 async def remix_video(video_id: str, body: VideoRemixRequest, request: Request) -> JSONResponse:
     """A new job with the completed job's settings (size, frames, fps, steps, guidance, negative prompt,
     seed) and a new prompt."""
@@ -313,39 +269,60 @@ async def remix_video(video_id: str, body: VideoRemixRequest, request: Request) 
     require_ready(ctx)
     source = _get_job(ctx, video_id)
     if source.status != "completed":
-        raise VideoNotReadyError(f"Video job {video_id} is {source.status}; only a completed job can be remixed.",
-                                 param="video_id")
+        raise VideoNotReadyError(
+            f"Video job {video_id} is {source.status}; only a completed job can be remixed.", param="video_id"
+        )
     if source.has_input_reference:
-        raise InvalidRequestError(f"Video job {video_id} was made from an input image, which is not kept; create a "
-                                  "new job with input_reference instead of remixing.", param="video_id")
-    fields = VideoCreateRequest(prompt=body.prompt, size=f"{source.width}x{source.height}",
-                                num_frames=source.num_frames, fps=source.fps,
-                                num_inference_steps=source.num_inference_steps, guidance_scale=source.guidance_scale,
-                                negative_prompt=source.negative_prompt, seed=source.seed,
-                                guidance_scale_2=source.guidance_scale_2, boundary_ratio=source.boundary_ratio,
-                                true_cfg_scale=source.true_cfg_scale, flow_shift=source.flow_shift)
+        raise InvalidRequestError(
+            f"Video job {video_id} was made from an input image, which is not kept; create a "
+            "new job with input_reference instead of remixing.",
+            param="video_id",
+        )
+    fields = VideoCreateRequest(
+        prompt=body.prompt,
+        size=f"{source.width}x{source.height}",
+        num_frames=source.num_frames,
+        fps=source.fps,
+        num_inference_steps=source.num_inference_steps,
+        guidance_scale=source.guidance_scale,
+        negative_prompt=source.negative_prompt,
+        seed=source.seed,
+        guidance_scale_2=source.guidance_scale_2,
+        boundary_ratio=source.boundary_ratio,
+        true_cfg_scale=source.true_cfg_scale,
+        flow_shift=source.flow_shift,
+    )
     params = build_video_params(fields, ctx)
     warnings = await _prompt_warnings(ctx, params)
     return _job_response(_start_job(ctx, params, fields, received, remixed_from=video_id), warnings)
 
 
 @router.get("/v1/videos", tags=["videos"])
-async def list_videos(request: Request, limit: int = Query(default=20, ge=1, le=100),
-                      after: str | None = Query(default=None),
-                      order: Literal["asc", "desc"] = Query(default="desc")) -> dict[str, Any]:
+async def list_videos(
+    request: Request,
+    limit: int = Query(default=20, ge=1, le=100),
+    after: str | None = Query(default=None),
+    order: Literal["asc", "desc"] = Query(default="desc"),
+) -> dict[str, Any]:
     """Kept jobs, newest first (`order=asc`: oldest first); `after` is the last id of the previous page."""
     ctx = server_context(request)
     model = ctx.engine.model
     if model is not None and model.output_kind != "video":  # a shared --output-dir: not this server's jobs
         return {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
     try:
-        page, has_more = await run_in_threadpool(_store(ctx).list, limit=limit, after=after,
-                                                 newest_first=order == "desc")
+        page, has_more = await run_in_threadpool(
+            _store(ctx).list, limit=limit, after=after, newest_first=order == "desc"
+        )
     except KeyError:
         raise InvalidRequestError(f"after={after!r} is not a kept video job id.", param="after") from None
     data = [_refresh(ctx, job).to_dict() for job in page]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
 
 
 @router.get("/v1/videos/{video_id}", tags=["videos"])
@@ -354,15 +331,25 @@ async def get_video(video_id: str, request: Request) -> JSONResponse:
     return _job_response(await run_in_threadpool(_get_job, server_context(request), video_id))
 
 
-@router.get("/v1/videos/{video_id}/content", tags=["videos"], response_class=Response, responses={
-    200: {"content": {"video/mp4": {}, "image/webp": {}, "image/jpeg": {}},
-          "description": "variant=video: the MP4; thumbnail: its first frame (WebP); spritesheet: a grid of "
-                         "evenly spaced frames (JPEG)."},
-    409: {"description": "The job is not completed (queued, in progress, failed or cancelled)."}})
+@router.get(
+    "/v1/videos/{video_id}/content",
+    tags=["videos"],
+    response_class=Response,
+    responses={
+        200: {
+            "content": {"video/mp4": {}, "image/webp": {}, "image/jpeg": {}},
+            "description": "variant=video: the MP4; thumbnail: its first frame (WebP); spritesheet: a grid of "
+            "evenly spaced frames (JPEG).",
+        },
+        409: {"description": "The job is not completed (queued, in progress, failed or cancelled)."},
+    },
+)
 async def video_content(video_id: str, request: Request, variant: str = Query(default="video")) -> Response:
     ctx = server_context(request)
     if variant not in VARIANTS:
-        raise InvalidRequestError(f"variant={variant!r} is not served; choose one of {list(VARIANTS)}.", param="variant")
+        raise InvalidRequestError(
+            f"variant={variant!r} is not served; choose one of {list(VARIANTS)}.", param="variant"
+        )
     job = _get_job(ctx, video_id)
     if variant == "video" and job.status == "completed" and ctx.args.media_presign_s > 0:
         url = await run_in_threadpool(_store(ctx).presign, job, ctx.args.media_presign_s)
@@ -376,20 +363,27 @@ async def video_content(video_id: str, request: Request, variant: str = Query(de
         return Response(content=await run_in_threadpool(thumbnail, content), media_type="image/webp")
     if variant == "spritesheet":
         return Response(content=await run_in_threadpool(spritesheet, content), media_type="image/jpeg")
-    return Response(content=content, media_type="video/mp4",
-                    headers={"Content-Disposition": f'inline; filename="{job.id}.mp4"'})
+    return Response(
+        content=content, media_type="video/mp4", headers={"Content-Disposition": f'inline; filename="{job.id}.mp4"'}
+    )
 
 
-@router.post("/v1/videos/{video_id}/cancel", tags=["videos"], responses={
-    409: {"description": "The job already completed or failed."}})
+@router.post(
+    "/v1/videos/{video_id}/cancel",
+    tags=["videos"],
+    responses={409: {"description": "The job already completed or failed."}},
+)
 async def cancel_video(video_id: str, request: Request) -> dict[str, Any]:
     """Queued: removed, it never runs. Running: stopped at the next denoising step. Both end cancelled."""
     ctx = server_context(request)
     job = _get_job(ctx, video_id)
     if job.terminal and job.status != "cancelled":
         # Not "not ready": the job is finished and there is nothing left to cancel.
-        raise VideoNotReadyError(f"Video job {video_id} already {job.status}: there is nothing to cancel; "
-                                 "DELETE it to remove it.", param="video_id", code="video_already_finished")
+        raise VideoNotReadyError(
+            f"Video job {video_id} already {job.status}: there is nothing to cancel; DELETE it to remove it.",
+            param="video_id",
+            code="video_already_finished",
+        )
     _cancel(ctx, job, f"POST /v1/videos/{video_id}/cancel")
     return _get_job(ctx, video_id).to_dict()
 

@@ -34,10 +34,13 @@ class PromptRequest(BaseModel):
     model: str | None = Field(default=None, description="Served model name; omitted = the served model.")
     size: str | None = Field(default=None, description="WIDTHxHEIGHT, e.g. 1024x1024; omitted = the model's default.")
     step_cache: Any = Field(  # checked by config/step_cache.py, whose errors name the field
-        default=None, description='Step cache of this request: a method (fbcache, teacache, taylorseer), an object '
-        'with its options ({"method": "fbcache", "threshold": 0.1}), or "off"; omitted = the server\'s --step-cache.')
+        default=None,
+        description="Step cache of this request: a method (fbcache, teacache, taylorseer), an object "
+        'with its options ({"method": "fbcache", "threshold": 0.1}), or "off"; omitted = the server\'s --step-cache.',
+    )
     enable_teacache: bool | None = Field(
-        default=None, description='FastVideo / SGLang compatibility: true is {"method": "teacache"}.')
+        default=None, description='FastVideo / SGLang compatibility: true is {"method": "teacache"}.'
+    )
 
     @field_validator("prompt")
     @classmethod
@@ -63,8 +66,11 @@ class LoraEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(description="An adapter the server loaded (--lora-modules); GET /v1/models lists them.")
-    scale: float = Field(default=1.0, description="Weight of the adapter's change (1 = as trained; summed over "
-                         "the list, as diffusers' set_adapters(adapter_weights=...)).")
+    scale: float = Field(
+        default=1.0,
+        description="Weight of the adapter's change (1 = as trained; summed over "
+        "the list, as diffusers' set_adapters(adapter_weights=...)).",
+    )
 
 
 LoraField = str | list[LoraEntry] | None
@@ -79,44 +85,74 @@ class ImageGenerationRequest(PromptRequest):
     height: StrictInt | None = Field(default=None, ge=1, description="Alternative to size.")
     num_inference_steps: StrictInt | None = Field(default=None, ge=1, description="Denoising steps.")
     guidance_scale: float | None = Field(default=None, ge=0, le=100, description="Guidance scale.")
-    true_cfg_scale: float | None = Field(default=None, ge=0, le=100, description="True CFG scale (needs negative_prompt).")
+    true_cfg_scale: float | None = Field(
+        default=None, ge=0, le=100, description="True CFG scale (needs negative_prompt)."
+    )
     negative_prompt: str | None = Field(default=None, description="What not to draw.")
     seed: StrictInt | None = Field(default=None, ge=0, le=MAX_SEED, description="Random seed (0 to 2^63-1).")
     response_format: Literal["b64_json", "url"] = Field(default="b64_json", description="b64_json (default) or url.")
     output_format: Literal["png", "jpeg", "webp"] = Field(default="png", description="Encoded image format.")
     output_quality: StrictInt = Field(default=90, ge=1, le=100, description="jpeg/webp quality.")
-    timeout: float | None = Field(default=None, gt=0, description="Seconds before the request is abandoned (capped by --request-timeout-s).")
+    timeout: float | None = Field(
+        default=None, gt=0, description="Seconds before the request is abandoned (capped by --request-timeout-s)."
+    )
     priority: StrictInt = Field(default=0, ge=-100, le=100, description="Lower runs first among queued requests.")
-    user: str | None = Field(default=None, max_length=256, description="End-user id (accepted for OpenAI compatibility).")
+    user: str | None = Field(
+        default=None, max_length=256, description="End-user id (accepted for OpenAI compatibility)."
+    )
     quality: Literal["low", "medium", "high", "auto", "standard", "hd"] | None = Field(
-        default=None, description="Denoising effort when num_inference_steps is not given: low = 1/4, medium = 1/2, "
-        "high = all of the model's default steps; auto/standard = the default, hd = high.")
+        default=None,
+        description="Denoising effort when num_inference_steps is not given: low = 1/4, medium = 1/2, "
+        "high = all of the model's default steps; auto/standard = the default, hd = high.",
+    )
     style: str | None = Field(default=None, max_length=32, description="Accepted for OpenAI compatibility; ignored.")
     background: Literal["auto", "opaque", "transparent"] | None = Field(
-        default=None, description="auto or opaque (what every served family makes); transparent is refused.")
+        default=None, description="auto or opaque (what every served family makes); transparent is refused."
+    )
     moderation: Literal["auto", "low"] | None = Field(
-        default=None, description="Accepted for OpenAI compatibility; no moderation is applied by this server.")
+        default=None, description="Accepted for OpenAI compatibility; no moderation is applied by this server."
+    )
     output_compression: StrictInt | None = Field(
-        default=None, ge=0, le=100, description="jpeg/webp only: 0-100, used as the encoder quality (100 = least "
-        "compression); an alternative to output_quality.")
-    stream: bool = Field(default=False, description="Answer with Server-Sent Events: partial images, then one "
-                         "completed event per image.")
+        default=None,
+        ge=0,
+        le=100,
+        description="jpeg/webp only: 0-100, used as the encoder quality (100 = least "
+        "compression); an alternative to output_quality.",
+    )
+    stream: bool = Field(
+        default=False, description="Answer with Server-Sent Events: partial images, then one completed event per image."
+    )
     partial_images: StrictInt | None = Field(
-        default=None, ge=0, le=3, description="Streaming only: previews per image (0-3), at evenly spaced steps.")
+        default=None, ge=0, le=3, description="Streaming only: previews per image (0-3), at evenly spaced steps."
+    )
     num_frames: StrictInt | None = Field(
-        default=None, description="Accepted as 1 (SGLang-Diffusion's clients send it on every image call); any other "
-        "value is refused.")
+        default=None,
+        description="Accepted as 1 (SGLang-Diffusion's clients send it on every image call); any other "
+        "value is refused.",
+    )
     flow_shift: float | None = Field(
-        default=None, gt=0, le=100, description="The flow-matching scheduler's shift in place of the checkpoint's "
-        "(static: it replaces resolution-dependent shifting), for models whose scheduler has one; else 400.")
+        default=None,
+        gt=0,
+        le=100,
+        description="The flow-matching scheduler's shift in place of the checkpoint's "
+        "(static: it replaces resolution-dependent shifting), for models whose scheduler has one; else 400.",
+    )
     layers: StrictInt | None = Field(
-        default=None, ge=1, le=10, description="Qwen-Image-Layered: the number of layers (vLLM-Omni's name for n; "
-        "with n too, they must agree). Other models: 400.")
+        default=None,
+        ge=1,
+        le=10,
+        description="Qwen-Image-Layered: the number of layers (vLLM-Omni's name for n; "
+        "with n too, they must agree). Other models: 400.",
+    )
     resolution: StrictInt | None = Field(
-        default=None, description="Qwen-Image-Layered: the pipeline's resolution bucket, 640 or 1024. Other models: 400.")
+        default=None,
+        description="Qwen-Image-Layered: the pipeline's resolution bucket, 640 or 1024. Other models: 400.",
+    )
     lora: LoraField = Field(
-        default=None, description="LoRA adapter(s) for this request: a name, or a list of {name, scale} (summed). "
-        "Requests with different adapters still share a batch. `model: <adapter name>` selects one too.")
+        default=None,
+        description="LoRA adapter(s) for this request: a name, or a list of {name, scale} (summed). "
+        "Requests with different adapters still share a batch. `model: <adapter name>` selects one too.",
+    )
 
     @field_validator("lora", mode="before")
     @classmethod
@@ -135,7 +171,9 @@ class ImageGenerationRequest(PromptRequest):
 class ImageEditRequest(ImageGenerationRequest):
     """Form fields of POST /v1/images/edits (multipart; the `image` file travels beside them)."""
 
-    strength: float = Field(default=0.6, gt=0, le=1, description="Share of the schedule re-noised from the input image.")
+    strength: float = Field(
+        default=0.6, gt=0, le=1, description="Share of the schedule re-noised from the input image."
+    )
 
 
 def coerce_form_fields(model: type[BaseModel], form: dict[str, str]) -> dict[str, object]:

@@ -84,12 +84,14 @@ def bind_port(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            raise ConfigError(f"port {port} on {host} is already in use (another server?); stop it or choose "
-                              "another with --port.", param="port") from exc
-        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); check --host and --port.",
-                          param="port") from exc
+            raise ConfigError(
+                f"port {port} on {host} is already in use (another server?); stop it or choose another with --port.",
+                param="port",
+            ) from exc
+        raise ConfigError(
+            f"cannot listen on {host}:{port} ({exc.strerror or exc}); check --host and --port.", param="port"
+        ) from exc
     return sock
-
 
 
 class DrainingServer(uvicorn.Server):
@@ -134,8 +136,12 @@ class DrainingServer(uvicorn.Server):
         self._drain_started = True
         self.ctx.draining = True
         engine.begin_drain()
-        logger.info("%s: draining %d accepted request(s), up to %.0fs", signal.Signals(sig).name, engine.num_pending,
-                    self.ctx.args.shutdown_timeout_s)
+        logger.info(
+            "%s: draining %d accepted request(s), up to %.0fs",
+            signal.Signals(sig).name,
+            engine.num_pending,
+            self.ctx.args.shutdown_timeout_s,
+        )
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit()))
 
     async def _drain_then_exit(self, timeout_s: float | None = None, again: str | None = None) -> None:
@@ -146,8 +152,9 @@ class DrainingServer(uvicorn.Server):
         if again is None and self._forced:
             return  # a second signal cut this drain short; its own call logs and exits
         if again is not None:
-            logger.warning("%s again: answered %d unfinished request(s) with 503; exiting %d", again, failed,
-                           INTERRUPTED)
+            logger.warning(
+                "%s again: answered %d unfinished request(s) with 503; exiting %d", again, failed, INTERRUPTED
+            )
         else:
             if failed:
                 logger.warning("shutdown timeout: answered %d unfinished request(s) with an error", failed)
@@ -168,8 +175,14 @@ def serve(args: ServerArgs) -> int:
 
     engine, metrics, plan_dict = build_engine(args)
     results = open_results_store(args)
-    ctx = ServerContext(args=args, engine=engine, metrics=metrics, results=results,
-                        images=ImageStore(results, args.url_store_max_images), plan=plan_dict)
+    ctx = ServerContext(
+        args=args,
+        engine=engine,
+        metrics=metrics,
+        results=results,
+        images=ImageStore(results, args.url_store_max_images),
+        plan=plan_dict,
+    )
     app = create_app(ctx)
     config = uvicorn.Config(
         app,

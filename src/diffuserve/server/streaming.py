@@ -37,8 +37,7 @@ def sse(event: str, data: dict[str, Any]) -> bytes:
 
 
 def _encode_all(images: list[Any], params: SamplingParams) -> list[str]:
-    return [base64.b64encode(encode_image(img, params.output_format, params.output_quality)).decode()
-            for img in images]
+    return [base64.b64encode(encode_image(img, params.output_format, params.output_quality)).decode() for img in images]
 
 
 def stream_images(
@@ -59,13 +58,23 @@ def stream_images(
     """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[int, list[Any]]] = asyncio.Queue()
-    sink = PreviewSink(partial_images, lambda index, images: loop.call_soon_threadsafe(
-        queue.put_nowait, (index, images)))
+    sink = PreviewSink(
+        partial_images, lambda index, images: loop.call_soon_threadsafe(queue.put_nowait, (index, images))
+    )
     future = engine.submit(params, request_id=request_id, preview=sink if partial_images else None, **submit)
 
     def event(kind: str, b64: str, index: int, **extra: Any) -> bytes:
-        return sse(f"{prefix}.{kind}", {"type": f"{prefix}.{kind}", "b64_json": b64, "created_at": int(time.time()),
-                                       **common, "output_index": index, **extra})
+        return sse(
+            f"{prefix}.{kind}",
+            {
+                "type": f"{prefix}.{kind}",
+                "b64_json": b64,
+                "created_at": int(time.time()),
+                **common,
+                "output_index": index,
+                **extra,
+            },
+        )
 
     async def events() -> AsyncIterator[bytes]:
         answered = False
@@ -84,8 +93,9 @@ def stream_images(
                 result: GenerationResult = future.result()
             except DiffuserveError as exc:
                 answered = True
-                yield sse("error", {"type": "error", **error_envelope(exc.message, exc.error_type, exc.param,
-                                                                      exc.code)})
+                yield sse(
+                    "error", {"type": "error", **error_envelope(exc.message, exc.error_type, exc.param, exc.code)}
+                )
                 return
             finals = await run_in_threadpool(_encode_all, result.output.images, params)
             for j, b64 in enumerate(finals):
@@ -96,5 +106,6 @@ def stream_images(
                 # The client went away (the server cancels this generator): drop the request's row.
                 engine.abort(request_id, RequestCancelledError("The client disconnected from the stream."))
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )

@@ -39,31 +39,46 @@ def check_background(background: str | None, model: ModelDescription) -> str:
     if background == "transparent":
         raise InvalidRequestError(
             f"background='transparent' needs a model that makes an alpha channel; this {model.family} model makes "
-            "opaque RGB images. Use background='opaque' or 'auto'.", param="background")
+            "opaque RGB images. Use background='opaque' or 'auto'.",
+            param="background",
+        )
     return "opaque"
 
 
-def encoder_quality(output_format: str, output_quality: int, output_compression: int | None,
-                    quality_given: bool) -> int:
+def encoder_quality(
+    output_format: str, output_quality: int, output_compression: int | None, quality_given: bool
+) -> int:
     """The jpeg/webp encoder quality from output_quality or OpenAI's output_compression (not both)."""
     if output_compression is None:
         return output_quality
     if output_format == "png":
-        raise InvalidRequestError("output_compression applies to jpeg and webp only; png is lossless. "
-                                  "Drop it or set output_format.", param="output_compression")
+        raise InvalidRequestError(
+            "output_compression applies to jpeg and webp only; png is lossless. Drop it or set output_format.",
+            param="output_compression",
+        )
     if quality_given:
-        raise InvalidRequestError("Give either output_compression or output_quality, not both.",
-                                  param="output_compression")
+        raise InvalidRequestError(
+            "Give either output_compression or output_quality, not both.", param="output_compression"
+        )
     return max(1, output_compression)  # Pillow's encoders take 1-100
 
 
-def usage(model: ModelDescription, params: SamplingParams, *, text_tokens: int,
-          input_sizes: list[tuple[int, int]] | None = None) -> dict[str, int | dict[str, int]]:
+def usage(
+    model: ModelDescription,
+    params: SamplingParams,
+    *,
+    text_tokens: int,
+    input_sizes: list[tuple[int, int]] | None = None,
+) -> dict[str, int | dict[str, int]]:
     """The `usage` object of one request (all its `n` images); `text_tokens` from the request's prompt count."""
     patch = max(1, model.size_multiple)
     per_image = (params.width // patch) * (params.height // patch)
     text = text_tokens
     image_in = sum((w // patch) * (h // patch) for w, h in (input_sizes or []))
     output = per_image * params.n
-    return {"input_tokens": text + image_in, "output_tokens": output, "total_tokens": text + image_in + output,
-            "input_tokens_details": {"text_tokens": text, "image_tokens": image_in}}
+    return {
+        "input_tokens": text + image_in,
+        "output_tokens": output,
+        "total_tokens": text + image_in + output,
+        "input_tokens_details": {"text_tokens": text, "image_tokens": image_in},
+    }

@@ -72,7 +72,8 @@ class VideoJob:
     completed_at: int | None = None
     """Unix seconds when the job reached a terminal status."""
     expires_at: int | None = None
-    """Unix seconds after which the retention sweep removes the job (--result-ttl-s); None while live or kept forever."""
+    """Unix seconds after which the retention sweep removes the job (--result-ttl-s); None while live or kept
+    forever."""
     error: dict[str, Any] | None = None
     """`{message, type, param, code}` when failed (or cancelled)."""
     timings: dict[str, Any] | None = None
@@ -112,11 +113,27 @@ class VideoJob:
             "timings": self.timings,
         }
 
-
-    _META = ("model", "prompt", "width", "height", "num_frames", "fps", "num_inference_steps", "seed",
-             "negative_prompt", "guidance_scale", "guidance_scale_2", "boundary_ratio", "true_cfg_scale", "flow_shift",
-             "has_input_reference", "remixed_from_video_id",
-             "progress", "error", "timings")
+    _META = (
+        "model",
+        "prompt",
+        "width",
+        "height",
+        "num_frames",
+        "fps",
+        "num_inference_steps",
+        "seed",
+        "negative_prompt",
+        "guidance_scale",
+        "guidance_scale_2",
+        "boundary_ratio",
+        "true_cfg_scale",
+        "flow_shift",
+        "has_input_reference",
+        "remixed_from_video_id",
+        "progress",
+        "error",
+        "timings",
+    )
 
     def meta(self) -> dict[str, Any]:
         """What the results row keeps besides its id, status and times."""
@@ -125,9 +142,14 @@ class VideoJob:
     @classmethod
     def from_record(cls, record: Record) -> VideoJob:
         meta = {k: v for k, v in record.meta.items() if k in cls._META}
-        return cls(id=record.id, status=record.status, created_at=int(record.created_at),
-                   completed_at=None if record.completed_at is None else int(record.completed_at),
-                   expires_at=None if record.expires_at is None else int(record.expires_at), **meta)
+        return cls(
+            id=record.id,
+            status=record.status,
+            created_at=int(record.created_at),
+            completed_at=None if record.completed_at is None else int(record.completed_at),
+            expires_at=None if record.expires_at is None else int(record.expires_at),
+            **meta,
+        )
 
 
 FINISH_RETRIES_S = (1.0, 2.0, 4.0, 8.0)
@@ -168,8 +190,9 @@ class VideoJobStore:
         record = self.results.get(job_id)
         return VideoJob.from_record(record) if record is not None and record.kind == "video" else None
 
-    def list(self, *, limit: int = 20, after: str | None = None,
-             newest_first: bool = True) -> tuple[list[VideoJob], bool]:
+    def list(
+        self, *, limit: int = 20, after: str | None = None, newest_first: bool = True
+    ) -> tuple[list[VideoJob], bool]:
         """Jobs newest (or oldest) first, starting after the job `after` (a cursor); returns (page, has_more).
 
         Raises KeyError when `after` is not a kept job.
@@ -238,8 +261,15 @@ class VideoJobStore:
             self.results.update_live(job_id, status=IN_PROGRESS, meta=meta)
         return True
 
-    def _finish(self, job_id: str, status: str, *, error: dict[str, Any] | None = None,
-                content: bytes | None = None, timings: dict[str, Any] | None = None) -> bool:
+    def _finish(
+        self,
+        job_id: str,
+        status: str,
+        *,
+        error: dict[str, Any] | None = None,
+        content: bytes | None = None,
+        timings: dict[str, Any] | None = None,
+    ) -> bool:
         with self._lock:
             job = self._live.get(job_id)
         if job is None:

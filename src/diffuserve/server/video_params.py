@@ -23,31 +23,61 @@ class VideoCreateRequest(PromptRequest):
     """Body of POST /v1/videos (prompt, model and size as for images)."""
 
     seconds: StrictStr | StrictFloat | StrictInt | None = Field(
-        default=None, description="Duration (OpenAI sends a string such as \"4\"); frames = seconds x fps, "
+        default=None,
+        description='Duration (OpenAI sends a string such as "4"); frames = seconds x fps, '
         "rounded to the nearest count the model can make. With num_frames too, num_frames wins (the job's "
-        "num_frames and seconds report what runs).")
-    num_frames: StrictInt | None = Field(default=None, ge=1, description="Frames (Wan: 4k+1); omitted = the model's "
-                                         "default (or from seconds).")
-    width: StrictInt | None = Field(default=None, ge=1, description="Alternative to size (with size too, they must agree).")
-    height: StrictInt | None = Field(default=None, ge=1, description="Alternative to size (with size too, they must agree).")
+        "num_frames and seconds report what runs).",
+    )
+    num_frames: StrictInt | None = Field(
+        default=None, ge=1, description="Frames (Wan: 4k+1); omitted = the model's default (or from seconds)."
+    )
+    width: StrictInt | None = Field(
+        default=None, ge=1, description="Alternative to size (with size too, they must agree)."
+    )
+    height: StrictInt | None = Field(
+        default=None, ge=1, description="Alternative to size (with size too, they must agree)."
+    )
     fps: StrictInt | None = Field(default=None, ge=1, le=120, description="Frames per second of the MP4.")
     num_inference_steps: StrictInt | None = Field(default=None, ge=1, description="Denoising steps.")
     guidance_scale: float | None = Field(default=None, ge=0, le=100, description="Classifier-free guidance scale.")
-    guidance_scale_2: float | None = Field(default=None, ge=0, le=100, description="Wan2.2 A14B: guidance of the "
-                                           "low-noise expert (default: guidance_scale). Other models: 400.")
-    boundary_ratio: float | None = Field(default=None, gt=0, lt=1, description="Wan2.2 A14B: the timestep share at "
-                                         "which the low-noise expert takes over (default: the checkpoint's). Other "
-                                         "models: 400.")
-    true_cfg_scale: float | None = Field(default=None, ge=0, le=100, description="True CFG scale, for families that "
-                                         "run true CFG (with negative_prompt); others (Wan: use guidance_scale): 400.")
-    flow_shift: float | None = Field(default=None, gt=0, le=100, description="The flow-matching scheduler's shift in "
-                                     "place of the checkpoint's, where the model's scheduler has one; else 400.")
+    guidance_scale_2: float | None = Field(
+        default=None,
+        ge=0,
+        le=100,
+        description="Wan2.2 A14B: guidance of the low-noise expert (default: guidance_scale). Other models: 400.",
+    )
+    boundary_ratio: float | None = Field(
+        default=None,
+        gt=0,
+        lt=1,
+        description="Wan2.2 A14B: the timestep share at "
+        "which the low-noise expert takes over (default: the checkpoint's). Other "
+        "models: 400.",
+    )
+    true_cfg_scale: float | None = Field(
+        default=None,
+        ge=0,
+        le=100,
+        description="True CFG scale, for families that "
+        "run true CFG (with negative_prompt); others (Wan: use guidance_scale): 400.",
+    )
+    flow_shift: float | None = Field(
+        default=None,
+        gt=0,
+        le=100,
+        description="The flow-matching scheduler's shift in "
+        "place of the checkpoint's, where the model's scheduler has one; else 400.",
+    )
     negative_prompt: str | None = Field(default=None, description="What not to film (used when guidance_scale > 1).")
     seed: StrictInt | None = Field(default=None, ge=0, le=MAX_SEED, description="Random seed (0 to 2^63-1).")
     n: StrictInt = Field(default=1, ge=1, le=1, description="Videos per job; 1 (submit several jobs for more).")
-    timeout: float | None = Field(default=None, gt=0, description="Seconds the job may take in the engine (capped by --request-timeout-s).")
+    timeout: float | None = Field(
+        default=None, gt=0, description="Seconds the job may take in the engine (capped by --request-timeout-s)."
+    )
     priority: StrictInt = Field(default=0, ge=-100, le=100, description="Lower runs first among queued requests.")
-    user: str | None = Field(default=None, max_length=256, description="End-user id (accepted for OpenAI compatibility).")
+    user: str | None = Field(
+        default=None, max_length=256, description="End-user id (accepted for OpenAI compatibility)."
+    )
 
 
 def _seconds(body: VideoCreateRequest) -> float:
@@ -56,7 +86,7 @@ def _seconds(body: VideoCreateRequest) -> float:
     except ValueError:
         seconds = math.nan
     if not math.isfinite(seconds) or seconds <= 0:
-        raise InvalidRequestError(f"seconds={body.seconds!r} must be a positive number, e.g. \"4\".", param="seconds")
+        raise InvalidRequestError(f'seconds={body.seconds!r} must be a positive number, e.g. "4".', param="seconds")
     return seconds
 
 
@@ -75,8 +105,10 @@ def frames_note(body: VideoCreateRequest, params: SamplingParams) -> list[str]:
     """The warning a job gets when `seconds` and `num_frames` were both given (num_frames won)."""
     if body.seconds is None or body.num_frames is None:
         return []
-    return [f"seconds={body.seconds} and num_frames={body.num_frames} were both given: num_frames wins, so the video "
-            f"is {params.num_frames} frames = {params.num_frames / params.fps:g} s at {params.fps} fps."]
+    return [
+        f"seconds={body.seconds} and num_frames={body.num_frames} were both given: num_frames wins, so the video "
+        f"is {params.num_frames} frames = {params.num_frames / params.fps:g} s at {params.fps} fps."
+    ]
 
 
 def build_video_params(body: VideoCreateRequest, ctx: ServerContext, image: bytes | None = None) -> SamplingParams:
@@ -88,24 +120,45 @@ def build_video_params(body: VideoCreateRequest, ctx: ServerContext, image: byte
         raise InvalidRequestError(
             f"The served model {args.public_model_name!r} makes {model.output_kind}s, not videos; use "
             f"{'POST /v1/meshes' if model.output_kind == 'mesh' else 'POST /v1/images/generations'}.",
-            param="model", code="model_not_supported")
+            param="model",
+            code="model_not_supported",
+        )
     defaults = model.defaults
     width, height = resolve_size(body.size, body.width, body.height, (defaults.width, defaults.height))
     steps = body.num_inference_steps or defaults.num_inference_steps
-    check_request_limits(ctx, model=body.model, texts={"prompt": body.prompt, "negative_prompt": body.negative_prompt},
-                         width=width, height=height, steps=steps)
+    check_request_limits(
+        ctx,
+        model=body.model,
+        texts={"prompt": body.prompt, "negative_prompt": body.negative_prompt},
+        width=width,
+        height=height,
+        steps=steps,
+    )
     check_request_fields(model, {"true_cfg_scale": body.true_cfg_scale})
     fps = body.fps or defaults.fps
     num_frames = frames_for(body, fps, defaults.num_frames, model.frame_multiple)
     if num_frames > args.max_video_frames:
         raise InvalidRequestError(
             f"num_frames={num_frames} exceeds the limit of {args.max_video_frames} (--max-video-frames).",
-            param="num_frames" if body.num_frames is not None else "seconds")
+            param="num_frames" if body.num_frames is not None else "seconds",
+        )
     return build_sampling_params(
-        model, prompt=body.prompt, negative_prompt=body.negative_prompt, width=width, height=height,
-        num_frames=num_frames, fps=fps, num_inference_steps=steps, guidance_scale=body.guidance_scale,
-        true_cfg_scale=body.true_cfg_scale, guidance_scale_2=body.guidance_scale_2,
-        boundary_ratio=body.boundary_ratio, flow_shift=body.flow_shift,
-        seed=body.seed, n=1, output_format="mp4", image_inputs=() if image is None else (image,),
+        model,
+        prompt=body.prompt,
+        negative_prompt=body.negative_prompt,
+        width=width,
+        height=height,
+        num_frames=num_frames,
+        fps=fps,
+        num_inference_steps=steps,
+        guidance_scale=body.guidance_scale,
+        true_cfg_scale=body.true_cfg_scale,
+        guidance_scale_2=body.guidance_scale_2,
+        boundary_ratio=body.boundary_ratio,
+        flow_shift=body.flow_shift,
+        seed=body.seed,
+        n=1,
+        output_format="mp4",
+        image_inputs=() if image is None else (image,),
         step_cache=request_step_cache(body, ctx),
     )

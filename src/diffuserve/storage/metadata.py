@@ -85,9 +85,11 @@ class MetadataStore(Protocol):
 
 
 def newer_schema_error(name: str, found: int) -> ConfigError:
-    return ConfigError(f"{name}: the results schema is version {found}, newer than version {SCHEMA_VERSION} that this "
-                       "diffuserve knows; upgrade this replica to the release that wrote it (or point it at another "
-                       "database).")
+    return ConfigError(
+        f"{name}: the results schema is version {found}, newer than version {SCHEMA_VERSION} that this "
+        "diffuserve knows; upgrade this replica to the release that wrote it (or point it at another "
+        "database)."
+    )
 
 
 class SqliteMetadata:

@@ -18,8 +18,9 @@ def open_metadata(results_db: str) -> MetadataStore:
 
         return PostgresMetadata(results_db)
     except ImportError as exc:
-        raise ConfigError(f"--results-db: PostgreSQL needs psycopg 3 with its pool ({exc.name} is not installed); "
-                          f"{STORES_EXTRA}.") from None
+        raise ConfigError(
+            f"--results-db: PostgreSQL needs psycopg 3 with its pool ({exc.name} is not installed); {STORES_EXTRA}."
+        ) from None
 
 
 def open_media(media_store: str, endpoint_url: str | None, create_bucket: bool) -> MediaStore:
@@ -31,9 +32,15 @@ def open_media(media_store: str, endpoint_url: str | None, create_bucket: bool) 
         raise ConfigError(f"--media-store: S3 needs boto3 ({exc.name} is not installed); {STORES_EXTRA}.") from None
 
 
-def open_results(output_dir: Path, policy: RetentionPolicy, *, results_db: str | None = None,
-                 media_store: str | None = None, s3_endpoint_url: str | None = None,
-                 create_bucket: bool = False) -> ResultStore:
+def open_results(
+    output_dir: Path,
+    policy: RetentionPolicy,
+    *,
+    results_db: str | None = None,
+    media_store: str | None = None,
+    s3_endpoint_url: str | None = None,
+    create_bucket: bool = False,
+) -> ResultStore:
     """The results store: each half shared (PostgreSQL, S3) when its flag is given, else under `output_dir`.
     Raises ConfigError naming the flag when a store cannot be reached or used."""
     metadata = open_metadata(results_db) if results_db else None

@@ -96,9 +96,16 @@ class PostgresMetadata:
         self.name = f"--results-db {redact(url)}"
         self.timeout_s = timeout_s
         self._migrate()
-        self._pool = ConnectionPool(url, min_size=1, max_size=pool_size, timeout=timeout_s, open=True,
-                                    kwargs={"autocommit": True, "connect_timeout": max(1, int(timeout_s))},
-                                    check=ConnectionPool.check_connection, name="diffuserve-results")
+        self._pool = ConnectionPool(
+            url,
+            min_size=1,
+            max_size=pool_size,
+            timeout=timeout_s,
+            open=True,
+            kwargs={"autocommit": True, "connect_timeout": max(1, int(timeout_s))},
+            check=ConnectionPool.check_connection,
+            name="diffuserve-results",
+        )
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self.listening = threading.Event()
@@ -113,8 +120,10 @@ class PostgresMetadata:
         try:
             conn = self._connect()
         except self._psycopg.Error as exc:
-            raise ConfigError(f"{self.name}: cannot connect ({str(exc).strip()}); check the host, port, user, "
-                              "password and database name, and that the server accepts connections.") from None
+            raise ConfigError(
+                f"{self.name}: cannot connect ({str(exc).strip()}); check the host, port, user, "
+                "password and database name, and that the server accepts connections."
+            ) from None
         with conn:
             conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATE_LOCK,))
             try:
@@ -132,8 +141,10 @@ class PostgresMetadata:
                 conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATE_LOCK,))
 
     def _unavailable(self, exc: Exception) -> StoreUnavailableError:
-        return StoreUnavailableError(f"The results database ({self.name}) is unavailable: {str(exc).strip()}. "
-                                     "Retry once it is back.", retry_after_s=2.0)
+        return StoreUnavailableError(
+            f"The results database ({self.name}) is unavailable: {str(exc).strip()}. Retry once it is back.",
+            retry_after_s=2.0,
+        )
 
     @contextlib.contextmanager
     def _connection(self) -> Iterator[Any]:
@@ -172,8 +183,9 @@ class PostgresMetadata:
         if self._watcher is not None:
             return
         self._watch_stop.clear()
-        self._watcher = threading.Thread(target=self._listen, args=(callback,), name="diffuserve-results-listen",
-                                         daemon=True)
+        self._watcher = threading.Thread(
+            target=self._listen, args=(callback,), name="diffuserve-results-listen", daemon=True
+        )
         self._watcher.start()
 
     def _listen(self, callback: Callable[[str], None]) -> None:

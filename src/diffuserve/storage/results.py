@@ -101,9 +101,15 @@ class ResultStore:
     replace either half (storage/open.py builds them from the flags).
     """
 
-    def __init__(self, root: Path | str | None, policy: RetentionPolicy | None = None, *,
-                 clock: Callable[[], float] = time.time, metadata: MetadataStore | None = None,
-                 media: MediaStore | None = None):
+    def __init__(
+        self,
+        root: Path | str | None,
+        policy: RetentionPolicy | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        metadata: MetadataStore | None = None,
+        media: MediaStore | None = None,
+    ):
         self.root = Path(root).expanduser() if root is not None else None
         self.policy = policy or RetentionPolicy()
         self.clock = clock
@@ -113,8 +119,11 @@ class ResultStore:
         if self.root is not None:
             self.root.mkdir(parents=True, exist_ok=True)
         self.media_backend: MediaStore = media if media is not None else FileMedia(self.root)  # type: ignore[arg-type]
-        self.metadata: MetadataStore = metadata if metadata is not None else SqliteMetadata(
-            self.root / "results.db", f"--output-dir {str(self.root)!r}")  # type: ignore[operator]
+        self.metadata: MetadataStore = (
+            metadata
+            if metadata is not None
+            else SqliteMetadata(self.root / "results.db", f"--output-dir {str(self.root)!r}")
+        )  # type: ignore[operator]
         files = self.media_backend if isinstance(self.media_backend, FileMedia) else None
         self.media: Path | None = files.media if files else None
         """media/ of the file store (None for an object store)."""
@@ -157,8 +166,10 @@ class ResultStore:
         """A new row owned by this process (no files yet)."""
         safe_name(rid)
         with self._tx() as db:
-            db.execute(f"INSERT INTO results ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, NULL, NULL, 0, '[]', ?)",
-                       (rid, kind, status, self.owner, created_at or self.clock(), json.dumps(meta)))
+            db.execute(
+                f"INSERT INTO results ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, NULL, NULL, 0, '[]', ?)",
+                (rid, kind, status, self.owner, created_at or self.clock(), json.dumps(meta)),
+            )
 
     def update_live(self, rid: str, *, status: str | None = None, meta: dict[str, Any] | None = None) -> bool:
         """Change a live row's status/meta; False when the row is gone or already finished."""
@@ -172,8 +183,9 @@ class ResultStore:
         if not sets:
             return False
         with self._tx() as db:
-            cursor = db.execute(f"UPDATE results SET {', '.join(sets)} WHERE id = ? AND status IN (?, ?)",
-                                (*args, rid, *LIVE_STATUSES))
+            cursor = db.execute(
+                f"UPDATE results SET {', '.join(sets)} WHERE id = ? AND status IN (?, ?)", (*args, rid, *LIVE_STATUSES)
+            )
             return cursor.rowcount == 1
 
     def finish(self, rid: str, status: str, meta: dict[str, Any], files: dict[str, bytes] | None = None) -> bool:
@@ -187,8 +199,17 @@ class ResultStore:
                 cursor = db.execute(
                     "UPDATE results SET status = ?, meta = ?, files = ?, bytes = ?, completed_at = ?, expires_at = ? "
                     "WHERE id = ? AND status IN (?, ?)",
-                    (status, json.dumps(meta), json.dumps(sorted(files)), size, now, self.expiry(now), rid,
-                     *LIVE_STATUSES))
+                    (
+                        status,
+                        json.dumps(meta),
+                        json.dumps(sorted(files)),
+                        size,
+                        now,
+                        self.expiry(now),
+                        rid,
+                        *LIVE_STATUSES,
+                    ),
+                )
                 done = cursor.rowcount == 1
                 if done:
                     self.metadata.notify(db, rid)
@@ -206,9 +227,10 @@ class ResultStore:
         size = self.media_backend.put(rid, files)
         now = self.clock()
         with self._tx() as db:
-            db.execute(f"INSERT INTO results ({_COLUMNS}) VALUES (?, ?, 'completed', ?, ?, ?, ?, ?, ?, ?)",
-                       (rid, kind, self.owner, now, now, self.expiry(now), size, json.dumps(list(files)),
-                        json.dumps(meta)))
+            db.execute(
+                f"INSERT INTO results ({_COLUMNS}) VALUES (?, ?, 'completed', ?, ?, ?, ?, ?, ?, ?)",
+                (rid, kind, self.owner, now, now, self.expiry(now), size, json.dumps(list(files)), json.dumps(meta)),
+            )
 
     def delete(self, rid: str) -> bool:
         with self._tx() as db:
@@ -237,8 +259,9 @@ class ResultStore:
             return None
         return self.media_backend.presign(record.id, name, expires_s)
 
-    def list(self, kind: str, *, limit: int, after: str | None = None,
-             newest_first: bool = True) -> tuple[list[Record], bool]:
+    def list(
+        self, kind: str, *, limit: int, after: str | None = None, newest_first: bool = True
+    ) -> tuple[list[Record], bool]:
         """Rows of `kind` newest (or oldest) first, after the row `after` (KeyError when it is unknown)."""
         bound = ""
         args: tuple = (kind,)
@@ -248,8 +271,10 @@ class ResultStore:
                 raise KeyError(after)
             bound, args = (" AND seq < ?" if newest_first else " AND seq > ?"), (kind, seq[0][0])
         order = "DESC" if newest_first else "ASC"
-        rows = self._query(f"SELECT {_COLUMNS} FROM results WHERE kind = ?{bound} AND {_UNEXPIRED} "
-                           f"ORDER BY seq {order} LIMIT ?", (*args, self.clock(), limit + 1))
+        rows = self._query(
+            f"SELECT {_COLUMNS} FROM results WHERE kind = ?{bound} AND {_UNEXPIRED} ORDER BY seq {order} LIMIT ?",
+            (*args, self.clock(), limit + 1),
+        )
         return [_record(r) for r in rows[:limit]], len(rows) > limit
 
     def count(self, kind: str) -> int:
@@ -262,9 +287,11 @@ class ResultStore:
 
     def heartbeat(self) -> None:
         with self._tx() as db:
-            db.execute("INSERT INTO owners (owner, heartbeat_at) VALUES (?, ?) "
-                       "ON CONFLICT(owner) DO UPDATE SET heartbeat_at = excluded.heartbeat_at",
-                       (self.owner, self.clock()))
+            db.execute(
+                "INSERT INTO owners (owner, heartbeat_at) VALUES (?, ?) "
+                "ON CONFLICT(owner) DO UPDATE SET heartbeat_at = excluded.heartbeat_at",
+                (self.owner, self.clock()),
+            )
 
     def fail_interrupted(self, error: dict[str, Any]) -> list[str]:
         """Fail every live row whose owner process is gone (known dead on this host, or its lease, the
@@ -285,12 +312,16 @@ class ResultStore:
                 cursor = db.execute(
                     "UPDATE results SET status = 'failed', meta = ?, completed_at = ?, expires_at = ? "
                     "WHERE id = ? AND owner = ? AND status IN (?, ?)",
-                    (json.dumps(meta), now, self.expiry(now), rid, owner_text, *LIVE_STATUSES))
+                    (json.dumps(meta), now, self.expiry(now), rid, owner_text, *LIVE_STATUSES),
+                )
                 if cursor.rowcount == 1:
                     failed.append(rid)
         if failed:
-            logger.warning("%d result(s) of a server process that died were marked failed (interrupted): %s",
-                           len(failed), ", ".join(failed))
+            logger.warning(
+                "%d result(s) of a server process that died were marked failed (interrupted): %s",
+                len(failed),
+                ", ".join(failed),
+            )
         return failed
 
     def evict(self, kind: str, keep: int, *, by_files: bool = False) -> list[str]:
@@ -314,8 +345,12 @@ class ResultStore:
         """One pass: heartbeat, dead owners' live rows, then (on one process of the fleet at a time)
         expired rows, the byte budget and orphaned media."""
         self.heartbeat()
-        report = {"interrupted": self.fail_interrupted(interrupted_error), "expired": [], "over_budget": [],
-                  "orphans": []}
+        report = {
+            "interrupted": self.fail_interrupted(interrupted_error),
+            "expired": [],
+            "over_budget": [],
+            "orphans": [],
+        }
         with self.metadata.fleet_lock() as mine:
             if mine:
                 self._retention(report)
@@ -323,16 +358,19 @@ class ResultStore:
 
     def _retention(self, report: dict[str, list[str]]) -> None:
         now = self.clock()
-        expired = self._query("SELECT id FROM results WHERE expires_at IS NOT NULL AND expires_at <= ? "
-                              "AND status NOT IN (?, ?)", (now, *LIVE_STATUSES))
+        expired = self._query(
+            "SELECT id FROM results WHERE expires_at IS NOT NULL AND expires_at <= ? AND status NOT IN (?, ?)",
+            (now, *LIVE_STATUSES),
+        )
         for (rid,) in expired:
             self.delete(rid)
             report["expired"].append(rid)
         if self.policy.max_bytes > 0:
             total = self.total_bytes()
             if total > self.policy.max_bytes:
-                rows = self._query("SELECT id, bytes FROM results WHERE status NOT IN (?, ?) AND bytes > 0 "
-                                   "ORDER BY seq", LIVE_STATUSES)
+                rows = self._query(
+                    "SELECT id, bytes FROM results WHERE status NOT IN (?, ?) AND bytes > 0 ORDER BY seq", LIVE_STATUSES
+                )
                 for rid, size in rows:
                     if total <= self.policy.max_bytes:
                         break
@@ -347,9 +385,11 @@ class ResultStore:
 
     # -- background sweep ------------------------------------------------------------------------------
 
-    def start_sweeper(self, interval_s: float, interrupted_error: dict[str, Any],
-                      after_sweep: Callable[[], None] | None = None) -> None:
+    def start_sweeper(
+        self, interval_s: float, interrupted_error: dict[str, Any], after_sweep: Callable[[], None] | None = None
+    ) -> None:
         """Run `sweep` every `interval_s` seconds in a daemon thread (then `after_sweep`, if given)."""
+
         def loop() -> None:
             while not self._stop.wait(interval_s):
                 try:

@@ -31,8 +31,9 @@ def parse_s3_url(url: str) -> tuple[str, str]:
 class S3Media:
     """Objects `<prefix><id>/<name>` in one bucket."""
 
-    def __init__(self, url: str, *, endpoint_url: str | None = None, create_bucket: bool = False,
-                 timeout_s: float = 10.0):
+    def __init__(
+        self, url: str, *, endpoint_url: str | None = None, create_bucket: bool = False, timeout_s: float = 10.0
+    ):
         import boto3
         from botocore.config import Config
 
@@ -40,9 +41,12 @@ class S3Media:
         self.name = f"{FLAG} {url}"
         endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         # A non-AWS endpoint (an IP, a cluster Service name) has no bucket sub-domains: address path-style.
-        config = Config(connect_timeout=timeout_s, read_timeout=max(timeout_s, 30.0),
-                        retries={"max_attempts": 2, "mode": "standard"},
-                        s3={"addressing_style": "path" if endpoint else "auto"})
+        config = Config(
+            connect_timeout=timeout_s,
+            read_timeout=max(timeout_s, 30.0),
+            retries={"max_attempts": 2, "mode": "standard"},
+            s3={"addressing_style": "path" if endpoint else "auto"},
+        )
         self.client = boto3.session.Session().client("s3", endpoint_url=endpoint_url or None, config=config)
         self._check(create_bucket, endpoint)
 
@@ -55,23 +59,32 @@ class S3Media:
             self.client.head_bucket(Bucket=self.bucket)
             return
         except NoCredentialsError:
-            raise ConfigError(f"{self.name}: no S3 credentials; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-                              "(or a profile / instance role).") from None
+            raise ConfigError(
+                f"{self.name}: no S3 credentials; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                "(or a profile / instance role)."
+            ) from None
         except ClientError as exc:
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if status in (401, 403):
-                raise ConfigError(f"{self.name}: the S3 server{where} refused the credentials for bucket "
-                                  f"{self.bucket!r} (HTTP {status}); check AWS_ACCESS_KEY_ID / "
-                                  "AWS_SECRET_ACCESS_KEY and the bucket's policy.") from None
+                raise ConfigError(
+                    f"{self.name}: the S3 server{where} refused the credentials for bucket "
+                    f"{self.bucket!r} (HTTP {status}); check AWS_ACCESS_KEY_ID / "
+                    "AWS_SECRET_ACCESS_KEY and the bucket's policy."
+                ) from None
             if status != 404:
-                raise ConfigError(f"{self.name}: the S3 server{where} answered HTTP {status} for bucket "
-                                  f"{self.bucket!r}: {exc}.") from None
+                raise ConfigError(
+                    f"{self.name}: the S3 server{where} answered HTTP {status} for bucket {self.bucket!r}: {exc}."
+                ) from None
         except BotoCoreError as exc:
-            raise ConfigError(f"{self.name}: cannot reach the S3 server{where} ({exc}); check --s3-endpoint-url "
-                              "(or AWS_ENDPOINT_URL) and AWS_REGION.") from None
+            raise ConfigError(
+                f"{self.name}: cannot reach the S3 server{where} ({exc}); check --s3-endpoint-url "
+                "(or AWS_ENDPOINT_URL) and AWS_REGION."
+            ) from None
         if not create_bucket:
-            raise ConfigError(f"{self.name}: bucket {self.bucket!r} does not exist{where}; create it, or start "
-                              "with --media-store-create-bucket.")
+            raise ConfigError(
+                f"{self.name}: bucket {self.bucket!r} does not exist{where}; create it, or start "
+                "with --media-store-create-bucket."
+            )
         try:
             self.client.create_bucket(Bucket=self.bucket)
         except (BotoCoreError, ClientError) as exc:
@@ -91,8 +104,9 @@ class S3Media:
                 raise
             raise StoreUnavailableError(f"The media store ({self.name}) failed: {exc}.", retry_after_s=2.0) from exc
         except BotoCoreError as exc:
-            raise StoreUnavailableError(f"The media store ({self.name}) is unavailable: {exc}. Retry once it is "
-                                        "back.", retry_after_s=2.0) from exc
+            raise StoreUnavailableError(
+                f"The media store ({self.name}) is unavailable: {exc}. Retry once it is back.", retry_after_s=2.0
+            ) from exc
 
     def put(self, rid: str, files: dict[str, bytes]) -> int:
         for name, data in files.items():
@@ -120,7 +134,7 @@ class S3Media:
 
     def _delete(self, keys: list[str]) -> None:
         for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
-            chunk = [{"Key": key} for key in keys[start:start + 1000]]
+            chunk = [{"Key": key} for key in keys[start : start + 1000]]
             self._call("delete_objects", Bucket=self.bucket, Delete={"Objects": chunk, "Quiet": True})
 
     def remove(self, rid: str) -> None:
@@ -131,7 +145,7 @@ class S3Media:
     def remove_orphans(self, known: set[str], now: float, grace_s: float) -> list[str]:
         by_id: dict[str, list[dict[str, Any]]] = {}
         for obj in self._objects(self.prefix):
-            rid, _, _ = obj["Key"][len(self.prefix):].partition("/")
+            rid, _, _ = obj["Key"][len(self.prefix) :].partition("/")
             by_id.setdefault(rid, []).append(obj)
         removed = []
         for rid, objects in by_id.items():
@@ -142,9 +156,9 @@ class S3Media:
         return removed
 
     def presign(self, rid: str, name: str, expires_s: int) -> str | None:
-        return self.client.generate_presigned_url("get_object", Params={"Bucket": self.bucket,
-                                                                        "Key": self._key(rid, name)},
-                                                  ExpiresIn=expires_s)
+        return self.client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": self._key(rid, name)}, ExpiresIn=expires_s
+        )
 
     def close(self) -> None:
         self.client.close()

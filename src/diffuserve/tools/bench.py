@@ -41,8 +41,17 @@ from diffuserve.tools.bench_report import (
     summarize_setting,
 )
 
-__all__ = ["add_bench_arguments", "run_bench", "percentile", "summarize", "summarize_setting", "poisson_arrivals",
-           "plot_runs", "format_table", "RequestResult"]
+__all__ = [
+    "add_bench_arguments",
+    "run_bench",
+    "percentile",
+    "summarize",
+    "summarize_setting",
+    "poisson_arrivals",
+    "plot_runs",
+    "format_table",
+    "RequestResult",
+]
 
 DEFAULT_BASE_URL = "http://127.0.0.1:30010"
 #: How many distinct error messages a setting keeps for the report.
@@ -95,20 +104,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
     group = parser.add_argument_group("load")
     group.add_argument("--num-requests", type=int, default=32, help="Requests per setting.")
-    group.add_argument(
-        "--concurrency", type=parse_concurrency, default=[1], help="Max in flight; 1,4,8 sweeps."
-    )
-    group.add_argument(
-        "--request-rate", type=parse_rate, default=math.inf, help="Poisson req/s; inf = closed loop."
-    )
+    group.add_argument("--concurrency", type=parse_concurrency, default=[1], help="Max in flight; 1,4,8 sweeps.")
+    group.add_argument("--request-rate", type=parse_rate, default=math.inf, help="Poisson req/s; inf = closed loop.")
     group.add_argument("--warmup-requests", type=int, default=1, help="Untimed requests before the sweep.")
 
     group = parser.add_argument_group("request")
     group.add_argument("--prompt", default=BenchRequestSpec.prompt, help="Prompt of every request.")
     group.add_argument("--size", type=parse_size, default=None, help="WxH (server default if omitted).")
-    group.add_argument(
-        "--steps", type=int, default=None, help="num_inference_steps (server default if omitted)."
-    )
+    group.add_argument("--steps", type=int, default=None, help="num_inference_steps (server default if omitted).")
     group.add_argument("--seed", type=int, default=0, help="Base seed: request i of a setting uses seed+i.")
     group.add_argument("--n", type=int, default=1, help="Images per request (images endpoint).")
     group.add_argument("--num-frames", type=int, default=None, help="Frames per video (videos endpoint).")
@@ -117,12 +120,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--label", default=None, help="Name of this run in the JSON and plot.")
     group.add_argument("--output-json", type=Path, default=None, help="Write the results here.")
     group.add_argument("--plot", type=Path, default=None, help="PNG: throughput and latency vs concurrency.")
-    group.add_argument(
-        "--compare", type=Path, nargs="+", default=None, help="Overlay saved JSON runs (needs --plot)."
-    )
+    group.add_argument("--compare", type=Path, nargs="+", default=None, help="Overlay saved JSON runs (needs --plot).")
     group.add_argument("--no-progress", action="store_true", help="Hide the progress bar.")
-    group.add_argument("--allow-failures", action="store_true",
-                       help="Exit 0 even when requests failed (by default any failed request of the sweep exits 1).")
+    group.add_argument(
+        "--allow-failures",
+        action="store_true",
+        help="Exit 0 even when requests failed (by default any failed request of the sweep exits 1).",
+    )
 
 
 # -- 3. traffic -------------------------------------------------------------------------------------
@@ -302,9 +306,7 @@ async def run_setting(
             send = lambda i: _send(client, spec, seed + i)  # noqa: E731 - request i uses seed+i
             results = await _drive(send, num_requests, concurrency, arrivals, lambda _r: bar.update())
             duration_s = time.perf_counter() - start
-    return summarize_setting(
-        results, concurrency=concurrency, request_rate=request_rate, duration_s=duration_s
-    )
+    return summarize_setting(results, concurrency=concurrency, request_rate=request_rate, duration_s=duration_s)
 
 
 async def check_reachable(base_url: str, api_key: str | None, timeout_s: float = 10.0) -> str | None:
@@ -356,9 +358,7 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _sweep(
-    args: argparse.Namespace, spec: BenchRequestSpec, run: dict[str, Any], api_key: str | None
-) -> int:
+async def _sweep(args: argparse.Namespace, spec: BenchRequestSpec, run: dict[str, Any], api_key: str | None) -> int:
     """Check the server answers, warm it up, then run every concurrency setting into run["results"]."""
     base_url = run["base_url"]
     unreachable = await check_reachable(base_url, api_key, min(args.timeout_s, 10.0))
@@ -371,10 +371,7 @@ async def _sweep(
             base_url, spec, concurrency=1, request_rate=math.inf, num_requests=args.warmup_requests,
             progress=False, **common,
         )  # fmt: skip
-        print(
-            f"warmup: {warm['completed']}/{args.warmup_requests} ok"
-            + "".join(f"; {e}" for e in warm["errors"])
-        )
+        print(f"warmup: {warm['completed']}/{args.warmup_requests} ok" + "".join(f"; {e}" for e in warm["errors"]))
     for concurrency in args.concurrency:
         result = await run_setting(
             base_url, spec, concurrency=concurrency, request_rate=args.request_rate,
@@ -422,9 +419,7 @@ def run_bench(args: argparse.Namespace) -> int:
     for row in run["results"]:
         if row["failed"]:
             failed += row["failed"]
-            print(
-                f"c={row['concurrency']}: {row['failed']} failed; first errors: " + " | ".join(row["errors"])
-            )
+            print(f"c={row['concurrency']}: {row['failed']} failed; first errors: " + " | ".join(row["errors"]))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_json).write_text(json.dumps(run, indent=2) + "\n")

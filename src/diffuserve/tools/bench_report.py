@@ -103,8 +103,20 @@ def output_unit(endpoint: str | None) -> str:
 def format_table(results: Sequence[dict[str, Any]], *, endpoint: str | None = "images") -> str:
     """The results as an aligned text table; every header carries its unit."""
     unit = output_unit(endpoint)
-    header = ("conc", "rate_req/s", "ok", "fail", "req/s", f"{unit}/s", "lat_mean_ms", "lat_p50_ms", "lat_p90_ms",
-              "lat_p99_ms", "qw_p50_ms", "qw_p99_ms")
+    header = (
+        "conc",
+        "rate_req/s",
+        "ok",
+        "fail",
+        "req/s",
+        f"{unit}/s",
+        "lat_mean_ms",
+        "lat_p50_ms",
+        "lat_p90_ms",
+        "lat_p99_ms",
+        "qw_p50_ms",
+        "qw_p99_ms",
+    )
     rows = [header]
     for r in results:
         lat, wait = r["latency_ms"], r["queue_wait_ms"]
@@ -171,5 +183,3 @@ def plot_runs(json_paths: list[Path], out_png: Path) -> None:
         if seen[run["label"]] > 1:
             run["label"] = f"{run['label']} ({seen[run['label']]})"
     plot_results(runs, out_png)
-
-

@@ -12,24 +12,33 @@ import json
 from pathlib import Path
 from typing import Any
 
-DEFAULT_PROMPTS = ("a red circle in the top left", "a blue square in the bottom right",
-                   "a photo of a cat on a sofa", "a mountain lake at sunrise")
+DEFAULT_PROMPTS = (
+    "a red circle in the top left",
+    "a blue square in the bottom right",
+    "a photo of a cat on a sofa",
+    "a mountain lake at sunrise",
+)
 """Prompts of the calibration run when none are given (the ratios vary little with the prompt)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-path", required=True, help="The checkpoint to calibrate (a diffusers folder).")
     parser.add_argument("--output", required=True, help="JSON file to write the ratios to.")
-    parser.add_argument("--steps", type=int, default=28, help="Denoising steps of the calibration run (default: 28; "
-                        "other step counts interpolate the ratios).")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=28,
+        help="Denoising steps of the calibration run (default: 28; other step counts interpolate the ratios).",
+    )
     parser.add_argument("--prompt", action="append", default=None, help="A calibration prompt (repeatable).")
     parser.add_argument("--size", default=None, help="WIDTHxHEIGHT (default: the model's default size).")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu).")
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32).")
 
 
-def calibrate(pipeline: Any, *, steps: int, prompts: tuple[str, ...] = DEFAULT_PROMPTS,
-              size: tuple[int, int] | None = None) -> dict[str, Any]:
+def calibrate(
+    pipeline: Any, *, steps: int, prompts: tuple[str, ...] = DEFAULT_PROMPTS, size: tuple[int, int] | None = None
+) -> dict[str, Any]:
     """Run `prompts` on a loaded native pipeline with every step computed; the ratios per step, averaged."""
     from diffuserve.config.step_cache import StepCacheSettings
     from diffuserve.sampling import SamplingParams
@@ -37,17 +46,33 @@ def calibrate(pipeline: Any, *, steps: int, prompts: tuple[str, ...] = DEFAULT_P
     d = pipeline.defaults
     width, height = size or (d.width, d.height)
     settings = StepCacheSettings(method="magcache", calibrate=True)
-    batch = [SamplingParams(prompt=prompt, width=width, height=height, num_frames=d.num_frames,
-                            num_inference_steps=steps, guidance_scale=d.guidance_scale,
-                            true_cfg_scale=d.true_cfg_scale, negative_prompt=d.negative_prompt, seed=i,
-                            step_cache=settings) for i, prompt in enumerate(prompts)]
+    batch = [
+        SamplingParams(
+            prompt=prompt,
+            width=width,
+            height=height,
+            num_frames=d.num_frames,
+            num_inference_steps=steps,
+            guidance_scale=d.guidance_scale,
+            true_cfg_scale=d.true_cfg_scale,
+            negative_prompt=d.negative_prompt,
+            seed=i,
+            step_cache=settings,
+        )
+        for i, prompt in enumerate(prompts)
+    ]
     for params in batch:
         pipeline.validate(params)
     per_request = [output.step_cache["mag_ratios"] for output in pipeline.run(batch).outputs]
     ratios = [sum(step) / len(step) for step in zip(*per_request, strict=True)]
     denoiser = type(getattr(pipeline, pipeline.denoisers[0])).__name__
-    return {"denoiser": denoiser, "family": pipeline.family, "num_inference_steps": steps,
-            "prompts": list(prompts), "mag_ratios": ratios}
+    return {
+        "denoiser": denoiser,
+        "family": pipeline.family,
+        "num_inference_steps": steps,
+        "prompts": list(prompts),
+        "mag_ratios": ratios,
+    }
 
 
 def run(ns: argparse.Namespace) -> int:

@@ -78,8 +78,14 @@ class _Engine:
         from diffuserve.config.server_args import ServerArgs
 
         residency = overrides.pop("component_residency", [])
-        self.args = ServerArgs(model_path=str(model_path), device="cpu", enable_warmup=False, num_threads=1,
-                               served_model_name="compat", **overrides)
+        self.args = ServerArgs(
+            model_path=str(model_path),
+            device="cpu",
+            enable_warmup=False,
+            num_threads=1,
+            served_model_name="compat",
+            **overrides,
+        )
         self.args.deployment = DeploymentArgs(component_residency=list(residency))
 
     def __enter__(self) -> _Engine:
@@ -102,8 +108,9 @@ class _Engine:
         params = [build_sampling_params(model, **r) for r in requests]
 
         async def go() -> list[Any]:
-            return await asyncio.gather(*(
-                self.engine.generate(p, ineligible_reason="image_conditioning" if edit else None) for p in params))
+            return await asyncio.gather(
+                *(self.engine.generate(p, ineligible_reason="image_conditioning" if edit else None) for p in params)
+            )
 
         return asyncio.run(go())
 
@@ -118,7 +125,9 @@ def _input_image() -> bytes:
     from PIL import Image
 
     ramp = np.linspace(0, 255, SIZE, dtype=np.uint8)
-    pixels = np.stack([np.tile(ramp, (SIZE, 1)), np.tile(ramp[:, None], (1, SIZE)), np.full((SIZE, SIZE), 96, np.uint8)], -1)
+    pixels = np.stack(
+        [np.tile(ramp, (SIZE, 1)), np.tile(ramp[:, None], (1, SIZE)), np.full((SIZE, SIZE), 96, np.uint8)], -1
+    )
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")
     return buffer.getvalue()
@@ -173,10 +182,13 @@ def check_build(build: str, work_dir: Path, *, quick: bool = False) -> CompatRow
             edited = singleton.run([edit], edit=True)[0].output.images
             # Families whose pipeline sizes its output from the input (Qwen-Image-Layered) are checked on `n` only.
             sized = spec.output_size_follows_input or all(im.size == (SIZE, SIZE) for im in edited)
-            _check(row, "I2I", lambda: (len(edited) == 2 and sized, "" if sized else f"sizes {[im.size for im in edited]}"))
+            _check(
+                row, "I2I", lambda: (len(edited) == 2 and sized, "" if sized else f"sizes {[im.size for im in edited]}")
+            )
         base = reference[0] if t2i else edited
 
     if t2i and spec.supports_batching:
+
         def merged() -> tuple[bool, str]:
             with _Engine(path, batching_mode="dynamic", batching_max_size=2, batching_delay_ms=60_000) as dynamic:
                 results = dynamic.run([first, second])
@@ -184,6 +196,7 @@ def check_build(build: str, work_dir: Path, *, quick: bool = False) -> CompatRow
             ok_a, diff_a = _same(results[0].output.images, reference[0])
             ok_b, diff_b = _same(results[1].output.images, solo[0])
             return sizes == [2, 2] and ok_a and ok_b, f"batch sizes {sizes}, max diff {max(diff_a, diff_b)}/255"
+
         _check(row, "Batching", merged)
 
     if spec.has_native and not quick:
@@ -200,6 +213,7 @@ def check_build(build: str, work_dir: Path, *, quick: bool = False) -> CompatRow
                 if not ok:
                     failures.append(f"{mode} differs by {diff}/255")
             return not failures, "; ".join(failures) or f"max diff {worst}/255 (layer-wise on {', '.join(layered)})"
+
         _check(row, "Residency", residency)
 
         def diffusers() -> tuple[bool, str]:
@@ -207,6 +221,7 @@ def check_build(build: str, work_dir: Path, *, quick: bool = False) -> CompatRow
                 out = reference_backend.run([probe], edit=is_edit)[0].output.images
             ok, diff = _same(out, base)
             return ok, f"max diff {diff}/255"
+
         _check(row, "Matches diffusers", diffusers)
     return row
 
@@ -236,8 +251,14 @@ def _check_mesh_build(build: str, spec: Any, path: Path, *, quick: bool) -> Comp
     with _Engine(path) as singleton:
         reference = singleton.run([first])[0].output.meshes
         solo = singleton.run([second])[0].output.meshes
-    _check(row, "I2I", lambda: (len(reference) == 1 and reference[0].error is None,
-                                reference[0].error or f"{len(reference[0].faces)} faces"))
+    _check(
+        row,
+        "I2I",
+        lambda: (
+            len(reference) == 1 and reference[0].error is None,
+            reference[0].error or f"{len(reference[0].faces)} faces",
+        ),
+    )
 
     def merged() -> tuple[bool, str]:
         with _Engine(path, batching_mode="dynamic", batching_max_size=2, batching_delay_ms=60_000) as dynamic:
@@ -246,8 +267,10 @@ def _check_mesh_build(build: str, spec: Any, path: Path, *, quick: bool) -> Comp
         ok_a, diff_a = _same_meshes(results[0].output.meshes, reference)
         ok_b, diff_b = _same_meshes(results[1].output.meshes, solo)
         return sizes == [2, 2] and ok_a and ok_b, f"batch sizes {sizes}, max vertex diff {max(diff_a, diff_b):.1e}"
+
     _check(row, "Batching", merged)
     if not quick:
+
         def residency() -> tuple[bool, str]:
             worst, failures = 0.0, []
             for mode in RESIDENCY_MODES[:2]:  # no layer table for Tencent's layout: whole components only
@@ -257,9 +280,11 @@ def _check_mesh_build(build: str, spec: Any, path: Path, *, quick: bool) -> Comp
                 if not ok:
                     failures.append(f"{mode} differs by {diff:.1e}")
             return not failures, "; ".join(failures) or f"max vertex diff {worst:.1e} (component and snapshot offload)"
+
         _check(row, "Residency", residency)
-    row.notes.append("Matches diffusers: no diffusers pipeline; equals hy3dgen 2.0.2 "
-                     "(tests/integration/test_hunyuan3d_reference.py)")
+    row.notes.append(
+        "Matches diffusers: no diffusers pipeline; equals hy3dgen 2.0.2 (tests/integration/test_hunyuan3d_reference.py)"
+    )
     return row
 
 
@@ -267,19 +292,27 @@ def image_builds() -> list[str]:
     """Every `make-tiny` name of an image (or image-to-mesh) family, in the order the family modules list them."""
     from diffuserve import families
 
-    return [name for spec in families.all_specs().values() if spec.output_kind in ("image", "mesh")
-            for name in spec.tiny_builds]
+    return [
+        name
+        for spec in families.all_specs().values()
+        if spec.output_kind in ("image", "mesh")
+        for name in spec.tiny_builds
+    ]
 
 
 def render(rows: Sequence[CompatRow]) -> str:
     """The grid as a Markdown table (the README's shape), then the notes."""
-    lines = ["| Model (make-tiny) | Pipeline class | " + " | ".join(COLUMNS) + " |",
-             "|---|---|" + "---|" * len(COLUMNS)]
+    lines = [
+        "| Model (make-tiny) | Pipeline class | " + " | ".join(COLUMNS) + " |",
+        "|---|---|" + "---|" * len(COLUMNS),
+    ]
     for row in rows:
         lines.append(f"| {row.build} | `{row.pipeline_class}` | " + " | ".join(row.cells[c] for c in COLUMNS) + " |")
     lines.append("")
-    lines.append(f"{OK} ran and matched, {FAIL} ran and failed, - not applicable. "
-                 f"{SIZE}x{SIZE}, {STEPS} steps, equal = within {MAX_PIXEL_DIFF}/255 per pixel.")
+    lines.append(
+        f"{OK} ran and matched, {FAIL} ran and failed, - not applicable. "
+        f"{SIZE}x{SIZE}, {STEPS} steps, equal = within {MAX_PIXEL_DIFF}/255 per pixel."
+    )
     notes = [f"- {row.build}: {note}" for row in rows for note in row.notes]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
@@ -294,8 +327,13 @@ def parse_grid(text: str) -> dict[str, dict[str, str]]:
     return rows
 
 
-def run_compat(builds: Sequence[str] | None = None, output: Path | None = None, *, quick: bool = False,
-               log: Callable[[str], None] = print) -> list[CompatRow]:
+def run_compat(
+    builds: Sequence[str] | None = None,
+    output: Path | None = None,
+    *,
+    quick: bool = False,
+    log: Callable[[str], None] = print,
+) -> list[CompatRow]:
     """Fill the grid for `builds` (default: every image family's tiny builds); write Markdown to `output`."""
     import logging
 
@@ -306,15 +344,21 @@ def run_compat(builds: Sequence[str] | None = None, output: Path | None = None, 
     if unknown:
         from diffuserve.errors import ConfigError
 
-        raise ConfigError(f"--families: {unknown} are not tiny builds of image families; choose from {sorted(known)}.",
-                          param="families")
+        raise ConfigError(
+            f"--families: {unknown} are not tiny builds of image families; choose from {sorted(known)}.",
+            param="families",
+        )
     rows = []
     with tempfile.TemporaryDirectory(prefix="diffuserve-compat-") as tmp:
         for name in names:
             started = time.monotonic()
             row = check_build(name, Path(tmp), quick=quick)
             rows.append(row)
-            log(f"{name}: " + ", ".join(f"{c} {row.cells[c]}" for c in COLUMNS) + f" ({time.monotonic() - started:.1f}s)")
+            log(
+                f"{name}: "
+                + ", ".join(f"{c} {row.cells[c]}" for c in COLUMNS)
+                + f" ({time.monotonic() - started:.1f}s)"
+            )
     text = render(rows)
     if output is not None:
         Path(output).write_text(text)

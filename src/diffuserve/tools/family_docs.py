@@ -170,8 +170,7 @@ def render(specs: Sequence[FamilySpec] | None = None) -> str:
         "from the loaded checkpoint, see the notes below):\n\n"
         + render_table(specs, serving_columns())
         + "\n**What the deployment plan knows** (`ProfileFacts`; thresholds are free GiB per GPU under "
-        "`--performance-mode auto`):\n\n"
-        + render_table(specs, PLAN_COLUMNS)
+        "`--performance-mode auto`):\n\n" + render_table(specs, PLAN_COLUMNS)
     )
 
 

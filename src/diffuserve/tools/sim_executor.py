@@ -112,8 +112,9 @@ class SimulatedPipeline(Pipeline):
     def defers_decode(self) -> bool:  # type: ignore[override]
         return self._defers_decode
 
-    def run_to_latents(self, batch: list[SamplingParams], *, on_step: Any = None, should_stop: Any = None,
-                       on_preview: Any = None) -> Any:
+    def run_to_latents(
+        self, batch: list[SamplingParams], *, on_step: Any = None, should_stop: Any = None, on_preview: Any = None
+    ) -> Any:
         prompts = [p.prompt for p in batch]
         self.calls.append(prompts)
         rows = sum(p.n for p in batch)
@@ -131,13 +132,20 @@ class SimulatedPipeline(Pipeline):
     def decode_batch(self, denoised: Any) -> BatchResult:
         self.decode_gate.wait(WAIT_S)
         self.decodes.append([p.prompt for p in denoised.batch])
-        return BatchResult(outputs=[RequestOutput(images=[f"{p.prompt}#{j}" for j in range(p.n)])  # type: ignore[misc]
-                                    for p in denoised.batch], stage_seconds={"decode": 0.0})
+        return BatchResult(
+            outputs=[
+                RequestOutput(images=[f"{p.prompt}#{j}" for j in range(p.n)])  # type: ignore[misc]
+                for p in denoised.batch
+            ],
+            stage_seconds={"decode": 0.0},
+        )
 
-    def run(self, batch: list[SamplingParams], *, on_step: Any = None, should_stop: Any = None,
-            on_preview: Any = None) -> BatchResult:
-        return self.decode_batch(self.run_to_latents(batch, on_step=on_step, should_stop=should_stop,
-                                                     on_preview=on_preview))
+    def run(
+        self, batch: list[SamplingParams], *, on_step: Any = None, should_stop: Any = None, on_preview: Any = None
+    ) -> BatchResult:
+        return self.decode_batch(
+            self.run_to_latents(batch, on_step=on_step, should_stop=should_stop, on_preview=on_preview)
+        )
 
     def decode(self, labels: list[str]) -> list[Any]:
         """Continuous mode's finish: the final outputs of rows labelled by their prompts."""
@@ -148,8 +156,12 @@ class SimulatedPipeline(Pipeline):
 
 def _rows(params: SamplingParams) -> RequestRows:
     latents = torch.zeros(params.n, 1)
-    state = DenoiseState(latents=latents, timesteps=torch.arange(params.num_inference_steps), scheduler=None,
-                         extras={"labels": [params.prompt] * params.n})
+    state = DenoiseState(
+        latents=latents,
+        timesteps=torch.arange(params.num_inference_steps),
+        scheduler=None,
+        extras={"labels": [params.prompt] * params.n},
+    )
     return RequestRows(params=params, latents=latents, positive=None, negative=None, state=state)  # type: ignore[arg-type]
 
 
@@ -165,8 +177,10 @@ class SimulatedSteps:
         self.device = pipeline.device
 
     def start(self, requests: Sequence[tuple[str, SamplingParams]]) -> list[Any]:
-        return [RuntimeError("injected start failure") if "BADSTART" in params.prompt else _rows(params)
-                for _, params in requests]
+        return [
+            RuntimeError("injected start failure") if "BADSTART" in params.prompt else _rows(params)
+            for _, params in requests
+        ]
 
     def step(self, rows: Sequence[tuple[str, Any]]) -> None:
         prompts = [state.params.prompt for _, state in rows]
@@ -195,8 +209,13 @@ class SimulatedExecutor:
 
     multi_rank = False
 
-    def __init__(self, replicas: int = 1, *, make_pipeline: Callable[[], SimulatedPipeline] = SimulatedPipeline,
-                 clock: Callable[[], float] | None = None):
+    def __init__(
+        self,
+        replicas: int = 1,
+        *,
+        make_pipeline: Callable[[], SimulatedPipeline] = SimulatedPipeline,
+        clock: Callable[[], float] | None = None,
+    ):
         self.pipelines = [make_pipeline() for _ in range(replicas)]
         self._inner = [InProcessExecutor(lambda p=p: ServingPipeline.of(p), clock=clock) for p in self.pipelines]
         self.replicas = [ReplicaState(r, (r,)) for r in range(replicas)]
@@ -240,8 +259,9 @@ def singleton_capacity_rps(cost: StepCost, steps: int) -> float:
     return 1.0 / (steps * cost(1))
 
 
-def simulate_arrivals(mode: str, cost: StepCost, *, rate: float, requests: int, steps: int,
-                      seed: int = 0) -> list[float]:
+def simulate_arrivals(
+    mode: str, cost: StepCost, *, rate: float, requests: int, steps: int, seed: int = 0
+) -> list[float]:
     """Latencies (s, arrival to answer) of `requests` Poisson arrivals at `rate` req/s, each of `steps` steps and
     one row, through the real `AsyncEngine` and the scheduler of `mode` (`SIM_MODES`) on a simulated accelerator
     whose steps cost `cost`."""
@@ -255,11 +275,17 @@ def simulate_arrivals(mode: str, cost: StepCost, *, rate: float, requests: int, 
 
     max_size, delay_ms = SIM_MODES[mode]
     config = BatchingConfig(mode=mode, max_size=max_size, delay_ms=delay_ms)
-    scheduler = (StepScheduler(config, model_names=["sim"]) if mode == "continuous"
-                 else DynamicBatcher(config, model_names=["sim"]))
-    engine = AsyncEngine(SimulatedExecutor(make_pipeline=lambda: SimulatedPipeline(cost=cost)), scheduler,
-                         config=EngineConfig(max_queue_size=0, request_timeout_s=0.0, enable_warmup=False),
-                         model_name="sim")
+    scheduler = (
+        StepScheduler(config, model_names=["sim"])
+        if mode == "continuous"
+        else DynamicBatcher(config, model_names=["sim"])
+    )
+    engine = AsyncEngine(
+        SimulatedExecutor(make_pipeline=lambda: SimulatedPipeline(cost=cost)),
+        scheduler,
+        config=EngineConfig(max_queue_size=0, request_timeout_s=0.0, enable_warmup=False),
+        model_name="sim",
+    )
     engine.start()
     if not engine.wait_ready(60):
         raise RuntimeError(f"the simulated engine did not start: {engine.failure}")

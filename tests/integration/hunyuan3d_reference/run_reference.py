@@ -21,17 +21,30 @@ sys.path.insert(0, stubs)
 from hy3dgen.shapegen import Hunyuan3DDiTFlowMatchingPipeline  # noqa: E402
 
 pipe = Hunyuan3DDiTFlowMatchingPipeline.from_single_file(
-    f"{folder}/model.fp16.safetensors", f"{folder}/config.yaml", device="cpu", dtype=torch.float32,
-    use_safetensors=True)
+    f"{folder}/model.fp16.safetensors", f"{folder}/config.yaml", device="cpu", dtype=torch.float32, use_safetensors=True
+)
 own = pipe.image_processor(Image.open(png))["image"].numpy()
 ours = torch.from_numpy(np.load(ours_npy))
 pipe.image_processor = lambda image, **_: {"image": ours, "mask": torch.zeros_like(ours[:, :1])}
-latents = pipe(image=Image.open(png), num_inference_steps=int(steps), guidance_scale=float(guidance),
-               generator=torch.Generator().manual_seed(int(seed)), octree_resolution=int(octree),
-               output_type="latent", enable_pbar=False)
+latents = pipe(
+    image=Image.open(png),
+    num_inference_steps=int(steps),
+    guidance_scale=float(guidance),
+    generator=torch.Generator().manual_seed(int(seed)),
+    octree_resolution=int(octree),
+    output_type="latent",
+    enable_pbar=False,
+)
 decoded = pipe.vae(latents / pipe.vae.scale_factor)
-volume = pipe.vae.volume_decoder(decoded, pipe.vae.geo_decoder, bounds=1.01, num_chunks=8000,
-                                 octree_resolution=int(octree), enable_pbar=False)
+volume = pipe.vae.volume_decoder(
+    decoded, pipe.vae.geo_decoder, bounds=1.01, num_chunks=8000, octree_resolution=int(octree), enable_pbar=False
+)
 mesh = pipe.vae.surface_extractor(volume, mc_level=0.0, bounds=1.01, octree_resolution=int(octree))[0]
-np.savez(out, own_image=own, latents=latents.numpy(), volume=volume.numpy(), vertices=mesh.mesh_v,
-         faces=mesh.mesh_f[:, ::-1].copy())
+np.savez(
+    out,
+    own_image=own,
+    latents=latents.numpy(),
+    volume=volume.numpy(),
+    vertices=mesh.mesh_v,
+    faces=mesh.mesh_f[:, ::-1].copy(),
+)

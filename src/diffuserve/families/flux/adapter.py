@@ -76,8 +76,9 @@ class FluxNativePipeline(stages.RecipePipeline):
             "vae": vae,
         }
         self.vae_scale_factor = self.bind_facts(component_configs(self.components)).vae_factor
-        self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2,
-                                                 vae_latent_channels=vae.config.latent_channels)
+        self.image_processor = VaeImageProcessor(
+            vae_scale_factor=self.vae_scale_factor * 2, vae_latent_channels=vae.config.latent_channels
+        )
         self._clip_max_length = getattr(tokenizer, "model_max_length", 77) or 77
         self._image_ids: dict[tuple[int, int], torch.Tensor] = {}
         self._text_ids: dict[int, torch.Tensor] = {}
@@ -123,12 +124,14 @@ class FluxNativePipeline(stages.RecipePipeline):
     def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
         """CLIP's pooled output (`pooled`) or T5's hidden states (`prompt_embeds`), one row per text."""
         if key == "text_encoder":
-            ids = self.tokenizer(texts, padding="max_length", max_length=self._clip_max_length,
-                                 truncation=True, return_tensors="pt").input_ids
+            ids = self.tokenizer(
+                texts, padding="max_length", max_length=self._clip_max_length, truncation=True, return_tensors="pt"
+            ).input_ids
             out = self.text_encoder(ids.to(self.device), output_hidden_states=False)
             return {"pooled": out.pooler_output.to(self.dtype)}
-        ids = self.tokenizer_2(texts, padding="max_length", max_length=self.max_sequence_length,
-                               truncation=True, return_tensors="pt").input_ids
+        ids = self.tokenizer_2(
+            texts, padding="max_length", max_length=self.max_sequence_length, truncation=True, return_tensors="pt"
+        ).input_ids
         out = self.text_encoder_2(ids.to(self.device), output_hidden_states=False)[0]
         return {"prompt_embeds": out.to(self.dtype)}
 
@@ -156,7 +159,7 @@ class FluxNativePipeline(stages.RecipePipeline):
         head = batch[0]
         num_steps = len(timesteps)
         t_start = int(max(num_steps - min(num_steps * head.strength, num_steps), 0))
-        timesteps = timesteps[t_start * scheduler.order:]
+        timesteps = timesteps[t_start * scheduler.order :]
         scheduler.set_begin_index(t_start * scheduler.order)
         lh, lw = self._latent_hw(height, width)
         channels = self.transformer.config.in_channels // 4
@@ -168,7 +171,9 @@ class FluxNativePipeline(stages.RecipePipeline):
             encoded = self.vae.encode(pixels.to(self.device, self.vae.dtype))
             image_latents = retrieve_latents(encoded, generator=generators[0])
             image_latents = (image_latents - self.vae.config.shift_factor) * self.vae.config.scaling_factor
-            noise = randn_tensor((params.n, channels, lh, lw), generator=generators, device=self.device, dtype=self.dtype)
+            noise = randn_tensor(
+                (params.n, channels, lh, lw), generator=generators, device=self.device, dtype=self.dtype
+            )
             start = timesteps[:1].repeat(params.n)
             rows.append(scheduler.scale_noise(image_latents.to(self.dtype).expand(params.n, -1, -1, -1), start, noise))
         latents = torch.cat(rows)
@@ -187,16 +192,16 @@ class FluxNativePipeline(stages.RecipePipeline):
             if int(params.num_inference_steps * params.strength) < 1:
                 raise InvalidRequestError(
                     f"strength={params.strength} with num_inference_steps={params.num_inference_steps} leaves no "
-                    "denoising step; raise strength or num_inference_steps.", param="strength")
+                    "denoising step; raise strength or num_inference_steps.",
+                    param="strength",
+                )
 
     def _image_ids_for(self, height: int, width: int) -> torch.Tensor:
         key = (height, width)
         if key not in self._image_ids:
             _make_room(self._image_ids)
             lh, lw = self._latent_hw(height, width)
-            self._image_ids[key] = FluxPipeline._prepare_latent_image_ids(
-                1, lh // 2, lw // 2, self.device, self.dtype
-            )
+            self._image_ids[key] = FluxPipeline._prepare_latent_image_ids(1, lh // 2, lw // 2, self.device, self.dtype)
         return self._image_ids[key]
 
     def _text_ids_for(self, seq_len: int) -> torch.Tensor:
@@ -205,8 +210,9 @@ class FluxNativePipeline(stages.RecipePipeline):
             self._text_ids[seq_len] = torch.zeros(seq_len, 3, device=self.device, dtype=self.dtype)
         return self._text_ids[seq_len]
 
-    def _timesteps(self, num_steps: int, image_seq_len: int,
-                   flow_shift: float | None = None) -> tuple[Any, torch.Tensor]:
+    def _timesteps(
+        self, num_steps: int, image_seq_len: int, flow_shift: float | None = None
+    ) -> tuple[Any, torch.Tensor]:
         """A private scheduler with its timesteps set for this shape and shift (the set-up is cached per key)."""
         key = (num_steps, image_seq_len, flow_shift)
         if key not in self._schedulers:
@@ -238,8 +244,9 @@ class FluxNativePipeline(stages.RecipePipeline):
         image = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
         return stages.to_pil_images(image)
 
-    def scheduler_step(self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor,
-                       state: DenoiseState) -> torch.Tensor:
+    def scheduler_step(
+        self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState
+    ) -> torch.Tensor:
         # Keep the step's velocity for `preview` (a reference, no copy; the final latents are unchanged).
         state.extras["velocity"] = noise_pred
         return super().scheduler_step(noise_pred, timestep, latents, state)
@@ -280,8 +287,9 @@ class FluxNativePipeline(stages.RecipePipeline):
         }
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)
 
-    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
-                model_key: str) -> torch.Tensor:
+    def predict(
+        self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
+    ) -> torch.Tensor:
         guidance = state.extras["guidance"]
         return self.transformer(
             hidden_states=latents,

@@ -14,8 +14,10 @@ from diffuserve.families.checkpoint import square_default
 from diffuserve.families.components import autoencoder_kl_factor
 
 # CLIP's 77 tokens (pooled), then T5: diffusers' max_sequence_length 512 (capped by what tokenizer_2 declares).
-FLUX_TEXT_ENCODERS = (TextEncoderFacts("tokenizer", "text_encoder (CLIP)", 77),
-                      TextEncoderFacts("tokenizer_2", "text_encoder_2 (T5)", 512))
+FLUX_TEXT_ENCODERS = (
+    TextEncoderFacts("tokenizer", "text_encoder (CLIP)", 77),
+    TextEncoderFacts("tokenizer_2", "text_encoder_2 (T5)", 512),
+)
 
 
 def flux_geometry(configs: CheckpointConfigs) -> LatentGeometry:
@@ -48,8 +50,9 @@ SPECS = (
         defaults=SamplingDefaults(width=1024, height=1024, num_inference_steps=28, guidance_scale=3.5),
         checkpoint_defaults=flux_defaults,
         # One branch per step by default; the native adapter streams double and single blocks.
-        profile=ProfileFacts(default_uses_cfg=False, dit_supports_layerwise=True, sequence_parallel=True,
-                             tensor_parallel=True),
+        profile=ProfileFacts(
+            default_uses_cfg=False, dit_supports_layerwise=True, sequence_parallel=True, tensor_parallel=True
+        ),
         layer_containers={
             "FluxTransformer2DModel": (
                 ("transformer_blocks", "num_layers"),

@@ -110,9 +110,19 @@ class Flux2NativePipeline(stages.RecipePipeline):
     hidden_states_layers: ClassVar[tuple[int, ...]] = (10, 20, 30)
     """Encoder layers whose hidden states are stacked (diffusers' `text_encoder_out_layers` default)."""
 
-    def __init__(self, *, transformer: Any, vae: Any, text_encoder: Any, tokenizer: Any, scheduler: Any,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 max_sequence_length: int = DEFAULT_SEQUENCE_LENGTH, model_index: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        transformer: Any,
+        vae: Any,
+        text_encoder: Any,
+        tokenizer: Any,
+        scheduler: Any,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_sequence_length: int = DEFAULT_SEQUENCE_LENGTH,
+        model_index: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         self.transformer = transformer
         self.vae = vae
@@ -136,33 +146,44 @@ class Flux2NativePipeline(stages.RecipePipeline):
         self._schedules: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
 
     @classmethod
-    def from_components(cls, components: dict[str, Any], *, device: torch.device | str,
-                        dtype: torch.dtype) -> Flux2NativePipeline:
+    def from_components(
+        cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
+    ) -> Flux2NativePipeline:
         """Build from the loader's model_index.json key -> loaded object mapping."""
         missing = [key for key in REQUIRED if components.get(key) is None]
         if missing:
             raise CheckpointError(
-                f"a {cls.family} checkpoint needs components {list(REQUIRED)}; its model_index.json lacks {missing}.")
+                f"a {cls.family} checkpoint needs components {list(REQUIRED)}; its model_index.json lacks {missing}."
+            )
         text_encoder = components["text_encoder"]
         text_config = _text_config(text_encoder)
         layers = int(getattr(text_config, "num_hidden_layers", 0))
         if max(cls.hidden_states_layers) > layers:
             raise CheckpointError(
                 f"{cls.family}: the text encoder has {layers} layers but the pipeline stacks the hidden states of "
-                f"layers {list(cls.hidden_states_layers)}; the text_encoder folder does not belong to this model.")
+                f"layers {list(cls.hidden_states_layers)}; the text_encoder folder does not belong to this model."
+            )
         # diffusers' 512 text tokens, capped by what the tokenizer declares (tiny checkpoints declare fewer) and by
         # the encoder's positions.
         length = DEFAULT_SEQUENCE_LENGTH
-        for limit in (_declared_length(components["tokenizer"]),
-                      getattr(text_config, "max_position_embeddings", None)):
+        for limit in (_declared_length(components["tokenizer"]), getattr(text_config, "max_position_embeddings", None)):
             if isinstance(limit, int) and limit > 0:
                 length = min(length, limit)
         root = _checkpoint_root(components["transformer"])
-        logger.info("%s: %d text tokens per prompt, hidden-state layers %s", cls.family, length,
-                    list(cls.hidden_states_layers))
-        return cls(transformer=components["transformer"], vae=components["vae"], text_encoder=text_encoder,
-                   tokenizer=components["tokenizer"], scheduler=components["scheduler"], device=device, dtype=dtype,
-                   max_sequence_length=length, model_index=_model_index(root))
+        logger.info(
+            "%s: %d text tokens per prompt, hidden-state layers %s", cls.family, length, list(cls.hidden_states_layers)
+        )
+        return cls(
+            transformer=components["transformer"],
+            vae=components["vae"],
+            text_encoder=text_encoder,
+            tokenizer=components["tokenizer"],
+            scheduler=components["scheduler"],
+            device=device,
+            dtype=dtype,
+            max_sequence_length=length,
+            model_index=_model_index(root),
+        )
 
     def text_token_cap(self, key: str) -> int | None:
         """The encoder's positions cap the text too (`from_components`)."""
@@ -170,22 +191,28 @@ class Flux2NativePipeline(stages.RecipePipeline):
 
     def text_frame(self, key: str) -> Callable[[Any], int] | None:
         """diffusers' chat format: the system message, then the text as the user turn."""
-        return lambda tokenizer: len(tokenizer.apply_chat_template(
-            format_input([""], system_message=SYSTEM_MESSAGE)[0], add_generation_prompt=False, tokenize=True,
-            return_dict=True)["input_ids"])
+        return lambda tokenizer: len(
+            tokenizer.apply_chat_template(
+                format_input([""], system_message=SYSTEM_MESSAGE)[0],
+                add_generation_prompt=False,
+                tokenize=True,
+                return_dict=True,
+            )["input_ids"]
+        )
 
     # -- defaults and validation -------------------------------------------------------------------------
-
 
     def validate(self, params: Any) -> None:
         super().validate(params)
         if params.true_cfg_scale != 1.0:
             raise InvalidRequestError(
-                f"true_cfg_scale={params.true_cfg_scale}: {self.family} has no true-CFG scale; "
-                f"{self._guidance_hint()}", param="true_cfg_scale")
+                f"true_cfg_scale={params.true_cfg_scale}: {self.family} has no true-CFG scale; {self._guidance_hint()}",
+                param="true_cfg_scale",
+            )
         if params.negative_prompt and not self.uses_cfg(params):
             raise InvalidRequestError(
-                f"negative_prompt is unused here: {self._negative_hint()}", param="negative_prompt")
+                f"negative_prompt is unused here: {self._negative_hint()}", param="negative_prompt"
+            )
         for index, data in enumerate(params.image_inputs):
             try:
                 with Image.open(io.BytesIO(data)) as image:
@@ -196,11 +223,15 @@ class Flux2NativePipeline(stages.RecipePipeline):
             if min(width, height) < REFERENCE_MIN_SIDE:
                 raise InvalidRequestError(
                     f"image {index} is {width}x{height}; {self.family} needs reference images of at least "
-                    f"{REFERENCE_MIN_SIDE} px on each side.", param="image")
+                    f"{REFERENCE_MIN_SIDE} px on each side.",
+                    param="image",
+                )
             if max(width / height, height / width) > REFERENCE_MAX_ASPECT:
                 raise InvalidRequestError(
                     f"image {index} is {width}x{height}; {self.family} takes reference aspect ratios up to "
-                    f"{REFERENCE_MAX_ASPECT}:1.", param="image")
+                    f"{REFERENCE_MAX_ASPECT}:1.",
+                    param="image",
+                )
 
     def uses_cfg(self, head: Any) -> bool:
         # Guidance-distilled: the guidance scale is an input of the transformer, never a second branch.
@@ -217,9 +248,15 @@ class Flux2NativePipeline(stages.RecipePipeline):
     def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
         """Chat-formatted texts through the encoder; layers 10/20/30 stacked: (texts, L, 3 x hidden)."""
         embeds = Flux2Pipeline._get_mistral_3_small_prompt_embeds(
-            text_encoder=self.text_encoder, tokenizer=self.tokenizer, prompt=texts, dtype=self.dtype,
-            device=self.device, max_sequence_length=self.max_sequence_length, system_message=SYSTEM_MESSAGE,
-            hidden_states_layers=self.hidden_states_layers)
+            text_encoder=self.text_encoder,
+            tokenizer=self.tokenizer,
+            prompt=texts,
+            dtype=self.dtype,
+            device=self.device,
+            max_sequence_length=self.max_sequence_length,
+            system_message=SYSTEM_MESSAGE,
+            hidden_states_layers=self.hidden_states_layers,
+        )
         return {"prompt_embeds": embeds}
 
     # -- 2. latents, position ids, schedule ----------------------------------------------------------------
@@ -279,8 +316,9 @@ class Flux2NativePipeline(stages.RecipePipeline):
         """Per-row noise (row j of a request from seed + j), packed; cached ids and schedule; reference tokens."""
         tokens_h, tokens_w = head.height // self.size_multiple, head.width // self.size_multiple
         channels = self.transformer.config.in_channels
-        noise = stages.batch_noise(batch, (channels, tokens_h, tokens_w), device=self.device,
-                                   dtype=positive["prompt_embeds"].dtype)
+        noise = stages.batch_noise(
+            batch, (channels, tokens_h, tokens_w), device=self.device, dtype=positive["prompt_embeds"].dtype
+        )
         latents = Flux2Pipeline._pack_latents(noise)
         scheduler, timesteps = self._schedule(head.num_inference_steps, tokens_h * tokens_w)
         img_ids = self._latent_ids_for(tokens_h, tokens_w)
@@ -312,8 +350,9 @@ class Flux2NativePipeline(stages.RecipePipeline):
 
     # -- 3. one transformer call ------------------------------------------------------------------------------
 
-    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
-                model_key: str) -> torch.Tensor:
+    def predict(
+        self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
+    ) -> torch.Tensor:
         extras = state.extras
         reference = extras["reference"]
         if reference is not None:
@@ -361,9 +400,13 @@ class Flux2KleinNativePipeline(Flux2NativePipeline):
 
     def text_frame(self, key: str) -> Callable[[Any], int] | None:
         """diffusers' Qwen3 chat template: the text as one user turn, thinking off."""
-        return lambda tokenizer: len(tokenizer(tokenizer.apply_chat_template(
-            [{"role": "user", "content": ""}], tokenize=False, add_generation_prompt=True,
-            enable_thinking=False)).input_ids)
+        return lambda tokenizer: len(
+            tokenizer(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": ""}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+                )
+            ).input_ids
+        )
 
     @property
     def is_distilled(self) -> bool:
@@ -399,6 +442,11 @@ class Flux2KleinNativePipeline(Flux2NativePipeline):
 
     def _qwen3_embeds(self, texts: list[str]) -> torch.Tensor:
         return Flux2KleinPipeline._get_qwen3_prompt_embeds(
-            text_encoder=self.text_encoder, tokenizer=self.tokenizer, prompt=texts, dtype=self.dtype,
-            device=self.device, max_sequence_length=self.max_sequence_length,
-            hidden_states_layers=self.hidden_states_layers)
+            text_encoder=self.text_encoder,
+            tokenizer=self.tokenizer,
+            prompt=texts,
+            dtype=self.dtype,
+            device=self.device,
+            max_sequence_length=self.max_sequence_length,
+            hidden_states_layers=self.hidden_states_layers,
+        )

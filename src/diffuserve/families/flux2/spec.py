@@ -21,12 +21,16 @@ from diffuserve.families.flux.spec import flux_geometry
 # The chat-formatted prompt (system message + user turn): 512 tokens, diffusers' max_sequence_length.
 
 
-def flux2_defaults(defaults: SamplingDefaults, configs: CheckpointConfigs, geometry: LatentGeometry) -> SamplingDefaults:
+def flux2_defaults(
+    defaults: SamplingDefaults, configs: CheckpointConfigs, geometry: LatentGeometry
+) -> SamplingDefaults:
     """The size: the VAE's `sample_size` (1024 for the published FLUX.2 VAE, diffusers' 128 latent px x 8)."""
     return square_default(defaults, geometry, configs["vae"].get("sample_size") or 128 * geometry.vae_factor)
 
 
-def klein_defaults(defaults: SamplingDefaults, configs: CheckpointConfigs, geometry: LatentGeometry) -> SamplingDefaults:
+def klein_defaults(
+    defaults: SamplingDefaults, configs: CheckpointConfigs, geometry: LatentGeometry
+) -> SamplingDefaults:
     """The spec holds the step-distilled Klein 4B/9B's 4 steps without guidance; Klein-Base (model_index.json
     `is_distilled: false`) is sampled like diffusers' call defaults (50 steps, CFG at 4.0)."""
     defaults = flux2_defaults(defaults, configs, geometry)

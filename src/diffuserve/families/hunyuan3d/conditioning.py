@@ -49,7 +49,7 @@ def recenter(rgba: np.ndarray, border_ratio: float) -> np.ndarray:
     y0, x0 = (side - h2) // 2, (side - w2) // 2
     canvas = np.zeros((side, side, 4), dtype=np.uint8)
     # The reference crops [min, max) on both axes (the last row and column of the object are left out).
-    canvas[y0:y0 + h2, x0:x0 + w2] = _resize_channels(rgba[top:bottom, left:right], (w2, h2), Image.Resampling.BOX)
+    canvas[y0 : y0 + h2, x0 : x0 + w2] = _resize_channels(rgba[top:bottom, left:right], (w2, h2), Image.Resampling.BOX)
     alpha = canvas[..., 3:].astype(np.float32) / 255
     composited = canvas[..., :3] * alpha + 255.0 * (1 - alpha)
     return composited.clip(0, 255).astype(np.uint8)
@@ -90,7 +90,7 @@ class DinoImageEncoder(nn.Module):
         new_h, new_w = (self.image_size, int(w * scale)) if h <= w else (int(h * scale), self.image_size)
         x = F.interpolate(x, size=(new_h, new_w), mode="bilinear", align_corners=False, antialias=True)
         top, left = (new_h - self.image_size) // 2, (new_w - self.image_size) // 2
-        x = x[..., top:top + self.image_size, left:left + self.image_size]
+        x = x[..., top : top + self.image_size, left : left + self.image_size]
         mean = torch.tensor(DINO_MEAN, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
         std = torch.tensor(DINO_STD, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
         hidden = self.model(pixel_values=(x - mean) / std).last_hidden_state
@@ -98,8 +98,7 @@ class DinoImageEncoder(nn.Module):
 
     def unconditional(self, rows: int) -> torch.Tensor:
         param = next(self.model.parameters())
-        return torch.zeros(rows, self.num_tokens, self.model.config.hidden_size, device=param.device,
-                           dtype=param.dtype)
+        return torch.zeros(rows, self.num_tokens, self.model.config.hidden_size, device=param.device, dtype=param.dtype)
 
 
 class DinoConditioner(nn.Module):
@@ -109,14 +108,19 @@ class DinoConditioner(nn.Module):
         super().__init__()
         kind = main_image_encoder.get("type")
         if kind != "DinoImageEncoder":
-            raise ValueError(f"conditioner main_image_encoder type {kind!r} is not supported; only "
-                             "DinoImageEncoder (single-image Hunyuan3D-2 checkpoints) is")
+            raise ValueError(
+                f"conditioner main_image_encoder type {kind!r} is not supported; only "
+                "DinoImageEncoder (single-image Hunyuan3D-2 checkpoints) is"
+            )
         kwargs = dict(main_image_encoder.get("kwargs") or {})
         if not isinstance(kwargs.get("config"), dict):
-            raise ValueError("conditioner main_image_encoder.kwargs.config must hold the Dinov2Config as a mapping "
-                             "(loading DINOv2 by `version` would download it)")
-        self.main_image_encoder = DinoImageEncoder(kwargs["config"], bool(kwargs.get("use_cls_token", True)),
-                                                   int(kwargs.get("image_size", 224)))
+            raise ValueError(
+                "conditioner main_image_encoder.kwargs.config must hold the Dinov2Config as a mapping "
+                "(loading DINOv2 by `version` would download it)"
+            )
+        self.main_image_encoder = DinoImageEncoder(
+            kwargs["config"], bool(kwargs.get("use_cls_token", True)), int(kwargs.get("image_size", 224))
+        )
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
         return self.main_image_encoder(image)

@@ -14,8 +14,9 @@ from torch import nn
 from torch.nn import functional as F
 
 
-def timestep_embedding(t: torch.Tensor, dim: int, time_factor: float = 1000.0,
-                       max_period: float = 10000.0) -> torch.Tensor:
+def timestep_embedding(
+    t: torch.Tensor, dim: int, time_factor: float = 1000.0, max_period: float = 10000.0
+) -> torch.Tensor:
     """Sinusoidal embedding of `t` (one value per row), cosines first, as the reference lays it out."""
     t = time_factor * t
     half = dim // 2
@@ -125,7 +126,7 @@ class DoubleStreamBlock(nn.Module):
         tq, tk, tv = self._qkv("txt", txt, txt_mods[0], txt_mods[1])
         # Joint attention, image tokens (the condition) first.
         out = _attention(torch.cat((tq, iq), 2), torch.cat((tk, ik), 2), torch.cat((tv, iv), 2))
-        txt_out, img_out = out[:, : txt.shape[1]], out[:, txt.shape[1]:]
+        txt_out, img_out = out[:, : txt.shape[1]], out[:, txt.shape[1] :]
         return self._finish("img", img, img_out, img_mods), self._finish("txt", txt, txt_out, txt_mods)
 
 
@@ -143,8 +144,9 @@ class SingleStreamBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
         shift, scale, gate = self.modulation(vec)
-        qkv, mlp = torch.split(self.linear1((1 + scale) * self.pre_norm(x) + shift),
-                               [3 * self.hidden, self.mlp_hidden], dim=-1)
+        qkv, mlp = torch.split(
+            self.linear1((1 + scale) * self.pre_norm(x) + shift), [3 * self.hidden, self.mlp_hidden], dim=-1
+        )
         q, k, v = _heads(qkv, self.num_heads)
         q, k = self.norm(q, k, v)
         out = self.linear2(torch.cat((_attention(q, k, v), F.gelu(mlp, approximate="tanh")), 2))
@@ -167,16 +169,29 @@ class Hunyuan3DDiT(nn.Module):
     """The shape denoiser. `forward(x, t, cond, guidance)`: x (B, num_latents, in_channels), t in [0, 1] per row
     (the flow time the reference feeds: timestep / num_train_timesteps), cond (B, tokens, context_in_dim)."""
 
-    def __init__(self, in_channels: int = 64, context_in_dim: int = 1536, hidden_size: int = 1024,
-                 mlp_ratio: float = 4.0, num_heads: int = 16, depth: int = 16, depth_single_blocks: int = 32,
-                 axes_dim: list[int] | tuple[int, ...] = (64,), theta: int = 10_000, qkv_bias: bool = True,
-                 time_factor: float = 1000.0, guidance_embed: bool = False, **_: object):
+    def __init__(
+        self,
+        in_channels: int = 64,
+        context_in_dim: int = 1536,
+        hidden_size: int = 1024,
+        mlp_ratio: float = 4.0,
+        num_heads: int = 16,
+        depth: int = 16,
+        depth_single_blocks: int = 32,
+        axes_dim: list[int] | tuple[int, ...] = (64,),
+        theta: int = 10_000,
+        qkv_bias: bool = True,
+        time_factor: float = 1000.0,
+        guidance_embed: bool = False,
+        **_: object,
+    ):
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} must be divisible by num_heads {num_heads}")
         if sum(axes_dim) != hidden_size // num_heads:
-            raise ValueError(f"sum(axes_dim)={sum(axes_dim)} must equal hidden_size / num_heads = "
-                             f"{hidden_size // num_heads}")
+            raise ValueError(
+                f"sum(axes_dim)={sum(axes_dim)} must equal hidden_size / num_heads = {hidden_size // num_heads}"
+            )
         self.in_channels = in_channels
         self.time_factor = time_factor
         self.guidance_embed = guidance_embed
@@ -185,13 +200,16 @@ class Hunyuan3DDiT(nn.Module):
         self.cond_in = nn.Linear(context_in_dim, hidden_size)
         self.guidance_in = MLPEmbedder(256, hidden_size) if guidance_embed else nn.Identity()
         self.double_blocks = nn.ModuleList(
-            DoubleStreamBlock(hidden_size, num_heads, mlp_ratio, qkv_bias) for _ in range(depth))
+            DoubleStreamBlock(hidden_size, num_heads, mlp_ratio, qkv_bias) for _ in range(depth)
+        )
         self.single_blocks = nn.ModuleList(
-            SingleStreamBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth_single_blocks))
+            SingleStreamBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth_single_blocks)
+        )
         self.final_layer = LastLayer(hidden_size, in_channels)
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor,
-                guidance: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor, guidance: torch.Tensor | None = None
+    ) -> torch.Tensor:
         latent = self.latent_in(x)
         # The published models were trained with the config's `time_factor` in the embedding's max_period slot
         # (and the fixed 1000 as the time scale); kept, since the weights depend on it.
@@ -206,4 +224,4 @@ class Hunyuan3DDiT(nn.Module):
         joint = torch.cat((cond, latent), 1)
         for block in self.single_blocks:
             joint = block(joint, vec)
-        return self.final_layer(joint[:, cond.shape[1]:], vec)
+        return self.final_layer(joint[:, cond.shape[1] :], vec)

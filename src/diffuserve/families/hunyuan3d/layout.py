@@ -38,8 +38,11 @@ def find_subfolder(path: Path, model_id: str | None = None) -> Path:
         return path
     folders = shape_subfolders(path)
     if not folders:
-        raise CheckpointError(f"{path} holds no {DIT_PREFIX}* subfolder with a {CONFIG}; pass a Hunyuan3D-2 "
-                              "release folder or one of its shape subfolders.", param="model_path")
+        raise CheckpointError(
+            f"{path} holds no {DIT_PREFIX}* subfolder with a {CONFIG}; pass a Hunyuan3D-2 "
+            "release folder or one of its shape subfolders.",
+            param="model_path",
+        )
     wanted = (model_id or "").lower().rstrip("/")
     for folder in folders:
         if wanted and wanted.split("/")[-1] == folder.name:
@@ -48,15 +51,18 @@ def find_subfolder(path: Path, model_id: str | None = None) -> Path:
     if mini:
         folders = mini
     elif "mini" in wanted:
-        raise CheckpointError(f"--model-id {model_id!r} asks for 2mini but {path} has only "
-                              f"{[f.name for f in folders]}.", param="model_id")
+        raise CheckpointError(
+            f"--model-id {model_id!r} asks for 2mini but {path} has only {[f.name for f in folders]}.", param="model_id"
+        )
     for word in ("turbo", "fast"):
         if word in wanted:
             matches = [f for f in folders if f.name.endswith(word)]
             if matches:
                 return matches[0]
-            raise CheckpointError(f"--model-id {model_id!r} asks for the {word} variant but {path} has only "
-                                  f"{[f.name for f in folders]}.", param="model_id")
+            raise CheckpointError(
+                f"--model-id {model_id!r} asks for the {word} variant but {path} has only {[f.name for f in folders]}.",
+                param="model_id",
+            )
     plain = [f for f in folders if not f.name.endswith(("-fast", "-turbo"))]
     plain = sorted(plain, key=lambda f: "-mini" in f.name)
     return (plain or folders)[0]
@@ -80,8 +86,11 @@ def target_name(section: dict[str, Any]) -> str:
     return str(section.get("target", "")).rsplit(".", 1)[-1]
 
 
-COMPONENTS = {"model": ("dit", "Hunyuan3DDiT"), "vae": ("vae", "ShapeVAE"),
-              "conditioner": ("image_encoder", "Dinov2Model")}
+COMPONENTS = {
+    "model": ("dit", "Hunyuan3DDiT"),
+    "vae": ("vae", "ShapeVAE"),
+    "conditioner": ("image_encoder", "Dinov2Model"),
+}
 """Weight prefix -> (deployment-plan group, class) of the three components the plan and residency see."""
 
 

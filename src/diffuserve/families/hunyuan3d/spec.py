@@ -2,9 +2,11 @@
 
 from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults
 
-LICENSE_NOTE = ("Hunyuan3D-2 weights are under the Tencent Hunyuan 3D 2.0 Community License Agreement: not licensed "
-                "in the European Union, the United Kingdom and South Korea, and a licensee above 1 million monthly "
-                "active users (on 21 January 2025) must request a license from Tencent; see docs/families.md.")
+LICENSE_NOTE = (
+    "Hunyuan3D-2 weights are under the Tencent Hunyuan 3D 2.0 Community License Agreement: not licensed "
+    "in the European Union, the United Kingdom and South Korea, and a licensee above 1 million monthly "
+    "active users (on 21 January 2025) must request a license from Tencent; see docs/families.md."
+)
 """Said in the start-up log and the docs."""
 
 SPEC = FamilySpec(

@@ -128,8 +128,17 @@ class ResidualCrossAttentionBlock(nn.Module):
 class CrossAttentionDecoder(nn.Module):
     """Query points -> occupancy logits, attending to the decoded latent set."""
 
-    def __init__(self, fourier: FourierEmbedder, width: int, heads: int, mlp_expand_ratio: int,
-                 downsample_ratio: int, enable_ln_post: bool, qkv_bias: bool, qk_norm: bool):
+    def __init__(
+        self,
+        fourier: FourierEmbedder,
+        width: int,
+        heads: int,
+        mlp_expand_ratio: int,
+        downsample_ratio: int,
+        enable_ln_post: bool,
+        qkv_bias: bool,
+        qk_norm: bool,
+    ):
         super().__init__()
         self.fourier_embedder = fourier
         self.downsample_ratio = downsample_ratio
@@ -138,8 +147,9 @@ class CrossAttentionDecoder(nn.Module):
         if downsample_ratio != 1:
             self.latents_proj = nn.Linear(width * downsample_ratio, width)
         # Without the final LayerNorm the reference drops the q/k norms too.
-        self.cross_attn_decoder = ResidualCrossAttentionBlock(width, heads, mlp_expand_ratio, qkv_bias,
-                                                              qk_norm and enable_ln_post)
+        self.cross_attn_decoder = ResidualCrossAttentionBlock(
+            width, heads, mlp_expand_ratio, qkv_bias, qk_norm and enable_ln_post
+        )
         if enable_ln_post:
             self.ln_post = nn.LayerNorm(width)
         self.output_proj = nn.Linear(width, 1)
@@ -157,19 +167,41 @@ class CrossAttentionDecoder(nn.Module):
 class ShapeVAE(nn.Module):
     """The decoder half of Tencent's ShapeVAE (its `config.yaml` `vae.params` are this constructor's)."""
 
-    def __init__(self, *, num_latents: int, embed_dim: int, width: int, heads: int, num_decoder_layers: int,
-                 geo_decoder_downsample_ratio: int = 1, geo_decoder_mlp_expand_ratio: int = 4,
-                 geo_decoder_ln_post: bool = True, num_freqs: int = 8, include_pi: bool = True,
-                 qkv_bias: bool = True, qk_norm: bool = False, label_type: str = "binary",
-                 drop_path_rate: float = 0.0, scale_factor: float = 1.0, **_: object):
+    def __init__(
+        self,
+        *,
+        num_latents: int,
+        embed_dim: int,
+        width: int,
+        heads: int,
+        num_decoder_layers: int,
+        geo_decoder_downsample_ratio: int = 1,
+        geo_decoder_mlp_expand_ratio: int = 4,
+        geo_decoder_ln_post: bool = True,
+        num_freqs: int = 8,
+        include_pi: bool = True,
+        qkv_bias: bool = True,
+        qk_norm: bool = False,
+        label_type: str = "binary",
+        drop_path_rate: float = 0.0,
+        scale_factor: float = 1.0,
+        **_: object,
+    ):
         super().__init__()
         self.fourier_embedder = FourierEmbedder(num_freqs, include_pi)
         self.post_kl = nn.Linear(embed_dim, width)
         self.transformer = Transformer(width, num_decoder_layers, heads, qkv_bias, qk_norm)
         ratio = geo_decoder_downsample_ratio
         self.geo_decoder = CrossAttentionDecoder(
-            self.fourier_embedder, width // ratio, heads // ratio, geo_decoder_mlp_expand_ratio, ratio,
-            geo_decoder_ln_post, qkv_bias, qk_norm)
+            self.fourier_embedder,
+            width // ratio,
+            heads // ratio,
+            geo_decoder_mlp_expand_ratio,
+            ratio,
+            geo_decoder_ln_post,
+            qkv_bias,
+            qk_norm,
+        )
         self.scale_factor = scale_factor
         self.latent_shape = (num_latents, embed_dim)
 
@@ -185,9 +217,15 @@ def grid_points(bounds: float, resolution: int) -> np.ndarray:
     return np.stack((xs, ys, zs), axis=-1).reshape(-1, 3)
 
 
-def decode_volume(decoded: torch.Tensor, geo_decoder: Callable[..., torch.Tensor], *, bounds: float,
-                  resolution: int, chunk_size: int,
-                  on_chunk: Callable[[], None] | None = None) -> torch.Tensor:
+def decode_volume(
+    decoded: torch.Tensor,
+    geo_decoder: Callable[..., torch.Tensor],
+    *,
+    bounds: float,
+    resolution: int,
+    chunk_size: int,
+    on_chunk: Callable[[], None] | None = None,
+) -> torch.Tensor:
     """Occupancy logits on the grid, (B, res+1, res+1, res+1) float32, queried `chunk_size` points at a time
     (every row of the batch shares each chunk). `on_chunk` runs between chunks (cancellation)."""
     points = torch.from_numpy(grid_points(bounds, resolution)).to(decoded.device, dtype=decoded.dtype)
@@ -196,7 +234,7 @@ def decode_volume(decoded: torch.Tensor, geo_decoder: Callable[..., torch.Tensor
     for start in range(0, points.shape[0], chunk_size):
         if on_chunk is not None:
             on_chunk()
-        chunk = points[start:start + chunk_size].unsqueeze(0).expand(rows, -1, -1)
+        chunk = points[start : start + chunk_size].unsqueeze(0).expand(rows, -1, -1)
         parts.append(geo_decoder(queries=chunk, latents=decoded))
     side = resolution + 1
     return torch.cat(parts, dim=1).view(rows, side, side, side).float()

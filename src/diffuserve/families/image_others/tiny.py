@@ -102,6 +102,7 @@ def build_ernie_image(output_dir: Path) -> None:
 
 # -- Qwen-Image-Layered --------------------------------------------------------------------------------
 
+
 def build_qwen_image_layered(output_dir: Path) -> None:
     """`make-tiny --family qwen-image-layered`: Qwen-Image's layout with an RGBA VAE and the layered DiT.
 
@@ -167,8 +168,11 @@ _GLM_CHAT_TEMPLATE = (
     "[gMASK]{%- for message in messages %}<|{{ message['role'] }}|>\n"
     "{%- if message['content'] is string %}{{ message['content'] }}"
     "{%- else %}{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'image' %}<|dit_token_" + str(GLM_CODEBOOK) + "|><|image|><|dit_token_"
-    + str(GLM_CODEBOOK + 1) + "|>"
+    "{%- if part['type'] == 'image' %}<|dit_token_"
+    + str(GLM_CODEBOOK)
+    + "|><|image|><|dit_token_"
+    + str(GLM_CODEBOOK + 1)
+    + "|>"
     "{%- else %}{{ part['text'] }}{%- endif %}{%- endfor %}{%- endif %}{%- endfor %}<|assistant|>\n"
 )
 """GLM-style chat rendering: one user turn, image parts as start / placeholder / end tokens (what the processor
@@ -206,10 +210,12 @@ def _glm_processor() -> Any:
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
 
     # 16-pixel patches merged 2x2: one AR image token per 32 px, as the d32 prior tokens upstream.
-    image_processor = GlmImageImageProcessorPil(patch_size=16, merge_size=1, temporal_patch_size=1,
-                                                min_pixels=32 * 32, max_pixels=128 * 128)
-    return GlmImageProcessor(image_processor=image_processor, tokenizer=_glm_tokenizer(),
-                             chat_template=_GLM_CHAT_TEMPLATE)
+    image_processor = GlmImageImageProcessorPil(
+        patch_size=16, merge_size=1, temporal_patch_size=1, min_pixels=32 * 32, max_pixels=128 * 128
+    )
+    return GlmImageProcessor(
+        image_processor=image_processor, tokenizer=_glm_tokenizer(), chat_template=_GLM_CHAT_TEMPLATE
+    )
 
 
 def _glm_ar_model(tokenizer: Any) -> Any:
@@ -234,8 +240,14 @@ def _glm_ar_model(tokenizer: Any) -> Any:
             # otherwise sample the image-end token early and leave the grid short).
             "eos_token_id": end_of_text,
         },
-        vision_config={"depth": 1, "hidden_size": 16, "num_heads": 2, "image_size": 32, "patch_size": 16,
-                       "intermediate_size": 16},
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "num_heads": 2,
+            "image_size": 32,
+            "patch_size": 16,
+            "intermediate_size": 16,
+        },
         vq_config={"embed_dim": 16, "num_embeddings": GLM_CODEBOOK, "latent_channels": 16},
         image_token_id=tokenizer.convert_tokens_to_ids("<|image|>"),
         image_start_token_id=GLM_CODEBOOK,
@@ -292,7 +304,11 @@ def build_glm_image(output_dir: Path) -> None:
         latents_std=[1.2, 0.9, 1.1, 1.0],
     ).eval()
     scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000, use_dynamic_shifting=True, base_shift=0.25, max_shift=0.75, base_image_seq_len=256,
+        num_train_timesteps=1000,
+        use_dynamic_shifting=True,
+        base_shift=0.25,
+        max_shift=0.75,
+        base_image_seq_len=256,
         time_shift_type="linear",
     )
     pipe = GlmImagePipeline(

@@ -32,7 +32,6 @@ MAX_CACHED_SHAPES = 64
 """Per-shape schedules are cleared past this many entries (a stream of new sizes cannot grow memory)."""
 
 
-
 def _required(components: dict[str, Any], keys: tuple[str, ...], what: str) -> None:
     missing = [key for key in keys if components.get(key) is None]
     if missing:
@@ -49,8 +48,16 @@ class _QwenBase(stages.RecipePipeline):
 
     masked_sequences = {"embeds": "mask"}
 
-    def __init__(self, *, transformer: Any, vae: Any, text_encoder: Any, scheduler: Any,
-                 device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        *,
+        transformer: Any,
+        vae: Any,
+        text_encoder: Any,
+        scheduler: Any,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__()
         self.transformer = transformer
         self.vae = vae
@@ -96,8 +103,9 @@ class _QwenBase(stages.RecipePipeline):
     def request_fields(self) -> frozenset[str]:
         return frozenset({"true_cfg_scale", *(("flow_shift",) if stages.has_flow_shift(self.scheduler) else ())})
 
-    def _timesteps(self, num_steps: int, image_seq_len: int,
-                   grid: list[float] | None = None, flow_shift: float | None = None) -> tuple[Any, torch.Tensor]:
+    def _timesteps(
+        self, num_steps: int, image_seq_len: int, grid: list[float] | None = None, flow_shift: float | None = None
+    ) -> tuple[Any, torch.Tensor]:
         """A private scheduler with its timesteps set for this shape (the set-up is cached per shape and shift).
         `grid`: the checkpoint's own sigmas (2.1 Turbo) instead of diffusers' `linspace(1, 1/N, N)`."""
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
@@ -108,8 +116,13 @@ class _QwenBase(stages.RecipePipeline):
                 self._schedules.clear()
             template = stages.scheduler_template(self.scheduler, flow_shift)
             cfg = template.config
-            mu = calculate_shift(image_seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
-                                 cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
+            mu = calculate_shift(
+                image_seq_len,
+                cfg.get("base_image_seq_len", 256),
+                cfg.get("max_image_seq_len", 4096),
+                cfg.get("base_shift", 0.5),
+                cfg.get("max_shift", 1.15),
+            )
             sigmas = list(grid) if grid else np.linspace(1.0, 1 / num_steps, num_steps)
             timesteps, _ = retrieve_timesteps(template, num_steps, self.device, sigmas=sigmas, mu=mu)
             self._schedules[key] = (template, timesteps)
@@ -145,15 +158,21 @@ class QwenImageNativePipeline(_QwenBase):
         self.tokenizer = tokenizer
         # The prompt template and its dropped prefix are the pipeline's own constants: read them from a
         # pipeline object around the same modules (it only registers them; nothing is copied).
-        reference = QwenImagePipeline(scheduler=self.scheduler, vae=self.vae, text_encoder=self.text_encoder,
-                                      tokenizer=tokenizer, transformer=self.transformer)
+        reference = QwenImagePipeline(
+            scheduler=self.scheduler,
+            vae=self.vae,
+            text_encoder=self.text_encoder,
+            tokenizer=tokenizer,
+            transformer=self.transformer,
+        )
         self.template = reference.prompt_template_encode
         self.drop_idx = reference.prompt_template_encode_start_idx
         self.tokenizer_max_length = reference.tokenizer_max_length
 
     @classmethod
-    def from_components(cls, components: dict[str, Any], *, device: torch.device | str,
-                        dtype: torch.dtype) -> QwenImageNativePipeline:
+    def from_components(
+        cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
+    ) -> QwenImageNativePipeline:
         keys = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
         _required(components, keys, "Qwen-Image")
         return cls(**{k: components[k] for k in keys}, device=device, dtype=dtype)
@@ -164,12 +183,21 @@ class QwenImageNativePipeline(_QwenBase):
         lengths = [len(ids) for ids in self.tokenizer(prompts).input_ids]
         rows: list[torch.Tensor | None] = [None] * len(texts)
         for indices in ops.groups_by_length(lengths).values():
-            tokens = self.tokenizer([prompts[i] for i in indices], max_length=self.tokenizer_max_length + self.drop_idx,
-                                    padding=True, truncation=True, return_tensors="pt").to(self.device)
-            hidden = self.text_encoder(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
-                                       output_hidden_states=True).hidden_states[-1]
-            for i, row in zip(indices, ops.masked_rows(hidden, tokens.attention_mask, self.drop_idx, QWEN_IMAGE_TEXT_TOKENS),
-                              strict=True):
+            tokens = self.tokenizer(
+                [prompts[i] for i in indices],
+                max_length=self.tokenizer_max_length + self.drop_idx,
+                padding=True,
+                truncation=True,
+                return_tensors="pt",
+            ).to(self.device)
+            hidden = self.text_encoder(
+                input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, output_hidden_states=True
+            ).hidden_states[-1]
+            for i, row in zip(
+                indices,
+                ops.masked_rows(hidden, tokens.attention_mask, self.drop_idx, QWEN_IMAGE_TEXT_TOKENS),
+                strict=True,
+            ):
                 rows[i] = row
         embeds, mask = ops.pad_rows([r for r in rows if r is not None])
         return {"embeds": embeds.to(self.dtype), "mask": mask}
@@ -186,12 +214,16 @@ class QwenImageNativePipeline(_QwenBase):
         guidance = None
         if self.transformer.config.guidance_embeds:
             guidance = torch.full([1], head.guidance_scale, device=self.device, dtype=torch.float32)
-        extras = {"size": (height, width), "img_shapes": [[(1, lh // 2, lw // 2)]] * latents.shape[0],
-                  "guidance": guidance}
+        extras = {
+            "size": (height, width),
+            "img_shapes": [[(1, lh // 2, lw // 2)]] * latents.shape[0],
+            "guidance": guidance,
+        }
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)
 
-    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
-                model_key: str) -> torch.Tensor:
+    def predict(
+        self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
+    ) -> torch.Tensor:
         mask = cond["mask"]
         guidance = state.extras["guidance"]
         return self.transformer(
@@ -205,8 +237,9 @@ class QwenImageNativePipeline(_QwenBase):
             return_dict=False,
         )[0]
 
-    def combine_guidance(self, cond: torch.Tensor, uncond: torch.Tensor, head: Any, state: DenoiseState,
-                         step_index: int) -> torch.Tensor:
+    def combine_guidance(
+        self, cond: torch.Tensor, uncond: torch.Tensor, head: Any, state: DenoiseState, step_index: int
+    ) -> torch.Tensor:
         return ops.norm_rescaled_cfg(cond, uncond, self.cfg_scale(head))
 
     def _unpack(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -232,8 +265,13 @@ class QwenImage21NativePipeline(_QwenBase):
         self.processor = processor
         # Turbo checkpoints carry their sampling grid in model_index.json (`sample_sigmas`).
         self.sample_sigmas = self.checkpoint_index().get("sample_sigmas") or None
-        reference = QwenImage21Pipeline(scheduler=self.scheduler, vae=self.vae, text_encoder=self.text_encoder,
-                                        processor=processor, transformer=self.transformer)
+        reference = QwenImage21Pipeline(
+            scheduler=self.scheduler,
+            vae=self.vae,
+            text_encoder=self.text_encoder,
+            processor=processor,
+            transformer=self.transformer,
+        )
         self.template = reference.prompt_template_t2i
         self.drop_idx = reference._drop_idx
         self._norm = getattr(self.text_encoder.model, "language_model", self.text_encoder.model).norm
@@ -252,16 +290,21 @@ class QwenImage21NativePipeline(_QwenBase):
                 if tokens > limit:
                     raise InvalidRequestError(
                         f"{name} is {tokens} tokens long; Qwen-Image 2.1 positions at most {limit} text tokens. "
-                        "Shorten it.", param=name)
+                        "Shorten it.",
+                        param=name,
+                    )
         if self.sample_sigmas and params.num_inference_steps != len(self.sample_sigmas):
             raise InvalidRequestError(
                 f"this Qwen-Image 2.1 Turbo checkpoint samples on its own {len(self.sample_sigmas)}-step grid "
                 f"(model_index.json sample_sigmas); num_inference_steps={params.num_inference_steps} cannot "
-                f"run, use {len(self.sample_sigmas)} or leave it unset.", param="num_inference_steps")
+                f"run, use {len(self.sample_sigmas)} or leave it unset.",
+                param="num_inference_steps",
+            )
 
     @classmethod
-    def from_components(cls, components: dict[str, Any], *, device: torch.device | str,
-                        dtype: torch.dtype) -> QwenImage21NativePipeline:
+    def from_components(
+        cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
+    ) -> QwenImage21NativePipeline:
         keys = ("transformer", "vae", "text_encoder", "processor", "scheduler")
         _required(components, keys, "Qwen-Image 2.1")
         return cls(**{k: components[k] for k in keys}, device=device, dtype=dtype)
@@ -273,10 +316,14 @@ class QwenImage21NativePipeline(_QwenBase):
         lengths = [len(ids) for ids in self.processor.tokenizer(prompts).input_ids]
         rows: list[torch.Tensor | None] = [None] * len(texts)
         for indices in ops.groups_by_length(lengths).values():
-            inputs = self.processor(text=[prompts[i] for i in indices], padding=True, padding_side="left",
-                                    return_tensors="pt").to(self.device)
-            kwargs = {"input_ids": inputs.input_ids, "attention_mask": inputs.attention_mask,
-                      "output_hidden_states": True}
+            inputs = self.processor(
+                text=[prompts[i] for i in indices], padding=True, padding_side="left", return_tensors="pt"
+            ).to(self.device)
+            kwargs = {
+                "input_ids": inputs.input_ids,
+                "attention_mask": inputs.attention_mask,
+                "output_hidden_states": True,
+            }
             if "mm_token_type_ids" in inputs:
                 kwargs["mm_token_type_ids"] = inputs.mm_token_type_ids
             handle = self._norm.register_forward_hook(lambda module, args, output: args[0])
@@ -297,8 +344,9 @@ class QwenImage21NativePipeline(_QwenBase):
         channels = self.transformer.config.in_channels
         noise = self._noise(batch, channels, lh, lw)
         latents = QwenImage21Pipeline._pack_latents(noise, noise.shape[0], channels, lh, lw)
-        scheduler, timesteps = self._timesteps(head.num_inference_steps, latents.shape[1], self.sample_sigmas,
-                                               head.flow_shift)
+        scheduler, timesteps = self._timesteps(
+            head.num_inference_steps, latents.shape[1], self.sample_sigmas, head.flow_shift
+        )
         extras = {"size": (height, width), "img_shape": (1, lh, lw), "kv": []}
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)
 
@@ -317,8 +365,9 @@ class QwenImage21NativePipeline(_QwenBase):
         state.extras["kv"].append((embeds, length, cache))
         return cache, "extract"
 
-    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
-                model_key: str) -> torch.Tensor:
+    def predict(
+        self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
+    ) -> torch.Tensor:
         embeds, lengths = cond["embeds"], cond["mask"].sum(dim=1).tolist()
         caching = bool(self.transformer.config.causal_condition)
         out = torch.empty_like(latents)
@@ -326,8 +375,13 @@ class QwenImage21NativePipeline(_QwenBase):
             index = torch.tensor(rows, device=latents.device)
             n = len(rows)
             # Text slots, then one image slot per 2x2 target tokens (the transformer reads row 0's layout).
-            img_mask = torch.cat([torch.zeros(n, length, dtype=torch.bool, device=latents.device),
-                                  torch.ones(n, latents.shape[1] // 4, dtype=torch.bool, device=latents.device)], dim=1)
+            img_mask = torch.cat(
+                [
+                    torch.zeros(n, length, dtype=torch.bool, device=latents.device),
+                    torch.ones(n, latents.shape[1] // 4, dtype=torch.bool, device=latents.device),
+                ],
+                dim=1,
+            )
             cache, mode = self._cache(state, embeds, length) if caching else (None, None)
             pred = self.transformer(
                 hidden_states=latents[index],
@@ -340,7 +394,7 @@ class QwenImage21NativePipeline(_QwenBase):
                 kv_cache_mode=mode,
                 return_dict=False,
             )[0]
-            out[index] = pred[:, -latents.shape[1]:]
+            out[index] = pred[:, -latents.shape[1] :]
         return out
 
     def _unpack(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:

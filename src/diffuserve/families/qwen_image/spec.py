@@ -20,8 +20,9 @@ QWEN_IMAGE_LAYERS = {"QwenImageTransformer2DModel": (("transformer_blocks", "num
 """The Qwen-Image DiT's repeated blocks (shared with the edit families)."""
 
 # Qwen-Image runs true CFG; FSDP was not measured faster there, so auto keeps the non-FSDP path.
-QWEN_PROFILE = ProfileFacts(default_uses_cfg=True, dit_supports_layerwise=True, sequence_parallel=True,
-                            tensor_parallel=True)
+QWEN_PROFILE = ProfileFacts(
+    default_uses_cfg=True, dit_supports_layerwise=True, sequence_parallel=True, tensor_parallel=True
+)
 
 QWEN_IMAGE_ROPE_POSITIONS = 4096
 """Positions in diffusers' `QwenEmbedRope` tables (fixed in the class, not in config.json)."""
@@ -56,8 +57,9 @@ def qwen_image_21_geometry(configs: CheckpointConfigs) -> LatentGeometry:
     return LatentGeometry(vae_factor=16, patch=2)
 
 
-def qwen_image_21_defaults(defaults: SamplingDefaults, configs: CheckpointConfigs,
-                           geometry: LatentGeometry) -> SamplingDefaults:
+def qwen_image_21_defaults(
+    defaults: SamplingDefaults, configs: CheckpointConfigs, geometry: LatentGeometry
+) -> SamplingDefaults:
     """A Turbo checkpoint carries its sampling grid in model_index.json (`sample_sigmas`): its length is the step
     count."""
     sigmas = configs.get("model_index", {}).get("sample_sigmas")
@@ -75,8 +77,9 @@ SPECS = (
         # diffusers' call defaults (1024x1024 from default_sample_size 128 x VAE 8, 50 steps, true_cfg_scale 4),
         # with the negative prompt " " of Qwen's own example: diffusers' None would leave true_cfg_scale without
         # effect, and Qwen-Image is a CFG workload. A diffusers call with negative_prompt=" " gives the same image.
-        defaults=SamplingDefaults(width=1024, height=1024, num_inference_steps=50, guidance_scale=1.0,
-                                  true_cfg_scale=4.0, negative_prompt=" "),
+        defaults=SamplingDefaults(
+            width=1024, height=1024, num_inference_steps=50, guidance_scale=1.0, true_cfg_scale=4.0, negative_prompt=" "
+        ),
         profile=QWEN_PROFILE,
         layer_containers=QWEN_IMAGE_LAYERS,
         latent_geometry=qwen_image_geometry,
@@ -95,8 +98,14 @@ SPECS = (
         native_adapter="diffuserve.families.qwen_image.adapter:QwenImage21NativePipeline",
         # diffusers' call defaults: output_resolution 1024, 40 steps, true_cfg_scale 1 (2.1 samples without
         # guidance); a Turbo checkpoint's `sample_sigmas` fixes the step count instead (the adapter reads it).
-        defaults=SamplingDefaults(width=1024, height=1024, num_inference_steps=40, guidance_scale=1.0,
-                                  true_cfg_scale=1.0, negative_prompt=None),
+        defaults=SamplingDefaults(
+            width=1024,
+            height=1024,
+            num_inference_steps=40,
+            guidance_scale=1.0,
+            true_cfg_scale=1.0,
+            negative_prompt=None,
+        ),
         profile=ProfileFacts(default_uses_cfg=False, dit_supports_layerwise=True),
         layer_containers={"QwenImage21Transformer2DModel": (("transformer_blocks", "num_layers"),)},
         checkpoint_defaults=qwen_image_21_defaults,

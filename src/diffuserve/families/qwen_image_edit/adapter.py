@@ -75,8 +75,17 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
     diffusers_module: Any = edit_module
     """The diffusers module whose pipeline this adapter reproduces (templates, size rules, helpers)."""
 
-    def __init__(self, *, transformer: Any, vae: Any, text_encoder: Any, processor: Any, scheduler: Any,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        *,
+        transformer: Any,
+        vae: Any,
+        text_encoder: Any,
+        processor: Any,
+        scheduler: Any,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         self.transformer = transformer
         self.vae = vae
@@ -94,8 +103,9 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
         # The prompt encoding (chat template, image blocks, dropped system prefix) is the diffusers pipeline's
         # own method on an instance that holds only the text encoder and the processor (the same objects, so
         # residency hooks on the encoder apply).
-        self._prompt_encoder = pipe_class(scheduler=None, vae=None, text_encoder=text_encoder, tokenizer=None,
-                                          processor=processor, transformer=None)
+        self._prompt_encoder = pipe_class(
+            scheduler=None, vae=None, text_encoder=text_encoder, tokenizer=None, processor=processor, transformer=None
+        )
         self._schedules: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._inputs: tuple[tuple[bytes, ...], EditInputs] | None = None
 
@@ -104,14 +114,16 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
         return "QwenImageEditPipeline"
 
     @classmethod
-    def from_components(cls, components: dict[str, Any], *, device: torch.device | str,
-                        dtype: torch.dtype) -> QwenImageEditNativePipeline:
+    def from_components(
+        cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
+    ) -> QwenImageEditNativePipeline:
         """Build from the loader's model_index.json key -> loaded object mapping."""
         missing = [key for key in REQUIRED_COMPONENTS if components.get(key) is None]
         if missing:
             raise CheckpointError(
                 f"a {cls._diffusers_class_name()} checkpoint needs components {list(REQUIRED_COMPONENTS)}; its "
-                f"model_index.json lacks {missing}.")
+                f"model_index.json lacks {missing}."
+            )
         return cls(**{key: components[key] for key in REQUIRED_COMPONENTS}, device=device, dtype=dtype)
 
     # -- requests --------------------------------------------------------------------------------------------
@@ -121,7 +133,9 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
         if len(params.image_inputs) < self.min_image_inputs:
             raise InvalidRequestError(
                 f"this {self.family} model edits images: send the input image with POST /v1/images/edits "
-                f"(up to {self.max_image_inputs} `image` file(s)); got {len(params.image_inputs)}.", param="image")
+                f"(up to {self.max_image_inputs} `image` file(s)); got {len(params.image_inputs)}.",
+                param="image",
+            )
 
     def uses_cfg(self, head: Any) -> bool:
         # diffusers runs the negative branch whenever a negative prompt is given, even an empty one.
@@ -159,8 +173,10 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
         diffusers encodes the prompt and the negative prompt, so no padding enters the encoder."""
         inputs = self._edit_inputs(batch[0])
         images: Any = inputs.prompt_images if self.multi_image else inputs.prompt_images[0]
-        rows = [self._prompt_encoder._get_qwen_prompt_embeds(text, images, self.device, self.text_encoder.dtype)[0][0]
-                for text in texts]
+        rows = [
+            self._prompt_encoder._get_qwen_prompt_embeds(text, images, self.device, self.text_encoder.dtype)[0][0]
+            for text in texts
+        ]
         embeds, mask = pad_rows(rows)
         return {"prompt_embeds": embeds, "prompt_mask": mask}
 
@@ -185,8 +201,9 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
                 cfg.get("base_shift", 0.5),
                 cfg.get("max_shift", 1.15),
             )
-            timesteps, _ = self.diffusers_module.retrieve_timesteps(template, num_steps, self.device,
-                                                                    sigmas=sigmas, mu=mu)
+            timesteps, _ = self.diffusers_module.retrieve_timesteps(
+                template, num_steps, self.device, sigmas=sigmas, mu=mu
+            )
             self._schedules[key] = (template, timesteps)
         template, timesteps = self._schedules[key]
         return stages.fresh_scheduler(template), timesteps
@@ -221,14 +238,19 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
         if self.transformer.config.guidance_embeds:
             guidance = torch.full([1], head.guidance_scale, device=self.device, dtype=torch.float32).expand(rows)
         scheduler, timesteps = self._schedule(head.num_inference_steps, latents.shape[1])
-        extras = {"size": (head.height, head.width), "image_latents": image_latents,
-                  "img_shapes": [shapes] * rows, "guidance": guidance}
+        extras = {
+            "size": (head.height, head.width),
+            "image_latents": image_latents,
+            "img_shapes": [shapes] * rows,
+            "guidance": guidance,
+        }
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)
 
     # -- 3. one transformer call and the guidance combine ---------------------------------------------------
 
-    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
-                model_key: str) -> torch.Tensor:
+    def predict(
+        self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
+    ) -> torch.Tensor:
         mask = cond["prompt_mask"]
         # diffusers drops an all-ones mask (no padding), which takes the unmasked attention path.
         mask = None if bool(mask.all()) else mask
@@ -244,8 +266,9 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
         )[0]
         return out[:, : latents.shape[1]]
 
-    def combine_guidance(self, cond: torch.Tensor, uncond: torch.Tensor, head: Any, state: DenoiseState,
-                         step_index: int) -> torch.Tensor:
+    def combine_guidance(
+        self, cond: torch.Tensor, uncond: torch.Tensor, head: Any, state: DenoiseState, step_index: int
+    ) -> torch.Tensor:
         return norm_rescaled_cfg(cond, uncond, self.cfg_scale(head))
 
     # -- 4. decode ---------------------------------------------------------------------------------------------

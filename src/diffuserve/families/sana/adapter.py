@@ -79,14 +79,26 @@ class SanaNativePipeline(stages.RecipePipeline):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        self.bind_parts({"text_encoder": text_encoder, "tokenizer": tokenizer, "transformer": transformer, "vae": vae,
-                         "scheduler": scheduler}, device=device, dtype=dtype)
+        self.bind_parts(
+            {
+                "text_encoder": text_encoder,
+                "tokenizer": tokenizer,
+                "transformer": transformer,
+                "vae": vae,
+                "scheduler": scheduler,
+            },
+            device=device,
+            dtype=dtype,
+        )
         self.vae_scale_factor = self.bind_facts(component_configs(self.components)).vae_factor
         self.image_processor = PixArtImageProcessor(vae_scale_factor=self.vae_scale_factor)
         self.aspect_ratio_bin = ASPECT_RATIO_BINS.get(int(transformer.config.sample_size))
         if self.aspect_ratio_bin is None:
-            logger.warning("sana: transformer sample_size=%s has no resolution-binning table; images are "
-                           "generated at the requested size", transformer.config.sample_size)
+            logger.warning(
+                "sana: transformer sample_size=%s has no resolution-binning table; images are "
+                "generated at the requested size",
+                transformer.config.sample_size,
+            )
         # The instruction's token count fixes where the kept 299 prompt positions start (diffusers counts it
         # with the tokenizer's special tokens, i.e. including <bos>).
         instruction = "\n".join(COMPLEX_HUMAN_INSTRUCTION)
@@ -96,8 +108,9 @@ class SanaNativePipeline(stages.RecipePipeline):
         self._schedules: dict[int, tuple[Any, torch.Tensor]] = {}
 
     @classmethod
-    def from_components(cls, components: dict[str, Any], *, device: torch.device | str,
-                        dtype: torch.dtype) -> SanaNativePipeline:
+    def from_components(
+        cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
+    ) -> SanaNativePipeline:
         """Build from the loader's model_index.json key -> loaded object mapping."""
         required = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
         missing = [key for key in required if components.get(key) is None]
@@ -123,8 +136,14 @@ class SanaNativePipeline(stages.RecipePipeline):
 
         The encoder runs over the padding too: the transformer's cross-attention masks padded positions,
         but their values still move its output by ~1e-6, so they are computed exactly as diffusers does."""
-        inputs = self.tokenizer(texts, padding="max_length", max_length=length, truncation=True,
-                                add_special_tokens=True, return_tensors="pt")
+        inputs = self.tokenizer(
+            texts,
+            padding="max_length",
+            max_length=length,
+            truncation=True,
+            add_special_tokens=True,
+            return_tensors="pt",
+        )
         mask = inputs.attention_mask.to(self.device)
         hidden = self.text_encoder(inputs.input_ids.to(self.device), attention_mask=mask)[0]
         return hidden.to(self.text_encoder.dtype), mask
@@ -143,8 +162,9 @@ class SanaNativePipeline(stages.RecipePipeline):
         out: Cond = {}
         for name, wanted in (("prompt", prompts), ("negative", negatives)):
             rows = [i for i, t in enumerate(texts) if t in wanted]
-            embeds = torch.zeros((len(texts), MAX_SEQUENCE_LENGTH, hidden_size), device=self.device,
-                                 dtype=self.text_encoder.dtype)
+            embeds = torch.zeros(
+                (len(texts), MAX_SEQUENCE_LENGTH, hidden_size), device=self.device, dtype=self.text_encoder.dtype
+            )
             mask = torch.zeros((len(texts), MAX_SEQUENCE_LENGTH), device=self.device, dtype=torch.long)
             if rows:
                 if name == "prompt":
@@ -192,8 +212,9 @@ class SanaNativePipeline(stages.RecipePipeline):
         # like the doubled CFG call of one and take the negative encoding for the second request's rows).
         return {**states[0].extras, "rows": sum(s.extras["rows"] for s in states)}
 
-    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
-                model_key: str) -> torch.Tensor:
+    def predict(
+        self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
+    ) -> torch.Tensor:
         rows = state.extras["rows"]
         if latents.shape[0] == rows:
             embeds, mask = cond["prompt_embeds"], cond["prompt_mask"]
@@ -201,9 +222,13 @@ class SanaNativePipeline(stages.RecipePipeline):
             embeds = torch.cat([cond["prompt_embeds"][:rows], cond["negative_embeds"][rows:]])
             mask = torch.cat([cond["prompt_mask"][:rows], cond["negative_mask"][rows:]])
         dtype = self.transformer.dtype
-        out = self.transformer(latents.to(dtype), encoder_hidden_states=embeds.to(dtype),
-                               encoder_attention_mask=mask, timestep=timestep * self.transformer.config.timestep_scale,
-                               return_dict=False)[0].float()
+        out = self.transformer(
+            latents.to(dtype),
+            encoder_hidden_states=embeds.to(dtype),
+            encoder_attention_mask=mask,
+            timestep=timestep * self.transformer.config.timestep_scale,
+            return_dict=False,
+        )[0].float()
         if self.transformer.config.out_channels // 2 == self.transformer.config.in_channels:
             out = out.chunk(2, dim=1)[0]  # learned sigma: keep the prediction half
         return out

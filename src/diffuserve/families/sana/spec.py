@@ -16,8 +16,10 @@ from diffuserve.families.base import (
 
 def sana_geometry(configs: CheckpointConfigs) -> LatentGeometry:
     """The DC-AE halves the side at every encoder level but the last (32x), then the DiT's patches."""
-    return LatentGeometry(vae_factor=2 ** (len(configs["vae"]["encoder_block_out_channels"]) - 1),
-                          patch=int(configs["transformer"]["patch_size"]))
+    return LatentGeometry(
+        vae_factor=2 ** (len(configs["vae"]["encoder_block_out_channels"]) - 1),
+        patch=int(configs["transformer"]["patch_size"]),
+    )
 
 
 def sana_defaults(defaults: SamplingDefaults, configs: CheckpointConfigs, geometry: LatentGeometry) -> SamplingDefaults:

@@ -1,3 +1,5 @@
-"""Stable Diffusion 3 / 3.5: `spec.py` (every static fact, torch-free: `diffuserve plan` and `--help` import it), `adapter.py` (the native pipeline on the shared recipe; imported lazily by the loader), `tiny.py` (its `make-tiny` builders).
+"""Stable Diffusion 3 / 3.5: `spec.py` (every static fact, torch-free: `diffuserve plan` and `--help` import it),
+`adapter.py` (the native pipeline on the shared recipe; imported lazily by the loader), `tiny.py` (its `make-tiny`
+builders).
 
 Nothing is imported here, so reading the spec never imports torch."""

@@ -64,8 +64,10 @@ class SD3NativePipeline(stages.RecipePipeline):
         if (self.t5 is None) != (self.t5_tokenizer is None):
             from diffuserve.errors import CheckpointError
 
-            raise CheckpointError("an SD3 checkpoint has text_encoder_3 and tokenizer_3 both or neither; "
-                                  "model_index.json names only one of them.")
+            raise CheckpointError(
+                "an SD3 checkpoint has text_encoder_3 and tokenizer_3 both or neither; "
+                "model_index.json names only one of them."
+            )
         # The spec's facts for these configs: a checkpoint saved without T5 (a memory saving diffusers supports)
         # encodes with the two CLIPs only, its T5 tokens zeros as diffusers does; size rule, limit and defaults.
         facts = self.bind_facts(component_configs(components))
@@ -73,12 +75,18 @@ class SD3NativePipeline(stages.RecipePipeline):
         self.device = torch.device(device)
         self.dtype = dtype
         self.components = {key: components[key] for key in (*self.text_encoders, "transformer", "vae")}
-        self.max_sequence_length = (DIFFUSERS_MAX_SEQUENCE_LENGTH if self.t5_tokenizer is None else
-                                    declared_sequence_length(self.t5_tokenizer, DIFFUSERS_MAX_SEQUENCE_LENGTH))
+        self.max_sequence_length = (
+            DIFFUSERS_MAX_SEQUENCE_LENGTH
+            if self.t5_tokenizer is None
+            else declared_sequence_length(self.t5_tokenizer, DIFFUSERS_MAX_SEQUENCE_LENGTH)
+        )
         """T5 tokens per text: diffusers' 256, capped by what tokenizer_3 declares."""
         self.clip_length = int(getattr(components["tokenizer"], "model_max_length", 77) or 77)
-        self._tokenizer_parts = {"tokenizer": components["tokenizer"], "tokenizer_2": components["tokenizer_2"],
-                                 "tokenizer_3": self.t5_tokenizer}
+        self._tokenizer_parts = {
+            "tokenizer": components["tokenizer"],
+            "tokenizer_2": components["tokenizer_2"],
+            "tokenizer_3": self.t5_tokenizer,
+        }
         self.vae_scale_factor = facts.vae_factor
         self.patch_size = int(self.transformer.config.patch_size)
         self._schedulers: dict[tuple[int, int, float | None], tuple[Any, torch.Tensor]] = {}
@@ -122,8 +130,9 @@ class SD3NativePipeline(stages.RecipePipeline):
         # and for several, so a joint call would move a singleton off diffusers' image by a pixel level.
         prompts = {p.prompt for p in batch}
         groups = [[t for t in texts if t in prompts], [t for t in texts if t not in prompts]]
-        parts = [self._encode_empty(key) if group == [""] else self._encode_group(key, group)
-                 for group in groups if group]
+        parts = [
+            self._encode_empty(key) if group == [""] else self._encode_group(key, group) for group in groups if group
+        ]
         out = {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
         order = [t for group in groups for t in group]
         if order != texts:
@@ -140,11 +149,18 @@ class SD3NativePipeline(stages.RecipePipeline):
 
     def _encode_group(self, key: str, texts: list[str]) -> Cond:
         if key == "text_encoder_3":
-            ids = self.t5_tokenizer(texts, padding="max_length", max_length=self.max_sequence_length,
-                                    truncation=True, add_special_tokens=True, return_tensors="pt").input_ids
+            ids = self.t5_tokenizer(
+                texts,
+                padding="max_length",
+                max_length=self.max_sequence_length,
+                truncation=True,
+                add_special_tokens=True,
+                return_tensors="pt",
+            ).input_ids
             return {"t5": self.t5(ids.to(self.device))[0].to(self.t5.dtype)}
-        ids = self.clip_tokenizers[key](texts, padding="max_length", max_length=self.clip_length,
-                                        truncation=True, return_tensors="pt").input_ids
+        ids = self.clip_tokenizers[key](
+            texts, padding="max_length", max_length=self.clip_length, truncation=True, return_tensors="pt"
+        ).input_ids
         out = self.clip[key](ids.to(self.device), output_hidden_states=True)
         hidden, pooled = _CLIP_KEYS[key]
         # The penultimate layer (diffusers' clip_skip=None), in the first encoder's dtype as upstream.
@@ -161,8 +177,9 @@ class SD3NativePipeline(stages.RecipePipeline):
 
     # -- 2. latents and timesteps -----------------------------------------------------------------------
 
-    def _timesteps(self, num_steps: int, image_seq_len: int,
-                   flow_shift: float | None = None) -> tuple[Any, torch.Tensor]:
+    def _timesteps(
+        self, num_steps: int, image_seq_len: int, flow_shift: float | None = None
+    ) -> tuple[Any, torch.Tensor]:
         """A private scheduler with this shape's timesteps (the set-up is cached per shape and shift)."""
         key = (num_steps, image_seq_len, flow_shift)
         if key not in self._schedulers:
@@ -190,19 +207,30 @@ class SD3NativePipeline(stages.RecipePipeline):
     def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
         """Noise row j of a request from `seed + j`, in the text embeddings' dtype as diffusers; the schedule."""
         lh, lw = head.height // self.vae_scale_factor, head.width // self.vae_scale_factor
-        latents = stages.batch_noise(batch, (self.transformer.config.in_channels, lh, lw),
-                                     device=self.device, dtype=self._join(positive)[0].dtype)
-        scheduler, timesteps = self._timesteps(head.num_inference_steps,
-                                               (lh // self.patch_size) * (lw // self.patch_size), head.flow_shift)
+        latents = stages.batch_noise(
+            batch,
+            (self.transformer.config.in_channels, lh, lw),
+            device=self.device,
+            dtype=self._join(positive)[0].dtype,
+        )
+        scheduler, timesteps = self._timesteps(
+            head.num_inference_steps, (lh // self.patch_size) * (lw // self.patch_size), head.flow_shift
+        )
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras={})
 
     # -- 3. the transformer call ------------------------------------------------------------------------
 
-    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
-                model_key: str) -> torch.Tensor:
+    def predict(
+        self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
+    ) -> torch.Tensor:
         prompt_embeds, pooled = self._join(cond)
-        return self.transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=prompt_embeds,
-                                pooled_projections=pooled, return_dict=False)[0]
+        return self.transformer(
+            hidden_states=latents,
+            timestep=timestep,
+            encoder_hidden_states=prompt_embeds,
+            pooled_projections=pooled,
+            return_dict=False,
+        )[0]
 
     # -- 4. decode --------------------------------------------------------------------------------------
 

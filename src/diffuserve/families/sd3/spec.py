@@ -23,8 +23,9 @@ def sd3_max_latent_side(cfg: dict) -> int | None:
 
 def sd3_geometry(configs: CheckpointConfigs) -> LatentGeometry:
     """AutoencoderKL (8x), then the DiT's patches."""
-    return LatentGeometry(vae_factor=autoencoder_kl_factor(configs["vae"]),
-                          patch=int(configs["transformer"]["patch_size"]))
+    return LatentGeometry(
+        vae_factor=autoencoder_kl_factor(configs["vae"]), patch=int(configs["transformer"]["patch_size"])
+    )
 
 
 def sd3_defaults(defaults: SamplingDefaults, configs: CheckpointConfigs, geometry: LatentGeometry) -> SamplingDefaults:
@@ -36,9 +37,11 @@ def sd3_defaults(defaults: SamplingDefaults, configs: CheckpointConfigs, geometr
 
 SPEC = FamilySpec(
     name="sd3",
-    text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (CLIP-L)", 77),
-                   TextEncoderFacts("tokenizer_2", "text_encoder_2 (CLIP-G)", 77),
-                   TextEncoderFacts("tokenizer_3", "text_encoder_3 (T5)", 256)),
+    text_encoders=(
+        TextEncoderFacts("tokenizer", "text_encoder (CLIP-L)", 77),
+        TextEncoderFacts("tokenizer_2", "text_encoder_2 (CLIP-G)", 77),
+        TextEncoderFacts("tokenizer_3", "text_encoder_3 (T5)", 256),
+    ),
     pipeline_classes=("StableDiffusion3Pipeline",),
     model_id_patterns=(r"stable[-_]?diffusion[-_]?3|sd3",),
     native_adapter="diffuserve.families.sd3.adapter:SD3NativePipeline",

@@ -88,29 +88,63 @@ def build_hunyuan_video(output_dir: Path) -> None:
     vocab, merges = _sentencepiece_vocab(["<unk>", "<s>", "</s>", "<pad>"])
     llama_tok = LlamaTokenizer(vocab=vocab, merges=merges, pad_token="<pad>")
     torch.manual_seed(SEED + 1)
-    llama = LlamaModel(LlamaConfig(vocab_size=len(llama_tok), hidden_size=16, intermediate_size=32,
-                                   num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
-                                   max_position_embeddings=1024, bos_token_id=llama_tok.bos_token_id,
-                                   eos_token_id=llama_tok.eos_token_id, pad_token_id=llama_tok.pad_token_id)).eval()
+    llama = LlamaModel(
+        LlamaConfig(
+            vocab_size=len(llama_tok),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            bos_token_id=llama_tok.bos_token_id,
+            eos_token_id=llama_tok.eos_token_id,
+            pad_token_id=llama_tok.pad_token_id,
+        )
+    ).eval()
     torch.manual_seed(SEED + 2)
     clip = CLIPTextModel(CLIPTextConfig(**_tiny_clip_config(clip_tok, 8))).eval()
     torch.manual_seed(SEED + 3)
     transformer = HunyuanVideoTransformer3DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
-        num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True,
-        text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 4, 4),
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=10,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=1,
+        patch_size=1,
+        patch_size_t=1,
+        guidance_embeds=True,
+        text_embed_dim=16,
+        pooled_projection_dim=8,
+        rope_axes_dim=(2, 4, 4),
     ).eval()
     torch.manual_seed(SEED + 4)
     vae = AutoencoderKLHunyuanVideo(
-        in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
-        up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
-        norm_num_groups=4, scaling_factor=0.476986, spatial_compression_ratio=8, temporal_compression_ratio=4,
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        norm_num_groups=4,
+        scaling_factor=0.476986,
+        spatial_compression_ratio=8,
+        temporal_compression_ratio=4,
         mid_block_add_attention=True,
     ).eval()
     scheduler = FlowMatchEulerDiscreteScheduler(shift=7.0)
-    HunyuanVideoPipeline(text_encoder=llama, tokenizer=llama_tok, transformer=transformer, vae=vae,
-                         scheduler=scheduler, text_encoder_2=clip, tokenizer_2=clip_tok).save_pretrained(
-        output_dir, safe_serialization=True)
+    HunyuanVideoPipeline(
+        text_encoder=llama,
+        tokenizer=llama_tok,
+        transformer=transformer,
+        vae=vae,
+        scheduler=scheduler,
+        text_encoder_2=clip,
+        tokenizer_2=clip_tok,
+    ).save_pretrained(output_dir, safe_serialization=True)
     write_defaults(output_dir, HUNYUAN_TINY_DEFAULTS)
 
 
@@ -136,32 +170,164 @@ def build_hunyuan_video_15(output_dir: Path) -> None:
     qwen_tok = _qwen_tokenizer()
     byt5_tok = ByT5Tokenizer()
     torch.manual_seed(SEED + 11)
-    qwen = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
-        vocab_size=len(qwen_tok), hidden_size=16, intermediate_size=16, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=qwen_tok.eos_token_id,
-        eos_token_id=qwen_tok.eos_token_id, pad_token_id=qwen_tok.pad_token_id,
-        rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
-    )).eval()
+    qwen = Qwen2_5_VLTextModel(
+        Qwen2_5_VLTextConfig(
+            vocab_size=len(qwen_tok),
+            hidden_size=16,
+            intermediate_size=16,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            bos_token_id=qwen_tok.eos_token_id,
+            eos_token_id=qwen_tok.eos_token_id,
+            pad_token_id=qwen_tok.pad_token_id,
+            rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+        )
+    ).eval()
     torch.manual_seed(SEED + 12)
     byt5 = T5EncoderModel(T5Config(**{**_tiny_t5_config(byt5_tok, 32), "vocab_size": len(byt5_tok)})).eval()
     torch.manual_seed(SEED + 13)
     transformer = HunyuanVideo15Transformer3DModel(
-        in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=1,
-        num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1, text_embed_dim=16, text_embed_2_dim=32,
-        image_embed_dim=12, rope_axes_dim=(2, 2, 4), target_size=32, task_type="t2v",
+        in_channels=9,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=1,
+        num_refiner_layers=1,
+        mlp_ratio=2.0,
+        patch_size=1,
+        patch_size_t=1,
+        text_embed_dim=16,
+        text_embed_2_dim=32,
+        image_embed_dim=12,
+        rope_axes_dim=(2, 2, 4),
+        target_size=32,
+        task_type="t2v",
     ).eval()
     torch.manual_seed(SEED + 14)
     vae = AutoencoderKLHunyuanVideo15(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(16, 16), layers_per_block=1,
-        spatial_compression_ratio=4, temporal_compression_ratio=2, downsample_match_channel=False,
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(16, 16),
+        layers_per_block=1,
+        spatial_compression_ratio=4,
+        temporal_compression_ratio=2,
+        downsample_match_channel=False,
         upsample_match_channel=False,
     ).eval()
     HunyuanVideo15Pipeline(
-        text_encoder=qwen, tokenizer=qwen_tok, transformer=transformer, vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=byt5, tokenizer_2=byt5_tok,
+        text_encoder=qwen,
+        tokenizer=qwen_tok,
+        transformer=transformer,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        text_encoder_2=byt5,
+        tokenizer_2=byt5_tok,
         guider=ClassifierFreeGuidance(guidance_scale=1.0),
     ).save_pretrained(output_dir, safe_serialization=True)
     write_defaults(output_dir, HUNYUAN_TINY_DEFAULTS)
+
+
+def _tiny_gemma3(tokenizer: Any, vocab: dict[str, int], text_layers: int, text_hidden: int) -> Any:
+    """LTX-2's tiny Gemma3 text encoder (every hidden state is read), from its fixed seed."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(SEED + 21)
+    gemma = Gemma3ForConditionalGeneration(
+        Gemma3Config(
+            text_config={
+                "vocab_size": len(tokenizer),
+                "hidden_size": text_hidden,
+                "intermediate_size": 32,
+                "num_hidden_layers": text_layers,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "head_dim": 8,
+                "max_position_embeddings": 2048,
+                "sliding_window": 64,
+                "pad_token_id": tokenizer.pad_token_id,
+                "bos_token_id": tokenizer.bos_token_id,
+                "eos_token_id": tokenizer.eos_token_id,
+            },
+            vision_config={
+                "hidden_size": 16,
+                "intermediate_size": 16,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "image_size": 16,
+                "patch_size": 8,
+            },
+            mm_tokens_per_image=4,
+            boi_token_index=vocab["<start_of_image>"],
+            eoi_token_index=vocab["<end_of_image>"],
+            image_token_index=vocab["<image_soft_token>"],
+        )
+    ).eval()
+    return gemma
+
+
+def _ltx2_decoders() -> tuple[Any, Any, Any]:
+    """LTX-2's tiny video VAE, audio VAE and vocoder, each from its fixed seed."""
+    import torch
+    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    torch.manual_seed(SEED + 24)
+    vae = AutoencoderKLLTX2Video(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(8,),
+        decoder_block_out_channels=(8,),
+        layers_per_block=(1,),
+        decoder_layers_per_block=(1, 1),
+        spatio_temporal_scaling=(True,),
+        decoder_spatio_temporal_scaling=(True,),
+        decoder_inject_noise=(False, False),
+        downsample_type=("spatial",),
+        upsample_residual=(False,),
+        upsample_factor=(1,),
+        timestep_conditioning=False,
+        patch_size=1,
+        patch_size_t=1,
+        encoder_causal=True,
+        decoder_causal=False,
+    ).eval()
+    torch.manual_seed(SEED + 25)
+    audio_vae = AutoencoderKLLTX2Audio(
+        base_channels=4,
+        output_channels=2,
+        ch_mult=(1,),
+        num_res_blocks=1,
+        attn_resolutions=None,
+        in_channels=2,
+        resolution=32,
+        latent_channels=2,
+        norm_type="pixel",
+        causality_axis="height",
+        dropout=0.0,
+        mid_block_add_attention=False,
+        sample_rate=16000,
+        mel_hop_length=160,
+        is_causal=True,
+        mel_bins=8,
+    ).eval()
+    torch.manual_seed(SEED + 26)
+    vocoder = LTX2Vocoder(
+        in_channels=2 * 8,
+        hidden_channels=32,
+        out_channels=2,
+        upsample_kernel_sizes=[4, 4],
+        upsample_factors=[2, 2],
+        resnet_kernel_sizes=[3],
+        resnet_dilations=[[1, 3, 5]],
+        leaky_relu_negative_slope=0.1,
+        output_sampling_rate=16000,
+    ).eval()
+    return vae, audio_vae, vocoder
 
 
 def build_ltx2(output_dir: Path) -> None:
@@ -169,72 +335,67 @@ def build_ltx2(output_dir: Path) -> None:
     = connector heads x head dim), the audio-video transformer, the video VAE, the audio VAE and the vocoder."""
     import torch
     from diffusers import (
-        AutoencoderKLLTX2Audio,
-        AutoencoderKLLTX2Video,
         FlowMatchEulerDiscreteScheduler,
         LTX2Pipeline,
         LTX2VideoTransformer3DModel,
     )
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
-    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, GemmaTokenizer
+    from transformers import GemmaTokenizer
 
-    vocab, merges = _sentencepiece_vocab(["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_image>",
-                                          "<image_soft_token>", "<end_of_image>"])
+    vocab, merges = _sentencepiece_vocab(
+        ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+    )
     tokenizer = GemmaTokenizer(vocab=vocab, merges=merges, add_bos_token=True, padding_side="left")
     text_layers, text_hidden = 2, 32
-    torch.manual_seed(SEED + 21)
-    gemma = Gemma3ForConditionalGeneration(Gemma3Config(
-        text_config={"vocab_size": len(tokenizer), "hidden_size": text_hidden, "intermediate_size": 32,
-                     "num_hidden_layers": text_layers, "num_attention_heads": 2, "num_key_value_heads": 1,
-                     "head_dim": 8, "max_position_embeddings": 2048, "sliding_window": 64,
-                     "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
-                     "eos_token_id": tokenizer.eos_token_id},
-        vision_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
-                       "num_attention_heads": 2, "image_size": 16, "patch_size": 8},
-        mm_tokens_per_image=4, boi_token_index=vocab["<start_of_image>"], eoi_token_index=vocab["<end_of_image>"],
-        image_token_index=vocab["<image_soft_token>"],
-    )).eval()
+    gemma = _tiny_gemma3(tokenizer, vocab, text_layers, text_hidden)  # seed SEED + 21
     heads, head_dim = 4, 8  # the connectors emit heads x head_dim = 32 features: the transformer's caption width
     torch.manual_seed(SEED + 22)
     connectors = LTX2TextConnectors(
-        caption_channels=text_hidden, text_proj_in_factor=text_layers + 1,
-        video_connector_num_attention_heads=heads, video_connector_attention_head_dim=head_dim,
-        video_connector_num_layers=1, video_connector_num_learnable_registers=None,
-        audio_connector_num_attention_heads=heads, audio_connector_attention_head_dim=head_dim,
-        audio_connector_num_layers=1, audio_connector_num_learnable_registers=None,
-        connector_rope_base_seq_len=32, rope_double_precision=False, rope_type="split",
+        caption_channels=text_hidden,
+        text_proj_in_factor=text_layers + 1,
+        video_connector_num_attention_heads=heads,
+        video_connector_attention_head_dim=head_dim,
+        video_connector_num_layers=1,
+        video_connector_num_learnable_registers=None,
+        audio_connector_num_attention_heads=heads,
+        audio_connector_attention_head_dim=head_dim,
+        audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=None,
+        connector_rope_base_seq_len=32,
+        rope_double_precision=False,
+        rope_type="split",
     ).eval()
     torch.manual_seed(SEED + 23)
     transformer = LTX2VideoTransformer3DModel(
-        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
-        cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2,
-        audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2, qk_norm="rms_norm_across_heads",
-        caption_channels=heads * head_dim, rope_double_precision=False, rope_type="split",
+        in_channels=4,
+        out_channels=4,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        cross_attention_dim=16,
+        audio_in_channels=4,
+        audio_out_channels=4,
+        audio_num_attention_heads=2,
+        audio_attention_head_dim=4,
+        audio_cross_attention_dim=8,
+        num_layers=2,
+        qk_norm="rms_norm_across_heads",
+        caption_channels=heads * head_dim,
+        rope_double_precision=False,
+        rope_type="split",
     ).eval()
-    torch.manual_seed(SEED + 24)
-    vae = AutoencoderKLLTX2Video(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,), decoder_block_out_channels=(8,),
-        layers_per_block=(1,), decoder_layers_per_block=(1, 1), spatio_temporal_scaling=(True,),
-        decoder_spatio_temporal_scaling=(True,), decoder_inject_noise=(False, False), downsample_type=("spatial",),
-        upsample_residual=(False,), upsample_factor=(1,), timestep_conditioning=False, patch_size=1,
-        patch_size_t=1, encoder_causal=True, decoder_causal=False,
-    ).eval()
-    torch.manual_seed(SEED + 25)
-    audio_vae = AutoencoderKLLTX2Audio(
-        base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None, in_channels=2,
-        resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height", dropout=0.0,
-        mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=8,
-    ).eval()
-    torch.manual_seed(SEED + 26)
-    vocoder = LTX2Vocoder(
-        in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4], upsample_factors=[2, 2],
-        resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]], leaky_relu_negative_slope=0.1,
-        output_sampling_rate=16000,
-    ).eval()
-    LTX2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, audio_vae=audio_vae, text_encoder=gemma,
-                 tokenizer=tokenizer, connectors=connectors, transformer=transformer, vocoder=vocoder).save_pretrained(
-        output_dir, safe_serialization=True)
+    vae, audio_vae, vocoder = _ltx2_decoders()  # seeds SEED + 24, 25, 26
+    LTX2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        audio_vae=audio_vae,
+        text_encoder=gemma,
+        tokenizer=tokenizer,
+        connectors=connectors,
+        transformer=transformer,
+        vocoder=vocoder,
+    ).save_pretrained(output_dir, safe_serialization=True)
     write_defaults(output_dir, LTX2_TINY_DEFAULTS)
 
 
@@ -250,16 +411,35 @@ def build_helios(output_dir: Path) -> None:
     text_encoder = UMT5EncoderModel(UMT5Config(**_tiny_t5_config(t5_tok, 32))).eval()
     torch.manual_seed(SEED + 32)
     transformer = HeliosTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
-        text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        rope_dim=(4, 4, 4), has_multi_term_memory_patch=True, guidance_cross_attn=True, zero_history_timestep=True,
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=4,
+        out_channels=4,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_dim=(4, 4, 4),
+        has_multi_term_memory_patch=True,
+        guidance_cross_attn=True,
+        zero_history_timestep=True,
         is_amplify_history=False,
     ).eval()
     torch.manual_seed(SEED + 33)
-    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                           temperal_downsample=[False, True, True], latents_mean=[0.0] * 4,
-                           latents_std=[1.0] * 4).eval()
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
+    ).eval()
     scheduler = HeliosScheduler(stage_range=[0, 1], stages=1, use_dynamic_shifting=True)
-    HeliosPipeline(tokenizer=t5_tok, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-                   transformer=transformer).save_pretrained(output_dir, safe_serialization=True)
+    HeliosPipeline(
+        tokenizer=t5_tok, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer
+    ).save_pretrained(output_dir, safe_serialization=True)
     write_defaults(output_dir, HELIOS_TINY_DEFAULTS)

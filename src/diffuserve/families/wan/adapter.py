@@ -34,9 +34,20 @@ class WanNativePipeline(stages.RecipePipeline):
 
     family = "wan"
 
-    def __init__(self, *, transformer: Any, vae: Any, text_encoder: Any, tokenizer: Any, scheduler: Any,
-                 transformer_2: Any = None, boundary_ratio: float | None = None, expand_timesteps: bool = False,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        *,
+        transformer: Any,
+        vae: Any,
+        text_encoder: Any,
+        tokenizer: Any,
+        scheduler: Any,
+        transformer_2: Any = None,
+        boundary_ratio: float | None = None,
+        expand_timesteps: bool = False,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         self.transformer, self.transformer_2 = transformer, transformer_2
         self.vae, self.text_encoder, self.tokenizer, self.scheduler = vae, text_encoder, tokenizer, scheduler
@@ -60,18 +71,27 @@ class WanNativePipeline(stages.RecipePipeline):
         self._max_length = min(MAX_SEQUENCE_LENGTH, int(getattr(tokenizer, "model_max_length", MAX_SEQUENCE_LENGTH)))
 
     @classmethod
-    def from_components(cls, components: dict[str, Any], *, device: torch.device | str,
-                        dtype: torch.dtype) -> WanNativePipeline:
+    def from_components(
+        cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
+    ) -> WanNativePipeline:
         required = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
         missing = [key for key in required if components.get(key) is None]
         if missing:
-            raise CheckpointError(f"a Wan checkpoint needs components {list(required)}; its model_index.json "
-                                  f"lacks {missing} (use --backend diffusers for a pipeline without them).")
+            raise CheckpointError(
+                f"a Wan checkpoint needs components {list(required)}; its model_index.json "
+                f"lacks {missing} (use --backend diffusers for a pipeline without them)."
+            )
         if components.get("transformer_2") is not None and components.get("boundary_ratio") is None:
-            raise CheckpointError("a Wan checkpoint with transformer_2 needs `boundary_ratio` in model_index.json "
-                                  "(the timestep share at which the low-noise expert takes over).")
-        return cls(**{k: components.get(k) for k in (*required, "transformer_2", "boundary_ratio")},
-                   expand_timesteps=bool(components.get("expand_timesteps", False)), device=device, dtype=dtype)
+            raise CheckpointError(
+                "a Wan checkpoint with transformer_2 needs `boundary_ratio` in model_index.json "
+                "(the timestep share at which the low-noise expert takes over)."
+            )
+        return cls(
+            **{k: components.get(k) for k in (*required, "transformer_2", "boundary_ratio")},
+            expand_timesteps=bool(components.get("expand_timesteps", False)),
+            device=device,
+            dtype=dtype,
+        )
 
     def validate(self, params: Any) -> None:
         super().validate(params)
@@ -80,16 +100,22 @@ class WanNativePipeline(stages.RecipePipeline):
             below = max(1, (frames - 1) // step * step + 1)
             raise InvalidRequestError(
                 f"num_frames={frames} does not fit this Wan checkpoint: it needs {step}k+1 frames (its VAE "
-                f"compresses time {step}x); use {below} or {below + step}.", param="num_frames")
+                f"compresses time {step}x); use {below} or {below + step}.",
+                param="num_frames",
+            )
         for name in ("guidance_scale_2", "boundary_ratio"):
             if getattr(params, name) is not None and self.boundary_ratio is None:
-                raise InvalidRequestError(f"{name} applies only to two-expert Wan2.2 checkpoints "
-                                          "(boundary_ratio in model_index.json); this one has one transformer.",
-                                          param=name)
+                raise InvalidRequestError(
+                    f"{name} applies only to two-expert Wan2.2 checkpoints "
+                    "(boundary_ratio in model_index.json); this one has one transformer.",
+                    param=name,
+                )
         if params.boundary_ratio is not None and not 0.0 < params.boundary_ratio < 1.0:
-            raise InvalidRequestError(f"boundary_ratio={params.boundary_ratio} must be between 0 and 1 (exclusive): "
-                                      "the timestep share at which the low-noise expert takes over.",
-                                      param="boundary_ratio")
+            raise InvalidRequestError(
+                f"boundary_ratio={params.boundary_ratio} must be between 0 and 1 (exclusive): "
+                "the timestep share at which the low-noise expert takes over.",
+                param="boundary_ratio",
+            )
 
     def request_fields(self) -> frozenset[str]:
         experts = ("guidance_scale_2", "boundary_ratio") if self.boundary_ratio is not None else ()
@@ -99,13 +125,22 @@ class WanNativePipeline(stages.RecipePipeline):
 
     def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
         """UMT5 states of each text, trimmed to its tokens and zero-padded to the fixed length (as diffusers)."""
-        inputs = self.tokenizer([prompt_clean(t) for t in texts], padding="max_length", max_length=self._max_length,
-                                truncation=True, add_special_tokens=True, return_attention_mask=True,
-                                return_tensors="pt")
+        inputs = self.tokenizer(
+            [prompt_clean(t) for t in texts],
+            padding="max_length",
+            max_length=self._max_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
         mask = inputs.attention_mask
         states = self.text_encoder(inputs.input_ids.to(self.device), mask.to(self.device)).last_hidden_state
         lengths = mask.gt(0).sum(dim=1).tolist()
-        rows = [torch.cat([s[:n], s.new_zeros(self._max_length - n, s.size(1))]) for s, n in zip(states, lengths, strict=True)]
+        rows = [
+            torch.cat([s[:n], s.new_zeros(self._max_length - n, s.size(1))])
+            for s, n in zip(states, lengths, strict=True)
+        ]
         return {"prompt_embeds": torch.stack(rows).to(self.transformer.dtype)}
 
     def uses_cfg(self, head: Any) -> bool:
@@ -116,8 +151,7 @@ class WanNativePipeline(stages.RecipePipeline):
 
     def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
         frames = (head.num_frames - 1) // self.temporal_factor + 1
-        shape = (self.vae.config.z_dim, frames, head.height // self.spatial_factor,
-                 head.width // self.spatial_factor)
+        shape = (self.vae.config.z_dim, frames, head.height // self.spatial_factor, head.width // self.spatial_factor)
         latents = stages.batch_noise(batch, shape, device=self.device, dtype=torch.float32)
         # A private scheduler per batch: UniPC keeps multistep history in lists it mutates in place.
         scheduler = stages.scheduler_template(self.scheduler, head.flow_shift)
@@ -136,23 +170,29 @@ class WanNativePipeline(stages.RecipePipeline):
     def cfg_scale(self, head: Any) -> float:
         return head.guidance_scale
 
-    def combine_guidance(self, cond: torch.Tensor, uncond: torch.Tensor, head: Any, state: DenoiseState,
-                         step_index: int) -> torch.Tensor:
+    def combine_guidance(
+        self, cond: torch.Tensor, uncond: torch.Tensor, head: Any, state: DenoiseState, step_index: int
+    ) -> torch.Tensor:
         expert = self.denoiser_for_step(step_index, state.timesteps[step_index], state)
         scale = head.guidance_scale
         if expert == "transformer_2":
             scale = head.guidance_scale if head.guidance_scale_2 is None else head.guidance_scale_2
         return stages.combine_cfg(cond, uncond, scale)
 
-    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
-                model_key: str) -> torch.Tensor:
+    def predict(
+        self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
+    ) -> torch.Tensor:
         model = self.transformer if model_key == "transformer" else self.transformer_2
         if self.expand_timesteps:
             # One timestep per latent token (frames x h/2 x w/2); text-to-video keeps them all equal.
             tokens = latents.shape[2] * (latents.shape[3] // 2) * (latents.shape[4] // 2)
             timestep = timestep[:, None].expand(-1, tokens)
-        return model(hidden_states=latents.to(model.dtype), timestep=timestep,
-                     encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
+        return model(
+            hidden_states=latents.to(model.dtype),
+            timestep=timestep,
+            encoder_hidden_states=cond["prompt_embeds"],
+            return_dict=False,
+        )[0]
 
     # -- 4. decode ------------------------------------------------------------------------------------------------
 
@@ -171,9 +211,12 @@ class WanNativePipeline(stages.RecipePipeline):
         return [clip[len(clip) // 2] for clip in self.decode(latents, state)]
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "experts": list(self.denoisers), "boundary_ratio": self.boundary_ratio,
-                "expand_timesteps": self.expand_timesteps}
-
+        return {
+            **super().describe(),
+            "experts": list(self.denoisers),
+            "boundary_ratio": self.boundary_ratio,
+            "expand_timesteps": self.expand_timesteps,
+        }
 
 
 class WanI2VNativePipeline(WanNativePipeline):
@@ -195,23 +238,37 @@ class WanI2VNativePipeline(WanNativePipeline):
             self.components["image_encoder"] = image_encoder
 
     @classmethod
-    def from_components(cls, components: dict[str, Any], *, device: torch.device | str,
-                        dtype: torch.dtype) -> WanI2VNativePipeline:
+    def from_components(
+        cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
+    ) -> WanI2VNativePipeline:
         base = WanNativePipeline.from_components(components, device=device, dtype=dtype)
         if components.get("image_encoder") is None and base.transformer.config.image_dim is not None:
-            raise CheckpointError("this Wan I2V transformer takes image tokens (image_dim) but the checkpoint has no "
-                                  "image_encoder/image_processor components.")
-        return cls(transformer=base.transformer, transformer_2=base.transformer_2, vae=base.vae,
-                   text_encoder=base.text_encoder, tokenizer=base.tokenizer, scheduler=base.scheduler,
-                   boundary_ratio=base.boundary_ratio, expand_timesteps=base.expand_timesteps,
-                   image_encoder=components.get("image_encoder"), image_processor=components.get("image_processor"),
-                   device=device, dtype=dtype)
+            raise CheckpointError(
+                "this Wan I2V transformer takes image tokens (image_dim) but the checkpoint has no "
+                "image_encoder/image_processor components."
+            )
+        return cls(
+            transformer=base.transformer,
+            transformer_2=base.transformer_2,
+            vae=base.vae,
+            text_encoder=base.text_encoder,
+            tokenizer=base.tokenizer,
+            scheduler=base.scheduler,
+            boundary_ratio=base.boundary_ratio,
+            expand_timesteps=base.expand_timesteps,
+            image_encoder=components.get("image_encoder"),
+            image_processor=components.get("image_processor"),
+            device=device,
+            dtype=dtype,
+        )
 
     def validate(self, params: Any) -> None:
         super().validate(params)
         if len(params.image_inputs) != 1:
-            raise InvalidRequestError("this Wan image-to-video model needs exactly one input image "
-                                      "(`input_reference`).", param="input_reference")
+            raise InvalidRequestError(
+                "this Wan image-to-video model needs exactly one input image (`input_reference`).",
+                param="input_reference",
+            )
 
     def prepare_components(self, head: Any) -> tuple[str, ...]:
         return ("vae", "image_encoder") if self.image_encoder is not None else ("vae",)
@@ -229,7 +286,9 @@ class WanI2VNativePipeline(WanNativePipeline):
         video = self.video_processor.preprocess(image, height=height, width=width).to(self.device, torch.float32)
         video = video.unsqueeze(2)
         if not self.expand_timesteps:
-            video = torch.cat([video, video.new_zeros(video.shape[0], video.shape[1], frames - 1, height, width)], dim=2)
+            video = torch.cat(
+                [video, video.new_zeros(video.shape[0], video.shape[1], frames - 1, height, width)], dim=2
+            )
         cfg = self.vae.config
         encoded = self.vae.encode(video.to(self.vae.dtype)).latent_dist.mode()
         mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(self.device, torch.float32)
@@ -249,8 +308,9 @@ class WanI2VNativePipeline(WanNativePipeline):
         state.extras["condition"] = torch.concat([mask, condition], dim=1)
         return state
 
-    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
-                model_key: str) -> torch.Tensor:
+    def predict(
+        self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
+    ) -> torch.Tensor:
         model = self.transformer if model_key == "transformer" else self.transformer_2
         condition = state.extras["condition"]
         if self.expand_timesteps:
@@ -259,9 +319,13 @@ class WanI2VNativePipeline(WanNativePipeline):
             timestep = (mask[0][0][:, ::2, ::2] * timestep[0]).flatten().unsqueeze(0).expand(latents.shape[0], -1)
         else:
             hidden = torch.cat([latents, condition], dim=1)
-        return model(hidden_states=hidden.to(model.dtype), timestep=timestep,
-                     encoder_hidden_states=cond["prompt_embeds"],
-                     encoder_hidden_states_image=state.extras.get("image_embeds"), return_dict=False)[0]
+        return model(
+            hidden_states=hidden.to(model.dtype),
+            timestep=timestep,
+            encoder_hidden_states=cond["prompt_embeds"],
+            encoder_hidden_states_image=state.extras.get("image_embeds"),
+            return_dict=False,
+        )[0]
 
     def decode(self, latents: torch.Tensor, state: DenoiseState) -> list[list[Image.Image]]:
         if self.expand_timesteps:

@@ -48,8 +48,9 @@ SPECS = (
         model_id_patterns=(r"wan",),
         output_kind="video",
         tasks=frozenset({"t2v"}),
-        defaults=SamplingDefaults(width=832, height=480, num_frames=81, num_inference_steps=50,
-                                  guidance_scale=5.0, fps=16),
+        defaults=SamplingDefaults(
+            width=832, height=480, num_frames=81, num_inference_steps=50, guidance_scale=5.0, fps=16
+        ),
         profile=WAN_PROFILE,
         layer_containers=WAN_LAYERS,
         max_latent_side=wan_max_latent_side,
@@ -74,8 +75,9 @@ SPECS = (
         id_priority=10,
         output_kind="video",
         tasks=frozenset({"i2v"}),
-        defaults=SamplingDefaults(width=832, height=480, num_frames=81, num_inference_steps=50,
-                                  guidance_scale=5.0, fps=16),
+        defaults=SamplingDefaults(
+            width=832, height=480, num_frames=81, num_inference_steps=50, guidance_scale=5.0, fps=16
+        ),
         profile=WAN_PROFILE,
         layer_containers=WAN_LAYERS,
         max_latent_side=wan_max_latent_side,

@@ -78,6 +78,7 @@ def build_wan(output_dir: Path) -> None:
     WanPipeline(**_build_wan_components(PRESETS["tiny"])).save_pretrained(output_dir, safe_serialization=True)
     write_defaults(output_dir, WAN_TINY_DEFAULTS)
 
+
 A14B_BOUNDARY_RATIO = 0.875
 """The published Wan2.2 T2V A14B switches experts at 87.5% of the train timesteps."""
 
@@ -104,8 +105,18 @@ def build_wan22_ti2v(output_dir: Path) -> None:
     z_dim = 48
     torch.manual_seed(PRESETS["tiny"].seed + 25)
     parts["vae"] = AutoencoderKLWan(
-        base_dim=16, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
-        is_residual=True, patch_size=2, in_channels=12, out_channels=12, scale_factor_spatial=16, latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim,
+        base_dim=16,
+        z_dim=z_dim,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        is_residual=True,
+        patch_size=2,
+        in_channels=12,
+        out_channels=12,
+        scale_factor_spatial=16,
+        latents_mean=[0.0] * z_dim,
+        latents_std=[1.0] * z_dim,
     ).eval()
     torch.manual_seed(PRESETS["tiny"].seed + 26)
     config = dict(parts["transformer"].config)
@@ -125,8 +136,16 @@ def build_wan_i2v(output_dir: Path) -> None:
     parts = _build_wan_components(PRESETS["tiny"])
     z_dim = parts["vae"].config.z_dim
     torch.manual_seed(PRESETS["tiny"].seed + 27)
-    vision = CLIPVisionModel(CLIPVisionConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                                              num_attention_heads=2, image_size=32, patch_size=8)).eval()
+    vision = CLIPVisionModel(
+        CLIPVisionConfig(
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        )
+    ).eval()
     config = dict(parts["transformer"].config)
     inner = config["num_attention_heads"] * config["attention_head_dim"]
     config.update(in_channels=2 * z_dim + 4, out_channels=z_dim, image_dim=16, added_kv_proj_dim=inner)
@@ -134,7 +153,8 @@ def build_wan_i2v(output_dir: Path) -> None:
     parts["transformer"] = WanTransformer3DModel.from_config(config).eval()
     processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     WanImageToVideoPipeline(**parts, image_encoder=vision, image_processor=processor).save_pretrained(
-        output_dir, safe_serialization=True)
+        output_dir, safe_serialization=True
+    )
     # Without torchvision transformers saves its PIL fallback class; name the upstream class (which loads
     # the same preprocessor_config.json, falling back to the PIL class where torchvision is missing).
     index_file = output_dir / "model_index.json"

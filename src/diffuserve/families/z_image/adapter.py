@@ -43,8 +43,9 @@ MAX_CACHED_SCHEDULES = 64
 
 def _chat(tokenizer: Any, text: str) -> str:
     """A text as one user turn of the chat template, as diffusers' ZImagePipeline gives it to Qwen3."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                         add_generation_prompt=True, enable_thinking=True)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True, enable_thinking=True
+    )
 
 
 class ZImageNativePipeline(stages.RecipePipeline):
@@ -65,8 +66,17 @@ class ZImageNativePipeline(stages.RecipePipeline):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        self.bind_parts({"text_encoder": text_encoder, "tokenizer": tokenizer, "transformer": transformer, "vae": vae,
-                         "scheduler": scheduler}, device=device, dtype=dtype)
+        self.bind_parts(
+            {
+                "text_encoder": text_encoder,
+                "tokenizer": tokenizer,
+                "transformer": transformer,
+                "vae": vae,
+                "scheduler": scheduler,
+            },
+            device=device,
+            dtype=dtype,
+        )
         # Size multiple (VAE factor x 2), the RoPE tables' size limits (axes 1 and 2), default size and CFG as one
         # doubled batch: the spec's facts.
         self.vae_scale_factor = self.bind_facts(component_configs(self.components)).vae_factor
@@ -74,8 +84,12 @@ class ZImageNativePipeline(stages.RecipePipeline):
         # The caption occupies indices 1..len (padded to 32) of RoPE axis 0, so axis 0 bounds the text length.
         self.max_sequence_length = min(MAX_SEQUENCE_LENGTH, (axes_lens[0] - 2) // 32 * 32)
         if self.max_sequence_length < MAX_SEQUENCE_LENGTH:
-            logger.warning("z_image: axes_lens[0]=%d limits texts to %d tokens (diffusers' default is %d)",
-                           axes_lens[0], self.max_sequence_length, MAX_SEQUENCE_LENGTH)
+            logger.warning(
+                "z_image: axes_lens[0]=%d limits texts to %d tokens (diffusers' default is %d)",
+                axes_lens[0],
+                self.max_sequence_length,
+                MAX_SEQUENCE_LENGTH,
+            )
         self._schedules: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
 
     def text_token_cap(self, key: str) -> int | None:
@@ -87,8 +101,9 @@ class ZImageNativePipeline(stages.RecipePipeline):
         return lambda tokenizer: len(tokenizer(_chat(tokenizer, "")).input_ids)
 
     @classmethod
-    def from_components(cls, components: dict[str, Any], *, device: torch.device | str,
-                        dtype: torch.dtype) -> ZImageNativePipeline:
+    def from_components(
+        cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
+    ) -> ZImageNativePipeline:
         """Build from the loader's model_index.json key -> loaded object mapping."""
         required = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
         missing = [key for key in required if components.get(key) is None]
@@ -109,8 +124,9 @@ class ZImageNativePipeline(stages.RecipePipeline):
     def cfg_scale(self, head: Any) -> float:
         return head.guidance_scale
 
-    def combine_guidance(self, cond: torch.Tensor, uncond: torch.Tensor, head: Any, state: DenoiseState,
-                         step_index: int) -> torch.Tensor:
+    def combine_guidance(
+        self, cond: torch.Tensor, uncond: torch.Tensor, head: Any, state: DenoiseState, step_index: int
+    ) -> torch.Tensor:
         # Z-Image's form (not uncond + g * (cond - uncond)): g = 0 means no guidance, and the operand
         # order is diffusers' so the floats match.
         return cond + head.guidance_scale * (cond - uncond)
@@ -118,8 +134,9 @@ class ZImageNativePipeline(stages.RecipePipeline):
     def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
         """Chat-templated texts through Qwen3; `prompt_embeds` (second-to-last hidden state) + `prompt_mask`."""
         templated = [_chat(self.tokenizer, text) for text in texts]
-        inputs = self.tokenizer(templated, padding="max_length", max_length=self.max_sequence_length,
-                                truncation=True, return_tensors="pt")
+        inputs = self.tokenizer(
+            templated, padding="max_length", max_length=self.max_sequence_length, truncation=True, return_tensors="pt"
+        )
         ids = inputs.input_ids.to(self.device)
         mask = inputs.attention_mask.to(self.device).bool()
         hidden = self.text_encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-2]
@@ -136,10 +153,16 @@ class ZImageNativePipeline(stages.RecipePipeline):
                 self._schedules.clear()
             template = self.scheduler.__class__.from_config(self.scheduler.config)
             cfg = template.config
-            mu = calculate_shift(image_seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
-                                 cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
-            timesteps, _ = retrieve_timesteps(template, num_steps, self.device,
-                                              sigmas=get_default_z_image_sigmas(num_steps), mu=mu)
+            mu = calculate_shift(
+                image_seq_len,
+                cfg.get("base_image_seq_len", 256),
+                cfg.get("max_image_seq_len", 4096),
+                cfg.get("base_shift", 0.5),
+                cfg.get("max_shift", 1.15),
+            )
+            timesteps, _ = retrieve_timesteps(
+                template, num_steps, self.device, sigmas=get_default_z_image_sigmas(num_steps), mu=mu
+            )
             self._schedules[key] = (template, timesteps)
         template, timesteps = self._schedules[key]
         return stages.fresh_scheduler(template), timesteps
@@ -152,16 +175,17 @@ class ZImageNativePipeline(stages.RecipePipeline):
         scheduler, timesteps = self._schedule(head.num_inference_steps, (lh // 2) * (lw // 2))
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras={})
 
-    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState,
-                model_key: str) -> torch.Tensor:
+    def predict(
+        self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
+    ) -> torch.Tensor:
         frames = latents.to(self.transformer.dtype).unsqueeze(2)  # one frame per image: (C, 1, h, w) items
         captions = [embeds[mask] for embeds, mask in zip(cond["prompt_embeds"], cond["prompt_mask"], strict=True)]
-        out = self.transformer(list(frames.unbind(dim=0)), (1000 - timestep) / 1000, captions,
-                               return_dict=False)[0]
+        out = self.transformer(list(frames.unbind(dim=0)), (1000 - timestep) / 1000, captions, return_dict=False)[0]
         return torch.stack([o.float() for o in out], dim=0).squeeze(2)
 
-    def scheduler_step(self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor,
-                       state: DenoiseState) -> torch.Tensor:
+    def scheduler_step(
+        self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState
+    ) -> torch.Tensor:
         # The transformer predicts the negative of the scheduler's velocity.
         return state.scheduler.step((-noise_pred).to(torch.float32), timestep, latents, return_dict=False)[0]
 

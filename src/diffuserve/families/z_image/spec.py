@@ -27,13 +27,17 @@ def z_image_max_latent_side(cfg: dict) -> tuple[int, int]:
     return axes[1] * 2, axes[2] * 2
 
 
-def z_image_defaults(defaults: SamplingDefaults, configs: CheckpointConfigs,
-                     geometry: LatentGeometry) -> SamplingDefaults:
+def z_image_defaults(
+    defaults: SamplingDefaults, configs: CheckpointConfigs, geometry: LatentGeometry
+) -> SamplingDefaults:
     """The size: the VAE's sample_size is the training resolution in pixels (1024 upstream; a tiny checkpoint's is
     its small native size), within the RoPE tables (`axes_lens` 1 and 2 index image rows and columns)."""
     axes = list(configs["transformer"]["axes_lens"])
-    pixels = min(int(configs["vae"].get("sample_size") or 1024), axes[1] * geometry.size_multiple,
-                 axes[2] * geometry.size_multiple)
+    pixels = min(
+        int(configs["vae"].get("sample_size") or 1024),
+        axes[1] * geometry.size_multiple,
+        axes[2] * geometry.size_multiple,
+    )
     return square_default(defaults, geometry, pixels)
 
 
@@ -57,8 +61,12 @@ SPEC = FamilySpec(
     supports_continuous=True,
     text_encoder_keys=("text_encoder",),
     # In execution order: the image-token refiner, the caption refiner, then the main single-stream layers.
-    layer_containers={"ZImageTransformer2DModel": (
-        ("noise_refiner", "n_refiner_layers"), ("context_refiner", "n_refiner_layers"), ("layers", "n_layers"),
-    )},
+    layer_containers={
+        "ZImageTransformer2DModel": (
+            ("noise_refiner", "n_refiner_layers"),
+            ("context_refiner", "n_refiner_layers"),
+            ("layers", "n_layers"),
+        )
+    },
     tiny_builds={"z-image": "diffuserve.families.z_image.tiny:build"},
 )

@@ -40,8 +40,9 @@ SECURITY_HEADERS = {
     "Cache-Control": "no-cache",
 }
 
-PUBLIC_PATHS = frozenset({"/playground", "/playground/", "/playground/config.json",
-                          *(f"/playground/{name}" for name in ASSETS)})
+PUBLIC_PATHS = frozenset(
+    {"/playground", "/playground/", "/playground/config.json", *(f"/playground/{name}" for name in ASSETS)}
+)
 """Paths served without the API key (the middleware reads this)."""
 
 

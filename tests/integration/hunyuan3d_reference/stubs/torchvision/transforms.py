@@ -38,7 +38,7 @@ class CenterCrop:
     def __call__(self, x):
         h, w = x.shape[-2:]
         top, left = (h - self.size) // 2, (w - self.size) // 2
-        return x[..., top:top + self.size, left:left + self.size]
+        return x[..., top : top + self.size, left : left + self.size]
 
 
 class Normalize:

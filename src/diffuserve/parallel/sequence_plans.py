@@ -1,0 +1,137 @@
+"""Which DiTs sequence parallel knows and how to split each (their token counts, attention processors and
+argument layouts), and the start-up check that refuses a model or degree it cannot split. Read by
+`parallel/sequence.py`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from diffuserve.errors import ConfigError
+
+# -- the state of one sharded transformer call -------------------------------------------------------------
+
+
+# -- the per-DiT plans ------------------------------------------------------------------------------------
+
+
+def image_tokens(transformer: Any, args: dict[str, Any]) -> int:
+    return int(args["hidden_states"].shape[1])
+
+
+def video_tokens(transformer: Any, args: dict[str, Any]) -> int:
+    shape = args["hidden_states"].shape[2:]
+    return math.prod(int(n) // int(p) for n, p in zip(shape, transformer.config.patch_size, strict=True))
+
+
+@dataclass(frozen=True)
+class DitPlan:
+    """Where one DiT class's image tokens are split and gathered."""
+
+    module: str
+    """The diffusers module whose attention processors call `dispatch_attention_fn` (wrapped once)."""
+    tokens: Callable[[Any, dict[str, Any]], int]
+    """Image tokens of a call, from the transformer and its forward arguments (by name)."""
+    inputs: tuple[tuple[str, str, int, int], ...]
+    """(submodule path, argument, split dim, required ndim): arguments split on entry ("" = the transformer)."""
+    outputs: tuple[tuple[str, tuple[int, ...], int], ...] = ()
+    """(submodule path, output indices, split dim): positional tables split where they are made."""
+    attention: tuple[tuple[str, str], ...] = ()
+    """(block list, attribute): the joint self-attention modules (cross-attention runs locally unchanged)."""
+    gather: str = "proj_out"
+    """The submodule whose output (batch, local tokens, channels) is gathered back to every token."""
+
+
+_PLANS: dict[str, DitPlan] = {
+    "FluxTransformer2DModel": DitPlan(
+        module="diffusers.models.transformers.transformer_flux",
+        tokens=image_tokens,
+        inputs=(("", "hidden_states", 1, 3), ("", "img_ids", 0, 2)),
+        attention=(("transformer_blocks", "attn"), ("single_transformer_blocks", "attn")),
+    ),
+    "QwenImageTransformer2DModel": DitPlan(
+        module="diffusers.models.transformers.transformer_qwenimage",
+        tokens=image_tokens,
+        inputs=(("", "hidden_states", 1, 3),),
+        outputs=(("pos_embed", (0,), 0),),  # (image freqs, text freqs): the text keeps all of its own
+        attention=(("transformer_blocks", "attn"),),
+    ),
+    "WanTransformer3DModel": DitPlan(
+        module="diffusers.models.transformers.transformer_wan",
+        tokens=video_tokens,
+        # Wan makes its tokens inside forward (patch embedding): split them where block 0 receives them, and
+        # TI2V-5B's per-token timesteps (batch, tokens) on entry.
+        inputs=(("", "timestep", 1, 2), ("blocks.0", "hidden_states", 1, 3)),
+        outputs=(("rope", (0, 1), 1),),
+        attention=(("blocks", "attn1"),),
+    ),
+}
+
+
+def plan_of(module: Any) -> Any:
+    """The split plan of a DiT, looked up along its class's bases: FSDP2 wraps a sharded module in a dynamic
+    subclass (`FSDPFluxTransformer2DModel`), whose base is the model class the plan is for."""
+    for cls in type(module).__mro__:
+        if cls.__name__ in _PLANS:
+            return _PLANS[cls.__name__]
+    return None
+
+
+def degree_flag(ulysses_degree: int, ring_degree: int) -> str:
+    return "ulysses_degree" if ulysses_degree > 1 else "ring_degree"
+
+
+def check_sequence_parallel(pipeline: Any, *, ulysses_degree: int, ring_degree: int) -> None:
+    """Refuse (ConfigError naming the flag) a pipeline or degree the sequence split cannot run."""
+    from diffuserve.families import families_with, named_list, spec_for
+    from diffuserve.pipelines.stages import RecipePipeline
+
+    if ulysses_degree < 1 or ring_degree < 1:
+        raise ConfigError(
+            f"--ulysses-degree ({ulysses_degree}) and --ring-degree ({ring_degree}) must be >= 1.",
+            param=degree_flag(ulysses_degree, ring_degree),
+        )
+    if ulysses_degree * ring_degree == 1:
+        return
+    flag = degree_flag(ulysses_degree, ring_degree)
+    family = getattr(pipeline, "family", "?")
+    if not isinstance(pipeline, RecipePipeline):
+        raise ConfigError(
+            f"--{flag.replace('_', '-')}: the {family} model runs on the diffusers backend, which has "
+            f"no sequence split here; serve it with --backend native "
+            f"({named_list(families_with('sequence_parallel'))}) or drop --ulysses-degree/--ring-degree.",
+            param=flag,
+        )
+    try:
+        supported = spec_for(family).profile.sequence_parallel
+    except KeyError:  # an unknown family name: no spec, so no split
+        supported = False
+    keys = [k for k in pipeline.denoisers if k in pipeline.components]
+    plans = {k: plan_of(pipeline.components[k]) for k in keys}
+    if not supported or not keys or None in plans.values():
+        split = families_with("sequence_parallel")
+        raise ConfigError(
+            f"--{flag.replace('_', '-')}: the {family} family has no sequence split (families with "
+            f"one: {', '.join(split)}); drop --ulysses-degree/--ring-degree (replicas with --dp-size "
+            "use several GPUs with any model).",
+            param=flag,
+        )
+    for key in keys:
+        config = pipeline.components[key].config
+        heads = int(config.num_attention_heads)
+        if heads % ulysses_degree:
+            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+            raise ConfigError(
+                f"--ulysses-degree {ulysses_degree} does not divide the {heads} attention heads of "
+                f"{key}; use one of {divisors} and put the rest of the ranks in --ring-degree "
+                "(any degree works for Ring).",
+                param="ulysses_degree",
+            )
+        if getattr(config, "zero_cond_t", False):
+            raise ConfigError(
+                f"--{flag.replace('_', '-')}: {key} uses per-token modulation (zero_cond_t), which the "
+                "sequence split does not shard; drop --ulysses-degree/--ring-degree for this model.",
+                param=flag,
+            )
