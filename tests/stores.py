@@ -169,10 +169,9 @@ class SeaweedS3:
                 return self
             except Exception:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
+                    output = (self.dir / "weed.log").read_text(errors="replace")[-2000:]  # stop() removes it
                     self.stop()
-                    raise RuntimeError(
-                        f"SeaweedFS did not serve S3 at {self.endpoint}: {(self.dir / 'weed.log').read_text()[-2000:]}"
-                    ) from None
+                    raise RuntimeError(f"SeaweedFS did not serve S3 at {self.endpoint}: {output}") from None
                 time.sleep(0.5)
 
     def client(self):
