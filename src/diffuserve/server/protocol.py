@@ -38,6 +38,13 @@ class PromptRequest(BaseModel):
         description="Step cache of this request: a method (fbcache, teacache, taylorseer), an object "
         'with its options ({"method": "fbcache", "threshold": 0.1}), or "off"; omitted = the server\'s --step-cache.',
     )
+    flow_shift: float | None = Field(
+        default=None,
+        gt=0,
+        le=100,
+        description="The flow-matching scheduler's shift in place of the checkpoint's "
+        "(static: it replaces resolution-dependent shifting), for models whose scheduler has one; else 400.",
+    )
     enable_teacache: bool | None = Field(
         default=None, description='FastVideo / SGLang compatibility: true is {"method": "teacache"}.'
     )
@@ -129,13 +136,6 @@ class ImageGenerationRequest(PromptRequest):
         default=None,
         description="Accepted as 1 (SGLang-Diffusion's clients send it on every image call); any other "
         "value is refused.",
-    )
-    flow_shift: float | None = Field(
-        default=None,
-        gt=0,
-        le=100,
-        description="The flow-matching scheduler's shift in place of the checkpoint's "
-        "(static: it replaces resolution-dependent shifting), for models whose scheduler has one; else 400.",
     )
     layers: StrictInt | None = Field(
         default=None,

@@ -61,13 +61,6 @@ class VideoCreateRequest(PromptRequest):
         description="True CFG scale, for families that "
         "run true CFG (with negative_prompt); others (Wan: use guidance_scale): 400.",
     )
-    flow_shift: float | None = Field(
-        default=None,
-        gt=0,
-        le=100,
-        description="The flow-matching scheduler's shift in "
-        "place of the checkpoint's, where the model's scheduler has one; else 400.",
-    )
     negative_prompt: str | None = Field(default=None, description="What not to film (used when guidance_scale > 1).")
     seed: StrictInt | None = Field(default=None, ge=0, le=MAX_SEED, description="Random seed (0 to 2^63-1).")
     n: StrictInt = Field(default=1, ge=1, le=1, description="Videos per job; 1 (submit several jobs for more).")
