@@ -17,6 +17,7 @@ import openai
 from tests.integration.conftest import HOLD_MARKER
 from tests.integration.helpers import decode_b64_png, metric_value, pixels, wait_for_log
 from tests.serverproc import ServerProcess
+from tests.step_hold import StepHold
 
 PIXEL_TOL = 1  # uint8 steps, i.e. 1/255
 
@@ -65,14 +66,23 @@ def test_a_queued_requests_text_encodes_while_the_running_batch_denoises(dynamic
     start = len(server.log())
     before = metric_value(server.base_url, "diffuserve_overlap_steps_total", {"stage": "encode"})
     # Different step counts: three batches. The third supplies the steps the second's held decode waits for.
-    jobs = [("the running batch", 41, 60), (f"{HOLD_MARKER} queued behind it", 42, 3), ("and one more", 43, 4)]
+    # The running batch's steps wait for the test's release (`tests/step_hold.py`) until the queued request's
+    # encode is seen held: a fast machine finishes 60 tiny steps before a second HTTP request is admitted.
+    jobs = [(f"the running batch {StepHold.MARKER}", 41, 60), (f"{HOLD_MARKER} queued behind it", 42, 3)]
+    jobs.append(("and one more", 43, 4))
+    hold = StepHold(server.log_path.parent)
+    hold.arm()
     with ThreadPoolExecutor(3) as pool:
-        first = pool.submit(_generate, server, "tiny-flux-dynamic", *jobs[0])
-        wait_for_log(server, "Dynamic batch dispatch", start=start, timeout_s=120)  # the first batch runs
-        second = pool.submit(_generate, server, "tiny-flux-dynamic", *jobs[1])
-        wait_for_log(server, "fault injection: holding a side encode", start=start, timeout_s=120)
+        try:
+            first = pool.submit(_generate, server, "tiny-flux-dynamic", *jobs[0])
+            wait_for_log(server, "Dynamic batch dispatch", start=start, timeout_s=120)  # the first batch runs
+            second = pool.submit(_generate, server, "tiny-flux-dynamic", *jobs[1])
+            wait_for_log(server, "fault injection: holding a side encode", start=start, timeout_s=120)
+        finally:
+            hold.release()
         third = pool.submit(_generate, server, "tiny-flux-dynamic", *jobs[2])
         got = [first.result(), second.result(), third.result()]
+    StepHold(singleton_server.log_path.parent).release()  # the singleton reference of the marked prompt runs free
     steps_beside = metric_value(server.base_url, "diffuserve_overlap_steps_total", {"stage": "encode"}) - before
     assert steps_beside >= 2, "the queued request's text encode did not run beside the running batch"
     for (prompt, seed, steps), image in zip(jobs, got, strict=True):
