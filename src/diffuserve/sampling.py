@@ -156,8 +156,8 @@ class ModelDescription:
 
 
 PEER_FIELDS: dict[str, str] = {
-    "flow_shift": "models whose flow-matching scheduler has a shift (natively FLUX.1, SD3, Qwen-Image, Wan; "
-    "any such scheduler through the diffusers backend)",
+    "flow_shift": "models whose flow-matching scheduler has a shift (natively FLUX.1, FLUX.2, SD3, SANA, Qwen-Image, "
+    "Z-Image, Wan; any such scheduler through the diffusers backend)",
     "guidance_scale_2": "two-expert Wan2.2 A14B checkpoints",
     "boundary_ratio": "two-expert Wan2.2 A14B checkpoints",
     "true_cfg_scale": "families that run true CFG (FLUX.1, Qwen-Image, ...; Wan's CFG is guidance_scale)",

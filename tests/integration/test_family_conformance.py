@@ -115,6 +115,46 @@ def test_native_matches_diffusers(case: FamilyCase, native, subject: Subject, va
     assert max_pixel_diff(ours, theirs) <= case.reference_tolerance
 
 
+FLOW_SHIFT = 2.5
+"""A request's `flow_shift` in the check below (every tiny checkpoint's own shift differs from it)."""
+
+
+@cases(lambda c: c.reference is not None and c.output == "image" and c.pipeline_class != "DiffusersBackendPipeline")
+def test_flow_shift_equals_diffusers_with_that_static_shift(case: FamilyCase, native, subject: Subject) -> None:
+    """A request's `flow_shift` (the peer field of SGLang-Diffusion / vLLM-Omni / FastVideo) runs what diffusers runs
+    when its pipeline's scheduler has that static shift (dynamic shifting off); a family whose scheduler has no
+    shift does not take the field."""
+    from diffuserve.pipelines.batch_rows import has_flow_shift, scheduler_template
+
+    if not has_flow_shift(native.scheduler):
+        assert "flow_shift" not in native.request_fields()
+        return
+    assert "flow_shift" in native.request_fields()
+    # Three steps: with two, a schedule stretched to a terminal sigma (Qwen-Image 2.1) is [1, end] whatever the shift.
+    fields = {**case.reference_params[0][1], "num_inference_steps": 3}
+    params = params_of(case, native, {**fields, "flow_shift": FLOW_SHIFT})
+    ours = outputs_of(native, native.run([params]).outputs[0])
+    swapped: list[tuple[Any, Any]] = []
+
+    def shifted_diffusers(class_name: str, path: Path) -> Any:
+        pipe = subject.diffusers(class_name, path)
+        swapped.append((pipe, pipe.scheduler))
+        pipe.scheduler = scheduler_template(pipe.scheduler, FLOW_SHIFT)
+        return pipe
+
+    original = native.scheduler
+    native.scheduler = scheduler_template(original, FLOW_SHIFT)  # references built on native's modules read it
+    try:
+        theirs = case.reference(Subject(native, subject.path, shifted_diffusers), params)
+    finally:
+        native.scheduler = original
+        for pipe, scheduler in swapped:
+            pipe.scheduler = scheduler
+    assert max_pixel_diff(ours, theirs) <= case.reference_tolerance
+    unshifted = outputs_of(native, native.run([params_of(case, native, fields)]).outputs[0])
+    assert max_pixel_diff(ours, unshifted) > 0, "flow_shift did not reach the schedule"
+
+
 # -- batching ---------------------------------------------------------------------------------------------------
 
 

@@ -143,7 +143,7 @@ class Flux2NativePipeline(stages.RecipePipeline):
         self.image_processor = Flux2ImageProcessor(vae_scale_factor=self.size_multiple)
         self._latent_ids: dict[tuple[int, int], torch.Tensor] = {}
         self._text_ids: dict[int, torch.Tensor] = {}
-        self._schedules: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._schedules: dict[tuple[int, int, float | None], tuple[Any, torch.Tensor]] = {}
 
     @classmethod
     def from_components(
@@ -275,12 +275,17 @@ class Flux2NativePipeline(stages.RecipePipeline):
             self._text_ids[seq_len] = Flux2Pipeline._prepare_text_ids(torch.empty(1, seq_len, 1))[0].to(self.device)
         return self._text_ids[seq_len]
 
-    def _schedule(self, num_steps: int, image_seq_len: int) -> tuple[Any, torch.Tensor]:
-        """A private scheduler with this shape's timesteps (the set-up is cached per shape)."""
-        key = (num_steps, image_seq_len)
+    def request_fields(self) -> frozenset[str]:
+        return frozenset({"flow_shift"}) if stages.has_flow_shift(self.scheduler) else frozenset()
+
+    def _schedule(
+        self, num_steps: int, image_seq_len: int, flow_shift: float | None = None
+    ) -> tuple[Any, torch.Tensor]:
+        """A private scheduler with this shape's timesteps (the set-up is cached per shape and `flow_shift`)."""
+        key = (num_steps, image_seq_len, flow_shift)
         if key not in self._schedules:
             _make_room(self._schedules)
-            template = self.scheduler.__class__.from_config(self.scheduler.config)
+            template = stages.scheduler_template(self.scheduler, flow_shift)
             sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
             if getattr(template.config, "use_flow_sigmas", False):
                 sigmas = None
@@ -320,7 +325,7 @@ class Flux2NativePipeline(stages.RecipePipeline):
             batch, (channels, tokens_h, tokens_w), device=self.device, dtype=positive["prompt_embeds"].dtype
         )
         latents = Flux2Pipeline._pack_latents(noise)
-        scheduler, timesteps = self._schedule(head.num_inference_steps, tokens_h * tokens_w)
+        scheduler, timesteps = self._schedule(head.num_inference_steps, tokens_h * tokens_w, head.flow_shift)
         img_ids = self._latent_ids_for(tokens_h, tokens_w)
         reference = None
         if head.image_inputs:

@@ -106,7 +106,7 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
         self._prompt_encoder = pipe_class(
             scheduler=None, vae=None, text_encoder=text_encoder, tokenizer=None, processor=processor, transformer=None
         )
-        self._schedules: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._schedules: dict[tuple[int, int, float | None], tuple[Any, torch.Tensor]] = {}
         self._inputs: tuple[tuple[bytes, ...], EditInputs] | None = None
 
     @classmethod
@@ -185,13 +185,18 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
     def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
         return 2 * (height // (self.vae_scale_factor * 2)), 2 * (width // (self.vae_scale_factor * 2))
 
-    def _schedule(self, num_steps: int, image_seq_len: int) -> tuple[Any, torch.Tensor]:
+    def request_fields(self) -> frozenset[str]:
+        return frozenset({"flow_shift"}) if stages.has_flow_shift(self.scheduler) else frozenset()
+
+    def _schedule(
+        self, num_steps: int, image_seq_len: int, flow_shift: float | None = None
+    ) -> tuple[Any, torch.Tensor]:
         """A private scheduler with timesteps set as the pipeline sets them (cached per shape)."""
-        key = (num_steps, image_seq_len)
+        key = (num_steps, image_seq_len, flow_shift)
         if key not in self._schedules:
             if len(self._schedules) >= MAX_CACHED_SCHEDULES:
                 self._schedules.clear()
-            template = self.scheduler.__class__.from_config(self.scheduler.config)
+            template = stages.scheduler_template(self.scheduler, flow_shift)
             cfg = template.config
             sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
             mu = self.diffusers_module.calculate_shift(
@@ -237,7 +242,7 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
         guidance = None
         if self.transformer.config.guidance_embeds:
             guidance = torch.full([1], head.guidance_scale, device=self.device, dtype=torch.float32).expand(rows)
-        scheduler, timesteps = self._schedule(head.num_inference_steps, latents.shape[1])
+        scheduler, timesteps = self._schedule(head.num_inference_steps, latents.shape[1], head.flow_shift)
         extras = {
             "size": (head.height, head.width),
             "image_latents": image_latents,

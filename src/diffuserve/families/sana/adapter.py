@@ -105,7 +105,7 @@ class SanaNativePipeline(stages.RecipePipeline):
         self._instruction = instruction
         self._prompt_length = len(tokenizer.encode(instruction)) + MAX_SEQUENCE_LENGTH - 2
         self._keep = torch.tensor([0, *range(self._prompt_length - MAX_SEQUENCE_LENGTH + 1, self._prompt_length)])
-        self._schedules: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._schedules: dict[tuple[int, float | None], tuple[Any, torch.Tensor]] = {}
 
     @classmethod
     def from_components(
@@ -176,14 +176,18 @@ class SanaNativePipeline(stages.RecipePipeline):
             out[f"{name}_embeds"], out[f"{name}_mask"] = embeds, mask
         return out
 
-    def _schedule(self, num_steps: int) -> tuple[Any, torch.Tensor]:
-        if num_steps not in self._schedules:
+    def request_fields(self) -> frozenset[str]:
+        return frozenset({"flow_shift"}) if stages.has_flow_shift(self.scheduler) else frozenset()
+
+    def _schedule(self, num_steps: int, flow_shift: float | None = None) -> tuple[Any, torch.Tensor]:
+        key = (num_steps, flow_shift)
+        if key not in self._schedules:
             if len(self._schedules) >= MAX_CACHED_SCHEDULES:
                 self._schedules.clear()
-            template = self.scheduler.__class__.from_config(self.scheduler.config)
+            template = stages.scheduler_template(self.scheduler, flow_shift)
             timesteps, _ = retrieve_timesteps(template, num_steps, self.device)
-            self._schedules[num_steps] = (template, timesteps)
-        template, timesteps = self._schedules[num_steps]
+            self._schedules[key] = (template, timesteps)
+        template, timesteps = self._schedules[key]
         scheduler = stages.fresh_scheduler(template)
         # A multistep solver (DPM-Solver++, UniPC) keeps its history in lists it updates in place; the
         # shallow copy would share them with the template, so each batch gets its own.
@@ -203,7 +207,7 @@ class SanaNativePipeline(stages.RecipePipeline):
         channels = self.transformer.config.in_channels
         shape = (channels, height // self.vae_scale_factor, width // self.vae_scale_factor)
         latents = stages.batch_noise(batch, shape, device=self.device, dtype=torch.float32)
-        scheduler, timesteps = self._schedule(head.num_inference_steps)
+        scheduler, timesteps = self._schedule(head.num_inference_steps, head.flow_shift)
         extras = {"rows": latents.shape[0], "size": (head.height, head.width)}
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)
 

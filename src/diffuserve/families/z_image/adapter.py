@@ -90,7 +90,7 @@ class ZImageNativePipeline(stages.RecipePipeline):
                 self.max_sequence_length,
                 MAX_SEQUENCE_LENGTH,
             )
-        self._schedules: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._schedules: dict[tuple[int, int, float | None], tuple[Any, torch.Tensor]] = {}
 
     def text_token_cap(self, key: str) -> int | None:
         """The caption axis of the DiT's RoPE table bounds the text (see `max_sequence_length`)."""
@@ -145,13 +145,18 @@ class ZImageNativePipeline(stages.RecipePipeline):
     def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
         return 2 * (height // self.size_multiple), 2 * (width // self.size_multiple)
 
-    def _schedule(self, num_steps: int, image_seq_len: int) -> tuple[Any, torch.Tensor]:
-        """A private scheduler with this shape's timesteps (the set-up is cached per shape)."""
-        key = (num_steps, image_seq_len)
+    def request_fields(self) -> frozenset[str]:
+        return frozenset({"flow_shift"}) if stages.has_flow_shift(self.scheduler) else frozenset()
+
+    def _schedule(
+        self, num_steps: int, image_seq_len: int, flow_shift: float | None = None
+    ) -> tuple[Any, torch.Tensor]:
+        """A private scheduler with this shape's timesteps (the set-up is cached per shape and `flow_shift`)."""
+        key = (num_steps, image_seq_len, flow_shift)
         if key not in self._schedules:
             if len(self._schedules) >= MAX_CACHED_SCHEDULES:
                 self._schedules.clear()
-            template = self.scheduler.__class__.from_config(self.scheduler.config)
+            template = stages.scheduler_template(self.scheduler, flow_shift)
             cfg = template.config
             mu = calculate_shift(
                 image_seq_len,
@@ -172,7 +177,7 @@ class ZImageNativePipeline(stages.RecipePipeline):
         lh, lw = self._latent_hw(head.height, head.width)
         channels = self.transformer.config.in_channels
         latents = stages.batch_noise(batch, (channels, lh, lw), device=self.device, dtype=torch.float32)
-        scheduler, timesteps = self._schedule(head.num_inference_steps, (lh // 2) * (lw // 2))
+        scheduler, timesteps = self._schedule(head.num_inference_steps, (lh // 2) * (lw // 2), head.flow_shift)
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras={})
 
     def predict(
