@@ -350,3 +350,22 @@ def test_unload_waits_for_the_requests_that_use_the_adapter(lora_server: ServerP
         finally:
             hold.release()
         assert held.result()["data"] and unload.result().status_code == 200
+
+
+def test_without_the_flag_runtime_changes_are_refused(singleton_server: ServerProcess) -> None:
+    loaded = _api(singleton_server, "load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp"})
+    assert loaded.status_code == 400 and _error(loaded)["param"] == "lora_path", loaded.text
+    assert "--enable-lora-updates" in _error(loaded)["message"] and _error(loaded)["code"] == "lora_updates_disabled"
+    assert _api(singleton_server, "set_lora", {"lora_nickname": "x"}).status_code == 400
+    listing = httpx.get(f"{singleton_server.base_url}/v1/list_loras").json()
+    assert listing["loaded_adapters"] == [] and listing["active"] == {"transformer": []}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK's notice that OpenAI's own Sora API ends
+def test_videos_route_the_lora_field_and_refuse_it_for_a_family_without_adapters(wan_server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{wan_server.base_url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.videos.create(prompt="a wave", extra_body={"lora": "style"})
+    error = err.value.body if isinstance(err.value.body, dict) else {}
+    error = error.get("error", error)
+    assert error["param"] == "lora" and "takes no LoRA adapters" in error["message"], error
