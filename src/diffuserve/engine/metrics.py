@@ -377,7 +377,8 @@ def format_dispatch(batch: ScheduledBatch) -> str:
 
 def _loras(batch: ScheduledBatch) -> str:
     """`, loras=a,b` naming the adapters the batch's rows use; empty when none does."""
-    names = sorted({name for r in batch.requests for name, _ in r.params.lora})
+    rows = (getattr(getattr(r, "params", None), "lora", ()) for r in batch.requests)  # stand-ins carry no params
+    names = sorted({name for pairs in rows for name, _ in pairs})
     return f", loras={','.join(names)}" if names else ""
 
 
