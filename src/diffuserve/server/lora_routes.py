@@ -135,14 +135,14 @@ def _in_use(ctx: ServerContext, name: str) -> bool:
     return any(name == adapter for r in requests for adapter, _ in r.params.lora)
 
 
-@router.post("/v1/load_lora_adapter", tags=["lora"], response_class=PlainTextResponse, responses=_TEXT)
+@router.post("/v1/load_lora_adapter", tags=["lora"], responses=_TEXT)
 async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> PlainTextResponse:
     ctx = server_context(request)
     await _load(ctx, _require_updates(ctx, "lora_path"), body.lora_name, body.lora_path)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
-@router.post("/v1/unload_lora_adapter", tags=["lora"], response_class=PlainTextResponse, responses=_TEXT)
+@router.post("/v1/unload_lora_adapter", tags=["lora"], responses=_TEXT)
 async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> PlainTextResponse:
     ctx = server_context(request)
     registry = _require_updates(ctx, "lora_name")
