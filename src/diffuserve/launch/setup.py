@@ -227,6 +227,13 @@ def _install_lora(
         raise ConfigError(
             f"{flag}: per-request LoRA runs with dynamic batching for now; drop --batching-mode continuous."
         )
+    from diffuserve.lora.files import LORA_LOADERS
+
+    if pipeline.family not in LORA_LOADERS:  # also with --enable-lora-updates alone: every load would fail
+        raise ConfigError(
+            f"{flag}: per-request LoRA is not available for the {pipeline.family} family yet (it is for: "
+            f"{', '.join(sorted(LORA_LOADERS))})."
+        )
     import torch
 
     from diffuserve.lora.registry import lora_registry
