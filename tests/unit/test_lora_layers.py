@@ -70,7 +70,10 @@ def test_more_adapters_than_slots_is_refused() -> None:
     [
         ({"lora_modules": ["style"]}, "--lora-modules: 'style' is not NAME=PATH"),
         ({"lora_modules": ["a=/x", "a=/y"]}, "given twice"),
-        ({"lora_modules": ["a=/x", "b=/y"], "max_loras": 1}, "--max-loras"),
+        ({"max_loras": 0}, "--max-loras"),
+        ({"max_loras": 4, "max_cpu_loras": 2}, "--max-cpu-loras: 2 is below --max-loras 4"),
+        ({"enable_lora_updates": True}, "--lora-root"),
+        ({"enable_lora_updates": True, "lora_root": "/no/such/folder"}, "--lora-root: '/no/such/folder' is not"),
         ({"max_lora_rank": 0}, "--max-lora-rank"),
     ],
 )

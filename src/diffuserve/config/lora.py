@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
 
 from diffuserve.config.argparse_dataclass import check_flags, flag
 
@@ -34,6 +35,40 @@ class LoraArgs:
         16, "Largest adapter rank accepted; slots are this rank (smaller ranks are padded).", LORA_GROUP
     )
     """Rank of every slot."""
+    max_cpu_loras: int | None = flag(
+        None,
+        "Adapters whose weights stay in host memory (an LRU); beyond it an adapter is re-read from disk when a "
+        "batch needs it. At least --max-loras (default: --max-loras).",
+        LORA_GROUP,
+    )
+    """Host LRU capacity; None: --max-loras."""
+    enable_lora_updates: bool = flag(
+        False,
+        "Allow POST /v1/load_lora_adapter, /v1/unload_lora_adapter and /v1/set_lora at runtime (paths only "
+        "under --lora-root).",
+        LORA_GROUP,
+    )
+    """Runtime adapter changes over HTTP."""
+    lora_root: str | None = flag(
+        None,
+        "The folder runtime-loaded adapters must be under (needed by --enable-lora-updates); relative "
+        "lora_path values are taken from here.",
+        LORA_GROUP,
+    )
+    """Where runtime loads may read from."""
+    registry: Any = field(default=None, repr=False, compare=False, metadata={"cli": False})
+    """The process's adapter registry (`lora/registry.py` `lora_registry`), made on first use and shared by the
+    HTTP handlers and the pipeline; not a flag."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the server takes adapters at all (start-up adapters, or runtime loads)."""
+        return bool(self.lora_modules) or self.enable_lora_updates
+
+    @property
+    def host_capacity(self) -> int:
+        """--max-cpu-loras, defaulting to --max-loras."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     @property
     def adapters(self) -> dict[str, str]:
@@ -61,9 +96,19 @@ class LoraArgs:
                 (self.max_loras < 1, "--max-loras", f"{self.max_loras} must be >= 1"),
                 (self.max_lora_rank < 1, "--max-lora-rank", f"{self.max_lora_rank} must be >= 1"),
                 (
-                    len(names) > self.max_loras,
-                    "--max-loras",
-                    f"{len(names)} adapters in --lora-modules but {self.max_loras} slots; raise --max-loras",
+                    self.host_capacity < self.max_loras,
+                    "--max-cpu-loras",
+                    f"{self.host_capacity} is below --max-loras {self.max_loras}; give at least as many",
+                ),
+                (
+                    self.enable_lora_updates and not self.lora_root,
+                    "--lora-root",
+                    "--enable-lora-updates needs the folder runtime loads may read from (--lora-root DIR)",
+                ),
+                (
+                    bool(self.lora_root) and not Path(str(self.lora_root)).is_dir(),
+                    "--lora-root",
+                    f"{self.lora_root!r} is not a folder; give the folder runtime-loaded adapters live under",
                 ),
             ]
         )

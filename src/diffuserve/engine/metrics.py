@@ -120,6 +120,11 @@ class EngineMetrics:
             registry=r,
         )
         self._placement_collectors(r)
+        # LoRA: requests per adapter (counted when accepted); adapters per tier (registered, host, device).
+        self.lora_requests = Counter(
+            f"{p}lora_requests", "Accepted requests per LoRA adapter.", ["adapter"], registry=r
+        )
+        self.lora_adapters = Gauge(f"{p}lora_adapters", "LoRA adapters by tier.", ["where"], registry=r)
 
     def _batch_collectors(self, r: CollectorRegistry) -> None:
         """Batches: sizes, capacity, merges, stop reasons, rejections and the head's wait."""
@@ -365,9 +370,16 @@ def format_dispatch(batch: ScheduledBatch) -> str:
         calls = -(-batch.num_outputs // cap)
         return (
             f"Dynamic batch dispatch: requests={batch.num_requests}, rows={batch.num_outputs} "
-            f"in {calls} calls of <= {cap} rows, {tail}"
+            f"in {calls} calls of <= {cap} rows, {tail}{_loras(batch)}"
         )
-    return f"Dynamic batch dispatch: size={batch.num_outputs}/{batch.user_max}, {tail}"
+    return f"Dynamic batch dispatch: size={batch.num_outputs}/{batch.user_max}, {tail}{_loras(batch)}"
+
+
+def _loras(batch: ScheduledBatch) -> str:
+    """`, loras=a,b` naming the adapters the batch's rows use; empty when none does."""
+    rows = (getattr(getattr(r, "params", None), "lora", ()) for r in batch.requests)  # stand-ins carry no params
+    names = sorted({name for pairs in rows for name, _ in pairs})
+    return f", loras={','.join(names)}" if names else ""
 
 
 def format_stats(stats: BatchWindowStats) -> str:

@@ -54,6 +54,9 @@ BATCH_FULL = "batch_full"
 """Reject reason: a compatible candidate whose `n` does not fit in the room left."""
 MODEL_MISMATCH = "model"
 """Reject reason: a candidate served under another model name than the head."""
+LORA_SLOTS = "lora_slots"
+"""Reject reason: the candidate's LoRA adapters would give the batch more distinct adapters than `--max-loras` device
+slots; it waits for a later batch."""
 
 
 @dataclass
@@ -142,6 +145,8 @@ class DynamicBatcher:
         self._num_queued_outputs = 0
         self._running: list[ScheduledBatch] = []
         self._num_dispatched = 0
+        self.max_adapters: int | None = None
+        """Most distinct LoRA adapters one batch may use (`--max-loras`, set by launch when LoRA is on); None: any."""
 
     # -- queue ------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -306,17 +311,22 @@ class DynamicBatcher:
         batch = [head]
         room = cap - head.num_outputs
         rejects: dict[str, int] = {}
+        adapters = {name for name, _ in head.params.lora}
         for cand in candidates:
             if room <= 0:
                 break  # full: whoever is left is simply next, not rejected
             reason = self._reject_reason(head, cand)
             if reason is None and cand.num_outputs > room:
                 reason = BATCH_FULL
+            more = adapters | {name for name, _ in cand.params.lora}
+            if reason is None and self.max_adapters is not None and len(more) > self.max_adapters:
+                reason = LORA_SLOTS
             if reason is not None:
                 rejects[reason] = rejects.get(reason, 0) + 1
                 continue
             batch.append(cand)
             room -= cand.num_outputs
+            adapters = more
         return batch, rejects
 
     def _reject_reason(self, head: Request, cand: Request) -> str | None:

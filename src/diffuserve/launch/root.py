@@ -39,7 +39,10 @@ def build_batcher(args: ServerArgs, slots: int = 1) -> DynamicBatcher:
         from diffuserve.engine.step_scheduler import StepScheduler
 
         return StepScheduler(config, model_names=args.model_names)
-    return DynamicBatcher(config, model_names=args.model_names, slots=slots)
+    batcher = DynamicBatcher(config, model_names=args.model_names, slots=slots)
+    if args.lora.enabled:  # a batch's adapters must fit the device slots at once (lora/registry.py)
+        batcher.max_adapters = args.max_loras
+    return batcher
 
 
 def _multi_rank_executor(args: ServerArgs, info: LaunchInfo, setup: RankSetup, metrics: EngineMetrics | None) -> Any:

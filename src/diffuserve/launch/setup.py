@@ -174,8 +174,8 @@ def load_serving_pipeline(
         placement="host",
     )
     applied: list[str] = []
-    if args.lora.lora_modules:
-        _install_lora(args, pipeline, device, multi_rank=groups is not None)
+    if args.lora.enabled:
+        _install_lora(args, pipeline, device, multi_rank=groups is not None, metrics=metrics)
     if groups is not None:
         from diffuserve.parallel.apply import shard_weights
 
@@ -210,38 +210,55 @@ def load_serving_pipeline(
     return maybe_inject_faults(ServingPipeline.of(pipeline, parallel=applied))
 
 
-def _install_lora(args: ServerArgs, pipeline: Any, device: str, *, multi_rank: bool) -> None:
-    """--lora-modules: read the adapters through diffusers and hook the transformer's adapted layers."""
+def _install_lora(
+    args: ServerArgs, pipeline: Any, device: str, *, multi_rank: bool, metrics: EngineMetrics | None = None
+) -> None:
+    """--lora-modules / --enable-lora-updates: read the start-up adapters through diffusers, hook the transformer's
+    adapted layers, and give the process's adapter registry (`lora/registry.py`) the reader runtime loads use."""
     from diffuserve.errors import ConfigError
 
+    flag = "--lora-modules" if args.lora.lora_modules else "--enable-lora-updates"
     if multi_rank:
         raise ConfigError(
-            "--lora-modules: per-request LoRA runs in one process for now (tensor / sequence / CFG "
+            f"{flag}: per-request LoRA runs in one process for now (tensor / sequence / CFG "
             "parallel do not shard adapter slots yet); serve on one device."
         )
     if args.batching_mode == "continuous":
         raise ConfigError(
-            "--lora-modules: per-request LoRA runs with dynamic batching for now; drop --batching-mode continuous."
+            f"{flag}: per-request LoRA runs with dynamic batching for now; drop --batching-mode continuous."
+        )
+    from diffuserve.lora.files import LORA_LOADERS
+
+    if pipeline.family not in LORA_LOADERS:  # also with --enable-lora-updates alone: every load would fail
+        raise ConfigError(
+            f"{flag}: per-request LoRA is not available for the {pipeline.family} family yet (it is for: "
+            f"{', '.join(sorted(LORA_LOADERS))})."
         )
     import torch
 
-    from diffuserve.lora.layers import install_lora
+    from diffuserve.lora.registry import lora_registry
+    from diffuserve.lora.slots import install_registry
 
-    bank = install_lora(
+    registry = lora_registry(args.lora)
+    bank = install_registry(
         pipeline,
         pipeline.family,
-        args.lora.adapters,
-        max_loras=args.max_loras,
+        registry,
         max_rank=args.max_lora_rank,
         device=device,
         dtype=getattr(torch, resolve_dtype(args.dtype, device)),
     )
+    if metrics is not None:  # read at scrape time
+        for where in ("registered", "host", "device"):
+            metrics.lora_adapters.labels(where=where).set_function(lambda where=where: registry.counts()[where])
     logger.info(
-        "LoRA adapters: %s (%d adapted layers, %d slots of rank %d)",
-        ", ".join(bank.slots),
+        "LoRA adapters: %s (%d adapted layers, %d slots of rank %d, %d in host memory%s)",
+        ", ".join(bank.slots) or "none yet",
         bank.layers,
         args.max_loras,
         args.max_lora_rank,
+        args.lora.host_capacity,
+        f"; runtime loads from {args.lora.lora_root}" if args.lora.enable_lora_updates else "",
     )
 
 

@@ -121,6 +121,9 @@ class LoraBank:
         self._lock = threading.Lock()
         self._adapted: dict[int, set[int]] = {}
         layers = dict(transformer.named_modules())
+        self._layers, self._geometry = layers, (max_loras, max_rank, device, dtype)
+        self.hooks: dict[str, Any] = {}
+        """Adapted module name -> its hook (`place` writes slots through these)."""
         targets = sorted({m for a in adapters for m in a.modules})
         hook_class = _lora_hook_class()
         for module in targets:
@@ -137,8 +140,39 @@ class LoraBank:
             hook = hook_class(self, down, up)
             self._adapted[id(hook)] = {s for s, a in enumerate(adapters) if module in a.modules}
             HookRegistry.check_if_exists_or_initialize(layer).register_hook(hook, LORA_HOOK)
+            self.hooks[module] = hook
         self.layers = len(targets)
         """How many Linear layers carry the hook."""
+
+    def place(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Write `adapter` into `slot` of every adapted layer (None: empty the slot), hooking the layers it adapts
+        that no adapter adapted before. Runtime loads go through this; call it between batches, on the thread
+        that runs them (never while a batch's rows are set)."""
+        from diffusers.hooks import HookRegistry
+
+        max_loras, max_rank, device, dtype = self._geometry
+        modules = adapter.modules if adapter is not None else {}
+        for module in sorted(set(modules) - set(self.hooks)):
+            layer = self._layers[module]
+            down = torch.zeros(max_loras, max_rank, layer.in_features, device=device, dtype=dtype)
+            up = torch.zeros(max_loras, layer.out_features, max_rank, device=device, dtype=dtype)
+            hook = _lora_hook_class()(self, down, up)
+            self._adapted[id(hook)] = set()
+            HookRegistry.check_if_exists_or_initialize(layer).register_hook(hook, LORA_HOOK)
+            self.hooks[module] = hook
+        self.layers = len(self.hooks)
+        for module, hook in self.hooks.items():
+            part = modules.get(module)
+            adapted = self._adapted[id(hook)]
+            if part is None:
+                adapted.discard(slot)  # the hook skips the slot: no need to zero it
+                continue
+            rank = part.down.shape[0]
+            hook.down[slot].zero_()
+            hook.up[slot].zero_()
+            hook.down[slot, :rank] = part.down.to(hook.down.device, hook.down.dtype)
+            hook.up[slot, :, :rank] = (part.up.float() * part.scaling).to(hook.up.device, hook.up.dtype)
+            adapted.add(slot)
 
     def adapts(self, slot: int, hook: Any) -> bool:
         return slot in self._adapted[id(hook)]

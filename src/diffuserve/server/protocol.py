@@ -24,6 +24,23 @@ def parse_size(size: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
+class LoraEntry(BaseModel):
+    """One adapter of a request's `lora` list: its name (from GET /v1/models) and the weight of its change."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="An adapter the server loaded (--lora-modules); GET /v1/models lists them.")
+    scale: float = Field(
+        default=1.0,
+        description="Weight of the adapter's change (1 = as trained; summed over "
+        "the list, as diffusers' set_adapters(adapter_weights=...)).",
+    )
+
+
+LoraField = str | list[LoraEntry] | None
+"""The `lora` request field: an adapter name (scale 1), or a list of {name, scale} whose changes are summed."""
+
+
 class PromptRequest(BaseModel):
     """What every generation body shares: prompt, model and size, validated once. Unknown fields are
     rejected (400 naming the field)."""
@@ -56,6 +73,25 @@ class PromptRequest(BaseModel):
             raise ValueError("prompt must not be empty")
         return value
 
+    lora: LoraField = Field(
+        default=None,
+        description="LoRA adapter(s) for this request: a name, or a list of {name, scale} (summed). "
+        "Requests with different adapters still share a batch. `model: <adapter name>` selects one too.",
+    )
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_shape(cls, value: Any) -> Any:
+        """One message for a malformed `lora` (pydantic's would name a branch of the union)."""
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("lora must be an adapter name or a list of {name, scale}")
+        for i, entry in enumerate(value):
+            if not isinstance(entry, dict) or "name" not in entry or set(entry) - {"name", "scale"}:
+                raise ValueError(f"lora[{i}] must be {{name, scale}} (scale optional), got {entry!r}")
+        return value
+
     @field_validator("size")
     @classmethod
     def _size_form(cls, value: str | None) -> str | None:
@@ -65,23 +101,6 @@ class PromptRequest(BaseModel):
         if width < 1 or height < 1:
             raise ValueError(f"size {value!r} must have a positive width and height")
         return f"{width}x{height}"
-
-
-class LoraEntry(BaseModel):
-    """One adapter of a request's `lora` list: its name (from GET /v1/models) and the weight of its change."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(description="An adapter the server loaded (--lora-modules); GET /v1/models lists them.")
-    scale: float = Field(
-        default=1.0,
-        description="Weight of the adapter's change (1 = as trained; summed over "
-        "the list, as diffusers' set_adapters(adapter_weights=...)).",
-    )
-
-
-LoraField = str | list[LoraEntry] | None
-"""The `lora` request field: an adapter name (scale 1), or a list of {name, scale} whose changes are summed."""
 
 
 class ImageGenerationRequest(PromptRequest):
@@ -148,24 +167,6 @@ class ImageGenerationRequest(PromptRequest):
         default=None,
         description="Qwen-Image-Layered: the pipeline's resolution bucket, 640 or 1024. Other models: 400.",
     )
-    lora: LoraField = Field(
-        default=None,
-        description="LoRA adapter(s) for this request: a name, or a list of {name, scale} (summed). "
-        "Requests with different adapters still share a batch. `model: <adapter name>` selects one too.",
-    )
-
-    @field_validator("lora", mode="before")
-    @classmethod
-    def _lora_shape(cls, value: Any) -> Any:
-        """One message for a malformed `lora` (pydantic's would name a branch of the union)."""
-        if value is None or isinstance(value, str):
-            return value
-        if not isinstance(value, list):
-            raise ValueError("lora must be an adapter name or a list of {name, scale}")
-        for i, entry in enumerate(value):
-            if not isinstance(entry, dict) or "name" not in entry or set(entry) - {"name", "scale"}:
-                raise ValueError(f"lora[{i}] must be {{name, scale}} (scale optional), got {entry!r}")
-        return value
 
 
 class ImageEditRequest(ImageGenerationRequest):

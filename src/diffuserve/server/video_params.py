@@ -16,6 +16,7 @@ from diffuserve.errors import InvalidRequestError
 from diffuserve.sampling import SamplingParams, build_sampling_params, check_request_fields
 from diffuserve.server.common import check_request_limits, request_step_cache, resolve_size
 from diffuserve.server.context import ServerContext
+from diffuserve.server.lora_fields import base_model_name, request_loras
 from diffuserve.server.protocol import MAX_SEED, PromptRequest
 
 
@@ -121,7 +122,7 @@ def build_video_params(body: VideoCreateRequest, ctx: ServerContext, image: byte
     steps = body.num_inference_steps or defaults.num_inference_steps
     check_request_limits(
         ctx,
-        model=body.model,
+        model=base_model_name(ctx, body.model),
         texts={"prompt": body.prompt, "negative_prompt": body.negative_prompt},
         width=width,
         height=height,
@@ -153,5 +154,6 @@ def build_video_params(body: VideoCreateRequest, ctx: ServerContext, image: byte
         n=1,
         output_format="mp4",
         image_inputs=() if image is None else (image,),
+        lora=request_loras(ctx, body.lora, body.model),
         step_cache=request_step_cache(body, ctx),
     )
