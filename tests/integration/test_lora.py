@@ -8,6 +8,7 @@ requests with different adapters (and none) equals the same request alone (<= 1/
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -145,6 +146,20 @@ def test_rows_with_different_adapters_share_one_call(native) -> None:
         alone = native.run([params]).outputs[0].images
         for a, b in zip(out.images, alone, strict=True):
             assert _diff(a, b)[0] <= 1, params.lora
+
+
+def test_continuous_rows_follow_their_adapters_as_the_group_changes(native) -> None:
+    """A continuous group: a request with adapters, then two with other adapters (and none) joining after one
+    step, one of them with fewer steps, so the rows of each call (and their slots) change from step to step."""
+    from tests.integration.family_checks import simulate_steps
+
+    a = _params((("style", 1.0),), seed=1, prompt="red house")
+    b = _params((("ink", 0.5), ("mlp", 1.0)), seed=3, prompt="sea at night", n=2)
+    c = dataclasses.replace(_params((), seed=2, prompt="a dog"), num_inference_steps=2)
+    stepped = simulate_steps(native, {0: [a], 1: [b, c]})
+    for index, params in enumerate([a, b, c]):
+        for x, y in zip(stepped[index], native.run([params]).outputs[0].images, strict=True):
+            assert _diff(x, y)[0] <= 1, params.lora
 
 
 def test_batched_cfg_rows_keep_their_adapters(native) -> None:

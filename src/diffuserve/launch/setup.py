@@ -219,10 +219,6 @@ def _install_lora(args: ServerArgs, pipeline: Any, device: str, *, multi_rank: b
             "--lora-modules: per-request LoRA runs in one process for now (tensor / sequence / CFG "
             "parallel do not shard adapter slots yet); serve on one device."
         )
-    if args.batching_mode == "continuous":
-        raise ConfigError(
-            "--lora-modules: per-request LoRA runs with dynamic batching for now; drop --batching-mode continuous."
-        )
     import torch
 
     from diffuserve.lora.layers import install_lora

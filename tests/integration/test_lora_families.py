@@ -1,0 +1,134 @@
+"""Per-request LoRA on the tiny checkpoint of every native family besides FLUX.1 (test_lora.py): random adapters
+written by `make-tiny-lora` for that family, read through its diffusers `*LoraLoaderMixin`, applied per row.
+
+The bars (issue 20), per family: a request alone equals diffusers' own pipeline after `load_lora_weights` +
+`set_adapters(names, adapter_weights=...)` on the same checkpoint and seed (<= 3/255 max, <= 0.5/255 mean), and
+rows with different adapters (and none) in one batch, or in a continuous group that requests with other adapters
+join mid-run, equal their singletons (<= 1/255). Wan2.2 A14B: one adapter
+goes into `transformer` and one into `transformer_2`, as diffusers' `load_into_transformer_2=True` puts it.
+The calls and requests are the family conformance suite's (family_conformance.py / family_references.py), made
+small: one output, two steps (Wan: three).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from diffuserve.sampling import SamplingParams
+from tests.integration.family_checks import simulate_steps
+from tests.integration.family_conformance import BY_ID, FamilyCase
+from tests.integration.family_references import (
+    Subject,
+    flux2_on_same_modules,
+    flux2_reference,
+    outputs_of,
+    qwen_on_same_modules,
+    qwen_reference,
+)
+
+FAMILIES = ("flux2-klein", "qwen-image", "qwen-image-edit", "z-image", "sd3", "sana", "wan", "wan2.2")
+
+
+def _adapters(case: FamilyCase, path: Path, root: Path) -> dict[str, tuple[str, Path]]:
+    """name -> (denoiser, folder): a rank-4 adapter on the attention projections and a rank-2 one (alpha 4) on
+    to_q / to_v; for Wan2.2 A14B the second goes into the low-noise expert `transformer_2`."""
+    from diffuserve.lora.tiny import write_random_lora
+
+    second = "transformer_2" if case.id == "wan2.2" else "transformer"
+    return {
+        "style": ("transformer", write_random_lora(path, root / "style", rank=4, seed=1)),
+        "ink": (
+            second,
+            write_random_lora(path, root / "ink", rank=2, alpha=4, seed=2, targets=("to_q", "to_v"), component=second),
+        ),
+    }
+
+
+def _reference(case: FamilyCase, path: Path, adapters: dict[str, tuple[str, Path]]) -> tuple[Subject, Any]:
+    """The family's diffusers pipeline (as the conformance suite builds it) with the adapters loaded by diffusers."""
+    import diffusers
+
+    from diffuserve.models.loader import load_pipeline
+    from diffuserve.models.processor_substitutes import install_processor_substitutes
+
+    other = None
+    if case.reference in (flux2_reference, qwen_reference):  # diffusers' pipeline on a loaded copy's modules
+        other = load_pipeline(path)
+        pipe = (flux2_on_same_modules if case.reference is flux2_reference else qwen_on_same_modules)(other)
+    else:
+        install_processor_substitutes()
+        class_name = json.loads((path / "model_index.json").read_text())["_class_name"]
+        pipe = getattr(diffusers, class_name).from_pretrained(path, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    for name, (denoiser, folder) in adapters.items():
+        extra = {"load_into_transformer_2": True} if denoiser == "transformer_2" else {}
+        pipe.load_lora_weights(str(folder), adapter_name=name, **extra)
+    return Subject(native=other, path=path, diffusers=lambda _cls, _path: pipe), pipe
+
+
+def _requests(case: FamilyCase) -> list[dict[str, Any]]:
+    """Three small requests of one signature: the family's reference request (one output, few steps), and two
+    with other prompts and seeds."""
+    fields = {**case.reference_params[0][1], "n": 1}
+    if case.output == "image":
+        fields["num_inference_steps"] = 2
+    return [fields, {**fields, "seed": 21, "prompt": "a dog"}, {**fields, "seed": 22, "prompt": "a red house at night"}]
+
+
+def _px(output: Any) -> np.ndarray:
+    return (
+        np.stack([np.asarray(frame) for frame in output]).astype(np.int16)
+        if isinstance(output, list)
+        else (np.asarray(output).astype(np.int16))
+    )
+
+
+def _diff(a: Any, b: Any) -> tuple[int, float]:
+    d = np.abs(_px(a) - _px(b))
+    return int(d.max()), float(d.mean())
+
+
+@pytest.mark.parametrize("case_id", FAMILIES)
+def test_family_lora_matches_diffusers_and_batches(case_id: str, tiny_checkpoint, tmp_path: Path) -> None:
+    import torch
+
+    from diffuserve.lora.layers import install_lora
+    from diffuserve.models.loader import load_pipeline
+
+    case = BY_ID[case_id]
+    path = tiny_checkpoint(case.tiny)
+    adapters = _adapters(case, path, tmp_path)
+    native = load_pipeline(path)
+    specs = {n: (str(p) if d == "transformer" else f"{d}:{p}") for n, (d, p) in adapters.items()}
+    install_lora(native, native.family, specs, max_loras=3, max_rank=4, device="cpu", dtype=torch.float32)
+    assert native.lora is not None and native.lora.layers > 0
+    first, second, third = _requests(case)
+
+    def params(fields: dict[str, Any], lora: tuple[tuple[str, float], ...]) -> SamplingParams:
+        return case.build_params(native, {**fields, "lora": lora})
+
+    # A request alone equals diffusers after load_lora_weights + set_adapters (two adapters, summed).
+    alone = params(first, (("style", 0.8), ("ink", 1.2)))
+    ours = outputs_of(native, native.run([alone]).outputs[0])[0]
+    subject, pipe = _reference(case, path, adapters)
+    pipe.set_adapters(["style", "ink"], adapter_weights=[0.8, 1.2])
+    worst, mean = _diff(ours, case.reference(subject, alone)[0])
+    assert worst <= 3 and mean <= 0.5, (worst, mean)
+    base = outputs_of(native, native.run([params(first, ())]).outputs[0])[0]
+    assert _diff(ours, base)[0] > 3, "the adapters changed nothing: the test would not see a broken path"
+
+    # Rows with different adapters (and none) in one call equal each request alone.
+    batch = [params(first, (("style", 0.8), ("ink", 1.2))), params(second, ()), params(third, (("ink", -0.7),))]
+    singles = [ours] + [outputs_of(native, native.run([request]).outputs[0])[0] for request in batch[1:]]
+    merged = native.run(batch).outputs
+    for request, out, single in zip(batch, merged, singles, strict=True):
+        assert _diff(outputs_of(native, out)[0], single)[0] <= 1, request.lora
+    if case.continuous:  # and in a continuous group that two requests with other adapters join after one step
+        stepped = simulate_steps(native, {0: batch[:1], 1: batch[1:]})
+        for index, single in enumerate(singles):
+            assert _diff(stepped[index][0], single)[0] <= 1, ("continuous", batch[index].lora)
