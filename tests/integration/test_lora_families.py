@@ -12,6 +12,7 @@ small: one output, two steps (Wan: three).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -37,14 +38,21 @@ FAMILIES = ("flux2-klein", "qwen-image", "qwen-image-edit", "z-image", "sd3", "s
 def _adapters(case: FamilyCase, path: Path, root: Path) -> dict[str, tuple[str, Path]]:
     """name -> (denoiser, folder): a rank-4 adapter on the attention projections and a rank-2 one (alpha 4) on
     to_q / to_v; for Wan2.2 A14B the second goes into the low-noise expert `transformer_2`."""
-    from diffuserve.lora.tiny import write_random_lora
+    from diffuserve.lora.tiny import DEFAULT_LORA_TARGETS, write_random_lora
 
     second = "transformer_2" if case.id == "wan2.2" else "transformer"
+    # The tiny ERNIE DiT's output layer (and its blocks' gates) start at zero: only an adapter there shows.
+    extra = ("final_linear",) if case.id == "ernie" else ()
     return {
-        "style": ("transformer", write_random_lora(path, root / "style", rank=4, seed=1)),
+        "style": (
+            "transformer",
+            write_random_lora(path, root / "style", rank=4, seed=1, targets=(*DEFAULT_LORA_TARGETS, *extra)),
+        ),
         "ink": (
             second,
-            write_random_lora(path, root / "ink", rank=2, alpha=4, seed=2, targets=("to_q", "to_v"), component=second),
+            write_random_lora(
+                path, root / "ink", rank=2, alpha=4, seed=2, targets=("to_q", "to_v", *extra), component=second
+            ),
         ),
     }
 
@@ -132,3 +140,49 @@ def test_family_lora_matches_diffusers_and_batches(case_id: str, tiny_checkpoint
         stepped = simulate_steps(native, {0: batch[:1], 1: batch[1:]})
         for index, single in enumerate(singles):
             assert _diff(stepped[index][0], single)[0] <= 1, ("continuous", batch[index].lora)
+
+
+def test_diffusers_backend_runs_one_adapter_set_per_call(tiny_checkpoint, tmp_path: Path) -> None:
+    """ERNIE-Image runs on the diffusers backend only: the pipeline loads the adapters itself, and a batch whose
+    requests name different adapter sets runs one diffusers call per set (`set_adapters`), each request as alone."""
+    import torch
+
+    from diffuserve.lora.layers import install_lora
+    from diffuserve.models.loader import load_pipeline
+
+    case = BY_ID["ernie"]
+    path = tiny_checkpoint(case.tiny)
+    adapters = _adapters(case, path, tmp_path)
+    served = load_pipeline(path)
+    assert type(served).__name__ == "DiffusersBackendPipeline"
+    specs = {name: str(folder) for name, (_, folder) in adapters.items()}
+    assert (
+        install_lora(served, served.family, specs, max_loras=2, max_rank=4, device="cpu", dtype=torch.float32) is None
+    )
+    first, second, third = _requests(case)
+    batch = [
+        case.build_params(served, {**first, "lora": (("style", 0.8), ("ink", 1.2))}),
+        case.build_params(served, {**second, "lora": ()}),
+        case.build_params(served, {**third, "lora": (("ink", -0.7),)}),
+    ]
+    singles = [served.run([request]).outputs[0].images[0] for request in batch]
+    subject, pipe = _reference(case, path, adapters)
+    pipe.set_adapters(["style", "ink"], adapter_weights=[0.8, 1.2])
+    worst, mean = _diff(singles[0], case.reference(subject, batch[0])[0])
+    assert worst <= 3 and mean <= 0.5, (worst, mean)
+    assert _diff(singles[0], served.run([dataclasses.replace(batch[0], lora=())]).outputs[0].images[0])[0] > 3
+    for request, out, single in zip(batch, served.run(batch).outputs, singles, strict=True):
+        assert _diff(out.images[0], single)[0] <= 1, request.lora
+
+
+def test_families_without_a_lora_loader_are_refused_naming_the_family() -> None:
+    from diffuserve.errors import ConfigError
+    from diffuserve.lora.files import lora_loader
+    from diffuserve.pipelines.diffusers_backend import DiffusersBackendPipeline
+
+    with pytest.raises(ConfigError, match="hunyuan3d family"):
+        lora_loader("hunyuan3d")
+    backend = object.__new__(DiffusersBackendPipeline)  # a pipeline class with no load_lora_weights (GLM-Image's)
+    backend.pipe, backend.family = object(), "glm_image"
+    with pytest.raises(ConfigError, match="glm_image family's diffusers pipeline"):
+        backend.load_lora_adapters({"style": "/adapters/style"})

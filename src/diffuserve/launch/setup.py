@@ -232,6 +232,9 @@ def _install_lora(args: ServerArgs, pipeline: Any, device: str, *, multi_rank: b
         device=device,
         dtype=getattr(torch, resolve_dtype(args.dtype, device)),
     )
+    if bank is None:
+        logger.info("LoRA adapters: %s (diffusers backend: one adapter set per call)", ", ".join(args.lora.adapters))
+        return
     logger.info(
         "LoRA adapters: %s (%d adapted layers, %d slots of rank %d)",
         ", ".join(bank.slots),

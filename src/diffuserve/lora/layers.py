@@ -196,16 +196,17 @@ def install_lora(
     max_rank: int,
     device: torch.device | str,
     dtype: torch.dtype,
-) -> LoraBank:
-    """Read `adapters` (name -> path) through diffusers, check them against the pipeline's transformer, and hook
-    its adapted layers; the pipeline's recipe then sets each batch's rows (`RecipePipeline.use_lora`)."""
+) -> LoraBank | None:
+    """Read `adapters` (name -> path) through diffusers, check them against the pipeline's denoiser(s), and hook
+    their adapted layers; the pipeline's recipe then sets each call's rows (`RecipePipeline.use_lora`). On the
+    diffusers backend the pipeline loads them itself and runs one adapter set per call (None: no bank)."""
     from diffuserve.lora.files import read_adapter, split_target
 
     if not hasattr(pipeline, "use_lora"):
-        raise ConfigError(
-            f"--lora-modules: per-request LoRA with rows of different adapters needs the native backend; the "
-            f"{family} family runs on the diffusers backend here (use `install_diffusers_lora`)."
-        )
+        if not hasattr(pipeline, "load_lora_adapters"):
+            raise ConfigError(f"--lora-modules: this {family} pipeline takes no LoRA adapters.")
+        pipeline.load_lora_adapters(adapters)  # the diffusers backend: one adapter set per call
+        return None
     denoisers = tuple(getattr(pipeline, "denoisers", ("transformer",)))
     models = {key: pipeline.components[key] for key in denoisers}
     loaded = []

@@ -42,14 +42,17 @@ def write_random_lora(
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
-    from diffuserve.families import family_from_class
+    from diffuserve.families import all_specs, family_from_class
 
     index = json.loads((Path(checkpoint) / "model_index.json").read_text())
     family = family_from_class(str(index.get("_class_name")))
     if family is None or component not in index:
         what = f"has no {component}" if family is not None else f"is a {index.get('_class_name')} checkpoint"
-        raise ConfigError(f"make-tiny-lora: {checkpoint} {what}; give a tiny checkpoint of a native family.")
-    loader = getattr(diffusers.loaders, lora_loader(family))
+        raise ConfigError(f"make-tiny-lora: {checkpoint} {what}; give a tiny checkpoint of a family that takes LoRAs.")
+    if all_specs()[family].lora_loader is None and hasattr(getattr(diffusers, index["_class_name"]), "lora_state_dict"):
+        loader = getattr(diffusers, index["_class_name"])  # a diffusers-backend family whose pipeline reads LoRAs
+    else:
+        loader = getattr(diffusers.loaders, lora_loader(family))
     model_class = getattr(diffusers, index[component][1])
     transformer = model_class.from_pretrained(Path(checkpoint) / component)
     config = LoraConfig(
