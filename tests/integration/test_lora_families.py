@@ -6,6 +6,7 @@ The bars (issue 20), per family: a request alone equals diffusers' own pipeline 
 rows with different adapters (and none) in one batch, or in a continuous group that requests with other adapters
 join mid-run, equal their singletons (<= 1/255). Wan2.2 A14B: one adapter
 goes into `transformer` and one into `transformer_2`, as diffusers' `load_into_transformer_2=True` puts it.
+Wan2.1's second adapter is a community file (original `diffusion_model.*` keys) that diffusers converts.
 The calls and requests are the family conformance suite's (family_conformance.py / family_references.py), made
 small: one output, two steps (Wan: three).
 """
@@ -14,11 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from diffuserve.sampling import SamplingParams
 from tests.integration.family_checks import simulate_steps
@@ -43,18 +46,32 @@ def _adapters(case: FamilyCase, path: Path, root: Path) -> dict[str, tuple[str, 
     second = "transformer_2" if case.id == "wan2.2" else "transformer"
     # The tiny ERNIE DiT's output layer (and its blocks' gates) start at zero: only an adapter there shows.
     extra = ("final_linear",) if case.id == "ernie" else ()
-    return {
-        "style": (
-            "transformer",
-            write_random_lora(path, root / "style", rank=4, seed=1, targets=(*DEFAULT_LORA_TARGETS, *extra)),
-        ),
-        "ink": (
-            second,
-            write_random_lora(
-                path, root / "ink", rank=2, alpha=4, seed=2, targets=("to_q", "to_v", *extra), component=second
-            ),
-        ),
-    }
+    ink = write_random_lora(
+        path, root / "ink", rank=2, alpha=4, seed=2, targets=("to_q", "to_v", *extra), component=second
+    )
+    if case.id == "wan":  # a community file: the original Wan keys, which diffusers converts
+        ink = _as_wan_original(ink, root / "ink-original.safetensors", alpha=4)
+    style = write_random_lora(path, root / "style", rank=4, seed=1, targets=(*DEFAULT_LORA_TARGETS, *extra))
+    return {"style": ("transformer", style), "ink": (second, ink)}
+
+
+def _as_wan_original(folder: Path, out: Path, *, alpha: float) -> Path:
+    """The adapter in `folder` rewritten in the original Wan community format (`diffusion_model.*` keys,
+    lora_down / lora_up, an alpha per module), which diffusers' WanLoraLoaderMixin converts (folding alpha in)."""
+    from safetensors.torch import load_file, save_file
+
+    names = {"attn1": "self_attn", "attn2": "cross_attn", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "o"}
+    pattern = r"transformer\.blocks\.(\d+)\.(attn\d)\.(.+)\.lora_(A|B)\.weight"
+    state: dict[str, Any] = {}
+    for key, tensor in load_file(folder / "pytorch_lora_weights.safetensors").items():
+        match = re.fullmatch(pattern, key)
+        assert match is not None, key
+        block, attn, proj, kind = match.groups()
+        base = f"diffusion_model.blocks.{block}.{names[attn]}.{names[proj]}"
+        state[f"{base}.lora_{'down' if kind == 'A' else 'up'}.weight"] = tensor
+        state[f"{base}.alpha"] = torch.tensor(alpha)
+    save_file(state, out)
+    return out
 
 
 def _reference(case: FamilyCase, path: Path, adapters: dict[str, tuple[str, Path]]) -> tuple[Subject, Any]:
@@ -103,7 +120,6 @@ def _diff(a: Any, b: Any) -> tuple[int, float]:
 
 @pytest.mark.parametrize("case_id", FAMILIES)
 def test_family_lora_matches_diffusers_and_batches(case_id: str, tiny_checkpoint, tmp_path: Path) -> None:
-    import torch
 
     from diffuserve.lora.layers import install_lora
     from diffuserve.models.loader import load_pipeline
@@ -145,8 +161,6 @@ def test_family_lora_matches_diffusers_and_batches(case_id: str, tiny_checkpoint
 def test_diffusers_backend_runs_one_adapter_set_per_call(tiny_checkpoint, tmp_path: Path) -> None:
     """ERNIE-Image runs on the diffusers backend only: the pipeline loads the adapters itself, and a batch whose
     requests name different adapter sets runs one diffusers call per set (`set_adapters`), each request as alone."""
-    import torch
-
     from diffuserve.lora.layers import install_lora
     from diffuserve.models.loader import load_pipeline
 
