@@ -200,3 +200,15 @@ def test_families_without_a_lora_loader_are_refused_naming_the_family() -> None:
     backend.pipe, backend.family = object(), "glm_image"
     with pytest.raises(ConfigError, match="glm_image family's diffusers pipeline"):
         backend.load_lora_adapters({"style": "/adapters/style"})
+
+
+def test_a_path_names_the_denoiser_it_adapts() -> None:
+    from diffuserve.errors import ConfigError
+    from diffuserve.lora.files import split_target
+
+    experts = ("transformer", "transformer_2")
+    assert split_target("/adapters/high", experts) == ("transformer", "/adapters/high")
+    assert split_target("transformer_2:/adapters/low", experts) == ("transformer_2", "/adapters/low")
+    assert split_target("transformer:/adapters/high", experts) == ("transformer", "/adapters/high")
+    with pytest.raises(ConfigError, match="does not have"):
+        split_target("transformer_2:/adapters/low", ("transformer",))
