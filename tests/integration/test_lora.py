@@ -8,6 +8,7 @@ requests with different adapters (and none) equals the same request alone (<= 1/
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -147,6 +148,20 @@ def test_rows_with_different_adapters_share_one_call(native) -> None:
             assert _diff(a, b)[0] <= 1, params.lora
 
 
+def test_continuous_rows_follow_their_adapters_as_the_group_changes(native) -> None:
+    """A continuous group: a request with adapters, then two with other adapters (and none) joining after one
+    step, one of them with fewer steps, so the rows of each call (and their slots) change from step to step."""
+    from tests.integration.family_checks import simulate_steps
+
+    a = _params((("style", 1.0),), seed=1, prompt="red house")
+    b = _params((("ink", 0.5), ("mlp", 1.0)), seed=3, prompt="sea at night", n=2)
+    c = dataclasses.replace(_params((), seed=2, prompt="a dog"), num_inference_steps=2)
+    stepped = simulate_steps(native, {0: [a], 1: [b, c]})
+    for index, params in enumerate([a, b, c]):
+        for x, y in zip(stepped[index], native.run([params]).outputs[0].images, strict=True):
+            assert _diff(x, y)[0] <= 1, params.lora
+
+
 def test_batched_cfg_rows_keep_their_adapters(native) -> None:
     batch = [
         _params((("style", 1.0),), seed=1, negative_prompt="blurry", true_cfg_scale=3.0),
@@ -215,3 +230,50 @@ def test_a_kohya_file_goes_through_diffusers_converter(tiny_flux_path: Path, tmp
     worst, mean = _diff(ours, _reference(reference, params))
     assert worst <= 3 and mean <= 0.5, (worst, mean)
     assert _diff(ours, native.run([_params(())]).outputs[0].images[0])[0] > 3
+
+
+def test_a_continuous_server_steps_rows_with_different_adapters(tiny_flux_path: Path, adapters, tmp_path: Path) -> None:
+    """A real `--batching-mode continuous` server with adapters: a request with `ink` joins, mid-run, a running
+    group whose anchor uses `style` (gated on the server's step lines), and equals the same request stepped
+    alone by the same server after the anchor has gone."""
+    import socket
+    import time
+
+    import openai
+
+    from tests.integration.helpers import decode_b64_png, metric_value, pixels, wait_for_log
+    from tests.serverproc import ServerProcess
+
+    server = ServerProcess(
+        ["--model-path", str(tiny_flux_path), "--served-model-name", "tiny-lora-continuous"]
+        + ["--batching-mode", "continuous", "--batching-max-size", "4", "--enable-batching-metrics"]
+        + ["--max-inference-steps", "5000", "--max-loras", "3", "--max-lora-rank", "8"]
+        + ["--lora-modules", *(f"{name}={path}" for name, path in adapters.items())],
+        tmp_path / "server.log",
+    ).start(timeout_s=180)
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def generate(lora: tuple = ({"name": "ink", "scale": 0.7},)) -> np.ndarray:
+        extra = {"seed": 4, "num_inference_steps": 3, "lora": list(lora)}
+        result = client.images.generate(prompt="a dog", size="64x64", response_format="b64_json", extra_body=extra)
+        return pixels(decode_b64_png(result.data[0].b64_json))
+
+    try:
+        body = b'{"prompt": "anchor", "seed": 9, "size": "64x64", "num_inference_steps": 5000, "lora": "style"}'
+        anchor = socket.create_connection(("127.0.0.1", server.port))
+        anchor.sendall(
+            b"POST /v1/images/generations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        wait_for_log(server, r"Continuous denoising step batch: size=1/4, joined=1", timeout_s=120)
+        joined = generate()
+        wait_for_log(server, r"Continuous denoising step batch: size=2/4, joined=1, left=0, active=2", timeout_s=5)
+        anchor.close()  # its client goes away: its row leaves at a step boundary (seen on the counter)
+        deadline = time.monotonic() + 60
+        while metric_value(server.base_url, "diffuserve_continuous_leaves_total", {"reason": "cancelled"}) < 1:
+            assert time.monotonic() < deadline, "the anchor never left the group"
+        alone, base = generate(), generate(())
+    finally:
+        server.stop()
+    assert int(np.abs(joined.astype(np.int16) - alone.astype(np.int16)).max()) <= 1
+    assert int(np.abs(joined.astype(np.int16) - base.astype(np.int16)).max()) > 3, "the adapter changed nothing"

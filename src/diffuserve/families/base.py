@@ -181,6 +181,9 @@ class FamilySpec:
     checkpoint leaves out, such as SD3's T5, is dropped by `describe_checkpoint`)."""
     tiny_builds: dict[str, str] = field(default_factory=dict)
     """`make-tiny --family` name -> "module:function" that writes a tiny checkpoint of this family."""
+    lora_loader: str | None = None
+    """The diffusers pipeline class whose `*LoraLoaderMixin.lora_state_dict` reads (and converts) this family's
+    LoRA files for per-request adapters (`lora/files.py`); None: the native backend serves no adapters for it."""
     base_family: str | None = None
     """The family whose plan defaults a variant shares (e.g. `qwen_image` for `qwen_image_edit`)."""
     text_encoders: tuple[TextEncoderFacts, ...] = ()

@@ -213,7 +213,7 @@ def load_serving_pipeline(
 def _install_lora(
     args: ServerArgs, pipeline: Any, device: str, *, multi_rank: bool, metrics: EngineMetrics | None = None
 ) -> None:
-    """--lora-modules / --enable-lora-updates: read the start-up adapters through diffusers, hook the transformer's
+    """--lora-modules / --enable-lora-updates: read the start-up adapters through diffusers, hook the denoisers'
     adapted layers, and give the process's adapter registry (`lora/registry.py`) the reader runtime loads use."""
     from diffuserve.errors import ConfigError
 
@@ -222,17 +222,6 @@ def _install_lora(
         raise ConfigError(
             f"{flag}: per-request LoRA runs in one process for now (tensor / sequence / CFG "
             "parallel do not shard adapter slots yet); serve on one device."
-        )
-    if args.batching_mode == "continuous":
-        raise ConfigError(
-            f"{flag}: per-request LoRA runs with dynamic batching for now; drop --batching-mode continuous."
-        )
-    from diffuserve.lora.files import LORA_LOADERS
-
-    if pipeline.family not in LORA_LOADERS:  # also with --enable-lora-updates alone: every load would fail
-        raise ConfigError(
-            f"{flag}: per-request LoRA is not available for the {pipeline.family} family yet (it is for: "
-            f"{', '.join(sorted(LORA_LOADERS))})."
         )
     import torch
 
@@ -247,7 +236,11 @@ def _install_lora(
         max_rank=args.max_lora_rank,
         device=device,
         dtype=getattr(torch, resolve_dtype(args.dtype, device)),
+        runtime_updates=args.lora.enable_lora_updates,
     )
+    if bank is None:
+        logger.info("LoRA adapters: %s (diffusers backend: one adapter set per call)", ", ".join(args.lora.adapters))
+        return
     if metrics is not None:  # read at scrape time
         for where in ("registered", "host", "device"):
             metrics.lora_adapters.labels(where=where).set_function(lambda where=where: registry.counts()[where])

@@ -9,16 +9,58 @@ and only check that every adapted module is a Linear of the served transformer w
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from diffuserve.errors import ConfigError
 
-LORA_LOADERS: dict[str, str] = {"flux": "FluxPipeline"}
-"""Family -> the diffusers pipeline class whose `lora_state_dict` reads (and converts) its adapter files.
+DENOISER_PREFIX_SEP = ":"
+"""`--lora-modules NAME=transformer_2:PATH` loads the adapter into the denoiser `transformer_2` (Wan2.2 A14B's
+low-noise expert), as diffusers' `load_lora_weights(PATH, adapter_name=NAME, load_into_transformer_2=True)`."""
 
-Only FLUX.1 has per-row adapted layers so far; other families are refused at start-up naming this table."""
+
+def lora_families() -> list[str]:
+    """The families whose native adapter takes per-request LoRA (their spec names a diffusers loader)."""
+    from diffuserve.families import all_specs
+
+    return sorted(name for name, spec in all_specs().items() if spec.lora_loader)
+
+
+def lora_loader(family: str) -> str:
+    """The diffusers `*LoraLoaderMixin` that reads `family`'s adapter files (its spec's `lora_loader`); refused
+    (ConfigError) naming the family when it has none."""
+    from diffuserve.families import spec_for
+
+    try:
+        loader = spec_for(family).lora_loader
+    except KeyError:
+        loader = None
+    if loader is None:
+        raise ConfigError(
+            f"--lora-modules: per-request LoRA is not available for the {family} family on the native backend "
+            f"(it is for: {', '.join(lora_families())})."
+        )
+    return loader
+
+
+DENOISER_NAMES = ("transformer", "transformer_2")
+"""The denoiser components a `--lora-modules` PATH may name before a colon (diffusers' names for them)."""
+
+
+def split_target(path: str, denoisers: tuple[str, ...]) -> tuple[str, str]:
+    """(denoiser, path) of a `--lora-modules` PATH: `transformer_2:/adapters/x` names the denoiser the adapter
+    goes into (one of `denoisers`); a plain path goes into the first (`transformer`)."""
+    head, sep, rest = path.partition(DENOISER_PREFIX_SEP)
+    if not sep or head not in DENOISER_NAMES:
+        return denoisers[0], path
+    if head not in denoisers:
+        raise ConfigError(
+            f"--lora-modules: {path!r} names the denoiser {head!r}, which this checkpoint does not have "
+            f"(it has: {', '.join(denoisers)})."
+        )
+    return head, rest
 
 
 @dataclass(frozen=True)
@@ -43,6 +85,8 @@ class LoraAdapter:
     """Where it was read from."""
     modules: dict[str, LoraModule]
     """Transformer module name (e.g. `transformer_blocks.0.attn.to_q`) -> its A, B and scaling."""
+    denoiser: str = "transformer"
+    """The denoiser component it adapts (`transformer_2`: Wan2.2 A14B's low-noise expert)."""
 
     @property
     def rank(self) -> int:
@@ -65,17 +109,13 @@ def _alpha(module: str, rank: int, alphas: dict[str, Any] | None, metadata: dict
 
 
 def read_lora_state_dict(
-    family: str, path: str | Path
+    loader: str, path: str | Path
 ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
-    """(state dict in diffusers' keys, network alphas, saved LoraConfig) of the adapter at `path`."""
-    import diffusers
+    """(state dict in diffusers' keys, network alphas, saved LoraConfig) of the adapter at `path`, read by
+    diffusers' `loader` (a `*LoraLoaderMixin` name; FLUX.1's also returns the kohya alphas, the others fold them
+    into the weights when they convert)."""
+    import diffusers.loaders
 
-    loader = LORA_LOADERS.get(family)
-    if loader is None:
-        raise ConfigError(
-            f"--lora-modules: per-request LoRA is not available for the {family} family yet "
-            f"(it is for: {', '.join(sorted(LORA_LOADERS))})."
-        )
     source = Path(path)
     if not source.exists():
         raise ConfigError(
@@ -84,17 +124,25 @@ def read_lora_state_dict(
         )
     kwargs: dict[str, Any] = {"weight_name": source.name} if source.is_file() else {}
     where = str(source.parent if source.is_file() else source)
-    cls = getattr(diffusers, loader)
-    state_dict, alphas, metadata = cls.lora_state_dict(where, return_alphas=True, return_lora_metadata=True, **kwargs)
-    return state_dict, alphas, metadata
+    cls = getattr(diffusers.loaders, loader)
+    if "return_alphas" in inspect.signature(cls.lora_state_dict).parameters:
+        state_dict, alphas, metadata = cls.lora_state_dict(
+            where, return_alphas=True, return_lora_metadata=True, **kwargs
+        )
+        return state_dict, alphas, metadata
+    state_dict, metadata = cls.lora_state_dict(where, return_lora_metadata=True, **kwargs)
+    return state_dict, None, metadata
 
 
-def read_adapter(name: str, path: str | Path, family: str, transformer: Any, *, max_rank: int) -> LoraAdapter:
-    """Read adapter `name` from `path` and check it fits `transformer`: refused (ConfigError) naming the first
-    module that is missing, not a Linear, of another shape, or of a rank above `max_rank`."""
+def read_adapter(
+    name: str, path: str | Path, family: str, transformer: Any, *, max_rank: int, denoiser: str = "transformer"
+) -> LoraAdapter:
+    """Read adapter `name` from `path` for `family` and check it fits `transformer` (the denoiser component
+    `denoiser`): refused (ConfigError) naming the first module that is missing, not a Linear, of another shape,
+    or of a rank above `max_rank`."""
     import torch
 
-    state_dict, alphas, saved = read_lora_state_dict(family, path)
+    state_dict, alphas, saved = read_lora_state_dict(lora_loader(family), path)
     # The saved LoraConfig of the transformer, under `transformer.`-prefixed keys (diffusers' metadata layout).
     metadata = {k[len("transformer.") :]: v for k, v in (saved or {}).items() if k.startswith("transformer.")}
     if metadata.get("use_dora"):
@@ -145,4 +193,4 @@ def read_adapter(name: str, path: str | Path, family: str, transformer: Any, *, 
             )
         alpha = _alpha(module, rank, alphas, metadata)
         modules[module] = LoraModule(down, up, alpha / (rank**0.5 if metadata.get("use_rslora") else rank))
-    return LoraAdapter(name, str(path), modules)
+    return LoraAdapter(name, str(path), modules, denoiser)

@@ -95,11 +95,11 @@ def _lora_hook_class() -> type:
 
 
 class LoraBank:
-    """The adapters loaded at start-up, in per-layer slots of the transformer, and the current batch's rows."""
+    """The adapters loaded at start-up, in per-layer slots of the denoiser(s), and the current batch's rows."""
 
     def __init__(
         self,
-        transformer: torch.nn.Module,
+        denoisers: torch.nn.Module | dict[str, torch.nn.Module],
         adapters: Sequence[LoraAdapter],
         *,
         max_loras: int,
@@ -114,33 +114,39 @@ class LoraBank:
             )
         from diffusers.hooks import HookRegistry
 
+        if isinstance(denoisers, torch.nn.Module):
+            denoisers = {"transformer": denoisers}
         self.slots: dict[str, int] = {a.name: i for i, a in enumerate(adapters)}
         """Adapter name -> its slot in every adapted layer."""
         self.current: _RowAssignment | None = None
         """The rows of the batch being denoised; None: no row uses an adapter (every layer is the base layer)."""
         self._lock = threading.Lock()
         self._adapted: dict[int, set[int]] = {}
-        layers = dict(transformer.named_modules())
-        self._layers, self._geometry = layers, (max_loras, max_rank, device, dtype)
-        self.hooks: dict[str, Any] = {}
-        """Adapted module name -> its hook (`place` writes slots through these)."""
-        targets = sorted({m for a in adapters for m in a.modules})
+        self._assignments: dict[tuple[tuple[tuple[str, float], ...], ...], _RowAssignment] = {}
+        """Recent row assignments by their rows: a continuous group keeps its rows for many steps."""
+        self._layers = {key: dict(model.named_modules()) for key, model in denoisers.items()}
+        self._geometry = (max_loras, max_rank, device, dtype)
+        self.hooks: dict[tuple[str, str], Any] = {}
+        """(denoiser, adapted module name) -> its hook (`place` writes slots through these)."""
         hook_class = _lora_hook_class()
-        for module in targets:
-            layer = layers[module]
+        targets = sorted({(a.denoiser, m) for a in adapters for m in a.modules})
+        for denoiser, module in targets:
+            layer = self._layers[denoiser][module]
+            mine = [
+                (slot, a.modules[module])
+                for slot, a in enumerate(adapters)
+                if a.denoiser == denoiser and module in a.modules
+            ]
             down = torch.zeros(max_loras, max_rank, layer.in_features, device=device, dtype=dtype)
             up = torch.zeros(max_loras, layer.out_features, max_rank, device=device, dtype=dtype)
-            for slot, adapter in enumerate(adapters):
-                part = adapter.modules.get(module)
-                if part is None:
-                    continue
+            for slot, part in mine:
                 rank = part.down.shape[0]
                 down[slot, :rank] = part.down.to(device, dtype)
                 up[slot, :, :rank] = (part.up.float() * part.scaling).to(device, dtype)
             hook = hook_class(self, down, up)
-            self._adapted[id(hook)] = {s for s, a in enumerate(adapters) if module in a.modules}
+            self._adapted[id(hook)] = {slot for slot, _ in mine}
             HookRegistry.check_if_exists_or_initialize(layer).register_hook(hook, LORA_HOOK)
-            self.hooks[module] = hook
+            self.hooks[(denoiser, module)] = hook
         self.layers = len(targets)
         """How many Linear layers carry the hook."""
 
@@ -151,18 +157,20 @@ class LoraBank:
         from diffusers.hooks import HookRegistry
 
         max_loras, max_rank, device, dtype = self._geometry
-        modules = adapter.modules if adapter is not None else {}
-        for module in sorted(set(modules) - set(self.hooks)):
-            layer = self._layers[module]
+        self._assignments.clear()  # they hold slot numbers, which may now name another adapter
+        modules = {(adapter.denoiser, m): part for m, part in adapter.modules.items()} if adapter is not None else {}
+        for key in sorted(set(modules) - set(self.hooks)):
+            denoiser, module = key
+            layer = self._layers[denoiser][module]
             down = torch.zeros(max_loras, max_rank, layer.in_features, device=device, dtype=dtype)
             up = torch.zeros(max_loras, layer.out_features, max_rank, device=device, dtype=dtype)
             hook = _lora_hook_class()(self, down, up)
             self._adapted[id(hook)] = set()
             HookRegistry.check_if_exists_or_initialize(layer).register_hook(hook, LORA_HOOK)
-            self.hooks[module] = hook
+            self.hooks[key] = hook
         self.layers = len(self.hooks)
-        for module, hook in self.hooks.items():
-            part = modules.get(module)
+        for key, hook in self.hooks.items():
+            part = modules.get(key)
             adapted = self._adapted[id(hook)]
             if part is None:
                 adapted.discard(slot)  # the hook skips the slot: no need to zero it
@@ -189,13 +197,24 @@ class LoraBank:
             out.append(pairs)
         return out
 
+    def assignment(self, loras: Sequence[Sequence[tuple[str, float]]]) -> _RowAssignment:
+        """The row assignment of `loras`, reused while the same rows come back (a continuous group's steps)."""
+        key = tuple(tuple((name, float(scale)) for name, scale in row) for row in loras)
+        found = self._assignments.get(key)
+        if found is None:
+            if len(self._assignments) >= 16:  # a few groups alive at once; older ones are gone
+                self._assignments.clear()
+            found = self._assignments[key] = _RowAssignment(self.slot_rows(loras))
+        return found
+
     @contextmanager
     def rows(self, loras: Sequence[Sequence[tuple[str, float]]]) -> Iterator[None]:
-        """Within: the adapted layers apply row r's adapters `loras[r]` ((name, scale) pairs). One batch at a time."""
+        """Within: the adapted layers apply row r's adapters `loras[r]` ((name, scale) pairs), one entry per row
+        of the denoiser call (a dynamic batch, or the rows of one continuous step). One call at a time."""
         if not any(loras):
             yield
             return
-        assignment = _RowAssignment(self.slot_rows(loras))
+        assignment = self.assignment(loras)
         with self._lock:
             self.current = assignment
             try:
@@ -213,18 +232,23 @@ def install_lora(
     max_rank: int,
     device: torch.device | str,
     dtype: torch.dtype,
-) -> LoraBank:
-    """Read `adapters` (name -> path) through diffusers, check them against the pipeline's transformer, and hook
-    its adapted layers; the pipeline's recipe then sets each batch's rows (`RecipePipeline.use_lora`)."""
-    from diffuserve.lora.files import read_adapter
+) -> LoraBank | None:
+    """Read `adapters` (name -> path) through diffusers, check them against the pipeline's denoiser(s), and hook
+    their adapted layers; the pipeline's recipe then sets each call's rows (`RecipePipeline.use_lora`). On the
+    diffusers backend the pipeline loads them itself and runs one adapter set per call (None: no bank)."""
+    from diffuserve.lora.files import read_adapter, split_target
 
     if not hasattr(pipeline, "use_lora"):
-        raise ConfigError(
-            "--lora-modules: per-request LoRA needs the native backend (the diffusers backend does not "
-            "take adapters yet); drop --backend diffusers."
-        )
-    transformer = pipeline.components["transformer"]
-    loaded = [read_adapter(name, path, family, transformer, max_rank=max_rank) for name, path in adapters.items()]
-    bank = LoraBank(transformer, loaded, max_loras=max_loras, max_rank=max_rank, device=device, dtype=dtype)
+        if not hasattr(pipeline, "load_lora_adapters"):
+            raise ConfigError(f"--lora-modules: this {family} pipeline takes no LoRA adapters.")
+        pipeline.load_lora_adapters(adapters)  # the diffusers backend: one adapter set per call
+        return None
+    denoisers = tuple(getattr(pipeline, "denoisers", ("transformer",)))
+    models = {key: pipeline.components[key] for key in denoisers}
+    loaded = []
+    for name, spec in adapters.items():
+        denoiser, path = split_target(spec, denoisers)
+        loaded.append(read_adapter(name, path, family, models[denoiser], max_rank=max_rank, denoiser=denoiser))
+    bank = LoraBank(models, loaded, max_loras=max_loras, max_rank=max_rank, device=device, dtype=dtype)
     pipeline.use_lora(bank)
     return bank

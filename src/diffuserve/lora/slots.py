@@ -23,9 +23,9 @@ class RegistryBank(LoraBank):
     Owned by the thread that runs the batches: `rows` (entered by the recipe around a batch's denoise) is the one
     place slots change."""
 
-    def __init__(self, transformer: torch.nn.Module, registry: LoraRegistry, **geometry: Any) -> None:
+    def __init__(self, denoisers: dict[str, torch.nn.Module], registry: LoraRegistry, **geometry: Any) -> None:
         startup = registry.entries()[: registry.max_loras]
-        super().__init__(transformer, [registry.adapter(e) for e in startup], **geometry)
+        super().__init__(denoisers, [registry.adapter(e) for e in startup], **geometry)
         self.registry = registry
         self.held: list[int | None] = [e.uid for e in startup] + [None] * (registry.max_loras - len(startup))
         """Per slot: the uid of the adapter in it (None: empty)."""
@@ -79,26 +79,46 @@ class RegistryBank(LoraBank):
 
 
 def install_registry(
-    pipeline: Any, family: str, registry: LoraRegistry, *, max_rank: int, device: Any, dtype: torch.dtype
-) -> RegistryBank:
-    """Read and check the start-up adapters, hook the transformer's adapted layers, and let the registry read
-    runtime loads against the same transformer; the pipeline's recipe then sets each batch's rows."""
+    pipeline: Any,
+    family: str,
+    registry: LoraRegistry,
+    *,
+    max_rank: int,
+    device: Any,
+    dtype: torch.dtype,
+    runtime_updates: bool = False,
+) -> RegistryBank | None:
+    """Read and check the start-up adapters, hook the denoisers' adapted layers, and let the registry read runtime
+    loads against the same denoisers; the pipeline's recipe then sets each batch's rows. On the diffusers backend
+    the pipeline loads the start-up adapters itself and runs one adapter set per call (None: no bank; runtime
+    loads are refused there)."""
     from diffuserve.errors import ConfigError
-    from diffuserve.lora.files import read_adapter
+    from diffuserve.lora.files import lora_loader, read_adapter, split_target
 
     if not hasattr(pipeline, "use_lora"):
-        raise ConfigError(
-            "--lora-modules: per-request LoRA needs the native backend (the diffusers backend does not "
-            "take adapters yet); drop --backend diffusers."
-        )
-    transformer = pipeline.components["transformer"]
-    registry.reader = lambda name, path: read_adapter(name, path, family, transformer, max_rank=max_rank)
+        if runtime_updates or not hasattr(pipeline, "load_lora_adapters"):
+            raise ConfigError(
+                f"{'--enable-lora-updates' if runtime_updates else '--lora-modules'}: the {family} pipeline on this "
+                "backend takes no per-row adapters (the diffusers backend takes start-up --lora-modules only, one "
+                "adapter set per call); serve it on the native backend or drop the flag."
+            )
+        pipeline.load_lora_adapters({e.name: e.path for e in registry.entries()})
+        return None
+    lora_loader(family)  # refused naming the family when it has no loader, even before any adapter is read
+    names = tuple(getattr(pipeline, "denoisers", ("transformer",)))
+    denoisers = {key: pipeline.components[key] for key in names}
+
+    def read(name: str, spec: str) -> Any:
+        denoiser, path = split_target(spec, names)
+        return read_adapter(name, path, family, denoisers[denoiser], max_rank=max_rank, denoiser=denoiser)
+
+    registry.reader = read
     # Every start-up adapter is checked now, even those beyond the host LRU; the first ones (which take the device
     # slots) are kept last, so they are the ones the LRU holds.
     for entry in reversed(registry.entries()):
         registry.keep(entry, registry.read(entry.name, entry.path))
     bank = RegistryBank(
-        transformer, registry, max_loras=registry.max_loras, max_rank=max_rank, device=device, dtype=dtype
+        denoisers, registry, max_loras=registry.max_loras, max_rank=max_rank, device=device, dtype=dtype
     )
     pipeline.use_lora(bank)
     return bank

@@ -11,10 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from diffuserve.errors import ConfigError
-from diffuserve.lora.files import LORA_LOADERS
+from diffuserve.lora.files import lora_loader
 
 DEFAULT_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
-"""The attention projections every FLUX block has: what most published FLUX LoRAs adapt."""
+"""The attention projections every block of the native families has (FLUX.1 / .2, Qwen-Image, Z-Image, SD3,
+SANA, Wan name them alike): what most published LoRAs adapt."""
 
 
 def write_random_lora(
@@ -26,27 +27,34 @@ def write_random_lora(
     seed: int = 0,
     targets: tuple[str, ...] = DEFAULT_LORA_TARGETS,
     std: float = 0.2,
+    component: str = "transformer",
 ) -> Path:
-    """Write a random rank-`rank` adapter for the transformer of `checkpoint` into `output_dir`; returns it.
+    """Write a random rank-`rank` adapter for the denoiser `component` of `checkpoint` into `output_dir` (saved
+    by the family's `*LoraLoaderMixin`, keys `transformer.*` as diffusers saves any denoiser's); returns it.
 
     `std` is the spread of the random weights (B is random too, so the adapter changes the output); `alpha`
-    defaults to the rank (scaling 1)."""
+    defaults to the rank (scaling 1). `component="transformer_2"`: for Wan2.2 A14B's low-noise expert."""
     import json
 
     import diffusers
+    import diffusers.loaders
     import torch
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
+    from diffuserve.families import all_specs, family_from_class
+
     index = json.loads((Path(checkpoint) / "model_index.json").read_text())
-    family = "flux" if index.get("_class_name") == "FluxPipeline" else None
-    if family is None:
-        raise ConfigError(
-            f"make-tiny-lora: {checkpoint} is a {index.get('_class_name')} checkpoint; random "
-            f"adapters are made for: {', '.join(sorted(LORA_LOADERS))}."
-        )
-    pipeline_class = getattr(diffusers, LORA_LOADERS[family])
-    transformer = diffusers.FluxTransformer2DModel.from_pretrained(Path(checkpoint) / "transformer")
+    family = family_from_class(str(index.get("_class_name")))
+    if family is None or component not in index:
+        what = f"has no {component}" if family is not None else f"is a {index.get('_class_name')} checkpoint"
+        raise ConfigError(f"make-tiny-lora: {checkpoint} {what}; give a tiny checkpoint of a family that takes LoRAs.")
+    if all_specs()[family].lora_loader is None and hasattr(getattr(diffusers, index["_class_name"]), "lora_state_dict"):
+        loader = getattr(diffusers, index["_class_name"])  # a diffusers-backend family whose pipeline reads LoRAs
+    else:
+        loader = getattr(diffusers.loaders, lora_loader(family))
+    model_class = getattr(diffusers, index[component][1])
+    transformer = model_class.from_pretrained(Path(checkpoint) / component)
     config = LoraConfig(
         r=rank, lora_alpha=alpha if alpha is not None else rank, init_lora_weights=False, target_modules=list(targets)
     )
@@ -57,7 +65,5 @@ def write_random_lora(
     state = {k: torch.randn(v.shape, generator=generator) * std for k, v in sorted(state.items())}
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    pipeline_class.save_lora_weights(
-        out, transformer_lora_layers=state, transformer_lora_adapter_metadata=config.to_dict()
-    )
+    loader.save_lora_weights(out, transformer_lora_layers=state, transformer_lora_adapter_metadata=config.to_dict())
     return out

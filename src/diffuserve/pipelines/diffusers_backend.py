@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from diffuserve.errors import CheckpointError, InvalidRequestError, RequestCancelledError
+from diffuserve.errors import CheckpointError, ConfigError, InvalidRequestError, RequestCancelledError
 from diffuserve.families.base import SamplingDefaults
 from diffuserve.families.checkpoint import describe_checkpoint
 from diffuserve.pipelines import stages
@@ -81,6 +81,8 @@ class DiffusersBackendPipeline(Pipeline):
     """Wraps a loaded `diffusers.DiffusionPipeline`; batches by prompt lists."""
 
     supports_batching = True
+    lora_names: tuple[str, ...] = ()
+    """Adapters loaded with `--lora-modules` (`load_lora_adapters`); each call runs one set of them."""
 
     def __init__(
         self,
@@ -349,6 +351,47 @@ class DiffusersBackendPipeline(Pipeline):
                 param="num_frames",
             )
 
+    def load_lora_adapters(self, adapters: dict[str, str]) -> None:
+        """`--lora-modules` on this backend: each adapter goes through the pipeline's own `load_lora_weights`
+        (`transformer_2:PATH` with `load_into_transformer_2=True`), and each call sets its batch's one adapter
+        set with `set_adapters` (`run`). Refused, naming the family, when its pipeline has no LoRA loader."""
+        from diffuserve.lora.files import split_target
+
+        if not hasattr(self.pipe, "load_lora_weights"):
+            raise ConfigError(
+                f"--lora-modules: the {self.family} family's diffusers pipeline ({type(self.pipe).__name__}) has no "
+                "LoRA loader (load_lora_weights), so it serves no adapters; drop --lora-modules."
+            )
+        denoisers = tuple(k for k in ("transformer", "transformer_2", "unet") if getattr(self.pipe, k, None))
+        for name, spec in adapters.items():
+            denoiser, path = split_target(spec, denoisers or ("transformer",))
+            source = Path(path)
+            kwargs: dict[str, Any] = {"weight_name": source.name} if source.is_file() else {}
+            if denoiser == "transformer_2":
+                kwargs["load_into_transformer_2"] = True
+            try:
+                self.pipe.load_lora_weights(
+                    str(source.parent if source.is_file() else source), adapter_name=name, **kwargs
+                )
+            except Exception as exc:  # noqa: BLE001 - every library error becomes one clear start-up error
+                raise ConfigError(
+                    f"--lora-modules {name}={spec}: diffusers could not load it into {type(self.pipe).__name__} "
+                    f"({type(exc).__name__}: {exc})."
+                ) from exc
+        self.pipe.disable_lora()
+        self.lora_names = tuple(adapters)
+
+    def _use_adapters(self, lora: tuple[tuple[str, float], ...]) -> None:
+        """One adapter set for the next call: diffusers' `set_adapters(names, adapter_weights=scales)`, or none."""
+        if not lora:
+            self.pipe.disable_lora()
+            return
+        unknown = [name for name, _ in lora if name not in self.lora_names]
+        if unknown:
+            raise ValueError(f"lora: {unknown[0]!r} is asked for but is not loaded (loaded: {list(self.lora_names)})")
+        self.pipe.enable_lora()
+        self.pipe.set_adapters([name for name, _ in lora], adapter_weights=[scale for _, scale in lora])
+
     def run(
         self,
         batch: list[Any],
@@ -357,7 +400,30 @@ class DiffusersBackendPipeline(Pipeline):
         should_stop: StopCheck | None = None,
         on_preview: PreviewCallback | None = None,
     ) -> BatchResult:
+        """One diffusers call per adapter set: requests of a batch with different adapters (merged by the
+        scheduler, which treats `lora` as a per-row field) run as consecutive calls, one set each, in order."""
         stages.check_batch(batch)
+        if not self.lora_names:
+            named = next((p.lora for p in batch if p.lora), None)
+            if named:
+                raise ValueError(f"lora: {named[0][0]!r} is asked for but this pipeline has no adapters loaded")
+            return self._run_call(batch, on_step, should_stop)
+        sets: dict[tuple[tuple[str, float], ...], list[int]] = {}
+        for index, params in enumerate(batch):
+            sets.setdefault(tuple(params.lora), []).append(index)
+        outputs: list[Any] = [None] * len(batch)
+        seconds: dict[str, float] = {}
+        for lora, indices in sets.items():
+            self._use_adapters(lora)
+            part = self._run_call([batch[i] for i in indices], on_step, should_stop)
+            for i, output in zip(indices, part.outputs, strict=True):
+                outputs[i] = output
+            for stage, value in part.stage_seconds.items():
+                seconds[stage] = seconds.get(stage, 0.0) + value
+        return BatchResult(outputs=outputs, stage_seconds=seconds)
+
+    def _run_call(self, batch: list[Any], on_step: StepCallback | None, should_stop: StopCheck | None) -> BatchResult:
+        """One diffusers call for `batch` (one adapter set)."""
         kwargs = self._kwargs(batch)
         num_steps = batch[0].num_inference_steps
         cancelled: list[int] = []

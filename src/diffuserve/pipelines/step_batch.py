@@ -175,9 +175,11 @@ def _step_part(pipeline: RecipePipeline, model_key: str, group: list[RequestRows
         state = dataclasses.replace(head.state, extras=pipeline.step_extras([r.state for r in group]))
         # The step-cache method is in the group key: every request of the group has caches, or none has.
         caches = [c for r in group for c in (r.cache or [])] or None
-        noise_pred = pipeline.guided_prediction(
-            latents, timestep, positive, negative, head.params, state, head.step_index, model_key, caches
-        )
+        # The adapters follow this call's rows: the group changes between steps (joins, leaves, the other expert).
+        with pipeline.lora_scope([r.params for r in group]):
+            noise_pred = pipeline.guided_prediction(
+                latents, timestep, positive, negative, head.params, state, head.step_index, model_key, caches
+            )
         for rows, t, pred in zip(group, timesteps, noise_pred.split([r.latents.shape[0] for r in group]), strict=True):
             rows.latents = pipeline.scheduler_step(pred, t, rows.latents, rows.state)
             rows.step_index += 1

@@ -7,7 +7,7 @@ from typing import Any
 
 from diffuserve.config.lora import LORA_SCALE_RANGE
 from diffuserve.errors import InvalidRequestError
-from diffuserve.lora.files import LORA_LOADERS
+from diffuserve.lora.files import lora_families
 from diffuserve.lora.registry import LoraRegistry, lora_registry
 from diffuserve.server.context import ServerContext
 
@@ -25,10 +25,11 @@ def adapter_names(ctx: ServerContext) -> list[str]:
 def _check_family(ctx: ServerContext) -> None:
     """A request that names adapters on a model whose family takes none: 400 naming `lora`."""
     model = ctx.engine.model
-    if model is not None and model.family not in LORA_LOADERS:
+    # With adapters loaded the family takes them (a diffusers-backend family too, one adapter set per call).
+    if model is not None and not adapter_names(ctx) and model.family not in lora_families():
         raise InvalidRequestError(
             f"lora: the served {model.family} model takes no LoRA adapters (per-request LoRA is available for: "
-            f"{', '.join(sorted(LORA_LOADERS))}); drop the field.",
+            f"{', '.join(lora_families())}); drop the field.",
             param="lora",
         )
 

@@ -55,6 +55,7 @@ SPECS = (
         id_priority=20,
         tasks=frozenset({"t2i", "i2i"}),
         native_adapter="diffuserve.families.flux2.adapter:Flux2NativePipeline",
+        lora_loader="Flux2LoraLoaderMixin",
         # diffusers' Flux2Pipeline call defaults: 50 steps, embedded guidance 4.0 (guidance-distilled: no CFG).
         defaults=SamplingDefaults(num_inference_steps=50, guidance_scale=4.0),
         checkpoint_defaults=flux2_defaults,
@@ -77,6 +78,7 @@ SPECS = (
         id_priority=30,
         tasks=frozenset({"t2i", "i2i"}),
         native_adapter="diffuserve.families.flux2.adapter:Flux2KleinNativePipeline",
+        lora_loader="Flux2LoraLoaderMixin",
         # The step-distilled Klein 4B/9B: 4 steps, guidance ignored. `klein_defaults` gives Klein-Base
         # (model_index.json `is_distilled: false`) diffusers' call defaults instead: 50 steps, CFG at 4.0.
         defaults=SamplingDefaults(num_inference_steps=4, guidance_scale=1.0),

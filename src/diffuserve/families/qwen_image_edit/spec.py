@@ -30,6 +30,7 @@ SPECS = (
         profile=QWEN_PROFILE,
         layer_containers=QWEN_IMAGE_LAYERS,
         native_adapter="diffuserve.families.qwen_image_edit.adapter:QwenImageEditNativePipeline",
+        lora_loader="QwenImageLoraLoaderMixin",
         latent_geometry=qwen_image_geometry,
         max_latent_side=qwen_image_edit_max_latent_side,
         # Image-conditioned: not continuous (its edits run as request-level batches under `continuous`).
@@ -50,6 +51,7 @@ SPECS = (
         profile=QWEN_PROFILE,
         layer_containers=QWEN_IMAGE_LAYERS,
         native_adapter="diffuserve.families.qwen_image_edit.adapter:QwenImageEditPlusNativePipeline",
+        lora_loader="QwenImageLoraLoaderMixin",
         latent_geometry=qwen_image_geometry,
         max_latent_side=qwen_image_edit_max_latent_side,
         text_encoder_keys=("text_encoder",),

@@ -35,6 +35,7 @@ SPEC = FamilySpec(
     pipeline_classes=("SanaPipeline",),
     model_id_patterns=(r"sana",),
     native_adapter="diffuserve.families.sana.adapter:SanaNativePipeline",
+    lora_loader="SanaLoraLoaderMixin",
     defaults=SamplingDefaults(num_inference_steps=20, guidance_scale=4.5),
     checkpoint_defaults=sana_defaults,
     profile=ProfileFacts(default_uses_cfg=True),

@@ -45,6 +45,7 @@ SPEC = FamilySpec(
     pipeline_classes=("StableDiffusion3Pipeline",),
     model_id_patterns=(r"stable[-_]?diffusion[-_]?3|sd3",),
     native_adapter="diffuserve.families.sd3.adapter:SD3NativePipeline",
+    lora_loader="SD3LoraLoaderMixin",
     # diffusers' call defaults; CFG runs whenever guidance_scale > 1, against "" when no negative is given.
     defaults=SamplingDefaults(num_inference_steps=28, guidance_scale=7.0),
     checkpoint_defaults=sd3_defaults,

@@ -47,6 +47,7 @@ SPEC = FamilySpec(
     pipeline_classes=("ZImagePipeline",),
     model_id_patterns=(r"z[-_]?image",),
     native_adapter="diffuserve.families.z_image.adapter:ZImageNativePipeline",
+    lora_loader="ZImageLoraLoaderMixin",
     # Z-Image-Turbo samples without CFG in 8-9 steps; single-GPU no-offload measured faster than FSDP/SP.
     defaults=SamplingDefaults(num_inference_steps=9, guidance_scale=0.0),
     checkpoint_defaults=z_image_defaults,
