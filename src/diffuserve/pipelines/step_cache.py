@@ -40,6 +40,7 @@ from diffusers.hooks.taylorseer_cache import TaylorSeerState
 
 from diffuserve.pipelines.step_cache_rows import (
     CallRows,
+    RankAgreement,
     RowCache,
     decide_fbcache,
     decide_magcache,
@@ -49,7 +50,17 @@ from diffuserve.pipelines.step_cache_rows import (
     step_counts,
 )
 
-__all__ = ["CallRows", "RowCache", "StepCacheHooks", "block_hooks", "new_row_caches", "step_counts", "supports_blocks"]
+__all__ = [
+    "CallRows",
+    "RowCache",
+    "StepCacheHooks",
+    "block_hooks",
+    "model_class",
+    "new_row_caches",
+    "rank_agreement",
+    "step_counts",
+    "supports_blocks",
+]
 
 HEAD_HOOK = "diffuserve_step_cache_head"
 BLOCK_HOOK = "diffuserve_step_cache_block"
@@ -93,10 +104,10 @@ class StepCacheHooks:
     def __init__(self, denoiser: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
         if len(blocks) < 2:
             raise ValueError("a step cache needs a denoiser with at least two repeated blocks")
-        self.denoiser_class = type(denoiser).__name__
+        self.denoiser_class = model_class(denoiser).__name__
         self.call: CallRows | None = None
         self.span: Span | None = None
-        metas = [_block_metadata(type(b)) for b in blocks]
+        metas = [_block_metadata(model_class(b)) for b in blocks]
         for position, block in enumerate(blocks):
             registry = HookRegistry.check_if_exists_or_initialize(block)
             hook: ModelHook = (
@@ -116,9 +127,15 @@ class StepCacheHooks:
             self.call, self.span = None, None
 
 
+def model_class(module: torch.nn.Module) -> type:
+    """The class the tables above (and the family specs) know `module` by: FSDP2's `fully_shard` swaps a module's
+    class for a subclass named `FSDP<name>` (with `FSDPModule`), so its first other class in the MRO."""
+    return next((c for c in type(module).__mro__ if not c.__name__.startswith("FSDP")), type(module))
+
+
 def span_blocks(denoiser: torch.nn.Module, containers: Sequence[str]) -> list[torch.nn.Module]:
     """The blocks a step cache narrows: every container's when they chain (`CHAINED_CONTAINERS`), else the last's."""
-    if type(denoiser).__name__ not in CHAINED_CONTAINERS:
+    if model_class(denoiser).__name__ not in CHAINED_CONTAINERS:
         containers = containers[-1:]
     return [block for name in containers for block in getattr(denoiser, name, ())]
 
@@ -131,6 +148,17 @@ def block_hooks(denoiser: torch.nn.Module, containers: Sequence[str]) -> StepCac
         found = StepCacheHooks(denoiser, blocks)
         denoiser.__dict__["_diffuserve_step_cache"] = found
     return found
+
+
+def rank_agreement(pipeline: Any) -> RankAgreement | None:
+    """How the ranks that run this pipeline's rows agree on each row's measure (`parallel/agreement.py`): its
+    sequence split while installed, its CFG parallel, the tensor-parallel / FSDP groups its weights were
+    sharded over. None in one process."""
+    sp = getattr(pipeline, "sequence_parallel", None)
+    parts = [sp] if sp is not None and sp.handles else []
+    parts += [part for part in (getattr(pipeline, "cfg_parallel", None),) if part is not None]
+    parts += getattr(pipeline, "step_cache_agreement", [])
+    return RankAgreement(tuple(parts)) if parts else None
 
 
 def supports_blocks(denoiser: torch.nn.Module, containers: Sequence[str]) -> str | None:
