@@ -15,6 +15,7 @@ tensor parallel reduce in another order (~1e-6 on the latents, their own tests),
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -164,3 +165,31 @@ def test_a_cached_batch_under_component_offload_equals_the_resident_run(flux, si
     (offloaded, offloaded_counts), ledger = with_residency(flux, modes, lambda: _run(flux, "cfg-fbcache"))
     assert {move.component for move in ledger.moves()} == set(flux.components)  # the offload really ran
     assert offloaded_counts == counts and _max_diff(offloaded, image) <= PIXEL_TOL
+
+
+def test_a_compiled_cached_batch_equals_the_uncompiled_one_and_rows_switching_recompile_nothing(
+    flux_path: str, singles
+) -> None:
+    """torch.compile (`--enable-torch-compile`; the eager backend: dynamo's capture, without minutes of inductor on
+    CPU) traces the blocks, not the per-row bookkeeping around them: after the first cached batch (which compiles a
+    call narrowed to one row), rows switching between compute and reuse in other patterns recompile nothing."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from diffuserve.config.plan import DeploymentPlan
+    from diffuserve.models.loader import load_pipeline
+    from diffuserve.runtime.compile import apply_compile
+
+    image, counts = singles[64, "fbcache"]
+    pipe = load_pipeline(flux_path)
+    assert apply_compile(pipe.components, DeploymentPlan(enable_torch_compile=True), backend="eager")
+    with torch.inference_mode():
+        compiled, compiled_counts = _run(pipe, "cfg-fbcache")
+        assert compiled_counts == counts and _max_diff(compiled, image) <= PIXEL_TOL
+        counters.clear()
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            first, second = _batch(pipe.describe_model(), 64, "fbcache")
+            batch = [replace(first, step_cache=second.step_cache), replace(second, step_cache=first.step_cache)]
+            swapped = [output.step_cache for output in pipe.run(batch).outputs]
+    assert swapped != counts, swapped  # the rows' thresholds swapped: other rows reuse, at other steps
+    assert not counters["stats"].get("unique_graphs"), dict(counters["stats"])

@@ -189,6 +189,14 @@ def _block_metadata(cls: type) -> Any:
         return _TensorBlock(unregistered=cls.__name__)
 
 
+_eager = torch.compiler.disable
+"""What torch.compile (`--enable-torch-compile`) must not trace: the per-row bookkeeping reads each row's Python
+state (decided, compute, its residuals), so traced, every new pattern of rows would be a guard failure and a
+recompile, until dynamo's recompile limit sends the frame back to eager."""
+_around_blocks = torch.compiler.disable(recursive=False)
+"""The hooks' own frames: run as Python, while the block's forward they call stays compiled (its own frame)."""
+
+
 class _Block:
     """Argument access shared by the hooks (the diffusers block metadata says where outputs sit)."""
 
@@ -198,11 +206,13 @@ class _Block:
         self.meta = meta
         self._signature: inspect.Signature | None = None
 
+    @_eager
     def bind(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArguments:
         if self._signature is None:
             self._signature = inspect.signature(self.fn_ref.original_forward)  # type: ignore[attr-defined]
         return self._signature.bind(*args, **kwargs)
 
+    @_eager
     def states(self, bound: inspect.BoundArguments) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The block's hidden states (`hidden_states`, else its first argument: Z-Image's `x`) and encoder states."""
         hidden = bound.arguments.get("hidden_states")
@@ -210,6 +220,7 @@ class _Block:
             hidden = next(iter(bound.arguments.values()))
         return hidden, bound.arguments.get("encoder_hidden_states")
 
+    @_eager
     def outputs(self, out: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not isinstance(out, tuple):
             return out, None
@@ -221,6 +232,7 @@ class _Block:
         enc = self.meta.return_encoder_hidden_states_index
         return out[self.meta.return_hidden_states_index], (None if enc is None else out[enc])
 
+    @_eager
     def pack(self, hidden: torch.Tensor, encoder: torch.Tensor | None, like: Any) -> Any:
         if not isinstance(like, tuple) or self.meta.return_encoder_hidden_states_index is None:
             return hidden
@@ -229,33 +241,48 @@ class _Block:
         out[self.meta.return_encoder_hidden_states_index] = encoder
         return tuple(out)
 
+    @_around_blocks
     def run_rows(self, bound: inspect.BoundArguments, index: torch.Tensor, full: int) -> Any:
         """The block on rows `index` only: per-row arguments of `full` rows are narrowed."""
-        arguments = dict(bound.arguments)
-        if index.numel() != full:
-            for name, value in arguments.items():
-                if (
-                    isinstance(value, torch.Tensor)
-                    and value.dim() > 0
-                    and value.shape[0] == full
-                    and not any(word in name for word in SHARED_ARGUMENT_WORDS)
-                ):
-                    arguments[name] = value.index_select(0, index.to(value.device))
-        return self.fn_ref.original_forward(**arguments)  # type: ignore[attr-defined]
+        return self.fn_ref.original_forward(**_narrow(bound, index, full))  # type: ignore[attr-defined]
+
+
+@_eager
+def _narrow(bound: inspect.BoundArguments, index: torch.Tensor, full: int) -> dict[str, Any]:
+    """A block's arguments for rows `index`: those with one entry per row of the call (`full`) are narrowed."""
+    arguments = dict(bound.arguments)
+    if index.numel() != full:
+        for name, value in arguments.items():
+            if (
+                isinstance(value, torch.Tensor)
+                and value.dim() > 0
+                and value.shape[0] == full
+                and not any(word in name for word in SHARED_ARGUMENT_WORDS)
+            ):
+                arguments[name] = value.index_select(0, index.to(value.device))
+    return arguments
 
 
 class _HeadHook(_Block, ModelHook):
     """First block: decides per row, then narrows the call to the rows that compute."""
 
+    @_around_blocks
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         call = self.owner.call
         if call is None:
             return self.fn_ref.original_forward(*args, **kwargs)
         bound = self.bind(module, args, kwargs)
+        out = self.fn_ref.original_forward(*args, **kwargs) if call.method == "fbcache" else None
+        output, run = self.decide(module, call, bound, out)
+        return self.run_rows(bound, self.owner.span.index, output) if run else output  # type: ignore[union-attr]
+
+    @_eager
+    def decide(self, module: torch.nn.Module, call: CallRows, bound: inspect.BoundArguments, out: Any) -> Any:
+        """Every row of the call decides; the span records who computes. Returns (the block's output, False), or
+        (the rows of the call, True) when the computing rows still have to run this block."""
         hidden, encoder = self.states(bound)
         full = hidden.shape[0]
         if call.method == "fbcache":
-            out = self.fn_ref.original_forward(*args, **kwargs)
             first_hidden, first_encoder = self.outputs(out)
             decide_fbcache(call, first_hidden - hidden)
             base = (first_hidden, first_encoder)
@@ -273,15 +300,15 @@ class _HeadHook(_Block, ModelHook):
         self.owner.span = Span(call=call, index=index, full=full, base=base)
         if call.method == "fbcache":
             if index.numel() == full:
-                return out
+                return out, False
             return self.pack(
                 base[0].index_select(0, index.to(hidden.device)),
                 None if base[1] is None else base[1].index_select(0, index.to(hidden.device)),
                 out,
-            )
+            ), False
         if index.numel() == 0:
-            return self.pack(hidden, encoder, (None, None))
-        return self.run_rows(bound, index, full)
+            return self.pack(hidden, encoder, (None, None)), False
+        return full, True
 
 
 class _BlockHook(_Block, ModelHook):
@@ -291,6 +318,7 @@ class _BlockHook(_Block, ModelHook):
         super().__init__(owner, meta)
         self.tail = tail
 
+    @_around_blocks
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         span = self.owner.span
         if span is None:
@@ -309,6 +337,7 @@ class _BlockHook(_Block, ModelHook):
         return self.pack(hidden, encoder, out if out is not None else (None, None))
 
 
+@_eager
 def _rebuild(span: Span, hidden: torch.Tensor, encoder: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
     """Every row of the call after the blocks: a computed row leaves with its own output (bit-equal to an uncached
     step) and keeps its residual; the others get `base + residual`, their cached residual or their forecast."""
