@@ -1,15 +1,19 @@
-"""Step caches compose with the parallel strategies and the residency modes: a cached batch over two real gloo ranks
-(CFG parallel, Ulysses, Ring, tensor parallel, FSDP, FSDP x CFG parallel) equals the same cached batch in one
-process, with the same computed / reused counts per request on every rank; under component offload it equals the
-resident run.
+"""Step caches compose with the parallel strategies, the residency modes and compile: a cached batch over two real
+gloo ranks (CFG parallel, Ulysses, Ring, tensor parallel, FSDP, FSDP x CFG parallel) equals the same cached batch
+in one process, with the same computed / reused counts per request on every rank; under component offload and
+under torch.compile it equals the resident, uncompiled run.
 
 Every case runs a merged batch of two CFG requests whose thresholds differ, so at some steps one row computes while
 the other reuses (checked). The ranks agree on each row's measure (`parallel/agreement.py`): CFG rank 0's
 conditional branch decides for both ranks; sequence parallel sums the measure over the token split (a 48x48 batch
-pads its 9 tokens to 10 over 2 ranks: the padding is left out). One launch of 2 ranks runs every case.
+pads its 9 tokens to 10 over 2 ranks: the padding is left out). One launch of 2 ranks runs every case. Without the
+agreement, CFG rank 1 decides from its negative branch (its counts differ: 5 computed instead of 4) and the
+sequence-parallel ranks abort in their collectives (checked by hand).
 
-Tolerances: CFG parallel and FSDP run the single process's arithmetic, so their pixels are equal; sequence and
-tensor parallel reduce in another order (~1e-6 on the latents, their own tests), so 1/255 per pixel channel.
+Tolerances: CFG parallel runs the single process's arithmetic, so its pixels are equal; sequence and tensor
+parallel reduce in another order (~1e-6 on the latents, their own tests), so 1/255 per pixel channel; FSDP 1/255
+too (a cached FSDP batch was seen one level off on a few pixels while the uncached one is bit-identical; its
+gathered weights sit at other addresses, which can move CPU kernels by ~1e-6, STACK.md).
 """
 
 from __future__ import annotations
