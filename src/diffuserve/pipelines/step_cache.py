@@ -4,7 +4,11 @@ Peers decide per batch (one mean over the batch, one `.item()`), which makes a u
 batched with. Here every row carries its own `RowCache` (its residuals, its Taylor factors, its counters), made
 from its request's `StepCacheSettings` (`config/step_cache.py`), and the denoiser's blocks run only the rows
 that compute at this step; the others reuse their own cached residual or forecast. The CFG branches of a row
-decide together (the conditional branch measures, the negative one follows).
+decide together (the conditional branch measures, the negative one follows). Over several ranks (CFG, sequence
+or tensor parallel, FSDP) the ranks agree on each measure before deciding (`rank_agreement`,
+`parallel/agreement.py`), so they never diverge. Under torch.compile the hooks' own frames and the per-row
+bookkeeping are not traced (`_eager`), only the blocks they call: rows switching between compute and reuse
+recompile nothing.
 
 How the denoiser is cut: the family spec's layer containers (the repeated blocks, `families/*.py`) get named
 diffusers `ModelHook`s (`HookRegistry`, as diffusers' own FirstBlockCache / TaylorSeer hooks). The first
