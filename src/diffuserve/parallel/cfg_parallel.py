@@ -49,6 +49,13 @@ class CfgParallel:
         dist.all_gather(both, mine, group=self.group)
         return combine(both[0], both[1])
 
+    def agree_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """Step caches: every rank takes CFG rank 0's per-row measures, its conditional branch deciding for the
+        row as in one process (`parallel/agreement.py`)."""
+        from diffuserve.parallel.agreement import from_first_rank
+
+        return from_first_rank(values, self.group)
+
 
 def enable_cfg_parallel(pipeline: Any, group: Any = None) -> CfgParallel:
     """Attach CFG parallel to a native pipeline (refusing families whose CFG must stay one doubled batch)."""

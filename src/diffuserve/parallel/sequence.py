@@ -211,6 +211,18 @@ class SequenceParallel:
         # always_call: the call's state is cleared even when the forward raises.
         self.handles.append(transformer.register_forward_hook(leave, with_kwargs=True, always_call=True))
 
+    def real_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Step caches: `x` cut to this rank's real tokens, and their share of the row's (`parallel/agreement.py`)."""
+        from diffuserve.parallel.agreement import real_tokens
+
+        return real_tokens(self, _CALL.get(), x)
+
+    def agree_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """Step caches: each row's share-weighted measures summed over the split (`parallel/agreement.py`)."""
+        from diffuserve.parallel.agreement import sum_over_split
+
+        return sum_over_split(self, values)
+
     def remove(self) -> None:
         """Take every hook off (the pipeline runs single-process again)."""
         for handle in self.handles:

@@ -234,6 +234,9 @@ def enable_tensor_parallel(pipeline: Any, *, mesh: Any) -> list[str]:
         with torch.no_grad():
             _parallelize(module, plan, mesh)
         module.requires_grad_(False)
+    from diffuserve.parallel.agreement import FromFirstRank, add_agreement
+
+    add_agreement(pipeline, FromFirstRank(mesh.get_group()))  # step caches: every TP rank decides alike
     return list(plans)
 
 

@@ -267,10 +267,11 @@ class RecipePipeline(Pipeline):
         def predict(x: torch.Tensor, t: torch.Tensor, cond: Cond, branches: Sequence[int]) -> torch.Tensor:
             if cache is None:
                 return self.predict(x, t, cond, state, model_key)
-            from diffuserve.pipelines.step_cache import CallRows
+            from diffuserve.pipelines.step_cache import CallRows, rank_agreement
 
             hooks, rows = cache
-            with hooks.rows(CallRows(rows=rows * (len(branches)), branches=[b for b in branches for _ in rows])):
+            call = CallRows(rows * len(branches), [b for b in branches for _ in rows], rank_agreement(self))
+            with hooks.rows(call):
                 return self.predict(x, t, cond, state, model_key)
 
         if negative is None:
@@ -278,7 +279,7 @@ class RecipePipeline(Pipeline):
         if self.cfg_parallel is not None:
             # The split point for CFG parallel: each rank runs one branch (parallel/cfg_parallel.py).
             return self.cfg_parallel.guided(
-                lambda cond: self.predict(latents, timestep, cond, state, model_key),
+                lambda cond: predict(latents, timestep, cond, (self.cfg_parallel.rank,)),
                 positive,
                 negative,
                 lambda cond, uncond: self.combine_guidance(cond, uncond, head, state, step_index),
@@ -302,9 +303,10 @@ class RecipePipeline(Pipeline):
         """Attribute names of denoiser `model_key`'s repeated blocks: its class' layer containers in the family
         spec's layer table (`families/*.py`)."""
         from diffuserve.families import layer_rules
+        from diffuserve.pipelines.step_cache import model_class
 
         denoiser = getattr(self, model_key, None)
-        rules = layer_rules().get(type(denoiser).__name__, ())
+        rules = layer_rules().get(model_class(denoiser).__name__, ())
         return tuple(path for path, _count in rules)
 
     def step_cache_hooks(self, model_key: str) -> Any:
@@ -314,10 +316,8 @@ class RecipePipeline(Pipeline):
         return block_hooks(getattr(self, model_key), self.step_cache_containers(model_key))
 
     def step_cache_problem(self, method: str) -> str | None:
-        from diffuserve.pipelines.step_cache import TEACACHE_COEFFICIENTS, supports_blocks
+        from diffuserve.pipelines.step_cache import TEACACHE_COEFFICIENTS, model_class, supports_blocks
 
-        if self.cfg_parallel is not None:
-            return "step caches do not run with CFG parallel yet (its ranks would have to agree on each decision)"
         for key in self.denoisers:
             denoiser = getattr(self, key, None)
             if denoiser is None:
@@ -325,7 +325,7 @@ class RecipePipeline(Pipeline):
             problem = supports_blocks(denoiser, self.step_cache_containers(key))
             if problem is not None:
                 return problem
-            if method == "teacache" and type(denoiser).__name__ not in TEACACHE_COEFFICIENTS:
+            if method == "teacache" and model_class(denoiser).__name__ not in TEACACHE_COEFFICIENTS:
                 return (
                     f"teacache needs published rescale coefficients for {type(denoiser).__name__}; they exist for "
                     f"{sorted(TEACACHE_COEFFICIENTS)} (FLUX.1); use fbcache or taylorseer here"

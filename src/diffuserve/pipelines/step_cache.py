@@ -4,7 +4,11 @@ Peers decide per batch (one mean over the batch, one `.item()`), which makes a u
 batched with. Here every row carries its own `RowCache` (its residuals, its Taylor factors, its counters), made
 from its request's `StepCacheSettings` (`config/step_cache.py`), and the denoiser's blocks run only the rows
 that compute at this step; the others reuse their own cached residual or forecast. The CFG branches of a row
-decide together (the conditional branch measures, the negative one follows).
+decide together (the conditional branch measures, the negative one follows). Over several ranks (CFG, sequence
+or tensor parallel, FSDP) the ranks agree on each measure before deciding (`rank_agreement`,
+`parallel/agreement.py`), so they never diverge. Under torch.compile the hooks' own frames and the per-row
+bookkeeping are not traced (`_eager`), only the blocks they call: rows switching between compute and reuse
+recompile nothing.
 
 How the denoiser is cut: the family spec's layer containers (the repeated blocks, `families/*.py`) get named
 diffusers `ModelHook`s (`HookRegistry`, as diffusers' own FirstBlockCache / TaylorSeer hooks). The first
@@ -40,6 +44,7 @@ from diffusers.hooks.taylorseer_cache import TaylorSeerState
 
 from diffuserve.pipelines.step_cache_rows import (
     CallRows,
+    RankAgreement,
     RowCache,
     decide_fbcache,
     decide_magcache,
@@ -49,7 +54,17 @@ from diffuserve.pipelines.step_cache_rows import (
     step_counts,
 )
 
-__all__ = ["CallRows", "RowCache", "StepCacheHooks", "block_hooks", "new_row_caches", "step_counts", "supports_blocks"]
+__all__ = [
+    "CallRows",
+    "RowCache",
+    "StepCacheHooks",
+    "block_hooks",
+    "model_class",
+    "new_row_caches",
+    "rank_agreement",
+    "step_counts",
+    "supports_blocks",
+]
 
 HEAD_HOOK = "diffuserve_step_cache_head"
 BLOCK_HOOK = "diffuserve_step_cache_block"
@@ -93,10 +108,10 @@ class StepCacheHooks:
     def __init__(self, denoiser: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
         if len(blocks) < 2:
             raise ValueError("a step cache needs a denoiser with at least two repeated blocks")
-        self.denoiser_class = type(denoiser).__name__
+        self.denoiser_class = model_class(denoiser).__name__
         self.call: CallRows | None = None
         self.span: Span | None = None
-        metas = [_block_metadata(type(b)) for b in blocks]
+        metas = [_block_metadata(model_class(b)) for b in blocks]
         for position, block in enumerate(blocks):
             registry = HookRegistry.check_if_exists_or_initialize(block)
             hook: ModelHook = (
@@ -116,9 +131,15 @@ class StepCacheHooks:
             self.call, self.span = None, None
 
 
+def model_class(module: torch.nn.Module) -> type:
+    """The class the tables above (and the family specs) know `module` by: FSDP2's `fully_shard` swaps a module's
+    class for a subclass named `FSDP<name>` (with `FSDPModule`), so its first other class in the MRO."""
+    return next((c for c in type(module).__mro__ if not c.__name__.startswith("FSDP")), type(module))
+
+
 def span_blocks(denoiser: torch.nn.Module, containers: Sequence[str]) -> list[torch.nn.Module]:
     """The blocks a step cache narrows: every container's when they chain (`CHAINED_CONTAINERS`), else the last's."""
-    if type(denoiser).__name__ not in CHAINED_CONTAINERS:
+    if model_class(denoiser).__name__ not in CHAINED_CONTAINERS:
         containers = containers[-1:]
     return [block for name in containers for block in getattr(denoiser, name, ())]
 
@@ -131,6 +152,17 @@ def block_hooks(denoiser: torch.nn.Module, containers: Sequence[str]) -> StepCac
         found = StepCacheHooks(denoiser, blocks)
         denoiser.__dict__["_diffuserve_step_cache"] = found
     return found
+
+
+def rank_agreement(pipeline: Any) -> RankAgreement | None:
+    """How the ranks that run this pipeline's rows agree on each row's measure (`parallel/agreement.py`): its
+    sequence split while installed, its CFG parallel, the tensor-parallel / FSDP groups its weights were
+    sharded over. None in one process."""
+    sp = getattr(pipeline, "sequence_parallel", None)
+    parts = [sp] if sp is not None and sp.handles else []
+    parts += [part for part in (getattr(pipeline, "cfg_parallel", None),) if part is not None]
+    parts += getattr(pipeline, "step_cache_agreement", [])
+    return RankAgreement(tuple(parts)) if parts else None
 
 
 def supports_blocks(denoiser: torch.nn.Module, containers: Sequence[str]) -> str | None:
@@ -161,6 +193,14 @@ def _block_metadata(cls: type) -> Any:
         return _TensorBlock(unregistered=cls.__name__)
 
 
+_eager = torch.compiler.disable
+"""What torch.compile (`--enable-torch-compile`) must not trace: the per-row bookkeeping reads each row's Python
+state (decided, compute, its residuals), so traced, every new pattern of rows would be a guard failure and a
+recompile, until dynamo's recompile limit sends the frame back to eager."""
+_around_blocks = torch.compiler.disable(recursive=False)
+"""The hooks' own frames: run as Python, while the block's forward they call stays compiled (its own frame)."""
+
+
 class _Block:
     """Argument access shared by the hooks (the diffusers block metadata says where outputs sit)."""
 
@@ -170,11 +210,13 @@ class _Block:
         self.meta = meta
         self._signature: inspect.Signature | None = None
 
+    @_eager
     def bind(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArguments:
         if self._signature is None:
             self._signature = inspect.signature(self.fn_ref.original_forward)  # type: ignore[attr-defined]
         return self._signature.bind(*args, **kwargs)
 
+    @_eager
     def states(self, bound: inspect.BoundArguments) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The block's hidden states (`hidden_states`, else its first argument: Z-Image's `x`) and encoder states."""
         hidden = bound.arguments.get("hidden_states")
@@ -182,6 +224,7 @@ class _Block:
             hidden = next(iter(bound.arguments.values()))
         return hidden, bound.arguments.get("encoder_hidden_states")
 
+    @_eager
     def outputs(self, out: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not isinstance(out, tuple):
             return out, None
@@ -193,6 +236,7 @@ class _Block:
         enc = self.meta.return_encoder_hidden_states_index
         return out[self.meta.return_hidden_states_index], (None if enc is None else out[enc])
 
+    @_eager
     def pack(self, hidden: torch.Tensor, encoder: torch.Tensor | None, like: Any) -> Any:
         if not isinstance(like, tuple) or self.meta.return_encoder_hidden_states_index is None:
             return hidden
@@ -201,33 +245,48 @@ class _Block:
         out[self.meta.return_encoder_hidden_states_index] = encoder
         return tuple(out)
 
+    @_around_blocks
     def run_rows(self, bound: inspect.BoundArguments, index: torch.Tensor, full: int) -> Any:
         """The block on rows `index` only: per-row arguments of `full` rows are narrowed."""
-        arguments = dict(bound.arguments)
-        if index.numel() != full:
-            for name, value in arguments.items():
-                if (
-                    isinstance(value, torch.Tensor)
-                    and value.dim() > 0
-                    and value.shape[0] == full
-                    and not any(word in name for word in SHARED_ARGUMENT_WORDS)
-                ):
-                    arguments[name] = value.index_select(0, index.to(value.device))
-        return self.fn_ref.original_forward(**arguments)  # type: ignore[attr-defined]
+        return self.fn_ref.original_forward(**_narrow(bound, index, full))  # type: ignore[attr-defined]
+
+
+@_eager
+def _narrow(bound: inspect.BoundArguments, index: torch.Tensor, full: int) -> dict[str, Any]:
+    """A block's arguments for rows `index`: those with one entry per row of the call (`full`) are narrowed."""
+    arguments = dict(bound.arguments)
+    if index.numel() != full:
+        for name, value in arguments.items():
+            if (
+                isinstance(value, torch.Tensor)
+                and value.dim() > 0
+                and value.shape[0] == full
+                and not any(word in name for word in SHARED_ARGUMENT_WORDS)
+            ):
+                arguments[name] = value.index_select(0, index.to(value.device))
+    return arguments
 
 
 class _HeadHook(_Block, ModelHook):
     """First block: decides per row, then narrows the call to the rows that compute."""
 
+    @_around_blocks
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         call = self.owner.call
         if call is None:
             return self.fn_ref.original_forward(*args, **kwargs)
         bound = self.bind(module, args, kwargs)
+        out = self.fn_ref.original_forward(*args, **kwargs) if call.method == "fbcache" else None
+        output, run = self.decide(module, call, bound, out)
+        return self.run_rows(bound, self.owner.span.index, output) if run else output  # type: ignore[union-attr]
+
+    @_eager
+    def decide(self, module: torch.nn.Module, call: CallRows, bound: inspect.BoundArguments, out: Any) -> Any:
+        """Every row of the call decides; the span records who computes. Returns (the block's output, False), or
+        (the rows of the call, True) when the computing rows still have to run this block."""
         hidden, encoder = self.states(bound)
         full = hidden.shape[0]
         if call.method == "fbcache":
-            out = self.fn_ref.original_forward(*args, **kwargs)
             first_hidden, first_encoder = self.outputs(out)
             decide_fbcache(call, first_hidden - hidden)
             base = (first_hidden, first_encoder)
@@ -245,15 +304,15 @@ class _HeadHook(_Block, ModelHook):
         self.owner.span = Span(call=call, index=index, full=full, base=base)
         if call.method == "fbcache":
             if index.numel() == full:
-                return out
+                return out, False
             return self.pack(
                 base[0].index_select(0, index.to(hidden.device)),
                 None if base[1] is None else base[1].index_select(0, index.to(hidden.device)),
                 out,
-            )
+            ), False
         if index.numel() == 0:
-            return self.pack(hidden, encoder, (None, None))
-        return self.run_rows(bound, index, full)
+            return self.pack(hidden, encoder, (None, None)), False
+        return full, True
 
 
 class _BlockHook(_Block, ModelHook):
@@ -263,6 +322,7 @@ class _BlockHook(_Block, ModelHook):
         super().__init__(owner, meta)
         self.tail = tail
 
+    @_around_blocks
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         span = self.owner.span
         if span is None:
@@ -281,6 +341,7 @@ class _BlockHook(_Block, ModelHook):
         return self.pack(hidden, encoder, out if out is not None else (None, None))
 
 
+@_eager
 def _rebuild(span: Span, hidden: torch.Tensor, encoder: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
     """Every row of the call after the blocks: a computed row leaves with its own output (bit-equal to an uncached
     step) and keeps its residual; the others get `base + residual`, their cached residual or their forecast."""

@@ -106,13 +106,18 @@ def step_counts(rows: Sequence[RowCache] | None) -> dict[str, Any] | None:
 def changes(call: CallRows, now: torch.Tensor) -> list[float | None]:
     """Per row of the call that still decides this step: the relative L1 change of `now[i]` against the row's
     probe (diffusers' FirstBlockCache measure, taken per row instead of over the batch); None where the row
-    has no probe or has decided already. One device sync for the whole call."""
+    has no probe or has decided already. One device sync for the whole call.
+
+    Over several ranks (`call.agreement`) every rank returns the same numbers: the full row's, taken from the
+    ranks that hold it (`RankAgreement`)."""
     wanted = [
         i
         for i, (row, branch) in enumerate(zip(call.rows, call.branches, strict=True))
         if not row.decided and branch in row.probe
     ]
     out: list[float | None] = [None] * len(call.rows)
+    if call.agreement is not None:
+        return _agreed_changes(call, now, wanted)
     if not wanted:
         return out
     current = now.index_select(0, torch.tensor(wanted, device=now.device))
@@ -124,6 +129,26 @@ def changes(call: CallRows, now: torch.Tensor) -> list[float | None]:
     return out
 
 
+def _agreed_changes(call: CallRows, now: torch.Tensor, wanted: list[int]) -> list[float | None]:
+    """`changes` over several ranks: each rank takes the two L1 means of its share of each row (weighted by its
+    share of the tokens), the agreement makes them the full row's on every rank, and every rank divides the same
+    two numbers, in the dtype one process divides in. Every rank calls this at the same point of the same call,
+    wanted rows or not (a collective)."""
+    agreement = call.agreement
+    assert agreement is not None
+    # On the activations' device: the groups' backend (NCCL on GPUs) takes its own device's tensors.
+    sums = torch.full((len(call.rows), 2), float("nan"), dtype=torch.float64, device=now.device)
+    if wanted:
+        current, share = agreement.local(now.index_select(0, torch.tensor(wanted, device=now.device)))
+        before, _ = agreement.local(torch.stack([call.rows[i].probe[call.branches[i]] for i in wanted]))
+        dims = tuple(range(1, current.dim()))
+        measured = torch.stack([(current - before).abs().mean(dim=dims), before.abs().mean(dim=dims)], dim=1)
+        sums[torch.tensor(wanted, device=now.device)] = measured.to(torch.float64) * share if share else 0.0
+    sums = agreement.agree(sums)
+    change = (sums[:, 0].to(now.dtype) / sums[:, 1].to(now.dtype).clamp_min(1e-12)).float()
+    return [None if value != value else value for value in change.tolist()]  # NaN: no measure for the row
+
+
 def rescale(coefficients: Sequence[float], x: float) -> float:
     out = 0.0
     for c in coefficients:
@@ -132,11 +157,41 @@ def rescale(coefficients: Sequence[float], x: float) -> float:
 
 
 @dataclass
+class RankAgreement:
+    """How the ranks that run the same rows agree on each row's measure, so that they decide alike and never
+    diverge (a rank that skipped the blocks another runs would deadlock its collectives).
+
+    `parts` are the parallel strategies (`parallel/agreement.py`), each with `agree_rows(values)`; the sequence
+    split also has `real_tokens(x) -> (x, share)`: this rank's unpadded share of the rows' tokens and its
+    fraction of them (the weight of its means in the row's). The sums over the split run first, then the
+    broadcasts from each group's first rank (CFG rank 0 holds the conditional branch, which decides for the row)."""
+
+    parts: tuple[Any, ...]
+
+    def local(self, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """`x` (rows first) cut to this rank's real tokens, and their share of each row's tokens."""
+        share = 1.0
+        for part in self.parts:
+            if hasattr(part, "real_tokens"):
+                x, fraction = part.real_tokens(x)
+                share *= fraction
+        return x, share
+
+    def agree(self, values: torch.Tensor) -> torch.Tensor:
+        for part in sorted(self.parts, key=lambda p: not hasattr(p, "real_tokens")):
+            values = part.agree_rows(values)
+        return values
+
+
+@dataclass
 class CallRows:
     """The rows of one denoiser call: row i of the call is `rows[i]`'s CFG branch `branches[i]`."""
 
     rows: list[RowCache]
     branches: list[int]
+    agreement: RankAgreement | None = None
+    """Set when several ranks run these rows (CFG, sequence or tensor parallel, FSDP): they agree on each
+    measure; None in one process."""
 
     @property
     def method(self) -> str:
