@@ -277,3 +277,27 @@ def test_a_continuous_server_steps_rows_with_different_adapters(tiny_flux_path: 
         server.stop()
     assert int(np.abs(joined.astype(np.int16) - alone.astype(np.int16)).max()) <= 1
     assert int(np.abs(joined.astype(np.int16) - base.astype(np.int16)).max()) > 3, "the adapter changed nothing"
+
+
+def test_rows_with_their_own_adapters_and_step_caches_share_one_call(native) -> None:
+    """LoRA composes with the step caches (issue 19): each row applies its own adapters and decides its own cache
+    reuse inside the same call; each equals the same request alone, counts included (<= 1/255)."""
+    from diffuserve.config.step_cache import parse_step_cache
+
+    def cached(params: SamplingParams, method: str, **options) -> SamplingParams:
+        return dataclasses.replace(
+            params, num_inference_steps=8, step_cache=parse_step_cache({"method": method, **options})
+        )
+
+    batch = [
+        cached(_params((("style", 1.0),), seed=1, prompt="red house"), "fbcache", threshold=0.3),
+        cached(_params((("ink", 0.5),), seed=2, prompt="a dog"), "fbcache", threshold=0.02),
+        cached(_params((), seed=3, prompt="sea at night"), "fbcache", threshold=0.12, max_cached_steps=1),
+    ]
+    merged = native.run(batch).outputs
+    counts = [out.step_cache for out in merged]
+    assert any(c["reused_steps"] > 0 for c in counts) and len({c["computed_steps"] for c in counts}) > 1, counts
+    for params, out in zip(batch, merged, strict=True):
+        alone = native.run([params]).outputs[0]
+        assert alone.step_cache == out.step_cache
+        assert _diff(out.images[0], alone.images[0])[0] <= 1, params.lora

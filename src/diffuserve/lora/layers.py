@@ -25,6 +25,7 @@ import torch
 
 from diffuserve.errors import ConfigError
 from diffuserve.lora.files import LoraAdapter
+from diffuserve.runtime.row_view import RowView, current_view
 
 LORA_HOOK = "diffuserve_lora"
 """The name of the per-row adapter hook in each adapted layer's diffusers `HookRegistry`."""
@@ -38,22 +39,28 @@ class _RowAssignment:
 
     def __init__(self, rows: Sequence[Sequence[tuple[int, float]]]) -> None:
         self.rows = [list(r) for r in rows]
-        self._groups: dict[tuple[int, str], Groups] = {}
+        self._groups: dict[tuple[int, str, RowView | None], Groups] = {}
 
     def groups(self, total: int, device: torch.device, dtype: torch.dtype) -> Groups:
-        """The groups for a call of `total` rows: the assignment repeated when the batch is doubled (CFG)."""
-        key = (total, f"{device}:{dtype}")
+        """The groups for a call of `total` rows: the assignment repeated when the batch is doubled (CFG), and
+        narrowed to the rows a step cache runs (`runtime/row_view.py`)."""
+        view = current_view()
+        if view is not None and view.full == total:
+            view = None  # not narrowed
+        key = (total, f"{device}:{dtype}", view)
         if key not in self._groups:
+            if len(self._groups) >= 64:  # narrowed views vary from step to step; old ones are not coming back
+                self._groups.clear()
             n = len(self.rows)
-            if total % n:
+            full = view.full if view is not None else total
+            if full % n or (view is not None and len(view.rows) != total):
                 raise RuntimeError(f"an adapted layer got {total} rows but the batch assigned adapters to {n}")
             per_slot: dict[int, tuple[list[int], list[float]]] = {}
-            for copy in range(total // n):
-                for row, pairs in enumerate(self.rows):
-                    for slot, scale in pairs:
-                        idx, scales = per_slot.setdefault(slot, ([], []))
-                        idx.append(copy * n + row)
-                        scales.append(scale)
+            for position, row in enumerate(view.rows if view is not None else range(full)):
+                for slot, scale in self.rows[row % n]:
+                    idx, scales = per_slot.setdefault(slot, ([], []))
+                    idx.append(position)
+                    scales.append(scale)
             self._groups[key] = [
                 (slot, torch.tensor(idx, device=device), torch.tensor(scales, device=device, dtype=dtype))
                 for slot, (idx, scales) in sorted(per_slot.items())

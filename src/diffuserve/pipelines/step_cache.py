@@ -53,6 +53,7 @@ from diffuserve.pipelines.step_cache_rows import (
     new_row_caches,
     step_counts,
 )
+from diffuserve.runtime.row_view import narrowed_to
 
 __all__ = [
     "CallRows",
@@ -247,8 +248,12 @@ class _Block:
 
     @_around_blocks
     def run_rows(self, bound: inspect.BoundArguments, index: torch.Tensor, full: int) -> Any:
-        """The block on rows `index` only: per-row arguments of `full` rows are narrowed."""
-        return self.fn_ref.original_forward(**_narrow(bound, index, full))  # type: ignore[attr-defined]
+        """The block on rows `index` only: per-row arguments of `full` rows are narrowed (and per-row layers such
+        as LoRA's follow them through `runtime/row_view.py`)."""
+        if index.numel() == full:
+            return self.fn_ref.original_forward(**bound.arguments)  # type: ignore[attr-defined]
+        with narrowed_to(tuple(index.tolist()), full):
+            return self.fn_ref.original_forward(**_narrow(bound, index, full))  # type: ignore[attr-defined]
 
 
 @_eager
