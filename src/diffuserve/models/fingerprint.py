@@ -62,9 +62,7 @@ def check_calibration(path: str, model_path: Path, *, model_id: str | None = Non
     ratios = data.get("mag_ratios")
     redo = f"run `diffuserve calibrate-cache --model-path {model_path} --output FILE` and pass that FILE"
     if not isinstance(ratios, list) or len(ratios) < 2:
-        raise ConfigError(
-            f"--step-cache-calibration: {path!r} holds no 'mag_ratios' list of at least 2 steps; {redo}."
-        )
+        raise ConfigError(f"--step-cache-calibration: {path!r} holds no 'mag_ratios' list of at least 2 steps; {redo}.")
     steps = data.get("num_inference_steps")
     if steps is not None and steps != len(ratios):
         raise ConfigError(
