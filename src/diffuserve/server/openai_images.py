@@ -223,9 +223,9 @@ async def _answer(
     """The encoded outputs and the `timings` of a (non-streamed) request: from the exact-result cache on a hit
     (server/result_cache.py), else from the engine. The third value is the request's cache key (None: no cache, or no
     seed given)."""
-    cache = ctx.result_cache
-    key = cache.key(params, seed_given=body.seed is not None) if cache is not None else None
-    if cache is not None:
+    cache, key = ctx.result_cache, None
+    if cache is not None:  # off the event loop: the key hashes the input images, a lookup may ask the store
+        key = await run_in_threadpool(lambda: cache.key(params, seed_given=body.seed is not None))
         hit = await run_in_threadpool(cache.lookup, key)
         if hit is not None:
             ctx.metrics.observe_request("images", "success", time.monotonic() - received)
