@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from diffuserve.config.server_args import ServerArgs
-from diffuserve.errors import ConfigError
+from diffuserve.errors import ConfigError, InvalidRequestError
 from diffuserve.executor.batch_runner import plan_calls
 from diffuserve.sampling import SamplingParams, build_sampling_params
 
@@ -87,6 +87,7 @@ FLAG_OF_FIELD = {
     "strength": "--strength",
     "output_format": "--output-format",
     "model": "--model-path",
+    "step_cache": "--step-cache",
 }
 """A request field (as the API's 400s name it) -> the `generate` flag that sets it."""
 _API_FIELDS = (
@@ -132,7 +133,6 @@ def check_values(values: dict[str, Any], prompts: list[str], video: bool) -> Non
 def read_images(values: dict[str, Any], max_side: int, *, video: bool) -> tuple[bytes, ...]:
     """The `--image-path` files' bytes, each decoded as the API decodes uploads (formats, pixel limit), so a
     bad file is refused before the model loads, with the API's message naming the flag."""
-    from diffuserve.errors import InvalidRequestError
     from diffuserve.media.images import decode_image
 
     paths = values.get("image_path") or []
@@ -244,11 +244,22 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
         if spec.output_kind != "mesh":  # a mesh model ignores the prompt (its image is the condition)
             check_values(values, prompts, video)
             _check_family_inputs(values, images, spec, model_path)
+    step_cache = _step_cache(args)
     engine = OfflineEngine(build_generate_engine(args))
     try:
-        return _generate(values, engine, engine.start(), prompts, n, stem, images)
+        return _generate(values, engine, engine.start(), prompts, n, stem, images, step_cache=step_cache)
     finally:
         engine.close()
+
+
+def _step_cache(args: ServerArgs) -> Any:
+    """The step cache of every row: `--step-cache` with `--step-cache-config`, magcache's ratios from
+    `--step-cache-calibration` (the same flags and rules as `serve`'s default; `args.validate()` checked them)."""
+    from diffuserve.config.step_cache import server_step_cache, with_calibration
+
+    return with_calibration(
+        server_step_cache(args.step_cache, args.step_cache_config), args.step_cache_calibration, "--step-cache"
+    )
 
 
 def _check_family_inputs(values: dict[str, Any], images: tuple[bytes, ...], spec: Any, model_path: Path) -> None:
@@ -272,7 +283,12 @@ def _check_family_inputs(values: dict[str, Any], images: tuple[bytes, ...], spec
 
 
 def _build_params(
-    values: dict[str, Any], model: Any, prompts: list[str], n: int, images: tuple[bytes, ...]
+    values: dict[str, Any],
+    model: Any,
+    prompts: list[str],
+    n: int,
+    images: tuple[bytes, ...],
+    step_cache: Any = None,
 ) -> list[SamplingParams]:
     """One SamplingParams per prompt through the API's builder. With input images on an image model, the size
     defaults to the first input's (rounded down to the model's multiple) and strength to 0.6, as for
@@ -303,6 +319,7 @@ def _build_params(
             output_format="mp4" if video else values.get("output_format", "png"),
             image_inputs=images,
             strength=values.get("strength", 0.6) if edit else 1.0,
+            step_cache=step_cache,
         )
         for i, prompt in enumerate(prompts)
     ]
@@ -316,6 +333,8 @@ def _generate(
     n: int,
     stem: str | None,
     images: tuple[bytes, ...] = (),
+    *,
+    step_cache: Any = None,
 ) -> int:
     if model.output_kind == "mesh":
         return _generate_mesh(values, engine, model, stem)
@@ -332,7 +351,12 @@ def _generate(
         video=video,
         size_multiple=model.size_multiple,
     )
-    params = _build_params(values, model, prompts, n, images)
+    try:
+        params = _build_params(values, model, prompts, n, images, step_cache)
+    except InvalidRequestError as exc:
+        if exc.param != "step_cache":
+            raise
+        raise _flag_error("step_cache", exc.message) from None  # a method this family cannot run
     _warn_truncated(model, prompts, values.get("negative_prompt"))
     names = output_names(prompts, n, stem)
     out_dir = Path(values.get("output_path") or "outputs")

@@ -38,12 +38,17 @@ class EngineConfig:
         f"Default step cache of requests that set no `step_cache`: one of {list(METHODS)} "
         "or off (docs/step-caches.md).",
         SERVER_GROUP,
+        commands=("serve", "generate"),
+        per_command={
+            "generate": {"help": f"Step cache of every row: one of {list(METHODS)} or off (docs/step-caches.md)."}
+        },
     )
     """The step-cache method every request runs unless it sets its own `step_cache` (None / "off": none)."""
     step_cache_config: str | None = flag(
         None,
         'Options of --step-cache as JSON, e.g. \'{"threshold": 0.1, "warmup_steps": 2, "max_cached_steps": 3}\'.',
         SERVER_GROUP,
+        commands=("serve", "generate"),
     )
     """JSON object of the default method's options (threshold, warmup_steps, max_cached_steps, order,
     refresh_interval, compute_last_step)."""
@@ -51,6 +56,7 @@ class EngineConfig:
         None,
         "JSON file of the checkpoint's magnitude ratios for --step-cache magcache (`diffuserve calibrate-cache`).",
         SERVER_GROUP,
+        commands=("serve", "generate"),
     )
     """The `diffuserve calibrate-cache` output that magcache requests use."""
     warmup_resolutions: list[tuple[int, int]] = field(default_factory=list, metadata={"cli": False})

@@ -67,6 +67,13 @@ class HttpArgs:
         86400.0, "Seconds a finished video job or url image is kept (its expires_at); 0 = until removed.", SERVER_GROUP
     )
     """Retention by age, enforced by the background sweep."""
+    result_cache_mib: int = flag(
+        0,
+        "MiB of encoded outputs kept to answer a repeated request that gave a seed (same model, prompts, size, steps, "
+        "guidance, step cache, input images, ...) without running the model; 0 = off (docs/step-caches.md).",
+        SERVER_GROUP,
+    )
+    """Budget of the exact-result cache (server/result_cache.py); entries follow --result-ttl-s."""
     max_output_bytes: int = flag(
         0,
         "Media bytes the results store may hold; past it the oldest finished results are removed first. 0 = no cap.",
@@ -97,6 +104,7 @@ class HttpArgs:
                 ),
                 (self.max_video_jobs < 1, "--max-video-jobs", f"{self.max_video_jobs} must be >= 1"),
                 (self.result_ttl_s < 0, "--result-ttl-s", f"{self.result_ttl_s} must be >= 0 (0 = keep until removed)"),
+                (self.result_cache_mib < 0, "--result-cache-mib", f"{self.result_cache_mib} must be >= 0 (0 = off)"),
                 (self.max_output_bytes < 0, "--max-output-bytes", f"{self.max_output_bytes} must be >= 0 (0 = no cap)"),
                 (
                     self.result_sweep_interval_s <= 0,

@@ -26,6 +26,7 @@ from diffuserve.server import (
 from diffuserve.server.context import ServerContext
 from diffuserve.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, TrailingSlashMiddleware
 from diffuserve.server.protocol import ErrorEnvelope, error_envelope
+from diffuserve.server.result_cache import build_result_cache
 from diffuserve.server.video_jobs import VideoJobStore
 from diffuserve.storage import ResultStore, RetentionPolicy
 from diffuserve.storage.open import open_results
@@ -173,6 +174,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
         ctx.results = open_results_store(ctx.args)
     if ctx.videos is None:
         ctx.videos = VideoJobStore(ctx.results, ctx.args.max_video_jobs)
+    if ctx.result_cache is None:
+        ctx.result_cache = build_result_cache(ctx.args, ctx.results, ctx.metrics.registry, ctx.plan)
     app.state.ctx = ctx
     count = ctx.metrics.observe_error
     install_error_handlers(app, count)

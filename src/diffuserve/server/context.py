@@ -75,6 +75,8 @@ class ServerContext:
     """The results store under --output-dir that `images` and `videos` keep their rows and files in."""
     videos: VideoJobStore | None = None
     """Async video jobs; `create_app` makes one sized by --max-video-jobs when none is given."""
+    result_cache: Any = None
+    """The exact-result cache (`server/result_cache.py`) with --result-cache-mib > 0; `create_app` builds it."""
     plan: dict[str, Any] | None = None
     """The resolved deployment plan (`DeploymentPlan.to_dict()`) that /server_info shows; None when not served
     from a plan (tests that build a context by hand)."""

@@ -7,6 +7,7 @@ import base64
 import functools
 import time
 import uuid
+from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -40,6 +41,7 @@ from diffuserve.server.protocol import (
     coerce_form_fields,
     parse_size,
 )
+from diffuserve.server.result_cache import cached_timings
 from diffuserve.server.streaming import stream_images
 from diffuserve.server.usage import (
     check_background,
@@ -177,6 +179,57 @@ async def _generate_and_respond(
                 "ineligible_reason": ineligible_reason,
             },
         )
+    encoded, timings, key = await _answer(request, ctx, body, params, request_id, ineligible_reason, received)
+    hit = timings.get("result_cache") == "hit"
+    if body.response_format == "url":
+        await run_in_threadpool(
+            ctx.images.put, request_id, [StoredImage(data, mime_type(params.output_format)) for data in encoded]
+        )
+        base = str(request.base_url).rstrip("/")
+        data = [ImageData(url=f"{base}/v1/images/{request_id}/content?index={i}") for i in range(len(encoded))]
+    else:
+        data = [ImageData(b64_json=base64.b64encode(blob).decode()) for blob in encoded]
+    if key is not None:  # after the url row exists: an entry lives no longer than the newest row of its bytes
+        record = request_id if body.response_format == "url" else None
+        if not hit:
+            ctx.result_cache.store(key, encoded, timings["step_cache"], record)  # type: ignore[union-attr]
+        elif record is not None:
+            ctx.result_cache.repoint(key, record)  # type: ignore[union-attr]
+    return ImageGenerationResponse(
+        id=request_id,
+        created=int(time.time()),
+        model=ctx.args.public_model_name,
+        data=data,
+        output_format=params.output_format,
+        size=f"{params.width}x{params.height}",
+        seed=params.seed or 0,
+        timings=Timings(**timings),
+        warnings=warnings,
+        background="opaque",
+        quality=reported_quality(body.quality),
+        usage=Usage(**counted),
+    )
+
+
+async def _answer(
+    request: Request,
+    ctx: ServerContext,
+    body: ImageGenerationRequest,
+    params: SamplingParams,
+    request_id: str,
+    ineligible_reason: str | None,
+    received: float,
+) -> tuple[list[bytes], dict[str, Any], str | None]:
+    """The encoded outputs and the `timings` of a (non-streamed) request: from the exact-result cache on a hit
+    (server/result_cache.py), else from the engine. The third value is the request's cache key (None: no cache, or no
+    seed given)."""
+    cache, key = ctx.result_cache, None
+    if cache is not None:  # off the event loop: the key hashes the input images, a lookup may ask the store
+        key = await run_in_threadpool(lambda: cache.key(params, seed_given=body.seed is not None))
+        hit = await run_in_threadpool(cache.lookup, key)
+        if hit is not None:
+            ctx.metrics.observe_request("images", "success", time.monotonic() - received)
+            return list(hit.blobs), cached_timings(hit.step_cache, received), key
     result = await await_unless_disconnected(
         request,
         ctx.engine.generate(
@@ -192,29 +245,10 @@ async def _generate_and_respond(
     encoded = await run_in_threadpool(
         lambda: [encode_image(img, params.output_format, params.output_quality) for img in result.output.images]
     )
-    encode_s = time.monotonic() - encode_started
-    if body.response_format == "url":
-        await run_in_threadpool(
-            ctx.images.put, request_id, [StoredImage(data, mime_type(params.output_format)) for data in encoded]
-        )
-        base = str(request.base_url).rstrip("/")
-        data = [ImageData(url=f"{base}/v1/images/{request_id}/content?index={i}") for i in range(len(encoded))]
-    else:
-        data = [ImageData(b64_json=base64.b64encode(blob).decode()) for blob in encoded]
-    return ImageGenerationResponse(
-        id=request_id,
-        created=int(time.time()),
-        model=ctx.args.public_model_name,
-        data=data,
-        output_format=params.output_format,
-        size=f"{params.width}x{params.height}",
-        seed=params.seed or 0,
-        timings=Timings(**result_timings(result, encode_s=encode_s, received=received, metrics=ctx.metrics)),
-        warnings=warnings,
-        background="opaque",
-        quality=reported_quality(body.quality),
-        usage=Usage(**counted),
-    )
+    timings = result_timings(result, encode_s=time.monotonic() - encode_started, received=received, metrics=ctx.metrics)
+    if cache is not None:
+        timings["result_cache"] = "miss"
+    return encoded, timings, key
 
 
 _STREAM_RESPONSE = {

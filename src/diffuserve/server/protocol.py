@@ -227,6 +227,9 @@ class Timings(BaseModel):
     step_cache: dict[str, Any] | None = None
     """The step cache its rows ran: method, computed_steps and reused_steps (summed over its rows); absent
     without one."""
+    result_cache: str | None = None
+    """With --result-cache-mib: "hit" (answered from the exact-result cache, no model call) or "miss"; absent
+    without the cache."""
 
 
 class UsageTokenDetails(BaseModel):

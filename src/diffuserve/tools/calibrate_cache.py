@@ -2,7 +2,9 @@
 
 It generates a few prompts with every step computed and records, per step, how the magnitude of the denoiser
 blocks' residual changes from the previous step (diffusers' MagCache calibration formula, per row, averaged over
-the rows). The output file is what `--step-cache-calibration FILE` loads for `step_cache: "magcache"` requests.
+the rows). The output file is what `--step-cache-calibration FILE` loads for `step_cache: "magcache"` requests; it
+records the family and the checkpoint's fingerprint (`models/fingerprint.py`), and a server refuses at start-up a
+file made for another checkpoint.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def calibrate(
 
 
 def run(ns: argparse.Namespace) -> int:
+    from diffuserve.models.fingerprint import checkpoint_fingerprint
     from diffuserve.models.loader import load_pipeline
 
     pipeline = load_pipeline(ns.model_path, device=ns.device, dtype=ns.dtype)
@@ -85,6 +88,8 @@ def run(ns: argparse.Namespace) -> int:
         size = (width, height)
     result = calibrate(pipeline, steps=ns.steps, prompts=tuple(ns.prompt or DEFAULT_PROMPTS), size=size)
     result["model_path"] = str(ns.model_path)
+    # What `--step-cache-calibration` checks at start-up: a file made for another checkpoint is refused.
+    result["checkpoint"] = checkpoint_fingerprint(ns.model_path)
     Path(ns.output).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {len(result['mag_ratios'])} magnitude ratios of {result['denoiser']} to {ns.output}")
     return 0
