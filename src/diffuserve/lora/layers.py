@@ -9,6 +9,11 @@ from the layer's stacked adapter slots (A: (slots, rank, in), B: (slots, out, ra
 gathered, pass through A_s then B_s, and are added back scaled; a row that uses no adapter is left exactly as the
 base layer computed it. Plain torch, so CPU and GPU share the path.
 
+The slots are non-persistent buffers of the adapted Linear (`LORA_DOWN`, `LORA_UP`), so they follow their layer
+wherever residency puts it: placed with a resident component, moved with an offloaded one, streamed with their
+block under layer-wise offload, and counted in the transfer ledger with the layer's weights. The per-row sum itself
+is `lora/rows.py`.
+
 Which rows use which slots is per batch: the recipe sets it for the denoise of a batch (`LoraBank.rows`), one
 entry per output row; a request's rows share its adapters, and a doubled batch (batched CFG) repeats the
 assignment for each half.
@@ -25,9 +30,14 @@ import torch
 
 from diffuserve.errors import ConfigError
 from diffuserve.lora.files import LoraAdapter
+from diffuserve.lora.rows import RowPlan, add_rows, plan_rows
 
 LORA_HOOK = "diffuserve_lora"
 """The name of the per-row adapter hook in each adapted layer's diffusers `HookRegistry`."""
+LORA_DOWN = "diffuserve_lora_down"
+"""The buffer of an adapted Linear holding its stacked A slots, (slots, max_rank, in_features)."""
+LORA_UP = "diffuserve_lora_up"
+"""The buffer of an adapted Linear holding its stacked B slots, (slots, out_features, max_rank), alpha / rank in."""
 
 Groups = list[tuple[int, torch.Tensor, torch.Tensor]]
 """(slot, row indices, per-row scales) for each slot some row uses."""
@@ -39,6 +49,7 @@ class _RowAssignment:
     def __init__(self, rows: Sequence[Sequence[tuple[int, float]]]) -> None:
         self.rows = [list(r) for r in rows]
         self._groups: dict[tuple[int, str], Groups] = {}
+        self._plans: dict[tuple[int, str], RowPlan | None] = {}
 
     def groups(self, total: int, device: torch.device, dtype: torch.dtype) -> Groups:
         """The groups for a call of `total` rows: the assignment repeated when the batch is doubled (CFG)."""
@@ -60,6 +71,13 @@ class _RowAssignment:
             ]
         return self._groups[key]
 
+    def plan(self, total: int, rank: int, device: torch.device, dtype: torch.dtype) -> RowPlan | None:
+        """The index and scale tensors of a call of `total` rows (`lora/rows.py`), built once per batch."""
+        key = (total, f"{device}:{dtype}:{rank}")
+        if key not in self._plans:
+            self._plans[key] = plan_rows(self.rows, total, rank, device, dtype)
+        return self._plans[key]
+
 
 def _lora_hook_class() -> type:
     from diffusers.hooks import ModelHook
@@ -67,29 +85,37 @@ def _lora_hook_class() -> type:
     class LoraRowsHook(ModelHook):
         """`y = base(x)`, plus each row's adapters from the layer's slots (see the module docstring)."""
 
-        def __init__(self, bank: LoraBank, down: torch.Tensor, up: torch.Tensor) -> None:
+        def __init__(self, bank: LoraBank, layer: torch.nn.Module) -> None:
             super().__init__()
             self.bank = bank
-            self.down = down
+            self.layer = layer
+            """The adapted Linear, which holds the slots as buffers (`LORA_DOWN`, `LORA_UP`)."""
+
+        @property
+        def down(self) -> torch.Tensor:
             """(slots, max_rank, in_features); zero for slots whose adapter does not adapt this layer."""
-            self.up = up
+            return self.layer._buffers[LORA_DOWN]
+
+        @property
+        def up(self) -> torch.Tensor:
             """(slots, out_features, max_rank), with each adapter's alpha / rank folded in."""
+            return self.layer._buffers[LORA_UP]
 
         def new_forward(self, module: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             y = self.fn_ref.original_forward(x, *args, **kwargs)
             assignment = self.bank.current
             if assignment is None:
                 return y
-            if self.down.device != x.device or self.down.dtype != x.dtype:  # the layer moved (offload)
-                self.down, self.up = self.down.to(x.device, x.dtype), self.up.to(x.device, x.dtype)
-            view = (-1,) + (1,) * (x.dim() - 1)
-            for slot, idx, scales in assignment.groups(x.shape[0], x.device, x.dtype):
-                if not self.bank.adapts(slot, self):
-                    continue
-                part = torch.nn.functional.linear(x.index_select(0, idx), self.down[slot])
-                part = torch.nn.functional.linear(part, self.up[slot]) * scales.view(view)
-                y.index_add_(0, idx, part)  # in place: `y` is the base layer's own fresh output
-            return y
+            down, up = self.down, self.up
+            if down.device != x.device:  # a layer moved outside the residency manager: its slots follow
+                module._buffers[LORA_DOWN] = down = down.to(x.device)
+                module._buffers[LORA_UP] = up = up.to(x.device)
+            if down.dtype != x.dtype:
+                down, up = down.to(x.dtype), up.to(x.dtype)
+            plan = assignment.plan(x.shape[0], down.shape[1], x.device, x.dtype)
+            if plan is None:
+                return y
+            return add_rows(y, x, down, up, plan, self.bank.adapted(self))
 
     return LoraRowsHook
 
@@ -119,7 +145,7 @@ class LoraBank:
         self.current: _RowAssignment | None = None
         """The rows of the batch being denoised; None: no row uses an adapter (every layer is the base layer)."""
         self._lock = threading.Lock()
-        self._adapted: dict[int, set[int]] = {}
+        self._adapted: dict[int, frozenset[int]] = {}
         layers = dict(transformer.named_modules())
         targets = sorted({m for a in adapters for m in a.modules})
         hook_class = _lora_hook_class()
@@ -134,14 +160,20 @@ class LoraBank:
                 rank = part.down.shape[0]
                 down[slot, :rank] = part.down.to(device, dtype)
                 up[slot, :, :rank] = (part.up.float() * part.scaling).to(device, dtype)
-            hook = hook_class(self, down, up)
-            self._adapted[id(hook)] = {s for s, a in enumerate(adapters) if module in a.modules}
+            layer.register_buffer(LORA_DOWN, down, persistent=False)
+            layer.register_buffer(LORA_UP, up, persistent=False)
+            hook = hook_class(self, layer)
+            self._adapted[id(hook)] = frozenset(s for s, a in enumerate(adapters) if module in a.modules)
             HookRegistry.check_if_exists_or_initialize(layer).register_hook(hook, LORA_HOOK)
         self.layers = len(targets)
         """How many Linear layers carry the hook."""
 
     def adapts(self, slot: int, hook: Any) -> bool:
         return slot in self._adapted[id(hook)]
+
+    def adapted(self, hook: Any) -> frozenset[int]:
+        """The slots whose adapter adapts `hook`'s layer (the others are zero there)."""
+        return self._adapted[id(hook)]
 
     def slot_rows(self, loras: Sequence[Sequence[tuple[str, float]]]) -> list[list[tuple[int, float]]]:
         """Per row, its (slot, scale) pairs; an unknown name fails naming it (the server refuses it earlier)."""
