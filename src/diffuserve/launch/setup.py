@@ -214,11 +214,8 @@ def _install_lora(args: ServerArgs, pipeline: Any, device: str, *, multi_rank: b
     """--lora-modules: read the adapters through diffusers and hook the transformer's adapted layers."""
     from diffuserve.errors import ConfigError
 
-    if multi_rank:
-        raise ConfigError(
-            "--lora-modules: per-request LoRA runs in one process for now (tensor / sequence / CFG "
-            "parallel do not shard adapter slots yet); serve on one device."
-        )
+    # On several ranks (`multi_rank`) every rank reads the same adapters; tensor parallel then cuts each rank's
+    # slices of the slots (lora/sharding.py), and FSDP, CFG and sequence parallel use whole slots.
     if args.batching_mode == "continuous":
         raise ConfigError(
             "--lora-modules: per-request LoRA runs with dynamic batching for now; drop --batching-mode continuous."

@@ -90,6 +90,8 @@ def _lora_hook_class() -> type:
             self.bank = bank
             self.layer = layer
             """The adapted Linear, which holds the slots as buffers (`LORA_DOWN`, `LORA_UP`)."""
+            self.parallel: Any = None
+            """Under tensor parallel: the sum on the local shards (`lora/sharding.py`); None: the plain path."""
 
         @property
         def down(self) -> torch.Tensor:
@@ -103,6 +105,8 @@ def _lora_hook_class() -> type:
 
         def new_forward(self, module: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             y = self.fn_ref.original_forward(x, *args, **kwargs)
+            if self.parallel is not None:
+                return self.parallel(self, y, x)
             assignment = self.bank.current
             if assignment is None:
                 return y
