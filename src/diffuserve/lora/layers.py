@@ -30,7 +30,7 @@ import torch
 
 from diffuserve.errors import ConfigError
 from diffuserve.lora.files import LoraAdapter
-from diffuserve.lora.rows import RowPlan, add_rows, plan_rows
+from diffuserve.lora.rows import RowPlan, add_dense, add_rows, dense_scales, plan_rows
 
 LORA_HOOK = "diffuserve_lora"
 """The name of the per-row adapter hook in each adapted layer's diffusers `HookRegistry`."""
@@ -107,6 +107,9 @@ def _lora_hook_class() -> type:
             y = self.fn_ref.original_forward(x, *args, **kwargs)
             if self.parallel is not None:
                 return self.parallel(self, y, x)
+            if torch.compiler.is_compiling():  # fixed shapes, scales as data: a new adapter mix does not recompile
+                scales = self.bank.dense
+                return y if scales is None else add_dense(y, x, self.down, self.up, scales)
             assignment = self.bank.current
             if assignment is None:
                 return y
@@ -147,6 +150,9 @@ class LoraBank:
         self.slots: dict[str, int] = {a.name: i for i, a in enumerate(adapters)}
         """Adapter name -> its slot in every adapted layer."""
         self.current: _RowAssignment | None = None
+        self.dense: torch.Tensor | None = None
+        """The current batch's scales per row and slot (`rows.dense_scales`), which compiled code reads; None: none."""
+        self._shape = (max_loras, max_rank, torch.device(device), dtype)
         """The rows of the batch being denoised; None: no row uses an adapter (every layer is the base layer)."""
         self._lock = threading.Lock()
         self._adapted: dict[int, frozenset[int]] = {}
@@ -200,10 +206,12 @@ class LoraBank:
         assignment = _RowAssignment(self.slot_rows(loras))
         with self._lock:
             self.current = assignment
+            self.dense = dense_scales(assignment.rows, *self._shape)
             try:
                 yield
             finally:
                 self.current = None
+                self.dense = None
 
 
 def install_lora(

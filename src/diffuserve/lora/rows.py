@@ -90,3 +90,30 @@ def add_rows(
     if plan.rows is None:
         return y.add_(delta)
     return y.index_add_(0, plan.rows, delta)  # in place: `y` is the base layer's own fresh output
+
+
+def dense_scales(
+    rows: Sequence[Sequence[tuple[int, float]]], slots: int, rank: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """(rows, 1, slots * rank): each row's scale for every slot, repeated over the rank (0 for a slot the row does
+    not use). The fixed-shape form of a batch's assignment that compiled code reads (`add_dense`)."""
+    table = torch.zeros(len(rows), slots, dtype=torch.float32)
+    for i, pairs in enumerate(rows):
+        for slot, scale in pairs:
+            table[i, slot] += scale
+    return table.repeat_interleave(rank, dim=1).unsqueeze(1).to(device, dtype)
+
+
+def add_dense(
+    y: torch.Tensor, x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """`y` plus every row's adapters through all slots at once, for compiled code: the same shapes and the same
+    graph whatever the adapters of the batch (their scales are data, `dense_scales`), so a new mix of adapters
+    does not recompile. Costs the rank of every slot per token (not only of the slots the rows use)."""
+    slots, rank, width = down.shape
+    if scales.shape[0] != x.shape[0]:  # a doubled batch (batched CFG): the assignment repeats for each half
+        scales = scales.repeat(x.shape[0] // scales.shape[0], 1, 1)
+    flat_up = up.permute(1, 0, 2).reshape(up.shape[1], slots * rank)  # (out, slots * rank)
+    part = torch.nn.functional.linear(x.reshape(x.shape[0], -1, width), down.reshape(slots * rank, width))
+    part = part * scales.to(x.device, x.dtype)
+    return y + torch.nn.functional.linear(part, flat_up).reshape(y.shape)
