@@ -67,6 +67,7 @@ def test_adapter_slots_stream_with_their_layers_and_the_ledger_counts_them(tiny_
         for name, b in layers.items()
     }
     assert all(lora > 0 for _, lora in want.values())
+    assert pipe.lora.nbytes == _lora_bytes(transformer)  # what the start-up log line reports
     whole = sum(t.numel() * t.element_size() for t in (*transformer.parameters(), *transformer.buffers()))
     modes = {
         key: ResidencyMode.LAYERWISE_OFFLOAD if key == "transformer" else ResidencyMode.COMPONENT_OFFLOAD

@@ -234,11 +234,12 @@ def _install_lora(args: ServerArgs, pipeline: Any, device: str, *, multi_rank: b
         dtype=getattr(torch, resolve_dtype(args.dtype, device)),
     )
     logger.info(
-        "LoRA adapters: %s (%d adapted layers, %d slots of rank %d)",
+        "LoRA adapters: %s (%d adapted layers, %d slots of rank %d, %.1f MiB)",
         ", ".join(bank.slots),
         bank.layers,
         args.max_loras,
         args.max_lora_rank,
+        bank.nbytes / 2**20,
     )
 
 

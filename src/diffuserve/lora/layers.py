@@ -177,6 +177,12 @@ class LoraBank:
             HookRegistry.check_if_exists_or_initialize(layer).register_hook(hook, LORA_HOOK)
         self.layers = len(targets)
         """How many Linear layers carry the hook."""
+        self.nbytes = sum(
+            layers[m]._buffers[k].numel() * layers[m]._buffers[k].element_size()
+            for m in targets
+            for k in (LORA_DOWN, LORA_UP)
+        )
+        """Bytes of all slots (whole, before tensor parallel cuts them): what the DiT holds beyond its weights."""
 
     def adapts(self, slot: int, hook: Any) -> bool:
         return slot in self._adapted[id(hook)]
