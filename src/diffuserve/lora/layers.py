@@ -5,14 +5,14 @@ Each adapted Linear of the transformer gets a diffusers `ModelHook` (`LORA_HOOK`
     y_b = W x_b + sum_i scale_bi * B_i (A_i x_b)
 
 from the layer's stacked adapter slots (A: (slots, rank, in), B: (slots, out, rank), zero-padded to
-`--max-lora-rank`, so every adapter has the same shape). The sum is segmented by slot: the rows that use slot s are
-gathered, pass through A_s then B_s, and are added back scaled; a row that uses no adapter is left exactly as the
-base layer computed it. Plain torch, so CPU and GPU share the path.
+`--max-lora-rank`, so every adapter has the same shape), in `lora/rows.py`: one shared slot's two matmuls, or each
+row's slots gathered into two batched matmuls; a row that uses no adapter is left exactly as the base layer
+computed it. Plain torch, so CPU and GPU share the path.
 
 The slots are non-persistent buffers of the adapted Linear (`LORA_DOWN`, `LORA_UP`), so they follow their layer
 wherever residency puts it: placed with a resident component, moved with an offloaded one, streamed with their
-block under layer-wise offload, and counted in the transfer ledger with the layer's weights. The per-row sum itself
-is `lora/rows.py`.
+block under layer-wise offload, and counted in the transfer ledger with the layer's weights. Under tensor parallel
+`lora/sharding.py` cuts them like the base weight; compiled code takes the fixed-shape path (`rows.add_dense`).
 
 Which rows use which slots is per batch: the recipe sets it for the denoise of a batch (`LoraBank.rows`), one
 entry per output row; a request's rows share its adapters, and a doubled batch (batched CFG) repeats the
@@ -150,10 +150,10 @@ class LoraBank:
         self.slots: dict[str, int] = {a.name: i for i, a in enumerate(adapters)}
         """Adapter name -> its slot in every adapted layer."""
         self.current: _RowAssignment | None = None
+        """The rows of the batch being denoised; None: no row uses an adapter (every layer is the base layer)."""
         self.dense: torch.Tensor | None = None
         """The current batch's scales per row and slot (`rows.dense_scales`), which compiled code reads; None: none."""
         self._shape = (max_loras, max_rank, torch.device(device), dtype)
-        """The rows of the batch being denoised; None: no row uses an adapter (every layer is the base layer)."""
         self._lock = threading.Lock()
         self._adapted: dict[int, frozenset[int]] = {}
         layers = dict(transformer.named_modules())
