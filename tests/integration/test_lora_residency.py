@@ -51,12 +51,17 @@ def _lora_bytes(module: torch.nn.Module) -> int:
     return sum(b.numel() * b.element_size() for n, b in module.named_buffers() if "diffuserve_lora" in n)
 
 
-def test_adapter_slots_stream_with_their_layers_and_the_ledger_counts_them(tiny_flux_path, adapters) -> None:
+@pytest.fixture(scope="module")
+def resident(tiny_flux_path, adapters) -> np.ndarray:
+    return _pixels(_pipeline(tiny_flux_path, adapters))
+
+
+@pytest.mark.parametrize("mode", ["layerwise-offload", "component-offload"])
+def test_adapter_slots_follow_their_layer_and_the_ledger_counts_them(tiny_flux_path, adapters, resident, mode) -> None:
     from diffuserve.config.plan import ComponentPlan, DeploymentPlan, ResidencyMode
     from diffuserve.runtime.ledger import TransferLedger
     from diffuserve.runtime.residency import build_residency
 
-    resident = _pixels(_pipeline(tiny_flux_path, adapters))
     pipe = _pipeline(tiny_flux_path, adapters)
     transformer = pipe.components["transformer"]
     layers = {f"transformer_blocks.{i}": b for i, b in enumerate(transformer.transformer_blocks)}
@@ -70,8 +75,7 @@ def test_adapter_slots_stream_with_their_layers_and_the_ledger_counts_them(tiny_
     assert pipe.lora.nbytes == _lora_bytes(transformer)  # what the start-up log line reports
     whole = sum(t.numel() * t.element_size() for t in (*transformer.parameters(), *transformer.buffers()))
     modes = {
-        key: ResidencyMode.LAYERWISE_OFFLOAD if key == "transformer" else ResidencyMode.COMPONENT_OFFLOAD
-        for key in pipe.components
+        key: ResidencyMode(mode) if key == "transformer" else ResidencyMode.COMPONENT_OFFLOAD for key in pipe.components
     }
     plan = DeploymentPlan(
         components={
@@ -86,7 +90,12 @@ def test_adapter_slots_stream_with_their_layers_and_the_ledger_counts_them(tiny_
     offloaded = _pixels(pipe)
     assert np.abs(offloaded - resident).max() <= 1
     moved = [m for m in ledger.moves(start) if m.component == "transformer" and m.direction == "h2d" and m.layer]
-    assert {m.layer for m in moved} == set(want)
+    if mode == "component-offload":  # the whole DiT, slots included, moves as one unit
+        assert not moved
+        assert (
+            sum(m.nbytes for m in ledger.moves(start) if m.component == "transformer" and m.direction == "h2d") == whole
+        )
+    assert {m.layer for m in moved} == (set(want) if mode == "layerwise-offload" else set())
     for move in moved:
         total, lora = want[move.layer]
         assert move.nbytes == total, (move.layer, move.nbytes, total, lora)
