@@ -246,7 +246,8 @@ def test_a_runtime_adapter_is_a_model_swaps_into_a_slot_and_unloads(lora_server:
     merged = _meeting_in_the_queue(lora_server, bodies)
     assert [r.status_code for r in merged] == [200] * 3
     assert sorted(r.json()["timings"]["batch_size"] for r in merged) == [1, 2, 2]  # 3 adapters, 2 slots: split
-    assert np.array_equal(_images(merged[2].json())[0], pen)  # swapped out and back in: the same pixels
+    # swapped out and back in: the same pixels (<= 1/255: in a batch the rows' adapters take the batched matmul)
+    assert np.abs(_images(merged[2].json())[0] - pen).max() <= 1
     log = lora_server.log()[start:]
     assert "LoRA adapter 'pen' into device slot" in log and re.search(r"loras=\w+,\w+", log), log[-3000:]
 

@@ -217,11 +217,13 @@ def _install_lora(
     adapted layers, and give the process's adapter registry (`lora/registry.py`) the reader runtime loads use."""
     from diffuserve.errors import ConfigError
 
-    flag = "--lora-modules" if args.lora.lora_modules else "--enable-lora-updates"
-    if multi_rank:
+    # On several ranks (`multi_rank`) every rank reads the same adapters; tensor parallel then cuts each rank's
+    # slices of the slots (lora/sharding.py), and FSDP, CFG and sequence parallel use whole slots. A runtime load
+    # reaches rank 0 only, so runtime changes stay on one process.
+    if multi_rank and args.lora.enable_lora_updates:
         raise ConfigError(
-            f"{flag}: per-request LoRA runs in one process for now (tensor / sequence / CFG "
-            "parallel do not shard adapter slots yet); serve on one device."
+            "--enable-lora-updates: runtime adapter loads reach one process only; on several ranks load the "
+            "adapters at start-up with --lora-modules."
         )
     import torch
 
@@ -245,11 +247,12 @@ def _install_lora(
         for where in ("registered", "host", "device"):
             metrics.lora_adapters.labels(where=where).set_function(lambda where=where: registry.counts()[where])
     logger.info(
-        "LoRA adapters: %s (%d adapted layers, %d slots of rank %d, %d in host memory%s)",
+        "LoRA adapters: %s (%d adapted layers, %d slots of rank %d, %.1f MiB, %d in host memory%s)",
         ", ".join(bank.slots) or "none yet",
         bank.layers,
         args.max_loras,
         args.max_lora_rank,
+        bank.nbytes / 2**20,
         args.lora.host_capacity,
         f"; runtime loads from {args.lora.lora_root}" if args.lora.enable_lora_updates else "",
     )

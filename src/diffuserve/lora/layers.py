@@ -1,23 +1,29 @@
 """Per-row adapted Linear layers: one batched call in which every row applies its own adapters.
 
-Each adapted Linear of the transformer gets a diffusers `ModelHook` (`LORA_HOOK`) that computes, per row b,
+Each adapted Linear of the denoiser(s) gets a diffusers `ModelHook` (`LORA_HOOK`) that computes, per row b,
 
     y_b = W x_b + sum_i scale_bi * B_i (A_i x_b)
 
 from the layer's stacked adapter slots (A: (slots, rank, in), B: (slots, out, rank), zero-padded to
-`--max-lora-rank`, so every adapter has the same shape). The sum is segmented by slot: the rows that use slot s are
-gathered, pass through A_s then B_s, and are added back scaled; a row that uses no adapter is left exactly as the
-base layer computed it. Plain torch, so CPU and GPU share the path.
+`--max-lora-rank`, so every adapter has the same shape), in `lora/rows.py`: one shared slot's two matmuls, or each
+row's slots gathered into two batched matmuls; a row that uses no adapter is left exactly as the base layer
+computed it. Plain torch, so CPU and GPU share the path.
 
-Which rows use which slots is per batch: the recipe sets it for the denoise of a batch (`LoraBank.rows`), one
-entry per output row; a request's rows share its adapters, and a doubled batch (batched CFG) repeats the
-assignment for each half.
+The slots are non-persistent buffers of the adapted Linear (`LORA_DOWN`, `LORA_UP`), so they follow their layer
+wherever residency puts it: placed with a resident component, moved with an offloaded one, streamed with their
+block under layer-wise offload, and counted in the transfer ledger with the layer's weights. Under tensor parallel
+`lora/sharding.py` cuts them like the base weight; compiled code takes the fixed-shape path (`rows.add_dense`).
+
+Which rows use which slots is per denoiser call: the recipe sets it for the denoise of a batch, or for each step of
+a continuous group (`LoraBank.rows`), one entry per output row; a request's rows share its adapters, a doubled
+batch (batched CFG) repeats the assignment for each half, and a block that a step cache narrows to the rows that
+compute narrows the assignment with it (`runtime/row_view.py`).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,47 +31,44 @@ import torch
 
 from diffuserve.errors import ConfigError
 from diffuserve.lora.files import LoraAdapter
-from diffuserve.runtime.row_view import RowView, current_view
+from diffuserve.lora.rows import RowPlan, add_dense, add_rows, dense_scales, plan_rows
+from diffuserve.runtime.row_view import RowView, listening
 
 LORA_HOOK = "diffuserve_lora"
 """The name of the per-row adapter hook in each adapted layer's diffusers `HookRegistry`."""
-
-Groups = list[tuple[int, torch.Tensor, torch.Tensor]]
-"""(slot, row indices, per-row scales) for each slot some row uses."""
+LORA_DOWN = "diffuserve_lora_down"
+"""The buffer of an adapted Linear holding its stacked A slots, (slots, max_rank, in_features)."""
+LORA_UP = "diffuserve_lora_up"
+"""The buffer of an adapted Linear holding its stacked B slots, (slots, out_features, max_rank), alpha / rank in."""
 
 
 class _RowAssignment:
-    """The current batch's rows -> (slot, scale) pairs, with the segmented groups per row count."""
+    """One denoiser call's rows -> (slot, scale) pairs, with its index tensors per row count (`lora/rows.py`)."""
 
     def __init__(self, rows: Sequence[Sequence[tuple[int, float]]]) -> None:
         self.rows = [list(r) for r in rows]
-        self._groups: dict[tuple[int, str, RowView | None], Groups] = {}
+        self._plans: dict[tuple[int, str], RowPlan | None] = {}
+        self._narrowed: dict[RowView, _RowAssignment] = {}
 
-    def groups(self, total: int, device: torch.device, dtype: torch.dtype) -> Groups:
-        """The groups for a call of `total` rows: the assignment repeated when the batch is doubled (CFG), and
-        narrowed to the rows a step cache runs (`runtime/row_view.py`)."""
-        view = current_view()
-        if view is not None and view.full == total:
-            view = None  # not narrowed
-        key = (total, f"{device}:{dtype}", view)
-        if key not in self._groups:
-            if len(self._groups) >= 64:  # narrowed views vary from step to step; old ones are not coming back
-                self._groups.clear()
+    def plan(self, total: int, rank: int, device: torch.device, dtype: torch.dtype) -> RowPlan | None:
+        """The index and scale tensors of a call of `total` rows, built once per assignment."""
+        key = (total, f"{device}:{dtype}:{rank}")
+        if key not in self._plans:
+            self._plans[key] = plan_rows(self.rows, total, rank, device, dtype)
+        return self._plans[key]
+
+    def narrowed(self, view: RowView) -> _RowAssignment:
+        """The assignment of the rows `view` keeps of a call of `view.full` rows (this assignment repeated when the
+        call doubles the batch)."""
+        found = self._narrowed.get(view)
+        if found is None:
             n = len(self.rows)
-            full = view.full if view is not None else total
-            if full % n or (view is not None and len(view.rows) != total):
-                raise RuntimeError(f"an adapted layer got {total} rows but the batch assigned adapters to {n}")
-            per_slot: dict[int, tuple[list[int], list[float]]] = {}
-            for position, row in enumerate(view.rows if view is not None else range(full)):
-                for slot, scale in self.rows[row % n]:
-                    idx, scales = per_slot.setdefault(slot, ([], []))
-                    idx.append(position)
-                    scales.append(scale)
-            self._groups[key] = [
-                (slot, torch.tensor(idx, device=device), torch.tensor(scales, device=device, dtype=dtype))
-                for slot, (idx, scales) in sorted(per_slot.items())
-            ]
-        return self._groups[key]
+            if view.full % n:
+                raise RuntimeError(f"a call of {view.full} rows was narrowed but the batch assigned adapters to {n}")
+            if len(self._narrowed) >= 64:  # the computing rows vary from step to step
+                self._narrowed.clear()
+            found = self._narrowed[view] = _RowAssignment([self.rows[r % n] for r in view.rows])
+        return found
 
 
 def _lora_hook_class() -> type:
@@ -74,35 +77,50 @@ def _lora_hook_class() -> type:
     class LoraRowsHook(ModelHook):
         """`y = base(x)`, plus each row's adapters from the layer's slots (see the module docstring)."""
 
-        def __init__(self, bank: LoraBank, down: torch.Tensor, up: torch.Tensor) -> None:
+        def __init__(self, bank: LoraBank, layer: torch.nn.Module) -> None:
             super().__init__()
             self.bank = bank
-            self.down = down
+            self.layer = layer
+            """The adapted Linear, which holds the slots as buffers (`LORA_DOWN`, `LORA_UP`)."""
+            self.parallel: Any = None
+            """Under tensor parallel: the sum on the local shards (`lora/sharding.py`); None: the plain path."""
+
+        @property
+        def down(self) -> torch.Tensor:
             """(slots, max_rank, in_features); zero for slots whose adapter does not adapt this layer."""
-            self.up = up
+            return self.layer._buffers[LORA_DOWN]
+
+        @property
+        def up(self) -> torch.Tensor:
             """(slots, out_features, max_rank), with each adapter's alpha / rank folded in."""
+            return self.layer._buffers[LORA_UP]
 
         def new_forward(self, module: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             y = self.fn_ref.original_forward(x, *args, **kwargs)
+            if self.parallel is not None:
+                return self.parallel(self, y, x)
+            if torch.compiler.is_compiling():  # fixed shapes, scales as data: a new adapter mix does not recompile
+                scales = self.bank.dense
+                return y if scales is None else add_dense(y, x, self.down, self.up, scales)
             assignment = self.bank.current
             if assignment is None:
                 return y
-            if self.down.device != x.device or self.down.dtype != x.dtype:  # the layer moved (offload)
-                self.down, self.up = self.down.to(x.device, x.dtype), self.up.to(x.device, x.dtype)
-            view = (-1,) + (1,) * (x.dim() - 1)
-            for slot, idx, scales in assignment.groups(x.shape[0], x.device, x.dtype):
-                if not self.bank.adapts(slot, self):
-                    continue
-                part = torch.nn.functional.linear(x.index_select(0, idx), self.down[slot])
-                part = torch.nn.functional.linear(part, self.up[slot]) * scales.view(view)
-                y.index_add_(0, idx, part)  # in place: `y` is the base layer's own fresh output
-            return y
+            down, up = self.down, self.up
+            if down.device != x.device:  # a layer moved outside the residency manager: its slots follow
+                module._buffers[LORA_DOWN] = down = down.to(x.device)
+                module._buffers[LORA_UP] = up = up.to(x.device)
+            if down.dtype != x.dtype:
+                down, up = down.to(x.dtype), up.to(x.dtype)
+            plan = assignment.plan(x.shape[0], down.shape[1], x.device, x.dtype)
+            if plan is None:
+                return y
+            return add_rows(y, x, down, up, plan, self.bank.adapted(self))
 
     return LoraRowsHook
 
 
 class LoraBank:
-    """The adapters loaded at start-up, in per-layer slots of the denoiser(s), and the current batch's rows."""
+    """The adapters in per-layer slots of the denoiser(s), and the rows of the call being denoised."""
 
     def __init__(
         self,
@@ -119,78 +137,84 @@ class LoraBank:
                 f"--lora-modules: {len(adapters)} adapters but --max-loras {max_loras}; raise "
                 "--max-loras (adapters on the device at once) or load fewer."
             )
-        from diffusers.hooks import HookRegistry
-
         if isinstance(denoisers, torch.nn.Module):
             denoisers = {"transformer": denoisers}
         self.slots: dict[str, int] = {a.name: i for i, a in enumerate(adapters)}
         """Adapter name -> its slot in every adapted layer."""
         self.current: _RowAssignment | None = None
-        """The rows of the batch being denoised; None: no row uses an adapter (every layer is the base layer)."""
+        """The rows of the call being denoised; None: no row uses an adapter (every layer is the base layer)."""
+        self.dense: torch.Tensor | None = None
+        """The current call's scales per row and slot (`rows.dense_scales`), which compiled code reads; None: none."""
+        self._shape = (max_loras, max_rank, torch.device(device), dtype)
         self._lock = threading.Lock()
         self._adapted: dict[int, set[int]] = {}
         self._assignments: dict[tuple[tuple[tuple[str, float], ...], ...], _RowAssignment] = {}
         """Recent row assignments by their rows: a continuous group keeps its rows for many steps."""
         self._layers = {key: dict(model.named_modules()) for key, model in denoisers.items()}
-        self._geometry = (max_loras, max_rank, device, dtype)
         self.hooks: dict[tuple[str, str], Any] = {}
         """(denoiser, adapted module name) -> its hook (`place` writes slots through these)."""
-        hook_class = _lora_hook_class()
-        targets = sorted({(a.denoiser, m) for a in adapters for m in a.modules})
-        for denoiser, module in targets:
-            layer = self._layers[denoiser][module]
-            mine = [
-                (slot, a.modules[module])
-                for slot, a in enumerate(adapters)
-                if a.denoiser == denoiser and module in a.modules
-            ]
-            down = torch.zeros(max_loras, max_rank, layer.in_features, device=device, dtype=dtype)
-            up = torch.zeros(max_loras, layer.out_features, max_rank, device=device, dtype=dtype)
-            for slot, part in mine:
-                rank = part.down.shape[0]
-                down[slot, :rank] = part.down.to(device, dtype)
-                up[slot, :, :rank] = (part.up.float() * part.scaling).to(device, dtype)
-            hook = hook_class(self, down, up)
-            self._adapted[id(hook)] = {slot for slot, _ in mine}
-            HookRegistry.check_if_exists_or_initialize(layer).register_hook(hook, LORA_HOOK)
-            self.hooks[(denoiser, module)] = hook
-        self.layers = len(targets)
+        for denoiser, module in sorted({(a.denoiser, m) for a in adapters for m in a.modules}):
+            hook = self._hook((denoiser, module))
+            for slot, adapter in enumerate(adapters):
+                if adapter.denoiser == denoiser and module in adapter.modules:
+                    self._write(hook, slot, adapter.modules[module])
+        self.layers = len(self.hooks)
         """How many Linear layers carry the hook."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all slots (whole, before tensor parallel cuts them): what the DiT holds beyond its weights."""
+        return sum(t.numel() * t.element_size() for h in self.hooks.values() for t in (h.down, h.up))
+
+    def _hook(self, key: tuple[str, str]) -> Any:
+        """Empty slots on layer `key` (its buffers) and its hook."""
+        from diffusers.hooks import HookRegistry
+
+        max_loras, max_rank, device, dtype = self._shape
+        layer = self._layers[key[0]][key[1]]
+        layer.register_buffer(
+            LORA_DOWN, torch.zeros(max_loras, max_rank, layer.in_features, device=device, dtype=dtype), False
+        )
+        layer.register_buffer(
+            LORA_UP, torch.zeros(max_loras, layer.out_features, max_rank, device=device, dtype=dtype), False
+        )
+        hook = _lora_hook_class()(self, layer)
+        self._adapted[id(hook)] = set()
+        HookRegistry.check_if_exists_or_initialize(layer).register_hook(hook, LORA_HOOK)
+        self.hooks[key] = hook
+        return hook
+
+    def _write(self, hook: Any, slot: int, part: Any) -> None:
+        rank = part.down.shape[0]
+        down, up = hook.down, hook.up
+        down[slot].zero_()
+        up[slot].zero_()
+        down[slot, :rank] = part.down.to(down.device, down.dtype)
+        up[slot, :, :rank] = (part.up.float() * part.scaling).to(up.device, up.dtype)
+        self._adapted[id(hook)].add(slot)
 
     def place(self, slot: int, adapter: LoraAdapter | None) -> None:
         """Write `adapter` into `slot` of every adapted layer (None: empty the slot), hooking the layers it adapts
-        that no adapter adapted before. Runtime loads go through this; call it between batches, on the thread
-        that runs them (never while a batch's rows are set)."""
-        from diffusers.hooks import HookRegistry
-
-        max_loras, max_rank, device, dtype = self._geometry
+        that no adapter adapted before. Runtime loads go through this; call it between calls, on the thread that
+        runs them (never while a call's rows are set)."""
         self._assignments.clear()  # they hold slot numbers, which may now name another adapter
         modules = {(adapter.denoiser, m): part for m, part in adapter.modules.items()} if adapter is not None else {}
         for key in sorted(set(modules) - set(self.hooks)):
-            denoiser, module = key
-            layer = self._layers[denoiser][module]
-            down = torch.zeros(max_loras, max_rank, layer.in_features, device=device, dtype=dtype)
-            up = torch.zeros(max_loras, layer.out_features, max_rank, device=device, dtype=dtype)
-            hook = _lora_hook_class()(self, down, up)
-            self._adapted[id(hook)] = set()
-            HookRegistry.check_if_exists_or_initialize(layer).register_hook(hook, LORA_HOOK)
-            self.hooks[key] = hook
+            self._hook(key)
         self.layers = len(self.hooks)
         for key, hook in self.hooks.items():
             part = modules.get(key)
-            adapted = self._adapted[id(hook)]
             if part is None:
-                adapted.discard(slot)  # the hook skips the slot: no need to zero it
-                continue
-            rank = part.down.shape[0]
-            hook.down[slot].zero_()
-            hook.up[slot].zero_()
-            hook.down[slot, :rank] = part.down.to(hook.down.device, hook.down.dtype)
-            hook.up[slot, :, :rank] = (part.up.float() * part.scaling).to(hook.up.device, hook.up.dtype)
-            adapted.add(slot)
+                self._adapted[id(hook)].discard(slot)  # the hook skips the slot: no need to zero it
+            else:
+                self._write(hook, slot, part)
 
     def adapts(self, slot: int, hook: Any) -> bool:
         return slot in self._adapted[id(hook)]
+
+    def adapted(self, hook: Any) -> set[int]:
+        """The slots whose adapter adapts `hook`'s layer (the others are zero there)."""
+        return self._adapted[id(hook)]
 
     def slot_rows(self, loras: Sequence[Sequence[tuple[str, float]]]) -> list[list[tuple[int, float]]]:
         """Per row, its (slot, scale) pairs; an unknown name fails naming it (the server refuses it earlier)."""
@@ -214,6 +238,18 @@ class LoraBank:
             found = self._assignments[key] = _RowAssignment(self.slot_rows(loras))
         return found
 
+    def _narrow(self, view: RowView) -> Callable[[], None]:
+        """A step cache narrowed the call to `view`'s rows: the assignment follows until the returned restore."""
+        current, dense = self.current, self.dense
+        if current is not None:
+            self.current = current.narrowed(view)
+            self.dense = dense_scales(self.current.rows, *self._shape)
+
+        def restore() -> None:
+            self.current, self.dense = current, dense
+
+        return restore
+
     @contextmanager
     def rows(self, loras: Sequence[Sequence[tuple[str, float]]]) -> Iterator[None]:
         """Within: the adapted layers apply row r's adapters `loras[r]` ((name, scale) pairs), one entry per row
@@ -222,12 +258,14 @@ class LoraBank:
             yield
             return
         assignment = self.assignment(loras)
-        with self._lock:
+        with self._lock, listening(self._narrow):
             self.current = assignment
+            self.dense = dense_scales(assignment.rows, *self._shape)
             try:
                 yield
             finally:
                 self.current = None
+                self.dense = None
 
 
 def install_lora(

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from diffuserve.errors import ConfigError
+from diffuserve.lora.sharding import shard_lora_slots
 
 WAN_TP_PLAN = {
     "blocks.*.attn1.to_q": "colwise",
@@ -233,6 +234,7 @@ def enable_tensor_parallel(pipeline: Any, *, mesh: Any) -> list[str]:
             _shard_wan_attention(module, mesh)
         with torch.no_grad():
             _parallelize(module, plan, mesh)
+            shard_lora_slots(module, plan, mesh)  # per-request LoRA: A / B cut like their base weight
         module.requires_grad_(False)
     from diffuserve.parallel.agreement import FromFirstRank, add_agreement
 

@@ -2,14 +2,15 @@
 
 A step cache runs the blocks after its decision on the rows that compute at this step only
 (`pipelines/step_cache.py`). Per-row state that is laid out by the rows of the whole call — LoRA's row -> adapter
-assignment (`lora/layers.py`) — reads the view to follow the narrowing. One view per thread (a context variable):
-the batch's own thread sets it around the narrowed block and the adapted layers inside read it.
+assignment (`lora/layers.py`) — listens for the narrowing and follows it while the narrowed blocks run. Both live on
+the batch's own thread, so the listeners are per thread (a context variable); narrowing happens outside compiled
+code (the step cache's bookkeeping is not traced), so compiled layers only see the state the listeners set.
 """
 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -24,19 +25,29 @@ class RowView:
     """Rows of the whole call (a doubled CFG batch counts both halves)."""
 
 
-_VIEW: contextvars.ContextVar[RowView | None] = contextvars.ContextVar("diffuserve_row_view", default=None)
+Listener = Callable[[RowView], Callable[[], None]]
+"""Called when a call is narrowed; returns what restores its state when the narrowing ends."""
+
+_LISTENERS: contextvars.ContextVar[tuple[Listener, ...]] = contextvars.ContextVar("diffuserve_row_view", default=())
+
+
+@contextmanager
+def listening(listener: Listener) -> Iterator[None]:
+    """Within: `listener` hears every narrowing on this thread."""
+    token = _LISTENERS.set((*_LISTENERS.get(), listener))
+    try:
+        yield
+    finally:
+        _LISTENERS.reset(token)
 
 
 @contextmanager
 def narrowed_to(rows: tuple[int, ...], full: int) -> Iterator[None]:
     """Within: the layers called run rows `rows` of a `full`-row call."""
-    token = _VIEW.set(RowView(tuple(rows), full))
+    view = RowView(tuple(rows), full)
+    restores = [listener(view) for listener in _LISTENERS.get()]
     try:
         yield
     finally:
-        _VIEW.reset(token)
-
-
-def current_view() -> RowView | None:
-    """The narrowing in force on this thread, or None (the layers see every row of the call)."""
-    return _VIEW.get()
+        for restore in reversed(restores):
+            restore()
