@@ -13,8 +13,9 @@ FlashVDM (turbo's hierarchical decode, on by default for turbo here; opt-in in t
 reference's `FlashVDMVolumeDecoding` at octree 48 with min_resolution 15 on both sides (a 24^3 coarse level, then
 the points near its surface at 47^3; the served default 63 needs octree >= 126 for a second level, ~10x the
 time on this CPU): the same points are queried (NaN elsewhere, the same NaN pattern), the logits agree within
-1e-4, the vertices within 1e-4 (the volume and its NaN pattern also checked at octree 128 with the default 63). The top-k choice is
-discrete, so both sides must see the same scores: the chunk size is the reference's 8000 on both sides.
+1e-4, the vertices within 1e-4 (the volume and its NaN pattern also checked once at octree 128 with the default
+63). The top-k choice is discrete, so both sides must see the same scores: the chunk size is the reference's 8000
+on both sides.
 """
 
 from __future__ import annotations
