@@ -15,7 +15,7 @@ from diffuserve.errors import InvalidRequestError, RequestCancelledError
 from diffuserve.media.meshes import encode_mesh
 from diffuserve.models.loader import load_pipeline
 from diffuserve.sampling import SamplingParams
-from tests.integration.family_checks import with_residency
+from tests.integration.family_checks import layered_components, with_residency
 
 VOLUME_TOLERANCE = 1e-5
 """Batched vs solo: the DiT and decoder matmuls run with another batch size, so float32 sums may round
@@ -106,6 +106,16 @@ def test_residency_modes_reproduce_the_resident_volume(pipe):
         output, ledger = with_residency(pipe, dict.fromkeys(pipe.components, mode), run)
         assert torch.equal(output, reference), mode
         assert {m.component for m in ledger.moves()} == set(pipe.components), mode
+    # Layer-wise: the DiT's double and single blocks stream one by one (the others offload whole); bit-equal.
+    assert layered_components(pipe) == ["model"]
+    modes = {name: ResidencyMode.COMPONENT_OFFLOAD for name in pipe.components}
+    output, ledger = with_residency(pipe, {**modes, "model": ResidencyMode.LAYERWISE_OFFLOAD}, run)
+    assert torch.equal(output, reference)
+    streamed = [m.layer for m in ledger.moves() if m.component == "model" and m.layer and m.direction == "h2d"]
+    blocks = [f"double_blocks.{i}" for i in range(len(pipe.model.double_blocks))]
+    blocks += [f"single_blocks.{i}" for i in range(len(pipe.model.single_blocks))]
+    # Every block of every step (2 steps, CFG rows in the same call), in execution order.
+    assert streamed == blocks * 2, streamed
 
 
 def test_cancel_between_steps_and_progress(pipe):
