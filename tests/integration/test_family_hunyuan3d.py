@@ -158,7 +158,7 @@ top 1024) approximate far more closely; the reference's own FlashVDM is the exac
 
 
 def test_flashvdm_for_turbo_batched_and_against_dense(release):
-    from diffuserve.pipelines.hunyuan3d import extract_surface
+    from diffuserve.families.hunyuan3d.adapter import extract_surface
 
     pipe = load_pipeline(release, model_id="Hunyuan3D-2-turbo")
     assert pipe.volume_decoder == "flashvdm"

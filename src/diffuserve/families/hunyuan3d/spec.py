@@ -16,7 +16,7 @@ SPEC = FamilySpec(
     model_id_patterns=(r"hunyuan3d",),
     output_kind="mesh",
     tasks=frozenset({"i2mesh"}),
-    native_adapter="diffuserve.pipelines.hunyuan3d:Hunyuan3DPipeline",
+    native_adapter="diffuserve.families.hunyuan3d.adapter:Hunyuan3DPipeline",
     # SGLang's (and the reference's flow-matching pipeline's) defaults.
     defaults=SamplingDefaults(width=64, height=64, num_inference_steps=50, guidance_scale=5.0),
     profile=ProfileFacts(default_uses_cfg=True),
