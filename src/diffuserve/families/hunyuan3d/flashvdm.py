@@ -93,7 +93,14 @@ def _dilate(mask: torch.Tensor) -> torch.Tensor:
     return F.max_pool3d(mask[None, None].float(), 3, stride=1, padding=1)[0, 0]
 
 
-def _coarse(decoded: torch.Tensor, geo_decoder: Callable[..., torch.Tensor], box: float, res: int, chunk: int):
+def _coarse(
+    decoded: torch.Tensor,
+    geo_decoder: Callable[..., torch.Tensor],
+    box: float,
+    res: int,
+    chunk: int,
+    on_chunk: Callable[[], None] | None,
+) -> torch.Tensor:
     """Level 0 of one row: (side, side, side) logits, mini-grid by mini-grid."""
     axis = np.linspace(-box, box, res + 1, dtype=np.float32)
     xyz = torch.from_numpy(np.stack(np.meshgrid(axis, axis, axis, indexing="ij"), axis=-1)).to(decoded)
@@ -102,6 +109,8 @@ def _coarse(decoded: torch.Tensor, geo_decoder: Callable[..., torch.Tensor], box
     per_call = max(chunk // xyz.shape[1], 1)
     parts = []
     for start in range(0, xyz.shape[0], per_call):
+        if on_chunk is not None:
+            on_chunk()
         queries = xyz[start : start + per_call]
         latents = decoded.expand(queries.shape[0], -1, -1)
         parts.append(geo_decoder(queries=queries, latents=latents, attend=_coarse_attend))
@@ -109,7 +118,9 @@ def _coarse(decoded: torch.Tensor, geo_decoder: Callable[..., torch.Tensor], box
     return logits.reshape(res + 1, res + 1, res + 1)
 
 
-def _refine_points(grid: torch.Tensor, res: int, last: bool, box: float, level: float):
+def _refine_points(
+    grid: torch.Tensor, res: int, last: bool, box: float, level: float
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """The points of the next level (cells per side `res`) near the previous level's surface."""
     near = _near_surface(grid, level) + (grid.abs() < 0.95).to(torch.int32)
     if not last:
@@ -124,7 +135,17 @@ def _refine_points(grid: torch.Tensor, res: int, last: bool, box: float, level: 
     return where, torch.stack(where, dim=1) * cell - box
 
 
-def _refine(decoded, geo_decoder, grid, res, last, box, level, chunk, on_chunk):
+def _refine(
+    decoded: torch.Tensor,
+    geo_decoder: Callable[..., torch.Tensor],
+    grid: torch.Tensor,
+    res: int,
+    last: bool,
+    box: float,
+    level: float,
+    chunk: int,
+    on_chunk: Callable[[], None] | None,
+) -> torch.Tensor:
     """One finer level of one row: the logits on (res+1)^3 points, UNSET where not queried."""
     where, points = _refine_points(grid, res, last, box, level)
     low, high = points.min(dim=0).values, points.max(dim=0).values
@@ -170,9 +191,7 @@ def flashvdm_decode(
     rows = []
     for row in range(decoded.shape[0]):
         latents = decoded[row : row + 1]
-        if on_chunk is not None:
-            on_chunk()
-        grid = _coarse(latents, geo_decoder, bounds, levels[0], chunk_size)
+        grid = _coarse(latents, geo_decoder, bounds, levels[0], chunk_size, on_chunk)
         for res in levels[1:]:
             grid = _refine(latents, geo_decoder, grid, res, res == levels[-1], bounds, level, chunk_size, on_chunk)
         rows.append(grid.float())
