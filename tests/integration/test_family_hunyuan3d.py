@@ -157,6 +157,26 @@ top 1024) approximate far more closely; the reference's own FlashVDM is the exac
 (tests/integration/test_hunyuan3d_reference.py)."""
 
 
+def test_a_config_yaml_picks_the_volume_decoder(release, tmp_path):
+    import shutil
+
+    import yaml
+
+    from diffuserve.errors import CheckpointError
+
+    folder = tmp_path / "hunyuan3d-dit-v2-0-turbo"
+    shutil.copytree(release / folder.name, folder)
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    for choice, expected in (("dense", "dense"), ("auto", "flashvdm")):
+        config["diffuserve"]["volume_decoder"] = choice
+        (folder / "config.yaml").write_text(yaml.safe_dump(config))
+        assert load_pipeline(folder).volume_decoder == expected
+    config["diffuserve"]["volume_decoder"] = "fast"
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(CheckpointError, match="volume_decoder"):
+        load_pipeline(folder)
+
+
 def test_flashvdm_for_turbo_batched_and_against_dense(release):
     from diffuserve.families.hunyuan3d.adapter import extract_surface
 

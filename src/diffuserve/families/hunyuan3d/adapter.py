@@ -71,6 +71,8 @@ class MeshSettings:
 
 logger = logging.getLogger(__name__)
 
+VOLUME_DECODERS = ("auto", "dense", "flashvdm")
+"""`MeshSettings.volume_decoder` values (a config.yaml's `diffuserve: {volume_decoder: ...}` picks one)."""
 SCHEDULERS = ("FlowMatchEulerDiscreteScheduler", "ConsistencyFlowMatchEulerDiscreteScheduler")
 
 
@@ -192,7 +194,15 @@ class Hunyuan3DPipeline(Pipeline):
         processor = (config.get("image_processor") or {}).get("params") or {}
         # A tiny checkpoint's own `diffuserve:` section suggests small defaults (the reference ignores it).
         suggested = config.get("diffuserve") or {}
-        settings = MeshSettings(default_octree_resolution=int(suggested.get("octree_resolution", 384)))
+        decoder = str(suggested.get("volume_decoder", "auto"))
+        if decoder not in VOLUME_DECODERS:
+            raise CheckpointError(
+                f"{folder}/config.yaml: diffuserve.volume_decoder {decoder!r} is not one of {list(VOLUME_DECODERS)}.",
+                param="model_path",
+            )
+        settings = MeshSettings(
+            default_octree_resolution=int(suggested.get("octree_resolution", 384)), volume_decoder=decoder
+        )
         pipeline = cls(
             modules["model"],
             modules["vae"],
