@@ -76,6 +76,17 @@ VOLUME_DECODERS = ("auto", "dense", "flashvdm")
 SCHEDULERS = ("FlowMatchEulerDiscreteScheduler", "ConsistencyFlowMatchEulerDiscreteScheduler")
 
 
+def _suggested_settings(folder: Path, suggested: dict[str, Any]) -> MeshSettings:
+    """MeshSettings from a config.yaml's own `diffuserve:` section (tiny defaults, the volume decoder)."""
+    decoder = str(suggested.get("volume_decoder", "auto"))
+    if decoder not in VOLUME_DECODERS:
+        raise CheckpointError(
+            f"{folder}/config.yaml: diffuserve.volume_decoder {decoder!r} is not one of {list(VOLUME_DECODERS)}.",
+            param="model_path",
+        )
+    return MeshSettings(default_octree_resolution=int(suggested.get("octree_resolution", 384)), volume_decoder=decoder)
+
+
 def extract_surface(volume: np.ndarray, *, level: float, box: float, resolution: int) -> Mesh:
     """Marching cubes (scikit-image, Lewiner) on one volume; vertices mapped into the box as the reference does
     (index / (res + 1) * 2 box - box, `res` the requested octree resolution even where FlashVDM's grid is a
@@ -194,15 +205,7 @@ class Hunyuan3DPipeline(Pipeline):
         processor = (config.get("image_processor") or {}).get("params") or {}
         # A tiny checkpoint's own `diffuserve:` section suggests small defaults (the reference ignores it).
         suggested = config.get("diffuserve") or {}
-        decoder = str(suggested.get("volume_decoder", "auto"))
-        if decoder not in VOLUME_DECODERS:
-            raise CheckpointError(
-                f"{folder}/config.yaml: diffuserve.volume_decoder {decoder!r} is not one of {list(VOLUME_DECODERS)}.",
-                param="model_path",
-            )
-        settings = MeshSettings(
-            default_octree_resolution=int(suggested.get("octree_resolution", 384)), volume_decoder=decoder
-        )
+        settings = _suggested_settings(folder, suggested)
         pipeline = cls(
             modules["model"],
             modules["vae"],
