@@ -3,6 +3,8 @@
 
     .venv/bin/python benchmarks/bench_hunyuan3d.py                       # octree 128,256; steps 5; 2 repeats
     .venv/bin/python benchmarks/bench_hunyuan3d.py --octree 128 --steps 2 --repeats 1 --device cuda
+    .venv/bin/python benchmarks/bench_hunyuan3d.py --variant hunyuan3d-dit-v2-0-turbo   # FlashVDM (turbo's default)
+    .venv/bin/python benchmarks/bench_hunyuan3d.py --variant hunyuan3d-dit-v2-0-turbo --volume-decoder dense
 
 The tiny DiT and decoder are a few hundred kilobytes, so the figures show where the time of the *recipe* goes
 (the volume decode grows with octree^3 and with the rows; marching cubes and export with the surface), not what
@@ -13,6 +15,7 @@ and per job.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import tempfile
 import time
@@ -62,6 +65,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="Runs per point; the fastest total is kept.")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--checkpoint", default=None, help="A Hunyuan3D-2 folder (default: build the tiny release).")
+    parser.add_argument("--variant", default=None, help="Subfolder / --model-id of the release (default: 2.0).")
+    parser.add_argument(
+        "--volume-decoder", default="auto", choices=("auto", "dense", "flashvdm"), help="auto: FlashVDM for turbo."
+    )
     ns = parser.parse_args()
 
     import torch
@@ -72,10 +79,14 @@ def main() -> None:
     folder = Path(ns.checkpoint) if ns.checkpoint else Path(tempfile.mkdtemp()) / "hunyuan3d-tiny"
     if ns.checkpoint is None:
         build_hunyuan3d(folder)
-    pipe = load_pipeline(folder, device=ns.device)
+    pipe = load_pipeline(folder, model_id=ns.variant, device=ns.device)
+    pipe.settings = dataclasses.replace(pipe.settings, volume_decoder=ns.volume_decoder)
     measure(pipe, 32, 1, 1)  # warm-up
     order = ("encode", "denoise", "volume_decode", "marching_cubes", "export")
-    print(f"device={ns.device} threads={torch.get_num_threads()} steps={ns.steps} chunk={pipe.settings.chunk_size}")
+    print(
+        f"variant={pipe.variant} volume_decoder={pipe.volume_decoder} device={ns.device} "
+        f"threads={torch.get_num_threads()} steps={ns.steps} chunk={pipe.settings.chunk_size}"
+    )
     print(f"{'octree':>6} {'jobs':>4} " + " ".join(f"{s:>14}" for s in order) + f" {'total':>9} {'per job':>9}")
     for octree in (int(x) for x in ns.octree.split(",")):
         for batch in (1, 4):

@@ -1,8 +1,8 @@
 """`/v1/meshes` (SGLang-Diffusion's mesh job API) against a real server on the tiny Hunyuan3D-2 release: four jobs
 with equal steps / guidance / octree run as ONE DiT batch and each equals its solo in-process run; GLB is a real
-GLB, OBJ is text; errors name the field and keep no job; list / get / cancel / delete. The official `openai` SDK
-has no meshes resource, so the test talks httpx (as SGLang's clients do) and lists once through the SDK's generic
-`client.get`."""
+GLB, OBJ is text; errors name the field and keep no job; list / get / cancel / delete; past --max-mesh-jobs
+unfinished jobs a create is refused with 429. The official `openai` SDK has no meshes resource, so the test talks
+httpx (as SGLang's clients do) and goes through the SDK's generic `client.get` / `client.post` once each."""
 
 from __future__ import annotations
 
@@ -15,10 +15,19 @@ import numpy as np
 import pytest
 
 from tests.integration.test_family_hunyuan3d import object_png
+from tests.step_hold import StepHold
 
 
 @pytest.fixture(scope="module")
-def mesh_server(tiny_checkpoint, tmp_path_factory):
+def mesh_hold(tmp_path_factory) -> StepHold:
+    """Mesh jobs whose prompt carries StepHold.MARKER wait at their DiT steps while armed."""
+    hold = StepHold(tmp_path_factory.mktemp("mesh-hold"))
+    hold.release()
+    return hold
+
+
+@pytest.fixture(scope="module")
+def mesh_server(tiny_checkpoint, tmp_path_factory, mesh_hold):
     from tests.serverproc import ServerProcess
 
     logs = tmp_path_factory.mktemp("meshes")
@@ -38,8 +47,11 @@ def mesh_server(tiny_checkpoint, tmp_path_factory):
             "--enable-batching-metrics",
             "--max-octree-resolution",
             "64",
+            "--max-mesh-jobs",
+            "4",
         ],
         logs / "server.log",
+        env=mesh_hold.env(),
     )
     server.start(timeout_s=180)
     yield server
@@ -180,3 +192,28 @@ def test_image_and_video_routes_point_to_meshes(mesh_server):
             reply = client.post(route, json=body)
             assert reply.status_code == 400 and reply.json()["error"]["param"] == "model", reply.text
             assert "/v1/meshes" in reply.json()["error"]["message"]
+
+
+def test_past_max_mesh_jobs_a_create_is_refused_429(mesh_server, mesh_hold):
+    import openai
+
+    sdk = openai.OpenAI(base_url=f"{mesh_server.base_url}/v1", api_key="unused", max_retries=0)
+    png = base64.b64encode(object_png()).decode()
+    body = {"input_image": f"data:image/png;base64,{png}", "seed": 1, "num_inference_steps": 2, "octree_resolution": 24}
+    with httpx.Client(base_url=mesh_server.base_url, timeout=30) as client:
+        mesh_hold.arm()  # the four jobs cannot finish until released: all four stay unfinished
+        try:
+            held = [_create(client, seed, prompt=f"held {StepHold.MARKER}") for seed in (21, 22, 23, 24)]
+            before = client.get("/v1/meshes", params={"limit": 100}).json()["data"]
+            with pytest.raises(openai.RateLimitError) as refused:
+                sdk.post("/meshes", body=body, cast_to=object)
+            assert refused.value.status_code == 429 and refused.value.code == "too_many_mesh_jobs"
+            assert "--max-mesh-jobs" in refused.value.message
+            assert int(refused.value.response.headers["retry-after"]) >= 1
+            assert client.get("/v1/meshes", params={"limit": 100}).json()["data"] == before, "no job kept"
+        finally:
+            mesh_hold.release()
+        assert [_wait(client, j["id"])["status"] for j in held] == ["completed"] * 4
+        # Room again once they finished (the finished ones are kept, within the cap, oldest dropped first).
+        again = sdk.post("/meshes", body=body, cast_to=object)
+        assert _wait(client, again["id"])["status"] == "completed"

@@ -75,3 +75,22 @@ def test_registry_and_plan_read_the_layout(tmp_path: Path):
         "vae": "vae",
         "conditioner": "image_encoder",
     }
+
+
+def test_the_plan_sees_the_dit_blocks_layer_wise_offload_streams(tmp_path: Path):
+    import json
+    import struct
+
+    from diffuserve.config.model_profiles import profile_from_checkpoint
+
+    root = release(tmp_path / "r", names=("hunyuan3d-dit-v2-0",))
+    keys = ["model.latent_in.weight", "model.double_blocks.0.w", "model.single_blocks.0.w", "model.single_blocks.1.w"]
+    keys += ["vae.transformer.resblocks.0.w", "conditioner.c"]
+    header = {k: {"dtype": "F16", "shape": [2], "data_offsets": [4 * i, 4 * i + 4]} for i, k in enumerate(keys)}
+    blob = json.dumps(header).encode()
+    (root / "hunyuan3d-dit-v2-0" / "model.fp16.safetensors").write_bytes(
+        struct.pack("<Q", len(blob)) + blob + bytes(4 * len(keys))
+    )
+    dit = profile_from_checkpoint(root).components["model"]
+    assert dit.has_layers and dit.layer_container_paths == ("double_blocks", "single_blocks")
+    assert (dit.num_layers, dit.layers_bytes, dit.param_bytes) == (3, 12, 16)

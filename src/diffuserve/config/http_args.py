@@ -55,6 +55,13 @@ class HttpArgs:
         SERVER_GROUP,
     )
     """Capacity of the video job store (queued and running jobs are never dropped)."""
+    max_mesh_jobs: int = flag(
+        128,
+        "Mesh jobs (POST /v1/meshes) kept with their GLB/OBJ; past it the oldest finished jobs are dropped. It also "
+        "bounds the mesh jobs one server has queued or running: one more is refused with 429 (Retry-After).",
+        SERVER_GROUP,
+    )
+    """Capacity of the mesh job store, and the cap on one process's unfinished mesh jobs."""
     output_dir: str | None = flag(
         None,
         "Folder of the results store (SQLite metadata + media files of video jobs and url images); survives restarts "
@@ -103,6 +110,7 @@ class HttpArgs:
                     f"{self.max_octree_resolution} must be >= 16",
                 ),
                 (self.max_video_jobs < 1, "--max-video-jobs", f"{self.max_video_jobs} must be >= 1"),
+                (self.max_mesh_jobs < 1, "--max-mesh-jobs", f"{self.max_mesh_jobs} must be >= 1"),
                 (self.result_ttl_s < 0, "--result-ttl-s", f"{self.result_ttl_s} must be >= 0 (0 = keep until removed)"),
                 (self.result_cache_mib < 0, "--result-cache-mib", f"{self.result_cache_mib} must be >= 0 (0 = off)"),
                 (self.max_output_bytes < 0, "--max-output-bytes", f"{self.max_output_bytes} must be >= 0 (0 = no cap)"),

@@ -315,6 +315,26 @@ def _hunyuan3d_profile(folder: Path) -> ModelProfile:
         key: ComponentProfile(name=key, group=group, class_name=cls, param_bytes=sizes[key])
         for key, (group, cls) in COMPONENTS.items()
     }
+    # The DiT's declared blocks (its layer rule), counted from the `model.` keys of the one weights file.
+    from diffuserve import families
+
+    weights = folder / "model.fp16.safetensors"
+    stored = read_safetensors_sizes(weights) if weights.is_file() else {}
+    dit = {k.split(".", 1)[1]: n for k, n in stored.items() if k.startswith("model.")}
+    paths: list[str] = []
+    count, nbytes = 0, 0
+    for path, _ in families.layer_rules().get(COMPONENTS["model"][1], ()):
+        indices, size = _scan_layers(path, dit)
+        if indices:
+            paths.append(path)
+            count, nbytes = count + len(indices), nbytes + size
+    components["model"] = dataclasses.replace(
+        components["model"],
+        layer_container_paths=tuple(paths),
+        num_layers=count,
+        layers_bytes=nbytes,
+        has_layers=count > 0,
+    )
     return family_profile("hunyuan3d").with_components(components)
 
 

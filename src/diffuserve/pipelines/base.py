@@ -86,7 +86,7 @@ class RequestOutput:
     step_cache: dict[str, Any] | None = None
     """Step-cache counts of the request's rows (method, computed_steps, reused_steps); None without a cache."""
     meshes: list[Any] = field(default_factory=list)
-    """Mesh families: one `pipelines.hunyuan3d.Mesh` (vertices, faces) per output row."""
+    """Mesh families: one `families.hunyuan3d.adapter.Mesh` (vertices, faces) per output row."""
 
 
 @dataclass

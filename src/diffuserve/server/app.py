@@ -149,9 +149,10 @@ def create_app(ctx: ServerContext) -> FastAPI:
     """Build the app around an engine that is started by the lifespan (load and warm-up run in its thread)."""
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ctx.engine.start()
         openai_videos.start_results_sweep(ctx)
+        openai_meshes.start_mesh_sync(ctx, app)
         try:
             yield
         finally:

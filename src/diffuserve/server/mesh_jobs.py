@@ -3,7 +3,9 @@
 A job is `queued`, then `in_progress` once its first DiT step is reported, and ends `completed` (with its GLB or
 OBJ file), `failed` or `cancelled`; a finished job never changes again. Jobs are rows of kind `mesh` in the
 results store (storage/results.py, used only through its public methods), so they survive a restart and are seen
-by every process sharing it. Past `max_jobs` rows the oldest finished jobs are dropped first.
+by every process sharing it. Past `max_jobs` rows the oldest finished jobs are dropped first, and a process
+takes no more than `max_jobs` unfinished jobs (`check_room`: 429). A cancel or delete sent to another replica
+finishes or removes the row; the process running the job finds that (`live_ids_finished_elsewhere`) and stops it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffuserve.errors import QueueFullError
 from diffuserve.storage import Record, ResultStore
 
 KIND = "mesh"
@@ -98,6 +101,12 @@ class MeshJob:
         )
 
 
+class TooManyMeshJobsError(QueueFullError):
+    """A create while this process already has --max-mesh-jobs jobs queued or running."""
+
+    code = "too_many_mesh_jobs"
+
+
 class MeshJobStore:
     """Mesh jobs by id, newest first; thread-safe; bounded by `max_jobs` rows (live ones always kept)."""
 
@@ -106,6 +115,36 @@ class MeshJobStore:
         self.max_jobs = max_jobs
         self._live: dict[str, MeshJob] = {}
         self._lock = threading.Lock()
+
+    def check_room(self) -> None:
+        """Raise TooManyMeshJobsError when `max_jobs` jobs of this process are unfinished (none could be dropped
+        to keep the new one within the cap)."""
+        with self._lock:
+            live = len(self._live)
+        if live >= self.max_jobs:
+            raise TooManyMeshJobsError(
+                f"This server already has {live} mesh jobs queued or running (--max-mesh-jobs {self.max_jobs}); "
+                "retry once one finishes, or cancel one.",
+                retry_after_s=1.0,
+            )
+
+    def live_ids(self) -> list[str]:
+        """Ids of the jobs this process runs or has queued."""
+        with self._lock:
+            return list(self._live)
+
+    def live_ids_finished_elsewhere(self) -> list[str]:
+        """Jobs this process runs whose row another process finished or deleted (a cancel or delete sent to
+        another replica); they are forgotten here and returned so the caller can abort them."""
+        gone = []
+        for job_id in self.live_ids():
+            record = self.results.get(job_id)
+            if record is None or not record.live:
+                gone.append(job_id)
+        with self._lock:
+            for job_id in gone:
+                self._live.pop(job_id, None)
+        return gone
 
     def add(self, job: MeshJob) -> None:
         with self._lock:

@@ -6,6 +6,8 @@ cancel, delete), for mesh families (Hunyuan3D-2).
 `octree_resolution`; `prompt` is accepted and ignored, as SGLang does. The job is admitted to the engine as a
 normal request, so dynamic batching merges jobs with equal steps, guidance and octree settings into one DiT batch;
 a rejected create keeps no job. The GLB asked for is a real GLB (SGLang writes OBJ when texturing is off).
+With a shared results store, a cancel or delete sent to any replica stops the job where it runs
+(`start_mesh_sync`, as video jobs do).
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import asyncio
 import base64
 import binascii
 import dataclasses
+import logging
 import threading
 import time
 import uuid
 from typing import Any, Literal
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -34,6 +37,7 @@ from diffuserve.server.mesh_jobs import MeshJob, MeshJobStore
 from diffuserve.server.protocol import MAX_SEED, coerce_form_fields, error_envelope
 
 router = APIRouter()
+logger = logging.getLogger(__name__)
 IMAGE_FIELDS = ("image", "input_image")
 _store_lock = threading.Lock()
 
@@ -57,14 +61,44 @@ class MeshCreateRequest(BaseModel):
     octree_resolution: StrictInt | None = Field(default=None, ge=16, description="Grid cells per side of the volume.")
 
 
-def _jobs(request: Request) -> MeshJobStore:
-    ctx = server_context(request)
+def _app_jobs(app: FastAPI, ctx: ServerContext) -> MeshJobStore:
     with _store_lock:
-        jobs = getattr(request.app.state, "meshes", None)
+        jobs = getattr(app.state, "meshes", None)
         if jobs is None:
             assert ctx.results is not None, "create_app opens the results store"
-            jobs = request.app.state.meshes = MeshJobStore(ctx.results, ctx.args.max_video_jobs)
+            jobs = app.state.meshes = MeshJobStore(ctx.results, ctx.args.max_mesh_jobs)
     return jobs
+
+
+def _jobs(request: Request) -> MeshJobStore:
+    return _app_jobs(request.app, server_context(request))
+
+
+def start_mesh_sync(ctx: ServerContext, app: FastAPI) -> None:
+    """Share this process' mesh jobs with the other replicas of its results store: after each sweep publish
+    their progress (for polls that reach another replica) and stop those another replica cancelled or deleted;
+    on a PostgreSQL notification stop such a job at once (at its next DiT step or decode chunk)."""
+    jobs = _app_jobs(app, ctx)
+    assert ctx.results is not None
+
+    def stop_gone(how: str) -> None:
+        for job_id in jobs.live_ids_finished_elsewhere():
+            logger.info("mesh job %s was finished or deleted through another replica (%s); stopping it", job_id, how)
+            ctx.engine.abort(job_id, RequestCancelledError(f"The mesh job {job_id} was cancelled or deleted."))
+
+    def after_sweep() -> None:
+        for job_id in jobs.live_ids():
+            progress = ctx.engine.progress(job_id)
+            if progress is not None:
+                jobs.set_progress(job_id, *progress)
+        stop_gone("swept")
+
+    def notified(job_id: str) -> None:
+        if job_id in jobs.live_ids():
+            stop_gone("notified")
+
+    ctx.results.watch(notified)
+    ctx.results.add_sweep_hook(after_sweep)
 
 
 def _decode_url(ctx: ServerContext, value: Any, field: str) -> bytes:
@@ -221,6 +255,7 @@ async def create_mesh(request: Request) -> dict[str, Any]:
     body, image = await _create_body(request)
     params = build_mesh_params(body, ctx, image)
     jobs = _jobs(request)
+    jobs.check_room()  # 429 before any work; no await until the job is kept, so the check holds
     job = MeshJob(
         id=f"mesh_{uuid.uuid4().hex}",
         model=ctx.args.public_model_name,

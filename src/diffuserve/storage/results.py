@@ -132,6 +132,10 @@ class ResultStore:
         self.heartbeat()
         self._sweeper: threading.Thread | None = None
         self._stop = threading.Event()
+        self._watchers: list[Callable[[str], None]] = []
+        """`watch` callbacks (video and mesh jobs each register one); the metadata store calls `_notify`."""
+        self._sweep_hooks: list[Callable[[], None]] = []
+        """`add_sweep_hook` callbacks, run after each background sweep."""
         self._orphans_checked_at = float("-inf")
 
     # -- plumbing ----------------------------------------------------------------------------------
@@ -157,8 +161,21 @@ class ResultStore:
 
     def watch(self, callback: Callable[[str], None]) -> None:
         """Call `callback(id)` when any process finishes or deletes a result (where the metadata store can
-        tell: PostgreSQL's LISTEN/NOTIFY; elsewhere the periodic sweep finds it)."""
-        self.metadata.watch(callback)
+        tell: PostgreSQL's LISTEN/NOTIFY; elsewhere the periodic sweep finds it). Several callbacks may watch."""
+        self._watchers.append(callback)
+        if len(self._watchers) == 1:
+            self.metadata.watch(self._notify)
+
+    def _notify(self, rid: str) -> None:
+        for callback in list(self._watchers):
+            try:
+                callback(rid)
+            except Exception:  # noqa: BLE001 - one bad callback must not keep the others from hearing it
+                logger.exception("results notification %s: callback failed", rid)
+
+    def add_sweep_hook(self, callback: Callable[[], None]) -> None:
+        """Run `callback` after each background sweep too (beside `start_sweeper`'s `after_sweep`)."""
+        self._sweep_hooks.append(callback)
 
     # -- writing -----------------------------------------------------------------------------------
 
@@ -394,8 +411,8 @@ class ResultStore:
             while not self._stop.wait(interval_s):
                 try:
                     self.sweep(interrupted_error)
-                    if after_sweep is not None:
-                        after_sweep()
+                    for hook in ([after_sweep] if after_sweep is not None else []) + self._sweep_hooks:
+                        hook()
                 except StoreUnavailableError as exc:  # a store that is down: one line, no traceback
                     logger.warning("results sweep skipped: %s", exc.message)
                 except Exception:  # noqa: BLE001 - retention must never take the server down

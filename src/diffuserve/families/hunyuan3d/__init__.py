@@ -1,8 +1,8 @@
 """Hunyuan3D-2 image-to-3D shape generation (Tencent's own layout, not a diffusers pipeline).
 
 `spec.py` holds the family facts (no torch), `layout.py` reads the release folder, `dit.py` / `vae.py` /
-`conditioning.py` are the models, `pipelines/hunyuan3d.py` the serving adapter (one layer up) and `tiny.py` the tiny
-checkpoint builder.
+`conditioning.py` / `flashvdm.py` are the models, `adapter.py` the serving adapter (on the recipe layer's
+`pipelines.base`, as every family's adapter) and `tiny.py` the tiny checkpoint builder.
 """
 
 from diffuserve.families.hunyuan3d.spec import SPEC

@@ -16,10 +16,13 @@ SPEC = FamilySpec(
     model_id_patterns=(r"hunyuan3d",),
     output_kind="mesh",
     tasks=frozenset({"i2mesh"}),
-    native_adapter="diffuserve.pipelines.hunyuan3d:Hunyuan3DPipeline",
+    native_adapter="diffuserve.families.hunyuan3d.adapter:Hunyuan3DPipeline",
     # SGLang's (and the reference's flow-matching pipeline's) defaults.
     defaults=SamplingDefaults(width=64, height=64, num_inference_steps=50, guidance_scale=5.0),
     profile=ProfileFacts(default_uses_cfg=True),
     max_image_inputs=1,
+    # Layer-wise offload streams the DiT's FLUX-style blocks, double then single (counted from the `model.` keys of
+    # model.fp16.safetensors: this layout has no config.json); the DiT is the `model` component.
+    layer_containers={"Hunyuan3DDiT": (("double_blocks", None), ("single_blocks", None))},
     tiny_builds={"hunyuan3d": "diffuserve.families.hunyuan3d.tiny:build_hunyuan3d"},
 )

@@ -1,7 +1,8 @@
 """The Hunyuan3D-2 ShapeVAE decoder: latents -> a transformer over the latent set -> a cross-attention geometry
 decoder queried at points of a grid, in chunks (the chunk bounds the decode's memory), giving the occupancy
 logits whose zero level is the surface. Parameter names follow the published `vae.` keys. Written from the facts
-of the reference (hy3dgen 2.0.2); its FlashVDM decoder (turbo's faster hierarchical decode) is not here.
+of the reference (hy3dgen 2.0.2); its FlashVDM decoder (turbo's faster hierarchical decode) is `flashvdm.py`, which
+swaps the geometry decoder's attention through the `attend` hook below.
 """
 
 from __future__ import annotations
@@ -49,9 +50,13 @@ class _HeadNorms(nn.Module):
         self.k_norm = nn.LayerNorm(width // heads, eps=1e-6) if qk_norm else nn.Identity()
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""Attention on (B, H, N, D) q, k, v -> (B, H, N, D) (FlashVDM passes one that keeps only the top-k keys)."""
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend | None = None) -> torch.Tensor:
     """(B, N, H, D) each -> (B, N, H*D)."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    out = (attend or F.scaled_dot_product_attention)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     b, _, n, _ = out.shape
     return out.transpose(1, 2).reshape(b, n, -1)
 
@@ -104,11 +109,11 @@ class MultiheadCrossAttention(nn.Module):
         self.c_proj = nn.Linear(width, width)
         self.attention = _HeadNorms(width, heads, qk_norm)
 
-    def forward(self, x: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, data: torch.Tensor, attend: Attend | None = None) -> torch.Tensor:
         b, n, _ = x.shape
         q = self.c_q(x).view(b, n, self.heads, -1)
         k, v = self.c_kv(data).view(b, data.shape[1], self.heads, -1).chunk(2, dim=-1)
-        return self.c_proj(_sdpa(self.attention.q_norm(q), self.attention.k_norm(k), v))
+        return self.c_proj(_sdpa(self.attention.q_norm(q), self.attention.k_norm(k), v, attend))
 
 
 class ResidualCrossAttentionBlock(nn.Module):
@@ -120,8 +125,8 @@ class ResidualCrossAttentionBlock(nn.Module):
         self.ln_3 = nn.LayerNorm(width, eps=1e-6)
         self.mlp = MLP(width, mlp_expand_ratio)
 
-    def forward(self, x: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), self.ln_2(data))
+    def forward(self, x: torch.Tensor, data: torch.Tensor, attend: Attend | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), self.ln_2(data), attend)
         return x + self.mlp(self.ln_3(x))
 
 
@@ -154,11 +159,11 @@ class CrossAttentionDecoder(nn.Module):
             self.ln_post = nn.LayerNorm(width)
         self.output_proj = nn.Linear(width, 1)
 
-    def forward(self, queries: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+    def forward(self, queries: torch.Tensor, latents: torch.Tensor, attend: Attend | None = None) -> torch.Tensor:
         embedded = self.query_proj(self.fourier_embedder(queries).to(latents.dtype))
         if self.downsample_ratio != 1:
             latents = self.latents_proj(latents)
-        x = self.cross_attn_decoder(embedded, latents)
+        x = self.cross_attn_decoder(embedded, latents, attend)
         if self.enable_ln_post:
             x = self.ln_post(x)
         return self.output_proj(x)

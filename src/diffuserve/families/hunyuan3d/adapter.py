@@ -22,6 +22,7 @@ from diffuserve.errors import CheckpointError, InvalidRequestError, RequestCance
 from diffuserve.families.base import SamplingDefaults
 from diffuserve.families.hunyuan3d import conditioning
 from diffuserve.families.hunyuan3d.dit import Hunyuan3DDiT
+from diffuserve.families.hunyuan3d.flashvdm import flashvdm_decode
 from diffuserve.families.hunyuan3d.layout import find_subfolder, read_config, target_name
 from diffuserve.families.hunyuan3d.spec import LICENSE_NOTE
 from diffuserve.families.hunyuan3d.vae import ShapeVAE, decode_volume
@@ -59,27 +60,55 @@ class MeshSettings:
     """Grid cells per side when a request leaves octree_resolution unset."""
     max_octree_resolution: int = 512
     """Largest octree_resolution a request may ask for."""
+    volume_decoder: str = "auto"
+    """dense (every grid point, the reference's default) | flashvdm (the hierarchical decode,
+    families/hunyuan3d/flashvdm.py) | auto: flashvdm for turbo variants (the consistency scheduler), as
+    Tencent runs them, else dense."""
+    flashvdm_min_resolution: int = 63
+    """FlashVDM adds a finer level while the resolution halves to at least this (the reference's
+    `min_resolution`; tests lower it to reach two levels on a small grid)."""
 
 
 logger = logging.getLogger(__name__)
 
+VOLUME_DECODERS = ("auto", "dense", "flashvdm")
+"""`MeshSettings.volume_decoder` values (a config.yaml's `diffuserve: {volume_decoder: ...}` picks one)."""
 SCHEDULERS = ("FlowMatchEulerDiscreteScheduler", "ConsistencyFlowMatchEulerDiscreteScheduler")
+
+
+def _suggested_settings(folder: Path, suggested: dict[str, Any]) -> MeshSettings:
+    """MeshSettings from a config.yaml's own `diffuserve:` section (tiny defaults, the volume decoder)."""
+    decoder = str(suggested.get("volume_decoder", "auto"))
+    if decoder not in VOLUME_DECODERS:
+        raise CheckpointError(
+            f"{folder}/config.yaml: diffuserve.volume_decoder {decoder!r} is not one of {list(VOLUME_DECODERS)}.",
+            param="model_path",
+        )
+    return MeshSettings(default_octree_resolution=int(suggested.get("octree_resolution", 384)), volume_decoder=decoder)
 
 
 def extract_surface(volume: np.ndarray, *, level: float, box: float, resolution: int) -> Mesh:
     """Marching cubes (scikit-image, Lewiner) on one volume; vertices mapped into the box as the reference does
-    (index / (res + 1) * 2 box - box) and faces reversed."""
+    (index / (res + 1) * 2 box - box, `res` the requested octree resolution even where FlashVDM's grid is a
+    little coarser) and faces reversed. NaN (points FlashVDM never queried) counts as outside."""
     from skimage import measure
 
-    if not volume.min() <= level <= volume.max():
+    low, high = (np.nanmin(volume), np.nanmax(volume)) if np.isfinite(volume).any() else (np.nan, np.nan)
+    if not low <= level <= high:
         return Mesh(
             np.zeros((0, 3), np.float32),
             np.zeros((0, 3), np.int64),
             error=f"the decoded volume never crosses the surface level {level} (values "
-            f"{volume.min():.3g}..{volume.max():.3g}): no mesh; try another seed or image",
+            f"{low:.3g}..{high:.3g}): no mesh; try another seed or image",
         )
     vertices, faces, _, _ = measure.marching_cubes(volume, level, method="lewiner")
     vertices = vertices / (resolution + 1) * (2 * box) - box
+    placed = np.isfinite(vertices).all(axis=1)
+    if not placed.all():
+        # Edges to points FlashVDM never queried (NaN) give NaN vertices (the reference exports them as they
+        # are): drop those triangles, and those vertices, so the file holds only placed geometry.
+        faces = faces[placed[faces].all(axis=1)]
+        vertices, faces = vertices[placed], (np.cumsum(placed) - 1)[faces]
     return Mesh(vertices.astype(np.float32), np.ascontiguousarray(faces[:, ::-1]).astype(np.int64))
 
 
@@ -176,7 +205,7 @@ class Hunyuan3DPipeline(Pipeline):
         processor = (config.get("image_processor") or {}).get("params") or {}
         # A tiny checkpoint's own `diffuserve:` section suggests small defaults (the reference ignores it).
         suggested = config.get("diffuserve") or {}
-        settings = MeshSettings(default_octree_resolution=int(suggested.get("octree_resolution", 384)))
+        settings = _suggested_settings(folder, suggested)
         pipeline = cls(
             modules["model"],
             modules["vae"],
@@ -233,7 +262,16 @@ class Hunyuan3DPipeline(Pipeline):
             "scheduler": self.scheduler["kind"],
             "guidance_distilled": self.guidance_distilled,
             "mesh_settings": self.settings.__dict__,
+            "volume_decoder": self.volume_decoder,
         }
+
+    @property
+    def volume_decoder(self) -> str:
+        """The decode `settings.volume_decoder` resolves to: dense | flashvdm."""
+        if self.settings.volume_decoder == "auto":
+            consistency = self.scheduler["kind"] == "ConsistencyFlowMatchEulerDiscreteScheduler"
+            return "flashvdm" if consistency else "dense"
+        return self.settings.volume_decoder
 
     def run(
         self,
@@ -268,7 +306,8 @@ class Hunyuan3DPipeline(Pipeline):
         on_step: StepCallback | None = None,
         should_stop: StopCheck | None = None,
     ) -> torch.Tensor:
-        """Steps 1-4 of the recipe: the occupancy volume of every output row, (rows, res+1, res+1, res+1)."""
+        """Steps 1-4 of the recipe: the occupancy volume of every output row, (rows, res+1, res+1, res+1)
+        (FlashVDM: a side of its finest level + 1, NaN where it queried nothing)."""
         head = check_batch(batch)
 
         def timed(name: str, started: float) -> None:
@@ -304,13 +343,18 @@ class Hunyuan3DPipeline(Pipeline):
         resolution = self.octree_resolution(head)
         with torch.inference_mode(), self.residency.use("vae"):
             decoded = self.vae(latents / self.vae.scale_factor)
-            volume = decode_volume(
+            decode = flashvdm_decode if self.volume_decoder == "flashvdm" else decode_volume
+            extra: dict[str, Any] = {}
+            if decode is flashvdm_decode:
+                extra = {"level": self.settings.mc_level, "min_resolution": self.settings.flashvdm_min_resolution}
+            volume = decode(
                 decoded,
                 self.vae.geo_decoder,
                 bounds=self.settings.box,
                 resolution=resolution,
                 chunk_size=self.settings.chunk_size,
                 on_chunk=check_stop,
+                **extra,
             )
         timed("volume_decode", started)
         return volume
