@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -60,16 +61,28 @@ def start_engine_process(args: ServerArgs) -> tuple[subprocess.Popen, Connection
 
 
 class _Outbox:
-    """Messages to the front end, sent in order by one thread (pickling included): callers only enqueue."""
+    """Messages to the front end, in order. The event loop's thread sends its own (answers, status, replies) at
+    once when nothing is queued ahead of them: no thread hop on a request's path. Other threads (the worker's
+    previews, a rank fault) only enqueue; the sender thread pickles and sends those."""
 
-    def __init__(self, conn: Connection, on_broken):
+    def __init__(self, conn: Connection, on_broken: Callable[[], None]):
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._conn = conn
         self._on_broken = on_broken
+        self._lock = threading.Lock()
+        """Held while a message is sent; `_queued` is read and written under it."""
+        self._queued = 0
+        self.direct_thread: int | None = None
+        """The thread that may send directly (the event loop's), set by `EngineServer.run`."""
         self._thread = threading.Thread(target=self._run, name="diffuserve-engine-send", daemon=True)
         self._thread.start()
 
     def put(self, message: Any) -> None:
+        with self._lock:
+            if threading.get_ident() == self.direct_thread and not self._queued:
+                self._deliver(message)
+                return
+            self._queued += 1
         self._queue.put(message)
 
     def close(self) -> None:
@@ -79,18 +92,23 @@ class _Outbox:
 
     def _run(self) -> None:
         while (message := self._queue.get()) is not None:
-            try:
-                m.send(self._conn, message)
-            except (OSError, EOFError, BrokenPipeError):
-                self._on_broken()
-                return
-            except Exception as exc:  # an unpicklable payload: that request fails, the channel goes on
-                logger.exception("could not send %s to the front end", type(message).__name__)
-                if isinstance(message, m.Answer):
-                    error = GenerationError(f"The result could not be handed to the HTTP front end: {exc}")
-                    self._queue.put(m.Answer(message.request_id, error=error))
-                elif isinstance(message, m.ModelInfo):  # the routes cannot serve without it: fail loudly
-                    self._queue.put(m.Fatal(f"the model's description cannot reach the HTTP front end: {exc}"))
+            with self._lock:
+                self._queued -= 1
+                self._deliver(message)
+
+    def _deliver(self, message: Any) -> None:
+        """Send one message (caller holds the lock); an unpicklable payload fails its request, not the channel."""
+        try:
+            m.send(self._conn, message)
+        except (OSError, EOFError, BrokenPipeError):
+            self._on_broken()
+        except Exception as exc:
+            logger.exception("could not send %s to the front end", type(message).__name__)
+            if isinstance(message, m.Answer):
+                error = GenerationError(f"The result could not be handed to the HTTP front end: {exc}")
+                m.send(self._conn, m.Answer(message.request_id, error=error))
+            elif isinstance(message, m.ModelInfo):  # the routes cannot serve without it: fail loudly
+                m.send(self._conn, m.Fatal(f"the model's description cannot reach the HTTP front end: {exc}"))
 
 
 def exit_now(reason: str, code: int = 0) -> None:
@@ -122,6 +140,7 @@ class EngineServer:
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
+        self.out.direct_thread = threading.get_ident()
         self.engine.on_fatal = lambda message: self.out.put(m.Fatal(message))
         threading.Thread(target=self._read, name="diffuserve-engine-recv", daemon=True).start()
         status = asyncio.ensure_future(self._report_status())

@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import queue
 import subprocess
 import threading
 import uuid
@@ -163,7 +162,7 @@ class RemoteEngineClient:
         self._draining = False
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._send_lock = threading.Lock()
 
     @classmethod
     def launch(cls, args: ServerArgs) -> tuple[RemoteEngineClient, dict[str, Any] | None]:
@@ -186,14 +185,12 @@ class RemoteEngineClient:
         """Start the channel's threads (on the running event loop) and tell the engine to load and warm up."""
         self._loop = asyncio.get_running_loop()
         threading.Thread(target=self._read, name="diffuserve-front-recv", daemon=True).start()
-        threading.Thread(target=self._write, name="diffuserve-front-send", daemon=True).start()
         self._send(m.Start())
 
     def stop(self) -> None:
         """Stop the engine process (it answers nothing more) and wait for it; kill it past 10 s."""
         self._stopping = True
         self._send(m.Stop())
-        self._outbox.put(None)
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -313,7 +310,13 @@ class RemoteEngineClient:
 
     # ------------------------------------------------------------------------------------------ the channel
     def _send(self, message: Any) -> None:
-        self._outbox.put(message)
+        """Pickle and send now, on the calling thread (the event loop: a request's path has no thread hop; the
+        engine process's reader thread drains the socket, so even an upload's bytes go through at copy speed)."""
+        with self._send_lock:
+            try:
+                m.send(self.conn, message)
+            except (OSError, EOFError, BrokenPipeError):
+                pass  # the engine is gone: the reader sees EOF and reports it
 
     async def _call(self, make: Callable[[int], Any], *, default: Any, timeout_s: float | None = None) -> Any:
         if self.state == EngineState.FAILED and self.failure and self.proc.poll() is not None:
@@ -328,14 +331,6 @@ class RemoteEngineClient:
             return default
         finally:
             self._calls.pop(call_id, None)
-
-    def _write(self) -> None:
-        """The sender thread: pickling a request's upload or sending it never blocks the event loop."""
-        while (message := self._outbox.get()) is not None:
-            try:
-                m.send(self.conn, message)
-            except (OSError, EOFError, BrokenPipeError):
-                return  # the engine is gone: the reader sees EOF and reports it
 
     def _read(self) -> None:
         """The reader thread: each message to the event loop, in order; EOF means the engine process is gone."""
