@@ -108,6 +108,10 @@ def test_routes_across_the_split(split_server: ServerProcess) -> None:
     assert metric_value(split_server.base_url, "diffuserve_serving_overhead_seconds_count") >= 3
     assert metric_value(split_server.base_url, "diffuserve_pipeline_cpu_seconds") > 0
     assert httpx.get(f"{split_server.base_url}/server_info", timeout=10).json()["pipeline"]["family"] == "flux"
+    # A SIGTERM to the whole control group (systemd) reaches the engine too: signals are the front end's to act on.
+    os.kill(_engine_pid(split_server), signal.SIGTERM)
+    after = client.images.generate(model="tiny-flux", prompt="still here", size="64x64", response_format="b64_json")
+    assert decode_b64_png(after.data[0].b64_json).size == (64, 64)
 
 
 def test_engine_crash_is_a_clean_failure(split_server: ServerProcess) -> None:

@@ -7,8 +7,9 @@ out, so neither the engine's worker thread nor its loop ever waits on the socket
 are pickled on the sender thread; PNG and base64 encoding happen in the front end).
 
 Failure is never a hang: when the front end goes away (its end of the socket closes: exit, crash, SIGKILL), this
-process stops its ranks and exits at once; SIGINT (a Ctrl-C reaches the whole process group) is ignored, because
-the front end decides how to stop; SIGTERM stops at once.
+process stops its ranks and exits at once. SIGINT and SIGTERM are ignored (a Ctrl-C, or a SIGTERM to the whole
+control group, reaches both processes): the front end decides how to stop, and drains first; SIGUSR1 (the front
+end's "stop before serving") exits at once.
 """
 
 from __future__ import annotations
@@ -274,8 +275,12 @@ def _setup(conn: Connection) -> tuple[AsyncEngine, EngineMetrics]:
 
 def main(fd: int) -> None:
     """The engine process's entry point (`python -m diffuserve.launch.engine_process FD`)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides how a Ctrl-C stops the server
-    signal.signal(signal.SIGTERM, lambda *_: exit_now("SIGTERM"))
+    # Signals are the front end's to act on (a Ctrl-C, or systemd's SIGTERM to the whole control group, reaches both
+    # processes): it drains, then stops this process. It asks for an immediate exit (a signal before it served)
+    # with SIGUSR1.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, lambda *_: exit_now("stopped before serving"))
     conn = Connection(fd)
     engine, metrics = _setup(conn)
     asyncio.run(EngineServer(conn, engine, metrics).run())

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import signal
 import subprocess
 import threading
 import uuid
@@ -205,7 +206,7 @@ class RemoteEngineClient:
         if self.state not in (EngineState.LOADING, EngineState.WARMING_UP):
             return False
         self._stopping = True
-        self.proc.terminate()  # its SIGTERM handler stops its ranks and exits at once
+        self.proc.send_signal(signal.SIGUSR1)  # its handler stops its ranks and exits at once
         return True
 
     def begin_drain(self) -> None:
