@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_overhead.py                 # 32 images x 3 rounds per configuration
     .venv/bin/python benchmarks/bench_overhead.py --requests 16 --rounds 2 --output-json out.json
+    .venv/bin/python benchmarks/bench_overhead.py --api-process both   # each server once per process layout
 
 One tiny FLUX checkpoint (`build_tiny_checkpoint("flux", dir)`), 64x64, 4 steps, one torch thread on every side,
 the checkpoint's declared T5 length on both sides (issue 24). Four configurations, measured round by round with
@@ -11,6 +12,9 @@ the order alternating every round (load from other processes hits them alike):
 - `singleton@1`: a `diffuserve serve` subprocess (singleton serving), 1 closed-loop client.
 - `dynamic@8`: a second subprocess, `--batching-mode dynamic --batching-max-size 8 --batching-delay-ms 5`,
   8 closed-loop clients.
+
+`--api-process separate` runs the servers with the engine core in its own process (`serve --api-process separate`);
+`both` runs each serving configuration twice, once per layout (the split ones named `... split`), side by side.
 
 Per serving configuration it reports img/s, the average batch a request ran in (the `timings.batch_size` of each
 answer), and the serving CPU per image: the server process's CPU time outside pipeline calls
@@ -42,9 +46,28 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_batching import _PROMPTS, Sample, Scenario, Server, _direct_runner, _free_port  # noqa: E402
 
-CONFIGS = ("plain b1", "plain b8", "singleton@1", "dynamic@8")
-CLIENTS = {"singleton@1": 1, "dynamic@8": 8}
+PLAIN = ("plain b1", "plain b8")
 TARGETS = (("dynamic@8", "plain b8", 1.0), ("singleton@1", "plain b1", 1.1))
+LAYOUTS = {"same": ("same",), "separate": ("separate",), "both": ("same", "separate")}
+"""--api-process -> the server process layouts measured."""
+
+
+def serving_flags(api_process: str, delay_ms: float) -> dict[str, list[str]]:
+    """Serving configuration name -> its `serve` flags (`... split`: the engine core in its own process)."""
+    configs: dict[str, list[str]] = {}
+    for layout in LAYOUTS[api_process]:
+        suffix = " split" if layout == "separate" and api_process == "both" else ""
+        dynamic = ["--batching-mode", "dynamic", "--batching-max-size", "8", "--batching-delay-ms", f"{delay_ms:g}"]
+        configs[f"singleton@1{suffix}"] = ["--api-process", layout]
+        configs[f"dynamic@8{suffix}"] = [*dynamic, "--api-process", layout]
+    return configs
+
+
+def clients_of(config: str) -> int:
+    """Closed-loop clients of a serving configuration."""
+    return 1 if config.startswith("singleton") else 8
+
+
 CPU_TARGET_MS = 5.0
 COLD_START_TARGET_S = 8.0
 
@@ -90,7 +113,7 @@ async def serve_round(
         return time.perf_counter() - start, samples
 
 
-def cold_start_s(env: dict[str, str], timeout_s: float = 300.0) -> float:
+def cold_start_s(env: dict[str, str], timeout_s: float = 300.0, api_process: str = "same") -> float:
     """Seconds from spawning `diffuserve serve` on the embedded default model (no --model-path) to /health 200."""
     port = _free_port()
     cmd = [
@@ -104,6 +127,8 @@ def cold_start_s(env: dict[str, str], timeout_s: float = 300.0) -> float:
         str(port),
         "--log-level",
         "warning",
+        "--api-process",
+        api_process,
     ]
     started = time.monotonic()
     proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -123,30 +148,32 @@ def cold_start_s(env: dict[str, str], timeout_s: float = 300.0) -> float:
         proc.wait(timeout=30)
 
 
-def run(workdir: Path, num_requests: int, num_rounds: int, delay_ms: float, log: Any) -> dict[str, Any]:
+def run(
+    workdir: Path, num_requests: int, num_rounds: int, delay_ms: float, log: Any, api_process: str = "same"
+) -> dict[str, Any]:
     from diffuserve.models.tiny import build_tiny_checkpoint
 
     scenario = Scenario("tiny", 64, 4, num_requests, num_rounds)
     model_path = build_tiny_checkpoint("flux", workdir / "tiny")
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    cold_start_s(env)  # the first start may build the embedded model's cache; the second is the figure
-    cold_s = cold_start_s(env)
-    flags = {
-        "singleton@1": [],
-        "dynamic@8": ["--batching-mode", "dynamic", "--batching-max-size", "8", "--batching-delay-ms", f"{delay_ms:g}"],
-    }
+    layout = LAYOUTS[api_process][-1]  # both: the split layout's
+    cold_start_s(env, api_process=layout)  # the first start may build the embedded model's cache; the second counts
+    cold_s = cold_start_s(env, api_process=layout)
+    flags = serving_flags(api_process, delay_ms)
     servers = {
-        name: Server(model_path, extra, workdir / f"{name.replace('@', '-')}.log", env) for name, extra in flags.items()
+        name: Server(model_path, extra, workdir / f"{name.replace('@', '-').replace(' ', '-')}.log", env)
+        for name, extra in flags.items()
     }
-    throughput: dict[str, list[float]] = {c: [] for c in CONFIGS}
-    batches: dict[str, list[int]] = {c: [] for c in CLIENTS}
-    cpu_ms: dict[str, list[float]] = {c: [] for c in CLIENTS}
+    configs = (*PLAIN, *flags)
+    throughput: dict[str, list[float]] = {c: [] for c in configs}
+    batches: dict[str, list[int]] = {c: [] for c in flags}
+    cpu_ms: dict[str, list[float]] = {c: [] for c in flags}
     try:
         for server in servers.values():
             server.wait_healthy()
         direct = _direct_runner(model_path, scenario)
         for round_index in range(num_rounds + 1):  # round 0: untimed warm-up
-            order = CONFIGS if round_index % 2 == 0 else CONFIGS[::-1]
+            order = configs if round_index % 2 == 0 else configs[::-1]
             count = 8 if round_index == 0 else num_requests
             for config in order:
                 if config.startswith("plain"):
@@ -154,7 +181,9 @@ def run(workdir: Path, num_requests: int, num_rounds: int, delay_ms: float, log:
                 else:
                     url = servers[config].base_url
                     cpu_before = serving_cpu_s(url)
-                    wall, samples = asyncio.run(serve_round(url, scenario, CLIENTS[config], count, 1000 * round_index))
+                    wall, samples = asyncio.run(
+                        serve_round(url, scenario, clients_of(config), count, 1000 * round_index)
+                    )
                     cpu_after = serving_cpu_s(url)
                     if round_index:
                         batches[config] += [int(s.timings.get("batch_size") or 1) for s in samples]
@@ -164,18 +193,20 @@ def run(workdir: Path, num_requests: int, num_rounds: int, delay_ms: float, log:
             if round_index:
                 log(
                     f"round {round_index}/{num_rounds}: "
-                    + ", ".join(f"{c} {throughput[c][-1]:.1f}" for c in CONFIGS)
+                    + ", ".join(f"{c} {throughput[c][-1]:.1f}" for c in configs)
                     + " img/s"
                 )
     finally:
         for server in servers.values():
             server.stop()
     ratios = {
-        f"{a} / {b}": {
-            "median": statistics.median(x / y for x, y in zip(throughput[a], throughput[b], strict=True)),
+        f"{a}{suffix} / {b}": {
+            "median": statistics.median(x / y for x, y in zip(throughput[a + suffix], throughput[b], strict=True)),
             "target": t,
         }
+        for suffix in ("", " split")
         for a, b, t in TARGETS
+        if a + suffix in flags
     }
     return {
         "size": "64x64",
@@ -183,6 +214,7 @@ def run(workdir: Path, num_requests: int, num_rounds: int, delay_ms: float, log:
         "requests_per_round": num_requests,
         "rounds": num_rounds,
         "delay_ms": delay_ms,
+        "api_process": api_process,
         "images_per_s": {c: statistics.median(v) for c, v in throughput.items()},
         "ratios": ratios,
         "mean_batch": {c: sum(v) / len(v) for c, v in batches.items()},
@@ -194,7 +226,8 @@ def run(workdir: Path, num_requests: int, num_rounds: int, delay_ms: float, log:
 def format_report(r: dict[str, Any]) -> str:
     lines = [
         f"bench_overhead: tiny FLUX {r['size']}, {r['steps']} steps, {r['requests_per_round']} images x "
-        f"{r['rounds']} rounds, dynamic delay {r['delay_ms']:g} ms, 1 torch thread, {os.cpu_count()} CPUs"
+        f"{r['rounds']} rounds, dynamic delay {r['delay_ms']:g} ms, 1 torch thread, {os.cpu_count()} CPUs, "
+        f"--api-process {r.get('api_process', 'same')}"
     ]
     for config, ips in r["images_per_s"].items():
         extra = ""
@@ -224,6 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=32, help="timed images per configuration per round")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds")
     parser.add_argument("--delay-ms", type=float, default=5.0, help="dynamic server's --batching-delay-ms")
+    parser.add_argument(
+        "--api-process",
+        choices=tuple(LAYOUTS),
+        default="same",
+        help="the servers' process layout (serve --api-process); both: each serving configuration in each layout",
+    )
     parser.add_argument("--output-json", type=Path, default=None, help="write every figure here")
     args = parser.parse_args(argv)
     if args.requests < 1 or args.rounds < 1:
@@ -234,7 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
         report = run(
-            Path(tmp), args.requests, args.rounds, args.delay_ms, lambda text: print(text, file=sys.stderr, flush=True)
+            Path(tmp),
+            args.requests,
+            args.rounds,
+            args.delay_ms,
+            lambda text: print(text, file=sys.stderr, flush=True),
+            api_process=args.api_process,
         )
     print(format_report(report))
     if args.output_json:

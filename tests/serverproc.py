@@ -52,6 +52,9 @@ class ServerProcess:
         # Each test server keeps its results store beside its log unless the test names one (so jobs
         # of other servers and earlier sessions never show up in its listings).
         outputs = [] if "--output-dir" in self.args else ["--output-dir", str(self.log_path.parent / "outputs")]
+        # DIFFUSERVE_TEST_API_PROCESS=separate runs every test server with its engine in its own process.
+        layout = os.environ.get("DIFFUSERVE_TEST_API_PROCESS")
+        outputs += ["--api-process", layout] if layout and "--api-process" not in self.args else []
         cmd = [sys.executable, "-m", "diffuserve.cli", "serve", "--port", str(self.port), *self.args, *outputs]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd)

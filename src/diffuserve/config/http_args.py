@@ -96,6 +96,15 @@ class HttpArgs:
     """Period of the results store's background sweep."""
     max_video_frames: int = flag(257, "Largest num_frames a video job may ask for.", SERVER_GROUP)
     """Cap on per-job frames (each frame costs memory in the VAE decode and the MP4)."""
+    api_process: str = flag(
+        "same",
+        "Where the HTTP front end runs: `same` (one process with the engine) or `separate` (the engine core -- "
+        "scheduler, loops, pipeline -- in its own process, so HTTP, validation and PNG/base64 encoding never "
+        "share its GIL; see docs/operations.md, Serving overhead).",
+        SERVER_GROUP,
+        choices=("same", "separate"),
+    )
+    """Process layout of `serve`: one process, or the front end and the engine core apart."""
 
     def validate(self) -> None:
         """Fail at start-up, naming the flag and the fix."""

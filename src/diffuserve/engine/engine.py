@@ -254,6 +254,11 @@ class AsyncEngine:
             params, asyncio.get_running_loop(), endpoint, timeout_s, priority, ineligible_reason, request_id, preview
         ).future
 
+    async def admit(self, params: SamplingParams, **submit: Any) -> asyncio.Future[GenerationResult]:
+        """`submit` as the routes call it on any engine client (server/engine_client.py): admission errors raise
+        here, the answer is the returned future. In this process admission is immediate."""
+        return self.submit(params, **submit)
+
     @contextlib.contextmanager
     def admitting_together(self) -> Iterator[None]:
         """Requests submitted inside arrive as one: no loop dispatches before the last is queued (`generate`'s

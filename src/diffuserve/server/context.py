@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diffuserve.config.server_args import ServerArgs
-from diffuserve.engine.engine import AsyncEngine
 from diffuserve.engine.metrics import EngineMetrics
+from diffuserve.server.engine_client import EngineClient
 from diffuserve.server.video_jobs import VideoJobStore
 from diffuserve.storage import ResultStore
 
@@ -66,7 +66,8 @@ class ImageStore:
 @dataclass
 class ServerContext:
     args: ServerArgs
-    engine: AsyncEngine
+    engine: EngineClient
+    """The `AsyncEngine` (--api-process same) or the client of the engine process (`RemoteEngineClient`)."""
     metrics: EngineMetrics
     images: ImageStore
     started_at: float = field(default_factory=time.time)

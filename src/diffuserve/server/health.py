@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from diffuserve import __version__
 from diffuserve.engine.engine import EngineState
 from diffuserve.server.common import server_context
+from diffuserve.server.engine_client import render_metrics
 
 router = APIRouter()
 
@@ -43,7 +44,8 @@ async def health(request: Request) -> JSONResponse:
     responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format."}},
 )
 async def metrics(request: Request) -> Response:
-    payload, content_type = server_context(request).metrics.render()
+    ctx = server_context(request)
+    payload, content_type = await render_metrics(ctx.engine, ctx.metrics)
     return Response(content=payload, media_type=content_type)
 
 

@@ -164,7 +164,7 @@ async def _generate_and_respond(
             "background": "opaque",
             "output_format": params.output_format,
         }
-        return stream_images(
+        return await stream_images(
             ctx.engine,
             params,
             prefix=prefix,

@@ -267,7 +267,7 @@ async def create_mesh(request: Request) -> dict[str, Any]:
         prompt=params.prompt,
     )
     # Admission errors (429, 503) raise here, before any job is kept.
-    generation = ctx.engine.submit(params, endpoint="meshes", request_id=job.id)
+    generation = await ctx.engine.admit(params, endpoint="meshes", request_id=job.id)
     jobs.add(job)
     job.runner = asyncio.ensure_future(_drive(ctx, jobs, job, generation, received))
     return job.to_dict()

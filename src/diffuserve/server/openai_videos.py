@@ -190,7 +190,7 @@ _CREATE_SCHEMA = {
 }
 
 
-def _start_job(
+async def _start_job(
     ctx: ServerContext,
     params: SamplingParams,
     body: VideoCreateRequest,
@@ -221,7 +221,7 @@ def _start_job(
     )
     # Admission (429 queue full, 503 not ready) raises here, to this client, not into the job. Jobs
     # conditioned on an image never merge with others.
-    generation = ctx.engine.submit(
+    generation = await ctx.engine.admit(
         params,
         endpoint="videos",
         timeout_s=body.timeout,
@@ -248,7 +248,7 @@ async def create_video(request: Request) -> JSONResponse:
     body, image = await create_body(request)
     params = build_video_params(body, ctx, image)
     warnings = frames_note(body, params) + await _prompt_warnings(ctx, params)
-    return _job_response(_start_job(ctx, params, body, received), warnings)
+    return _job_response(await _start_job(ctx, params, body, received), warnings)
 
 
 class VideoRemixRequest(BaseModel):
@@ -294,7 +294,7 @@ async def remix_video(video_id: str, body: VideoRemixRequest, request: Request) 
     )
     params = build_video_params(fields, ctx)
     warnings = await _prompt_warnings(ctx, params)
-    return _job_response(_start_job(ctx, params, fields, received, remixed_from=video_id), warnings)
+    return _job_response(await _start_job(ctx, params, fields, received, remixed_from=video_id), warnings)
 
 
 @router.get("/v1/videos", tags=["videos"])

@@ -30,7 +30,9 @@ from diffuserve.config.server_args import ServerArgs
 from diffuserve.errors import ConfigError
 
 if TYPE_CHECKING:
+    from diffuserve.engine.metrics import EngineMetrics
     from diffuserve.server.context import ServerContext
+    from diffuserve.server.engine_client import EngineClient
 
 logger = logging.getLogger("diffuserve.server")
 
@@ -162,6 +164,21 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def _build_engine(args: ServerArgs) -> tuple[EngineClient, EngineMetrics, dict | None]:
+    """The engine in this process (--api-process same), or the client of the engine process (separate): then this
+    process's metrics hold what the front end observes, merged with the engine's at /metrics."""
+    if args.api_process == "separate":
+        from diffuserve.engine.metrics import EngineMetrics
+        from diffuserve.server.engine_client import RemoteEngineClient
+
+        client, plan = RemoteEngineClient.launch(args)
+        logger.info("engine core in process %d; HTTP front end in process %d", client.proc.pid, os.getpid())
+        return client, EngineMetrics(), plan
+    from diffuserve.launch.root import build_engine
+
+    return build_engine(args)
+
+
 def serve(args: ServerArgs) -> int:
     from diffuserve.launch.follower import serve_other_node
     from diffuserve.launch.ranks import is_serving_process
@@ -169,11 +186,10 @@ def serve(args: ServerArgs) -> int:
     if not is_serving_process(args):  # another host's ranks, or a torchrun rank other than 0: no HTTP
         return serve_other_node(args)
     sock = bind_port(args.host, args.port)
-    from diffuserve.launch.root import build_engine
     from diffuserve.server.app import create_app, open_results_store
     from diffuserve.server.context import ImageStore, ServerContext
 
-    engine, metrics, plan_dict = build_engine(args)
+    engine, metrics, plan_dict = _build_engine(args)
     results = open_results_store(args)
     ctx = ServerContext(
         args=args,

@@ -24,11 +24,12 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from diffuserve.engine.engine import AsyncEngine, GenerationResult
+from diffuserve.engine.engine import GenerationResult
 from diffuserve.errors import DiffuserveError, RequestCancelledError
 from diffuserve.executor.batch_runner import PreviewSink
 from diffuserve.media.images import encode_image
 from diffuserve.sampling import SamplingParams
+from diffuserve.server.engine_client import EngineClient
 from diffuserve.server.protocol import error_envelope
 
 
@@ -40,8 +41,8 @@ def _encode_all(images: list[Any], params: SamplingParams) -> list[str]:
     return [base64.b64encode(encode_image(img, params.output_format, params.output_quality)).decode() for img in images]
 
 
-def stream_images(
-    engine: AsyncEngine,
+async def stream_images(
+    engine: EngineClient,
     params: SamplingParams,
     *,
     prefix: str,
@@ -61,7 +62,7 @@ def stream_images(
     sink = PreviewSink(
         partial_images, lambda index, images: loop.call_soon_threadsafe(queue.put_nowait, (index, images))
     )
-    future = engine.submit(params, request_id=request_id, preview=sink if partial_images else None, **submit)
+    future = await engine.admit(params, request_id=request_id, preview=sink if partial_images else None, **submit)
 
     def event(kind: str, b64: str, index: int, **extra: Any) -> bytes:
         return sse(
