@@ -75,6 +75,10 @@ def test_more_adapters_than_slots_is_refused() -> None:
         ({"enable_lora_updates": True}, "--lora-root"),
         ({"enable_lora_updates": True, "lora_root": "/no/such/folder"}, "--lora-root: '/no/such/folder' is not"),
         ({"max_lora_rank": 0}, "--max-lora-rank"),
+        (
+            {"enable_lora_updates": True, "lora_root": "/", "api_process": "separate"},
+            "--enable-lora-updates: runtime adapter loads need the engine in the HTTP process",
+        ),
     ],
 )
 def test_lora_flags_are_checked_at_start_up(flags: dict, words: str) -> None:

@@ -177,6 +177,13 @@ class ServerArgs:
                 f"--owner-timeout-s: {self.owner_timeout_s} must exceed twice "
                 f"--result-sweep-interval-s ({self.result_sweep_interval_s}), the lease renewal period."
             )
+        # The adapter registry lives in each process: a runtime load through the front end would not reach the
+        # engine process's slots.
+        if self.api_process == "separate" and self.lora.enable_lora_updates:
+            raise ConfigError(
+                "--enable-lora-updates: runtime adapter loads need the engine in the HTTP process; drop "
+                "--api-process separate, or load the adapters at start-up with --lora-modules."
+            )
         for section in sections:
             if hasattr(section, "check_files"):
                 section.check_files()
