@@ -92,6 +92,16 @@ class SamplingParams:
     step_cache: StepCacheSettings | None = _row(
         None, "Step cache of this request's rows (None: every step computes); only its method joins the signature."
     )
+    text_ids: dict[str, dict[str, tuple[int, ...]]] | None = field(
+        default=None,
+        compare=False,
+        repr=False,
+        metadata={
+            "signature": False,
+            "doc": "The server's one tokenization of the texts (tokenizer key -> text -> ids, untruncated, special "
+            "tokens included; `pipelines/token_ids.py`): the encode reuses them. None: the encode tokenizes.",
+        },
+    )
 
     @property
     def cfg_enabled(self) -> bool:

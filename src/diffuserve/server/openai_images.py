@@ -151,7 +151,7 @@ async def _generate_and_respond(
     # too-long prompt is a 400 with --reject-truncated-prompts, else a warning (a streamed answer carries none;
     # the log says it either way); the same count gives the usage text tokens.
     prompt = await count_prompt(ctx, {"prompt": params.prompt, "negative_prompt": params.negative_prompt})
-    warnings = prompt.warnings
+    warnings, params = prompt.warnings, prompt.carry(params)  # the encode reuses the count's ids: tokenize once
     assert ctx.engine.model is not None
     inputs = [(params.width, params.height)] * len(params.image_inputs)  # inputs are resized to the output size
     counted = usage(ctx.engine.model, params, text_tokens=prompt.text_tokens, input_sizes=inputs)
