@@ -37,6 +37,12 @@ goes to a free replica):
    the user cap), `delay` (the delay ran out, or was 0, below the cap), `dynamic_disabled`
    (singleton mode or max size 1: every batch is one request), `head:<reason>` (the head is
    ineligible and runs alone).
+8. **Answers bring requests.** With a delay, a batch below the cap is not formed while a finished batch that
+   the head could have joined (same model, eligible, equal signature) is still decoding (`note_answering`), and
+   once such a batch's answers went out (`note_answered`) the head waits up to the delay from that moment, not
+   only from its own arrival: closed-loop clients answered just now send their next requests within a few
+   milliseconds, and they join this batch instead of starting the next one (8 closed-loop clients, max 8,
+   5 ms: see docs/operations.md). A head unlike the answered batch keeps rule 5 alone.
 """
 
 from __future__ import annotations
@@ -142,6 +148,10 @@ class DynamicBatcher:
         self._num_queued_outputs = 0
         self._running: list[ScheduledBatch] = []
         self._num_dispatched = 0
+        self._answering: list[ScheduledBatch] = []
+        """Finished batches whose answers have not gone out yet (decoding in the decode lane), rule 8."""
+        self._answered: tuple[Request, float] | None = None
+        """The head of the batch whose answers went out last, and when (rule 8)."""
 
     # -- queue ------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -255,10 +265,24 @@ class DynamicBatcher:
         if num_outputs >= cap:
             reason = "max_size" if cap >= self.config.max_size else f"config_cap:{cap}"
             return self._dispatch(batch, cap, reason, rejects, now)
-        ready_at = head.arrival_time + self.config.delay_ms / 1000.0
+        delay = self.config.delay_ms / 1000.0
+        if delay > 0 and any(self._alike(head, b.requests[0]) for b in self._answering):
+            return Idle(busy=True)  # rule 8: the answers about to go out bring their clients' next requests
+        ready_at = head.arrival_time + delay
+        if self._answered is not None and self._alike(head, self._answered[0]):
+            ready_at = max(ready_at, self._answered[1] + delay)
         if now < ready_at:
             return WaitUntil(ready_at)
         return self._dispatch(batch, cap, "delay", rejects, now)
+
+    def note_answering(self, batch: ScheduledBatch) -> None:
+        """`batch` finished denoising and decodes in the decode lane: its answers are not out yet (rule 8)."""
+        self._answering.append(batch)
+
+    def note_answered(self, batch: ScheduledBatch, now: float) -> None:
+        """`batch`'s answers went out at `now` (rule 8)."""
+        self._answering = [b for b in self._answering if b is not batch]
+        self._answered = (batch.requests[0], now)
 
     def complete(self, batch: ScheduledBatch) -> None:
         """The worker finished `batch` (success or failure); the next batch may be dispatched."""
@@ -318,6 +342,10 @@ class DynamicBatcher:
             batch.append(cand)
             room -= cand.num_outputs
         return batch, rejects
+
+    def _alike(self, head: Request, other: Request) -> bool:
+        """Whether `other`'s batch ran what `head` would run (rule 8: its clients' next requests may join)."""
+        return self._reject_reason(head, other) is None
 
     def _reject_reason(self, head: Request, cand: Request) -> str | None:
         """Why `cand` may not share a batch with `head` (rules are covered by the head's cap: a
