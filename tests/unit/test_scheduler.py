@@ -364,10 +364,26 @@ def test_a_batch_below_the_cap_waits_for_a_like_batch_still_decoding_then_for_it
     b.note_answered(first, 0.030)
     decision = b.schedule(0.031)  # the head waits the delay from the answers, for first's clients
     assert isinstance(decision, WaitUntil) and decision.time == pytest.approx(0.035)
-    for i in range(4):
-        b.add(req(f"b{i}", 0.032))
-    second = dispatched(b.schedule(0.035))
+    b.add(req("b0", 0.034))  # a busy host: they come back late, a few ms apart; each arrival extends the wait
+    b.add(req("b1", 0.038))
+    b.add(req("b2", 0.041))
+    decision = b.schedule(0.042)
+    assert isinstance(decision, WaitUntil) and decision.time == pytest.approx(0.046)
+    b.add(req("b3", 0.043))  # all four are back: nothing more to wait for
+    second = dispatched(b.schedule(0.043))
     assert second.request_ids == ["late", "b0", "b1", "b2", "b3"] and second.stop_reason == "delay"
+
+
+def test_once_the_answered_clients_stop_coming_the_batch_goes() -> None:
+    b = batcher(max_size=8, delay_ms=5.0)
+    b.add(req("a0", 0.0))
+    b.add(req("a1", 0.0))
+    first = dispatched(b.schedule(0.005))
+    b.complete(first)
+    b.note_answered(first, 0.010)  # answered inline (no decode lane)
+    b.add(req("b0", 0.011))  # one client came back, the other went away
+    assert b.schedule(0.012) == WaitUntil(pytest.approx(0.016))
+    assert dispatched(b.schedule(0.016)).request_ids == ["b0"]
 
 
 def test_rule_8_leaves_unlike_heads_and_zero_delay_alone() -> None:

@@ -38,11 +38,12 @@ goes to a free replica):
    (singleton mode or max size 1: every batch is one request), `head:<reason>` (the head is
    ineligible and runs alone).
 8. **Answers bring requests.** With a delay, a batch below the cap is not formed while a finished batch that
-   the head could have joined (same model, eligible, equal signature) is still decoding (`note_answering`), and
-   once such a batch's answers went out (`note_answered`) the head waits up to the delay from that moment, not
-   only from its own arrival: closed-loop clients answered just now send their next requests within a few
-   milliseconds, and they join this batch instead of starting the next one (8 closed-loop clients, max 8,
-   5 ms: see docs/operations.md). A head unlike the answered batch keeps rule 5 alone.
+   the head could have joined (same model, eligible, equal signature) is still decoding (`note_answering`).
+   Once such a batch's answers went out (`note_answered`), and until as many rows as it had have arrived since,
+   the head also waits up to the delay from the latest of the answers and those new arrivals: closed-loop
+   clients answered just now send their next requests a few milliseconds apart, and they join this batch
+   instead of starting the next one (8 closed-loop clients, max 8, 5 ms: see docs/operations.md). A head unlike
+   the answered batch keeps rule 5 alone; so does every head when the delay is 0.
 """
 
 from __future__ import annotations
@@ -150,8 +151,8 @@ class DynamicBatcher:
         self._num_dispatched = 0
         self._answering: list[ScheduledBatch] = []
         """Finished batches whose answers have not gone out yet (decoding in the decode lane), rule 8."""
-        self._answered: tuple[Request, float] | None = None
-        """The head of the batch whose answers went out last, and when (rule 8)."""
+        self._answered: tuple[Request, float, int] | None = None
+        """The head of the batch whose answers went out last, when, and its rows (rule 8)."""
 
     # -- queue ------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -270,7 +271,13 @@ class DynamicBatcher:
             return Idle(busy=True)  # rule 8: the answers about to go out bring their clients' next requests
         ready_at = head.arrival_time + delay
         if self._answered is not None and self._alike(head, self._answered[0]):
-            ready_at = max(ready_at, self._answered[1] + delay)
+            # Until the answered batch's clients are back (as many rows arrived since), the head waits the delay
+            # from the latest of the answers and their new requests: they come back within a few milliseconds of
+            # each other, however late the first one is on a busy host.
+            _, answered_at, answered_rows = self._answered
+            returned = [r for r in batch if r.arrival_time >= answered_at]
+            if sum(r.num_outputs for r in returned) < answered_rows:
+                ready_at = max(ready_at, max([answered_at, *(r.arrival_time for r in returned)]) + delay)
         if now < ready_at:
             return WaitUntil(ready_at)
         return self._dispatch(batch, cap, "delay", rejects, now)
@@ -282,7 +289,7 @@ class DynamicBatcher:
     def note_answered(self, batch: ScheduledBatch, now: float) -> None:
         """`batch`'s answers went out at `now` (rule 8)."""
         self._answering = [b for b in self._answering if b is not batch]
-        self._answered = (batch.requests[0], now)
+        self._answered = (batch.requests[0], now, batch.num_outputs)
 
     def complete(self, batch: ScheduledBatch) -> None:
         """The worker finished `batch` (success or failure); the next batch may be dispatched."""
