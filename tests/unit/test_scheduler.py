@@ -405,3 +405,23 @@ def test_rule_8_leaves_unlike_heads_and_zero_delay_alone() -> None:
     z.note_answering(first)
     z.add(req("b", 0.001))
     assert dispatched(z.schedule(0.002)).request_ids == ["b"]  # no delay asked: nothing waits
+
+
+def test_the_wait_after_answers_counts_the_time_clients_took_to_come_back() -> None:
+    b = batcher(max_size=8, delay_ms=5.0)
+    b.add(req("a0", 0.0))
+    b.add(req("a1", 0.0))
+    first = dispatched(b.schedule(0.005))
+    b.complete(first)
+    b.note_answered(first, 0.010)
+    b.add(req("b0", 0.022))  # the way back (response, client, next request) took 12 ms
+    b.add(req("b1", 0.023))
+    second = dispatched(b.schedule(0.027))  # both back: rule 5 alone (the head's own delay)
+    b.add(req("late", 0.030))  # a third client's request, queued while `second` runs
+    b.complete(second)
+    b.note_answered(second, 0.040)
+    # Not at 0.045 (the answers + the delay): the clients need ~12 ms to come back, so the head waits for them.
+    assert b.schedule(0.041) == WaitUntil(pytest.approx(0.057))
+    b.add(req("c0", 0.052))
+    b.add(req("c1", 0.053))
+    assert dispatched(b.schedule(0.053)).request_ids == ["late", "c0", "c1"]
