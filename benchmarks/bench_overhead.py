@@ -20,9 +20,10 @@ Per serving configuration it reports img/s, the average batch a request ran in (
 answer), and the serving CPU per image: the server process's CPU time outside pipeline calls
 (`diffuserve_process_cpu_seconds_total - diffuserve_pipeline_cpu_seconds` from /metrics, `runtime/cpu_time.py`) over
 the round, divided by its images. Cold start: spawning `diffuserve serve` on the embedded default model, alone,
-to /health 200 (the second of two starts, so a first build of the model's cache is not counted).
-Targets (issue 24 item 6): dynamic@8 >= 1.0x plain b8; singleton@1 >= 1.1x plain b1; serving CPU per image
-<= 5 ms; cold start <= 8 s.
+to /health 200 (the second of two starts, so a first build of the model's cache is not counted), with the
+server's own CPU time by then (about the wall time of a start on an idle host).
+Targets (issue 24 items 5 and 6): dynamic@8 >= 1.0x plain b8 with a mean batch >= 6; singleton@1 >= 1.1x plain
+b1; serving CPU per image <= 5 ms; cold start <= 8 s.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def clients_of(config: str) -> int:
 
 
 CPU_TARGET_MS = 5.0
+BATCH_TARGET = 6.0
+"""The average batch a request of dynamic@8 runs in (issue 24 item 5)."""
 COLD_START_TARGET_S = 8.0
 
 
@@ -113,8 +116,19 @@ async def serve_round(
         return time.perf_counter() - start, samples
 
 
-def cold_start_s(env: dict[str, str], timeout_s: float = 300.0, api_process: str = "same") -> float:
-    """Seconds from spawning `diffuserve serve` on the embedded default model (no --model-path) to /health 200."""
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used so far (Linux `/proc`; NaN elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cold_start_s(env: dict[str, str], timeout_s: float = 300.0, api_process: str = "same") -> tuple[float, float]:
+    """Seconds from spawning `diffuserve serve` on the embedded default model (no --model-path) to /health 200, and
+    the server's own CPU seconds by then (the front end's, under --api-process separate): a start is one busy
+    thread, so on a busy host its CPU time says what an idle one would take."""
     port = _free_port()
     cmd = [
         sys.executable,
@@ -138,7 +152,7 @@ def cold_start_s(env: dict[str, str], timeout_s: float = 300.0, api_process: str
                 raise RuntimeError(f"the embedded-model server exited with {proc.returncode}: {' '.join(cmd)}")
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
-                    return time.monotonic() - started
+                    return time.monotonic() - started, process_cpu_s(proc.pid)
             except httpx.TransportError:
                 pass
             time.sleep(0.05)
@@ -158,7 +172,7 @@ def run(
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     layout = LAYOUTS[api_process][-1]  # both: the split layout's
     cold_start_s(env, api_process=layout)  # the first start may build the embedded model's cache; the second counts
-    cold_s = cold_start_s(env, api_process=layout)
+    cold_s, cold_cpu_s = cold_start_s(env, api_process=layout)
     flags = serving_flags(api_process, delay_ms)
     servers = {
         name: Server(model_path, extra, workdir / f"{name.replace('@', '-').replace(' ', '-')}.log", env)
@@ -220,6 +234,7 @@ def run(
         "mean_batch": {c: sum(v) / len(v) for c, v in batches.items()},
         "serving_cpu_ms_per_image": {c: statistics.median(v) for c, v in cpu_ms.items()},
         "cold_start_s": cold_s,
+        "cold_start_cpu_s": cold_cpu_s,
     }
 
 
@@ -240,6 +255,9 @@ def format_report(r: dict[str, Any]) -> str:
     for name, ratio in r["ratios"].items():
         verdict = "met" if ratio["median"] >= ratio["target"] else "MISSED"
         lines.append(f"  {name} = {ratio['median']:.2f}x (target >= {ratio['target']:.1f}x: {verdict})")
+    batch = r["mean_batch"]["dynamic@8"]
+    verdict = "met" if batch >= BATCH_TARGET else "MISSED"
+    lines.append(f"  dynamic@8 mean batch >= {BATCH_TARGET:g}: {verdict} ({batch:.2f})")
     worst = max(r["serving_cpu_ms_per_image"].values())
     lines.append(
         f"  serving CPU per image <= {CPU_TARGET_MS:g} ms: {'met' if worst <= CPU_TARGET_MS else 'MISSED'}"
@@ -247,7 +265,8 @@ def format_report(r: dict[str, Any]) -> str:
     )
     lines.append(
         f"  cold start to /health 200: {r['cold_start_s']:.1f} s (target <= {COLD_START_TARGET_S:g} s: "
-        f"{'met' if r['cold_start_s'] <= COLD_START_TARGET_S else 'MISSED'}; embedded model, alone, warm cache)"
+        f"{'met' if r['cold_start_s'] <= COLD_START_TARGET_S else 'MISSED'}; embedded model, alone, warm cache; "
+        f"the server's own CPU time {r.get('cold_start_cpu_s', float('nan')):.1f} s)"
     )
     return "\n".join(lines)
 

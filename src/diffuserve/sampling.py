@@ -92,6 +92,16 @@ class SamplingParams:
     step_cache: StepCacheSettings | None = _row(
         None, "Step cache of this request's rows (None: every step computes); only its method joins the signature."
     )
+    text_ids: dict[str, dict[str, tuple[int, ...]]] | None = field(
+        default=None,
+        compare=False,
+        repr=False,
+        metadata={
+            "signature": False,
+            "doc": "The server's one tokenization of the texts (tokenizer key -> text -> ids, untruncated, special "
+            "tokens included; `pipelines/token_ids.py`): the encode reuses them. None: the encode tokenizes.",
+        },
+    )
 
     @property
     def cfg_enabled(self) -> bool:
@@ -105,11 +115,16 @@ class SamplingParams:
         return self.step_cache.method if self.step_cache is not None else "off"
 
     def signature(self) -> tuple[tuple[str, Any], ...]:
-        """The batch signature: equal signatures run the same tensor program."""
-        items = [(f.name, getattr(self, f.name)) for f in fields(self) if f.metadata.get("signature")]
-        items.append(("cfg_enabled", self.cfg_enabled))
-        items.append(("step_cache_method", self.step_cache_method))
-        return tuple(items)
+        """The batch signature: equal signatures run the same tensor program. Made once per (frozen) instance:
+        the scheduler compares signatures of every queued request at every scheduling pass."""
+        cached = self.__dict__.get("_signature")
+        if cached is None:
+            items = [(f.name, getattr(self, f.name)) for f in fields(self) if f.metadata.get("signature")]
+            items.append(("cfg_enabled", self.cfg_enabled))
+            items.append(("step_cache_method", self.step_cache_method))
+            cached = tuple(items)
+            object.__setattr__(self, "_signature", cached)  # a cache, not a field: never compared or replaced
+        return cached
 
     @classmethod
     def signature_fields(cls) -> tuple[str, ...]:

@@ -349,3 +349,79 @@ def test_priority_head_waits_from_its_own_arrival() -> None:
     batch = dispatched(b.schedule(decision.time))  # waking exactly at the returned time dispatches
     assert batch.request_ids == ["high"]
     assert batch.rejects == {"sampling_params.num_inference_steps": 1}
+
+
+# -- rule 8: answers bring requests ------------------------------------------------------------------
+def test_a_batch_below_the_cap_waits_for_a_like_batch_still_decoding_then_for_its_clients() -> None:
+    b = batcher(max_size=8, delay_ms=5.0)
+    for i in range(4):
+        b.add(req(f"a{i}", 0.0))
+    first = dispatched(b.schedule(0.005))  # 4 closed-loop clients, the first batch of the rest of them
+    b.add(req("late", 0.010))  # queued while `first` denoised: its head has waited past the delay
+    b.complete(first)
+    b.note_answering(first)  # `first` decodes in the decode lane
+    assert b.schedule(0.020) == Idle(busy=True)  # not formed before first's answers are out
+    b.note_answered(first, 0.030)
+    decision = b.schedule(0.031)  # the head waits the delay from the answers, for first's clients
+    assert isinstance(decision, WaitUntil) and decision.time == pytest.approx(0.035)
+    b.add(req("b0", 0.034))  # a busy host: they come back late, a few ms apart; each arrival extends the wait
+    b.add(req("b1", 0.038))
+    b.add(req("b2", 0.041))
+    decision = b.schedule(0.042)
+    assert isinstance(decision, WaitUntil) and decision.time == pytest.approx(0.046)
+    b.add(req("b3", 0.043))  # all four are back: nothing more to wait for
+    second = dispatched(b.schedule(0.043))
+    assert second.request_ids == ["late", "b0", "b1", "b2", "b3"] and second.stop_reason == "delay"
+
+
+def test_once_the_answered_clients_stop_coming_the_batch_goes() -> None:
+    b = batcher(max_size=8, delay_ms=5.0)
+    b.add(req("a0", 0.0))
+    b.add(req("a1", 0.0))
+    first = dispatched(b.schedule(0.005))
+    b.complete(first)
+    b.note_answered(first, 0.010)  # answered inline (no decode lane)
+    b.add(req("b0", 0.011))  # one client came back, the other went away
+    assert b.schedule(0.012) == WaitUntil(pytest.approx(0.016))
+    assert dispatched(b.schedule(0.016)).request_ids == ["b0"]
+
+
+def test_rule_8_leaves_unlike_heads_and_zero_delay_alone() -> None:
+    b = batcher(max_size=8, delay_ms=5.0)
+    b.add(req("a", 0.0))
+    first = dispatched(b.schedule(0.005))
+    b.complete(first)
+    b.note_answering(first)
+    b.add(req("other", 0.010, num_inference_steps=7))  # another signature: first's clients could not join it
+    assert dispatched(b.schedule(0.020)).request_ids == ["other"]
+    b.note_answered(first, 0.021)
+    b.complete(b.running)
+    b.add(req("unlike", 0.022, num_inference_steps=7))
+    assert dispatched(b.schedule(0.027)).request_ids == ["unlike"]  # rule 5 alone: arrival + delay
+    z = batcher(max_size=8, delay_ms=0.0)
+    z.add(req("a", 0.0))
+    first = dispatched(z.schedule(0.0))
+    z.complete(first)
+    z.note_answering(first)
+    z.add(req("b", 0.001))
+    assert dispatched(z.schedule(0.002)).request_ids == ["b"]  # no delay asked: nothing waits
+
+
+def test_the_wait_after_answers_counts_the_time_clients_took_to_come_back() -> None:
+    b = batcher(max_size=8, delay_ms=5.0)
+    b.add(req("a0", 0.0))
+    b.add(req("a1", 0.0))
+    first = dispatched(b.schedule(0.005))
+    b.complete(first)
+    b.note_answered(first, 0.010)
+    b.add(req("b0", 0.022))  # the way back (response, client, next request) took 12 ms
+    b.add(req("b1", 0.023))
+    second = dispatched(b.schedule(0.027))  # both back: rule 5 alone (the head's own delay)
+    b.add(req("late", 0.030))  # a third client's request, queued while `second` runs
+    b.complete(second)
+    b.note_answered(second, 0.040)
+    # Not at 0.045 (the answers + the delay): the clients need ~12 ms to come back, so the head waits for them.
+    assert b.schedule(0.041) == WaitUntil(pytest.approx(0.057))
+    b.add(req("c0", 0.052))
+    b.add(req("c1", 0.053))
+    assert dispatched(b.schedule(0.053)).request_ids == ["late", "c0", "c1"]

@@ -147,9 +147,11 @@ class BatchLoop:
         outcome = self.executor.execute(replica, message, _BatchListener(self, requests, previews))
         self.recent_batch_s = outcome.inference_seconds
         if outcome.decoded is not None:  # answered once the decode lane has the outputs
-            outcome.decoded.add_done_callback(lambda done: self._answer(requests, done.result(), started))
+            with self.book.cond:  # the scheduler waits for these answers (scheduler rule 8)
+                self._notes("note_answering", batch)
+            outcome.decoded.add_done_callback(lambda done: self._answer(batch, done.result(), started))
         else:
-            self._answer(requests, outcome, started)
+            self._answer(batch, outcome, started)
         with self.book.cond:
             self.scheduler.complete(batch)
             produced = (
@@ -176,7 +178,22 @@ class BatchLoop:
                         ),
                     )
 
-    def _answer(self, requests: list[Request], outcome: BatchOutcome, started: float) -> None:
+    def _notes(self, name: str, *args: Any) -> None:
+        """Tell the request-level scheduler about answers (scheduler rule 8); the step scheduler takes none.
+        Caller holds the lock."""
+        note = getattr(self.scheduler, name, None)
+        if note is not None:
+            note(*args)
+
+    def _answer(self, batch: ScheduledBatch, outcome: BatchOutcome, started: float) -> None:
+        try:
+            self._answer_all(list(batch.requests), outcome, started)
+        finally:
+            with self.book.cond:
+                self._notes("note_answered", batch, self.clock())
+                self.book.cond.notify_all()
+
+    def _answer_all(self, requests: list[Request], outcome: BatchOutcome, started: float) -> None:
         for stage, seconds in outcome.stage_seconds.items():
             self.metrics.observe_stage(stage, seconds)
         if outcome.deferred:

@@ -37,6 +37,15 @@ goes to a free replica):
    the user cap), `delay` (the delay ran out, or was 0, below the cap), `dynamic_disabled`
    (singleton mode or max size 1: every batch is one request), `head:<reason>` (the head is
    ineligible and runs alone).
+8. **Answers bring requests.** With a delay, a batch below the cap is not formed while a finished batch that
+   the head could have joined (same model, eligible, equal signature) is still decoding (`note_answering`).
+   Once such a batch's answers went out (`note_answered`), and until as many rows as it had have arrived since,
+   the head also waits up to the delay from the latest of those new arrivals, or from when the first of them
+   should be back: the answers plus the time the first client took to come back after the previous answers
+   (the response, the client and its next request; counted up to `MAX_RETURN_GAP_DELAYS` delays). Closed-loop
+   clients answered just now come back a few milliseconds apart, and they join this batch instead of starting
+   the next one (8 closed-loop clients, max 8, 5 ms: see docs/operations.md). A head unlike the answered batch
+   keeps rule 5 alone; so does every head when the delay is 0.
 """
 
 from __future__ import annotations
@@ -57,6 +66,8 @@ MODEL_MISMATCH = "model"
 LORA_SLOTS = "lora_slots"
 """Reject reason: the candidate's LoRA adapters would give the batch more distinct adapters than `--max-loras` device
 slots; it waits for a later batch."""
+MAX_RETURN_GAP_DELAYS = 4
+"""Rule 8 counts the answered clients' return time (answer -> next admission) up to this many delays."""
 
 
 @dataclass
@@ -147,6 +158,15 @@ class DynamicBatcher:
         self._num_dispatched = 0
         self.max_adapters: int | None = None
         """Most distinct LoRA adapters one batch may use (`--max-loras`, set by launch when LoRA is on); None: any."""
+        self._answering: list[ScheduledBatch] = []
+        """Finished batches whose answers have not gone out yet (decoding in the decode lane), rule 8."""
+        self._answered: tuple[Request, float, int] | None = None
+        """The head of the batch whose answers went out last, when, and its rows (rule 8)."""
+        self._return_gap = 0.0
+        """How long after its answers the first of a batch's clients came back last time (rule 8: from the
+        engine's answer to the next request's admission there is the response, the client and the request)."""
+        self._gap_open = False
+        """Whether the first arrival after the last answers is still to come (it measures `_return_gap`)."""
 
     # -- queue ------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -155,6 +175,9 @@ class DynamicBatcher:
         if rid in self._queue or any(rid in b.request_ids for b in self._running):
             raise ValueError(f"request id {rid!r} is already queued or running; ids must be unique")
         self._seq += 1
+        if self._gap_open and self._answered is not None and request.arrival_time >= self._answered[1]:
+            self._gap_open = False
+            self._return_gap = min(request.arrival_time - self._answered[1], MAX_RETURN_GAP_DELAYS * self._delay_s)
         request.status = RequestStatus.QUEUED
         self._queue[rid] = ((request.priority, request.arrival_time, self._seq), request)
         self._num_queued_outputs += request.num_outputs
@@ -188,6 +211,10 @@ class DynamicBatcher:
 
     def is_queued(self, request_id: str) -> bool:
         return request_id in self._queue
+
+    @property
+    def _delay_s(self) -> float:
+        return self.config.delay_ms / 1000.0
 
     @property
     def num_queued(self) -> int:
@@ -260,10 +287,33 @@ class DynamicBatcher:
         if num_outputs >= cap:
             reason = "max_size" if cap >= self.config.max_size else f"config_cap:{cap}"
             return self._dispatch(batch, cap, reason, rejects, now)
-        ready_at = head.arrival_time + self.config.delay_ms / 1000.0
+        delay = self.config.delay_ms / 1000.0
+        if delay > 0 and any(self._alike(head, b.requests[0]) for b in self._answering):
+            return Idle(busy=True)  # rule 8: the answers about to go out bring their clients' next requests
+        ready_at = head.arrival_time + delay
+        if self._answered is not None and self._alike(head, self._answered[0]):
+            # Until the answered batch's clients are back (as many rows arrived since), the head waits the delay
+            # from the latest of their new requests, or from when the first of them should be back (the answers,
+            # plus the time clients took to come back after the previous answers): they come back a few
+            # milliseconds apart, however long the way back through the HTTP server and the client is.
+            _, answered_at, answered_rows = self._answered
+            returned = [r for r in batch if r.arrival_time >= answered_at]
+            if sum(r.num_outputs for r in returned) < answered_rows:
+                latest = max([answered_at + self._return_gap, *(r.arrival_time for r in returned)])
+                ready_at = max(ready_at, latest + delay)
         if now < ready_at:
             return WaitUntil(ready_at)
         return self._dispatch(batch, cap, "delay", rejects, now)
+
+    def note_answering(self, batch: ScheduledBatch) -> None:
+        """`batch` finished denoising and decodes in the decode lane: its answers are not out yet (rule 8)."""
+        self._answering.append(batch)
+
+    def note_answered(self, batch: ScheduledBatch, now: float) -> None:
+        """`batch`'s answers went out at `now` (rule 8)."""
+        self._answering = [b for b in self._answering if b is not batch]
+        self._answered = (batch.requests[0], now, batch.num_outputs)
+        self._gap_open = True
 
     def complete(self, batch: ScheduledBatch) -> None:
         """The worker finished `batch` (success or failure); the next batch may be dispatched."""
@@ -328,6 +378,10 @@ class DynamicBatcher:
             room -= cand.num_outputs
             adapters = more
         return batch, rejects
+
+    def _alike(self, head: Request, other: Request) -> bool:
+        """Whether `other`'s batch ran what `head` would run (rule 8: its clients' next requests may join)."""
+        return self._reject_reason(head, other) is None
 
     def _reject_reason(self, head: Request, cand: Request) -> str | None:
         """Why `cand` may not share a batch with `head` (rules are covered by the head's cap: a

@@ -14,7 +14,6 @@ import tempfile
 from fractions import Fraction
 from typing import Any
 
-import av
 from PIL import Image
 
 from diffuserve.errors import ConfigError, InvalidRequestError
@@ -29,6 +28,8 @@ _CODEC_PREFERENCE: tuple[tuple[str, dict[str, str]], ...] = (
 
 def _pick_codec() -> tuple[str, dict[str, str]]:
     """The first available encoder from `_CODEC_PREFERENCE`."""
+    import av  # here, not at module level: PyAV loads with the first video, not with the server (cold start)
+
     for name, options in _CODEC_PREFERENCE:
         try:
             av.Codec(name, "w")
@@ -94,6 +95,8 @@ def _write_mp4(
     height: int,
 ) -> None:
     """Encode `frames` into the MP4 file at `path` (the body of `encode_mp4`)."""
+    import av
+
     with av.open(path, mode="w", format="mp4", options={"movflags": "+faststart"}) as container:
         stream = container.add_stream(codec_name, rate=fps, options=options)
         stream.width, stream.height = width, height
@@ -115,6 +118,8 @@ def probe_mp4(data: bytes) -> dict[str, Any]:
     Returns `{"frames": int, "fps": float, "width": int, "height": int, "codec": str}`; frames are
     counted by decoding, so a file whose index disagrees with its content is caught.
     """
+    import av
+
     with av.open(io.BytesIO(data), mode="r") as container:
         if not container.streams.video:
             raise ValueError("no video stream in the MP4 data")
@@ -132,6 +137,8 @@ def probe_mp4(data: bytes) -> dict[str, Any]:
 
 def decode_frames(data: bytes) -> list[Image.Image]:
     """Every frame of an MP4 as RGB images, in order."""
+    import av
+
     with av.open(io.BytesIO(data), mode="r") as container:
         return [frame.to_image().convert("RGB") for frame in container.decode(video=0)]
 

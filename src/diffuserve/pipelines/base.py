@@ -390,7 +390,9 @@ class Pipeline:
             limit, cap = declared_limit(tokenizer, fact.max_tokens), self.text_token_cap(fact.tokenizer)
             if cap is not None and limit is not None:
                 limit = min(limit, cap)
-            limits.append(TextEncoderLimit(fact.label, tokenizer, limit, self.text_frame(fact.tokenizer)))
+            limits.append(
+                TextEncoderLimit(fact.label, tokenizer, limit, self.text_frame(fact.tokenizer), key=fact.tokenizer)
+            )
         return limits
 
     def _usage_fallback(self) -> TextEncoderLimit | None:
@@ -403,7 +405,7 @@ class Pipeline:
             if part is not None and callable(part):
                 tokenizer = inner_tokenizer(part)
                 declared = getattr(tokenizer, "model_max_length", 512)
-                return TextEncoderLimit(key, tokenizer, min(int(declared or 512), 512))
+                return TextEncoderLimit(key, tokenizer, min(int(declared or 512), 512), key=key)
         return None
 
     def prompt_tokens(self) -> PromptTokens:

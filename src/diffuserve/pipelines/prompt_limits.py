@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -33,6 +33,9 @@ class TextEncoderLimit:
     """Tokens the encoder is given for an empty text, counted with a given tokenizer: the pipeline's framing
     (chat template, system message, after any prefix it drops) takes that much of `max_tokens` from every
     text. None: the text alone. Only `PromptTokens` applies it (on its private copy)."""
+    key: str | None = None
+    """The tokenizer's model_index key (`tokenizer_2`): the count's ids are carried to the encode under it
+    (`pipelines/token_ids.py`). None: the ids are not carried."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,9 @@ class PromptCount:
     """Every (field, encoder) pair whose text is longer than the encoder takes (limits and warnings)."""
     text_tokens: int
     """The `usage` text tokens: the texts' tokens in the usage encoder (the spec's last), as far as it reads."""
+    text_ids: dict[str, dict[str, tuple[int, ...]]] = field(default_factory=dict)
+    """Tokenizer key -> text -> its ids (untruncated, special tokens included): the one tokenization of each
+    text, carried to the encode (`SamplingParams.text_ids`, `pipelines/token_ids.py`)."""
 
 
 class PromptTokens:
@@ -113,7 +119,7 @@ class PromptTokens:
             if limit.framed_empty is not None and max_tokens is not None:
                 # What the framing adds beyond the text's own special tokens is not the text's to use.
                 max_tokens -= limit.framed_empty(tokenizer) - self._tokens(tokenizer, "", {})
-            return TextEncoderLimit(limit.encoder, tokenizer, max_tokens)
+            return TextEncoderLimit(limit.encoder, tokenizer, max_tokens, key=limit.key)
 
         self.limits: tuple[TextEncoderLimit, ...] = tuple(private(limit) for limit in limits)
         """The checked encoders, each on its private tokenizer copy, `max_tokens` net of the pipeline's framing."""
@@ -123,24 +129,40 @@ class PromptTokens:
         self._lock = threading.Lock()
 
     def count(self, texts: Mapping[str, str | None]) -> PromptCount:
-        """Count `texts` (request field -> text; None/empty texts count nothing) once for every purpose."""
+        """Count `texts` (request field -> text; None/empty texts count nothing) once for every purpose: each text
+        is tokenized once per tokenizer, and those ids are returned for the encode (`PromptCount.text_ids`)."""
         truncations: list[PromptTruncation] = []
         text_tokens = 0
+        text_ids: dict[str, dict[str, tuple[int, ...]]] = {}
         with self._lock:
-            for field, text in texts.items():
+            for field_name, text in texts.items():
                 if not text:
                     continue
-                counted: dict[int, int] = {}  # id(private tokenizer) -> tokens: each text tokenized once per tokenizer
+                counted: dict[int, tuple[int, ...]] = {}  # id(private tokenizer) -> ids: one tokenization each
                 for limit in self.limits:
-                    tokens = self._tokens(limit.tokenizer, text, counted)
+                    tokens = len(self._ids(limit, text, counted, text_ids))
                     if limit.max_tokens is not None and tokens > limit.max_tokens:
-                        truncations.append(PromptTruncation(field, limit.encoder, tokens, limit.max_tokens))
+                        truncations.append(PromptTruncation(field_name, limit.encoder, tokens, limit.max_tokens))
                 if self.usage is None:
                     text_tokens += len(text.split())
                 else:
-                    tokens = self._tokens(self.usage.tokenizer, text, counted)
+                    tokens = len(self._ids(self.usage, text, counted, text_ids))
                     text_tokens += tokens if self.usage.max_tokens is None else min(tokens, self.usage.max_tokens)
-        return PromptCount(tuple(truncations), text_tokens)
+        return PromptCount(tuple(truncations), text_tokens, text_ids)
+
+    def _ids(
+        self,
+        limit: TextEncoderLimit,
+        text: str,
+        counted: dict[int, tuple[int, ...]],
+        text_ids: dict[str, dict[str, tuple[int, ...]]],
+    ) -> tuple[int, ...]:
+        if id(limit.tokenizer) not in counted:
+            counted[id(limit.tokenizer)] = self._tokenize(limit.tokenizer, text)
+        ids = counted[id(limit.tokenizer)]
+        if limit.key is not None:
+            text_ids.setdefault(limit.key, {})[text] = ids
+        return ids
 
     def tokens(self, text: str) -> int:
         """Tokens of `text` (special tokens included) in the usage encoder, uncut: for a model's own checks
@@ -151,12 +173,14 @@ class PromptTokens:
             return self._tokens(self.usage.tokenizer, text, {})
 
     @staticmethod
-    def _tokens(tokenizer: Any, text: str, counted: dict[int, int]) -> int:
+    def _tokenize(tokenizer: Any, text: str) -> tuple[int, ...]:
+        # verbose=False: transformers otherwise logs "sequence length is longer than the maximum" itself.
+        return tuple(tokenizer(text, truncation=False, add_special_tokens=True, verbose=False)["input_ids"])
+
+    @classmethod
+    def _tokens(cls, tokenizer: Any, text: str, counted: dict[int, int]) -> int:
         if id(tokenizer) not in counted:
-            # verbose=False: transformers otherwise logs "sequence length is longer than the maximum" itself.
-            counted[id(tokenizer)] = len(
-                tokenizer(text, truncation=False, add_special_tokens=True, verbose=False)["input_ids"]
-            )
+            counted[id(tokenizer)] = len(cls._tokenize(tokenizer, text))
         return counted[id(tokenizer)]
 
 

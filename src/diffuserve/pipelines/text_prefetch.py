@@ -15,6 +15,7 @@ rounding of a batched matmul, far below 1/255 of a pixel). Entries are taken onc
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections import OrderedDict
@@ -48,6 +49,18 @@ class _Job:
     """Each member request's `on_done`."""
     started: bool = False
     """Set (under the lock) when the lane starts it: later requests open a new job."""
+    text_ids: dict[str, dict[str, tuple[int, ...]]] = field(default_factory=dict)
+    """The members' carried token ids (`SamplingParams.text_ids`), merged: the encode reuses them."""
+
+    def add_ids(self, params: Any) -> None:
+        for key, ids in (getattr(params, "text_ids", None) or {}).items():
+            self.text_ids.setdefault(key, {}).update(ids)
+
+    def carrier(self) -> Any:
+        """The opening request with every member's token ids (the encode reads them from its batch)."""
+        if not self.text_ids:
+            return self.params
+        return dataclasses.replace(self.params, text_ids=self.text_ids)
 
 
 class TextPrefetch:
@@ -83,16 +96,18 @@ class TextPrefetch:
             if job is not None and len(job.texts) + len(todo) <= MAX_JOB_TEXTS:
                 job.texts.extend(todo)  # rides along with the job that has not started yet
                 job.callbacks.append(on_done)
+                job.add_ids(params)
                 return True
             job = self._waiting[signature] = _Job(params, todo, [on_done])
+            job.add_ids(params)
 
         def run() -> dict[str, Cond]:
             with self._lock:  # from now on the job's texts are fixed
                 job.started = True
                 if self._waiting.get(signature) is job:
                     del self._waiting[signature]
-                texts = list(job.texts)
-            return dict(zip(texts, self.encode_many(texts, params), strict=True))
+                texts, carrier = list(job.texts), job.carrier()
+            return dict(zip(texts, self.encode_many(texts, carrier), strict=True))
 
         future = overlap_for(self.pipeline).encode.submit(run, prompts=[params.prompt])
         future.add_done_callback(lambda f: self._store(signature, job, f))

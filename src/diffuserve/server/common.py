@@ -3,9 +3,10 @@ timings."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -21,6 +22,7 @@ from diffuserve.engine.engine import EngineState, GenerationResult
 from diffuserve.engine.metrics import EngineMetrics
 from diffuserve.errors import InvalidRequestError, ModelNotFoundError
 from diffuserve.pipelines.prompt_limits import PromptTokens
+from diffuserve.sampling import SamplingParams
 from diffuserve.server.context import ServerContext
 from diffuserve.server.protocol import parse_size
 
@@ -121,6 +123,13 @@ class PromptCheck:
     """Texts longer than a text encoder takes (empty when all fit)."""
     text_tokens: int
     """The `usage` text tokens (server/usage.py)."""
+    text_ids: dict[str, dict[str, tuple[int, ...]]] = field(default_factory=dict)
+    """The count's ids of each text per tokenizer (`PromptCount.text_ids`): `carry` puts them on the request,
+    so the encode does not tokenize the texts again."""
+
+    def carry(self, params: SamplingParams) -> SamplingParams:
+        """`params` with this count's token ids for the encode (tokenize once, `pipelines/token_ids.py`)."""
+        return dataclasses.replace(params, text_ids=self.text_ids) if self.text_ids else params
 
 
 def check_prompt(ctx: ServerContext, texts: dict[str, str | None]) -> PromptCheck:
@@ -132,7 +141,7 @@ def check_prompt(ctx: ServerContext, texts: dict[str, str | None]) -> PromptChec
     owner = model.prompt_tokens if model is not None else None
     counted = (owner or PromptTokens(())).count(texts)
     if not counted.truncations:
-        return PromptCheck([], counted.text_tokens)
+        return PromptCheck([], counted.text_tokens, counted.text_ids)
     if ctx.args.reject_truncated_prompts:
         first = counted.truncations[0]
         raise InvalidRequestError(
@@ -142,7 +151,7 @@ def check_prompt(ctx: ServerContext, texts: dict[str, str | None]) -> PromptChec
         )
     messages = [t.message for t in counted.truncations]
     logger.warning("request truncated by the text encoders: %s", "; ".join(messages))
-    return PromptCheck(messages, counted.text_tokens)
+    return PromptCheck(messages, counted.text_tokens, counted.text_ids)
 
 
 async def count_prompt(ctx: ServerContext, texts: dict[str, str | None]) -> PromptCheck:

@@ -24,10 +24,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
-
-import httpx
-from tqdm import tqdm
+from typing import TYPE_CHECKING, Any
 
 from diffuserve.tools.bench_report import (
     RequestResult,
@@ -40,6 +37,9 @@ from diffuserve.tools.bench_report import (
     summarize,
     summarize_setting,
 )
+
+if TYPE_CHECKING:  # httpx and tqdm load when a benchmark runs, not when the CLI parser is built
+    import httpx
 
 __all__ = [
     "add_bench_arguments",
@@ -220,6 +220,8 @@ async def _send_video(client: httpx.AsyncClient, spec: BenchRequestSpec, seed: i
 
 async def _send(client: httpx.AsyncClient, spec: BenchRequestSpec, seed: int) -> RequestResult:
     """One request; never raises (a transport or protocol problem becomes a failed result)."""
+    import httpx
+
     send = _send_image if spec.endpoint == "images" else _send_video
     try:
         return await send(client, spec, seed)
@@ -274,6 +276,8 @@ async def _drive(
 
 
 def _client(base_url: str, api_key: str | None, timeout_s: float, pool_size: int) -> httpx.AsyncClient:
+    import httpx
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     return httpx.AsyncClient(
         base_url=base_url,
@@ -297,6 +301,8 @@ async def run_setting(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run one concurrency/rate setting and return its summary (see `summarize_setting`)."""
+    from tqdm import tqdm
+
     closed_loop = math.isinf(request_rate)
     arrivals = None if closed_loop else poisson_arrivals(num_requests, request_rate, random.Random(seed))
     label = f"c={concurrency}" + ("" if closed_loop else f" rate={request_rate:g}/s")
@@ -311,6 +317,8 @@ async def run_setting(
 
 async def check_reachable(base_url: str, api_key: str | None, timeout_s: float = 10.0) -> str | None:
     """None when something answers HTTP at `base_url`; otherwise a message naming the URL and the fix."""
+    import httpx
+
     async with _client(base_url, api_key, timeout_s, 1) as client:
         try:
             await client.get("/health")

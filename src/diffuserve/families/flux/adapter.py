@@ -21,7 +21,7 @@ from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
-from diffuserve.pipelines import stages
+from diffuserve.pipelines import stages, token_ids
 from diffuserve.pipelines.base import component_configs, declared_sequence_length
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
@@ -123,15 +123,20 @@ class FluxNativePipeline(stages.RecipePipeline):
 
     def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
         """CLIP's pooled output (`pooled`) or T5's hidden states (`prompt_embeds`), one row per text."""
+        # The ids the server's prompt count made travel with the requests (tokenize once, pipelines/token_ids.py).
         if key == "text_encoder":
-            ids = self.tokenizer(
-                texts, padding="max_length", max_length=self._clip_max_length, truncation=True, return_tensors="pt"
-            ).input_ids
+            ids = token_ids.padded_ids(self.tokenizer, "tokenizer", texts, batch, self._clip_max_length)
+            if ids is None:
+                ids = self.tokenizer(
+                    texts, padding="max_length", max_length=self._clip_max_length, truncation=True, return_tensors="pt"
+                ).input_ids
             out = self.text_encoder(ids.to(self.device), output_hidden_states=False)
             return {"pooled": out.pooler_output.to(self.dtype)}
-        ids = self.tokenizer_2(
-            texts, padding="max_length", max_length=self.max_sequence_length, truncation=True, return_tensors="pt"
-        ).input_ids
+        ids = token_ids.padded_ids(self.tokenizer_2, "tokenizer_2", texts, batch, self.max_sequence_length)
+        if ids is None:
+            ids = self.tokenizer_2(
+                texts, padding="max_length", max_length=self.max_sequence_length, truncation=True, return_tensors="pt"
+            ).input_ids
         out = self.text_encoder_2(ids.to(self.device), output_hidden_states=False)[0]
         return {"prompt_embeds": out.to(self.dtype)}
 
