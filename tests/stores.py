@@ -138,6 +138,14 @@ class SeaweedS3:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def _fixed_port_listeners_off(self) -> list[str]:
+        """Recent SeaweedFS also serves an Iceberg catalog and a Lance namespace on fixed ports (8181, 9101): off, so
+        a second SeaweedFS on the host (another test session, a leftover) cannot make this one exit. Older
+        versions have neither flag (and would refuse it)."""
+        usage = subprocess.run([self.weed, "server", "-h"], capture_output=True, text=True, timeout=30)
+        text = usage.stdout + usage.stderr
+        return [f"-s3.port.{name}=0" for name in ("iceberg", "lance") if f"-s3.port.{name}" in text]
+
     def start(self, timeout_s: float = 90.0) -> SeaweedS3:
         ports = [free_port(twins=True) for _ in range(3)]
         log = open(self.dir / "weed.log", "wb")  # noqa: SIM115 - kept open for the server's lifetime
@@ -150,6 +158,7 @@ class SeaweedS3:
                 "-ip.bind=127.0.0.1",
                 "-s3",
                 f"-s3.port={self.port}",
+                *self._fixed_port_listeners_off(),
                 f"-master.port={ports[0]}",
                 f"-volume.port={ports[1]}",
                 f"-filer.port={ports[2]}",

@@ -128,7 +128,7 @@ def test_rows_of_a_continuous_group_equal_their_requests_alone(flux, method: str
 def test_cached_output_skips_steps_and_stays_close(flux, calibration, method: str) -> None:
     params = _params(method, steps=20, calibration=calibration)[1]
     cached = flux.run([params]).outputs[0]
-    plain = flux.run([SamplingParams(**{**params.__dict__, "step_cache": None})]).outputs[0]
+    plain = flux.run([dataclasses.replace(params, step_cache=None)]).outputs[0]
     assert cached.step_cache["reused_steps"] > 0 and plain.step_cache is None
     a, b = (np.asarray(x.images[0]).astype(np.float64) for x in (cached, plain))
     mse = float(((a - b) ** 2).mean())
@@ -299,7 +299,7 @@ def test_other_native_families_decide_per_row(tiny_checkpoint, family: str) -> N
         assert alone.step_cache == output.step_cache
         assert _max_diff(first, first_alone) <= PIXEL_TOL
     with pytest.raises(InvalidRequestError, match="FluxTransformer2DModel") as raised:
-        pipeline.validate(SamplingParams(**{**batch[0].__dict__, "step_cache": parse_step_cache("teacache")}))
+        pipeline.validate(dataclasses.replace(batch[0], step_cache=parse_step_cache("teacache")))
     assert raised.value.param == "step_cache"
 
 

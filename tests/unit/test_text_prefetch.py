@@ -30,12 +30,14 @@ class _Pipeline:
     def __init__(self) -> None:
         self.overlap = Overlap("cpu")
         self.calls: list[list[str]] = []
+        self.batches: list[list[str]] = []
 
     def side_lanes(self) -> Overlap:
         return self.overlap
 
-    def encode_many(self, texts: list[str], params: _Params) -> list[dict[str, torch.Tensor]]:
+    def encode_many(self, texts: list[str], requests: list[_Params]) -> list[dict[str, torch.Tensor]]:
         self.calls.append(list(texts))
+        self.batches.append([r.prompt for r in requests])
         return [{"embeds": torch.full((1, 2), float(len(t)))} for t in texts]
 
 
@@ -67,6 +69,8 @@ def test_requests_queued_behind_a_busy_lane_are_encoded_in_one_call() -> None:
         assert done.acquire(timeout=WAIT_S)
     # One call per signature, each distinct text once, in arrival order.
     assert pipeline.calls == [["a fox", "", "a lighthouse", "ramen", "a tram"], ["other size"]]
+    # The encode's batch is every member request (a family that encodes by role sees each one's prompt).
+    assert pipeline.batches == [texts, ["other size"]]
     for text in [*texts, ""]:
         row = prefetch.take(text, _Params(text))
         assert row is not None and float(row["embeds"][0, 0]) == len(text)
@@ -80,7 +84,7 @@ def test_a_request_arriving_after_the_job_started_opens_the_next_job() -> None:
     started, release = threading.Event(), threading.Event()
     calls: list[list[str]] = []
 
-    def encode_many(texts: list[str], params: _Params) -> list[dict[str, torch.Tensor]]:
+    def encode_many(texts: list[str], requests: list[_Params]) -> list[dict[str, torch.Tensor]]:
         calls.append(list(texts))
         if len(calls) == 1:  # the first job is running: a new request must not join it
             started.set()

@@ -67,6 +67,18 @@ class EngineState(str, enum.Enum):
     FAILED = "failed"
 
 
+def not_ready_error(state: EngineState, failure: str | None) -> ServiceUnavailableError:
+    """The 503 a request gets while the engine is in `state` (not READY); one wording for every engine client."""
+    if state == EngineState.DRAINING:
+        return ServiceUnavailableError("The server is shutting down and accepts no new requests.", retry_after_s=5)
+    if state == EngineState.FAILED:
+        return ServiceUnavailableError(f"The server is out of service: {failure}")
+    return ServiceUnavailableError(
+        f"The model is not ready yet ({state.value}); poll GET /health until it returns 200.",
+        retry_after_s=5,
+    )
+
+
 class AsyncEngine:
     """Admission, lifecycle and warm-up; owns the request book, the scheduler and the worker thread."""
 
@@ -349,14 +361,7 @@ class AsyncEngine:
         return self.pipeline.describe_model() if self.pipeline is not None else None
 
     def not_ready_error(self) -> ServiceUnavailableError:
-        if self.state == EngineState.DRAINING:
-            return ServiceUnavailableError("The server is shutting down and accepts no new requests.", retry_after_s=5)
-        if self.state == EngineState.FAILED:
-            return ServiceUnavailableError(f"The server is out of service: {self.failure}")
-        return ServiceUnavailableError(
-            f"The model is not ready yet ({self.state.value}); poll GET /health until it returns 200.",
-            retry_after_s=5,
-        )
+        return not_ready_error(self.state, self.failure)
 
     # ---------------------------------------------------------------- worker thread
     def _worker_main(self) -> None:

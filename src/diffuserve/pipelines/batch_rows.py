@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -142,6 +142,38 @@ def fresh_scheduler(template: Any) -> Any:
     if hasattr(scheduler, "set_begin_index"):
         scheduler.set_begin_index(0)
     return scheduler
+
+
+SCHEDULE_CACHE_SIZE = 64
+"""Schedules a pipeline keeps (per step count, shape and shift); cleared past this many, so a stream of requests
+with ever new sizes or step counts cannot grow memory without bound."""
+
+
+def cached_schedule(
+    cache: dict[Any, tuple[Any, torch.Tensor]], key: Any, build: Callable[[], tuple[Any, torch.Tensor]]
+) -> tuple[Any, torch.Tensor]:
+    """A private scheduler and its timesteps for `key`: `build()` makes the template (a scheduler with its timesteps
+    set) once per key; every call gets its own copy of it (`fresh_scheduler`)."""
+    if key not in cache:
+        if len(cache) >= SCHEDULE_CACHE_SIZE:
+            cache.clear()
+        cache[key] = build()
+    template, timesteps = cache[key]
+    return fresh_scheduler(template), timesteps
+
+
+def dynamic_shift_mu(config: Any, image_seq_len: int, *, max_shift: float = 1.15) -> float:
+    """diffusers' `calculate_shift` (the same function in every flow-matching pipeline) for `image_seq_len` tokens,
+    with the scheduler config's bounds, or the pipelines' defaults where the config has none."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    return calculate_shift(
+        image_seq_len,
+        config.get("base_image_seq_len", 256),
+        config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5),
+        config.get("max_shift", max_shift),
+    )
 
 
 class StageTimer:

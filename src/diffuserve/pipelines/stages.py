@@ -35,9 +35,11 @@ from diffuserve.pipelines.batch_rows import (  # noqa: F401 - re-exported: adapt
     DenoiseState,
     StageTimer,
     batch_noise,
+    cached_schedule,
     check_batch,
     combine_cfg,
     concat_cond,
+    dynamic_shift_mu,
     fresh_scheduler,
     gather_rows,
     has_flow_shift,
@@ -203,10 +205,10 @@ class RecipePipeline(Pipeline):
                     encoded.update(self.encode_text(key, texts, batch))
         return encoded
 
-    def _encode_rows(self, texts: list[str], params: SamplingParams) -> list[Cond]:
-        """`texts` (of queued requests sharing `params`' signature) through each text encoder in one call, cut
-        back to one one-row conditioning per text (masked sequences trimmed to the text's own length)."""
-        encoded = self._encode_texts(texts, [params])
+    def _encode_rows(self, texts: list[str], requests: list[SamplingParams]) -> list[Cond]:
+        """`texts` (of the queued `requests`, which share one signature) through each text encoder in one call,
+        cut back to one one-row conditioning per text (masked sequences trimmed to the text's own length)."""
+        encoded = self._encode_texts(texts, requests)
         return [gather_rows(encoded, torch.tensor([i]), self.masked_sequences) for i in range(len(texts))]
 
     def prefetch_text(self, params: SamplingParams, on_done: Any = None) -> bool:

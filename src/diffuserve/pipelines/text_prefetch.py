@@ -15,7 +15,6 @@ rounding of a batched matmul, far below 1/255 of a pixel). Entries are taken onc
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from collections import OrderedDict
@@ -41,35 +40,25 @@ Cond = dict[str, torch.Tensor]
 class _Job:
     """A lane job that has not started yet: queued requests' texts of one batch signature join it."""
 
-    params: Any
-    """The request that opened the job (its signature is every member's)."""
+    members: list[Any]
+    """The member requests, the opening one first (one signature): the encode sees them as its batch, so a
+    family that encodes a text by its role (SANA's prompts and negatives differ) finds every member's prompt."""
     texts: list[str]
     """Distinct texts to encode, in arrival order."""
     callbacks: list[Callable[[int], None] | None] = field(default_factory=list)
     """Each member request's `on_done`."""
     started: bool = False
     """Set (under the lock) when the lane starts it: later requests open a new job."""
-    text_ids: dict[str, dict[str, tuple[int, ...]]] = field(default_factory=dict)
-    """The members' carried token ids (`SamplingParams.text_ids`), merged: the encode reuses them."""
-
-    def add_ids(self, params: Any) -> None:
-        for key, ids in (getattr(params, "text_ids", None) or {}).items():
-            self.text_ids.setdefault(key, {}).update(ids)
-
-    def carrier(self) -> Any:
-        """The opening request with every member's token ids (the encode reads them from its batch)."""
-        if not self.text_ids:
-            return self.params
-        return dataclasses.replace(self.params, text_ids=self.text_ids)
 
 
 class TextPrefetch:
     """The prefetched text conditionings of one pipeline."""
 
-    def __init__(self, pipeline: Any, encode_many: Callable[[list[str], Any], list[Cond]]):
+    def __init__(self, pipeline: Any, encode_many: Callable[[list[str], list[Any]], list[Cond]]):
         self.pipeline = pipeline
         self.encode_many = encode_many
-        """encode_many(texts, params) -> one one-row conditioning per text (one call per text encoder)."""
+        """encode_many(texts, requests) -> one one-row conditioning per text (one call per text encoder); the
+        requests whose texts they are form the encode's batch."""
         self._entries: OrderedDict[tuple[str, str], tuple[Cond, Any]] = OrderedDict()
         self._pending: set[tuple[str, str]] = set()
         self._waiting: dict[str, _Job] = {}
@@ -96,18 +85,17 @@ class TextPrefetch:
             if job is not None and len(job.texts) + len(todo) <= MAX_JOB_TEXTS:
                 job.texts.extend(todo)  # rides along with the job that has not started yet
                 job.callbacks.append(on_done)
-                job.add_ids(params)
+                job.members.append(params)  # its carried token ids too (the encode reads them from its batch)
                 return True
-            job = self._waiting[signature] = _Job(params, todo, [on_done])
-            job.add_ids(params)
+            job = self._waiting[signature] = _Job([params], todo, [on_done])
 
         def run() -> dict[str, Cond]:
             with self._lock:  # from now on the job's texts are fixed
                 job.started = True
                 if self._waiting.get(signature) is job:
                     del self._waiting[signature]
-                texts, carrier = list(job.texts), job.carrier()
-            return dict(zip(texts, self.encode_many(texts, carrier), strict=True))
+                texts, members = list(job.texts), list(job.members)
+            return dict(zip(texts, self.encode_many(texts, members), strict=True))
 
         future = overlap_for(self.pipeline).encode.submit(run, prompts=[params.prompt])
         future.add_done_callback(lambda f: self._store(signature, job, f))

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
-from diffuserve.engine.engine import EngineState, GenerationResult
+from diffuserve.engine.engine import EngineState, GenerationResult, not_ready_error
 from diffuserve.engine.metrics import EngineMetrics
 from diffuserve.errors import DiffuserveError, GenerationError, RequestCancelledError, ServiceUnavailableError
 from diffuserve.executor.batch_runner import PreviewSink
@@ -223,14 +223,7 @@ class RemoteEngineClient:
         return int(failed)
 
     def not_ready_error(self) -> ServiceUnavailableError:
-        if self.state == EngineState.DRAINING:
-            return ServiceUnavailableError("The server is shutting down and accepts no new requests.", retry_after_s=5)
-        if self.state == EngineState.FAILED:
-            return ServiceUnavailableError(f"The server is out of service: {self.failure}")
-        return ServiceUnavailableError(
-            f"The model is not ready yet ({self.state.value}); poll GET /health until it returns 200.",
-            retry_after_s=5,
-        )
+        return not_ready_error(self.state, self.failure)
 
     # ------------------------------------------------------------------------------------------ requests
     async def generate(

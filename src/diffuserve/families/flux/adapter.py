@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers.image_processor import VaeImageProcessor
-from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift, retrieve_timesteps
+from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, retrieve_timesteps
 from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
@@ -219,25 +219,18 @@ class FluxNativePipeline(stages.RecipePipeline):
         self, num_steps: int, image_seq_len: int, flow_shift: float | None = None
     ) -> tuple[Any, torch.Tensor]:
         """A private scheduler with its timesteps set for this shape and shift (the set-up is cached per key)."""
-        key = (num_steps, image_seq_len, flow_shift)
-        if key not in self._schedulers:
-            _make_room(self._schedulers)
+
+        def build() -> tuple[Any, torch.Tensor]:
             template = stages.scheduler_template(self.scheduler, flow_shift)
-            cfg = template.config
-            sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-            if getattr(cfg, "use_flow_sigmas", False):
-                sigmas = None
-            mu = calculate_shift(
-                image_seq_len,
-                cfg.get("base_image_seq_len", 256),
-                cfg.get("max_image_seq_len", 4096),
-                cfg.get("base_shift", 0.5),
-                cfg.get("max_shift", 1.15),
+            sigmas = (
+                None
+                if getattr(template.config, "use_flow_sigmas", False)
+                else np.linspace(1.0, 1 / num_steps, num_steps)
             )
-            timesteps, _ = retrieve_timesteps(template, num_steps, self.device, sigmas=sigmas, mu=mu)
-            self._schedulers[key] = (template, timesteps)
-        template, timesteps = self._schedulers[key]
-        return stages.fresh_scheduler(template), timesteps
+            mu = stages.dynamic_shift_mu(template.config, image_seq_len)
+            return template, retrieve_timesteps(template, num_steps, self.device, sigmas=sigmas, mu=mu)[0]
+
+        return stages.cached_schedule(self._schedulers, (num_steps, image_seq_len, flow_shift), build)
 
     # -- 4. decode --------------------------------------------------------------------------------------
 

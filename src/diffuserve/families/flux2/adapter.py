@@ -282,18 +282,18 @@ class Flux2NativePipeline(stages.RecipePipeline):
         self, num_steps: int, image_seq_len: int, flow_shift: float | None = None
     ) -> tuple[Any, torch.Tensor]:
         """A private scheduler with this shape's timesteps (the set-up is cached per shape and `flow_shift`)."""
-        key = (num_steps, image_seq_len, flow_shift)
-        if key not in self._schedules:
-            _make_room(self._schedules)
+
+        def build() -> tuple[Any, torch.Tensor]:
             template = stages.scheduler_template(self.scheduler, flow_shift)
-            sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-            if getattr(template.config, "use_flow_sigmas", False):
-                sigmas = None
+            sigmas = (
+                None
+                if getattr(template.config, "use_flow_sigmas", False)
+                else np.linspace(1.0, 1 / num_steps, num_steps)
+            )
             mu = compute_empirical_mu(image_seq_len=image_seq_len, num_steps=num_steps)
-            timesteps, _ = retrieve_timesteps(template, num_steps, self.device, sigmas=sigmas, mu=mu)
-            self._schedules[key] = (template, timesteps)
-        template, timesteps = self._schedules[key]
-        return stages.fresh_scheduler(template), timesteps
+            return template, retrieve_timesteps(template, num_steps, self.device, sigmas=sigmas, mu=mu)[0]
+
+        return stages.cached_schedule(self._schedules, (num_steps, image_seq_len, flow_shift), build)
 
     def _reference_tokens(self, params: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """A request's reference images as packed tokens (1, N, C) and their position ids (N, 4)."""

@@ -28,9 +28,6 @@ from diffuserve.pipelines import stages
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
-MAX_CACHED_SHAPES = 64
-"""Per-shape schedules are cleared past this many entries (a stream of new sizes cannot grow memory)."""
-
 
 def _required(components: dict[str, Any], keys: tuple[str, ...], what: str) -> None:
     missing = [key for key in keys if components.get(key) is None]
@@ -108,26 +105,15 @@ class _QwenBase(stages.RecipePipeline):
     ) -> tuple[Any, torch.Tensor]:
         """A private scheduler with its timesteps set for this shape (the set-up is cached per shape and shift).
         `grid`: the checkpoint's own sigmas (2.1 Turbo) instead of diffusers' `linspace(1, 1/N, N)`."""
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import retrieve_timesteps
 
-        key = (num_steps, image_seq_len, flow_shift)
-        if key not in self._schedules:
-            if len(self._schedules) >= MAX_CACHED_SHAPES:
-                self._schedules.clear()
+        def build() -> tuple[Any, torch.Tensor]:
             template = stages.scheduler_template(self.scheduler, flow_shift)
-            cfg = template.config
-            mu = calculate_shift(
-                image_seq_len,
-                cfg.get("base_image_seq_len", 256),
-                cfg.get("max_image_seq_len", 4096),
-                cfg.get("base_shift", 0.5),
-                cfg.get("max_shift", 1.15),
-            )
+            mu = stages.dynamic_shift_mu(template.config, image_seq_len)
             sigmas = list(grid) if grid else np.linspace(1.0, 1 / num_steps, num_steps)
-            timesteps, _ = retrieve_timesteps(template, num_steps, self.device, sigmas=sigmas, mu=mu)
-            self._schedules[key] = (template, timesteps)
-        template, timesteps = self._schedules[key]
-        return stages.fresh_scheduler(template), timesteps
+            return template, retrieve_timesteps(template, num_steps, self.device, sigmas=sigmas, mu=mu)[0]
+
+        return stages.cached_schedule(self._schedules, (num_steps, image_seq_len, flow_shift), build)
 
     # -- decode -------------------------------------------------------------------------------------------
 

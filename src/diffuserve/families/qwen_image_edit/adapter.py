@@ -48,9 +48,6 @@ logger = logging.getLogger(__name__)
 REQUIRED_COMPONENTS = ("transformer", "vae", "text_encoder", "processor", "scheduler")
 """model_index.json keys the native adapters run (the tokenizer is the processor's own copy)."""
 
-MAX_CACHED_SCHEDULES = 64
-"""Timestep schedules cached per (steps, output tokens); cleared past this many entries."""
-
 
 @dataclass(frozen=True)
 class EditInputs:
@@ -191,27 +188,18 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
     def _schedule(
         self, num_steps: int, image_seq_len: int, flow_shift: float | None = None
     ) -> tuple[Any, torch.Tensor]:
-        """A private scheduler with timesteps set as the pipeline sets them (cached per shape)."""
-        key = (num_steps, image_seq_len, flow_shift)
-        if key not in self._schedules:
-            if len(self._schedules) >= MAX_CACHED_SCHEDULES:
-                self._schedules.clear()
+        """A private scheduler with timesteps set as the pipeline sets them (cached per shape and shift)."""
+
+        def build() -> tuple[Any, torch.Tensor]:
             template = stages.scheduler_template(self.scheduler, flow_shift)
-            cfg = template.config
             sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-            mu = self.diffusers_module.calculate_shift(
-                image_seq_len,
-                cfg.get("base_image_seq_len", 256),
-                cfg.get("max_image_seq_len", 4096),
-                cfg.get("base_shift", 0.5),
-                cfg.get("max_shift", 1.15),
-            )
+            mu = stages.dynamic_shift_mu(template.config, image_seq_len)
             timesteps, _ = self.diffusers_module.retrieve_timesteps(
                 template, num_steps, self.device, sigmas=sigmas, mu=mu
             )
-            self._schedules[key] = (template, timesteps)
-        template, timesteps = self._schedules[key]
-        return stages.fresh_scheduler(template), timesteps
+            return template, timesteps
+
+        return stages.cached_schedule(self._schedules, (num_steps, image_seq_len, flow_shift), build)
 
     def _image_latents(self, inputs: EditInputs, rows: int, dtype: torch.dtype) -> torch.Tensor:
         """Every input image VAE-encoded (distribution mode), normalised, repeated per row, packed, concatenated."""

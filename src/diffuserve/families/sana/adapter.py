@@ -52,9 +52,6 @@ ASPECT_RATIO_BINS: dict[int, dict[str, list[float]]] = {
 }
 """transformer `sample_size` -> the bin table SanaPipeline's resolution binning uses for it."""
 
-MAX_CACHED_SCHEDULES = 64
-"""Schedule templates per step count are cleared past this many."""
-
 
 class SanaNativePipeline(stages.RecipePipeline):
     """SANA text-to-image as a batched recipe pipeline."""
@@ -180,21 +177,13 @@ class SanaNativePipeline(stages.RecipePipeline):
         return frozenset({"flow_shift"}) if stages.has_flow_shift(self.scheduler) else frozenset()
 
     def _schedule(self, num_steps: int, flow_shift: float | None = None) -> tuple[Any, torch.Tensor]:
-        key = (num_steps, flow_shift)
-        if key not in self._schedules:
-            if len(self._schedules) >= MAX_CACHED_SCHEDULES:
-                self._schedules.clear()
+        """A private scheduler with its timesteps (a multistep solver: `fresh_scheduler` deep-copies its history)."""
+
+        def build() -> tuple[Any, torch.Tensor]:
             template = stages.scheduler_template(self.scheduler, flow_shift)
-            timesteps, _ = retrieve_timesteps(template, num_steps, self.device)
-            self._schedules[key] = (template, timesteps)
-        template, timesteps = self._schedules[key]
-        scheduler = stages.fresh_scheduler(template)
-        # A multistep solver (DPM-Solver++, UniPC) keeps its history in lists it updates in place; the
-        # shallow copy would share them with the template, so each batch gets its own.
-        for name, value in list(vars(scheduler).items()):
-            if isinstance(value, list):
-                setattr(scheduler, name, list(value))
-        return scheduler, timesteps
+            return template, retrieve_timesteps(template, num_steps, self.device)[0]
+
+        return stages.cached_schedule(self._schedules, (num_steps, flow_shift), build)
 
     def generation_size(self, height: int, width: int) -> tuple[int, int]:
         """The (height, width) the model runs at for a requested size: its aspect-ratio bin when binning."""

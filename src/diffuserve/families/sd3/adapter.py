@@ -26,12 +26,10 @@ from typing import Any
 
 import torch
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
-    calculate_shift,
     retrieve_timesteps,
 )
 from PIL import Image
 
-from diffuserve.families.flux.adapter import MAX_CACHED_SHAPES
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.base import component_configs, declared_sequence_length
 from diffuserve.pipelines.stages import Cond, DenoiseState
@@ -181,25 +179,15 @@ class SD3NativePipeline(stages.RecipePipeline):
         self, num_steps: int, image_seq_len: int, flow_shift: float | None = None
     ) -> tuple[Any, torch.Tensor]:
         """A private scheduler with this shape's timesteps (the set-up is cached per shape and shift)."""
-        key = (num_steps, image_seq_len, flow_shift)
-        if key not in self._schedulers:
-            if len(self._schedulers) >= MAX_CACHED_SHAPES:
-                self._schedulers.clear()
+
+        def build() -> tuple[Any, torch.Tensor]:
             template = stages.scheduler_template(self.scheduler, flow_shift)
-            cfg = template.config
             kwargs: dict[str, Any] = {}
-            if cfg.get("use_dynamic_shifting", None):
-                kwargs["mu"] = calculate_shift(
-                    image_seq_len,
-                    cfg.get("base_image_seq_len", 256),
-                    cfg.get("max_image_seq_len", 4096),
-                    cfg.get("base_shift", 0.5),
-                    cfg.get("max_shift", 1.16),
-                )
-            timesteps, _ = retrieve_timesteps(template, num_steps, self.device, **kwargs)
-            self._schedulers[key] = (template, timesteps)
-        template, timesteps = self._schedulers[key]
-        return stages.fresh_scheduler(template), timesteps
+            if template.config.get("use_dynamic_shifting", None):
+                kwargs["mu"] = stages.dynamic_shift_mu(template.config, image_seq_len, max_shift=1.16)
+            return template, retrieve_timesteps(template, num_steps, self.device, **kwargs)[0]
+
+        return stages.cached_schedule(self._schedulers, (num_steps, image_seq_len, flow_shift), build)
 
     def request_fields(self) -> frozenset[str]:
         return frozenset({"flow_shift"}) if stages.has_flow_shift(self.scheduler) else frozenset()

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from diffusers.pipelines.z_image.pipeline_z_image import (
-    calculate_shift,
     get_default_z_image_sigmas,
     retrieve_timesteps,
 )
@@ -36,9 +35,6 @@ logger = logging.getLogger(__name__)
 MAX_SEQUENCE_LENGTH = 512
 """Tokens per text: ZImagePipeline's `max_sequence_length` default (texts are padded to it before encoding,
 as diffusers does, so the embeddings are bit-identical to its call)."""
-
-MAX_CACHED_SCHEDULES = 64
-"""Per-shape schedule templates are cleared past this many, so ever-new sizes cannot grow memory."""
 
 
 def _chat(tokenizer: Any, text: str) -> str:
@@ -152,25 +148,14 @@ class ZImageNativePipeline(stages.RecipePipeline):
         self, num_steps: int, image_seq_len: int, flow_shift: float | None = None
     ) -> tuple[Any, torch.Tensor]:
         """A private scheduler with this shape's timesteps (the set-up is cached per shape and `flow_shift`)."""
-        key = (num_steps, image_seq_len, flow_shift)
-        if key not in self._schedules:
-            if len(self._schedules) >= MAX_CACHED_SCHEDULES:
-                self._schedules.clear()
+
+        def build() -> tuple[Any, torch.Tensor]:
             template = stages.scheduler_template(self.scheduler, flow_shift)
-            cfg = template.config
-            mu = calculate_shift(
-                image_seq_len,
-                cfg.get("base_image_seq_len", 256),
-                cfg.get("max_image_seq_len", 4096),
-                cfg.get("base_shift", 0.5),
-                cfg.get("max_shift", 1.15),
-            )
-            timesteps, _ = retrieve_timesteps(
-                template, num_steps, self.device, sigmas=get_default_z_image_sigmas(num_steps), mu=mu
-            )
-            self._schedules[key] = (template, timesteps)
-        template, timesteps = self._schedules[key]
-        return stages.fresh_scheduler(template), timesteps
+            mu = stages.dynamic_shift_mu(template.config, image_seq_len)
+            sigmas = get_default_z_image_sigmas(num_steps)
+            return template, retrieve_timesteps(template, num_steps, self.device, sigmas=sigmas, mu=mu)[0]
+
+        return stages.cached_schedule(self._schedules, (num_steps, image_seq_len, flow_shift), build)
 
     def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
         """float32 noise rows (diffusers keeps Z-Image latents in float32), the schedule for this size."""
