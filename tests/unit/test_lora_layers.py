@@ -53,6 +53,55 @@ def test_each_row_gets_its_own_adapters_and_a_bare_row_the_base_layer() -> None:
     assert torch.equal(model.proj(x), base(x))  # outside a batch's scope: the base layer
 
 
+class _Two(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(6, 5)
+        self.out = torch.nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.proj(x))
+
+
+def test_an_adapter_placed_over_another_leaves_nothing_of_it_in_the_layers_it_does_not_adapt() -> None:
+    """A runtime swap (`place`) over a slot whose old adapter adapted more layers: the batched path gathers every
+    slot a row uses in every adapted layer, so the old adapter's weights must be gone, not only unmarked."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(3)
+
+    def adapter(name: str, modules: tuple[str, ...]) -> LoraAdapter:
+        widths = {"proj": (6, 5), "out": (5, 5)}
+        return LoraAdapter(
+            name,
+            "mem",
+            {
+                m: LoraModule(
+                    torch.randn(2, widths[m][0], generator=gen), torch.randn(widths[m][1], 2, generator=gen), 1.0
+                )
+                for m in modules
+            },
+        )
+
+    wide, other, narrow = (
+        adapter("wide", ("proj", "out")),
+        adapter("other", ("proj", "out")),
+        adapter("narrow", ("proj",)),
+    )
+    model = _Two()
+    bank = LoraBank(model, [wide, other], max_loras=2, max_rank=2, device="cpu", dtype=torch.float32)
+    bank.place(0, narrow)  # into wide's slot: `out` no longer adapted there
+    bank.slots = {"narrow": 0, "other": 1}
+    x = torch.randn(2, 3, 6)
+    with bank.rows([[("narrow", 1.0)], [("other", 1.0)]]):  # two slots: the gathered (bmm) path
+        mixed = model(x)
+    fresh = _Two()
+    fresh.load_state_dict({k: v for k, v in model.state_dict().items()})
+    alone = LoraBank(fresh, [narrow], max_loras=1, max_rank=2, device="cpu", dtype=torch.float32)
+    with alone.rows([[("narrow", 1.0)]]):
+        want = fresh(x[:1])
+    assert torch.allclose(mixed[:1], want, atol=1e-5), float((mixed[:1] - want).abs().max())
+
+
 def test_more_adapters_than_slots_is_refused() -> None:
     with pytest.raises(ConfigError, match="--max-loras"):
         LoraBank(

@@ -204,10 +204,14 @@ class LoraBank:
         self.layers = len(self.hooks)
         for key, hook in self.hooks.items():
             part = modules.get(key)
-            if part is None:
-                self._adapted[id(hook)].discard(slot)  # the hook skips the slot: no need to zero it
-            else:
+            if part is not None:
                 self._write(hook, slot, part)
+            elif slot in self._adapted[id(hook)]:
+                # Zeroed, not only marked: the batched paths (`rows.add_rows` gathering several slots, the compiled
+                # dense path) read every slot a row uses, so the previous adapter's weights must not stay there.
+                hook.down[slot].zero_()
+                hook.up[slot].zero_()
+                self._adapted[id(hook)].discard(slot)
 
     def adapts(self, slot: int, hook: Any) -> bool:
         return slot in self._adapted[id(hook)]
