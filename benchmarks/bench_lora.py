@@ -71,10 +71,8 @@ def load_times(adapters: dict[str, str], transformer: Any, bank: Any, rank: int)
     import torch
 
     from diffuserve.lora.files import read_adapter
-    from diffuserve.lora.layers import LORA_HOOK
 
     reads, fills = [], []
-    layers = dict(transformer.named_modules())
     for name, path in adapters.items():
         start = time.perf_counter()
         adapter = read_adapter(name, path, "flux", transformer, max_rank=rank)
@@ -82,13 +80,7 @@ def load_times(adapters: dict[str, str], transformer: Any, bank: Any, rank: int)
         slot = bank.slots[name]
         start = time.perf_counter()
         with torch.no_grad():  # the same values again into the adapter's own slot: what a cold load writes
-            for module, part in adapter.modules.items():
-                hook = layers[module]._diffusers_hook.get_hook(LORA_HOOK)
-                r = part.down.shape[0]
-                hook.down[slot].zero_()
-                hook.down[slot, :r] = part.down.to(hook.down.dtype)
-                hook.up[slot].zero_()
-                hook.up[slot, :, :r] = (part.up.float() * part.scaling).to(hook.up.dtype)
+            bank.place(slot, adapter)
         fills.append(time.perf_counter() - start)
     return {"read_ms": statistics.median(reads) * 1000, "slot_fill_ms": statistics.median(fills) * 1000}
 
@@ -109,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from diffuserve.lora.layers import install_lora
+    from diffuserve.lora.slots import install_lora
     from diffuserve.models.loader import load_pipeline
     from diffuserve.models.tiny import build_tiny_checkpoint
     from diffuserve.sampling import SamplingParams

@@ -34,7 +34,7 @@ def _batch(adapters: bool = True):
 def _pipeline(paths: dict[str, str]):
     import torch
 
-    from diffuserve.lora.layers import install_lora
+    from diffuserve.lora.slots import install_lora
     from diffuserve.models.loader import load_pipeline
 
     pipe = load_pipeline(paths["checkpoint"])

@@ -39,7 +39,7 @@ def adapters(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture(scope="module")
 def native(tiny_flux_path: Path, adapters: dict[str, Path]):
-    from diffuserve.lora.layers import install_lora
+    from diffuserve.lora.slots import install_lora
     from diffuserve.models.loader import load_pipeline
 
     pipe = load_pipeline(tiny_flux_path)
@@ -201,7 +201,7 @@ def test_a_kohya_file_goes_through_diffusers_converter(tiny_flux_path: Path, tmp
     from diffusers import FluxPipeline
     from safetensors.torch import save_file
 
-    from diffuserve.lora.layers import install_lora
+    from diffuserve.lora.slots import install_lora
     from diffuserve.models.loader import load_pipeline
 
     reference = FluxPipeline.from_pretrained(tiny_flux_path, local_files_only=True)

@@ -34,7 +34,7 @@ def adapters(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def _pipeline(path: Path, adapters: dict[str, str]):
-    from diffuserve.lora.layers import install_lora
+    from diffuserve.lora.slots import install_lora
     from diffuserve.models.loader import load_pipeline
 
     pipe = load_pipeline(path)

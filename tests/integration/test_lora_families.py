@@ -121,7 +121,7 @@ def _diff(a: Any, b: Any) -> tuple[int, float]:
 @pytest.mark.parametrize("case_id", FAMILIES)
 def test_family_lora_matches_diffusers_and_batches(case_id: str, tiny_checkpoint, tmp_path: Path) -> None:
 
-    from diffuserve.lora.layers import install_lora
+    from diffuserve.lora.slots import install_lora
     from diffuserve.models.loader import load_pipeline
 
     case = BY_ID[case_id]
@@ -161,7 +161,7 @@ def test_family_lora_matches_diffusers_and_batches(case_id: str, tiny_checkpoint
 def test_diffusers_backend_runs_one_adapter_set_per_call(tiny_checkpoint, tmp_path: Path) -> None:
     """ERNIE-Image runs on the diffusers backend only: the pipeline loads the adapters itself, and a batch whose
     requests name different adapter sets runs one diffusers call per set (`set_adapters`), each request as alone."""
-    from diffuserve.lora.layers import install_lora
+    from diffuserve.lora.slots import install_lora
     from diffuserve.models.loader import load_pipeline
 
     case = BY_ID["ernie"]

@@ -213,9 +213,6 @@ class LoraBank:
                 hook.up[slot].zero_()
                 self._adapted[id(hook)].discard(slot)
 
-    def adapts(self, slot: int, hook: Any) -> bool:
-        return slot in self._adapted[id(hook)]
-
     def adapted(self, hook: Any) -> set[int]:
         """The slots whose adapter adapts `hook`'s layer (the others are zero there)."""
         return self._adapted[id(hook)]
@@ -270,34 +267,3 @@ class LoraBank:
             finally:
                 self.current = None
                 self.dense = None
-
-
-def install_lora(
-    pipeline: Any,
-    family: str,
-    adapters: dict[str, str],
-    *,
-    max_loras: int,
-    max_rank: int,
-    device: torch.device | str,
-    dtype: torch.dtype,
-) -> LoraBank | None:
-    """Read `adapters` (name -> path) through diffusers, check them against the pipeline's denoiser(s), and hook
-    their adapted layers; the pipeline's recipe then sets each call's rows (`RecipePipeline.use_lora`). On the
-    diffusers backend the pipeline loads them itself and runs one adapter set per call (None: no bank)."""
-    from diffuserve.lora.files import read_adapter, split_target
-
-    if not hasattr(pipeline, "use_lora"):
-        if not hasattr(pipeline, "load_lora_adapters"):
-            raise ConfigError(f"--lora-modules: this {family} pipeline takes no LoRA adapters.")
-        pipeline.load_lora_adapters(adapters)  # the diffusers backend: one adapter set per call
-        return None
-    denoisers = tuple(getattr(pipeline, "denoisers", ("transformer",)))
-    models = {key: pipeline.components[key] for key in denoisers}
-    loaded = []
-    for name, spec in adapters.items():
-        denoiser, path = split_target(spec, denoisers)
-        loaded.append(read_adapter(name, path, family, models[denoiser], max_rank=max_rank, denoiser=denoiser))
-    bank = LoraBank(models, loaded, max_loras=max_loras, max_rank=max_rank, device=device, dtype=dtype)
-    pipeline.use_lora(bank)
-    return bank

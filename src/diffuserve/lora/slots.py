@@ -122,3 +122,19 @@ def install_registry(
     )
     pipeline.use_lora(bank)
     return bank
+
+
+def install_lora(
+    pipeline: Any,
+    family: str,
+    adapters: dict[str, str],
+    *,
+    max_loras: int,
+    max_rank: int,
+    device: Any,
+    dtype: torch.dtype,
+) -> RegistryBank | None:
+    """`install_registry` for a fixed set of adapters (name -> path, `transformer_2:PATH` for Wan2.2's low-noise
+    expert), as `serve --lora-modules` installs them: for code that loads a pipeline itself (tests, benchmarks)."""
+    registry = LoraRegistry(adapters, max_loras=max_loras, host_capacity=max(max_loras, len(adapters)))
+    return install_registry(pipeline, family, registry, max_rank=max_rank, device=device, dtype=dtype)
