@@ -35,14 +35,16 @@ logger = logging.getLogger("diffuserve")
 def build_batcher(args: ServerArgs, slots: int = 1) -> DynamicBatcher:
     """The scheduler of the configured batching mode (`slots`: replicas that run batches at once)."""
     config = args.batching.with_rules()  # the scheduler validates it
+    if args.lora.enabled:  # a batch's (or group's) adapters must fit the device slots at once (lora/registry.py)
+        config = replace(config, max_adapters=args.max_loras)
+    warning = config.never_merges()
+    if warning is not None:
+        logger.warning("%s", warning)
     if config.mode == "continuous":
         from diffuserve.engine.step_scheduler import StepScheduler
 
         return StepScheduler(config, model_names=args.model_names)
-    batcher = DynamicBatcher(config, model_names=args.model_names, slots=slots)
-    if args.lora.enabled:  # a batch's adapters must fit the device slots at once (lora/registry.py)
-        batcher.max_adapters = args.max_loras
-    return batcher
+    return DynamicBatcher(config, model_names=args.model_names, slots=slots)
 
 
 def _multi_rank_executor(args: ServerArgs, info: LaunchInfo, setup: RankSetup, metrics: EngineMetrics | None) -> Any:

@@ -9,8 +9,10 @@ and only check that every adapted module is a Linear of the served transformer w
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +93,24 @@ class LoraAdapter:
     @property
     def rank(self) -> int:
         return max((m.down.shape[0] for m in self.modules.values()), default=0)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A short hash of what the adapter does: the denoiser, and per module its name, scaling and the A / B
+        weights' dtype, shape and bytes (not its name or path: the same weights under another name or folder give
+        the same fingerprint; other weights under the same name another). Computed once, on first use (the
+        registry reads it when the adapter is read, in the thread that reads it)."""
+        import torch
+
+        digest = hashlib.sha256(self.denoiser.encode())
+        for module in sorted(self.modules):
+            entry = self.modules[module]
+            digest.update(f"\0{module}\0{entry.scaling!r}".encode())
+            for weight in (entry.down, entry.up):
+                tensor = weight.detach().to("cpu").contiguous()
+                digest.update(f"\0{tensor.dtype}{tuple(tensor.shape)}".encode())
+                digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+        return digest.hexdigest()[:20]
 
 
 def _alpha(module: str, rank: int, alphas: dict[str, Any] | None, metadata: dict[str, Any] | None) -> float:
