@@ -16,11 +16,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from diffuserve.config.lora import DENOISER_NAMES, DENOISER_PREFIX_SEP
 from diffuserve.errors import ConfigError
-
-DENOISER_PREFIX_SEP = ":"
-"""`--lora-modules NAME=transformer_2:PATH` loads the adapter into the denoiser `transformer_2` (Wan2.2 A14B's
-low-noise expert), as diffusers' `load_lora_weights(PATH, adapter_name=NAME, load_into_transformer_2=True)`."""
 
 
 def lora_families() -> list[str]:
@@ -45,10 +42,6 @@ def lora_loader(family: str) -> str:
             f"(it is for: {', '.join(lora_families())})."
         )
     return loader
-
-
-DENOISER_NAMES = ("transformer", "transformer_2")
-"""The denoiser components a `--lora-modules` PATH may name before a colon (diffusers' names for them)."""
 
 
 def split_target(path: str, denoisers: tuple[str, ...]) -> tuple[str, str]:
