@@ -252,10 +252,11 @@ def cached_timings(step_cache: dict[str, Any] | None, received: float) -> dict[s
 def serving_identity(args: Any, plan: dict[str, Any] | None) -> str:
     """What a key must share to be answered from the cache: the served model name, the checkpoint's fingerprint, the
     LoRA files loaded at start-up, dtype, device, backend and the deployment plan (`plan`)."""
+    from diffuserve.config.lora import adapter_path
     from diffuserve.launch.setup import resolve_model_path
     from diffuserve.models.fingerprint import checkpoint_fingerprint
 
-    loras = {name: checkpoint_fingerprint(path) for name, path in args.lora.adapters.items()}
+    loras = {name: [spec, checkpoint_fingerprint(adapter_path(spec))] for name, spec in args.lora.adapters.items()}
     return json.dumps(
         {
             "model": args.public_model_name,
