@@ -4,8 +4,9 @@ and the load / unload routes:
 
 - an adapter unloaded and loaded again from another folder is never answered from the cache with the old image: the
   new answer equals a fresh server's image of the new files (<= 1/255), and the unload drops the old entry;
-- an unload waits for the queued and running rows of a continuous group that use the adapter (held at their first
-  step by the `hold_step` fault, `tests/step_hold.py`): both requests succeed, the unload answers only after;
+- an unload waits for the rows of a continuous group that use the adapter (held at their first step by the
+  `hold_step` fault, `tests/step_hold.py`): both requests succeed, and the server logs the unload after their last
+  step;
 - a continuous group never needs more distinct adapters than `--max-loras`: two requests with different adapters
   queued together run in two groups and both succeed.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -179,6 +181,7 @@ def test_an_unload_waits_for_the_running_and_queued_rows_of_a_continuous_group(
     _load(server, "slow", _adapter(server, tiny_flux_path, "slow", 13))
     hold = StepHold(server.log_path.parent)
     hold.arm()
+    start = len(server.log())
     bodies = [
         {"prompt": f"slow {i} {StepHold.MARKER}", "seed": i, "size": "64x64", "num_inference_steps": 3, "lora": "slow"}
         for i in (1, 2)
@@ -203,6 +206,9 @@ def test_an_unload_waits_for_the_running_and_queued_rows_of_a_continuous_group(
         assert {a.json()["timings"]["batch_size"] for a in answers} == {2}  # they ran as one group
         done = unload.result()
     assert done.status_code == 200 and done.text == "Success: LoRA adapter 'slow' removed successfully."
+    log = server.log()[start:]  # the server's own order: the unload ends after the rows' three steps
+    steps = [m.start() for m in re.finditer(r"Continuous denoising step batch: size=2/4", log)]
+    assert len(steps) == 3 and log.index("LoRA adapter 'slow' unloaded") > steps[-1], log[-3000:]
 
 
 def test_a_continuous_group_never_needs_more_adapters_than_max_loras(
