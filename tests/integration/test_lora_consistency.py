@@ -4,9 +4,9 @@ and the load / unload routes:
 
 - an adapter unloaded and loaded again from another folder is never answered from the cache with the old image: the
   new answer equals a fresh server's image of the new files (<= 1/255), and the unload drops the old entry;
-- an unload waits for the rows of a continuous group that use the adapter (held at their first step by the
-  `hold_step` fault, `tests/step_hold.py`): both requests succeed, and the server logs the unload after their last
-  step;
+- an unload waits for the requests that use the adapter, running (two rows of a continuous group, held at their
+  first step by the `hold_step` fault, `tests/step_hold.py`) and queued (a third, of another group): all three
+  succeed, and the server logs the unload after their last step;
 - a continuous group never needs more distinct adapters than `--max-loras`: two requests with different adapters
   queued together run in two groups and both succeed.
 
@@ -173,42 +173,42 @@ def test_a_replaced_adapter_is_never_answered_from_the_cache(server: ServerProce
     assert np.abs(_pixels(replaced) - _pixels(reference)).max() <= 1  # 1/255
 
 
-def test_an_unload_waits_for_the_running_and_queued_rows_of_a_continuous_group(
+def test_an_unload_waits_for_the_running_and_queued_requests_of_a_continuous_server(
     server: ServerProcess, tiny_flux_path: Path
 ) -> None:
-    """Two requests with adapter `slow` run as one continuous group, held at their first step; an unload sent then
-    refuses the adapter to new requests at once but answers only after both rows finished with it."""
+    """Two requests with adapter `slow` run as one continuous group, held at their first step, and a third (another
+    guidance scale: another group) waits in the queue; an unload sent then refuses the adapter to new requests at
+    once but ends only after all three finished with it (the server's log: after their last step)."""
     _load(server, "slow", _adapter(server, tiny_flux_path, "slow", 13))
     hold = StepHold(server.log_path.parent)
     hold.arm()
     start = len(server.log())
-    bodies = [
-        {"prompt": f"slow {i} {StepHold.MARKER}", "seed": i, "size": "64x64", "num_inference_steps": 3, "lora": "slow"}
-        for i in (1, 2)
-    ]
-    with ThreadPoolExecutor(4) as pool:
+    body = {"seed": 1, "size": "64x64", "num_inference_steps": 3, "lora": "slow"}
+    bodies = [{**body, "prompt": f"slow {i} {StepHold.MARKER}", "seed": i} for i in (1, 2)]
+    url = f"{server.base_url}/v1/images/generations"
+    with ThreadPoolExecutor(5) as pool:
         try:
             posted = _queue_behind_anchor(server, pool, bodies)
             _wait(server, lambda: metric_value(server.base_url, "diffuserve_running_batch_size") == 2, "both rows")
+            posted.append(pool.submit(httpx.post, url, json={**body, "prompt": "queued", "guidance_scale": 2.0}))
+            _wait(server, lambda: metric_value(server.base_url, "diffuserve_queue_depth") == 1, "the third queued")
             unload = pool.submit(_unload, server, "slow")
             _wait(server, lambda: "slow" not in [m.id for m in _client(server).models.list()], "the unload begin")
-            late = httpx.post(
-                f"{server.base_url}/v1/images/generations",
-                json={"prompt": "late", "seed": 3, "size": "64x64", "lora": "slow"},
-                timeout=60,
-            )
+            late = httpx.post(url, json={**body, "prompt": "late"}, timeout=60)
             assert late.status_code == 400 and "being unloaded" in late.json()["error"]["message"], late.text
-            assert not unload.done()  # both rows still use it
+            assert not unload.done()  # the rows and the queued request still use it
         finally:
             hold.release()
         answers = [future.result() for future in posted]
-        assert [a.status_code for a in answers] == [200, 200], [a.text[-500:] for a in answers]
-        assert {a.json()["timings"]["batch_size"] for a in answers} == {2}  # they ran as one group
+        assert [a.status_code for a in answers] == [200, 200, 200], [a.text[-500:] for a in answers]
+        assert [a.json()["timings"]["batch_size"] for a in answers] == [2, 2, 1]  # one group, then the queued one
         done = unload.result()
     assert done.status_code == 200 and done.text == "Success: LoRA adapter 'slow' removed successfully."
-    log = server.log()[start:]  # the server's own order: the unload ends after the rows' three steps
-    steps = [m.start() for m in re.finditer(r"Continuous denoising step batch: size=2/4", log)]
-    assert len(steps) == 3 and log.index("LoRA adapter 'slow' unloaded") > steps[-1], log[-3000:]
+    log = server.log()[start:]
+    steps = [(m.start(), m.group(1)) for m in re.finditer(r"Continuous denoising step batch: size=(\d+)/4", log)]
+    first = next(i for i, (_, size) in enumerate(steps) if size == "2")  # the anchor's steps come before
+    assert [size for _, size in steps[first:]] == ["2"] * 3 + ["1"] * 3, log[-3000:]
+    assert log.index("LoRA adapter 'slow' unloaded") > steps[-1][0], log[-3000:]
 
 
 def test_a_continuous_group_never_needs_more_adapters_than_max_loras(
