@@ -45,7 +45,7 @@ def _entries(ctx: ServerContext, lora: Any, model: str | None, loaded: list[str]
         entries = [(entry.name, float(entry.scale)) for entry in lora]
     if model is not None and model in loaded:
         others = [name for name, _ in entries if name != model]
-        if others:  # ambiguous: `model` says "this adapter", `lora` says "these"; the request says which it meant
+        if others:  # ambiguous (`model` says this adapter alone, `lora` adds others): refused rather than guessed
             listed = ", ".join(f'{{"name": "{name}"}}' for name in [model, *others])
             raise InvalidRequestError(
                 f"lora: model {model!r} selects that adapter alone, and lora names {', '.join(map(repr, others))} "
