@@ -119,6 +119,35 @@ def test_rows_with_different_adapters_merge_and_equal_their_runs_alone(lora_serv
             assert np.abs(a - b).max() <= 1, body
 
 
+def test_an_unknown_model_names_the_adapters_and_the_closest_name(lora_server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{lora_server.base_url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.images.generate(prompt="a cat", model="stlye", size="64x64")
+    error = err.value.body if isinstance(err.value.body, dict) else {}
+    error = error.get("error", error)
+    assert error["code"] == "model_not_found" and error["param"] == "model", error
+    assert f"serves '{MODEL}' and its LoRA adapter(s) 'style', 'ink'" in error["message"], error
+    assert error["message"].endswith("Did you mean 'style'?"), error
+    card = httpx.get(f"{lora_server.base_url}/v1/models/inc")
+    assert card.status_code == 404 and card.json()["error"]["message"].endswith("Did you mean 'ink'?"), card.text
+
+
+def test_model_naming_an_adapter_with_lora_naming_another_is_refused(lora_server: ServerProcess) -> None:
+    """Ambiguous (the adapter alone, or both?): a 400 naming lora that shows how to ask for both; `lora` may repeat
+    the model's own adapter (to give its scale)."""
+    client = openai.OpenAI(base_url=f"{lora_server.base_url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.images.generate(prompt="a cat", model="style", size="64x64", extra_body={"lora": "ink"})
+    error = err.value.body if isinstance(err.value.body, dict) else {}
+    error = error.get("error", error)
+    assert error["param"] == "lora" and f"give model '{MODEL}'" in error["message"], error
+    assert '[{"name": "style"}, {"name": "ink"}]' in error["message"], error
+    half = _body("a cat", 5, model="style", lora=[{"name": "style", "scale": 0.5}])
+    assert np.array_equal(
+        _images(_post(lora_server, half))[0], _images(_post(lora_server, {**half, "model": MODEL}))[0]
+    )
+
+
 @pytest.mark.parametrize(
     ("extra", "words"),
     [

@@ -119,6 +119,9 @@ def test_more_adapters_than_slots_is_refused() -> None:
     [
         ({"lora_modules": ["style"]}, "--lora-modules: 'style' is not NAME=PATH"),
         ({"lora_modules": ["a=/x", "a=/y"]}, "given twice"),
+        ({"lora_modules": ["x=nope"]}, "--lora-modules: x=nope: 'nope' does not exist; give an adapter folder"),
+        ({"lora_modules": ["x=transformer_2:/no/such"]}, "--lora-modules: x=transformer_2:/no/such: '/no/such' does"),
+        ({"lora_modules": ["x=/"]}, "'/' is a folder without a .safetensors file"),
         ({"max_loras": 0}, "--max-loras"),
         ({"max_loras": 4, "max_cpu_loras": 2}, "--max-cpu-loras: 2 is below --max-loras 4"),
         ({"enable_lora_updates": True}, "--lora-root"),

@@ -92,11 +92,50 @@ def test_host_lru_rereads_from_disk_and_a_reload_is_another_adapter() -> None:
 
 
 def test_a_batch_holds_at_most_max_loras_distinct_adapters() -> None:
-    batcher = DynamicBatcher(BatchingConfig(mode="dynamic", max_size=8, delay_ms=0), model_names=["m"])
-    batcher.max_adapters = 2
+    batcher = DynamicBatcher(BatchingConfig(mode="dynamic", max_size=8, delay_ms=0, max_adapters=2), model_names=["m"])
     for i, lora in enumerate([(("a", 1.0),), (("b", 1.0),), (("c", 1.0),), (), (("a", 0.5), ("b", 1.0))]):
         batcher.add(Request(request_id=str(i), params=SamplingParams(prompt="p", lora=lora), arrival_time=float(i)))
     action = batcher.schedule(10.0)
     assert isinstance(action, Dispatch)
     assert [r.request_id for r in action.batch.requests] == ["0", "1", "3", "4"]
     assert action.batch.rejects == {LORA_SLOTS: 1}
+
+
+def test_an_adapter_is_fingerprinted_by_its_weights_once_when_read() -> None:
+    """The same weights under another name or path give the same fingerprint, other weights under the same name
+    another; the registry takes it when the adapter is read (start-up and runtime loads) and answers it by name
+    while the adapter is selectable."""
+    same = _adapter("a", 1)
+    assert same.fingerprint == LoraAdapter("b", "/elsewhere", same.modules).fingerprint
+    assert same.fingerprint != _adapter("a", 2).fingerprint
+    scaled = {k: LoraModule(m.down, m.up, 0.5) for k, m in same.modules.items()}
+    assert LoraAdapter("a", "/a", scaled).fingerprint != same.fingerprint
+    files = {"/a": same, "/a2": _adapter("a", 2)}
+    _, registry, _, _ = _setup(files, ["a"], slots=1, host=1)
+    assert registry.fingerprint("a") == same.fingerprint and registry.fingerprint("nope") is None
+    entry = registry.begin_unload("a")
+    assert registry.fingerprint("a") is None  # being unloaded: no new request gets it
+    registry.finish_unload(entry)
+    registry.add("a", "/a2", registry.read("a", "/a2"))
+    assert registry.fingerprint("a") == files["/a2"].fingerprint != same.fingerprint
+
+
+def _request(rid: str, t: float, lora: tuple = (), **params: object) -> Request:
+    return Request(request_id=rid, params=SamplingParams(prompt=rid, lora=lora, **params), arrival_time=t)
+
+
+def test_both_schedulers_name_the_queued_and_running_requests_of_an_adapter() -> None:
+    from diffuserve.engine.step_scheduler import StepPlan, StepScheduler
+
+    batcher = DynamicBatcher(BatchingConfig(mode="dynamic", max_size=1), model_names=["m"])
+    for i, lora in enumerate([(("a", 1.0),), (), (("b", 1.0), ("a", 0.5))]):
+        batcher.add(_request(str(i), float(i), lora))
+    assert isinstance(batcher.schedule(10.0), Dispatch)  # "0" runs, "1" and "2" wait
+    assert [r.request_id for r in batcher.requests_using_adapter("a")] == ["2", "0"]
+    steps = StepScheduler(BatchingConfig(mode="continuous", max_size=2), model_names=["m"])
+    for i, lora in enumerate([(("a", 1.0),), (("c", 1.0),), (("a", 1.0),)]):
+        steps.add(_request(str(i), float(i), lora))
+    plan = steps.schedule(10.0)
+    assert isinstance(plan, StepPlan) and [e.request.request_id for e in plan.rows] == ["0", "1"]
+    assert sorted(r.request_id for r in steps.requests_using_adapter("a")) == ["0", "2"]  # a group row, a queued one
+    assert [r.request_id for r in steps.requests_using_adapter("c")] == ["1"]

@@ -263,3 +263,28 @@ def test_store_flags_fail_at_start_naming_the_flag():
     ]:
         with pytest.raises(ConfigError, match=message):
             ServerArgs(**flags).validate()
+
+
+def test_merging_modes_that_never_merge_warn_and_both_schedulers_take_max_loras(caplog):
+    """`--batching-mode dynamic` (or continuous) with the default `--batching-max-size 1` merges nothing: one warning
+    line says so and what to set. Both schedulers read `--max-loras` from their config when LoRA is on."""
+    import logging
+
+    from diffuserve.launch.root import build_batcher
+
+    with caplog.at_level(logging.WARNING, logger="diffuserve"):
+        build_batcher(ServerArgs(batching_mode="dynamic"))
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [
+        "--batching-mode dynamic with --batching-max-size 1: no two requests will ever be merged (each batch runs "
+        "one request); set --batching-max-size N (e.g. 4) to merge up to N rows."
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="diffuserve"):
+        build_batcher(ServerArgs())  # singleton: nothing to say
+        build_batcher(ServerArgs(batching_mode="dynamic", batching_max_size=4))
+    assert not caplog.records
+    for mode in ("dynamic", "continuous"):
+        lora = ServerArgs(batching_mode=mode, batching_max_size=4, lora_modules=["a=/a"], max_loras=2)
+        assert build_batcher(lora).config.max_adapters == 2
+        assert build_batcher(ServerArgs(batching_mode=mode, batching_max_size=4)).config.max_adapters is None

@@ -232,3 +232,36 @@ def test_a_request_still_starting_holds_its_rows_but_does_not_step() -> None:
     b.ready = True
     assert ids(s.step_done(p3)) == ["a"]
     assert [(e.request.request_id, e.step_index) for e in s.group] == [("b", 1)]
+
+
+def test_a_group_holds_at_most_max_adapters_distinct_adapters() -> None:
+    """`--max-loras` 2 (the device slots each step's rows must fit in): a joiner whose adapters would make a third
+    waits, and the scan stops there (strict order); it joins once rows with other adapters left, or anchors the next
+    group. Without the cap the same queue would all join."""
+    a, b, c = (("a", 1.0),), (("b", 1.0),), (("c", 0.5),)
+    config = BatchingConfig(mode="continuous", max_size=8, delay_ms=0, max_adapters=2)
+    s = StepScheduler(config, model_names=[MODEL])
+    s.add(req("ab", 0.0, steps=1, lora=a + b))
+    s.add(req("a", 0.1, steps=3, lora=a))
+    s.add(req("c", 0.2, steps=1, lora=c))  # a third adapter: waits
+    s.add(req("plain", 0.3, steps=1))  # behind it in strict order: waits too
+    p1 = step(s.schedule(1.0))
+    assert ids(p1.rows) == ["ab", "a"]
+    assert ids(s.step_done(p1)) == ["ab"]  # b leaves with it: the group holds a only
+    p2 = step(s.schedule(1.1))
+    assert ids(p2.joined) == ["c", "plain"] and ids(p2.rows) == ["a", "c", "plain"]
+    uncapped = StepScheduler(BatchingConfig(mode="continuous", max_size=8, delay_ms=0), model_names=[MODEL])
+    for r in (req("ab", 0.0, lora=a + b), req("a", 0.1, lora=a), req("c", 0.2, lora=c)):
+        uncapped.add(r)
+    assert ids(step(uncapped.schedule(1.0)).rows) == ["ab", "a", "c"]
+
+
+def test_a_group_start_waits_for_companions_only_within_the_adapter_cap() -> None:
+    """With a delay, the head waits for companions unless the group is full; a queued request the cap keeps out
+    does not count towards filling it."""
+    config = BatchingConfig(mode="continuous", max_size=2, delay_ms=100, max_adapters=1)
+    s = StepScheduler(config, model_names=[MODEL])
+    s.add(req("a", 0.0, lora=(("a", 1.0),)))
+    s.add(req("b", 0.0, lora=(("b", 1.0),)))
+    assert s.schedule(0.01) == WaitUntil(0.1)  # b cannot join: the group is not full
+    assert ids(step(s.schedule(0.1)).rows) == ["a"]

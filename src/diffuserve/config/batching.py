@@ -89,6 +89,9 @@ class BatchingConfig:
     """How long the head of the queue may wait for compatible requests, in milliseconds."""
     rules: BatchingRules | None = field(default=None, metadata={"cli": False})
     """Lower caps per model/resolution/frames from `--batching-config`; None for no rules."""
+    max_adapters: int | None = field(default=None, metadata={"cli": False})
+    """Most distinct LoRA adapters one batch (dynamic) or denoise group (continuous) may use: `--max-loras`, the
+    device slots, filled in by launch when LoRA is on (not a flag of its own); None: any."""
     rules_path: str | None = flag(
         None, "JSON/YAML rules giving lower caps per model/resolution.", BATCHING_GROUP, dest="batching_config"
     )
@@ -127,6 +130,16 @@ class BatchingConfig:
         if not self.rules_path:
             return replace(self)
         return replace(self, rules=load_batching_rules(self.rules_path))
+
+    def never_merges(self) -> str | None:
+        """The start-up warning of a mode that merges requests with a cap that never lets it (`--batching-max-size`
+        1, its default); None otherwise."""
+        if self.mode not in (BatchingMode.DYNAMIC, BatchingMode.CONTINUOUS) or self.max_size > 1:
+            return None
+        return (
+            f"--batching-mode {self.mode} with --batching-max-size {self.max_size}: no two requests will ever be "
+            "merged (each batch runs one request); set --batching-max-size N (e.g. 4) to merge up to N rows."
+        )
 
     @property
     def dynamic(self) -> bool:

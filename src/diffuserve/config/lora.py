@@ -11,6 +11,19 @@ from diffuserve.config.argparse_dataclass import check_flags, flag
 LORA_GROUP = "LoRA"
 LORA_SCALE_RANGE = (-8.0, 8.0)
 """The scales a request's `lora` entries may take (negative scales subtract a style; beyond this, images break)."""
+DENOISER_PREFIX_SEP = ":"
+"""`--lora-modules NAME=transformer_2:PATH` loads the adapter into the denoiser `transformer_2` (Wan2.2 A14B's
+low-noise expert), as diffusers' `load_lora_weights(PATH, adapter_name=NAME, load_into_transformer_2=True)`."""
+DENOISER_NAMES = ("transformer", "transformer_2")
+"""The denoiser components a `--lora-modules` PATH may name before a colon (diffusers' names for them)."""
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+"""The files diffusers' LoRA loader picks from an adapter folder (`_best_guess_weight_name`)."""
+
+
+def adapter_path(spec: str) -> str:
+    """The file or folder of a `--lora-modules` PATH (without its `transformer_2:` prefix, if any)."""
+    head, sep, rest = spec.partition(DENOISER_PREFIX_SEP)
+    return rest if sep and head in DENOISER_NAMES else spec
 
 
 @dataclass
@@ -112,3 +125,21 @@ class LoraArgs:
                 ),
             ]
         )
+
+    def check_files(self) -> None:
+        """The checks that read the file system: every start-up adapter's file or folder is there (before the model
+        loads, so a typo costs no load; whether the weights fit the model is checked once it is loaded)."""
+        for name, spec in self.adapters.items():
+            path = Path(adapter_path(spec)).expanduser()
+            weights = path.is_file() or (path.is_dir() and any(p.suffix in WEIGHT_SUFFIXES for p in path.iterdir()))
+            what = "does not exist" if not path.exists() else "is a folder without a .safetensors file"
+            check_flags(
+                [
+                    (
+                        not weights,
+                        "--lora-modules",
+                        f"{name}={spec}: {str(path)!r} {what}; give an adapter folder (with "
+                        "pytorch_lora_weights.safetensors) or a .safetensors file",
+                    )
+                ]
+            )

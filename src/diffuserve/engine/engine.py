@@ -27,7 +27,9 @@ from diffuserve.engine.batch_loop import BatchLoop
 from diffuserve.engine.metrics import BatchingStats, EngineMetrics
 from diffuserve.engine.request import Request
 from diffuserve.engine.requests import GenerationResult, PendingRequest, RequestBook
+from diffuserve.engine.scheduler import DynamicBatcher
 from diffuserve.engine.step_loop import StepLoop
+from diffuserve.engine.step_scheduler import StepScheduler
 from diffuserve.errors import (
     DiffuserveError,
     GenerationError,
@@ -85,7 +87,7 @@ class AsyncEngine:
     def __init__(
         self,
         executor: Executor,
-        scheduler: Any,
+        scheduler: DynamicBatcher | StepScheduler,
         *,
         config: EngineConfig | None = None,
         metrics: EngineMetrics | None = None,
@@ -348,6 +350,12 @@ class AsyncEngine:
     def progress(self, request_id: str) -> tuple[int, int] | None:
         """(steps done, total steps) of a running request; None while queued, or once answered/unknown."""
         return self.book.progress(request_id)
+
+    def requests_using_adapter(self, name: str) -> list[str]:
+        """Ids of the queued and running requests whose `lora` names adapter `name`, in either scheduler (running:
+        in a request-level batch, or a row of the continuous denoise group). An unload waits until it is empty."""
+        with self._cond:
+            return [r.request_id for r in self.scheduler.requests_using_adapter(name)]
 
     def _retry_after_s(self) -> float:
         """A hint for 429s: the queue drains at about one batch per recent batch time."""

@@ -70,6 +70,11 @@ MAX_RETURN_GAP_DELAYS = 4
 """Rule 8 counts the answered clients' return time (answer -> next admission) up to this many delays."""
 
 
+def uses_adapter(request: Request, name: str) -> bool:
+    """Whether `request`'s rows apply LoRA adapter `name`."""
+    return any(adapter == name for adapter, _ in request.params.lora)
+
+
 @dataclass
 class ScheduledBatch:
     """One batch handed to the worker: the requests and how and why it was formed."""
@@ -156,8 +161,6 @@ class DynamicBatcher:
         self._num_queued_outputs = 0
         self._running: list[ScheduledBatch] = []
         self._num_dispatched = 0
-        self.max_adapters: int | None = None
-        """Most distinct LoRA adapters one batch may use (`--max-loras`, set by launch when LoRA is on); None: any."""
         self._answering: list[ScheduledBatch] = []
         """Finished batches whose answers have not gone out yet (decoding in the decode lane), rule 8."""
         self._answered: tuple[Request, float, int] | None = None
@@ -211,6 +214,16 @@ class DynamicBatcher:
 
     def is_queued(self, request_id: str) -> bool:
         return request_id in self._queue
+
+    @property
+    def max_adapters(self) -> int | None:
+        """Most distinct LoRA adapters one batch may use (`BatchingConfig.max_adapters`, from `--max-loras`)."""
+        return self.config.max_adapters
+
+    def requests_using_adapter(self, name: str) -> list[Request]:
+        """The queued and running requests whose `lora` names adapter `name` (an unload waits for them)."""
+        held = [r for _, r in self._queue.values()] + [r for batch in self._running for r in batch.requests]
+        return [r for r in held if uses_adapter(r, name)]
 
     @property
     def _delay_s(self) -> float:

@@ -23,9 +23,10 @@ Rules (on top of the module docstring of `engine/scheduler.py`: order, caps coun
    schedule. Only eligible requests (`ineligible_reason` None, for example no input images) of a family that
    declares `supports_continuous` run step by step.
 3. **Joining.** At every step boundary queued requests are scanned in `(priority, arrival)` order and join
-   while they match the key and their `n` fits under the cap; the scan stops at the first one that does not
-   (strict first-come order, so a large or incompatible request is never overtaken forever: once the group
-   drains it anchors the next one).
+   while they match the key, their `n` fits under the cap and their LoRA adapters keep the group within
+   `max_adapters` distinct adapters (`--max-loras`, the device slots every step's rows must fit in at once);
+   the scan stops at the first one that does not (strict first-come order, so a large or incompatible request is
+   never overtaken forever: it joins once rows leave room, at the latest it anchors the next group).
 4. **Cap.** `min(--batching-max-size, smallest matching rule cap)` of the group's first request, in rows. A
    request whose `n` alone reaches the cap starts only in an empty group (and then runs alone).
 5. **Starting a group.** With the group empty the head waits up to `--batching-delay-ms` for companions (as in
@@ -51,6 +52,7 @@ from diffuserve.engine.scheduler import (
     Idle,
     ScheduledBatch,
     WaitUntil,
+    uses_adapter,
 )
 
 GROUP_KEY_FIELDS = (
@@ -220,6 +222,12 @@ class StepScheduler:
     def num_active_rows(self) -> int:
         return sum(e.num_rows for e in self._group)
 
+    def requests_using_adapter(self, name: str) -> list[Request]:
+        """The queued and running requests whose `lora` names adapter `name`: the queue, a request-level batch in
+        flight, and the group's rows (those still starting too). An unload waits for them."""
+        rows = [e.request for e in self._group if uses_adapter(e.request, name)]
+        return self.requests.requests_using_adapter(name) + rows
+
     def can_step(self, request: Request) -> bool:
         """Whether `request` may run step by step (rule 2's eligibility)."""
         return self.supports_continuous and self.requests.ineligible_reason(request) is None
@@ -308,21 +316,30 @@ class StepScheduler:
 
     def _fitting_rows(self, head: Request, cap: int) -> int:
         """Rows a group anchored by `head` would start with (the same scan as `_take_joiners`)."""
-        rows, key = 0, group_key(head)
+        rows, key, adapters = 0, group_key(head), frozenset[str]()
         for request in self.requests.queued_requests():
-            if not self._compatible(key, request) or (rows and rows + request.num_outputs > cap):
+            more = self._adapters_with(adapters, request)
+            if not self._compatible(key, request) or (rows and rows + request.num_outputs > cap) or more is None:
                 break
-            rows += request.num_outputs
+            rows, adapters = rows + request.num_outputs, more
         return rows
 
     def _take_joiners(self, key: tuple[Any, ...], room: int) -> list[GroupEntry]:
         joined = []
+        adapters = frozenset(name for e in self._group for name, _ in e.request.params.lora)
         for request in self.requests.queued_requests():
-            if room <= 0 or not self._compatible(key, request) or request.num_outputs > room:
+            more = self._adapters_with(adapters, request)
+            if room <= 0 or not self._compatible(key, request) or request.num_outputs > room or more is None:
                 break  # rule 3: strict order, the scan stops at the first request that cannot join
             joined.append(self._enter(request))
-            room -= request.num_outputs
+            room, adapters = room - request.num_outputs, more
         return joined
+
+    def _adapters_with(self, adapters: frozenset[str], request: Request) -> frozenset[str] | None:
+        """The group's distinct LoRA adapters once `request` joins; None when they would exceed `max_adapters`."""
+        more = adapters | {name for name, _ in request.params.lora}
+        limit = self.config.max_adapters
+        return None if limit is not None and len(more) > limit else more
 
     def _enter(self, request: Request) -> GroupEntry:
         self.requests.take(request.request_id)

@@ -15,6 +15,7 @@ from diffuserve.config.server_args import ServerArgs
 from diffuserve.engine.engine import AsyncEngine
 from diffuserve.engine.metrics import BatchingStats, EngineMetrics
 from diffuserve.engine.scheduler import DynamicBatcher
+from diffuserve.engine.step_scheduler import StepScheduler
 from diffuserve.errors import ConfigError
 from diffuserve.executor.base import InProcessExecutor
 from diffuserve.launch.follower import serve_rank
@@ -32,17 +33,17 @@ from diffuserve.pipelines.serving import ServingPipeline
 logger = logging.getLogger("diffuserve")
 
 
-def build_batcher(args: ServerArgs, slots: int = 1) -> DynamicBatcher:
+def build_batcher(args: ServerArgs, slots: int = 1) -> DynamicBatcher | StepScheduler:
     """The scheduler of the configured batching mode (`slots`: replicas that run batches at once)."""
     config = args.batching.with_rules()  # the scheduler validates it
+    if args.lora.enabled:  # a batch's (or group's) adapters must fit the device slots at once (lora/registry.py)
+        config = replace(config, max_adapters=args.max_loras)
+    warning = config.never_merges()
+    if warning is not None:
+        logger.warning("%s", warning)
     if config.mode == "continuous":
-        from diffuserve.engine.step_scheduler import StepScheduler
-
         return StepScheduler(config, model_names=args.model_names)
-    batcher = DynamicBatcher(config, model_names=args.model_names, slots=slots)
-    if args.lora.enabled:  # a batch's adapters must fit the device slots at once (lora/registry.py)
-        batcher.max_adapters = args.max_loras
-    return batcher
+    return DynamicBatcher(config, model_names=args.model_names, slots=slots)
 
 
 def _multi_rank_executor(args: ServerArgs, info: LaunchInfo, setup: RankSetup, metrics: EngineMetrics | None) -> Any:

@@ -9,16 +9,15 @@ and only check that every adapted module is a Linear of the served transformer w
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from diffuserve.config.lora import DENOISER_NAMES, DENOISER_PREFIX_SEP
 from diffuserve.errors import ConfigError
-
-DENOISER_PREFIX_SEP = ":"
-"""`--lora-modules NAME=transformer_2:PATH` loads the adapter into the denoiser `transformer_2` (Wan2.2 A14B's
-low-noise expert), as diffusers' `load_lora_weights(PATH, adapter_name=NAME, load_into_transformer_2=True)`."""
 
 
 def lora_families() -> list[str]:
@@ -43,10 +42,6 @@ def lora_loader(family: str) -> str:
             f"(it is for: {', '.join(lora_families())})."
         )
     return loader
-
-
-DENOISER_NAMES = ("transformer", "transformer_2")
-"""The denoiser components a `--lora-modules` PATH may name before a colon (diffusers' names for them)."""
 
 
 def split_target(path: str, denoisers: tuple[str, ...]) -> tuple[str, str]:
@@ -91,6 +86,24 @@ class LoraAdapter:
     @property
     def rank(self) -> int:
         return max((m.down.shape[0] for m in self.modules.values()), default=0)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A short hash of what the adapter does: the denoiser, and per module its name, scaling and the A / B
+        weights' dtype, shape and bytes (not its name or path: the same weights under another name or folder give
+        the same fingerprint; other weights under the same name another). Computed once, on first use (the
+        registry reads it when the adapter is read, in the thread that reads it)."""
+        import torch
+
+        digest = hashlib.sha256(self.denoiser.encode())
+        for module in sorted(self.modules):
+            entry = self.modules[module]
+            digest.update(f"\0{module}\0{entry.scaling!r}".encode())
+            for weight in (entry.down, entry.up):
+                tensor = weight.detach().to("cpu").contiguous()
+                digest.update(f"\0{tensor.dtype}{tuple(tensor.shape)}".encode())
+                digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+        return digest.hexdigest()[:20]
 
 
 def _alpha(module: str, rank: int, alphas: dict[str, Any] | None, metadata: dict[str, Any] | None) -> float:

@@ -13,7 +13,8 @@ Three tiers, as in vLLM:
   the next swap.
 
 Each load gets its own `uid`: an adapter unloaded and loaded again under the same name (another file) is another
-adapter, and a slot still holding the old one is rewritten before use.
+adapter, and a slot still holding the old one is rewritten before use. Each entry also carries the `fingerprint` of
+its weights (`LoraAdapter.fingerprint`, taken when they are read): what the exact-result cache keys an adapter by.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class AdapterEntry:
     """Unix time of the load (the model card's `created`)."""
     unloading: bool = False
     """An unload waits for the requests that use it: new requests may no longer select it."""
+    fingerprint: str | None = None
+    """`LoraAdapter.fingerprint` of its weights, set when they are read (start-up, a runtime load, a re-read after a
+    host-LRU eviction); None until then, and on the diffusers backend (which reads start-up adapters itself)."""
 
 
 class LoraRegistry:
@@ -109,7 +113,7 @@ class LoraRegistry:
         with self._lock:
             if name in self._entries:
                 raise KeyError(name)
-            entry = AdapterEntry(name, path, True, next(_uids), time.time())
+            entry = AdapterEntry(name, path, True, next(_uids), time.time(), fingerprint=adapter.fingerprint)
             self._entries[name] = entry
             self._keep_locked(entry.uid, adapter)
         return entry
@@ -133,10 +137,12 @@ class LoraRegistry:
 
     # -- weights (batch thread, start-up) ---------------------------------------------------------------------
     def read(self, name: str, path: str) -> LoraAdapter:
-        """Read and check an adapter through the installed reader (no registry change)."""
+        """Read and check an adapter through the installed reader (no registry change); its fingerprint is taken
+        here, in the reading thread (never on the event loop, never per request)."""
         if self.reader is None:
             raise RuntimeError("the model is not loaded yet: adapters cannot be read")
         adapter = self.reader(name, path)
+        _ = adapter.fingerprint
         with self._lock:
             self.disk_reads += 1
         return adapter
@@ -150,14 +156,30 @@ class LoraRegistry:
                 return held
         adapter = self.read(entry.name, entry.path)
         logger.info("LoRA adapter %r re-read from disk (not in the host LRU of --max-cpu-loras)", entry.name)
+        if entry.fingerprint not in (None, adapter.fingerprint):
+            logger.warning(
+                "LoRA adapter %r: %s changed on disk since it was loaded; requests now get the new weights",
+                entry.name,
+                entry.path,
+            )
         with self._lock:
+            entry.fingerprint = adapter.fingerprint  # the exact-result cache keys what the rows now get
             if self._entries.get(entry.name) is entry:
                 self._keep_locked(entry.uid, adapter)
         return adapter
 
     def keep(self, entry: AdapterEntry, adapter: LoraAdapter) -> None:
+        """Hold `entry`'s weights (read at start-up) in the host LRU, and take their fingerprint."""
         with self._lock:
+            entry.fingerprint = adapter.fingerprint
             self._keep_locked(entry.uid, adapter)
+
+    def fingerprint(self, name: str) -> str | None:
+        """The fingerprint of the weights a new request naming `name` gets; None when no selectable adapter has
+        that name (unknown, or being unloaded) or its weights were not read here (diffusers backend)."""
+        with self._lock:
+            entry = self._entries.get(name)
+            return None if entry is None or entry.unloading else entry.fingerprint
 
     def _keep_locked(self, uid: int, adapter: LoraAdapter) -> None:
         self._host[uid] = adapter

@@ -4,6 +4,7 @@ timings."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from diffuserve.errors import InvalidRequestError, ModelNotFoundError
 from diffuserve.pipelines.prompt_limits import PromptTokens
 from diffuserve.sampling import SamplingParams
 from diffuserve.server.context import ServerContext
+from diffuserve.server.lora_fields import adapter_names
 from diffuserve.server.protocol import parse_size
 
 
@@ -35,6 +37,20 @@ def require_ready(ctx: ServerContext) -> None:
     """503 (with Retry-After) before load and warm-up are done, and while draining."""
     if ctx.engine.state != EngineState.READY or ctx.draining:
         raise ctx.engine.not_ready_error()
+
+
+def unknown_model(ctx: ServerContext, model: str) -> ModelNotFoundError:
+    """As OpenAI answers an unknown model: 404 model_not_found. It names every model name the server takes (the
+    base model and its LoRA adapters, which are models too) and the closest one."""
+    adapters = adapter_names(ctx)
+    served = repr(ctx.args.public_model_name)
+    if adapters:
+        served += f" and its LoRA adapter(s) {', '.join(repr(a) for a in adapters)}"
+    close = difflib.get_close_matches(model, [*ctx.args.model_names, *adapters], n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return ModelNotFoundError(
+        f"Unknown model {model!r}; this server serves {served} (see GET /v1/models).{hint}", param="model"
+    )
 
 
 def check_request_limits(
@@ -49,11 +65,7 @@ def check_request_limits(
     """The server's own caps (model name, text length, image side, steps), each naming its field and flag."""
     args = ctx.args
     if model is not None and model not in args.model_names:
-        # As OpenAI answers an unknown model: 404 model_not_found (the README's error table says so).
-        raise ModelNotFoundError(
-            f"Unknown model {model!r}; this server serves {args.public_model_name!r} (see GET /v1/models).",
-            param="model",
-        )
+        raise unknown_model(ctx, model)
     for name, text in texts.items():
         if text is not None and len(text) > args.max_prompt_chars:
             raise InvalidRequestError(

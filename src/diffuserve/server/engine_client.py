@@ -83,6 +83,8 @@ class EngineClient(Protocol):
 
     def progress(self, request_id: str) -> tuple[int, int] | None: ...
 
+    def requests_using_adapter(self, name: str) -> list[str]: ...
+
     def not_ready_error(self) -> ServiceUnavailableError: ...
 
 
@@ -297,6 +299,11 @@ class RemoteEngineClient:
     def progress(self, request_id: str) -> tuple[int, int] | None:
         """(steps done, total steps) of a running request, as the engine last reported it."""
         return self._progress.get(request_id) if request_id in self._requests else None
+
+    def requests_using_adapter(self, name: str) -> list[str]:
+        """Never asked: runtime adapter changes need the engine in the HTTP process (`ServerArgs.validate` refuses
+        `--enable-lora-updates` with `--api-process separate`), so no unload runs beside a remote engine."""
+        raise RuntimeError("runtime LoRA changes are refused with --api-process separate")
 
     async def metric_families(self) -> list[Metric]:
         """The engine process's Prometheus families ([] when it does not answer in time)."""

@@ -43,8 +43,18 @@ def _entries(ctx: ServerContext, lora: Any, model: str | None, loaded: list[str]
         entries = [(lora, 1.0)]
     else:
         entries = [(entry.name, float(entry.scale)) for entry in lora]
-    if model is not None and model in loaded and model not in (name for name, _ in entries):
-        entries.append((model, 1.0))
+    if model is not None and model in loaded:
+        others = [name for name, _ in entries if name != model]
+        if others:  # ambiguous (`model` says this adapter alone, `lora` adds others): refused rather than guessed
+            listed = ", ".join(f'{{"name": "{name}"}}' for name in [model, *others])
+            raise InvalidRequestError(
+                f"lora: model {model!r} selects that adapter alone, and lora names {', '.join(map(repr, others))} "
+                f"too; to apply several adapters give model {ctx.args.public_model_name!r} (or leave it out) and "
+                f"list them all in lora: [{listed}].",
+                param="lora",
+            )
+        if not entries:
+            entries.append((model, 1.0))
     if lora is None and not entries and ctx.args.lora.enabled:
         entries = list(registry_of(ctx).default)
     return entries

@@ -5,9 +5,11 @@ vLLM's `POST /v1/load_lora_adapter {lora_name, lora_path}` and `POST /v1/unload_
 request that names none gets). A load reads and checks the adapter in a worker thread and only registers it; the
 thread that runs the batches writes it into a device slot before the first batch that uses it (`lora/slots.py`).
 
-An unload **waits**: the adapter is refused to new requests at once, the answer comes once no queued or running
-request uses it any more, and only then are its weights dropped. (A request validated in the instant before the
-unload began but queued after it ended fails, naming the adapter.)
+An unload **waits**, in every batching mode: the adapter is refused to new requests at once, the answer comes once no
+queued or running request uses it any more (`AsyncEngine.requests_using_adapter`: queued requests, running batches,
+and the rows of a continuous denoise group), and only then are its weights dropped. (A request validated in the
+instant before the unload began but queued after it ended fails, naming the adapter.) After every load and unload
+the exact-result cache drops the entries made with weights a name no longer selects (`server/result_cache.py`).
 """
 
 from __future__ import annotations
@@ -121,18 +123,24 @@ async def _load(ctx: ServerContext, registry: LoraRegistry, name: str, path: str
         entry = registry.add(name, full, adapter)
     except KeyError:  # a concurrent load of the same name won
         raise InvalidRequestError(f"The lora adapter {name!r} has already been loaded.", param="lora_name") from None
-    logger.info("LoRA adapter %r loaded from %s (rank %d, %d modules)", name, full, adapter.rank, len(adapter.modules))
+    logger.info(
+        "LoRA adapter %r loaded from %s (rank %d, %d modules, fingerprint %s)",
+        name,
+        full,
+        adapter.rank,
+        len(adapter.modules),
+        entry.fingerprint,
+    )
+    _drop_stale_results(ctx)
     return entry
 
 
-def _in_use(ctx: ServerContext, name: str) -> bool:
-    """Whether a queued or running request selected adapter `name`."""
-    engine = ctx.engine
-    with engine.book.cond:
-        scheduler = engine.scheduler
-        queue = scheduler.queued_requests() if hasattr(scheduler, "queued_requests") else []
-        requests = list(queue) + [r for batch in scheduler.running_batches for r in batch.requests]
-    return any(name == adapter for r in requests for adapter, _ in r.params.lora)
+def _drop_stale_results(ctx: ServerContext) -> None:
+    """The exact-result cache forgets the answers made with weights an adapter name no longer selects."""
+    if ctx.result_cache is not None:
+        dropped = ctx.result_cache.drop_stale_adapters()
+        if dropped:
+            logger.info("result cache: dropped %d answer(s) made with adapters that are gone", dropped)
 
 
 @router.post("/v1/load_lora_adapter", tags=["lora"], responses=_TEXT)
@@ -150,10 +158,11 @@ async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) 
         entry = registry.begin_unload(body.lora_name)
     except KeyError:
         raise NotFoundError(f"The lora adapter {body.lora_name!r} cannot be found.", param="lora_name") from None
-    while _in_use(ctx, entry.name):  # wait: the requests that chose it finish with it
+    while ctx.engine.requests_using_adapter(entry.name):  # wait: the requests that chose it finish with it
         await asyncio.sleep(UNLOAD_POLL_S)
     registry.finish_unload(entry)
     logger.info("LoRA adapter %r unloaded", entry.name)
+    _drop_stale_results(ctx)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 

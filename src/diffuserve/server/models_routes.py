@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from diffuserve.errors import ModelNotFoundError
 from diffuserve.lora.registry import AdapterEntry
 from diffuserve.server import lora_routes
-from diffuserve.server.common import server_context
+from diffuserve.server.common import server_context, unknown_model
 from diffuserve.server.context import ServerContext
 from diffuserve.server.lora_fields import registry_of
 
@@ -58,8 +57,5 @@ async def get_model(model_id: str, request: Request) -> dict:
     if adapter is not None:
         return _adapter_card(ctx, adapter)
     if model_id not in ctx.args.model_names:
-        raise ModelNotFoundError(
-            f"The model {model_id!r} does not exist on this server; it serves {ctx.args.public_model_name!r}.",
-            param="model",
-        )
+        raise unknown_model(ctx, model_id)
     return _card(ctx)

@@ -41,7 +41,7 @@ from diffuserve.server.protocol import (
     coerce_form_fields,
     parse_size,
 )
-from diffuserve.server.result_cache import cached_timings
+from diffuserve.server.result_cache import CacheKey, cached_timings
 from diffuserve.server.streaming import stream_images
 from diffuserve.server.usage import (
     check_background,
@@ -224,7 +224,7 @@ async def _answer(
     request_id: str,
     ineligible_reason: str | None,
     received: float,
-) -> tuple[list[bytes], dict[str, Any], str | None]:
+) -> tuple[list[bytes], dict[str, Any], CacheKey | None]:
     """The encoded outputs and the `timings` of a (non-streamed) request: from the exact-result cache on a hit
     (server/result_cache.py), else from the engine. The third value is the request's cache key (None: no cache, or no
     seed given)."""
