@@ -141,7 +141,7 @@ class ImageConfig:
             cmd=config.get("Cmd") or [],
             ports=sorted(config.get("ExposedPorts") or {}),
             volumes=sorted(config.get("Volumes") or {}),
-            healthcheck=config.get("Healthcheck") or {},
+            healthcheck=info.get("Healthcheck") or config.get("Healthcheck") or {},  # podman's place, Docker's
         )
 
     @property
