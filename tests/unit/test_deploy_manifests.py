@@ -2,13 +2,15 @@
 its start-up checks, the parallel degrees resolve with the real deployment plan, probe paths exist, the GPU
 limit covers --num-gpus, the node rank comes from the pod index, --dist-init-addr names pod 0 through the
 headless Service, HTTP reaches node 0 only, the drain grace covers --shutdown-timeout-s, and replicas behind one
-Service share PostgreSQL + S3 with their credentials from a Secret."""
+Service share PostgreSQL + S3 with their credentials from a Secret; and the pods run the Containerfile's image: its
+command, its non-root user, its volumes (the image's own flags parse with the real CLI too)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import http.server
+import json
 import re
 import subprocess
 import sys
@@ -30,6 +32,7 @@ from diffuserve.server import health
 from diffuserve.server.middleware import PUBLIC_PATHS
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+CONTAINERFILE = DEPLOY.parents[1] / "Containerfile"
 MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
 GPU = "nvidia.com/gpu"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
@@ -305,11 +308,60 @@ def test_exec_probes_ask_node_0_and_pass_elsewhere(manifest: Manifest):
                     assert rc == expected, f"{name} on pod {index} with {status}: exit {rc}"
 
 
+def test_the_containerfile_entrypoint_parses_and_listens_beyond_the_container():
+    image = _containerfile()
+    argv = image["entrypoint"]
+    assert argv[:2] == ["diffuserve", "serve"]
+    args = cli._server_args(cli._merge_config_file(cli._build_parser().parse_args(argv[1:])), None)
+    args.validate()
+    assert args.host == "0.0.0.0" and args.port == image["port"]
+    assert Path(args.output_dir).is_relative_to(image["volumes"]["results"]), "the results store is on no VOLUME"
+
+
+def test_pods_run_the_image_as_its_user_with_its_volumes(manifest: Manifest):
+    """The manifests run what `make image` builds: its command, its non-root user (fsGroup makes the volumes
+    writable by it), its cache volume, and its results volume wherever results are kept on the pod."""
+    image = _containerfile()
+    assert manifest.container["image"].split(":")[0].rsplit("/", 1)[-1] == "diffuserve"
+    assert manifest.container["command"] == image["entrypoint"][:2]
+    security = manifest.pod["securityContext"]
+    assert security["runAsNonRoot"] is True and security["runAsUser"] == security["fsGroup"] == image["uid"]
+    mounts = {m["mountPath"]: m for m in manifest.container["volumeMounts"]}
+    args = manifest.server_args()
+    wanted = ["cache"] if args.results_db and args.media_store else ["cache", "results"]
+    for volume in wanted:
+        path = image["volumes"][volume]
+        assert path in mounts and not mounts[path].get("readOnly"), f"{manifest.path.name}: nothing writable on {path}"
+    assert _container_port(manifest, "http") == image["port"]
+
+
 # --- helpers ----------------------------------------------------------------------------------------------
 def _container_port(manifest: Manifest, port: int | str) -> int:
     if isinstance(port, int):
         return port
     return next(p["containerPort"] for p in manifest.container["ports"] if p["name"] == port)
+
+
+def _containerfile() -> dict[str, Any]:
+    """The runtime contract of the Containerfile: ENTRYPOINT, the VOLUMEs (cache = $DIFFUSERVE_CACHE, results),
+    the EXPOSEd port and the user id (ARG UID)."""
+    text = CONTAINERFILE.read_text()
+    lines = text.replace("\\\n", " ").splitlines()  # continuation lines joined
+
+    def last(instruction: str) -> str:
+        return [line.split(None, 1)[1] for line in lines if line.startswith(instruction + " ")][-1]
+
+    volumes = json.loads(last("VOLUME"))
+    (cache,) = [v for v in volumes if re.search(rf"DIFFUSERVE_CACHE={re.escape(v)}\b", text)]
+    (results,) = [v for v in volumes if v != cache]
+    uid = re.search(r"^ARG UID=(\d+)$", text, re.M)
+    assert uid, "the Containerfile names its user's id as ARG UID=N"
+    return {
+        "entrypoint": json.loads(last("ENTRYPOINT")),
+        "volumes": {"cache": cache, "results": results},
+        "port": int(last("EXPOSE")),
+        "uid": int(uid.group(1)),
+    }
 
 
 def _selects(service: dict[str, Any], labels: dict[str, str]) -> bool:

@@ -236,12 +236,13 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
+        # Inside the try too: an existing models/ folder the user cannot write (a cache volume made by root).
+        tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=target.parent))
     except OSError as exc:
         raise ConfigError(
             f"cannot create the model cache {target.parent} ({exc}); set DIFFUSERVE_CACHE to a writable folder "
             "or pass --model-path."
         ) from exc
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=target.parent))
     try:
         install_demo_checkpoint(tmp)
         try:
