@@ -1,7 +1,8 @@
 """Results that survive: kill -9 a video server mid-job, restart two processes on the same
 --output-dir, and the official SDK lists and downloads the completed job on both while the
 interrupted one reports `failed` / `interrupted`; a cancel sent to one replica stops a job running in
-the other; `url` images resolve in a process that did not make them."""
+the other; a graceful stop (SIGTERM) finishes the jobs running and queued there, MP4s and rows included, and a
+job its deadline cut reads `failed` / `shutdown`; `url` images resolve in a process that did not make them."""
 
 from __future__ import annotations
 
