@@ -166,21 +166,14 @@ class DrainingServer(uvicorn.Server):
         if again is None and self._forced:
             return  # a second signal cut this drain short; its own call logs and exits
         stopped = await self.ctx.jobs.stop_rest()
+        jobs = f", {stopped} job(s) recorded as stopped" if stopped else ""
         if again is not None:
             logger.warning(
-                "%s again: answered %d unfinished request(s) with 503, %d job(s) recorded as stopped; exiting %d",
-                again,
-                failed,
-                stopped,
-                INTERRUPTED,
+                "%s again: answered %d unfinished request(s) with 503%s; exiting %d", again, failed, jobs, INTERRUPTED
             )
         else:
             if failed or stopped:
-                logger.warning(
-                    "shutdown timeout: answered %d unfinished request(s) with an error, %d job(s) recorded as stopped",
-                    failed,
-                    stopped,
-                )
+                logger.warning("shutdown timeout: answered %d unfinished request(s) with an error%s", failed, jobs)
             logger.info("drained; exiting")
         self.should_exit = True
 
