@@ -4,6 +4,7 @@ drivers, a job its deadline cut is recorded `shutdown` (never `interrupted`), a 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 from diffuserve.errors import GenerationError, ServiceUnavailableError
@@ -59,3 +60,31 @@ def test_the_drain_waits_for_drivers_then_marks_the_rest_stopped(tmp_path):
     assert store.get("video_1").status == "completed" and store.content(store.get("video_1")) == b"mp4"
     cut = store.get("video_2")
     assert cut.status == "failed" and cut.error["code"] == "shutdown" and "0.3" in cut.error["message"]
+
+
+def test_a_results_store_that_does_not_answer_does_not_hold_the_exit(monkeypatch, caplog):
+    """Rows that cannot be written (the store is down: a write raises, or hangs in its retries) are logged by id,
+    and the drain goes on after MARK_TIMEOUT_S rather than once per job."""
+    from diffuserve.server import job_drain
+
+    monkeypatch.setattr(job_drain, "MARK_TIMEOUT_S", 0.2)
+    release = threading.Event()
+
+    def down(_error) -> None:
+        raise ConnectionError("store down")
+
+    async def main() -> tuple[int, float]:
+        drivers = JobDrivers()
+        for job_id, mark in (("video_1", down), ("video_2", lambda _e: release.wait(30)), ("video_3", down)):
+            drivers.track(job_id, asyncio.ensure_future(asyncio.Event().wait()), mark)
+        started = time.monotonic()
+        stopped = await drivers.stop_rest()
+        return stopped, time.monotonic() - started
+
+    try:
+        stopped, took = asyncio.run(main())
+    finally:
+        release.set()
+    assert stopped == 3 and took < 5, took
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "could not record 3 job(s) as stopped" in logged and "video_2" in logged, logged

@@ -38,6 +38,10 @@ def stopped_error(reason: str) -> dict[str, Any]:
     )["error"]
 
 
+MARK_TIMEOUT_S = 10.0
+"""How long the drain waits, past its deadline, for the stopped jobs' rows to be written."""
+
+
 @dataclass
 class _Driver:
     task: asyncio.Future[None]
@@ -87,10 +91,18 @@ class JobDrivers:
         503, or it is still encoding or writing) as stopped by `stop_reason`. Returns how many jobs the drain
         stopped in all."""
         error = stopped_error(self.stop_reason or "the server stopped")
-        for job_id, driver in self._running():
-            self._stopped.add(job_id)
-            try:
-                await run_in_threadpool(driver.mark_stopped, error)
-            except Exception:  # noqa: BLE001 - the store may be down: after a restart the row reads `interrupted`
-                logger.exception("could not record job %s as stopped by the drain", job_id)
+        rest = self._running()
+        self._stopped.update(job_id for job_id, _ in rest)
+        # All at once, and bounded: with the results store down each write retries for seconds (video_jobs.py).
+        marks = {asyncio.ensure_future(run_in_threadpool(d.mark_stopped, error)): job_id for job_id, d in rest}
+        if marks:
+            done, late = await asyncio.wait(marks, timeout=MARK_TIMEOUT_S)
+            unrecorded = [marks[task] for task in late] + [marks[task] for task in done if task.exception()]
+            if unrecorded:
+                logger.error(
+                    "could not record %d job(s) as stopped by the drain (is the results store reachable?); after a "
+                    "restart they read `interrupted`: %s",
+                    len(unrecorded),
+                    ", ".join(unrecorded),
+                )
         return len(self._stopped)
