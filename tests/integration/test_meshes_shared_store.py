@@ -113,7 +113,9 @@ def drain_a_held_job(
     _wait_log(server, "/3 until ")
     server.signal(signal.SIGTERM)
     _wait_log(server, "SIGTERM: draining 1 accepted request(s) and 1 job(s)")
-    assert client.get(f"/v1/meshes/{held['id']}").json()["status"] == "in_progress", "reads work while draining"
+    # Reads are answered while it drains (queued or in_progress: with --api-process separate the held first step
+    # is not reported yet).
+    assert client.get(f"/v1/meshes/{held['id']}").json()["status"] in ("queued", "in_progress")
     hold.release()
     assert server.proc.wait(120) == 0
     assert "drained; exiting" in server.log() and "recorded as stopped" not in server.log()

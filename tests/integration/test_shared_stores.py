@@ -247,7 +247,7 @@ def _drain_b(b: ServerProcess, on_b: openai.OpenAI, on_c: openai.OpenAI, hold: S
     _wait_log(b, "fault injection: holding denoising step 1/3")
     b.signal(signal.SIGTERM)
     _wait_log(b, "SIGTERM: draining 1 accepted request(s) and 1 job(s)")
-    assert on_b.videos.retrieve(drained_id).status == "in_progress", "B still answers reads while it drains"
+    assert on_b.videos.retrieve(drained_id).status in ("queued", "in_progress"), "B answers reads while it drains"
     hold.release()
     assert b.proc.wait(120) == 0
     assert "drained; exiting" in b.log() and "recorded as stopped" not in b.log()
