@@ -1,6 +1,7 @@
 """The playground page: its security headers and file rules over HTTP, then the page itself in a real
 headless Chromium (Playwright driving Debian's `chromium`): ask for the key, show the model and plan,
-generate with streaming, and render the final image at the right size and with the API's pixels."""
+generate with streaming, and render the final image at the right size and with the API's pixels; a video model's
+job list shows why a job failed (one the server's drain cut short)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from diffuserve.server.job_drain import stopped_error
+from diffuserve.server.video_jobs import VideoJob, VideoJobStore
+from diffuserve.storage import ResultStore
 from tests.conftest import STREAMING_API_KEY
+from tests.serverproc import ServerProcess
 
 INSTALL_HINT = (
     "install a headless browser: `apt-get install -y chromium` (Debian) and `pip install playwright` "
@@ -133,3 +138,38 @@ def test_playground_generates_in_headless_chromium(streaming_server, chromium_pa
     expected = Image.open(io.BytesIO(base64.b64decode(reference.json()["data"][0]["b64_json"]))).convert("RGB")
     assert np.array_equal(np.asarray(shown), np.asarray(expected))
     assert (tmp_path / "playground.png").stat().st_size > 0
+
+
+def test_a_video_job_stopped_by_a_drain_shows_why(tiny_wan_path: Path, chromium_path, tmp_path: Path):
+    """The job list of a video model shows a failed job's error: here the row a drain cut short leaves (written
+    through the store as the drain writes it; the drain itself is tested in tests/integration)."""
+    from playwright.sync_api import sync_playwright
+
+    outputs = tmp_path / "outputs"
+    results = ResultStore(outputs)
+    jobs = VideoJobStore(results)
+    fields = {"width": 32, "height": 32, "num_frames": 5, "fps": 8, "num_inference_steps": 4, "seed": 1}
+    jobs.add(VideoJob(id="video_cut", model="tiny-wan", prompt="a fox cut by the drain", **fields))
+    jobs.set_progress("video_cut", 3, 4)
+    error = stopped_error("its deadline, --shutdown-timeout-s 0.5, passed")
+    assert jobs.fail("video_cut", error)
+    results.close()
+    args = ["--model-path", str(tiny_wan_path), "--served-model-name", "tiny-wan", "--output-dir", str(outputs)]
+    server = ServerProcess(args, tmp_path / "server.log").start(timeout_s=240)
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(
+                executable_path=chromium_path,
+                headless=True,
+                args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"],
+            )
+            try:
+                page = browser.new_page()
+                page.goto(f"{server.base_url}/playground")
+                page.wait_for_selector('li[data-id="video_cut"][data-status="failed"]', timeout=60_000)
+                shown = page.text_content('li[data-id="video_cut"] .title')
+            finally:
+                browser.close()
+    finally:
+        server.stop()
+    assert shown is not None and "failed 75%" in shown and error["message"] in shown, shown

@@ -1,7 +1,8 @@
 """Results that survive: kill -9 a video server mid-job, restart two processes on the same
 --output-dir, and the official SDK lists and downloads the completed job on both while the
 interrupted one reports `failed` / `interrupted`; a cancel sent to one replica stops a job running in
-the other; `url` images resolve in a process that did not make them."""
+the other; a graceful stop (SIGTERM) finishes the jobs running and queued there, MP4s and rows included, and a
+job its deadline cut reads `failed` / `shutdown`; `url` images resolve in a process that did not make them."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from PIL import Image
 
 from diffuserve.media.video import probe_mp4
 from tests.conftest import STREAMING_API_KEY
+from tests.integration.test_shared_stores import _wait_log
 from tests.serverproc import ServerProcess
+from tests.step_hold import StepHold
 
 LONG_STEPS = 2000
 
@@ -30,9 +33,9 @@ def _client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
 
 
-def _create(server: ServerProcess, **body) -> str:
+def _create(server: ServerProcess, prompt: str = "a red fox", **body) -> str:
     # The SDK sends videos.create as multipart form fields (extra_body included).
-    job = _client(server).videos.create(prompt="a red fox", model="tiny-wan", extra_body=body)
+    job = _client(server).videos.create(prompt=prompt, model="tiny-wan", extra_body=body)
     assert job.status == "queued", job
     return job.id
 
@@ -47,7 +50,7 @@ def _wait(client: openai.OpenAI, video_id: str, until, timeout_s: float = 60):
     raise AssertionError(f"job {video_id} never reached the state; last: {job}")
 
 
-def _wan(tiny_wan_path: Path, folder: Path, name: str) -> ServerProcess:
+def _wan(tiny_wan_path: Path, folder: Path, name: str, *extra: str) -> ServerProcess:
     return ServerProcess(
         [
             "--model-path",
@@ -62,8 +65,10 @@ def _wan(tiny_wan_path: Path, folder: Path, name: str) -> ServerProcess:
             "0.3",
             "--result-ttl-s",
             "3600",
+            *extra,
         ],
         folder / f"{name}.log",
+        env=StepHold(folder).env(),  # one release file for every server of the test
     )
 
 
@@ -84,8 +89,11 @@ def test_kill9_restart_and_a_second_replica_share_the_results(tiny_wan_path: Pat
     finally:
         first.stop()
 
-    # A restart, and a second replica, on the same folder (started together).
-    replicas = [_wan(tiny_wan_path, tmp_path, name) for name in ("restarted", "replica")]
+    # A restart, and a second replica, on the same folder (started together); the replica's drain is short.
+    replicas = [
+        _wan(tiny_wan_path, tmp_path, "restarted"),
+        _wan(tiny_wan_path, tmp_path, "replica", "--shutdown-timeout-s", "0.5"),
+    ]
     with ThreadPoolExecutor(2) as pool:
         started = [pool.submit(server.start, timeout_s=240) for server in replicas]
     try:
@@ -130,9 +138,64 @@ def test_kill9_restart_and_a_second_replica_share_the_results(tiny_wan_path: Pat
         assert not (outputs / "media" / done_id).exists()
         with pytest.raises(openai.NotFoundError):
             restarted.videos.retrieve(done_id)
+
+        drained = _drain_the_replicas(replicas, StepHold(tmp_path))
     finally:
+        StepHold(tmp_path).release()
         for server in replicas:
             server.stop()
+
+    # After a restart: the drained jobs are complete MP4s (the held one the same bytes as its twin made
+    # before), the cut one reads as stopped by the drain.
+    after = _wan(tiny_wan_path, tmp_path, "after-drain").start(timeout_s=240)
+    try:
+        client = _client(after)
+        for job_id, mp4 in drained.items():
+            if mp4 is None:
+                cut = client.videos.retrieve(job_id)
+                assert cut.status == "failed" and cut.error.code == "shutdown", cut
+                with pytest.raises(openai.ConflictError):
+                    client.videos.download_content(job_id)
+                continue
+            assert client.videos.retrieve(job_id).status == "completed"
+            content = client.videos.download_content(job_id).content
+            assert probe_mp4(content)["frames"] == 5
+            assert mp4 == b"" or content == mp4, job_id
+    finally:
+        after.stop()
+
+
+def _drain_the_replicas(replicas: list[ServerProcess], hold: StepHold) -> dict[str, bytes | None]:
+    """SIGTERM both replicas while replicas[0] runs a job held at its first step with another queued behind it,
+    and replicas[1] (--shutdown-timeout-s 0.5) runs a held job too. replicas[1]'s deadline passes with its job
+    held: the job ends `failed`, code `shutdown` (read through replicas[0], which still serves reads while it
+    drains). Released, replicas[0] finishes both jobs, files and rows, before it exits 0. Returns the job ids,
+    each with the MP4 it must have after a restart (b"": any complete one; None: none, it was cut)."""
+    first, second = replicas
+    client = _client(first)
+    prompt = f"a drained fox {StepHold.MARKER}"
+    hold.release()  # the twin runs freely
+    twin_id = _create(first, prompt, num_inference_steps=3, seed=8)
+    twin = client.videos.download_content(_wait(client, twin_id, lambda j: j.status == "completed").id).content
+    hold.arm()
+    held_id = _create(first, prompt, num_inference_steps=3, seed=8)
+    queued_id = _create(first, num_inference_steps=2, seed=9)
+    cut_id = _create(second, prompt, num_inference_steps=3, seed=10)
+    for server in replicas:
+        _wait_log(server, "fault injection: holding denoising step 1/3")
+    assert client.videos.retrieve(queued_id).status == "queued"
+    for server in replicas:
+        server.signal(signal.SIGTERM)
+    _wait_log(first, "SIGTERM: draining 2 accepted request(s) and 2 job(s)")
+    _wait_log(second, "shutdown timeout: answered 1 unfinished request(s) with an error, 1 job(s) recorded as stopped")
+    cut = client.videos.retrieve(cut_id)
+    assert cut.status == "failed" and cut.error.code == "shutdown", cut
+    assert "stopped during a graceful drain" in cut.error.message and "--shutdown-timeout-s 0.5" in cut.error.message
+    assert client.videos.retrieve(held_id).status in ("queued", "in_progress")
+    hold.release()
+    assert [server.proc.wait(120) for server in replicas] == [0, 0]
+    assert "recorded as stopped" not in first.log() and "drained; exiting" in first.log()
+    return {held_id: twin, queued_id: b"", cut_id: None}
 
 
 def test_url_images_resolve_in_a_process_that_did_not_make_them(streaming_server, tiny_flux_path: Path, tmp_path: Path):

@@ -5,8 +5,9 @@ Videos (three tiny-Wan replicas A, B, C): a job created on A is listed, polled a
 to a presigned URL, A streams from the bucket), remixed on B, deleted through B; cancelled from C, A stops it at
 its next denoising step (held there by the `hold_step` fault, so "next" is exact; the cancel -> stop latency
 of a free-running job is measured and printed); A is SIGKILLed mid-job (held) and B reports the job
-`interrupted`; after a restart of every replica no completed result is lost; rows and objects match one for
-one at the end.
+`interrupted`; B is stopped gracefully (SIGTERM) with a job held on it, and drains it to the end: MP4 in the
+bucket, row `completed`; after a restart of every replica no completed result is lost; rows and objects match
+one for one at the end.
 
 Images (two tiny-FLUX replicas): a `response_format="url"` image made on either replica downloads through the
 other's URL (streamed from the bucket, or a redirect to a presigned URL)."""
@@ -197,6 +198,10 @@ def test_any_replica_answers_any_job(tiny_wan_path: Path, postgres_server, s3_se
         ).id
         c_mp4 = on_c.videos.download_content(_wait(on_b, c_done_id, lambda j: j.status == "completed").id).content
 
+        # A graceful stop of B (SIGTERM) finishes the job B runs, held at its first step until B drains: its
+        # MP4 lands in the bucket and its row reads `completed` before B exits (checked after the restart).
+        drained_id, twin_id, twin = _drain_b(b, on_b, on_c, hold)
+
         # A restart of every replica (no process of the first generation is left) loses no completed result.
         b.stop()
         c.stop()
@@ -208,12 +213,15 @@ def test_any_replica_answers_any_job(tiny_wan_path: Path, postgres_server, s3_se
             free_id: "cancelled",
             killed_id: "failed",
             c_done_id: "completed",
+            twin_id: "completed",
+            drained_id: "completed",
         }
         for server in restarted:
             again = _client(server)
             assert {job.id: job.status for job in again.videos.list(limit=20)} == expected, server.base_url
             assert again.videos.download_content(done_id).content == mp4
             assert again.videos.download_content(c_done_id).content == c_mp4
+            assert again.videos.download_content(drained_id).content == twin, "the drained job's whole MP4"
     finally:
         hold.release()
         for server in (a, b, c, *restarted):
@@ -224,7 +232,26 @@ def test_any_replica_answers_any_job(tiny_wan_path: Path, postgres_server, s3_se
     rows, objects = _rows_and_objects(db, media, s3_server)
     assert set(rows) == set(expected)
     assert objects == {f"{rid}/{name}" for rid, files in rows.items() for name in files}
-    assert objects == {f"{done_id}/video.mp4", f"{c_done_id}/video.mp4"}
+    assert objects == {f"{rid}/video.mp4" for rid in (done_id, c_done_id, twin_id, drained_id)}
+
+
+def _drain_b(b: ServerProcess, on_b: openai.OpenAI, on_c: openai.OpenAI, hold: StepHold) -> tuple[str, str, bytes]:
+    """A job held at its first step on B when B gets SIGTERM, released once B drains; B exits 0 after recording it.
+    Returns its id, and the id and MP4 of its twin (same prompt, steps and seed) made freely on C before."""
+    prompt, fields = f"a drained fox {StepHold.MARKER}", {"num_inference_steps": 3, "seed": 8}
+    hold.release()
+    twin_id = on_c.videos.create(prompt=prompt, model="tiny-wan", extra_body=fields).id
+    twin = on_c.videos.download_content(_wait(on_c, twin_id, lambda j: j.status == "completed").id).content
+    hold.arm()
+    drained_id = on_b.videos.create(prompt=prompt, model="tiny-wan", extra_body=fields).id
+    _wait_log(b, "fault injection: holding denoising step 1/3")
+    b.signal(signal.SIGTERM)
+    _wait_log(b, "SIGTERM: draining 1 accepted request(s) and 1 job(s)")
+    assert on_b.videos.retrieve(drained_id).status in ("queued", "in_progress"), "B answers reads while it drains"
+    hold.release()
+    assert b.proc.wait(120) == 0
+    assert "drained; exiting" in b.log() and "recorded as stopped" not in b.log()
+    return drained_id, twin_id, twin
 
 
 def test_url_images_through_any_replica(tiny_flux_path: Path, postgres_server, s3_server, tmp_path: Path):

@@ -25,10 +25,11 @@ class HttpArgs:
     """Python logging level."""
     shutdown_timeout_s: float = flag(
         60.0,
-        "On SIGTERM/SIGINT, seconds to finish accepted requests before answering the rest with an error and exiting.",
+        "On SIGTERM/SIGINT, seconds to finish accepted requests and video/mesh jobs (files and rows included) "
+        "before answering the rest with an error (unfinished jobs: failed, code shutdown) and exiting.",
         SERVER_GROUP,
     )
-    """Graceful drain budget."""
+    """Graceful drain budget: generation, then the jobs' encoding, media writes and `completed` rows."""
     max_inference_steps: int = flag(200, "Largest num_inference_steps a request may ask for.", SERVER_GROUP)
     """Cap on per-request steps."""
     max_image_side: int = flag(

@@ -9,6 +9,7 @@ from typing import Any
 from diffuserve.config.server_args import ServerArgs
 from diffuserve.engine.metrics import EngineMetrics
 from diffuserve.server.engine_client import EngineClient
+from diffuserve.server.job_drain import JobDrivers
 from diffuserve.server.video_jobs import VideoJobStore
 from diffuserve.storage import ResultStore
 
@@ -78,6 +79,8 @@ class ServerContext:
     """Async video jobs; `create_app` makes one sized by --max-video-jobs when none is given."""
     result_cache: Any = None
     """The exact-result cache (`server/result_cache.py`) with --result-cache-mib > 0; `create_app` builds it."""
+    jobs: JobDrivers = field(default_factory=JobDrivers)
+    """The tasks driving this process's video and mesh jobs, which a graceful drain waits for (server/job_drain.py)."""
     plan: dict[str, Any] | None = None
     """The resolved deployment plan (`DeploymentPlan.to_dict()`) that /server_info shows; None when not served
     from a plan (tests that build a context by hand)."""

@@ -223,7 +223,9 @@ async def _drive(ctx: ServerContext, jobs: MeshJobStore, job: MeshJob, generatio
         jobs.finish(job.id, "cancelled", error=_error(exc))
         return
     except DiffuserveError as exc:
-        jobs.finish(job.id, "failed", error=_error(exc))
+        # Answered by the drain's deadline or a second signal: the job reads "stopped", not a bare 503.
+        error = ctx.jobs.failure(job.id, exc) or _error(exc)
+        await run_in_threadpool(lambda: jobs.finish(job.id, "failed", error=error))
         return
     except Exception as exc:  # noqa: BLE001 - a job always ends in a status
         jobs.finish(
@@ -270,6 +272,7 @@ async def create_mesh(request: Request) -> dict[str, Any]:
     generation = await ctx.engine.admit(params, endpoint="meshes", request_id=job.id)
     jobs.add(job)
     job.runner = asyncio.ensure_future(_drive(ctx, jobs, job, generation, received))
+    ctx.jobs.track(job.id, job.runner, lambda error: jobs.finish(job.id, "failed", error=error))
     return job.to_dict()
 
 

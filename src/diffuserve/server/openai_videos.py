@@ -74,7 +74,8 @@ async def _drive_job(
         store.cancel(job.id, _error_dict(exc))
         return
     except DiffuserveError as exc:
-        store.fail(job.id, _error_dict(exc))
+        # Answered by the drain's deadline or a second signal: the job reads "stopped", not a bare 503.
+        await run_in_threadpool(store.fail, job.id, ctx.jobs.failure(job.id, exc) or _error_dict(exc))
         return
     except Exception as exc:  # noqa: BLE001 - a job must always end in a status, whatever went wrong
         store.fail(
@@ -236,6 +237,7 @@ async def _start_job(
         ctx.engine.abort(job.id, RequestCancelledError(f"The video job {job.id} could not be recorded."))
         raise
     job.runner = asyncio.ensure_future(_drive_job(ctx, job, generation, received))
+    ctx.jobs.track(job.id, job.runner, lambda error: _store(ctx).fail(job.id, error))
     return job
 
 

@@ -1,8 +1,9 @@
 """`diffuserve serve`: build the engine and app from ServerArgs and run uvicorn with a graceful drain.
 
 SIGTERM/SIGINT do not stop uvicorn at once: /health turns 503, new generation requests get 503,
-accepted requests finish and are answered, then the process exits 0. Past --shutdown-timeout-s the
-rest are answered with a 503 error first. A second signal cuts the drain short the same way: every
+accepted requests finish and are answered, video and mesh jobs finish their files and `completed` rows,
+then the process exits 0. Past --shutdown-timeout-s the rest are answered with a 503 error first (and
+unfinished jobs end `failed`, code `shutdown`). A second signal cuts the drain short the same way: every
 request still in flight is answered with the 503 envelope at once, then the server stops with exit
 code 130 (interrupted). A third signal stops uvicorn without waiting for connections.
 
@@ -20,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -133,33 +135,45 @@ class DrainingServer(uvicorn.Server):
             self._forced = True
             self.exit_code = INTERRUPTED
             name = signal.Signals(sig).name
+            self.ctx.jobs.stop_reason = f"a second {name} cut the drain short"
             self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit(0.0, again=name)))
             return
         self._drain_started = True
         self.ctx.draining = True
         engine.begin_drain()
+        timeout_s = self.ctx.args.shutdown_timeout_s
+        self.ctx.jobs.stop_reason = f"its deadline, --shutdown-timeout-s {timeout_s:g}, passed"
         logger.info(
-            "%s: draining %d accepted request(s), up to %.0fs",
+            "%s: draining %d accepted request(s) and %d job(s), up to %.0fs",
             signal.Signals(sig).name,
             engine.num_pending,
-            self.ctx.args.shutdown_timeout_s,
+            len(self.ctx.jobs),
+            timeout_s,
         )
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit()))
 
     async def _drain_then_exit(self, timeout_s: float | None = None, again: str | None = None) -> None:
         """Drain, then stop uvicorn. `again`: the second signal's name; it cut the drain short, and the log says
-        so once (how many it answered with 503), with no "drained" line."""
+        so once (how many it answered with 503), with no "drained" line.
+
+        The drain is the engine's (every accepted request generated and answered), then the job drivers' (each
+        video or mesh job encoded, written and recorded `completed`), both within the one budget; the jobs still
+        unfinished at its end are recorded as stopped by the drain (server/job_drain.py)."""
         budget = self.ctx.args.shutdown_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + budget
         failed = await self.ctx.engine.drain(budget)
+        await self.ctx.jobs.wait(deadline)
         if again is None and self._forced:
             return  # a second signal cut this drain short; its own call logs and exits
+        stopped = await self.ctx.jobs.stop_rest()
+        jobs = f", {stopped} job(s) recorded as stopped" if stopped else ""
         if again is not None:
             logger.warning(
-                "%s again: answered %d unfinished request(s) with 503; exiting %d", again, failed, INTERRUPTED
+                "%s again: answered %d unfinished request(s) with 503%s; exiting %d", again, failed, jobs, INTERRUPTED
             )
         else:
-            if failed:
-                logger.warning("shutdown timeout: answered %d unfinished request(s) with an error", failed)
+            if failed or stopped:
+                logger.warning("shutdown timeout: answered %d unfinished request(s) with an error%s", failed, jobs)
             logger.info("drained; exiting")
         self.should_exit = True
 
