@@ -233,7 +233,7 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     if n < 1:
         raise ConfigError("--num-outputs-per-prompt must be >= 1.")
     args.validate()
-    model_path = resolve_model_path(args)
+    model_path = resolve_model_path(args, quiet=True)  # the engine's set-up resolves (and logs) it again
     from diffuserve.models.registry import resolve as resolve_model
 
     spec = resolve_model(model_path, model_id=args.model_id, backend=args.backend)
@@ -362,13 +362,15 @@ def _generate(
     out_dir = Path(values.get("output_path") or "outputs")
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
+    step_cache_counts = StepCacheCounts()
     # The engine batches as `serve` does: singleton runs one prompt (all its n rows) per call; dynamic merges the
     # prompts into calls of at most --batching-max-size rows. Files are written as each prompt's answer arrives.
-    progress, running = (0, params[0].num_inference_steps), None
+    step, running = (0, params[0].num_inference_steps), None
     try:
         for prompt_index, submitted in enumerate(engine.submit_all(params)):
-            progress, running = (0, submitted.params.num_inference_steps), submitted.request_id
+            step, running = (0, submitted.params.num_inference_steps), submitted.request_id
             output = _wait(engine, submitted).output
+            step_cache_counts.add(output.step_cache)
             for j, blob in enumerate(_encoded(submitted.params, output)):
                 path = out_dir / f"{names[prompt_index][j]}.{submitted.params.output_format}"
                 path.write_bytes(blob)
@@ -376,15 +378,46 @@ def _generate(
     except KeyboardInterrupt:
         import sys
 
-        progress = (engine.progress(running) if running else None) or progress
+        done = engine.progress(running) if running else None
+        if done is not None:
+            # The step in flight: the engine finishes it, then stops, and its log ("stopped at step k/N") counts
+            # it; the steps done when Ctrl-C came would read one lower than that line.
+            step = (min(done[0] + 1, done[1]), done[1])
         print(
-            f"\ninterrupted at step {progress[0]}/{progress[1]}; wrote {len(written)} files to {out_dir}",
+            f"\ninterrupted at step {step[0]}/{step[1]}; wrote {len(written)} files to {out_dir}",
             file=sys.stderr,
         )
         return INTERRUPTED
+    step_cache_counts.log()
     for path in written:
         print(path)
     return 0
+
+
+class StepCacheCounts:
+    """Denoising steps the step cache computed and reused over `generate`'s requests (what `serve` exports as
+    `diffuserve_step_cache_steps`), logged once at the end."""
+
+    def __init__(self) -> None:
+        self.by_method: dict[str, list[int]] = {}
+
+    def add(self, counts: dict[str, Any] | None) -> None:
+        """One answer's `RequestOutput.step_cache` (None: it ran no step cache)."""
+        if counts:
+            total = self.by_method.setdefault(str(counts.get("method")), [0, 0])
+            total[0] += int(counts.get("computed_steps", 0))
+            total[1] += int(counts.get("reused_steps", 0))
+
+    def log(self) -> None:
+        for method, (computed, reused) in self.by_method.items():
+            share = reused / (computed + reused) if computed + reused else 0.0
+            logging.getLogger("diffuserve").info(
+                "step cache %s: computed %d, reused %d denoising steps (%.0f%% reused; summed over rows)",
+                method,
+                computed,
+                reused,
+                100 * share,
+            )
 
 
 def _wait(engine: Any, submitted: Any) -> Any:
@@ -394,7 +427,11 @@ def _wait(engine: Any, submitted: Any) -> Any:
     from tqdm import tqdm
 
     params = submitted.params
-    with tqdm(total=params.num_inference_steps, desc=f"denoising {params.n} row(s)", unit="step") as bar:
+    # The unit spaced from the figures ("2/2 steps", "9.80 steps/s"); the bar's count never passes its total.
+    shape = "{l_bar}{bar}| {n_fmt}/{total_fmt} steps [{elapsed}<{remaining}, {rate_noinv_fmt}]"
+    with tqdm(
+        total=params.num_inference_steps, desc=f"denoising {params.n} row(s)", unit=" steps", bar_format=shape
+    ) as bar:
         while True:
             try:
                 result = submitted.result.result(timeout=0.1)
@@ -402,7 +439,7 @@ def _wait(engine: Any, submitted: Any) -> Any:
                 done, total = engine.progress(submitted.request_id) or (0, 0)
                 if total:
                     bar.total = total
-                bar.update(done - bar.n)
+                bar.update(min(done, bar.total) - bar.n)
                 continue
             bar.update(bar.total - bar.n)
             return result

@@ -385,5 +385,5 @@ class Hunyuan3DPipeline(Pipeline):
                     pred = uncond_pred + head.guidance_scale * (cond_pred - uncond_pred)
                 latents = (latents.float() + (sigmas[i + 1] - sigmas[i]) * pred).to(pred.dtype)
                 if on_step is not None:
-                    on_step(i + 1, steps)
+                    on_step(i, steps)  # the step index, as every pipeline (StepCallback)
         return latents
