@@ -362,7 +362,6 @@ def _generate(
     out_dir = Path(values.get("output_path") or "outputs")
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    step_cache_counts = StepCacheCounts()
     # The engine batches as `serve` does: singleton runs one prompt (all its n rows) per call; dynamic merges the
     # prompts into calls of at most --batching-max-size rows. Files are written as each prompt's answer arrives.
     step, running = (0, params[0].num_inference_steps), None
@@ -370,7 +369,6 @@ def _generate(
         for prompt_index, submitted in enumerate(engine.submit_all(params)):
             step, running = (0, submitted.params.num_inference_steps), submitted.request_id
             output = _wait(engine, submitted).output
-            step_cache_counts.add(output.step_cache)
             for j, blob in enumerate(_encoded(submitted.params, output)):
                 path = out_dir / f"{names[prompt_index][j]}.{submitted.params.output_format}"
                 path.write_bytes(blob)
@@ -378,7 +376,7 @@ def _generate(
     except KeyboardInterrupt:
         import sys
 
-        done = engine.progress(running) if running else None
+        done = engine.interrupt(running) if running else None
         if done is not None:
             # The step in flight: the engine finishes it, then stops, and its log ("stopped at step k/N") counts
             # it; the steps done when Ctrl-C came would read one lower than that line.
@@ -388,36 +386,10 @@ def _generate(
             file=sys.stderr,
         )
         return INTERRUPTED
-    step_cache_counts.log()
+    engine.log_step_cache()
     for path in written:
         print(path)
     return 0
-
-
-class StepCacheCounts:
-    """Denoising steps the step cache computed and reused over `generate`'s requests (what `serve` exports as
-    `diffuserve_step_cache_steps`), logged once at the end."""
-
-    def __init__(self) -> None:
-        self.by_method: dict[str, list[int]] = {}
-
-    def add(self, counts: dict[str, Any] | None) -> None:
-        """One answer's `RequestOutput.step_cache` (None: it ran no step cache)."""
-        if counts:
-            total = self.by_method.setdefault(str(counts.get("method")), [0, 0])
-            total[0] += int(counts.get("computed_steps", 0))
-            total[1] += int(counts.get("reused_steps", 0))
-
-    def log(self) -> None:
-        for method, (computed, reused) in self.by_method.items():
-            share = reused / (computed + reused) if computed + reused else 0.0
-            logging.getLogger("diffuserve").info(
-                "step cache %s: computed %d, reused %d denoising steps (%.0f%% reused; summed over rows)",
-                method,
-                computed,
-                reused,
-                100 * share,
-            )
 
 
 def _wait(engine: Any, submitted: Any) -> Any:

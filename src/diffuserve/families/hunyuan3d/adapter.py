@@ -141,7 +141,13 @@ class Hunyuan3DPipeline(Pipeline):
         self.settings = settings or MeshSettings()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.defaults = SamplingDefaults(width=64, height=64, num_inference_steps=50, guidance_scale=5.0)
+        self.defaults = SamplingDefaults(
+            width=64,
+            height=64,
+            num_inference_steps=50,
+            guidance_scale=5.0,
+            octree_resolution=self.settings.default_octree_resolution,
+        )
         self.timings: dict[str, float] = {}
 
     # -- loading ----------------------------------------------------------------------------------------
@@ -221,6 +227,7 @@ class Hunyuan3DPipeline(Pipeline):
             height=64,
             num_inference_steps=int(suggested.get("num_inference_steps", 50)),
             guidance_scale=float(suggested.get("guidance_scale", 5.0)),
+            octree_resolution=settings.default_octree_resolution,
         )
         return pipeline
 
