@@ -193,6 +193,7 @@ def serve(args: ServerArgs) -> int:
 
     engine, metrics, plan_dict = _build_engine(args)
     results = open_results_store(args)
+    logger.info("results store: %s", results.describe())
     ctx = ServerContext(
         args=args,
         engine=engine,
