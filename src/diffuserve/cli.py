@@ -15,17 +15,19 @@ import signal
 import sys
 
 
+def _command_of(argv: list[str] | None) -> str:
+    """The subcommand named in `argv` (before parsing, for the Ctrl-C line), else ''."""
+    return next((word for word in (sys.argv[1:] if argv is None else argv) if not word.startswith("-")), "")
+
+
 def _interrupted_while_starting(_signum: int, _frame: object) -> None:
-    command = next((word for word in sys.argv[1:] if not word.startswith("-")), "")
-    os.write(2, f"diffuserve {command}: interrupted\n".replace(" :", ":").encode())
+    os.write(2, f"{' '.join(filter(None, ('diffuserve', _command_of(None))))}: interrupted\n".encode())
     os._exit(130)  # EXIT_INTERRUPTED: nothing has started that could need stopping
 
 
 _STARTING_HANDLER = __name__ == "__main__" or os.path.basename(sys.argv[0] or "") == "diffuserve"
-"""Run as the program (`python -m diffuserve.cli`, the `diffuserve` script), a Ctrl-C during this module's imports
-(0.1-0.3 s: argparse, pydantic through the configs) ends the process with one line and exit 130, not a
-KeyboardInterrupt traceback; `main` gives SIGINT back to Python once its own `except KeyboardInterrupt` is in place.
-An import as a library changes no handler."""
+"""As the program (`python -m diffuserve.cli`, the `diffuserve` script), Ctrl-C during this module's imports (0.1-0.3 s)
+is one line and exit 130, not a traceback, until `main` catches KeyboardInterrupt. A library import changes nothing."""
 if _STARTING_HANDLER:
     signal.signal(signal.SIGINT, _interrupted_while_starting)
 
@@ -399,12 +401,6 @@ def _setup_logging(level: str = "info") -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def _command_of(argv: list[str] | None) -> str:
-    """The subcommand named in `argv` (before parsing, for the Ctrl-C line), else ''."""
-    words = sys.argv[1:] if argv is None else argv
-    return next((word for word in words if not word.startswith("-")), "")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 ok, 1 a model that cannot load (or a run-time failure), 2 usage and configuration
     errors, 130 interrupted (see EXIT_*; the README lists them)."""
@@ -429,6 +425,10 @@ def _main(argv: list[str] | None) -> int:
             from diffuserve.tools.bench import run_bench
 
             return run_bench(ns)
+        if ns.command in ("make-tiny", "calibrate-cache"):  # no torchvision fallback notes: we use PIL processors
+            from diffuserve.launch.setup import quiet_library_loading
+
+            quiet_library_loading()
         if ns.command == "make-tiny":
             return _make_tiny(ns)
         if ns.command == "make-tiny-lora":
