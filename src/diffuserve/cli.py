@@ -72,7 +72,7 @@ class _Parser(argparse.ArgumentParser):
             if close:
                 hints[word] = close[0]
         # The suggestion last, where the eye lands: "... --batching-max-szie 3 (did you mean --batching-max-size?)".
-        if len(hints) == 1:
+        if len(hints) == 1 and sum(extra.startswith("-") for extra in extras) == 1:
             hint = f" (did you mean {next(iter(hints.values()))}?)"
         else:
             hint = f" (did you mean {', '.join(f'{c} for {w}' for w, c in hints.items())}?)" if hints else ""
