@@ -6,13 +6,35 @@ declaration. Heavy imports (torch, diffusers) happen only in the subcommand that
 `--help` and `plan` start fast.
 """
 
+# ruff: noqa: E402 - the SIGINT handler below goes in before this module's imports
+
 from __future__ import annotations
+
+import os
+import signal
+import sys
+
+
+def _command_of(argv: list[str] | None) -> str:
+    """The subcommand named in `argv` (before parsing, for the Ctrl-C line), else ''."""
+    return next((word for word in (sys.argv[1:] if argv is None else argv) if not word.startswith("-")), "")
+
+
+def _interrupted_while_starting(_signum: int, _frame: object) -> None:
+    os.write(2, f"{' '.join(filter(None, ('diffuserve', _command_of(None))))}: interrupted\n".encode())
+    os._exit(130)  # EXIT_INTERRUPTED: nothing has started that could need stopping
+
+
+_STARTING_HANDLER = __name__ == "__main__" or os.path.basename(sys.argv[0] or "") == "diffuserve"
+"""As the program (`python -m diffuserve.cli`, the `diffuserve` script), Ctrl-C during this module's imports (0.1-0.3 s)
+is one line and exit 130, not a traceback, until `main` catches KeyboardInterrupt. A library import changes nothing."""
+if _STARTING_HANDLER:
+    signal.signal(signal.SIGINT, _interrupted_while_starting)
 
 import argparse
 import difflib
 import functools
 import logging
-import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -32,20 +54,29 @@ EXIT_INTERRUPTED = 130
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with a "did you mean" for unknown flags, shown with the subcommand's own usage."""
+    """argparse with a "did you mean" for unknown flags, after a usage line short enough to leave it in sight."""
 
     def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
+        usage = self.format_usage()
+        if usage.count("\n") > 2:  # a subcommand's full usage lists every flag (76 lines for `serve`)
+            usage = f"usage: {self.prog} [FLAGS]  (every flag: {self.prog} --help)\n"
+        sys.stderr.write(usage)
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
     def unknown_flags(self, extras: list[str]) -> NoReturn:
         flags = sorted(s for a in self._actions for s in a.option_strings if s.startswith("--"))
-        hints = []
+        hints = {}
         for extra in extras:
             word = extra.split("=", 1)[0]
             close = difflib.get_close_matches(word, flags, n=1, cutoff=0.6) if word.startswith("-") else []
-            hints.append(f"{extra} (did you mean {close[0]}?)" if close else extra)
-        self.error(f"unrecognized arguments: {' '.join(hints)}. See `{self.prog} --help`.")
+            if close:
+                hints[word] = close[0]
+        # The suggestion last, where the eye lands: "... --batching-max-szie 3 (did you mean --batching-max-size?)".
+        if len(hints) == 1 and sum(extra.startswith("-") for extra in extras) == 1:
+            hint = f" (did you mean {next(iter(hints.values()))}?)"
+        else:
+            hint = f" (did you mean {', '.join(f'{c} for {w}' for w, c in hints.items())}?)" if hints else ""
+        self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -373,6 +404,18 @@ def _setup_logging(level: str = "info") -> None:
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 ok, 1 a model that cannot load (or a run-time failure), 2 usage and configuration
     errors, 130 interrupted (see EXIT_*; the README lists them)."""
+    try:
+        if _STARTING_HANDLER and signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # caught below from here on
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C before a command's own handling (while parsing, importing, or before `serve` installs its start-up
+        # handler): one line, never a traceback.
+        print(f"{' '.join(filter(None, ('diffuserve', _command_of(argv))))}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
     parser = _build_parser()
     ns, extras = parser.parse_known_args(argv)
     if extras:
@@ -382,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
             from diffuserve.tools.bench import run_bench
 
             return run_bench(ns)
+        if ns.command in ("make-tiny", "calibrate-cache"):  # no torchvision fallback notes: we use PIL processors
+            from diffuserve.launch.setup import quiet_library_loading
+
+            quiet_library_loading()
         if ns.command == "make-tiny":
             return _make_tiny(ns)
         if ns.command == "make-tiny-lora":
@@ -445,9 +492,6 @@ def main(argv: list[str] | None = None) -> int:
     except DiffuserveError as exc:
         print(f"diffuserve {ns.command}: error: {exc.message}", file=sys.stderr)
         return EXIT_FAILURE
-    except KeyboardInterrupt:
-        print(f"diffuserve {ns.command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -146,7 +146,7 @@ class ModelDescription:
     family: str = "unknown"
     """Family name."""
     output_kind: str = "image"
-    """image | video."""
+    """image | video | mesh."""
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     """Values a request gets for fields it leaves unset."""
     size_multiple: int = 1
@@ -168,6 +168,11 @@ class ModelDescription:
     prompt_tokens: PromptCounter | None = field(default=None, compare=False, repr=False)
     """THE owner of prompt token counts (limits, truncation warnings, usage), built once per loaded model on
     private tokenizer copies; its `count` tokenizes, so callers run it off the event loop. None: not known."""
+
+    @property
+    def outputs(self) -> str:
+        """What the model makes, in the plural (for messages): images, videos or meshes."""
+        return "meshes" if self.output_kind == "mesh" else f"{self.output_kind}s"
 
 
 PEER_FIELDS: dict[str, str] = {

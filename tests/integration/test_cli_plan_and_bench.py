@@ -49,6 +49,18 @@ def test_plan_json_for_described_hardware(tiny_flux_path: Path):
     assert "Why:" in probe.stdout
 
 
+def test_plan_says_what_the_model_supports_apart_from_the_batching_mode_in_use(tiny_flux_path: Path):
+    """Issue 34: "--batching-mode continuous: steps in a shared denoise group" read as the mode in use."""
+    default = _plan("--model-path", str(tiny_flux_path)).stdout
+    assert "continuous batching supported (steps in a shared denoise group)" in default, default
+    assert "--batching-mode continuous:" not in default
+    assert "batching: --batching-mode singleton in use (the default" in default, default
+    dynamic = _plan("--model-path", str(tiny_flux_path), "--batching-mode", "dynamic").stdout
+    assert "batching: --batching-mode dynamic in use" in dynamic, dynamic
+    diffusers = _plan("--model-path", str(tiny_flux_path), "--backend", "diffusers").stdout
+    assert "continuous batching not supported" in diffusers, diffusers
+
+
 def test_plan_errors_name_the_flag(tiny_flux_path: Path):
     out = _plan("--model-path", str(tiny_flux_path), "--component-residency", "dit=layerwise-offlaod")
     assert out.returncode == 2 and "--component-residency" in out.stderr

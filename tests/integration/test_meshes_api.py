@@ -192,6 +192,19 @@ def test_image_and_video_routes_point_to_meshes(mesh_server):
             reply = client.post(route, json=body)
             assert reply.status_code == 400 and reply.json()["error"]["param"] == "model", reply.text
             assert "/v1/meshes" in reply.json()["error"]["message"]
+            assert "makes meshes" in reply.json()["error"]["message"], reply.text
+
+
+def test_a_job_with_defaults_reports_the_values_it_runs_with(mesh_server):
+    """Issue 34: `octree_resolution` left unset was reported as 0. Now the job shows what it runs with, the
+    checkpoint's defaults (the tiny checkpoint's config.yaml suggests 2 steps and octree 32)."""
+    with httpx.Client(base_url=mesh_server.base_url, timeout=30) as client:
+        reply = client.post("/v1/meshes", files={"image": ("object.png", object_png(), "image/png")})
+        assert reply.status_code == 200, reply.text
+        assert (reply.json()["octree_resolution"], reply.json()["num_inference_steps"]) == (32, 2), reply.json()
+        job = _wait(client, reply.json()["id"])
+    assert job["status"] == "completed" and job["progress"] == 100, job
+    assert (job["octree_resolution"], job["num_inference_steps"]) == (32, 2), job
 
 
 def test_past_max_mesh_jobs_a_create_is_refused_429(mesh_server, mesh_hold):

@@ -35,6 +35,8 @@ import pytest
 from tests.serverproc import REPO, ServerProcess
 
 REAL_CHECKPOINT = "# needs a real checkpoint"
+NOT_RUN = (REAL_CHECKPOINT, "# needs PostgreSQL and SeaweedFS")
+"""First lines of blocks that are not run (tests/stores.py takes the PostgreSQL and SeaweedFS recipe's steps)."""
 README_PORT = "127.0.0.1:30010"
 _FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 
@@ -222,7 +224,7 @@ class DocsRun:
 
     def run_block(self, block: Block, last_port: int) -> int:
         """Runs one block; returns the port the next python block talks to."""
-        if block.code.lstrip().startswith(REAL_CHECKPOINT):
+        if block.code.lstrip().startswith(NOT_RUN):
             return last_port
         file_name = re.search(r"\bfile=(\S+)", block.info)
         if file_name:

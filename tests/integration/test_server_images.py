@@ -137,6 +137,15 @@ def test_unknown_route_and_models(singleton_server):
     info = httpx.get(f"{base}/server_info").json()
     assert info["served_model_name"] == "tiny-flux" and info["model_id"] == "FLUX.1-dev"
     assert info["pipeline"]["family"] == "flux"
+    # The results store in use (issue 34): the default, SQLite + files under --output-dir, and the log says so.
+    outputs = singleton_server.log_path.parent / "outputs"
+    assert info["results_store"] == {
+        "metadata": {"kind": "sqlite", "path": str(outputs / "results.db")},
+        "media": {"kind": "files", "path": str(outputs / "media")},
+    }
+    assert f"results store: metadata in SQLite {outputs / 'results.db'}; files in folder {outputs / 'media'}" in (
+        singleton_server.log()
+    )
 
 
 def test_metrics_are_prometheus_text(singleton_server, client):

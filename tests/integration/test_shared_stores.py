@@ -280,8 +280,25 @@ def test_url_images_through_any_replica(tiny_flux_path: Path, postgres_server, s
         )
 
     d, e = replica("d"), replica("e", "--media-presign-s", "60")
+    # D's URL carries a password (the test cluster trusts every local connection, so any works): the start-up log
+    # and /server_info name the store in use, never the password (issue 34).
+    d.args[d.args.index(db)] = db.replace("postgresql://postgres@", "postgresql://postgres:pw-never-shown@")
     _start_all(d, e)
     try:
+        info = httpx.get(f"{d.base_url}/server_info", timeout=30).json()
+        bucket, prefix = media.removeprefix("s3://").split("/", 1)
+        assert info["results_store"] == {
+            "metadata": {
+                "kind": "postgresql",
+                "host": "127.0.0.1",
+                "port": postgres_server.port,
+                "database": db.rsplit("/", 1)[1],
+            },
+            "media": {"kind": "s3", "endpoint": s3_server.endpoint, "bucket": bucket, "prefix": prefix + "/"},
+        }, info["results_store"]
+        assert "pw-never-shown" not in httpx.get(f"{d.base_url}/server_info", timeout=30).text + d.log()
+        said = f"results store: metadata in PostgreSQL 127.0.0.1:{postgres_server.port}/{db.rsplit('/', 1)[1]}; "
+        assert said + f"files in S3 bucket {bucket}, prefix {prefix}/ at {s3_server.endpoint}" in d.log(), d.log()
         made: dict[str, tuple[str, bytes]] = {}
         for maker in (d, e):
             result = _client(maker).images.generate(

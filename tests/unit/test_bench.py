@@ -62,6 +62,8 @@ class FakeServerState:
         self.max_in_flight = 0
         self.video_polls: dict[str, int] = {}
         self.video_seeds: dict[str, int] = {}
+        self.cache_hits = 0
+        """Image requests whose seed an earlier one had (an exact-result cache would have answered them)."""
 
     def enter(self, request: Request, body: dict[str, Any]) -> int:
         with self.lock:
@@ -70,6 +72,8 @@ class FakeServerState:
             self.auth.append(request.headers.get("authorization"))
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            if "seed" in body and any(b.get("seed") == body["seed"] for b in self.bodies[:-1]):
+                self.cache_hits += 1
             return self.count
 
     def leave(self) -> None:
@@ -89,6 +93,13 @@ def _make_app(state: FakeServerState) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        from fastapi.responses import PlainTextResponse
+
+        hits = f'diffuserve_result_cache_requests_total{{outcome="hit"}} {float(state.cache_hits)}\n'
+        return PlainTextResponse(f"# TYPE diffuserve_result_cache_requests counter\n{hits}")
 
     @app.post("/v1/images/generations")
     async def generate(request: Request) -> Any:
@@ -409,3 +420,21 @@ def test_plot_runs_function(tmp_path: Path) -> None:
     with Image.open(out_png) as image:
         image.load()
         assert image.size[0] > 100
+
+
+def test_each_setting_and_the_warm_up_get_their_own_seeds_and_cache_hits_warn(
+    fake: tuple[str, FakeServerState], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 34: seeds repeated across concurrency settings were answered by the server's exact-result cache and
+    counted as throughput. Now no seed repeats within a run; a run whose requests the cache answers anyway (the same
+    --seed again) says so, from the server's /metrics."""
+    base_url, state = fake
+    argv = ["--base-url", base_url, "--num-requests", "6", "--concurrency", "1,2", "--seed", "100"]
+    assert run_bench(_args(*argv, "--warmup-requests", "2", "--allow-failures")) == 0
+    seeds = [b["seed"] for b in state.bodies]
+    assert sorted(seeds) == list(range(100, 114)) and state.cache_hits == 0, seeds  # 2 x 6, then 2 warm-up
+    assert "warning" not in capsys.readouterr().err
+    assert run_bench(_args(*argv[:-1], "102", "--allow-failures")) == 0  # seeds 102..113 again: all repeats
+    err = capsys.readouterr().err
+    assert "warning: c=1: the server's exact-result cache answered" in err and "--seed" in err, err
+    assert "warning: c=2: the server's exact-result cache answered" in err, err

@@ -370,16 +370,24 @@ def describe_model(profile: ModelProfile) -> str:
     sizes = f"multiples of {facts.size_multiple}" if facts.size_multiple else "the pipeline's own rule"
     if facts.max_width and facts.max_height:
         sizes += f" up to {facts.max_width}x{facts.max_height} px"
+    # What the model supports, not the mode in use (`describe_batching` says that).
     stepping = (
-        "steps in a shared denoise group"
+        "supported (steps in a shared denoise group)"
         if profile.supports_continuous
-        else "runs as request-level batches (its family cannot step)"
+        else "not supported (request-level batches only: its family cannot step)"
     )
     cfg = "; CFG: one doubled batch" if profile.cfg_batched else ""
     return (
         f"model: {profile.family} on the {profile.backend} backend; sizes {sizes}; defaults {d.width}x{d.height}, "
-        f"{d.num_inference_steps} steps, guidance {d.guidance_scale:g}; --batching-mode continuous: {stepping}{cfg}"
+        f"{d.num_inference_steps} steps, guidance {d.guidance_scale:g}; continuous batching {stepping}{cfg}"
     )
+
+
+def describe_batching(mode: str | None) -> str:
+    """The trace line of the batching mode in use (`serve`'s flag; `plan --batching-mode`, else the default)."""
+    if mode is None:
+        return "batching: --batching-mode singleton in use (the default; `plan --batching-mode` to check another)"
+    return f"batching: --batching-mode {mode} in use"
 
 
 def _check_permanent(
@@ -420,6 +428,13 @@ def _check_permanent(
             param=flag_param(source),
         )
     trace(f"permanent: {figures} <= {ctx.min_free / GIB:.2f} GiB free -> fits")
+
+
+def brief_plan(plan: DeploymentPlan) -> str:
+    """The plan in one line (what `generate` logs; `diffuserve plan` and `--log-level debug` show the whole)."""
+    modes = ", ".join(f"{c.name} {c.mode.value}" for c in plan.components.values())
+    compile_ = "on" if plan.enable_torch_compile else "off"
+    return f"deployment plan: {modes}; num_gpus={plan.num_gpus} compile={compile_} (the whole: `diffuserve plan`)"
 
 
 def format_plan(plan: DeploymentPlan) -> str:

@@ -114,6 +114,8 @@ class AsyncEngine:
         self.failure: str | None = None
         self.load_error: Exception | None = None
         """What the model load / warm-up raised (FAILED before serving); `generate` re-raises it as it was."""
+        self.ready_line: str | None = "ready to serve"
+        """Logged (with the start-up time) once READY; None logs nothing (`generate`, which serves nobody)."""
         self._stop = False
         self._thread: threading.Thread | None = None
         self._ready_event = threading.Event()
@@ -425,7 +427,8 @@ class AsyncEngine:
             if self.state not in (EngineState.LOADING, EngineState.WARMING_UP):
                 return  # told to stop (or drain) before it served: never "ready"
             self.state = EngineState.READY
-        logger.info("ready to serve after %.1fs", time.monotonic() - started)
+        if self.ready_line:
+            logger.info("%s after %.1fs", self.ready_line, time.monotonic() - started)
 
     def _run_warmup(self) -> None:
         """One real generation per warm-up size (the default, then each --warmup-resolutions entry)."""

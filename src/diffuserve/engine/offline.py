@@ -9,6 +9,7 @@ The engine answers on an asyncio loop; `OfflineEngine` runs one in a daemon thre
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import uuid
 from collections.abc import Sequence
@@ -17,8 +18,10 @@ from dataclasses import dataclass
 
 from diffuserve.engine.engine import AsyncEngine, EngineState
 from diffuserve.engine.requests import GenerationResult
-from diffuserve.errors import GenerationError
+from diffuserve.errors import GenerationError, RequestCancelledError
 from diffuserve.sampling import ModelDescription, SamplingParams
+
+logger = logging.getLogger("diffuserve")
 
 
 @dataclass
@@ -41,6 +44,9 @@ class OfflineEngine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="diffuserve-offline-loop", daemon=True)
         self._submitted: list[Submitted] = []
+        self.step_cache: dict[str, list[int]] = {}
+        """Step-cache method -> [computed, reused] denoising steps over the answers so far (summed over rows; what
+        `serve` exports as `diffuserve_step_cache_steps`)."""
 
     def start(self) -> ModelDescription:
         """Load the model (in the engine's worker thread) and wait until it serves; returns its description.
@@ -78,6 +84,11 @@ class OfflineEngine:
             elif done.exception() is not None:
                 result.set_exception(done.exception())  # type: ignore[arg-type]
             else:
+                counts = done.result().output.step_cache
+                if counts:
+                    tally = self.step_cache.setdefault(str(counts.get("method")), [0, 0])
+                    tally[0] += int(counts.get("computed_steps", 0))
+                    tally[1] += int(counts.get("reused_steps", 0))
                 result.set_result(done.result())
 
         answer.add_done_callback(deliver)
@@ -86,6 +97,26 @@ class OfflineEngine:
     def progress(self, request_id: str) -> tuple[int, int] | None:
         """(steps done, total steps) of a running request; None while queued or once answered."""
         return self.engine.progress(request_id)
+
+    def interrupt(self, request_id: str) -> tuple[int, int] | None:
+        """Cancel a request (Ctrl-C) and return its (steps done, total) as the cancel lands, both under the engine's
+        lock: the batch finishes the step in flight, then stops, and logs that step ("stopped at step k/N",
+        k = done + 1). None: it was not running."""
+        with self.engine.book.cond:
+            progress = self.engine.progress(request_id)
+            self.engine.abort(request_id, RequestCancelledError("interrupted (Ctrl-C)"))
+        return progress
+
+    def log_step_cache(self) -> None:
+        """One line per step-cache method that ran: the steps it computed and reused."""
+        for method, (computed, reused) in self.step_cache.items():
+            logger.info(
+                "step cache %s: computed %d, reused %d denoising steps (%.0f%% reused; summed over rows)",
+                method,
+                computed,
+                reused,
+                100 * reused / max(1, computed + reused),
+            )
 
     def close(self) -> None:
         """Cancel what is still queued or running (a running batch stops at its next step), stop the engine and

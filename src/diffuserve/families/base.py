@@ -70,6 +70,8 @@ class SamplingDefaults:
     """Frames per second of an encoded video."""
     guidance_scale_2: float | None = None
     """Guidance scale of the low-noise expert (Wan2.2 A14B); None = same as guidance_scale."""
+    octree_resolution: int = 0
+    """Mesh families: grid cells per side of the decoded volume (the checkpoint's; 0 for other families)."""
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ def build_generate_engine(args: ServerArgs) -> AsyncEngine:
     ranks start here and follow its calls). No warm-up, queue limit or server deadline: the prompts are all there
     is, and `generate` has no flags for those. A rank fault ends the process (1)."""
     info = launch_info(args, plan_num_gpus(args))
-    setup = prepare_rank(args, info)
+    setup = prepare_rank(args, info, brief=True)  # a one-shot run: the plan in one line
     plan = setup.deployment.plan
     executor: Any
     if info is None:
@@ -114,7 +114,9 @@ def build_generate_engine(args: ServerArgs) -> AsyncEngine:
 
         executor.on_fault = fault
     config = replace(args.engine, enable_warmup=False, max_queue_size=0, request_timeout_s=0.0)
-    return AsyncEngine(executor, build_batcher(args), config=config, model_name=args.public_model_name)
+    engine = AsyncEngine(executor, build_batcher(args), config=config, model_name=args.public_model_name)
+    engine.ready_line = None  # nothing is served: "model loaded" is the last start-up line
+    return engine
 
 
 def build_engine(args: ServerArgs) -> tuple[AsyncEngine, EngineMetrics, dict | None]:

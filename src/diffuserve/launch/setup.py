@@ -22,14 +22,15 @@ from diffuserve.pipelines.serving import ServingPipeline
 logger = logging.getLogger("diffuserve")
 
 
-def resolve_model_path(args: ServerArgs) -> Path:
-    """--model-path, or the embedded default model (built once into the cache)."""
+def resolve_model_path(args: ServerArgs, *, quiet: bool = False) -> Path:
+    """--model-path, or the embedded default model (built once into the cache; said in the log unless `quiet`)."""
     if args.model_path:
         return Path(args.model_path)
     from diffuserve.models.tiny import ensure_default_model
 
     path = ensure_default_model()
-    logger.info("no --model-path: using the embedded default model at %s", path)
+    if not quiet:
+        logger.info("no --model-path: using the embedded default model at %s", path)
     return path
 
 
@@ -92,18 +93,22 @@ def resolve_deployment(
 ) -> Any:
     """The plan for a checkpoint from JSON and safetensors headers only (no weights loaded), for the backend
     `--backend` picks and the batching mode (so `plan` and start-up refuse the same things with the same words)."""
-    from diffuserve.config.deployment import continuous_refusal, resolve
+    from diffuserve.config.deployment import continuous_refusal, describe_batching, resolve
     from diffuserve.config.model_profiles import profile_from_checkpoint
 
     profile = profile_from_checkpoint(model_path, model_id=model_id, load_dtype=dtype, backend=backend)
     if batching_mode == "continuous" and not profile.supports_continuous:
         raise continuous_refusal(profile)
-    return resolve(deployment, hardware, profile, hosts=hosts)
+    plan = resolve(deployment, hardware, profile, hosts=hosts)
+    plan.trace.append(describe_batching(batching_mode))
+    return plan
 
 
-def plan_deployment(args: ServerArgs, model_path: Path, device: str, *, log_plan: bool = True) -> ResolvedDeployment:
-    """Resolve and log the deployment plan for this machine."""
-    from diffuserve.config.deployment import DeploymentArgs, format_plan
+def plan_deployment(
+    args: ServerArgs, model_path: Path, device: str, *, log_plan: bool = True, brief: bool = False
+) -> ResolvedDeployment:
+    """Resolve and log the deployment plan for this machine (`brief`: one line, the table at debug level)."""
+    from diffuserve.config.deployment import DeploymentArgs, brief_plan, format_plan
     from diffuserve.hardware import detect_hardware
 
     hardware = detect_hardware(device)
@@ -117,7 +122,10 @@ def plan_deployment(args: ServerArgs, model_path: Path, device: str, *, log_plan
         backend=args.backend,
         batching_mode=str(args.batching_mode),
     )
-    if log_plan:
+    if log_plan and brief:
+        logger.info("%s", brief_plan(plan))
+        logger.debug("deployment plan:\n%s", format_plan(plan))
+    elif log_plan:
         logger.info("deployment plan:\n%s", format_plan(plan))
     from diffuserve.runtime.compile import check_executable
 
@@ -270,8 +278,9 @@ class RankSetup:
     """The plan (identical on every rank: same flags, same checkpoint headers)."""
 
 
-def prepare_rank(args: ServerArgs, info: LaunchInfo | None, *, log_plan: bool = True) -> RankSetup:
-    """Validate, find the checkpoint, resolve the plan for this rank's device, size its thread pool."""
+def prepare_rank(args: ServerArgs, info: LaunchInfo | None, *, log_plan: bool = True, brief: bool = False) -> RankSetup:
+    """Validate, find the checkpoint, resolve the plan for this rank's device (logged whole, or in one line when
+    `brief`), size its thread pool."""
     args.validate()
     model_path = resolve_model_path(args)
     if args.step_cache_calibration:  # a MagCache file made for another checkpoint is refused before any load
@@ -281,7 +290,7 @@ def prepare_rank(args: ServerArgs, info: LaunchInfo | None, *, log_plan: bool = 
     device = resolve_device(args.device)
     if info is not None:
         device = info.device(device)
-    deployment = plan_deployment(args, model_path, device, log_plan=log_plan)
+    deployment = plan_deployment(args, model_path, device, log_plan=log_plan, brief=brief)
     apply_num_threads(args.num_threads, device, info.local_world_size if info is not None else 1)
     return RankSetup(model_path, device, deployment)
 

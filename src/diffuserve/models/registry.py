@@ -41,11 +41,6 @@ def native_families() -> dict[str, str]:
     return {name: spec.native_adapter for name, spec in families.all_specs().items() if spec.native_adapter}
 
 
-def video_families() -> frozenset[str]:
-    """Families whose outputs are videos."""
-    return frozenset(name for name, spec in families.all_specs().items() if spec.output_kind == "video")
-
-
 @dataclass(frozen=True)
 class ModelSpec:
     """What the registry resolved for a checkpoint folder."""
@@ -63,7 +58,9 @@ class ModelSpec:
 
     @property
     def output_kind(self) -> str:
-        return "video" if self.family in video_families() else "image"
+        """image | video | mesh: what the family makes (images for a checkpoint no spec knows)."""
+        known = families.all_specs().get(self.family)
+        return known.output_kind if known is not None else "image"
 
 
 family_from_class = families.family_from_class

@@ -66,6 +66,7 @@ async def server_info(request: Request) -> dict:
         "pipeline": pipeline.describe() if pipeline is not None else None,
         "defaults": dataclasses.asdict(pipeline.defaults) if pipeline is not None else None,
         "deployment_plan": ctx.plan,
+        "results_store": ctx.results.where,
         "batching": {
             "mode": args.batching_mode,
             "max_size": args.batching_max_size,

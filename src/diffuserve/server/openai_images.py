@@ -63,7 +63,7 @@ def image_params(
     if model.output_kind != "image":
         route = "a mesh job with POST /v1/meshes" if model.output_kind == "mesh" else "a video job with POST /v1/videos"
         raise InvalidRequestError(
-            f"The served model is a {model.family} {model.output_kind} model: it makes {model.output_kind}s, not "
+            f"The served model is a {model.family} {model.output_kind} model: it makes {model.outputs}, not "
             f"images. Create {route} instead.",
             param="model",
             code="model_not_supported",

@@ -178,7 +178,7 @@ def build_mesh_params(body: MeshCreateRequest, ctx: ServerContext, image: bytes)
     assert model is not None
     if model.output_kind != "mesh":
         raise InvalidRequestError(
-            f"The served model {ctx.args.public_model_name!r} makes {model.output_kind}s, not meshes.",
+            f"The served model {ctx.args.public_model_name!r} makes {model.outputs}, not meshes.",
             param="model",
             code="model_not_supported",
         )
@@ -199,7 +199,8 @@ def build_mesh_params(body: MeshCreateRequest, ctx: ServerContext, image: bytes)
             f"{ctx.args.max_octree_resolution} (--max-octree-resolution).",
             param="octree_resolution",
         )
-    params = dataclasses.replace(params, octree_resolution=body.octree_resolution or 0)
+    # The value the job runs with (the checkpoint's default when unset), so the job reports it, not 0.
+    params = dataclasses.replace(params, octree_resolution=body.octree_resolution or model.defaults.octree_resolution)
     if model.validate is not None:
         model.validate(params)
     return params

@@ -260,7 +260,7 @@ def serving_identity(args: Any, plan: dict[str, Any] | None) -> str:
     return json.dumps(
         {
             "model": args.public_model_name,
-            "checkpoint": checkpoint_fingerprint(resolve_model_path(args)),
+            "checkpoint": checkpoint_fingerprint(resolve_model_path(args, quiet=True)),
             "loras": loras,
             "dtype": args.dtype,
             "device": args.device,

@@ -9,8 +9,9 @@ code 130 (interrupted). A third signal stops uvicorn without waiting for connect
 
 Before the server has served (imports, plan, model load, warm-up) there is nothing to drain: a signal
 stops the process at once (`stop_before_serving`), exit 0 for SIGTERM and 130 for SIGINT, and the log
-never says "ready" or "drained". The port is bound before any of that, so a port in use is a one-line
-configuration error (exit 2), not a model load followed by uvicorn's exit 3.
+never says "ready" or "drained". The port is bound before any of that (after the flags' own checks, so a bad
+flag is named as the flag), so a port in use is a one-line configuration error (exit 2), not a model load followed
+by uvicorn's exit 3.
 """
 
 from __future__ import annotations
@@ -199,12 +200,14 @@ def serve(args: ServerArgs) -> int:
 
     if not is_serving_process(args):  # another host's ranks, or a torchrun rank other than 0: no HTTP
         return serve_other_node(args)
+    args.validate()  # a bad flag is named as the flag, even when the port is taken too
     sock = bind_port(args.host, args.port)
     from diffuserve.server.app import create_app, open_results_store
     from diffuserve.server.context import ImageStore, ServerContext
 
     engine, metrics, plan_dict = _build_engine(args)
     results = open_results_store(args)
+    logger.info("results store: %s", results.describe())
     ctx = ServerContext(
         args=args,
         engine=engine,

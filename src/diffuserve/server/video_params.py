@@ -112,7 +112,7 @@ def build_video_params(body: VideoCreateRequest, ctx: ServerContext, image: byte
     assert model is not None
     if model.output_kind != "video":
         raise InvalidRequestError(
-            f"The served model {args.public_model_name!r} makes {model.output_kind}s, not videos; use "
+            f"The served model {args.public_model_name!r} makes {model.outputs}, not videos; use "
             f"{'POST /v1/meshes' if model.output_kind == 'mesh' else 'POST /v1/images/generations'}.",
             param="model",
             code="model_not_supported",

@@ -14,7 +14,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from diffuserve.errors import ServiceUnavailableError
 
@@ -39,6 +39,9 @@ class MediaStore(Protocol):
 
     name: str
     """What error messages and logs call this store (`--output-dir /x`, `--media-store s3://b/p`)."""
+    where: dict[str, Any]
+    """Where it keeps the files, for the start-up log and /server_info: `kind` (files | s3) and the folder, or the
+    endpoint, bucket and prefix; never a credential."""
 
     def put(self, rid: str, files: dict[str, bytes]) -> int:
         """Write every file completely (never visible half-written); returns the bytes written."""
@@ -67,6 +70,7 @@ class FileMedia:
         self.root = root
         self.name = f"--output-dir {str(root)!r}"
         self.media = root / "media"
+        self.where: dict[str, Any] = {"kind": "files", "path": str(self.media)}
         self.tmp = root / "tmp"
         for folder in (root, self.media, self.tmp):
             folder.mkdir(parents=True, exist_ok=True)

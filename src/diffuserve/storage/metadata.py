@@ -62,6 +62,9 @@ class MetadataStore(Protocol):
 
     name: str
     """What error messages and logs call this store (`--output-dir /x`, `--results-db postgresql://host/db`)."""
+    where: dict[str, Any]
+    """Where it keeps the rows, for the start-up log and /server_info: `kind` (sqlite | postgresql) and its path, or
+    host, port and database; never a user name or password."""
 
     def transaction(self) -> contextlib.AbstractContextManager[Transaction]:
         """One write transaction: committed when the block ends, rolled back when it raises."""
@@ -98,6 +101,7 @@ class SqliteMetadata:
 
     def __init__(self, path: Path, name: str):
         self.name = name
+        self.where: dict[str, Any] = {"kind": "sqlite", "path": str(path)}
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")

@@ -70,6 +70,16 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+def location(url: str) -> dict[str, Any]:
+    """Host, port and database of a PostgreSQL URL or `key=value` DSN: what logs and /server_info show (never the
+    user or password)."""
+    if "://" in url:
+        parts = urlsplit(url)
+        return {"host": parts.hostname, "port": parts.port or 5432, "database": parts.path.lstrip("/") or None}
+    pairs = dict(item.split("=", 1) for item in url.split() if "=" in item)
+    return {"host": pairs.get("host"), "port": int(pairs.get("port", 5432)), "database": pairs.get("dbname")}
+
+
 def _pg(sql: str) -> str:
     return sql.replace("?", "%s")
 
@@ -94,6 +104,7 @@ class PostgresMetadata:
         self._psycopg = psycopg
         self.url = url
         self.name = f"--results-db {redact(url)}"
+        self.where: dict[str, Any] = {"kind": "postgresql", **location(url)}
         self.timeout_s = timeout_s
         self._migrate()
         self._pool = ConnectionPool(

@@ -129,6 +129,8 @@ class ResultStore:
         """media/ of the file store (None for an object store)."""
         self.tmp: Path | None = files.tmp if files else None
         """tmp/ of the file store (None for an object store)."""
+        self.where = {"metadata": self.metadata.where, "media": self.media_backend.where}
+        """Where results live (each half's `where`): /server_info shows it, `describe` says it in one line."""
         self.heartbeat()
         self._sweeper: threading.Thread | None = None
         self._stop = threading.Event()
@@ -139,6 +141,20 @@ class ResultStore:
         self._orphans_checked_at = float("-inf")
 
     # -- plumbing ----------------------------------------------------------------------------------
+
+    def describe(self) -> str:
+        """`where` in one line (the start-up log): "metadata in PostgreSQL db:5432/diffuserve; files in S3 ..."."""
+
+        def half(where: dict[str, Any]) -> str:
+            kind = where.get("kind")
+            if kind == "postgresql":
+                return f"PostgreSQL {where['host']}:{where['port']}/{where['database']}"
+            if kind == "s3":
+                prefix = f", prefix {where['prefix']}" if where.get("prefix") else ""
+                return f"S3 bucket {where['bucket']}{prefix} at {where['endpoint']}"
+            return f"{'SQLite' if kind == 'sqlite' else 'folder'} {where.get('path')}"
+
+        return f"metadata in {half(self.where['metadata'])}; files in {half(self.where['media'])}"
 
     @property
     def names(self) -> str:

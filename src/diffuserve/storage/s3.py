@@ -28,6 +28,12 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     return parts.netloc, f"{prefix}/" if prefix else ""
 
 
+def _without_userinfo(url: str) -> str:
+    """scheme://host[:port] of an endpoint URL: whatever else it carries (a user, a key) is never shown."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+
+
 class S3Media:
     """Objects `<prefix><id>/<name>` in one bucket."""
 
@@ -48,6 +54,12 @@ class S3Media:
             s3={"addressing_style": "path" if endpoint else "auto"},
         )
         self.client = boto3.session.Session().client("s3", endpoint_url=endpoint_url or None, config=config)
+        self.where: dict[str, Any] = {
+            "kind": "s3",
+            "endpoint": _without_userinfo(endpoint) if endpoint else "AWS (the default endpoint)",
+            "bucket": self.bucket,
+            "prefix": self.prefix,
+        }
         self._check(create_bucket, endpoint)
 
     def _check(self, create_bucket: bool, endpoint: str | None) -> None:

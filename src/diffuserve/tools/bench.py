@@ -112,7 +112,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prompt", default=BenchRequestSpec.prompt, help="Prompt of every request.")
     group.add_argument("--size", type=parse_size, default=None, help="WxH (server default if omitted).")
     group.add_argument("--steps", type=int, default=None, help="num_inference_steps (server default if omitted).")
-    group.add_argument("--seed", type=int, default=0, help="Base seed: request i of a setting uses seed+i.")
+    group.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="Base seed: request i of the k-th concurrency setting uses seed + k*num_requests + i, and the warm-up "
+        "the seeds after every setting's, so no two requests of a run repeat one (a server's exact-result cache "
+        "would answer the repeat without running the model).",
+    )
     group.add_argument("--n", type=int, default=1, help="Images per request (images endpoint).")
     group.add_argument("--num-frames", type=int, default=None, help="Frames per video (videos endpoint).")
 
@@ -373,20 +380,49 @@ async def _sweep(args: argparse.Namespace, spec: BenchRequestSpec, run: dict[str
     if unreachable:
         print(f"error: {unreachable}", file=sys.stderr)
         return 2
-    common = {"seed": args.seed, "api_key": api_key}
+    # Distinct seeds over the whole run (see --seed): the settings' in turn, then the warm-up's.
     if args.warmup_requests:
         warm = await run_setting(
             base_url, spec, concurrency=1, request_rate=math.inf, num_requests=args.warmup_requests,
-            progress=False, **common,
+            progress=False, seed=args.seed + len(args.concurrency) * args.num_requests, api_key=api_key,
         )  # fmt: skip
         print(f"warmup: {warm['completed']}/{args.warmup_requests} ok" + "".join(f"; {e}" for e in warm["errors"]))
-    for concurrency in args.concurrency:
+    for k, concurrency in enumerate(args.concurrency):
+        hits = await result_cache_hits(base_url, api_key)
         result = await run_setting(
-            base_url, spec, concurrency=concurrency, request_rate=args.request_rate,
-            num_requests=args.num_requests, progress=not args.no_progress, **common,
+            base_url, spec, concurrency=concurrency, request_rate=args.request_rate, num_requests=args.num_requests,
+            progress=not args.no_progress, seed=args.seed + k * args.num_requests, api_key=api_key,
         )  # fmt: skip
+        after = await result_cache_hits(base_url, api_key)
+        if hits is not None and after is not None and after > hits:
+            result["result_cache_hits"] = int(after - hits)
+            print(
+                f"warning: c={concurrency}: the server's exact-result cache answered {int(after - hits)} request(s) "
+                'during this setting (diffuserve_result_cache_requests_total{outcome="hit"} at /metrics): they '
+                "never ran the model, so its throughput is overstated. Another client repeating these seeds, or an "
+                "earlier run with the same --seed, filled the cache: pass another --seed, or serve without "
+                "--result-cache-mib.",
+                file=sys.stderr,
+            )
         run["results"].append(result)
     return 0
+
+
+async def result_cache_hits(base_url: str, api_key: str | None) -> float | None:
+    """The server's exact-result cache hits so far (`/metrics`); None when it has no cache or does not say."""
+    import httpx
+
+    async with _client(base_url, api_key, 10.0, 1) as client:
+        try:
+            response = await client.get("/metrics")
+        except httpx.HTTPError:
+            return None
+    if response.status_code != 200:
+        return None
+    for line in response.text.splitlines():
+        if line.startswith('diffuserve_result_cache_requests_total{outcome="hit"}'):
+            return float(line.rsplit(" ", 1)[-1])
+    return None
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -141,7 +141,13 @@ class Hunyuan3DPipeline(Pipeline):
         self.settings = settings or MeshSettings()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.defaults = SamplingDefaults(width=64, height=64, num_inference_steps=50, guidance_scale=5.0)
+        self.defaults = SamplingDefaults(
+            width=64,
+            height=64,
+            num_inference_steps=50,
+            guidance_scale=5.0,
+            octree_resolution=self.settings.default_octree_resolution,
+        )
         self.timings: dict[str, float] = {}
 
     # -- loading ----------------------------------------------------------------------------------------
@@ -221,6 +227,7 @@ class Hunyuan3DPipeline(Pipeline):
             height=64,
             num_inference_steps=int(suggested.get("num_inference_steps", 50)),
             guidance_scale=float(suggested.get("guidance_scale", 5.0)),
+            octree_resolution=settings.default_octree_resolution,
         )
         return pipeline
 
@@ -385,5 +392,5 @@ class Hunyuan3DPipeline(Pipeline):
                     pred = uncond_pred + head.guidance_scale * (cond_pred - uncond_pred)
                 latents = (latents.float() + (sigmas[i + 1] - sigmas[i]) * pred).to(pred.dtype)
                 if on_step is not None:
-                    on_step(i + 1, steps)
+                    on_step(i, steps)  # the step index, as every pipeline (StepCallback)
         return latents
