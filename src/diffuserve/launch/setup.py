@@ -89,16 +89,22 @@ def resolve_deployment(
     hosts: int = 1,
     backend: str = "auto",
     batching_mode: str | None = None,
+    quant: Any = None,
 ) -> Any:
     """The plan for a checkpoint from JSON and safetensors headers only (no weights loaded), for the backend
-    `--backend` picks and the batching mode (so `plan` and start-up refuse the same things with the same words)."""
+    `--backend` picks, the batching mode and `--quantization` (`quant`: QuantArgs; a quantized component is counted
+    at its quantized size), so `plan` and start-up refuse the same things with the same words."""
     from diffuserve.config.deployment import continuous_refusal, resolve
     from diffuserve.config.model_profiles import profile_from_checkpoint
+    from diffuserve.config.quantization import annotate, plan_quantization
 
     profile = profile_from_checkpoint(model_path, model_id=model_id, load_dtype=dtype, backend=backend)
     if batching_mode == "continuous" and not profile.supports_continuous:
         raise continuous_refusal(profile)
-    return resolve(deployment, hardware, profile, hosts=hosts)
+    quantized, profile = plan_quantization(quant, profile, hardware.device_kind, model_path, dtype)
+    plan = resolve(deployment, hardware, profile, hosts=hosts)
+    annotate(plan, quantized)
+    return plan
 
 
 def plan_deployment(args: ServerArgs, model_path: Path, device: str, *, log_plan: bool = True) -> ResolvedDeployment:
@@ -116,6 +122,7 @@ def plan_deployment(args: ServerArgs, model_path: Path, device: str, *, log_plan
         hosts=hosts_of(args),
         backend=args.backend,
         batching_mode=str(args.batching_mode),
+        quant=args.quant,
     )
     if log_plan:
         logger.info("deployment plan:\n%s", format_plan(plan))
@@ -147,6 +154,9 @@ def quiet_library_loading() -> None:
     fallback = logging.getLogger("transformers.utils.import_utils")
     if not any(isinstance(f, _DropTorchvisionFallback) for f in fallback.filters):
         fallback.addFilter(_DropTorchvisionFallback())
+    from diffuserve.quant.methods import quiet_torchao
+
+    quiet_torchao()
 
 
 def load_serving_pipeline(
@@ -172,6 +182,9 @@ def load_serving_pipeline(
         device=device,
         dtype=resolve_dtype(args.dtype, device),
         placement="host",
+        quantization={
+            name: (c.quantization, c.quant_keep) for name, c in deployment.plan.components.items() if c.quantization
+        },
     )
     applied: list[str] = []
     if args.lora.enabled:

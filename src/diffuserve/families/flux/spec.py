@@ -36,8 +36,13 @@ def flux_defaults(defaults: SamplingDefaults, configs: CheckpointConfigs, geomet
     return dataclasses.replace(defaults, num_inference_steps=4, guidance_scale=0.0)
 
 
+# FLUX.1's embedders, timestep / guidance / pooled-text embedders, every AdaLN projection (`norm*.linear`) and the final
+# projection stay in the compute dtype (diffusers skips `pos_embed` and `norm` in layer-wise casting too).
+FLUX_QUANT_KEEP = ("x_embedder", "context_embedder", "time_text_embed.*", "*norm*.linear", "norm_out.*", "proj_out")
+
 SPECS = (
     FamilySpec(
+        quant_keep=FLUX_QUANT_KEEP,
         name="flux",
         text_encoders=FLUX_TEXT_ENCODERS,
         pipeline_classes=("FluxPipeline", "FluxImg2ImgPipeline"),
@@ -69,6 +74,7 @@ SPECS = (
         tiny_builds={"flux": "diffuserve.families.flux.tiny:build_flux"},
     ),
     FamilySpec(
+        quant_keep=FLUX_QUANT_KEEP,
         name="flux_kontext",
         text_encoders=FLUX_TEXT_ENCODERS,
         pipeline_classes=("FluxKontextPipeline",),
