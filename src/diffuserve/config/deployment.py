@@ -82,7 +82,7 @@ def _mode_default(
         threshold = profile.dit_resident_threshold_gib
         # A quantized DiT needs that much less room: the threshold drops by the bytes quantization saves.
         saved = max(0, comp.unquantized_bytes - comp.param_bytes) / GIB if comp.unquantized_bytes else 0.0
-        bar = f"{threshold:g} GiB" + (f" less the {saved:.1f} GiB quantization saves" if saved else "")
+        bar = f"{threshold or 0:g} GiB" + (f" less the {saved:.1f} GiB quantization saves" if saved else "")
         if threshold is None:
             rule = f"auto: {profile.kind} family {profile.family} keeps DiT residency per model (no auto threshold)"
         elif free_gib >= threshold - saved:
