@@ -36,9 +36,10 @@ def flux_defaults(defaults: SamplingDefaults, configs: CheckpointConfigs, geomet
     return dataclasses.replace(defaults, num_inference_steps=4, guidance_scale=0.0)
 
 
-# FLUX.1's embedders, timestep / guidance / pooled-text embedders, every AdaLN projection (`norm*.linear`) and the final
-# projection stay in the compute dtype (diffusers skips `pos_embed` and `norm` in layer-wise casting too).
-FLUX_QUANT_KEEP = ("x_embedder", "context_embedder", "time_text_embed.*", "*norm*.linear", "norm_out.*", "proj_out")
+# FLUX.1's input and context embedders, timestep / guidance / pooled-text embedders and the final layer (AdaLN and
+# projection) stay in the compute dtype. The per-block AdaLN projections (`norm1.linear`, `norm.linear`) are quantized
+# with per-row scales: they hold ~27% of the DiT's weights, and keeping them would leave an fp8 DiT at 0.64x of bf16.
+FLUX_QUANT_KEEP = ("x_embedder", "context_embedder", "time_text_embed.*", "norm_out.*", "proj_out")
 
 SPECS = (
     FamilySpec(

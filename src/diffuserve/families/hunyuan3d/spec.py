@@ -9,17 +9,9 @@ LICENSE_NOTE = (
 )
 """Said in the start-up log and the docs."""
 
-# Hunyuan3D-2's input, timestep, condition and guidance embedders, every modulation and the final layer stay in the
-# compute dtype.
-HUNYUAN3D_QUANT_KEEP = (
-    "latent_in",
-    "time_in.*",
-    "cond_in",
-    "guidance_in.*",
-    "*_mod.*",
-    "*.modulation.*",
-    "final_layer.*",
-)
+# Hunyuan3D-2's input, timestep, condition and guidance embedders and the final layer stay in the compute dtype; the
+# per-block modulation is quantized with per-row scales, as FLUX.1's.
+HUNYUAN3D_QUANT_KEEP = ("latent_in", "time_in.*", "cond_in", "guidance_in.*", "final_layer.*")
 
 SPEC = FamilySpec(
     quant_keep=HUNYUAN3D_QUANT_KEEP,

@@ -66,9 +66,9 @@ def qwen_image_21_defaults(
     return dataclasses.replace(defaults, num_inference_steps=len(sigmas)) if sigmas else defaults
 
 
-# Qwen-Image's input projections, timestep embedder, the per-block modulation (`img_mod` / `txt_mod`) and the final
-# layer stay in the compute dtype.
-QWEN_IMAGE_QUANT_KEEP = ("img_in", "txt_in", "time_text_embed.*", "*_mod.*", "norm_out.*", "proj_out")
+# Qwen-Image's input projections, timestep embedder and the final layer stay in the compute dtype; the per-block
+# modulation (`img_mod.1` / `txt_mod.1`, a third of each block's weights) is quantized with per-row scales, as FLUX.1's.
+QWEN_IMAGE_QUANT_KEEP = ("img_in", "txt_in", "time_text_embed.*", "norm_out.*", "proj_out")
 
 SPECS = (
     FamilySpec(
