@@ -197,3 +197,93 @@ def test_offload_equals_resident_and_streams_the_quantized_bytes(checkpoints, me
         moves = [m for m in ledger.moves() if m.component == "transformer" and m.direction == "h2d" and m.layer]
         streamed[label] = sum(m.nbytes for m in moves) / params.num_inference_steps
     assert streamed[method] <= 0.55 * streamed["bf16"], streamed
+
+
+# --- the server, the CLI and the diffusers backend ------------------------------------------------------------
+def test_a_server_serves_quantized_components_and_says_which(tiny_flux_path: Path, tmp_path: Path) -> None:
+    """`serve --quantization int8-dynamic text_encoder_2=int8`: /server_info shows each component's method, the log
+    says what runs, and an image through the official client stays within 30 dB of the unquantized pipeline's."""
+    import httpx
+    import openai
+
+    from diffuserve.models.loader import load_pipeline
+    from tests.serverproc import ServerProcess
+
+    from .helpers import decode_b64_png
+
+    server = ServerProcess(
+        ["--model-path", str(tiny_flux_path), "--quantization", "int8-dynamic", "text_encoder_2=int8"],
+        tmp_path / "server.log",
+    ).start()
+    try:
+        info = httpx.get(f"{server.base_url}/server_info", timeout=30).json()
+        components = info["deployment_plan"]["components"]
+        assert {n: c["quantization"] for n, c in components.items()} == {
+            "text_encoder": None,
+            "text_encoder_2": "int8",
+            "transformer": "int8-dynamic",
+            "vae": None,
+        }, info
+        assert "transformer: int8-dynamic on " in server.log() and "W8A8 (int8 GEMM" in server.log()
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+        result = client.images.generate(
+            prompt="a red circle",
+            size="64x64",
+            response_format="b64_json",
+            extra_body={"seed": 4, "num_inference_steps": 3},
+        )
+        served = np.asarray(decode_b64_png(result.data[0].b64_json).convert("RGB")).astype(np.float64)
+    finally:
+        server.stop()
+    params = SamplingParams(prompt="a red circle", seed=4, num_inference_steps=3, width=64, height=64)
+    with torch.inference_mode():
+        plain = load_pipeline(tiny_flux_path).run([params]).outputs[0].images[0]
+    assert _psnr(served, np.asarray(plain.convert("RGB")).astype(np.float64)) >= 30
+
+
+def test_bad_quantization_exits_2_before_the_model_loads(tiny_flux_path: Path) -> None:
+    """`generate` and `plan` stop on a bad method or component naming the flag, before any weight loads (the other
+    refusals' words: tests/unit/test_quantization_plan.py)."""
+    import subprocess
+    import sys
+
+    cases = [
+        (["generate", "--prompt", "x", "--quantization", "fp9"], "--quantization: 'fp9' is not one of fp8, int8"),
+        (["plan", "--quantization", "dit=fp8", "vae=int8"], "vae (AutoencoderKL) cannot be quantized"),
+    ]
+    for args, words in cases:
+        out = subprocess.run(
+            [sys.executable, "-m", "diffuserve.cli", *args, "--model-path", str(tiny_flux_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 2, out.stderr
+        assert words in out.stderr and "Loading" not in out.stderr, out.stderr
+
+
+def test_diffusers_backend_quantizes_through_pipeline_quantization_config(family_pipeline, tiny_flux_path: Path):
+    """`--backend diffusers`: the same methods through diffusers' `PipelineQuantizationConfig` (torchao), the family's
+    kept modules named to it, a transformers text encoder with transformers' config; within 30 dB of unquantized."""
+    from diffuserve.models.loader import load_pipeline
+
+    keep = families.spec_for("flux").quant_keep
+    params = SamplingParams(prompt="a red circle", seed=3, num_inference_steps=3)
+    with torch.inference_mode():
+        reference = _pixels(family_pipeline(tiny_flux_path, "diffusers").run([params]))
+        for method in METHODS:
+            wanted = {"transformer": (method, keep), "text_encoder_2": (method, ())}
+            pipe = load_pipeline(tiny_flux_path, backend="diffusers", quantization=wanted)
+            dit = pipe.pipe.transformer
+            assert type(dit.transformer_blocks[0].attn.to_q.weight).__name__ in ("Int8Tensor", "Float8Tensor")
+            assert type(dit.x_embedder.weight) is torch.nn.Parameter  # the family keeps its embedder
+            assert _psnr(_pixels(pipe.run([params])), reference) >= 30, method
+
+
+def test_diffusers_backend_refuses_a_component_it_cannot_quantize(tmp_path: Path) -> None:
+    from diffuserve.errors import ConfigError
+    from diffuserve.quant.diffusers_config import pipeline_quantization_config
+
+    (tmp_path / "model_index.json").write_text('{"_class_name": "XPipeline", "prior": ["my_lib", "Prior"]}')
+    with pytest.raises(ConfigError, match="the diffusers backend's x_family pipeline cannot quantize prior"):
+        pipeline_quantization_config(tmp_path, {"prior": ("int8", ())}, "x_family", torch.device("cpu"))
