@@ -153,24 +153,31 @@ def test_lora_rows_over_a_quantized_base_equal_their_solo_runs(lora_pipeline) ->
 @pytest.mark.parametrize("method", METHODS)
 def test_merged_rows_and_step_cache_rows_equal_singletons(family_pipeline, tiny_flux_path: Path, method) -> None:
     """Dynamic activation scales are per token, so a row's numbers do not depend on its batch neighbours: merged
-    rows (and rows deciding their own step-cache reuse) equal the same requests alone."""
+    rows (dynamic batching, continuous steps, rows deciding their own step-cache reuse) equal the requests alone."""
     from diffuserve.config.step_cache import parse_step_cache
 
     def cached(params: SamplingParams, **options) -> SamplingParams:
         cache = parse_step_cache({"method": "fbcache", **options})
         return dataclasses.replace(params, num_inference_steps=8, step_cache=cache)
 
+    from .family_checks import simulate_steps
+
     pipe = family_pipeline(tiny_flux_path)
     plain = [_request(1, "red house"), _request(2, "a dog", n=2), _request(3, "sea at night")]
     caches = [cached(plain[0], threshold=0.3), cached(plain[2], threshold=0.02), cached(_request(4, "a cat"))]
     with torch.inference_mode(), quantized(pipe, method):
+        alone = {p: pipe.run([p]).outputs[0] for p in (*plain, *caches)}
         for batch in (plain, caches):
             merged = pipe.run(batch).outputs
             for params, out in zip(batch, merged, strict=True):
-                alone = pipe.run([params]).outputs[0]
-                assert alone.step_cache == out.step_cache
-                for a, b in zip(out.images, alone.images, strict=True):
+                assert alone[params].step_cache == out.step_cache
+                for a, b in zip(out.images, alone[params].images, strict=True):
                     assert _max_diff(a, b) <= 1, (method, params.prompt)
+        # Continuous batching: requests join a running denoise group at step boundaries.
+        stepped = simulate_steps(pipe, {0: [plain[0]], 1: [plain[1], plain[2]]})
+        for index, params in enumerate(plain):
+            for a, b in zip(stepped[index], alone[params].images, strict=True):
+                assert _max_diff(a, b) <= 1, (method, "continuous", params.prompt)
 
 
 @pytest.mark.parametrize("method", ["fp8", "int8"])

@@ -173,6 +173,13 @@ def load_serving_pipeline(
     from diffuserve.models.loader import load_pipeline
 
     quiet_library_loading()
+    quantization = {
+        name: (c.quantization, c.quant_keep) for name, c in deployment.plan.components.items() if c.quantization
+    }
+    if quantization:  # a method the device's torch cannot run is refused before any weight loads
+        from diffuserve.quant.apply import check_methods
+
+        check_methods(quantization, device)
     # To host: the residency manager below moves resident components to the device and leaves offloaded ones
     # on the host, so a model that fits only when offloaded still loads.
     pipeline = load_pipeline(
@@ -182,9 +189,7 @@ def load_serving_pipeline(
         device=device,
         dtype=resolve_dtype(args.dtype, device),
         placement="host",
-        quantization={
-            name: (c.quantization, c.quant_keep) for name, c in deployment.plan.components.items() if c.quantization
-        },
+        quantization=quantization,
     )
     applied: list[str] = []
     if args.lora.enabled:

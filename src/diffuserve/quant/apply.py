@@ -89,16 +89,22 @@ def quantize_module(
     return report
 
 
+def check_methods(wanted: Mapping[str, QuantRequest], device: torch.device | str) -> None:
+    """Refuse, naming the flag and before any weight loads, a method whose kernels this device's torch lacks."""
+    for name, (method, _) in wanted.items():
+        why = check_device(method, torch.device(device))
+        if why is not None:
+            raise ConfigError(f"--quantization {name}={method}: {why}; pick another method.", param="quantization")
+
+
 def quantize_components(
     components: Mapping[str, torch.nn.Module], wanted: Mapping[str, QuantRequest], device: torch.device | str
 ) -> list[QuantReport]:
     """Quantize each wanted component (refusing, naming the flag, a method the device has no kernels for)."""
     device = torch.device(device)
+    check_methods(wanted, device)
     reports = []
     for name, (method, keep) in wanted.items():
-        why = check_device(method, device)
-        if why is not None:
-            raise ConfigError(f"--quantization {name}={method}: {why}; pick another method.", param="quantization")
         module = components.get(name)
         if not isinstance(module, torch.nn.Module):
             raise ConfigError(
