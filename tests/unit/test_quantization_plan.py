@@ -168,3 +168,12 @@ def test_every_native_family_declares_what_it_keeps() -> None:
     flux = families.spec_for("flux").quant_keep
     assert keeps("time_text_embed.timestep_embedder.linear_1", flux) and keeps("proj_out", flux)
     assert not keeps("single_transformer_blocks.0.proj_out", flux) and not keeps("transformer_blocks.0.attn.to_q", flux)
+
+
+def test_tensor_parallel_and_fsdp_over_a_quantized_dit_are_refused_for_now(big_flux: Path) -> None:
+    from diffuserve.generate import print_plan
+
+    base = {"model_path": str(big_flux), "gpu_memory_gib": 80.0, "num_gpus": 2, "quantization": ["fp8"]}
+    for flag, value in (("tp_size", 2), ("use_fsdp_inference", True)):
+        with pytest.raises(ConfigError, match=f"under --{flag.replace('_', '-')} is not supported yet"):
+            print_plan({**base, flag: value})
