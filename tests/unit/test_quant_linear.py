@@ -50,10 +50,24 @@ def test_forward_matches_the_dequantized_weight_and_rows_are_independent(method:
         assert torch.equal(layer(x[row : row + 1]), y[row : row + 1])
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_an_all_zero_row_quantizes_to_zeros(method: str) -> None:
+    """Zero-initialised layers exist (adapters, some modulation heads): a zero row must not become 0 / 0."""
+    base = _linear(4)
+    with torch.no_grad():
+        base.weight[3] = 0
+    layer = QuantizedLinear(base, method, torch.device("cpu"))
+    weight = dequantize_weight(layer.weight, layer.weight_scale, torch.float32)
+    assert not weight.isnan().any() and not weight[3].any()
+    with torch.no_grad():
+        assert torch.isfinite(layer(torch.zeros(2, 48))).all()
+
+
 def test_bf16_compute_dtype_and_the_kernel_choice() -> None:
     layer = QuantizedLinear(_linear(2).to(torch.bfloat16), "int8", torch.device("cpu"))
     assert layer(torch.randn(2, 48, dtype=torch.bfloat16)).dtype == torch.bfloat16
     assert kernel_for("fp8", torch.device("cpu"), 64, 64) == "weight-only"  # no FP8 GEMM on a CPU
+    assert kernel_for("fp8", torch.device("cpu"), 64, 64, torch.float32) == "weight-only"
     assert kernel_for("int8-dynamic", torch.device("cpu"), 64, 64) == "int8-dynamic"
 
 

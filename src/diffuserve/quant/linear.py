@@ -42,7 +42,8 @@ class QuantizedLinear(torch.nn.Linear):
         self.bias = linear.bias
         self.method = method
         """fp8 | int8 | int8-dynamic."""
-        self.kernel = kernel_for(method, torch.device(device), self.in_features, self.out_features)
+        dtype = linear.weight.dtype  # the compute dtype the component was loaded in
+        self.kernel = kernel_for(method, torch.device(device), self.in_features, self.out_features, dtype)
         """The forward chosen for the serving device (`methods.KERNELS`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 FP8 = torch.float8_e4m3fn
+_EPS = torch.finfo(torch.float32).eps
+"""The smallest scale: an all-zero row (zero-initialised layers exist) quantizes to zeros, never to 0 / 0."""
 STORAGE = {"fp8": FP8, "int8": torch.int8, "int8-dynamic": torch.int8}
 """Each method's weight dtype (one byte per element)."""
 
@@ -98,7 +100,7 @@ def quantize_weight(method: str, weight: torch.Tensor) -> tuple[torch.Tensor, to
     w = weight.detach().float()
     if method == "fp8":
         qp = ao().qp
-        scale = qp._choose_scale_float8(w, [1, w.shape[1]], FP8).reshape(-1, 1).float()
+        scale = qp._choose_scale_float8(w, [1, w.shape[1]], FP8).reshape(-1, 1).float().clamp(min=_EPS)
         return qp._quantize_affine_float8(w, scale, FP8), scale.reshape(-1)
     q, scale = _int8_rows(w)
     return q, scale.reshape(-1)
@@ -135,7 +137,7 @@ def _int8_tokens(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     `quantize_affine` give the same numbers (<= 1 step of rounding), but their generality costs ~3x here, on every
     call of every layer (measured on the 36M DiT: 17% of a W8A8 step)."""
     rows = rows.float()
-    scale = rows.abs().amax(dim=1, keepdim=True).clamp_(min=torch.finfo(torch.float32).eps).div_(127.0)
+    scale = rows.abs().amax(dim=1, keepdim=True).clamp_(min=_EPS).div_(127.0)
     return torch.round(rows / scale).clamp_(-128, 127).to(torch.int8), scale
 
 
@@ -154,8 +156,8 @@ def linear_int8_dynamic(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
 def linear_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Any) -> torch.Tensor:
     """FP8 x FP8 GEMM (CUDA sm89+): per-token FP8 activations, `torch._scaled_mm` with row-wise scales."""
     lib = ao()
-    rows = x.reshape(-1, x.shape[-1])
-    xs = lib.qp._choose_scale_float8(rows, [1, rows.shape[1]], FP8).reshape(-1, 1).float()
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    xs = lib.qp._choose_scale_float8(rows, [1, rows.shape[1]], FP8).reshape(-1, 1).float().clamp(min=_EPS)
     xq = lib.qp._quantize_affine_float8(rows, xs, FP8)
     y = lib.addmm_fp8(xq, xs, weight.t(), scale.reshape(1, -1), x.dtype, bias=bias, use_fast_accum=True)
     return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -170,11 +172,15 @@ def fp8_gemm_available(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def kernel_for(method: str, device: torch.device, in_features: int, out_features: int) -> str:
-    """The forward a layer of this method runs on `device` (`_scaled_mm` needs both sides multiples of 16)."""
+def kernel_for(
+    method: str, device: torch.device, in_features: int, out_features: int, dtype: torch.dtype = torch.bfloat16
+) -> str:
+    """The forward a layer of this method runs on `device` for compute `dtype`: `_scaled_mm` needs both sides
+    multiples of 16, and its row-wise scaling writes bf16 only (a float32 compute dtype stays weight-only)."""
     if method == "int8-dynamic":
         return "int8-dynamic"
-    if method == "fp8" and fp8_gemm_available(device) and in_features % 16 == 0 and out_features % 16 == 0:
+    shaped = in_features % 16 == 0 and out_features % 16 == 0
+    if method == "fp8" and dtype == torch.bfloat16 and shaped and fp8_gemm_available(device):
         return "fp8-gemm"
     return "weight-only"
 
