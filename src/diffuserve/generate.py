@@ -456,10 +456,12 @@ def print_plan(values: dict[str, Any]) -> int:
     """Resolve and print the plan from JSON and safetensors headers only (no weights loaded)."""
     from diffuserve.config.argparse_dataclass import dataclass_from_namespace
     from diffuserve.config.deployment import DeploymentArgs, format_plan
+    from diffuserve.config.quant_args import QuantArgs
     from diffuserve.hardware import describe_hardware, detect_hardware
     from diffuserve.launch.setup import resolve_deployment, resolve_dtype
 
     deployment = dataclass_from_namespace(DeploymentArgs, values)
+    quant = dataclass_from_namespace(QuantArgs, values)
     if values.get("model_path"):
         model_path = Path(values["model_path"])
     else:
@@ -480,6 +482,7 @@ def print_plan(values: dict[str, Any]) -> int:
         hardware=hardware,
         backend=values.get("backend", "auto"),
         batching_mode=values.get("batching_mode"),
+        quant=quant,
     )
     print(json.dumps(plan.to_dict(), indent=2) if values.get("json") else format_plan(plan))
     return 0

@@ -283,14 +283,22 @@ def test_reject_truncated_prompts_is_a_400_naming_the_field():
                 "Batching",
                 "Admission, limits and security",
                 "LoRA",
+                "Quantization",
                 "Distributed launch (several ranks, several hosts)",
             ],
         ),
         (
             "generate",
-            ["Generation", "Model", "Server", "Batching", "Distributed launch (several ranks, several hosts)"],
+            [
+                "Generation",
+                "Model",
+                "Server",
+                "Batching",
+                "Quantization",
+                "Distributed launch (several ranks, several hosts)",
+            ],
         ),
-        ("plan", []),
+        ("plan", ["Quantization"]),
     ],
 )
 def test_help_sections_keep_their_order(capsys, command, sections):

@@ -39,6 +39,8 @@ LAYERS: dict[str, float] = {
     # Weight placement and streaming; per-row LoRA layers on the model's Linear layers.
     "runtime": 2,
     "lora": 2,
+    # Quantized Linear layers (online methods) and applying them to a loaded pipeline's components.
+    "quant": 2,
     # The recipes.
     "pipelines": 3,
     # A family's adapter (`families/<f>/adapter.py`, and its maths `ops.py`) runs on the recipe.

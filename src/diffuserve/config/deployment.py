@@ -80,12 +80,15 @@ def _mode_default(
         return ResidencyMode.RESIDENT, "auto: no accelerator, host memory is the device memory -> resident"
     if comp.group == "dit":
         threshold = profile.dit_resident_threshold_gib
+        # A quantized DiT needs that much less room: the threshold drops by the bytes quantization saves.
+        saved = max(0, comp.unquantized_bytes - comp.param_bytes) / GIB if comp.unquantized_bytes else 0.0
+        bar = f"{threshold or 0:g} GiB" + (f" less the {saved:.1f} GiB quantization saves" if saved else "")
         if threshold is None:
             rule = f"auto: {profile.kind} family {profile.family} keeps DiT residency per model (no auto threshold)"
-        elif free_gib >= threshold:
-            return ResidencyMode.RESIDENT, f"auto: {where} >= {threshold:g} GiB -> resident"
+        elif free_gib >= threshold - saved:
+            return ResidencyMode.RESIDENT, f"auto: {where} >= {bar} -> resident"
         else:
-            rule = f"auto: {where} < {threshold:g} GiB"
+            rule = f"auto: {where} < {bar}"
         fits = comp.param_bytes <= profile.comfortable_fit_fraction * ctx.min_free
         mode = _layerwise_or_offload(comp, profile.dit_supports_layerwise and not fits)
         return mode, f"{rule}; DiT {'fits' if fits else 'does not fit'} comfortably -> {mode.value}"
@@ -439,7 +442,7 @@ def brief_plan(plan: DeploymentPlan) -> str:
 
 def format_plan(plan: DeploymentPlan) -> str:
     """A human table of the plan (what `diffuserve plan` prints and start-up logs)."""
-    rows = [("component", "group", "mode", "prefetch", "resident layers", "lifetime", "pinned")]
+    rows = [("component", "group", "mode", "prefetch", "resident layers", "lifetime", "pinned", "quantization")]
     for c in plan.components.values():
         layerwise = c.mode is ResidencyMode.LAYERWISE_OFFLOAD
         rows.append(
@@ -451,6 +454,7 @@ def format_plan(plan: DeploymentPlan) -> str:
                 str(c.resident_layers) if layerwise else "-",
                 c.lifetime.value if layerwise else "-",
                 "yes" if c.pin_memory else "no",
+                c.quantization or "-",
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

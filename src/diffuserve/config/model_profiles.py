@@ -52,6 +52,9 @@ class ComponentProfile:
     """Bytes inside the declared layers (0: unknown, estimated from param_bytes)."""
     has_layers: bool = False
     """True when the component declares a layer structure, so layer-wise offload can run on it."""
+    unquantized_bytes: int = 0
+    """A quantized component (`--quantization`): its bytes at the load dtype, before quantization (`param_bytes`
+    is then its quantized size); 0 for a component that is not quantized."""
 
     def layer_bytes(self) -> int:
         """Average bytes of one declared layer (the unit a resident layer set is counted in)."""
@@ -172,13 +175,9 @@ LOAD_DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes per element of the `--dtype` values floating-point weights are cast to at load."""
 
 
-def read_safetensors_sizes(path: Path, load_dtype: str | None = None) -> dict[str, int]:
-    """Tensor name -> bytes, from the file's JSON header only (8-byte length, then JSON).
-
-    With `load_dtype`, floating-point tensors are counted at that dtype (what they will occupy once
-    loaded); integer tensors and `None` keep the stored size.
-    """
-    elem = LOAD_DTYPE_SIZES[load_dtype] if load_dtype else None
+def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
+    """Tensor name -> its header entry (`dtype`, `shape`, `data_offsets`), from the file's JSON header only
+    (8-byte length, then JSON)."""
     with path.open("rb") as f:
         raw_len = f.read(8)
         if len(raw_len) != 8:
@@ -190,14 +189,29 @@ def read_safetensors_sizes(path: Path, load_dtype: str | None = None) -> dict[st
             header = json.loads(f.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CheckpointError(f"{path}: safetensors header is not valid JSON ({exc}).") from exc
+    return {name: entry for name, entry in header.items() if name != "__metadata__"}
+
+
+Resize = Callable[[str, list[int], int], int]
+"""(tensor name, shape, bytes at the load dtype) -> bytes once loaded (a quantized component's tensors)."""
+
+
+def read_safetensors_sizes(path: Path, load_dtype: str | None = None, resize: Resize | None = None) -> dict[str, int]:
+    """Tensor name -> bytes, from the file's JSON header only.
+
+    With `load_dtype`, floating-point tensors are counted at that dtype (what they will occupy once
+    loaded); integer tensors and `None` keep the stored size. `resize` then maps each tensor to its size once
+    quantized (`config/quantization.py`).
+    """
+    elem = LOAD_DTYPE_SIZES[load_dtype] if load_dtype else None
     sizes: dict[str, int] = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
+    for name, entry in read_safetensors_header(path).items():
         begin, end = entry["data_offsets"]
         stored = int(end) - int(begin)
         size = _FLOAT_SIZES.get(entry.get("dtype", ""))
         sizes[name] = stored // size * elem if elem and size else stored
+        if resize is not None:
+            sizes[name] = resize(name, list(entry.get("shape", [])), sizes[name])
     return sizes
 
 
@@ -229,13 +243,16 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def component_profile(name: str, class_name: str, folder: Path, load_dtype: str | None = None) -> ComponentProfile:
-    """Profile one component folder from its config.json and safetensors headers."""
+def component_profile(
+    name: str, class_name: str, folder: Path, load_dtype: str | None = None, *, resize: Resize | None = None
+) -> ComponentProfile:
+    """Profile one component folder from its config.json and safetensors headers (`resize`: each tensor's size
+    once quantized)."""
     cfg_path = folder / "config.json"
     cfg = _read_json(cfg_path) if cfg_path.exists() else {}
     tensors: dict[str, int] = {}
     for path in _weight_files(folder):
-        tensors.update(read_safetensors_sizes(path, load_dtype))
+        tensors.update(read_safetensors_sizes(path, load_dtype, resize))
     paths: list[str] = []
     num_layers = 0
     layers_bytes = 0

@@ -46,6 +46,10 @@ class ComponentPlan:
     """Layer-wise: lifetime of the resident set."""
     pin_memory: bool = False
     """Keep host copies in pinned memory (CUDA only; ignored on CPU)."""
+    quantization: str | None = None
+    """The online quantization method of its Linear layers (fp8 | int8 | int8-dynamic), None: the compute dtype."""
+    quant_keep: tuple[str, ...] = ()
+    """Quantized component: module-name globs kept in the compute dtype (`config/quantization.py`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -56,6 +60,7 @@ class ComponentPlan:
             "resident_layers": self.resident_layers,
             "lifetime": self.lifetime.value,
             "pin_memory": self.pin_memory,
+            "quantization": self.quantization,
         }
 
 

@@ -11,6 +11,7 @@ commands that take it, its validation):
     LimitsArgs      config/limits.py         --max-request-bytes, --api-key, prompt and upload caps
     LoraArgs        config/lora.py           --lora-modules, --max-loras, --max-lora-rank
     DistArgs        config/distributed.py    --nnodes, --node-rank, --dist-*
+    QuantArgs       config/quant_args.py     --quantization, --quantization-ignored-layers
     DeploymentArgs  config/deployment_args.py --performance-mode, residency, offload, parallelism
 
 `ServerArgs` holds one instance of each (`args.batching`, `args.engine`, ...), and every flag is also a
@@ -38,6 +39,7 @@ from diffuserve.config.http_args import SERVER_GROUP, HttpArgs
 from diffuserve.config.limits import LIMITS_GROUP, LimitsArgs
 from diffuserve.config.lora import LORA_GROUP, LoraArgs
 from diffuserve.config.model_args import MODEL_GROUP, ModelArgs
+from diffuserve.config.quant_args import QUANT_GROUP, QuantArgs
 from diffuserve.config.store_args import STORE_GROUP, StoreArgs
 from diffuserve.errors import ConfigError
 
@@ -50,9 +52,19 @@ SECTIONS: dict[str, type] = {
     "dist": DistArgs,
     "store": StoreArgs,
     "lora": LoraArgs,
+    "quant": QuantArgs,
 }
 """ServerArgs attribute -> the sub-config it holds, in `--help` order within a group."""
-GROUP_ORDER = (MODEL_GROUP, SERVER_GROUP, STORE_GROUP, BATCHING_GROUP, LIMITS_GROUP, LORA_GROUP, DIST_GROUP)
+GROUP_ORDER = (
+    MODEL_GROUP,
+    SERVER_GROUP,
+    STORE_GROUP,
+    BATCHING_GROUP,
+    LIMITS_GROUP,
+    LORA_GROUP,
+    QUANT_GROUP,
+    DIST_GROUP,
+)
 """The `--help` sections of ServerArgs' flags, in order (the deployment sections follow)."""
 
 _OWNER: dict[str, tuple[str, str]] = {
@@ -85,6 +97,8 @@ class ServerArgs:
     """The shared results database and media store (PostgreSQL, S3) and the owner lease."""
     lora: LoraArgs = field(default_factory=LoraArgs)
     """The LoRA adapters loaded at start-up and their slots."""
+    quant: QuantArgs = field(default_factory=QuantArgs)
+    """Online weight quantization per component (`quant/`)."""
     deployment: DeploymentArgs | None = None
     """DeploymentArgs (config/deployment_args.py); filled by the CLI (None: every deployment flag unset)."""
     config: str | None = None
@@ -100,6 +114,7 @@ class ServerArgs:
         dist: DistArgs | None = None,
         store: StoreArgs | None = None,
         lora: LoraArgs | None = None,
+        quant: QuantArgs | None = None,
         deployment: DeploymentArgs | None = None,
         config: str | None = None,
         **flags: Any,
@@ -113,6 +128,7 @@ class ServerArgs:
             "dist": dist,
             "store": store,
             "lora": lora,
+            "quant": quant,
         }
         unknown = sorted(set(flags) - set(_OWNER))
         if unknown:

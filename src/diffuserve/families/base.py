@@ -188,6 +188,10 @@ class FamilySpec:
     LoRA files for per-request adapters (`lora/files.py`); None: the native backend serves no adapters for it."""
     base_family: str | None = None
     """The family whose plan defaults a variant shares (e.g. `qwen_image` for `qwen_image_edit`)."""
+    quant_keep: tuple[str, ...] = ()
+    """Module-name globs of the DiT that `--quantization` never quantizes (what the family's diffusers code or
+    reference keeps in high precision: embedders, timestep / modulation / adaLN projections, norms, the final
+    projection); `--quantization-ignored-layers` adds to it (`config/quantization.py`)."""
     text_encoders: tuple[TextEncoderFacts, ...] = ()
     """The text encoders a prompt goes through, with their token limits (prompt truncation warnings and the
     `usage` text tokens, which count the last one listed: the long-context T5 of FLUX.1 and SD3). Empty: no

@@ -90,16 +90,21 @@ def resolve_deployment(
     hosts: int = 1,
     backend: str = "auto",
     batching_mode: str | None = None,
+    quant: Any = None,
 ) -> Any:
     """The plan for a checkpoint from JSON and safetensors headers only (no weights loaded), for the backend
-    `--backend` picks and the batching mode (so `plan` and start-up refuse the same things with the same words)."""
+    `--backend` picks, the batching mode and `--quantization` (`quant`: QuantArgs; a quantized component is counted
+    at its quantized size), so `plan` and start-up refuse the same things with the same words."""
     from diffuserve.config.deployment import continuous_refusal, describe_batching, resolve
     from diffuserve.config.model_profiles import profile_from_checkpoint
+    from diffuserve.config.quantization import annotate, plan_quantization
 
     profile = profile_from_checkpoint(model_path, model_id=model_id, load_dtype=dtype, backend=backend)
     if batching_mode == "continuous" and not profile.supports_continuous:
         raise continuous_refusal(profile)
+    quantized, profile = plan_quantization(quant, profile, hardware.device_kind, model_path, dtype)
     plan = resolve(deployment, hardware, profile, hosts=hosts)
+    annotate(plan, quantized)
     plan.trace.append(describe_batching(batching_mode))
     return plan
 
@@ -121,6 +126,7 @@ def plan_deployment(
         hosts=hosts_of(args),
         backend=args.backend,
         batching_mode=str(args.batching_mode),
+        quant=args.quant,
     )
     if log_plan and brief:
         logger.info("%s", brief_plan(plan))
@@ -155,6 +161,9 @@ def quiet_library_loading() -> None:
     fallback = logging.getLogger("transformers.utils.import_utils")
     if not any(isinstance(f, _DropTorchvisionFallback) for f in fallback.filters):
         fallback.addFilter(_DropTorchvisionFallback())
+    from diffuserve.quant.methods import quiet_torchao
+
+    quiet_torchao()
 
 
 def load_serving_pipeline(
@@ -171,6 +180,13 @@ def load_serving_pipeline(
     from diffuserve.models.loader import load_pipeline
 
     quiet_library_loading()
+    quantization = {
+        name: (c.quantization, c.quant_keep) for name, c in deployment.plan.components.items() if c.quantization
+    }
+    if quantization:  # a method the device's torch cannot run is refused before any weight loads
+        from diffuserve.quant.apply import check_methods
+
+        check_methods(quantization, device)
     # To host: the residency manager below moves resident components to the device and leaves offloaded ones
     # on the host, so a model that fits only when offloaded still loads.
     pipeline = load_pipeline(
@@ -180,6 +196,7 @@ def load_serving_pipeline(
         device=device,
         dtype=resolve_dtype(args.dtype, device),
         placement="host",
+        quantization=quantization,
     )
     applied: list[str] = []
     if args.lora.enabled:

@@ -21,7 +21,7 @@ import dataclasses
 import importlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -280,6 +280,60 @@ def _native_class(family: str) -> type:
     return getattr(importlib.import_module(module_name), class_name)
 
 
+def _quantize(components: Mapping[str, Any], quantization: Mapping[str, Any] | None, device: Any) -> None:
+    """The plan's online quantization of a native pipeline's components (before anything else sees them)."""
+    if quantization:
+        from diffuserve.quant.apply import quantize_components
+
+        quantize_components(components, quantization, device)
+
+
+def _load_diffusers_backend(
+    model_path: Path,
+    spec: Any,
+    torch_device: Any,
+    torch_dtype: Any,
+    placement: Any,
+    suggested: Any,
+    *,
+    quantization: Mapping[str, Any] | None,
+) -> Pipeline:
+    """Any other diffusers pipeline, unmodified (quantized while it loads when the plan says so)."""
+    from diffuserve.pipelines.diffusers_backend import DiffusersBackendPipeline
+
+    check_checkpoint(model_path, spec)
+    if placement not in ("device", "host"):
+        raise ConfigError(
+            f"placement {placement!r}: the diffusers backend loads the whole pipeline at once, "
+            "to the device or to host; meta or per-component placement needs a native family.",
+            param="placement",
+        )
+    try:
+        pipeline = DiffusersBackendPipeline.from_pretrained(
+            model_path,
+            family=spec.family,
+            device=torch_device,
+            dtype=torch_dtype,
+            to_device=placement == "device",
+            # Handed in rather than applied afterwards: the adapter snaps a suggested size to its size
+            # multiple and ignores frames on an image pipeline.
+            suggested_defaults=suggested,
+            quantization=quantization,
+        )
+    except CheckpointError as exc:
+        # Name the class and the way out: a native family under another class name needs --model-id.
+        native = ", ".join(sorted(registry.native_families()))
+        if spec.family in registry.native_families():
+            raise
+        raise CheckpointError(
+            f"{exc.message} Pipeline class {spec.pipeline_class!r} has no native adapter and did not load "
+            f"through the diffusers backend. Native families: {native}; if the checkpoint is one of them "
+            "under another class name, pass --model-id naming it (e.g. --model-id FLUX.1-dev)."
+        ) from exc
+    check_tokenizers(model_path, dict(pipeline.pipe.components))
+    return pipeline
+
+
 def load_pipeline(
     model_path: str | Path,
     *,
@@ -288,6 +342,7 @@ def load_pipeline(
     device: str = "cpu",
     dtype: str = "float32",
     placement: Placement | Mapping[str, Placement] = "device",
+    quantization: Mapping[str, tuple[str, Sequence[str]]] | None = None,
 ) -> Pipeline:
     """Load the checkpoint at `model_path` and return the pipeline that serves it.
 
@@ -295,6 +350,8 @@ def load_pipeline(
     where the pipeline computes; `placement` is where the model components' weights go at load: `device`,
     `host` or `meta` for all, or a mapping from component key to placement (keys it does not name load to
     `host`), e.g. `{"transformer": "meta"}` for FSDP. The diffusers backend takes `device` or `host` only.
+    `quantization` (component -> (method, never-quantize globs), from the plan) quantizes those components' Linear
+    layers as they load (`quant/`).
     Raises CheckpointError (broken folder) or ConfigError (bad flag) with the fix in the message.
     """
     model_path = Path(model_path).expanduser()
@@ -306,12 +363,15 @@ def load_pipeline(
     # defaults on both backends. The loader reads them, so no adapter reaches back into models/.
     if spec.backend == "native" and not spec.components:
         # A native family with its own folder layout (Hunyuan3D-2): the adapter reads the folder itself.
-        return _native_class(spec.family).from_folder(
+        folder_pipeline = _native_class(spec.family).from_folder(
             model_path, model_id=model_id, device=torch_device, dtype=torch_dtype
         )
+        _quantize(folder_pipeline.components, quantization, torch_device)
+        return folder_pipeline
     suggested = registry.read_suggested_defaults(model_path)
     if spec.backend == "native":
         components = load_components(model_path, spec, device=torch_device, dtype=torch_dtype, placement=placement)
+        _quantize(components, quantization, torch_device)
         # Pipeline-level settings of model_index.json (Wan2.2's boundary_ratio, expand_timesteps) ride along
         # with the components, as diffusers passes them to the pipeline's __init__.
         index = registry.read_model_index(model_path)
@@ -324,35 +384,7 @@ def load_pipeline(
         if suggested:
             pipeline.defaults = dataclasses.replace(pipeline.defaults, **suggested)
     else:
-        from diffuserve.pipelines.diffusers_backend import DiffusersBackendPipeline
-
-        check_checkpoint(model_path, spec)
-        if placement not in ("device", "host"):
-            raise ConfigError(
-                f"placement {placement!r}: the diffusers backend loads the whole pipeline at once, "
-                "to the device or to host; meta or per-component placement needs a native family.",
-                param="placement",
-            )
-        try:
-            pipeline = DiffusersBackendPipeline.from_pretrained(
-                model_path,
-                family=spec.family,
-                device=torch_device,
-                dtype=torch_dtype,
-                to_device=placement == "device",
-                # Handed in rather than applied afterwards: the adapter snaps a suggested size to its size
-                # multiple and ignores frames on an image pipeline.
-                suggested_defaults=suggested,
-            )
-        except CheckpointError as exc:
-            # Name the class and the way out: a native family under another class name needs --model-id.
-            native = ", ".join(sorted(registry.native_families()))
-            if spec.family in registry.native_families():
-                raise
-            raise CheckpointError(
-                f"{exc.message} Pipeline class {spec.pipeline_class!r} has no native adapter and did not load "
-                f"through the diffusers backend. Native families: {native}; if the checkpoint is one of them "
-                "under another class name, pass --model-id naming it (e.g. --model-id FLUX.1-dev)."
-            ) from exc
-        check_tokenizers(model_path, dict(pipeline.pipe.components))
+        pipeline = _load_diffusers_backend(
+            model_path, spec, torch_device, torch_dtype, placement, suggested, quantization=quantization
+        )
     return pipeline

@@ -187,14 +187,22 @@ class DiffusersBackendPipeline(Pipeline):
         dtype: torch.dtype,
         to_device: bool = True,
         suggested_defaults: dict[str, Any] | None = None,
+        quantization: Any = None,
     ) -> DiffusersBackendPipeline:
         """Load with `DiffusionPipeline.from_pretrained(..., local_files_only=True)`; `to_device=False` leaves
         the weights on the host for the residency manager to place. `suggested_defaults`: the checkpoint's own
-        (the loader reads them from model_index.json)."""
+        (the loader reads them from model_index.json). `quantization` (component -> (method, never-quantize globs))
+        becomes diffusers' `PipelineQuantizationConfig` (quant/diffusers_config.py)."""
         from diffusers import DiffusionPipeline
 
+        extra: dict[str, Any] = {}
+        if quantization:
+            from diffuserve.quant.diffusers_config import pipeline_quantization_config
+
+            extra["quantization_config"] = pipeline_quantization_config(model_path, quantization, family, device)
+            logger.info("quantization (diffusers backend, torchao): %s", dict(quantization))
         try:
-            pipe = DiffusionPipeline.from_pretrained(model_path, local_files_only=True, dtype=dtype)
+            pipe = DiffusionPipeline.from_pretrained(model_path, local_files_only=True, dtype=dtype, **extra)
         except Exception as exc:  # noqa: BLE001 - every library error becomes one clear start-up error
             raise CheckpointError(
                 f"checkpoint {model_path}: diffusers could not load it ({type(exc).__name__}: {exc})."

@@ -46,8 +46,13 @@ _FLUX2_LAYERS = {
     ),
 }
 
+# FLUX.2's embedders, timestep / guidance embedders, the shared modulation projections and the final layer stay in the
+# compute dtype.
+FLUX2_QUANT_KEEP = ("x_embedder", "context_embedder", "time_guidance_embed.*", "*modulation*", "norm_out.*", "proj_out")
+
 SPECS = (
     FamilySpec(
+        quant_keep=FLUX2_QUANT_KEEP,
         name="flux2",
         text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Mistral3)", 512),),
         pipeline_classes=("Flux2Pipeline",),
@@ -71,6 +76,7 @@ SPECS = (
         tiny_builds={"flux2": "diffuserve.families.flux2.tiny:build_flux2"},
     ),
     FamilySpec(
+        quant_keep=FLUX2_QUANT_KEEP,
         name="flux2_klein",
         text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Qwen3)", 512),),
         pipeline_classes=("Flux2KleinPipeline",),

@@ -9,7 +9,12 @@ LICENSE_NOTE = (
 )
 """Said in the start-up log and the docs."""
 
+# Hunyuan3D-2's input, timestep, condition and guidance embedders and the final layer stay in the compute dtype; the
+# per-block modulation is quantized with per-row scales, as FLUX.1's.
+HUNYUAN3D_QUANT_KEEP = ("latent_in", "time_in.*", "cond_in", "guidance_in.*", "final_layer.*")
+
 SPEC = FamilySpec(
+    quant_keep=HUNYUAN3D_QUANT_KEEP,
     name="hunyuan3d",
     # No diffusers pipeline class: the registry recognises the folder layout (families/hunyuan3d/layout.py).
     pipeline_classes=(),

@@ -66,8 +66,13 @@ def qwen_image_21_defaults(
     return dataclasses.replace(defaults, num_inference_steps=len(sigmas)) if sigmas else defaults
 
 
+# Qwen-Image's input projections, timestep embedder and the final layer stay in the compute dtype; the per-block
+# modulation (`img_mod.1` / `txt_mod.1`, a third of each block's weights) is quantized with per-row scales, as FLUX.1's.
+QWEN_IMAGE_QUANT_KEEP = ("img_in", "txt_in", "time_text_embed.*", "norm_out.*", "proj_out")
+
 SPECS = (
     FamilySpec(
+        quant_keep=QWEN_IMAGE_QUANT_KEEP,
         name="qwen_image",
         text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Qwen2.5-VL)", QWEN_IMAGE_TEXT_TOKENS),),
         pipeline_classes=("QwenImagePipeline",),
@@ -91,6 +96,7 @@ SPECS = (
         tiny_builds={"qwen-image": "diffuserve.families.qwen_image.tiny:build_qwen_image"},
     ),
     FamilySpec(
+        quant_keep=QWEN_IMAGE_QUANT_KEEP,
         name="qwen_image_21",
         text_encoders=(TextEncoderFacts("processor", "text_encoder (Qwen3-VL)", QWEN_IMAGE_21_ROPE_POSITIONS[0] - 1),),
         pipeline_classes=("QwenImage21Pipeline",),

@@ -3,6 +3,7 @@
 from diffuserve.families.base import FamilySpec, SamplingDefaults, TextEncoderFacts
 from diffuserve.families.qwen_image.spec import (
     QWEN_IMAGE_LAYERS,
+    QWEN_IMAGE_QUANT_KEEP,
     QWEN_IMAGE_ROPE_POSITIONS,
     QWEN_PROFILE,
     qwen_image_geometry,
@@ -20,6 +21,7 @@ def qwen_image_edit_max_latent_side(cfg: dict) -> int:
 
 SPECS = (
     FamilySpec(
+        quant_keep=QWEN_IMAGE_QUANT_KEEP,
         name="qwen_image_edit",
         text_encoders=EDIT_TEXT_ENCODERS,
         pipeline_classes=("QwenImageEditPipeline",),
@@ -41,6 +43,7 @@ SPECS = (
         base_family="qwen_image",
     ),
     FamilySpec(
+        quant_keep=QWEN_IMAGE_QUANT_KEEP,
         name="qwen_image_edit_plus",
         text_encoders=EDIT_TEXT_ENCODERS,
         pipeline_classes=("QwenImageEditPlusPipeline",),

@@ -29,7 +29,12 @@ def sana_defaults(defaults: SamplingDefaults, configs: CheckpointConfigs, geomet
     return dataclasses.replace(defaults, width=size, height=size)
 
 
+# SANA's patch embedder, caption projection, timestep embedder (with its AdaLN-single projection) and final projection
+# stay in the compute dtype.
+SANA_QUANT_KEEP = ("patch_embed.*", "caption_projection.*", "time_embed.*", "proj_out")
+
 SPEC = FamilySpec(
+    quant_keep=SANA_QUANT_KEEP,
     name="sana",
     text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Gemma2)", 300),),
     pipeline_classes=("SanaPipeline",),

@@ -35,7 +35,12 @@ def sd3_defaults(defaults: SamplingDefaults, configs: CheckpointConfigs, geometr
     return dataclasses.replace(defaults, width=size, height=size)
 
 
+# SD3's patch and context embedders, timestep / pooled-text embedders and the final layer stay in the compute dtype;
+# the per-block AdaLN projections are quantized with per-row scales, as FLUX.1's.
+SD3_QUANT_KEEP = ("pos_embed.*", "context_embedder", "time_text_embed.*", "norm_out.*", "proj_out")
+
 SPEC = FamilySpec(
+    quant_keep=SD3_QUANT_KEEP,
     name="sd3",
     text_encoders=(
         TextEncoderFacts("tokenizer", "text_encoder (CLIP-L)", 77),

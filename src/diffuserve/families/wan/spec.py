@@ -40,8 +40,14 @@ def wan_geometry(configs: CheckpointConfigs) -> LatentGeometry:
     return LatentGeometry(vae_factor=int(configs["vae"]["scale_factor_spatial"]), patch=int(patch[1]))
 
 
+# Wan's patch embedding and condition embedders (diffusers keeps `time_embedder` in fp32 and skips `condition_embedder`
+# in layer-wise casting) and the final projection stay in the compute dtype; its norms and `scale_shift_table` are no
+# Linear.
+WAN_QUANT_KEEP = ("patch_embedding", "condition_embedder.*", "proj_out")
+
 SPECS = (
     FamilySpec(
+        quant_keep=WAN_QUANT_KEEP,
         name="wan",
         text_encoders=WAN_TEXT_ENCODERS,
         pipeline_classes=("WanPipeline",),
@@ -69,6 +75,7 @@ SPECS = (
         },
     ),
     FamilySpec(
+        quant_keep=WAN_QUANT_KEEP,
         name="wan_i2v",
         text_encoders=WAN_TEXT_ENCODERS,
         pipeline_classes=("WanImageToVideoPipeline",),

@@ -41,7 +41,12 @@ def z_image_defaults(
     return square_default(defaults, geometry, pixels)
 
 
+# Z-Image's timestep and caption embedders (diffusers: precision sensitive), patch embedders, the adaLN modulation and
+# the final layers stay in the compute dtype.
+Z_IMAGE_QUANT_KEEP = ("t_embedder.*", "cap_embedder.*", "all_x_embedder.*", "all_final_layer.*", "*adaLN_modulation*")
+
 SPEC = FamilySpec(
+    quant_keep=Z_IMAGE_QUANT_KEEP,
     name="z_image",
     text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Qwen3)", 512),),
     pipeline_classes=("ZImagePipeline",),
