@@ -220,8 +220,8 @@ def quantize(array: np.ndarray, qtype: str) -> np.ndarray:
 def write_gguf(
     path: Path, sd: dict[str, torch.Tensor], qtype: str, arch: str, *, quantize_filter=None
 ) -> dict[str, str]:
-    """Write `sd` as a GGUF file, 2-D weights in `qtype` where their rows fit its block, else (as llama.cpp's
-    quantizer falls back) Q8_0, else F16; 1-D tensors and others F32. Returns name -> type written."""
+    """Write `sd` as a GGUF file, 2-D `.weight`s in `qtype` where their rows fit its block, else (as llama.cpp's
+    quantizer falls back) Q8_0, else F16; the rest F32. Returns name -> type written."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
@@ -229,7 +229,8 @@ def write_gguf(
     for name, tensor in sd.items():
         array = tensor.detach().float().cpu().numpy()
         chosen = "F32"
-        if array.ndim == 2 and (quantize_filter is None or quantize_filter(name)):
+        # Linear weights only, as community converters do (pad tokens and tables are 2-D parameters too).
+        if array.ndim == 2 and name.endswith(".weight") and (quantize_filter is None or quantize_filter(name)):
             block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0]
             chosen = qtype if array.shape[1] % block == 0 else ("Q8_0" if array.shape[1] % 32 == 0 else "F16")
         types[name] = chosen
@@ -255,15 +256,17 @@ def quantize_shape(shape: tuple[int, ...], qtype) -> tuple[int, ...]:
 
 
 def write_bfl(path: Path, sd: dict[str, torch.Tensor], kind: str, *, quantize_filter=None) -> int:
-    """Write `sd` as Black Forest Labs' fp8r / nvfp4 safetensors: block Linear weights quantized with diffusers'
-    `quantize_fp8r` / `quantize_nvfp4`, the rest in bf16. Returns how many weights were quantized."""
+    """Write `sd` as Black Forest Labs' fp8r / nvfp4 safetensors: the blocks' Linear weights quantized with
+    diffusers' `quantize_fp8r` / `quantize_nvfp4`, the rest (embedders, modulation, final layer) in bf16 as BFL's
+    files keep them. Returns how many weights were quantized."""
     from diffusers.quantizers.bfl.utils import quantize_fp8r, quantize_nvfp4
     from safetensors.torch import save_file
 
     out: dict[str, torch.Tensor] = {}
     count = 0
     for name, tensor in sd.items():
-        fits = tensor.ndim == 2 and name.endswith(".weight") and tensor.shape[1] % 16 == 0
+        in_block = name.startswith(("double_blocks.", "single_blocks."))
+        fits = in_block and tensor.ndim == 2 and name.endswith(".weight") and tensor.shape[1] % 16 == 0
         if fits and (quantize_filter is None or quantize_filter(name)):
             stem = name[: -len(".weight")]
             if kind == "nvfp4":

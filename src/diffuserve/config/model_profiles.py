@@ -52,6 +52,9 @@ class ComponentProfile:
     """Bytes inside the declared layers (0: unknown, estimated from param_bytes)."""
     has_layers: bool = False
     """True when the component declares a layer structure, so layer-wise offload can run on it."""
+    quantization: str = ""
+    """How its weights are stored when pre-quantized: `gguf:Q4_K`, `bfl:nvfp4` (a `--transformer-path` file),
+    `torchao` (a folder whose config.json carries a quantization_config); empty for full precision."""
 
     def layer_bytes(self) -> int:
         """Average bytes of one declared layer (the unit a resident layer set is counted in)."""
@@ -236,6 +239,12 @@ def component_profile(name: str, class_name: str, folder: Path, load_dtype: str 
     tensors: dict[str, int] = {}
     for path in _weight_files(folder):
         tensors.update(read_safetensors_sizes(path, load_dtype))
+    quantization = cfg.get("quantization_config")
+    method = str(quantization.get("quant_method", "?")) if isinstance(quantization, dict) else ""
+    if method and not tensors:
+        # Quantized folders are often saved as pickles (torchao's tensor subclasses): their size on disk is the
+        # quantized size.
+        tensors = {p.name: p.stat().st_size for p in folder.glob("*.bin")}
     paths: list[str] = []
     num_layers = 0
     layers_bytes = 0
@@ -258,6 +267,7 @@ def component_profile(name: str, class_name: str, folder: Path, load_dtype: str 
         num_layers=num_layers,
         layers_bytes=layers_bytes,
         has_layers=num_layers > 0,
+        quantization=method,
     )
 
 

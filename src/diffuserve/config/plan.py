@@ -46,9 +46,15 @@ class ComponentPlan:
     """Layer-wise: lifetime of the resident set."""
     pin_memory: bool = False
     """Keep host copies in pinned memory (CUDA only; ignored on CPU)."""
+    weight_bytes: int = 0
+    """The component's weights once loaded (quantized ones at their stored size), as the plan counted them."""
+    quantization: str = ""
+    """How its weights are stored when pre-quantized (`gguf:Q4_K`, `bfl:nvfp4`, `torchao`); empty: full precision."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "weight_bytes": self.weight_bytes,
+            "quantization": self.quantization or None,
             "name": self.name,
             "group": self.group,
             "mode": self.mode.value,

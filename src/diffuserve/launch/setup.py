@@ -89,16 +89,27 @@ def resolve_deployment(
     hosts: int = 1,
     backend: str = "auto",
     batching_mode: str | None = None,
+    transformer_path: str | None = None,
 ) -> Any:
-    """The plan for a checkpoint from JSON and safetensors headers only (no weights loaded), for the backend
-    `--backend` picks and the batching mode (so `plan` and start-up refuse the same things with the same words)."""
+    """The plan for a checkpoint from JSON and safetensors / GGUF headers only (no weights loaded), for the backend
+    `--backend` picks and the batching mode (so `plan` and start-up refuse the same things with the same words).
+    `transformer_path` (`--transformer-path`): the transformer is counted at that file's bytes and method."""
     from diffuserve.config.deployment import continuous_refusal, resolve
     from diffuserve.config.model_profiles import profile_from_checkpoint
 
     profile = profile_from_checkpoint(model_path, model_id=model_id, load_dtype=dtype, backend=backend)
+    if transformer_path is not None:
+        from diffuserve.models.single_file import with_transformer_file
+
+        profile = with_transformer_file(profile, transformer_path, dtype)
     if batching_mode == "continuous" and not profile.supports_continuous:
         raise continuous_refusal(profile)
-    return resolve(deployment, hardware, profile, hosts=hosts)
+    plan = resolve(deployment, hardware, profile, hosts=hosts)
+    if transformer_path is not None:
+        from diffuserve.models.single_file import check_parallel
+
+        check_parallel(plan, profile.components["transformer"].quantization)
+    return plan
 
 
 def plan_deployment(args: ServerArgs, model_path: Path, device: str, *, log_plan: bool = True) -> ResolvedDeployment:
@@ -116,6 +127,7 @@ def plan_deployment(args: ServerArgs, model_path: Path, device: str, *, log_plan
         hosts=hosts_of(args),
         backend=args.backend,
         batching_mode=str(args.batching_mode),
+        transformer_path=args.transformer_path,
     )
     if log_plan:
         logger.info("deployment plan:\n%s", format_plan(plan))
@@ -172,6 +184,7 @@ def load_serving_pipeline(
         device=device,
         dtype=resolve_dtype(args.dtype, device),
         placement="host",
+        transformer_path=args.transformer_path,
     )
     applied: list[str] = []
     if args.lora.enabled:

@@ -226,7 +226,7 @@ def check_architecture(info: TransformerFile, family: str) -> None:
         )
 
 
-def check_family(family: str, backend: str) -> None:
+def check_family(family: str) -> None:
     """Refuse families whose transformer diffusers cannot load from one file."""
     if family not in SINGLE_FILE_FAMILIES:
         raise ConfigError(
@@ -244,3 +244,28 @@ def profile_component(component: Any, info: TransformerFile, load_dtype: str | N
         layers_bytes=info.layers_bytes(load_dtype) if component.has_layers else 0,
         quantization=info.method,
     )
+
+
+def with_transformer_file(profile: Any, transformer_path: str | Path, load_dtype: str | None) -> Any:
+    """`profile` (a ModelProfile of the base folder) with its transformer counted from the file's header, after the
+    checks that need no weights: a family diffusers loads single files of, and a GGUF file of its architecture."""
+    check_family(profile.family)
+    info = describe_file(transformer_path)
+    check_architecture(info, profile.family)
+    if "transformer" not in profile.components:
+        raise ConfigError(f"{FLAG}: the checkpoint at --model-path has no transformer component.", param="transformer_path")
+    components = dict(profile.components)
+    components["transformer"] = profile_component(components["transformer"], info, load_dtype)
+    return profile.with_components(components)
+
+
+def check_parallel(plan: Any, method: str) -> None:
+    """Refuse the parallel modes that shard weights (TP, FSDP): a file's packed blocks are not plain tensors."""
+    flags = [f for f, on in (("--tp-size", plan.tp_size > 1), ("--use-fsdp-inference", plan.use_fsdp_inference)) if on]
+    if flags:
+        raise ConfigError(
+            f"{FLAG} ({method}) with {' and '.join(flags)}: a pre-quantized transformer file cannot be sharded (its "
+            "packed weights are not plain tensors). Drop the flag; CFG parallel, Ulysses / Ring sequence parallel and "
+            "replicas (--dp-size) keep whole weights on each GPU and do work.",
+            param="transformer_path",
+        )

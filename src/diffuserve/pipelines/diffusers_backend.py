@@ -187,14 +187,16 @@ class DiffusersBackendPipeline(Pipeline):
         dtype: torch.dtype,
         to_device: bool = True,
         suggested_defaults: dict[str, Any] | None = None,
+        components: dict[str, Any] | None = None,
     ) -> DiffusersBackendPipeline:
         """Load with `DiffusionPipeline.from_pretrained(..., local_files_only=True)`; `to_device=False` leaves
         the weights on the host for the residency manager to place. `suggested_defaults`: the checkpoint's own
-        (the loader reads them from model_index.json)."""
+        (the loader reads them from model_index.json). `components`: modules loaded already (a `--transformer-path`
+        transformer), passed to diffusers in place of the folder's."""
         from diffusers import DiffusionPipeline
 
         try:
-            pipe = DiffusionPipeline.from_pretrained(model_path, local_files_only=True, dtype=dtype)
+            pipe = DiffusionPipeline.from_pretrained(model_path, local_files_only=True, dtype=dtype, **(components or {}))
         except Exception as exc:  # noqa: BLE001 - every library error becomes one clear start-up error
             raise CheckpointError(
                 f"checkpoint {model_path}: diffusers could not load it ({type(exc).__name__}: {exc})."
