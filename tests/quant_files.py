@@ -97,7 +97,9 @@ def _z_image_original(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             continue
         key = key.replace("all_final_layer.2-1.", "final_layer.").replace("all_x_embedder.2-1.", "x_embedder.")
         key = key.replace(".attention.to_out.0.", ".attention.out.")
-        key = key.replace(".attention.norm_k.", ".attention.k_norm.").replace(".attention.norm_q.", ".attention.q_norm.")
+        key = key.replace(".attention.norm_k.", ".attention.k_norm.").replace(
+            ".attention.norm_q.", ".attention.q_norm."
+        )
         out[key] = value
     return out
 

@@ -19,7 +19,7 @@ import torch
 from diffuserve.models.loader import load_pipeline
 from diffuserve.sampling import SamplingParams
 from tests.integration.family_checks import max_pixel_diff, row_generators
-from tests.integration.family_conformance import BY_ID, plain_params
+from tests.integration.family_conformance import BY_ID
 from tests.integration.family_references import Subject, outputs_of
 from tests.quant_files import original_layout, write_bfl, write_gguf
 
@@ -31,7 +31,14 @@ FAMILIES = {
     "z-image": ("z_image", "ZImageTransformer2DModel", "ZImagePipeline", "lumina2"),
     "wan": ("wan", "WanTransformer3DModel", "WanPipeline", "wan"),
 }
-FLUX_PARAMS = {"prompt": "a red cat", "width": 64, "height": 64, "num_inference_steps": 3, "seed": 5, "guidance_scale": 3.5}
+FLUX_PARAMS = {
+    "prompt": "a red cat",
+    "width": 64,
+    "height": 64,
+    "num_inference_steps": 3,
+    "seed": 5,
+    "guidance_scale": 3.5,
+}
 MIN_PSNR = {"Q8_0": 30.0, "Q4_K": 22.0}
 
 

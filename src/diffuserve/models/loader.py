@@ -243,7 +243,13 @@ _NO_SHARDING = (
 
 
 def _load_transformer_file(
-    transformer_path: Path, cls: type, model_path: Path, *, placement: Placement, device: torch.device, dtype: torch.dtype
+    transformer_path: Path,
+    cls: type,
+    model_path: Path,
+    *,
+    placement: Placement,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> torch.nn.Module:
     from diffuserve.models.quantized_files import load_transformer_file
     from diffuserve.models.single_file import describe_file
@@ -318,6 +324,46 @@ def _native_class(family: str) -> type:
     return getattr(importlib.import_module(module_name), class_name)
 
 
+def _transformer_file(spec: registry.ModelSpec, transformer_path: str | Path | None) -> Path | None:
+    if transformer_path is None:
+        return None
+    from diffuserve.models.single_file import check_family
+
+    check_family(spec.family)
+    return Path(transformer_path).expanduser()
+
+
+def _backend_preloaded(
+    model_path: Path,
+    spec: registry.ModelSpec,
+    transformer_file: Path | None,
+    placement: Placement | Mapping[str, Placement],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
+    """The diffusers backend's checks, and the modules it is handed rather than loading (a --transformer-path)."""
+    classes = check_checkpoint(
+        model_path, spec, replaced=frozenset({"transformer"} if transformer_file is not None else ())
+    )
+    if placement not in ("device", "host"):
+        raise ConfigError(
+            f"placement {placement!r}: the diffusers backend loads the whole pipeline at once, "
+            "to the device or to host; meta or per-component placement needs a native family.",
+            param="placement",
+        )
+    preloaded = {}
+    if transformer_file is not None:
+        preloaded["transformer"] = _load_transformer_file(
+            transformer_file,
+            classes["transformer"],
+            model_path,
+            placement=placement,
+            device=device,
+            dtype=dtype,
+        )
+    return preloaded
+
+
 def load_pipeline(
     model_path: str | Path,
     *,
@@ -330,24 +376,17 @@ def load_pipeline(
 ) -> Pipeline:
     """Load the checkpoint at `model_path` and return the pipeline that serves it.
 
-    `transformer_path` (`--transformer-path`): the denoiser comes from that single file (GGUF, BFL fp8r / NVFP4,
-    plain safetensors) over the folder's transformer config, on either backend.
-
     `backend` is auto | native | diffusers (auto = native when the family has an adapter). `device` is
     where the pipeline computes; `placement` is where the model components' weights go at load: `device`,
     `host` or `meta` for all, or a mapping from component key to placement (keys it does not name load to
-    `host`), e.g. `{"transformer": "meta"}` for FSDP. The diffusers backend takes `device` or `host` only.
+    `host`), e.g. `{"transformer": "meta"}` for FSDP. `transformer_path`: the denoiser from that single file. The diffusers backend takes `device` or `host` only.
     Raises CheckpointError (broken folder) or ConfigError (bad flag) with the fix in the message.
     """
     model_path = Path(model_path).expanduser()
     torch_dtype = parse_dtype(dtype)
     torch_device = parse_device(device)
     spec = registry.resolve(model_path, model_id=model_id, backend=backend)
-    transformer_file = Path(transformer_path).expanduser() if transformer_path is not None else None
-    if transformer_file is not None:
-        from diffuserve.models.single_file import check_family
-
-        check_family(spec.family)
+    transformer_file = _transformer_file(spec, transformer_path)  # a refused family fails before any loading
     logger.info("Loading %s (%s, family=%s, backend=%s)", model_path, spec.pipeline_class, spec.family, spec.backend)
     # A checkpoint's own suggestions (tiny test models: `_diffuserve_defaults`) beat the family's published
     # defaults on both backends. The loader reads them, so no adapter reaches back into models/.
@@ -380,21 +419,7 @@ def load_pipeline(
     else:
         from diffuserve.pipelines.diffusers_backend import DiffusersBackendPipeline
 
-        classes = check_checkpoint(
-            model_path, spec, replaced=frozenset({"transformer"} if transformer_file is not None else ())
-        )
-        if placement not in ("device", "host"):
-            raise ConfigError(
-                f"placement {placement!r}: the diffusers backend loads the whole pipeline at once, "
-                "to the device or to host; meta or per-component placement needs a native family.",
-                param="placement",
-            )
-        preloaded = {}
-        if transformer_file is not None:
-            preloaded["transformer"] = _load_transformer_file(
-                transformer_file, classes["transformer"], model_path, placement=placement, device=torch_device,
-                dtype=torch_dtype,
-            )
+        preloaded = _backend_preloaded(model_path, spec, transformer_file, placement, torch_device, torch_dtype)
         try:
             pipeline = DiffusersBackendPipeline.from_pretrained(
                 model_path,

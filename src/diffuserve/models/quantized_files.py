@@ -48,7 +48,10 @@ def _meta_model(cls: type, config_dir: Path) -> torch.nn.Module:
 def _converted_shapes(info: TransformerFile, cls: type, config: dict[str, Any], expected: set[str]) -> dict[str, Any]:
     """The file's tensors as diffusers' single-file loading would name them (meta tensors, logical shapes)."""
     import torch
-    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES, _get_single_file_loadable_mapping_class
+    from diffusers.loaders.single_file_model import (
+        SINGLE_FILE_LOADABLE_CLASSES,
+        _get_single_file_loadable_mapping_class,
+    )
 
     checkpoint = {
         name: torch.empty(t.shape, device="meta")
@@ -113,8 +116,10 @@ def execution_note(info: TransformerFile, device: torch.device) -> str:
 
         if cuda and capability[0] >= 10 and is_flashinfer_available():
             return "NVFP4 GEMM through FlashInfer (Blackwell)"
-        why = "no CUDA device" if not cuda else f"sm{capability[0]}{capability[1]}" + (
-            "" if capability[0] >= 10 else " is not Blackwell"
+        why = (
+            "no CUDA device"
+            if not cuda
+            else f"sm{capability[0]}{capability[1]}" + ("" if capability[0] >= 10 else " is not Blackwell")
         )
         if cuda and capability[0] >= 10:
             why = "FlashInfer is not installed"
@@ -141,7 +146,12 @@ def load_transformer_file(
     kwargs: dict[str, Any] = {"quantization_config": quantization} if quantization is not None else {}
     try:
         module = cls.from_single_file(
-            str(info.path), config=str(base), subfolder="transformer", torch_dtype=dtype, local_files_only=True, **kwargs
+            str(info.path),
+            config=str(base),
+            subfolder="transformer",
+            torch_dtype=dtype,
+            local_files_only=True,
+            **kwargs,
         )
     except ConfigError:
         raise

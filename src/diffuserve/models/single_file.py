@@ -253,7 +253,9 @@ def with_transformer_file(profile: Any, transformer_path: str | Path, load_dtype
     info = describe_file(transformer_path)
     check_architecture(info, profile.family)
     if "transformer" not in profile.components:
-        raise ConfigError(f"{FLAG}: the checkpoint at --model-path has no transformer component.", param="transformer_path")
+        raise ConfigError(
+            f"{FLAG}: the checkpoint at --model-path has no transformer component.", param="transformer_path"
+        )
     components = dict(profile.components)
     components["transformer"] = profile_component(components["transformer"], info, load_dtype)
     return profile.with_components(components)

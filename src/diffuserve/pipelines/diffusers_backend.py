@@ -196,7 +196,9 @@ class DiffusersBackendPipeline(Pipeline):
         from diffusers import DiffusionPipeline
 
         try:
-            pipe = DiffusionPipeline.from_pretrained(model_path, local_files_only=True, dtype=dtype, **(components or {}))
+            pipe = DiffusionPipeline.from_pretrained(
+                model_path, local_files_only=True, dtype=dtype, **(components or {})
+            )
         except Exception as exc:  # noqa: BLE001 - every library error becomes one clear start-up error
             raise CheckpointError(
                 f"checkpoint {model_path}: diffusers could not load it ({type(exc).__name__}: {exc})."
