@@ -147,3 +147,13 @@ def test_bfl_flux2_native_equals_diffusers(kind, base_of, quant_file) -> None:
     params = params_for(name, native)
     ours = outputs_of(native, native.run([params]).outputs[0])
     assert max_pixel_diff(ours, diffusers_reference(name, base, file, kind, native, params)) <= 1
+
+
+def test_the_diffusers_backend_takes_the_file_too(base_of, quant_file) -> None:
+    base, file = base_of("flux"), quant_file("flux", "Q8_0")
+    backend = load_pipeline(base, backend="diffusers", transformer_path=file)
+    assert any(type(m).__name__ == "GGUFLinear" for m in backend.pipe.transformer.modules())
+    native = load_pipeline(base, transformer_path=file)
+    params = SamplingParams(**FLUX_PARAMS)
+    ours = outputs_of(backend, backend.run([params]).outputs[0])
+    assert max_pixel_diff(ours, outputs_of(native, native.run([params]).outputs[0])) <= 1
