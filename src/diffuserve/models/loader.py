@@ -379,8 +379,8 @@ def load_pipeline(
     `backend` is auto | native | diffusers (auto = native when the family has an adapter). `device` is
     where the pipeline computes; `placement` is where the model components' weights go at load: `device`,
     `host` or `meta` for all, or a mapping from component key to placement (keys it does not name load to
-    `host`), e.g. `{"transformer": "meta"}` for FSDP. The diffusers backend takes `device` or `host` only.
-    `transformer_path`: the denoiser from that single file. Raises CheckpointError (broken folder) or ConfigError (bad flag) with the fix in the message.
+    `host`), e.g. `{"transformer": "meta"}` for FSDP (diffusers backend: `device` or `host` only).
+    `transformer_path`: the denoiser from that single file. Raises CheckpointError / ConfigError with the fix.
     """
     model_path = Path(model_path).expanduser()
     torch_dtype = parse_dtype(dtype)
