@@ -157,3 +157,42 @@ def test_the_diffusers_backend_takes_the_file_too(base_of, quant_file) -> None:
     params = SamplingParams(**FLUX_PARAMS)
     ours = outputs_of(backend, backend.run([params]).outputs[0])
     assert max_pixel_diff(ours, outputs_of(native, native.run([params]).outputs[0])) <= 1
+
+
+def test_a_torchao_quantized_folder_loads_with_model_path_alone(tiny_flux_path: Path, tmp_path: Path, capsys) -> None:
+    """A diffusers folder whose transformer config carries a torchao quantization_config: loaded as diffusers
+    loads it (equal images), named `torchao` in the plan, counted at its stored size."""
+    import json
+    import shutil
+
+    import diffusers
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    from diffuserve import cli
+
+    folder = Path(shutil.copytree(tiny_flux_path, tmp_path / "flux-int8"))
+    shutil.rmtree(folder / "transformer")
+    quantized = diffusers.FluxTransformer2DModel.from_pretrained(
+        tiny_flux_path / "transformer", quantization_config=diffusers.TorchAoConfig(Int8WeightOnlyConfig())
+    )
+    quantized.save_pretrained(folder / "transformer", safe_serialization=False)  # torchao's tensors pickle only
+    native = load_pipeline(folder)
+    assert type(native.transformer.transformer_blocks[0].attn.to_q.weight).__name__ == "Int8Tensor"
+    params = SamplingParams(**FLUX_PARAMS)
+    ours = outputs_of(native, native.run([params]).outputs[0])
+    reference = diffusers.FluxPipeline.from_pretrained(folder, local_files_only=True)
+    reference.set_progress_bar_config(disable=True)
+    theirs = reference(
+        params.prompt,
+        width=params.width,
+        height=params.height,
+        num_inference_steps=params.num_inference_steps,
+        guidance_scale=params.guidance_scale,
+        max_sequence_length=reference.tokenizer_2.model_max_length,
+        generator=row_generators(params.seed, params.n),
+    ).images
+    assert max_pixel_diff(ours, theirs) <= 1
+    assert cli.main(["plan", "--model-path", str(folder), "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["components"]["transformer"]
+    assert planned["quantization"] == "torchao"
+    assert planned["weight_bytes"] == (folder / "transformer" / "diffusion_pytorch_model.bin").stat().st_size
