@@ -148,3 +148,16 @@ def test_a_server_over_a_gguf_file_says_its_method_and_serves(tiny_flux_path: Pa
         assert image.size == (64, 64)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("flag", [("--tp-size", "2"), ("--use-fsdp-inference",)])
+def test_sharding_a_quantized_file_is_refused_naming_the_flag(
+    capsys, tiny_flux_path: Path, tmp_path: Path, flag
+) -> None:
+    import diffusers
+
+    sd = diffusers.FluxTransformer2DModel.from_pretrained(tiny_flux_path / "transformer").state_dict()
+    write_gguf(tmp_path / "flux.gguf", original_layout("flux", sd), "Q8_0", "flux")
+    argv = ["plan", "--model-path", str(tiny_flux_path), "--transformer-path", str(tmp_path / "flux.gguf")]
+    code, _, err = _run(capsys, *argv, "--num-gpus", "2", "--gpu-memory-gib", "80", *flag)
+    assert code == 2 and flag[0] in err and "cannot be sharded" in err

@@ -267,7 +267,8 @@ def check_parallel(plan: Any, method: str) -> None:
     if flags:
         raise ConfigError(
             f"{FLAG} ({method}) with {' and '.join(flags)}: a pre-quantized transformer file cannot be sharded (its "
-            "packed weights are not plain tensors). Drop the flag; CFG parallel, Ulysses / Ring sequence parallel and "
-            "replicas (--dp-size) keep whole weights on each GPU and do work.",
+            "packed weights are not plain tensors). Drop the flag (pass --use-fsdp-inference false where the "
+            "performance mode chose FSDP); CFG parallel, Ulysses / Ring sequence parallel and replicas (--dp-size) "
+            "keep whole weights on each GPU and do work.",
             param="transformer_path",
         )
