@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from diffuserve.models.loader import load_pipeline
+from diffuserve.models.single_file import describe_file
 from diffuserve.sampling import SamplingParams
 from tests.integration.family_checks import max_pixel_diff, row_generators
 from tests.integration.family_conformance import BY_ID
@@ -144,6 +145,8 @@ def test_bfl_flux2_native_equals_diffusers(kind, base_of, quant_file) -> None:
     native = load_pipeline(base, transformer_path=file)
     expected = "BFLNVFP4Linear" if kind == "nvfp4" else "BFLFP8RLinear"
     assert any(type(m).__name__ == expected for m in native.transformer.modules())
+    held = sum(t.numel() * t.element_size() for t in [*native.transformer.parameters(), *native.transformer.buffers()])
+    assert describe_file(file).loaded_bytes("float32") == held  # what the plan counts is what loads
     params = params_for(name, native)
     ours = outputs_of(native, native.run([params]).outputs[0])
     assert max_pixel_diff(ours, diffusers_reference(name, base, file, kind, native, params)) <= 1

@@ -24,14 +24,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diffuserve.errors import ConfigError
-from diffuserve.models.single_file import FLAG, TransformerFile
+from diffuserve.models.single_file import BFL_SCALES, FLAG, TransformerFile
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
-
-_BFL_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")
 
 
 def _error(message: str) -> ConfigError:
@@ -56,7 +54,7 @@ def _converted_shapes(info: TransformerFile, cls: type, config: dict[str, Any], 
     checkpoint = {
         name: torch.empty(t.shape, device="meta")
         for name, t in info.tensors.items()
-        if not (info.format == "bfl" and name.endswith(_BFL_SCALE_SUFFIXES))
+        if not (info.format == "bfl" and name.endswith(BFL_SCALES))
     }
     if set(checkpoint) == expected:
         return checkpoint  # already in diffusers' layout: from_single_file does not convert it either

@@ -37,6 +37,7 @@ _MAX_HEADER_BYTES = 100 * 1024 * 1024
 _LOAD_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _SAFETENSORS_FLOATS = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 _GGUF_FLOATS = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+BFL_SCALES = (".weight_scale", ".weight_scale_2", ".input_scale")
 _DTYPE_NAMES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "F64": "fp64"}
 
 GGUF_ARCHITECTURES: dict[str, tuple[str, ...]] = {
@@ -91,16 +92,18 @@ class TransformerFile:
     """GGUF / BFL: quantized type -> number of tensors in it (a file mixes types, e.g. Q4_K with Q6_K)."""
 
     def loaded_bytes(self, load_dtype: str | None) -> int:
-        """Bytes of the weights once loaded: quantized tensors as stored, floating-point ones at `load_dtype`."""
-        return sum(self._loaded(t, load_dtype) for t in self.tensors.values())
+        """Bytes of the weights once loaded: quantized tensors and their scales as stored, other floating-point
+        ones at `load_dtype`."""
+        return sum(self._loaded(n, t, load_dtype) for n, t in self.tensors.items())
 
     def layers_bytes(self, load_dtype: str | None) -> int:
         """The part of `loaded_bytes` inside numbered blocks (what layer-wise offload streams)."""
-        return sum(self._loaded(t, load_dtype) for n, t in self.tensors.items() if _BLOCK_CONTAINERS.match(n))
+        return sum(self._loaded(n, t, load_dtype) for n, t in self.tensors.items() if _BLOCK_CONTAINERS.match(n))
 
-    def _loaded(self, tensor: FileTensor, load_dtype: str | None) -> int:
+    def _loaded(self, name: str, tensor: FileTensor, load_dtype: str | None) -> int:
         size = (_GGUF_FLOATS if self.format == "gguf" else _SAFETENSORS_FLOATS).get(tensor.kind)
-        if size is None or load_dtype is None:
+        keeps_dtype = self.format == "bfl" and name.endswith(BFL_SCALES)  # BFL's scales stay fp32 / fp8
+        if size is None or load_dtype is None or keeps_dtype:
             return tensor.stored_bytes
         return tensor.stored_bytes // size * _LOAD_SIZES[load_dtype]
 
