@@ -28,7 +28,7 @@ def gguf_36m(flux36m: Path, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gguf-36m")
     sd = diffusers.FluxTransformer2DModel.from_pretrained(flux36m / "transformer").state_dict()
     files = {}
-    for kind in ("Q8_0", "Q4_K"):
+    for kind in ("Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q4_0"):
         files[kind] = root / f"flux-36m-{kind}.gguf"
         write_gguf(files[kind], original_layout("flux", sd), kind, "flux")
     return files
@@ -69,6 +69,38 @@ def test_auto_decides_from_the_quantized_bytes(capsys, flux36m, gguf_36m) -> Non
     bf16 = _plan(capsys, flux36m, *budget)["components"]["transformer"]
     q4 = _plan(capsys, flux36m, *budget, "--transformer-path", str(gguf_36m["Q4_K"]))["components"]["transformer"]
     assert (bf16["mode"], q4["mode"]) == ("layerwise-offload", "component-offload")
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K", "Q4_0"])
+def test_other_gguf_types_equal_diffusers_loading(flux36m: Path, gguf_36m: dict[str, Path], kind: str) -> None:
+    """The other common types on the 36M FLUX (rows of 512 / 2048: every Linear takes the K-quant blocks)."""
+    import diffusers
+
+    from diffuserve.sampling import SamplingParams
+    from tests.integration.family_checks import max_pixel_diff, row_generators
+
+    native = load_pipeline(flux36m, transformer_path=gguf_36m[kind])
+    params = SamplingParams(prompt="a red cat", width=64, height=64, num_inference_steps=2, seed=3, guidance_scale=3.5)
+    ours = native.run([params]).outputs[0].images
+    transformer = diffusers.FluxTransformer2DModel.from_single_file(
+        str(gguf_36m[kind]),
+        config=str(flux36m),
+        subfolder="transformer",
+        quantization_config=diffusers.GGUFQuantizationConfig(compute_dtype=torch.float32),
+        local_files_only=True,
+    )
+    pipe = diffusers.FluxPipeline.from_pretrained(flux36m, transformer=transformer, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    theirs = pipe(
+        params.prompt,
+        width=64,
+        height=64,
+        num_inference_steps=2,
+        guidance_scale=3.5,
+        max_sequence_length=pipe.tokenizer_2.model_max_length,
+        generator=row_generators(3, 1),
+    ).images
+    assert max_pixel_diff(ours, theirs) <= 1
 
 
 # -- bad input: exit 2, naming the flag or the file ------------------------------------------------------------
