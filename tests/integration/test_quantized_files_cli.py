@@ -139,16 +139,19 @@ def test_a_file_that_does_not_fit_the_config_names_the_tensor(capsys, tiny_check
     assert "transformer_blocks.0.attn.to_out.0.weight" in err and "[32, 64]" in err and "[32, 32]" in err
 
 
-def test_a_quantized_folder_diffusers_cannot_load_exits_2(capsys, tiny_flux_path: Path, tmp_path: Path) -> None:
-    folder = Path(shutil.copytree(tiny_flux_path, tmp_path / "modelopt"))
+@pytest.mark.parametrize(
+    ("method", "says"), [("modelopt", "compute only on CUDA"), ("no-such-method", "diffusers cannot load here")]
+)
+def test_a_quantized_folder_diffusers_cannot_load_exits_2(capsys, tiny_flux_path: Path, tmp_path: Path, method, says):
+    folder = Path(shutil.copytree(tiny_flux_path, tmp_path / "quantized"))
     config_path = folder / "transformer" / "config.json"
     config = json.loads(config_path.read_text())
-    config["quantization_config"] = {"quant_method": "modelopt", "quant_type": "FP8"}
+    config["quantization_config"] = {"quant_method": method, "quant_type": "FP8"}
     config_path.write_text(json.dumps(config))
     argv = ["generate", "--model-path", str(folder), "--prompt", "x", "--output-path", str(tmp_path / "out")]
     code, _, err = _run(capsys, *argv)
     assert code == 2, err
-    assert "quantization_config" in err and "'modelopt'" in err and str(config_path) in err
+    assert f"'{method}'" in err and says in err and str(config_path) in err
 
 
 def test_a_server_over_a_gguf_file_says_its_method_and_serves(tiny_flux_path: Path, tmp_path: Path) -> None:

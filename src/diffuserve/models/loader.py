@@ -220,7 +220,7 @@ def _load_module(
     if folder.name == "transformer":
         from diffuserve.models.quantized_files import check_folder_quantization
 
-        method = check_folder_quantization(folder, dtype)
+        method = check_folder_quantization(folder, dtype, device)
         if method is not None:
             if placement == "meta":
                 raise ConfigError(_NO_SHARDING.format(what=f"a {method}-quantized transformer"), param="placement")

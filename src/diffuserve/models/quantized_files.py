@@ -177,12 +177,20 @@ def folder_quantization(folder: Path) -> dict[str, Any] | None:
     return quantization if isinstance(quantization, dict) else None
 
 
-def check_folder_quantization(folder: Path, dtype: torch.dtype) -> str | None:
+def check_folder_quantization(folder: Path, dtype: torch.dtype, device: torch.device) -> str | None:
     """The method of a quantized diffusers folder, refusing (before loading) one diffusers cannot load here."""
     quantization = folder_quantization(folder)
     if quantization is None:
         return None
     method = str(quantization.get("quant_method", "?"))
+    if method == "modelopt" and device.type != "cuda":
+        # Measured with nvidia-modelopt 0.37: a saved FP8 folder loads as plain Linears holding float8 weights,
+        # whose forward fails on a CPU ("self and mat2 must have the same dtype").
+        raise ConfigError(
+            f"--model-path: {folder / 'config.json'} is ModelOpt-quantized (quant_method 'modelopt'); its layers "
+            "compute only on CUDA. Serve it with --device cuda, or use a GGUF / torchao checkpoint on this device.",
+            param="model_path",
+        )
     from diffusers.quantizers.auto import DiffusersAutoQuantizer
 
     try:
