@@ -27,6 +27,7 @@ from tests.quant_files import original_layout, write_bfl, write_gguf
 FAMILIES = {
     # case id / tiny name: (family, transformer class, diffusers pipeline class, GGUF architecture)
     "flux": ("flux", "FluxTransformer2DModel", "FluxPipeline", "flux"),
+    "flux2": ("flux2", "Flux2Transformer2DModel", "Flux2Pipeline", "flux2"),
     "flux2-klein": ("flux2_klein", "Flux2Transformer2DModel", "Flux2KleinPipeline", "flux2"),
     "qwen-image": ("qwen_image", "QwenImageTransformer2DModel", "QwenImagePipeline", "qwen_image"),
     "z-image": ("z_image", "ZImageTransformer2DModel", "ZImagePipeline", "lumina2"),
@@ -122,7 +123,7 @@ def diffusers_reference(name: str, base: Path, file: Path, kind: str, native, pa
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n != "flux2"])  # FLUX.2's transformer: Klein covers it
 def test_gguf_native_equals_diffusers_and_stays_close(name, kind, base_of, quant_file) -> None:
     base, file = base_of(name), quant_file(name, kind)
     native = load_pipeline(base, transformer_path=file)
@@ -138,9 +139,10 @@ def test_gguf_native_equals_diffusers_and_stays_close(name, kind, base_of, quant
 
 
 @pytest.mark.parametrize("kind", ["fp8r", "nvfp4"])
-def test_bfl_flux2_native_equals_diffusers(kind, base_of, quant_file) -> None:
-    """The FLUX.2-dev-NVFP4 row on a CPU: BFL's layout, each layer dequantized for its matmul."""
-    name = "flux2-klein"
+@pytest.mark.parametrize("name", ["flux2", "flux2-klein"])
+def test_bfl_flux2_native_equals_diffusers(name, kind, base_of, quant_file) -> None:
+    """The FLUX.2-dev-NVFP4 row on a CPU (tiny FLUX.2-dev and Klein): BFL's layout, each layer dequantized for its
+    matmul."""
     base, file = base_of(name), quant_file(name, kind)
     native = load_pipeline(base, transformer_path=file)
     expected = "BFLNVFP4Linear" if kind == "nvfp4" else "BFLFP8RLinear"
