@@ -53,10 +53,10 @@ class ComponentPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "weight_bytes": self.weight_bytes,
-            "quantization": self.quantization or None,
             "name": self.name,
             "group": self.group,
+            "weight_bytes": self.weight_bytes,
+            "quantization": self.quantization or None,
             "mode": self.mode.value,
             "prefetch_size": self.prefetch_size,
             "resident_layers": self.resident_layers,
