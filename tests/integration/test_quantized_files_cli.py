@@ -196,3 +196,20 @@ def test_sharding_a_quantized_file_is_refused_naming_the_flag(
     argv = ["plan", "--model-path", str(tiny_flux_path), "--transformer-path", str(tmp_path / "flux.gguf")]
     code, _, err = _run(capsys, *argv, "--num-gpus", "2", "--gpu-memory-gib", "80", *flag)
     assert code == 2 and flag[0] in err and "cannot be sharded" in err
+
+
+def test_the_base_folder_needs_no_transformer_weights(capsys, tiny_flux_path: Path, tmp_path: Path) -> None:
+    """Users download the file and the base repo without its (large) transformer weights."""
+    import diffusers
+
+    sd = diffusers.FluxTransformer2DModel.from_pretrained(tiny_flux_path / "transformer").state_dict()
+    write_gguf(tmp_path / "flux.gguf", original_layout("flux", sd), "Q8_0", "flux")
+    base = Path(shutil.copytree(tiny_flux_path, tmp_path / "base"))
+    for weights in (base / "transformer").glob("*.safetensors"):
+        weights.unlink()
+    flags = ["--model-path", str(base), "--transformer-path", str(tmp_path / "flux.gguf")]
+    assert _plan(capsys, base, *flags[2:])["components"]["transformer"]["weight_bytes"] > 0
+    argv = ["generate", *flags, "--prompt", "a cat", "--num-inference-steps", "2", "--output-path", str(tmp_path / "o")]
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    assert Path(out.strip().splitlines()[-1]).is_file()
