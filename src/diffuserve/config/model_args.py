@@ -46,6 +46,7 @@ class ModelArgs:
         "safetensors file. Quantized weights stay quantized in memory.",
         MODEL_GROUP,
         commands=_ALL,
+        per_command={"plan": {"help": "A pre-quantized transformer file, counted at its bytes.", "group": None}},
     )
     """A pre-quantized transformer file (`models/single_file.py` reads its header; `models/quantized_files.py`
     loads it with diffusers' GGUF / BFL quantizers). None: the folder's own transformer."""
