@@ -460,7 +460,9 @@ def _main(argv: list[str] | None) -> int:
             from diffuserve.config.model_args import ModelArgs
             from diffuserve.generate import print_plan
 
-            ModelArgs(model_path=values.get("model_path")).check_files()  # serve's message and exit code (2)
+            ModelArgs(
+                model_path=values.get("model_path"), transformer_path=values.get("transformer_path")
+            ).check_files()  # serve's message and exit code (2)
 
             return print_plan(values)
         args = _server_args(values, getattr(ns, "config", None))

@@ -483,6 +483,7 @@ def print_plan(values: dict[str, Any]) -> int:
         backend=values.get("backend", "auto"),
         batching_mode=values.get("batching_mode"),
         quant=quant,
+        transformer_path=values.get("transformer_path"),
     )
     print(json.dumps(plan.to_dict(), indent=2) if values.get("json") else format_plan(plan))
     return 0

@@ -264,7 +264,9 @@ def _plan_components(
     # Pinning is a CUDA feature; with CUDA it is on unless the user turned it off.
     pin = hardware.device_kind == "cuda" and args.pin_cpu_memory is not False
     for name, comp in profile.components.items():
-        cp = ComponentPlan(name=name, group=comp.group, mode=modes[name])
+        cp = ComponentPlan(
+            name=name, group=comp.group, mode=modes[name], weight_bytes=comp.param_bytes, prequantized=comp.prequantized
+        )
         plan.components[name] = cp
         layerwise = cp.mode is ResidencyMode.LAYERWISE_OFFLOAD
         for chosen in (counts.get(name), lifetimes.get(name)):
@@ -440,15 +442,29 @@ def brief_plan(plan: DeploymentPlan) -> str:
     return f"deployment plan: {modes}; num_gpus={plan.num_gpus} compile={compile_} (the whole: `diffuserve plan`)"
 
 
+def _weights_cell(component: Any) -> str:
+    """`1.2 GiB`, or `310.4 MiB gguf:Q4_K` for pre-quantized weights."""
+    size = float(component.weight_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            break
+        size /= 1024
+    text = f"{size:.0f} B" if unit == "B" else f"{size:.1f} {unit}"
+    return f"{text} {component.prequantized}" if component.prequantized else text
+
+
 def format_plan(plan: DeploymentPlan) -> str:
     """A human table of the plan (what `diffuserve plan` prints and start-up logs)."""
-    rows = [("component", "group", "mode", "prefetch", "resident layers", "lifetime", "pinned", "quantization")]
+    rows = [
+        ("component", "group", "weights", "mode", "prefetch", "resident layers", "lifetime", "pinned", "quantization")
+    ]
     for c in plan.components.values():
         layerwise = c.mode is ResidencyMode.LAYERWISE_OFFLOAD
         rows.append(
             (
                 c.name,
                 c.group,
+                _weights_cell(c),
                 c.mode.value,
                 str(c.prefetch_size) if layerwise else "-",
                 str(c.resident_layers) if layerwise else "-",

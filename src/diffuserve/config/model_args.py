@@ -39,6 +39,17 @@ class ModelArgs:
         },
     )
     """Registry hint; also the public name when --served-model-name is unset."""
+    transformer_path: str | None = flag(
+        None,
+        "Load the denoiser from this single file over --model-path's folder (its config, encoders and VAE): a GGUF "
+        "file (Q8_0, Q6_K, Q5_K, Q4_K, Q4_0, ...), Black Forest Labs' fp8r / NVFP4 safetensors, or a plain "
+        "safetensors file. Quantized weights stay quantized in memory.",
+        MODEL_GROUP,
+        commands=_ALL,
+        per_command={"plan": {"help": "A pre-quantized transformer file, counted at its bytes.", "group": None}},
+    )
+    """A pre-quantized transformer file (`models/single_file.py` reads its header; `models/quantized_files.py`
+    loads it with diffusers' GGUF / BFL quantizers). None: the folder's own transformer."""
     served_model_name: str | None = flag(
         None,
         "Public model name in /v1/models and responses (default: --model-id, then the --model-path folder's name).",
@@ -110,3 +121,20 @@ class ModelArgs:
                 f"--model-path: {self.model_path!r} is not a folder. Give a diffusers-format checkpoint folder (with "
                 "model_index.json), or omit the flag to use the embedded default model."
             )
+        if self.transformer_path is not None:
+            if self.model_path is None:
+                raise ConfigError(
+                    "--transformer-path needs --model-path: the base diffusers folder gives the transformer's "
+                    "config, the text encoders and the VAE.",
+                    param="transformer_path",
+                )
+            path = Path(self.transformer_path).expanduser()
+            try:
+                with path.open("rb") as f:
+                    f.read(4)  # its format is read at plan time (models/single_file.py)
+            except OSError as exc:
+                raise ConfigError(
+                    f"--transformer-path: {self.transformer_path!r} cannot be read ({exc.strerror or exc}); give a "
+                    ".gguf or .safetensors transformer file.",
+                    param="transformer_path",
+                ) from exc

@@ -55,6 +55,9 @@ class ComponentProfile:
     unquantized_bytes: int = 0
     """A quantized component (`--quantization`): its bytes at the load dtype, before quantization (`param_bytes`
     is then its quantized size); 0 for a component that is not quantized."""
+    prequantized: str = ""
+    """How its weights are stored when pre-quantized: `gguf:Q4_K`, `bfl:nvfp4` (a `--transformer-path` file),
+    `torchao` (a folder whose config.json carries a quantization_config); empty for full precision."""
 
     def layer_bytes(self) -> int:
         """Average bytes of one declared layer (the unit a resident layer set is counted in)."""
@@ -253,6 +256,12 @@ def component_profile(
     tensors: dict[str, int] = {}
     for path in _weight_files(folder):
         tensors.update(read_safetensors_sizes(path, load_dtype, resize))
+    quantization = cfg.get("quantization_config")
+    method = str(quantization.get("quant_method", "?")) if isinstance(quantization, dict) else ""
+    if method and not tensors:
+        # Quantized folders are often saved as pickles (torchao's tensor subclasses): their size on disk is the
+        # quantized size.
+        tensors = {p.name: p.stat().st_size for p in folder.glob("*.bin")}
     paths: list[str] = []
     num_layers = 0
     layers_bytes = 0
@@ -275,6 +284,7 @@ def component_profile(
         num_layers=num_layers,
         layers_bytes=layers_bytes,
         has_layers=num_layers > 0,
+        prequantized=method,
     )
 
 

@@ -50,17 +50,22 @@ class ComponentPlan:
     """The online quantization method of its Linear layers (fp8 | int8 | int8-dynamic), None: the compute dtype."""
     quant_keep: tuple[str, ...] = ()
     """Quantized component: module-name globs kept in the compute dtype (`config/quantization.py`)."""
+    weight_bytes: int = 0
+    """The component's weights once loaded (quantized ones at their stored size), as the plan counted them."""
+    prequantized: str = ""
+    """How its weights are stored when pre-quantized (`gguf:Q4_K`, `bfl:nvfp4`, `torchao`); empty: as loaded."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "group": self.group,
+            "weight_bytes": self.weight_bytes,
+            "quantization": self.quantization or self.prequantized or None,
             "mode": self.mode.value,
             "prefetch_size": self.prefetch_size,
             "resident_layers": self.resident_layers,
             "lifetime": self.lifetime.value,
             "pin_memory": self.pin_memory,
-            "quantization": self.quantization,
         }
 
 

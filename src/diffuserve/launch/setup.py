@@ -91,21 +91,39 @@ def resolve_deployment(
     backend: str = "auto",
     batching_mode: str | None = None,
     quant: Any = None,
+    transformer_path: str | None = None,
 ) -> Any:
-    """The plan for a checkpoint from JSON and safetensors headers only (no weights loaded), for the backend
+    """The plan for a checkpoint from JSON and safetensors / GGUF headers only (no weights loaded), for the backend
     `--backend` picks, the batching mode and `--quantization` (`quant`: QuantArgs; a quantized component is counted
-    at its quantized size), so `plan` and start-up refuse the same things with the same words."""
+    at its quantized size), so `plan` and start-up refuse the same things with the same words.
+    `transformer_path` (`--transformer-path`): the transformer is counted at that file's bytes and method."""
     from diffuserve.config.deployment import continuous_refusal, describe_batching, resolve
     from diffuserve.config.model_profiles import profile_from_checkpoint
     from diffuserve.config.quantization import annotate, plan_quantization
+    from diffuserve.errors import ConfigError
 
     profile = profile_from_checkpoint(model_path, model_id=model_id, load_dtype=dtype, backend=backend)
+    if transformer_path is not None:
+        from diffuserve.models.single_file import with_transformer_file
+
+        profile = with_transformer_file(profile, transformer_path, dtype)
     if batching_mode == "continuous" and not profile.supports_continuous:
         raise continuous_refusal(profile)
     quantized, profile = plan_quantization(quant, profile, hardware.device_kind, model_path, dtype)
+    if transformer_path is not None and "transformer" in quantized.components:
+        raise ConfigError(
+            f"--quantization: the transformer comes pre-quantized from --transformer-path "
+            f"({profile.components['transformer'].prequantized}); quantize other components by name (e.g. "
+            "--quantization text_encoder=int8) or drop one of the two flags.",
+            param="quantization",
+        )
     plan = resolve(deployment, hardware, profile, hosts=hosts)
     annotate(plan, quantized)
     plan.trace.append(describe_batching(batching_mode))
+    if transformer_path is not None:
+        from diffuserve.models.single_file import check_parallel
+
+        check_parallel(plan, profile.components["transformer"].prequantized)
     return plan
 
 
@@ -127,6 +145,7 @@ def plan_deployment(
         backend=args.backend,
         batching_mode=str(args.batching_mode),
         quant=args.quant,
+        transformer_path=args.transformer_path,
     )
     if log_plan and brief:
         logger.info("%s", brief_plan(plan))
@@ -197,6 +216,7 @@ def load_serving_pipeline(
         dtype=resolve_dtype(args.dtype, device),
         placement="host",
         quantization=quantization,
+        transformer_path=args.transformer_path,
     )
     applied: list[str] = []
     if args.lora.enabled:

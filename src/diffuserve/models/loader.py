@@ -128,8 +128,12 @@ def _check_config_json(folder: Path, name: str, key: str) -> None:
         raise CheckpointError(f"checkpoint {folder.parent}: {path} is not valid JSON ({exc}).") from exc
 
 
-def check_checkpoint(model_path: Path, spec: registry.ModelSpec) -> dict[str, type]:
-    """Check every component's folder, config and weights; returns key -> class. Raises CheckpointError."""
+def check_checkpoint(
+    model_path: Path, spec: registry.ModelSpec, *, replaced: frozenset[str] = frozenset()
+) -> dict[str, type]:
+    """Check every component's folder, config and weights; returns key -> class. Raises CheckpointError.
+    `replaced`: components whose weights come from elsewhere (`--transformer-path`): their folder needs
+    only its config.json."""
     import torch
 
     classes: dict[str, type] = {}
@@ -146,7 +150,7 @@ def check_checkpoint(model_path: Path, spec: registry.ModelSpec) -> dict[str, ty
             )
         if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
             _check_config_json(folder, "config.json", key)
-            if not any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):
+            if key not in replaced and not any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):
                 raise CheckpointError(
                     f"checkpoint {model_path}: component {key!r} has no weights in {folder} "
                     "(expected *.safetensors or *.bin)."
@@ -213,6 +217,14 @@ def resolve_placements(
 def _load_module(
     cls: type, folder: Path, *, placement: Placement, device: torch.device, dtype: torch.dtype
 ) -> torch.nn.Module:
+    if folder.name == "transformer":
+        from diffuserve.models.quantized_files import check_folder_quantization
+
+        method = check_folder_quantization(folder, dtype, device)
+        if method is not None:
+            if placement == "meta":
+                raise ConfigError(_NO_SHARDING.format(what=f"a {method}-quantized transformer"), param="placement")
+            logger.info("transformer: %s-quantized weights from %s", method, folder / "config.json")
     if placement == "meta":
         from diffuserve.models.materialize import meta_module
 
@@ -223,6 +235,31 @@ def _load_module(
     return module.eval().requires_grad_(False)
 
 
+_NO_SHARDING = (
+    "{what} cannot be sharded: its packed weights are not plain tensors, so --tp-size and "
+    "--use-fsdp-inference refuse it; serve it on one GPU per replica (CFG parallel and sequence parallel replicate "
+    "the weights and are fine)."
+)
+
+
+def _load_transformer_file(
+    transformer_path: Path,
+    cls: type,
+    model_path: Path,
+    *,
+    placement: Placement,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> torch.nn.Module:
+    from diffuserve.models.quantized_files import load_transformer_file
+    from diffuserve.models.single_file import describe_file
+
+    info = describe_file(transformer_path)
+    if placement == "meta":
+        raise ConfigError(_NO_SHARDING.format(what=f"--transformer-path ({info.method})"), param="transformer_path")
+    return load_transformer_file(info, cls, model_path, dtype=dtype, device=device, to_device=placement == "device")
+
+
 def load_components(
     model_path: Path,
     spec: registry.ModelSpec,
@@ -230,24 +267,31 @@ def load_components(
     device: torch.device,
     dtype: torch.dtype,
     placement: Placement | Mapping[str, Placement] = "device",
+    transformer_path: Path | None = None,
 ) -> dict[str, Any]:
-    """Load every component listed in model_index.json (local files only), checked and placed."""
+    """Load every component listed in model_index.json (local files only), checked and placed; with
+    `transformer_path`, the transformer comes from that single file (`models/quantized_files.py`)."""
     import torch
 
-    classes = check_checkpoint(model_path, spec)
+    replaced = frozenset({"transformer"} if transformer_path is not None else ())
+    classes = check_checkpoint(model_path, spec, replaced=replaced)
     model_keys = [k for k, c in classes.items() if isinstance(c, type) and issubclass(c, torch.nn.Module)]
     placements = resolve_placements(placement, model_keys, model_path)
     loaded: dict[str, Any] = {}
     for key, cls in classes.items():
         folder = model_path / key
         try:
-            if key in placements:
+            if key in replaced:
+                loaded[key] = _load_transformer_file(
+                    transformer_path, cls, model_path, placement=placements[key], device=device, dtype=dtype
+                )
+            elif key in placements:
                 loaded[key] = _load_module(cls, folder, placement=placements[key], device=device, dtype=dtype)
             elif hasattr(cls, "from_pretrained"):
                 loaded[key] = cls.from_pretrained(folder, local_files_only=True)
             else:
                 loaded[key] = cls.from_config(cls.load_config(folder))
-        except CheckpointError:
+        except ConfigError:
             raise
         except Exception as exc:  # noqa: BLE001 - any library error becomes one clear start-up error
             raise CheckpointError(
@@ -288,6 +332,46 @@ def _quantize(components: Mapping[str, Any], quantization: Mapping[str, Any] | N
         quantize_components(components, quantization, device)
 
 
+def _transformer_file(spec: registry.ModelSpec, transformer_path: str | Path | None) -> Path | None:
+    if transformer_path is None:
+        return None
+    from diffuserve.models.single_file import check_family
+
+    check_family(spec.family)
+    return Path(transformer_path).expanduser()
+
+
+def _backend_preloaded(
+    model_path: Path,
+    spec: registry.ModelSpec,
+    transformer_file: Path | None,
+    placement: Placement | Mapping[str, Placement],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
+    """The diffusers backend's checks, and the modules it is handed rather than loading (a --transformer-path)."""
+    classes = check_checkpoint(
+        model_path, spec, replaced=frozenset({"transformer"} if transformer_file is not None else ())
+    )
+    if placement not in ("device", "host"):
+        raise ConfigError(
+            f"placement {placement!r}: the diffusers backend loads the whole pipeline at once, "
+            "to the device or to host; meta or per-component placement needs a native family.",
+            param="placement",
+        )
+    preloaded = {}
+    if transformer_file is not None:
+        preloaded["transformer"] = _load_transformer_file(
+            transformer_file,
+            classes["transformer"],
+            model_path,
+            placement=placement,
+            device=device,
+            dtype=dtype,
+        )
+    return preloaded
+
+
 def _load_diffusers_backend(
     model_path: Path,
     spec: Any,
@@ -297,17 +381,13 @@ def _load_diffusers_backend(
     suggested: Any,
     *,
     quantization: Mapping[str, Any] | None,
+    transformer_file: Path | None,
 ) -> Pipeline:
-    """Any other diffusers pipeline, unmodified (quantized while it loads when the plan says so)."""
+    """Any other diffusers pipeline, unmodified (quantized while it loads when the plan says so; its transformer
+    from a `--transformer-path` file when one is given)."""
     from diffuserve.pipelines.diffusers_backend import DiffusersBackendPipeline
 
-    check_checkpoint(model_path, spec)
-    if placement not in ("device", "host"):
-        raise ConfigError(
-            f"placement {placement!r}: the diffusers backend loads the whole pipeline at once, "
-            "to the device or to host; meta or per-component placement needs a native family.",
-            param="placement",
-        )
+    preloaded = _backend_preloaded(model_path, spec, transformer_file, placement, torch_device, torch_dtype)
     try:
         pipeline = DiffusersBackendPipeline.from_pretrained(
             model_path,
@@ -319,6 +399,7 @@ def _load_diffusers_backend(
             # multiple and ignores frames on an image pipeline.
             suggested_defaults=suggested,
             quantization=quantization,
+            components=preloaded,
         )
     except CheckpointError as exc:
         # Name the class and the way out: a native family under another class name needs --model-id.
@@ -343,6 +424,7 @@ def load_pipeline(
     dtype: str = "float32",
     placement: Placement | Mapping[str, Placement] = "device",
     quantization: Mapping[str, tuple[str, Sequence[str]]] | None = None,
+    transformer_path: str | Path | None = None,
 ) -> Pipeline:
     """Load the checkpoint at `model_path` and return the pipeline that serves it.
 
@@ -351,13 +433,14 @@ def load_pipeline(
     `host` or `meta` for all, or a mapping from component key to placement (keys it does not name load to
     `host`), e.g. `{"transformer": "meta"}` for FSDP. The diffusers backend takes `device` or `host` only.
     `quantization` (component -> (method, never-quantize globs), from the plan) quantizes those components' Linear
-    layers as they load (`quant/`).
+    layers as they load (`quant/`). `transformer_path`: the denoiser from that single file.
     Raises CheckpointError (broken folder) or ConfigError (bad flag) with the fix in the message.
     """
     model_path = Path(model_path).expanduser()
     torch_dtype = parse_dtype(dtype)
     torch_device = parse_device(device)
     spec = registry.resolve(model_path, model_id=model_id, backend=backend)
+    transformer_file = _transformer_file(spec, transformer_path)  # a refused family fails before any loading
     logger.info("Loading %s (%s, family=%s, backend=%s)", model_path, spec.pipeline_class, spec.family, spec.backend)
     # A checkpoint's own suggestions (tiny test models: `_diffuserve_defaults`) beat the family's published
     # defaults on both backends. The loader reads them, so no adapter reaches back into models/.
@@ -370,7 +453,14 @@ def load_pipeline(
         return folder_pipeline
     suggested = registry.read_suggested_defaults(model_path)
     if spec.backend == "native":
-        components = load_components(model_path, spec, device=torch_device, dtype=torch_dtype, placement=placement)
+        components = load_components(
+            model_path,
+            spec,
+            device=torch_device,
+            dtype=torch_dtype,
+            placement=placement,
+            transformer_path=transformer_file,
+        )
         _quantize(components, quantization, torch_device)
         # Pipeline-level settings of model_index.json (Wan2.2's boundary_ratio, expand_timesteps) ride along
         # with the components, as diffusers passes them to the pipeline's __init__.
@@ -385,6 +475,13 @@ def load_pipeline(
             pipeline.defaults = dataclasses.replace(pipeline.defaults, **suggested)
     else:
         pipeline = _load_diffusers_backend(
-            model_path, spec, torch_device, torch_dtype, placement, suggested, quantization=quantization
+            model_path,
+            spec,
+            torch_device,
+            torch_dtype,
+            placement,
+            suggested,
+            quantization=quantization,
+            transformer_file=transformer_file,
         )
     return pipeline

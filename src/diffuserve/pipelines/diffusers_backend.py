@@ -188,14 +188,16 @@ class DiffusersBackendPipeline(Pipeline):
         to_device: bool = True,
         suggested_defaults: dict[str, Any] | None = None,
         quantization: Any = None,
+        components: dict[str, Any] | None = None,
     ) -> DiffusersBackendPipeline:
         """Load with `DiffusionPipeline.from_pretrained(..., local_files_only=True)`; `to_device=False` leaves
         the weights on the host for the residency manager to place. `suggested_defaults`: the checkpoint's own
         (the loader reads them from model_index.json). `quantization` (component -> (method, never-quantize globs))
-        becomes diffusers' `PipelineQuantizationConfig` (quant/diffusers_config.py)."""
+        becomes diffusers' `PipelineQuantizationConfig` (quant/diffusers_config.py). `components`: modules loaded
+        already (a `--transformer-path` transformer), passed to diffusers in place of the folder's."""
         from diffusers import DiffusionPipeline
 
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = dict(components or {})  # diffusers takes loaded modules by component name
         if quantization:
             from diffuserve.quant.diffusers_config import pipeline_quantization_config
 
@@ -215,12 +217,8 @@ class DiffusersBackendPipeline(Pipeline):
 
     def _declared_sequence_length(self, pipe: Any) -> int | None:
         """The call's `max_sequence_length` default, capped by the T5 tokenizer's (else the only tokenizer's)
-        declared length.
-
-        Same rule as the native FLUX pipeline, so both run a checkpoint with the text length it
-        declares; None when the pipeline takes no such argument or has no T5 tokenizer.
-        """
-
+        declared length (the native FLUX pipeline's rule, so both run a checkpoint with the text length it declares);
+        None when the pipeline takes no such argument or has no T5 tokenizer."""
         parameter = inspect.signature(pipe.__call__).parameters.get("max_sequence_length")
         if parameter is None or not isinstance(parameter.default, int):
             return None
