@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -93,7 +94,9 @@ def extract_surface(volume: np.ndarray, *, level: float, box: float, resolution:
     little coarser) and faces reversed. NaN (points FlashVDM never queried) counts as outside."""
     from skimage import measure
 
-    low, high = (np.nanmin(volume), np.nanmax(volume)) if np.isfinite(volume).any() else (np.nan, np.nan)
+    with warnings.catch_warnings():  # an all-NaN volume (nothing queried) gives NaN bounds: no surface, below
+        warnings.simplefilter("ignore", RuntimeWarning)
+        low, high = np.nanmin(volume), np.nanmax(volume)  # reductions: no grid-sized temporary
     if not low <= level <= high:
         return Mesh(
             np.zeros((0, 3), np.float32),
