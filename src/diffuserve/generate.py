@@ -471,6 +471,7 @@ def print_plan(values: dict[str, Any]) -> int:
         hardware=hardware,
         backend=values.get("backend", "auto"),
         batching_mode=values.get("batching_mode"),
+        activation_memory_gib=values.get("activation_memory_gib"),
     )
     print(json.dumps(plan.to_dict(), indent=2) if values.get("json") else format_plan(plan))
     return 0

@@ -89,6 +89,7 @@ def resolve_deployment(
     hosts: int = 1,
     backend: str = "auto",
     batching_mode: str | None = None,
+    activation_memory_gib: float | None = None,
 ) -> Any:
     """The plan for a checkpoint from JSON and safetensors headers only (no weights loaded), for the backend
     `--backend` picks and the batching mode (so `plan` and start-up refuse the same things with the same words)."""
@@ -98,7 +99,25 @@ def resolve_deployment(
     profile = profile_from_checkpoint(model_path, model_id=model_id, load_dtype=dtype, backend=backend)
     if batching_mode == "continuous" and not profile.supports_continuous:
         raise continuous_refusal(profile)
-    return resolve(deployment, hardware, profile, hosts=hosts)
+    plan = resolve(deployment, hardware, profile, hosts=hosts)
+    set_activation_budget(plan, profile, hardware, activation_memory_gib, hosts)
+    return plan
+
+
+def set_activation_budget(plan: Any, profile: Any, hardware: Any, override_gib: float | None, hosts: int) -> None:
+    """The plan's activation budget (activation.py): the override, else the free memory of the selected devices
+    (CPU: the available RAM now) after the weights the plan keeps on one device."""
+    from diffuserve.activation import activation_budget, host_available_bytes, weights_on_device
+
+    kind = "cpu" if not hardware.gpus else hardware.device_kind
+    free = hardware.min_free_bytes(plan.num_gpus // hosts) if hardware.gpus else host_available_bytes()
+    budget = activation_budget(
+        override_gib=override_gib,
+        device_kind=kind,
+        free_bytes=free,
+        weights_on_device=weights_on_device(plan, profile, kind),
+    )
+    plan.activation_memory_bytes, plan.activation_memory_source = budget.bytes, budget.source
 
 
 def plan_deployment(args: ServerArgs, model_path: Path, device: str, *, log_plan: bool = True) -> ResolvedDeployment:
@@ -116,6 +135,7 @@ def plan_deployment(args: ServerArgs, model_path: Path, device: str, *, log_plan
         hosts=hosts_of(args),
         backend=args.backend,
         batching_mode=str(args.batching_mode),
+        activation_memory_gib=args.engine.activation_memory_gib,
     )
     if log_plan:
         logger.info("deployment plan:\n%s", format_plan(plan))

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from diffuserve.activation import ActivationFacts
 from diffuserve.errors import CheckpointError, InvalidRequestError, RequestCancelledError
 from diffuserve.families.base import SamplingDefaults
 from diffuserve.families.hunyuan3d import conditioning
@@ -248,6 +249,16 @@ class Hunyuan3DPipeline(Pipeline):
                 f"octree_resolution={resolution} must be between 16 and {self.settings.max_octree_resolution}.",
                 param="octree_resolution",
             )
+
+    def activation_facts(self) -> ActivationFacts:
+        """A mesh's activation memory is the octree grid and one decoder chunk (`diffuserve/activation.py`)."""
+        return ActivationFacts(
+            kind="mesh",
+            dtype_bytes=self.dtype.itemsize,
+            chunk_size=self.settings.chunk_size,
+            decoder_width=self.vae.geo_decoder.query_proj.out_features,
+            max_octree_resolution=self.settings.max_octree_resolution,
+        )
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         if self.scheduler["kind"] == "ConsistencyFlowMatchEulerDiscreteScheduler":
