@@ -8,10 +8,11 @@ formula from the checkpoint's facts, `ActivationFacts`; docs/operations.md "Acti
 - images, edits, videos: the DiT's activations, `2 (CFG) x tokens x hidden x dtype bytes x DIT_WIDTHS`, with
   `tokens` = latent tokens of the output (`width x height / token_side^2`, x latent frames for video) + the text
   tokens + the input images' tokens (edits); plus the VAE decode of the output,
-  `width x height x frames x vae_channels x dtype bytes x VAE_COPIES`; plus the decoded pixels as float32 and
+  `width x height x frames x vae_channels x dtype bytes x VAE_COPIES`; plus the decoded pixels as float32
+  (`OUTPUT_COPIES` copies) and
   `REQUEST_FLOOR` (workspace, allocator slack);
 - meshes: the octree grid, `(octree + 1)^3 x MESH_BYTES_PER_POINT` (the float32 logits, the FlashVDM masks and
-  marching cubes' output), plus one decoder chunk, `chunk x decoder width x 4 x MESH_CHUNK_WIDTHS`, plus the floor.
+  marching cubes' output), plus one decoder chunk, `chunk x decoder width x dtype bytes x MESH_CHUNK_WIDTHS`, plus the floor.
 
 The constants are calibrated on the tiny checkpoints (peak RSS of a generation minus the RSS before it; the
 figures are in docs/operations.md) and chosen so that every measured peak stays below its estimate.
@@ -36,15 +37,17 @@ MIB = 1024**2
 DIT_WIDTHS = 24
 """Hidden-size-wide tensors per token alive in one DiT block: residual, norm, q/k/v, attention output, the MLP's
 4x hidden (and its activation) and the modulation copies, with room for the ones that overlap."""
-VAE_COPIES = 4
+VAE_COPIES = 6
 """Full-resolution feature maps alive at once in the VAE decoder's last up block (input, norm, conv output,
-residual), each `vae_channels` wide."""
+residual, the upsampler's), each `vae_channels` wide."""
+OUTPUT_COPIES = 4
+"""Float32 RGB copies of the decoded output alive at once (the VAE's output, its clamp and rescale, the host copy)."""
 REQUEST_FLOOR = 64 * MIB
 """Per request, whatever its size: workspace, temporaries of encoders and schedulers, allocator slack."""
 MESH_BYTES_PER_POINT = 10
 """Per octree grid point: the float32 logits (4), FlashVDM's bool masks (~2) and an allowance for marching
 cubes' vertices and faces on a rough surface (4)."""
-MESH_CHUNK_WIDTHS = 32
+MESH_CHUNK_WIDTHS = 16
 """Decoder-width tensors per query point alive in one geometry-decoder call (Fourier features, the cross-attention
 block, its 4x MLP)."""
 DEVICE_FRACTION = 0.9
@@ -80,6 +83,8 @@ class ActivationFacts:
     """Meshes: grid points per geometry-decoder call."""
     decoder_width: int = 1024
     """Meshes: the geometry decoder's width."""
+    default_octree_resolution: int = 384
+    """Meshes: the octree_resolution of a request that leaves it unset."""
     max_octree_resolution: int = 512
     """Meshes: the largest octree_resolution the model takes (the search for what fits starts there)."""
 
@@ -124,8 +129,8 @@ def activation_facts(
 def row_bytes(facts: ActivationFacts, params: Any) -> int:
     """Activation bytes of one output row of `params` (a SamplingParams)."""
     if facts.kind == "mesh":
-        side = (params.octree_resolution or facts.max_octree_resolution) + 1
-        chunk = facts.chunk_size * facts.decoder_width * 4 * MESH_CHUNK_WIDTHS
+        side = (params.octree_resolution or facts.default_octree_resolution) + 1
+        chunk = facts.chunk_size * facts.decoder_width * facts.dtype_bytes * MESH_CHUNK_WIDTHS
         return side**3 * MESH_BYTES_PER_POINT + chunk
     frames = max(1, params.num_frames) if facts.kind == "video" else 1
     latent_frames = (frames - 1) // facts.frames_per_latent + 1 if facts.kind == "video" else 1
@@ -134,7 +139,7 @@ def row_bytes(facts: ActivationFacts, params: Any) -> int:
     tokens = image_tokens * latent_frames + facts.text_tokens + image_tokens * len(params.image_inputs)
     dit = 2 * tokens * facts.hidden_size * facts.dtype_bytes * DIT_WIDTHS
     vae = pixels * frames * facts.vae_channels * facts.dtype_bytes * VAE_COPIES
-    return dit + vae + pixels * frames * 3 * 4
+    return dit + vae + pixels * frames * 3 * 4 * OUTPUT_COPIES
 
 
 def estimate_bytes(facts: ActivationFacts, params: Any) -> int:
@@ -174,9 +179,8 @@ def check_fits(facts: ActivationFacts, params: Any, budget_bytes: int, *, source
     if facts.kind == "mesh":
         side = _largest(fits("octree_resolution"), 16, facts.max_octree_resolution, 1)
         tail = f"the largest octree_resolution that fits is {side}" if side else "not even octree_resolution 16 fits"
-        raise InvalidRequestError(
-            f"octree_resolution={params.octree_resolution} {head}; {tail}.", param="octree_resolution"
-        )
+        asked = params.octree_resolution or facts.default_octree_resolution
+        raise InvalidRequestError(f"octree_resolution={asked} {head}; {tail}.", param="octree_resolution")
     if facts.kind == "video" and params.num_frames > 1:
         step = facts.frame_multiple
         most = _largest(fits("num_frames"), 1, params.num_frames, step)

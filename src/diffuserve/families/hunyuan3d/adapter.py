@@ -257,6 +257,7 @@ class Hunyuan3DPipeline(Pipeline):
             dtype_bytes=self.dtype.itemsize,
             chunk_size=self.settings.chunk_size,
             decoder_width=self.vae.geo_decoder.query_proj.out_features,
+            default_octree_resolution=self.settings.default_octree_resolution,
             max_octree_resolution=self.settings.max_octree_resolution,
         )
 

@@ -182,8 +182,9 @@ def _refine(
     The points are grouped by the QUERY_GRID_NUM^3 partition cells of their bounding box (each cell selects its
     own keys from every 50th of its points, in raster order within the cell: the order of a stable sort by
     cell, which is what torch's sort gives the reference on a large level), and consecutive cells go to the
-    decoder together up to `chunk` points (a cell larger than a chunk goes alone). Each group's points are
-    made from the mask of its cells, so nothing per point of the whole level exists at once."""
+    decoder together up to `chunk` points (a cell larger than a chunk goes alone, a chunk at a time:
+    `_decode_cell`). Each group's points are made from the mask of its cells, so nothing per point of the whole
+    level exists at once."""
     mask = _refine_mask(grid, res, last, level)
     if not mask.any():
         return
@@ -210,11 +211,44 @@ def _refine(
                 for (x0, y0, z0), (x1, y1, z1), _ in group
             ]
         )
-        points = torch.stack((coords[index[:, 0]], coords[index[:, 1]], coords[index[:, 2]]), dim=-1)
-        logits = geo_decoder(
-            queries=points.unsqueeze(0), latents=decoded, attend=_grouped_attend([c[2] for c in group])
-        )
+        points = torch.stack((coords[index[:, 0]], coords[index[:, 1]], coords[index[:, 2]]), dim=-1).unsqueeze(0)
+        if points.shape[1] > chunk:  # one partition cell larger than a chunk
+            logits = _decode_cell(decoded, geo_decoder, points, chunk, on_chunk)
+        else:
+            logits = geo_decoder(queries=points, latents=decoded, attend=_grouped_attend([c[2] for c in group]))
         out[index[:, 0], index[:, 1], index[:, 2]] = logits.reshape(-1).to(out.dtype)
+
+
+def _decode_cell(
+    decoded: torch.Tensor,
+    geo_decoder: Callable[..., torch.Tensor],
+    points: torch.Tensor,
+    chunk: int,
+    on_chunk: Callable[[], None] | None,
+) -> torch.Tensor:
+    """The logits of one partition cell larger than a chunk, a chunk of its points per decoder call: its keys are
+    chosen once from every 50th of its points (a decoder pass over those alone: a query's q depends on its own
+    point only, so these are the scores the whole cell's call would see), then every chunk attends to them. The
+    decoder's activations stay those of one chunk, however large the cell (the reference decodes it whole)."""
+    chosen: list[torch.Tensor] = []
+
+    def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        sim = (q @ k.transpose(-1, -2)).mean(-2)
+        chosen.append(torch.topk(sim, dim=-1, k=_top_k(k.shape[-2])).indices.unsqueeze(-1))
+        return torch.zeros_like(q)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        index = chosen[0].expand(-1, -1, -1, v.shape[-1])
+        return F.scaled_dot_product_attention(q, torch.gather(k, -2, index), torch.gather(v, -2, index))
+
+    geo_decoder(queries=points[:, ::50], latents=decoded, attend=choose)
+    logits = torch.empty(points.shape[1], dtype=decoded.dtype, device=decoded.device)
+    for start in range(0, points.shape[1], chunk):
+        if on_chunk is not None:
+            on_chunk()
+        part = geo_decoder(queries=points[:, start : start + chunk], latents=decoded, attend=attend)
+        logits[start : start + chunk] = part.reshape(-1)
+    return logits
 
 
 def flashvdm_decode(
