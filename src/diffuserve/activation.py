@@ -12,7 +12,8 @@ formula from the checkpoint's facts, `ActivationFacts`; docs/operations.md "Acti
   (`OUTPUT_COPIES` copies) and
   `REQUEST_FLOOR` (workspace, allocator slack);
 - meshes: the octree grid, `(octree + 1)^3 x MESH_BYTES_PER_POINT` (the float32 logits, the FlashVDM masks and
-  marching cubes' output), plus one decoder chunk, `chunk x decoder width x dtype bytes x MESH_CHUNK_WIDTHS`, plus the floor.
+  marching cubes' output), plus one decoder chunk, `chunk x decoder width x dtype bytes x MESH_CHUNK_WIDTHS`, plus
+  the floor.
 
 The constants are calibrated on the tiny checkpoints (peak RSS of a generation minus the RSS before it; the
 figures are in docs/operations.md) and chosen so that every measured peak stays below its estimate.

@@ -43,13 +43,13 @@ def client(server: ServerProcess) -> openai.OpenAI:
 
 def _refused(client: openai.OpenAI, **fields) -> openai.BadRequestError:
     with pytest.raises(openai.BadRequestError) as info:
-        client.images.generate(model="tiny", prompt="too big", response_format="b64_json", **fields)
+        client.images.generate(model="flux-tiny", prompt="too big", response_format="b64_json", **fields)
     return info.value
 
 
 def _image(client: openai.OpenAI, **fields) -> list[Image.Image]:
     result = client.images.generate(
-        model="tiny", prompt="fits", response_format="b64_json", extra_body={"num_inference_steps": 2}, **fields
+        model="flux-tiny", prompt="fits", response_format="b64_json", extra_body={"num_inference_steps": 2}, **fields
     )
     return [Image.open(io.BytesIO(base64.b64decode(d.b64_json))) for d in result.data]
 
