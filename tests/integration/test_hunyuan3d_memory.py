@@ -18,6 +18,10 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.timeout(900)
+"""Each decode takes ~35 s on a quiet 2-core host (17 M grid points through the tiny decoder), several minutes on a
+loaded one."""
+
 PROBE = Path(__file__).with_name("hunyuan3d_memory_probe.py")
 GIB_MIB = 1024
 
