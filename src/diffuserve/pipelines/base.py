@@ -350,8 +350,15 @@ class Pipeline:
             validate=self.validate,
             prompt_tokens=self.prompt_tokens(),
             request_fields=self.request_fields(),
-            activation=self.activation_facts(),
+            activation=self._activation_facts(),
         )
+
+    def _activation_facts(self) -> ActivationFacts:
+        """`activation_facts()`, derived once (the routes describe the model on every request)."""
+        cached = self.__dict__.get("_activation")
+        if cached is None:
+            cached = self.__dict__["_activation"] = self.activation_facts()
+        return cached
 
     def activation_facts(self) -> ActivationFacts:
         """What the activation-memory estimate knows about this checkpoint (`diffuserve/activation.py`), from the
