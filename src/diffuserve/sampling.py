@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
+from diffuserve.activation import ActivationFacts
 from diffuserve.config.step_cache import StepCacheSettings
 from diffuserve.errors import InvalidRequestError
 from diffuserve.families.base import SamplingDefaults
@@ -165,6 +166,9 @@ class ModelDescription:
     request_fields: frozenset[str] = frozenset()
     """Optional request fields this model gives meaning to beyond the common ones (`PEER_FIELDS`): a request that
     sets one outside this set is refused, naming the field."""
+    activation: ActivationFacts | None = field(default=None, compare=False, repr=False)
+    """What the activation-memory estimate knows about the checkpoint (`diffuserve/activation.py`); None: the
+    engine admits without an estimate."""
     prompt_tokens: PromptCounter | None = field(default=None, compare=False, repr=False)
     """THE owner of prompt token counts (limits, truncation warnings, usage), built once per loaded model on
     private tokenizer copies; its `count` tokenizes, so callers run it off the event loop. None: not known."""

@@ -298,7 +298,7 @@ def test_reject_truncated_prompts_is_a_400_naming_the_field():
                 "Distributed launch (several ranks, several hosts)",
             ],
         ),
-        ("plan", ["Quantization"]),
+        ("plan", ["Admission, limits and security", "Quantization"]),
     ],
 )
 def test_help_sections_keep_their_order(capsys, command, sections):

@@ -31,6 +31,7 @@ LAYERS: dict[str, float] = {
     "errors": 0,
     "families": 0,
     "hardware": 0,
+    "activation": 0,  # the activation-memory estimate and budget (pure arithmetic on request fields)
     "media": 0,
     "storage": 0,
     # Pure configuration: what to run (never what a model is made of).

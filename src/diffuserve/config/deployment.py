@@ -486,6 +486,10 @@ def format_plan(plan: DeploymentPlan) -> str:
         f"breakable_cuda_graph={on[plan.enable_breakable_cuda_graph]}  "
         f"warmup_resolutions={','.join(plan.warmup_resolutions) or '-'}"
     )
+    if plan.activation_memory_source:
+        budget = plan.activation_memory_bytes
+        amount = "unbounded" if budget is None else f"{budget / GIB:.2f} GiB per replica"
+        lines.append(f"  activation memory: {amount} ({plan.activation_memory_source})")
     lines.append("Why:")
     lines += [f"  - {line}" for line in plan.trace]
     return "\n".join(lines)

@@ -29,6 +29,16 @@ class EngineConfig:
         LIMITS_GROUP,
     )
     """Default and maximum deadline of a request; 0 = none. A request's own `timeout` may only shorten it."""
+    activation_memory_gib: float | None = flag(
+        None,
+        "Activation memory one replica may use at once, in GiB (requests whose estimate alone is over it get HTTP "
+        "400 naming the field; work waits until its estimate fits beside what runs). Default: 0.9 x the device's "
+        "free memory after the weights (CPU: 0.75 x the available RAM); 0 = unbounded (docs/operations.md).",
+        LIMITS_GROUP,
+        commands=("serve", "plan"),
+    )
+    """Activation budget override in GiB (None: derived from the device and the plan, activation.py; 0: no
+    budget). `plan` prints what it resolves to; /server_info shows it."""
     enable_warmup: bool = flag(True, "Run one real generation before /health turns 200.", SERVER_GROUP)
     """Run one real generation before turning ready (readiness waits for it)."""
     warmup_steps: int = flag(2, "Denoising steps of the warm-up generation.", SERVER_GROUP)
@@ -60,6 +70,9 @@ class EngineConfig:
     )
     """The `diffuserve calibrate-cache` output that magcache requests use."""
     warmup_resolutions: list[tuple[int, int]] = field(default_factory=list, metadata={"cli": False})
+    activation_budget_bytes: int | None = field(default=None, metadata={"cli": False})
+    """The resolved activation budget of one replica (the deployment plan's `activation_memory_bytes`); None:
+    unbounded."""
     """(width, height) pairs warmed up besides the default size (compile / graph capture per shape); from the
     deployment plan's `--warmup-resolutions`."""
 
@@ -72,6 +85,11 @@ class EngineConfig:
                     self.request_timeout_s < 0,
                     "--request-timeout-s",
                     f"{self.request_timeout_s} must be >= 0 (0 = none)",
+                ),
+                (
+                    self.activation_memory_gib is not None and self.activation_memory_gib < 0,
+                    "--activation-memory-gib",
+                    f"{self.activation_memory_gib} must be >= 0 (0 = unbounded)",
                 ),
                 (self.warmup_steps < 1, "--warmup-steps", f"{self.warmup_steps} must be >= 1"),
                 (

@@ -89,6 +89,11 @@ class DeploymentPlan:
     offload_during_compile: bool = True
     enable_breakable_cuda_graph: bool = False
     warmup_resolutions: list[str] = field(default_factory=list)
+    activation_memory_bytes: int | None = None
+    """Bytes of activations one replica may hold at once (activation.py: the free memory after the weights this
+    plan keeps on the device, times a fraction, or `--activation-memory-gib`); None: unbounded or not resolved."""
+    activation_memory_source: str = ""
+    """How `activation_memory_bytes` was derived (printed by `diffuserve plan`, shown by /server_info)."""
     trace: list[str] = field(default_factory=list)
     """Human-readable reasons, one per decision, in the order they were made."""
 
@@ -114,6 +119,12 @@ class DeploymentPlan:
                 "offload_during_compile": self.offload_during_compile,
                 "enable_breakable_cuda_graph": self.enable_breakable_cuda_graph,
                 "warmup_resolutions": list(self.warmup_resolutions),
+            },
+            "activation_memory": {
+                "budget_gib": None
+                if self.activation_memory_bytes is None
+                else round(self.activation_memory_bytes / 1024**3, 3),
+                "source": self.activation_memory_source,
             },
             "trace": list(self.trace),
         }

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from diffuserve.activation import ActivationFacts, check_fits, estimate_bytes
 from diffuserve.config.batching import BatchingMode
 from diffuserve.config.engine_limits import EngineConfig  # owned by config/; re-exported
 from diffuserve.engine.batch_loop import BatchLoop
@@ -121,6 +122,8 @@ class AsyncEngine:
         self._ready_event = threading.Event()
         self.on_fatal: Callable[[str], None] | None = None
         """Called (from the worker thread) when load or warm-up fails; `serve` uses it to exit non-zero."""
+        self._activation_facts: ActivationFacts | None = None
+        """The served checkpoint's activation facts, once loaded (None before: nothing is admitted then)."""
         self._batches = BatchLoop(
             self.book,
             scheduler,
@@ -296,6 +299,7 @@ class AsyncEngine:
                     "retry later.",
                     retry_after_s=self._retry_after_s(),
                 )
+            activation = self._activation_bytes(params, ineligible_reason)
             now = self.clock()
             # The request's own timeout may only shorten the server's deadline.
             limits = [t for t in (timeout_s, self.config.request_timeout_s) if t]
@@ -308,6 +312,7 @@ class AsyncEngine:
                 ineligible_reason=ineligible_reason,
                 priority=priority,
                 deadline=now + chosen if chosen else None,
+                activation_bytes=activation,
             )
             future: asyncio.Future[GenerationResult] = loop.create_future()
             # An aborted request's error is delivered to a future nobody awaits any more; mark it seen.
@@ -319,6 +324,17 @@ class AsyncEngine:
             self.metrics.set_queue_depth(self.scheduler.num_queued)
             self._cond.notify_all()
             return pending
+
+    def _activation_bytes(self, params: SamplingParams, ineligible_reason: str | None) -> int:
+        """The request's activation estimate (`diffuserve/activation.py`); a 400 naming the field that makes it too
+        big when it alone is over the budget, before it is queued. A few multiplications: cheap under the lock."""
+        facts = self._activation_facts
+        if facts is None or ineligible_reason == "warmup":
+            return 0
+        budget = self.config.activation_budget_bytes
+        if budget is None:
+            return estimate_bytes(facts, params)
+        return check_fits(facts, params, budget, source=" (--activation-memory-gib; docs/operations.md)")
 
     def _maybe_prefetch(self, request: Request) -> None:
         """Dynamic batching, one rank: a request queued behind a running batch has its texts encoded in the
@@ -415,6 +431,7 @@ class AsyncEngine:
         self.scheduler.set_capabilities(
             supports_batching=capabilities.batching, supports_continuous=capabilities.continuous
         )
+        self._set_activation_budget(self.pipeline.describe_model())
         logger.info("model loaded in %.1fs: %s", time.monotonic() - started, self.pipeline.describe())
         if self.config.enable_warmup:
             with self._cond:
@@ -429,6 +446,15 @@ class AsyncEngine:
             self.state = EngineState.READY
         if self.ready_line:
             logger.info("%s after %.1fs", self.ready_line, time.monotonic() - started)
+
+    def _set_activation_budget(self, model: ModelDescription) -> None:
+        """Admission by activation memory (scheduler rule 9) from the loaded model's facts and the plan's budget."""
+        with self._cond:
+            self._activation_facts = model.activation
+            budget = self.config.activation_budget_bytes if model.activation is not None else None
+            self.scheduler.activation_budget = budget
+        if budget is not None:
+            logger.info("activation memory budget: %.2f GiB per replica", budget / 1024**3)
 
     def _run_warmup(self) -> None:
         """One real generation per warm-up size (the default, then each --warmup-resolutions entry)."""

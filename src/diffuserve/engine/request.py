@@ -37,6 +37,9 @@ class Request:
     """Lower runs first among queued requests; see the README's priority rule."""
     deadline: float | None = None
     """Scheduler-clock time after which the request is answered 504; None = no deadline."""
+    activation_bytes: int = 0
+    """The request's activation-memory estimate (`diffuserve/activation.py`); the schedulers start it only when it
+    fits in the budget beside what runs."""
     status: RequestStatus = RequestStatus.QUEUED
     cancel_event: threading.Event = field(default_factory=threading.Event, repr=False)
     """Set when the client goes away or the deadline passes; checked between denoising steps."""

@@ -46,6 +46,12 @@ goes to a free replica):
    clients answered just now come back a few milliseconds apart, and they join this batch instead of starting
    the next one (8 closed-loop clients, max 8, 5 ms: see docs/operations.md). A head unlike the answered batch
    keeps rule 5 alone; so does every head when the delay is 0.
+9. **Activation memory.** With a budget (`activation_budget`, bytes; `diffuserve/activation.py`), a batch starts only
+   when the sum of its requests' `activation_bytes` fits beside the batches running or still decoding (counted
+   against `slots` budgets, one per replica): a head that does not fit waits (`Idle(busy=True)`; the engine
+   schedules again when a batch completes or is answered), and a candidate that does not fit in the room left is
+   rejected as `activation_memory` (it waits for a later batch). A head always starts when nothing runs (the
+   engine refuses requests whose estimate alone is over the budget, so this only matters if the budget shrank).
 """
 
 from __future__ import annotations
@@ -66,6 +72,9 @@ MODEL_MISMATCH = "model"
 LORA_SLOTS = "lora_slots"
 """Reject reason: the candidate's LoRA adapters would give the batch more distinct adapters than `--max-loras` device
 slots; it waits for a later batch."""
+ACTIVATION_MEMORY = "activation_memory"
+"""Reject reason: the candidate's activation estimate does not fit in the budget left beside the batch and what runs
+(rule 9); it waits for a later batch."""
 MAX_RETURN_GAP_DELAYS = 4
 """Rule 8 counts the answered clients' return time (answer -> next admission) up to this many delays."""
 
@@ -161,6 +170,9 @@ class DynamicBatcher:
         self._num_queued_outputs = 0
         self._running: list[ScheduledBatch] = []
         self._num_dispatched = 0
+        self.activation_budget: int | None = None
+        """Activation bytes one replica may hold at once (rule 9; set by the engine once the model is loaded);
+        None: unbounded."""
         self._answering: list[ScheduledBatch] = []
         """Finished batches whose answers have not gone out yet (decoding in the decode lane), rule 8."""
         self._answered: tuple[Request, float, int] | None = None
@@ -256,6 +268,18 @@ class DynamicBatcher:
     def is_running(self, batch: ScheduledBatch) -> bool:
         return any(b is batch for b in self._running)
 
+    @property
+    def activation_in_use(self) -> int:
+        """Activation bytes of the batches running or still decoding (rule 9)."""
+        batches = {id(b): b for b in (*self._running, *self._answering)}
+        return sum(r.activation_bytes for b in batches.values() for r in b.requests)
+
+    def activation_room(self) -> int | None:
+        """Activation bytes a new batch may take now (rule 9); None: unbounded."""
+        if self.activation_budget is None:
+            return None
+        return self.activation_budget * self.slots - self.activation_in_use
+
     def queued_requests(self) -> list[Request]:
         """The queued requests in scheduling order (a copy)."""
         return self._ordered()
@@ -283,6 +307,9 @@ class DynamicBatcher:
         if not ordered:
             return Idle()
         head, candidates = ordered[0], ordered[1:]
+        room = self.activation_room()
+        if room is not None and head.activation_bytes > room and (self._running or self._answering):
+            return Idle(busy=True)  # rule 9: it waits until its estimate fits beside what runs
 
         # 1. Singleton serving, or a head that may not merge: it runs alone, at once.
         if not self.config.dynamic:
@@ -293,7 +320,7 @@ class DynamicBatcher:
 
         # 2. Take compatible candidates in order while they fit under the cap.
         cap = self._effective_cap(head)
-        batch, rejects = self._collect(head, candidates, cap)
+        batch, rejects = self._collect(head, candidates, cap, room)
         num_outputs = sum(r.num_outputs for r in batch)
 
         # 3. Full: dispatch. Below the cap: wait out the head's delay, then dispatch what there is.
@@ -370,9 +397,12 @@ class DynamicBatcher:
                 cap = min(cap, rule_cap)
         return cap
 
-    def _collect(self, head: Request, candidates: Iterable[Request], cap: int) -> tuple[list[Request], dict[str, int]]:
+    def _collect(
+        self, head: Request, candidates: Iterable[Request], cap: int, memory: int | None = None
+    ) -> tuple[list[Request], dict[str, int]]:
         batch = [head]
         room = cap - head.num_outputs
+        memory = None if memory is None else memory - head.activation_bytes
         rejects: dict[str, int] = {}
         adapters = {name for name, _ in head.params.lora}
         for cand in candidates:
@@ -384,11 +414,14 @@ class DynamicBatcher:
             more = adapters | {name for name, _ in cand.params.lora}
             if reason is None and self.max_adapters is not None and len(more) > self.max_adapters:
                 reason = LORA_SLOTS
+            if reason is None and memory is not None and cand.activation_bytes > memory:
+                reason = ACTIVATION_MEMORY
             if reason is not None:
                 rejects[reason] = rejects.get(reason, 0) + 1
                 continue
             batch.append(cand)
             room -= cand.num_outputs
+            memory = None if memory is None else memory - cand.activation_bytes
             adapters = more
         return batch, rejects
 

@@ -33,7 +33,10 @@ Rules (on top of the module docstring of `engine/scheduler.py`: order, caps coun
    dynamic mode), unless it is already full. A head that cannot run step by step is handed to the request-level
    rules instead (`DynamicBatcher.schedule`: it runs alone, or merged with equal signatures when the family
    batches but is not continuous).
-6. **Leaving.** A request leaves after its own last step (`step_done`), or at the next boundary when it was
+6. **Activation memory.** With a budget (the composed scheduler's `activation_budget`), a request joins only while
+   the group's `activation_bytes` plus its own fit in it (rule 3's strict order: the scan stops at it); a group
+   always starts with its head (a request over the budget alone is refused at admission).
+7. **Leaving.** A request leaves after its own last step (`step_done`), or at the next boundary when it was
    cancelled (`cancel_event` set: client gone, engine shutdown) or its deadline passed (`schedule` returns it in
    `removed`). A step that raised removes every request in it (`fail`).
 """
@@ -153,6 +156,15 @@ class StepScheduler:
     @property
     def supports_batching(self) -> bool:
         return self.requests.supports_batching
+
+    @property
+    def activation_budget(self) -> int | None:
+        """Activation bytes the group (or a request-level batch) may hold (rule 6); the composed queue's."""
+        return self.requests.activation_budget
+
+    @activation_budget.setter
+    def activation_budget(self, budget: int | None) -> None:
+        self.requests.activation_budget = budget
 
     def set_capabilities(self, *, supports_batching: bool, supports_continuous: bool = False) -> None:
         """What the loaded model can do: merge requests at all, and run them step by step."""
@@ -327,12 +339,17 @@ class StepScheduler:
     def _take_joiners(self, key: tuple[Any, ...], room: int) -> list[GroupEntry]:
         joined = []
         adapters = frozenset(name for e in self._group for name, _ in e.request.params.lora)
+        budget = self.activation_budget
+        memory = None if budget is None else budget - sum(e.request.activation_bytes for e in self._group)
         for request in self.requests.queued_requests():
             more = self._adapters_with(adapters, request)
             if room <= 0 or not self._compatible(key, request) or request.num_outputs > room or more is None:
                 break  # rule 3: strict order, the scan stops at the first request that cannot join
+            if memory is not None and request.activation_bytes > memory:
+                break  # rule 6: it waits until rows leave
             joined.append(self._enter(request))
             room, adapters = room - request.num_outputs, more
+            memory = None if memory is None else memory - request.activation_bytes
         return joined
 
     def _adapters_with(self, adapters: frozenset[str], request: Request) -> frozenset[str] | None:

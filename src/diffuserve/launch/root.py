@@ -143,6 +143,7 @@ def build_engine(args: ServerArgs) -> tuple[AsyncEngine, EngineMetrics, dict | N
         config=replace(
             args.engine,
             warmup_resolutions=[tuple(int(v) for v in r.lower().split("x")) for r in plan.warmup_resolutions],
+            activation_budget_bytes=plan.activation_memory_bytes,
         ),
         metrics=metrics,
         batching_stats=stats,

@@ -92,6 +92,7 @@ def resolve_deployment(
     batching_mode: str | None = None,
     quant: Any = None,
     transformer_path: str | None = None,
+    activation_memory_gib: float | None = None,
 ) -> Any:
     """The plan for a checkpoint from JSON and safetensors / GGUF headers only (no weights loaded), for the backend
     `--backend` picks, the batching mode and `--quantization` (`quant`: QuantArgs; a quantized component is counted
@@ -124,7 +125,24 @@ def resolve_deployment(
         from diffuserve.models.single_file import check_parallel
 
         check_parallel(plan, profile.components["transformer"].prequantized)
+    set_activation_budget(plan, profile, hardware, activation_memory_gib, hosts)
     return plan
+
+
+def set_activation_budget(plan: Any, profile: Any, hardware: Any, override_gib: float | None, hosts: int) -> None:
+    """The plan's activation budget (activation.py): the override, else the free memory of the selected devices
+    (CPU: the available RAM now) after the weights the plan keeps on one device."""
+    from diffuserve.activation import activation_budget, host_available_bytes, weights_on_device
+
+    kind = "cpu" if not hardware.gpus else hardware.device_kind
+    free = hardware.min_free_bytes(plan.num_gpus // hosts) if hardware.gpus else host_available_bytes()
+    budget = activation_budget(
+        override_gib=override_gib,
+        device_kind=kind,
+        free_bytes=free,
+        weights_on_device=weights_on_device(plan, profile, kind),
+    )
+    plan.activation_memory_bytes, plan.activation_memory_source = budget.bytes, budget.source
 
 
 def plan_deployment(
@@ -146,6 +164,7 @@ def plan_deployment(
         batching_mode=str(args.batching_mode),
         quant=args.quant,
         transformer_path=args.transformer_path,
+        activation_memory_gib=args.engine.activation_memory_gib,
     )
     if log_plan and brief:
         logger.info("%s", brief_plan(plan))

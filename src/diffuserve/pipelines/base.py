@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
     from PIL import Image
 
+    from diffuserve.activation import ActivationFacts
     from diffuserve.families.checkpoint import CheckpointFacts
     from diffuserve.pipelines.overlap import Overlap
     from diffuserve.pipelines.prompt_limits import PromptTokens, TextEncoderLimit
@@ -349,6 +350,27 @@ class Pipeline:
             validate=self.validate,
             prompt_tokens=self.prompt_tokens(),
             request_fields=self.request_fields(),
+            activation=self._activation_facts(),
+        )
+
+    def _activation_facts(self) -> ActivationFacts:
+        """`activation_facts()`, derived once (the routes describe the model on every request)."""
+        cached = self.__dict__.get("_activation")
+        if cached is None:
+            cached = self.__dict__["_activation"] = self.activation_facts()
+        return cached
+
+    def activation_facts(self) -> ActivationFacts:
+        """What the activation-memory estimate knows about this checkpoint (`diffuserve/activation.py`), from the
+        loaded components' configs; pipelines whose work is not a DiT + VAE (meshes) override it."""
+        from diffuserve.activation import activation_facts
+
+        return activation_facts(
+            self.output_kind,
+            component_configs(self.components),
+            size_multiple=self.size_multiple,
+            dtype_bytes=self.dtype.itemsize if self.dtype is not None else 4,
+            frame_multiple=self.frame_multiple,
         )
 
     # -- prompt tokens: what the server counts (pipelines/prompt_limits.py) ------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from diffuserve.activation import ActivationFacts
 from diffuserve.errors import CheckpointError, InvalidRequestError, RequestCancelledError
 from diffuserve.families.base import SamplingDefaults
 from diffuserve.families.hunyuan3d import conditioning
@@ -93,7 +95,9 @@ def extract_surface(volume: np.ndarray, *, level: float, box: float, resolution:
     little coarser) and faces reversed. NaN (points FlashVDM never queried) counts as outside."""
     from skimage import measure
 
-    low, high = (np.nanmin(volume), np.nanmax(volume)) if np.isfinite(volume).any() else (np.nan, np.nan)
+    with warnings.catch_warnings():  # an all-NaN volume (nothing queried) gives NaN bounds: no surface, below
+        warnings.simplefilter("ignore", RuntimeWarning)
+        low, high = np.nanmin(volume), np.nanmax(volume)  # reductions: no grid-sized temporary
     if not low <= level <= high:
         return Mesh(
             np.zeros((0, 3), np.float32),
@@ -252,6 +256,17 @@ class Hunyuan3DPipeline(Pipeline):
                 f"octree_resolution={resolution} must be between 16 and {self.settings.max_octree_resolution}.",
                 param="octree_resolution",
             )
+
+    def activation_facts(self) -> ActivationFacts:
+        """A mesh's activation memory is the octree grid and one decoder chunk (`diffuserve/activation.py`)."""
+        return ActivationFacts(
+            kind="mesh",
+            dtype_bytes=self.dtype.itemsize,
+            chunk_size=self.settings.chunk_size,
+            decoder_width=self.vae.geo_decoder.query_proj.out_features,
+            default_octree_resolution=self.settings.default_octree_resolution,
+            max_octree_resolution=self.settings.max_octree_resolution,
+        )
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         if self.scheduler["kind"] == "ConsistencyFlowMatchEulerDiscreteScheduler":

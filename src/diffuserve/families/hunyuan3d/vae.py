@@ -215,11 +215,17 @@ class ShapeVAE(nn.Module):
         return self.transformer(self.post_kl(latents))
 
 
-def grid_points(bounds: float, resolution: int) -> np.ndarray:
-    """The (res+1)^3 query points of the cube [-bounds, bounds]^3, x slowest (meshgrid `ij`), shape (N, 3)."""
-    axis = np.linspace(-bounds, bounds, resolution + 1, dtype=np.float32)
-    xs, ys, zs = np.meshgrid(axis, axis, axis, indexing="ij")
-    return np.stack((xs, ys, zs), axis=-1).reshape(-1, 3)
+def grid_axis(bounds: float, resolution: int) -> np.ndarray:
+    """The res+1 coordinates of one side of the cube [-bounds, bounds] (every grid point takes its x, y, z here)."""
+    return np.linspace(-bounds, bounds, resolution + 1, dtype=np.float32)
+
+
+def grid_chunk(axis: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Points `start:stop` of the (res+1)^3 grid on `axis`, x slowest (meshgrid `ij` order), shape (stop-start, 3).
+    Computed from the flat indices, so the whole grid of points never exists at once."""
+    side = axis.shape[0]
+    index = torch.arange(start, stop, device=axis.device)
+    return torch.stack((axis[index // (side * side)], axis[(index // side) % side], axis[index % side]), dim=-1)
 
 
 def decode_volume(
@@ -232,14 +238,19 @@ def decode_volume(
     on_chunk: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Occupancy logits on the grid, (B, res+1, res+1, res+1) float32, queried `chunk_size` points at a time
-    (every row of the batch shares each chunk). `on_chunk` runs between chunks (cancellation)."""
-    points = torch.from_numpy(grid_points(bounds, resolution)).to(decoded.device, dtype=decoded.dtype)
-    rows = decoded.shape[0]
-    parts = []
-    for start in range(0, points.shape[0], chunk_size):
+    (every row of the batch shares each chunk). `on_chunk` runs between chunks (cancellation).
+
+    Memory: the result (one float32 per grid point and row: 513^3 x 4 B = 540 MB at octree 512) plus one chunk's
+    points and decoder activations; each chunk's points are made from their flat indices and its logits are
+    written into the result in place, so nothing else grows with the octree resolution."""
+    axis = torch.from_numpy(grid_axis(bounds, resolution)).to(decoded.device, dtype=decoded.dtype)
+    rows, side = decoded.shape[0], resolution + 1
+    total = side**3
+    volume = torch.empty((rows, total), dtype=torch.float32, device=decoded.device)
+    for start in range(0, total, chunk_size):
         if on_chunk is not None:
             on_chunk()
-        chunk = points[start : start + chunk_size].unsqueeze(0).expand(rows, -1, -1)
-        parts.append(geo_decoder(queries=chunk, latents=decoded))
-    side = resolution + 1
-    return torch.cat(parts, dim=1).view(rows, side, side, side).float()
+        stop = min(start + chunk_size, total)
+        chunk = grid_chunk(axis, start, stop).unsqueeze(0).expand(rows, -1, -1)
+        volume[:, start:stop] = geo_decoder(queries=chunk, latents=decoded).reshape(rows, -1)
+    return volume.view(rows, side, side, side)
