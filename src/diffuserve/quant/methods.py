@@ -52,11 +52,23 @@ def quiet_torchao() -> None:
         ao()
 
 
-@functools.cache
+_AO: Any = None
+"""torchao's pieces once `ao()` imported them."""
+
+
 def ao() -> Any:
-    """torchao's pieces, imported once. Its import logs a failed CUDA-kernel library load on machines without
+    """torchao's pieces, imported once. A compiled layer's trace reads the module global (the import below, with
+    its logging calls, would break the graph at every quantized layer)."""
+    return _AO if _AO is not None else _import_ao()
+
+
+def _import_ao() -> Any:
+    """Import torchao's pieces. Its import logs a failed CUDA-kernel library load on machines without
     those kernels, that triton is missing, and torch logs a pytree deprecation for two of its enums: all harmless,
-    kept out of our log."""
+    kept out of our log. `int_scaled_matmul` enters a compiled graph whole: dynamo refuses to trace its CPU-feature
+    probe (`torch.cpu._is_amx_tile_supported`), which would break the graph at every int8-dynamic layer; AOT tracing
+    and inductor still see its ops."""
+    global _AO
     noisy = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [log.level for log in noisy]
     try:
@@ -73,7 +85,9 @@ def ao() -> Any:
     finally:
         for log, level in zip(noisy, levels, strict=True):
             log.setLevel(level)
-    return SimpleNamespace(qp=qp, int_scaled_matmul=int_scaled_matmul, addmm_fp8=addmm_float8_unwrapped_inference)
+    int_scaled_matmul = torch.compiler.allow_in_graph(int_scaled_matmul)
+    _AO = SimpleNamespace(qp=qp, int_scaled_matmul=int_scaled_matmul, addmm_fp8=addmm_float8_unwrapped_inference)
+    return _AO
 
 
 def _int8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
