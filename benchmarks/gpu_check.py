@@ -8,9 +8,10 @@ download: FLUX.1-dev's `FluxTransformer2DModel`, 12B, and Wan2.1-T2V-1.3B's `Wan
    weights after load) for bf16 vs fp8 vs int8 vs int8-dynamic, quantized by the serving path
    (`quant.apply.quantize_module` with the family's never-quantize list): FLUX.1-dev at 1024 px (4096 image tokens,
    512 text tokens), Wan2.1-1.3B at 832x480, 81 frames.
-2. Native vs diffusers pipeline call time for FLUX.1-dev at 1024 px: the real-shape bf16 DiT inside a pipeline
-   whose text encoders and VAE are TINY (random, the widths the DiT expects: CLIP 768, T5 4096, 16 latent
-   channels), so the figure is the DiT's loop plus each pipeline's own overhead, not FLUX's real encoders.
+2. Native vs diffusers pipeline call time (median of 2 calls after 1 warm-up) for FLUX.1-dev at 1024 px: the
+   real-shape bf16 DiT inside a pipeline whose text encoders and VAE are TINY (random, the widths the DiT expects:
+   CLIP 768, T5 4096, 16 latent channels), so the figure is the DiT's loop plus each pipeline's own overhead, not
+   FLUX's real encoders.
 3. With two CUDA devices: CFG parallel (one branch per GPU, NCCL) vs one GPU running both branches, on the same
    pipeline with true CFG.
 
@@ -67,7 +68,8 @@ TINY = {
     "flux": FLUX_DEV
     | {"num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2}
     | {"joint_attention_dim": 32, "pooled_projection_dim": 24, "axes_dims_rope": (4, 4, 8)},
-    "wan": WAN_1_3B | {"num_attention_heads": 2, "attention_head_dim": 24, "text_dim": 32, "freq_dim": 32}
+    "wan": WAN_1_3B
+    | {"num_attention_heads": 2, "attention_head_dim": 24, "text_dim": 32, "freq_dim": 32}
     | {"ffn_dim": 64, "num_layers": 1},
 }
 """The same classes on tiny widths (`--tiny`: the CPU test)."""
@@ -194,8 +196,14 @@ def dit_rows(family: str, device: torch.device, dtype: torch.dtype, args: argpar
             ms = time_ms(lambda dit=dit, inputs=inputs: dit(**inputs), device, args.steps)
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         rows.append(
-            {"dit": family, "method": method if method != "bf16" else str(dtype).removeprefix("torch."),
-             "kernels": kernels, "weights_gib": _weights_bytes(dit) / 2**30, "peak_gib": peak / 2**30, "step_ms": ms}
+            {
+                "dit": family,
+                "method": method if method != "bf16" else str(dtype).removeprefix("torch."),
+                "kernels": kernels,
+                "weights_mib": _weights_bytes(dit) / 2**20,
+                "peak_mib": peak / 2**20,
+                "step_ms": ms,
+            }
         )
         del dit, inputs
     return rows
@@ -234,6 +242,7 @@ def pipeline_rows(device: torch.device, dtype: torch.dtype, args: argparse.Names
     components = _pipeline_components(device, dtype, args.tiny)
     native = FluxNativePipeline.from_components(dict(components), device=device, dtype=dtype)
     theirs = FluxPipeline(**components)
+    theirs.set_progress_bar_config(disable=True)
     prompt = "a lighthouse on a cliff at dusk"
     params = [SamplingParams(prompt=prompt, seed=0, width=size, height=size, num_inference_steps=args.pipeline_steps)]
 
@@ -245,8 +254,15 @@ def pipeline_rows(device: torch.device, dtype: torch.dtype, args: argparse.Names
     def run_diffusers() -> None:
         generator = torch.Generator(device).manual_seed(0)
         with torch.inference_mode():
-            (image,) = theirs(prompt, width=size, height=size, num_inference_steps=args.pipeline_steps,
-                              guidance_scale=3.5, generator=generator, max_sequence_length=8 if args.tiny else 512).images
+            (image,) = theirs(
+                prompt,
+                width=size,
+                height=size,
+                num_inference_steps=args.pipeline_steps,
+                guidance_scale=3.5,
+                generator=generator,
+                max_sequence_length=8 if args.tiny else 512,
+            ).images
         assert image.size == (size, size)
 
     rows = []
@@ -273,8 +289,17 @@ def _cfg_rank(rank: int, world: int, init_file: str, device_type: str, tiny: boo
         dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
         pipe = FluxNativePipeline.from_components(_pipeline_components(device, dtype, tiny), device=device, dtype=dtype)
         size = 64 if tiny else 1024
-        params = [SamplingParams(prompt="a red fox", negative_prompt="blurry", true_cfg_scale=4.0, seed=0,
-                                 width=size, height=size, num_inference_steps=steps)]
+        params = [
+            SamplingParams(
+                prompt="a red fox",
+                negative_prompt="blurry",
+                true_cfg_scale=4.0,
+                seed=0,
+                width=size,
+                height=size,
+                num_inference_steps=steps,
+            )
+        ]
 
         def call() -> Any:
             with torch.inference_mode():
@@ -328,14 +353,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_check on {name} ({shapes}), torch {torch.__version__}, random weights built on the device")
     began = time.perf_counter()
     if "dit" in args.only:
-        _print("DiT step (1 step, batch 1)", dit_rows("flux", device, dtype, args) + dit_rows("wan", device, dtype, args))
+        _print(
+            "DiT step (1 step, batch 1)", dit_rows("flux", device, dtype, args) + dit_rows("wan", device, dtype, args)
+        )
     if "pipeline" in args.only:
-        _print(f"FLUX.1-dev pipeline call ({args.pipeline_steps} steps; tiny encoders and VAE)",
-               pipeline_rows(device, dtype, args))
-    ranks = args.cfg_ranks if args.cfg_ranks is not None else (2 if device.type == "cuda" and torch.cuda.device_count() >= 2 else 1)
+        _print(
+            f"FLUX.1-dev pipeline call ({args.pipeline_steps} steps; tiny encoders and VAE)",
+            pipeline_rows(device, dtype, args),
+        )
+    ranks = (
+        args.cfg_ranks
+        if args.cfg_ranks is not None
+        else (2 if device.type == "cuda" and torch.cuda.device_count() >= 2 else 1)
+    )
     if "cfg" in args.only:
         if ranks >= 2:
-            _print(f"CFG parallel, FLUX.1-dev pipeline with true CFG ({args.pipeline_steps} steps)", cfg_rows(device, args))
+            _print(
+                f"CFG parallel, FLUX.1-dev pipeline with true CFG ({args.pipeline_steps} steps)", cfg_rows(device, args)
+            )
         else:
             print("\n## CFG parallel: skipped (one CUDA device)")
     print(f"\ngpu_check done in {time.perf_counter() - began:.0f} s")

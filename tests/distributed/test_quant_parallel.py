@@ -2,9 +2,9 @@
 quantization (pixels within 1/255, on every rank): CFG parallel, Ulysses and Ring sequence parallel, tensor
 parallel (the quantized layers' int8 / float8 weights cut by hand with their per-row scales: column-wise with their
 rows, whole for row-wise, FLUX single blocks' packed `proj_out` included) and FSDP2 (int8 / float8 weights, fp32
-scales and biases in one all-gather), for fp8 and int8 on tiny FLUX.1, int8-dynamic under TP (where its per-token activation scales see a slice of
-each token), TP also on Wan2.1 (its all-reduced q/k norms); and per-request LoRA over an int8-dynamic base under
-TP. One 2-rank launch runs every case.
+scales and biases in one all-gather), for fp8 and int8 on tiny FLUX.1; int8-dynamic under TP (where its
+per-token activation scales see a slice of each token); TP also on Wan2.1 (its all-reduced q/k norms); and
+per-request LoRA over an int8-dynamic base under TP. One 2-rank launch runs every case.
 """
 
 from __future__ import annotations
