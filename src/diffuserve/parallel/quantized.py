@@ -70,6 +70,8 @@ def shard_quantized_layers(transformer: torch.nn.Module, specs: dict[str, Any], 
                 layer.register_buffer(TP_BIAS, bias.detach())
             layer.register_forward_hook(_ReducePartialSums(mesh.get_group()))
             layer.in_features = cut.shape[1]
+        if layer.kernel == "fp8-gemm" and (layer.in_features % 16 or layer.out_features % 16):
+            layer.kernel = "weight-only"  # `torch._scaled_mm` needs both sides of the local shard multiples of 16
         layer.tp_shard = (spec.dim, mesh.size())
         """(the weight's sharded dim, how many ranks share it), for `quantized_sharded_bytes`."""
         done.add(id(layer))
