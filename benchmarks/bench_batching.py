@@ -20,6 +20,11 @@ that load from other processes on the machine hits them alike:
 - `serve singleton`: a real `diffuserve serve` subprocess (singleton serving), 8 closed-loop clients.
 - `serve dynamic`: a second subprocess with `--batching-mode dynamic --batching-max-size 8
   --batching-delay-ms D`, the same 8 clients.
+- with `--quantization METHOD` (fp8, int8, int8-dynamic; repeatable): one more dynamic server per method,
+  `serve dynamic METHOD`, the same flags plus `--quantization METHOD` (the DiT's Linears quantized at load), so
+  a quantized model's serving throughput stands beside the unquantized one's in the same rounds:
+
+      .venv/bin/python benchmarks/bench_batching.py --scenarios 36m --quantization int8-dynamic --quantization int8
 
 Throughput is images / wall time of each round; the table shows the median over rounds. Latency
 percentiles (nearest rank) pool every timed request: for the direct runs, the time of the call that
@@ -265,22 +270,26 @@ def _direct_runner(model_path: Path, scenario: Scenario) -> Callable[[int, int, 
 
 
 def run_scenario(
-    scenario: Scenario, workdir: Path, delay_ms: float, threads: int, log: Callable[[str], None]
+    scenario: Scenario,
+    workdir: Path,
+    delay_ms: float,
+    threads: int,
+    log: Callable[[str], None],
+    quantizations: Sequence[str] = (),
 ) -> dict[str, Any]:
     from diffuserve.models.tiny import build_tiny_checkpoint
 
     model_path = build_tiny_checkpoint("flux", workdir / scenario.name, preset=scenario.name)
-    flags = {
-        "serve singleton": [],
-        "serve dynamic": [
-            "--batching-mode", "dynamic", "--batching-max-size", str(NUM_CLIENTS),
-            "--batching-delay-ms", f"{delay_ms:g}",
-        ],
-    }  # fmt: skip
+    dynamic = [
+        "--batching-mode", "dynamic", "--batching-max-size", str(NUM_CLIENTS), "--batching-delay-ms", f"{delay_ms:g}",
+    ]  # fmt: skip
+    flags = {"serve singleton": [], "serve dynamic": dynamic}
+    flags.update({f"serve dynamic {method}": [*dynamic, "--quantization", method] for method in quantizations})
+    configs = (*CONFIGS, *(f"serve dynamic {method}" for method in quantizations))
     # torch reads OMP_NUM_THREADS at start-up: the servers get the intra-op threads of this process.
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     servers = {
-        name: Server(model_path, extra, workdir / f"{scenario.name}-{name.split()[1]}.log", env)
+        name: Server(model_path, extra, workdir / f"{scenario.name}-{'-'.join(name.split()[1:])}.log", env)
         for name, extra in flags.items()
     }
     try:
@@ -295,10 +304,10 @@ def run_scenario(
                 return direct(num_images, NUM_CLIENTS, seed0)
             return asyncio.run(_serve_round(servers[config].base_url, scenario, num_images, seed0))
 
-        results = {config: ConfigResult() for config in CONFIGS}
+        results = {config: ConfigResult() for config in configs}
         # Round 0 is an untimed warm-up (first calls at this shape, allocator, connection pools).
         for round_index in range(scenario.num_rounds + 1):
-            order = CONFIGS if round_index % 2 == 0 else CONFIGS[::-1]
+            order = configs if round_index % 2 == 0 else configs[::-1]
             num_images = NUM_CLIENTS if round_index == 0 else scenario.num_requests
             for config in order:
                 wall_s, samples = measure(config, num_images, seed0=1000 * round_index)
@@ -308,7 +317,7 @@ def run_scenario(
             if round_index:
                 log(
                     f"  {scenario.name} round {round_index}/{scenario.num_rounds}: "
-                    + ", ".join(f"{c} {results[c].throughput[-1]:.1f}" for c in CONFIGS)
+                    + ", ".join(f"{c} {results[c].throughput[-1]:.1f}" for c in configs)
                     + " img/s"
                 )
     finally:
@@ -316,7 +325,8 @@ def run_scenario(
             server.stop()
 
     ratios = []
-    for num, den, target in scenario.targets:
+    targets = [*scenario.targets, *((f"serve dynamic {m}", "serve dynamic", 0.0) for m in quantizations)]
+    for num, den, target in targets:
         per_round = [a / b for a, b in zip(results[num].throughput, results[den].throughput, strict=True)]
         ratios.append({
             "numerator": num, "denominator": den, "target_min": target,
@@ -330,7 +340,7 @@ def run_scenario(
         "requests_per_round": scenario.num_requests,
         "rounds": scenario.num_rounds,
         "server_commands": {name: s.command for name, s in servers.items()},
-        "configs": {config: results[config].summary() for config in CONFIGS},
+        "configs": {config: results[config].summary() for config in configs},
         "ratios": ratios,
     }
 
@@ -342,7 +352,7 @@ def format_scenario(report: dict[str, Any]) -> str:
     lines = [
         f"== {report['scenario']}: {report['size']}, {report['steps']} steps, "
         f"{report['requests_per_round']} images x {report['rounds']} rounds per configuration",
-        f"{'configuration':<17}{'img/s':>8}{'p50 ms':>9}{'p95 ms':>9}{'batch':>7}"
+        f"{'configuration':<27}{'img/s':>8}{'p50 ms':>9}{'p95 ms':>9}{'batch':>7}"
         f"{'queue':>8}{'infer':>8}{'encode':>8}{'other':>8}",
     ]
     for config, s in report["configs"].items():
@@ -354,13 +364,13 @@ def format_scenario(report: dict[str, Any]) -> str:
             else f"{'1' if config.endswith('b1') else str(NUM_CLIENTS):>7}"
         )
         lines.append(
-            f"{config:<17}{s['images_per_s_median']:>8.2f}{s['latency_ms_p50']:>9.1f}{s['latency_ms_p95']:>9.1f}{extra}"
+            f"{config:<27}{s['images_per_s_median']:>8.2f}{s['latency_ms_p50']:>9.1f}{s['latency_ms_p95']:>9.1f}{extra}"
         )
     for r in report["ratios"]:
         verdict = "met" if r["met"] else "MISSED"
+        target = f"target >= {r['target_min']:.2f}x: {verdict}" if r["target_min"] else "no target"
         lines.append(
-            f"{r['numerator']} / {r['denominator']} = {r['ratio_median']:.2f}x "
-            f"(target >= {r['target_min']:.2f}x: {verdict}; rounds {r['ratio_rounds']})"
+            f"{r['numerator']} / {r['denominator']} = {r['ratio_median']:.2f}x ({target}; rounds {r['ratio_rounds']})"
         )
     return "\n".join(lines)
 
@@ -376,6 +386,13 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="torch intra-op threads of every side (this process and both servers); see README (%(default)s)",
+    )
+    parser.add_argument(
+        "--quantization",
+        action="append",
+        default=[],
+        choices=("fp8", "int8", "int8-dynamic"),
+        help="also serve the model with --quantization METHOD (dynamic batching), side by side; repeatable",
     )
     parser.add_argument("--quick", action="store_true", help="fewer requests and rounds: a smoke run")
     parser.add_argument("--output-json", type=Path, default=None, help="write every figure here")
@@ -412,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                 fields["num_rounds"] = args.rounds
             scenario = Scenario(**fields)
             log(f"{name}: building the checkpoint and starting two servers ...")
-            reports.append(run_scenario(scenario, Path(tmp), args.delay_ms, args.threads, log))
+            reports.append(run_scenario(scenario, Path(tmp), args.delay_ms, args.threads, log, args.quantization))
 
     header = (
         f"bench_batching: {NUM_CLIENTS} clients, dynamic = --batching-max-size {NUM_CLIENTS} "

@@ -67,13 +67,16 @@ def adapted_layers(transformer: torch.nn.Module) -> dict[str, tuple[torch.nn.Mod
     return out
 
 
-def shard_lora_slots(transformer: torch.nn.Module, plan: dict[str, Any], mesh: Any) -> int:
+def shard_lora_slots(transformer: torch.nn.Module, plan: dict[str, Any], mesh: Any, specs: Any = None) -> int:
     """Cut this rank's slices of the adapter slots of `transformer` (about to be, or just, sharded by the TP
-    `plan` over `mesh`), the same way as each layer's base weight; returns how many layers were sharded."""
+    `plan` over `mesh`), the same way as each layer's base weight; returns how many layers were sharded.
+
+    `specs`: the plan's `resolve_tp_shard_specs`, read before sharding (a quantized layer cut by hand holds plain
+    local tensors afterwards, whose shapes are no longer the whole layer's)."""
     from diffusers.hooks.tensor_parallel import _local_shard, resolve_tp_shard_specs
     from torch.distributed.tensor import DTensor
 
-    specs = resolve_tp_shard_specs(transformer, plan, mesh.size())
+    specs = specs if specs is not None else resolve_tp_shard_specs(transformer, plan, mesh.size())
     sharded = 0
     for name, (module, hook) in adapted_layers(transformer).items():
         for key in (LORA_DOWN, LORA_UP):  # `parallelize_module` made every buffer of a planned Linear a Replicate

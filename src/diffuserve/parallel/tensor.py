@@ -12,7 +12,8 @@ concatenation of two column-sharded streams, so diffusers shards its input colum
 its own heads unchanged. Wan has no plan in diffusers; ours below shards the same Linears, gives each
 attention its local head count, and replaces the q/k RMSNorms, which normalise across all heads
 (`rms_norm_across_heads`), by `ShardedRMSNorm`: the sum of squares is all-reduced over the TP group, so the
-normalisation is that of the whole vector.
+normalisation is that of the whole vector. Quantized layers (`--quantization`) are cut the same way by hand,
+their plain int8 / float8 tensors and per-row scales sliced per rank (`parallel/quantized.py`).
 
 Every rank runs the same batch with the same inputs and ends with the same output: the arithmetic is the
 unsharded model's up to the order of the all-reduced sums (≤ ~1e-6 in fp32, tested over gloo). The mesh comes
@@ -126,7 +127,8 @@ def _check_denoiser(key: str, module: torch.nn.Module, plan: dict[str, Any] | No
         raise _refuse(
             f"{degree} does not divide the {heads} attention heads of {key} ({name}); use a --tp-size in {divisors}."
         )
-    if any(isinstance(p, DTensor) for p in module.parameters()):
+    sharded = any(getattr(m, "tp_shard", None) for m in module.modules())  # quantized layers cut by hand
+    if sharded or any(isinstance(p, DTensor) for p in module.parameters()):
         raise _refuse(
             f"{key} is already sharded (FSDP or TP applied before); --tp-size does not combine with "
             "--use-fsdp-inference. Pick one of them."
@@ -162,7 +164,7 @@ def _shard_wan_attention(module: torch.nn.Module, mesh: Any) -> None:
                 setattr(attention, name, ShardedRMSNorm(norm, mesh))
 
 
-def _parallelize(module: torch.nn.Module, plan: dict[str, Any], mesh: Any) -> None:
+def _parallelize(module: torch.nn.Module, plan: dict[str, Any], mesh: Any, specs: dict[str, Any]) -> None:
     # diffusers' helpers group the plan per block (one `parallelize_module` call each, so RowwiseParallel hooks
     # the block's input) and turn its styles into torch's, packed ones included. Its `apply_tensor_parallel`
     # itself refuses a CPU mesh, which the gloo tests need.
@@ -170,15 +172,20 @@ def _parallelize(module: torch.nn.Module, plan: dict[str, Any], mesh: Any) -> No
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from diffuserve.parallel.quantized import shard_quantized_layers
+
+    quantized = shard_quantized_layers(module, specs, mesh)  # cut by hand: the kernels take plain tensors only
     for block, relative_plan in _resolve_tp_plan(module, plan):
+        relative_plan = {k: v for k, v in relative_plan.items() if id(block.get_submodule(k)) not in quantized}
         styles = _styles(relative_plan)
         for style in styles.values():
             # Every rank loaded the same checkpoint, so each cuts its own shard: no scatter from rank 0.
             style.src_data_rank = None
-        parallelize_module(block, mesh, styles)
-    # The planned weights now live on the mesh's device; the replicated rest (embeddings, modulation, norms)
-    # follows them there, so a host-loaded DiT never needs to fit on one device whole.
-    device = next(p.to_local().device for p in module.parameters() if isinstance(p, DTensor))
+        if styles:
+            parallelize_module(block, mesh, styles)
+    # The planned weights now live on the mesh's device; the rest (embeddings, modulation, norms, the quantized
+    # layers' shards) follows them there, so a host-loaded DiT never needs to fit on one device whole.
+    device = _mesh_device(mesh)
     for sub in module.modules():
         for name, param in sub.named_parameters(recurse=False):
             if not isinstance(param, DTensor) and param.device != device:
@@ -186,6 +193,13 @@ def _parallelize(module: torch.nn.Module, plan: dict[str, Any], mesh: Any) -> No
         for name, buffer in sub.named_buffers(recurse=False):
             if buffer is not None and buffer.device != device:
                 sub.register_buffer(name, buffer.to(device), persistent=name not in sub._non_persistent_buffers_set)
+
+
+def _mesh_device(mesh: Any) -> torch.device:
+    """The device DTensor places this rank's shards on: the mesh's device type, this process's current index."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
 
 
 def check_tensor_parallel(pipeline: Any, degree: int) -> dict[str, dict[str, Any]]:
@@ -232,9 +246,12 @@ def enable_tensor_parallel(pipeline: Any, *, mesh: Any) -> list[str]:
         module = pipeline.components[key]
         if type(module).__name__ == "WanTransformer3DModel":
             _shard_wan_attention(module, mesh)
+        from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
+
+        specs = resolve_tp_shard_specs(module, plan, mesh.size())  # the whole layers' shapes, before any cut
         with torch.no_grad():
-            _parallelize(module, plan, mesh)
-            shard_lora_slots(module, plan, mesh)  # per-request LoRA: A / B cut like their base weight
+            _parallelize(module, plan, mesh, specs)
+            shard_lora_slots(module, plan, mesh, specs)  # per-request LoRA: A / B cut like their base weight
         module.requires_grad_(False)
     from diffuserve.parallel.agreement import FromFirstRank, add_agreement
 
@@ -246,7 +263,9 @@ def sharded_bytes(module: torch.nn.Module) -> tuple[int, int]:
     """(bytes this rank holds, bytes of the whole) of `module`'s tensor-parallel (DTensor) parameters."""
     from torch.distributed.tensor import DTensor
 
-    held = full = 0
+    from diffuserve.parallel.quantized import quantized_sharded_bytes
+
+    held, full = quantized_sharded_bytes(module)
     for param in module.parameters():
         if isinstance(param, DTensor):
             held += param.to_local().numel() * param.element_size()

@@ -11,10 +11,10 @@ Why this shape (DESIGN.md §8 "A quantized Linear is still a Linear to the rest"
   parameter's `.data` for a placeholder and counts bytes as `numel() * element_size()`, which a wrapper subclass
   defeats (the swap loses the subclass, and its element size is the logical dtype's, so the ledger would count
   bf16 bytes). Plain tensors move, pin and count as the quantized bytes they are.
-- Tensor parallel: `ColwiseParallel` shards every parameter of the Linear on dim 0, so the per-output-row scales
-  follow their rows; `RowwiseParallel` shards `weight` on dim 1 and leaves `weight_scale` whole (every rank's
-  partial sum needs all its output rows' scales). FSDP2 `fully_shard` shards weight and scale on dim 0 alike
-  (it all-gathers mixed dtypes as bytes).
+- Tensor parallel (`parallel/quantized.py`): the plan cuts its plain tensors by hand, like its styles would cut a
+  Linear's: column-wise, weight, scales and bias keep this rank's output rows; row-wise, the weight keeps this
+  rank's input columns and the scales stay whole (every rank's partial sum needs all its output rows' scales).
+  FSDP2 `fully_shard` shards weight and scale on dim 0 alike (it all-gathers mixed dtypes as bytes).
 - `torch.compile`: the forward is one function of plain tensors chosen at load (`kernel`, a str attribute), with
   no data-dependent branches, so a compiled block traces through it without a graph break per layer.
 
@@ -26,6 +26,10 @@ from __future__ import annotations
 import torch
 
 from diffuserve.quant.methods import KERNELS, kernel_for, quantize_weight
+
+PACKED_BLOCKS = ("_tp_packed_col_blocks", "_tp_packed_row_blocks")
+"""Attributes diffusers sets on a fused Linear for its tensor-parallel plan (`PackedRowwiseParallel` of FLUX's
+single blocks' `proj_out`); the quantized layer keeps them, or the plan cannot cut it."""
 
 
 class QuantizedLinear(torch.nn.Linear):
@@ -40,6 +44,9 @@ class QuantizedLinear(torch.nn.Linear):
         self.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
         """fp32 (out_features,): output row i is `scale[i] * (weight[i] . x)`."""
         self.bias = linear.bias
+        for attr in PACKED_BLOCKS:  # a fused projection's TP layout (diffusers sets it on the Linear at init)
+            if hasattr(linear, attr):
+                setattr(self, attr, getattr(linear, attr))
         self.method = method
         """fp8 | int8 | int8-dynamic."""
         dtype = linear.weight.dtype  # the compute dtype the component was loaded in

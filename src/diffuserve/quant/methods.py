@@ -6,9 +6,10 @@ integer GEMM are torchao's (imported lazily and quietly, `ao()`):
 - weights: `choose_qparams_affine` / `quantize_affine` (int8, symmetric, one scale per output row) and
   `_choose_scale_float8` / `_quantize_affine_float8` (FP8 e4m3, one scale per output row), the primitives behind
   torchao's `Int8WeightOnlyConfig`, `Int8DynamicActivationInt8WeightConfig` and `Float8*Config(PerRow())`;
-- `int8-dynamic`: each token's activations quantized with the same primitives, then torchao's `int_scaled_matmul`
-  (`torch._int_mm`, with the u8s8 VNNI variant on CPUs that have it) — torchao's own W8A8 path, which STACK.md
-  measured 2.8x faster than fp32 on this CPU;
+- `int8-dynamic`: each token's activations quantized to int8 with its own absmax scale (ours: torchao's activation
+  primitives took 17 % of a W8A8 step here, ~3x this), then the int8 x int8 -> int32 GEMM: `torch._int_mm` on CPU
+  and under compile, torchao's `safe_int_mm` (cuBLAS' shape rules with fallbacks) on CUDA — torchao's W8A8 path,
+  which STACK.md measured 2.8x faster than fp32 on this CPU;
 - `fp8` on CUDA sm89+: per-token FP8 activations and `addmm_float8_unwrapped_inference` (`torch._scaled_mm` with
   row-wise scales), torchao's `Float8DynamicActivationFloat8WeightConfig(PerRow())` path; elsewhere weight-only.
 
@@ -54,11 +55,23 @@ def quiet_torchao() -> None:
         ao()
 
 
-@functools.cache
+_AO: Any = None
+"""torchao's pieces once `ao()` imported them."""
+
+
 def ao() -> Any:
-    """torchao's pieces, imported once. Its import logs a failed CUDA-kernel library load on machines without
+    """torchao's pieces, imported once. A compiled layer's trace reads the module global (the import below, with
+    its logging calls, would break the graph at every quantized layer)."""
+    return _AO if _AO is not None else _import_ao()
+
+
+def _import_ao() -> Any:
+    """Import torchao's pieces. Its import logs a failed CUDA-kernel library load on machines without
     those kernels, that triton is missing, and torch logs a pytree deprecation for two of its enums: all harmless,
-    kept out of our log."""
+    kept out of our log. `safe_int_mm` enters a compiled graph whole: dynamo would otherwise trace its Python
+    device and shape probes and could break the graph at every int8-dynamic layer; AOT tracing and inductor still
+    see its ops."""
+    global _AO
     noisy = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [log.level for log in noisy]
     try:
@@ -75,7 +88,9 @@ def ao() -> Any:
     finally:
         for log, level in zip(noisy, levels, strict=True):
             log.setLevel(level)
-    return SimpleNamespace(qp=qp, safe_int_mm=safe_int_mm, addmm_fp8=addmm_float8_unwrapped_inference)
+    safe_int_mm = torch.compiler.allow_in_graph(safe_int_mm)
+    _AO = SimpleNamespace(qp=qp, safe_int_mm=safe_int_mm, addmm_fp8=addmm_float8_unwrapped_inference)
+    return _AO
 
 
 def _int8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
