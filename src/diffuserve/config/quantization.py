@@ -155,14 +155,6 @@ def _size(nbytes: int) -> str:
 def annotate(plan: DeploymentPlan, quant: QuantPlan) -> None:
     """Put each component's method and kept layers on the deployment plan (what /server_info, `plan` and the
     loader read), with the quantization's reasons in the plan's trace."""
-    dits = [name for name, q in quant.components.items() if plan.components[name].group == "dit"]
-    for flag, on in (("--tp-size", plan.tp_size > 1), ("--use-fsdp-inference", plan.use_fsdp_inference)):
-        if dits and on:  # both re-shape the DiT's weights; their quantized form is not validated yet
-            raise ConfigError(
-                f"{FLAG}: a quantized DiT ({', '.join(dits)}) under {flag} is not supported yet; drop one of them "
-                "(CFG parallel, Ulysses and Ring leave the weights whole and are not refused).",
-                param=flag_param(FLAG),
-            )
     for name, q in quant.components.items():
         plan.components[name].quantization = q.method
         plan.components[name].quant_keep = q.keep
