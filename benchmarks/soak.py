@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ from soak_report import Limits, Sample, build, table  # noqa: E402
 
 from tests.serverproc import ServerProcess  # noqa: E402
 from tests.stores import S3_ENV, PostgresServer, SeaweedS3, postgres_bin, weed_bin  # noqa: E402
+
+warnings.filterwarnings("ignore", "The Sora API", DeprecationWarning)  # the SDK's notice on every videos.* call
 
 
 @dataclass
@@ -298,7 +301,9 @@ def stop_servers(servers: dict[str, ServerProcess]) -> list[str]:
 def run(config: SoakConfig, store, checkpoints: dict[str, Path], loras: dict[str, Path]) -> dict:
     """Start the servers on `store`, run the workload, stop them; returns the report (soak_report.build)."""
     args = server_args(checkpoints, loras)
+    begun = time.monotonic()
     servers = start_servers(args, store, config.work_dir)
+    start_s = round(time.monotonic() - begun, 1)
     findings: list[str] = []
     extra: dict = {}
     try:
@@ -321,6 +326,7 @@ def run(config: SoakConfig, store, checkpoints: dict[str, Path], loras: dict[str
         "load_at_end": [round(x, 2) for x in os.getloadavg()],
         "server_args": args,
         "work_dir": str(config.work_dir),
+        "servers_start_s": start_s,
         **extra,
     }
     return build(soak.records, soak.samples, soak.fault, meta, config.limits, findings)

@@ -137,6 +137,7 @@ def build(
         "requests": len(records),
         "outcomes": {o: sum(r.outcome == o for r in records) for o in OUTCOMES},
         "five_xx_in_fault_window": len(inside),
+        "load1_median": statistics.median(s.load1 for s in samples) if samples else None,
         "fault": fault,
         "kinds": _kinds(records),
         "servers": servers,
@@ -151,6 +152,9 @@ def build(
 def table(report: dict) -> str:
     """The summary printed at the end of a run."""
     lines = [f"soak: {report['duration_s']:.0f} s, {report['requests']} requests, store: {report['store']}"]
+    lines.append(
+        f"load average at start {report['load_at_start']}, at end {report['load_at_end']} ({report['cpus']} cpus)"
+    )
     lines.append(f"{'kind':<14}{'n':>6}{'p50 s':>9}{'p99 s':>9}  outcomes")
     for kind, entry in report["kinds"].items():
         p50 = "-" if entry["p50_s"] is None else f"{entry['p50_s']:.3f}"

@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -19,6 +21,7 @@ from soak_kinds import KINDS  # noqa: E402
 from soak_report import Limits, table  # noqa: E402
 
 
+@pytest.mark.filterwarnings("ignore:The Sora API")
 def test_a_60_second_soak_loses_nothing(
     tiny_flux_path, tiny_wan_path, tiny_checkpoint, postgres_server, s3_server, tmp_path: Path
 ):
