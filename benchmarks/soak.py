@@ -123,7 +123,7 @@ def server_args(checkpoints: dict[str, Path], loras: dict[str, Path]) -> dict[st
     return {
         "image": [
             *("--model-path", str(checkpoints["flux"]), "--served-model-name", "soak-flux", *batching),
-            *("--batching-max-size", "4", "--result-cache-mib", "16", "--max-inference-steps", "64"),
+            *("--batching-max-size", "4", "--result-cache-mib", "1", "--max-inference-steps", "64"),
             *("--lora-modules", *(f"{name}={path}" for name, path in loras.items())),
         ],
         "video": [
@@ -182,9 +182,10 @@ def sample(servers: dict[str, ServerProcess], at: float) -> list[Sample]:
             family = [proc, *proc.children(recursive=True)]
             rss = sum(p.memory_info().rss for p in family)
             fds = sum(p.num_fds() for p in family)
+            threads = sum(p.num_threads() for p in family)
         except psutil.Error:
             continue  # it exited: the ledger says so
-        out.append(Sample(name, round(at, 2), rss, fds, os.getloadavg()[0]))
+        out.append(Sample(name, round(at, 2), rss, fds, threads, os.getloadavg()[0]))
     return out
 
 

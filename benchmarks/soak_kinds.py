@@ -316,7 +316,11 @@ def classify(exc: BaseException) -> tuple[str, int | None, str]:
         status = exc.status_code
     elif isinstance(exc, httpx.HTTPStatusError):
         status = exc.response.status_code
-    text = f"{type(exc).__name__}: {exc}"[:300]
+    text = f"{type(exc).__name__}: {exc}"
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and isinstance(exc, openai.APIConnectionError):
+        text += f" ({type(cause).__name__}: {cause})"  # the transport's own words: which side closed, and when
+    text = text[:300]
     if status is not None:
         if status >= 500:
             return "error_5xx", status, text

@@ -26,6 +26,7 @@ class Sample:
     at: float
     rss_bytes: int
     fds: int
+    threads: int
     load1: float
 
 
@@ -79,10 +80,10 @@ def _servers(samples: list[Sample], duration_s: float, limits: Limits) -> dict[s
     for server in sorted({s.server for s in samples}):
         mine = [s for s in samples if s.server == server]
         entry: dict = {"samples": len(mine), "first_rss_mib": round(mine[0].rss_bytes / 2**20, 1)}
-        for attr, unit in (("rss_bytes", 2**20), ("fds", 1)):
+        for attr, unit in (("rss_bytes", 2**20), ("fds", 1), ("threads", 1)):
             base = _window(mine, span, 2 * span, attr)
             end = _window(mine, duration_s - span, math.inf, attr)
-            name = "rss_mib" if attr == "rss_bytes" else "fds"
+            name = "rss_mib" if attr == "rss_bytes" else attr
             entry[f"{name}_baseline"] = None if base is None else round(base / unit, 1)
             entry[f"{name}_end"] = None if end is None else round(end / unit, 1)
             entry[f"{name}_max"] = round(max(getattr(s, attr) for s in mine) / unit, 1)
@@ -163,14 +164,17 @@ def table(report: dict) -> str:
         lines.append(f"{kind:<14}{entry['requests']:>6}{p50:>9}{p99:>9}  {outcomes}")
     lines.append("outcomes: " + " ".join(f"{k}={v}" for k, v in report["outcomes"].items()))
     lines.append(f"5xx inside the fault window: {report['five_xx_in_fault_window']} (fault: {report['fault']})")
-    lines.append(f"{'server':<8}{'RSS MiB first':>14}{'baseline':>10}{'end':>8}{'max':>8}{'growth':>9}{'fds':>12}")
+    lines.append(
+        f"{'server':<8}{'RSS MiB first':>14}{'baseline':>10}{'end':>8}{'max':>8}{'growth':>9}{'fds':>12}{'threads':>10}"
+    )
     for name, e in report["servers"].items():
         growth = "-" if e["rss_growth"] is None else f"{e['rss_growth'] * 100:+.1f}%"
         fds = f"{e['fds_baseline']:.0f}->{e['fds_end']:.0f}" if e["fds_end"] is not None else "-"
+        threads = f"{e['threads_baseline']:.0f}->{e['threads_end']:.0f}" if e["threads_end"] is not None else "-"
         base = "-" if e["rss_mib_baseline"] is None else f"{e['rss_mib_baseline']:.0f}"
         end = "-" if e["rss_mib_end"] is None else f"{e['rss_mib_end']:.0f}"
         lines.append(
-            f"{name:<8}{e['first_rss_mib']:>14.0f}{base:>10}{end:>8}{e['rss_mib_max']:>8.0f}{growth:>9}{fds:>12}"
+            f"{name:<8}{e['first_rss_mib']:>14.0f}{base:>10}{end:>8}{e['rss_mib_max']:>8.0f}{growth:>9}{fds:>12}{threads:>10}"
         )
     for finding in report["ledger"]:
         lines.append(f"ledger: {finding}")
