@@ -8,7 +8,9 @@ reported, and held only to a loose bound here (a leak per request would still sh
 
 from __future__ import annotations
 
+import http.client
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,3 +54,20 @@ def test_a_60_second_soak_loses_nothing(
     assert answered >= set(KINDS) - {"disconnect"}, report["kinds"]
     assert {"image", "video", "mesh"} == set(report["servers"]), report["servers"]
     assert all(e["samples"] >= 30 for e in report["servers"].values()), report["servers"]
+
+
+def test_an_idle_connection_outlives_the_clients_idle_expiry(singleton_server):
+    """httpx and the openai SDK keep an idle connection 5 s; the server keeps it longer (server/runner.py
+    KEEP_ALIVE_S), so it is always the client that closes it. With uvicorn's 5 s the two expired together, and the
+    soak lost an edit sent on a connection the server was closing."""
+    conn = http.client.HTTPConnection("127.0.0.1", singleton_server.port, timeout=30)
+    try:
+        conn.request("GET", "/liveness")
+        assert conn.getresponse().read() and conn.sock is not None
+        first = conn.sock
+        time.sleep(7)  # past the client's 5 s idle expiry
+        conn.request("GET", "/liveness")
+        answer = conn.getresponse()  # RemoteDisconnected when the server closed the connection meanwhile
+        assert answer.status == 200 and conn.sock is first, "the request went out on the same idle connection"
+    finally:
+        conn.close()
