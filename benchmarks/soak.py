@@ -66,6 +66,8 @@ class SoakConfig:
     """A bound on the count as well as the time."""
     work_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="diffuserve-soak-")))
     limits: Limits = field(default_factory=Limits)
+    server_env: dict[str, str] = field(default_factory=dict)
+    """More environment for the servers (e.g. allocator settings to compare)."""
 
 
 class SharedStore:
@@ -137,8 +139,8 @@ def server_args(checkpoints: dict[str, Path], loras: dict[str, Path]) -> dict[st
     }
 
 
-def start_servers(args: dict[str, list[str]], store, work: Path) -> dict[str, ServerProcess]:
-    env = {**S3_ENV, "OMP_NUM_THREADS": "1"}
+def start_servers(args: dict[str, list[str]], store, work: Path, more_env: dict) -> dict[str, ServerProcess]:
+    env = {**S3_ENV, "OMP_NUM_THREADS": "1", **more_env}
     servers = {}
     for name, flags in args.items():
         (work / name).mkdir(parents=True, exist_ok=True)
@@ -303,7 +305,7 @@ def run(config: SoakConfig, store, checkpoints: dict[str, Path], loras: dict[str
     """Start the servers on `store`, run the workload, stop them; returns the report (soak_report.build)."""
     args = server_args(checkpoints, loras)
     begun = time.monotonic()
-    servers = start_servers(args, store, config.work_dir)
+    servers = start_servers(args, store, config.work_dir, config.server_env)
     start_s = round(time.monotonic() - begun, 1)
     findings: list[str] = []
     extra: dict = {}
@@ -326,6 +328,7 @@ def run(config: SoakConfig, store, checkpoints: dict[str, Path], loras: dict[str
         "load_at_start": [round(x, 2) for x in load],
         "load_at_end": [round(x, 2) for x in os.getloadavg()],
         "server_args": args,
+        "server_env": config.server_env,
         "work_dir": str(config.work_dir),
         "servers_start_s": start_s,
         **extra,
@@ -360,10 +363,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job-timeout-s", type=float, default=180.0, help="longest wait for one video / mesh job")
     parser.add_argument("--max-requests", type=int, default=100_000, help="stop after this many requests too")
     parser.add_argument("--work-dir", type=Path, help="checkpoints, logs and stores (default: a new temp dir)")
+    parser.add_argument("--server-env", nargs="+", default=[], metavar="KEY=VALUE", help="more server environment")
     parser.add_argument("--json", type=Path, help="write the whole report (samples included) here")
     opts = parser.parse_args(argv)
     if opts.duration_s <= 0 or opts.concurrency < 1:
         parser.error("--duration-s must be > 0 and --concurrency >= 1")
+    if any("=" not in item for item in opts.server_env):
+        parser.error("--server-env takes KEY=VALUE items, e.g. MALLOC_ARENA_MAX=2")
     config = SoakConfig(
         duration_s=opts.duration_s,
         concurrency=opts.concurrency,
@@ -372,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         sample_s=opts.sample_s,
         job_timeout_s=opts.job_timeout_s,
         max_requests=opts.max_requests,
+        server_env=dict(item.split("=", 1) for item in opts.server_env),
         **({"work_dir": opts.work_dir} if opts.work_dir else {}),
     )
     config.work_dir.mkdir(parents=True, exist_ok=True)
