@@ -45,6 +45,12 @@ INTERRUPTED = 130
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
+KEEP_ALIVE_S = 75
+"""Seconds an idle client connection is kept open. Longer than the idle expiry of the clients and proxies in front
+(httpx and the openai SDK: 5 s, nginx and AWS load balancers: 60 s), so the client always closes an idle connection
+first. With uvicorn's 5 s, equal to httpx's, a client could send a request on a connection the server was closing
+at that moment, and get "Server disconnected without sending a response" (the soak lost an edit that way)."""
+
 
 def stop_before_serving(sig: int, phase: str) -> None:
     """Exit now, from a signal handler: the server has served nothing, so there is nothing to drain or save.
@@ -223,6 +229,7 @@ def serve(args: ServerArgs) -> int:
         port=args.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
+        timeout_keep_alive=KEEP_ALIVE_S,
         access_log=args.log_level == "debug",
         loop="uvloop",  # the production stack: uvloop's event loop and httptools' HTTP parser (issue 24)
         http="httptools",

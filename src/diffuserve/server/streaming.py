@@ -79,6 +79,7 @@ async def stream_images(
 
     async def events() -> AsyncIterator[bytes]:
         answered = False
+        getter: asyncio.Future | None = None
         try:
             while True:
                 getter = asyncio.ensure_future(queue.get())
@@ -103,6 +104,10 @@ async def stream_images(
                 yield event("completed", b64, j, usage=usage)
             answered = True
         finally:
+            if getter is not None:
+                # A client that leaves while this waits for the next preview cancels the wait, not the getter task:
+                # left pending, asyncio logs "Task was destroyed but it is pending!" once the queue is collected.
+                getter.cancel()
             if not answered:
                 # The client went away (the server cancels this generator): drop the request's row.
                 engine.abort(request_id, RequestCancelledError("The client disconnected from the stream."))
