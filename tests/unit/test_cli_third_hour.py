@@ -86,3 +86,15 @@ def test_ctrl_c_while_serve_starts_is_one_line_and_exit_130(gate: str):
         said[-1] == "diffuserve serve: interrupted"
         or "SIGINT during start-up (starting): stopping before serving" in said[-1]
     ), said
+
+
+def test_serve_caps_glibc_malloc_arenas_unless_the_operator_chose(tmp_path):
+    """`serve` caps glibc's malloc arenas (the soak's RSS plateau); an operator's MALLOC_ARENA_MAX is left alone."""
+    code = "from diffuserve.server.runner import limit_malloc_arenas; print(limit_malloc_arenas())"
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    capped = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    chosen = subprocess.run(
+        [sys.executable, "-c", code], env={**env, "MALLOC_ARENA_MAX": "4"}, capture_output=True, text=True, check=True
+    )
+    assert chosen.stdout.strip() == "False"
+    assert capped.stdout.strip() == ("True" if sys.platform.startswith("linux") else "False")
