@@ -29,7 +29,7 @@ GIB_MIB = 1024
 def _probe(*args: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, str(PROBE), *args], capture_output=True, text=True, timeout=600, env=env, check=False
+        [sys.executable, str(PROBE), *args], capture_output=True, text=True, timeout=840, env=env, check=False
     )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
