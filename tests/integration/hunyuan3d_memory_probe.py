@@ -21,7 +21,13 @@ import torch
 
 
 def rss_mib() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    """This process's peak RSS in MiB: VmHWM, the high-water mark of its own address space. (`getrusage`'s
+    ru_maxrss is not: Linux carries the forking parent's peak across exec, so under a 1.5 GiB pytest it read 1.5 GiB
+    before the decode began.)"""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) // 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # no procfs: an upper bound
 
 
 def shallow(queries: torch.Tensor, latents: torch.Tensor, attend=None) -> torch.Tensor:
