@@ -105,13 +105,21 @@ def cpu_torch_wheel(folder: Path) -> Path | None:
 
 def build_cpu_image(base: str, wheel: Path | None, log: Path) -> str:
     """`make image-cpu` with podman on `base`; returns the size line it printed."""
-    argv = ["make", "image-cpu", "CONTAINER_TOOL=podman", f"BASE_IMAGE={base}", f"IMAGE={IMAGE.split(':')[0]}"]
+    # --no-print-directory: under `make test-container` this is a sub-make, which would end with "Leaving directory"
+    argv = [
+        "make",
+        "--no-print-directory",
+        "image-cpu",
+        "CONTAINER_TOOL=podman",
+        f"BASE_IMAGE={base}",
+        f"IMAGE={IMAGE.split(':')[0]}",
+    ]
     argv += [f"TORCH_WHEEL={wheel}"] if wheel else []
     with log.open("w") as out:
         code = subprocess.run(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=1500).returncode
     text = log.read_text(errors="replace")
     assert code == 0, f"{shlex.join(argv)} failed ({code}):\n{text[-5000:]}"
-    return text.strip().splitlines()[-1]
+    return next(line for line in reversed(text.strip().splitlines()) if line.startswith(f"{IMAGE}: "))
 
 
 @dataclass
