@@ -216,7 +216,7 @@ def run_batch(
             len(calls),
         )
     overlap = pipeline.lanes
-    counter = _StepCounter(len(calls), events, overlap)
+    counter = _StepCounter(len(calls), calls[0][0][2].num_inference_steps, events, overlap)
     on_preview = _preview_hook(live, message.partial_images if len(calls) == 1 else {}, events)
 
     hooks: dict[str, Any] = {
@@ -270,11 +270,11 @@ def _preview_hook(live: list[Row], wanted: dict[str, int], events: BatchEvents) 
 class _StepCounter:
     """Counts a batch's steps over all its pipeline calls and reports each as `Progress`."""
 
-    def __init__(self, num_calls: int, events: BatchEvents, overlap: Overlap | None):
+    def __init__(self, num_calls: int, num_steps: int, events: BatchEvents, overlap: Overlap | None):
         self.num_calls, self.events, self.overlap = num_calls, events, overlap
         self.call_index = 0
         """The pipeline call running now."""
-        self.done = (0, 0)
+        self.done = (0, num_calls * num_steps)
         """(steps done, total steps) so far, over all calls."""
 
     def step_done(self, step: int, num_steps: int) -> None:

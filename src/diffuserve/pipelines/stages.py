@@ -351,8 +351,6 @@ class RecipePipeline(Pipeline):
         with contextlib.ExitStack() as scope:
             active: str | None = None
             for i, t in enumerate(state.timesteps):
-                if should_stop is not None and should_stop():
-                    raise RequestCancelledError(f"cancelled before denoising step {i + 1}/{num_steps}")
                 model_key = self.denoiser_for_step(i, t, state)
                 if model_key != active:
                     # Leave the previous denoiser's residency scope before entering the next, so only the
@@ -370,6 +368,11 @@ class RecipePipeline(Pipeline):
                 if on_preview is not None:
                     current = latents
                     on_preview(i, num_steps, lambda current=current: self._previews(current, state, batch))
+                # Checked after the step, never before the first: a cancel finishes the step in flight (or the
+                # first one, when it lands during encoding), so "stopped at step k/N" is always the steps done
+                # when the cancel landed plus one, the count `generate`'s Ctrl-C line prints.
+                if should_stop is not None and should_stop():
+                    raise RequestCancelledError(f"cancelled after denoising step {i + 1}/{num_steps}")
         return latents
 
     def _previews(self, latents: torch.Tensor, state: DenoiseState, batch: Sequence[SamplingParams]) -> list[list[Any]]:
