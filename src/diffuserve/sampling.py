@@ -93,6 +93,11 @@ class SamplingParams:
     step_cache: StepCacheSettings | None = _row(
         None, "Step cache of this request's rows (None: every step computes); only its method joins the signature."
     )
+    generate_audio: bool | None = _sig(
+        None,
+        "Joint audio-video families (LTX-2): whether the audio branch runs and the MP4 carries its sound; None: the "
+        "family's default (on where it makes sound). Families without sound refuse it.",
+    )
     text_ids: dict[str, dict[str, tuple[int, ...]]] | None = field(
         default=None,
         compare=False,

@@ -188,6 +188,9 @@ class FamilySpec:
     LoRA files for per-request adapters (`lora/files.py`); None: the native backend serves no adapters for it."""
     base_family: str | None = None
     """The family whose plan defaults a variant shares (e.g. `qwen_image` for `qwen_image_edit`)."""
+    produces_audio: bool = False
+    """A joint audio-video family (LTX-2): its videos carry a sound track (`RequestOutput.audios`), a request's
+    `generate_audio` turns it off; other families refuse `generate_audio` naming the field."""
     quant_keep: tuple[str, ...] = ()
     """Module-name globs of the DiT that `--quantization` never quantizes (what the family's diffusers code or
     reference keeps in high precision: embedders, timestep / modulation / adaLN projections, norms, the final

@@ -88,6 +88,11 @@ class RequestOutput:
     """Step-cache counts of the request's rows (method, computed_steps, reused_steps); None without a cache."""
     meshes: list[Any] = field(default_factory=list)
     """Mesh families: one `families.hunyuan3d.adapter.Mesh` (vertices, faces) per output row."""
+    audios: list[Any] = field(default_factory=list)
+    """Joint audio-video families: one float32 waveform tensor (channels, samples) in [-1, 1] per output video, at
+    `audio_sample_rate`; empty when the family makes no sound or the request turned it off (`generate_audio`)."""
+    audio_sample_rate: int | None = None
+    """Samples per second of `audios` (the family's vocoder rate); None without audio."""
 
 
 @dataclass
