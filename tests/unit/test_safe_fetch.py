@@ -224,3 +224,25 @@ def test_encoded_and_failed_answers_are_refused():
     with media_server() as media:
         assert "gzip-encoded" in _refusal(media.url("/gzip"), ALLOWED)
         assert "HTTP 404" in _refusal(media.url("/missing"), ALLOWED)
+
+
+# -- the flags ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        ({"allowed_media_domains": ["img.example.com"]}, "has no effect without --allow-remote-urls"),
+        ({"allow_remote_urls": True, "allowed_media_domains": ["https://img.example.com"]}, "not a host name"),
+        ({"allow_remote_urls": True, "allowed_media_domains": ["*.example.com"]}, "not a host name"),
+        ({"allow_remote_urls": True, "media_fetch_timeout_s": 0}, "must be > 0"),
+    ],
+)
+def test_bad_fetch_flags_fail_at_start_up_naming_the_flag(flags, needle):
+    from diffuserve.config.limits import LimitsArgs
+    from diffuserve.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        LimitsArgs(**flags).validate()
+    assert needle in str(info.value) and str(info.value).startswith("--")
+    LimitsArgs(allow_remote_urls=True, allowed_media_domains=["img.example.com", "10.0.0.1", "::1"]).validate()
