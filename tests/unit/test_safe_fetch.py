@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import socket
+import threading
 import time
 from types import SimpleNamespace
 
@@ -154,6 +156,33 @@ def test_the_connection_goes_to_the_checked_address_with_the_name_as_host(monkey
     assert lookups == ["images.test"] and sends == [f"http://127.0.0.1:{media.port}/cat.png"]
 
 
+def test_https_names_the_host_in_sni_while_connecting_to_the_checked_address(monkeypatch):
+    # A bare TCP listener on 127.0.0.1 reads the TLS ClientHello (sent in the clear) and hangs up: the handshake
+    # fails (a 400), but the hello shows the server name went out as SNI, which is also the name the certificate
+    # would be verified against, while the connection went to the address the one lookup gave.
+    async def fake_resolve(host: str, port: int) -> list[str]:
+        return ["127.0.0.1"]
+
+    monkeypatch.setattr(safe_fetch, "resolve", fake_resolve)
+    hello = bytearray()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+
+        def accept() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(5)
+                hello.extend(conn.recv(4096))
+
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
+        assert "fetch failed" in _refusal(f"https://images.test:{port}/cat.png", ALLOWED)
+        thread.join(5)
+    assert hello[:1] == b"\x16" and b"images.test" in hello  # a TLS handshake record carrying the name
+
+
 @pytest.mark.parametrize("url", ["http://169.254.169.254/latest/meta-data/", "http://10.0.0.1/cat.png"])
 def test_private_addresses_are_refused_before_connecting(url, sends):
     message = _refusal(url, ALLOWED)
@@ -172,6 +201,15 @@ def test_names_are_judged_by_what_they_resolve_to(monkeypatch, sends):
         "http://internal.test/x", STRICT
     )
     assert "loopback" in _refusal("http://mixed.test/x", STRICT)  # one bad address refuses the name
+    assert sends == []
+
+
+@pytest.mark.parametrize("url", ["http://2130706433/", "http://0x7f.1/", "http://[::ffff:127.0.0.1]/", "http://0/"])
+def test_other_spellings_of_loopback_are_judged_by_the_address(url, sends):
+    # Decimal, hex and short IPv4 forms and IPv4-mapped IPv6 resolve to 127.0.0.1 / 0.0.0.0: the resolved address
+    # is what is checked, whatever the spelling.
+    message = _refusal(url, STRICT)
+    assert "loopback" in message or "unspecified" in message
     assert sends == []
 
 

@@ -190,9 +190,11 @@ async def fetch_url(url: str, field: str, policy: FetchPolicy) -> bytes:
 
 async def _follow(url: httpx.URL, field: str, policy: FetchPolicy) -> bytes:
     timeout = httpx.Timeout(policy.timeout_s, connect=min(CONNECT_TIMEOUT_S, policy.timeout_s))
-    async with httpx.AsyncClient(trust_env=False, follow_redirects=False, timeout=timeout) as client:
-        for _ in range(MAX_REDIRECTS + 1):
-            address = await checked_address(url, policy, field)
+    for _ in range(MAX_REDIRECTS + 1):
+        address = await checked_address(url, policy, field)
+        # A client per hop: its pool is keyed by the address, so a kept-alive TLS connection made (and verified) for
+        # one name must never carry the next hop's request for another name on the same address.
+        async with httpx.AsyncClient(trust_env=False, follow_redirects=False, timeout=timeout) as client:
             reply = await client.send(_pinned_request(client, url, address), stream=True)
             try:
                 if reply.is_redirect:
