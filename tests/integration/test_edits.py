@@ -124,19 +124,27 @@ def test_edit_strength_keeps_the_input(singleton_server):
         ({"image": ("in.png", _png())}, {"prompt": "x", "n": "eleven"}, "n"),
         ({"image": ("in.png", _png())}, {"prompt": "x", "unknown_field": "1"}, "unknown_field"),
         ({"image": ("in.png", _png())}, {}, "prompt"),
+        ({"image": ("in.png", _png()), "other": ("x", b"1")}, {"prompt": "x"}, "other"),  # a stray file is named
+        ({}, {"prompt": "x", "url": "data:image/png;base64,@@"}, "url"),  # form-urlencoded url source
     ],
 )
 def test_bad_edits_get_400_naming_the_field(singleton_server, files, data, param):
-    response = httpx.post(
-        f"{singleton_server.base_url}/v1/images/edits", files=files or {"other": ("x", b"1")}, data=data, timeout=60
-    )
+    response = httpx.post(f"{singleton_server.base_url}/v1/images/edits", files=files or None, data=data, timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
 
 
-def test_edit_needs_multipart(singleton_server):
-    response = httpx.post(f"{singleton_server.base_url}/v1/images/edits", json={"prompt": "x"})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "body"
+def test_edit_bodies_of_other_types_name_the_body(singleton_server):
+    # Multipart, form-urlencoded and JSON are edit bodies (docs/api.md, "Image sources by URL"); others are not.
+    route = f"{singleton_server.base_url}/v1/images/edits"
+    for response, param in (
+        (httpx.post(route, content=b"prompt=x", headers={"Content-Type": "text/plain"}), "body"),
+        (httpx.post(route, content=b"{not json", headers={"Content-Type": "application/json"}), "body"),
+        (httpx.post(route, json=["a list"]), "body"),
+        (httpx.post(route, json={"prompt": "x"}), "image"),  # JSON without `images`
+        (httpx.post(route, json={"prompt": "x", "images": [{"file_id": "file_1"}]}), "images"),
+    ):
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
 def test_edits_are_never_merged(dynamic_server):

@@ -156,6 +156,8 @@ def test_json_data_url_obj_and_job_lifecycle(mesh_server):
         ("none", "image"),
         ("two", "image"),
         ("not_image", "input_image"),
+        ("remote", "input_image"),  # http(s) only with --allow-remote-urls (server/media_sources.py)
+        ("file_id", "input_image"),
         ("format", "output_format"),
         ("octree", "octree_resolution"),
     ],
@@ -177,6 +179,8 @@ def test_rejected_creates_name_the_field_and_keep_no_job(mesh_server, kind, para
             body = {
                 "none": {"seed": 1},
                 "not_image": {**body, "input_image": "data:image/png;base64,AAAA"},
+                "remote": {**body, "input_image": "http://169.254.169.254/latest/meta-data/"},
+                "file_id": {**body, "input_image": {"file_id": "file_1"}},
                 "format": {**body, "output_format": "stl"},
                 "octree": {**body, "octree_resolution": 65},
             }[kind]

@@ -2,13 +2,16 @@
 clients send through the official `openai` SDK's `extra_body` (docs/api.md, "Fields of other servers' clients").
 
 Each body below is shaped as that client sends it (field names and the way they travel); the shared tiny FLUX and
-tiny Wan2.1 servers answer them. What a field does is checked on the pipelines themselves: `flow_shift` against
+tiny Wan2.1 servers answer them. Edit sources given as URLs (SGLang's `url` in `extra_body`, vLLM-Omni's `url`
+form fields, OpenAI's JSON `images`) are data: URLs here (http(s) URLs and their guards:
+tests/integration/test_media_urls.py). What a field does is checked on the pipelines themselves: `flow_shift` against
 diffusers with the same shift, Wan2.2 A14B's `boundary_ratio` against diffusers' WanPipeline with that boundary,
 Qwen-Image-Layered's `resolution` reaching its `__call__`.
 """
 
 from __future__ import annotations
 
+import base64
 import io
 
 import httpx
@@ -33,6 +36,13 @@ SGLANG_IMAGE = {"num_frames": 1, "num_inference_steps": 2, "seed": 1, "guidance_
 """SGLang-Diffusion's image generation: every call carries num_frames (1 for an image)."""
 SGLANG_EDIT = {"num_frames": 1, "num_inference_steps": 2, "seed": 2}
 """SGLang-Diffusion's image edit (multipart form fields beside `image`)."""
+URL_EDIT_BODIES = {
+    "sglang-url": "SDK multipart, `url` in extra_body beside no file (SGLang-Diffusion's client)",
+    "vllm-omni-sdk": "SDK multipart, `image=[]` and a `url` list in extra_body: `url[]` parts (vLLM-Omni's docs)",
+    "vllm-omni-form": "form-urlencoded `url` fields, no files (vLLM-Omni's own test client)",
+    "openai-json": 'JSON `images: [{"image_url": ...}]` (OpenAI\'s JSON edit form)',
+}
+"""Edit bodies whose source image travels as a data: URL; each must edit exactly as the uploaded file does."""
 VLLM_OMNI_IMAGE = {"num_inference_steps": 2, "seed": 3, "true_cfg_scale": 1.0, "flow_shift": 2.0}
 """vLLM-Omni's image generation with the scheduler's shift."""
 SGLANG_VIDEO = {"num_frames": 5, "width": 32, "height": 32, "num_inference_steps": 2, "seed": 4}
@@ -59,6 +69,10 @@ def _png(width: int = 32, height: int = 32, seed: int = 0) -> bytes:
     return buffer.getvalue()
 
 
+def _data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
 def _refused(call, param: str) -> str:
     with pytest.raises(openai.BadRequestError) as info:
         call()
@@ -78,6 +92,56 @@ def test_sglang_and_vllm_omni_image_bodies_work(singleton_server):
         image=("in.png", _png(48, 32), "image/png"), prompt="make it blue", extra_body=SGLANG_EDIT
     )
     assert decode_b64_png(edit.data[0].b64_json).size == (48, 32)
+
+
+def _url_edit(server: ServerProcess, shape: str, url: str) -> str:
+    """The b64 image of an edit whose source is `url`, sent in the body shape `shape` (URL_EDIT_BODIES)."""
+    client, route = _client(server), f"{server.base_url}/v1/images/edits"
+    if shape == "sglang-url":
+        return (
+            client.images.edit(image=[], prompt="make it blue", extra_body={**SGLANG_EDIT, "url": url}).data[0].b64_json
+        )
+    if shape == "vllm-omni-sdk":
+        return (
+            client.images.edit(image=[], prompt="make it blue", extra_body={**SGLANG_EDIT, "url": [url]})
+            .data[0]
+            .b64_json
+        )
+    if shape == "vllm-omni-form":
+        form = {"prompt": "make it blue", "url": [url], **{k: str(v) for k, v in SGLANG_EDIT.items()}}
+        reply = httpx.post(route, data=form, timeout=120)
+    else:
+        reply = httpx.post(
+            route, json={"prompt": "make it blue", "images": [{"image_url": url}], **SGLANG_EDIT}, timeout=120
+        )
+    assert reply.status_code == 200, reply.text
+    return reply.json()["data"][0]["b64_json"]
+
+
+def test_edit_sources_as_data_urls_in_every_peer_body(singleton_server):
+    client = _client(singleton_server)
+    png = _png(48, 32, seed=5)
+    upload = client.images.edit(image=("in.png", png, "image/png"), prompt="make it blue", extra_body=SGLANG_EDIT)
+    expected = pixels(decode_b64_png(upload.data[0].b64_json))
+    for shape in URL_EDIT_BODIES:
+        got = pixels(decode_b64_png(_url_edit(singleton_server, shape, _data_url(png))))
+        assert got.shape == expected.shape and np.abs(got - expected).max() == 0, shape  # the same bytes, the same edit
+    # Without --allow-remote-urls an http(s) source is a 400 naming the field that carried it, in every shape.
+    remote = "http://169.254.169.254/latest/meta-data/"
+    message = _refused(lambda: client.images.edit(image=[], prompt="x", extra_body={"url": remote}), "url")
+    assert "--allow-remote-urls" in message
+    reply = httpx.post(
+        f"{singleton_server.base_url}/v1/images/edits",
+        json={"prompt": "x", "images": [{"image_url": remote}]},
+        timeout=30,
+    )
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "images", reply.text
+    # Too many sources for a one-image model: files and URLs count together.
+    message = _refused(
+        lambda: client.images.edit(image=("in.png", png, "image/png"), prompt="x", extra_body={"url": _data_url(png)}),
+        "image",
+    )
+    assert "got 2" in message
 
 
 def test_flow_shift_changes_the_schedule(singleton_server):

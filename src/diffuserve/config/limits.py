@@ -52,6 +52,22 @@ class LimitsArgs:
         LIMITS_GROUP,
     )
     """Remote fetch switch."""
+    allowed_media_domains: list[str] = flag(
+        [],
+        "With --allow-remote-urls: the only hosts an image URL (and every redirect it takes) may name, matched "
+        "exactly (case-insensitive; `cdn.example.com` does not admit `img.cdn.example.com`). Default: any public "
+        "host. Loopback, private, link-local, multicast and reserved addresses are refused either way.",
+        LIMITS_GROUP,
+        metavar="HOST",
+    )
+    """Exact-host allow list of remote image fetches (empty: any host whose addresses are public)."""
+    media_fetch_timeout_s: float = flag(
+        10.0,
+        "With --allow-remote-urls: seconds one image URL may take in all (name lookup, connect, every redirect and "
+        "the whole body); past it the request is a 400 naming the field.",
+        LIMITS_GROUP,
+    )
+    """Total deadline of one remote image fetch (a slow-drip answer is cut off by it, not only by idle time)."""
 
     def validate(self) -> None:
         """Fail at start-up, naming the flag and the fix."""
@@ -64,5 +80,38 @@ class LimitsArgs:
                 ),
                 (self.max_upload_bytes < 1024, "--max-upload-bytes", f"{self.max_upload_bytes} is too small (>= 1024)"),
                 (self.max_prompt_chars < 1, "--max-prompt-chars", f"{self.max_prompt_chars} must be >= 1"),
+                (
+                    self.media_fetch_timeout_s <= 0,
+                    "--media-fetch-timeout-s",
+                    f"{self.media_fetch_timeout_s} must be > 0",
+                ),
+                (
+                    bool(self.allowed_media_domains) and not self.allow_remote_urls,
+                    "--allowed-media-domains",
+                    "has no effect without --allow-remote-urls (no URL is fetched); add --allow-remote-urls or drop it",
+                ),
+                *[
+                    (
+                        not _is_host(entry),
+                        "--allowed-media-domains",
+                        f"{entry!r} is not a host name or IP address (give hosts only: `cdn.example.com`, without a "
+                        "scheme, port, path or wildcard)",
+                    )
+                    for entry in self.allowed_media_domains
+                ],
             ]
         )
+
+
+def _is_host(entry: str) -> bool:
+    """A bare host name or IP literal (what a URL's host is compared with), not a URL or a pattern."""
+    return bool(entry) and not any(c in entry for c in "/:*@?# ") or _is_ipv6(entry)
+
+
+def _is_ipv6(entry: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(entry.strip("[]")).version == 6
+    except ValueError:
+        return False

@@ -30,7 +30,9 @@ from diffuserve.server.common import (
     server_context,
 )
 from diffuserve.server.context import ServerContext, StoredImage
+from diffuserve.server.edit_inputs import read_edit_body
 from diffuserve.server.lora_fields import base_model_name, request_loras
+from diffuserve.server.media_sources import FetchPolicy, load_image_source
 from diffuserve.server.protocol import (
     ImageData,
     ImageEditRequest,
@@ -274,9 +276,6 @@ async def create_image(body: ImageGenerationRequest, request: Request) -> ImageG
     return await _generate_and_respond(request, body, image_params(body, ctx), received=received)
 
 
-_EDIT_FILE_FIELDS = ("image", "image[]")
-
-
 @router.post(
     "/v1/images/edits",
     tags=["images"],
@@ -295,46 +294,61 @@ _EDIT_FILE_FIELDS = ("image", "image[]")
                             **{k: v for k, v in ImageEditRequest.model_json_schema()["properties"].items()},
                         },
                     }
-                }
+                },
+                "application/json": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["images", "prompt"],
+                        "properties": {
+                            "images": {
+                                "type": "array",
+                                "items": {"type": "object", "properties": {"image_url": {"type": "string"}}},
+                                "description": "data: URLs (http(s) URLs with --allow-remote-urls).",
+                            },
+                            **{k: v for k, v in ImageEditRequest.model_json_schema()["properties"].items()},
+                        },
+                    }
+                },
             },
         },
     },
 )
 async def edit_image(request: Request) -> ImageGenerationResponse | StreamingResponse:
-    """Image-to-image (multipart, OpenAI shape). Each edit runs alone: image-conditioned requests never merge."""
+    """Image-to-image: multipart (OpenAI's SDK shape), form fields or JSON, the images as files, data: URLs or (with
+    --allow-remote-urls) http(s) URLs (server/edit_inputs.py). Each edit runs alone: image-conditioned requests never
+    merge."""
     received = time.monotonic()
     ctx = server_context(request)
     require_ready(ctx)
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise InvalidRequestError(
-            "POST /v1/images/edits takes multipart/form-data with an `image` file and a `prompt`.", param="body"
-        )
-    form = await request.form()
-    uploads = [v for k in _EDIT_FILE_FIELDS for v in form.getlist(k) if not isinstance(v, str)]
-    if "mask" in form:
+    edit = await read_edit_body(request)
+    if "mask" in edit.extras:
         raise InvalidRequestError(
             "mask is not supported: this model edits the whole image (use strength).", param="mask"
         )
     limit = ctx.engine.model.max_image_inputs  # type: ignore[union-attr]
-    if not uploads or len(uploads) > max(limit, 1):
-        allowed = (
-            "exactly one `image` file" if limit <= 1 else f"1 to {limit} image files (`image` or repeated `image[]`)"
+    if not edit.sources or len(edit.sources) > max(limit, 1):
+        allowed = "exactly one image" if limit <= 1 else f"1 to {limit} images (repeated `image[]`, `images` or `url`)"
+        raise InvalidRequestError(
+            f'Send {allowed}: an `image` file, a data: URL in `url` or `images: [{{"image_url": ...}}]`; got '
+            f"{len(edit.sources)}.",
+            param="image",
         )
-        raise InvalidRequestError(f"Send {allowed}; got {len(uploads)}.", param="image")
-    fields = {k: v for k, v in form.multi_items() if k not in _EDIT_FILE_FIELDS and isinstance(v, str)}
     try:
-        body = ImageEditRequest.model_validate(coerce_form_fields(ImageEditRequest, fields))
+        fields = coerce_form_fields(ImageEditRequest, edit.fields) if edit.form else edit.fields
+        body = ImageEditRequest.model_validate(fields)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False)) from exc
-    blobs = tuple([await upload.read() for upload in uploads])
+    policy = FetchPolicy.from_args(ctx.args)
+    blobs = tuple([await load_image_source(value, name, policy) for name, value in edit.sources])
     side = ctx.args.max_image_side
     decode = functools.partial(
         decode_image,
         max_pixels=side**2,
-        param="image",
         limit_flag=f"--max-image-side {side} (at most {side}x{side} pixels)",
     )
-    sources = [await run_in_threadpool(decode, data) for data in blobs]
+    sources = [
+        await run_in_threadpool(decode, data, param=name) for data, (name, _) in zip(blobs, edit.sources, strict=True)
+    ]
     if body.size is None and body.width is None and body.height is None:
         # Default to the (first) input's size, rounded down to what the model can produce.
         multiple = ctx.engine.model.size_multiple  # type: ignore[union-attr]

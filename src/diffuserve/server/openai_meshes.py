@@ -2,19 +2,17 @@
 cancel, delete), for mesh families (Hunyuan3D-2).
 
 `POST /v1/meshes` takes one image (multipart `image`, or JSON `input_image` as a data: URL; http(s) URLs only with
---allow-remote-urls) and `model`, `seed`, `num_inference_steps`, `guidance_scale`, `output_format` (glb | obj),
-`octree_resolution`; `prompt` is accepted and ignored, as SGLang does. The job is admitted to the engine as a
-normal request, so dynamic batching merges jobs with equal steps, guidance and octree settings into one DiT batch;
-a rejected create keeps no job. The GLB asked for is a real GLB (SGLang writes OBJ when texturing is off).
-With a shared results store, a cancel or delete sent to any replica stops the job where it runs
-(`start_mesh_sync`, as video jobs do).
+--allow-remote-urls, fetched safely by server/media_sources.py) and `model`, `seed`, `num_inference_steps`,
+`guidance_scale`, `output_format` (glb | obj), `octree_resolution`; `prompt` is accepted and ignored, as SGLang
+does. The job is admitted to the engine as a normal request, so dynamic batching merges jobs with equal steps,
+guidance and octree settings into one DiT batch; a rejected create keeps no job. The GLB asked for is a real GLB
+(SGLang writes OBJ when texturing is off). With a shared results store, a cancel or delete sent to any replica stops
+the job where it runs (`start_mesh_sync`, as video jobs do).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import dataclasses
 import logging
 import threading
@@ -33,6 +31,7 @@ from diffuserve.media.meshes import MESH_FORMATS, encode_mesh
 from diffuserve.sampling import SamplingParams, build_sampling_params
 from diffuserve.server.common import check_request_limits, require_ready, result_timings, server_context
 from diffuserve.server.context import ServerContext
+from diffuserve.server.media_sources import FetchPolicy, load_image_source
 from diffuserve.server.mesh_jobs import MeshJob, MeshJobStore
 from diffuserve.server.protocol import MAX_SEED, coerce_form_fields, error_envelope
 
@@ -101,34 +100,6 @@ def start_mesh_sync(ctx: ServerContext, app: FastAPI) -> None:
     ctx.results.add_sweep_hook(after_sweep)
 
 
-def _decode_url(ctx: ServerContext, value: Any, field: str) -> bytes:
-    if not isinstance(value, str) or not value:
-        raise InvalidRequestError(f"{field} must be an image as a data: URL (data:image/png;base64,...).", param=field)
-    if value.startswith(("http://", "https://")):
-        raise InvalidRequestError(
-            f"{field}: remote URLs are not fetched unless the server runs with "
-            "--allow-remote-urls; send the image as a data: URL or upload it.",
-            param=field,
-        )
-    header, _, payload = value.partition(",")
-    if not value.startswith("data:") or ";base64" not in header or not payload:
-        raise InvalidRequestError(f"{field}: not a base64 data: URL (data:image/png;base64,...).", param=field)
-    try:
-        return base64.b64decode(payload, validate=True)
-    except binascii.Error:
-        raise InvalidRequestError(f"{field}: the data: URL is not valid base64.", param=field) from None
-
-
-async def _image_value(ctx: ServerContext, field: str, value: Any) -> bytes:
-    if hasattr(value, "read"):
-        return await value.read()
-    if isinstance(value, str) and value.startswith(("http://", "https://")) and ctx.args.allow_remote_urls:
-        from diffuserve.server.openai_videos import _fetch
-
-        return await _fetch(value, ctx.args.max_upload_bytes)
-    return _decode_url(ctx, value, field)
-
-
 async def _create_body(request: Request) -> tuple[MeshCreateRequest, bytes]:
     """The fields (multipart or JSON) and the one image's bytes; errors name the field."""
     ctx = server_context(request)
@@ -168,7 +139,7 @@ async def _create_body(request: Request) -> tuple[MeshCreateRequest, bytes]:
             f"One image per mesh job; got {len(images)}. Create one job per image.", param="image"
         )
     field, value = images[0]
-    image = await _image_value(ctx, field, value)
+    image = await load_image_source(value, field, FetchPolicy.from_args(ctx.args))
     await run_in_threadpool(decode_image, image, max_pixels=ctx.args.max_image_side**2, param=field)
     return body, image
 
