@@ -366,22 +366,33 @@ def run_simulation(cost_names: list[str], args: argparse.Namespace) -> list[str]
 def run_mixed(cost_names: list[str], args: argparse.Namespace) -> list[str]:
     """`--mixed`: size-grouped against token budget + DRR on the mixed and the one-shape workloads."""
     from diffuserve.tools.sim_executor import COST_MODELS
-    from diffuserve.tools.sim_mixed import MIXED_SIZES, ONE_SHAPE, compare, report
+    from diffuserve.tools.sim_mixed import ABLATION, MIXED_SIZES, ONE_SHAPE, SCHEDULERS, compare, report
 
     lines: list[str] = []
+    delay_ms = 0.0 if args.mixed_mode == "continuous" else 5.0
     for name in cost_names:
         cost = COST_MODELS[name]
         lines.append(
             f"sim-{name}: {cost.name}; {args.steps} steps; {args.mixed_requests} requests per point; saturation: "
-            f"{args.mixed_clients} closed-loop clients; load: 70% of size-grouped saturation; dynamic, max size 8, 5 ms"
+            f"{args.mixed_clients} closed-loop clients; load: 70% of size-grouped saturation; {args.mixed_mode}, "
+            f"max size 8, {delay_ms:g} ms"
         )
         print(lines[-1], flush=True)
         for label, workload in (("mixed", MIXED_SIZES), ("one-shape", ONE_SHAPE)):
+            mixed = label == "mixed"
             results = compare(
-                cost, workload, requests=args.mixed_requests, clients=args.mixed_clients, steps=args.steps
+                cost,
+                workload,
+                requests=args.mixed_requests,
+                clients=args.mixed_clients,
+                steps=args.steps,
+                mode=args.mixed_mode,
+                delay_ms=delay_ms,
+                schedulers=SCHEDULERS | ABLATION if args.mixed_ablation and mixed else SCHEDULERS,
             )
-            lines += report(f"sim-{name} {label}", results, targets=label == "mixed")
-            print("\n".join(lines[-3:]), flush=True)
+            block = report(f"sim-{name} {label}", results, targets=mixed)
+            lines += block
+            print("\n".join(block), flush=True)
     return lines
 
 
@@ -438,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed", action="store_true", help="--simulate: the mixed-size comparison (issue 31).")
     parser.add_argument("--mixed-requests", type=int, default=240, help="--mixed: requests per point.")
     parser.add_argument("--mixed-clients", type=int, default=16, help="--mixed: closed-loop clients at saturation.")
+    parser.add_argument("--mixed-mode", choices=["dynamic", "continuous"], default="dynamic", help="--mixed: mode.")
+    parser.add_argument("--mixed-ablation", action="store_true", help="--mixed: also each half of the change alone.")
     args = parser.parse_args(argv)
     if args.simulate:
         lines = (run_mixed if args.mixed else run_simulation)(args.simulate, args)

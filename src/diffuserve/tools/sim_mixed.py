@@ -49,6 +49,11 @@ SCHEDULERS = {
 }
 """Today's batching (one size per batch, the queue head anchors) and the issue-31 one (mixed sizes up to 8 x 1024
 tokens, deficit round-robin across the classes that remain)."""
+ABLATION = {
+    "size-grouped+drr": SimScheduler(packs=False, order="drr", max_tokens=None),
+    "tokens (fifo)": SimScheduler(packs=True, order="fifo", max_tokens=8 * 1024),
+}
+"""`--mixed-ablation`: each half of the change alone (fair order without packing; packing without fair order)."""
 
 
 def _engine(setting: SimScheduler, cost: StepCost, *, mode: str, max_size: int, delay_ms: float) -> Any:
@@ -134,6 +139,7 @@ def compare(
     max_size: int = 8,
     delay_ms: float = 5.0,
     seed: int = 0,
+    schedulers: dict[str, SimScheduler] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Per scheduler of `SCHEDULERS`: saturation throughput, and at `load` x size-grouped's: mean latency and the
     p99 of the smallest size class (ms)."""
@@ -141,15 +147,16 @@ def compare(
 
     sizes = _sizes(workload, requests, seed)
     smallest = min(workload, key=lambda s: s[0] * s[1])
+    settings = schedulers or SCHEDULERS
     results: dict[str, dict[str, float]] = {}
-    for name, setting in SCHEDULERS.items():
+    for name, setting in settings.items():
         engine = _engine(setting, cost, mode=mode, max_size=max_size, delay_ms=delay_ms)
         try:
             results[name] = {"saturation_rps": saturation_rps(engine, sizes, clients=clients, steps=steps)}
         finally:
             engine.stop()
     rate = load * results["size-grouped"]["saturation_rps"]
-    for name, setting in SCHEDULERS.items():
+    for name, setting in settings.items():
         engine = _engine(setting, cost, mode=mode, max_size=max_size, delay_ms=delay_ms)
         try:
             answered = open_loop(engine, sizes, rate=rate, steps=steps, seed=seed + 1)
