@@ -258,3 +258,21 @@ def test_config_validate_names_the_token_flag(value: object) -> None:
         BatchingConfig(mode="dynamic", max_size=4, max_tokens=value).validate()  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="--batching-order"):
         BatchingConfig(mode="dynamic", order="lifo").validate()
+
+
+def test_the_engine_gives_a_default_budget_only_to_families_that_pack_mixed_sizes() -> None:
+    from diffuserve.engine.token_costs import model_token_budget
+    from diffuserve.families.base import SamplingDefaults
+    from diffuserve.sampling import ModelDescription
+
+    config = BatchingConfig(mode="dynamic", max_size=8)
+    model = ModelDescription(defaults=SamplingDefaults(width=1024, height=1024), size_multiple=16)
+    budget, counter = model_token_budget(config, model, None)
+    assert budget is None and counter(SamplingParams(width=512, height=768)) == 32 * 48  # rows only, as before
+    packing = ModelDescription(defaults=model.defaults, size_multiple=16, packs_mixed_sizes=True, max_width=1536)
+    budget, _ = model_token_budget(config, packing, None)
+    assert budget is not None and budget.tokens == 8 * 4096  # no height limit: the default size is the largest
+    explicit, _ = model_token_budget(BatchingConfig(mode="dynamic", max_size=8, max_tokens=5000), model, None)
+    assert explicit is not None and explicit.tokens == 5000  # the flag applies to every family
+    with pytest.raises(ConfigError, match="--batching-max-tokens 100 .* 1024x1024"):
+        model_token_budget(BatchingConfig(mode="dynamic", max_size=8, max_tokens=100), model, None)

@@ -86,8 +86,9 @@ class BatchingConfig:
     max_tokens: int | None = flag(
         None,
         "Most latent tokens (tokens per row x rows) in one batch or continuous group; --batching-max-size still caps "
-        "the rows. Unset: --batching-max-size x the tokens of the largest size the model allows, capped by what the "
-        "activation-memory budget holds (docs/batching.md). A request larger than it alone runs alone.",
+        "the rows. Unset: for a model that packs mixed sizes, --batching-max-size x the tokens of the largest size it "
+        "allows, capped by the activation-memory budget; none for others (docs/batching.md). A request larger than "
+        "it alone runs alone.",
         BATCHING_GROUP,
         dest="batching_max_tokens",
     )

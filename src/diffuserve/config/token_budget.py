@@ -11,6 +11,9 @@ below the row cap at any size the server is set up for; capped by the tokens who
 activation-memory budget (`diffuserve/activation.py`: the device's memory after the weights), but never below one
 row of the largest size.
 
+The engine applies the default only to a family that packs mixed sizes; for one that keeps one size per batch an
+unset flag means no budget (rows only, the batching of before; `engine/token_costs.py`).
+
 **The check**: an explicit budget below one row of the largest size exits 2 naming `--batching-max-tokens`,
 `--batching-max-size` and the size. A request whose own tokens are over the budget (a larger size where the model
 has no limit, or `n` rows) is never refused for it: it runs alone (scheduler rule 6).
@@ -50,6 +53,9 @@ class TokenBudget:
     """Latent tokens one batch or continuous group may hold."""
     source: str
     """`--batching-max-tokens N`, or how the default was derived."""
+
+    def describe(self) -> str:
+        return f"{self.tokens} latent tokens per batch ({self.source})"
 
 
 def check_checkpoint_tokens(max_tokens: int | None, max_size: int, kind: str, checkpoint: Any) -> None:

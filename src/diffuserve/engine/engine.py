@@ -453,16 +453,16 @@ class AsyncEngine:
             logger.info("%s after %.1fs", self.ready_line, time.monotonic() - started)
 
     def _set_activation_budget(self, model: ModelDescription) -> None:
-        """Admission by activation memory (scheduler rule 9) from the loaded model's facts and the plan's budget."""
+        """Admission by activation memory (rule 9) and the token budget (rule 4) from the loaded model's facts."""
         with self._cond:
             self._activation_facts = model.activation
             budget = self.config.activation_budget_bytes if model.activation is not None else None
             self.scheduler.activation_budget = budget
             tokens, self._row_tokens = model_token_budget(self.scheduler.config, model, budget)
-            self.scheduler.token_budget = tokens.tokens  # rule 4 (config/token_budget.py)
+            self.scheduler.token_budget = tokens.tokens if tokens is not None else None
         if budget is not None:
             logger.info("activation memory budget: %.2f GiB per replica", budget / 1024**3)
-        logger.info("token budget: %d latent tokens per batch (%s)", tokens.tokens, tokens.source)
+        logger.info("token budget: %s", tokens.describe() if tokens else "none (rows only: one size per batch)")
 
     def _run_warmup(self) -> None:
         """One real generation per warm-up size (the default, then each --warmup-resolutions entry)."""

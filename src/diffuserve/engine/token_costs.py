@@ -53,12 +53,16 @@ def largest_model_size(model: ModelDescription) -> tuple[int, int]:
 
 def model_token_budget(
     config: BatchingConfig, model: ModelDescription, memory_bytes: int | None
-) -> tuple[TokenBudget, TokenCounter]:
+) -> tuple[TokenBudget | None, TokenCounter]:
     """The token budget for `model` (the flag, or the default of config/token_budget.py, capped by the tokens whose
-    DiT activations fit in `memory_bytes`) and its token counter. An explicit budget below one row of the largest
-    size was refused at start-up where the plan knew the checkpoint (launch/setup.py); a backend whose sizes only
-    the loaded model tells is held to the same rule here."""
+    DiT activations fit in `memory_bytes`) and its token counter. No budget (rows only, exactly the batching of
+    before) when the flag is unset and the model keeps one size per batch (`packs_mixed_sizes` False): a batch of
+    one size larger than the default size then still fills the row cap. An explicit budget below one row of the
+    largest size was refused at start-up where the plan knew the checkpoint (launch/setup.py); a backend whose sizes
+    only the loaded model tells is held to the same rule here."""
     counter = token_counter(model)
+    if config.max_tokens is None and not model.packs_mixed_sizes:
+        return None, counter
     width, height = largest_model_size(model)
     one_row = counter(SamplingParams(width=width, height=height, num_frames=model.defaults.num_frames))
     facts = model.activation
