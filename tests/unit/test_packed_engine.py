@@ -101,6 +101,8 @@ def test_a_request_of_another_size_joins_a_running_group_only_when_the_family_pa
         shared = [rows for rows in pipeline.step_rows if rows == ["p0", "p1"]]
         assert bool(shared) is packs
         assert [r.output.images for r in results] == [["p0#final"], ["p1#final"]]  # each its own rows, as alone
+        packed = _samples(engine).get(("diffuserve_packed_calls_total", (("mode", "continuous"),)), 0)
+        assert (packed >= 1) is packs  # the steps that held both sizes are packed calls
         if packs:
             assert max(r.batch_tokens for r in results) == 16 + 32
     finally:
