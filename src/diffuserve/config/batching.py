@@ -97,7 +97,8 @@ class BatchingConfig:
     order: str = flag(
         "fifo",
         "Which waiting batch class runs next: fifo (the oldest request's) or drr (deficit round-robin by tokens x "
-        "steps, so a large size neither starves nor blocks the small ones).",
+        "steps, so a large size neither starves nor blocks the small ones). Request-level batches; continuous "
+        "joins keep their strict order.",
         BATCHING_GROUP,
         dest="batching_order",
         choices=ORDERS,

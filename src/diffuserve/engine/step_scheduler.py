@@ -28,7 +28,8 @@ Rules (on top of the module docstring of `engine/scheduler.py`: order, caps coun
    while they match the key, their `n` fits under the cap and their LoRA adapters keep the group within
    `max_adapters` distinct adapters (`--max-loras`, the device slots every step's rows must fit in at once);
    the scan stops at the first one that does not (strict first-come order, so a large or incompatible request is
-   never overtaken forever: it joins once rows leave room, at the latest it anchors the next group).
+   never overtaken forever: it joins once rows leave room, at the latest it anchors the next group). The order
+   is strict under `--batching-order drr` too: the fair order is the request-level scheduler's (its rule 10).
 4. **Cap.** `min(--batching-max-size, smallest matching rule cap)` of the group's first request, in rows (a
    joining size of a packed group must also fit its own rule cap), and the **token budget** (`token_budget`, the
    composed queue's): the group's latent tokens (`Request.tokens`) plus a joiner's must fit in it. A request whose
