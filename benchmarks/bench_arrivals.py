@@ -25,6 +25,13 @@ continuous, all at max size 8) drive a simulated accelerator whose denoising ste
 `cpu` the tiny model's measured 4.3 ms + 1.0 ms/row), with Poisson arrivals at `--loads` of the simulated
 singleton capacity, `--sim-requests` per point. It prints mean / p50 / p99 latency per point and the 70 % targets;
 with `--output-dir`, `simulate.txt`.
+
+`--simulate gpu --mixed` instead compares size-grouped batching (today's: one size per batch) with token-budget
+batches of mixed sizes and deficit round-robin (`--batching-max-tokens 8192 --batching-order drr` on a family that
+packs mixed sizes), on a mixed-size workload (256x256, 384x512, 512x512, 512x768 drawn uniformly) and on the
+one-shape workload (512x512): saturation throughput (a closed loop of `--mixed-clients`), then mean latency and the
+p99 of the smallest size class under Poisson arrivals at 70 % of the size-grouped saturation throughput
+(`diffuserve/tools/sim_mixed.py`), and issue 31's targets.
 """
 
 from __future__ import annotations
@@ -356,6 +363,39 @@ def run_simulation(cost_names: list[str], args: argparse.Namespace) -> list[str]
     return lines
 
 
+def run_mixed(cost_names: list[str], args: argparse.Namespace) -> list[str]:
+    """`--mixed`: size-grouped against token budget + DRR on the mixed and the one-shape workloads."""
+    from diffuserve.tools.sim_executor import COST_MODELS
+    from diffuserve.tools.sim_mixed import ABLATION, MIXED_SIZES, ONE_SHAPE, SCHEDULERS, compare, report
+
+    lines: list[str] = []
+    delay_ms = 0.0 if args.mixed_mode == "continuous" else 5.0
+    for name in cost_names:
+        cost = COST_MODELS[name]
+        lines.append(
+            f"sim-{name}: {cost.name}; {args.steps} steps; {args.mixed_requests} requests per point; saturation: "
+            f"{args.mixed_clients} closed-loop clients; load: 70% of size-grouped saturation; {args.mixed_mode}, "
+            f"max size 8, {delay_ms:g} ms"
+        )
+        print(lines[-1], flush=True)
+        for label, workload in (("mixed", MIXED_SIZES), ("one-shape", ONE_SHAPE)):
+            mixed = label == "mixed"
+            results = compare(
+                cost,
+                workload,
+                requests=args.mixed_requests,
+                clients=args.mixed_clients,
+                steps=args.steps,
+                mode=args.mixed_mode,
+                delay_ms=delay_ms,
+                schedulers=SCHEDULERS | ABLATION if args.mixed_ablation and mixed else SCHEDULERS,
+            )
+            block = report(f"sim-{name} {label}", results, targets=mixed)
+            lines += block
+            print("\n".join(block), flush=True)
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenarios", nargs="+", choices=["tiny", "36m"], default=["tiny", "36m"])
@@ -406,9 +446,14 @@ def main(argv: list[str] | None = None) -> int:
         help="No model: the real engine on a simulated accelerator with these step-cost curves.",
     )
     parser.add_argument("--sim-requests", type=int, default=200, help="--simulate: requests per load point.")
+    parser.add_argument("--mixed", action="store_true", help="--simulate: the mixed-size comparison (issue 31).")
+    parser.add_argument("--mixed-requests", type=int, default=240, help="--mixed: requests per point.")
+    parser.add_argument("--mixed-clients", type=int, default=16, help="--mixed: closed-loop clients at saturation.")
+    parser.add_argument("--mixed-mode", choices=["dynamic", "continuous"], default="dynamic", help="--mixed: mode.")
+    parser.add_argument("--mixed-ablation", action="store_true", help="--mixed: also each half of the change alone.")
     args = parser.parse_args(argv)
     if args.simulate:
-        lines = run_simulation(args.simulate, args)
+        lines = (run_mixed if args.mixed else run_simulation)(args.simulate, args)
         if args.output_dir:
             args.output_dir.mkdir(parents=True, exist_ok=True)
             (args.output_dir / "simulate.txt").write_text("\n".join(lines) + "\n")

@@ -166,6 +166,12 @@ class ModelDescription:
     """Video: num_frames - 1 must divide by this (the VAE's temporal compression)."""
     supports_batching: bool = True
     """Text-conditioned requests may merge."""
+    packs_mixed_sizes: bool = False
+    """Rows of different sizes may share one call (`FamilySpec.packs_mixed_sizes`)."""
+    max_width: int | None = None
+    """Largest width the checkpoint's positional tables allow (None: no limit of the model's own)."""
+    max_height: int | None = None
+    """Largest height the checkpoint's positional tables allow (None: no limit of the model's own)."""
     validate: Callable[[SamplingParams], None] | None = field(default=None, compare=False, repr=False)
     """The model's own checks (size limits, frame counts, ...): raises InvalidRequestError naming the field."""
     request_fields: frozenset[str] = frozenset()

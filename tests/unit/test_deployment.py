@@ -729,6 +729,29 @@ def test_plan_and_start_up_refuse_a_diffusers_backend_split_with_the_same_words(
     assert natively.checkpoint.size_multiple == 2 * 2  # this VAE has two levels (factor 2), FLUX packs 2x2
 
 
+def test_start_up_refuses_a_token_budget_below_one_request_of_the_largest_size(checkpoint) -> None:
+    """`--batching-max-tokens` below one row of the largest size the model allows exits 2 (a ConfigError) before any
+    weight loads, naming both flags and the size; at one row it starts (a larger request would run alone)."""
+    from diffuserve.config.model_profiles import profile_from_checkpoint
+    from diffuserve.config.server_args import ServerArgs
+    from diffuserve.launch.setup import plan_deployment
+
+    root, _ = checkpoint
+    facts = profile_from_checkpoint(root).checkpoint
+    assert facts is not None and facts.size_multiple
+    width, height = (
+        (facts.max_width, facts.max_height) if facts.max_width else (facts.defaults.width, facts.defaults.height)
+    )
+    one_row = (width // facts.size_multiple) * (height // facts.size_multiple)
+    args = {"model_path": str(root), "batching_mode": "dynamic", "batching_max_size": 4}
+    with pytest.raises(ConfigError) as refused:
+        plan_deployment(ServerArgs(**args, batching_max_tokens=one_row - 1), root, "cpu", log_plan=False)
+    message = refused.value.message
+    assert refused.value.param == "batching_max_tokens" and f"--batching-max-tokens {one_row - 1} " in message
+    assert "--batching-max-size 4" in message and f"{width}x{height}" in message and f"at least {one_row}" in message
+    plan_deployment(ServerArgs(**args, batching_max_tokens=one_row), root, "cpu", log_plan=False)
+
+
 def test_plan_and_start_up_refuse_continuous_for_a_model_that_cannot_step(checkpoint) -> None:
     """`--batching-mode continuous` for a model whose denoiser cannot step row by row (here: the diffusers
     backend) stops `plan` and `serve` at the same check, before any weight loads, with one message naming the

@@ -130,7 +130,8 @@ SNAPSHOT = Path(__file__).with_name("cli_flags_snapshot.json")
 """serve / generate / plan flags as they were before the flags moved onto their sub-configs (commit f87b464), plus
 `plan --backend` and `plan --batching-mode` (issue 18: the plan refuses what start-up refuses), plus the `LoRA` flags
 of serve (issue 20), plus the `Quantization` flags of serve, generate and plan and `--transformer-path` (issue 28), plus
-`--allowed-media-domains` and `--media-fetch-timeout-s` of serve (issue 32)."""
+`--allowed-media-domains` and `--media-fetch-timeout-s` of serve (issue 32), plus serve's `--batching-max-tokens` and
+`--batching-order` (issue 31)."""
 
 
 def flag_table(command: str) -> dict[str, dict]:

@@ -37,6 +37,9 @@ class BatchingMode(str, enum.Enum):
 
 
 _MODES = tuple(m.value for m in BatchingMode)
+ORDERS = ("fifo", "drr")
+"""`--batching-order` choices: `fifo` (the head of the queue anchors the next batch) or `drr` (deficit round-robin
+over the waiting batch classes, by tokens x steps; engine/scheduler.py rule 10)."""
 _GENERATE_MODES = (BatchingMode.SINGLETON.value, BatchingMode.DYNAMIC.value)
 """`generate`'s choices: its prompts all arrive at once (through the serving engine, `engine/offline.py`), so
 continuous mode's joins at step boundaries would add nothing to dynamic batching there."""
@@ -80,6 +83,27 @@ class BatchingConfig:
     )
     """User cap on a batch, counting outputs (`n`), and a hard cap on the rows of every pipeline call in
     dynamic mode; 1 turns merging off."""
+    max_tokens: int | None = flag(
+        None,
+        "Most latent tokens (tokens per row x rows) in one batch or continuous group; --batching-max-size still caps "
+        "the rows. Unset: for a model that packs mixed sizes, --batching-max-size x the tokens of the largest size it "
+        "allows, capped by the activation-memory budget; none for others (docs/batching.md). A request larger than "
+        "it alone runs alone.",
+        BATCHING_GROUP,
+        dest="batching_max_tokens",
+    )
+    """Token budget of one batch (dynamic) or denoise group (continuous): the sum over its rows of the latent tokens
+    of each row's size; None: derived at start-up (`config/token_budget.py`)."""
+    order: str = flag(
+        "fifo",
+        "Which waiting batch class runs next: fifo (the oldest request's) or drr (deficit round-robin by tokens x "
+        "steps, so a large size neither starves nor blocks the small ones). Request-level batches; continuous "
+        "joins keep their strict order.",
+        BATCHING_GROUP,
+        dest="batching_order",
+        choices=ORDERS,
+    )
+    """`fifo` (the head of the queue anchors the next batch) or `drr` (deficit round-robin over the batch classes)."""
     delay_ms: float = flag(
         0.0,
         "How long the head of the queue may wait for compatible requests.",
@@ -113,10 +137,14 @@ class BatchingConfig:
         if self.mode not in _MODES:
             raise ConfigError(f"--batching-mode: unknown mode {self.mode!r}; use one of {', '.join(_MODES)}.")
         max_size_ok = isinstance(self.max_size, int) and not isinstance(self.max_size, bool) and self.max_size >= 1
+        tokens = self.max_tokens
+        tokens_ok = tokens is None or (isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 1)
         check_flags(
             [
                 (not max_size_ok, "--batching-max-size", f"{self.max_size!r} must be >= 1 (1 turns merging off)"),
                 (not self.delay_ms >= 0, "--batching-delay-ms", f"{self.delay_ms!r} must be >= 0"),  # also rejects NaN
+                (not tokens_ok, "--batching-max-tokens", f"{self.max_tokens!r} must be >= 1 (unset: derived)"),
+                (self.order not in ORDERS, "--batching-order", f"{self.order!r} is not one of {', '.join(ORDERS)}"),
             ]
         )
 

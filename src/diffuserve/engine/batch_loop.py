@@ -214,11 +214,20 @@ class BatchLoop:
                             stage_seconds=outcome.stage_seconds,
                             batch_rows=outcome.batch_rows,
                             pipeline_calls=outcome.pipeline_calls,
+                            batch_tokens=_call_tokens(requests, outcome.batch_rows, outcome.pipeline_calls),
                         ),
                     )
                 else:
                     self.book.answer_locked(rid, error=outcome.errors.get(rid) or RequestCancelledError("cancelled"))
             self.book.cond.notify_all()
+
+
+def _call_tokens(requests: list[Request], rows: int, calls: int) -> int:
+    """Latent tokens of the (largest) call of a batch: all of its requests' in one call; a request split into calls
+    of `rows` rows (over the row cap or the token budget) has `rows` rows of its size in the largest."""
+    if calls <= 1:
+        return sum(r.tokens for r in requests)
+    return rows * max(r.tokens_per_row for r in requests)
 
 
 class _BatchListener:

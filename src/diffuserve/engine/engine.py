@@ -31,6 +31,7 @@ from diffuserve.engine.requests import GenerationResult, PendingRequest, Request
 from diffuserve.engine.scheduler import DynamicBatcher
 from diffuserve.engine.step_loop import StepLoop
 from diffuserve.engine.step_scheduler import StepScheduler
+from diffuserve.engine.token_costs import FALLBACK_TOKEN_SIDE, TokenCounter, model_token_budget
 from diffuserve.errors import (
     DiffuserveError,
     GenerationError,
@@ -123,6 +124,7 @@ class AsyncEngine:
         self.on_fatal: Callable[[str], None] | None = None
         """Called (from the worker thread) when load or warm-up fails; `serve` uses it to exit non-zero."""
         self._activation_facts: ActivationFacts | None = None
+        self._row_tokens = TokenCounter(FALLBACK_TOKEN_SIDE)  # Request.row_tokens: the served model's once loaded
         """The served checkpoint's activation facts, once loaded (None before: nothing is admitted then)."""
         self._batches = BatchLoop(
             self.book,
@@ -313,6 +315,7 @@ class AsyncEngine:
                 priority=priority,
                 deadline=now + chosen if chosen else None,
                 activation_bytes=activation,
+                row_tokens=self._row_tokens(params),
             )
             future: asyncio.Future[GenerationResult] = loop.create_future()
             # An aborted request's error is delivered to a future nobody awaits any more; mark it seen.
@@ -429,7 +432,9 @@ class AsyncEngine:
         # What the loaded model can do decides what the scheduler may merge.
         capabilities = self.pipeline.capabilities
         self.scheduler.set_capabilities(
-            supports_batching=capabilities.batching, supports_continuous=capabilities.continuous
+            supports_batching=capabilities.batching,
+            supports_continuous=capabilities.continuous,
+            packs_mixed_sizes=capabilities.packs_mixed_sizes,
         )
         self._set_activation_budget(self.pipeline.describe_model())
         logger.info("model loaded in %.1fs: %s", time.monotonic() - started, self.pipeline.describe())
@@ -448,13 +453,16 @@ class AsyncEngine:
             logger.info("%s after %.1fs", self.ready_line, time.monotonic() - started)
 
     def _set_activation_budget(self, model: ModelDescription) -> None:
-        """Admission by activation memory (scheduler rule 9) from the loaded model's facts and the plan's budget."""
+        """Admission by activation memory (rule 9) and the token budget (rule 4) from the loaded model's facts."""
         with self._cond:
             self._activation_facts = model.activation
             budget = self.config.activation_budget_bytes if model.activation is not None else None
             self.scheduler.activation_budget = budget
+            tokens, self._row_tokens = model_token_budget(self.scheduler.config, model, budget)
+            self.scheduler.token_budget = tokens.tokens if tokens is not None else None
         if budget is not None:
             logger.info("activation memory budget: %.2f GiB per replica", budget / 1024**3)
+        logger.info("token budget: %s", tokens.describe() if tokens else "none (rows only: one size per batch)")
 
     def _run_warmup(self) -> None:
         """One real generation per warm-up size (the default, then each --warmup-resolutions entry)."""

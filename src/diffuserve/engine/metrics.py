@@ -44,6 +44,7 @@ from prometheus_client import (
 )
 
 from diffuserve.engine.scheduler import ScheduledBatch
+from diffuserve.engine.token_metrics import TokenMetrics, format_tokens
 from diffuserve.runtime.cpu_time import PIPELINE_CPU
 
 logger = logging.getLogger("diffuserve.batching")
@@ -99,6 +100,7 @@ class EngineMetrics:
             f"{p}requests_cancelled_before_run", "Queued requests removed because the client went away.", registry=r
         )
         self._batch_collectors(r)
+        self.token_metrics = TokenMetrics(r)  # tokens per call, packed calls, padding (engine/token_metrics.py)
         # Execution.
         self.stage_seconds = Histogram(
             f"{p}stage_seconds", "Time per pipeline stage per batch.", ["stage"], buckets=_STAGE_BUCKETS, registry=r
@@ -364,6 +366,7 @@ def format_dispatch(batch: ScheduledBatch) -> str:
     cap; its line says so (requests, rows, calls) rather than a `size=10/8` that reads as a cap violation."""
     tail = (
         f"user_max={batch.user_max}, queue_wait={batch.head_queue_wait_s * 1000:.2f}ms, stop_reason={batch.stop_reason}"
+        + format_tokens(batch.num_tokens, batch.num_sizes, batch.padding_tokens, batch.token_budget)
     )
     cap = max(1, batch.effective_cap)
     if batch.num_outputs > cap:
@@ -394,10 +397,8 @@ def format_stats(stats: BatchWindowStats) -> str:
 
 
 class BatchingStats:
-    """Records every dispatch into the collectors; logs the seed's lines when enabled.
-
-    Called from the engine's scheduling thread only (the window list is not locked).
-    """
+    """Records every dispatch into the collectors; logs the seed's lines when enabled. Called from the engine's
+    scheduling thread only (the window list is not locked)."""
 
     def __init__(self, metrics: EngineMetrics | None, *, log_enabled: bool, window: int = 5):
         if window < 1:
@@ -418,6 +419,7 @@ class BatchingStats:
             m.batch_capacity.inc(batch.capacity)
             m.batch_dispatches.labels(reason=batch.stop_reason).inc()
             m.batch_head_wait.observe(batch.head_queue_wait_s)
+            m.token_metrics.record_batch("dynamic", batch)
             if batch.num_requests > 1:
                 m.batch_merged.inc()
             if batch.is_full:
@@ -437,10 +439,10 @@ class BatchingStats:
 # -- continuous (step-level) batching ----------------------------------------------------------------------
 
 
-def format_step(rows: int, cap: int, joined: int, left: int, active: int) -> str:
+def format_step(rows: int, cap: int, joined: int, left: int, active: int, tokens: str = "") -> str:
     """The per-step line of `--batching-mode continuous`: rows in this denoiser call over the group cap,
     requests that joined at this boundary, requests that left since the previous step, requests in the step."""
-    return f"Continuous denoising step batch: size={rows}/{cap}, joined={joined}, left={left}, active={active}"
+    return f"Continuous denoising step batch: size={rows}/{cap}, joined={joined}, left={left}, active={active}{tokens}"
 
 
 class ContinuousStats:
@@ -454,6 +456,7 @@ class ContinuousStats:
         r, p = metrics.registry, PREFIX
         self.log_enabled = log_enabled
         self.window = window
+        self.token_metrics = metrics.token_metrics
         self.active_rows = Gauge(
             f"{p}continuous_active_rows", "Rows in the running continuous denoise group.", registry=r
         )
@@ -466,13 +469,15 @@ class ContinuousStats:
         )
         self._recent: list[tuple[int, int, int, int]] = []
 
-    def record_step(self, rows: int, cap: int, joined: int, left: int, active: int) -> None:
-        """One denoising step (call before it runs)."""
+    def record_step(self, rows: int, cap: int, joined: int, left: int, active: int, tokens: tuple = ()) -> None:
+        """One denoising step (call before it runs); `tokens`: (tokens, sizes, padding, budget) of its rows."""
         self.step_rows.observe(rows)
+        if tokens:
+            self.token_metrics.record("continuous", *tokens)
         self.joins.inc(joined)
         self.active_rows.set(rows)
         if self.log_enabled:
-            logger.info(format_step(rows, cap, joined, left, active))
+            logger.info(format_step(rows, cap, joined, left, active, format_tokens(*tokens) if tokens else ""))
         self._recent.append((rows, cap, joined, left))
         if len(self._recent) >= self.window:
             k = len(self._recent)

@@ -44,6 +44,8 @@ class GenerationResult:
     """Rows of the (largest) pipeline call this request ran in; at most the row cap."""
     pipeline_calls: int = 1
     """Pipeline calls its batch ran as (> 1 when a request's n was above --batching-max-size)."""
+    batch_tokens: int = 0
+    """Latent tokens of that call (its rows x each row's tokens; `--batching-max-tokens` counts them)."""
 
     @property
     def batch_requests(self) -> int:

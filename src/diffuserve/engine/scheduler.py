@@ -16,25 +16,33 @@ goes to a free replica):
    the order they were added. The *head* is the first of that order. A lower `priority` value
    therefore runs earlier; equal priorities are first come, first served. Priority is strict: a
    steady stream of low values can starve higher ones, so use a few classes, not a fine scale.
-2. **Anchor.** The head always belongs to the next batch; nothing is ever scheduled ahead of it.
+2. **Anchor.** The head (under `--batching-order drr`: rule 10's choice) always belongs to the next batch.
    Requests that cannot join the head stay queued in place and are served when they become head.
 3. **Joining.** Other queued requests are scanned in the same `(priority, arrival_time)` order;
    one joins when it is compatible with the head and its `n` outputs still fit under the
    effective cap. Compatible means: same model, both eligible (`Request.ineligible_reason` is
-   None and the family supports batching) and equal `SamplingParams.signature()`. Each candidate
-   left out is counted once under the first reason that excluded it: its ineligible reason (for
-   example `image_conditioning`), `model`, `sampling_params.<field>`, or `batch_full` (compatible
-   but its `n` does not fit in the room left; smaller requests behind it may still join).
+   None and the family supports batching) and equal `SamplingParams.signature()`, less the size
+   (`SIZE_FIELDS`) for a family that packs rows of different sizes into one call
+   (`FamilySpec.packs_mixed_sizes`, read from the loaded model's `Capabilities.packs_mixed_sizes` through
+   `set_capabilities`; False keeps the size in the signature). Each candidate left out is counted once
+   under the first reason that excluded it: its ineligible reason (for example `image_conditioning`),
+   `model`, `sampling_params.<field>`, `batch_full` (compatible but its `n` does not fit in the room
+   left; smaller requests behind it may still join) or `token_budget` (its tokens do not fit in what is left).
 4. **Cap.** The effective cap is `min(--batching-max-size, smallest matching rule cap)` for the
-   head's model names, resolution and frame count, counted in outputs (rows), not requests.
+   head's model names, resolution and frame count (of every size in a packed batch), counted in outputs
+   (rows), not requests. Beside it the **token budget** (`token_budget`: `--batching-max-tokens`, or its
+   default, `config/token_budget.py`) bounds the batch's latent tokens (`Request.tokens`: rows x tokens
+   per row); the batch is full when the budget left holds no further row of its smallest size.
 5. **Waiting.** While the batch is below the cap and the head has waited less than
    `--batching-delay-ms` since its arrival, `schedule` returns `WaitUntil(head arrival + delay)`.
-6. **Oversized requests.** A head whose `n` alone is at least the effective cap is dispatched
-   at once, alone, as a full batch (`num_outputs` may then exceed `effective_cap`), so it never
-   starves. The cap still bounds every pipeline call: the batch runner runs such a request as
-   consecutive calls of at most `effective_cap` rows (see `executor/batch_runner.py`).
+6. **Oversized requests.** A head whose `n` alone is at least the effective cap, or whose tokens
+   alone fill the token budget, is dispatched at once, alone, as a full batch (`num_outputs` may then
+   exceed `effective_cap`), so it never starves and is never refused for the budget. The cap still bounds
+   every pipeline call: the batch runner runs such a request as consecutive calls of at most
+   `effective_cap` rows (see `executor/batch_runner.py`); over the budget, the cap is the rows that fit in it.
 7. **Stop reasons.** `max_size` (reached the user cap), `config_cap:N` (reached a rule cap N below
-   the user cap), `delay` (the delay ran out, or was 0, below the cap), `dynamic_disabled`
+   the user cap), `max_tokens` (reached the token budget), `delay` (the delay ran out, or was 0, below the cap),
+   `dynamic_disabled`
    (singleton mode or max size 1: every batch is one request), `head:<reason>` (the head is
    ineligible and runs alone).
 8. **Answers bring requests.** With a delay, a batch below the cap is not formed while a finished batch that
@@ -52,16 +60,23 @@ goes to a free replica):
    schedules again when a batch completes or is answered), and a candidate that does not fit in the room left is
    rejected as `activation_memory` (it waits for a later batch). A head always starts when nothing runs (the
    engine refuses requests whose estimate alone is over the budget, so this only matters if the budget shrank).
+10. **Fair order** (`--batching-order drr`). Among the queued requests of the best priority, the anchor of rule 2
+   is the oldest request of the class (what must match, rule 3) whose turn it is in a deficit round-robin by
+   tokens x steps (`engine/fair_order.py`), so a large size neither starves nor blocks the small ones behind it.
+   `fifo` (the default) anchors on the head of the queue.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Iterable, Sequence
 
 from diffuserve.config.batching import BatchingConfig  # owned by config/; re-exported
+from diffuserve.engine.decisions import Decision, Dispatch, Idle, ScheduledBatch, WaitUntil, batch_facts  # re-exported
+from diffuserve.engine.fair_order import DeficitRoundRobin, Turn
 from diffuserve.engine.request import Request, RequestStatus
-from diffuserve.sampling import signature_difference
+from diffuserve.sampling import SamplingParams
+
+__all__ = ["BatchingConfig", "Decision", "Dispatch", "DynamicBatcher", "Idle", "ScheduledBatch", "WaitUntil"]
 
 FAMILY_UNSUPPORTED = "family_unsupported"
 """Ineligible reason given to every request when the pipeline family cannot batch."""
@@ -75,6 +90,10 @@ slots; it waits for a later batch."""
 ACTIVATION_MEMORY = "activation_memory"
 """Reject reason: the candidate's activation estimate does not fit in the budget left beside the batch and what runs
 (rule 9); it waits for a later batch."""
+TOKEN_BUDGET = "token_budget"
+"""Reject reason: the candidate's tokens do not fit in the token budget left (rule 4); smaller ones may still join."""
+SIZE_FIELDS = ("width", "height")
+"""Signature fields that leave it for a family that packs rows of different sizes into one call (rule 3)."""
 MAX_RETURN_GAP_DELAYS = 4
 """Rule 8 counts the answered clients' return time (answer -> next admission) up to this many delays."""
 
@@ -84,70 +103,13 @@ def uses_adapter(request: Request, name: str) -> bool:
     return any(adapter == name for adapter, _ in request.params.lora)
 
 
-@dataclass
-class ScheduledBatch:
-    """One batch handed to the worker: the requests and how and why it was formed."""
-
-    requests: list[Request]
-    """Head first, then the joined requests in the order they were taken."""
-    effective_cap: int
-    """Outputs this batch could hold: min(user max, rule cap); 1 when merging is off."""
-    user_max: int
-    """`--batching-max-size`."""
-    num_outputs: int
-    """Rows of the batch: the sum of the requests' `n`."""
-    stop_reason: str
-    """`max_size`, `config_cap:N`, `delay`, `dynamic_disabled` or `head:<reason>`."""
-    head_queue_wait_s: float
-    """How long the head waited in the queue before this dispatch, in seconds."""
-    rejects: dict[str, int] = field(default_factory=dict)
-    """Queued candidates left out of this batch, counted by reason."""
-    dispatch_time: float = 0.0
-    """Scheduler-clock time of the dispatch."""
-    batch_id: int = 0
-    """Increasing number of the dispatch (1 for the first batch of a scheduler)."""
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.requests)
-
-    @property
-    def is_full(self) -> bool:
-        """Whether the batch reached its effective cap (an oversized single request counts as full)."""
-        return self.num_outputs >= self.effective_cap
-
-    @property
-    def capacity(self) -> int:
-        """Outputs this dispatch could have held: the cap, or the rows of an oversized single request."""
-        return max(self.effective_cap, self.num_outputs)
-
-    @property
-    def request_ids(self) -> list[str]:
-        return [r.request_id for r in self.requests]
-
-
-@dataclass(frozen=True)
-class Dispatch:
-    """Run this batch now."""
-
-    batch: ScheduledBatch
-
-
-@dataclass(frozen=True)
-class WaitUntil:
-    """A batch is forming: call `schedule` again at `time` (or earlier, when a request arrives)."""
-
-    time: float
-
-
-@dataclass(frozen=True)
-class Idle:
-    """Nothing to dispatch: the queue is empty, or a batch is running (`busy`)."""
-
-    busy: bool = False
-
-
-Decision = Dispatch | WaitUntil | Idle
+def signature_difference(a: SamplingParams, b: SamplingParams, *, packs_mixed_sizes: bool = False) -> str | None:
+    """The first batch-signature field that differs, as `sampling_params.<field>`; None when compatible. With
+    `packs_mixed_sizes` the size (`SIZE_FIELDS`) is not compared: the family packs rows of different sizes."""
+    for (name, va), (_, vb) in zip(a.signature(), b.signature(), strict=True):
+        if va != vb and not (packs_mixed_sizes and name in SIZE_FIELDS):
+            return f"sampling_params.{name}"
+    return None
 
 
 class DynamicBatcher:
@@ -182,6 +144,16 @@ class DynamicBatcher:
         engine's answer to the next request's admission there is the response, the client and the request)."""
         self._gap_open = False
         """Whether the first arrival after the last answers is still to come (it measures `_return_gap`)."""
+        self.packs_mixed_sizes = False
+        """The served family packs rows of different sizes into one call (`FamilySpec.packs_mixed_sizes`, set by the
+        engine from the loaded model's `Capabilities`): the size leaves the batch signature (rule 3)."""
+        self.token_budget: int | None = config.max_tokens
+        """Latent tokens one batch may hold (rule 4): `--batching-max-tokens`, or the default the engine resolves
+        once the model is loaded (`config/token_budget.py`); None: rows only."""
+        self._fair = DeficitRoundRobin()
+        """Rule 10's round over the waiting classes (`--batching-order drr`)."""
+        self._turn: Turn | None = None
+        """The turn planned by the last `schedule` call (committed when its batch is dispatched)."""
 
     # -- queue ------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -293,10 +265,13 @@ class DynamicBatcher:
         """Why `request` may not merge with others (its own reason, or the family's), None when it may."""
         return self._ineligible_reason(request)
 
-    def set_capabilities(self, *, supports_batching: bool, supports_continuous: bool = False) -> None:
+    def set_capabilities(
+        self, *, supports_batching: bool, supports_continuous: bool = False, packs_mixed_sizes: bool = False
+    ) -> None:
         """What the loaded model can do decides what may be merged (the engine calls this once it is loaded);
         the request-level rules have no use for `supports_continuous`."""
         self.supports_batching = supports_batching
+        self.packs_mixed_sizes = packs_mixed_sizes
 
     # -- scheduling -------------------------------------------------------------------------------
     def schedule(self, now: float) -> Decision:
@@ -306,7 +281,8 @@ class DynamicBatcher:
         ordered = self._ordered()
         if not ordered:
             return Idle()
-        head, candidates = ordered[0], ordered[1:]
+        head = self._pick_head(ordered)
+        candidates = [r for r in ordered if r is not head]
         room = self.activation_room()
         if room is not None and head.activation_bytes > room and (self._running or self._answering):
             return Idle(busy=True)  # rule 9: it waits until its estimate fits beside what runs
@@ -318,15 +294,16 @@ class DynamicBatcher:
         if head_reason is not None:
             return self._dispatch([head], self._effective_cap(head), f"head:{head_reason}", {}, now)
 
-        # 2. Take compatible candidates in order while they fit under the cap.
-        cap = self._effective_cap(head)
-        batch, rejects = self._collect(head, candidates, cap, room)
+        # 2. Take compatible candidates in order while they fit under the cap and the token budget.
+        batch, rejects, cap = self._collect(head, candidates, self._effective_cap(head), room)
         num_outputs = sum(r.num_outputs for r in batch)
 
         # 3. Full: dispatch. Below the cap: wait out the head's delay, then dispatch what there is.
         if num_outputs >= cap:
             reason = "max_size" if cap >= self.config.max_size else f"config_cap:{cap}"
             return self._dispatch(batch, cap, reason, rejects, now)
+        if self._tokens_full(batch):
+            return self._dispatch(batch, cap, "max_tokens", rejects, now)
         delay = self.config.delay_ms / 1000.0
         if delay > 0 and any(self._alike(head, b.requests[0]) for b in self._answering):
             return Idle(busy=True)  # rule 8: the answers about to go out bring their clients' next requests
@@ -399,18 +376,24 @@ class DynamicBatcher:
 
     def _collect(
         self, head: Request, candidates: Iterable[Request], cap: int, memory: int | None = None
-    ) -> tuple[list[Request], dict[str, int]]:
+    ) -> tuple[list[Request], dict[str, int], int]:
+        """The batch anchored by `head`, the rejects by reason and the batch's cap (the smallest rule cap of its
+        sizes where sizes mix)."""
         batch = [head]
-        room = cap - head.num_outputs
+        rows = head.num_outputs
+        tokens = None if self.token_budget is None else self.token_budget - head.tokens
         memory = None if memory is None else memory - head.activation_bytes
         rejects: dict[str, int] = {}
         adapters = {name for name, _ in head.params.lora}
         for cand in candidates:
-            if room <= 0:
+            if rows >= cap or (tokens is not None and tokens <= 0):
                 break  # full: whoever is left is simply next, not rejected
             reason = self._reject_reason(head, cand)
-            if reason is None and cand.num_outputs > room:
+            cand_cap = cap if reason is not None or cand.size_key == head.size_key else self._effective_cap(cand)
+            if reason is None and rows + cand.num_outputs > min(cap, cand_cap):
                 reason = BATCH_FULL
+            if reason is None and tokens is not None and cand.tokens > tokens:
+                reason = TOKEN_BUDGET
             more = adapters | {name for name, _ in cand.params.lora}
             if reason is None and self.max_adapters is not None and len(more) > self.max_adapters:
                 reason = LORA_SLOTS
@@ -420,10 +403,50 @@ class DynamicBatcher:
                 rejects[reason] = rejects.get(reason, 0) + 1
                 continue
             batch.append(cand)
-            room -= cand.num_outputs
+            rows, cap = rows + cand.num_outputs, min(cap, cand_cap)
+            tokens = None if tokens is None else tokens - cand.tokens
             memory = None if memory is None else memory - cand.activation_bytes
             adapters = more
-        return batch, rejects
+        return batch, rejects, cap
+
+    def _tokens_full(self, batch: Sequence[Request]) -> bool:
+        """Rule 4: the token budget left holds no further row of the batch's smallest size (a single request over
+        the budget is full on its own: rule 6)."""
+        if self.token_budget is None:
+            return False
+        left = self.token_budget - sum(r.tokens for r in batch)
+        return left < min(r.tokens_per_row for r in batch)
+
+    def _class_key(self, request: Request) -> Hashable:
+        """Rule 10's class: what must match to share a batch (an ineligible request is a class of its own)."""
+        reason = self._ineligible_reason(request)
+        if reason is not None:
+            return (request.model, reason, request.request_id)
+        sig = request.params.signature()
+        if self.packs_mixed_sizes:
+            sig = tuple(item for item in sig if item[0] not in SIZE_FIELDS)
+        return (request.model, sig)
+
+    def _pick_head(self, ordered: list[Request]) -> Request:
+        """Rule 2's anchor: the head of the queue (`fifo`), or under `drr` the oldest request of the class whose
+        turn it is among the requests of the best priority (rule 10)."""
+        self._turn = None
+        if self.config.order != "drr" or not self.config.dynamic:
+            return ordered[0]
+        heads: dict[Hashable, Request] = {}
+        for request in ordered:
+            if request.priority != ordered[0].priority:
+                break
+            heads.setdefault(self._class_key(request), request)
+        if len(heads) == 1:
+            return ordered[0]
+        self._turn = self._fair.plan({key: self._cost(r) for key, r in heads.items()})
+        return heads[self._turn.key]
+
+    @staticmethod
+    def _cost(request: Request) -> float:
+        """Rule 10's cost: tokens x steps."""
+        return float(request.tokens * max(1, request.params.num_inference_steps))
 
     def _alike(self, head: Request, other: Request) -> bool:
         """Whether `other`'s batch ran what `head` would run (rule 8: its clients' next requests may join)."""
@@ -437,7 +460,7 @@ class DynamicBatcher:
             return ineligible
         if cand.model != head.model:
             return MODEL_MISMATCH
-        return signature_difference(head.params, cand.params)
+        return signature_difference(head.params, cand.params, packs_mixed_sizes=self.packs_mixed_sizes)
 
     def _dispatch(
         self, requests: list[Request], cap: int, reason: str, rejects: dict[str, int], now: float
@@ -445,6 +468,11 @@ class DynamicBatcher:
         for request in requests:
             self._pop(request.request_id)
             request.status = RequestStatus.RUNNING
+        if self._turn is not None:
+            self._fair.commit(self._turn, sum(self._cost(r) for r in requests))
+            self._turn = None
+        if len(requests) == 1 and self.token_budget is not None and requests[0].tokens > self.token_budget:
+            cap = min(cap, max(1, self.token_budget // requests[0].tokens_per_row))  # rule 6: calls within the budget
         self._num_dispatched += 1
         batch = ScheduledBatch(
             requests=requests,
@@ -456,6 +484,8 @@ class DynamicBatcher:
             rejects=rejects,
             dispatch_time=now,
             batch_id=self._num_dispatched,
+            token_budget=self.token_budget,
+            **batch_facts(requests),
         )
         self._running.append(batch)
         return Dispatch(batch)

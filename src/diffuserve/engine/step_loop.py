@@ -26,7 +26,7 @@ from typing import Any
 
 from diffuserve.engine.metrics import ContinuousStats, EngineMetrics
 from diffuserve.engine.requests import GenerationResult, RequestBook
-from diffuserve.engine.scheduler import Dispatch, ScheduledBatch, WaitUntil
+from diffuserve.engine.scheduler import Dispatch, ScheduledBatch, WaitUntil, batch_facts
 from diffuserve.engine.step_scheduler import REMOVED_DEADLINE, GroupEntry, StepPlan, StepScheduler
 from diffuserve.errors import GenerationError, RequestTimeoutError
 from diffuserve.executor.base import Executor
@@ -130,7 +130,9 @@ class StepLoop:
             self._wait_for_starts()
             return
         num_rows = sum(e.num_rows for e in rows)
-        self.stats.record_step(num_rows, plan.cap, joined, self._left, len(rows))
+        facts = batch_facts([e.request for e in rows])
+        tokens = (facts["num_tokens"], facts["num_sizes"], facts["padding_tokens"], self.scheduler.token_budget)
+        self.stats.record_step(num_rows, plan.cap, joined, self._left, len(rows), tokens)
         self._left = 0
         self.metrics.set_running(len(rows))
         started = time.perf_counter()
@@ -153,7 +155,8 @@ class StepLoop:
         self._previews(rows, finished)
         if finished:
             # batch_rows: the rows of the step that finished them (was always 0 in continuous mode).
-            self._finish(finished, batch_size=len(rows), batch_rows=sum(e.num_rows for e in rows))
+            call = (sum(e.num_rows for e in rows), sum(e.request.tokens for e in rows))
+            self._finish(finished, batch_size=len(rows), call=call)
 
     # -- starting (encode + latents), beside the loop when it can -----------------------------------------
     def _start(self, entries: list[GroupEntry]) -> None:
@@ -239,8 +242,9 @@ class StepLoop:
             # The lane runs jobs in order: a preview always reaches the client before its final image.
             self.decode_lane.submit(preview, inputs=[snapshot])
 
-    def _finish(self, entries: list[GroupEntry], *, batch_size: int, batch_rows: int = 0) -> None:
-        """Decode the requests whose last step this was (one decoder call) and answer them."""
+    def _finish(self, entries: list[GroupEntry], *, batch_size: int, call: tuple[int, int] = (0, 0)) -> None:
+        """Decode the requests whose last step this was (one decoder call) and answer them; `call`: the rows and
+        tokens of the step that finished them."""
         timings = [self._timing.pop(e.request.request_id, {}) for e in entries]
         for entry in entries:
             self.steps.drop(entry.request.request_id)
@@ -255,7 +259,7 @@ class StepLoop:
         job = self.decode_lane.submit(decode, inputs=group, prompts=[r.params.prompt for r in requests])
         overlapped = self.lanes is not None
         job.add_done_callback(
-            lambda f: self._answer(requests, f, timings, batch_size, overlapped=overlapped, batch_rows=batch_rows)
+            lambda f: self._answer(requests, f, timings, batch_size, overlapped=overlapped, call=call)
         )
 
     def _answer(
@@ -266,7 +270,7 @@ class StepLoop:
         batch_size: int,
         *,
         overlapped: bool,
-        batch_rows: int = 0,
+        call: tuple[int, int] = (0, 0),
     ) -> None:
         book = self.book
         try:
@@ -303,7 +307,8 @@ class StepLoop:
                         queue_wait_s=dispatched - request.arrival_time,
                         inference_s=self.clock() - dispatched,
                         batch_size=batch_size,
-                        batch_rows=batch_rows,
+                        batch_rows=call[0],
+                        batch_tokens=call[1],
                         stage_seconds=timing,
                     ),
                 )

@@ -16,19 +16,24 @@ Rules (on top of the module docstring of `engine/scheduler.py`: order, caps coun
 
 1. **The running group.** Requests denoising together; each keeps its own step index and step count, so
    rows at different timesteps (and with different step counts) share one denoiser call.
-2. **Group key** (`group_key`): requests share a group when they have the same model name and the same
-   width, height, num_frames (latent shape), guidance_scale, true_cfg_scale, guidance_scale_2, strength and
-   cfg_enabled (whether CFG runs). dtype and scheduler kind are one per served pipeline, so they are equal by
-   construction. `num_inference_steps` is NOT in the key: the per-row scheduler handles each row's own
-   schedule. Only eligible requests (`ineligible_reason` None, for example no input images) of a family that
-   declares `supports_continuous` run step by step.
+2. **Group key** (`group_key`): requests share a group when they have the same model name and the same width,
+   height, num_frames (latent shape), guidance_scale, true_cfg_scale, guidance_scale_2, strength and cfg_enabled
+   (whether CFG runs). For a family that packs rows of different sizes into one denoiser call
+   (`FamilySpec.packs_mixed_sizes`, through `set_capabilities`) width and height leave the key: a request of
+   another size joins the running group at a step boundary. dtype and scheduler kind are one per served pipeline,
+   so they are equal by construction. `num_inference_steps` is NOT in the key: the per-row scheduler handles each
+   row's own schedule. Only eligible requests (`ineligible_reason` None, for example no input images) of a family
+   that declares `supports_continuous` run step by step.
 3. **Joining.** At every step boundary queued requests are scanned in `(priority, arrival)` order and join
    while they match the key, their `n` fits under the cap and their LoRA adapters keep the group within
    `max_adapters` distinct adapters (`--max-loras`, the device slots every step's rows must fit in at once);
    the scan stops at the first one that does not (strict first-come order, so a large or incompatible request is
-   never overtaken forever: it joins once rows leave room, at the latest it anchors the next group).
-4. **Cap.** `min(--batching-max-size, smallest matching rule cap)` of the group's first request, in rows. A
-   request whose `n` alone reaches the cap starts only in an empty group (and then runs alone).
+   never overtaken forever: it joins once rows leave room, at the latest it anchors the next group). The order
+   is strict under `--batching-order drr` too: the fair order is the request-level scheduler's (its rule 10).
+4. **Cap.** `min(--batching-max-size, smallest matching rule cap)` of the group's first request, in rows (a
+   joining size of a packed group must also fit its own rule cap), and the **token budget** (`token_budget`, the
+   composed queue's): the group's latent tokens (`Request.tokens`) plus a joiner's must fit in it. A request whose
+   `n` or tokens alone reach a limit starts only in an empty group (and then runs alone, never refused).
 5. **Starting a group.** With the group empty the head waits up to `--batching-delay-ms` for companions (as in
    dynamic mode), unless it is already full. A head that cannot run step by step is handed to the request-level
    rules instead (`DynamicBatcher.schedule`: it runs alone, or merged with equal signatures when the family
@@ -49,6 +54,7 @@ from typing import Any
 
 from diffuserve.engine.request import Request, RequestStatus
 from diffuserve.engine.scheduler import (
+    SIZE_FIELDS,
     BatchingConfig,
     Dispatch,
     DynamicBatcher,
@@ -74,9 +80,11 @@ REMOVED_CANCELLED = "cancelled"
 REMOVED_DEADLINE = "deadline"
 
 
-def group_key(request: Request) -> tuple[Any, ...]:
-    """The continuous denoising-group key of `request` (rule 2 of the module docstring)."""
-    return (request.model, *(getattr(request.params, name) for name in GROUP_KEY_FIELDS))
+def group_key(request: Request, *, packs_mixed_sizes: bool = False) -> tuple[Any, ...]:
+    """The continuous denoising-group key of `request` (rule 2 of the module docstring); without width and height
+    for a family that packs rows of different sizes into one denoiser call."""
+    names = [n for n in GROUP_KEY_FIELDS if not (packs_mixed_sizes and n in SIZE_FIELDS)]
+    return (request.model, *(getattr(request.params, name) for name in names))
 
 
 @dataclass(eq=False)
@@ -122,6 +130,11 @@ class StepPlan:
     def num_rows(self) -> int:
         return sum(e.num_rows for e in self.rows)
 
+    @property
+    def num_tokens(self) -> int:
+        """Latent tokens of the step's rows (`Request.tokens`)."""
+        return sum(e.request.tokens for e in self.rows)
+
 
 StepDecision = Dispatch | StepPlan | WaitUntil | Idle
 """What `StepScheduler.schedule` returns: a request-level batch, one denoising step, a wait, or nothing."""
@@ -166,10 +179,26 @@ class StepScheduler:
     def activation_budget(self, budget: int | None) -> None:
         self.requests.activation_budget = budget
 
-    def set_capabilities(self, *, supports_batching: bool, supports_continuous: bool = False) -> None:
-        """What the loaded model can do: merge requests at all, and run them step by step."""
-        self.requests.set_capabilities(supports_batching=supports_batching)
+    def set_capabilities(
+        self, *, supports_batching: bool, supports_continuous: bool = False, packs_mixed_sizes: bool = False
+    ) -> None:
+        """What the loaded model can do: merge requests at all, run them step by step, pack mixed sizes."""
+        self.requests.set_capabilities(supports_batching=supports_batching, packs_mixed_sizes=packs_mixed_sizes)
         self.supports_continuous = supports_continuous
+
+    @property
+    def packs_mixed_sizes(self) -> bool:
+        """Rows of different sizes may share the group (rule 2); the composed queue's fact."""
+        return self.requests.packs_mixed_sizes
+
+    @property
+    def token_budget(self) -> int | None:
+        """Latent tokens the group may hold (rule 4); the composed queue's."""
+        return self.requests.token_budget
+
+    @token_budget.setter
+    def token_budget(self, budget: int | None) -> None:
+        self.requests.token_budget = budget
 
     def add(self, request: Request) -> None:
         if any(e.request.request_id == request.request_id for e in self._group):
@@ -234,6 +263,11 @@ class StepScheduler:
     def num_active_rows(self) -> int:
         return sum(e.num_rows for e in self._group)
 
+    @property
+    def num_active_tokens(self) -> int:
+        """Latent tokens of the group's rows (rule 4's token budget counts them)."""
+        return sum(e.request.tokens for e in self._group)
+
     def requests_using_adapter(self, name: str) -> list[Request]:
         """The queued and running requests whose `lora` names adapter `name`: the queue, a request-level batch in
         flight, and the group's rows (those still starting too). An unload waits for them."""
@@ -256,7 +290,7 @@ class StepScheduler:
                 rows=[], joined=[], removed=removed, left=self._pop_left(), cap=self._cap, user_max=self.config.max_size
             )
         if self._group:
-            joined = self._take_joiners(group_key(self._group[0].request), self._cap - self.num_active_rows)
+            joined = self._take_joiners(self._key(self._group[0].request), self._cap - self.num_active_rows)
             return self._step(joined, removed)
         ordered = self.requests.queued_requests()
         if not ordered:
@@ -270,7 +304,7 @@ class StepScheduler:
             return WaitUntil(head.arrival_time + self.config.delay_ms / 1000.0)
         self._cap = cap
         joined = [self._enter(head)]
-        joined += self._take_joiners(group_key(head), cap - head.num_outputs)
+        joined += self._take_joiners(self._key(head), cap - head.num_outputs)
         return self._step(joined, removed)
 
     def step_done(self, plan: StepPlan, stepped: Sequence[GroupEntry] | None = None) -> list[GroupEntry]:
@@ -323,17 +357,23 @@ class StepScheduler:
                 removed.append((request, REMOVED_DEADLINE))
         return removed
 
+    def _key(self, request: Request) -> tuple[Any, ...]:
+        return group_key(request, packs_mixed_sizes=self.packs_mixed_sizes)
+
     def _compatible(self, key: tuple[Any, ...], request: Request) -> bool:
-        return self.can_step(request) and group_key(request) == key
+        return self.can_step(request) and self._key(request) == key
 
     def _fitting_rows(self, head: Request, cap: int) -> int:
         """Rows a group anchored by `head` would start with (the same scan as `_take_joiners`)."""
-        rows, key, adapters = 0, group_key(head), frozenset[str]()
+        rows, tokens, key, adapters = 0, 0, self._key(head), frozenset[str]()
+        budget = self.token_budget
         for request in self.requests.queued_requests():
             more = self._adapters_with(adapters, request)
             if not self._compatible(key, request) or (rows and rows + request.num_outputs > cap) or more is None:
                 break
-            rows, adapters = rows + request.num_outputs, more
+            if rows and budget is not None and tokens + request.tokens > budget:
+                break
+            rows, tokens, adapters = rows + request.num_outputs, tokens + request.tokens, more
         return rows
 
     def _take_joiners(self, key: tuple[Any, ...], room: int) -> list[GroupEntry]:
@@ -341,14 +381,20 @@ class StepScheduler:
         adapters = frozenset(name for e in self._group for name, _ in e.request.params.lora)
         budget = self.activation_budget
         memory = None if budget is None else budget - sum(e.request.activation_bytes for e in self._group)
+        tokens = None if self.token_budget is None else self.token_budget - self.num_active_tokens
         for request in self.requests.queued_requests():
             more = self._adapters_with(adapters, request)
             if room <= 0 or not self._compatible(key, request) or request.num_outputs > room or more is None:
                 break  # rule 3: strict order, the scan stops at the first request that cannot join
+            if tokens is not None and request.tokens > tokens:
+                break  # rule 4: it joins once rows leave room in the token budget (a head starts anyway, alone)
             if memory is not None and request.activation_bytes > memory:
                 break  # rule 6: it waits until rows leave
+            if self.packs_mixed_sizes and self.num_active_rows + request.num_outputs > self.effective_cap_for(request):
+                break  # rule 4: a size whose own rule cap the group would exceed waits
             joined.append(self._enter(request))
             room, adapters = room - request.num_outputs, more
+            tokens = None if tokens is None else tokens - request.tokens
             memory = None if memory is None else memory - request.activation_bytes
         return joined
 

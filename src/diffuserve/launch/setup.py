@@ -93,6 +93,8 @@ def resolve_deployment(
     quant: Any = None,
     transformer_path: str | None = None,
     activation_memory_gib: float | None = None,
+    batching_max_tokens: int | None = None,
+    batching_max_size: int = 1,
 ) -> Any:
     """The plan for a checkpoint from JSON and safetensors / GGUF headers only (no weights loaded), for the backend
     `--backend` picks, the batching mode and `--quantization` (`quant`: QuantArgs; a quantized component is counted
@@ -101,6 +103,7 @@ def resolve_deployment(
     from diffuserve.config.deployment import continuous_refusal, describe_batching, resolve
     from diffuserve.config.model_profiles import profile_from_checkpoint
     from diffuserve.config.quantization import annotate, plan_quantization
+    from diffuserve.config.token_budget import check_checkpoint_tokens
     from diffuserve.errors import ConfigError
 
     profile = profile_from_checkpoint(model_path, model_id=model_id, load_dtype=dtype, backend=backend)
@@ -110,6 +113,7 @@ def resolve_deployment(
         profile = with_transformer_file(profile, transformer_path, dtype)
     if batching_mode == "continuous" and not profile.supports_continuous:
         raise continuous_refusal(profile)
+    check_checkpoint_tokens(batching_max_tokens, batching_max_size, profile.kind, profile.checkpoint)
     quantized, profile = plan_quantization(quant, profile, hardware.device_kind, model_path, dtype)
     if transformer_path is not None and "transformer" in quantized.components:
         raise ConfigError(
@@ -165,6 +169,8 @@ def plan_deployment(
         quant=args.quant,
         transformer_path=args.transformer_path,
         activation_memory_gib=args.engine.activation_memory_gib,
+        batching_max_tokens=args.batching.max_tokens,
+        batching_max_size=args.batching.max_size,
     )
     if log_plan and brief:
         logger.info("%s", brief_plan(plan))

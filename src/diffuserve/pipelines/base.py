@@ -125,6 +125,9 @@ class Capabilities:
     """Requests may share a pipeline call (dynamic batching); False runs each alone."""
     continuous: bool = False
     """`--batching-mode continuous` may step its requests in a shared denoise group (`pipelines/step_batch.py`)."""
+    packs_mixed_sizes: bool = False
+    """Rows of different sizes may share one call (`FamilySpec.packs_mixed_sizes`): the schedulers leave the size out
+    of the batch signature and the continuous group key."""
     defers_decode: bool = False
     """`run` is `run_to_latents` + `decode_batch`, so the decode may run in the decode lane beside the next batch."""
     text_prefetch: bool = False
@@ -149,6 +152,9 @@ class Pipeline:
     """Whether `--batching-mode continuous` may step this pipeline's requests in a shared denoise group: the
     family spec's `supports_continuous` for a native adapter (`bind_facts`); False falls back to request-level
     batching (the diffusers backend)."""
+    packs_mixed_sizes: bool = False
+    """Rows of different sizes may share one call: the family spec's `packs_mixed_sizes` for a native adapter
+    (`bind_facts`); False (the diffusers backend) keeps one size per batch."""
     size_multiple: int = 1
     """Width/height must be multiples of this: the checkpoint's figure (`bind_facts`, or derived by the diffusers
     backend from the loaded pipeline); 1 only for a pipeline that states none."""
@@ -211,6 +217,7 @@ class Pipeline:
         self.max_width, self.max_height = facts.max_width, facts.max_height
         self.defaults = facts.defaults
         self.supports_continuous = facts.supports_continuous
+        self.packs_mixed_sizes = spec.packs_mixed_sizes
         self.batched_cfg = facts.cfg_batched
         """Run CFG as one doubled batch (`RecipePipeline.batched_cfg`); tests may flip it on an instance."""
         self.text_encoders = facts.text_encoders
@@ -229,6 +236,7 @@ class Pipeline:
         return Capabilities(
             batching=self.supports_batching,
             continuous=self.supports_continuous,
+            packs_mixed_sizes=self.packs_mixed_sizes,
             defers_decode=self.defers_decode,
             text_prefetch=self.prefetches_text,
             split_over_ranks=self.split_over_ranks,
@@ -352,6 +360,9 @@ class Pipeline:
             min_image_inputs=self.min_image_inputs,
             frame_multiple=self.frame_multiple,
             supports_batching=self.supports_batching,
+            packs_mixed_sizes=self.packs_mixed_sizes,
+            max_width=self.max_width,
+            max_height=self.max_height,
             validate=self.validate,
             prompt_tokens=self.prompt_tokens(),
             request_fields=self.request_fields(),

@@ -188,6 +188,7 @@ def result_timings(
         "batch_requests": result.batch_requests,
         "batch_rows": result.batch_rows,
         "pipeline_calls": result.pipeline_calls,
+        "batch_tokens": result.batch_tokens,
         "stages_ms": {k: round(v * 1000, 3) for k, v in result.stage_seconds.items()},
         "step_cache": result.output.step_cache,
     }

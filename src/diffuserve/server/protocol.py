@@ -223,6 +223,8 @@ class Timings(BaseModel):
     """Rows (outputs) of the largest pipeline call it ran in: at most --batching-max-size in dynamic mode."""
     pipeline_calls: int = 1
     """Pipeline calls it ran as (> 1 when its n was above the row cap)."""
+    batch_tokens: int = 0
+    """Latent tokens of that call: its rows x each row's tokens (what --batching-max-tokens counts)."""
     stages_ms: dict[str, float] = {}
     step_cache: dict[str, Any] | None = None
     """The step cache its rows ran: method, computed_steps and reused_steps (summed over its rows); absent

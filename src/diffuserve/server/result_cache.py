@@ -243,6 +243,7 @@ def cached_timings(step_cache: dict[str, Any] | None, received: float) -> dict[s
         "batch_requests": 0,
         "batch_rows": 0,
         "pipeline_calls": 0,
+        "batch_tokens": 0,
         "stages_ms": {},
         "step_cache": step_cache,
         "result_cache": "hit",

@@ -5,9 +5,11 @@ schedulers.
 Two users:
 - `tests/unit/test_engine.py` gates every step on a permit the test grants (`SimulatedPipeline.wait_turn`
   overridden), so it decides where every batch stands, with no model and no sleeps;
-- `benchmarks/bench_arrivals.py --simulate gpu|cpu` lets each step take `a + b x rows` seconds (`StepCost`), so
-  dynamic and continuous batching are compared on a GPU-like cost curve (`b << a`: a step of 8 rows costs
-  about one of 1) that this CPU-only machine cannot show, and on the CPU's measured curve.
+- `benchmarks/bench_arrivals.py --simulate gpu|cpu` lets each step take `a + b x rows + c x tokens` seconds
+  (`StepCost`; tokens: the rows' latent tokens at a 16-pixel token side), so dynamic and continuous batching are
+  compared on a GPU-like cost curve (`b << a`: a step of 8 small rows costs about one of 1) that this CPU-only
+  machine cannot show, and on the CPU's measured curve; `--mixed` compares size-grouped batches with token-budget
+  batches of mixed sizes (`tools/sim_mixed.py`, the pipeline built with `packs_mixed_sizes`).
 
 A request's outputs name its prompt (`"<prompt>#<row>"`), so a test can see who got what; the text encode and
 the decode cost nothing here (the model is the denoise loop's step cost alone).
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 
+from diffuserve.config.token_budget import row_tokens
 from diffuserve.errors import RequestCancelledError
 from diffuserve.executor.base import InProcessExecutor, ReplicaState, ServingPipeline
 from diffuserve.executor.batch_runner import BatchEvents, BatchOutcome
@@ -32,27 +35,34 @@ from diffuserve.pipelines.stages import DenoiseState
 from diffuserve.pipelines.step_batch import RequestRows
 from diffuserve.sampling import SamplingParams
 
+TOKEN_SIDE = 16
+"""Pixels per latent token side of the simulated model (FLUX.1's 8 x 2)."""
 WAIT_S = 20.0
 """How long a decode waits for a closed `decode_gate` at most (tests close it to hold a decode)."""
 
 
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds one denoising step of `rows` output rows takes: `a_s + b_s * rows`."""
+    """Seconds one denoising step of `rows` output rows holding `tokens` latent tokens takes:
+    `a_s + b_s * rows + c_s * tokens`."""
 
     name: str
     """What the curve models (printed with the figures)."""
     a_s: float
     """Fixed cost of a step (kernel launches, weight reads: most of a GPU step at serving batch sizes)."""
     b_s: float
-    """Added cost per row of the step."""
+    """Added cost per row of the step (its text tokens, per-row modulation)."""
+    c_s: float = 0.0
+    """Added cost per latent token of the step (a call's cost grows with its total tokens, not its rows)."""
 
-    def __call__(self, rows: int) -> float:
-        return self.a_s + self.b_s * rows
+    def __call__(self, rows: int, tokens: int = 0) -> float:
+        return self.a_s + self.b_s * rows + self.c_s * tokens
 
 
 COST_MODELS = {
-    "gpu": StepCost("gpu (a=40 ms, b=1 ms/row)", 0.040, 0.001),
+    # c: 8 ms per 1024 latent tokens (a 512x512 row at a 16-pixel token side), so a step of 8 such rows costs
+    # about 2.6 of one (a ~1B DiT on a datacenter GPU); a 64x64 row (16 tokens) adds 0.125 ms to b.
+    "gpu": StepCost("gpu (a=40 ms, b=1 ms/row, c=8 ms/1024 tokens)", 0.040, 0.001, 0.008 / 1024),
     # Measured: tiny FLUX at 64x64, 4 steps, benchmarks/results/bench_batching.txt: one image per call 21.3 ms
     # (47.0 img/s), eight per call 50.0 ms (160.2 img/s), so a call costs 17.2 ms + 4.1 ms/row; per step (4 of
     # them, the encode and decode folded in) 4.3 ms + 1.0 ms/row.
@@ -75,9 +85,14 @@ class SimulatedPipeline(Pipeline):
     family = "simulated"
     supports_batching = True
     supports_continuous = True
+    size_multiple = TOKEN_SIDE
 
-    def __init__(self, *, cost: StepCost | None = None, defers_decode: bool = False):
+    def __init__(self, *, cost: StepCost | None = None, defers_decode: bool = False, packs_mixed_sizes: bool = False):
         super().__init__()
+        self.packs_mixed_sizes = packs_mixed_sizes
+        """Rows of different sizes share a call (the schedulers merge them: `FamilySpec.packs_mixed_sizes`)."""
+        self._tokens = 0
+        """Latent tokens of the step about to run (`wait_turn` charges them)."""
         self.device = torch.device("cpu")
         self.cost = cost
         """The step cost slept by `wait_turn`; None: steps cost nothing."""
@@ -98,10 +113,11 @@ class SimulatedPipeline(Pipeline):
     def wait_turn(self, prompts: Sequence[str], rows: int) -> None:
         """Before a step of `rows` rows: take the step's time."""
         if self.cost is not None:
-            time.sleep(self.cost(rows))
+            time.sleep(self.cost(rows, self._tokens))
 
-    def step(self, prompts: Sequence[str], rows: int) -> None:
-        """One denoising step (a prompt containing FAIL fails it)."""
+    def step(self, prompts: Sequence[str], rows: int, tokens: int = 0) -> None:
+        """One denoising step of `tokens` latent tokens (a prompt containing FAIL fails it)."""
+        self._tokens = tokens
         self.wait_turn(prompts, rows)
         if any("FAIL" in p for p in prompts):
             raise RuntimeError("injected step failure")
@@ -119,10 +135,11 @@ class SimulatedPipeline(Pipeline):
         self.calls.append(prompts)
         rows = sum(p.n for p in batch)
         num_steps = batch[0].num_inference_steps
+        tokens = sum(p.n * sim_tokens(p) for p in batch)
         for i in range(num_steps):
             if should_stop is not None and should_stop():
                 raise RequestCancelledError(f"cancelled before denoising step {i + 1}/{num_steps}")
-            self.step(prompts, rows)
+            self.step(prompts, rows, tokens)
             if on_step is not None:
                 on_step(i, num_steps)
             if on_preview is not None:
@@ -152,6 +169,11 @@ class SimulatedPipeline(Pipeline):
         self.decode_gate.wait(WAIT_S)
         self.decodes.append(list(labels))
         return [f"{label}#final" for label in labels]
+
+
+def sim_tokens(params: SamplingParams) -> int:
+    """Latent tokens of one row of `params` on the simulated model."""
+    return row_tokens(params.width, params.height, token_side=TOKEN_SIDE)
 
 
 def _rows(params: SamplingParams) -> RequestRows:
@@ -185,7 +207,8 @@ class SimulatedSteps:
     def step(self, rows: Sequence[tuple[str, Any]]) -> None:
         prompts = [state.params.prompt for _, state in rows]
         self.pipeline.step_rows.append(prompts)
-        self.pipeline.step(prompts, sum(state.params.n for _, state in rows))
+        tokens = sum(state.params.n * sim_tokens(state.params) for _, state in rows)
+        self.pipeline.step(prompts, sum(state.params.n for _, state in rows), tokens)
         for _, state in rows:
             state.step_index += 1
 
