@@ -38,7 +38,8 @@ CASES = (
 PROMPTS = (("a red fox", 3), ("a cat surfing", 9))
 
 
-def _direct(pipe: Any, case: Case, prompt: str, seed: int, params: Any) -> np.ndarray:
+def _direct(pipe: Any, case: Case, prompt: str, seed: int, params: Any) -> tuple[np.ndarray, Any]:
+    """The pipeline's frames (0-255) and its waveform (LTX-2; None for the others)."""
     import torch
 
     kwargs: dict[str, Any] = {
@@ -53,9 +54,14 @@ def _direct(pipe: Any, case: Case, prompt: str, seed: int, params: Any) -> np.nd
     }
     if case.family != "hunyuan_video_15":  # its guidance lives in the saved guider, not in __call__
         kwargs["guidance_scale"] = params.guidance_scale
+    if case.family == "ltx2":  # the backend passes the request's fps (LTX-2's positions and sound length use it)
+        kwargs["frame_rate"] = float(params.fps)
     with torch.inference_mode():
-        frames = pipe(**kwargs).frames[0]
-    return (np.clip(np.asarray(frames, dtype=np.float64), 0, 1) * 255).round()
+        result = pipe(**kwargs)
+    audio = getattr(result, "audio", None)
+    return (np.clip(np.asarray(result.frames[0], dtype=np.float64), 0, 1) * 255).round(), (
+        None if audio is None else audio[0].float()
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.tiny for c in CASES])
@@ -83,10 +89,15 @@ def test_backend_frames_equal_the_diffusers_pipeline(case: Case, tiny_checkpoint
     outputs = backend.run(batch).outputs if case.batches else [backend.run([p]).outputs[0] for p in batch]
     direct = diffusers_pipeline(case.pipeline_class, path)
     for output, (prompt, seed), params in zip(outputs, PROMPTS, batch, strict=True):
-        expected = _direct(direct, case, prompt, seed, params)
+        expected, sound = _direct(direct, case, prompt, seed, params)
         got = np.stack([np.asarray(f, dtype=np.float64) for f in output.videos[0]])
         assert got.shape == (case.out_frames, 32, 32, 3)
         assert np.abs(got - expected).max() <= 1.0
+        if case.family == "ltx2":  # its waveform, per row of the merged call, equals the solo pipeline call's
+            assert output.audio_sample_rate == direct.vocoder.config.output_sampling_rate
+            assert float((output.audios[0] - sound.clamp(-1, 1)).abs().max()) <= 1e-4
+        else:
+            assert output.audios == [] and output.audio_sample_rate is None
     assert (
         np.abs(
             np.asarray(outputs[0].videos[0][0], dtype=np.int16) - np.asarray(outputs[1].videos[0][0], dtype=np.int16)

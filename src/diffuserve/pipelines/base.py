@@ -339,6 +339,11 @@ class Pipeline:
         """The peer request fields (`sampling.PEER_FIELDS`) this model gives meaning to; the base: none."""
         return frozenset()
 
+    @property
+    def produces_audio(self) -> bool:
+        """Its videos carry sound (`RequestOutput.audios`): the family spec's `produces_audio`."""
+        return self.spec.produces_audio
+
     def describe_model(self) -> ModelDescription:
         """What the routes and the request builder need to know (`diffuserve.sampling.ModelDescription`)."""
         from diffuserve.sampling import ModelDescription
@@ -355,6 +360,7 @@ class Pipeline:
             validate=self.validate,
             prompt_tokens=self.prompt_tokens(),
             request_fields=self.request_fields(),
+            produces_audio=self.produces_audio,
             activation=self._activation_facts(),
         )
 
