@@ -6,6 +6,7 @@ waveform is the one `LTX2Pipeline` makes for the same seed; `generate_audio: fal
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -111,3 +112,40 @@ def test_bad_sound_fields_are_400s_naming_them_before_queueing(ltx2_server, extr
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
     after = len(httpx.get(f"{ltx2_server.base_url}/v1/videos", params={"limit": 100}, timeout=30).json()["data"])
     assert after == before
+
+
+def test_generate_writes_the_sound_and_takes_generate_audio_false(tiny_checkpoint, tmp_path, capsys):
+    from diffuserve import cli
+    from diffuserve.families.base import SamplingDefaults
+    from diffuserve.generate import _build_params
+    from diffuserve.sampling import ModelDescription
+
+    out = tmp_path / "out"
+    code = cli.main(
+        ["generate", "--model-path", str(tiny_checkpoint("ltx2")), "--output-path", str(out)]
+        + ["--prompt", PROMPT, "--seed", "5", "--num-inference-steps", "2"]
+    )
+    printed, err = capsys.readouterr()
+    assert code == 0, err
+    info = probe_mp4(Path(printed.strip().splitlines()[-1]).read_bytes())
+    assert (info["frames"], info["audio_streams"], info["audio"]["codec"]) == (9, 1, "aac")
+    assert abs(info["audio"]["seconds"] - 9 / 8) <= 1 / 8
+    # `--generate-audio false` reaches the request as the API's field does (the flag's parse: the snapshot test).
+    model = ModelDescription(output_kind="video", produces_audio=True, defaults=SamplingDefaults(num_frames=9, fps=8))
+    assert [p.generate_audio for p in _build_params({"generate_audio": False}, model, ["x"], 1, ())] == [False]
+    assert [p.generate_audio for p in _build_params({}, model, ["x"], 1, ())] == [True]
+
+
+def test_generate_refuses_generate_audio_on_a_model_without_sound_before_loading(
+    tiny_wan_path, tmp_path, capsys, monkeypatch
+):
+    from diffuserve import cli
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr("diffuserve.launch.root.build_generate_engine", refuse)
+    argv = ["generate", "--model-path", str(tiny_wan_path), "--prompt", "x", "--generate-audio", "false"]
+    code = cli.main([*argv, "--output-path", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--generate-audio" in err and "makes no sound" in err, err
