@@ -460,6 +460,7 @@ class Pipeline:
             "size_multiple": self.size_multiple,
             "max_size": [self.max_width, self.max_height],
             "max_image_inputs": self.max_image_inputs,
+            "produces_audio": self.produces_audio,
             "components": sorted(self.components),
             # Prompt tokens each text encoder reads (null: the whole prompt). Asking builds the token owner, so
             # the engine's start-up log (in its own thread, at load) makes the private tokenizer copies.
