@@ -151,3 +151,30 @@ def test_ltx2_sizes_and_frames_it_would_refuse_are_invalid_requests(tiny_checkpo
     with pytest.raises(InvalidRequestError) as frames:
         backend.validate(SamplingParams(prompt="x", width=32, height=32, num_frames=8))
     assert frames.value.param == "num_frames"
+
+
+def test_ltx2_rows_of_different_fps_run_as_separate_calls_each_equal_to_its_solo_run(tiny_checkpoint, family_pipeline):
+    """LTX-2 takes the job's fps as `frame_rate` (its positions and the length of its sound depend on it), which is a
+    per-row field: a merged batch with two rates runs one call per rate, and each row equals its run alone; a silent
+    row (`generate_audio=False`, a signature field, so never merged with sounding rows) has the same frames."""
+    from diffuserve.sampling import SamplingParams
+
+    backend = family_pipeline(tiny_checkpoint("ltx2"))
+    common = {"width": 32, "height": 32, "num_frames": 9, "num_inference_steps": 2, "output_format": "mp4"}
+    batch = [
+        SamplingParams(prompt="a red fox", seed=3, fps=8, **common),
+        SamplingParams(prompt="a cat", seed=9, fps=12, **common),
+    ]
+    merged = backend.run(batch).outputs
+    for output, params in zip(merged, batch, strict=True):
+        (alone,) = backend.run([params]).outputs
+        assert all(
+            np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(output.videos[0], alone.videos[0], strict=True)
+        )
+        assert float((output.audios[0] - alone.audios[0]).abs().max()) <= 1e-6
+    assert merged[0].audios[0].shape[1] > merged[1].audios[0].shape[1]  # 9/8 s of sound against 9/12 s
+    silent = backend.run([SamplingParams(prompt="a red fox", seed=3, fps=8, generate_audio=False, **common)]).outputs[0]
+    assert silent.audios == [] and silent.audio_sample_rate is None
+    assert all(
+        np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(silent.videos[0], merged[0].videos[0], strict=True)
+    )
