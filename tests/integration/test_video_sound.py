@@ -1,8 +1,9 @@
 """Videos with sound, through a real server and the official `openai` SDK: the tiny LTX-2 (a joint audio-video model,
 served by the diffusers backend) answers `/v1/videos` with an MP4 carrying an AAC track of the video's duration, whose
 waveform is the one `LTX2Pipeline` makes for the same seed; `generate_audio: false` (or vLLM-Omni's
-`generate_sound: false`) gives the same frames without a track; bad sound fields are 400s naming them, nothing queued.
-(Models without sound refusing the fields: tests/integration/test_peer_clients.py.)"""
+`generate_sound: false`) gives the same frames without a track, and a remix of it stays silent; bad sound fields are
+400s naming them, nothing queued; `generate` writes the sound and takes `--generate-audio`. (Models without sound
+refusing the fields: tests/integration/test_peer_clients.py.)"""
 
 from __future__ import annotations
 
@@ -95,6 +96,9 @@ def test_generate_audio_false_gives_the_same_frames_without_a_track(ltx2_server,
         assert (info["video_streams"], info["audio_streams"], info["audio"]) == (1, 0, None)
         frames = np.stack([np.asarray(f, dtype=np.int16) for f in decode_frames(silent)])
         assert np.abs(frames - sound_frames).max() <= 1  # the backend drops the sound; the picture is the same
+    # A remix keeps the source job's settings, sound off included.
+    remix = _mp4(ltx2_server, client.videos.remix(multipart.id, prompt="a cat purring").id)
+    assert probe_mp4(remix)["audio_streams"] == 0
 
 
 @pytest.mark.parametrize(
