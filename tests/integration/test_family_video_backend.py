@@ -173,6 +173,8 @@ def test_ltx2_rows_of_different_fps_run_as_separate_calls_each_equal_to_its_solo
         )
         assert float((output.audios[0] - alone.audios[0]).abs().max()) <= 1e-6
     assert merged[0].audios[0].shape[1] > merged[1].audios[0].shape[1]  # 9/8 s of sound against 9/12 s
+    # A checkpoint that suggests no fps (the tiny one suggests 8) plays at the rate LTX2Pipeline makes by default.
+    assert type(backend)(backend.pipe, family="ltx2").defaults.fps == 24
     silent = backend.run([SamplingParams(prompt="a red fox", seed=3, fps=8, generate_audio=False, **common)]).outputs[0]
     assert silent.audios == [] and silent.audio_sample_rate is None
     assert all(

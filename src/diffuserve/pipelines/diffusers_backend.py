@@ -165,7 +165,7 @@ class DiffusersBackendPipeline(Pipeline):
             num_inference_steps=int(default("num_inference_steps", 28)),
             guidance_scale=float(default("guidance_scale", 3.5)),
             num_frames=int(default("num_frames", 1)) if self.output_kind == "video" else 1,
-            fps=int(suggested.get("fps", SamplingDefaults.fps)),
+            fps=int(suggested.get("fps") or default("frame_rate", SamplingDefaults.fps)),  # LTX-2: frame_rate=24
         )
 
     @classmethod
