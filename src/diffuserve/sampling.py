@@ -290,7 +290,7 @@ def build_sampling_params(
         resolution=resolution,
         lora=tuple(lora),
         step_cache=step_cache,
-        generate_audio=generate_audio is not False if model.produces_audio else None,
+        generate_audio=(generate_audio is not False) if model.produces_audio else None,
     )
     if model.validate is not None:
         model.validate(params)
