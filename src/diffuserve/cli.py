@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from diffuserve import __version__
-from diffuserve.config.argparse_dataclass import add_dataclass_arguments, add_groups
+from diffuserve.config.argparse_dataclass import add_dataclass_arguments, add_groups, parse_bool
 from diffuserve.config.deployment_args import DeploymentArgs
 from diffuserve.config.server_args import GROUP_ORDER, SECTIONS, ServerArgs, load_config_file
 from diffuserve.errors import CheckpointError, ConfigError, DiffuserveError, InvalidRequestError
@@ -152,6 +152,8 @@ def _add_generate(sub: Any) -> None:
     )
     add("--num-frames", type=int, help="Video models only: frames per video (default: the model's).")
     add("--fps", type=int, help="Video models only: frames per second of the MP4 (default: the model's).")
+    flag = functools.partial(add, nargs="?", const=True, type=parse_bool, metavar="true|false")
+    flag("--generate-audio", help="Models with sound (LTX-2) only: false writes silent MP4s (default: with sound).")
     add(
         "--image-path",
         action="append",
@@ -343,8 +345,6 @@ def _coerce(action: argparse.Action, value: Any, where: str) -> Any:
 
 
 def _parse_flag_bool(value: Any, bad: Any) -> bool:
-    from diffuserve.config.argparse_dataclass import parse_bool
-
     try:
         return parse_bool(value)
     except argparse.ArgumentTypeError:

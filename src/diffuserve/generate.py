@@ -48,14 +48,20 @@ def _encoded(params: SamplingParams, output: Any) -> list[bytes]:
     if params.output_format == "mp4":
         from diffuserve.media.video import encode_mp4
 
-        return [encode_mp4(frames, params.fps) for frames in output.videos]
+        sounds = zip(output.videos, output.audios or [None] * len(output.videos), strict=True)  # AAC track per video
+        return [encode_mp4(v, params.fps, a, output.audio_sample_rate) for v, a in sounds]
     from diffuserve.media.images import encode_image
 
     return [encode_image(image, params.output_format, params.output_quality) for image in output.images]
 
 
-def _check_applicable(values: dict[str, Any], video: bool, family: str) -> None:
+def _check_applicable(values: dict[str, Any], video: bool, family: str, sound: bool) -> None:
     """Flags that mean nothing for this model are errors naming the flag, never silently ignored."""
+    if values.get("generate_audio") is not None and not sound:
+        raise ConfigError(
+            f"--generate-audio: the served model ({family}) makes no sound (joint audio-video models such as LTX-2 "
+            "do). Drop the flag."
+        )
     if not video:
         for key in ("num_frames", "fps"):
             if values.get(key) is not None:
@@ -234,13 +240,14 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
         raise ConfigError("--num-outputs-per-prompt must be >= 1.")
     args.validate()
     model_path = resolve_model_path(args, quiet=True)  # the engine's set-up resolves (and logs) it again
+    from diffuserve.families import spec_for
     from diffuserve.models.registry import resolve as resolve_model
 
     spec = resolve_model(model_path, model_id=args.model_id, backend=args.backend)
     video = spec.output_kind == "video"
     images = read_images(values, args.max_image_side, video=video)
     if spec.family != "unknown":  # known from model_index.json alone: refuse before loading any weight
-        _check_applicable(values, video, spec.family)
+        _check_applicable(values, video, spec.family, spec_for(spec.family).produces_audio)
         if spec.output_kind != "mesh":  # a mesh model ignores the prompt (its image is the condition)
             check_values(values, prompts, video)
             _check_family_inputs(values, images, spec, model_path)
@@ -320,6 +327,7 @@ def _build_params(
             image_inputs=images,
             strength=values.get("strength", 0.6) if edit else 1.0,
             step_cache=step_cache,
+            generate_audio=values.get("generate_audio"),
         )
         for i, prompt in enumerate(prompts)
     ]
@@ -339,7 +347,7 @@ def _generate(
     if model.output_kind == "mesh":
         return _generate_mesh(values, engine, model, stem)
     video = model.output_kind == "video"
-    _check_applicable(values, video, model.family)
+    _check_applicable(values, video, model.family, model.produces_audio)
     # Again with what the loaded model says (a checkpoint of an unknown family is only known now).
     check_values(values, prompts, video)
     check_inputs(

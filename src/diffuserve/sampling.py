@@ -177,6 +177,9 @@ class ModelDescription:
     request_fields: frozenset[str] = frozenset()
     """Optional request fields this model gives meaning to beyond the common ones (`PEER_FIELDS`): a request that
     sets one outside this set is refused, naming the field."""
+    produces_audio: bool = False
+    """Its videos carry sound (`FamilySpec.produces_audio`: LTX-2): it takes `generate_audio` (and the peers'
+    `generate_sound` / `sound_duration`, `AUDIO_FIELDS`); other models refuse them, naming the field."""
     activation: ActivationFacts | None = field(default=None, compare=False, repr=False)
     """What the activation-memory estimate knows about the checkpoint (`diffuserve/activation.py`); None: the
     engine admits without an estimate."""
@@ -198,15 +201,22 @@ PEER_FIELDS: dict[str, str] = {
     "true_cfg_scale": "families that run true CFG (FLUX.1, Qwen-Image, ...; Wan's CFG is guidance_scale)",
     "resolution": "Qwen-Image-Layered (its 640 / 1024 buckets)",
     "layers": "Qwen-Image-Layered (the number of layers, same as n)",
+    "generate_audio": "joint audio-video models, whose videos carry sound (LTX-2)",
+    "generate_sound": "joint audio-video models, whose videos carry sound (LTX-2)",
+    "sound_duration": "joint audio-video models, whose videos carry sound (LTX-2)",
 }
 """Request fields of other servers' clients (SGLang-Diffusion, vLLM-Omni, FastVideo) that only some models take
--> which models, for the 400 a request gets when the served model is not one of them."""
+-> which models, for the 400 a request gets when the served model is not one of them. (`generate_audio` is this
+server's own; it sits here because only some models take it.)"""
+AUDIO_FIELDS = frozenset({"generate_audio", "generate_sound", "sound_duration"})
+"""The sound fields: taken by models whose `ModelDescription.produces_audio` is set, whatever `request_fields` says."""
 
 
 def check_request_fields(model: ModelDescription, given: dict[str, Any]) -> None:
     """400 naming the first field of `PEER_FIELDS` that is set but means nothing to the served model."""
+    takes = model.request_fields | (AUDIO_FIELDS if model.produces_audio else frozenset())
     for name, value in given.items():
-        if value is not None and name in PEER_FIELDS and name not in model.request_fields:
+        if value is not None and name in PEER_FIELDS and name not in takes:
             raise InvalidRequestError(
                 f"{name} applies only to {PEER_FIELDS[name]}; the served {model.family} model does not take it. "
                 f"Leave {name} out.",
@@ -242,11 +252,13 @@ def build_sampling_params(
     resolution: int | None = None,
     lora: tuple[tuple[str, float], ...] = (),
     step_cache: StepCacheSettings | None = None,
+    generate_audio: bool | None = None,
 ) -> SamplingParams:
     """THE builder: request fields (None = unset) + the model's defaults -> checked SamplingParams.
 
     Unset fields take the family's defaults; an unset seed draws a random one (reported in the response so
-    the result can be reproduced); images get png and videos mp4 unless a format is given. Peer fields
+    the result can be reproduced); images get png and videos mp4 unless a format is given; a model with sound
+    makes it unless `generate_audio` is False (unset becomes True there, so both merge). Peer fields
     (`PEER_FIELDS`) the model does not take are refused, naming them. The model's own validation runs last, so every
     caller (HTTP, CLI, warm-up) refuses the same things the same way.
     """
@@ -257,6 +269,7 @@ def build_sampling_params(
             "boundary_ratio": boundary_ratio,
             "flow_shift": flow_shift,
             "resolution": resolution,
+            "generate_audio": generate_audio,
         },
     )
     d = model.defaults
@@ -283,6 +296,7 @@ def build_sampling_params(
         resolution=resolution,
         lora=tuple(lora),
         step_cache=step_cache,
+        generate_audio=(generate_audio is not False) if model.produces_audio else None,
     )
     if model.validate is not None:
         model.validate(params)

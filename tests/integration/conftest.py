@@ -107,6 +107,18 @@ def wan_server(tiny_wan_path: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.fixture(scope="session")
+def ltx2_server(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Tiny LTX-2 (a joint audio-video model, through the diffusers backend): its videos carry sound."""
+    logs = tmp_path_factory.mktemp("ltx2")
+    server = ServerProcess(
+        ["--model-path", str(tiny_checkpoint("ltx2")), "--served-model-name", "tiny-ltx2"], logs / "server.log"
+    )
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def family_pipeline():
     """`family_pipeline(path, backend="auto")` -> `load_pipeline(path)`, loaded at most once per test session, so the
     family conformance suite and the per-family tests share one pipeline per tiny checkpoint. A test that changes

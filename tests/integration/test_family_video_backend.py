@@ -38,7 +38,8 @@ CASES = (
 PROMPTS = (("a red fox", 3), ("a cat surfing", 9))
 
 
-def _direct(pipe: Any, case: Case, prompt: str, seed: int, params: Any) -> np.ndarray:
+def _direct(pipe: Any, case: Case, prompt: str, seed: int, params: Any) -> tuple[np.ndarray, Any]:
+    """The pipeline's frames (0-255) and its waveform (LTX-2; None for the others)."""
     import torch
 
     kwargs: dict[str, Any] = {
@@ -53,9 +54,14 @@ def _direct(pipe: Any, case: Case, prompt: str, seed: int, params: Any) -> np.nd
     }
     if case.family != "hunyuan_video_15":  # its guidance lives in the saved guider, not in __call__
         kwargs["guidance_scale"] = params.guidance_scale
+    if case.family == "ltx2":  # the backend passes the request's fps (LTX-2's positions and sound length use it)
+        kwargs["frame_rate"] = float(params.fps)
     with torch.inference_mode():
-        frames = pipe(**kwargs).frames[0]
-    return (np.clip(np.asarray(frames, dtype=np.float64), 0, 1) * 255).round()
+        result = pipe(**kwargs)
+    audio = getattr(result, "audio", None)
+    return (np.clip(np.asarray(result.frames[0], dtype=np.float64), 0, 1) * 255).round(), (
+        None if audio is None else audio[0].float()
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.tiny for c in CASES])
@@ -83,10 +89,15 @@ def test_backend_frames_equal_the_diffusers_pipeline(case: Case, tiny_checkpoint
     outputs = backend.run(batch).outputs if case.batches else [backend.run([p]).outputs[0] for p in batch]
     direct = diffusers_pipeline(case.pipeline_class, path)
     for output, (prompt, seed), params in zip(outputs, PROMPTS, batch, strict=True):
-        expected = _direct(direct, case, prompt, seed, params)
+        expected, sound = _direct(direct, case, prompt, seed, params)
         got = np.stack([np.asarray(f, dtype=np.float64) for f in output.videos[0]])
         assert got.shape == (case.out_frames, 32, 32, 3)
         assert np.abs(got - expected).max() <= 1.0
+        if case.family == "ltx2":  # its waveform, per row of the merged call, equals the solo pipeline call's
+            assert output.audio_sample_rate == direct.vocoder.config.output_sampling_rate
+            assert float((output.audios[0] - sound.clamp(-1, 1)).abs().max()) <= 1e-4
+        else:
+            assert output.audios == [] and output.audio_sample_rate is None
     assert (
         np.abs(
             np.asarray(outputs[0].videos[0][0], dtype=np.int16) - np.asarray(outputs[1].videos[0][0], dtype=np.int16)
@@ -140,3 +151,32 @@ def test_ltx2_sizes_and_frames_it_would_refuse_are_invalid_requests(tiny_checkpo
     with pytest.raises(InvalidRequestError) as frames:
         backend.validate(SamplingParams(prompt="x", width=32, height=32, num_frames=8))
     assert frames.value.param == "num_frames"
+
+
+def test_ltx2_rows_of_different_fps_run_as_separate_calls_each_equal_to_its_solo_run(tiny_checkpoint, family_pipeline):
+    """LTX-2 takes the job's fps as `frame_rate` (its positions and the length of its sound depend on it), which is a
+    per-row field: a merged batch with two rates runs one call per rate, and each row equals its run alone; a silent
+    row (`generate_audio=False`, a signature field, so never merged with sounding rows) has the same frames."""
+    from diffuserve.sampling import SamplingParams
+
+    backend = family_pipeline(tiny_checkpoint("ltx2"))
+    common = {"width": 32, "height": 32, "num_frames": 9, "num_inference_steps": 2, "output_format": "mp4"}
+    batch = [
+        SamplingParams(prompt="a red fox", seed=3, fps=8, **common),
+        SamplingParams(prompt="a cat", seed=9, fps=12, **common),
+    ]
+    merged = backend.run(batch).outputs
+    for output, params in zip(merged, batch, strict=True):
+        (alone,) = backend.run([params]).outputs
+        assert all(
+            np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(output.videos[0], alone.videos[0], strict=True)
+        )
+        assert float((output.audios[0] - alone.audios[0]).abs().max()) <= 1e-6
+    assert merged[0].audios[0].shape[1] > merged[1].audios[0].shape[1]  # 9/8 s of sound against 9/12 s
+    # A checkpoint that suggests no fps (the tiny one suggests 8) plays at the rate LTX2Pipeline makes by default.
+    assert type(backend)(backend.pipe, family="ltx2").defaults.fps == 24
+    silent = backend.run([SamplingParams(prompt="a red fox", seed=3, fps=8, generate_audio=False, **common)]).outputs[0]
+    assert silent.audios == [] and silent.audio_sample_rate is None
+    assert all(
+        np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(silent.videos[0], merged[0].videos[0], strict=True)
+    )

@@ -2,11 +2,12 @@
 clients send through the official `openai` SDK's `extra_body` (docs/api.md, "Fields of other servers' clients").
 
 Each body below is shaped as that client sends it (field names and the way they travel); the shared tiny FLUX and
-tiny Wan2.1 servers answer them. Edit sources given as URLs (SGLang's `url` in `extra_body`, vLLM-Omni's `url`
-form fields, OpenAI's JSON `images`) are data: URLs here (http(s) URLs and their guards:
-tests/integration/test_media_urls.py). What a field does is checked on the pipelines themselves: `flow_shift` against
-diffusers with the same shift, Wan2.2 A14B's `boundary_ratio` against diffusers' WanPipeline with that boundary,
-Qwen-Image-Layered's `resolution` reaching its `__call__`.
+tiny Wan2.1 servers answer them (and the tiny LTX-2 server vLLM-Omni's sound fields). Edit sources given as URLs
+(SGLang's `url` in `extra_body`, vLLM-Omni's `url` form fields, OpenAI's JSON `images`) are data: URLs here (http(s)
+URLs and their guards: tests/integration/test_media_urls.py). What a field does is checked on the pipelines
+themselves: `flow_shift` against diffusers with the same shift, Wan2.2 A14B's `boundary_ratio` against diffusers'
+WanPipeline with that boundary, Qwen-Image-Layered's `resolution` reaching its `__call__` (the sound:
+tests/integration/test_video_sound.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from PIL import Image
 
 from diffuserve.errors import InvalidRequestError
+from diffuserve.media.video import probe_mp4
 from diffuserve.models.loader import load_pipeline
 from diffuserve.sampling import build_sampling_params, signature_difference
 from tests.integration.family_checks import max_pixel_diff
@@ -49,6 +51,15 @@ SGLANG_VIDEO = {"num_frames": 5, "width": 32, "height": 32, "num_inference_steps
 """SGLang-Diffusion's video job: `seconds` (a create argument) and num_frames together, width/height with size."""
 FASTVIDEO_VIDEO = {"num_frames": 5, "num_inference_steps": 2, "seed": 5, "guidance_scale": 3.0, "flow_shift": 3.0}
 """FastVideo's video job: num_frames wins over seconds; flow_shift for Wan's flow-matching UniPC."""
+VLLM_OMNI_VIDEO = {
+    "num_frames": 9,
+    "num_inference_steps": 2,
+    "seed": 6,
+    "generate_sound": True,
+    "sound_duration": 1.125,
+}
+"""vLLM-Omni's video job with sound (its t2v_sound task): `generate_sound`, and `sound_duration` = the video's duration
+(9 frames at the tiny LTX-2's 8 fps); models without sound refuse both, naming them."""
 OTHER_EXTENSIONS = [
     ("embedded_cfg_scale", 6.0),
     ("cfg_normalize", True),
@@ -215,6 +226,22 @@ def test_fastvideo_body_and_width_height_instead_of_size(wan_server):
 def test_video_fields_a_model_cannot_honour_are_400s_naming_them(wan_server, extra, param):
     response = httpx.post(f"{wan_server.base_url}/v1/videos", json={"prompt": "x", **extra}, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_vllm_omni_video_body_with_sound_works_where_the_model_has_sound(ltx2_server):
+    client = _client(ltx2_server)
+    done = client.videos.poll(client.videos.create(prompt="a dog barks", size="32x32", extra_body=VLLM_OMNI_VIDEO).id)
+    assert done.status == "completed", done
+    info = probe_mp4(client.videos.download_content(done.id).read())
+    assert (info["frames"], info["audio_streams"], info["audio"]["codec"]) == (9, 1, "aac")
+
+
+@pytest.mark.parametrize("name", ["generate_sound", "sound_duration", "generate_audio"])
+def test_sound_fields_are_refused_naming_them_where_the_model_makes_none(wan_server, name):
+    client = _client(wan_server)
+    value = {"generate_sound": True, "sound_duration": 0.625, "generate_audio": False}[name]
+    message = _refused(lambda: client.videos.create(prompt="x", extra_body={"num_frames": 5, name: value}), name)
+    assert "LTX-2" in message
 
 
 # -- what the fields do, on the pipelines -------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Fields of other servers' clients, checked before queueing (no model, no server): which models take each, how
-`size` and `width`/`height` agree, `layers` as `n`, `num_frames` on an image request, and `seconds` beside
-`num_frames` (the integration side: tests/integration/test_peer_clients.py)."""
+`size` and `width`/`height` agree, `layers` as `n`, `num_frames` on an image request, `seconds` beside
+`num_frames`, and the sound fields (`generate_audio`, vLLM-Omni's `generate_sound` / `sound_duration`) (the integration
+side: tests/integration/test_peer_clients.py, tests/integration/test_video_sound.py)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,16 @@ from diffuserve.families.base import SamplingDefaults
 from diffuserve.sampling import PEER_FIELDS, ModelDescription, SamplingParams, build_sampling_params
 from diffuserve.server.common import check_image_only_fields, layer_count, resolve_size
 from diffuserve.server.openai_images import image_params
-from diffuserve.server.protocol import ImageGenerationRequest
+from diffuserve.server.protocol import ImageGenerationRequest, coerce_form_fields
 from diffuserve.server.video_params import VideoCreateRequest, build_video_params, frames_note
 
 
-def _ctx(output_kind: str = "image", fields: frozenset[str] = frozenset()) -> SimpleNamespace:
+def _ctx(output_kind: str = "image", fields: frozenset[str] = frozenset(), sound: bool = False) -> SimpleNamespace:
     model = ModelDescription(
         family="test",
         output_kind=output_kind,
         request_fields=fields,
+        produces_audio=sound,
         frame_multiple=4,
         defaults=SamplingDefaults(width=32, height=32, num_frames=5, fps=8),
         validate=lambda params: None,
@@ -84,3 +86,35 @@ def test_video_num_frames_wins_over_seconds_and_says_so():
     two_experts = _ctx("video", frozenset({"guidance_scale_2", "boundary_ratio"}))
     params = build_video_params(VideoCreateRequest(prompt="x", guidance_scale_2=2.0, boundary_ratio=0.6), two_experts)
     assert (params.guidance_scale_2, params.boundary_ratio) == (2.0, 0.6)
+
+
+def test_sound_fields_are_refused_naming_them_on_models_without_sound():
+    silent = _ctx("video")
+    for name, value in (("generate_audio", False), ("generate_sound", True), ("sound_duration", 0.625)):
+        body = VideoCreateRequest(prompt="x", **{name: value})
+        assert PEER_FIELDS[name] in _refused(lambda body=body: build_video_params(body, silent), name)
+    assert build_video_params(VideoCreateRequest(prompt="x"), silent).generate_audio is None
+    _refused(lambda: build_sampling_params(silent.engine.model, prompt="x", generate_audio=True), "generate_audio")
+
+
+def test_sound_fields_on_a_model_with_sound():
+    sound = _ctx("video", sound=True)  # 5 frames at 8 fps by default: 0.625 s
+
+    def audio(**fields):
+        return build_video_params(VideoCreateRequest(prompt="x", **fields), sound).generate_audio
+
+    # Unset is on (so a request that leaves it out merges with one that says true); generate_sound is the same switch.
+    assert audio() is True and audio(generate_audio=True) is True and audio(generate_sound=True) is True
+    assert audio(generate_audio=False) is False and audio(generate_sound=False) is False
+    assert audio(generate_audio=False, generate_sound=False) is False
+    assert audio(sound_duration=0.625) is True and audio(sound_duration=0.7) is True  # within one frame (0.125 s)
+    assert audio(seconds="2", sound_duration=2.125, generate_sound=True) is True  # 17 frames = 2.125 s
+    assert "disagrees" in _refused(lambda: audio(generate_audio=True, generate_sound=False), "generate_sound")
+    assert "0.625 s" in _refused(lambda: audio(sound_duration=4.0), "sound_duration")
+    assert "silent" in _refused(lambda: audio(generate_sound=False, sound_duration=0.625), "sound_duration")
+    # Multipart form values are strings (the SDK's videos.create): booleans and numbers parse as in JSON.
+    form = coerce_form_fields(
+        VideoCreateRequest, {"prompt": "x", "generate_audio": "false", "generate_sound": "false", "sound_duration": "1"}
+    )
+    body = VideoCreateRequest.model_validate(form)
+    assert (body.generate_audio, body.generate_sound, body.sound_duration) == (False, False, 1.0)

@@ -205,6 +205,7 @@ def test_each_flag_is_declared_once_on_its_sub_config():
             "output_format",
             "num_frames",
             "fps",
+            "generate_audio",
             "image_path",
             "strength",
         },

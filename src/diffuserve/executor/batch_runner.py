@@ -392,4 +392,6 @@ def _concat(outputs: list[RequestOutput]) -> RequestOutput:
         videos=[v for o in outputs for v in o.videos],
         meshes=[m for o in outputs for m in o.meshes],
         step_cache=step_cache,
+        audios=[a for o in outputs for a in o.audios],
+        audio_sample_rate=next((o.audio_sample_rate for o in outputs if o.audio_sample_rate), None),
     )

@@ -347,6 +347,11 @@ class Pipeline:
         """The peer request fields (`sampling.PEER_FIELDS`) this model gives meaning to; the base: none."""
         return frozenset()
 
+    @property
+    def produces_audio(self) -> bool:
+        """Its videos carry sound (`RequestOutput.audios`): the family spec's `produces_audio`."""
+        return self.spec.produces_audio
+
     def describe_model(self) -> ModelDescription:
         """What the routes and the request builder need to know (`diffuserve.sampling.ModelDescription`)."""
         from diffuserve.sampling import ModelDescription
@@ -366,6 +371,7 @@ class Pipeline:
             validate=self.validate,
             prompt_tokens=self.prompt_tokens(),
             request_fields=self.request_fields(),
+            produces_audio=self.produces_audio,
             activation=self._activation_facts(),
         )
 
@@ -465,6 +471,7 @@ class Pipeline:
             "size_multiple": self.size_multiple,
             "max_size": [self.max_width, self.max_height],
             "max_image_inputs": self.max_image_inputs,
+            "produces_audio": self.produces_audio,
             "components": sorted(self.components),
             # Prompt tokens each text encoder reads (null: the whole prompt). Asking builds the token owner, so
             # the engine's start-up log (in its own thread, at load) makes the private tokenizer copies.

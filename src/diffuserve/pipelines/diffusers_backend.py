@@ -32,7 +32,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from PIL import Image
 
@@ -40,6 +39,7 @@ from diffuserve.errors import CheckpointError, ConfigError, InvalidRequestError,
 from diffuserve.families.base import SamplingDefaults
 from diffuserve.families.checkpoint import describe_checkpoint
 from diffuserve.pipelines import stages
+from diffuserve.pipelines.backend_outputs import to_pil, video_outputs
 from diffuserve.pipelines.base import (
     BatchResult,
     Pipeline,
@@ -66,15 +66,6 @@ def _vae_factor(pipe: Any, names: tuple[str, ...], fallback: int) -> int:
         if value:
             return int(value)
     return fallback
-
-
-def _to_pil(item: Any) -> Image.Image:
-    if isinstance(item, Image.Image):
-        return item
-    array = np.asarray(item)
-    if array.dtype != np.uint8:
-        array = (np.clip(array, 0, 1) * 255).round().astype("uint8")
-    return Image.fromarray(array)
 
 
 class DiffusersBackendPipeline(Pipeline):
@@ -174,7 +165,7 @@ class DiffusersBackendPipeline(Pipeline):
             num_inference_steps=int(default("num_inference_steps", 28)),
             guidance_scale=float(default("guidance_scale", 3.5)),
             num_frames=int(default("num_frames", 1)) if self.output_kind == "video" else 1,
-            fps=int(suggested.get("fps", SamplingDefaults.fps)),
+            fps=int(suggested.get("fps") or default("frame_rate", SamplingDefaults.fps)),  # LTX-2: frame_rate=24
         )
 
     @classmethod
@@ -278,7 +269,9 @@ class DiffusersBackendPipeline(Pipeline):
             wanted["negative_prompt"] = [p.negative_prompt or "" for p in batch for _ in range(p.n)]
         wanted["true_cfg_scale"] = head.true_cfg_scale
         if self.output_kind == "video":
-            wanted["num_frames"] = head.num_frames
+            # LTX-2 conditions its positions on the playback rate and makes num_frames / frame_rate seconds of sound:
+            # the request's fps (run calls group rows by it, `_call_key`).
+            wanted.update(num_frames=head.num_frames, frame_rate=float(head.fps))
         if head.guidance_scale_2 is not None:
             wanted["guidance_scale_2"] = head.guidance_scale_2
         if head.image_inputs:
@@ -406,27 +399,32 @@ class DiffusersBackendPipeline(Pipeline):
         should_stop: StopCheck | None = None,
         on_preview: PreviewCallback | None = None,
     ) -> BatchResult:
-        """One diffusers call per adapter set: requests of a batch with different adapters (merged by the
-        scheduler, which treats `lora` as a per-row field) run as consecutive calls, one set each, in order."""
+        """One diffusers call per adapter set (and, for a pipeline that takes `frame_rate`, per fps): requests of a
+        batch with different adapters or rates (merged by the scheduler, which treats `lora` and `fps` as per-row
+        fields) run as consecutive calls, one set each, in order."""
         stages.check_batch(batch)
-        if not self.lora_names:
-            named = next((p.lora for p in batch if p.lora), None)
-            if named:
-                raise ValueError(f"lora: {named[0][0]!r} is asked for but this pipeline has no adapters loaded")
-            return self._run_call(batch, on_step, should_stop)
-        sets: dict[tuple[tuple[str, float], ...], list[int]] = {}
+        named = next((p.lora for p in batch if p.lora), None)
+        if named and not self.lora_names:
+            raise ValueError(f"lora: {named[0][0]!r} is asked for but this pipeline has no adapters loaded")
+        sets: dict[tuple[Any, ...], list[int]] = {}
         for index, params in enumerate(batch):
-            sets.setdefault(tuple(params.lora), []).append(index)
+            sets.setdefault(self._call_key(params), []).append(index)
         outputs: list[Any] = [None] * len(batch)
         seconds: dict[str, float] = {}
-        for lora, indices in sets.items():
-            self._use_adapters(lora)
+        for (lora, _), indices in sets.items():
+            if self.lora_names:
+                self._use_adapters(lora)
             part = self._run_call([batch[i] for i in indices], on_step, should_stop)
             for i, output in zip(indices, part.outputs, strict=True):
                 outputs[i] = output
             for stage, value in part.stage_seconds.items():
                 seconds[stage] = seconds.get(stage, 0.0) + value
         return BatchResult(outputs=outputs, stage_seconds=seconds)
+
+    def _call_key(self, params: Any) -> tuple[Any, ...]:
+        """What one diffusers call needs its rows to share beyond the signature: the adapter set, and the fps where
+        the call takes it as `frame_rate` (LTX-2)."""
+        return (tuple(params.lora), params.fps if "frame_rate" in self._call_params else None)
 
     def _run_call(self, batch: list[Any], on_step: StepCallback | None, should_stop: StopCheck | None) -> BatchResult:
         """One diffusers call for `batch` (one adapter set)."""
@@ -454,15 +452,13 @@ class DiffusersBackendPipeline(Pipeline):
         with torch.inference_mode(), self._all_components_in_use(), self._request_settings(batch[0]):
             result = self.pipe(**kwargs)
         elapsed = time.perf_counter() - start
-        items = getattr(result, "frames", None) if self.output_kind == "video" else getattr(result, "images", None)
-        if items is None:
-            items = result[0]
         if self.output_kind == "video":
-            videos = [[_to_pil(f) for f in video] for video in items]
-            outputs = [RequestOutput(videos=rows) for rows in stages.split_rows(videos, batch)]
+            outputs = video_outputs(self.pipe, result, batch, self.produces_audio)
         else:
+            items = getattr(result, "images", None)
+            items = result[0] if items is None else items
             # A layered pipeline returns one list of layers per call (one request): those are its n images.
-            images = [_to_pil(im) for im in (items[0] if self.layered else items)]
+            images = [to_pil(im) for im in (items[0] if self.layered else items)]
             outputs = [RequestOutput(images=rows) for rows in stages.split_rows(images, batch)]
         return BatchResult(outputs=outputs, stage_seconds={"total": elapsed})
 
@@ -490,7 +486,7 @@ class DiffusersBackendPipeline(Pipeline):
                 if callback is not None:
                     kwargs["callback_on_step_end"] = callback
                 images = self.pipe(**kwargs).images
-                outputs.append(RequestOutput(images=[_to_pil(im) for im in images]))
+                outputs.append(RequestOutput(images=[to_pil(im) for im in images]))
         end = time.perf_counter()
         return BatchResult(
             outputs=outputs, stage_seconds={"ar": ar_done - start, "dit_vae": end - ar_done, "total": end - start}

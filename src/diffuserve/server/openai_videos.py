@@ -68,7 +68,10 @@ async def _drive_job(
     try:
         result = await generation
         encode_started = time.monotonic()
-        content = await run_in_threadpool(encode_mp4, result.output.videos[0], job.fps)
+        output = result.output
+        # A model with sound (LTX-2) gives one waveform per video; the MP4 carries it as its AAC track.
+        audio = output.audios[0] if output.audios else None
+        content = await run_in_threadpool(encode_mp4, output.videos[0], job.fps, audio, output.audio_sample_rate)
         encode_s = time.monotonic() - encode_started
     except RequestCancelledError as exc:
         store.cancel(job.id, _error_dict(exc))
@@ -217,6 +220,7 @@ async def _start_job(
         boundary_ratio=body.boundary_ratio,
         true_cfg_scale=body.true_cfg_scale,
         flow_shift=body.flow_shift,
+        generate_audio=params.generate_audio,
         has_input_reference=conditioned,
         remixed_from_video_id=remixed_from,
     )
@@ -265,7 +269,7 @@ class VideoRemixRequest(BaseModel):
 )
 async def remix_video(video_id: str, body: VideoRemixRequest, request: Request) -> JSONResponse:
     """A new job with the completed job's settings (size, frames, fps, steps, guidance, negative prompt,
-    seed) and a new prompt."""
+    seed, sound on or off) and a new prompt."""
     received = time.monotonic()
     ctx = server_context(request)
     require_ready(ctx)
@@ -293,6 +297,7 @@ async def remix_video(video_id: str, body: VideoRemixRequest, request: Request) 
         boundary_ratio=source.boundary_ratio,
         true_cfg_scale=source.true_cfg_scale,
         flow_shift=source.flow_shift,
+        generate_audio=source.generate_audio,
     )
     params = build_video_params(fields, ctx)
     warnings = await _prompt_warnings(ctx, params)

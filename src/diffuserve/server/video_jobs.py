@@ -59,6 +59,8 @@ class VideoJob:
     """The request's true CFG scale (None: the default), kept for a remix."""
     flow_shift: float | None = None
     """The request's scheduler shift (None: the checkpoint's), kept for a remix."""
+    generate_audio: bool | None = None
+    """Models with sound: whether the job's MP4 carries it (None: the model makes none), kept for a remix."""
     has_input_reference: bool = False
     """The job was conditioned on an input image (not kept, so such a job cannot be remixed)."""
     remixed_from_video_id: str | None = None
@@ -128,6 +130,7 @@ class VideoJob:
         "boundary_ratio",
         "true_cfg_scale",
         "flow_shift",
+        "generate_audio",
         "has_input_reference",
         "remixed_from_video_id",
         "progress",

@@ -4,6 +4,9 @@ Besides OpenAI's fields it takes the extension fields the clients of SGLang-Diff
 send (docs/api.md, "Fields of other servers' clients"): `num_frames` beside `seconds` (an explicit `num_frames`
 wins, as in FastVideo), `width`/`height` beside `size`, Wan2.2 A14B's `guidance_scale_2` and `boundary_ratio`,
 `true_cfg_scale` and `flow_shift` where the served model gives them meaning (else a 400 naming the field).
+Joint audio-video models (LTX-2) take `generate_audio` and vLLM-Omni's `generate_sound` (the same switch) and
+`sound_duration` (which must be the video's duration: the sound track always spans the whole video); models
+without sound refuse all three, naming the field.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import math
 from pydantic import Field, StrictFloat, StrictInt, StrictStr
 
 from diffuserve.errors import InvalidRequestError
-from diffuserve.sampling import SamplingParams, build_sampling_params, check_request_fields
+from diffuserve.sampling import ModelDescription, SamplingParams, build_sampling_params, check_request_fields
 from diffuserve.server.common import check_request_limits, request_step_cache, resolve_size
 from diffuserve.server.context import ServerContext
 from diffuserve.server.lora_fields import base_model_name, request_loras
@@ -72,6 +75,20 @@ class VideoCreateRequest(PromptRequest):
     user: str | None = Field(
         default=None, max_length=256, description="End-user id (accepted for OpenAI compatibility)."
     )
+    generate_audio: bool | None = Field(
+        default=None,
+        description="Models with sound (LTX-2): false writes a silent MP4 (true, the default: an AAC track of "
+        "the video's duration). Models without sound: 400.",
+    )
+    generate_sound: bool | None = Field(
+        default=None, description="vLLM-Omni's name for generate_audio (with both, they must agree)."
+    )
+    sound_duration: float | None = Field(
+        default=None,
+        gt=0,
+        description="vLLM-Omni: seconds of sound; here it must equal the video's duration (num_frames / fps, "
+        "within one frame): the sound track always spans the whole video. Models without sound: 400.",
+    )
 
 
 def _seconds(body: VideoCreateRequest) -> float:
@@ -105,6 +122,42 @@ def frames_note(body: VideoCreateRequest, params: SamplingParams) -> list[str]:
     ]
 
 
+def audio_choice(body: VideoCreateRequest, model: ModelDescription, num_frames: int, fps: int) -> bool | None:
+    """`generate_audio` from the body's sound fields (None: unset), refused naming the field where the model makes
+    no sound, where `generate_audio` and `generate_sound` disagree, or where `sound_duration` is not the video's."""
+    check_request_fields(
+        model,
+        {
+            "generate_audio": body.generate_audio,
+            "generate_sound": body.generate_sound,
+            "sound_duration": body.sound_duration,
+        },
+    )
+    if None not in (body.generate_audio, body.generate_sound) and body.generate_audio != body.generate_sound:
+        raise InvalidRequestError(
+            f"generate_sound={body.generate_sound} disagrees with generate_audio={body.generate_audio} (the same "
+            "switch under vLLM-Omni's name); send one of them.",
+            param="generate_sound",
+        )
+    choice = body.generate_audio if body.generate_audio is not None else body.generate_sound
+    if body.sound_duration is not None:
+        seconds = num_frames / fps
+        if choice is False:
+            raise InvalidRequestError(
+                "sound_duration is set but the video is silent (generate_audio / generate_sound false); leave "
+                "sound_duration out.",
+                param="sound_duration",
+            )
+        if abs(body.sound_duration - seconds) > 1 / fps:
+            raise InvalidRequestError(
+                f"sound_duration={body.sound_duration:g} differs from the video's duration ({num_frames} frames at "
+                f"{fps} fps = {seconds:g} s): the sound track always spans the whole video. Leave sound_duration "
+                "out, or set the duration with seconds / num_frames.",
+                param="sound_duration",
+            )
+    return choice
+
+
 def build_video_params(body: VideoCreateRequest, ctx: ServerContext, image: bytes | None = None) -> SamplingParams:
     """Request body + the model's defaults -> SamplingParams, checked against the server's caps."""
     args = ctx.args
@@ -136,6 +189,7 @@ def build_video_params(body: VideoCreateRequest, ctx: ServerContext, image: byte
             f"num_frames={num_frames} exceeds the limit of {args.max_video_frames} (--max-video-frames).",
             param="num_frames" if body.num_frames is not None else "seconds",
         )
+    generate_audio = audio_choice(body, model, num_frames, fps)
     return build_sampling_params(
         model,
         prompt=body.prompt,
@@ -156,4 +210,5 @@ def build_video_params(body: VideoCreateRequest, ctx: ServerContext, image: byte
         image_inputs=() if image is None else (image,),
         lora=request_loras(ctx, body.lora, body.model),
         step_cache=request_step_cache(body, ctx),
+        generate_audio=generate_audio,
     )

@@ -55,6 +55,7 @@ SPECS = (
         tasks=frozenset({"t2v"}),
         profile=_VIDEO_PROFILE,
         size_multiple=32,
+        produces_audio=True,  # LTX2Pipeline returns the vocoder's waveform beside the frames
         tiny_builds={"ltx2": f"{_TINY}:build_ltx2"},
     ),
     FamilySpec(
