@@ -461,7 +461,9 @@ def _main(argv: list[str] | None) -> int:
             from diffuserve.generate import print_plan
 
             ModelArgs(
-                model_path=values.get("model_path"), transformer_path=values.get("transformer_path")
+                model_path=values.get("model_path"),
+                transformer_path=values.get("transformer_path"),
+                controlnet=values.get("controlnet") or [],
             ).check_files()  # serve's message and exit code (2)
 
             return print_plan(values)

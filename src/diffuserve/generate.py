@@ -485,6 +485,7 @@ def print_plan(values: dict[str, Any]) -> int:
         quant=quant,
         transformer_path=values.get("transformer_path"),
         activation_memory_gib=values.get("activation_memory_gib"),
+        controlnet=values.get("controlnet"),
     )
     print(json.dumps(plan.to_dict(), indent=2) if values.get("json") else format_plan(plan))
     return 0

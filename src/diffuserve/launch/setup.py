@@ -93,11 +93,13 @@ def resolve_deployment(
     quant: Any = None,
     transformer_path: str | None = None,
     activation_memory_gib: float | None = None,
+    controlnet: list[str] | None = None,
 ) -> Any:
     """The plan for a checkpoint from JSON and safetensors / GGUF headers only (no weights loaded), for the backend
     `--backend` picks, the batching mode and `--quantization` (`quant`: QuantArgs; a quantized component is counted
     at its quantized size), so `plan` and start-up refuse the same things with the same words.
-    `transformer_path` (`--transformer-path`): the transformer is counted at that file's bytes and method."""
+    `transformer_path` (`--transformer-path`): the transformer is counted at that file's bytes and method.
+    `controlnet` (`--controlnet`): each ControlNet is a component beside the base (family-checked, counted)."""
     from diffuserve.config.deployment import continuous_refusal, describe_batching, resolve
     from diffuserve.config.model_profiles import profile_from_checkpoint
     from diffuserve.config.quantization import annotate, plan_quantization
@@ -108,6 +110,10 @@ def resolve_deployment(
         from diffuserve.models.single_file import with_transformer_file
 
         profile = with_transformer_file(profile, transformer_path, dtype)
+    if controlnet:
+        from diffuserve.models.controlnets import with_controlnets
+
+        profile = with_controlnets(profile, controlnet, dtype)
     if batching_mode == "continuous" and not profile.supports_continuous:
         raise continuous_refusal(profile)
     quantized, profile = plan_quantization(quant, profile, hardware.device_kind, model_path, dtype)
@@ -165,6 +171,7 @@ def plan_deployment(
         quant=args.quant,
         transformer_path=args.transformer_path,
         activation_memory_gib=args.engine.activation_memory_gib,
+        controlnet=args.controlnet,
     )
     if log_plan and brief:
         logger.info("%s", brief_plan(plan))
@@ -238,6 +245,10 @@ def load_serving_pipeline(
         transformer_path=args.transformer_path,
     )
     applied: list[str] = []
+    if args.controlnet:  # before residency: each ControlNet is a component the plan places
+        from diffuserve.pipelines.controlnet import install_controlnets
+
+        install_controlnets(pipeline, args.controlnet)
     if args.lora.enabled:
         _install_lora(args, pipeline, device, multi_rank=groups is not None, metrics=metrics)
     if groups is not None:

@@ -1,0 +1,111 @@
+"""ControlNet checkpoints beside the base model (`--controlnet`): the family check, their plan components and
+their loading. Reads JSON and safetensors headers for the plan (no torch), diffusers' model classes to load.
+
+A ControlNet belongs to the family whose spec lists its class (`FamilySpec.controlnet_classes`); one for another
+family than the base model's is refused at start-up (exit 2), naming the flag and both families.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from diffuserve.config.controlnet import FLAG, ControlNetEntry, parse_controlnets
+from diffuserve.errors import ConfigError
+
+
+def controlnet_class(entry: ControlNetEntry) -> str:
+    """The model class its config.json names (`_class_name`)."""
+    try:
+        config = json.loads((entry.path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{FLAG}: {entry.path / 'config.json'} cannot be read ({exc}).", param="controlnet") from exc
+    return str(config.get("_class_name", ""))
+
+
+def family_of_class(class_name: str) -> str | None:
+    """The family whose spec lists this ControlNet class; None when none does."""
+    from diffuserve import families
+
+    return next((s.name for s in families.all_specs().values() if class_name in s.controlnet_classes), None)
+
+
+def check_families(entries: list[ControlNetEntry], base_family: str) -> list[str]:
+    """Each entry's class, after checking it is a ControlNet of `base_family`; ConfigError (exit 2) otherwise."""
+    from diffuserve import families
+
+    spec = families.spec_for(base_family) if base_family in families.all_specs() else None
+    # A variant (qwen_image_edit) shares nothing here: the base family's own list decides.
+    takes = spec.controlnet_classes if spec is not None else ()
+    takers = sorted(s.name for s in families.all_specs().values() if s.controlnet_classes)
+    classes = []
+    for entry in entries:
+        cls = controlnet_class(entry)
+        family = family_of_class(cls)
+        if family is None:
+            raise ConfigError(
+                f"{FLAG}: {entry.name} ({entry.path}) is a {cls or 'model without _class_name'}, not a ControlNet "
+                f"diffuserve runs; ControlNets are served for {', '.join(takers)}.",
+                param="controlnet",
+            )
+        if cls not in takes:
+            wants = f"its ControlNets are {', '.join(takes)}" if takes else f"ControlNets are served for {', '.join(takers)}"
+            raise ConfigError(
+                f"{FLAG}: {entry.name} ({entry.path}) is a {cls}, a ControlNet for the {family} family, but the base "
+                f"model at --model-path is a {base_family} model ({wants}). Give a ControlNet trained for "
+                f"{base_family}, or serve a {family} base model.",
+                param="controlnet",
+            )
+        classes.append(cls)
+    return classes
+
+
+def with_controlnets(profile: Any, specs: list[str], load_dtype: str | None) -> Any:
+    """`profile` (ModelProfile) with one component per ControlNet (`controlnet`, `controlnet_2`, ...) counted from
+    its safetensors headers, after the family check: the plan gives them residency and counts their bytes."""
+    from diffuserve.config.model_profiles import component_profile
+
+    entries = parse_controlnets(specs)
+    classes = check_families(entries, profile.family)
+    components = dict(profile.components)
+    for entry, cls in zip(entries, classes, strict=True):
+        components[entry.key] = component_profile(entry.key, cls, entry.path, load_dtype)
+    return profile.with_components(components)
+
+
+@dataclass
+class LoadedControlNet:
+    """One loaded ControlNet, as the adapters read it (`pipelines/controlnet.py`)."""
+
+    name: str
+    """The name requests select it by."""
+    key: str
+    """Its component key (residency scope)."""
+    model: Any
+    """The diffusers model (FluxControlNetModel, ...)."""
+    class_name: str
+    """Its class name."""
+
+    @property
+    def num_modes(self) -> int | None:
+        """Control modes of a Union ControlNet (`num_mode` in its config); None for a single-purpose one."""
+        value = getattr(self.model.config, "num_mode", None)
+        return int(value) if value else None
+
+
+def load_controlnets(specs: list[str], family: str, *, dtype: Any) -> list[LoadedControlNet]:
+    """Load each `--controlnet` folder to the host with its diffusers class (residency moves it as planned)."""
+    import diffusers
+
+    entries = parse_controlnets(specs)
+    classes = check_families(entries, family)
+    loaded = []
+    for entry, cls in zip(entries, classes, strict=True):
+        model = getattr(diffusers, cls).from_pretrained(str(entry.path), torch_dtype=dtype).eval()
+        model.requires_grad_(False)
+        loaded.append(LoadedControlNet(name=entry.name, key=entry.key, model=model, class_name=cls))
+    return loaded
+
+
