@@ -461,9 +461,7 @@ def _main(argv: list[str] | None) -> int:
             from diffuserve.generate import print_plan
 
             ModelArgs(
-                model_path=values.get("model_path"),
-                transformer_path=values.get("transformer_path"),
-                controlnet=values.get("controlnet") or [],
+                model_path=values.get("model_path"), transformer_path=values.get("transformer_path")
             ).check_files()  # serve's message and exit code (2)
 
             return print_plan(values)

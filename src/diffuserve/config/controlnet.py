@@ -10,7 +10,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
+from diffuserve.config.argparse_dataclass import flag
 from diffuserve.errors import ConfigError
 
 FLAG = "--controlnet"
@@ -68,3 +70,79 @@ def check_controlnet_flag(entries: list[str]) -> None:
                 "diffusion_pytorch_model.safetensors), e.g. one saved with FluxControlNetModel.save_pretrained.",
                 param="controlnet",
             )
+
+
+CONTROLNET_GROUP = "ControlNet"
+_GEN = ("generate",)
+
+
+@dataclass
+class ControlNetArgs:
+    """ControlNets loaded beside the base model, and `generate`'s control inputs (docs/api.md "ControlNet")."""
+
+    COMMANDS: ClassVar[tuple[str, ...]] = ("serve", "generate", "plan")
+
+    controlnet: list[str] = flag(
+        [],
+        "ControlNet checkpoints to load beside the base model, PATH or NAME=PATH each (diffusers ControlNet "
+        "folders: FluxControlNetModel, incl. ControlNet-Union). NAME defaults to the folder's name; requests pick "
+        "one with `controlnet` when several are loaded. Each is a plan component (controlnet, controlnet_2, ...).",
+        CONTROLNET_GROUP,
+        nargs="+",
+        metavar="[NAME=]PATH",
+        per_command={"plan": {"help": "ControlNet folders, planned as components beside the base.", "group": None}},
+    )
+    """[NAME=]PATH per ControlNet (`models/controlnets.py`)."""
+    control_image: str | None = flag(
+        None,
+        "Control image (PNG, JPEG or WebP; resized to the output size) for --controlnet.",
+        CONTROLNET_GROUP,
+        commands=_GEN,
+    )
+    """The control image file of every prompt's request."""
+    control_mode: int | None = flag(
+        None, "Union ControlNets: the control type index (required there).", CONTROLNET_GROUP, commands=_GEN
+    )
+    """As the request field `control_mode`."""
+    controlnet_conditioning_scale: float | None = flag(
+        None, "Weight of the ControlNet's residuals (default: 1.0).", CONTROLNET_GROUP, commands=_GEN
+    )
+    """As the request field."""
+    control_guidance_start: float | None = flag(
+        None, "Share of the steps before the ControlNet applies (default: 0).", CONTROLNET_GROUP, commands=_GEN
+    )
+    """As the request field."""
+    control_guidance_end: float | None = flag(
+        None, "Share of the steps after which it stops (default: 1).", CONTROLNET_GROUP, commands=_GEN
+    )
+    """As the request field."""
+    controlnet_name: str | None = flag(
+        None, "Which loaded ControlNet (its NAME) when several are loaded.", CONTROLNET_GROUP, commands=_GEN
+    )
+    """The request field `controlnet`."""
+
+    def validate(self) -> None:
+        """Fail at start-up, naming the flag: the entries' form and names."""
+        parse_controlnets(self.controlnet)
+        given = [n for n in _COMPANIONS if getattr(self, n) is not None]
+        if given and self.control_image is None:
+            raise ConfigError(f"--{given[0].replace('_', '-')} needs --control-image.", param=given[0])
+        if self.control_image is not None and not self.controlnet:
+            raise ConfigError(
+                "--control-image needs a ControlNet: add --controlnet [NAME=]PATH.", param="control_image"
+            )
+
+    def check_files(self) -> None:
+        """The folders exist with a config.json; the control image is readable."""
+        check_controlnet_flag(self.controlnet)
+        if self.control_image is not None and not Path(self.control_image).expanduser().is_file():
+            raise ConfigError(f"--control-image: {self.control_image!r} is not a file.", param="control_image")
+
+
+_COMPANIONS = (
+    "control_mode",
+    "controlnet_conditioning_scale",
+    "control_guidance_start",
+    "control_guidance_end",
+    "controlnet_name",
+)

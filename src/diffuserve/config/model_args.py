@@ -50,18 +50,6 @@ class ModelArgs:
     )
     """A pre-quantized transformer file (`models/single_file.py` reads its header; `models/quantized_files.py`
     loads it with diffusers' GGUF / BFL quantizers). None: the folder's own transformer."""
-    controlnet: list[str] = flag(
-        [],
-        "ControlNet checkpoints to load beside the base model, PATH or NAME=PATH each (a diffusers ControlNet folder: "
-        "FluxControlNetModel incl. Union, SD3ControlNetModel, QwenImageControlNetModel). NAME defaults to the "
-        "folder's name; requests pick one with `controlnet` when several are loaded (docs/api.md, ControlNet).",
-        MODEL_GROUP,
-        commands=_ALL,
-        nargs="+",
-        metavar="[NAME=]PATH",
-        per_command={"plan": {"help": "ControlNet folders, planned as components beside the base.", "group": None}},
-    )
-    """[NAME=]PATH per ControlNet (`models/controlnets.py`); each is a plan component `controlnet`, `controlnet_2`, ..."""
     served_model_name: str | None = flag(
         None,
         "Public model name in /v1/models and responses (default: --model-id, then the --model-path folder's name).",
@@ -133,10 +121,6 @@ class ModelArgs:
                 f"--model-path: {self.model_path!r} is not a folder. Give a diffusers-format checkpoint folder (with "
                 "model_index.json), or omit the flag to use the embedded default model."
             )
-        if self.controlnet:
-            from diffuserve.config.controlnet import check_controlnet_flag
-
-            check_controlnet_flag(self.controlnet)
         if self.transformer_path is not None:
             if self.model_path is None:
                 raise ConfigError(

@@ -246,7 +246,7 @@ def load_serving_pipeline(
     )
     applied: list[str] = []
     if args.controlnet:  # before residency: each ControlNet is a component the plan places
-        from diffuserve.pipelines.controlnet import install_controlnets
+        from diffuserve.models.controlnets import install_controlnets
 
         install_controlnets(pipeline, args.controlnet)
     if args.lora.enabled:

@@ -8,12 +8,11 @@ family than the base model's is refused at start-up (exit 2), naming the flag an
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from diffuserve.config.controlnet import FLAG, ControlNetEntry, parse_controlnets
 from diffuserve.errors import ConfigError
+from diffuserve.pipelines.controlnet import LoadedControlNet
 
 
 def controlnet_class(entry: ControlNetEntry) -> str:
@@ -51,7 +50,11 @@ def check_families(entries: list[ControlNetEntry], base_family: str) -> list[str
                 param="controlnet",
             )
         if cls not in takes:
-            wants = f"its ControlNets are {', '.join(takes)}" if takes else f"ControlNets are served for {', '.join(takers)}"
+            wants = (
+                f"its ControlNets are {', '.join(takes)}"
+                if takes
+                else f"ControlNets are served for {', '.join(takers)}"
+            )
             raise ConfigError(
                 f"{FLAG}: {entry.name} ({entry.path}) is a {cls}, a ControlNet for the {family} family, but the base "
                 f"model at --model-path is a {base_family} model ({wants}). Give a ControlNet trained for "
@@ -75,26 +78,6 @@ def with_controlnets(profile: Any, specs: list[str], load_dtype: str | None) -> 
     return profile.with_components(components)
 
 
-@dataclass
-class LoadedControlNet:
-    """One loaded ControlNet, as the adapters read it (`pipelines/controlnet.py`)."""
-
-    name: str
-    """The name requests select it by."""
-    key: str
-    """Its component key (residency scope)."""
-    model: Any
-    """The diffusers model (FluxControlNetModel, ...)."""
-    class_name: str
-    """Its class name."""
-
-    @property
-    def num_modes(self) -> int | None:
-        """Control modes of a Union ControlNet (`num_mode` in its config); None for a single-purpose one."""
-        value = getattr(self.model.config, "num_mode", None)
-        return int(value) if value else None
-
-
 def load_controlnets(specs: list[str], family: str, *, dtype: Any) -> list[LoadedControlNet]:
     """Load each `--controlnet` folder to the host with its diffusers class (residency moves it as planned)."""
     import diffusers
@@ -109,3 +92,17 @@ def load_controlnets(specs: list[str], family: str, *, dtype: Any) -> list[Loade
     return loaded
 
 
+def install_controlnets(pipeline: Any, specs: list[str]) -> None:
+    """`--controlnet`: load each ControlNet (family-checked) and make it a component of `pipeline`, which must be a
+    native adapter that runs ControlNets (`supports_controlnet`)."""
+    if not getattr(pipeline, "supports_controlnet", False):
+        raise ConfigError(
+            f"--controlnet: the {pipeline.family} model is served by a pipeline that runs no ControlNet "
+            f"({type(pipeline).__name__}); ControlNets run natively for FLUX.1 (--backend native).",
+            param="controlnet",
+        )
+    loaded = load_controlnets(specs, pipeline.family, dtype=pipeline.dtype)
+    pipeline.controlnets = {c.name: c for c in loaded}
+    for c in loaded:
+        pipeline.components[c.key] = c.model
+        setattr(pipeline, c.key, c.model)

@@ -19,16 +19,35 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffuserve.errors import ConfigError, InvalidRequestError
+from diffuserve.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from diffuserve.models.controlnets import LoadedControlNet
     from diffuserve.sampling import SamplingParams
 
 SCALE_RANGE = (0.0, 10.0)
 """`controlnet_conditioning_scale` values a request may give (diffusers' published examples use 0.3-1.0)."""
 EXTRAS_KEY = "control"
 """The `DenoiseState.extras` key of a batch's `ControlRows`."""
+
+
+@dataclass
+class LoadedControlNet:
+    """One loaded ControlNet, as the adapters read it (`pipelines/controlnet.py`)."""
+
+    name: str
+    """The name requests select it by."""
+    key: str
+    """Its component key (residency scope)."""
+    model: Any
+    """The diffusers model (FluxControlNetModel, ...)."""
+    class_name: str
+    """Its class name."""
+
+    @property
+    def num_modes(self) -> int | None:
+        """Control modes of a Union ControlNet (`num_mode` in its config); None for a single-purpose one."""
+        value = getattr(self.model.config, "num_mode", None)
+        return int(value) if value else None
 
 
 @dataclass
@@ -147,24 +166,6 @@ def step_residuals(
 # -- set-up and request checks --------------------------------------------------------------------------------
 
 
-def install_controlnets(pipeline: Any, specs: list[str]) -> None:
-    """`--controlnet`: load each ControlNet (family-checked) and make it a component of `pipeline`, which must be a
-    native adapter that runs ControlNets (`supports_controlnet`)."""
-    from diffuserve.models.controlnets import load_controlnets
-
-    if not getattr(pipeline, "supports_controlnet", False):
-        raise ConfigError(
-            f"--controlnet: the {pipeline.family} model is served by a pipeline that runs no ControlNet "
-            f"({type(pipeline).__name__}); ControlNets run natively for FLUX.1 (--backend native).",
-            param="controlnet",
-        )
-    loaded = load_controlnets(specs, pipeline.family, dtype=pipeline.dtype)
-    pipeline.controlnets = {c.name: c for c in loaded}
-    for c in loaded:
-        pipeline.components[c.key] = c.model
-        setattr(pipeline, c.key, c.model)
-
-
 def resolve(params: SamplingParams, controlnets: dict[str, LoadedControlNet]) -> LoadedControlNet:
     """The ControlNet a request's rows use (its `controlnet` name, or the only one loaded)."""
     control = params.control
@@ -181,7 +182,9 @@ def resolve(params: SamplingParams, controlnets: dict[str, LoadedControlNet]) ->
             )
         return next(iter(controlnets.values()))
     if control.name not in controlnets:
-        raise InvalidRequestError(f"controlnet: no ControlNet named {control.name!r} (loaded: {names}).", param="controlnet")
+        raise InvalidRequestError(
+            f"controlnet: no ControlNet named {control.name!r} (loaded: {names}).", param="controlnet"
+        )
     return controlnets[control.name]
 
 
@@ -194,7 +197,7 @@ def check_control(params: SamplingParams, controlnets: dict[str, LoadedControlNe
     modes = net.num_modes
     if modes is None and control.mode is not None:
         raise InvalidRequestError(
-            f"control_mode: ControlNet {net.name!r} is not a Union ControlNet (it has no modes); leave control_mode out.",
+            f"control_mode: ControlNet {net.name!r} is not a Union ControlNet (no modes); leave control_mode out.",
             param="control_mode",
         )
     if modes is not None and (control.mode is None or not 0 <= control.mode < modes):

@@ -30,6 +30,7 @@ from diffuserve.server.common import (
     server_context,
 )
 from diffuserve.server.context import ServerContext, StoredImage
+from diffuserve.server.control_fields import request_control
 from diffuserve.server.lora_fields import base_model_name, request_loras
 from diffuserve.server.protocol import (
     ImageData,
@@ -97,6 +98,7 @@ def image_params(
         steps=steps,
     )
     lora = request_loras(ctx, body.lora, body.model)
+    control = request_control(body, model, max_side=ctx.args.max_image_side)
     return build_sampling_params(
         model,
         prompt=body.prompt,
@@ -116,6 +118,7 @@ def image_params(
         resolution=body.resolution,
         lora=lora,
         step_cache=request_step_cache(body, ctx),
+        control=control,
     )
 
 
@@ -314,6 +317,11 @@ async def edit_image(request: Request) -> ImageGenerationResponse | StreamingRes
     if "mask" in form:
         raise InvalidRequestError(
             "mask is not supported: this model edits the whole image (use strength).", param="mask"
+        )
+    if "control_image" in form:  # checked before the body: an uploaded control image is not a form field
+        raise InvalidRequestError(
+            "control_image: ControlNet runs on text-to-image (POST /v1/images/generations); an edit takes none.",
+            param="control_image",
         )
     limit = ctx.engine.model.max_image_inputs  # type: ignore[union-attr]
     if not uploads or len(uploads) > max(limit, 1):

@@ -23,8 +23,8 @@ from PIL import Image
 
 from diffuserve.families.flux import controlnet as flux_controlnet
 from diffuserve.pipelines import stages, token_ids
-from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows
 from diffuserve.pipelines.base import component_configs, declared_sequence_length
+from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
 logger = logging.getLogger(__name__)

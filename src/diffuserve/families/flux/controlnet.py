@@ -43,17 +43,23 @@ def prepare_control_latents(
             for j in range(params.n):
                 text = {k: positive[k][first + j : first + j + 1] for k in ("pooled", "prompt_embeds")}
                 control.append(
-                    ControlRow(net, cond[j : j + 1], c.mode, c.scale, c.start, c.end, timesteps, params.guidance_scale, text)
+                    ControlRow(
+                        net, cond[j : j + 1], c.mode, c.scale, c.start, c.end, timesteps, params.guidance_scale, text
+                    )
                 )
         else:
             control.extend([None] * params.n)
         first += params.n
-        noise_rows.append(randn_tensor((params.n, channels, lh, lw), generator=generators, device=pipe.device, dtype=pipe.dtype))
+        noise_rows.append(
+            randn_tensor((params.n, channels, lh, lw), generator=generators, device=pipe.device, dtype=pipe.dtype)
+        )
     noise = torch.cat(noise_rows)
     return FluxPipeline._pack_latents(noise, noise.shape[0], channels, lh, lw), control
 
 
-def _control_latents(pipe: Any, params: Any, height: int, width: int, generators: list[torch.Generator]) -> torch.Tensor:
+def _control_latents(
+    pipe: Any, params: Any, height: int, width: int, generators: list[torch.Generator]
+) -> torch.Tensor:
     """The request's control image resized to the output (the pipeline's `prepare_image`), VAE-encoded, sampled
     per row (`retrieve_latents` with the row generators), shifted, scaled and packed: (n, tokens, 4 x channels)."""
     image = Image.open(io.BytesIO(params.control.image)).convert("RGB")
@@ -69,7 +75,9 @@ def _control_latents(pipe: Any, params: Any, height: int, width: int, generators
     return FluxPipeline._pack_latents(latents, params.n, channels, lh, lw).to(pipe.dtype)
 
 
-def controlnet_kwargs(pipe: Any, latents: torch.Tensor, timestep: torch.Tensor, extras: dict[str, Any]) -> dict[str, Any]:
+def controlnet_kwargs(
+    pipe: Any, latents: torch.Tensor, timestep: torch.Tensor, extras: dict[str, Any]
+) -> dict[str, Any]:
     """The FLUX.1 DiT's `controlnet_block_samples` / `controlnet_single_block_samples` for this call ({} when no row
     has an active ControlNet)."""
 
