@@ -66,7 +66,11 @@ class ControlRow:
     guidance: float
     """The request's guidance scale (guidance-embedding ControlNets take it)."""
     text: dict[str, torch.Tensor] = field(default_factory=dict)
-    """The row's positive conditioning (one row each): the ControlNet never sees the negative prompt."""
+    """The row's positive conditioning (one row each), for families whose ControlNet sees the positive prompt only
+    (FLUX.1); empty where it runs on both CFG branches with the DiT's own conditioning (SD3)."""
+    uncond: torch.Tensor | None = None
+    """The row's conditioning input in the unconditional CFG branch, where the family's pipeline samples it apart
+    (SD3); None: the same as `cond`."""
 
     def keep(self, timestep: torch.Tensor) -> float:
         """diffusers' `controlnet_keep` at this row's step: 1 inside [start, end] of the steps, 0 outside."""
