@@ -85,8 +85,9 @@ class ControlNetArgs:
     controlnet: list[str] = flag(
         [],
         "ControlNet checkpoints to load beside the base model, PATH or NAME=PATH each (diffusers ControlNet "
-        "folders: FluxControlNetModel, incl. ControlNet-Union). NAME defaults to the folder's name; requests pick "
-        "one with `controlnet` when several are loaded. Each is a plan component (controlnet, controlnet_2, ...).",
+        "folders: FluxControlNetModel incl. ControlNet-Union, SD3ControlNetModel). NAME defaults to the folder's "
+        "name; requests pick one with `controlnet` when several are loaded. Each is a plan component (controlnet, "
+        "controlnet_2, ...).",
         CONTROLNET_GROUP,
         nargs="+",
         metavar="[NAME=]PATH",
