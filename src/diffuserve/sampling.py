@@ -215,7 +215,7 @@ PEER_FIELDS: dict[str, str] = {
     "true_cfg_scale": "families that run true CFG (FLUX.1, Qwen-Image, ...; Wan's CFG is guidance_scale)",
     "resolution": "Qwen-Image-Layered (its 640 / 1024 buckets)",
     "layers": "Qwen-Image-Layered (the number of layers, same as n)",
-    "control_image": "models served with --controlnet (natively FLUX.1, incl. ControlNet-Union, and SD3)",
+    "control_image": "models served with --controlnet (natively FLUX.1 incl. ControlNet-Union, SD3, Qwen-Image)",
 }
 """Request fields of other servers' clients (SGLang-Diffusion, vLLM-Omni, FastVideo) that only some models take
 -> which models, for the 400 a request gets when the served model is not one of them."""

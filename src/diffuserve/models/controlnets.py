@@ -98,7 +98,7 @@ def install_controlnets(pipeline: Any, specs: list[str]) -> None:
     if not getattr(pipeline, "supports_controlnet", False):
         raise ConfigError(
             f"--controlnet: the {pipeline.family} model is served by a pipeline that runs no ControlNet "
-            f"({type(pipeline).__name__}); ControlNets run natively for FLUX.1 and SD3 (--backend native).",
+            f"({type(pipeline).__name__}); ControlNets run natively for FLUX.1, SD3 and Qwen-Image (--backend native).",
             param="controlnet",
         )
     loaded = load_controlnets(specs, pipeline.family, dtype=pipeline.dtype)

@@ -1,9 +1,11 @@
-"""SD3 ControlNet rows (`--controlnet` with an SD3ControlNetModel, `families/sd3/controlnet.py`) on the tiny SD3
-checkpoint with a tiny ControlNet in InstantX's layout.
+"""SD3 and Qwen-Image ControlNet rows (`--controlnet` with an SD3ControlNetModel / QwenImageControlNetModel,
+`families/sd3/controlnet.py`, `families/qwen_image/controlnet.py`) on the tiny checkpoints with tiny ControlNets in
+the real layouts (FLUX.1's are in test_controlnet.py).
 
-Tolerance: 1/255 per channel on the decoded image. References: diffusers' StableDiffusion3ControlNetPipeline on the
-same checkpoint, ControlNet and seed (it samples the control latents from torch's global generator: the test seeds
-that with the request's seed, which is what the native rows draw from), and each request run alone."""
+Tolerance: 1/255 per channel on the decoded image. References: diffusers' StableDiffusion3ControlNetPipeline and
+QwenImageControlNetPipeline on the same checkpoint, ControlNet and seed (SD3's samples the control latents from
+torch's global generator: the test seeds that with the request's seed, which is what the native rows draw from), and
+each request run alone."""
 
 from __future__ import annotations
 
@@ -105,3 +107,54 @@ def test_sd3_continuous_steps_mix_control_rows_at_different_steps(native):
     for rows, params in ((a, first), (b, second)):
         got = step_batch.finish_request(native, rows).images[0]
         assert _diff(got, native.run([params]).outputs[0].images[0]) <= PIXEL_TOL
+
+
+@pytest.fixture(scope="module")
+def qwen(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):
+    from diffuserve.families.qwen_image.controlnet import build_tiny_qwen_image_controlnet
+    from diffuserve.models.controlnets import install_controlnets
+    from diffuserve.models.loader import load_pipeline
+
+    base = tiny_checkpoint("qwen-image")
+    net = build_tiny_qwen_image_controlnet(base, tmp_path_factory.mktemp("qwen-cn") / "union")
+    pipe = load_pipeline(base)
+    install_controlnets(pipe, [str(net)])
+    return pipe, base, net
+
+
+@pytest.mark.parametrize("true_cfg", [4.0, 1.0], ids=["cfg", "no-cfg"])
+def test_a_qwen_image_controlnet_row_equals_diffusers_and_mixes_with_plain_rows(qwen, true_cfg):
+    """Prompts of different token lengths in one batch: each row's ControlNet call sees its own tokens (padded with
+    a mask within the group, as the DiT's rows are)."""
+    from diffusers import QwenImageControlNetModel, QwenImageControlNetPipeline
+
+    native, base, net = qwen
+    size = {"width": 64, "height": 64, "num_inference_steps": 4, "true_cfg_scale": true_cfg, "negative_prompt": " "}
+    control = ControlRequest(_png(0, 48, 40), scale=0.8, end=0.75)
+    row = SamplingParams(prompt="a cat sitting on a long stone wall", seed=1, control=control, **size)
+    reference = QwenImageControlNetPipeline.from_pretrained(
+        base, controlnet=QwenImageControlNetModel.from_pretrained(net), local_files_only=True
+    )
+    reference.set_progress_bar_config(disable=True)
+    expected = reference(
+        row.prompt,
+        control_image=Image.open(io.BytesIO(control.image)).convert("RGB"),
+        controlnet_conditioning_scale=control.scale,
+        control_guidance_end=control.end,
+        generator=torch.Generator().manual_seed(row.seed),
+        **size,
+    ).images[0]
+    solo = native.run([row]).outputs[0].images[0]
+    assert _diff(solo, expected) <= PIXEL_TOL
+    batch = [
+        row,
+        SamplingParams(prompt="a dog", seed=2, **size),
+        SamplingParams(prompt="a boat", seed=3, control=ControlRequest(_png(1, 64, 64), scale=0.3, start=0.5), **size),
+    ]
+    mixed = native.run(batch).outputs
+    for params, output in zip(batch, mixed, strict=True):
+        assert _diff(output.images[0], native.run([params]).outputs[0].images[0]) <= PIXEL_TOL
+    assert (
+        _diff(mixed[0].images[0], native.run([SamplingParams(prompt=row.prompt, seed=1, **size)]).outputs[0].images[0])
+        > 10
+    )
