@@ -85,9 +85,9 @@ class ControlNetArgs:
     controlnet: list[str] = flag(
         [],
         "ControlNet checkpoints to load beside the base model, PATH or NAME=PATH each (diffusers ControlNet "
-        "folders: FluxControlNetModel incl. Union, SD3ControlNetModel, QwenImageControlNetModel). NAME defaults to the folder's "
-        "name; requests pick one with `controlnet` when several are loaded. Each is a plan component (controlnet, "
-        "controlnet_2, ...).",
+        "folders: FluxControlNetModel incl. Union, SD3ControlNetModel, QwenImageControlNetModel). NAME defaults to "
+        "the folder's name; requests pick one with `controlnet` when several are loaded. Each is a plan component "
+        "(controlnet, controlnet_2, ...).",
         CONTROLNET_GROUP,
         nargs="+",
         metavar="[NAME=]PATH",
