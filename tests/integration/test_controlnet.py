@@ -183,3 +183,30 @@ def test_a_step_cache_or_an_edit_with_a_control_image_is_refused(native):
     with pytest.raises(InvalidRequestError) as exc:
         native.validate(_params("a cat", 1, control, image_inputs=(_png(0, 32, 32),), strength=0.6))
     assert exc.value.param == "control_image"
+
+
+def test_the_controlnet_is_a_planned_component_offloaded_between_uses(tiny_flux_path, controlnets, native):
+    """`--component-residency controlnet=component-offload`: the ControlNet is on the device only while its rows
+    use it (moved for a ControlNet batch, never for a plain one), and the output equals the resident run."""
+    from diffuserve.config.plan import ComponentPlan, DeploymentPlan, ResidencyMode
+    from diffuserve.models.controlnets import install_controlnets
+    from diffuserve.models.loader import load_pipeline
+    from diffuserve.runtime.ledger import TransferLedger
+    from diffuserve.runtime.residency import build_residency
+
+    pipe = load_pipeline(tiny_flux_path)
+    install_controlnets(pipe, [f"canny={controlnets['canny']}", f"u={controlnets['union']}"])
+    ledger = TransferLedger()
+    plan = DeploymentPlan(
+        components={"controlnet": ComponentPlan(name="controlnet", group="other", mode=ResidencyMode.COMPONENT_OFFLOAD)}
+    )
+    pipe.use_residency(build_residency(plan, pipe.components, device="cpu", ledger=ledger))
+    assert ledger.device_bytes("controlnet") == 0
+    start = len(ledger.moves())
+    pipe.run([_params("a plain bird", 7)])
+    assert not [m for m in ledger.moves(start) if m.component == "controlnet"]
+    start = len(ledger.moves())
+    got = pipe.run([CASES["canny-window"]]).outputs[0].images[0]
+    moved = [m for m in ledger.moves(start) if m.component == "controlnet"]
+    assert moved and ledger.device_bytes("controlnet") == 0
+    assert _diff(got, native.run([CASES["canny-window"]]).outputs[0].images[0]) == 0
