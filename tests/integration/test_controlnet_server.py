@@ -267,3 +267,28 @@ def test_plan_counts_each_controlnet_as_a_component(tiny_flux_path: Path, contro
         with safe_open(str(folder / "diffusion_pytorch_model.safetensors"), "pt") as f:
             expected = sum(4 * int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())  # float32 tensors
         assert components[key]["weight_bytes"] == expected and components[key]["mode"] == "resident", components[key]
+
+
+def test_plan_refuses_splitting_a_controlnet_call_over_ranks(tiny_flux_path: Path, controlnet_folders) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "diffuserve.cli",
+            "plan",
+            "--model-path",
+            str(tiny_flux_path),
+            "--num-gpus",
+            "2",
+            "--tp-size",
+            "2",
+            "--gpu-memory-gib",
+            "80",
+            "--controlnet",
+            str(controlnet_folders["canny"]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2 and "--controlnet with --tp-size" in out.stderr, out.stderr[-2000:]

@@ -125,6 +125,10 @@ def resolve_deployment(
             param="quantization",
         )
     plan = resolve(deployment, hardware, profile, hosts=hosts)
+    if controlnet:
+        from diffuserve.models.controlnets import check_parallel as check_controlnet_parallel
+
+        check_controlnet_parallel(plan)
     annotate(plan, quantized)
     plan.trace.append(describe_batching(batching_mode))
     if transformer_path is not None:

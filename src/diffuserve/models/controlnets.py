@@ -78,6 +78,28 @@ def with_controlnets(profile: Any, specs: list[str], load_dtype: str | None) -> 
     return profile.with_components(components)
 
 
+def check_parallel(plan: Any) -> None:
+    """Refuse the parallel modes that split a denoiser call over ranks: the ControlNet rows are not split with it
+    (replicas, `--dp-size`, keep whole calls and do work)."""
+    flags = [
+        flag
+        for flag, on in (
+            ("--tp-size", plan.tp_size > 1),
+            ("--ulysses-degree / --ring-degree", plan.sp_degree > 1),
+            ("--use-fsdp-inference", plan.use_fsdp_inference),
+            ("--enable-cfg-parallel", plan.enable_cfg_parallel),
+        )
+        if on
+    ]
+    if flags:
+        raise ConfigError(
+            f"{FLAG} with {' and '.join(flags)}: ControlNet rows run on one rank per replica (their residuals are not "
+            "split over ranks yet). Drop the flag (pass --use-fsdp-inference false / --enable-cfg-parallel false "
+            "where the performance mode chose it); replicas (--dp-size) work.",
+            param="controlnet",
+        )
+
+
 def load_controlnets(specs: list[str], family: str, *, dtype: Any) -> list[LoadedControlNet]:
     """Load each `--controlnet` folder to the host with its diffusers class (residency moves it as planned)."""
     import diffusers
