@@ -12,6 +12,7 @@ from diffuserve.config.server_args import ServerArgs
 from diffuserve.errors import ConfigError, InvalidRequestError
 from diffuserve.executor.batch_runner import plan_calls
 from diffuserve.sampling import SamplingParams, build_sampling_params
+from diffuserve.server.control_fields import generate_control
 
 INTERRUPTED = 130
 """Exit code after Ctrl-C (128 + SIGINT)."""
@@ -328,6 +329,7 @@ def _build_params(
             strength=values.get("strength", 0.6) if edit else 1.0,
             step_cache=step_cache,
             generate_audio=values.get("generate_audio"),
+            control=generate_control(values, model),
         )
         for i, prompt in enumerate(prompts)
     ]
@@ -470,6 +472,10 @@ def print_plan(values: dict[str, Any]) -> int:
 
     deployment = dataclass_from_namespace(DeploymentArgs, values)
     quant = dataclass_from_namespace(QuantArgs, values)
+    if values.get("controlnet"):  # serve's check, message and exit code (2)
+        from diffuserve.config.controlnet import check_controlnet_flag
+
+        check_controlnet_flag(values["controlnet"])
     if values.get("model_path"):
         model_path = Path(values["model_path"])
     else:
@@ -493,6 +499,7 @@ def print_plan(values: dict[str, Any]) -> int:
         quant=quant,
         transformer_path=values.get("transformer_path"),
         activation_memory_gib=values.get("activation_memory_gib"),
+        controlnet=values.get("controlnet"),
     )
     print(json.dumps(plan.to_dict(), indent=2) if values.get("json") else format_plan(plan))
     return 0

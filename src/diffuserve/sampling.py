@@ -34,6 +34,26 @@ class PromptCounter(Protocol):
         """Tokens of one text on the usage encoder."""
 
 
+@dataclass(frozen=True)
+class ControlRequest:
+    """One request's ControlNet conditioning (`control_image` and its companions; docs/api.md "ControlNet").
+
+    Per row: requests with different control images, scales, windows, ControlNets or none share a batch."""
+
+    image: bytes
+    """The encoded control image (PNG/JPEG/WebP); resized to the output size as diffusers does."""
+    name: str | None = None
+    """Which loaded ControlNet (`--controlnet NAME=PATH`); None: the only one loaded."""
+    mode: int | None = None
+    """Union ControlNets: the control type index (0 .. num_mode-1); None for single-purpose ControlNets."""
+    scale: float = 1.0
+    """`controlnet_conditioning_scale`: the residuals are multiplied by it."""
+    start: float = 0.0
+    """`control_guidance_start`: share of the steps before the ControlNet starts applying."""
+    end: float = 1.0
+    """`control_guidance_end`: share of the steps after which it stops applying."""
+
+
 def _sig(default: Any, doc: str) -> Any:
     """A field that belongs to the batch signature (changes the tensor program)."""
     return field(default=default, metadata={"signature": True, "doc": doc})
@@ -97,6 +117,9 @@ class SamplingParams:
         None,
         "Joint audio-video families (LTX-2): whether the audio branch runs and the MP4 carries its sound; None: the "
         "family's default (on where it makes sound). Families without sound refuse it.",
+    )
+    control: ControlRequest | None = _row(
+        None, "ControlNet conditioning of this request's rows (None: plain rows); per row, never in the signature."
     )
     text_ids: dict[str, dict[str, tuple[int, ...]]] | None = field(
         default=None,
@@ -204,6 +227,7 @@ PEER_FIELDS: dict[str, str] = {
     "generate_audio": "joint audio-video models, whose videos carry sound (LTX-2)",
     "generate_sound": "joint audio-video models, whose videos carry sound (LTX-2)",
     "sound_duration": "joint audio-video models, whose videos carry sound (LTX-2)",
+    "control_image": "models served with --controlnet (natively FLUX.1 incl. ControlNet-Union, SD3, Qwen-Image)",
 }
 """Request fields of other servers' clients (SGLang-Diffusion, vLLM-Omni, FastVideo) that only some models take
 -> which models, for the 400 a request gets when the served model is not one of them. (`generate_audio` is this
@@ -253,6 +277,7 @@ def build_sampling_params(
     lora: tuple[tuple[str, float], ...] = (),
     step_cache: StepCacheSettings | None = None,
     generate_audio: bool | None = None,
+    control: ControlRequest | None = None,
 ) -> SamplingParams:
     """THE builder: request fields (None = unset) + the model's defaults -> checked SamplingParams.
 
@@ -297,6 +322,7 @@ def build_sampling_params(
         lora=tuple(lora),
         step_cache=step_cache,
         generate_audio=(generate_audio is not False) if model.produces_audio else None,
+        control=control,
     )
     if model.validate is not None:
         model.validate(params)

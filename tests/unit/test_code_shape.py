@@ -21,7 +21,12 @@ PACKAGE = SRC / "diffuserve"
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
 
-FAMILY_PART_LAYERS = {"adapter": "families.adapter", "ops": "families.adapter", "tiny": "families.tiny"}
+FAMILY_PART_LAYERS = {
+    "adapter": "families.adapter",
+    "ops": "families.adapter",
+    "controlnet": "families.adapter",  # a family's ControlNet rows run on the recipe beside its adapter
+    "tiny": "families.tiny",
+}
 """`families/<family>/<part>.py` -> its layer name (every other module of `families/` is a leaf)."""
 
 LAYERS: dict[str, float] = {

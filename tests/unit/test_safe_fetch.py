@@ -284,3 +284,23 @@ def test_bad_fetch_flags_fail_at_start_up_naming_the_flag(flags, needle):
         LimitsArgs(**flags).validate()
     assert needle in str(info.value) and str(info.value).startswith("--")
     LimitsArgs(allow_remote_urls=True, allowed_media_domains=["img.example.com", "10.0.0.1", "::1"]).validate()
+
+
+def test_control_image_goes_through_the_one_loader(sends):
+    from diffuserve.server.control_fields import load_control_image
+
+    def control(value, policy):
+        return asyncio.run(load_control_image(SimpleNamespace(control_image=value), policy))
+
+    data = b"\x89PNG control"
+    encoded = base64.b64encode(data).decode()
+    assert control(None, STRICT) is None
+    assert control(encoded, FetchPolicy()) == control("data:image/png;base64," + encoded, FetchPolicy()) == data
+    with pytest.raises(InvalidRequestError) as info:
+        control("http://169.254.169.254/latest/meta-data", FetchPolicy())
+    assert info.value.param == "control_image" and "--allow-remote-urls" in info.value.message
+    with pytest.raises(InvalidRequestError) as info:
+        control("http://169.254.169.254/latest/meta-data", STRICT)
+    assert info.value.param == "control_image" and not sends  # refused before any connection
+    with media_server() as media:
+        assert control(media.url("/cat.png"), ALLOWED) == media.image

@@ -10,6 +10,7 @@ commands that take it, its validation):
     EngineConfig    config/engine_limits.py  --max-queue-size, --request-timeout-s, --enable-warmup, --warmup-steps
     LimitsArgs      config/limits.py         --max-request-bytes, --api-key, prompt and upload caps
     LoraArgs        config/lora.py           --lora-modules, --max-loras, --max-lora-rank
+    ControlNetArgs  config/controlnet.py     --controlnet, and generate's --control-image, --control-mode, ...
     DistArgs        config/distributed.py    --nnodes, --node-rank, --dist-*
     QuantArgs       config/quant_args.py     --quantization, --quantization-ignored-layers
     DeploymentArgs  config/deployment_args.py --performance-mode, residency, offload, parallelism
@@ -32,6 +33,7 @@ from typing import Any
 
 from diffuserve.config.argparse_dataclass import flag_dest, flag_fields, flag_values
 from diffuserve.config.batching import BATCHING_GROUP, BatchingConfig
+from diffuserve.config.controlnet import CONTROLNET_GROUP, ControlNetArgs
 from diffuserve.config.deployment_args import DeploymentArgs
 from diffuserve.config.distributed import DIST_GROUP, DistArgs
 from diffuserve.config.engine_limits import EngineConfig
@@ -52,6 +54,7 @@ SECTIONS: dict[str, type] = {
     "dist": DistArgs,
     "store": StoreArgs,
     "lora": LoraArgs,
+    "control": ControlNetArgs,
     "quant": QuantArgs,
 }
 """ServerArgs attribute -> the sub-config it holds, in `--help` order within a group."""
@@ -62,6 +65,7 @@ GROUP_ORDER = (
     BATCHING_GROUP,
     LIMITS_GROUP,
     LORA_GROUP,
+    CONTROLNET_GROUP,
     QUANT_GROUP,
     DIST_GROUP,
 )
@@ -97,6 +101,8 @@ class ServerArgs:
     """The shared results database and media store (PostgreSQL, S3) and the owner lease."""
     lora: LoraArgs = field(default_factory=LoraArgs)
     """The LoRA adapters loaded at start-up and their slots."""
+    control: ControlNetArgs = field(default_factory=ControlNetArgs)
+    """The ControlNets loaded beside the base model (and `generate`'s control inputs)."""
     quant: QuantArgs = field(default_factory=QuantArgs)
     """Online weight quantization per component (`quant/`)."""
     deployment: DeploymentArgs | None = None
@@ -114,6 +120,7 @@ class ServerArgs:
         dist: DistArgs | None = None,
         store: StoreArgs | None = None,
         lora: LoraArgs | None = None,
+        control: ControlNetArgs | None = None,
         quant: QuantArgs | None = None,
         deployment: DeploymentArgs | None = None,
         config: str | None = None,
@@ -128,6 +135,7 @@ class ServerArgs:
             "dist": dist,
             "store": store,
             "lora": lora,
+            "control": control,
             "quant": quant,
         }
         unknown = sorted(set(flags) - set(_OWNER))

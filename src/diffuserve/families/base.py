@@ -191,6 +191,9 @@ class FamilySpec:
     lora_loader: str | None = None
     """The diffusers pipeline class whose `*LoraLoaderMixin.lora_state_dict` reads (and converts) this family's
     LoRA files for per-request adapters (`lora/files.py`); None: the native backend serves no adapters for it."""
+    controlnet_classes: tuple[str, ...] = ()
+    """diffusers ControlNet model classes (a ControlNet folder's config.json `_class_name`) this family's native
+    adapter runs beside its DiT (`--controlnet`, `models/controlnets.py`); empty: it takes none."""
     base_family: str | None = None
     """The family whose plan defaults a variant shares (e.g. `qwen_image` for `qwen_image_edit`)."""
     produces_audio: bool = False

@@ -95,11 +95,13 @@ def resolve_deployment(
     activation_memory_gib: float | None = None,
     batching_max_tokens: int | None = None,
     batching_max_size: int = 1,
+    controlnet: list[str] | None = None,
 ) -> Any:
     """The plan for a checkpoint from JSON and safetensors / GGUF headers only (no weights loaded), for the backend
     `--backend` picks, the batching mode and `--quantization` (`quant`: QuantArgs; a quantized component is counted
     at its quantized size), so `plan` and start-up refuse the same things with the same words.
-    `transformer_path` (`--transformer-path`): the transformer is counted at that file's bytes and method."""
+    `transformer_path` (`--transformer-path`): the transformer is counted at that file's bytes and method.
+    `controlnet` (`--controlnet`): each ControlNet is a component beside the base (family-checked, counted)."""
     from diffuserve.config.deployment import continuous_refusal, describe_batching, resolve
     from diffuserve.config.model_profiles import profile_from_checkpoint
     from diffuserve.config.quantization import annotate, plan_quantization
@@ -111,6 +113,10 @@ def resolve_deployment(
         from diffuserve.models.single_file import with_transformer_file
 
         profile = with_transformer_file(profile, transformer_path, dtype)
+    if controlnet:
+        from diffuserve.models.controlnets import with_controlnets
+
+        profile = with_controlnets(profile, controlnet, dtype)
     if batching_mode == "continuous" and not profile.supports_continuous:
         raise continuous_refusal(profile)
     check_checkpoint_tokens(batching_max_tokens, batching_max_size, profile.kind, profile.checkpoint)
@@ -123,6 +129,10 @@ def resolve_deployment(
             param="quantization",
         )
     plan = resolve(deployment, hardware, profile, hosts=hosts)
+    if controlnet:
+        from diffuserve.models.controlnets import check_parallel as check_controlnet_parallel
+
+        check_controlnet_parallel(plan)
     annotate(plan, quantized)
     plan.trace.append(describe_batching(batching_mode))
     if transformer_path is not None:
@@ -171,6 +181,7 @@ def plan_deployment(
         activation_memory_gib=args.engine.activation_memory_gib,
         batching_max_tokens=args.batching.max_tokens,
         batching_max_size=args.batching.max_size,
+        controlnet=args.controlnet,
     )
     if log_plan and brief:
         logger.info("%s", brief_plan(plan))
@@ -244,6 +255,10 @@ def load_serving_pipeline(
         transformer_path=args.transformer_path,
     )
     applied: list[str] = []
+    if args.controlnet:  # before residency: each ControlNet is a component the plan places
+        from diffuserve.models.controlnets import install_controlnets
+
+        install_controlnets(pipeline, args.controlnet)
     if args.lora.enabled:
         _install_lora(args, pipeline, device, multi_rank=groups is not None, metrics=metrics)
     if groups is not None:

@@ -30,6 +30,7 @@ from diffuserve.server.common import (
     server_context,
 )
 from diffuserve.server.context import ServerContext, StoredImage
+from diffuserve.server.control_fields import load_control_image, request_control
 from diffuserve.server.edit_inputs import read_edit_body
 from diffuserve.server.lora_fields import base_model_name, request_loras
 from diffuserve.server.media_sources import FetchPolicy, load_image_source
@@ -57,7 +58,12 @@ router = APIRouter()
 
 
 def image_params(
-    body: ImageGenerationRequest, ctx: ServerContext, *, image_inputs: tuple[bytes, ...] = (), strength: float = 1.0
+    body: ImageGenerationRequest,
+    ctx: ServerContext,
+    *,
+    image_inputs: tuple[bytes, ...] = (),
+    strength: float = 1.0,
+    control_image: bytes | None = None,
 ) -> SamplingParams:
     """Request body -> SamplingParams through the one builder, after the server's own caps."""
     model = ctx.engine.model
@@ -99,6 +105,7 @@ def image_params(
         steps=steps,
     )
     lora = request_loras(ctx, body.lora, body.model)
+    control = request_control(body, model, max_side=ctx.args.max_image_side, image=control_image)
     return build_sampling_params(
         model,
         prompt=body.prompt,
@@ -118,6 +125,7 @@ def image_params(
         resolution=body.resolution,
         lora=lora,
         step_cache=request_step_cache(body, ctx),
+        control=control,
     )
 
 
@@ -273,7 +281,10 @@ async def create_image(body: ImageGenerationRequest, request: Request) -> ImageG
     received = time.monotonic()
     ctx = server_context(request)
     require_ready(ctx)
-    return await _generate_and_respond(request, body, image_params(body, ctx), received=received)
+    control_image = await load_control_image(body, FetchPolicy.from_args(ctx.args))
+    return await _generate_and_respond(
+        request, body, image_params(body, ctx, control_image=control_image), received=received
+    )
 
 
 @router.post(
@@ -324,6 +335,11 @@ async def edit_image(request: Request) -> ImageGenerationResponse | StreamingRes
     if "mask" in edit.extras:
         raise InvalidRequestError(
             "mask is not supported: this model edits the whole image (use strength).", param="mask"
+        )
+    if "control_image" in edit.fields:  # checked before the body (an uploaded one is refused as a file part)
+        raise InvalidRequestError(
+            "control_image: ControlNet runs on text-to-image (POST /v1/images/generations); an edit takes none.",
+            param="control_image",
         )
     limit = ctx.engine.model.max_image_inputs  # type: ignore[union-attr]
     if not edit.sources or len(edit.sources) > max(limit, 1):

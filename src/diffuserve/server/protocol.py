@@ -167,6 +167,28 @@ class ImageGenerationRequest(PromptRequest):
         default=None,
         description="Qwen-Image-Layered: the pipeline's resolution bucket, 640 or 1024. Other models: 400.",
     )
+    # ControlNet (docs/api.md "ControlNet"; server/control_fields.py): per row, so such requests share batches.
+    control_image: str | None = Field(
+        default=None,
+        description="ControlNet conditioning image (pose / edge / depth map ...) as a base64 data: URL, base64, or an "
+        "http(s) URL where the server allows remote URLs; resized to the output size. Needs a server started "
+        "with --controlnet; else 400.",
+    )
+    control_mode: StrictInt | None = Field(
+        default=None, ge=0, description="Union ControlNets: the control type index (required there, refused elsewhere)."
+    )
+    controlnet_conditioning_scale: float | None = Field(
+        default=None, description="Weight of the ControlNet's residuals (default 1.0, range 0-10)."
+    )
+    control_guidance_start: float | None = Field(
+        default=None, description="Share of the steps before the ControlNet starts applying (default 0)."
+    )
+    control_guidance_end: float | None = Field(
+        default=None, description="Share of the steps after which the ControlNet stops applying (default 1)."
+    )
+    controlnet: str | None = Field(
+        default=None, description="Which loaded ControlNet (its --controlnet NAME) when several are loaded."
+    )
 
 
 class ImageEditRequest(ImageGenerationRequest):

@@ -21,8 +21,10 @@ from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
+from diffuserve.families.flux import controlnet as flux_controlnet
 from diffuserve.pipelines import stages, token_ids
 from diffuserve.pipelines.base import component_configs, declared_sequence_length
+from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,10 @@ class FluxNativePipeline(stages.RecipePipeline):
     dev/schnell defaults, continuous, text encoders) are the family spec's (`families/flux/spec.py`, `bind_facts`)."""
 
     family = "flux"
+    supports_controlnet = True
+    """`--controlnet` FluxControlNetModel (incl. Union) rows run natively (`families/flux/controlnet.py`)."""
+    controlnets: dict[str, Any] = {}
+    """The loaded ControlNets by name (`pipelines/controlnet.py` `install_controlnets`); none by default."""
 
     def __init__(
         self,
@@ -185,10 +191,14 @@ class FluxNativePipeline(stages.RecipePipeline):
         return FluxPipeline._pack_latents(latents, latents.shape[0], channels, lh, lw), timesteps
 
     def request_fields(self) -> frozenset[str]:
-        return frozenset({"true_cfg_scale", *(("flow_shift",) if stages.has_flow_shift(self.scheduler) else ())})
+        control = ("control_image",) if self.controlnets else ()
+        return frozenset(
+            {"true_cfg_scale", *control, *(("flow_shift",) if stages.has_flow_shift(self.scheduler) else ())}
+        )
 
     def validate(self, params: Any) -> None:
         super().validate(params)
+        check_control(params, self.controlnets)
         if params.image_inputs:
             from diffuserve.errors import InvalidRequestError
 
@@ -270,8 +280,11 @@ class FluxNativePipeline(stages.RecipePipeline):
         height, width = head.height, head.width
         lh, lw = self._latent_hw(height, width)
         scheduler, timesteps = self._timesteps(head.num_inference_steps, (lh // 2) * (lw // 2), head.flow_shift)
+        control = None
         if head.image_inputs:
             latents, timesteps = self.prepare_image_latents(batch, height, width, scheduler, timesteps)
+        elif any(p.control is not None for p in batch):
+            latents, control = flux_controlnet.prepare_control_latents(self, batch, height, width, positive, timesteps)
         else:
             latents = self.prepare_latents(batch, height, width)
         guidance_vec = None
@@ -283,12 +296,15 @@ class FluxNativePipeline(stages.RecipePipeline):
             "txt_ids": self._text_ids_for(positive["prompt_embeds"].shape[1]),
             "guidance": guidance_vec,
         }
+        if control is not None:
+            extras[EXTRAS_KEY] = control
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)
 
     def predict(
         self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
     ) -> torch.Tensor:
         guidance = state.extras["guidance"]
+        control = flux_controlnet.controlnet_kwargs(self, latents, timestep, state.extras)
         return self.transformer(
             hidden_states=latents,
             timestep=timestep.to(latents.dtype) / 1000,
@@ -298,4 +314,12 @@ class FluxNativePipeline(stages.RecipePipeline):
             txt_ids=state.extras["txt_ids"],
             img_ids=state.extras["img_ids"],
             return_dict=False,
+            **control,
         )[0]
+
+    def step_extras(self, states: Sequence[DenoiseState]) -> dict[str, Any]:
+        """The first state's extras (size and guidance are the group key's), with every state's ControlNet rows."""
+        control = merge_rows([s.extras for s in states], [s.latents.shape[0] for s in states])
+        if control is None:
+            return states[0].extras
+        return {**{k: v for k, v in states[0].extras.items() if not k.startswith("_")}, EXTRAS_KEY: control}

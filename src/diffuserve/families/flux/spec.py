@@ -52,6 +52,8 @@ SPECS = (
         tasks=frozenset({"t2i", "i2i"}),
         native_adapter="diffuserve.families.flux.adapter:FluxNativePipeline",
         lora_loader="FluxLoraLoaderMixin",
+        # FLUX.1 ControlNet and ControlNet-Union (InstantX, Shakker-Labs) share this class (`num_mode` for Union).
+        controlnet_classes=("FluxControlNetModel",),
         # FLUX.1-dev: guidance-distilled (embedded guidance 3.5), 28 steps at 1024^2; `flux_defaults` switches
         # to schnell's 4 steps without guidance when the transformer has no guidance embedding.
         defaults=SamplingDefaults(width=1024, height=1024, num_inference_steps=28, guidance_scale=3.5),

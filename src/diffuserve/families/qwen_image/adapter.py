@@ -22,10 +22,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from diffuserve.families.qwen_image import controlnet as qwen_controlnet
 from diffuserve.families.qwen_image import ops
 from diffuserve.families.qwen_image.spec import QWEN_IMAGE_21_ROPE_POSITIONS, QWEN_IMAGE_TEXT_TOKENS
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.base import component_configs
+from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
 
@@ -136,6 +138,10 @@ class QwenImageNativePipeline(_QwenBase):
     rescaled to the conditional prediction's norm."""
 
     family = "qwen_image"
+    supports_controlnet = True
+    """`--controlnet` QwenImageControlNetModel rows run natively (`families/qwen_image/controlnet.py`)."""
+    controlnets: dict[str, Any] = {}
+    """The loaded ControlNets by name (`models/controlnets.py` `install_controlnets`); none by default."""
 
     def __init__(self, *, tokenizer: Any, **kw: Any) -> None:
         super().__init__(**kw)
@@ -192,11 +198,16 @@ class QwenImageNativePipeline(_QwenBase):
         height, width = head.height, head.width
         lh, lw = self._latent_hw(height, width)
         channels = self.transformer.config.in_channels // 4
-        noise = self._noise(batch, channels, lh, lw)
         from diffusers import QwenImagePipeline
 
-        latents = QwenImagePipeline._pack_latents(noise, noise.shape[0], channels, lh, lw)
-        scheduler, timesteps = self._timesteps(head.num_inference_steps, latents.shape[1], flow_shift=head.flow_shift)
+        seq_len = (lh // 2) * (lw // 2)
+        scheduler, timesteps = self._timesteps(head.num_inference_steps, seq_len, flow_shift=head.flow_shift)
+        control = None
+        if any(p.control is not None for p in batch):
+            latents, control = qwen_controlnet.prepare_control_latents(self, batch, height, width, positive, timesteps)
+        else:
+            noise = self._noise(batch, channels, lh, lw)
+            latents = QwenImagePipeline._pack_latents(noise, noise.shape[0], channels, lh, lw)
         guidance = None
         if self.transformer.config.guidance_embeds:
             guidance = torch.full([1], head.guidance_scale, device=self.device, dtype=torch.float32)
@@ -205,13 +216,30 @@ class QwenImageNativePipeline(_QwenBase):
             "img_shapes": [[(1, lh // 2, lw // 2)]] * latents.shape[0],
             "guidance": guidance,
         }
+        if control is not None:
+            extras[EXTRAS_KEY] = control
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)
+
+    def request_fields(self) -> frozenset[str]:
+        return super().request_fields() | ({"control_image"} if self.controlnets else set())
+
+    def validate(self, params: Any) -> None:
+        super().validate(params)
+        check_control(params, self.controlnets)
+
+    def step_extras(self, states: Sequence[DenoiseState]) -> dict[str, Any]:
+        """The first state's extras, with every state's ControlNet rows (continuous steps)."""
+        control = merge_rows([s.extras for s in states], [s.latents.shape[0] for s in states])
+        if control is None:
+            return states[0].extras
+        return {**{k: v for k, v in states[0].extras.items() if not k.startswith("_")}, EXTRAS_KEY: control}
 
     def predict(
         self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
     ) -> torch.Tensor:
         mask = cond["mask"]
         guidance = state.extras["guidance"]
+        control = qwen_controlnet.controlnet_kwargs(self, latents, timestep, state.extras)
         return self.transformer(
             hidden_states=latents,
             timestep=timestep.to(latents.dtype) / 1000,
@@ -221,6 +249,7 @@ class QwenImageNativePipeline(_QwenBase):
             encoder_hidden_states=cond["embeds"],
             img_shapes=state.extras["img_shapes"],
             return_dict=False,
+            **control,
         )[0]
 
     def combine_guidance(

@@ -80,6 +80,7 @@ SPECS = (
         id_priority=0,
         native_adapter="diffuserve.families.qwen_image.adapter:QwenImageNativePipeline",
         lora_loader="QwenImageLoraLoaderMixin",
+        controlnet_classes=("QwenImageControlNetModel",),
         # diffusers' call defaults (1024x1024 from default_sample_size 128 x VAE 8, 50 steps, true_cfg_scale 4),
         # with the negative prompt " " of Qwen's own example: diffusers' None would leave true_cfg_scale without
         # effect, and Qwen-Image is a CFG workload. A diffusers call with negative_prompt=" " gives the same image.

@@ -30,8 +30,10 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
 )
 from PIL import Image
 
+from diffuserve.families.sd3 import controlnet as sd3_controlnet
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.base import component_configs, declared_sequence_length
+from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,10 @@ class SD3NativePipeline(stages.RecipePipeline):
     """SD3 / SD3.5 text-to-image on the shared recipe."""
 
     family = "sd3"
+    supports_controlnet = True
+    """`--controlnet` SD3ControlNetModel rows run natively (`families/sd3/controlnet.py`)."""
+    controlnets: dict[str, Any] = {}
+    """The loaded ControlNets by name (`models/controlnets.py` `install_controlnets`); none by default."""
 
     def __init__(self, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
@@ -190,7 +196,17 @@ class SD3NativePipeline(stages.RecipePipeline):
         return stages.cached_schedule(self._schedulers, (num_steps, image_seq_len, flow_shift), build)
 
     def request_fields(self) -> frozenset[str]:
-        return frozenset({"flow_shift"}) if stages.has_flow_shift(self.scheduler) else frozenset()
+        control = {"control_image"} if self.controlnets else set()
+        return frozenset({*control, *(("flow_shift",) if stages.has_flow_shift(self.scheduler) else ())})
+
+    def validate(self, params: Any) -> None:
+        super().validate(params)
+        check_control(params, self.controlnets)
+
+    def step_extras(self, states: Sequence[DenoiseState]) -> dict[str, Any]:
+        """No extras but each state's ControlNet rows (continuous steps)."""
+        control = merge_rows([s.extras for s in states], [s.latents.shape[0] for s in states])
+        return states[0].extras if control is None else {EXTRAS_KEY: control}
 
     def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
         """Noise row j of a request from `seed + j`, in the text embeddings' dtype as diffusers; the schedule."""
@@ -204,7 +220,9 @@ class SD3NativePipeline(stages.RecipePipeline):
         scheduler, timesteps = self._timesteps(
             head.num_inference_steps, (lh // self.patch_size) * (lw // self.patch_size), head.flow_shift
         )
-        return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras={})
+        control = sd3_controlnet.prepare_control(self, batch, head.height, head.width, timesteps, self.uses_cfg(head))
+        extras = {} if control is None else {EXTRAS_KEY: control}
+        return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)
 
     # -- 3. the transformer call ------------------------------------------------------------------------
 
@@ -212,12 +230,14 @@ class SD3NativePipeline(stages.RecipePipeline):
         self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
     ) -> torch.Tensor:
         prompt_embeds, pooled = self._join(cond)
+        control = sd3_controlnet.controlnet_kwargs(self, latents, timestep, prompt_embeds, pooled, state.extras)
         return self.transformer(
             hidden_states=latents,
             timestep=timestep,
             encoder_hidden_states=prompt_embeds,
             pooled_projections=pooled,
             return_dict=False,
+            **control,
         )[0]
 
     # -- 4. decode --------------------------------------------------------------------------------------

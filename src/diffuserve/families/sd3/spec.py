@@ -51,6 +51,7 @@ SPEC = FamilySpec(
     model_id_patterns=(r"stable[-_]?diffusion[-_]?3|sd3",),
     native_adapter="diffuserve.families.sd3.adapter:SD3NativePipeline",
     lora_loader="SD3LoraLoaderMixin",
+    controlnet_classes=("SD3ControlNetModel",),
     # diffusers' call defaults; CFG runs whenever guidance_scale > 1, against "" when no negative is given.
     defaults=SamplingDefaults(num_inference_steps=28, guidance_scale=7.0),
     checkpoint_defaults=sd3_defaults,
