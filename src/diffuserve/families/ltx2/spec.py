@@ -1,0 +1,80 @@
+"""LTX-2 and LTX-2.3: one joint audio-video transformer denoises the video tokens and the audio tokens together
+(`LTX2Pipeline`; image-to-video is `LTX2ImageToVideoPipeline` on the same checkpoint)."""
+
+from diffuserve.families.base import (
+    CheckpointConfigs,
+    FamilySpec,
+    LatentGeometry,
+    ProfileFacts,
+    SamplingDefaults,
+    TextEncoderFacts,
+)
+
+LTX2_TEXT_ENCODERS = (TextEncoderFacts("tokenizer", "text_encoder (Gemma3)", 1024),)
+"""Gemma3, diffusers' max_sequence_length 1024 (left-padded; every hidden state feeds the text connectors)."""
+
+# Unprofiled on large machines: frames and resolution decide the DiT peak (the seed's rule for video).
+LTX2_PROFILE = ProfileFacts(
+    default_uses_cfg=True,
+    dit_resident_threshold_gib=None,
+    vae_resident_threshold_gib=40.0,
+    fsdp_can_replace_dit_offload=True,
+    dit_supports_layerwise=True,
+)
+LTX2_LAYERS = {"LTX2VideoTransformer3DModel": (("transformer_blocks", "num_layers"),)}
+
+
+def ltx2_geometry(configs: CheckpointConfigs) -> LatentGeometry:
+    """The video VAE's spatial compression times the DiT's spatial patch; diffusers' LTX2Pipeline also checks sizes
+    against 32 whatever the VAE (`check_inputs`), so the size multiple is the larger of the two."""
+    vae = configs["vae"]
+    factor = int(vae.get("patch_size", 1)) * 2 ** sum(bool(s) for s in vae.get("spatio_temporal_scaling", ()))
+    patch = int(configs["transformer"].get("patch_size", 1))
+    return LatentGeometry(vae_factor=max(factor, 32 // patch), patch=patch)
+
+
+# The patch embedders, the timestep / modulation embedders (adaLN singles, the cross-attention scale-shift and gates)
+# and the output projections stay in the compute dtype, as diffusers keeps them out of layer-wise casting.
+LTX2_QUANT_KEEP = (
+    "proj_in",
+    "audio_proj_in",
+    "*time_embed*",
+    "*adaln*",
+    "av_cross_attn_*",
+    "caption_projection.*",
+    "audio_caption_projection.*",
+    "proj_out",
+    "audio_proj_out",
+)
+
+SPECS = (
+    FamilySpec(
+        quant_keep=LTX2_QUANT_KEEP,
+        name="ltx2",
+        text_encoders=LTX2_TEXT_ENCODERS,
+        pipeline_classes=("LTX2Pipeline", "LTX2ImageToVideoPipeline"),
+        model_id_patterns=(r"ltx[-_]?2",),
+        id_priority=10,
+        output_kind="video",
+        # Image-to-video is the same checkpoint with the first latent frame pinned to the encoded input image
+        # (diffusers' LTX2ImageToVideoPipeline): a request with `input_reference` runs it.
+        tasks=frozenset({"t2v", "i2v"}),
+        defaults=SamplingDefaults(
+            width=768, height=512, num_frames=121, num_inference_steps=40, guidance_scale=4.0, fps=24
+        ),
+        profile=LTX2_PROFILE,
+        layer_containers=LTX2_LAYERS,
+        latent_geometry=ltx2_geometry,
+        max_image_inputs=1,
+        native_adapter="diffuserve.families.ltx2.adapter:LTX2NativePipeline",
+        lora_loader="LTX2LoraLoaderMixin",
+        produces_audio=True,
+        # Not continuous: a request's audio length follows its own fps (diffusers: round(num_frames / fps x
+        # sample_rate / hop / 4) audio latents), which the continuous group key (engine/step_scheduler.py) does not
+        # hold, and generate_audio (whether the audio tokens exist at all) is not in it either. Request-level
+        # batches merge any rows: the adapter runs rows of different audio lengths as one call per length.
+        supports_continuous=False,
+        text_encoder_keys=("text_encoder",),
+        tiny_builds={"ltx2": "diffuserve.families.ltx2.tiny:build_ltx2"},
+    ),
+)
