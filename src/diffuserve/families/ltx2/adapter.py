@@ -60,8 +60,9 @@ class LTX2NativePipeline(stages.RecipePipeline):
         self.frame_multiple = self.temporal_factor
         self.bind_facts(component_configs(self.components))
         self.video_processor = VideoProcessor(vae_scale_factor=self.spatial_factor)
-        self.sample_rate = int(self.audio_vae.config.sample_rate)
-        """Samples per second of the vocoder's waveform (`RequestOutput.audio_sample_rate`)."""
+        self.sample_rate = int(self.vocoder.config.output_sampling_rate)
+        """Samples per second of the vocoder's waveform (`RequestOutput.audio_sample_rate`; the published vocoder
+        writes 24 kHz from the audio VAE's 16 kHz mel frames)."""
         self.tokenizer.padding_side = "left"  # Gemma reads chat-style prompts left-padded (diffusers sets it too)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -245,8 +246,8 @@ class LTX2NativePipeline(stages.RecipePipeline):
             width=grid[2],
             fps=extras["fps"],
             audio_num_frames=extras["audio_frames"],
-            video_coords=extras["video_coords"],
-            audio_coords=extras["audio_coords"],
+            video_coords=_rows(extras["video_coords"], video.shape[0]),
+            audio_coords=_rows(extras["audio_coords"], video.shape[0]),
             isolate_modalities=isolate or not extras["guidance"].audio,
             spatio_temporal_guidance_blocks=list(stg_blocks) if stg_blocks else None,
             use_cross_timestep=True,
@@ -407,6 +408,12 @@ class LTX2NativePipeline(stages.RecipePipeline):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "audio_sample_rate": self.sample_rate}
+
+
+def _rows(coords: torch.Tensor, rows: int) -> torch.Tensor:
+    """Position ids of one row (every row of a call shares its fps and size) for `rows` rows: diffusers' split
+    RoPE reshapes by the ids' batch, so they cannot broadcast."""
+    return coords.expand(rows, *coords.shape[1:])
 
 
 def _calculate_shift(tokens: int, config: Any) -> float:

@@ -60,7 +60,7 @@ SPECS = (
         # (diffusers' LTX2ImageToVideoPipeline): a request with `input_reference` runs it.
         tasks=frozenset({"t2v", "i2v"}),
         defaults=SamplingDefaults(
-            width=768, height=512, num_frames=121, num_inference_steps=40, guidance_scale=4.0, fps=24
+            width=768, height=512, num_frames=121, num_inference_steps=30, guidance_scale=3.0, fps=24
         ),
         profile=LTX2_PROFILE,
         layer_containers=LTX2_LAYERS,
