@@ -142,7 +142,7 @@ class LTX2NativePipeline(stages.RecipePipeline):
         return round(head.num_frames / float(head.fps) * per_second)
 
     def prepare_components(self, head: Any) -> tuple[str, ...]:
-        return ("vae",) if head.image_inputs else ()
+        return ()  # `prepare` enters the VAE's scope itself when a row (not only the head) has an input image
 
     def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
         frames = (head.num_frames - 1) // self.temporal_factor + 1
@@ -157,10 +157,13 @@ class LTX2NativePipeline(stages.RecipePipeline):
             audios.append(randn_tensor((1, audio_channels, audio_frames, mel), generator=generator, device=self.device))
         video = torch.cat(videos)
         extras: dict[str, Any] = {"grid": grid, "fps": float(head.fps), "audio_frames": audio_frames, "mel": mel}
-        if head.image_inputs:
-            condition = self._image_latents(batch, head, grid)
+        if any(p.image_inputs for p in batch):
+            # Image-to-video rows (an input image is per row: text-only rows may share the batch, unpinned).
+            with self.component_scope("vae"):
+                condition = self._image_latents(batch, head, grid)
+            pinned = torch.tensor([bool(p.image_inputs) for p in batch for _ in range(p.n)], device=self.device)
             mask = torch.zeros(video.shape[0], 1, *grid, device=self.device)
-            mask[:, :, 0] = 1.0
+            mask[:, :, 0] = pinned.view(-1, 1, 1, 1).float()
             video = condition * mask + video * (1 - mask)
             extras["condition_mask"] = self._pack(mask).squeeze(-1)
         packed_video = self._pack(video)
@@ -195,6 +198,9 @@ class LTX2NativePipeline(stages.RecipePipeline):
         std = self.vae.latents_std.view(1, -1, 1, 1, 1).to(self.device, torch.float32)
         rows = []
         for params in batch:
+            if not params.image_inputs:
+                rows.extend([torch.zeros(1, self.vae.config.latent_channels, *grid, device=self.device)] * params.n)
+                continue
             image = Image.open(io.BytesIO(params.image_inputs[0])).convert("RGB")
             if crf != 0:
                 image = Image.fromarray(apply_image_conditioning_crf(np.array(image), crf))

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformerBlock
 
 AUDIO_GUIDANCE_SCALE = 7.0
 """diffusers' `audio_guidance_scale` default: the audio tokens' CFG scale (the video's is the request's
@@ -100,3 +102,24 @@ def guide_modality(
         guided = guided + weight * (x0 - (x - other * sigma))
     guided = rescale(guided, x0, factor)
     return (x - guided) / sigma
+
+
+@dataclass
+class JointBlockMetadata(TransformerBlockMetadata):
+    """Where LTX-2's block keeps its two streams, for the step caches (`pipelines/step_cache.py`): it returns
+    (video, audio); the audio enters as `audio_hidden_states` (not the text's `encoder_hidden_states`), and its
+    RoPE (cos, sin) pairs carry one entry per row."""
+
+    second_stream: str = "audio_hidden_states"
+    row_arguments: tuple[str, ...] = (
+        "video_rotary_emb",
+        "audio_rotary_emb",
+        "ca_video_rotary_emb",
+        "ca_audio_rotary_emb",
+    )
+
+
+# diffusers registers no metadata for LTX-2's block (its own caches do not cover it): the step caches read ours.
+TransformerBlockRegistry.register(
+    LTX2VideoTransformerBlock, JointBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=1)
+)

@@ -21,7 +21,11 @@ LTX2_PROFILE = ProfileFacts(
     fsdp_can_replace_dit_offload=True,
     dit_supports_layerwise=True,
 )
-LTX2_LAYERS = {"LTX2VideoTransformer3DModel": (("transformer_blocks", "num_layers"),)}
+LTX2_LAYERS = {
+    "LTX2VideoTransformer3DModel": (("transformer_blocks", "num_layers"),),
+    # The video VAE: the decoder first (decode is the serving path; image-to-video also encodes one frame).
+    "AutoencoderKLLTX2Video": (("decoder.up_blocks", None), ("encoder.down_blocks", None)),
+}
 
 
 def ltx2_geometry(configs: CheckpointConfigs) -> LatentGeometry:

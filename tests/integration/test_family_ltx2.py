@@ -1,0 +1,131 @@
+"""Native LTX-2 facts beyond the conformance suite (test_family_conformance.py: its frames against LTX2Pipeline and
+LTX2ImageToVideoPipeline, merged rows, residency and layer-wise offload): the sound.
+
+Tolerances: frames 1/255 per pixel, waveforms 1e-4 (float32 on CPU; observed ~1e-7), against the diffusers pipeline
+on the same tiny checkpoint and seeds, or against the same request run alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from diffuserve.errors import InvalidRequestError
+from diffuserve.sampling import build_sampling_params
+from tests.integration.family_checks import max_pixel_diff
+from tests.integration.family_references import Subject, _uint8_frames, ltx2_call, png
+
+AUDIO_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def native(tiny_checkpoint, family_pipeline):
+    return family_pipeline(tiny_checkpoint("ltx2"))
+
+
+@pytest.fixture(scope="module")
+def subject(native, tiny_checkpoint, diffusers_pipeline) -> Subject:
+    return Subject(native=native, path=tiny_checkpoint("ltx2"), diffusers=diffusers_pipeline)
+
+
+def _params(native: Any, **fields: Any):
+    return build_sampling_params(native.describe_model(), **fields)
+
+
+def _max_audio_diff(ours: list[torch.Tensor], theirs: Any) -> float:
+    assert len(ours) == len(theirs)
+    return max(float((a - b.float()).abs().max()) for a, b in zip(ours, theirs, strict=True))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"prompt": "a cat surfing", "seed": 3, "negative_prompt": "blurry"},
+        {"prompt": "a cat", "seed": 2, "guidance_scale": 4.0, "fps": 12, "image_inputs": (png(32, 32),)},
+    ],
+    ids=["t2v", "i2v"],
+)
+def test_waveform_equals_the_diffusers_pipeline(native, subject: Subject, fields: dict[str, Any]) -> None:
+    """The vocoder's waveform, one (channels, samples) float32 per video at the vocoder's rate, equals what
+    LTX2Pipeline (LTX2ImageToVideoPipeline for an input image) returns as `audio`; the frames too."""
+    params = _params(native, **fields)
+    (out,) = native.run([params]).outputs
+    theirs = ltx2_call(subject, params)
+    assert out.audio_sample_rate == native.vocoder.config.output_sampling_rate
+    assert [tuple(a.shape) for a in out.audios] == [tuple(a.shape) for a in theirs.audio]
+    assert all(a.dtype == torch.float32 and a.ndim == 2 for a in out.audios)
+    assert _max_audio_diff(out.audios, theirs.audio) <= AUDIO_TOLERANCE
+    assert max_pixel_diff(out.videos, [_uint8_frames(c) for c in theirs.frames]) <= 1
+    assert float(out.audios[0].abs().max()) > 0  # a real waveform, not silence
+
+
+def test_generate_audio_false_skips_the_audio_branch(native, subject: Subject, monkeypatch) -> None:
+    """`generate_audio=False`: the audio VAE and the vocoder never run and no waveform comes back. The video is not
+    the with-audio video (the joint model's video attends to the audio); it equals diffusers' pipeline with the
+    transformer's modalities isolated (`isolate_modalities` forced on), where the video reads no audio at all."""
+    calls: list[str] = []
+    for name in ("audio_vae", "vocoder"):
+        module = getattr(native, name)
+        monkeypatch.setattr(module, "forward", lambda *a, _n=name, **k: calls.append(_n))
+        monkeypatch.setattr(module, "decode", lambda *a, _n=name, **k: calls.append(_n))
+    silent = _params(native, prompt="a red fox", seed=3, generate_audio=False)
+    (out,) = native.run([silent]).outputs
+    monkeypatch.undo()
+    assert calls == [] and out.audios == [] and out.audio_sample_rate is None
+    reference = subject.diffusers("LTX2Pipeline", subject.path)
+    forward = reference.transformer.forward
+    monkeypatch.setattr(reference.transformer, "forward", lambda *a, **k: forward(*a, **{**k, "isolate_modalities": True}))
+    theirs = ltx2_call(subject, silent)
+    monkeypatch.undo()
+    assert max_pixel_diff(out.videos, [_uint8_frames(c) for c in theirs.frames]) <= 1
+    (with_audio,) = native.run([_params(native, prompt="a red fox", seed=3)]).outputs
+    assert max_pixel_diff(out.videos, with_audio.videos) > 0  # the joint model's video did read its audio
+
+
+def test_merged_rows_carry_their_own_audio(native) -> None:
+    """Rows of one batch with their own seed, negative prompt, fps (so their own audio length), n and input image:
+    each video and waveform equals the request run alone."""
+    batch = [
+        _params(native, prompt="a cat", seed=1),
+        _params(native, prompt="a dog on a beach", seed=2, n=2, negative_prompt="dark", fps=12),
+        _params(native, prompt="a cat", seed=5, image_inputs=(png(32, 32, seed=1),)),
+    ]
+    merged = native.run(batch).outputs
+    lengths = set()
+    for params, out in zip(batch, merged, strict=True):
+        (alone,) = native.run([params]).outputs
+        assert len(out.audios) == params.n
+        assert max_pixel_diff(out.videos, alone.videos) <= 1
+        assert _max_audio_diff(out.audios, alone.audios) <= AUDIO_TOLERANCE
+        lengths.add(out.audios[0].shape[-1])
+    assert len(lengths) == 2  # fps 8 and 12: two audio lengths in one batch
+
+
+def test_bad_requests_are_refused_naming_the_field(native) -> None:
+    """Before queueing (the request builder runs the model's checks): a frame count the VAE's temporal stride
+    cannot take names `num_frames` and the nearest valid counts; a size off the 32 grid names `size`; two input
+    images name `input_reference`."""
+    step = native.frame_multiple
+    with pytest.raises(InvalidRequestError) as frames:
+        _params(native, prompt="x", num_frames=step + 2)
+    assert frames.value.param == "num_frames"
+    assert f"use {step + 1} or {2 * step + 1}" in str(frames.value)
+    with pytest.raises(InvalidRequestError) as size:
+        _params(native, prompt="x", width=48)
+    assert size.value.param == "size"
+    with pytest.raises(InvalidRequestError) as images:
+        _params(native, prompt="x", image_inputs=(png(32, 32), png(32, 32, seed=1)))
+    assert images.value.param == "input_reference"
+    assert _params(native, prompt="x", generate_audio=False).generate_audio is False
+
+
+def test_audio_length_follows_the_clip(native) -> None:
+    """diffusers' rule: the audio lasts num_frames / fps seconds (its latents rounded), at the vocoder's rate."""
+    params = _params(native, prompt="x", seed=0, fps=8)
+    (out,) = native.run([params]).outputs
+    seconds = out.audios[0].shape[-1] / out.audio_sample_rate
+    assert abs(seconds - params.num_frames / params.fps) < 0.1
+    assert np.isfinite(out.audios[0].numpy()).all() and float(out.audios[0].abs().max()) <= 1.0
