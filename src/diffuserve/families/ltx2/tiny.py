@@ -112,12 +112,14 @@ def _ltx2_decoders() -> tuple[Any, Any, Any]:
         in_channels=2 * 8,
         hidden_channels=32,
         out_channels=2,
-        upsample_kernel_sizes=[4, 4],
-        upsample_factors=[2, 2],
+        # x80 over the audio VAE's 100 mel frames a second (16 kHz, hop 160): a real 8 kHz waveform, so a clip's
+        # sound lasts as long as its video (the published vocoder: x240 to 24 kHz).
+        upsample_kernel_sizes=[16, 20],
+        upsample_factors=[8, 10],
         resnet_kernel_sizes=[3],
         resnet_dilations=[[1, 3, 5]],
         leaky_relu_negative_slope=0.1,
-        output_sampling_rate=16000,
+        output_sampling_rate=8000,
     ).eval()
     return vae, audio_vae, vocoder
 
