@@ -82,7 +82,9 @@ def test_generate_audio_false_skips_the_audio_branch(native, subject: Subject, m
     assert calls == [] and out.audios == [] and out.audio_sample_rate is None
     reference = subject.diffusers("LTX2Pipeline", subject.path)
     forward = reference.transformer.forward
-    monkeypatch.setattr(reference.transformer, "forward", lambda *a, **k: forward(*a, **{**k, "isolate_modalities": True}))
+    monkeypatch.setattr(
+        reference.transformer, "forward", lambda *a, **k: forward(*a, **{**k, "isolate_modalities": True})
+    )
     theirs = ltx2_call(subject, silent)
     monkeypatch.undo()
     assert max_pixel_diff(out.videos, [_uint8_frames(c) for c in theirs.frames]) <= 1

@@ -36,7 +36,7 @@ from diffuserve.families.ltx2 import layout
 from diffuserve.families.ltx2.layout import Guidance, JointLayout
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.base import BatchResult, component_configs
-from diffuserve.pipelines.stages import Cond, DenoiseState, Denoised
+from diffuserve.pipelines.stages import Cond, Denoised, DenoiseState
 
 MAX_SEQUENCE_LENGTH = 1024
 """Gemma3 tokens per prompt (diffusers' LTX2Pipeline default), left-padded."""
@@ -107,7 +107,9 @@ class LTX2NativePipeline(stages.RecipePipeline):
             return_tensors="pt",
         )
         mask = inputs.attention_mask.to(self.device)
-        out = self.text_encoder(input_ids=inputs.input_ids.to(self.device), attention_mask=mask, output_hidden_states=True)
+        out = self.text_encoder(
+            input_ids=inputs.input_ids.to(self.device), attention_mask=mask, output_hidden_states=True
+        )
         embeds = torch.stack(out.hidden_states, dim=-1).flatten(2, 3).to(self.text_encoder.dtype)
         with self.residency.use("connectors"):
             video, audio, connector_mask = self.connectors(embeds, mask, padding_side="left")
@@ -118,11 +120,14 @@ class LTX2NativePipeline(stages.RecipePipeline):
         return Guidance(
             video_cfg=head.guidance_scale,
             audio_cfg=layout.AUDIO_GUIDANCE_SCALE,
-            stg=layout.STG_SCALE if any(b < len(self.transformer.transformer_blocks) for b in layout.STG_BLOCKS) else 0.0,
+            stg=layout.STG_SCALE if self._has_stg_block() else 0.0,
             modality=layout.MODALITY_SCALE if audio else 1.0,  # isolated already: the term is zero
             rescale=layout.GUIDANCE_RESCALE,
             audio=audio,
         )
+
+    def _has_stg_block(self) -> bool:
+        return any(block < len(self.transformer.transformer_blocks) for block in layout.STG_BLOCKS)
 
     def uses_cfg(self, head: Any) -> bool:
         return self.guidance(head).cfg
@@ -378,11 +383,14 @@ class LTX2NativePipeline(stages.RecipePipeline):
             groups.setdefault(params.fps, []).append(i)
         if len(groups) == 1:
             return super().run_to_latents(batch, **kwargs)
-        parts = [(index, super(LTX2NativePipeline, self).run_to_latents([batch[i] for i in index], **kwargs))
-                 for index in groups.values()]
+        parts = [
+            (index, super(LTX2NativePipeline, self).run_to_latents([batch[i] for i in index], **kwargs))
+            for index in groups.values()
+        ]
         first = parts[0][1]
-        state = DenoiseState(latents=first.latents, timesteps=first.state.timesteps, scheduler=None,
-                             extras={"parts": parts})
+        state = DenoiseState(
+            latents=first.latents, timesteps=first.state.timesteps, scheduler=None, extras={"parts": parts}
+        )
         seconds: dict[str, float] = {}
         for _, part in parts:
             for stage, value in part.stage_seconds.items():

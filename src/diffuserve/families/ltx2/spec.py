@@ -2,9 +2,7 @@
 (`LTX2Pipeline`; image-to-video is `LTX2ImageToVideoPipeline` on the same checkpoint)."""
 
 from diffuserve.families.base import (
-    CheckpointConfigs,
     FamilySpec,
-    LatentGeometry,
     ProfileFacts,
     SamplingDefaults,
     TextEncoderFacts,
@@ -26,15 +24,6 @@ LTX2_LAYERS = {
     # The video VAE: the decoder first (decode is the serving path; image-to-video also encodes one frame).
     "AutoencoderKLLTX2Video": (("decoder.up_blocks", None), ("encoder.down_blocks", None)),
 }
-
-
-def ltx2_geometry(configs: CheckpointConfigs) -> LatentGeometry:
-    """The video VAE's spatial compression times the DiT's spatial patch; diffusers' LTX2Pipeline also checks sizes
-    against 32 whatever the VAE (`check_inputs`), so the size multiple is the larger of the two."""
-    vae = configs["vae"]
-    factor = int(vae.get("patch_size", 1)) * 2 ** sum(bool(s) for s in vae.get("spatio_temporal_scaling", ()))
-    patch = int(configs["transformer"].get("patch_size", 1))
-    return LatentGeometry(vae_factor=max(factor, 32 // patch), patch=patch)
 
 
 # The patch embedders, the timestep / modulation embedders (adaLN singles, the cross-attention scale-shift and gates)
@@ -68,7 +57,9 @@ SPECS = (
         ),
         profile=LTX2_PROFILE,
         layer_containers=LTX2_LAYERS,
-        latent_geometry=ltx2_geometry,
+        # diffusers' LTX2Pipeline checks sizes against 32 whatever the VAE (`check_inputs`); the native adapter keeps
+        # its rule (the published VAE compresses 32x with patch 1, so it is also the latent grid's).
+        size_multiple=32,
         max_image_inputs=1,
         native_adapter="diffuserve.families.ltx2.adapter:LTX2NativePipeline",
         lora_loader="LTX2LoraLoaderMixin",
