@@ -136,3 +136,45 @@ def test_audio_length_follows_the_clip(native) -> None:
     seconds = out.audios[0].shape[-1] / out.audio_sample_rate
     assert abs(seconds - params.num_frames / params.fps) < 0.1
     assert np.isfinite(out.audios[0].numpy()).all() and float(out.audios[0].abs().max()) <= 1.0
+
+
+def test_video_vae_layerwise_with_resident_layers_equals_resident(native) -> None:
+    """`--component-residency vae=layerwise-offload` with `--layerwise-resident-layers vae=N` and each lifetime:
+    the frames and the waveform equal the resident run; LTX-2's VAE decodes the whole clip in one call, so its
+    streamed decoder blocks move once per request, a `forward` resident set once when the VAE's stage begins, a
+    `permanent` one never (placed at set-up). The ledger's bytes per layer say so."""
+    from diffuserve.config.plan import ComponentPlan, DeploymentPlan, Lifetime, ResidencyMode
+    from diffuserve.pipelines.base import AllResident
+    from diffuserve.runtime.ledger import TransferLedger
+    from diffuserve.runtime.residency import build_residency
+
+    params = _params(native, prompt="a red kite", seed=4)
+    reference = native.run([params]).outputs[0]
+    blocks = len(native.vae.decoder.up_blocks)
+    decoder_bytes = sum(p.numel() * p.element_size() for p in native.vae.decoder.up_blocks.parameters())
+    moved: dict[str, int] = {}
+    for label, resident, lifetime in (
+        ("streamed", 0, Lifetime.FORWARD),
+        ("forward", blocks, Lifetime.FORWARD),
+        ("permanent", blocks, Lifetime.PERMANENT),
+    ):
+        component = ComponentPlan(
+            name="vae", group="vae", mode=ResidencyMode.LAYERWISE_OFFLOAD, resident_layers=resident, lifetime=lifetime
+        )
+        ledger = TransferLedger()
+        native.residency = build_residency(
+            DeploymentPlan(components={"vae": component}), native.components, device="cpu", ledger=ledger
+        )
+        try:
+            ledger.begin_window()
+            out = native.run([params]).outputs[0]
+            summary = ledger.window_summary()
+        finally:
+            native.residency.close()
+            native.residency = AllResident()
+        assert max_pixel_diff(out.videos, reference.videos) == 0, label
+        assert _max_audio_diff(out.audios, reference.audios) == 0, label
+        moved[label] = sum(
+            m.nbytes for m in summary.moves if m.direction == "h2d" and (m.layer or "").startswith("decoder.up_blocks")
+        )
+    assert moved == {"streamed": decoder_bytes, "forward": decoder_bytes, "permanent": 0}, moved
