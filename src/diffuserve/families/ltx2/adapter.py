@@ -47,6 +47,7 @@ class LTX2NativePipeline(stages.RecipePipeline):
     """LTX-2 joint audio-video: one transformer call per guidance branch denoises the video and audio tokens."""
 
     family = "ltx2"
+    masked_sequences = {"video_embeds": "text_mask", "audio_embeds": "text_mask"}
 
     def __init__(self, parts: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
@@ -113,7 +114,19 @@ class LTX2NativePipeline(stages.RecipePipeline):
         embeds = torch.stack(out.hidden_states, dim=-1).flatten(2, 3).to(self.text_encoder.dtype)
         with self.residency.use("connectors"):
             video, audio, connector_mask = self.connectors(embeds, mask, padding_side="left")
-        return {"video_embeds": video, "audio_embeds": audio, "text_mask": connector_mask}
+        # The transformer reads the text only through cross-attention, without positions, and masks the padding
+        # (a -10000 bias: exp underflows to exactly 0). So each row's valid tokens move to the front and the
+        # padding every row has is cut (the recipe's `masked_sequences` then trims and pads per batch): the same
+        # attention over far fewer keys. Connectors with learnable registers fill the padding and leave nothing
+        # masked, so nothing is cut there.
+        order = torch.argsort(1 - connector_mask.to(torch.int8), dim=1, stable=True)
+        length = max(int(connector_mask.sum(dim=1).max()), 1)
+        order = order[:, :length]
+
+        def front(x: torch.Tensor) -> torch.Tensor:
+            return x.gather(1, order.unsqueeze(-1).expand(-1, -1, x.shape[-1]) if x.ndim == 3 else order)
+
+        return {"video_embeds": front(video), "audio_embeds": front(audio), "text_mask": front(connector_mask)}
 
     def guidance(self, head: Any) -> Guidance:
         audio = head.generate_audio is not False
