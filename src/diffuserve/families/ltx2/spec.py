@@ -11,7 +11,10 @@ from diffuserve.families.base import (
 LTX2_TEXT_ENCODERS = (TextEncoderFacts("tokenizer", "text_encoder (Gemma3)", 1024),)
 """Gemma3, diffusers' max_sequence_length 1024 (left-padded; every hidden state feeds the text connectors)."""
 
-# Unprofiled on large machines: frames and resolution decide the DiT peak (the seed's rule for video).
+# Unprofiled on large machines: frames and resolution decide the DiT peak (the seed's rule for video). No sequence or
+# tensor parallel plan yet (start-up refuses the flags for this family): the video self-attention would split like
+# Wan's, but the video-to-audio cross-attention reads every video token from the (replicated) audio side, which the
+# sequence split does not gather today. CFG parallel and FSDP2 run (tests/distributed/test_ltx2_parallel.py).
 LTX2_PROFILE = ProfileFacts(
     default_uses_cfg=True,
     dit_resident_threshold_gib=None,
