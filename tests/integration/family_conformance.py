@@ -699,6 +699,18 @@ CASES: tuple[FamilyCase, ...] = (
         size_multiple=32,
         off_grid=((48, 32),),
     ),
+    FamilyCase(
+        "ltx2.3",
+        "ltx2.3",
+        "ltx2",
+        "LTX2NativePipeline",
+        output="video",
+        max_bytes=20 * 2**20,
+        build_params=ltx2_params,
+        reference=ltx2_reference,
+        reference_params=(("cfg-negative", {"prompt": "a cat surfing", "seed": 3, "negative_prompt": "blurry"}),),
+        reference_tolerance=1,
+    ),
     FamilyCase("helios", "helios", "helios", "DiffusersBackendPipeline", output="video", max_bytes=20 * 2**20),
 )
 BY_ID = {case.id: case for case in CASES}

@@ -178,3 +178,23 @@ def test_video_vae_layerwise_with_resident_layers_equals_resident(native) -> Non
             m.nbytes for m in summary.moves if m.direction == "h2d" and (m.layer or "").startswith("decoder.up_blocks")
         )
     assert moved == {"streamed": decoder_bytes, "forward": decoder_bytes, "permanent": 0}, moved
+
+
+def test_ltx23_spatio_temporal_guidance_equals_diffusers(
+    tiny_checkpoint, family_pipeline, diffusers_pipeline, monkeypatch
+):
+    """The STG pass (the perturbed self-attention of `STG_BLOCKS`) on the LTX-2.3 settings (perturbable attention,
+    gated attention, registers in the connectors): diffusers' default block 28 is beyond the tiny model, so both
+    sides perturb block 1 here; frames and waveform equal LTX2Pipeline's with `spatio_temporal_guidance_blocks=[1]`."""
+    from diffuserve.families.ltx2 import layout
+
+    path = tiny_checkpoint("ltx2.3")
+    native = family_pipeline(path)
+    subject = Subject(native=native, path=path, diffusers=diffusers_pipeline)
+    monkeypatch.setattr(layout, "STG_BLOCKS", (1,))
+    params = _params(native, prompt="a cat surfing", seed=7)
+    assert native.guidance(params).stg == layout.STG_SCALE
+    (out,) = native.run([params]).outputs
+    theirs = ltx2_call(subject, params, spatio_temporal_guidance_blocks=[1])
+    assert max_pixel_diff(out.videos, [_uint8_frames(c) for c in theirs.frames]) <= 1
+    assert _max_audio_diff(out.audios, theirs.audio) <= AUDIO_TOLERANCE

@@ -73,6 +73,9 @@ SPECS = (
         # batches merge any rows: the adapter runs rows of different audio lengths as one call per length.
         supports_continuous=False,
         text_encoder_keys=("text_encoder",),
-        tiny_builds={"ltx2": "diffuserve.families.ltx2.tiny:build_ltx2"},
+        tiny_builds={
+            "ltx2": "diffuserve.families.ltx2.tiny:build_ltx2",
+            "ltx2.3": "diffuserve.families.ltx2.tiny:build_ltx23",
+        },
     ),
 )

@@ -127,6 +127,17 @@ def _ltx2_decoders() -> tuple[Any, Any, Any]:
 def build_ltx2(output_dir: Path) -> None:
     """LTX-2 text-to-audio+video layout: Gemma3 encoder (all hidden states) into the text connectors (text hidden
     = connector heads x head dim), the audio-video transformer, the video VAE, the audio VAE and the vocoder."""
+    _build(output_dir, ltx23=False)
+
+
+def build_ltx23(output_dir: Path) -> None:
+    """The LTX-2.3 settings of the same classes: per-modality text projections with learnable registers in the
+    connectors (they fill the padding), gated attention, cross-attention modulation, the perturbable self-attention
+    and no caption projection (the connectors emit the transformer's own widths)."""
+    _build(output_dir, ltx23=True)
+
+
+def _build(output_dir: Path, *, ltx23: bool) -> None:
     import torch
     from diffusers import (
         FlowMatchEulerDiscreteScheduler,
@@ -143,22 +154,42 @@ def build_ltx2(output_dir: Path) -> None:
     text_layers, text_hidden = 2, 32
     gemma = _tiny_gemma3(tokenizer, vocab, text_layers, text_hidden)  # seed SEED + 21
     heads, head_dim = 4, 8  # the connectors emit heads x head_dim = 32 features: the transformer's caption width
+    # LTX-2.3: the connectors emit the transformer's widths (video 2 x 8, audio 2 x 4) with 8 registers each.
+    video_heads, video_dim, audio_heads, audio_dim = (2, 8, 2, 4) if ltx23 else (heads, head_dim, heads, head_dim)
+    connector_23 = (
+        {"per_modality_projections": True, "video_hidden_dim": 16, "audio_hidden_dim": 8, "proj_bias": True}
+        if ltx23
+        else {}
+    )
     torch.manual_seed(SEED + 22)
     connectors = LTX2TextConnectors(
         caption_channels=text_hidden,
         text_proj_in_factor=text_layers + 1,
-        video_connector_num_attention_heads=heads,
-        video_connector_attention_head_dim=head_dim,
+        video_connector_num_attention_heads=video_heads,
+        video_connector_attention_head_dim=video_dim,
         video_connector_num_layers=1,
-        video_connector_num_learnable_registers=None,
-        audio_connector_num_attention_heads=heads,
-        audio_connector_attention_head_dim=head_dim,
+        video_connector_num_learnable_registers=8 if ltx23 else None,
+        audio_connector_num_attention_heads=audio_heads,
+        audio_connector_attention_head_dim=audio_dim,
         audio_connector_num_layers=1,
-        audio_connector_num_learnable_registers=None,
+        audio_connector_num_learnable_registers=8 if ltx23 else None,
         connector_rope_base_seq_len=32,
         rope_double_precision=False,
         rope_type="split",
+        **connector_23,
     ).eval()
+    transformer_23 = (
+        {
+            "gated_attn": True,
+            "cross_attn_mod": True,
+            "audio_gated_attn": True,
+            "audio_cross_attn_mod": True,
+            "use_prompt_embeddings": False,
+            "perturbed_attn": True,
+        }
+        if ltx23
+        else {}
+    )
     torch.manual_seed(SEED + 23)
     transformer = LTX2VideoTransformer3DModel(
         in_channels=4,
@@ -178,6 +209,7 @@ def build_ltx2(output_dir: Path) -> None:
         caption_channels=heads * head_dim,
         rope_double_precision=False,
         rope_type="split",
+        **transformer_23,
     ).eval()
     vae, audio_vae, vocoder = _ltx2_decoders()  # seeds SEED + 24, 25, 26
     LTX2Pipeline(
