@@ -22,6 +22,81 @@ LTX2_TINY_DEFAULTS = {"width": 32, "height": 32, "num_frames": 9, "num_inference
 one compresses 8x). Sizes are multiples of 32, the pipeline's own check."""
 
 
+CAPTION_WIDTH = 32
+"""LTX-2.0's connectors emit 4 heads x 8 = 32 features: the transformer's caption width."""
+
+
+def _connectors(text_layers: int, text_hidden: int, *, ltx23: bool) -> Any:
+    """The text connectors; LTX-2.3's emit the transformer's own widths (video 2 x 8, audio 2 x 4) from
+    per-modality projections, with 8 learnable registers each."""
+    import torch
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+    video_heads, video_dim, audio_heads, audio_dim = (2, 8, 2, 4) if ltx23 else (4, 8, 4, 8)
+    connector_23 = (
+        {"per_modality_projections": True, "video_hidden_dim": 16, "audio_hidden_dim": 8, "proj_bias": True}
+        if ltx23
+        else {}
+    )
+    torch.manual_seed(SEED + 22)
+    return LTX2TextConnectors(
+        caption_channels=text_hidden,
+        text_proj_in_factor=text_layers + 1,
+        video_connector_num_attention_heads=video_heads,
+        video_connector_attention_head_dim=video_dim,
+        video_connector_num_layers=1,
+        video_connector_num_learnable_registers=8 if ltx23 else None,
+        audio_connector_num_attention_heads=audio_heads,
+        audio_connector_attention_head_dim=audio_dim,
+        audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=8 if ltx23 else None,
+        connector_rope_base_seq_len=32,
+        rope_double_precision=False,
+        rope_type="split",
+        **connector_23,
+    ).eval()
+
+
+def _transformer(*, ltx23: bool) -> Any:
+    """The joint audio-video transformer (2 blocks); LTX-2.3's settings where `ltx23`."""
+    import torch
+    from diffusers import LTX2VideoTransformer3DModel
+
+    transformer_23 = (
+        {
+            "gated_attn": True,
+            "cross_attn_mod": True,
+            "audio_gated_attn": True,
+            "audio_cross_attn_mod": True,
+            "use_prompt_embeddings": False,
+            "perturbed_attn": True,
+        }
+        if ltx23
+        else {}
+    )
+    torch.manual_seed(SEED + 23)
+    return LTX2VideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        cross_attention_dim=16,
+        audio_in_channels=4,
+        audio_out_channels=4,
+        audio_num_attention_heads=2,
+        audio_attention_head_dim=4,
+        audio_cross_attention_dim=8,
+        num_layers=2,
+        qk_norm="rms_norm_across_heads",
+        caption_channels=CAPTION_WIDTH,
+        rope_double_precision=False,
+        rope_type="split",
+        **transformer_23,
+    ).eval()
+
+
 def _tiny_gemma3(tokenizer: Any, vocab: dict[str, int], text_layers: int, text_hidden: int) -> Any:
     """LTX-2's tiny Gemma3 text encoder (every hidden state is read), from its fixed seed."""
     import torch
@@ -138,13 +213,7 @@ def build_ltx23(output_dir: Path) -> None:
 
 
 def _build(output_dir: Path, *, ltx23: bool) -> None:
-    import torch
-    from diffusers import (
-        FlowMatchEulerDiscreteScheduler,
-        LTX2Pipeline,
-        LTX2VideoTransformer3DModel,
-    )
-    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2Pipeline
     from transformers import GemmaTokenizer
 
     vocab, merges = _sentencepiece_vocab(
@@ -153,64 +222,8 @@ def _build(output_dir: Path, *, ltx23: bool) -> None:
     tokenizer = GemmaTokenizer(vocab=vocab, merges=merges, add_bos_token=True, padding_side="left")
     text_layers, text_hidden = 2, 32
     gemma = _tiny_gemma3(tokenizer, vocab, text_layers, text_hidden)  # seed SEED + 21
-    heads, head_dim = 4, 8  # the connectors emit heads x head_dim = 32 features: the transformer's caption width
-    # LTX-2.3: the connectors emit the transformer's widths (video 2 x 8, audio 2 x 4) with 8 registers each.
-    video_heads, video_dim, audio_heads, audio_dim = (2, 8, 2, 4) if ltx23 else (heads, head_dim, heads, head_dim)
-    connector_23 = (
-        {"per_modality_projections": True, "video_hidden_dim": 16, "audio_hidden_dim": 8, "proj_bias": True}
-        if ltx23
-        else {}
-    )
-    torch.manual_seed(SEED + 22)
-    connectors = LTX2TextConnectors(
-        caption_channels=text_hidden,
-        text_proj_in_factor=text_layers + 1,
-        video_connector_num_attention_heads=video_heads,
-        video_connector_attention_head_dim=video_dim,
-        video_connector_num_layers=1,
-        video_connector_num_learnable_registers=8 if ltx23 else None,
-        audio_connector_num_attention_heads=audio_heads,
-        audio_connector_attention_head_dim=audio_dim,
-        audio_connector_num_layers=1,
-        audio_connector_num_learnable_registers=8 if ltx23 else None,
-        connector_rope_base_seq_len=32,
-        rope_double_precision=False,
-        rope_type="split",
-        **connector_23,
-    ).eval()
-    transformer_23 = (
-        {
-            "gated_attn": True,
-            "cross_attn_mod": True,
-            "audio_gated_attn": True,
-            "audio_cross_attn_mod": True,
-            "use_prompt_embeddings": False,
-            "perturbed_attn": True,
-        }
-        if ltx23
-        else {}
-    )
-    torch.manual_seed(SEED + 23)
-    transformer = LTX2VideoTransformer3DModel(
-        in_channels=4,
-        out_channels=4,
-        patch_size=1,
-        patch_size_t=1,
-        num_attention_heads=2,
-        attention_head_dim=8,
-        cross_attention_dim=16,
-        audio_in_channels=4,
-        audio_out_channels=4,
-        audio_num_attention_heads=2,
-        audio_attention_head_dim=4,
-        audio_cross_attention_dim=8,
-        num_layers=2,
-        qk_norm="rms_norm_across_heads",
-        caption_channels=heads * head_dim,
-        rope_double_precision=False,
-        rope_type="split",
-        **transformer_23,
-    ).eval()
+    connectors = _connectors(text_layers, text_hidden, ltx23=ltx23)  # seed SEED + 22
+    transformer = _transformer(ltx23=ltx23)  # seed SEED + 23
     vae, audio_vae, vocoder = _ltx2_decoders()  # seeds SEED + 24, 25, 26
     LTX2Pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
