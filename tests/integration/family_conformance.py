@@ -26,6 +26,7 @@ from tests.integration.family_references import (
     ernie_reference,
     flux2_reference,
     layered_reference,
+    ltx2_reference,
     png,
     qwen_edit_reference,
     qwen_reference,
@@ -50,6 +51,11 @@ def plain_params(native: Any, fields: dict[str, Any]) -> SamplingParams:
 def video_params(native: Any, fields: dict[str, Any]) -> SamplingParams:
     """A video request through THE builder (family defaults filled, the model's checks run)."""
     return build_sampling_params(native.describe_model(), **{**WAN_SMALL, **fields})
+
+
+def ltx2_params(native: Any, fields: dict[str, Any]) -> SamplingParams:
+    """An LTX-2 request through THE builder, at the tiny checkpoint's suggested size, frames and steps."""
+    return build_sampling_params(native.describe_model(), **fields)
 
 
 WAN_SMALL = {"width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 3}
@@ -666,7 +672,45 @@ CASES: tuple[FamilyCase, ...] = (
         output="video",
         max_bytes=20 * 2**20,
     ),
-    FamilyCase("ltx2", "ltx2", "ltx2", "DiffusersBackendPipeline", output="video", max_bytes=20 * 2**20),
+    FamilyCase(
+        "ltx2",
+        "ltx2",
+        "ltx2",
+        "LTX2NativePipeline",
+        output="video",
+        max_bytes=20 * 2**20,
+        build_params=ltx2_params,
+        reference=ltx2_reference,
+        reference_params=(
+            ("cfg-negative-n2", {"prompt": "a cat surfing", "seed": 3, "negative_prompt": "blurry", "n": 2}),
+            ("i2v", {"prompt": "a cat", "seed": 2, "guidance_scale": 4.0, "image_inputs": (png(32, 32),)}),
+        ),
+        reference_tolerance=1,
+        merge_batches=(
+            (
+                {"prompt": SHORT, "seed": 1},
+                {"prompt": "a dog running along a beach", "seed": 2, "n": 2, "negative_prompt": "dark", "fps": 12},
+                {"prompt": "a cat", "seed": 5, "image_inputs": (png(32, 32, seed=1),)},
+            ),
+        ),
+        residency_batch=({"prompt": "a red kite", "seed": 4},),
+        layered=frozenset({"transformer", "text_encoder", "vae"}),
+        streamed_layers=frozenset({("transformer", "transformer_blocks"), ("vae", "decoder.up_blocks")}),
+        size_multiple=32,
+        off_grid=((48, 32),),
+    ),
+    FamilyCase(
+        "ltx2.3",
+        "ltx2.3",
+        "ltx2",
+        "LTX2NativePipeline",
+        output="video",
+        max_bytes=20 * 2**20,
+        build_params=ltx2_params,
+        reference=ltx2_reference,
+        reference_params=(("cfg-negative", {"prompt": "a cat surfing", "seed": 3, "negative_prompt": "blurry"}),),
+        reference_tolerance=1,
+    ),
     FamilyCase("helios", "helios", "helios", "DiffusersBackendPipeline", output="video", max_bytes=20 * 2**20),
 )
 BY_ID = {case.id: case for case in CASES}

@@ -276,6 +276,32 @@ def wan_i2v_reference(subject: Subject, params: SamplingParams) -> list:
     return [_uint8_frames(clip) for clip in clips]
 
 
+def ltx2_call(subject: Subject, params: SamplingParams, **extra: Any) -> Any:
+    """LTX2Pipeline (LTX2ImageToVideoPipeline with an input image) with the request's fields and its rows'
+    generators: the output (`frames`, `audio`)."""
+    image = {"image": _rgb(params)[0]} if params.image_inputs else {}
+    name = "LTX2ImageToVideoPipeline" if params.image_inputs else "LTX2Pipeline"
+    return subject.diffusers(name, subject.path)(
+        **image,
+        prompt=params.prompt,
+        negative_prompt=params.negative_prompt,
+        guidance_scale=params.guidance_scale,
+        height=params.height,
+        width=params.width,
+        num_frames=params.num_frames,
+        frame_rate=float(params.fps),
+        num_inference_steps=params.num_inference_steps,
+        num_videos_per_prompt=params.n,
+        output_type="np",
+        generator=row_generators(params.seed, params.n),
+        **extra,
+    )
+
+
+def ltx2_reference(subject: Subject, params: SamplingParams) -> list:
+    return [_uint8_frames(clip) for clip in ltx2_call(subject, params).frames]
+
+
 def ernie_reference(subject: Subject, params: SamplingParams) -> list:
     return subject.diffusers("ErnieImagePipeline", subject.path)(
         [params.prompt] * params.n,

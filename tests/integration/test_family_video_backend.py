@@ -1,6 +1,7 @@
-"""Video families through the diffusers backend, each on its tiny checkpoint: HunyuanVideo, HunyuanVideo 1.5,
-LTX-2 and Helios. The backend's frames equal the diffusers pipeline class called directly with the same
-arguments and seed (1/255 per pixel), and a merged batch equals the solo runs where the family batches.
+"""Video families through the diffusers backend, each on its tiny checkpoint: HunyuanVideo, HunyuanVideo 1.5
+and Helios (LTX-2 runs natively by default, test_family_ltx2.py; `--backend diffusers` still serves it, below).
+The backend's frames equal the diffusers pipeline class called directly with the same arguments and seed
+(1/255 per pixel), and a merged batch equals the solo runs where the family batches.
 (Byte-identical rebuilds, and HunyuanVideo's real server answering the official `openai` SDK's video methods:
 the conformance suite, test_family_conformance.py.)"""
 
@@ -32,7 +33,6 @@ class Case:
 CASES = (
     Case("hunyuan-video", "HunyuanVideoPipeline", "hunyuan_video", 5, 5, True),
     Case("hunyuan-video-1.5", "HunyuanVideo15Pipeline", "hunyuan_video_15", 5, 5, False),
-    Case("ltx2", "LTX2Pipeline", "ltx2", 9, 9, True),
     Case("helios", "HeliosPipeline", "helios", 33, 33, True, (("max_sequence_length", 64),)),
 )
 PROMPTS = (("a red fox", 3), ("a cat surfing", 9))
@@ -143,7 +143,7 @@ def test_ltx2_sizes_and_frames_it_would_refuse_are_invalid_requests(tiny_checkpo
     from diffuserve.errors import InvalidRequestError
     from diffuserve.sampling import SamplingParams
 
-    backend = family_pipeline(tiny_checkpoint("ltx2"))
+    backend = family_pipeline(tiny_checkpoint("ltx2"), "diffusers")
     assert (backend.size_multiple, backend.frame_multiple) == (32, backend.pipe.vae_temporal_compression_ratio)
     with pytest.raises(InvalidRequestError) as size:
         backend.validate(SamplingParams(prompt="x", width=48, height=32, num_frames=9))

@@ -35,7 +35,7 @@ from tests.integration.family_references import (
     qwen_reference,
 )
 
-FAMILIES = ("flux2-klein", "qwen-image", "qwen-image-edit", "z-image", "sd3", "sana", "wan", "wan2.2")
+FAMILIES = ("flux2-klein", "qwen-image", "qwen-image-edit", "z-image", "sd3", "sana", "wan", "wan2.2", "ltx2")
 
 
 def _adapters(case: FamilyCase, path: Path, root: Path) -> dict[str, tuple[str, Path]]:

@@ -47,6 +47,7 @@ FAMILY_MODULES: tuple[str, ...] = (
     "sana",
     "sd3",
     "wan",
+    "ltx2",
     "video_others",
     "image_others",
     "hunyuan3d",

@@ -43,6 +43,7 @@ SHARED_LAYER_RULES: LayerRules = {
     "Qwen3ForCausalLM": (("model.layers", "num_hidden_layers"),),
     "Gemma2Model": _DECODER_LM,
     "Gemma3Model": (("language_model.layers", "num_hidden_layers"),),
+    "Gemma3ForConditionalGeneration": (("language_model.layers", "num_hidden_layers"),),
     "LlamaModel": _DECODER_LM,
     "Mistral3ForConditionalGeneration": (("language_model.layers", "num_hidden_layers"),),
     # The decoder first: decode is the serving path, so a resident layer set takes decoder layers.

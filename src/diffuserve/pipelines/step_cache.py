@@ -223,7 +223,9 @@ class _Block:
         hidden = bound.arguments.get("hidden_states")
         if hidden is None:
             hidden = next(iter(bound.arguments.values()))
-        return hidden, bound.arguments.get("encoder_hidden_states")
+        # The second stream the block returns: the text (encoder) states, or where a family's block metadata
+        # names another (`second_stream`: LTX-2's audio tokens, families/ltx2/layout.py).
+        return hidden, bound.arguments.get(getattr(self.meta, "second_stream", "encoder_hidden_states"))
 
     @_eager
     def outputs(self, out: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -252,15 +254,23 @@ class _Block:
         as LoRA's follow them through `runtime/row_view.py`)."""
         if index.numel() == full:
             return self.fn_ref.original_forward(**bound.arguments)  # type: ignore[attr-defined]
+        rows = getattr(self.meta, "row_arguments", ())
         with narrowed_to(tuple(index.tolist()), full):
-            return self.fn_ref.original_forward(**_narrow(bound, index, full))  # type: ignore[attr-defined]
+            return self.fn_ref.original_forward(**_narrow(bound, index, full, rows))  # type: ignore[attr-defined]
 
 
 @_eager
-def _narrow(bound: inspect.BoundArguments, index: torch.Tensor, full: int) -> dict[str, Any]:
-    """A block's arguments for rows `index`: those with one entry per row of the call (`full`) are narrowed."""
+def _narrow(
+    bound: inspect.BoundArguments, index: torch.Tensor, full: int, rows: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """A block's arguments for rows `index`: those with one entry per row of the call (`full`) are narrowed, and
+    the tensors of `rows` (per-row position tables a block metadata names: LTX-2's RoPE (cos, sin) pairs)."""
     arguments = dict(bound.arguments)
     if index.numel() != full:
+        for name in rows:
+            value = arguments.get(name)
+            if isinstance(value, tuple):
+                arguments[name] = tuple(v.index_select(0, index.to(v.device)) for v in value)
         for name, value in arguments.items():
             if (
                 isinstance(value, torch.Tensor)

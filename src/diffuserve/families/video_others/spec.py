@@ -1,7 +1,7 @@
 """Video families served through the diffusers backend (no native adapter yet).
 
 Their DiTs compute RoPE on the fly (no position table), so none declares `max_latent_side`. `size_multiple` is
-the diffusers pipeline class's own check (HunyuanVideo, Helios: 16; LTX, LTX-2: 32); the backend refuses other
+the diffusers pipeline class's own check (HunyuanVideo, Helios: 16; LTX: 32); the backend refuses other
 sizes with a 400 before queueing.
 """
 
@@ -45,18 +45,6 @@ SPECS = (
         tasks=frozenset({"t2v"}),
         profile=_VIDEO_PROFILE,
         size_multiple=32,
-    ),
-    FamilySpec(
-        name="ltx2",
-        pipeline_classes=("LTX2Pipeline",),
-        model_id_patterns=(r"ltx[-_]?2",),
-        id_priority=10,
-        output_kind="video",
-        tasks=frozenset({"t2v"}),
-        profile=_VIDEO_PROFILE,
-        size_multiple=32,
-        produces_audio=True,  # LTX2Pipeline returns the vocoder's waveform beside the frames
-        tiny_builds={"ltx2": f"{_TINY}:build_ltx2"},
     ),
     FamilySpec(
         name="helios",

@@ -1,6 +1,6 @@
 """Tiny checkpoints of the video families served through the diffusers backend: HunyuanVideo (Llama + CLIP),
-HunyuanVideo 1.5 (Qwen2.5-VL text + ByT5 glyph encoder, guider), LTX-2 (Gemma3, text connectors, audio VAE and
-vocoder) and Helios (UMT5, Wan VAE, chunked denoising).
+HunyuanVideo 1.5 (Qwen2.5-VL text + ByT5 glyph encoder, guider) and Helios (UMT5, Wan VAE, chunked denoising).
+(LTX-2's builder is native beside its family: `families/ltx2/tiny.py`.)
 
 Random weights over real configs scaled down, offline tokenizers with small vocabularies, one fixed seed per
 component (so two builds write the same bytes), saved in the exact diffusers layout. Each suggests small request
@@ -25,10 +25,6 @@ SEED = 900
 
 HUNYUAN_TINY_DEFAULTS = {"width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 2, "fps": 8}
 """What the tiny HunyuanVideo checkpoints suggest (4k+1 frames: the VAE compresses time 4x)."""
-
-LTX2_TINY_DEFAULTS = {"width": 32, "height": 32, "num_frames": 9, "num_inference_steps": 2, "fps": 8}
-"""What the tiny LTX-2 checkpoint suggests (its one-level VAE compresses time 2x: 2k+1 frames; the published
-one compresses 8x). Sizes are multiples of 32, the pipeline's own check."""
 
 HELIOS_TINY_DEFAULTS = {"width": 32, "height": 32, "num_frames": 33, "num_inference_steps": 2, "fps": 8}
 """What the tiny Helios checkpoint suggests. Helios denoises in chunks of (num_latent_frames_per_chunk - 1) x 4
@@ -228,175 +224,6 @@ def build_hunyuan_video_15(output_dir: Path) -> None:
         guider=ClassifierFreeGuidance(guidance_scale=1.0),
     ).save_pretrained(output_dir, safe_serialization=True)
     write_defaults(output_dir, HUNYUAN_TINY_DEFAULTS)
-
-
-def _tiny_gemma3(tokenizer: Any, vocab: dict[str, int], text_layers: int, text_hidden: int) -> Any:
-    """LTX-2's tiny Gemma3 text encoder (every hidden state is read), from its fixed seed."""
-    import torch
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-
-    torch.manual_seed(SEED + 21)
-    gemma = Gemma3ForConditionalGeneration(
-        Gemma3Config(
-            text_config={
-                "vocab_size": len(tokenizer),
-                "hidden_size": text_hidden,
-                "intermediate_size": 32,
-                "num_hidden_layers": text_layers,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-                "head_dim": 8,
-                "max_position_embeddings": 2048,
-                "sliding_window": 64,
-                "pad_token_id": tokenizer.pad_token_id,
-                "bos_token_id": tokenizer.bos_token_id,
-                "eos_token_id": tokenizer.eos_token_id,
-            },
-            vision_config={
-                "hidden_size": 16,
-                "intermediate_size": 16,
-                "num_hidden_layers": 1,
-                "num_attention_heads": 2,
-                "image_size": 16,
-                "patch_size": 8,
-            },
-            mm_tokens_per_image=4,
-            boi_token_index=vocab["<start_of_image>"],
-            eoi_token_index=vocab["<end_of_image>"],
-            image_token_index=vocab["<image_soft_token>"],
-        )
-    ).eval()
-    return gemma
-
-
-def _ltx2_decoders() -> tuple[Any, Any, Any]:
-    """LTX-2's tiny video VAE, audio VAE and vocoder, each from its fixed seed."""
-    import torch
-    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
-    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
-
-    torch.manual_seed(SEED + 24)
-    vae = AutoencoderKLLTX2Video(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        block_out_channels=(8,),
-        decoder_block_out_channels=(8,),
-        layers_per_block=(1,),
-        decoder_layers_per_block=(1, 1),
-        spatio_temporal_scaling=(True,),
-        decoder_spatio_temporal_scaling=(True,),
-        decoder_inject_noise=(False, False),
-        downsample_type=("spatial",),
-        upsample_residual=(False,),
-        upsample_factor=(1,),
-        timestep_conditioning=False,
-        patch_size=1,
-        patch_size_t=1,
-        encoder_causal=True,
-        decoder_causal=False,
-    ).eval()
-    torch.manual_seed(SEED + 25)
-    audio_vae = AutoencoderKLLTX2Audio(
-        base_channels=4,
-        output_channels=2,
-        ch_mult=(1,),
-        num_res_blocks=1,
-        attn_resolutions=None,
-        in_channels=2,
-        resolution=32,
-        latent_channels=2,
-        norm_type="pixel",
-        causality_axis="height",
-        dropout=0.0,
-        mid_block_add_attention=False,
-        sample_rate=16000,
-        mel_hop_length=160,
-        is_causal=True,
-        mel_bins=8,
-    ).eval()
-    torch.manual_seed(SEED + 26)
-    vocoder = LTX2Vocoder(
-        in_channels=2 * 8,
-        hidden_channels=32,
-        out_channels=2,
-        upsample_kernel_sizes=[4, 4],
-        upsample_factors=[2, 2],
-        resnet_kernel_sizes=[3],
-        resnet_dilations=[[1, 3, 5]],
-        leaky_relu_negative_slope=0.1,
-        output_sampling_rate=16000,
-    ).eval()
-    return vae, audio_vae, vocoder
-
-
-def build_ltx2(output_dir: Path) -> None:
-    """LTX-2 text-to-audio+video layout: Gemma3 encoder (all hidden states) into the text connectors (text hidden
-    = connector heads x head dim), the audio-video transformer, the video VAE, the audio VAE and the vocoder."""
-    import torch
-    from diffusers import (
-        FlowMatchEulerDiscreteScheduler,
-        LTX2Pipeline,
-        LTX2VideoTransformer3DModel,
-    )
-    from diffusers.pipelines.ltx2 import LTX2TextConnectors
-    from transformers import GemmaTokenizer
-
-    vocab, merges = _sentencepiece_vocab(
-        ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_image>", "<image_soft_token>", "<end_of_image>"]
-    )
-    tokenizer = GemmaTokenizer(vocab=vocab, merges=merges, add_bos_token=True, padding_side="left")
-    text_layers, text_hidden = 2, 32
-    gemma = _tiny_gemma3(tokenizer, vocab, text_layers, text_hidden)  # seed SEED + 21
-    heads, head_dim = 4, 8  # the connectors emit heads x head_dim = 32 features: the transformer's caption width
-    torch.manual_seed(SEED + 22)
-    connectors = LTX2TextConnectors(
-        caption_channels=text_hidden,
-        text_proj_in_factor=text_layers + 1,
-        video_connector_num_attention_heads=heads,
-        video_connector_attention_head_dim=head_dim,
-        video_connector_num_layers=1,
-        video_connector_num_learnable_registers=None,
-        audio_connector_num_attention_heads=heads,
-        audio_connector_attention_head_dim=head_dim,
-        audio_connector_num_layers=1,
-        audio_connector_num_learnable_registers=None,
-        connector_rope_base_seq_len=32,
-        rope_double_precision=False,
-        rope_type="split",
-    ).eval()
-    torch.manual_seed(SEED + 23)
-    transformer = LTX2VideoTransformer3DModel(
-        in_channels=4,
-        out_channels=4,
-        patch_size=1,
-        patch_size_t=1,
-        num_attention_heads=2,
-        attention_head_dim=8,
-        cross_attention_dim=16,
-        audio_in_channels=4,
-        audio_out_channels=4,
-        audio_num_attention_heads=2,
-        audio_attention_head_dim=4,
-        audio_cross_attention_dim=8,
-        num_layers=2,
-        qk_norm="rms_norm_across_heads",
-        caption_channels=heads * head_dim,
-        rope_double_precision=False,
-        rope_type="split",
-    ).eval()
-    vae, audio_vae, vocoder = _ltx2_decoders()  # seeds SEED + 24, 25, 26
-    LTX2Pipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=vae,
-        audio_vae=audio_vae,
-        text_encoder=gemma,
-        tokenizer=tokenizer,
-        connectors=connectors,
-        transformer=transformer,
-        vocoder=vocoder,
-    ).save_pretrained(output_dir, safe_serialization=True)
-    write_defaults(output_dir, LTX2_TINY_DEFAULTS)
 
 
 def build_helios(output_dir: Path) -> None:

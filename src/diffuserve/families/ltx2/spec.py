@@ -1,0 +1,81 @@
+"""LTX-2 and LTX-2.3: one joint audio-video transformer denoises the video tokens and the audio tokens together
+(`LTX2Pipeline`; image-to-video is `LTX2ImageToVideoPipeline` on the same checkpoint)."""
+
+from diffuserve.families.base import (
+    FamilySpec,
+    ProfileFacts,
+    SamplingDefaults,
+    TextEncoderFacts,
+)
+
+LTX2_TEXT_ENCODERS = (TextEncoderFacts("tokenizer", "text_encoder (Gemma3)", 1024),)
+"""Gemma3, diffusers' max_sequence_length 1024 (left-padded; every hidden state feeds the text connectors)."""
+
+# Unprofiled on large machines: frames and resolution decide the DiT peak (the seed's rule for video). No sequence or
+# tensor parallel plan yet (start-up refuses the flags for this family): the video self-attention would split like
+# Wan's, but the video-to-audio cross-attention reads every video token from the (replicated) audio side, which the
+# sequence split does not gather today. CFG parallel and FSDP2 run (tests/distributed/test_ltx2_parallel.py).
+LTX2_PROFILE = ProfileFacts(
+    default_uses_cfg=True,
+    dit_resident_threshold_gib=None,
+    vae_resident_threshold_gib=40.0,
+    fsdp_can_replace_dit_offload=True,
+    dit_supports_layerwise=True,
+)
+LTX2_LAYERS = {
+    "LTX2VideoTransformer3DModel": (("transformer_blocks", "num_layers"),),
+    # The video VAE: the decoder first (decode is the serving path; image-to-video also encodes one frame).
+    "AutoencoderKLLTX2Video": (("decoder.up_blocks", None), ("encoder.down_blocks", None)),
+}
+
+
+# The patch embedders, the timestep / modulation embedders (adaLN singles, the cross-attention scale-shift and gates)
+# and the output projections stay in the compute dtype, as diffusers keeps them out of layer-wise casting.
+LTX2_QUANT_KEEP = (
+    "proj_in",
+    "audio_proj_in",
+    "*time_embed*",
+    "*adaln*",
+    "av_cross_attn_*",
+    "caption_projection.*",
+    "audio_caption_projection.*",
+    "proj_out",
+    "audio_proj_out",
+)
+
+SPECS = (
+    FamilySpec(
+        quant_keep=LTX2_QUANT_KEEP,
+        name="ltx2",
+        text_encoders=LTX2_TEXT_ENCODERS,
+        pipeline_classes=("LTX2Pipeline", "LTX2ImageToVideoPipeline"),
+        model_id_patterns=(r"ltx[-_]?2",),
+        id_priority=10,
+        output_kind="video",
+        # Image-to-video is the same checkpoint with the first latent frame pinned to the encoded input image
+        # (diffusers' LTX2ImageToVideoPipeline): a request with `input_reference` runs it.
+        tasks=frozenset({"t2v", "i2v"}),
+        defaults=SamplingDefaults(
+            width=768, height=512, num_frames=121, num_inference_steps=30, guidance_scale=3.0, fps=24
+        ),
+        profile=LTX2_PROFILE,
+        layer_containers=LTX2_LAYERS,
+        # diffusers' LTX2Pipeline checks sizes against 32 whatever the VAE (`check_inputs`); the native adapter keeps
+        # its rule (the published VAE compresses 32x with patch 1, so it is also the latent grid's).
+        size_multiple=32,
+        max_image_inputs=1,
+        native_adapter="diffuserve.families.ltx2.adapter:LTX2NativePipeline",
+        lora_loader="LTX2LoraLoaderMixin",
+        produces_audio=True,
+        # Not continuous: a request's audio length follows its own fps (diffusers: round(num_frames / fps x
+        # sample_rate / hop / 4) audio latents), which the continuous group key (engine/step_scheduler.py) does not
+        # hold, and generate_audio (whether the audio tokens exist at all) is not in it either. Request-level
+        # batches merge any rows: the adapter runs rows of different audio lengths as one call per length.
+        supports_continuous=False,
+        text_encoder_keys=("text_encoder",),
+        tiny_builds={
+            "ltx2": "diffuserve.families.ltx2.tiny:build_ltx2",
+            "ltx2.3": "diffuserve.families.ltx2.tiny:build_ltx23",
+        },
+    ),
+)
