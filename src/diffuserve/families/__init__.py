@@ -47,6 +47,7 @@ FAMILY_MODULES: tuple[str, ...] = (
     "sana",
     "sd3",
     "wan",
+    "hunyuan_video15",
     "video_others",
     "image_others",
     "hunyuan3d",
