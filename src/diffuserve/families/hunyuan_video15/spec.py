@@ -31,7 +31,15 @@ HUNYUAN_15_PROFILE = ProfileFacts(
     sequence_parallel=True,
     tensor_parallel=True,
 )
-HUNYUAN_15_LAYERS = {"HunyuanVideo15Transformer3DModel": (("transformer_blocks", "num_layers"),)}
+HUNYUAN_15_LAYERS = {
+    "HunyuanVideo15Transformer3DModel": (("transformer_blocks", "num_layers"),),
+    # The video VAE: the decoder first (decode is the serving path, so a resident layer set takes decoder blocks).
+    "AutoencoderKLHunyuanVideo15": (("decoder.up_blocks", None), ("encoder.down_blocks", None)),
+    # The text model of Qwen2.5-VL on its own (Qwen-Image loads the whole conditional-generation class).
+    "Qwen2_5_VLTextModel": (("layers", "num_hidden_layers"),),
+    "SiglipVisionModel": (("encoder.layers", "num_hidden_layers"),),
+}
+"""The repeated blocks of the family's classes: what layer-wise offload streams and the step caches hook."""
 
 HUNYUAN_15_DEFAULTS = SamplingDefaults(
     width=848, height=480, num_frames=121, num_inference_steps=50, guidance_scale=6.0, fps=24

@@ -1,0 +1,138 @@
+"""Native HunyuanVideo 1.5 facts beyond the conformance suite (test_family_conformance.py: diffusers parity for T2V
+and I2V, merged rows, continuous joins, residency): bad input over HTTP with the official client (nothing queued),
+the video VAE's resident layers, and a served video equal to the in-process run.
+
+Tolerances: 0/255 against the resident run (same process, same kernels); the served MP4 decodes to exactly the
+pixels of the same encode of the in-process frames.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from diffuserve.config.plan import ResidencyMode
+from diffuserve.runtime.ledger import TransferLedger
+from diffuserve.sampling import build_sampling_params
+from tests.serverproc import ServerProcess
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK marks its video methods deprecated
+
+SMALL = {"width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 2}
+
+
+def _png(seed: int = 0, size: int = 32) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray((np.random.RandomState(seed).rand(size, size, 3) * 255).astype("uint8")).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def t2v(tiny_checkpoint, family_pipeline):
+    return family_pipeline(tiny_checkpoint("hunyuan-video-1.5"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    logs = tmp_path_factory.mktemp("hv15")
+    proc = ServerProcess(
+        ["--model-path", str(tiny_checkpoint("hunyuan-video-1.5")), "--served-model-name", "tiny-hv15"],
+        logs / "server.log",
+    )
+    proc.start(timeout_s=300)
+    yield proc
+    proc.stop()
+
+
+def _jobs(server: ServerProcess) -> int:
+    return len(httpx.get(f"{server.base_url}/v1/videos", params={"limit": 100}, timeout=30).json()["data"])
+
+
+def test_bad_input_is_a_400_naming_the_field_and_nothing_is_queued(server: ServerProcess) -> None:
+    """A frame count the VAE's 2x time stride cannot take (with the nearest valid counts), a size off the 4-pixel
+    grid (the VAE's 4x space times the DiT's patch 1), an image on the text-to-video checkpoint."""
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    before = _jobs(server)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.videos.create(prompt="x", size="32x32", extra_body={"num_frames": 4})  # type: ignore[arg-type]
+    assert err.value.body["param"] == "num_frames" and "use 3 or 5" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.videos.create(prompt="x", size="34x32")  # type: ignore[arg-type]
+    assert err.value.body["param"] == "size" and "multiple of 4" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.videos.create(prompt="x", size="32x32", input_reference=("in.png", _png(), "image/png"))  # type: ignore[arg-type]
+    assert err.value.body["param"] == "input_reference"
+    assert _jobs(server) == before  # every refused create left nothing behind
+
+
+def test_served_video_equals_the_in_process_run(server: ServerProcess, t2v) -> None:
+    from diffuserve.media.video import decode_frames, encode_mp4
+
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    video = client.videos.create_and_poll(
+        prompt="a red fox", size="32x32", extra_body={"seed": 3, "num_frames": 5}  # type: ignore[arg-type]
+    )
+    assert video.status == "completed", video
+    served = client.videos.download_content(video.id).read()
+    params = build_sampling_params(t2v.describe_model(), prompt="a red fox", seed=3, width=32, height=32, num_frames=5)
+    frames = t2v.run([params]).outputs[0].videos[0]
+    assert len(frames) == 5
+    # The same frames through the same encoder decode to the same pixels.
+    want = decode_frames(encode_mp4(frames, fps=params.fps))
+    got = decode_frames(served)
+    assert len(got) == len(want) == 5
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want, strict=True))
+
+
+def test_video_vae_resident_layers_equal_the_resident_run(t2v) -> None:
+    """`--layerwise-resident-layers vae=N` / `--layerwise-residency-lifetime vae=forward|permanent`: the streamed,
+    forward-resident and permanent-resident VAE decode equal the resident run; a resident set moves once per request
+    (forward) or never (permanent), a streamed decoder block moves in each request."""
+    from diffuserve.config.plan import ComponentPlan, DeploymentPlan, Lifetime
+    from diffuserve.runtime.residency import build_residency
+
+    params = build_sampling_params(t2v.describe_model(), prompt="a red kite", seed=4, **SMALL)
+    reference = t2v.run([params]).outputs[0].videos
+    blocks = len(t2v.vae.decoder.up_blocks)
+    moved: dict[str, int] = {}
+    for label, resident, lifetime in (
+        ("streamed", 0, Lifetime.FORWARD),
+        ("forward", blocks, Lifetime.FORWARD),
+        ("permanent", blocks, Lifetime.PERMANENT),
+    ):
+        plan = DeploymentPlan(
+            components={
+                "vae": ComponentPlan(
+                    name="vae",
+                    group="vae",
+                    mode=ResidencyMode.LAYERWISE_OFFLOAD,
+                    resident_layers=resident,
+                    lifetime=lifetime,
+                )
+            }
+        )
+        ledger = TransferLedger()
+        manager = build_residency(plan, {"vae": t2v.vae}, device="cpu", ledger=ledger)
+        previous, t2v.residency = t2v.residency, manager
+        try:
+            ledger.begin_window()
+            got = t2v.run([params]).outputs[0].videos
+            moved[label] = sum(
+                m.nbytes
+                for m in ledger.window_summary().moves
+                if m.direction == "h2d" and (m.layer or "").startswith("decoder.up_blocks")
+            )
+        finally:
+            t2v.residency = previous
+            manager.close()
+        assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got[0], reference[0], strict=True))
+    decoder_bytes = sum(p.numel() * p.element_size() for p in t2v.vae.decoder.up_blocks.parameters())
+    assert moved["streamed"] >= decoder_bytes  # the ledger: each streamed block's bytes, in every request
+    assert moved["forward"] == decoder_bytes  # placed once when the VAE's stage begins
+    assert moved["permanent"] == 0  # placed at set-up, never moved per request
