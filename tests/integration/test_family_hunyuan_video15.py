@@ -136,3 +136,41 @@ def test_video_vae_resident_layers_equal_the_resident_run(t2v) -> None:
     assert moved["streamed"] >= decoder_bytes  # the ledger: each streamed block's bytes, in every request
     assert moved["forward"] == decoder_bytes  # placed once when the VAE's stage begins
     assert moved["permanent"] == 0  # placed at set-up, never moved per request
+
+
+def test_taylorseer_and_calibrated_magcache_decide_per_row(t2v) -> None:
+    """TaylorSeer and MagCache (with this checkpoint's own calibration, `calibrate-cache`) over the DiT's
+    `transformer_blocks`: rows with different settings in one batch each equal their run alone, counts included
+    (fbcache: test_step_cache.py's per-family check)."""
+    import dataclasses
+
+    from diffuserve.config.step_cache import parse_step_cache
+    from diffuserve.tools.calibrate_cache import calibrate
+
+    steps = 6
+    ratios = calibrate(t2v, steps=steps)["mag_ratios"]
+    assert len(ratios) == steps
+    base = build_sampling_params(
+        t2v.describe_model(), prompt="x", seed=0, **{**SMALL, "num_inference_steps": steps}
+    )
+    for method, options in (
+        ("taylorseer", ({"refresh_interval": 1}, {"refresh_interval": 3, "order": 2})),
+        ("magcache", ({"threshold": 0.01}, {"threshold": 0.5, "retention_ratio": 0.2})),
+    ):
+        # The server fills a magcache row's ratios from --step-cache-calibration; here they are set directly.
+        extra = {"mag_ratios": tuple(ratios)} if method == "magcache" else {}
+        settings = [dataclasses.replace(parse_step_cache({"method": method, **o}), **extra) for o in options]
+        batch = [
+            dataclasses.replace(base, prompt=f"a kite {i}", seed=i, step_cache=cache)
+            for i, cache in enumerate(settings)
+        ]
+        merged = t2v.run(batch).outputs
+        assert merged[0].step_cache != merged[1].step_cache, method
+        for params, output in zip(batch, merged, strict=True):
+            alone = t2v.run([params]).outputs[0]
+            assert alone.step_cache == output.step_cache
+            diff = np.abs(
+                np.stack([np.asarray(f, dtype=np.int16) for f in output.videos[0]])
+                - np.stack([np.asarray(f, dtype=np.int16) for f in alone.videos[0]])
+            ).max()
+            assert diff <= 1, (method, params.step_cache)

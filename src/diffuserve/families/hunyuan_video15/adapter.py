@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15TransformerBlock
 from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
 from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import HunyuanVideo15Pipeline
 from PIL import Image
@@ -30,6 +32,13 @@ from diffuserve.errors import CheckpointError, InvalidRequestError
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.stages import Cond, DenoiseState
+
+# diffusers 0.42.1 registers HunyuanVideo's blocks but not 1.5's: say where its (hidden, encoder hidden) outputs sit,
+# so the step caches (pipelines/step_cache.py) and diffusers' own cache hooks can cut at its blocks.
+TransformerBlockRegistry.register(
+    model_class=HunyuanVideo15TransformerBlock,
+    metadata=TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=1),
+)
 
 REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
 """The components every HunyuanVideo 1.5 checkpoint has (the guider is optional: it only names the default scale)."""
