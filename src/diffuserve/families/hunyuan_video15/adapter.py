@@ -40,6 +40,65 @@ TransformerBlockRegistry.register(
     metadata=TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=1),
 )
 
+
+class TextFirstAttnProcessor:
+    """`HunyuanVideo15AttnProcessor2_0` with the joint sequence laid out as `[text, video]` and a key-padding mask.
+
+    diffusers' processor attends over `[video, text]` with a (batch, 1, S, S) mask that also blanks the padded text
+    queries. Here the same keys are masked for every query, so each video token (and each real text token) sees
+    exactly what it sees there; only padded text tokens, which no one attends to and the output drops, differ. The
+    layout is the one the sequence split (`parallel/sequence.py`: text replicated, video tokens sharded) and its
+    key-padding mask read, so one process and a sequence-parallel group run the same processor. Attention goes
+    through the diffusers module's `dispatch_attention_fn`, looked up per call, where the split hooks in.
+    """
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from diffusers.models.embeddings import apply_rotary_emb
+        from diffusers.models.transformers import transformer_hunyuan_video15 as module
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.unflatten(2, (attn.heads, -1))
+
+        query, key, value = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states)), heads(attn.to_v(hidden_states))
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        text_query = heads(attn.add_q_proj(encoder_hidden_states))
+        text_key = heads(attn.add_k_proj(encoder_hidden_states))
+        text_value = heads(attn.add_v_proj(encoder_hidden_states))
+        if attn.norm_added_q is not None:
+            text_query = attn.norm_added_q(text_query)
+        if attn.norm_added_k is not None:
+            text_key = attn.norm_added_k(text_key)
+        text = encoder_hidden_states.shape[1]
+        keep = attention_mask.bool()
+        keep = torch.cat([keep, keep.new_ones(keep.shape[0], query.shape[1])], dim=1)[:, None, None]
+        out = module.dispatch_attention_fn(
+            torch.cat([text_query, query], dim=1),
+            torch.cat([text_key, key], dim=1),
+            torch.cat([text_value, value], dim=1),
+            attn_mask=keep,
+            dropout_p=0.0,
+            is_causal=False,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        out = out.flatten(2, 3).to(query.dtype)
+        video = attn.to_out[1](attn.to_out[0](out[:, text:]))
+        return video, attn.to_add_out(out[:, :text])
+
+
 REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
 """The components every HunyuanVideo 1.5 checkpoint has (the guider is optional: it only names the default scale)."""
 
@@ -69,6 +128,8 @@ class HunyuanVideo15NativePipeline(stages.RecipePipeline):
             "vae": self.vae,
             "transformer": self.transformer,
         }
+        for block in self.transformer.transformer_blocks:  # [text, video] with a key-padding mask (see the class)
+            block.attn.set_processor(TextFirstAttnProcessor())
         self.temporal_factor = int(self.vae.config.temporal_compression_ratio)
         self.spatial_factor = int(self.vae.config.spatial_compression_ratio)
         self.frame_multiple = self.temporal_factor
