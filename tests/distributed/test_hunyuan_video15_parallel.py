@@ -68,7 +68,9 @@ def _rank_main(rank: int, world: int, init_file: str, checkpoints: dict[str, str
             counts = [0, 0]
             if lever in ("ulysses", "ring"):
                 sp = enable_sequence_parallel(
-                    pipe, ulysses_group=group if lever == "ulysses" else None, ring_group=group if lever == "ring" else None
+                    pipe,
+                    ulysses_group=group if lever == "ulysses" else None,
+                    ring_group=group if lever == "ring" else None,
                 )
                 result = _run(pipe)
                 counts = [sp.calls, sp.attention_calls]

@@ -683,7 +683,12 @@ CASES: tuple[FamilyCase, ...] = (
         merge_batches=(
             (
                 {"prompt": SHORT, "seed": 1, "guidance_scale": 3.0},
-                {"prompt": 'a dog holding a sign "HELLO" on a long sandy beach', "seed": 2, "guidance_scale": 3.0, "n": 2},
+                {
+                    "prompt": 'a dog holding a sign "HELLO" on a long sandy beach',
+                    "seed": 2,
+                    "guidance_scale": 3.0,
+                    "n": 2,
+                },
                 {"prompt": "a kite", "seed": 7, "guidance_scale": 3.0, "negative_prompt": "dark"},
             ),
         ),

@@ -76,7 +76,9 @@ def test_served_video_equals_the_in_process_run(server: ServerProcess, t2v) -> N
 
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
     video = client.videos.create_and_poll(
-        prompt="a red fox", size="32x32", extra_body={"seed": 3, "num_frames": 5}  # type: ignore[arg-type]
+        prompt="a red fox",
+        size="32x32",
+        extra_body={"seed": 3, "num_frames": 5},  # type: ignore[arg-type]
     )
     assert video.status == "completed", video
     served = client.videos.download_content(video.id).read()
@@ -150,9 +152,7 @@ def test_taylorseer_and_calibrated_magcache_decide_per_row(t2v) -> None:
     steps = 6
     ratios = calibrate(t2v, steps=steps)["mag_ratios"]
     assert len(ratios) == steps
-    base = build_sampling_params(
-        t2v.describe_model(), prompt="x", seed=0, **{**SMALL, "num_inference_steps": steps}
-    )
+    base = build_sampling_params(t2v.describe_model(), prompt="x", seed=0, **{**SMALL, "num_inference_steps": steps})
     for method, options in (
         ("taylorseer", ({"refresh_interval": 1}, {"refresh_interval": 3, "order": 2})),
         ("magcache", ({"threshold": 0.01}, {"threshold": 0.5, "retention_ratio": 0.2})),

@@ -1,4 +1,5 @@
-"""Video families through the diffusers backend, each on its tiny checkpoint: HunyuanVideo, LTX-2 and Helios. The backend's frames equal the diffusers pipeline class called directly with the same
+"""Video families through the diffusers backend, each on its tiny checkpoint: HunyuanVideo, LTX-2 and Helios. The
+backend's frames equal the diffusers pipeline class called directly with the same
 arguments and seed (1/255 per pixel), and a merged batch equals the solo runs where the family batches.
 (Byte-identical rebuilds, and HunyuanVideo's real server answering the official `openai` SDK's video methods:
 the conformance suite, test_family_conformance.py.)"""

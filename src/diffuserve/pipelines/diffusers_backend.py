@@ -116,9 +116,8 @@ class DiffusersBackendPipeline(Pipeline):
         if self.layered:
             self.min_image_inputs = 1
             self.max_image_inputs = 1
-        # False where diffusers cannot run a prompt list; unknown families batch. diffusers 0.42.1's HunyuanVideo 1.5
-        # VAE cannot decode a batch (its mid-block attention mask), so its pipeline never gets one (the native
-        # adapter decodes row by row and merges).
+        # False where diffusers cannot run a prompt list (unknown families batch): diffusers 0.42.1's HunyuanVideo
+        # 1.5 VAE cannot decode a batch (its attention mask); the native adapter decodes row by row and merges.
         self.supports_batching = self.spec.supports_batching and (
             type(getattr(pipe, "vae", None)).__name__ != "AutoencoderKLHunyuanVideo15"
         )

@@ -69,7 +69,11 @@ class TextFirstAttnProcessor:
         def heads(x: torch.Tensor) -> torch.Tensor:
             return x.unflatten(2, (attn.heads, -1))
 
-        query, key, value = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states)), heads(attn.to_v(hidden_states))
+        query, key, value = (
+            heads(attn.to_q(hidden_states)),
+            heads(attn.to_k(hidden_states)),
+            heads(attn.to_v(hidden_states)),
+        )
         query, key = attn.norm_q(query), attn.norm_k(key)
         if image_rotary_emb is not None:
             query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
@@ -233,7 +237,9 @@ class HunyuanVideo15NativePipeline(stages.RecipePipeline):
         timestep_r = None
         if model.config.use_meanflow:  # the distilled checkpoints: the next timestep (0 after the last)
             index = int((state.timesteps == timestep[0]).nonzero()[0])
-            following = state.timesteps[index + 1] if index + 1 < len(state.timesteps) else state.timesteps.new_zeros(())
+            following = (
+                state.timesteps[index + 1] if index + 1 < len(state.timesteps) else state.timesteps.new_zeros(())
+            )
             timestep_r = following.expand(latents.shape[0]).to(latents.dtype)
         return model(
             hidden_states=torch.cat([latents, condition], dim=1).to(model.dtype),

@@ -49,7 +49,6 @@ def _t2v_components() -> dict[str, Any]:
     from diffusers import (
         AutoencoderKLHunyuanVideo15,
         FlowMatchEulerDiscreteScheduler,
-        HunyuanVideo15Pipeline,
         HunyuanVideo15Transformer3DModel,
     )
     from diffusers.guiders import ClassifierFreeGuidance
@@ -166,5 +165,3 @@ def build_hunyuan_video_15_i2v(output_dir: Path) -> None:
     index["feature_extractor"] = ["transformers", "SiglipImageProcessor"]
     index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     write_defaults(output_dir, HUNYUAN_15_TINY_DEFAULTS)
-
-
