@@ -174,3 +174,25 @@ def test_taylorseer_and_calibrated_magcache_decide_per_row(t2v) -> None:
                 - np.stack([np.asarray(f, dtype=np.int16) for f in alone.videos[0]])
             ).max()
             assert diff <= 1, (method, params.step_cache)
+
+
+def test_flow_shift_equals_diffusers_with_that_static_shift(t2v, tiny_checkpoint, diffusers_pipeline) -> None:
+    """A request's `flow_shift` runs what diffusers runs when its FlowMatchEuler scheduler has that shift (1/255)."""
+    from diffuserve.pipelines.batch_rows import scheduler_template
+    from tests.integration.family_checks import max_pixel_diff
+    from tests.integration.family_references import Subject, hunyuan_video_15_reference
+
+    assert "flow_shift" in t2v.request_fields()
+    fields = {"prompt": "a cat surfing", "seed": 3, "guidance_scale": 3.0, **SMALL, "num_inference_steps": 3}
+    params = build_sampling_params(t2v.describe_model(), **fields, flow_shift=2.5)
+    ours = t2v.run([params]).outputs[0].videos
+    path = tiny_checkpoint("hunyuan-video-1.5")
+    pipe = diffusers_pipeline("HunyuanVideo15Pipeline", path)
+    original, pipe.scheduler = pipe.scheduler, scheduler_template(pipe.scheduler, 2.5)
+    try:
+        theirs = hunyuan_video_15_reference(Subject(t2v, path, diffusers_pipeline), params)
+    finally:
+        pipe.scheduler = original
+    assert max_pixel_diff(ours, theirs) <= 1
+    unshifted = t2v.run([build_sampling_params(t2v.describe_model(), **fields)]).outputs[0].videos
+    assert max_pixel_diff(ours, unshifted) > 0, "flow_shift did not reach the schedule"
