@@ -196,3 +196,18 @@ def test_flow_shift_equals_diffusers_with_that_static_shift(t2v, tiny_checkpoint
     assert max_pixel_diff(ours, theirs) <= 1
     unshifted = t2v.run([build_sampling_params(t2v.describe_model(), **fields)]).outputs[0].videos
     assert max_pixel_diff(ours, unshifted) > 0, "flow_shift did not reach the schedule"
+
+
+def test_continuous_join_with_cfg_and_glyph_texts_equals_each_run_alone(t2v) -> None:
+    """The suite's continuous check runs the tiny checkpoint's default (guidance 1, no CFG); here CFG with negative
+    prompts, a quoted glyph text (ByT5 mask) and texts of different lengths join a running group (<= 1/255)."""
+    from diffuserve.sampling import SamplingParams
+    from tests.integration.family_checks import max_pixel_diff, simulate_steps
+    from tests.integration.family_references import outputs_of
+
+    common = {"width": 32, "height": 32, "num_frames": 5, "guidance_scale": 3.0}
+    a = SamplingParams(prompt="a red square", negative_prompt="dark", seed=1, num_inference_steps=3, **common)
+    b = SamplingParams(prompt='a long prompt about a blue sign saying "OPEN"', seed=2, num_inference_steps=2, **common)
+    got = simulate_steps(t2v, {0: [a], 1: [b]})
+    for i, params in enumerate([a, b]):
+        assert max_pixel_diff(got[i], outputs_of(t2v, t2v.run([params]).outputs[0])) <= 1, i
