@@ -93,13 +93,18 @@ def test_backend_frames_equal_the_diffusers_pipeline(case: Case, tiny_checkpoint
     )  # the prompts matter
 
 
-def test_hunyuan_video_15_cannot_decode_a_prompt_list_in_diffusers(tiny_checkpoint, diffusers_pipeline):
+def test_hunyuan_video_15_cannot_decode_a_prompt_list_in_diffusers(
+    tiny_checkpoint, family_pipeline, diffusers_pipeline
+):
     """Why the native HunyuanVideo 1.5 decode runs the VAE one row at a time (families/hunyuan_video15/adapter.py):
     diffusers' HunyuanVideo 1.5 VAE attention mask breaks for a batch of two. When a diffusers release fixes it this
     fails, and the native decode can decode the batch at once."""
     import torch
 
-    pipe = diffusers_pipeline("HunyuanVideo15Pipeline", tiny_checkpoint("hunyuan-video-1.5"))
+    path = tiny_checkpoint("hunyuan-video-1.5")
+    # So `--backend diffusers` never hands this pipeline a batch (the native family merges rows).
+    assert family_pipeline(path, "diffusers").supports_batching is False
+    pipe = diffusers_pipeline("HunyuanVideo15Pipeline", path)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="broadcast shape"):
         pipe(
             prompt=["a red fox", "a cat surfing"],
