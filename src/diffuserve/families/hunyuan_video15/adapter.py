@@ -17,6 +17,7 @@ embedding is zero).
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -111,6 +112,8 @@ class HunyuanVideo15NativePipeline(stages.RecipePipeline):
     """HunyuanVideo 1.5 text-to-video: one DiT, classic CFG, rows merge and join running groups."""
 
     family = "hunyuan_video_15"
+    meanflow_timestep = False
+    """Pass `timestep_r` to a `use_meanflow` DiT: diffusers' I2V pipeline does, its T2V pipeline does not."""
     masked_sequences = {"prompt_embeds": "prompt_mask", "prompt_embeds_2": "prompt_mask_2"}
 
     def __init__(
@@ -200,7 +203,7 @@ class HunyuanVideo15NativePipeline(stages.RecipePipeline):
 
     def uses_cfg(self, head: Any) -> bool:
         # The guider's rule (ClassifierFreeGuidance._is_cfg_enabled): CFG unless the scale is 1.
-        return not np.isclose(head.guidance_scale, 1.0)
+        return not math.isclose(head.guidance_scale, 1.0)
 
     def cfg_scale(self, head: Any) -> float:
         return head.guidance_scale
@@ -235,7 +238,7 @@ class HunyuanVideo15NativePipeline(stages.RecipePipeline):
         condition, image_embeds = self.condition(latents, state)
         model = self.transformer
         timestep_r = None
-        if model.config.use_meanflow:  # the distilled checkpoints: the next timestep (0 after the last)
+        if self.meanflow_timestep and model.config.use_meanflow:  # the next timestep (0 after the last)
             index = int((state.timesteps == timestep[0]).nonzero()[0])
             following = (
                 state.timesteps[index + 1] if index + 1 < len(state.timesteps) else state.timesteps.new_zeros(())
@@ -293,6 +296,7 @@ class HunyuanVideo15I2VNativePipeline(HunyuanVideo15NativePipeline):
 
     family = "hunyuan_video_15_i2v"
     min_image_inputs = 1
+    meanflow_timestep = True
 
     def __init__(self, *, components: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(components=components, **kwargs)
