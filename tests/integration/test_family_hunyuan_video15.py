@@ -1,6 +1,7 @@
 """Native HunyuanVideo 1.5 facts beyond the conformance suite (test_family_conformance.py: diffusers parity for T2V
 and I2V, merged rows, continuous joins, residency): bad input over HTTP with the official client (nothing queued),
-the video VAE's resident layers, and a served video equal to the in-process run.
+a served video equal to the in-process run, the video VAE's resident layers, step caches per row, `flow_shift`
+and a distilled (meanflow) I2V DiT against diffusers, a CFG continuous join.
 
 Tolerances: 0/255 against the resident run (same process, same kernels); the served MP4 decodes to exactly the
 pixels of the same encode of the in-process frames.
@@ -211,3 +212,37 @@ def test_continuous_join_with_cfg_and_glyph_texts_equals_each_run_alone(t2v) -> 
     got = simulate_steps(t2v, {0: [a], 1: [b]})
     for i, params in enumerate([a, b]):
         assert max_pixel_diff(got[i], outputs_of(t2v, t2v.run([params]).outputs[0])) <= 1, i
+
+
+def test_meanflow_i2v_equals_diffusers(tiny_checkpoint, tmp_path) -> None:
+    """A distilled (`use_meanflow`) I2V DiT takes the next timestep as `timestep_r`, as diffusers' I2V pipeline
+    passes it (1/255): the tiny I2V checkpoint with its transformer rebuilt under `use_meanflow=True`."""
+    import shutil
+
+    import diffusers
+    import torch
+    from diffusers import HunyuanVideo15Transformer3DModel
+    from PIL import Image
+
+    from diffuserve.models.loader import load_pipeline
+    from tests.integration.family_checks import max_pixel_diff
+    from tests.integration.family_references import Subject, hunyuan_video_15_i2v_reference
+
+    path = tmp_path / "meanflow"
+    shutil.copytree(tiny_checkpoint("hunyuan-video-1.5-i2v"), path)
+    config = dict(HunyuanVideo15Transformer3DModel.load_config(path / "transformer"))
+    torch.manual_seed(0)
+    transformer = HunyuanVideo15Transformer3DModel.from_config({**config, "use_meanflow": True}).eval()
+    shutil.rmtree(path / "transformer")
+    transformer.save_pretrained(path / "transformer")
+    native = load_pipeline(path)
+    params = build_sampling_params(
+        native.describe_model(), prompt="a cat", seed=3, guidance_scale=1.0, image_inputs=(_png(1),), **SMALL
+    )
+    ours = native.run([params]).outputs[0].videos
+    pipe = diffusers.HunyuanVideo15ImageToVideoPipeline.from_pretrained(path, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.inference_mode():
+        theirs = hunyuan_video_15_i2v_reference(Subject(native, path, lambda _c, _p: pipe), params)
+    assert max_pixel_diff(ours, theirs) <= 1
+    assert Image.open(io.BytesIO(params.image_inputs[0])).size == (32, 32)  # the tiny target size's bucket
