@@ -8,7 +8,8 @@ Tolerances are uint8 steps (of 255) per pixel channel:
 - native vs a diffusers pipeline built on the SAME loaded modules, or on the same folder with the same classes
   (sana, z-image, qwen edit, wan, ernie, layered): exact (0). Same kernels on the same tensors in the same order;
   any difference is a recipe bug.
-- native vs a separately loaded diffusers copy where safetensors alignment moves CPU kernels (sd3): <= 1.
+- native vs a separately loaded diffusers copy where safetensors alignment moves CPU kernels (sd3): <= 1; HunyuanVideo
+  1.5 (T2V, I2V): <= 1 (native cuts the masked text padding, so attention sums over fewer zero terms; observed 0).
 - a merged row vs its singleton run: <= 1 (batched kernels may reorder float sums); observed 0-1.
 - residency modes vs resident: 0 (the runtime re-attaches the same tensors on CPU); FLUX.2 keeps its <= 1.
 """
@@ -25,6 +26,8 @@ from tests.integration.family_references import (
     encoded_tokens,
     ernie_reference,
     flux2_reference,
+    hunyuan_video_15_i2v_reference,
+    hunyuan_video_15_reference,
     layered_reference,
     ltx2_reference,
     png,
@@ -668,9 +671,74 @@ CASES: tuple[FamilyCase, ...] = (
         "hunyuan-video-1.5",
         "hunyuan-video-1.5",
         "hunyuan_video_15",
-        "DiffusersBackendPipeline",
+        "HunyuanVideo15NativePipeline",
         output="video",
+        build_params=video_params,
         max_bytes=20 * 2**20,
+        reference=hunyuan_video_15_reference,
+        reference_tolerance=1,
+        reference_params=(
+            ("no-cfg", {"prompt": "a cat surfing", "seed": 3, "guidance_scale": 1.0}),
+            (
+                "cfg-negative-glyphs",
+                {"prompt": 'a sign that says "OPEN"', "seed": 5, "guidance_scale": 4.0, "negative_prompt": "blurry"},
+            ),
+        ),
+        # Rows decode one at a time (diffusers 0.42.1's VAE cannot decode a batch); texts of different lengths, a
+        # quoted glyph text (ByT5) in one row only, a negative prompt and n per row.
+        merge_batches=(
+            (
+                {"prompt": SHORT, "seed": 1, "guidance_scale": 3.0},
+                {
+                    "prompt": 'a dog holding a sign "HELLO" on a long sandy beach',
+                    "seed": 2,
+                    "guidance_scale": 3.0,
+                    "n": 2,
+                },
+                {"prompt": "a kite", "seed": 7, "guidance_scale": 3.0, "negative_prompt": "dark"},
+            ),
+        ),
+        merged_rows_differ=True,
+        continuous=True,
+        size_multiple=4,
+        off_grid=((34, 32), (32, 30)),
+        residency_batch=({"prompt": "a red kite", "seed": 4, "guidance_scale": 3.0},),
+        layered=frozenset({"transformer", "text_encoder", "text_encoder_2", "vae"}),
+        streamed_layers=frozenset({("transformer", "transformer_blocks"), ("vae", "decoder.up_blocks")}),
+    ),
+    FamilyCase(
+        "hunyuan-video-1.5-i2v",
+        "hunyuan-video-1.5-i2v",
+        "hunyuan_video_15_i2v",
+        "HunyuanVideo15I2VNativePipeline",
+        output="video",
+        build_params=video_params,
+        max_bytes=20 * 2**20,
+        reference=hunyuan_video_15_i2v_reference,
+        reference_tolerance=1,
+        reference_params=(
+            ("no-cfg", {"prompt": "a cat", "seed": 2, "guidance_scale": 1.0, "image_inputs": (png(32, 32, 1),)}),
+            (
+                "cfg-negative",
+                {
+                    "prompt": "a cat",
+                    "seed": 2,
+                    "guidance_scale": 4.0,
+                    "negative_prompt": "blurry",
+                    "image_inputs": (png(32, 32, 1),),
+                },
+            ),
+        ),
+        # Each row conditions on its own request's image.
+        merge_batches=(
+            (
+                {"prompt": SHORT, "seed": 1, "guidance_scale": 3.0, "image_inputs": (png(32, 32, 1),)},
+                {"prompt": "a dog", "seed": 2, "guidance_scale": 3.0, "n": 2, "image_inputs": (png(48, 32, 2),)},
+            ),
+        ),
+        merged_rows_differ=True,
+        residency_batch=({"prompt": "a kite", "seed": 5, "guidance_scale": 3.0, "image_inputs": (png(32, 32, 2),)},),
+        layered=frozenset({"transformer", "text_encoder", "text_encoder_2", "vae", "image_encoder"}),
     ),
     FamilyCase(
         "ltx2",

@@ -302,6 +302,40 @@ def ltx2_reference(subject: Subject, params: SamplingParams) -> list:
     return [_uint8_frames(clip) for clip in ltx2_call(subject, params).frames]
 
 
+def _hunyuan_video_15_call(pipe: Any, params: SamplingParams, **inputs: Any) -> list:
+    """One request through a HunyuanVideo 1.5 pipeline: its guidance lives in the guider (`__call__` takes none), so
+    the call swaps in a guider of the request's scale. n == 1 only: diffusers 0.42.1's VAE cannot decode a batch."""
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    assert params.n == 1, "diffusers 0.42.1's HunyuanVideo 1.5 VAE decodes one video per call"
+    saved, pipe.guider = pipe.guider, ClassifierFreeGuidance(guidance_scale=params.guidance_scale)
+    try:
+        frames = pipe(
+            prompt=params.prompt,
+            negative_prompt=params.negative_prompt,
+            num_frames=params.num_frames,
+            num_inference_steps=params.num_inference_steps,
+            output_type="np",
+            generator=torch.Generator().manual_seed(params.seed),
+            **inputs,
+        ).frames[0]
+    finally:
+        pipe.guider = saved
+    return [_uint8_frames(frames)]
+
+
+def hunyuan_video_15_reference(subject: Subject, params: SamplingParams) -> list:
+    pipe = subject.diffusers("HunyuanVideo15Pipeline", subject.path)
+    return _hunyuan_video_15_call(pipe, params, height=params.height, width=params.width)
+
+
+def hunyuan_video_15_i2v_reference(subject: Subject, params: SamplingParams) -> list:
+    """The I2V pipeline sizes the video by the image (the `target_size` bucket nearest its aspect): the test images
+    are square at the tiny checkpoint's target size, so that bucket is the request's size."""
+    pipe = subject.diffusers("HunyuanVideo15ImageToVideoPipeline", subject.path)
+    return _hunyuan_video_15_call(pipe, params, image=_rgb(params)[0])
+
+
 def ernie_reference(subject: Subject, params: SamplingParams) -> list:
     return subject.diffusers("ErnieImagePipeline", subject.path)(
         [params.prompt] * params.n,

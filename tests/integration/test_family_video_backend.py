@@ -1,7 +1,8 @@
-"""Video families through the diffusers backend, each on its tiny checkpoint: HunyuanVideo, HunyuanVideo 1.5
-and Helios (LTX-2 runs natively by default, test_family_ltx2.py; `--backend diffusers` still serves it, below).
-The backend's frames equal the diffusers pipeline class called directly with the same arguments and seed
-(1/255 per pixel), and a merged batch equals the solo runs where the family batches.
+"""Video families through the diffusers backend, each on its tiny checkpoint: HunyuanVideo and Helios
+(HunyuanVideo 1.5 and LTX-2 run natively by default, test_family_hunyuan_video15.py and test_family_ltx2.py;
+`--backend diffusers` still serves LTX-2, below). The backend's frames equal the diffusers pipeline class called
+directly with the same arguments and seed (1/255 per pixel), and a merged batch equals the solo runs where the
+family batches.
 (Byte-identical rebuilds, and HunyuanVideo's real server answering the official `openai` SDK's video methods:
 the conformance suite, test_family_conformance.py.)"""
 
@@ -32,7 +33,6 @@ class Case:
 
 CASES = (
     Case("hunyuan-video", "HunyuanVideoPipeline", "hunyuan_video", 5, 5, True),
-    Case("hunyuan-video-1.5", "HunyuanVideo15Pipeline", "hunyuan_video_15", 5, 5, False),
     Case("helios", "HeliosPipeline", "helios", 33, 33, True, (("max_sequence_length", 64),)),
 )
 PROMPTS = (("a red fox", 3), ("a cat surfing", 9))
@@ -52,8 +52,7 @@ def _direct(pipe: Any, case: Case, prompt: str, seed: int, params: Any) -> tuple
         "output_type": "np",
         **dict(case.extra),
     }
-    if case.family != "hunyuan_video_15":  # its guidance lives in the saved guider, not in __call__
-        kwargs["guidance_scale"] = params.guidance_scale
+    kwargs["guidance_scale"] = params.guidance_scale
     if case.family == "ltx2":  # the backend passes the request's fps (LTX-2's positions and sound length use it)
         kwargs["frame_rate"] = float(params.fps)
     with torch.inference_mode():
@@ -106,12 +105,18 @@ def test_backend_frames_equal_the_diffusers_pipeline(case: Case, tiny_checkpoint
     )  # the prompts matter
 
 
-def test_hunyuan_video_15_cannot_decode_a_prompt_list_in_diffusers(tiny_checkpoint, diffusers_pipeline):
-    """Why its spec says supports_batching=False: diffusers' HunyuanVideo 1.5 VAE attention mask breaks for a
-    batch of two. When a diffusers release fixes it this fails, and the family can batch."""
+def test_hunyuan_video_15_cannot_decode_a_prompt_list_in_diffusers(
+    tiny_checkpoint, family_pipeline, diffusers_pipeline
+):
+    """Why the native HunyuanVideo 1.5 decode runs the VAE one row at a time (families/hunyuan_video15/adapter.py):
+    diffusers' HunyuanVideo 1.5 VAE attention mask breaks for a batch of two. When a diffusers release fixes it this
+    fails, and the native decode can decode the batch at once."""
     import torch
 
-    pipe = diffusers_pipeline("HunyuanVideo15Pipeline", tiny_checkpoint("hunyuan-video-1.5"))
+    path = tiny_checkpoint("hunyuan-video-1.5")
+    # So `--backend diffusers` never hands this pipeline a batch (the native family merges rows).
+    assert family_pipeline(path, "diffusers").supports_batching is False
+    pipe = diffusers_pipeline("HunyuanVideo15Pipeline", path)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="broadcast shape"):
         pipe(
             prompt=["a red fox", "a cat surfing"],

@@ -6,7 +6,9 @@ The bars (issue 20), per family: a request alone equals diffusers' own pipeline 
 rows with different adapters (and none) in one batch, or in a continuous group that requests with other adapters
 join mid-run, equal their singletons (<= 1/255). Wan2.2 A14B: one adapter
 goes into `transformer` and one into `transformer_2`, as diffusers' `load_into_transformer_2=True` puts it.
-Wan2.1's second adapter is a community file (original `diffusion_model.*` keys) that diffusers converts.
+Wan2.1's second adapter is a community file (original `diffusion_model.*` keys) that diffusers converts. HunyuanVideo
+1.5's pipeline has no LoRA mixin in diffusers 0.42: its reference loads through the family's loader and the
+transformer's own `load_lora_adapter` / `set_adapters`.
 The calls and requests are the family conformance suite's (family_conformance.py / family_references.py), made
 small: one output, two steps (Wan: three).
 """
@@ -35,7 +37,18 @@ from tests.integration.family_references import (
     qwen_reference,
 )
 
-FAMILIES = ("flux2-klein", "qwen-image", "qwen-image-edit", "z-image", "sd3", "sana", "wan", "wan2.2", "ltx2")
+FAMILIES = (
+    "flux2-klein",
+    "qwen-image",
+    "qwen-image-edit",
+    "z-image",
+    "sd3",
+    "sana",
+    "wan",
+    "wan2.2",
+    "ltx2",
+    "hunyuan-video-1.5",
+)
 
 
 def _adapters(case: FamilyCase, path: Path, root: Path) -> dict[str, tuple[str, Path]]:
@@ -90,6 +103,19 @@ def _reference(case: FamilyCase, path: Path, adapters: dict[str, tuple[str, Path
         class_name = json.loads((path / "model_index.json").read_text())["_class_name"]
         pipe = getattr(diffusers, class_name).from_pretrained(path, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
+    if not hasattr(pipe, "load_lora_weights"):
+        # HunyuanVideo 1.5's pipeline has no LoRA mixin in diffusers 0.42: its family's loader reads the file and
+        # the transformer's own PEFT methods load and weight the adapters, as the mixin would.
+        from diffusers import loaders
+
+        from diffuserve.lora.files import lora_loader
+
+        mixin = getattr(loaders, lora_loader(case.family))
+        for name, (_, folder) in adapters.items():
+            state, metadata = mixin.lora_state_dict(str(folder), return_lora_metadata=True)
+            pipe.transformer.load_lora_adapter(state, adapter_name=name, prefix="transformer", metadata=metadata)
+        pipe.set_adapters = lambda names, adapter_weights=None: pipe.transformer.set_adapters(names, adapter_weights)
+        return Subject(native=other, path=path, diffusers=lambda _cls, _path: pipe), pipe
     for name, (denoiser, folder) in adapters.items():
         extra = {"load_into_transformer_2": True} if denoiser == "transformer_2" else {}
         pipe.load_lora_weights(str(folder), adapter_name=name, **extra)

@@ -264,7 +264,7 @@ def test_merged_requests_equal_their_requests_alone_over_http(cache_server: Serv
 # -- every native family whose denoiser has repeated blocks ---------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["sd3", "sana", "qwen-image", "z-image", "wan", "ltx2"])
+@pytest.mark.parametrize("family", ["sd3", "sana", "qwen-image", "z-image", "wan", "ltx2", "hunyuan-video-1.5"])
 def test_other_native_families_decide_per_row(tiny_checkpoint, family: str) -> None:
     """The same hooks cut every family's blocks (its spec's layer containers): merged rows equal alone; teacache,
     whose coefficients are published for FLUX.1 only, is refused naming the field and the family that has them."""

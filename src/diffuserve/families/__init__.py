@@ -48,6 +48,7 @@ FAMILY_MODULES: tuple[str, ...] = (
     "sd3",
     "wan",
     "ltx2",
+    "hunyuan_video15",
     "video_others",
     "image_others",
     "hunyuan3d",

@@ -15,8 +15,9 @@ from typing import Any
 
 from diffuserve.families.base import CheckpointConfigs, FamilySpec, LatentGeometry, SamplingDefaults
 
-_CONFIG_FILES = ("config.json", "scheduler_config.json")
-"""The config file of a component folder: a model's, else a scheduler's (tokenizers and processors have none)."""
+_CONFIG_FILES = ("config.json", "scheduler_config.json", "guider_config.json")
+"""The config file of a component folder: a model's, a scheduler's or a guider's (HunyuanVideo 1.5's default guidance
+scale is its guider's); tokenizers and processors have none."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Sequence parallel for the native DiTs: Ulysses, Ring, and their product (FLUX.1, Qwen-Image, Wan2.1/2.2).
+"""Sequence parallel for the native DiTs: Ulysses, Ring, and their product (FLUX.1, Qwen-Image, Wan2.1/2.2,
+HunyuanVideo 1.5).
 
 Every rank of the sequence-parallel (SP) group gets the same batch and runs the same recipe; inside each
 transformer call the image (or video) tokens are split over the group, each rank runs every block on its

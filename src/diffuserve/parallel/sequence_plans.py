@@ -26,6 +26,13 @@ def video_tokens(transformer: Any, args: dict[str, Any]) -> int:
     return math.prod(int(n) // int(p) for n, p in zip(shape, transformer.config.patch_size, strict=True))
 
 
+def patched_video_tokens(transformer: Any, args: dict[str, Any]) -> int:
+    """Video tokens of a DiT whose config has an int `patch_size` and a `patch_size_t` (HunyuanVideo 1.5)."""
+    frames, height, width = (int(n) for n in args["hidden_states"].shape[2:])
+    config = transformer.config
+    return (frames // int(config.patch_size_t)) * (height // int(config.patch_size)) * (width // int(config.patch_size))
+
+
 @dataclass(frozen=True)
 class DitPlan:
     """Where one DiT class's image tokens are split and gathered."""
@@ -66,6 +73,16 @@ _PLANS: dict[str, DitPlan] = {
         inputs=(("", "timestep", 1, 2), ("blocks.0", "hidden_states", 1, 3)),
         outputs=(("rope", (0, 1), 1),),
         attention=(("blocks", "attn1"),),
+    ),
+    "HunyuanVideo15Transformer3DModel": DitPlan(
+        module="diffusers.models.transformers.transformer_hunyuan_video15",
+        tokens=patched_video_tokens,
+        # Tokens are made inside forward (patch embedding): split where block 0 receives them, with the RoPE
+        # tables (cos, sin: tokens x dim). The native adapter's processor lays the joint sequence out as
+        # [text, video] with a key-padding mask (families/hunyuan_video15/adapter.py), as the split reads it.
+        inputs=(("transformer_blocks.0", "hidden_states", 1, 3),),
+        outputs=(("rope", (0, 1), 0),),
+        attention=(("transformer_blocks", "attn"),),
     ),
 }
 

@@ -51,6 +51,20 @@ WAN_I2V_TP_PLAN = {
 }
 """Added to `WAN_TP_PLAN` when the cross-attention also reads image tokens (Wan I2V: `added_kv_proj_dim`)."""
 
+HUNYUAN_VIDEO_15_TP_PLAN = {
+    **{f"transformer_blocks.*.attn.{name}": "colwise" for name in ("to_q", "to_k", "to_v")},
+    **{f"transformer_blocks.*.attn.{name}": "colwise" for name in ("add_q_proj", "add_k_proj", "add_v_proj")},
+    "transformer_blocks.*.attn.to_out.0": "rowwise",
+    "transformer_blocks.*.attn.to_add_out": "rowwise",
+    "transformer_blocks.*.ff.net.0.proj": "colwise",
+    "transformer_blocks.*.ff.net.2": "rowwise",
+    "transformer_blocks.*.ff_context.net.0.proj": "colwise",
+    "transformer_blocks.*.ff_context.net.2": "rowwise",
+}
+"""HunyuanVideo15Transformer3DModel's plan (diffusers 0.42 has none): the dual-stream blocks' joint attention (video
+and text projections) and both MLPs; its q/k norms are per head, so only the head count changes. The token refiner
+stays replicated."""
+
 _DIFFUSERS_PLANNED = ("FluxTransformer2DModel", "QwenImageTransformer2DModel")
 """DiT classes whose diffusers `_tp_plan` we use as is (their processors are TP-agnostic)."""
 
@@ -106,6 +120,8 @@ def tensor_parallel_plan(module: torch.nn.Module) -> dict[str, Any] | None:
         if module.config.get("added_kv_proj_dim") is not None:
             plan.update(WAN_I2V_TP_PLAN)
         return plan
+    if name == "HunyuanVideo15Transformer3DModel":
+        return dict(HUNYUAN_VIDEO_15_TP_PLAN)
     if name in _DIFFUSERS_PLANNED and getattr(type(module), "_tp_plan", None):
         return dict(type(module)._tp_plan)
     return None
@@ -246,6 +262,9 @@ def enable_tensor_parallel(pipeline: Any, *, mesh: Any) -> list[str]:
         module = pipeline.components[key]
         if type(module).__name__ == "WanTransformer3DModel":
             _shard_wan_attention(module, mesh)
+        if type(module).__name__ == "HunyuanVideo15Transformer3DModel":
+            for block in module.transformer_blocks:  # its processors reshape by `attn.heads`: the local heads
+                block.attn.heads //= mesh.size()
         from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
 
         specs = resolve_tp_shard_specs(module, plan, mesh.size())  # the whole layers' shapes, before any cut

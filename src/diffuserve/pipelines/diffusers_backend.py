@@ -107,8 +107,11 @@ class DiffusersBackendPipeline(Pipeline):
         if self.layered:
             self.min_image_inputs = 1
             self.max_image_inputs = 1
-        # False where diffusers cannot run a prompt list (HunyuanVideo 1.5's VAE); unknown families batch.
-        self.supports_batching = self.spec.supports_batching
+        # False where diffusers cannot run a prompt list (unknown families batch): diffusers 0.42.1's HunyuanVideo
+        # 1.5 VAE cannot decode a batch (its attention mask); the native adapter decodes row by row and merges.
+        self.supports_batching = self.spec.supports_batching and (
+            type(getattr(pipe, "vae", None)).__name__ != "AutoencoderKLHunyuanVideo15"
+        )
         self.ar_prior = hasattr(pipe, "generate_prior_tokens") and hasattr(pipe, "vision_language_encoder")
         """GLM-Image: an AR stage writes prior tokens before the DiT (batched across requests in `run`)."""
         if self.ar_prior:

@@ -22,21 +22,6 @@ SPECS = (
         size_multiple=16,
         tiny_builds={"hunyuan-video": f"{_TINY}:build_hunyuan_video"},
     ),
-    # Its own spec because it cannot batch: diffusers 0.42.1's AutoencoderKLHunyuanVideo15 mid-block attention
-    # builds a (batch, S, S) causal mask against (batch, 1, S, C) queries, so decoding two videos at once fails
-    # ("output with shape [2, 1, S, S] doesn't match the broadcast shape [2, 2, S, S]").
-    FamilySpec(
-        name="hunyuan_video_15",
-        pipeline_classes=("HunyuanVideo15Pipeline",),
-        model_id_patterns=(r"hunyuan[-_]?video[-_]?1[._-]?5",),
-        id_priority=10,
-        output_kind="video",
-        tasks=frozenset({"t2v"}),
-        profile=_VIDEO_PROFILE,
-        supports_batching=False,
-        size_multiple=16,
-        tiny_builds={"hunyuan-video-1.5": f"{_TINY}:build_hunyuan_video_15"},
-    ),
     FamilySpec(
         name="ltx",
         pipeline_classes=("LTXPipeline",),

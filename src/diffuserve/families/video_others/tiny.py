@@ -1,6 +1,6 @@
 """Tiny checkpoints of the video families served through the diffusers backend: HunyuanVideo (Llama + CLIP),
-HunyuanVideo 1.5 (Qwen2.5-VL text + ByT5 glyph encoder, guider) and Helios (UMT5, Wan VAE, chunked denoising).
-(LTX-2's builder is native beside its family: `families/ltx2/tiny.py`.)
+Helios (UMT5, Wan VAE, chunked denoising). (HunyuanVideo 1.5's and LTX-2's builders are native beside their
+families: `families/hunyuan_video15/tiny.py`, `families/ltx2/tiny.py`.)
 
 Random weights over real configs scaled down, offline tokenizers with small vocabularies, one fixed seed per
 component (so two builds write the same bytes), saved in the exact diffusers layout. Each suggests small request
@@ -10,7 +10,6 @@ defaults (`write_defaults`) so a video job on CPU takes about a second.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from diffuserve.models.tiny import (
     _BIGRAMS,
@@ -44,28 +43,6 @@ def _sentencepiece_vocab(specials: list[str]) -> tuple[dict[str, int], list[tupl
         merges.append(("▁", letter))
         tokens.append("▁" + letter)
     return {tok: i for i, tok in enumerate(dict.fromkeys(tokens))}, merges
-
-
-def _qwen_tokenizer() -> Any:
-    """A byte-level Qwen2 tokenizer over the CLIP bytes + bigrams, with the Qwen chat specials and a minimal
-    ChatML template (HunyuanVideo 1.5 encodes prompts with `apply_chat_template`)."""
-    from tokenizers import pre_tokenizers
-    from transformers import Qwen2Tokenizer
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokens = list(alphabet)
-    merges = [(p[0], p[1]) for p in _BIGRAMS]
-    tokens += list(_BIGRAMS)
-    vocab = {tok: i for i, tok in enumerate(dict.fromkeys(tokens))}
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tokenizer.chat_template = (
-        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-        "{% if message['content'] is string %}{{ message['content'] }}"
-        "{% else %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
-        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    return tokenizer
 
 
 def build_hunyuan_video(output_dir: Path) -> None:
@@ -140,88 +117,6 @@ def build_hunyuan_video(output_dir: Path) -> None:
         scheduler=scheduler,
         text_encoder_2=clip,
         tokenizer_2=clip_tok,
-    ).save_pretrained(output_dir, safe_serialization=True)
-    write_defaults(output_dir, HUNYUAN_TINY_DEFAULTS)
-
-
-def build_hunyuan_video_15(output_dir: Path) -> None:
-    """HunyuanVideo 1.5 T2V layout: Qwen2.5-VL text model (chat template), ByT5 glyph encoder, the 1.5
-    transformer (`task_type="t2v"`), its VAE (4x space and time at this size) and a CFG guider."""
-    import torch
-    from diffusers import (
-        AutoencoderKLHunyuanVideo15,
-        FlowMatchEulerDiscreteScheduler,
-        HunyuanVideo15Pipeline,
-        HunyuanVideo15Transformer3DModel,
-    )
-    from diffusers.guiders import ClassifierFreeGuidance
-    from transformers import (
-        ByT5Tokenizer,
-        Qwen2_5_VLTextConfig,
-        Qwen2_5_VLTextModel,
-        T5Config,
-        T5EncoderModel,
-    )
-
-    qwen_tok = _qwen_tokenizer()
-    byt5_tok = ByT5Tokenizer()
-    torch.manual_seed(SEED + 11)
-    qwen = Qwen2_5_VLTextModel(
-        Qwen2_5_VLTextConfig(
-            vocab_size=len(qwen_tok),
-            hidden_size=16,
-            intermediate_size=16,
-            num_hidden_layers=3,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            max_position_embeddings=2048,
-            bos_token_id=qwen_tok.eos_token_id,
-            eos_token_id=qwen_tok.eos_token_id,
-            pad_token_id=qwen_tok.pad_token_id,
-            rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
-        )
-    ).eval()
-    torch.manual_seed(SEED + 12)
-    byt5 = T5EncoderModel(T5Config(**{**_tiny_t5_config(byt5_tok, 32), "vocab_size": len(byt5_tok)})).eval()
-    torch.manual_seed(SEED + 13)
-    transformer = HunyuanVideo15Transformer3DModel(
-        in_channels=9,
-        out_channels=4,
-        num_attention_heads=2,
-        attention_head_dim=8,
-        num_layers=1,
-        num_refiner_layers=1,
-        mlp_ratio=2.0,
-        patch_size=1,
-        patch_size_t=1,
-        text_embed_dim=16,
-        text_embed_2_dim=32,
-        image_embed_dim=12,
-        rope_axes_dim=(2, 2, 4),
-        target_size=32,
-        task_type="t2v",
-    ).eval()
-    torch.manual_seed(SEED + 14)
-    vae = AutoencoderKLHunyuanVideo15(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        block_out_channels=(16, 16),
-        layers_per_block=1,
-        spatial_compression_ratio=4,
-        temporal_compression_ratio=2,
-        downsample_match_channel=False,
-        upsample_match_channel=False,
-    ).eval()
-    HunyuanVideo15Pipeline(
-        text_encoder=qwen,
-        tokenizer=qwen_tok,
-        transformer=transformer,
-        vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
-        text_encoder_2=byt5,
-        tokenizer_2=byt5_tok,
-        guider=ClassifierFreeGuidance(guidance_scale=1.0),
     ).save_pretrained(output_dir, safe_serialization=True)
     write_defaults(output_dir, HUNYUAN_TINY_DEFAULTS)
 
