@@ -458,7 +458,7 @@ def _main(argv: list[str] | None) -> int:
         values = _merge_config_file(ns, parser)
         if ns.command == "plan":
             from diffuserve.config.model_args import ModelArgs
-            from diffuserve.generate import print_plan
+            from diffuserve.plan_command import print_plan
 
             ModelArgs(
                 model_path=values.get("model_path"), transformer_path=values.get("transformer_path")

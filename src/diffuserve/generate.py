@@ -1,8 +1,7 @@
-"""`diffuserve generate` (one-shot generation to files) and `diffuserve plan` (print the plan)."""
+"""`diffuserve generate`: one-shot generation to files (`diffuserve plan` is `plan_command.py`)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from pathlib import Path
@@ -459,47 +458,4 @@ def _generate_mesh(values: dict[str, Any], engine: Any, model: Any, stem: str | 
     path = out_dir / f"{stem or Path(image_path).stem}.{output_format}"
     path.write_bytes(encode_mesh(mesh.vertices, mesh.faces, output_format))
     print(path)
-    return 0
-
-
-def print_plan(values: dict[str, Any]) -> int:
-    """Resolve and print the plan from JSON and safetensors headers only (no weights loaded)."""
-    from diffuserve.config.argparse_dataclass import dataclass_from_namespace
-    from diffuserve.config.deployment import DeploymentArgs, format_plan
-    from diffuserve.config.quant_args import QuantArgs
-    from diffuserve.hardware import describe_hardware, detect_hardware
-    from diffuserve.launch.setup import resolve_deployment, resolve_dtype
-
-    deployment = dataclass_from_namespace(DeploymentArgs, values)
-    quant = dataclass_from_namespace(QuantArgs, values)
-    if values.get("controlnet"):  # serve's check, message and exit code (2)
-        from diffuserve.config.controlnet import check_controlnet_flag
-
-        check_controlnet_flag(values["controlnet"])
-    if values.get("model_path"):
-        model_path = Path(values["model_path"])
-    else:
-        from diffuserve.models.tiny import ensure_default_model
-
-        model_path = ensure_default_model()
-    if values.get("gpu_memory_gib") is not None:
-        hardware = describe_hardware(deployment.num_gpus or 1, values["gpu_memory_gib"])
-    else:
-        hardware = detect_hardware("auto")
-    device_kind = "cuda" if hardware.gpus else "cpu"
-    dtype = resolve_dtype(values.get("dtype", "auto"), device_kind)
-    plan = resolve_deployment(
-        deployment,
-        model_path,
-        model_id=values.get("model_id"),
-        dtype=dtype,
-        hardware=hardware,
-        backend=values.get("backend", "auto"),
-        batching_mode=values.get("batching_mode"),
-        quant=quant,
-        transformer_path=values.get("transformer_path"),
-        activation_memory_gib=values.get("activation_memory_gib"),
-        controlnet=values.get("controlnet"),
-    )
-    print(json.dumps(plan.to_dict(), indent=2) if values.get("json") else format_plan(plan))
     return 0

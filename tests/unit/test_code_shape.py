@@ -67,6 +67,7 @@ LAYERS: dict[str, float] = {
     # Entry points.
     "cli": 9,
     "generate": 9,
+    "plan_command": 9,
     "tools": 9,
 }
 """Top-level module or folder of `diffuserve` -> layer. An import between two of them must go to a lower layer."""
