@@ -8,7 +8,6 @@ there is no progress bar or input re-tokenisation, which is where the speed over
 
 from __future__ import annotations
 
-import io
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +20,7 @@ from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
-from diffuserve.pipelines import stages, token_ids
+from diffuserve.pipelines import inpaint, stages, token_ids
 from diffuserve.pipelines.base import component_configs, declared_sequence_length
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
@@ -79,6 +78,7 @@ class FluxNativePipeline(stages.RecipePipeline):
         self.image_processor = VaeImageProcessor(
             vae_scale_factor=self.vae_scale_factor * 2, vae_latent_channels=vae.config.latent_channels
         )
+        self.mask_processor = inpaint.mask_processor(self.vae_scale_factor * 2, vae.config.latent_channels)
         self._clip_max_length = getattr(tokenizer, "model_max_length", 77) or 77
         self._image_ids: dict[tuple[int, int], torch.Tensor] = {}
         self._text_ids: dict[int, torch.Tensor] = {}
@@ -154,13 +154,13 @@ class FluxNativePipeline(stages.RecipePipeline):
 
     def prepare_image_latents(
         self, batch: Sequence[Any], height: int, width: int, scheduler: Any, timesteps: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, inpaint.InpaintRows | None]:
         """Image-to-image start: each request's input image, VAE-encoded and re-noised to `strength`.
 
-        Follows diffusers' FluxImg2ImgPipeline: the schedule starts at step `steps - steps*strength`;
-        a request's row generators sample its image latents (row 0's generator) and then draw one
-        noise row each, so a request's rows are the same alone or in a batch.
-        """
+        Follows diffusers' FluxImg2ImgPipeline (and FluxInpaintPipeline, whose start is the same): the schedule starts
+        at step `steps - steps*strength`; a request's row generators sample its image latents (row 0's generator) and
+        then draw one noise row each, so a request's rows are the same alone or in a batch. When a request of the
+        batch has a mask, also the rows' inpainting state (`inpaint_rows`)."""
         head = batch[0]
         num_steps = len(timesteps)
         t_start = int(max(num_steps - min(num_steps * head.strength, num_steps), 0))
@@ -168,21 +168,56 @@ class FluxNativePipeline(stages.RecipePipeline):
         scheduler.set_begin_index(t_start * scheduler.order)
         lh, lw = self._latent_hw(height, width)
         channels = self.transformer.config.in_channels // 4
-        rows = []
+        rows, clean, noises, sources = [], [], [], []
         for params in batch:
             generators = [torch.Generator("cpu").manual_seed(s) for s in stages.row_seeds(params)]
-            source = Image.open(io.BytesIO(params.image_inputs[0])).convert("RGB")
-            pixels = self.image_processor.preprocess(source, height=height, width=width)
-            encoded = self.vae.encode(pixels.to(self.device, self.vae.dtype))
+            source = self.edit_source(params, height, width)
+            encoded = self.vae.encode(source.pixels.to(self.device, self.vae.dtype))
             image_latents = retrieve_latents(encoded, generator=generators[0])
             image_latents = (image_latents - self.vae.config.shift_factor) * self.vae.config.scaling_factor
             noise = randn_tensor(
                 (params.n, channels, lh, lw), generator=generators, device=self.device, dtype=self.dtype
             )
             start = timesteps[:1].repeat(params.n)
-            rows.append(scheduler.scale_noise(image_latents.to(self.dtype).expand(params.n, -1, -1, -1), start, noise))
+            image_latents = image_latents.to(self.dtype).expand(params.n, -1, -1, -1)
+            rows.append(scheduler.scale_noise(image_latents, start, noise))
+            clean.append(image_latents)
+            noises.append(noise)
+            sources.append(source)
         latents = torch.cat(rows)
-        return FluxPipeline._pack_latents(latents, latents.shape[0], channels, lh, lw), timesteps
+        packed = FluxPipeline._pack_latents(latents, latents.shape[0], channels, lh, lw)
+        state = (
+            self.inpaint_rows(batch, sources, torch.cat(clean), torch.cat(noises)) if inpaint.any_mask(batch) else None
+        )
+        return packed, timesteps, state
+
+    # -- inpainting (FluxInpaintPipeline; pipelines/inpaint.py) ------------------------------------------------
+
+    def edit_source(self, params: Any, height: int, width: int) -> inpaint.RequestSource:
+        """A request's input image (its crop, with padding_mask_crop) and mask, preprocessed to the output size."""
+        return inpaint.request_source(params, self.image_processor, self.mask_processor, height, width)
+
+    def inpaint_rows(
+        self,
+        batch: Sequence[Any],
+        sources: Sequence[inpaint.RequestSource],
+        image_latents: torch.Tensor,
+        noise: torch.Tensor,
+    ) -> inpaint.InpaintRows:
+        """The rows' masks on the packed latent grid (ones for rows without a mask), clean image latents and noise,
+        packed as FluxInpaintPipeline's `prepare_mask_latents` / `prepare_latents` pack them."""
+        channels, lh, lw = image_latents.shape[1:]
+        masks = [
+            inpaint.latent_mask(source.mask, (lh, lw), image_latents).expand(params.n, channels, -1, -1)
+            for params, source in zip(batch, sources, strict=True)
+        ]
+        mask = torch.cat(masks)
+
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            return FluxPipeline._pack_latents(x, x.shape[0], channels, lh, lw)
+
+        overlays = [source.overlay for params, source in zip(batch, sources, strict=True) for _ in range(params.n)]
+        return inpaint.InpaintRows(pack(mask), pack(image_latents), pack(noise), overlays)
 
     def request_fields(self) -> frozenset[str]:
         return frozenset({"true_cfg_scale", *(("flow_shift",) if stages.has_flow_shift(self.scheduler) else ())})
@@ -240,14 +275,14 @@ class FluxNativePipeline(stages.RecipePipeline):
         latents = FluxPipeline._unpack_latents(latents, height, width, self.vae_scale_factor)
         latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
         image = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
-        return stages.to_pil_images(image)
+        return inpaint.apply_overlays(stages.to_pil_images(image), state, self.image_processor)
 
     def scheduler_step(
         self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState
     ) -> torch.Tensor:
         # Keep the step's velocity for `preview` (a reference, no copy; the final latents are unchanged).
         state.extras["velocity"] = noise_pred
-        return super().scheduler_step(noise_pred, timestep, latents, state)
+        return inpaint.blend(super().scheduler_step(noise_pred, timestep, latents, state), state)
 
     def preview(self, latents: torch.Tensor, state: DenoiseState) -> list[Image.Image]:
         """Partial image: a VAE decode of the clean-latent estimate, not of the noisy latents.
@@ -270,8 +305,9 @@ class FluxNativePipeline(stages.RecipePipeline):
         height, width = head.height, head.width
         lh, lw = self._latent_hw(height, width)
         scheduler, timesteps = self._timesteps(head.num_inference_steps, (lh // 2) * (lw // 2), head.flow_shift)
+        masked = None
         if head.image_inputs:
-            latents, timesteps = self.prepare_image_latents(batch, height, width, scheduler, timesteps)
+            latents, timesteps, masked = self.prepare_image_latents(batch, height, width, scheduler, timesteps)
         else:
             latents = self.prepare_latents(batch, height, width)
         guidance_vec = None
@@ -283,6 +319,8 @@ class FluxNativePipeline(stages.RecipePipeline):
             "txt_ids": self._text_ids_for(positive["prompt_embeds"].shape[1]),
             "guidance": guidance_vec,
         }
+        if masked is not None:
+            extras[inpaint.EXTRAS_KEY] = masked
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)
 
     def predict(

@@ -49,7 +49,7 @@ SPECS = (
         pipeline_classes=("FluxPipeline", "FluxImg2ImgPipeline"),
         model_id_patterns=(r"flux",),
         id_priority=0,
-        tasks=frozenset({"t2i", "i2i"}),
+        tasks=frozenset({"t2i", "i2i", "inpaint"}),
         native_adapter="diffuserve.families.flux.adapter:FluxNativePipeline",
         lora_loader="FluxLoraLoaderMixin",
         # FLUX.1-dev: guidance-distilled (embedded guidance 3.5), 28 steps at 1024^2; `flux_defaults` switches
