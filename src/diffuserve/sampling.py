@@ -221,6 +221,18 @@ def check_request_fields(model: ModelDescription, given: dict[str, Any]) -> None
             )
 
 
+def mask_refusal(family: str) -> InvalidRequestError:
+    """The 400 of a `mask` sent to a model that does not inpaint, naming the families that do (their spec's
+    `inpaint` task)."""
+    from diffuserve.families import families_with, named_list
+
+    return InvalidRequestError(
+        f"mask: this {family} model does not inpaint; masks are taken natively by "
+        f"{named_list(families_with('inpaints'))}. Leave mask out to edit the whole image.",
+        param="mask",
+    )
+
+
 def _pick(value: Any, default: Any) -> Any:
     return default if value is None else value
 

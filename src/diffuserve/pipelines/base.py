@@ -326,14 +326,10 @@ class Pipeline:
     def _check_mask(self, params: SamplingParams) -> None:
         """A mask only where the family inpaints, only with an input image; `padding_mask_crop` only with a mask."""
         from diffuserve.errors import InvalidRequestError
-        from diffuserve.families import families_with, named_list
+        from diffuserve.sampling import mask_refusal
 
         if params.mask_input is not None and not self.inpaints:
-            raise InvalidRequestError(
-                f"mask: this {self.family} model does not inpaint (masks are taken natively by "
-                f"{named_list(families_with('inpaints'))}); leave mask out to edit the whole image.",
-                param="mask",
-            )
+            raise mask_refusal(self.family)
         if params.mask_input is not None and not params.image_inputs:
             raise InvalidRequestError("mask needs the image it masks; send an `image` file too.", param="mask")
         if params.padding_mask_crop is not None and (params.mask_input is None or params.padding_mask_crop < 0):

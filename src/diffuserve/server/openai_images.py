@@ -18,7 +18,8 @@ from starlette.concurrency import run_in_threadpool
 from diffuserve.engine.engine import GenerationResult
 from diffuserve.errors import InvalidRequestError, NotFoundError, RequestCancelledError
 from diffuserve.media.images import decode_image, encode_image, mime_type
-from diffuserve.sampling import SamplingParams, build_sampling_params, check_request_fields
+from diffuserve.media.masks import inpaint_mask, mask_bytes_from_text
+from diffuserve.sampling import SamplingParams, build_sampling_params, check_request_fields, mask_refusal
 from diffuserve.server.common import (
     check_image_only_fields,
     check_request_limits,
@@ -55,7 +56,12 @@ router = APIRouter()
 
 
 def image_params(
-    body: ImageGenerationRequest, ctx: ServerContext, *, image_inputs: tuple[bytes, ...] = (), strength: float = 1.0
+    body: ImageGenerationRequest,
+    ctx: ServerContext,
+    *,
+    image_inputs: tuple[bytes, ...] = (),
+    strength: float = 1.0,
+    mask_input: bytes | None = None,
 ) -> SamplingParams:
     """Request body -> SamplingParams through the one builder, after the server's own caps."""
     model = ctx.engine.model
@@ -111,6 +117,8 @@ def image_params(
         output_format=body.output_format,
         output_quality=quality,
         image_inputs=image_inputs,
+        mask_input=mask_input,
+        padding_mask_crop=getattr(body, "padding_mask_crop", None),
         strength=strength,
         flow_shift=body.flow_shift,
         resolution=body.resolution,
@@ -275,6 +283,28 @@ async def create_image(body: ImageGenerationRequest, request: Request) -> ImageG
 
 
 _EDIT_FILE_FIELDS = ("image", "image[]")
+_MASK_FIELDS = ("mask", "mask_image")
+"""The inpainting mask: OpenAI's `mask`, and vLLM-Omni's name for the same thing (`mask_image`)."""
+
+
+async def _edit_mask(form: Any, ctx: ServerContext, image_size: tuple[int, int]) -> bytes | None:
+    """The request's mask (an uploaded file or a `data:` URL) as the pipelines take it (`media/masks.py`), checked
+    before queueing: the model inpaints, it is an image, and it is the size of the first image. None: no mask."""
+    given = [(k, v) for k in _MASK_FIELDS for v in form.getlist(k)]
+    if not given:
+        return None
+    model = ctx.engine.model
+    assert model is not None
+    if not model.inpaints:
+        raise mask_refusal(model.family)
+    if len(given) > 1:
+        raise InvalidRequestError(f"Send one mask; got {len(given)} ({', '.join(k for k, _ in given)}).", param="mask")
+    name, value = given[0]
+    data = mask_bytes_from_text(value, param=name) if isinstance(value, str) else await value.read()
+    side = ctx.args.max_image_side
+    return await run_in_threadpool(
+        functools.partial(inpaint_mask, data, image_size=image_size, max_pixels=side**2, param=name)
+    )
 
 
 @router.post(
@@ -292,6 +322,12 @@ _EDIT_FILE_FIELDS = ("image", "image[]")
                         "required": ["image", "prompt"],
                         "properties": {
                             "image": {"type": "string", "format": "binary"},
+                            "mask": {
+                                "type": "string",
+                                "format": "binary",
+                                "description": "PNG the size of the image; fully transparent pixels are repainted "
+                                "(without alpha: white = repaint). Families that inpaint.",
+                            },
                             **{k: v for k, v in ImageEditRequest.model_json_schema()["properties"].items()},
                         },
                     }
@@ -301,7 +337,8 @@ _EDIT_FILE_FIELDS = ("image", "image[]")
     },
 )
 async def edit_image(request: Request) -> ImageGenerationResponse | StreamingResponse:
-    """Image-to-image (multipart, OpenAI shape). Each edit runs alone: image-conditioned requests never merge."""
+    """Image-to-image (multipart, OpenAI shape), with an optional inpainting `mask`. Each edit runs alone:
+    image-conditioned requests never merge at the server (a pipeline batch carries masks per row)."""
     received = time.monotonic()
     ctx = server_context(request)
     require_ready(ctx)
@@ -311,17 +348,14 @@ async def edit_image(request: Request) -> ImageGenerationResponse | StreamingRes
         )
     form = await request.form()
     uploads = [v for k in _EDIT_FILE_FIELDS for v in form.getlist(k) if not isinstance(v, str)]
-    if "mask" in form:
-        raise InvalidRequestError(
-            "mask is not supported: this model edits the whole image (use strength).", param="mask"
-        )
     limit = ctx.engine.model.max_image_inputs  # type: ignore[union-attr]
     if not uploads or len(uploads) > max(limit, 1):
         allowed = (
             "exactly one `image` file" if limit <= 1 else f"1 to {limit} image files (`image` or repeated `image[]`)"
         )
         raise InvalidRequestError(f"Send {allowed}; got {len(uploads)}.", param="image")
-    fields = {k: v for k, v in form.multi_items() if k not in _EDIT_FILE_FIELDS and isinstance(v, str)}
+    skipped = (*_EDIT_FILE_FIELDS, *_MASK_FIELDS)
+    fields = {k: v for k, v in form.multi_items() if k not in skipped and isinstance(v, str)}
     try:
         body = ImageEditRequest.model_validate(coerce_form_fields(ImageEditRequest, fields))
     except ValidationError as exc:
@@ -335,6 +369,7 @@ async def edit_image(request: Request) -> ImageGenerationResponse | StreamingRes
         limit_flag=f"--max-image-side {side} (at most {side}x{side} pixels)",
     )
     sources = [await run_in_threadpool(decode, data) for data in blobs]
+    mask = await _edit_mask(form, ctx, sources[0].size)
     if body.size is None and body.width is None and body.height is None:
         # Default to the (first) input's size, rounded down to what the model can produce.
         multiple = ctx.engine.model.size_multiple  # type: ignore[union-attr]
@@ -350,7 +385,7 @@ async def edit_image(request: Request) -> ImageGenerationResponse | StreamingRes
                 "height": max(multiple, sources[0].height // multiple * multiple),
             }
         )
-    params = image_params(body, ctx, image_inputs=blobs, strength=body.strength)
+    params = image_params(body, ctx, image_inputs=blobs, strength=body.strength, mask_input=mask)
     return await _generate_and_respond(
         request, body, params, received=received, ineligible_reason="image_conditioning", prefix="image_edit"
     )
