@@ -23,21 +23,20 @@ DATA_URL_PREFIX = "data:"
 
 
 def mask_bytes_from_text(value: str, *, param: str = "mask") -> bytes:
-    """A mask sent as a form or JSON string: a `data:` URL (base64) decoded locally. Remote URLs are not fetched
-    here (the edit route's URL sources are a separate path); anything else is a 400 naming `param`."""
+    """A mask sent as a form string: a base64 `data:` URL, or bare base64 (vLLM-Omni's clients send their image
+    fields so), decoded locally. Remote URLs are not fetched here; anything else is a 400 naming `param`."""
     import base64
     import binascii
 
-    if not value.startswith(DATA_URL_PREFIX) or ";base64," not in value:
-        raise InvalidRequestError(
-            f"{param} must be an uploaded image file (multipart) or a base64 `data:image/png;base64,...` URL; "
-            f"got a string starting {value[:24]!r}.",
-            param=param,
-        )
+    text = value.split(";base64,", 1)[1] if value.startswith(DATA_URL_PREFIX) and ";base64," in value else value
     try:
-        return base64.b64decode(value.split(";base64,", 1)[1], validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise InvalidRequestError(f"{param}: the data URL's base64 is invalid ({exc}).", param=param) from exc
+        return base64.b64decode(text.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequestError(
+            f"{param} must be an uploaded image file (multipart) or base64 image bytes (a `data:image/png;base64,...` "
+            f"URL or bare base64); got a string starting {value[:24]!r}.",
+            param=param,
+        ) from None
 
 
 def inpaint_mask(data: bytes, *, image_size: tuple[int, int], max_pixels: int, param: str = "mask") -> bytes:
