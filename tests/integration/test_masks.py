@@ -74,6 +74,14 @@ CASES = [
         (("guidance_scale", 4.0),),
         shifted_decode=True,
     ),
+    InpaintCase(
+        "qwen_image",
+        "qwen-image",
+        "QwenImageInpaintPipeline",
+        64,
+        48,
+        fields=(("negative_prompt", "blurry"), ("true_cfg_scale", 4.0)),
+    ),
 ]
 
 
