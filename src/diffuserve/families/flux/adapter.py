@@ -337,3 +337,74 @@ class FluxNativePipeline(stages.RecipePipeline):
             img_ids=state.extras["img_ids"],
             return_dict=False,
         )[0]
+
+
+class FluxFillNativePipeline(FluxNativePipeline):
+    """FLUX.1 Fill (`FluxFillPipeline`): the FLUX.1 recipe with a transformer whose input is widened by the masked
+    image's packed latents and the packed 8x8 mask, concatenated to every row's latents at every step (no latent blend).
+
+    Each row carries its own conditioning (image, mask), so requests with different masks share one call. A request
+    without a mask repaints the whole image (an all-white mask, a call diffusers runs the same way)."""
+
+    family = "flux_fill"
+    min_image_inputs = 1
+    """Fill repaints an input image: every request carries one (the warm-up sends one, without a mask)."""
+
+    def prepare_image_latents(
+        self, batch: Sequence[Any], height: int, width: int, scheduler: Any, timesteps: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, inpaint.InpaintRows | None]:
+        """FluxFillPipeline's start per request: image latents (row 0's generator) re-noised to `strength` with one
+        noise row per output, then the masked image (`image * (1 - mask)`) encoded with row 0's generator again, and
+        the mask folded into the VAE factor's f x f channels; both packed into the rows' conditioning."""
+        num_steps = len(timesteps)
+        t_start = int(max(num_steps - min(num_steps * batch[0].strength, num_steps), 0))
+        timesteps = timesteps[t_start * scheduler.order :]
+        scheduler.set_begin_index(t_start * scheduler.order)
+        lh, lw = self._latent_hw(height, width)
+        channels, f = self.vae.config.latent_channels, self.vae_scale_factor
+        rows, conditions = [], []
+        for params in batch:
+            generators = [torch.Generator("cpu").manual_seed(s) for s in stages.row_seeds(params)]
+            source = self.edit_source(params, height, width)
+            mask = source.mask if source.mask is not None else torch.ones_like(source.pixels[:, :1])
+            image_latents = self._encode(source.pixels, generators[0]).expand(params.n, -1, -1, -1)
+            noise = randn_tensor(
+                (params.n, channels, lh, lw), generator=generators, device=self.device, dtype=self.dtype
+            )
+            rows.append(scheduler.scale_noise(image_latents, timesteps[:1].repeat(params.n), noise))
+            masked = self._encode((source.pixels * (1 - mask)).to(self.dtype), generators[0]).repeat(params.n, 1, 1, 1)
+            folded = mask[:, 0].view(1, lh, f, lw, f).permute(0, 2, 4, 1, 3).reshape(1, f * f, lh, lw)
+            folded = folded.to(self.device, self.dtype).repeat(params.n, 1, 1, 1)
+            packed = (FluxPipeline._pack_latents(x, params.n, x.shape[1], lh, lw) for x in (masked, folded))
+            conditions.append(torch.cat(tuple(packed), dim=-1))
+        latents = torch.cat(rows)
+        self._fill_condition = torch.cat(conditions)
+        return FluxPipeline._pack_latents(latents, latents.shape[0], channels, lh, lw), timesteps, None
+
+    def validate(self, params: Any) -> None:
+        super().validate(params)
+        if params.padding_mask_crop is not None:
+            from diffuserve.errors import InvalidRequestError
+
+            raise InvalidRequestError(
+                "padding_mask_crop: FLUX.1 Fill repaints the whole image it is given (diffusers' FluxFillPipeline has "
+                "no crop); leave it out.",
+                param="padding_mask_crop",
+            )
+
+    def _encode(self, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        encoded = retrieve_latents(self.vae.encode(pixels.to(self.device, self.vae.dtype)), generator=generator)
+        return ((encoded - self.vae.config.shift_factor) * self.vae.config.scaling_factor).to(self.dtype)
+
+    def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
+        state = super().prepare(batch, head, positive)
+        state.extras["fill_condition"] = self.__dict__.pop("_fill_condition")
+        return state
+
+    def predict(
+        self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
+    ) -> torch.Tensor:
+        condition = state.extras["fill_condition"]
+        if condition.shape[0] != latents.shape[0]:  # a doubled CFG batch: both branches see the same rows
+            condition = condition.repeat(latents.shape[0] // condition.shape[0], 1, 1)
+        return super().predict(torch.cat((latents, condition), dim=2), timestep, cond, state, model_key)
