@@ -94,6 +94,7 @@ CASES = [
         (("guidance_scale", 30.0),),
         crops=False,
     ),
+    InpaintCase("z_image", "z-image", "ZImageInpaintPipeline", 64, 48, fields=(("guidance_scale", 0.0),), crops=False),
 ]
 
 
