@@ -19,8 +19,10 @@ import pytest
 import torch
 from PIL import Image
 
+from diffuserve.errors import InvalidRequestError
+from diffuserve.families import families_with, named_list
 from diffuserve.media.masks import encode_mask, to_repaint_mask
-from diffuserve.sampling import SamplingParams
+from diffuserve.sampling import SamplingParams, build_sampling_params
 from tests.integration.family_checks import max_pixel_diff, row_generators
 
 
@@ -233,3 +235,21 @@ def test_sd3_edit_without_mask_equals_its_img2img_pipeline(tiny_checkpoint, fami
         **case.call_kwargs(pipe),
     ).images
     assert max_pixel_diff(native.run([params]).outputs[0].images, theirs) <= 1
+
+
+def test_families_without_inpainting_refuse_a_mask_naming_those_that_take_it(tiny_checkpoint, family_pipeline):
+    """A 400 naming `mask` (before queueing: the one builder runs the model's checks) that lists the families whose
+    spec has the `inpaint` task; the edit route and `generate --mask-path` raise the same refusal."""
+    native = family_pipeline(tiny_checkpoint("sana"))
+    with pytest.raises(InvalidRequestError) as err:
+        build_sampling_params(native.describe_model(), prompt="x", mask_input=box_mask(32, 32, (0, 0, 8, 8)))
+    assert err.value.param == "mask"
+    assert families_with("inpaints") == ["flux", "flux_fill", "qwen_image", "sd3", "z_image"]
+    assert named_list(families_with("inpaints")) in err.value.message, err.value.message
+
+
+def test_qwen_image_takes_an_image_only_with_a_mask(tiny_checkpoint, family_pipeline):
+    native = family_pipeline(tiny_checkpoint("qwen-image"))
+    with pytest.raises(InvalidRequestError) as err:
+        build_sampling_params(native.describe_model(), prompt="x", image_inputs=(picture(64, 48, 0),))
+    assert err.value.param == "mask"
