@@ -38,7 +38,7 @@ import logging
 from pathlib import Path
 from typing import Any, NoReturn
 
-from diffuserve import __version__
+from diffuserve import __version__, generate_masks
 from diffuserve.config.argparse_dataclass import add_dataclass_arguments, add_groups, parse_bool
 from diffuserve.config.deployment_args import DeploymentArgs
 from diffuserve.config.server_args import GROUP_ORDER, SECTIONS, ServerArgs, load_config_file
@@ -92,14 +92,8 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 
 
 def _add_config_flag(parser: argparse.ArgumentParser, example: str = '{"port": 8000}') -> None:
-    parser.add_argument(
-        "--config",
-        default=None,
-        metavar="FILE",
-        help=f"JSON or YAML file whose keys are flag names (e.g. {example}); command-line flags win.".replace(
-            "%", "%%"
-        ),
-    )
+    text = f"JSON or YAML file whose keys are flag names (e.g. {example}); command-line flags win."
+    parser.add_argument("--config", default=None, metavar="FILE", help=text.replace("%", "%%"))
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser, command: str, *, deployment: bool = True) -> dict:
@@ -169,6 +163,7 @@ def _add_generate(sub: Any) -> None:
         help="With --image-path on an image model: the share of the schedule re-noised "
         "from the input image, in (0, 1] (default: 0.6, as POST /v1/images/edits).",
     )
+    generate_masks.add_mask_flags(add)  # --mask-path, --padding-mask-crop
     _add_config_arguments(gen, "generate")
 
 

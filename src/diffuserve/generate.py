@@ -10,6 +10,7 @@ from typing import Any
 from diffuserve.config.server_args import ServerArgs
 from diffuserve.errors import ConfigError, InvalidRequestError
 from diffuserve.executor.batch_runner import plan_calls
+from diffuserve.generate_masks import check_mask_family, read_mask
 from diffuserve.sampling import SamplingParams, build_sampling_params
 from diffuserve.server.control_fields import generate_control
 
@@ -91,6 +92,7 @@ FLAG_OF_FIELD = {
     "image": "--image-path",
     "input_reference": "--image-path",
     "strength": "--strength",
+    "mask": "--mask-path",
     "output_format": "--output-format",
     "model": "--model-path",
     "step_cache": "--step-cache",
@@ -246,6 +248,7 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     spec = resolve_model(model_path, model_id=args.model_id, backend=args.backend)
     video = spec.output_kind == "video"
     images = read_images(values, args.max_image_side, video=video)
+    mask = read_mask(values, images, args.max_image_side)  # before loading, as read_images
     if spec.family != "unknown":  # known from model_index.json alone: refuse before loading any weight
         _check_applicable(values, video, spec.family, spec_for(spec.family).produces_audio)
         if spec.output_kind != "mesh":  # a mesh model ignores the prompt (its image is the condition)
@@ -254,7 +257,7 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     step_cache = _step_cache(args)
     engine = OfflineEngine(build_generate_engine(args))
     try:
-        return _generate(values, engine, engine.start(), prompts, n, stem, images, step_cache=step_cache)
+        return _generate(values, engine, engine.start(), prompts, n, stem, images, step_cache=step_cache, mask=mask)
     finally:
         engine.close()
 
@@ -277,6 +280,7 @@ def _check_family_inputs(values: dict[str, Any], images: tuple[bytes, ...], spec
 
     family = spec_for(spec.family)
     multiple = describe_checkpoint(family, read_checkpoint_configs(model_path)).size_multiple
+    check_mask_family(values, family, spec.backend)
     text_conditioned = bool(family.tasks & {"t2i", "t2v"})
     check_inputs(
         values,
@@ -296,6 +300,7 @@ def _build_params(
     n: int,
     images: tuple[bytes, ...],
     step_cache: Any = None,
+    mask: bytes | None = None,
 ) -> list[SamplingParams]:
     """One SamplingParams per prompt through the API's builder. With input images on an image model, the size
     defaults to the first input's (rounded down to the model's multiple) and strength to 0.6, as for
@@ -325,6 +330,8 @@ def _build_params(
             fps=values.get("fps"),
             output_format="mp4" if video else values.get("output_format", "png"),
             image_inputs=images,
+            mask_input=mask,
+            padding_mask_crop=values.get("padding_mask_crop"),
             strength=values.get("strength", 0.6) if edit else 1.0,
             step_cache=step_cache,
             generate_audio=values.get("generate_audio"),
@@ -344,6 +351,7 @@ def _generate(
     images: tuple[bytes, ...] = (),
     *,
     step_cache: Any = None,
+    mask: bytes | None = None,
 ) -> int:
     if model.output_kind == "mesh":
         return _generate_mesh(values, engine, model, stem)
@@ -361,11 +369,11 @@ def _generate(
         size_multiple=model.size_multiple,
     )
     try:
-        params = _build_params(values, model, prompts, n, images, step_cache)
+        params = _build_params(values, model, prompts, n, images, step_cache, mask)
     except InvalidRequestError as exc:
-        if exc.param != "step_cache":
+        if exc.param not in ("step_cache", "mask", "padding_mask_crop"):
             raise
-        raise _flag_error("step_cache", exc.message) from None  # a method this family cannot run
+        raise _flag_error(exc.param, exc.message) from None  # a method or a mask this model cannot run
     _warn_truncated(model, prompts, values.get("negative_prompt"))
     names = output_names(prompts, n, stem)
     out_dir = Path(values.get("output_path") or "outputs")

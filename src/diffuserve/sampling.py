@@ -88,6 +88,17 @@ class SamplingParams:
     output_format: str = _row("png", "png | jpeg | webp (images), mp4 (video).")
     output_quality: int = _row(90, "Encoder quality for jpeg/webp (1-100).")
     image_inputs: tuple[bytes, ...] = _row((), "Encoded input images (edits / image conditioning).")
+    mask_input: bytes | None = _row(
+        None,
+        "Inpainting: an encoded grayscale PNG the size of the first input image, white = repaint, black = keep "
+        "(diffusers' `mask_image` convention; the server and `generate` turn OpenAI's alpha masks into it, "
+        "`media/masks.py`). Per row: rows with different masks, or none, share a batch. None: the whole image.",
+    )
+    padding_mask_crop: int | None = _row(
+        None,
+        "Inpainting: repaint only a crop around the mask, grown by this many pixels and resized to the output size, "
+        "then pasted back over the input image (diffusers' `padding_mask_crop`); None: the whole image.",
+    )
     octree_resolution: int = _sig(
         0, "Mesh families: grid cells per side of the decoded volume (0: the model's default)."
     )
@@ -185,6 +196,8 @@ class ModelDescription:
     """Input images one request may carry (0: none)."""
     min_image_inputs: int = 0
     """Input images every request must carry (edit-only models: 1)."""
+    inpaints: bool = False
+    """Edits may carry a `mask` (the family spec's `inpaint` task, natively)."""
     frame_multiple: int = 1
     """Video: num_frames - 1 must divide by this (the VAE's temporal compression)."""
     supports_batching: bool = True
@@ -248,6 +261,18 @@ def check_request_fields(model: ModelDescription, given: dict[str, Any]) -> None
             )
 
 
+def mask_refusal(family: str) -> InvalidRequestError:
+    """The 400 of a `mask` sent to a model that does not inpaint, naming the families that do (their spec's
+    `inpaint` task)."""
+    from diffuserve.families import families_with, named_list
+
+    return InvalidRequestError(
+        f"mask: this {family} model does not inpaint; masks are taken natively by "
+        f"{named_list(families_with('inpaints'))}. Leave mask out to edit the whole image.",
+        param="mask",
+    )
+
+
 def _pick(value: Any, default: Any) -> Any:
     return default if value is None else value
 
@@ -270,6 +295,8 @@ def build_sampling_params(
     output_format: str | None = None,
     output_quality: int = 90,
     image_inputs: tuple[bytes, ...] = (),
+    mask_input: bytes | None = None,
+    padding_mask_crop: int | None = None,
     strength: float = 1.0,
     flow_shift: float | None = None,
     boundary_ratio: float | None = None,
@@ -315,6 +342,8 @@ def build_sampling_params(
         output_format=_pick(output_format, "mp4" if video else "png"),
         output_quality=output_quality,
         image_inputs=tuple(image_inputs),
+        mask_input=mask_input,
+        padding_mask_crop=padding_mask_crop,
         strength=strength,
         flow_shift=flow_shift,
         boundary_ratio=boundary_ratio,

@@ -118,7 +118,7 @@ def test_edit_strength_keeps_the_input(singleton_server):
     [
         ({"image": ("in.png", b"not an image")}, {"prompt": "x"}, "image"),
         ({}, {"prompt": "x"}, "image"),
-        ({"image": ("in.png", _png()), "mask": ("m.png", _png())}, {"prompt": "x"}, "mask"),
+        ({"image": ("in.png", _png()), "mask": ("m.png", _png(32, 32))}, {"prompt": "x"}, "mask"),  # other size
         ({"image": ("in.png", _png())}, {"prompt": "x", "strength": "0"}, "strength"),
         ({"image": ("in.png", _png())}, {"prompt": "x", "strength": "0.1", "num_inference_steps": "4"}, "strength"),
         ({"image": ("in.png", _png())}, {"prompt": "x", "n": "eleven"}, "n"),

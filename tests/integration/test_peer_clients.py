@@ -1,5 +1,6 @@
 """Clients of other diffusion servers, unchanged: the request fields SGLang-Diffusion's, vLLM-Omni's and FastVideo's
-clients send through the official `openai` SDK's `extra_body` (docs/api.md, "Fields of other servers' clients").
+clients send through the official `openai` SDK's `extra_body` (docs/api.md, "Fields of other servers' clients"), and
+the edit masks they send: SGLang's regression that an edit must not ignore its `mask`, vLLM-Omni's `mask_image`.
 
 Each body below is shaped as that client sends it (field names and the way they travel); the shared tiny FLUX and
 tiny Wan2.1 servers answer them (and the tiny LTX-2 server vLLM-Omni's sound fields). Edit sources given as URLs
@@ -153,6 +154,50 @@ def test_edit_sources_as_data_urls_in_every_peer_body(singleton_server):
         "image",
     )
     assert "got 2" in message
+
+
+def _mask_png(size: tuple[int, int] = (48, 32)) -> bytes:
+    """OpenAI's mask: opaque, but a fully transparent box (repaint there)."""
+    mask = Image.new("RGBA", size, (0, 0, 0, 255))
+    mask.paste((0, 0, 0, 0), (8, 8, 40, 24))
+    buffer = io.BytesIO()
+    mask.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def test_sglang_mask_regression_an_edit_does_not_ignore_its_mask(singleton_server):
+    """SGLang's regression test: /v1/images/edits with a mask must not answer as if the mask were absent (what each
+    masked row must be, the diffusers inpaint pipeline's image, is tests/integration/test_masks.py's)."""
+    client = _client(singleton_server)
+    source = _png(48, 32, seed=3)
+    body = {**SGLANG_EDIT, "num_inference_steps": 4, "strength": 0.9}
+
+    def edit(**kw) -> np.ndarray:
+        answer = client.images.edit(image=("in.png", source, "image/png"), prompt="a hat", extra_body=body, **kw)
+        return pixels(decode_b64_png(answer.data[0].b64_json))
+
+    plain, masked = edit(), edit(mask=("mask.png", _mask_png(), "image/png"))
+    assert np.abs(plain - masked).max() > 8
+
+
+def test_vllm_omni_mask_image_is_the_mask(singleton_server):
+    """vLLM-Omni's clients name the mask `mask_image` and send it as base64 in the form (extra_body)."""
+    client = _client(singleton_server)
+    source = _png(48, 32, seed=4)
+    encoded = base64.b64encode(_mask_png()).decode()
+    results = [
+        client.images.edit(
+            image=("in.png", source, "image/png"), prompt="a hat", extra_body={**SGLANG_EDIT, **extra}, **kw
+        )
+        .data[0]
+        .b64_json
+        for extra, kw in (
+            ({"mask_image": encoded}, {}),
+            ({"mask_image": f"data:image/png;base64,{encoded}"}, {}),
+            ({}, {"mask": ("mask.png", _mask_png(), "image/png")}),
+        )
+    ]
+    assert results[0] == results[1] == results[2]
 
 
 def test_flow_shift_changes_the_schedule(singleton_server):

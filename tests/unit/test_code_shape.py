@@ -68,6 +68,7 @@ LAYERS: dict[str, float] = {
     "cli": 9,
     "generate": 9,
     "plan_command": 9,
+    "generate_masks": 9,  # generate's --mask-path / --padding-mask-crop (flags and the mask check)
     "tools": 9,
 }
 """Top-level module or folder of `diffuserve` -> layer. An import between two of them must go to a lower layer."""

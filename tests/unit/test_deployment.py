@@ -707,7 +707,7 @@ def test_plan_and_start_up_refuse_a_diffusers_backend_split_with_the_same_words(
     """`diffuserve plan --backend diffusers --enable-cfg-parallel` and `serve` with the same flags stop at the same
     plan check, before any weight loads, with one message."""
     from diffuserve.config.server_args import ServerArgs
-    from diffuserve.generate import print_plan
+    from diffuserve.plan_command import print_plan
     from diffuserve.launch.setup import plan_deployment
 
     root, _ = checkpoint
@@ -757,7 +757,7 @@ def test_plan_and_start_up_refuse_continuous_for_a_model_that_cannot_step(checkp
     backend) stops `plan` and `serve` at the same check, before any weight loads, with one message naming the
     flag and the families that can; natively the same checkpoint plans fine."""
     from diffuserve.config.server_args import ServerArgs
-    from diffuserve.generate import print_plan
+    from diffuserve.plan_command import print_plan
     from diffuserve.launch.setup import plan_deployment
 
     root, _ = checkpoint

@@ -128,7 +128,7 @@ def test_plan_counts_quantized_bytes_weights_plus_scales(big_flux: Path) -> None
 def test_auto_keeps_a_dit_resident_in_fp8_that_bf16_offloads(big_flux: Path, capsys: pytest.CaptureFixture) -> None:
     """`plan --gpu-memory-gib 40`: the bf16 DiT (~22 GiB, below FLUX's 45 GiB resident bar) is offloaded; in fp8 it
     saves ~11 GiB, the bar drops by as much and the DiT stays resident; the table and JSON show each method."""
-    from diffuserve.generate import print_plan
+    from diffuserve.plan_command import print_plan
 
     base = {"model_path": str(big_flux), "gpu_memory_gib": 40.0, "json": True}
     print_plan(base)
@@ -148,7 +148,7 @@ def test_auto_keeps_a_dit_resident_in_fp8_that_bf16_offloads(big_flux: Path, cap
 
 def test_plan_and_start_up_refuse_with_the_same_words(big_flux: Path) -> None:
     from diffuserve.config.server_args import ServerArgs
-    from diffuserve.generate import print_plan
+    from diffuserve.plan_command import print_plan
     from diffuserve.launch.setup import plan_deployment
 
     with pytest.raises(ConfigError) as planned:
@@ -173,7 +173,7 @@ def test_every_native_family_declares_what_it_keeps() -> None:
 def test_tensor_parallel_and_fsdp_plan_a_quantized_dit(big_flux: Path, capsys) -> None:
     """TP and FSDP take a quantized DiT (the sharded forward is tested over two ranks in
     tests/distributed/test_quant_parallel.py): the plan resolves and names the method."""
-    from diffuserve.generate import print_plan
+    from diffuserve.plan_command import print_plan
 
     base = {"model_path": str(big_flux), "gpu_memory_gib": 80.0, "num_gpus": 2, "quantization": ["fp8"]}
     for flag, value in (("tp_size", 2), ("use_fsdp_inference", True)):

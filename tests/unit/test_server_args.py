@@ -208,6 +208,8 @@ def test_each_flag_is_declared_once_on_its_sub_config():
             "generate_audio",
             "image_path",
             "strength",
+            "mask_path",
+            "padding_mask_crop",
         },
     }
     for command, extra in own.items():

@@ -139,7 +139,7 @@ class FamilySpec:
     output_kind: OutputKind = "image"
     """image | video | mesh."""
     tasks: frozenset[str] = frozenset({"t2i"})
-    """What it does: t2i, i2i (edits), t2v, i2v."""
+    """What it does: t2i, i2i (edits), inpaint (edits with a `mask`, natively), t2v, i2v."""
     native_adapter: str | None = None
     """"module:Class" of the native pipeline adapter; None runs the diffusers backend."""
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
@@ -211,3 +211,9 @@ class FamilySpec:
     @property
     def has_native(self) -> bool:
         return self.native_adapter is not None
+
+    @property
+    def inpaints(self) -> bool:
+        """Edits take a `mask` (inpainting): the native adapter repaints the masked region as the family's diffusers
+        inpaint pipeline does."""
+        return "inpaint" in self.tasks and self.has_native

@@ -167,6 +167,9 @@ class Pipeline:
     """Input images one request may carry (edits); 0: this model takes none."""
     min_image_inputs: int = 0
     """Input images every request must carry (1 for edit-only models); warm-up sends this many."""
+    inpaints: bool = False
+    """Edits may carry a mask (`SamplingParams.mask_input`): the family spec's `inpaint` task, for a native adapter
+    (`bind_facts`); the diffusers backend runs no masks."""
     frame_multiple: int = 1
     """Video: num_frames - 1 must divide by this (the VAE's temporal compression)."""
     defaults: SamplingDefaults = SamplingDefaults()
@@ -211,6 +214,7 @@ class Pipeline:
         self.output_kind = spec.output_kind
         self.supports_batching = spec.supports_batching
         self.max_image_inputs = spec.max_image_inputs
+        self.inpaints = spec.inpaints
         facts = self.facts = describe_checkpoint(spec, configs)
         if facts.size_multiple is not None:
             self.size_multiple = facts.size_multiple
@@ -304,6 +308,7 @@ class Pipeline:
                 f"this {self.family} model {what}; got {len(params.image_inputs)}.",
                 param="input_reference" if self.output_kind == "video" else "image",
             )
+        self._check_mask(params)
         if params.width * params.height > self.max_pixels:
             raise InvalidRequestError(
                 f"size {params.width}x{params.height} exceeds this server's limit of {self.max_pixels} pixels.",
@@ -325,6 +330,21 @@ class Pipeline:
                     "calibrate-cache`, then --step-cache-calibration FILE).",
                     param="step_cache",
                 )
+
+    def _check_mask(self, params: SamplingParams) -> None:
+        """A mask only where the family inpaints, only with an input image; `padding_mask_crop` only with a mask."""
+        from diffuserve.errors import InvalidRequestError
+        from diffuserve.sampling import mask_refusal
+
+        if params.mask_input is not None and not self.inpaints:
+            raise mask_refusal(self.family)
+        if params.mask_input is not None and not params.image_inputs:
+            raise InvalidRequestError("mask needs the image it masks; send an `image` file too.", param="mask")
+        if params.padding_mask_crop is not None and (params.mask_input is None or params.padding_mask_crop < 0):
+            raise InvalidRequestError(
+                f"padding_mask_crop={params.padding_mask_crop} needs a mask and a value >= 0 (pixels around it).",
+                param="padding_mask_crop",
+            )
 
     def step_cache_problem(self, method: str) -> str | None:
         """Why this pipeline cannot run step-cache `method` (None: it can). Native families answer from their
@@ -363,6 +383,7 @@ class Pipeline:
             size_multiple=self.size_multiple,
             max_image_inputs=self.max_image_inputs,
             min_image_inputs=self.min_image_inputs,
+            inpaints=self.inpaints,
             frame_multiple=self.frame_multiple,
             supports_batching=self.supports_batching,
             packs_mixed_sizes=self.packs_mixed_sizes,

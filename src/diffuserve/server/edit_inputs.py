@@ -27,7 +27,7 @@ IMAGE_SOURCE_FIELDS = ("image", "image[]", "images")
 """Fields whose values are the input images (uploads or URLs)."""
 URL_SOURCE_FIELDS = ("url", "url[]")
 """SGLang-Diffusion's and vLLM-Omni's `url` extension: more input images, after those above."""
-OPTIONAL_IMAGE_FIELDS = ("mask",)
+OPTIONAL_IMAGE_FIELDS = ("mask", "mask_image")
 """Fields that carry one image beside the sources; the route decides what to do with each."""
 _FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 

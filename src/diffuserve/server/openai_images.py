@@ -18,7 +18,8 @@ from starlette.concurrency import run_in_threadpool
 from diffuserve.engine.engine import GenerationResult
 from diffuserve.errors import InvalidRequestError, NotFoundError, RequestCancelledError
 from diffuserve.media.images import decode_image, encode_image, mime_type
-from diffuserve.sampling import SamplingParams, build_sampling_params, check_request_fields
+from diffuserve.media.masks import inpaint_mask, mask_bytes_from_text
+from diffuserve.sampling import SamplingParams, build_sampling_params, check_request_fields, mask_refusal
 from diffuserve.server.common import (
     check_image_only_fields,
     check_request_limits,
@@ -64,6 +65,7 @@ def image_params(
     image_inputs: tuple[bytes, ...] = (),
     strength: float = 1.0,
     control_image: bytes | None = None,
+    mask_input: bytes | None = None,
 ) -> SamplingParams:
     """Request body -> SamplingParams through the one builder, after the server's own caps."""
     model = ctx.engine.model
@@ -120,6 +122,8 @@ def image_params(
         output_format=body.output_format,
         output_quality=quality,
         image_inputs=image_inputs,
+        mask_input=mask_input,
+        padding_mask_crop=getattr(body, "padding_mask_crop", None),
         strength=strength,
         flow_shift=body.flow_shift,
         resolution=body.resolution,
@@ -287,6 +291,34 @@ async def create_image(body: ImageGenerationRequest, request: Request) -> ImageG
     )
 
 
+_MASK_FIELDS = ("mask", "mask_image")
+"""The inpainting mask: OpenAI's `mask`, and vLLM-Omni's name for the same thing (`mask_image`)."""
+
+
+async def _edit_mask(extras: dict[str, Any], ctx: ServerContext, image_size: tuple[int, int]) -> bytes | None:
+    """The request's mask (an upload, a data: URL or bare base64, `{"image_url": ...}`, or an http(s) URL under
+    --allow-remote-urls and its guards) as the pipelines take it (`media/masks.py`), checked before queueing: the
+    model inpaints, it is an image, and it is the size of the first image. None: no mask."""
+    given = [(k, extras[k]) for k in _MASK_FIELDS if k in extras]
+    if not given:
+        return None
+    model = ctx.engine.model
+    assert model is not None
+    if not model.inpaints:
+        raise mask_refusal(model.family)
+    if len(given) > 1:
+        raise InvalidRequestError(f"Send one mask; got {len(given)} ({', '.join(k for k, _ in given)}).", param="mask")
+    name, value = given[0]
+    if isinstance(value, str) and not value.startswith(("data:", "http://", "https://")):
+        data = mask_bytes_from_text(value, param=name)  # bare base64, as vLLM-Omni's clients send image fields
+    else:
+        data = await load_image_source(value, name, FetchPolicy.from_args(ctx.args))
+    side = ctx.args.max_image_side
+    return await run_in_threadpool(
+        functools.partial(inpaint_mask, data, image_size=image_size, max_pixels=side**2, param=name)
+    )
+
+
 @router.post(
     "/v1/images/edits",
     tags=["images"],
@@ -302,6 +334,12 @@ async def create_image(body: ImageGenerationRequest, request: Request) -> ImageG
                         "required": ["image", "prompt"],
                         "properties": {
                             "image": {"type": "string", "format": "binary"},
+                            "mask": {
+                                "type": "string",
+                                "format": "binary",
+                                "description": "PNG the size of the image; fully transparent pixels are repainted "
+                                "(without alpha: white = repaint). Families that inpaint.",
+                            },
                             **{k: v for k, v in ImageEditRequest.model_json_schema()["properties"].items()},
                         },
                     }
@@ -325,17 +363,13 @@ async def create_image(body: ImageGenerationRequest, request: Request) -> ImageG
     },
 )
 async def edit_image(request: Request) -> ImageGenerationResponse | StreamingResponse:
-    """Image-to-image: multipart (OpenAI's SDK shape), form fields or JSON, the images as files, data: URLs or (with
-    --allow-remote-urls) http(s) URLs (server/edit_inputs.py). Each edit runs alone: image-conditioned requests never
-    merge."""
+    """Image-to-image, with an optional inpainting `mask`: multipart (OpenAI's SDK shape), form fields or JSON, the
+    images as files, data: URLs or (with --allow-remote-urls) http(s) URLs (server/edit_inputs.py). Each edit runs
+    alone: image-conditioned requests never merge at the server (a pipeline batch carries masks per row)."""
     received = time.monotonic()
     ctx = server_context(request)
     require_ready(ctx)
     edit = await read_edit_body(request)
-    if "mask" in edit.extras:
-        raise InvalidRequestError(
-            "mask is not supported: this model edits the whole image (use strength).", param="mask"
-        )
     if "control_image" in edit.fields:  # checked before the body (an uploaded one is refused as a file part)
         raise InvalidRequestError(
             "control_image: ControlNet runs on text-to-image (POST /v1/images/generations); an edit takes none.",
@@ -365,6 +399,7 @@ async def edit_image(request: Request) -> ImageGenerationResponse | StreamingRes
     sources = [
         await run_in_threadpool(decode, data, param=name) for data, (name, _) in zip(blobs, edit.sources, strict=True)
     ]
+    mask = await _edit_mask(edit.extras, ctx, sources[0].size)
     if body.size is None and body.width is None and body.height is None:
         # Default to the (first) input's size, rounded down to what the model can produce.
         multiple = ctx.engine.model.size_multiple  # type: ignore[union-attr]
@@ -380,7 +415,7 @@ async def edit_image(request: Request) -> ImageGenerationResponse | StreamingRes
                 "height": max(multiple, sources[0].height // multiple * multiple),
             }
         )
-    params = image_params(body, ctx, image_inputs=blobs, strength=body.strength)
+    params = image_params(body, ctx, image_inputs=blobs, strength=body.strength, mask_input=mask)
     return await _generate_and_respond(
         request, body, params, received=received, ineligible_reason="image_conditioning", prefix="image_edit"
     )

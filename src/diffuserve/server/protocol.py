@@ -197,6 +197,12 @@ class ImageEditRequest(ImageGenerationRequest):
     strength: float = Field(
         default=0.6, gt=0, le=1, description="Share of the schedule re-noised from the input image."
     )
+    padding_mask_crop: StrictInt | None = Field(
+        default=None,
+        ge=0,
+        description="With a mask: repaint only a crop around the masked region, grown by this many pixels, then paste "
+        "it back over the image (diffusers' padding_mask_crop). Families that inpaint (see docs/families.md).",
+    )
 
 
 def coerce_form_fields(model: type[BaseModel], form: dict[str, str]) -> dict[str, object]:

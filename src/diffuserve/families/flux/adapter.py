@@ -8,7 +8,6 @@ there is no progress bar or input re-tokenisation, which is where the speed over
 
 from __future__ import annotations
 
-import io
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +21,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
 from diffuserve.families.flux import controlnet as flux_controlnet
-from diffuserve.pipelines import stages, token_ids
+from diffuserve.pipelines import inpaint, stages, token_ids
 from diffuserve.pipelines.base import component_configs, declared_sequence_length
 from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows
 from diffuserve.pipelines.stages import Cond, DenoiseState
@@ -85,6 +84,7 @@ class FluxNativePipeline(stages.RecipePipeline):
         self.image_processor = VaeImageProcessor(
             vae_scale_factor=self.vae_scale_factor * 2, vae_latent_channels=vae.config.latent_channels
         )
+        self.mask_processor = inpaint.mask_processor(self.vae_scale_factor * 2, vae.config.latent_channels)
         self._clip_max_length = getattr(tokenizer, "model_max_length", 77) or 77
         self._image_ids: dict[tuple[int, int], torch.Tensor] = {}
         self._text_ids: dict[int, torch.Tensor] = {}
@@ -160,13 +160,13 @@ class FluxNativePipeline(stages.RecipePipeline):
 
     def prepare_image_latents(
         self, batch: Sequence[Any], height: int, width: int, scheduler: Any, timesteps: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, inpaint.InpaintRows | None]:
         """Image-to-image start: each request's input image, VAE-encoded and re-noised to `strength`.
 
-        Follows diffusers' FluxImg2ImgPipeline: the schedule starts at step `steps - steps*strength`;
-        a request's row generators sample its image latents (row 0's generator) and then draw one
-        noise row each, so a request's rows are the same alone or in a batch.
-        """
+        Follows diffusers' FluxImg2ImgPipeline (and FluxInpaintPipeline, whose start is the same): the schedule starts
+        at step `steps - steps*strength`; a request's row generators sample its image latents (row 0's generator) and
+        then draw one noise row each, so a request's rows are the same alone or in a batch. When a request of the
+        batch has a mask, also the rows' inpainting state (`inpaint_rows`)."""
         head = batch[0]
         num_steps = len(timesteps)
         t_start = int(max(num_steps - min(num_steps * head.strength, num_steps), 0))
@@ -174,21 +174,56 @@ class FluxNativePipeline(stages.RecipePipeline):
         scheduler.set_begin_index(t_start * scheduler.order)
         lh, lw = self._latent_hw(height, width)
         channels = self.transformer.config.in_channels // 4
-        rows = []
+        rows, clean, noises, sources = [], [], [], []
         for params in batch:
             generators = [torch.Generator("cpu").manual_seed(s) for s in stages.row_seeds(params)]
-            source = Image.open(io.BytesIO(params.image_inputs[0])).convert("RGB")
-            pixels = self.image_processor.preprocess(source, height=height, width=width)
-            encoded = self.vae.encode(pixels.to(self.device, self.vae.dtype))
+            source = self.edit_source(params, height, width)
+            encoded = self.vae.encode(source.pixels.to(self.device, self.vae.dtype))
             image_latents = retrieve_latents(encoded, generator=generators[0])
             image_latents = (image_latents - self.vae.config.shift_factor) * self.vae.config.scaling_factor
             noise = randn_tensor(
                 (params.n, channels, lh, lw), generator=generators, device=self.device, dtype=self.dtype
             )
             start = timesteps[:1].repeat(params.n)
-            rows.append(scheduler.scale_noise(image_latents.to(self.dtype).expand(params.n, -1, -1, -1), start, noise))
+            image_latents = image_latents.to(self.dtype).expand(params.n, -1, -1, -1)
+            rows.append(scheduler.scale_noise(image_latents, start, noise))
+            clean.append(image_latents)
+            noises.append(noise)
+            sources.append(source)
         latents = torch.cat(rows)
-        return FluxPipeline._pack_latents(latents, latents.shape[0], channels, lh, lw), timesteps
+        packed = FluxPipeline._pack_latents(latents, latents.shape[0], channels, lh, lw)
+        state = (
+            self.inpaint_rows(batch, sources, torch.cat(clean), torch.cat(noises)) if inpaint.any_mask(batch) else None
+        )
+        return packed, timesteps, state
+
+    # -- inpainting (FluxInpaintPipeline; pipelines/inpaint.py) ------------------------------------------------
+
+    def edit_source(self, params: Any, height: int, width: int) -> inpaint.RequestSource:
+        """A request's input image (its crop, with padding_mask_crop) and mask, preprocessed to the output size."""
+        return inpaint.request_source(params, self.image_processor, self.mask_processor, height, width)
+
+    def inpaint_rows(
+        self,
+        batch: Sequence[Any],
+        sources: Sequence[inpaint.RequestSource],
+        image_latents: torch.Tensor,
+        noise: torch.Tensor,
+    ) -> inpaint.InpaintRows:
+        """The rows' masks on the packed latent grid (ones for rows without a mask), clean image latents and noise,
+        packed as FluxInpaintPipeline's `prepare_mask_latents` / `prepare_latents` pack them."""
+        channels, lh, lw = image_latents.shape[1:]
+        masks = [
+            inpaint.latent_mask(source.mask, (lh, lw), image_latents).expand(params.n, channels, -1, -1)
+            for params, source in zip(batch, sources, strict=True)
+        ]
+        mask = torch.cat(masks)
+
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            return FluxPipeline._pack_latents(x, x.shape[0], channels, lh, lw)
+
+        overlays = [source.overlay for params, source in zip(batch, sources, strict=True) for _ in range(params.n)]
+        return inpaint.InpaintRows(pack(mask), pack(image_latents), pack(noise), overlays)
 
     def request_fields(self) -> frozenset[str]:
         control = ("control_image",) if self.controlnets else ()
@@ -250,14 +285,14 @@ class FluxNativePipeline(stages.RecipePipeline):
         latents = FluxPipeline._unpack_latents(latents, height, width, self.vae_scale_factor)
         latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
         image = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
-        return stages.to_pil_images(image)
+        return inpaint.apply_overlays(stages.to_pil_images(image), state, self.image_processor)
 
     def scheduler_step(
         self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState
     ) -> torch.Tensor:
         # Keep the step's velocity for `preview` (a reference, no copy; the final latents are unchanged).
         state.extras["velocity"] = noise_pred
-        return super().scheduler_step(noise_pred, timestep, latents, state)
+        return inpaint.blend(super().scheduler_step(noise_pred, timestep, latents, state), state)
 
     def preview(self, latents: torch.Tensor, state: DenoiseState) -> list[Image.Image]:
         """Partial image: a VAE decode of the clean-latent estimate, not of the noisy latents.
@@ -280,9 +315,9 @@ class FluxNativePipeline(stages.RecipePipeline):
         height, width = head.height, head.width
         lh, lw = self._latent_hw(height, width)
         scheduler, timesteps = self._timesteps(head.num_inference_steps, (lh // 2) * (lw // 2), head.flow_shift)
-        control = None
+        control = masked = None
         if head.image_inputs:
-            latents, timesteps = self.prepare_image_latents(batch, height, width, scheduler, timesteps)
+            latents, timesteps, masked = self.prepare_image_latents(batch, height, width, scheduler, timesteps)
         elif any(p.control is not None for p in batch):
             latents, control = flux_controlnet.prepare_control_latents(self, batch, height, width, positive, timesteps)
         else:
@@ -298,6 +333,8 @@ class FluxNativePipeline(stages.RecipePipeline):
         }
         if control is not None:
             extras[EXTRAS_KEY] = control
+        if masked is not None:
+            extras[inpaint.EXTRAS_KEY] = masked
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)
 
     def predict(
@@ -323,3 +360,74 @@ class FluxNativePipeline(stages.RecipePipeline):
         if control is None:
             return states[0].extras
         return {**{k: v for k, v in states[0].extras.items() if not k.startswith("_")}, EXTRAS_KEY: control}
+
+
+class FluxFillNativePipeline(FluxNativePipeline):
+    """FLUX.1 Fill (`FluxFillPipeline`): the FLUX.1 recipe with a transformer whose input is widened by the masked
+    image's packed latents and the packed 8x8 mask, concatenated to every row's latents at every step (no latent blend).
+
+    Each row carries its own conditioning (image, mask), so requests with different masks share one call. A request
+    without a mask repaints the whole image (an all-white mask, a call diffusers runs the same way)."""
+
+    family = "flux_fill"
+    min_image_inputs = 1
+    """Fill repaints an input image: every request carries one (the warm-up sends one, without a mask)."""
+
+    def prepare_image_latents(
+        self, batch: Sequence[Any], height: int, width: int, scheduler: Any, timesteps: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, inpaint.InpaintRows | None]:
+        """FluxFillPipeline's start per request: image latents (row 0's generator) re-noised to `strength` with one
+        noise row per output, then the masked image (`image * (1 - mask)`) encoded with row 0's generator again, and
+        the mask folded into the VAE factor's f x f channels; both packed into the rows' conditioning."""
+        num_steps = len(timesteps)
+        t_start = int(max(num_steps - min(num_steps * batch[0].strength, num_steps), 0))
+        timesteps = timesteps[t_start * scheduler.order :]
+        scheduler.set_begin_index(t_start * scheduler.order)
+        lh, lw = self._latent_hw(height, width)
+        channels, f = self.vae.config.latent_channels, self.vae_scale_factor
+        rows, conditions = [], []
+        for params in batch:
+            generators = [torch.Generator("cpu").manual_seed(s) for s in stages.row_seeds(params)]
+            source = self.edit_source(params, height, width)
+            mask = source.mask if source.mask is not None else torch.ones_like(source.pixels[:, :1])
+            image_latents = self._encode(source.pixels, generators[0]).expand(params.n, -1, -1, -1)
+            noise = randn_tensor(
+                (params.n, channels, lh, lw), generator=generators, device=self.device, dtype=self.dtype
+            )
+            rows.append(scheduler.scale_noise(image_latents, timesteps[:1].repeat(params.n), noise))
+            masked = self._encode((source.pixels * (1 - mask)).to(self.dtype), generators[0]).repeat(params.n, 1, 1, 1)
+            folded = mask[:, 0].view(1, lh, f, lw, f).permute(0, 2, 4, 1, 3).reshape(1, f * f, lh, lw)
+            folded = folded.to(self.device, self.dtype).repeat(params.n, 1, 1, 1)
+            packed = (FluxPipeline._pack_latents(x, params.n, x.shape[1], lh, lw) for x in (masked, folded))
+            conditions.append(torch.cat(tuple(packed), dim=-1))
+        latents = torch.cat(rows)
+        self._fill_condition = torch.cat(conditions)
+        return FluxPipeline._pack_latents(latents, latents.shape[0], channels, lh, lw), timesteps, None
+
+    def validate(self, params: Any) -> None:
+        super().validate(params)
+        if params.padding_mask_crop is not None:
+            from diffuserve.errors import InvalidRequestError
+
+            raise InvalidRequestError(
+                "padding_mask_crop: FLUX.1 Fill repaints the whole image it is given (diffusers' FluxFillPipeline has "
+                "no crop); leave it out.",
+                param="padding_mask_crop",
+            )
+
+    def _encode(self, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        encoded = retrieve_latents(self.vae.encode(pixels.to(self.device, self.vae.dtype)), generator=generator)
+        return ((encoded - self.vae.config.shift_factor) * self.vae.config.scaling_factor).to(self.dtype)
+
+    def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
+        state = super().prepare(batch, head, positive)
+        state.extras["fill_condition"] = self.__dict__.pop("_fill_condition")
+        return state
+
+    def predict(
+        self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
+    ) -> torch.Tensor:
+        condition = state.extras["fill_condition"]
+        if condition.shape[0] != latents.shape[0]:  # a doubled CFG batch: both branches see the same rows
+            condition = condition.repeat(latents.shape[0] // condition.shape[0], 1, 1)
+        return super().predict(torch.cat((latents, condition), dim=2), timestep, cond, state, model_key)

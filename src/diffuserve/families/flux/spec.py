@@ -49,7 +49,7 @@ SPECS = (
         pipeline_classes=("FluxPipeline", "FluxImg2ImgPipeline"),
         model_id_patterns=(r"flux",),
         id_priority=0,
-        tasks=frozenset({"t2i", "i2i"}),
+        tasks=frozenset({"t2i", "i2i", "inpaint"}),
         native_adapter="diffuserve.families.flux.adapter:FluxNativePipeline",
         lora_loader="FluxLoraLoaderMixin",
         # FLUX.1 ControlNet and ControlNet-Union (InstantX, Shakker-Labs) share this class (`num_mode` for Union).
@@ -75,6 +75,26 @@ SPECS = (
         text_encoder_keys=("text_encoder", "text_encoder_2"),
         max_image_inputs=1,
         tiny_builds={"flux": "diffuserve.families.flux.tiny:build_flux"},
+    ),
+    FamilySpec(
+        quant_keep=FLUX_QUANT_KEEP,
+        name="flux_fill",
+        text_encoders=FLUX_TEXT_ENCODERS,
+        pipeline_classes=("FluxFillPipeline",),
+        model_id_patterns=(r"flux\.?1?[-_.]?fill",),
+        id_priority=10,
+        # Edits only: an image, and a mask (none: the whole image), as FluxFillPipeline (families/flux/adapter.py).
+        tasks=frozenset({"i2i", "inpaint"}),
+        native_adapter="diffuserve.families.flux.adapter:FluxFillNativePipeline",
+        # FLUX.1-Fill-dev: 50 steps at embedded guidance 30 (diffusers' FluxFillPipeline call defaults).
+        defaults=SamplingDefaults(width=1024, height=1024, num_inference_steps=50, guidance_scale=30.0),
+        checkpoint_defaults=flux_defaults,
+        profile=ProfileFacts(default_uses_cfg=False, dit_supports_layerwise=True),
+        latent_geometry=flux_geometry,
+        text_encoder_keys=("text_encoder", "text_encoder_2"),
+        max_image_inputs=1,
+        base_family="flux",
+        tiny_builds={"flux-fill": "diffuserve.families.flux.tiny:build_flux_fill"},
     ),
     FamilySpec(
         quant_keep=FLUX_QUANT_KEEP,

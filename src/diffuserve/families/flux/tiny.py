@@ -100,3 +100,19 @@ def build_flux(output_dir: Path, preset: str = "tiny") -> None:
     from diffusers import FluxPipeline
 
     FluxPipeline(**_build_flux_components(PRESETS[preset])).save_pretrained(output_dir, safe_serialization=True)
+
+
+def build_flux_fill(output_dir: Path) -> None:
+    """A tiny FLUX.1 Fill checkpoint (`FluxFillPipeline`): the tiny FLUX.1 whose transformer input is widened as
+    FLUX.1-Fill-dev's is: packed latents, packed masked-image latents and the packed f x f mask (C*4 + C*4 + f*f*4
+    channels for C latent channels and VAE factor f), its output the packed latents (C*4)."""
+    import torch
+    from diffusers import FluxFillPipeline, FluxTransformer2DModel
+
+    preset = PRESETS["tiny"]
+    parts = _build_flux_components(preset)
+    c, f = preset.latent_channels, 2 ** (len(preset.vae_channels) - 1)
+    config = {k: v for k, v in parts["transformer"].config.items() if not k.startswith("_")}
+    torch.manual_seed(preset.seed + 5)
+    parts["transformer"] = FluxTransformer2DModel(**{**config, "in_channels": c * 8 + f * f * 4, "out_channels": c * 4})
+    FluxFillPipeline(**parts).save_pretrained(output_dir, safe_serialization=True)

@@ -21,11 +21,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from diffusers.image_processor import VaeImageProcessor
+from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
+from diffusers.utils.torch_utils import randn_tensor
 
 from diffuserve.families.qwen_image import controlnet as qwen_controlnet
 from diffuserve.families.qwen_image import ops
 from diffuserve.families.qwen_image.spec import QWEN_IMAGE_21_ROPE_POSITIONS, QWEN_IMAGE_TEXT_TOKENS
-from diffuserve.pipelines import stages
+from diffuserve.pipelines import inpaint, stages
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows
 from diffuserve.pipelines.stages import Cond, DenoiseState
@@ -160,6 +163,11 @@ class QwenImageNativePipeline(_QwenBase):
         self.template = reference.prompt_template_encode
         self.drop_idx = reference.prompt_template_encode_start_idx
         self.tokenizer_max_length = reference.tokenizer_max_length
+        channels = self.vae.config.z_dim
+        self.image_processor = VaeImageProcessor(
+            vae_scale_factor=self.vae_scale_factor * 2, vae_latent_channels=channels
+        )
+        self.mask_processor = inpaint.mask_processor(self.vae_scale_factor * 2, channels)
 
     @classmethod
     def from_components(
@@ -202,8 +210,10 @@ class QwenImageNativePipeline(_QwenBase):
 
         seq_len = (lh // 2) * (lw // 2)
         scheduler, timesteps = self._timesteps(head.num_inference_steps, seq_len, flow_shift=head.flow_shift)
-        control = None
-        if any(p.control is not None for p in batch):
+        control = masked = None
+        if head.image_inputs:
+            latents, timesteps, masked = self.prepare_inpaint_latents(batch, scheduler, timesteps, channels)
+        elif any(p.control is not None for p in batch):
             latents, control = qwen_controlnet.prepare_control_latents(self, batch, height, width, positive, timesteps)
         else:
             noise = self._noise(batch, channels, lh, lw)
@@ -218,6 +228,8 @@ class QwenImageNativePipeline(_QwenBase):
         }
         if control is not None:
             extras[EXTRAS_KEY] = control
+        if masked is not None:
+            extras[inpaint.EXTRAS_KEY] = masked
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)
 
     def request_fields(self) -> frozenset[str]:
@@ -226,6 +238,15 @@ class QwenImageNativePipeline(_QwenBase):
     def validate(self, params: Any) -> None:
         super().validate(params)
         check_control(params, self.controlnets)
+        if params.image_inputs and params.mask_input is None:
+            from diffuserve.errors import InvalidRequestError
+
+            raise InvalidRequestError(
+                "Qwen-Image takes an input image only to inpaint it: send a mask with the image (Qwen-Image-Edit "
+                "checkpoints edit whole images).",
+                param="mask",
+            )
+        inpaint.check_strength(params)
 
     def step_extras(self, states: Sequence[DenoiseState]) -> dict[str, Any]:
         """The first state's extras, with every state's ControlNet rows (continuous steps)."""
@@ -233,6 +254,56 @@ class QwenImageNativePipeline(_QwenBase):
         if control is None:
             return states[0].extras
         return {**{k: v for k, v in states[0].extras.items() if not k.startswith("_")}, EXTRAS_KEY: control}
+
+    # -- inpainting (QwenImageInpaintPipeline; pipelines/inpaint.py) ---------------------------------------------
+
+    def prepare_inpaint_latents(
+        self, batch: Sequence[Any], scheduler: Any, timesteps: torch.Tensor, channels: int
+    ) -> tuple[torch.Tensor, torch.Tensor, inpaint.InpaintRows]:
+        """QwenImageInpaintPipeline's start, per request: the image encoded once by the video VAE (row 0's
+        generator), normalised by the VAE's latents mean / std, re-noised to `strength` with one noise row per output
+        ((1, C, h, w) each, the frame axis first as diffusers draws it); every row's mask, image latents and noise
+        packed for the blend after each step."""
+        from diffusers import QwenImagePipeline
+
+        head = batch[0]
+        num_steps = len(timesteps)
+        t_start = int(max(num_steps - min(num_steps * head.strength, num_steps), 0))
+        timesteps = timesteps[t_start * scheduler.order :]
+        scheduler.set_begin_index(t_start * scheduler.order)
+        lh, lw = self._latent_hw(head.height, head.width)
+        rows, clean, noises, masks, overlays = [], [], [], [], []
+        for params in batch:
+            generators = [torch.Generator("cpu").manual_seed(s) for s in stages.row_seeds(params)]
+            source = inpaint.request_source(params, self.image_processor, self.mask_processor, head.height, head.width)
+            pixels = source.pixels.unsqueeze(2).to(self.device, self.dtype)
+            encoded = retrieve_latents(self.vae.encode(pixels), generator=generators[0])
+            mean, std = ops.latents_stats(self.vae, encoded)
+            image_latents = ((encoded - mean) * (1.0 / std)).expand(params.n, -1, -1, -1, -1).transpose(1, 2)
+            noise = randn_tensor(
+                (params.n, 1, channels, lh, lw), generator=generators, device=self.device, dtype=self.dtype
+            )
+            rows.append(scheduler.scale_noise(image_latents, timesteps[:1].repeat(params.n), noise))
+            clean.append(image_latents)
+            noises.append(noise)
+            mask = inpaint.latent_mask(source.mask, (lh, lw), noise)
+            masks.append(mask.expand(params.n, channels, -1, -1))
+            overlays += [source.overlay] * params.n
+
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            return QwenImagePipeline._pack_latents(x, x.shape[0], channels, lh, lw)
+
+        latents, clean_rows, noise_rows = (pack(torch.cat(part)) for part in (rows, clean, noises))
+        return latents, timesteps, inpaint.InpaintRows(pack(torch.cat(masks)), clean_rows, noise_rows, overlays)
+
+    def scheduler_step(
+        self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState
+    ) -> torch.Tensor:
+        """The scheduler's step, then (inpainting rows) the kept region put back."""
+        return inpaint.blend(super().scheduler_step(noise_pred, timestep, latents, state), state)
+
+    def decode(self, latents: torch.Tensor, state: DenoiseState) -> list[Any]:
+        return inpaint.apply_overlays(super().decode(latents, state), state, self.image_processor)
 
     def predict(
         self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str

@@ -75,7 +75,10 @@ SPECS = (
         quant_keep=QWEN_IMAGE_QUANT_KEEP,
         name="qwen_image",
         text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Qwen2.5-VL)", QWEN_IMAGE_TEXT_TOKENS),),
-        pipeline_classes=("QwenImagePipeline",),
+        pipeline_classes=("QwenImagePipeline", "QwenImageInpaintPipeline"),
+        # Edits with a mask, as QwenImageInpaintPipeline (pipelines/inpaint.py); an image without a mask is refused.
+        max_image_inputs=1,
+        tasks=frozenset({"t2i", "inpaint"}),
         model_id_patterns=(r"qwen[-_]?image",),
         id_priority=0,
         native_adapter="diffuserve.families.qwen_image.adapter:QwenImageNativePipeline",

@@ -25,13 +25,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from diffusers.image_processor import VaeImageProcessor
+from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
     retrieve_timesteps,
 )
+from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
 from diffuserve.families.sd3 import controlnet as sd3_controlnet
-from diffuserve.pipelines import stages
+from diffuserve.pipelines import inpaint, stages
 from diffuserve.pipelines.base import component_configs, declared_sequence_length
 from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows
 from diffuserve.pipelines.stages import Cond, DenoiseState
@@ -92,6 +95,9 @@ class SD3NativePipeline(stages.RecipePipeline):
             "tokenizer_3": self.t5_tokenizer,
         }
         self.vae_scale_factor = facts.vae_factor
+        channels = self.vae.config.latent_channels
+        self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor, vae_latent_channels=channels)
+        self.mask_processor = inpaint.mask_processor(self.vae_scale_factor, channels)
         self.patch_size = int(self.transformer.config.patch_size)
         self._schedulers: dict[tuple[int, int, float | None], tuple[Any, torch.Tensor]] = {}
         self._empty: dict[str, Cond] = {}
@@ -202,6 +208,7 @@ class SD3NativePipeline(stages.RecipePipeline):
     def validate(self, params: Any) -> None:
         super().validate(params)
         check_control(params, self.controlnets)
+        inpaint.check_strength(params)
 
     def step_extras(self, states: Sequence[DenoiseState]) -> dict[str, Any]:
         """No extras but each state's ControlNet rows (continuous steps)."""
@@ -209,20 +216,71 @@ class SD3NativePipeline(stages.RecipePipeline):
         return states[0].extras if control is None else {EXTRAS_KEY: control}
 
     def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
-        """Noise row j of a request from `seed + j`, in the text embeddings' dtype as diffusers; the schedule."""
+        """Noise row j of a request from `seed + j`, in the text embeddings' dtype as diffusers; the schedule. Edits
+        (an input image, with or without a mask) start from their re-noised image instead (`prepare_edit_latents`)."""
         lh, lw = head.height // self.vae_scale_factor, head.width // self.vae_scale_factor
-        latents = stages.batch_noise(
-            batch,
-            (self.transformer.config.in_channels, lh, lw),
-            device=self.device,
-            dtype=self._join(positive)[0].dtype,
-        )
+        dtype = self._join(positive)[0].dtype
         scheduler, timesteps = self._timesteps(
             head.num_inference_steps, (lh // self.patch_size) * (lw // self.patch_size), head.flow_shift
         )
+        if head.image_inputs:
+            latents, timesteps, masked = self.prepare_edit_latents(batch, scheduler, timesteps, dtype)
+            extras = {} if masked is None else {inpaint.EXTRAS_KEY: masked}
+        else:
+            latents = stages.batch_noise(
+                batch, (self.transformer.config.in_channels, lh, lw), device=self.device, dtype=dtype
+            )
+            extras = {}
         control = sd3_controlnet.prepare_control(self, batch, head.height, head.width, timesteps, self.uses_cfg(head))
-        extras = {} if control is None else {EXTRAS_KEY: control}
+        if control is not None:
+            extras[EXTRAS_KEY] = control
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)
+
+    # -- edits: image-to-image and inpainting (pipelines/inpaint.py) --------------------------------------------
+
+    def prepare_edit_latents(
+        self, batch: Sequence[Any], scheduler: Any, timesteps: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, inpaint.InpaintRows | None]:
+        """Each request's image, VAE-encoded and re-noised to `strength`, as diffusers' SD3 pipelines start.
+
+        StableDiffusion3InpaintPipeline (a mask) and StableDiffusion3Img2ImgPipeline (none) start alike: the image
+        encoded once, sampled with row 0's generator (the img2img pipeline's per-row encode finds one image row, so
+        its other generators draw nothing there), then one noise row per output from the row generators; the
+        schedule starts at `steps - steps * strength`."""
+        head = batch[0]
+        num_steps = len(timesteps)
+        t_start = int(max(num_steps - min(num_steps * head.strength, num_steps), 0))
+        timesteps = timesteps[t_start * scheduler.order :]
+        scheduler.set_begin_index(t_start * scheduler.order)
+        rows, clean, noises, sources = [], [], [], []
+        for params in batch:
+            generators = [torch.Generator("cpu").manual_seed(s) for s in stages.row_seeds(params)]
+            source = inpaint.request_source(params, self.image_processor, self.mask_processor, head.height, head.width)
+            pixels = source.pixels.to(self.device, dtype)
+            encoded = retrieve_latents(self.vae.encode(pixels), generator=generators[0])
+            image_latents = (encoded - self.vae.config.shift_factor) * self.vae.config.scaling_factor
+            image_latents = image_latents.expand(params.n, -1, -1, -1).to(dtype)
+            noise = randn_tensor(image_latents.shape, generator=generators, device=self.device, dtype=dtype)
+            rows.append(scheduler.scale_noise(image_latents, timesteps[:1].repeat(params.n), noise))
+            clean.append(image_latents)
+            noises.append(noise)
+            sources.append(source)
+        latents = torch.cat(rows)
+        if not inpaint.any_mask(batch):
+            return latents, timesteps, None
+        clean_rows = torch.cat(clean)
+        masks = [
+            inpaint.latent_mask(source.mask, tuple(clean_rows.shape[2:]), clean_rows).expand(params.n, -1, -1, -1)
+            for params, source in zip(batch, sources, strict=True)
+        ]
+        overlays = [source.overlay for params, source in zip(batch, sources, strict=True) for _ in range(params.n)]
+        return latents, timesteps, inpaint.InpaintRows(torch.cat(masks), clean_rows, torch.cat(noises), overlays)
+
+    def scheduler_step(
+        self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState
+    ) -> torch.Tensor:
+        """The scheduler's step, then (inpainting rows) the kept region put back."""
+        return inpaint.blend(super().scheduler_step(noise_pred, timestep, latents, state), state)
 
     # -- 3. the transformer call ------------------------------------------------------------------------
 
@@ -246,4 +304,4 @@ class SD3NativePipeline(stages.RecipePipeline):
         """Unscale, VAE-decode, and round as diffusers' image processor does."""
         latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
         image = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
-        return stages.to_pil_images(image)
+        return inpaint.apply_overlays(stages.to_pil_images(image), state, self.image_processor)

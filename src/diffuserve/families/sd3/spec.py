@@ -47,7 +47,10 @@ SPEC = FamilySpec(
         TextEncoderFacts("tokenizer_2", "text_encoder_2 (CLIP-G)", 77),
         TextEncoderFacts("tokenizer_3", "text_encoder_3 (T5)", 256),
     ),
-    pipeline_classes=("StableDiffusion3Pipeline",),
+    pipeline_classes=("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline"),
+    # Edits as diffusers' SD3 img2img (no mask) and inpaint (a mask) pipelines start and blend (pipelines/inpaint.py).
+    tasks=frozenset({"t2i", "i2i", "inpaint"}),
+    max_image_inputs=1,
     model_id_patterns=(r"stable[-_]?diffusion[-_]?3|sd3",),
     native_adapter="diffuserve.families.sd3.adapter:SD3NativePipeline",
     lora_loader="SD3LoraLoaderMixin",
@@ -67,5 +70,5 @@ SPEC = FamilySpec(
     latent_geometry=sd3_geometry,
     layer_containers={"SD3Transformer2DModel": (("transformer_blocks", "num_layers"),)},
     max_latent_side=sd3_max_latent_side,
-    tiny_builds={"sd3": "diffuserve.families.sd3.tiny:build"},
+    tiny_builds={"sd3": "diffuserve.families.sd3.tiny:build", "sd3_16ch": "diffuserve.families.sd3.tiny:build_16ch"},
 )

@@ -68,7 +68,13 @@ def _text_encoders(clip_tok: Any, t5_tok: Any, clip_hidden: int) -> tuple[list[A
     return encoders, t5
 
 
-def build(output_dir: Path) -> None:
+def build_16ch(output_dir: Path) -> None:
+    """The tiny SD3 with SD3's real 16 latent channels: diffusers' StableDiffusion3InpaintPipeline runs only on those
+    (it refuses the 4-channel tiny one), so the native inpainting is compared with it on this checkpoint."""
+    build(output_dir, latent_channels=16)
+
+
+def build(output_dir: Path, latent_channels: int = 4) -> None:
     """Write the tiny SD3 checkpoint (diffusers layout, safetensors) into `output_dir`."""
     import torch
     from diffusers import (
@@ -87,8 +93,8 @@ def build(output_dir: Path) -> None:
     transformer = SD3Transformer2DModel(
         sample_size=8,  # latent pixels: 8 x VAE 8 = the 64 px default of diffusers' call
         patch_size=2,
-        in_channels=4,
-        out_channels=4,
+        in_channels=latent_channels,
+        out_channels=latent_channels,
         num_layers=2,
         attention_head_dim=8,
         num_attention_heads=4,
@@ -105,7 +111,7 @@ def build(output_dir: Path) -> None:
         up_block_types=("UpDecoderBlock2D",) * 4,
         block_out_channels=(8, 8, 8, 8),
         layers_per_block=1,
-        latent_channels=4,
+        latent_channels=latent_channels,
         norm_num_groups=4,
         sample_size=64,
         scaling_factor=1.5305,

@@ -21,12 +21,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from diffusers.image_processor import VaeImageProcessor
+from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 from diffusers.pipelines.z_image.pipeline_z_image import (
     get_default_z_image_sigmas,
     retrieve_timesteps,
 )
+from diffusers.utils.torch_utils import randn_tensor
 
-from diffuserve.pipelines import stages
+from diffuserve.pipelines import inpaint, stages
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
@@ -76,6 +79,8 @@ class ZImageNativePipeline(stages.RecipePipeline):
         # Size multiple (VAE factor x 2), the RoPE tables' size limits (axes 1 and 2), default size and CFG as one
         # doubled batch: the spec's facts.
         self.vae_scale_factor = self.bind_facts(component_configs(self.components)).vae_factor
+        self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
+        self.mask_processor = inpaint.mask_processor(self.vae_scale_factor * 2, self.vae.config.latent_channels)
         axes_lens = list(transformer.config.axes_lens)
         # The caption occupies indices 1..len (padded to 32) of RoPE axis 0, so axis 0 bounds the text length.
         self.max_sequence_length = min(MAX_SEQUENCE_LENGTH, (axes_lens[0] - 2) // 32 * 32)
@@ -161,9 +166,59 @@ class ZImageNativePipeline(stages.RecipePipeline):
         """float32 noise rows (diffusers keeps Z-Image latents in float32), the schedule for this size."""
         lh, lw = self._latent_hw(head.height, head.width)
         channels = self.transformer.config.in_channels
-        latents = stages.batch_noise(batch, (channels, lh, lw), device=self.device, dtype=torch.float32)
         scheduler, timesteps = self._schedule(head.num_inference_steps, (lh // 2) * (lw // 2), head.flow_shift)
+        if head.image_inputs:
+            latents, timesteps, masked = self.prepare_inpaint_latents(batch, scheduler, timesteps, positive)
+            return DenoiseState(latents, timesteps, scheduler, extras={inpaint.EXTRAS_KEY: masked})
+        latents = stages.batch_noise(batch, (channels, lh, lw), device=self.device, dtype=torch.float32)
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras={})
+
+    # -- inpainting (ZImageInpaintPipeline; pipelines/inpaint.py) ----------------------------------------------
+
+    def prepare_inpaint_latents(
+        self, batch: Sequence[Any], scheduler: Any, timesteps: torch.Tensor, positive: Cond
+    ) -> tuple[torch.Tensor, torch.Tensor, inpaint.InpaintRows]:
+        """ZImageInpaintPipeline's start per request: the image encoded once (row 0's generator), re-noised to
+        `strength` with one noise row per output, in the text embeddings' dtype; the rows' masks for the blend."""
+        head = batch[0]
+        num_steps = len(timesteps)
+        t_start = int(max(num_steps - min(num_steps * head.strength, num_steps), 0))
+        timesteps = timesteps[t_start * scheduler.order :]
+        scheduler.set_begin_index(t_start * scheduler.order)
+        dtype = positive["prompt_embeds"].dtype
+        rows, clean, noises, masks = [], [], [], []
+        for params in batch:
+            generators = [torch.Generator("cpu").manual_seed(s) for s in stages.row_seeds(params)]
+            source = inpaint.request_source(params, self.image_processor, self.mask_processor, head.height, head.width)
+            encoded = retrieve_latents(self.vae.encode(source.pixels.to(self.device, dtype)), generator=generators[0])
+            image_latents = (encoded - self.vae.config.shift_factor) * self.vae.config.scaling_factor
+            image_latents = image_latents.expand(params.n, -1, -1, -1)
+            noise = randn_tensor(image_latents.shape, generator=generators, device=self.device, dtype=dtype)
+            rows.append(scheduler.scale_noise(image_latents, timesteps[:1].repeat(params.n), noise))
+            clean.append(image_latents)
+            noises.append(noise)
+            mask = inpaint.latent_mask(source.mask, tuple(noise.shape[2:]), noise)
+            masks.append(mask.expand(params.n, -1, -1, -1))
+        overlays: list[Any] = [None] * sum(p.n for p in batch)
+        rows_state = inpaint.InpaintRows(torch.cat(masks), torch.cat(clean), torch.cat(noises), overlays)
+        return torch.cat(rows), timesteps, rows_state
+
+    def validate(self, params: Any) -> None:
+        super().validate(params)
+        if params.image_inputs and params.mask_input is None:
+            from diffuserve.errors import InvalidRequestError
+
+            raise InvalidRequestError(
+                "Z-Image takes an input image only to inpaint it: send a mask with the image.", param="mask"
+            )
+        if params.padding_mask_crop is not None:
+            from diffuserve.errors import InvalidRequestError
+
+            raise InvalidRequestError(
+                "padding_mask_crop: diffusers' ZImageInpaintPipeline has no crop; leave it out.",
+                param="padding_mask_crop",
+            )
+        inpaint.check_strength(params)
 
     def predict(
         self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
@@ -176,8 +231,9 @@ class ZImageNativePipeline(stages.RecipePipeline):
     def scheduler_step(
         self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState
     ) -> torch.Tensor:
-        # The transformer predicts the negative of the scheduler's velocity.
-        return state.scheduler.step((-noise_pred).to(torch.float32), timestep, latents, return_dict=False)[0]
+        # The transformer predicts the negative of the scheduler's velocity; inpainting rows then keep their region.
+        latents = state.scheduler.step((-noise_pred).to(torch.float32), timestep, latents, return_dict=False)[0]
+        return inpaint.blend(latents, state)
 
     def decode(self, latents: torch.Tensor, state: DenoiseState) -> list[Any]:
         latents = latents.to(self.vae.dtype) / self.vae.config.scaling_factor + self.vae.config.shift_factor

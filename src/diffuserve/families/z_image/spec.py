@@ -49,7 +49,10 @@ SPEC = FamilySpec(
     quant_keep=Z_IMAGE_QUANT_KEEP,
     name="z_image",
     text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Qwen3)", 512),),
-    pipeline_classes=("ZImagePipeline",),
+    pipeline_classes=("ZImagePipeline", "ZImageInpaintPipeline"),
+    # Edits with a mask, as ZImageInpaintPipeline (pipelines/inpaint.py); an image without a mask is refused.
+    tasks=frozenset({"t2i", "inpaint"}),
+    max_image_inputs=1,
     model_id_patterns=(r"z[-_]?image",),
     native_adapter="diffuserve.families.z_image.adapter:ZImageNativePipeline",
     lora_loader="ZImageLoraLoaderMixin",

@@ -1,0 +1,143 @@
+"""Inpainting rows, once for every native family whose diffusers pipeline inpaints by latent blending (FLUX.1's
+FluxInpaintPipeline, SD3's StableDiffusion3InpaintPipeline, Qwen-Image's QwenImageInpaintPipeline, ...).
+
+Those pipelines share one recipe, which this module follows step for step:
+1. the image (and, with `padding_mask_crop`, only a crop around the mask) is preprocessed to the output size and
+   its latents re-noised to `strength` (the family's image-to-image start);
+2. the mask is preprocessed by a grayscale, binarizing `VaeImageProcessor` and resized to the latent grid (nearest);
+3. after every scheduler step the kept region is put back: `latents = (1 - mask) * proper + mask * latents`, where
+   `proper` is the clean image latents re-noised to the next timestep (clean after the last step);
+4. with `padding_mask_crop` the decoded crop is pasted back over the input image through the mask
+   (`apply_overlay`).
+
+Everything here is per row: each output row carries its own mask (a row without a mask carries ones, so the blend
+leaves it exactly as the plain image-to-image step made it), image latents, noise and overlay, so requests with
+different masks share one batch and each row equals its request run alone.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from diffusers.image_processor import VaeImageProcessor
+from PIL import Image
+
+from diffuserve.pipelines.batch_rows import DenoiseState
+
+EXTRAS_KEY = "inpaint"
+"""`DenoiseState.extras` key of a batch's `InpaintRows` (absent when no row of the batch has a mask)."""
+
+
+def mask_processor(vae_scale_factor: int, latent_channels: int) -> VaeImageProcessor:
+    """The mask preprocessor of diffusers' inpaint pipelines (grayscale, [0, 1], binarized at 0.5)."""
+    return VaeImageProcessor(
+        vae_scale_factor=vae_scale_factor,
+        vae_latent_channels=latent_channels,
+        do_normalize=False,
+        do_binarize=True,
+        do_convert_grayscale=True,
+    )
+
+
+@dataclass
+class RequestSource:
+    """One request's input image and mask, preprocessed to the output size (diffusers' steps 2-4 of `__call__`)."""
+
+    pixels: torch.Tensor
+    """(1, 3, H, W) in [-1, 1]: the image, or its crop around the mask."""
+    mask: torch.Tensor | None
+    """(1, 1, H, W) of 0 / 1 (1 = repaint); None: the request has no mask."""
+    overlay: tuple[Image.Image, Image.Image, tuple[int, int, int, int]] | None
+    """(mask, input image, crop box) for `apply_overlay` when the request asks for `padding_mask_crop`."""
+
+
+def request_source(
+    params: Any, image_processor: VaeImageProcessor, masks: VaeImageProcessor, height: int, width: int
+) -> RequestSource:
+    """The request's first input image and its mask, preprocessed as the inpaint pipelines do."""
+    source = Image.open(io.BytesIO(params.image_inputs[0])).convert("RGB")
+    if params.mask_input is None:
+        pixels = image_processor.preprocess(source, height=height, width=width)
+        return RequestSource(pixels=pixels.to(torch.float32), mask=None, overlay=None)
+    mask = Image.open(io.BytesIO(params.mask_input)).convert("L")
+    crop, mode = None, "default"
+    if params.padding_mask_crop is not None:
+        crop, mode = masks.get_crop_region(mask, width, height, pad=params.padding_mask_crop), "fill"
+    pixels = image_processor.preprocess(source, height=height, width=width, crops_coords=crop, resize_mode=mode)
+    condition = masks.preprocess(mask, height=height, width=width, resize_mode=mode, crops_coords=crop)
+    overlay = (mask, source, crop) if crop is not None else None
+    return RequestSource(pixels=pixels.to(torch.float32), mask=condition, overlay=overlay)
+
+
+@dataclass
+class InpaintRows:
+    """A batch's inpainting state, one row per output row, in the layout of the denoised latents."""
+
+    mask: torch.Tensor
+    """1 = repaint (the denoiser's latents), 0 = keep (the image's); ones for rows without a mask."""
+    image_latents: torch.Tensor
+    """The clean latents of each row's input image."""
+    noise: torch.Tensor
+    """The noise each row's start was drawn with (re-used to re-noise the kept region at every step)."""
+    overlays: list[tuple[Image.Image, Image.Image, tuple[int, int, int, int]] | None]
+    """Per output row: what `apply_overlays` pastes back (padding_mask_crop), or None."""
+
+
+def latent_mask(mask: torch.Tensor | None, size: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A request's preprocessed mask on the latent grid `size` (h, w) as diffusers' `prepare_mask_latents` makes
+    it (nearest resize), or ones for a request without a mask. (1, 1, *size)."""
+    if mask is None:
+        return torch.ones((1, 1, *size), device=like.device, dtype=like.dtype)
+    return torch.nn.functional.interpolate(mask, size=size).to(device=like.device, dtype=like.dtype)
+
+
+def check_strength(params: Any) -> None:
+    """An edit's `strength` in (0, 1] that leaves at least one denoising step (the diffusers pipelines' check)."""
+    if not params.image_inputs:
+        return
+    from diffuserve.errors import InvalidRequestError
+
+    if not 0.0 < params.strength <= 1.0:
+        raise InvalidRequestError(f"strength={params.strength} must be in (0, 1].", param="strength")
+    if int(params.num_inference_steps * params.strength) < 1:
+        raise InvalidRequestError(
+            f"strength={params.strength} with num_inference_steps={params.num_inference_steps} leaves no denoising "
+            "step; raise strength or num_inference_steps.",
+            param="strength",
+        )
+
+
+def any_mask(batch: Sequence[Any]) -> bool:
+    return any(params.mask_input is not None for params in batch)
+
+
+def blend(latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
+    """After a scheduler step: put the kept region back, re-noised to the next timestep (clean after the last).
+
+    The scheduler's step index has just moved to the next sigma, which is the one diffusers re-noises with
+    (`scale_noise` at `timesteps[i + 1]`); after the last step the image latents go back clean."""
+    rows: InpaintRows | None = state.extras.get(EXTRAS_KEY)
+    if rows is None:
+        return latents
+    scheduler = state.scheduler
+    proper = rows.image_latents
+    begin = scheduler.begin_index or 0
+    if scheduler.step_index - begin < len(state.timesteps):
+        next_t = state.timesteps[scheduler.step_index - begin]
+        proper = scheduler.scale_noise(proper, torch.tensor([next_t]), rows.noise)
+    return (1 - rows.mask) * proper + rows.mask * latents
+
+
+def apply_overlays(images: list[Image.Image], state: DenoiseState, processor: VaeImageProcessor) -> list[Image.Image]:
+    """`padding_mask_crop` rows: the decoded crop pasted back over the input image (diffusers' `apply_overlay`)."""
+    rows: InpaintRows | None = state.extras.get(EXTRAS_KEY)
+    if rows is None or not any(rows.overlays):
+        return images
+    return [
+        image if overlay is None else processor.apply_overlay(overlay[0], overlay[1], image, overlay[2])
+        for image, overlay in zip(images, rows.overlays, strict=True)
+    ]
