@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import threading
 import time
@@ -28,7 +27,8 @@ from diffuserve.engine.batch_loop import BatchLoop
 from diffuserve.engine.metrics import BatchingStats, EngineMetrics
 from diffuserve.engine.request import Request
 from diffuserve.engine.requests import GenerationResult, PendingRequest, RequestBook
-from diffuserve.engine.scheduler import DynamicBatcher
+from diffuserve.engine.scheduler_protocol import RequestScheduler
+from diffuserve.engine.status import EngineState, EngineStatus, engine_status, not_ready_error
 from diffuserve.engine.step_loop import StepLoop
 from diffuserve.engine.step_scheduler import StepScheduler
 from diffuserve.errors import (
@@ -45,7 +45,7 @@ from diffuserve.sampling import ModelDescription, SamplingParams, build_sampling
 
 logger = logging.getLogger("diffuserve.engine")
 
-__all__ = ["AsyncEngine", "EngineConfig", "EngineState", "GenerationResult"]
+__all__ = ["AsyncEngine", "EngineConfig", "EngineState", "EngineStatus", "GenerationResult", "not_ready_error"]
 
 
 def _warmup_images(model: ModelDescription, width: int, height: int) -> tuple[bytes, ...]:
@@ -61,34 +61,13 @@ def _warmup_images(model: ModelDescription, width: int, height: int) -> tuple[by
     return (buffer.getvalue(),) * model.min_image_inputs
 
 
-class EngineState(str, enum.Enum):
-    LOADING = "loading"
-    WARMING_UP = "warming_up"
-    READY = "ready"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-    FAILED = "failed"
-
-
-def not_ready_error(state: EngineState, failure: str | None) -> ServiceUnavailableError:
-    """The 503 a request gets while the engine is in `state` (not READY); one wording for every engine client."""
-    if state == EngineState.DRAINING:
-        return ServiceUnavailableError("The server is shutting down and accepts no new requests.", retry_after_s=5)
-    if state == EngineState.FAILED:
-        return ServiceUnavailableError(f"The server is out of service: {failure}")
-    return ServiceUnavailableError(
-        f"The model is not ready yet ({state.value}); poll GET /health until it returns 200.",
-        retry_after_s=5,
-    )
-
-
 class AsyncEngine:
     """Admission, lifecycle and warm-up; owns the request book, the scheduler and the worker thread."""
 
     def __init__(
         self,
         executor: Executor,
-        scheduler: DynamicBatcher | StepScheduler,
+        scheduler: RequestScheduler,
         *,
         config: EngineConfig | None = None,
         metrics: EngineMetrics | None = None,
@@ -369,6 +348,21 @@ class AsyncEngine:
         """(steps done, total steps) of a running request; None while queued, or once answered/unknown."""
         return self.book.progress(request_id)
 
+    def status(self) -> EngineStatus:
+        """The engine's one snapshot of itself (/health, /server_info, the remote status message)."""
+        distributed = self.executor.describe()  # outside the lock: several ranks answer it through their store
+        with self._cond:
+            replicas = self.executor.replicas
+            return engine_status(
+                self.state, self.failure, self.scheduler, self.book, replicas, self.pipeline, distributed
+            )
+
+    def close_executor(self) -> bool:
+        """Stop the executor (its ranks) once the server stopped; True when ranks were held (then the caller
+        leaves with `os._exit`: a worker thread may still sit in a collective with a failed peer)."""
+        self.executor.shutdown()
+        return self.executor.multi_rank
+
     def requests_using_adapter(self, name: str) -> list[str]:
         """Ids of the queued and running requests whose `lora` names adapter `name`, in either scheduler (running:
         in a request-level batch, or a row of the continuous denoise group). An unload waits until it is empty."""
@@ -412,6 +406,7 @@ class AsyncEngine:
         if self.mode is not BatchingMode.CONTINUOUS:
             return self._batches
         stats = self.batching_stats
+        assert isinstance(self.scheduler, StepScheduler), "continuous batching runs on the step scheduler"
         return StepLoop(
             self.book,
             self.scheduler,
