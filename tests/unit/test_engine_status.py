@@ -81,7 +81,9 @@ def test_status_is_a_frozen_snapshot(engines):
 def test_remote_client_shows_the_pushed_status_with_its_own_drain():
     client = RemoteEngineClient(proc=None, conn=None)  # type: ignore[arg-type]
     assert client.status().state == EngineState.LOADING
-    pushed = EngineStatus(EngineState.READY, num_queued=2, num_pending=3, adapters_in_use=("style",), pipeline="p")
+    pushed = EngineStatus(
+        EngineState.READY, num_queued=2, num_pending=3, adapters_in_use=("style",), pipeline={"family": "flux"}
+    )
     client._handle(m.Status(pushed, {"r1": (1, 4)}))
     assert client.status() == pushed and client.state == EngineState.READY
     client._requests["r1"] = None  # type: ignore[assignment]

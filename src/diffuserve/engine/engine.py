@@ -78,7 +78,8 @@ class AsyncEngine:
         self.executor = executor
         """Runs the batches: `InProcessExecutor` for one rank, `MultiRankExecutor` for several."""
         self.scheduler = scheduler
-        """A `DynamicBatcher` (singleton / dynamic) or a `StepScheduler` (continuous): `schedule(now)` either way."""
+        """A `RequestScheduler` (engine/scheduler_protocol.py): `DynamicBatcher` (singleton / dynamic) or
+        `StepScheduler` (continuous)."""
         self.mode = BatchingMode(scheduler.config.mode)
         """The batching mode: decides the serving loop, once."""
         self.config = config or EngineConfig()
@@ -350,11 +351,15 @@ class AsyncEngine:
 
     def status(self) -> EngineStatus:
         """The engine's one snapshot of itself (/health, /server_info, the remote status message)."""
-        distributed = self.executor.describe()  # outside the lock: several ranks answer it through their store
+        # Asked outside the engine lock: several ranks answer through their store; the pipeline takes its own lock.
+        distributed = self.executor.describe()
+        pipeline = self.pipeline
+        described = pipeline.describe() if pipeline is not None else None
+        defaults = pipeline.defaults if pipeline is not None else None
         with self._cond:
             replicas = self.executor.replicas
             return engine_status(
-                self.state, self.failure, self.scheduler, self.book, replicas, self.pipeline, distributed
+                self.state, self.failure, self.scheduler, self.book, replicas, described, defaults, distributed
             )
 
     def close_executor(self) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from diffuserve.engine.requests import RequestBook
 from diffuserve.engine.scheduler_protocol import RequestScheduler
 from diffuserve.errors import ServiceUnavailableError
-from diffuserve.executor.base import ReplicaState, ServingPipeline
+from diffuserve.executor.base import ReplicaState
 from diffuserve.families.base import SamplingDefaults
 
 
@@ -39,8 +39,9 @@ def not_ready_error(state: EngineState, failure: str | None) -> ServiceUnavailab
     )
 
 
-DistributedInfo = dict[str, object]
-"""`Executor.describe()`: the ranks and their topology (JSON for /server_info's `distributed`)."""
+JsonObject = dict[str, object]
+"""A JSON object /server_info shows as it is (`Executor.describe()`, `ServingPipeline.describe()`); read-only by
+convention (the status is a snapshot: nobody writes into it)."""
 
 
 @dataclass(frozen=True)
@@ -59,11 +60,11 @@ class EngineStatus:
     """Accepted requests not answered yet (queued or running)."""
     replicas: tuple[ReplicaState, ...] = ()
     """Copies of the executor's replica states (/server_info `replicas`)."""
-    distributed: DistributedInfo | None = None
+    distributed: JsonObject | None = None
     """`Executor.describe()` (/server_info `distributed`; None for one process)."""
     adapters_in_use: tuple[str, ...] = ()
     """LoRA adapters named by the requests not answered yet, sorted."""
-    pipeline: str | None = None
+    pipeline: JsonObject | None = None
     """`ServingPipeline.describe()` once the model is loaded (/server_info `pipeline`)."""
     defaults: SamplingDefaults | None = None
     """The loaded model's `SamplingDefaults` (/server_info `defaults`)."""
@@ -83,10 +84,12 @@ def engine_status(
     scheduler: RequestScheduler,
     book: RequestBook,
     replicas: list[ReplicaState],
-    pipeline: ServingPipeline | None,
-    distributed: DistributedInfo | None,
+    pipeline: JsonObject | None,
+    defaults: SamplingDefaults | None,
+    distributed: JsonObject | None,
 ) -> EngineStatus:
-    """The snapshot `AsyncEngine.status()` returns; the caller holds the engine lock."""
+    """The snapshot `AsyncEngine.status()` returns; the caller holds the engine lock (and asked the pipeline and
+    the executor for their descriptions before taking it: they take locks of their own)."""
     return EngineStatus(
         state=state,
         failure=failure,
@@ -96,6 +99,6 @@ def engine_status(
         replicas=tuple(dataclasses.replace(r) for r in replicas),
         distributed=distributed,
         adapters_in_use=book.adapters_in_use(),
-        pipeline=pipeline.describe() if pipeline is not None else None,
-        defaults=pipeline.defaults if pipeline is not None else None,
+        pipeline=pipeline,
+        defaults=defaults,
     )
