@@ -352,14 +352,13 @@ class AsyncEngine:
     def status(self) -> EngineStatus:
         """The engine's one snapshot of itself (/health, /server_info, the remote status message)."""
         # Asked outside the engine lock: several ranks answer through their store; the pipeline takes its own lock.
-        distributed = self.executor.describe()
-        pipeline = self.pipeline
+        distributed, pipeline = self.executor.describe(), self.pipeline
         described = pipeline.describe() if pipeline is not None else None
         defaults = pipeline.defaults if pipeline is not None else None
         with self._cond:
-            replicas = self.executor.replicas
+            book, replicas = self.book, self.executor.replicas
             return engine_status(
-                self.state, self.failure, self.scheduler, self.book, replicas, described, defaults, distributed
+                self.state, self.failure, self.scheduler, book, replicas, described, defaults, distributed
             )
 
     def close_executor(self) -> bool:
