@@ -12,13 +12,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from diffuserve.config.batching import BatchingMode
 from diffuserve.engine.metrics import BatchingStats, EngineMetrics
 from diffuserve.engine.request import Request
 from diffuserve.engine.requests import GenerationResult, RequestBook
 from diffuserve.engine.scheduler import Dispatch, ScheduledBatch, WaitUntil
+from diffuserve.engine.scheduler_protocol import RequestScheduler
 from diffuserve.errors import GenerationError, RequestCancelledError, RequestTimeoutError
 from diffuserve.executor.base import Executor
 from diffuserve.executor.batch_runner import BatchOutcome, PreviewSink
@@ -33,7 +33,7 @@ class BatchLoop:
     def __init__(
         self,
         book: RequestBook,
-        scheduler: Any,
+        scheduler: RequestScheduler,
         executor: Executor,
         *,
         metrics: EngineMetrics,
@@ -148,7 +148,7 @@ class BatchLoop:
         self.recent_batch_s = outcome.inference_seconds
         if outcome.decoded is not None:  # answered once the decode lane has the outputs
             with self.book.cond:  # the scheduler waits for these answers (scheduler rule 8)
-                self._notes("note_answering", batch)
+                self.scheduler.note_answering(batch)
             outcome.decoded.add_done_callback(lambda done: self._answer(batch, done.result(), started))
         else:
             self._answer(batch, outcome, started)
@@ -178,19 +178,12 @@ class BatchLoop:
                         ),
                     )
 
-    def _notes(self, name: str, *args: Any) -> None:
-        """Tell the request-level scheduler about answers (scheduler rule 8); the step scheduler takes none.
-        Caller holds the lock."""
-        note = getattr(self.scheduler, name, None)
-        if note is not None:
-            note(*args)
-
     def _answer(self, batch: ScheduledBatch, outcome: BatchOutcome, started: float) -> None:
         try:
             self._answer_all(list(batch.requests), outcome, started)
         finally:
             with self.book.cond:
-                self._notes("note_answered", batch, self.clock())
+                self.scheduler.note_answered(batch, self.clock())
                 self.book.cond.notify_all()
 
     def _answer_all(self, requests: list[Request], outcome: BatchOutcome, started: float) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import threading
 import time
@@ -28,7 +27,8 @@ from diffuserve.engine.batch_loop import BatchLoop
 from diffuserve.engine.metrics import BatchingStats, EngineMetrics
 from diffuserve.engine.request import Request
 from diffuserve.engine.requests import GenerationResult, PendingRequest, RequestBook
-from diffuserve.engine.scheduler import DynamicBatcher
+from diffuserve.engine.scheduler_protocol import RequestScheduler
+from diffuserve.engine.status import EngineState, EngineStatus, engine_status, not_ready_error
 from diffuserve.engine.step_loop import StepLoop
 from diffuserve.engine.step_scheduler import StepScheduler
 from diffuserve.engine.token_costs import FALLBACK_TOKEN_SIDE, TokenCounter, model_token_budget
@@ -46,7 +46,7 @@ from diffuserve.sampling import ModelDescription, SamplingParams, build_sampling
 
 logger = logging.getLogger("diffuserve.engine")
 
-__all__ = ["AsyncEngine", "EngineConfig", "EngineState", "GenerationResult"]
+__all__ = ["AsyncEngine", "EngineConfig", "EngineState", "EngineStatus", "GenerationResult", "not_ready_error"]
 
 
 def _warmup_images(model: ModelDescription, width: int, height: int) -> tuple[bytes, ...]:
@@ -62,34 +62,13 @@ def _warmup_images(model: ModelDescription, width: int, height: int) -> tuple[by
     return (buffer.getvalue(),) * model.min_image_inputs
 
 
-class EngineState(str, enum.Enum):
-    LOADING = "loading"
-    WARMING_UP = "warming_up"
-    READY = "ready"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-    FAILED = "failed"
-
-
-def not_ready_error(state: EngineState, failure: str | None) -> ServiceUnavailableError:
-    """The 503 a request gets while the engine is in `state` (not READY); one wording for every engine client."""
-    if state == EngineState.DRAINING:
-        return ServiceUnavailableError("The server is shutting down and accepts no new requests.", retry_after_s=5)
-    if state == EngineState.FAILED:
-        return ServiceUnavailableError(f"The server is out of service: {failure}")
-    return ServiceUnavailableError(
-        f"The model is not ready yet ({state.value}); poll GET /health until it returns 200.",
-        retry_after_s=5,
-    )
-
-
 class AsyncEngine:
     """Admission, lifecycle and warm-up; owns the request book, the scheduler and the worker thread."""
 
     def __init__(
         self,
         executor: Executor,
-        scheduler: DynamicBatcher | StepScheduler,
+        scheduler: RequestScheduler,
         *,
         config: EngineConfig | None = None,
         metrics: EngineMetrics | None = None,
@@ -100,7 +79,8 @@ class AsyncEngine:
         self.executor = executor
         """Runs the batches: `InProcessExecutor` for one rank, `MultiRankExecutor` for several."""
         self.scheduler = scheduler
-        """A `DynamicBatcher` (singleton / dynamic) or a `StepScheduler` (continuous): `schedule(now)` either way."""
+        """A `RequestScheduler` (engine/scheduler_protocol.py): `DynamicBatcher` (singleton / dynamic) or
+        `StepScheduler` (continuous)."""
         self.mode = BatchingMode(scheduler.config.mode)
         """The batching mode: decides the serving loop, once."""
         self.config = config or EngineConfig()
@@ -372,6 +352,24 @@ class AsyncEngine:
         """(steps done, total steps) of a running request; None while queued, or once answered/unknown."""
         return self.book.progress(request_id)
 
+    def status(self) -> EngineStatus:
+        """The engine's one snapshot of itself (/health, /server_info, the remote status message)."""
+        # Asked outside the engine lock: several ranks answer through their store; the pipeline takes its own lock.
+        distributed, pipeline = self.executor.describe(), self.pipeline
+        described = pipeline.describe() if pipeline is not None else None
+        defaults = pipeline.defaults if pipeline is not None else None
+        with self._cond:
+            book, replicas = self.book, self.executor.replicas
+            return engine_status(
+                self.state, self.failure, self.scheduler, book, replicas, described, defaults, distributed
+            )
+
+    def close_executor(self) -> bool:
+        """Stop the executor (its ranks) once the server stopped; True when ranks were held (then the caller
+        leaves with `os._exit`: a worker thread may still sit in a collective with a failed peer)."""
+        self.executor.shutdown()
+        return self.executor.multi_rank
+
     def requests_using_adapter(self, name: str) -> list[str]:
         """Ids of the queued and running requests whose `lora` names adapter `name`, in either scheduler (running:
         in a request-level batch, or a row of the continuous denoise group). An unload waits until it is empty."""
@@ -415,6 +413,7 @@ class AsyncEngine:
         if self.mode is not BatchingMode.CONTINUOUS:
             return self._batches
         stats = self.batching_stats
+        assert isinstance(self.scheduler, StepScheduler), "continuous batching runs on the step scheduler"
         return StepLoop(
             self.book,
             self.scheduler,

@@ -114,6 +114,11 @@ class RequestBook:
                 return None
             return pending.steps_done, pending.num_steps
 
+    def adapters_in_use(self) -> tuple[str, ...]:
+        """The LoRA adapters the requests not answered yet name, sorted (`EngineStatus.adapters_in_use`)."""
+        with self.cond:
+            return tuple(sorted({name for p in self._pending.values() for name, _ in p.request.params.lora}))
+
     # -- writing (caller holds the lock) -----------------------------------------------------------------------
     def admit(self, pending: PendingRequest) -> None:
         """Record an accepted request (the caller queues it in the scheduler under the same lock)."""

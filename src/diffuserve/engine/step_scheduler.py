@@ -250,6 +250,12 @@ class StepScheduler:
     def complete(self, batch: ScheduledBatch) -> None:
         self.requests.complete(batch)
 
+    def note_answering(self, batch: ScheduledBatch) -> None:
+        """Nothing: the group's joins never wait on a fallback batch's answers (rule 8 is dynamic mode's)."""
+
+    def note_answered(self, batch: ScheduledBatch, now: float) -> None:
+        """Nothing, as `note_answering`."""
+
     def effective_cap_for(self, request: Request) -> int:
         return self.requests.effective_cap_for(request)
 

@@ -2,10 +2,11 @@
 
 They travel pickled over one local socket pair (`multiprocessing.connection.Connection`), in order, each way: the
 front end sends `Start`, `Submit`, `Abort`, `BeginDrain`, `Drain`, `MetricsQuery` and `Stop`; the engine process
-answers with `Hello` (once, before the model loads), `ModelInfo` (once, when the model is loaded), `Status` (when
-its state, queue or any live request's progress changed), `Admitted` / `Answer` per request, `PreviewImages` for
-streaming requests, `Reply` to a `Drain` or `MetricsQuery`, and `Fatal` when the engine gives up. Data only: no
-callables, no locks, nothing bound to one process (a model's own `validate` runs in the engine process).
+answers with `Hello` (once, before the model loads), `ModelInfo` (once, when the model is loaded), `Status` (its
+`EngineStatus` and the live requests' progress, when they changed), `Admitted` / `Answer` per request,
+`PreviewImages` for streaming requests, `Reply` to a `Drain` or `MetricsQuery`, and `Fatal` when the engine gives
+up. Data only: no callables, no locks, nothing bound to one process (a model's own `validate` runs in the engine
+process).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from diffuserve.engine.status import EngineStatus
 from diffuserve.errors import DiffuserveError
 from diffuserve.sampling import ModelDescription, SamplingParams
 
@@ -108,30 +110,16 @@ class ModelInfo:
 
     model: ModelDescription
     """Its description, without `validate` (a bound method of the pipeline: it runs in the engine process)."""
-    description: str
-    """`ServingPipeline.describe()` (for /server_info)."""
-    defaults: Any
-    """The pipeline's `SamplingDefaults` (for /server_info)."""
 
 
 @dataclass(frozen=True)
 class Status:
-    """The engine's state as the routes read it; sent when anything in it changed."""
+    """The engine's `EngineStatus` and its live requests' progress; pushed when either changed."""
 
-    state: str
-    """`EngineState` value."""
-    failure: str | None
-    """Why the engine is out of service (FAILED), else None."""
-    num_queued: int
-    """Requests waiting in the scheduler's queue."""
-    num_pending: int
-    """Accepted requests not answered yet."""
+    status: EngineStatus
+    """`AsyncEngine.status()`: the one snapshot /health and /server_info read."""
     progress: dict[str, tuple[int, int]] = field(default_factory=dict)
     """(steps done, total steps) of each running request."""
-    replicas: tuple[Any, ...] = ()
-    """The executor's `ReplicaState`s (for /server_info)."""
-    distributed: dict[str, Any] | None = None
-    """`Executor.describe()` (for /server_info; None for one process)."""
 
 
 @dataclass(frozen=True)

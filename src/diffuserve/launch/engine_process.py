@@ -38,8 +38,9 @@ from diffuserve.launch import engine_messages as m
 
 logger = logging.getLogger("diffuserve.engine_process")
 
-STATUS_PERIOD_S = 0.02
-"""How often the engine process looks for a change of state, queue or progress to report."""
+STATUS_PERIOD_S = 0.25
+"""How often the engine process looks for a change the engine's own threads made (progress, a dispatch, turning
+ready) to report; a change made on its event loop (a request admitted or answered, a drain) is pushed at once."""
 
 
 def start_engine_process(args: ServerArgs) -> tuple[subprocess.Popen, Connection, m.Hello]:
@@ -137,10 +138,13 @@ class EngineServer:
         self._stopped: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._model_sent = False
+        self._changed: asyncio.Event | None = None
+        """Set when a message or an answer changed the engine: the status is looked at (and pushed) at once."""
 
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
+        self._changed = asyncio.Event()
         self.out.direct_thread = threading.get_ident()
         self.engine.on_fatal = lambda message: self.out.put(m.Fatal(message))
         threading.Thread(target=self._read, name="diffuserve-engine-recv", daemon=True).start()
@@ -160,9 +164,17 @@ class EngineServer:
             except (EOFError, OSError):
                 exit_now("the front end went away")
                 return
-            self._loop.call_soon_threadsafe(self.handle, message)
+            self._loop.call_soon_threadsafe(self._handle_and_report, message)
             if isinstance(message, m.Stop):
                 return
+
+    def _handle_and_report(self, message: Any) -> None:
+        self.handle(message)
+        self._report_soon()
+
+    def _report_soon(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
 
     def handle(self, message: Any) -> None:
         engine = self.engine
@@ -223,36 +235,32 @@ class EngineServer:
         if error is not None and not isinstance(error, DiffuserveError):
             error = GenerationError(f"{type(error).__name__}: {error}")
         self.out.put(m.Answer(request_id, result=None if error else future.result(), error=error))
+        self._report_soon()
 
     def _status(self) -> m.Status:
+        """The engine's one snapshot (`AsyncEngine.status()`, one short hold of its lock) and live progress."""
         engine = self.engine
         progress = {rid: p for rid in self.live if (p := engine.progress(rid)) is not None}
-        with engine.book.cond:
-            num_queued = engine.scheduler.num_queued
-        return m.Status(
-            state=engine.state.value,
-            failure=engine.failure,
-            num_queued=num_queued,
-            num_pending=engine.num_pending,
-            progress=progress,
-            replicas=tuple(dataclasses.replace(r) for r in engine.executor.replicas),
-            distributed=engine.executor.describe(),
-        )
+        return m.Status(engine.status(), progress)
 
     async def _report_status(self) -> None:
-        """Send `Status` whenever it changed (and `ModelInfo` once, before the state that needs it)."""
+        """Push `Status` when it changed: looked at once a message or an answer changed the engine, else every
+        `STATUS_PERIOD_S` (not polled under the engine lock); `ModelInfo` goes once, before the state that needs
+        it."""
+        assert self._changed is not None
         last: m.Status | None = None
         while True:
+            self._changed.clear()
             status = self._status()
             if not self._model_sent and self.engine.pipeline is not None:
-                pipeline = self.engine.pipeline
-                model = dataclasses.replace(pipeline.describe_model(), validate=None)
-                self.out.put(m.ModelInfo(model, pipeline.describe(), pipeline.defaults))
+                model = dataclasses.replace(self.engine.pipeline.describe_model(), validate=None)
+                self.out.put(m.ModelInfo(model))
                 self._model_sent = True
             if status != last:
                 self.out.put(status)
                 last = status
-            await asyncio.sleep(STATUS_PERIOD_S)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), STATUS_PERIOD_S)
 
 
 def _setup(conn: Connection) -> tuple[AsyncEngine, EngineMetrics]:

@@ -4,10 +4,10 @@
 the engine core (scheduler, loops, pipeline) runs in its own process (launch/engine_process.py), as vLLM's
 EngineCore does, and the routes get a `RemoteEngineClient`: the same surface, over the typed messages of
 launch/engine_messages.py. HTTP parsing, validation, token counts, PNG/MP4 encoding, base64 and streaming then never
-take the GIL from the engine's loops. The client keeps what the routes read synchronously (state, queue, progress,
-the model's description) from the engine's `Status` / `ModelInfo` messages, and a crash of either process is a
-clean failure: the engine's death answers every open request with a 500, turns /health 503 and makes the server
-exit 1 (`on_fatal`); the front end's death closes the socket and the engine process exits.
+take the GIL from the engine's loops. The client keeps what the routes read synchronously (the `EngineStatus`,
+progress, the model's description) from the engine's `Status` / `ModelInfo` messages, pushed when they change, and a
+crash of either process is a clean failure: the engine's death answers every open request with a 500, turns /health
+503 and makes the server exit 1 (`on_fatal`); the front end's death closes the socket and the engine process exits.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
-from diffuserve.engine.engine import EngineState, GenerationResult, not_ready_error
+from diffuserve.engine.engine import GenerationResult
 from diffuserve.engine.metrics import EngineMetrics
+from diffuserve.engine.status import EngineState, EngineStatus, not_ready_error
 from diffuserve.errors import DiffuserveError, GenerationError, RequestCancelledError, ServiceUnavailableError
 from diffuserve.executor.batch_runner import PreviewSink
 from diffuserve.launch import engine_messages as m
@@ -52,18 +53,20 @@ class EngineClient(Protocol):
     state: EngineState
     failure: str | None
     on_fatal: Callable[[str], None] | None
-    pipeline: Any
-    """What /server_info reads: `describe()` and `defaults` (None until the model is loaded)."""
-    scheduler: Any
-    """What /server_info reads: `num_queued`."""
-    executor: Any
-    """What /server_info and the runner read: `replicas`, `describe()`, `shutdown()`, `multi_rank`."""
 
     @property
     def model(self) -> ModelDescription | None: ...
 
     @property
     def num_pending(self) -> int: ...
+
+    def status(self) -> EngineStatus:
+        """The engine's one snapshot of itself (/health, /server_info)."""
+        ...
+
+    def close_executor(self) -> bool:
+        """Stop the ranks this process holds once the server stopped; True when it held ranks."""
+        ...
 
     def start(self) -> None: ...
 
@@ -100,45 +103,6 @@ class _Pending:
     """Where its partial images go (streaming requests)."""
 
 
-@dataclasses.dataclass
-class PipelineInfo:
-    """What /server_info shows of the engine process's pipeline."""
-
-    description: str
-    """`ServingPipeline.describe()`."""
-    defaults: Any
-    """Its `SamplingDefaults`."""
-
-    def describe(self) -> str:
-        return self.description
-
-
-@dataclasses.dataclass
-class QueueInfo:
-    """The engine process's queue, as last reported."""
-
-    num_queued: int = 0
-    """Requests waiting."""
-
-
-@dataclasses.dataclass
-class ExecutorInfo:
-    """The engine process's executor, as last reported (its ranks are the engine process's children)."""
-
-    replicas: list[Any] = dataclasses.field(default_factory=list)
-    """Its `ReplicaState`s."""
-    distributed: dict[str, Any] | None = None
-    """`Executor.describe()`."""
-    multi_rank = False
-    """The front end holds no ranks (the engine process leaves them itself)."""
-
-    def describe(self) -> dict[str, Any] | None:
-        return self.distributed
-
-    def shutdown(self) -> None:
-        """Nothing here: the engine process stops its executor when it stops."""
-
-
 def _mark_seen(future: asyncio.Future) -> None:
     """An error delivered to a future nobody awaits any more is not "never retrieved"."""
     future.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -155,9 +119,9 @@ class RemoteEngineClient:
         self.failure: str | None = None
         self.on_fatal: Callable[[str], None] | None = None
         self.model: ModelDescription | None = None  # type: ignore[misc]
-        self.pipeline: PipelineInfo | None = None
-        self.scheduler = QueueInfo()
-        self.executor = ExecutorInfo()
+        self._status = EngineStatus(EngineState.LOADING)
+        """The engine process's last `EngineStatus` (state and failure: `state` / `failure` here, which also know
+        a drain begun here and the engine process's death)."""
         self._progress: dict[str, tuple[int, int]] = {}
         self._requests: dict[str, _Pending] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
@@ -226,6 +190,14 @@ class RemoteEngineClient:
 
     def not_ready_error(self) -> ServiceUnavailableError:
         return not_ready_error(self.state, self.failure)
+
+    def status(self) -> EngineStatus:
+        """The engine process's last pushed `EngineStatus`, with this side's view of its state."""
+        return dataclasses.replace(self._status, state=self.state, failure=self.failure)
+
+    def close_executor(self) -> bool:
+        """Nothing here: the engine process stops its executor (and its ranks, its children) when it stops."""
+        return False
 
     # ------------------------------------------------------------------------------------------ requests
     async def generate(
@@ -365,7 +337,6 @@ class RemoteEngineClient:
                 pending.preview.deliver(message.index, message.images)
         elif isinstance(message, m.ModelInfo):
             self.model = message.model
-            self.pipeline = PipelineInfo(message.description, message.defaults)
         elif isinstance(message, m.Reply):
             future = self._calls.get(message.call_id)
             if future is not None and not future.done():
@@ -375,16 +346,15 @@ class RemoteEngineClient:
             if self.on_fatal is not None:
                 self.on_fatal(message.message)
 
-    def _on_status(self, status: m.Status) -> None:
-        state = EngineState(status.state)
+    def _on_status(self, message: m.Status) -> None:
+        status = message.status
+        state = status.state
         if self._draining and state in (EngineState.READY, EngineState.LOADING, EngineState.WARMING_UP):
             state = EngineState.DRAINING  # the engine has not seen our BeginDrain yet
         if self.state != EngineState.FAILED:
             self.state, self.failure = state, status.failure
-        self.scheduler.num_queued = status.num_queued
-        self._progress = status.progress
-        self.executor.replicas = list(status.replicas)
-        self.executor.distributed = status.distributed
+        self._status = status
+        self._progress = message.progress
 
     def _on_answer(self, answer: m.Answer) -> None:
         pending = self._requests.pop(answer.request_id, None)

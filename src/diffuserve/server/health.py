@@ -9,7 +9,6 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from diffuserve import __version__
-from diffuserve.engine.engine import EngineState
 from diffuserve.server.common import server_context
 from diffuserve.server.engine_client import render_metrics
 
@@ -29,11 +28,11 @@ async def liveness() -> dict[str, str]:
 async def health(request: Request) -> JSONResponse:
     """200 once the model is loaded and the warm-up generation ran; 503 before, and while draining."""
     ctx = server_context(request)
-    state = ctx.engine.state
-    ready = state == EngineState.READY and not ctx.draining
-    body = {"status": "ready" if ready else ("draining" if ctx.draining else state.value)}
-    if ctx.engine.failure:
-        body["error"] = ctx.engine.failure
+    status = ctx.engine.status()
+    ready = status.ready and not ctx.draining
+    body = {"status": "ready" if ready else ("draining" if ctx.draining else status.state.value)}
+    if status.failure:
+        body["error"] = status.failure
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
@@ -53,18 +52,17 @@ async def metrics(request: Request) -> Response:
 async def server_info(request: Request) -> dict:
     ctx = server_context(request)
     args = ctx.args
-    pipeline = ctx.engine.pipeline
-    scheduler = ctx.engine.scheduler
+    status = ctx.engine.status()
     return {
         "version": __version__,
         "model": args.public_model_name,
         "served_model_name": args.public_model_name,
         "model_id": args.model_id,
         "model_path": args.model_path,
-        "state": ctx.engine.state.value,
+        "state": status.state.value,
         "uptime_s": round(time.time() - ctx.started_at, 3),
-        "pipeline": pipeline.describe() if pipeline is not None else None,
-        "defaults": dataclasses.asdict(pipeline.defaults) if pipeline is not None else None,
+        "pipeline": status.pipeline,
+        "defaults": dataclasses.asdict(status.defaults) if status.defaults is not None else None,
         "deployment_plan": ctx.plan,
         "results_store": ctx.results.where,
         "batching": {
@@ -73,9 +71,9 @@ async def server_info(request: Request) -> dict:
             "delay_ms": args.batching_delay_ms,
             "config": args.batching_config,
         },
-        "queue": {"queued": scheduler.num_queued, "max_queue_size": args.max_queue_size},
-        "replicas": [dataclasses.asdict(state) for state in ctx.engine.executor.replicas],
-        "distributed": ctx.engine.executor.describe(),
+        "queue": {"queued": status.num_queued, "max_queue_size": args.max_queue_size},
+        "replicas": [dataclasses.asdict(replica) for replica in status.replicas],
+        "distributed": status.distributed,
         "limits": {
             "request_timeout_s": args.request_timeout_s,
             "max_request_bytes": args.max_request_bytes,

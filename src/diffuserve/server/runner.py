@@ -259,8 +259,7 @@ def serve(args: ServerArgs) -> int:
     server = DrainingServer(config, ctx)
     logger.info("serving %r on http://%s:%d", args.public_model_name, args.host, args.port)
     server.run(sockets=[sock])
-    engine.executor.shutdown()
-    if engine.executor.multi_rank:
+    if engine.close_executor():
         # Several ranks: a worker thread may still sit in a collective with a failed peer, and torch's exit
         # handlers would wait on it; the answers are out and the other ranks are stopped, so leave now.
         logging.shutdown()
