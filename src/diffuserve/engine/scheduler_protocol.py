@@ -27,8 +27,15 @@ class RequestScheduler(Protocol):
     activation_budget: int | None
     """Activation bytes a replica may hold at once (scheduler rule 9); None: no memory admission."""
 
-    def set_capabilities(self, *, supports_batching: bool, supports_continuous: bool = False) -> None:
-        """What the loaded model can do: merge requests at all, and run them step by step."""
+    token_budget: int | None
+    """Latent tokens a batch may hold (`--batching-max-tokens` or its default, `config/token_budget.py`); None: rows
+    only."""
+
+    def set_capabilities(
+        self, *, supports_batching: bool, supports_continuous: bool = False, packs_mixed_sizes: bool = False
+    ) -> None:
+        """What the loaded model can do: merge requests at all, run them step by step, pack rows of different sizes
+        into one call (then width and height leave the batch signature and the continuous group key)."""
 
     def add(self, request: Request) -> None:
         """Queue an admitted request."""
