@@ -707,8 +707,8 @@ def test_plan_and_start_up_refuse_a_diffusers_backend_split_with_the_same_words(
     """`diffuserve plan --backend diffusers --enable-cfg-parallel` and `serve` with the same flags stop at the same
     plan check, before any weight loads, with one message."""
     from diffuserve.config.server_args import ServerArgs
-    from diffuserve.plan_command import print_plan
     from diffuserve.launch.setup import plan_deployment
+    from diffuserve.plan_command import print_plan
 
     root, _ = checkpoint
     flags = {"num_gpus": 2, "enable_cfg_parallel": True}
@@ -757,8 +757,8 @@ def test_plan_and_start_up_refuse_continuous_for_a_model_that_cannot_step(checkp
     backend) stops `plan` and `serve` at the same check, before any weight loads, with one message naming the
     flag and the families that can; natively the same checkpoint plans fine."""
     from diffuserve.config.server_args import ServerArgs
-    from diffuserve.plan_command import print_plan
     from diffuserve.launch.setup import plan_deployment
+    from diffuserve.plan_command import print_plan
 
     root, _ = checkpoint
     with pytest.raises(ConfigError) as planned:

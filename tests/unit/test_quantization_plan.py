@@ -148,8 +148,8 @@ def test_auto_keeps_a_dit_resident_in_fp8_that_bf16_offloads(big_flux: Path, cap
 
 def test_plan_and_start_up_refuse_with_the_same_words(big_flux: Path) -> None:
     from diffuserve.config.server_args import ServerArgs
-    from diffuserve.plan_command import print_plan
     from diffuserve.launch.setup import plan_deployment
+    from diffuserve.plan_command import print_plan
 
     with pytest.raises(ConfigError) as planned:
         print_plan({"model_path": str(big_flux), "gpu_memory_gib": 80.0, "quantization": ["vae=fp8"]})
