@@ -166,6 +166,8 @@ class ModelDescription:
     """Video: num_frames - 1 must divide by this (the VAE's temporal compression)."""
     supports_batching: bool = True
     """Text-conditioned requests may merge."""
+    packs_mixed_sizes: bool = False
+    """Requests of different sizes may share a batch: the family runs them packed in one denoiser call."""
     validate: Callable[[SamplingParams], None] | None = field(default=None, compare=False, repr=False)
     """The model's own checks (size limits, frame counts, ...): raises InvalidRequestError naming the field."""
     request_fields: frozenset[str] = frozenset()

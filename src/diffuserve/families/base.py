@@ -174,6 +174,9 @@ class FamilySpec:
     (`pipelines/step_batch.py`): its native denoiser takes a per-row timestep, its scheduler state is per request
     and its per-batch extras depend only on the continuous group key. False (and the diffusers backend): its
     requests run as request-level batches under `continuous`."""
+    packs_mixed_sizes: bool = False
+    """Rows of different sizes (and text lengths) run in ONE denoiser call, padded and masked per row
+    (`pipelines/packing.py`), each equal to its singleton; False: batches hold one size."""
     cfg_batched: bool = False
     """CFG runs as ONE doubled transformer batch to match diffusers exactly, so CFG parallel (one branch per
     rank) cannot reproduce it: `plan` and start-up refuse `--enable-cfg-parallel`, and the recipe runs the

@@ -149,6 +149,8 @@ class Pipeline:
     """Whether `--batching-mode continuous` may step this pipeline's requests in a shared denoise group: the
     family spec's `supports_continuous` for a native adapter (`bind_facts`); False falls back to request-level
     batching (the diffusers backend)."""
+    packs_mixed_sizes: bool = False
+    """Rows of different sizes run in one denoiser call (`pipelines/packing.py`): the family spec's fact."""
     size_multiple: int = 1
     """Width/height must be multiples of this: the checkpoint's figure (`bind_facts`, or derived by the diffusers
     backend from the loaded pipeline); 1 only for a pipeline that states none."""
@@ -211,6 +213,7 @@ class Pipeline:
         self.max_width, self.max_height = facts.max_width, facts.max_height
         self.defaults = facts.defaults
         self.supports_continuous = facts.supports_continuous
+        self.packs_mixed_sizes = spec.packs_mixed_sizes
         self.batched_cfg = facts.cfg_batched
         """Run CFG as one doubled batch (`RecipePipeline.batched_cfg`); tests may flip it on an instance."""
         self.text_encoders = facts.text_encoders
@@ -352,6 +355,7 @@ class Pipeline:
             min_image_inputs=self.min_image_inputs,
             frame_multiple=self.frame_multiple,
             supports_batching=self.supports_batching,
+            packs_mixed_sizes=self.packs_mixed_sizes,
             validate=self.validate,
             prompt_tokens=self.prompt_tokens(),
             request_fields=self.request_fields(),
