@@ -105,6 +105,9 @@ class FamilyCase:
     tokens (as `count_tokens` counts them)."""
     count_tokens: Callable[[Any, str], int] | None = None
     """(native, text) -> its tokens, for `token_ratio`."""
+    packed_batches: tuple[tuple[dict[str, Any], ...], ...] = ()
+    """Batches of request fields of DIFFERENT sizes (and text lengths) the family runs packed (`packs_mixed_sizes`):
+    one denoiser call per step (per CFG branch), each row equal to its request run alone (`merge_tolerance`)."""
     continuous: bool = False
     """The family runs continuous batching: `supports_continuous`, and a join equals its singleton run."""
     residency_batch: tuple[dict[str, Any], ...] = ()
@@ -266,12 +269,37 @@ _EDIT_ARGS = (
 """Dynamic batching on, so the dispatch line shows why an edit runs alone. Warm-up stays on: an edit-only model
 warms up with a gray input image."""
 
+def packed_batch(steps: int = 2, **common: Any) -> tuple[tuple[dict[str, Any], ...], ...]:
+    """Two sizes, different text lengths, n=2 on one, and a third request back at the first size (the size groups
+    are not contiguous in the batch as given): rows of a packed call."""
+    return (
+        (
+            {"prompt": SHORT, "width": 64, "height": 64, "seed": 1, "num_inference_steps": steps, **common},
+            {
+                "prompt": "a small green dog with a blue hat, painting in the style of an old master, dusk",
+                "width": 96,
+                "height": 64,
+                "seed": 9,
+                "n": 2,
+                "num_inference_steps": steps,
+                **common,
+            },
+            {"prompt": "a red cube", "width": 64, "height": 64, "seed": 4, "num_inference_steps": steps, **common},
+        ),
+    )
+
+
+PACKED_FLUX = packed_batch(guidance_scale=3.5) + packed_batch(
+    guidance_scale=3.5, true_cfg_scale=2.0, negative_prompt="blurry"
+)
+
 CASES: tuple[FamilyCase, ...] = (
     FamilyCase(
         "flux",
         "flux",
         "flux",
         "FluxNativePipeline",
+        packed_batches=PACKED_FLUX,
         continuous=True,
         warns_long_prompt=True,
         size_multiple=16,

@@ -108,6 +108,8 @@ class PackedRows:
             if self.kernel == "flex":
                 from diffusers.models.attention_dispatch import attention_backend
 
+                if torch.cuda.is_available():
+                    _fused_flex()
                 with attention_backend("flex"):
                     yield
             else:
@@ -125,6 +127,23 @@ def packed_kernel(device: torch.device | str) -> str:
 
             return "flex"
     return "sdpa"
+
+
+def _fused_flex() -> None:
+    """diffusers' flex backend calls `flex_attention` eagerly: torch's unfused reference, which materialises the
+    scores. The fused kernel is the compiled function, so diffusers' dispatch module gets (once) a view of torch's
+    flex module whose `flex_attention` is compiled; nothing else in the process uses that backend."""
+    import types
+
+    from diffusers.models import attention_dispatch as dispatch
+    from torch.nn.attention import flex_attention as module
+
+    if getattr(dispatch.flex_attention, "diffuserve_fused", False):
+        return
+    view = types.SimpleNamespace(**{name: getattr(module, name) for name in dir(module) if not name.startswith("__")})
+    view.flex_attention = torch.compile(module.flex_attention, dynamic=False)
+    view.diffuserve_fused = True
+    dispatch.flex_attention = view
 
 
 def install_row_rotary(module_name: str) -> None:
