@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from diffuserve.errors import RequestCancelledError
+from diffuserve.pipelines import packing
 from diffuserve.pipelines.base import (
     BatchResult,
     Pipeline,
@@ -51,7 +52,6 @@ from diffuserve.pipelines.batch_rows import (  # noqa: F401 - re-exported: adapt
     scheduler_template,
     split_rows,
 )
-from diffuserve.pipelines import packing
 from diffuserve.pipelines.overlap import overlap_for
 from diffuserve.pipelines.step_cache import RowCache, new_row_caches, step_counts
 
@@ -426,7 +426,7 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
     ) -> Denoised:
         """Stages 1-3 of `run` (encode, latents, denoise); `decode_batch` is stage 4. Split so that the decode
         can run in the decode lane while the next batch denoises (`executor/batch_runner.py`,
-        `pipelines/overlap.py`). A batch of several sizes runs packed where the family packs (`pipelines/packing.py`)."""
+        `pipelines/overlap.py`). A batch of several sizes runs packed where the family packs (`packing.py`)."""
         if self.packs_mixed_sizes and packing.mixed_sizes(batch):
             return packing.run_mixed(self, batch, on_step=on_step, should_stop=should_stop, on_preview=on_preview)
         head = check_batch(batch)
