@@ -269,6 +269,7 @@ _EDIT_ARGS = (
 """Dynamic batching on, so the dispatch line shows why an edit runs alone. Warm-up stays on: an edit-only model
 warms up with a gray input image."""
 
+
 def packed_batch(steps: int = 2, **common: Any) -> tuple[tuple[dict[str, Any], ...], ...]:
     """Two sizes, different text lengths, n=2 on one, and a third request back at the first size (the size groups
     are not contiguous in the batch as given): rows of a packed call."""
@@ -466,6 +467,7 @@ CASES: tuple[FamilyCase, ...] = (
         "sd3",
         "sd3",
         "SD3NativePipeline",
+        packed_batches=packed_batch(guidance_scale=7.0) + packed_batch(guidance_scale=1.0),
         reference=sd3_reference,
         reference_tolerance=1,
         reference_params=(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import types
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -87,6 +88,16 @@ class PackedRows:
         index = torch.arange(self.max_image, device=device)[None]
         return (index < torch.tensor(self.image_tokens, device=device)[:, None]).repeat(repeats, 1)
 
+    def sdpa_mask(self, batch: int, keys: int, device: torch.device | str) -> torch.Tensor | None:
+        """The (batch, 1, 1, keys) mask of an attention over `keys` keys in this call: the joint sequence's, the
+        image-only one's (SD3.5's second attention), or None for an attention of another length."""
+        repeats = max(batch // self.rows, 1)
+        if keys == self.max_text + self.max_image:
+            return self.key_mask(repeats, device)[:, None, None, :]
+        if keys == self.max_image:
+            return self.image_mask(repeats, device)[:, None, None, :]
+        return None
+
     def attention_mask(self, repeats: int, device: torch.device | str) -> Any:
         """What the attention processors take as `attention_mask`: the key mask, or flex's block mask."""
         mask = self.key_mask(repeats, device)
@@ -144,6 +155,33 @@ def _fused_flex() -> None:
     view.flex_attention = torch.compile(module.flex_attention, dynamic=False)
     view.diffuserve_fused = True
     dispatch.flex_attention = view
+
+
+class _MaskedFunctional(types.ModuleType):
+    """`torch.nn.functional` as a diffusers module sees it once `install_masked_sdpa` ran: within a packed call,
+    `scaled_dot_product_attention` without a mask gets the call's key mask; everything else is torch's."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.nn.functional, name)
+
+    @staticmethod
+    def scaled_dot_product_attention(
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        rows = _ROWS.get()
+        if rows is not None and not args and kwargs.get("attn_mask") is None:
+            kwargs["attn_mask"] = rows.sdpa_mask(query.shape[0], key.shape[-2], key.device)
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, *args, **kwargs)
+
+
+def install_masked_sdpa(module_name: str) -> None:
+    """Padding masks for a diffusers module whose processors call `F.scaled_dot_product_attention` without a mask
+    (SD3's `JointAttnProcessor2_0`): its `F` becomes `_MaskedFunctional` (once); outside a packed call, unchanged."""
+    import importlib
+
+    module = importlib.import_module(module_name)
+    if not isinstance(module.F, _MaskedFunctional):
+        module.F = _MaskedFunctional("torch.nn.functional")
 
 
 def install_row_rotary(module_name: str) -> None:
@@ -207,6 +245,16 @@ class SizeGroup:
     """Its rows in the packed call."""
     state: DenoiseState
     """Its own latents (token form), schedule, scheduler and extras, as `prepare` made them."""
+    spatial: tuple[int, ...] | None = None
+    """(channels, height, width) of a family whose latents are images (SD3): held as (rows, h x w, channels)
+    tokens here (the flow-matching step is elementwise), given back in that shape to decode and previews."""
+
+    def latents_of(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This group's rows of `tokens` (cut to its length) in the family's own latent shape."""
+        tokens = tokens[:, : self.tokens]
+        if self.spatial is None:
+            return tokens
+        return tokens.transpose(1, 2).reshape(tokens.shape[0], *self.spatial)
 
     @property
     def tokens(self) -> int:
@@ -330,11 +378,10 @@ def _prepare_groups(pipe: RecipePipeline, ordered: list[SamplingParams], positiv
         rows = slice(start, start + num_rows(group))
         cond = gather_rows(positive, torch.arange(rows.start, rows.stop), pipe.masked_sequences)
         state = pipe.prepare(group, group[0], cond)
-        if state.latents.ndim != 3:
-            raise ValueError(
-                f"packing needs token-form latents (rows, tokens, channels); got {tuple(state.latents.shape)}"
-            )
-        groups.append(SizeGroup(batch=group, rows=rows, state=state))
+        spatial = tuple(state.latents.shape[1:]) if state.latents.ndim == 4 else None
+        if spatial is not None:
+            state.latents = state.latents.flatten(2).transpose(1, 2)
+        groups.append(SizeGroup(batch=group, rows=rows, state=state, spatial=spatial))
         start = rows.stop
     lengths = {len(g.state.timesteps) for g in groups}
     if len(lengths) > 1:
@@ -345,7 +392,7 @@ def _prepare_groups(pipe: RecipePipeline, ordered: list[SamplingParams], positiv
 def _packed_state(
     pipe: RecipePipeline, groups: list[SizeGroup], layout: PackedRows, order: list[int], positive: Cond
 ) -> DenoiseState:
-    length = layout.max_image
+    length = max(g.tokens for g in groups)
     latents = pad_tokens([g.state.latents for g in groups], length)
     # Per-row timesteps: (steps, rows), each row on its own size group's schedule (dynamic shift differs by size).
     timesteps = torch.cat([g.state.timesteps[:, None].expand(-1, g.rows.stop - g.rows.start) for g in groups], dim=1)
@@ -360,8 +407,8 @@ def _group_images(pipe: RecipePipeline, latents: torch.Tensor, state: DenoiseSta
     for g in packed.groups:
         for key in PACKED_ROW_EXTRAS:
             if isinstance(state.extras.get(key), torch.Tensor):
-                g.state.extras[key] = state.extras[key][g.rows, : g.tokens]
-        part = latents[g.rows, : g.tokens]
+                g.state.extras[key] = g.latents_of(state.extras[key][g.rows])
+        part = g.latents_of(latents[g.rows])
         images.extend(pipe.preview(part, g.state) if preview else pipe.decode(part, g.state))
     return images
 
