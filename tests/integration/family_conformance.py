@@ -234,6 +234,12 @@ def _qwen_case(id: str, family: str, size_multiple: int, max_side: int) -> Famil
         ),
         token_ratio=1,
         count_tokens=encoded_tokens,
+        # Qwen-Image 2.1's block-causal prefix KV cache is kept per text length: it does not pack (its spec says why).
+        packed_batches=(
+            packed_batch(**no_cfg) + packed_batch(negative_prompt="low quality, ugly", **cfg)
+            if family == "qwen_image"
+            else ()
+        ),
         continuous=True,
         residency_batch=(
             {**base, "prompt": SHORT, "seed": 3, **QWEN_CFG},

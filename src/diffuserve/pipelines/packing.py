@@ -73,15 +73,16 @@ class PackedRows:
         real = sum(self.text_tokens) + sum(self.image_tokens)
         return self.rows * (self.max_text + self.max_image) - real
 
-    def key_mask(self, repeats: int, device: torch.device | str) -> torch.Tensor:
-        """(rows x repeats, sequence) bool: True where a key is a real token of its row (`repeats` = 2 for a doubled
-        CFG batch, whose halves are the same rows)."""
-        text = torch.arange(self.max_text, device=device)[None] < torch.tensor(self.text_tokens, device=device)[:, None]
-        image = (
-            torch.arange(self.max_image, device=device)[None] < torch.tensor(self.image_tokens, device=device)[:, None]
-        )
-        mask = torch.cat([text, image] if self.text_first else [image, text], dim=1)
-        return mask.repeat(repeats, 1)
+    def key_mask(self, repeats: int, device: torch.device | str, keys: int | None = None) -> torch.Tensor:
+        """(rows x repeats, keys) bool: False at a row's latent padding (`repeats` = 2 for a doubled CFG batch, whose
+        halves are the same rows). The text span (`keys - max_image`, default `max_text`) is all True here: a family
+        whose text is padded masks it itself, per branch (Qwen-Image's processor, from the text mask)."""
+        text = self.max_text if keys is None else keys - self.max_image
+        parts = [
+            torch.ones(self.rows * repeats, text, dtype=torch.bool, device=device),
+            self.image_mask(repeats, device),
+        ]
+        return torch.cat(parts if self.text_first else parts[::-1], dim=1)
 
     def image_mask(self, repeats: int, device: torch.device | str) -> torch.Tensor:
         """(rows x repeats, max_image) bool: the real latent tokens."""
@@ -89,14 +90,11 @@ class PackedRows:
         return (index < torch.tensor(self.image_tokens, device=device)[:, None]).repeat(repeats, 1)
 
     def sdpa_mask(self, batch: int, keys: int, device: torch.device | str) -> torch.Tensor | None:
-        """The (batch, 1, 1, keys) mask of an attention over `keys` keys in this call: the joint sequence's, the
-        image-only one's (SD3.5's second attention), or None for an attention of another length."""
-        repeats = max(batch // self.rows, 1)
-        if keys == self.max_text + self.max_image:
-            return self.key_mask(repeats, device)[:, None, None, :]
-        if keys == self.max_image:
-            return self.image_mask(repeats, device)[:, None, None, :]
-        return None
+        """The (batch, 1, 1, keys) mask of an attention over `keys` keys (text and latents, or the latents alone as in
+        SD3.5's second attention) in this call; None for an attention shorter than the latents."""
+        if keys < self.max_image:
+            return None
+        return self.key_mask(max(batch // self.rows, 1), device, keys)[:, None, None, :]
 
     def attention_mask(self, repeats: int, device: torch.device | str) -> Any:
         """What the attention processors take as `attention_mask`: the key mask, or flex's block mask."""
@@ -184,28 +182,50 @@ def install_masked_sdpa(module_name: str) -> None:
         module.F = _MaskedFunctional("torch.nn.functional")
 
 
-def install_row_rotary(module_name: str) -> None:
-    """Per-row RoPE for a diffusers transformer module that applies `apply_rotary_emb(x, freqs, sequence_dim=1)`
-    with one (tokens, dim) table for the whole batch: within a packed call the family passes the rows' tables
-    stacked (rows x tokens, dim), and the rows are rotated as one flattened sequence (diffusers' own formula,
-    per token). Wrapped once per module; outside a packed call it is diffusers' function unchanged."""
+def install_row_rotary(module_name: str, name: str = "apply_rotary_emb") -> None:
+    """Per-row RoPE for a diffusers transformer module whose processors rotate (rows, tokens, heads, dim) queries
+    and keys with `name(x, table, ...)` and ONE (tokens, dim) table for the whole batch: within a packed call the
+    family passes the rows' tables stacked (rows x tokens, dim), and the rows are rotated as one flattened sequence
+    (diffusers' own formula, per token). Wrapped once per module; outside a packed call it is diffusers' function."""
     import importlib
 
     module = importlib.import_module(module_name)
-    original = module.apply_rotary_emb
-    if getattr(original, "_diffuserve_rows", False):
+    original = getattr(module, name)
+    if getattr(original, "diffuserve_rows", False):
         return
 
-    def apply_rotary_emb(x: torch.Tensor, freqs_cis: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        rows = _ROWS.get()
+    def rotate(x: torch.Tensor, freqs_cis: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         table = freqs_cis[0] if isinstance(freqs_cis, tuple) else freqs_cis
-        if rows is not None and kwargs.get("sequence_dim") == 1 and table.shape[0] == x.shape[0] * x.shape[1]:
-            flat = original(x.reshape(1, -1, *x.shape[2:]), freqs_cis, *args, **kwargs)
-            return flat.reshape(x.shape)
+        if _ROWS.get() is not None and x.shape[0] > 1 and table.shape[0] == x.shape[0] * x.shape[1]:
+            return original(x.reshape(1, -1, *x.shape[2:]), freqs_cis, *args, **kwargs).reshape(x.shape)
         return original(x, freqs_cis, *args, **kwargs)
 
-    apply_rotary_emb._diffuserve_rows = True  # type: ignore[attr-defined]
-    module.apply_rotary_emb = apply_rotary_emb
+    rotate.diffuserve_rows = True  # type: ignore[attr-defined]
+    setattr(module, name, rotate)
+
+
+def install_masked_dispatch(module_name: str) -> None:
+    """Padding masks for a diffusers module whose processors build their own mask (Qwen-Image's text padding) and
+    call `dispatch_attention_fn`: within a packed call the call's key mask is ANDed in (the image padding too).
+    Wrapped once per module (beside sequence parallel's wrap, which passes masks through)."""
+    import importlib
+
+    module = importlib.import_module(module_name)
+    original = module.dispatch_attention_fn
+    if getattr(original, "diffuserve_rows", False):
+        return
+
+    def dispatch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        rows = _ROWS.get()
+        if rows is not None and not args:
+            mask = rows.sdpa_mask(query.shape[0], key.shape[1], key.device)
+            given = kwargs.get("attn_mask")
+            if mask is not None:
+                kwargs["attn_mask"] = mask if given is None else (given.bool() & mask)
+        return original(query, key, value, *args, **kwargs)
+
+    dispatch.diffuserve_rows = True  # type: ignore[attr-defined]
+    module.dispatch_attention_fn = dispatch
 
 
 class PackedFamily:

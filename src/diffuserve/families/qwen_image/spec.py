@@ -92,6 +92,8 @@ SPECS = (
         max_latent_side=qwen_image_max_latent_side,
         # Flow-match per request; masked text rows are padded per step like a merged batch (verified row by row).
         supports_continuous=True,
+        # Rows of different sizes share one call: per-row RoPE tables, image padding masked (pipelines/packing.py).
+        packs_mixed_sizes=True,
         text_encoder_keys=("text_encoder",),
         tiny_builds={"qwen-image": "diffuserve.families.qwen_image.tiny:build_qwen_image"},
     ),
