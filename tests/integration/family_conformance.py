@@ -400,6 +400,7 @@ CASES: tuple[FamilyCase, ...] = (
         "z-image",
         "z_image",
         "ZImageNativePipeline",
+        packed_batches=packed_batch(guidance_scale=0.0) + packed_batch(guidance_scale=4.0),
         reference=z_image_reference,
         reference_params=(
             # Turbo-style: guidance 0 runs no negative branch.
