@@ -200,6 +200,7 @@ def _flux2_case(id: str, family: str, pipeline_class: str) -> FamilyCase:
         reference_params=FLUX2_REFERENCE,
         merge_batches=FLUX2_MERGE,
         merged_rows_differ=True,
+        packed_batches=packed_batch(guidance_scale=4.0) + packed_batch(guidance_scale=1.0),
         continuous=True,
         residency_batch=FLUX2_RESIDENCY,
         residency_tolerance=1,

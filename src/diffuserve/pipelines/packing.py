@@ -235,6 +235,8 @@ class PackedFamily:
     def packing_problem(self, head: SamplingParams) -> str | None:
         """Why a mixed-size batch with `head`'s settings cannot run packed on this pipeline (its size groups then
         run as separate calls), or None. The compositions not yet proven equal to their singletons packed."""
+        if head.image_inputs:
+            return "image-conditioned requests (edits, references) are not yet proven packed"
         if head.step_cache_method != "off":
             return "step caches decide per row on whole-row residuals, which padding would change"
         if getattr(self, "sequence_parallel", None) is not None:
