@@ -151,3 +151,21 @@ def test_compiled_packed_calls_do_not_recompile_per_mix(tiny_flux_path: Path) ->
     graphs = counters["stats"]["unique_graphs"]
     native.run(mix((48, 48), (32, 32)))
     assert counters["stats"]["unique_graphs"] == graphs, "a packed mix of another length recompiled"
+
+
+def test_a_continuous_group_of_several_sizes_steps_packed(native: Any) -> None:
+    """Requests of other sizes (and step counts) join a running step group: one packed call per step, each request
+    equal to its run alone; requests of two sizes finishing together decode per size."""
+    from tests.integration.family_checks import simulate_steps
+
+    first, second, third = _batch(steps=3)
+    third = dataclasses.replace(third, num_inference_steps=2)  # joins at step 1 and finishes with the first
+    calls: list[int] = []
+    hook = native.transformer.register_forward_hook(lambda module, args, out: calls.append(1))
+    try:
+        stepped = simulate_steps(native, {0: [first], 1: [second, third]})
+    finally:
+        hook.remove()
+    assert len(calls) == 4  # ticks 0..3: one call each, whatever the sizes in the group
+    for index, params in enumerate((first, second, third)):
+        assert max_pixel_diff(stepped[index], native.run([params]).outputs[0].images) <= 1, index

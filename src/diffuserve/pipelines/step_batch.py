@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from diffuserve.pipelines import packing
 from diffuserve.pipelines.base import RequestOutput
 from diffuserve.pipelines.stages import Cond, DenoiseState, RecipePipeline, concat_cond, gather_rows
 from diffuserve.pipelines.step_cache import RowCache, new_row_caches, step_counts
@@ -164,6 +165,8 @@ def denoise_step(pipeline: RecipePipeline, group: Sequence[RequestRows], conds: 
 
 
 def _step_part(pipeline: RecipePipeline, model_key: str, group: list[RequestRows], conds: GroupConds) -> None:
+    if len({packing.latent_shape(r.latents) for r in group}) > 1:  # several sizes: packed (pipelines/packing.py)
+        return packing.step_mixed(pipeline, model_key, group, conds, _step_part)
     head = group[0]
     timesteps = [rows.state.timesteps[rows.step_index] for rows in group]
     with torch.inference_mode(), pipeline.residency.use(model_key):
@@ -206,7 +209,11 @@ def finish_request(pipeline: RecipePipeline, rows: RequestRows) -> RequestOutput
 
 def finish_requests(pipeline: RecipePipeline, group: Sequence[RequestRows]) -> list[RequestOutput]:
     """Decode requests of one group that finished at the same step in ONE decoder call (they share the latent
-    shape: the group key), then split the rows back per request."""
+    shape: the group key; requests of several sizes decode per size), then split the rows back per request."""
+    shapes = list(dict.fromkeys(packing.latent_shape(r.latents) for r in group))
+    if len(shapes) > 1:
+        done = {id(r): out for s in shapes for r, out in zip(*_finished_shape(pipeline, group, s), strict=True)}
+        return [done[id(r)] for r in group]
     latents = torch.cat([r.latents for r in group])
     state = dataclasses.replace(group[0].state, extras=pipeline.step_extras([r.state for r in group]))
     with torch.inference_mode(), pipeline.decoder_scope():
@@ -222,3 +229,10 @@ def finish_requests(pipeline: RecipePipeline, group: Sequence[RequestRows]) -> l
             else RequestOutput(images=mine, step_cache=counts)
         )
     return outputs
+
+
+def _finished_shape(
+    pipeline: RecipePipeline, group: Sequence[RequestRows], shape: tuple[int, ...]
+) -> tuple[list, list]:
+    part = [r for r in group if packing.latent_shape(r.latents) == shape]
+    return part, finish_requests(pipeline, part)
