@@ -30,12 +30,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffuserve.pipelines.batch_rows import Cond, DenoiseState, StageTimer, gather_rows, num_rows
+from diffuserve.pipelines.batch_rows import Cond, Denoised, DenoiseState, StageTimer, gather_rows, num_rows
 
 if TYPE_CHECKING:
     from diffuserve.pipelines.base import BatchResult
-    from diffuserve.pipelines.stages import Denoised, RecipePipeline
     from diffuserve.sampling import SamplingParams
+
+RecipePipeline = Any
+"""A `stages.RecipePipeline` (named, not imported: the recipe imports this module)."""
 
 logger = logging.getLogger(__name__)
 
@@ -340,8 +342,6 @@ class PackedScheduler:
 def run_mixed(pipe: RecipePipeline, batch: list[SamplingParams], **callbacks: Any) -> Denoised:
     """`run_to_latents` for a batch of several sizes: one packed denoiser call per step (or, for a composition
     `packing_problem` names, one recipe run per size group)."""
-    from diffuserve.pipelines.stages import Denoised
-
     order = size_order(batch)
     ordered = [batch[i] for i in order]
     head = check_mixed(ordered)
@@ -463,46 +463,6 @@ def decode_batch(pipe: RecipePipeline, denoised: Denoised) -> BatchResult:
     return BatchResult(outputs=restored, stage_seconds=seconds)
 
 
-# -- continuous groups of several sizes (pipelines/step_batch.py) ------------------------------------------------
-
-
 def latent_shape(latents: torch.Tensor) -> tuple[int, ...]:
     """A request's latent shape less its rows: what must match for its rows to concatenate with another's."""
     return tuple(latents.shape[1:])
-
-
-def step_mixed(pipe: RecipePipeline, model_key: str, group: list[Any], conds: Any, step_part: Any) -> None:
-    """One continuous step for requests (`step_batch.RequestRows`) of several sizes: ONE packed call for the
-    group where the family packs and `packing_problem` names nothing, else one `step_part` call per size."""
-    head = group[0]
-    if not pipe.packs_mixed_sizes or pipe.packing_problem(head.params) is not None:
-        by_shape: dict[tuple[int, ...], list[Any]] = {}
-        for rows in group:
-            by_shape.setdefault(latent_shape(rows.latents), []).append(rows)
-        for part in by_shape.values():
-            step_part(pipe, model_key, part, conds)
-        return
-    groups, start = [], 0
-    for rows in group:
-        n = rows.latents.shape[0]
-        spatial = latent_shape(rows.latents) if rows.latents.ndim == 4 else None
-        tokens = rows.latents.flatten(2).transpose(1, 2) if spatial is not None else rows.latents
-        state = DenoiseState(tokens, rows.state.timesteps, rows.state.scheduler, rows.state.extras)
-        groups.append(SizeGroup(batch=[rows.params], rows=slice(start, start + n), state=state, spatial=spatial))
-        start += n
-    timesteps = [rows.state.timesteps[rows.step_index] for rows in group]
-    with torch.inference_mode(), pipe.residency.use(model_key):
-        positive, negative = conds.stacked(pipe, model_key, group)
-        layout = pipe.packed_layout(groups, positive)
-        latents = pad_tokens([g.state.latents for g in groups], max(g.tokens for g in groups))
-        packed = Packed(groups=groups, layout=layout, order=list(range(len(group))))
-        extras = {"packed": packed, **pipe.packed_extras(groups, layout, positive)}
-        state = DenoiseState(latents, head.state.timesteps, None, extras)
-        timestep = torch.cat([t.expand(r.latents.shape[0]) for r, t in zip(group, timesteps, strict=True)])
-        with pipe.lora_scope([r.params for r in group]):
-            pred = pipe.guided_prediction(
-                latents, timestep, positive, negative, head.params, state, head.step_index, model_key
-            )
-        for rows, g, t in zip(group, groups, timesteps, strict=True):
-            rows.latents = pipe.scheduler_step(g.latents_of(pred[g.rows]), t, rows.latents, rows.state)
-            rows.step_index += 1

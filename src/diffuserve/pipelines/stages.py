@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -33,6 +32,7 @@ from diffuserve.pipelines.base import (
 from diffuserve.pipelines.batch_rows import (  # noqa: F401 - re-exported: adapters call them as `stages.X`
     MAX_SEED,
     Cond,
+    Denoised,
     DenoiseState,
     StageTimer,
     batch_noise,
@@ -466,20 +466,6 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
         )
         kind = "videos" if self.output_kind == "video" else "images"
         return [RequestOutput(**{kind: r}, step_cache=step_counts(c)) for r, c in zip(rows, caches, strict=True)]
-
-
-@dataclass
-class Denoised:
-    """A batch after its denoising loop (`run_to_latents`), before its decode (`decode_batch`)."""
-
-    batch: list[SamplingParams]
-    latents: torch.Tensor
-    """The final latents, one row per output."""
-    state: DenoiseState
-    stage_seconds: dict[str, float]
-    """Seconds of the stages run so far."""
-    row_caches: list[RowCache] | None = None
-    """The step cache of each row (None: the batch ran none), for the per-request counts in `timings`."""
 
 
 def batch_row_caches(batch: Sequence[SamplingParams], num_steps: int) -> list[RowCache] | None:

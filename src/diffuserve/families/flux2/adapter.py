@@ -49,7 +49,7 @@ from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from PIL import Image
 
 from diffuserve.errors import CheckpointError, InvalidRequestError
-from diffuserve.families.flux2.packed import Flux2Packing
+from diffuserve.families.flux2.ops import Flux2Packing
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.stages import Cond, DenoiseState
