@@ -169,3 +169,11 @@ def test_a_continuous_group_of_several_sizes_steps_packed(native: Any) -> None:
     assert len(calls) == 4  # ticks 0..3: one call each, whatever the sizes in the group
     for index, params in enumerate((first, second, third)):
         assert max_pixel_diff(stepped[index], native.run([params]).outputs[0].images) <= 1, index
+
+
+def test_previews_of_a_packed_batch_come_in_request_order(native: Any) -> None:
+    batch = _batch(steps=1)  # 64x64, 96x64, 64x96: the packed call orders them by size
+    batch = [batch[1], batch[0], dataclasses.replace(batch[2], width=96, height=64)]  # sizes A, B, A
+    seen: list[list[list[Any]]] = []
+    native.run(batch, on_preview=lambda step, steps, make: seen.append(make()))
+    assert [[im.size for im in request] for request in seen[-1]] == [[(p.width, p.height)] for p in batch]

@@ -348,6 +348,8 @@ def run_mixed(pipe: RecipePipeline, batch: list[SamplingParams], **callbacks: An
     problem = pipe.packing_problem(head)
     if problem is not None:
         logger.info("mixed sizes run as separate size-group calls: %s", problem)
+        # No previews here: each part's would name only its own requests.
+        callbacks = {**callbacks, "on_preview": None}
         parts = [pipe.run_to_latents(g, **callbacks) for g in _by_size(ordered)]
         state = DenoiseState(latents=torch.empty(0), timesteps=torch.empty(0), scheduler=None, extras={})
         state.extras["packed"] = Packed(
@@ -373,10 +375,25 @@ def run_mixed(pipe: RecipePipeline, batch: list[SamplingParams], **callbacks: An
                 head,
                 callbacks.get("on_step"),
                 callbacks.get("should_stop"),
-                callbacks.get("on_preview"),
+                _in_request_order(callbacks.get("on_preview"), order),
                 ordered,
             )
     return Denoised(batch=ordered, latents=latents, state=state, stage_seconds=timer.seconds)
+
+
+def _in_request_order(on_preview: Any, order: list[int]) -> Any:
+    """The preview callback, handed previews per request in the batch's order as given (the packed call's order
+    groups the requests by size)."""
+    if on_preview is None:
+        return None
+
+    def restore(per_request: list[Any]) -> list[Any]:
+        restored: list[Any] = [None] * len(per_request)
+        for k, index in enumerate(order):
+            restored[index] = per_request[k]
+        return restored
+
+    return lambda step, steps, make: on_preview(step, steps, lambda: restore(make()))
 
 
 def _by_size(batch: list[SamplingParams]) -> list[list[SamplingParams]]:
