@@ -290,10 +290,13 @@ class Packed:
     """`state.extras["packed"]` of a packed batch: its size groups and its requests' original order."""
 
     groups: list[SizeGroup]
+    """Its size groups, in the packed call's row order."""
     layout: PackedRows
+    """The call's row context (token spans, kernel)."""
     order: list[int]
     """order[k] = the index, in the batch as given, of the k-th request of the packed call."""
     extras: dict[str, Any] = field(default_factory=dict)
+    """`parts`: the size groups' own runs, when `packing_problem` sent them through the recipe one by one."""
 
 
 def mixed_sizes(batch: Sequence[SamplingParams]) -> bool:
