@@ -1,6 +1,6 @@
 """Packed mixed-size denoiser calls vs separate per-size calls, in process, on a FLUX.1-style checkpoint.
 
-    .venv/bin/python benchmarks/bench_packing.py                          # tiny and 36m, ~3 minutes on 2 cores
+    .venv/bin/python benchmarks/bench_packing.py                          # tiny and 36m (36m: many minutes on 2 cores)
     .venv/bin/python benchmarks/bench_packing.py --scenarios 36m --rounds 5
 
 One mixed batch per scenario (requests of two or three sizes, one output each, 4 steps), run two ways, round by
