@@ -114,6 +114,9 @@ class FamilyCase:
     tokens (as `count_tokens` counts them)."""
     count_tokens: Callable[[Any, str], int] | None = None
     """(native, text) -> its tokens, for `token_ratio`."""
+    packed_batches: tuple[tuple[dict[str, Any], ...], ...] = ()
+    """Batches of request fields of DIFFERENT sizes (and text lengths) the family runs packed (`packs_mixed_sizes`):
+    one denoiser call per step (per CFG branch), each row equal to its request run alone (`merge_tolerance`)."""
     continuous: bool = False
     """The family runs continuous batching: `supports_continuous`, and a join equals its singleton run."""
     residency_batch: tuple[dict[str, Any], ...] = ()
@@ -206,6 +209,7 @@ def _flux2_case(id: str, family: str, pipeline_class: str) -> FamilyCase:
         reference_params=FLUX2_REFERENCE,
         merge_batches=FLUX2_MERGE,
         merged_rows_differ=True,
+        packed_batches=packed_batch(guidance_scale=4.0) + packed_batch(guidance_scale=1.0),
         continuous=True,
         residency_batch=FLUX2_RESIDENCY,
         residency_tolerance=1,
@@ -240,6 +244,12 @@ def _qwen_case(id: str, family: str, size_multiple: int, max_side: int) -> Famil
         ),
         token_ratio=1,
         count_tokens=encoded_tokens,
+        # Qwen-Image 2.1's block-causal prefix KV cache is kept per text length: it does not pack (its spec says why).
+        packed_batches=(
+            packed_batch(**no_cfg) + packed_batch(negative_prompt="low quality, ugly", **cfg)
+            if family == "qwen_image"
+            else ()
+        ),
         continuous=True,
         residency_batch=(
             {**base, "prompt": SHORT, "seed": 3, **QWEN_CFG},
@@ -275,12 +285,38 @@ _EDIT_ARGS = (
 """Dynamic batching on, so the dispatch line shows why an edit runs alone. Warm-up stays on: an edit-only model
 warms up with a gray input image."""
 
+
+def packed_batch(steps: int = 2, **common: Any) -> tuple[tuple[dict[str, Any], ...], ...]:
+    """Two sizes, different text lengths, n=2 on one, and a third request back at the first size (the size groups
+    are not contiguous in the batch as given): rows of a packed call."""
+    return (
+        (
+            {"prompt": SHORT, "width": 64, "height": 64, "seed": 1, "num_inference_steps": steps, **common},
+            {
+                "prompt": "a small green dog with a blue hat, painting in the style of an old master, dusk",
+                "width": 96,
+                "height": 64,
+                "seed": 9,
+                "n": 2,
+                "num_inference_steps": steps,
+                **common,
+            },
+            {"prompt": "a red cube", "width": 64, "height": 64, "seed": 4, "num_inference_steps": steps, **common},
+        ),
+    )
+
+
+PACKED_FLUX = packed_batch(guidance_scale=3.5) + packed_batch(
+    guidance_scale=3.5, true_cfg_scale=2.0, negative_prompt="blurry"
+)
+
 CASES: tuple[FamilyCase, ...] = (
     FamilyCase(
         "flux",
         "flux",
         "flux",
         "FluxNativePipeline",
+        packed_batches=PACKED_FLUX,
         continuous=True,
         warns_long_prompt=True,
         size_multiple=16,
@@ -374,6 +410,7 @@ CASES: tuple[FamilyCase, ...] = (
         "z-image",
         "z_image",
         "ZImageNativePipeline",
+        packed_batches=packed_batch(guidance_scale=0.0) + packed_batch(guidance_scale=4.0),
         reference=z_image_reference,
         reference_params=(
             # Turbo-style: guidance 0 runs no negative branch.
@@ -447,6 +484,7 @@ CASES: tuple[FamilyCase, ...] = (
         "sd3",
         "sd3",
         "SD3NativePipeline",
+        packed_batches=packed_batch(guidance_scale=7.0) + packed_batch(guidance_scale=1.0),
         reference=sd3_reference,
         reference_tolerance=1,
         reference_params=(

@@ -176,6 +176,30 @@ def test_merged_rows_equal_their_singletons(case: FamilyCase, native, batch_inde
         assert max_pixel_diff(merged[0][:1], merged[1][:1]) > 8
 
 
+def _packed_cases() -> list:
+    return [pytest.param(c.id, k, id=f"{c.id}-{k}") for c in BY_ID.values() for k in range(len(c.packed_batches))]
+
+
+@pytest.mark.parametrize(("case", "batch_index"), _packed_cases(), indirect=["case"])
+def test_packed_rows_equal_their_singletons(case: FamilyCase, native, batch_index: int) -> None:
+    """Rows of different sizes and text lengths in ONE denoiser call per step equal their requests run alone."""
+    batch = [params_of(case, native, fields) for fields in case.packed_batches[batch_index]]
+    assert native.describe_model().packs_mixed_sizes
+    assert len({(p.width, p.height) for p in batch}) > 1
+    calls: list[int] = []
+    denoiser = getattr(native, native.denoisers[0])
+    hook = denoiser.register_forward_hook(lambda module, args, out: calls.append(1))
+    try:
+        packed = [outputs_of(native, out) for out in native.run(batch).outputs]
+    finally:
+        hook.remove()
+    steps, branches = batch[0].num_inference_steps, 2 if native.uses_cfg(batch[0]) and not native.batched_cfg else 1
+    assert len(calls) == steps * branches, (len(calls), steps, branches)
+    for params, got in zip(batch, packed, strict=True):
+        assert [im.size for im in got] == [(params.width, params.height)] * params.n
+        assert max_pixel_diff(got, outputs_of(native, native.run([params]).outputs[0])) <= case.merge_tolerance
+
+
 @cases(lambda c: c.continuous)
 def test_continuous_join_equals_its_singleton_runs(case: FamilyCase, native) -> None:
     d = native.defaults

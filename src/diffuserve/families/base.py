@@ -175,10 +175,11 @@ class FamilySpec:
     and its per-batch extras depend only on the continuous group key. False (and the diffusers backend): its
     requests run as request-level batches under `continuous`."""
     packs_mixed_sizes: bool = False
-    """The native denoiser runs rows of different sizes (and text lengths) in ONE call, packed into one sequence with
-    per-row positions and attention kept to each row's own tokens: the schedulers then leave the size out of the batch
-    signature and the continuous group key (engine/scheduler.py rule 3, engine/step_scheduler.py rule 2) and fill
-    batches by `--batching-max-tokens`. False (and the diffusers backend): a batch holds one size."""
+    """The native denoiser runs rows of different sizes (and text lengths) in ONE call, padded and masked per row
+    (`pipelines/packing.py`) with per-row positions, attention kept to each row's own tokens: the schedulers then
+    leave the size out of the batch signature and the continuous group key (engine/scheduler.py rule 3,
+    engine/step_scheduler.py rule 2) and fill batches by `--batching-max-tokens`. False (and the diffusers backend):
+    a batch holds one size."""
     cfg_batched: bool = False
     """CFG runs as ONE doubled transformer batch to match diffusers exactly, so CFG parallel (one branch per
     rank) cannot reproduce it: `plan` and start-up refuse `--enable-cfg-parallel`, and the recipe runs the

@@ -250,3 +250,18 @@ class DenoiseState:
     """A private scheduler for this batch (`fresh_scheduler`)."""
     extras: dict[str, Any]
     """Per-batch values the adapter's predict/decode need (position ids, guidance vector, image latents)."""
+
+
+@dataclass
+class Denoised:
+    """A batch after its denoising loop (`run_to_latents`), before its decode (`decode_batch`)."""
+
+    batch: list[SamplingParams]
+    latents: torch.Tensor
+    """The final latents, one row per output."""
+    state: DenoiseState
+    stage_seconds: dict[str, float]
+    """Seconds of the stages run so far."""
+    row_caches: list[Any] | None = None
+    """The step cache (`step_cache.RowCache`) of each row (None: the batch ran none), for the per-request counts in
+    `timings`."""

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from diffuserve.errors import RequestCancelledError
+from diffuserve.pipelines import packing
 from diffuserve.pipelines.base import (
     BatchResult,
     Pipeline,
@@ -32,6 +32,7 @@ from diffuserve.pipelines.base import (
 from diffuserve.pipelines.batch_rows import (  # noqa: F401 - re-exported: adapters call them as `stages.X`
     MAX_SEED,
     Cond,
+    Denoised,
     DenoiseState,
     StageTimer,
     batch_noise,
@@ -66,7 +67,7 @@ T = TypeVar("T")
 # -- the recipe ---------------------------------------------------------------------------------------------
 
 
-class RecipePipeline(Pipeline):
+class RecipePipeline(packing.PackedFamily, Pipeline):
     """Base class of every native family: implements `run` once; subclasses implement the family parts."""
 
     text_encoders: tuple[str, ...] = ()
@@ -377,7 +378,8 @@ class RecipePipeline(Pipeline):
 
     def _previews(self, latents: torch.Tensor, state: DenoiseState, batch: Sequence[SamplingParams]) -> list[list[Any]]:
         with torch.inference_mode(), self.decoder_scope():
-            return split_rows(self.preview(latents, state), batch)
+            packed = "packed" in state.extras  # a mixed-size batch previews per size group (pipelines/packing.py)
+            return split_rows(packing.previews(self, latents, state) if packed else self.preview(latents, state), batch)
 
     def decoder_scope(self) -> contextlib.AbstractContextManager[None]:
         """The decoder's residency scope, entered by one thread at a time (a decode may run in the decode lane
@@ -424,7 +426,9 @@ class RecipePipeline(Pipeline):
     ) -> Denoised:
         """Stages 1-3 of `run` (encode, latents, denoise); `decode_batch` is stage 4. Split so that the decode
         can run in the decode lane while the next batch denoises (`executor/batch_runner.py`,
-        `pipelines/overlap.py`)."""
+        `pipelines/overlap.py`). A batch of several sizes runs packed where the family packs (`packing.py`)."""
+        if self.packs_mixed_sizes and packing.mixed_sizes(batch):
+            return packing.run_mixed(self, batch, on_step=on_step, should_stop=should_stop, on_preview=on_preview)
         head = check_batch(batch)
         cfg = self.uses_cfg(head)
         timer = StageTimer()
@@ -445,33 +449,23 @@ class RecipePipeline(Pipeline):
 
     def decode_batch(self, denoised: Denoised) -> BatchResult:
         """Stage 4 of `run`: decode, then split the rows back per request."""
+        if "packed" in denoised.state.extras:
+            return packing.decode_batch(self, denoised)
         timer = StageTimer()
         timer.seconds = dict(denoised.stage_seconds)
         with torch.inference_mode(), timer.stage("decode"), self.decoder_scope():
             decoded = self.decode(denoised.latents, denoised.state)
-        rows = split_rows(decoded, denoised.batch)
+        return BatchResult(
+            outputs=self.outputs_of(split_rows(decoded, denoised.batch), denoised), stage_seconds=timer.seconds
+        )
+
+    def outputs_of(self, rows: list[list[Any]], denoised: Denoised) -> list[RequestOutput]:
+        """One RequestOutput per request from its decoded rows (and its rows' step-cache counts)."""
         caches = (
             split_rows(denoised.row_caches, denoised.batch) if denoised.row_caches else [None] * len(denoised.batch)
         )
-        if self.output_kind == "video":
-            outputs = [RequestOutput(videos=r, step_cache=step_counts(c)) for r, c in zip(rows, caches, strict=True)]
-        else:
-            outputs = [RequestOutput(images=r, step_cache=step_counts(c)) for r, c in zip(rows, caches, strict=True)]
-        return BatchResult(outputs=outputs, stage_seconds=timer.seconds)
-
-
-@dataclass
-class Denoised:
-    """A batch after its denoising loop (`run_to_latents`), before its decode (`decode_batch`)."""
-
-    batch: list[SamplingParams]
-    latents: torch.Tensor
-    """The final latents, one row per output."""
-    state: DenoiseState
-    stage_seconds: dict[str, float]
-    """Seconds of the stages run so far."""
-    row_caches: list[RowCache] | None = None
-    """The step cache of each row (None: the batch ran none), for the per-request counts in `timings`."""
+        kind = "videos" if self.output_kind == "video" else "images"
+        return [RequestOutput(**{kind: r}, step_cache=step_counts(c)) for r, c in zip(rows, caches, strict=True)]
 
 
 def batch_row_caches(batch: Sequence[SamplingParams], num_steps: int) -> list[RowCache] | None:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from diffuserve.pipelines import packing
 from diffuserve.pipelines.base import RequestOutput
 from diffuserve.pipelines.stages import Cond, DenoiseState, RecipePipeline, concat_cond, gather_rows
 from diffuserve.pipelines.step_cache import RowCache, new_row_caches, step_counts
@@ -164,6 +165,8 @@ def denoise_step(pipeline: RecipePipeline, group: Sequence[RequestRows], conds: 
 
 
 def _step_part(pipeline: RecipePipeline, model_key: str, group: list[RequestRows], conds: GroupConds) -> None:
+    if len({packing.latent_shape(r.latents) for r in group}) > 1:  # several sizes: packed (pipelines/packing.py)
+        return _step_mixed(pipeline, model_key, group, conds, _step_part)
     head = group[0]
     timesteps = [rows.state.timesteps[rows.step_index] for rows in group]
     with torch.inference_mode(), pipeline.residency.use(model_key):
@@ -206,7 +209,11 @@ def finish_request(pipeline: RecipePipeline, rows: RequestRows) -> RequestOutput
 
 def finish_requests(pipeline: RecipePipeline, group: Sequence[RequestRows]) -> list[RequestOutput]:
     """Decode requests of one group that finished at the same step in ONE decoder call (they share the latent
-    shape: the group key), then split the rows back per request."""
+    shape: the group key; requests of several sizes decode per size), then split the rows back per request."""
+    shapes = list(dict.fromkeys(packing.latent_shape(r.latents) for r in group))
+    if len(shapes) > 1:
+        done = {id(r): out for s in shapes for r, out in zip(*_finished_shape(pipeline, group, s), strict=True)}
+        return [done[id(r)] for r in group]
     latents = torch.cat([r.latents for r in group])
     state = dataclasses.replace(group[0].state, extras=pipeline.step_extras([r.state for r in group]))
     with torch.inference_mode(), pipeline.decoder_scope():
@@ -222,3 +229,49 @@ def finish_requests(pipeline: RecipePipeline, group: Sequence[RequestRows]) -> l
             else RequestOutput(images=mine, step_cache=counts)
         )
     return outputs
+
+
+def _finished_shape(
+    pipeline: RecipePipeline, group: Sequence[RequestRows], shape: tuple[int, ...]
+) -> tuple[list, list]:
+    part = [r for r in group if packing.latent_shape(r.latents) == shape]
+    return part, finish_requests(pipeline, part)
+
+
+def _step_mixed(pipe: RecipePipeline, model_key: str, group: list[Any], conds: Any, step_part: Any) -> None:
+    """One continuous step for requests (`step_batch.RequestRows`) of several sizes: ONE packed call for the
+    group where the family packs and `packing_problem` names nothing, else one `step_part` call per size."""
+    head = group[0]
+    if not pipe.packs_mixed_sizes or pipe.packing_problem(head.params, [r.params for r in group]) is not None:
+        by_shape: dict[tuple[int, ...], list[Any]] = {}
+        for rows in group:
+            by_shape.setdefault(packing.latent_shape(rows.latents), []).append(rows)
+        for part in by_shape.values():
+            step_part(pipe, model_key, part, conds)
+        return
+    groups, start = [], 0
+    for rows in group:
+        n = rows.latents.shape[0]
+        spatial = packing.latent_shape(rows.latents) if rows.latents.ndim == 4 else None
+        tokens = rows.latents.flatten(2).transpose(1, 2) if spatial is not None else rows.latents
+        state = DenoiseState(tokens, rows.state.timesteps, rows.state.scheduler, rows.state.extras)
+        groups.append(
+            packing.SizeGroup(batch=[rows.params], rows=slice(start, start + n), state=state, spatial=spatial)
+        )
+        start += n
+    timesteps = [rows.state.timesteps[rows.step_index] for rows in group]
+    with torch.inference_mode(), pipe.residency.use(model_key):
+        positive, negative = conds.stacked(pipe, model_key, group)
+        layout = pipe.packed_layout(groups, positive)
+        latents = packing.pad_tokens([g.state.latents for g in groups], max(g.tokens for g in groups))
+        packed = packing.Packed(groups=groups, layout=layout, order=list(range(len(group))))
+        extras = {"packed": packed, **pipe.packed_extras(groups, layout, positive)}
+        state = DenoiseState(latents, head.state.timesteps, None, extras)
+        timestep = torch.cat([t.expand(r.latents.shape[0]) for r, t in zip(group, timesteps, strict=True)])
+        with pipe.lora_scope([r.params for r in group]):
+            pred = pipe.guided_prediction(
+                latents, timestep, positive, negative, head.params, state, head.step_index, model_key
+            )
+        for rows, g, t in zip(group, groups, timesteps, strict=True):
+            rows.latents = pipe.scheduler_step(g.latents_of(pred[g.rows]), t, rows.latents, rows.state)
+            rows.step_index += 1

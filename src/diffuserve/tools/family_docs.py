@@ -140,6 +140,7 @@ PLAN_COLUMNS: tuple[Column, ...] = (
 
 OPTIONAL_COLUMNS: tuple[tuple[str, Column], ...] = (
     ("supports_continuous", Column("Continuous", lambda s: _yes(bool(_fact(s, "supports_continuous"))))),
+    ("packs_mixed_sizes", Column("Packs sizes", lambda s: _yes(bool(_fact(s, "packs_mixed_sizes"))))),
 )
 """(spec field, column): added to the serving table once `FamilySpec` or `ProfileFacts` has the field."""
 

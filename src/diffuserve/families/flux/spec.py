@@ -72,6 +72,8 @@ SPECS = (
         # FlowMatchEulerDiscreteScheduler steps from the row's own sigma[i], sigma[i+1]; the transformer takes a
         # per-row timestep; position ids and the guidance vector depend only on size and guidance (the group key).
         supports_continuous=True,
+        # Rows of different sizes share one call: padded per row, masked, per-row RoPE (pipelines/packing.py).
+        packs_mixed_sizes=True,
         text_encoder_keys=("text_encoder", "text_encoder_2"),
         max_image_inputs=1,
         tiny_builds={"flux": "diffuserve.families.flux.tiny:build_flux"},

@@ -49,6 +49,7 @@ from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from PIL import Image
 
 from diffuserve.errors import CheckpointError, InvalidRequestError
+from diffuserve.families.flux2.ops import Flux2Packing
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.stages import Cond, DenoiseState
@@ -102,7 +103,7 @@ def _text_config(text_encoder: Any) -> Any:
     return getattr(config, "text_config", None) or config
 
 
-class Flux2NativePipeline(stages.RecipePipeline):
+class Flux2NativePipeline(Flux2Packing, stages.RecipePipeline):
     """FLUX.2-dev: Mistral3 text encoder, embedded guidance (`guidance_scale`), no CFG; reference images."""
 
     family = "flux2"
@@ -358,6 +359,8 @@ class Flux2NativePipeline(stages.RecipePipeline):
     def predict(
         self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
     ) -> torch.Tensor:
+        if "packed" in state.extras:
+            return self.predict_packed(latents, timestep, cond, state)
         extras = state.extras
         reference = extras["reference"]
         if reference is not None:

@@ -68,6 +68,8 @@ SPECS = (
         latent_geometry=flux_geometry,
         # Flow-match Euler per request, per-row timestep (FLUX.2 and Klein verified row by row in a mixed group).
         supports_continuous=True,
+        # Rows of different sizes share one call: per-row RoPE ids, latent padding masked (pipelines/packing.py).
+        packs_mixed_sizes=True,
         text_encoder_keys=("text_encoder",),
         # The published DiT is ~32B parameters (~64 GB in bf16): resident only on a GPU with room for it.
         profile=ProfileFacts(dit_resident_threshold_gib=80.0, dit_supports_layerwise=True),
@@ -91,6 +93,8 @@ SPECS = (
         checkpoint_defaults=klein_defaults,
         latent_geometry=flux_geometry,
         supports_continuous=True,
+        # Rows of different sizes share one call: per-row RoPE ids, latent padding masked (pipelines/packing.py).
+        packs_mixed_sizes=True,
         text_encoder_keys=("text_encoder",),
         profile=ProfileFacts(dit_resident_threshold_gib=24.0, dit_supports_layerwise=True),
         layer_containers=_FLUX2_LAYERS,

@@ -22,13 +22,12 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers.image_processor import VaeImageProcessor
-from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
-from diffusers.utils.torch_utils import randn_tensor
 
 from diffuserve.families.qwen_image import controlnet as qwen_controlnet
+from diffuserve.families.qwen_image import inpaint as qwen_inpaint
 from diffuserve.families.qwen_image import ops
 from diffuserve.families.qwen_image.spec import QWEN_IMAGE_21_ROPE_POSITIONS, QWEN_IMAGE_TEXT_TOKENS
-from diffuserve.pipelines import inpaint, stages
+from diffuserve.pipelines import inpaint, packing, stages
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows
 from diffuserve.pipelines.stages import Cond, DenoiseState
@@ -212,7 +211,9 @@ class QwenImageNativePipeline(_QwenBase):
         scheduler, timesteps = self._timesteps(head.num_inference_steps, seq_len, flow_shift=head.flow_shift)
         control = masked = None
         if head.image_inputs:
-            latents, timesteps, masked = self.prepare_inpaint_latents(batch, scheduler, timesteps, channels)
+            latents, timesteps, masked = qwen_inpaint.prepare_inpaint_latents(
+                self, batch, scheduler, timesteps, channels
+            )
         elif any(p.control is not None for p in batch):
             latents, control = qwen_controlnet.prepare_control_latents(self, batch, height, width, positive, timesteps)
         else:
@@ -238,15 +239,7 @@ class QwenImageNativePipeline(_QwenBase):
     def validate(self, params: Any) -> None:
         super().validate(params)
         check_control(params, self.controlnets)
-        if params.image_inputs and params.mask_input is None:
-            from diffuserve.errors import InvalidRequestError
-
-            raise InvalidRequestError(
-                "Qwen-Image takes an input image only to inpaint it: send a mask with the image (Qwen-Image-Edit "
-                "checkpoints edit whole images).",
-                param="mask",
-            )
-        inpaint.check_strength(params)
+        qwen_inpaint.check_request(params)
 
     def step_extras(self, states: Sequence[DenoiseState]) -> dict[str, Any]:
         """The first state's extras, with every state's ControlNet rows (continuous steps)."""
@@ -255,46 +248,7 @@ class QwenImageNativePipeline(_QwenBase):
             return states[0].extras
         return {**{k: v for k, v in states[0].extras.items() if not k.startswith("_")}, EXTRAS_KEY: control}
 
-    # -- inpainting (QwenImageInpaintPipeline; pipelines/inpaint.py) ---------------------------------------------
-
-    def prepare_inpaint_latents(
-        self, batch: Sequence[Any], scheduler: Any, timesteps: torch.Tensor, channels: int
-    ) -> tuple[torch.Tensor, torch.Tensor, inpaint.InpaintRows]:
-        """QwenImageInpaintPipeline's start, per request: the image encoded once by the video VAE (row 0's
-        generator), normalised by the VAE's latents mean / std, re-noised to `strength` with one noise row per output
-        ((1, C, h, w) each, the frame axis first as diffusers draws it); every row's mask, image latents and noise
-        packed for the blend after each step."""
-        from diffusers import QwenImagePipeline
-
-        head = batch[0]
-        num_steps = len(timesteps)
-        t_start = int(max(num_steps - min(num_steps * head.strength, num_steps), 0))
-        timesteps = timesteps[t_start * scheduler.order :]
-        scheduler.set_begin_index(t_start * scheduler.order)
-        lh, lw = self._latent_hw(head.height, head.width)
-        rows, clean, noises, masks, overlays = [], [], [], [], []
-        for params in batch:
-            generators = [torch.Generator("cpu").manual_seed(s) for s in stages.row_seeds(params)]
-            source = inpaint.request_source(params, self.image_processor, self.mask_processor, head.height, head.width)
-            pixels = source.pixels.unsqueeze(2).to(self.device, self.dtype)
-            encoded = retrieve_latents(self.vae.encode(pixels), generator=generators[0])
-            mean, std = ops.latents_stats(self.vae, encoded)
-            image_latents = ((encoded - mean) * (1.0 / std)).expand(params.n, -1, -1, -1, -1).transpose(1, 2)
-            noise = randn_tensor(
-                (params.n, 1, channels, lh, lw), generator=generators, device=self.device, dtype=self.dtype
-            )
-            rows.append(scheduler.scale_noise(image_latents, timesteps[:1].repeat(params.n), noise))
-            clean.append(image_latents)
-            noises.append(noise)
-            mask = inpaint.latent_mask(source.mask, (lh, lw), noise)
-            masks.append(mask.expand(params.n, channels, -1, -1))
-            overlays += [source.overlay] * params.n
-
-        def pack(x: torch.Tensor) -> torch.Tensor:
-            return QwenImagePipeline._pack_latents(x, x.shape[0], channels, lh, lw)
-
-        latents, clean_rows, noise_rows = (pack(torch.cat(part)) for part in (rows, clean, noises))
-        return latents, timesteps, inpaint.InpaintRows(pack(torch.cat(masks)), clean_rows, noise_rows, overlays)
+    # -- inpainting (QwenImageInpaintPipeline; pipelines/inpaint.py, families/qwen_image/inpaint.py) -----------
 
     def scheduler_step(
         self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState
@@ -308,6 +262,8 @@ class QwenImageNativePipeline(_QwenBase):
     def predict(
         self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
     ) -> torch.Tensor:
+        if "packed" in state.extras:
+            return self.predict_packed(latents, timestep, cond, state)
         mask = cond["mask"]
         guidance = state.extras["guidance"]
         control = qwen_controlnet.controlnet_kwargs(self, latents, timestep, state.extras)
@@ -327,6 +283,54 @@ class QwenImageNativePipeline(_QwenBase):
         self, cond: torch.Tensor, uncond: torch.Tensor, head: Any, state: DenoiseState, step_index: int
     ) -> torch.Tensor:
         return ops.norm_rescaled_cfg(cond, uncond, self.cfg_scale(head))
+
+    # -- packed mixed-size calls (pipelines/packing.py) -------------------------------------------------------
+
+    def packed_layout(self, groups: list[packing.SizeGroup], positive: Cond) -> packing.PackedRows:
+        """[text, image] per row: each row's own text length (the mask's) and its size's image tokens."""
+        text = [int(n) for n in positive["mask"].sum(dim=1).tolist()]
+        image = [g.tokens for g in groups for _ in range(g.rows.stop - g.rows.start)]
+        kernel = packing.packed_kernel(self.device)
+        return packing.PackedRows(tuple(text), tuple(image), positive["mask"].shape[1], max(image), kernel=kernel)
+
+    def predict_packed(
+        self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState
+    ) -> torch.Tensor:
+        """One call over rows of different sizes: each size's RoPE tables (its image grid, and its text positions,
+        which start past its grid) stacked per row in place of the batch's one table, the image padding masked
+        beside the text padding, per-row modulation as diffusers broadcasts it."""
+        module = "diffusers.models.transformers.transformer_qwenimage"
+        packing.install_row_rotary(module, "apply_rotary_emb_qwen")
+        packing.install_masked_dispatch(module)
+        packed: packing.Packed = state.extras["packed"]
+        layout = packed.layout
+        repeats = latents.shape[0] // layout.rows
+        text = cond["embeds"].shape[1]
+        image_rows, text_rows = [], []
+        for g in packed.groups:
+            image, txt = self.transformer.pos_embed(
+                g.state.extras["img_shapes"][0], latents.device, max_txt_seq_len=text
+            )
+            image = torch.nn.functional.pad(image, (0, 0, 0, layout.max_image - image.shape[0]))
+            image_rows += [image] * (g.rows.stop - g.rows.start)
+            text_rows += [txt] * (g.rows.stop - g.rows.start)
+        tables = (torch.cat(image_rows * repeats), torch.cat(text_rows * repeats))
+        hook = self.transformer.pos_embed.register_forward_hook(lambda module, args, out: tables)
+        guidance, mask = packed.groups[0].state.extras["guidance"], cond["mask"]
+        try:
+            with layout.active():
+                out = self.transformer(
+                    hidden_states=latents,
+                    timestep=timestep.to(latents.dtype) / 1000,
+                    guidance=None if guidance is None else guidance.expand(latents.shape[0]),
+                    encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+                    encoder_hidden_states=cond["embeds"],
+                    img_shapes=packed.groups[0].state.extras["img_shapes"][:1] * latents.shape[0],
+                    return_dict=False,
+                )[0]
+        finally:
+            hook.remove()
+        return out * layout.image_mask(repeats, out.device)[..., None].to(out.dtype)
 
     def _unpack(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         from diffusers import QwenImagePipeline

@@ -96,6 +96,8 @@ SPECS = (
         max_latent_side=qwen_image_max_latent_side,
         # Flow-match per request; masked text rows are padded per step like a merged batch (verified row by row).
         supports_continuous=True,
+        # Rows of different sizes share one call: per-row RoPE tables, image padding masked (pipelines/packing.py).
+        packs_mixed_sizes=True,
         text_encoder_keys=("text_encoder",),
         tiny_builds={"qwen-image": "diffuserve.families.qwen_image.tiny:build_qwen_image"},
     ),
@@ -124,6 +126,9 @@ SPECS = (
         latent_geometry=qwen_image_21_geometry,
         max_latent_side=qwen_image_21_max_latent_side,
         supports_continuous=True,
+        # Cannot pack sizes: its block-causal DiT reuses a prefix KV cache kept per text length and image layout,
+        # which rows of other sizes would not share; size-grouped batches.
+        packs_mixed_sizes=False,
         text_encoder_keys=("text_encoder",),
         tiny_builds={"qwen-image-2.1": "diffuserve.families.qwen_image.tiny:build_qwen_image_21"},
         base_family="qwen_image",

@@ -39,6 +39,8 @@ SPECS = (
         text_encoder_keys=("text_encoder",),
         max_image_inputs=1,
         supports_batching=False,
+        # No packing: its requests never share a call (each edit's input-image tokens and prompt template are its own).
+        packs_mixed_sizes=False,
         tiny_builds={"qwen-image-edit": "diffuserve.families.qwen_image_edit.tiny:build_edit"},
         base_family="qwen_image",
     ),
@@ -61,6 +63,8 @@ SPECS = (
         # The 2509/2511 model cards: multi-image editing works best with 1 to 3 input images.
         max_image_inputs=3,
         supports_batching=False,
+        # No packing: its requests never share a call (each edit's input-image tokens and prompt template are its own).
+        packs_mixed_sizes=False,
         tiny_builds={"qwen-image-edit-plus": "diffuserve.families.qwen_image_edit.tiny:build_edit_plus"},
         base_family="qwen_image",
     ),

@@ -50,6 +50,9 @@ SPEC = FamilySpec(
     cfg_batched=True,
     # Continuous: each request keeps its own DPM-Solver++ history, and a mixed step gets the group's row count.
     supports_continuous=True,
+    # Cannot pack sizes: its Mix-FFN runs a depthwise 3x3 conv on each row's (h, w) grid, and its ReLU linear
+    # attention sums keys over the whole sequence with no mask, so padding changes every row; size-grouped batches.
+    packs_mixed_sizes=False,
     text_encoder_keys=("text_encoder",),
     layer_containers={"SanaTransformer2DModel": (("transformer_blocks", "num_layers"),)},
     latent_geometry=sana_geometry,

@@ -34,7 +34,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
 from diffuserve.families.sd3 import controlnet as sd3_controlnet
-from diffuserve.pipelines import inpaint, stages
+from diffuserve.pipelines import inpaint, packing, stages
 from diffuserve.pipelines.base import component_configs, declared_sequence_length
 from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows
 from diffuserve.pipelines.stages import Cond, DenoiseState
@@ -287,6 +287,8 @@ class SD3NativePipeline(stages.RecipePipeline):
     def predict(
         self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
     ) -> torch.Tensor:
+        if "packed" in state.extras:
+            return self.predict_packed(latents, timestep, cond, state)
         prompt_embeds, pooled = self._join(cond)
         control = sd3_controlnet.controlnet_kwargs(self, latents, timestep, prompt_embeds, pooled, state.extras)
         return self.transformer(
@@ -305,3 +307,61 @@ class SD3NativePipeline(stages.RecipePipeline):
         latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
         image = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
         return inpaint.apply_overlays(stages.to_pil_images(image), state, self.image_processor)
+
+    # -- packed mixed-size calls (pipelines/packing.py) -------------------------------------------------------
+
+    def packed_layout(self, groups: list[packing.SizeGroup], positive: Cond) -> packing.PackedRows:
+        """[image patches, CLIP + T5 text] per row; the text is one fixed length (CLIP's 77 + T5's, unmasked as
+        in diffusers), the patches differ by size. SD3's processor calls SDPA itself: the key mask is SDPA's."""
+        text = self._join(positive)[0].shape[1]
+        patches = [self._patches(g) for g in groups for _ in range(g.rows.stop - g.rows.start)]
+        return packing.PackedRows((text,) * len(patches), tuple(patches), text, max(patches), text_first=False)
+
+    def _patches(self, group: packing.SizeGroup) -> int:
+        _, height, width = group.spatial or (0, 0, 0)
+        return (height // self.patch_size) * (width // self.patch_size)
+
+    def predict_packed(
+        self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState
+    ) -> torch.Tensor:
+        """One transformer call over rows of different sizes: each size group patch-embedded on its own grid (its
+        own cropped position table), the patches padded and handed to the blocks in place of the patch embedding
+        of a stand-in canvas, the padding masked in every attention, and the output unpatchified per group."""
+        packing.install_masked_sdpa("diffusers.models.attention_processor")
+        packed: packing.Packed = state.extras["packed"]
+        layout, groups = packed.layout, packed.groups
+        spans = [(g, g.rows.start + k * layout.rows) for k in range(latents.shape[0] // layout.rows) for g in groups]
+        embed = self.transformer.pos_embed
+        tokens = [embed(g.latents_of(latents[start : start + g.rows.stop - g.rows.start])) for g, start in spans]
+        embedded = packing.pad_tokens(tokens, layout.max_image)
+        largest = max(groups, key=self._patches).spatial
+        canvas = latents.new_zeros(latents.shape[0], *largest)  # its shape gives the call max_image patches
+        captured: list[torch.Tensor] = []
+        hooks = (
+            embed.register_forward_hook(lambda module, args, out: embedded),
+            self.transformer.proj_out.register_forward_hook(lambda module, args, out: captured.append(out)),
+        )
+        prompt_embeds, pooled = self._join(cond)
+        try:
+            with layout.active():
+                self.transformer(
+                    hidden_states=canvas,
+                    timestep=timestep,
+                    encoder_hidden_states=prompt_embeds,
+                    pooled_projections=pooled,
+                    return_dict=False,
+                )
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return packing.pad_tokens([self._unpatchify(captured[0], g, start) for g, start in spans], latents.shape[1])
+
+    def _unpatchify(self, out: torch.Tensor, group: packing.SizeGroup, start: int) -> torch.Tensor:
+        """A group's rows of the final projection's patches -> its velocity, as (rows, h x w, channels) tokens
+        (diffusers' unpatchify of SD3Transformer2DModel.forward, on the group's own grid)."""
+        p, channels = self.patch_size, self.transformer.out_channels
+        _, height, width = group.spatial or (0, 0, 0)
+        rows = out[start : start + group.rows.stop - group.rows.start, : self._patches(group)]
+        rows = rows.reshape(rows.shape[0], height // p, width // p, p, p, channels)
+        image = torch.einsum("nhwpqc->nchpwq", rows).reshape(rows.shape[0], channels, height, width)
+        return image.flatten(2).transpose(1, 2)

@@ -65,6 +65,8 @@ SPEC = FamilySpec(
     # Flow-match Euler per request; the transformer takes a per-row timestep; fixed-length text (verified row by
     # row against the singleton run in a mixed group, tests/integration/test_continuous_steps.py).
     supports_continuous=True,
+    # Rows of different sizes share one call: per-group patch embedding, padded and masked (pipelines/packing.py).
+    packs_mixed_sizes=True,
     # T5 (text_encoder_3) is optional: a checkpoint saved without it encodes zeros in its place, as diffusers.
     text_encoder_keys=("text_encoder", "text_encoder_2", "text_encoder_3"),
     latent_geometry=sd3_geometry,

@@ -29,7 +29,7 @@ from diffusers.pipelines.z_image.pipeline_z_image import (
 )
 from diffusers.utils.torch_utils import randn_tensor
 
-from diffuserve.pipelines import inpaint, stages
+from diffuserve.pipelines import inpaint, packing, stages
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
@@ -223,10 +223,38 @@ class ZImageNativePipeline(stages.RecipePipeline):
     def predict(
         self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
     ) -> torch.Tensor:
+        if "packed" in state.extras:
+            return self.predict_packed(latents, timestep, cond, state)
         frames = latents.to(self.transformer.dtype).unsqueeze(2)  # one frame per image: (C, 1, h, w) items
         captions = [embeds[mask] for embeds, mask in zip(cond["prompt_embeds"], cond["prompt_mask"], strict=True)]
         out = self.transformer(list(frames.unbind(dim=0)), (1000 - timestep) / 1000, captions, return_dict=False)[0]
         return torch.stack([o.float() for o in out], dim=0).squeeze(2)
+
+    # -- packed mixed-size calls (pipelines/packing.py) -------------------------------------------------------
+
+    def packed_layout(self, groups: list[packing.SizeGroup], positive: Cond) -> packing.PackedRows:
+        """Caption tokens (the mask's) and 2x2 patches per row (the transformer pads and masks them itself)."""
+        text = [int(n) for n in positive["prompt_mask"].sum(dim=1).tolist()]
+        rows = [g for g in groups for _ in range(g.rows.stop - g.rows.start)]
+        patches = [(g.spatial[1] // 2) * (g.spatial[2] // 2) for g in rows if g.spatial is not None]
+        return packing.PackedRows(tuple(text), tuple(patches), max(text), max(patches))
+
+    def predict_packed(
+        self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState
+    ) -> torch.Tensor:
+        """Z-Image's transformer takes a list of images of any size and captions of any length, and itself pads
+        each to the call's longest, masks the padding and gives each its own RoPE positions: the packed rows are
+        handed over as that list, each at its own size, and its outputs padded back to the call's tokens."""
+        packed: packing.Packed = state.extras["packed"]
+        owner = [g for g in packed.groups for _ in range(g.rows.stop - g.rows.start)]
+        owner = owner * (latents.shape[0] // len(owner))  # both halves of a doubled CFG batch
+        items = [
+            g.latents_of(latents[i : i + 1])[0].to(self.transformer.dtype).unsqueeze(1) for i, g in enumerate(owner)
+        ]
+        captions = [embeds[mask] for embeds, mask in zip(cond["prompt_embeds"], cond["prompt_mask"], strict=True)]
+        out = self.transformer(items, (1000 - timestep) / 1000, captions, return_dict=False)[0]
+        tokens = [o.float().squeeze(1).flatten(1).transpose(0, 1)[None] for o in out]
+        return packing.pad_tokens(tokens, latents.shape[1])
 
     def scheduler_step(
         self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState

@@ -68,6 +68,8 @@ SPEC = FamilySpec(
     cfg_batched=True,
     # Flow-match per request; masked text rows are padded per step like a merged batch (verified row by row).
     supports_continuous=True,
+    # Its transformer takes images of any size as a list, padding and masking them itself (pipelines/packing.py).
+    packs_mixed_sizes=True,
     text_encoder_keys=("text_encoder",),
     # In execution order: the image-token refiner, the caption refiner, then the main single-stream layers.
     layer_containers={

@@ -1,0 +1,67 @@
+"""Qwen-Image inpainting's start (`QwenImageInpaintPipeline`), per request, for the native adapter
+(`families/qwen_image/adapter.py`; the per-row blend and paste-back are `pipelines/inpaint.py`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
+from diffusers.utils.torch_utils import randn_tensor
+
+from diffuserve.families.qwen_image import ops
+from diffuserve.pipelines import inpaint, stages
+
+
+def prepare_inpaint_latents(
+    pipe: Any, batch: Sequence[Any], scheduler: Any, timesteps: torch.Tensor, channels: int
+) -> tuple[torch.Tensor, torch.Tensor, inpaint.InpaintRows]:
+    """QwenImageInpaintPipeline's start, per request: the image encoded once by the video VAE (row 0's
+    generator), normalised by the VAE's latents mean / std, re-noised to `strength` with one noise row per output
+    ((1, C, h, w) each, the frame axis first as diffusers draws it); every row's mask, image latents and noise
+    packed for the blend after each step."""
+    from diffusers import QwenImagePipeline
+
+    head = batch[0]
+    num_steps = len(timesteps)
+    t_start = int(max(num_steps - min(num_steps * head.strength, num_steps), 0))
+    timesteps = timesteps[t_start * scheduler.order :]
+    scheduler.set_begin_index(t_start * scheduler.order)
+    lh, lw = pipe._latent_hw(head.height, head.width)
+    rows, clean, noises, masks, overlays = [], [], [], [], []
+    for params in batch:
+        generators = [torch.Generator("cpu").manual_seed(s) for s in stages.row_seeds(params)]
+        source = inpaint.request_source(params, pipe.image_processor, pipe.mask_processor, head.height, head.width)
+        pixels = source.pixels.unsqueeze(2).to(pipe.device, pipe.dtype)
+        encoded = retrieve_latents(pipe.vae.encode(pixels), generator=generators[0])
+        mean, std = ops.latents_stats(pipe.vae, encoded)
+        image_latents = ((encoded - mean) * (1.0 / std)).expand(params.n, -1, -1, -1, -1).transpose(1, 2)
+        noise = randn_tensor(
+            (params.n, 1, channels, lh, lw), generator=generators, device=pipe.device, dtype=pipe.dtype
+        )
+        rows.append(scheduler.scale_noise(image_latents, timesteps[:1].repeat(params.n), noise))
+        clean.append(image_latents)
+        noises.append(noise)
+        mask = inpaint.latent_mask(source.mask, (lh, lw), noise)
+        masks.append(mask.expand(params.n, channels, -1, -1))
+        overlays += [source.overlay] * params.n
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        return QwenImagePipeline._pack_latents(x, x.shape[0], channels, lh, lw)
+
+    latents, clean_rows, noise_rows = (pack(torch.cat(part)) for part in (rows, clean, noises))
+    return latents, timesteps, inpaint.InpaintRows(pack(torch.cat(masks)), clean_rows, noise_rows, overlays)
+
+
+def check_request(params: Any) -> None:
+    """An input image only with a mask (diffusers has no Qwen-Image img2img pipeline we follow), and the strength."""
+    if params.image_inputs and params.mask_input is None:
+        from diffuserve.errors import InvalidRequestError
+
+        raise InvalidRequestError(
+            "Qwen-Image takes an input image only to inpaint it: send a mask with the image (Qwen-Image-Edit "
+            "checkpoints edit whole images).",
+            param="mask",
+        )
+    inpaint.check_strength(params)
