@@ -8,9 +8,10 @@ Per family, side by side in one run: the native pipeline and the unmodified diff
 `--backend diffusers`, which calls the diffusers pipeline class as a user would) load the same tiny folder;
 their calls at 64px / 4 steps are interleaved (the order alternates every round, so load from other processes
 hits both alike) and the medians compared. Then the native pipeline runs batches of 1 and of 8 requests
-(interleaved) for outputs per second; image families batch 8, video families 4 (text-to-video at the tiny
-size: 32x32, 5 frames). Targets (issues 8, 9): native / diffusers <= 1.0 for every family. `--experts` also
-reports, for the two-expert Wan2.2 A14B checkpoint under
+(interleaved) for outputs per second; image families batch 8, video families 4 (at the tiny size: 32x32, 5
+frames; image-to-video rows each with their own random input image; edit families are not batched). Targets
+(issues 8, 9): native / diffusers <= 1.0 for every family. `--experts` also reports, for the two-expert
+Wan2.2 A14B checkpoint under
 `--component-residency transformer=component-offload transformer_2=component-offload`, the bytes each request
 moves per expert (from the transfer ledger).
 """
@@ -22,6 +23,18 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+
+def _random_png(seed: int, size: int) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    pixels = (np.random.RandomState(seed).rand(size, size, 3) * 255).astype("uint8")
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def bench_family(build: str, work: Path, *, size: int, steps: int, runs: int, warmup: int) -> dict[str, float]:
@@ -40,11 +53,16 @@ def bench_family(build: str, work: Path, *, size: int, steps: int, runs: int, wa
     extra = {"num_frames": 5} if video else {}
     if video:
         size = 32
-    image = None
-    if is_edit:
-        from diffuserve.tools.compat import _input_image
 
-        image = (_input_image(),)
+    def image(i: int) -> tuple[bytes, ...]:
+        """Edit families share one input image; image-to-video rows each get their own (the row's first frame)."""
+        if not is_edit:
+            return ()
+        if not video:
+            from diffuserve.tools.compat import _input_image
+
+            return (_input_image(),)
+        return (_random_png(i, size),)
 
     def request(i: int):
         return build_sampling_params(
@@ -54,7 +72,7 @@ def bench_family(build: str, work: Path, *, size: int, steps: int, runs: int, wa
             width=size,
             height=size,
             num_inference_steps=steps,
-            image_inputs=image or (),
+            image_inputs=image(i),
             **extra,
         )
 
@@ -74,7 +92,7 @@ def bench_family(build: str, work: Path, *, size: int, steps: int, runs: int, wa
         "diffusers_ms": statistics.median(diffusers_times) * 1000,
     }
     result["ratio"] = result["native_ms"] / result["diffusers_ms"]
-    if spec.supports_batching and not is_edit:
+    if spec.supports_batching and (video or not is_edit):
         batch_size = 4 if video else 8
         eight = [request(i) for i in range(batch_size)]
         native.run(eight)

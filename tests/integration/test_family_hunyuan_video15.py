@@ -141,6 +141,52 @@ def test_video_vae_resident_layers_equal_the_resident_run(t2v) -> None:
     assert moved["permanent"] == 0  # placed at set-up, never moved per request
 
 
+def test_video_vae_selector_flags_plan_and_equal_the_resident_run(t2v, tiny_checkpoint, capsys) -> None:
+    """The seed's spelling, `--layerwise-resident-layers video_vae=1 --layerwise-residency-lifetime video_vae=forward`
+    (with `--component-residency video_vae=layerwise-offload`; on a CPU host `auto` keeps everything resident):
+    `diffuserve plan` shows the VAE layer-wise with one resident layer for the forward, and the VAE set up from the
+    plan those flags resolve to decodes the resident run's frames exactly, its blocks moving through the ledger."""
+    from diffuserve import cli
+    from diffuserve.config.deployment import DeploymentArgs
+    from diffuserve.config.plan import DeploymentPlan, Lifetime
+    from diffuserve.hardware import detect_hardware
+    from diffuserve.launch.setup import resolve_deployment
+    from diffuserve.runtime.residency import build_residency
+
+    path = tiny_checkpoint("hunyuan-video-1.5")
+    flags = {
+        "component_residency": ["video_vae=layerwise-offload"],
+        "layerwise_resident_layers": ["video_vae=1"],
+        "layerwise_residency_lifetime": ["video_vae=forward"],
+    }
+    argv = [arg for name, items in flags.items() for arg in ("--" + name.replace("_", "-"), *items)]
+    assert cli.main(["plan", "--model-path", str(path), *argv]) == 0
+    shown = capsys.readouterr().out
+    row = next(line.split() for line in shown.splitlines() if line.split()[:1] == ["vae"])
+    assert row[4:8] == ["layerwise-offload", "1", "1", "forward"], row  # mode, prefetch, resident layers, lifetime
+    assert "--layerwise-resident-layers video_vae=1, --layerwise-residency-lifetime video_vae=forward" in shown
+
+    plan = resolve_deployment(
+        DeploymentArgs(**flags), path, model_id=None, dtype="float32", hardware=detect_hardware("cpu")
+    )
+    vae = plan.components["vae"]
+    assert (vae.mode, vae.resident_layers, vae.lifetime) == (ResidencyMode.LAYERWISE_OFFLOAD, 1, Lifetime.FORWARD)
+    params = build_sampling_params(t2v.describe_model(), prompt="a red kite", seed=5, **SMALL)
+    reference = t2v.run([params]).outputs[0].videos
+    ledger = TransferLedger()
+    manager = build_residency(DeploymentPlan(components={"vae": vae}), {"vae": t2v.vae}, device="cpu", ledger=ledger)
+    previous, t2v.residency = t2v.residency, manager
+    try:
+        ledger.begin_window()
+        got = t2v.run([params]).outputs[0].videos
+        moves = [m for m in ledger.window_summary().moves if m.direction == "h2d" and m.component == "vae"]
+    finally:
+        t2v.residency = previous
+        manager.close()
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got[0], reference[0], strict=True))
+    assert any((m.layer or "").startswith("decoder.up_blocks") and m.nbytes > 0 for m in moves)
+
+
 def test_taylorseer_and_calibrated_magcache_decide_per_row(t2v) -> None:
     """TaylorSeer and MagCache (with this checkpoint's own calibration, `calibrate-cache`) over the DiT's
     `transformer_blocks`: rows with different settings in one batch each equal their run alone, counts included

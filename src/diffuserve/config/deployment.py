@@ -281,8 +281,11 @@ def _plan_components(
         if name in lifetimes:
             cp.lifetime = Lifetime(choose("--layerwise-residency-lifetime", lifetimes[name][0], LIFETIMES))
         cp.pin_memory = pin
+        sources = [chosen[1] for chosen in (counts.get(name), lifetimes.get(name)) if chosen]
+        by = f" from {', '.join(sources)}" if sources else ""
         trace(
-            f"{name}: prefetch {prefetch}, {cp.resident_layers}/{comp.num_layers} layers resident ({cp.lifetime.value})"
+            f"{name}: prefetch {prefetch}, {cp.resident_layers}/{comp.num_layers} layers resident "
+            f"({cp.lifetime.value}){by}"
         )
     if args.pin_cpu_memory and hardware.device_kind != "cuda":
         trace(f"pin_cpu_memory: ignored on {hardware.device_kind} (pinned memory is a CUDA feature)")

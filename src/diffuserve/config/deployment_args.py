@@ -41,7 +41,8 @@ class DeploymentArgs:
     )
     """manual | auto | speed | memory."""
     component_residency: list[str] = _f(
-        "COMPONENT=MODE selectors; COMPONENT is a model_index.json key or dit, text_encoder, image_encoder, vae, all; "
+        "COMPONENT=MODE selectors; COMPONENT is a model_index.json key or dit, text_encoder, image_encoder, vae, all "
+        "(or video_vae: a video model's VAE); "
         "MODE is resident, component-offload, snapshot-offload or layerwise-offload.",
         _MODE_G,
         [],
@@ -66,7 +67,8 @@ class DeploymentArgs:
     )
     """Comma list of keys/groups made layer-wise."""
     layerwise_resident_layers: list[str] = _f(
-        "COMP=N: keep N layers (a count, or a ratio 0<r<1) of a layer-wise component on the device.",
+        "COMP=N: keep N layers (a count, or a ratio 0<r<1) of a layer-wise component on the device; COMP as in "
+        "--component-residency (video_vae: a video model's VAE).",
         _LAYER_G,
         [],
         nargs="+",
@@ -74,7 +76,8 @@ class DeploymentArgs:
     )
     """Resident layer sets of layer-wise components."""
     layerwise_residency_lifetime: list[str] = _f(
-        "COMP=forward|permanent: forward places the resident set per run; permanent places it at load (must fit).",
+        "COMP=forward|permanent: forward places the resident set per run; permanent places it at load (must fit); "
+        "COMP as in --component-residency (video_vae: a video model's VAE).",
         _LAYER_G,
         [],
         nargs="+",

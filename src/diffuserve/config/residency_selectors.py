@@ -1,6 +1,11 @@
 """Which residency each component was given explicitly: `--component-residency` selectors (a component's key,
-its group or `all`; the later of two selectors naming the same target wins) and the legacy per-component flags,
-with did-you-mean errors that name the flag. Pure; `config/deployment.py` resolves the rest from the mode."""
+its group, `all`, or `video_vae`; the later of two selectors naming the same target wins) and the legacy
+per-component flags, with did-you-mean errors that name the flag. Pure; `config/deployment.py` resolves the rest
+from the mode.
+
+`video_vae` is the seed's spelling of a video family's VAE (`--layerwise-resident-layers video_vae=36`): on a video
+model it names the `vae` component, as its key would (a video family's `vae` is its video VAE; LTX-2's audio VAE is
+`audio_vae`); on an image model it is an error naming the flag rather than a silent no-op."""
 
 from __future__ import annotations
 
@@ -25,15 +30,41 @@ def split_selector(flag: str, item: str) -> tuple[str, str]:
     return name.strip(), value.strip()
 
 
+VIDEO_VAE = "video_vae"
+"""The selector naming a video family's VAE (the seed's spelling); the component it names is `VIDEO_VAE_KEY`."""
+VIDEO_VAE_KEY = "vae"
+
+
+def _video_vae(flag: str, profile: ModelProfile) -> list[str]:
+    """The component `video_vae` names: the video model's `vae`; an image model has none (an error, not a no-op)."""
+    if profile.kind != "video":
+        raise ConfigError(
+            f"{flag}: {VIDEO_VAE!r} selects a video model's VAE, but this model ({profile.family}) makes "
+            f"{profile.kind}s and has no video VAE; name its VAE as {VIDEO_VAE_KEY!r} (or the group 'vae'). "
+            f"{describe_selectors(profile)}",
+            param=flag_param(flag),
+        )
+    if VIDEO_VAE_KEY not in profile.components:
+        raise ConfigError(
+            f"{flag}: {VIDEO_VAE!r} names the {VIDEO_VAE_KEY!r} component, which this checkpoint lacks. "
+            f"{describe_selectors(profile)}",
+            param=flag_param(flag),
+        )
+    return [VIDEO_VAE_KEY]
+
+
 def _targets(flag: str, name: str, profile: ModelProfile) -> tuple[list[str], int]:
-    """Components a selector name covers and its specificity (key 2 > group 1 > all 0)."""
+    """Components a selector name covers and its specificity (key or video_vae 2 > group 1 > all 0)."""
     if name == "all":
         return list(profile.components), 0
     if name in GROUPS:
         return profile.group_members(name), 1
     if name in profile.components:
         return [name], 2
-    options = list(dict.fromkeys([*profile.components, *GROUPS, "all"]))
+    if name == VIDEO_VAE:
+        return _video_vae(flag, profile), 2
+    video = [VIDEO_VAE] if profile.kind == "video" else []
+    options = list(dict.fromkeys([*profile.components, *GROUPS, "all", *video]))
     raise ConfigError(
         f"{flag}: unknown component or group {name!r}.{_closest(name, options)} {describe_selectors(profile)}",
         param=flag_param(flag),
@@ -48,8 +79,10 @@ def describe_selectors(profile: ModelProfile) -> str:
         return ", ".join(members) if members else "none in this model"
 
     groups = [f"{group} ({covers(group)})" for group in GROUPS]
+    video = f"; {VIDEO_VAE} ({VIDEO_VAE_KEY})" if profile.kind == "video" else ""
     return (
-        f"This model's components: {', '.join(profile.components)}. Groups: {'; '.join(groups)}; all (every component)."
+        f"This model's components: {', '.join(profile.components)}. Groups: {'; '.join(groups)}; all (every "
+        f"component){video}."
     )
 
 
