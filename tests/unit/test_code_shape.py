@@ -25,6 +25,7 @@ FAMILY_PART_LAYERS = {
     "adapter": "families.adapter",
     "ops": "families.adapter",
     "controlnet": "families.adapter",  # a family's ControlNet rows run on the recipe beside its adapter
+    "inpaint": "families.adapter",  # a family's inpaint rows too (`families/flux2/inpaint.py`)
     "tiny": "families.tiny",
 }
 """`families/<family>/<part>.py` -> its layer name (every other module of `families/` is a leaf)."""
