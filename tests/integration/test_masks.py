@@ -275,3 +275,28 @@ def test_qwen_image_takes_an_image_only_with_a_mask(tiny_checkpoint, family_pipe
     with pytest.raises(InvalidRequestError) as err:
         build_sampling_params(native.describe_model(), prompt="x", image_inputs=(picture(64, 48, 0),))
     assert err.value.param == "mask"
+
+
+def test_flux2_klein_further_images_are_its_image_reference(tiny_checkpoint, family_pipeline, diffusers_pipeline):
+    """Klein: the first image is repainted, a second one is Flux2KleinInpaintPipeline's `image_reference` (reference
+    tokens after the image's own, time id 20); equal to that call (<= 1/255; observed 0)."""
+    case = next(c for c in CASES if c.id == "flux2_klein")
+    native, path = _native(case, tiny_checkpoint, family_pipeline)
+    w, h = case.width, case.height
+    mask = box_mask(w, h, (8, 16, w - 8, h // 2 + 8))
+    params = _params(case, mask_input=mask, image_inputs=(picture(w, h, 0), picture(64, 64, 9)))
+    theirs = diffusers_pipeline(case.diffusers_class, path)(
+        prompt=params.prompt,
+        image=Image.open(io.BytesIO(params.image_inputs[0])).convert("RGB"),
+        image_reference=Image.open(io.BytesIO(params.image_inputs[1])).convert("RGB"),
+        mask_image=Image.open(io.BytesIO(mask)),
+        num_inference_steps=params.num_inference_steps,
+        strength=params.strength,
+        guidance_scale=params.guidance_scale,
+        generator=row_generators(params.seed, params.n),
+        max_sequence_length=FLUX2_SEQ,
+    ).images
+    ours = native.run([params]).outputs[0].images
+    assert max_pixel_diff(ours, theirs) <= 1
+    without = native.run([_params(case, mask_input=mask)]).outputs[0].images
+    assert max_pixel_diff(ours, without) > 0  # the reference really reached the model
