@@ -24,6 +24,7 @@ from diffuserve.families import families_with, named_list
 from diffuserve.media.masks import encode_mask, to_repaint_mask
 from diffuserve.sampling import SamplingParams, build_sampling_params
 from tests.integration.family_checks import max_pixel_diff, row_generators
+from tests.integration.family_references import FLUX2_SEQ
 
 
 def picture(width: int, height: int, seed: int) -> bytes:
@@ -60,6 +61,9 @@ class InpaintCase:
     shifted_decode: bool = False
     """The diffusers inpaint pipeline decodes without the VAE's `shift_factor` (diffusers 0.42's SD3 inpaint; its
     text-to-image and img2img pipelines add it, as we do): compare its final latents, decoded with the shift."""
+    mixes_plain: bool = True
+    """An edit without a mask may share a call with masked rows (FLUX.2 Klein's is a reference edit: pure noise over
+    the whole schedule, another program)."""
 
 
 def _t5_length(key: str) -> Callable[[Any], dict[str, Any]]:
@@ -97,6 +101,17 @@ CASES = [
         crops=False,
     ),
     InpaintCase("z_image", "z-image", "ZImageInpaintPipeline", 64, 48, fields=(("guidance_scale", 0.0),), crops=False),
+    # Klein's inpaint pipeline sizes the output from the image (floored to 16): the pictures are the output size.
+    InpaintCase(
+        "flux2_klein",
+        "flux2-klein",
+        "Flux2KleinInpaintPipeline",
+        80,
+        64,
+        lambda pipe: {"max_sequence_length": FLUX2_SEQ},
+        (("guidance_scale", 4.0),),
+        mixes_plain=False,
+    ),
 ]
 
 
@@ -182,8 +197,8 @@ def test_inpaint_equals_the_diffusers_pipeline(case, variant, tiny_checkpoint, f
 
 
 def test_rows_with_different_masks_or_none_merge(case, tiny_checkpoint, family_pipeline):
-    """One call: two masks (one with padding_mask_crop), and an edit without a mask; each row equals its solo run,
-    and the masks really changed the rows."""
+    """One call: two masks (one with padding_mask_crop), and an edit without a mask (a third mask where the family
+    cannot mix them); each row equals its solo run, and the masks really changed the rows."""
     native, _ = _native(case, tiny_checkpoint, family_pipeline)
     w, h = case.width, case.height
     batch = [
@@ -195,7 +210,14 @@ def test_rows_with_different_masks_or_none_merge(case, tiny_checkpoint, family_p
             mask_input=box_mask(w, h, (8, 8, 24, 24)),
             padding_mask_crop=2 if case.crops else None,
         ),
-        _params(case, prompt="a fox", seed=1, n=2, image_inputs=(picture(w, h, 1),)),
+        _params(
+            case,
+            prompt="a fox",
+            seed=1,
+            n=2,
+            image_inputs=(picture(w, h, 1),),
+            mask_input=None if case.mixes_plain else box_mask(w, h, (w // 2, 0, w, h)),
+        ),
     ]
     merged = [out.images for out in native.run(batch).outputs]
     for params, rows in zip(batch, merged, strict=True):
@@ -244,7 +266,7 @@ def test_families_without_inpainting_refuse_a_mask_naming_those_that_take_it(tin
     with pytest.raises(InvalidRequestError) as err:
         build_sampling_params(native.describe_model(), prompt="x", mask_input=box_mask(32, 32, (0, 0, 8, 8)))
     assert err.value.param == "mask"
-    assert families_with("inpaints") == ["flux", "flux_fill", "qwen_image", "sd3", "z_image"]
+    assert families_with("inpaints") == ["flux", "flux2_klein", "flux_fill", "qwen_image", "sd3", "z_image"]
     assert named_list(families_with("inpaints")) in err.value.message, err.value.message
 
 
@@ -253,3 +275,28 @@ def test_qwen_image_takes_an_image_only_with_a_mask(tiny_checkpoint, family_pipe
     with pytest.raises(InvalidRequestError) as err:
         build_sampling_params(native.describe_model(), prompt="x", image_inputs=(picture(64, 48, 0),))
     assert err.value.param == "mask"
+
+
+def test_flux2_klein_further_images_are_its_image_reference(tiny_checkpoint, family_pipeline, diffusers_pipeline):
+    """Klein: the first image is repainted, a second one is Flux2KleinInpaintPipeline's `image_reference` (reference
+    tokens after the image's own, time id 20); equal to that call (<= 1/255; observed 0)."""
+    case = next(c for c in CASES if c.id == "flux2_klein")
+    native, path = _native(case, tiny_checkpoint, family_pipeline)
+    w, h = case.width, case.height
+    mask = box_mask(w, h, (8, 16, w - 8, h // 2 + 8))
+    params = _params(case, mask_input=mask, image_inputs=(picture(w, h, 0), picture(64, 64, 9)))
+    theirs = diffusers_pipeline(case.diffusers_class, path)(
+        prompt=params.prompt,
+        image=Image.open(io.BytesIO(params.image_inputs[0])).convert("RGB"),
+        image_reference=Image.open(io.BytesIO(params.image_inputs[1])).convert("RGB"),
+        mask_image=Image.open(io.BytesIO(mask)),
+        num_inference_steps=params.num_inference_steps,
+        strength=params.strength,
+        guidance_scale=params.guidance_scale,
+        generator=row_generators(params.seed, params.n),
+        max_sequence_length=FLUX2_SEQ,
+    ).images
+    ours = native.run([params]).outputs[0].images
+    assert max_pixel_diff(ours, theirs) <= 1
+    without = native.run([_params(case, mask_input=mask)]).outputs[0].images
+    assert max_pixel_diff(ours, without) > 0  # the reference really reached the model

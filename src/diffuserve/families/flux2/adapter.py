@@ -49,8 +49,9 @@ from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from PIL import Image
 
 from diffuserve.errors import CheckpointError, InvalidRequestError
+from diffuserve.families.flux2 import inpaint as flux2_inpaint
 from diffuserve.families.flux2.ops import Flux2Packing
-from diffuserve.pipelines import stages
+from diffuserve.pipelines import inpaint, stages
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
@@ -298,8 +299,15 @@ class Flux2NativePipeline(Flux2Packing, stages.RecipePipeline):
 
     def _reference_tokens(self, params: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """A request's reference images as packed tokens (1, N, C) and their position ids (N, 4)."""
+        latents = self._reference_latents(params.image_inputs)
+        ids = Flux2Pipeline._prepare_image_ids(latents)[0].to(self.device)
+        tokens = torch.cat([Flux2Pipeline._pack_latents(x)[0] for x in latents]).unsqueeze(0)
+        return tokens, ids
+
+    def _reference_latents(self, images: Sequence[bytes]) -> list[torch.Tensor]:
+        """Encoded reference images, each (1, 4C, h, w) at its own (floored, <= 1 MP) size."""
         latents = []
-        for data in params.image_inputs:
+        for data in images:
             image = Image.open(io.BytesIO(data))
             image.load()
             width, height = image.size
@@ -314,12 +322,13 @@ class Flux2NativePipeline(Flux2Packing, stages.RecipePipeline):
             latent = Flux2Pipeline._patchify_latents(retrieve_latents(self.vae.encode(pixels), sample_mode="argmax"))
             mean, std = self._bn_stats(latent)
             latents.append((latent - mean) / std)
-        ids = Flux2Pipeline._prepare_image_ids(latents)[0].to(self.device)
-        tokens = torch.cat([Flux2Pipeline._pack_latents(x)[0] for x in latents]).unsqueeze(0)
-        return tokens, ids
+        return latents
 
     def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
-        """Per-row noise (row j of a request from seed + j), packed; cached ids and schedule; reference tokens."""
+        """Per-row noise (row j of a request from seed + j), packed; cached ids and schedule; reference tokens.
+        Masked edits (Klein's inpainting) start from their re-noised image instead (`families/flux2/inpaint.py`)."""
+        if inpaint.any_mask(batch):
+            return flux2_inpaint.prepare_masked(self, batch, head, positive)
         tokens_h, tokens_w = head.height // self.size_multiple, head.width // self.size_multiple
         channels = self.transformer.config.in_channels
         noise = stages.batch_noise(
@@ -364,8 +373,13 @@ class Flux2NativePipeline(Flux2Packing, stages.RecipePipeline):
         extras = state.extras
         reference = extras["reference"]
         if reference is not None:
-            # One copy per row (the rows of batched CFG included), after the generated image's tokens.
-            latents_in = torch.cat([latents, reference.expand(latents.shape[0], -1, -1)], dim=1)
+            # After the generated image's tokens: one copy per row, or per-row references (masked edits) repeated
+            # for the branches of a doubled CFG batch.
+            if reference.shape[0] == 1:
+                reference = reference.expand(latents.shape[0], -1, -1)
+            elif reference.shape[0] != latents.shape[0]:
+                reference = reference.repeat(latents.shape[0] // reference.shape[0], 1, 1)
+            latents_in = torch.cat([latents, reference], dim=1)
         else:
             latents_in = latents
         guidance = extras["guidance"]
@@ -391,7 +405,7 @@ class Flux2NativePipeline(Flux2Packing, stages.RecipePipeline):
         mean, std = self._bn_stats(grid)
         grid = Flux2Pipeline._unpatchify_latents(grid * std + mean)
         image = self.vae.decode(grid.to(self.vae.dtype), return_dict=False)[0]
-        return stages.to_pil_images(image)
+        return inpaint.apply_overlays(stages.to_pil_images(image), state, self.image_processor)
 
 
 class Flux2KleinNativePipeline(Flux2NativePipeline):
@@ -423,6 +437,17 @@ class Flux2KleinNativePipeline(Flux2NativePipeline):
 
     def uses_cfg(self, head: Any) -> bool:
         return head.guidance_scale > 1.0 and not self.is_distilled
+
+    def validate(self, params: Any) -> None:
+        super().validate(params)
+        if params.mask_input is not None:  # Flux2KleinInpaintPipeline's `strength`; reference edits ignore it
+            inpaint.check_strength(params)
+
+    def scheduler_step(
+        self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState
+    ) -> torch.Tensor:
+        # Masked edits put the kept region back after every step (a no-op for other batches).
+        return inpaint.blend(super().scheduler_step(noise_pred, timestep, latents, state), state)
 
     def cfg_scale(self, head: Any) -> float:
         return head.guidance_scale

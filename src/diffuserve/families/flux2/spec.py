@@ -1,8 +1,9 @@
 """FLUX.2-dev (Mistral3 encoder) and FLUX.2-Klein 4B/9B / Klein-Base (Qwen3 encoder).
 
 Both run natively (`families/flux2/adapter.py`), text-to-image and with reference images on /v1/images/edits (the
-diffusers pipelines' `image=`). Sizes are multiples of 16 (VAE factor 8 x 2x2 patches); RoPE is computed from
-position ids, so no positional table limits the size.
+diffusers pipelines' `image=`); Klein also inpaints (edits with a `mask`, as Flux2KleinInpaintPipeline). Sizes are
+multiples of 16 (VAE factor 8 x 2x2 patches); RoPE is computed from position ids, so no positional table limits the
+size.
 """
 
 import dataclasses
@@ -81,10 +82,11 @@ SPECS = (
         quant_keep=FLUX2_QUANT_KEEP,
         name="flux2_klein",
         text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Qwen3)", 512),),
-        pipeline_classes=("Flux2KleinPipeline",),
+        pipeline_classes=("Flux2KleinPipeline", "Flux2KleinInpaintPipeline"),
         model_id_patterns=(r"flux\.?2[-_.]?klein",),
         id_priority=30,
-        tasks=frozenset({"t2i", "i2i"}),
+        # Masks natively as Flux2KleinInpaintPipeline (`families/flux2/inpaint.py`); FLUX.2-dev has no inpaint pipeline.
+        tasks=frozenset({"t2i", "i2i", "inpaint"}),
         native_adapter="diffuserve.families.flux2.adapter:Flux2KleinNativePipeline",
         lora_loader="Flux2LoraLoaderMixin",
         # The step-distilled Klein 4B/9B: 4 steps, guidance ignored. `klein_defaults` gives Klein-Base
