@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from diffuserve.errors import RequestCancelledError
+from diffuserve.pipelines import inpaint as inpaint_rows
 from diffuserve.pipelines.base import (
     BatchResult,
     Pipeline,
@@ -348,6 +349,7 @@ class RecipePipeline(Pipeline):
     ) -> torch.Tensor:
         latents = state.latents
         num_steps = len(state.timesteps)
+        starts = inpaint_rows.row_starts(batch)
         with contextlib.ExitStack() as scope:
             active: str | None = None
             for i, t in enumerate(state.timesteps):
@@ -362,7 +364,9 @@ class RecipePipeline(Pipeline):
                 noise_pred = self.guided_prediction(
                     latents, timestep, positive, negative, head, state, i, model_key, rows
                 )
-                latents = self.scheduler_step(noise_pred, t, latents, state)
+                latents = inpaint_rows.keep_waiting(
+                    self.scheduler_step(noise_pred, t, latents, state), latents, starts, i
+                )
                 if on_step is not None:
                     on_step(i, num_steps)
                 if on_preview is not None:
@@ -425,7 +429,7 @@ class RecipePipeline(Pipeline):
         """Stages 1-3 of `run` (encode, latents, denoise); `decode_batch` is stage 4. Split so that the decode
         can run in the decode lane while the next batch denoises (`executor/batch_runner.py`,
         `pipelines/overlap.py`)."""
-        head = check_batch(batch)
+        head = check_batch(batch, self.strength_per_row)
         cfg = self.uses_cfg(head)
         timer = StageTimer()
         with torch.inference_mode():

@@ -267,10 +267,7 @@ class QwenImageNativePipeline(_QwenBase):
         from diffusers import QwenImagePipeline
 
         head = batch[0]
-        num_steps = len(timesteps)
-        t_start = int(max(num_steps - min(num_steps * head.strength, num_steps), 0))
-        timesteps = timesteps[t_start * scheduler.order :]
-        scheduler.set_begin_index(t_start * scheduler.order)
+        full, timesteps = timesteps, inpaint.batch_schedule(batch, scheduler, timesteps)
         lh, lw = self._latent_hw(head.height, head.width)
         rows, clean, noises, masks, overlays = [], [], [], [], []
         for params in batch:
@@ -283,7 +280,7 @@ class QwenImageNativePipeline(_QwenBase):
             noise = randn_tensor(
                 (params.n, 1, channels, lh, lw), generator=generators, device=self.device, dtype=self.dtype
             )
-            rows.append(scheduler.scale_noise(image_latents, timesteps[:1].repeat(params.n), noise))
+            rows.append(inpaint.start_latents(scheduler, params, full, image_latents, noise))
             clean.append(image_latents)
             noises.append(noise)
             mask = inpaint.latent_mask(source.mask, (lh, lw), noise)
