@@ -9,6 +9,8 @@ reorder float sums).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from diffuserve.pipelines import inpaint
@@ -20,7 +22,7 @@ IMG2IMG = {"flux", "sd3", "flux_fill"}
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
-def test_rows_with_different_strengths_share_one_call(case: InpaintCase, tiny_checkpoint, family_pipeline):
+def test_rows_with_different_strengths_share_one_call(case: InpaintCase, tiny_checkpoint, family_pipeline, monkeypatch):
     native, _ = _native(case, tiny_checkpoint, family_pipeline)
     assert native.strength_per_row and native.capabilities.strength_per_row
     w, h = case.width, case.height
@@ -31,12 +33,23 @@ def test_rows_with_different_strengths_share_one_call(case: InpaintCase, tiny_ch
         _params(case, prompt="a fox", seed=1, strength=1.0, mask_input=box_mask(w, h, (8, 8, 24, 24))),
     ]
     assert inpaint.row_starts(batch) == (2, 1, 1, 0)
+    seen: list[int] = []
+    predict = native.predict
+
+    def counting(latents, *args, **kwargs):  # the rows each denoiser call runs
+        seen.append(latents.shape[0])
+        return predict(latents, *args, **kwargs)
+
+    monkeypatch.setattr(native, "predict", counting)
     merged = [out.images for out in native.run(batch).outputs]
+    monkeypatch.undo()
+    # Rows that have not started cost nothing: 1, 3, 4, 4 rows per step (each call doubled, or made twice, by CFG).
+    per_step = len(seen) // 4
+    rows = [sum(seen[i * per_step : (i + 1) * per_step]) for i in range(4)]
+    assert [r * 4 // rows[-1] for r in rows] == [1, 3, 4, 4], seen
     for params, rows in zip(batch, merged, strict=True):
         alone = native.run([params]).outputs[0].images
         assert max_pixel_diff(rows, alone) <= 1, params.strength
     # The strength mattered: the first request at strength 1.0 differs from its own rows at 0.5.
-    import dataclasses
-
     full = native.run([dataclasses.replace(batch[0], strength=1.0)]).outputs[0].images
     assert max_pixel_diff(merged[0], full) > 8

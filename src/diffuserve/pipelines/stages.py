@@ -360,10 +360,8 @@ class RecipePipeline(Pipeline):
                     scope.close()
                     scope.enter_context(self.residency.use(model_key))
                     active = model_key
-                timestep = t.expand(latents.shape[0])
-                noise_pred = self.guided_prediction(
-                    latents, timestep, positive, negative, head, state, i, model_key, rows
-                )
+                call = (latents, t.expand(latents.shape[0]), positive, negative, head, state, i, model_key, rows)
+                noise_pred = inpaint_rows.started_prediction(self, starts, *call)
                 latents = inpaint_rows.keep_waiting(
                     self.scheduler_step(noise_pred, t, latents, state), latents, starts, i
                 )
@@ -378,6 +376,11 @@ class RecipePipeline(Pipeline):
                 if should_stop is not None and should_stop():
                     raise RequestCancelledError(f"cancelled after denoising step {i + 1}/{num_steps}")
         return latents
+
+    def narrow_state(self, state: DenoiseState, index: torch.Tensor) -> DenoiseState:
+        """The state a denoiser call on rows `index` only sees (`inpaint.started_prediction`): extras holding one
+        value per row are cut to those rows (default: none do)."""
+        return state
 
     def _previews(self, latents: torch.Tensor, state: DenoiseState, batch: Sequence[SamplingParams]) -> list[list[Any]]:
         with torch.inference_mode(), self.decoder_scope():

@@ -8,6 +8,7 @@ there is no progress bar or input re-tokenisation, which is where the speed over
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -415,6 +416,11 @@ class FluxFillNativePipeline(FluxNativePipeline):
         state = super().prepare(batch, head, positive)
         state.extras["fill_condition"] = self.__dict__.pop("_fill_condition")
         return state
+
+    def narrow_state(self, state: DenoiseState, index: torch.Tensor) -> DenoiseState:
+        """Rows `index` of the fill condition (one row per output)."""
+        condition = state.extras["fill_condition"].index_select(0, index)
+        return dataclasses.replace(state, extras={**state.extras, "fill_condition": condition})
 
     def predict(
         self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str

@@ -14,6 +14,7 @@ so nothing is padded inside the encoder either.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -301,6 +302,11 @@ class QwenImageNativePipeline(_QwenBase):
 
     def decode(self, latents: torch.Tensor, state: DenoiseState) -> list[Any]:
         return inpaint.apply_overlays(super().decode(latents, state), state, self.image_processor)
+
+    def narrow_state(self, state: DenoiseState, index: torch.Tensor) -> DenoiseState:
+        """Rows `index` of the image shapes (one entry per output row)."""
+        shapes = [state.extras["img_shapes"][r] for r in index.tolist()]
+        return dataclasses.replace(state, extras={**state.extras, "img_shapes": shapes})
 
     def predict(
         self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
