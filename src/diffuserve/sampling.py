@@ -10,7 +10,7 @@ the same image. No torch and no I/O here: the scheduler and the server both impo
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
@@ -171,10 +171,24 @@ class SamplingParams:
         return tuple(f.name for f in fields(cls) if f.metadata.get("signature")) + ("cfg_enabled", "step_cache_method")
 
 
-def signature_difference(a: SamplingParams, b: SamplingParams) -> str | None:
-    """The first signature field that differs, as `sampling_params.<field>`; None when compatible."""
+SIZE_FIELDS = ("width", "height")
+"""Signature fields that leave it for a family that packs rows of different sizes into one call."""
+
+
+def row_fields(*params: SamplingParams, packs: bool = False, strength: bool = False) -> tuple[str, ...]:
+    """The signature fields a loaded family takes per row for requests `params` merging: the size when it packs
+    mixed sizes (`packs`, `FamilySpec.packs_mixed_sizes`), `strength` when its edits of different strengths share a
+    call (`strength`, `FamilySpec.strength_per_row`) and none of them runs a step cache or a ControlNet (their
+    per-row step counts and control windows follow the batch's schedule, not the row's own start)."""
+    plain = all(p.step_cache is None and p.control is None for p in params)
+    return (SIZE_FIELDS if packs else ()) + (("strength",) if strength and plain else ())
+
+
+def signature_difference(a: SamplingParams, b: SamplingParams, free: Sequence[str] = ()) -> str | None:
+    """The first signature field that differs, as `sampling_params.<field>`; None when compatible. The fields in
+    `free` (the family takes them per row: `row_fields`) are not compared."""
     for (name, va), (_, vb) in zip(a.signature(), b.signature(), strict=True):
-        if va != vb:
+        if va != vb and name not in free:
             return f"sampling_params.{name}"
     return None
 

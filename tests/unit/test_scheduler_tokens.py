@@ -276,3 +276,35 @@ def test_the_engine_gives_a_default_budget_only_to_families_that_pack_mixed_size
     assert explicit is not None and explicit.tokens == 5000  # the flag applies to every family
     with pytest.raises(ConfigError, match="--batching-max-tokens 100 .* 1024x1024"):
         model_token_budget(BatchingConfig(mode="dynamic", max_size=8, max_tokens=100), model, None)
+
+
+def test_strength_leaves_the_signature_only_for_families_that_take_it_per_row() -> None:
+    """`FamilySpec.strength_per_row`: edits of different strengths join one batch; without it, or when the
+    requests run a step cache, `strength` is compared as before (tests/integration/test_mixed_strengths.py checks
+    each merged row against its solo run)."""
+    from dataclasses import replace
+
+    from diffuserve.config.step_cache import parse_step_cache
+
+    def edit(rid: str, t: float, strength: float, **fields: object) -> Request:
+        r = req(rid, t)
+        return Request(
+            request_id=rid,
+            params=replace(r.params, strength=strength, **fields),  # type: ignore[arg-type]
+            arrival_time=t,
+            model=MODEL,
+        )
+
+    for per_row in (False, True):
+        b = batcher()
+        b.set_capabilities(supports_batching=True, strength_per_row=per_row)
+        for rid, t, s in (("a", 0.0, 0.5), ("b", 0.1, 0.75), ("c", 0.2, 1.0)):
+            b.add(edit(rid, t, s))
+        ids = [r.request_id for r in dispatched(b.schedule(1.0)).requests]
+        assert ids == (["a", "b", "c"] if per_row else ["a"])
+    b = batcher()
+    b.set_capabilities(supports_batching=True, strength_per_row=True)
+    cache = parse_step_cache("fbcache")
+    b.add(edit("a", 0.0, 0.5, step_cache=cache))
+    b.add(edit("b", 0.1, 0.75, step_cache=cache))
+    assert [r.request_id for r in dispatched(b.schedule(1.0)).requests] == ["a"]

@@ -24,7 +24,9 @@ goes to a free replica):
    None and the family supports batching) and equal `SamplingParams.signature()`, less the size
    (`SIZE_FIELDS`) for a family that packs rows of different sizes into one call
    (`FamilySpec.packs_mixed_sizes`, read from the loaded model's `Capabilities.packs_mixed_sizes` through
-   `set_capabilities`; False keeps the size in the signature). Each candidate left out is counted once
+   `set_capabilities`; False keeps the size in the signature), and less `strength` for a family whose edits of
+   different strengths share a call (`FamilySpec.strength_per_row`; not with a step cache, whose rows count the
+   batch's steps). Each candidate left out is counted once
    under the first reason that excluded it: its ineligible reason (for example `image_conditioning`),
    `model`, `sampling_params.<field>`, `batch_full` (compatible but its `n` does not fit in the room
    left; smaller requests behind it may still join) or `token_budget` (its tokens do not fit in what is left).
@@ -74,7 +76,7 @@ from diffuserve.config.batching import BatchingConfig  # owned by config/; re-ex
 from diffuserve.engine.decisions import Decision, Dispatch, Idle, ScheduledBatch, WaitUntil, batch_facts  # re-exported
 from diffuserve.engine.fair_order import DeficitRoundRobin, Turn
 from diffuserve.engine.request import Request, RequestStatus
-from diffuserve.sampling import SamplingParams
+from diffuserve.sampling import SIZE_FIELDS, SamplingParams, row_fields, signature_difference  # noqa: F401 - re-exported
 
 __all__ = ["BatchingConfig", "Decision", "Dispatch", "DynamicBatcher", "Idle", "ScheduledBatch", "WaitUntil"]
 
@@ -92,8 +94,6 @@ ACTIVATION_MEMORY = "activation_memory"
 (rule 9); it waits for a later batch."""
 TOKEN_BUDGET = "token_budget"
 """Reject reason: the candidate's tokens do not fit in the token budget left (rule 4); smaller ones may still join."""
-SIZE_FIELDS = ("width", "height")
-"""Signature fields that leave it for a family that packs rows of different sizes into one call (rule 3)."""
 MAX_RETURN_GAP_DELAYS = 4
 """Rule 8 counts the answered clients' return time (answer -> next admission) up to this many delays."""
 
@@ -101,15 +101,6 @@ MAX_RETURN_GAP_DELAYS = 4
 def uses_adapter(request: Request, name: str) -> bool:
     """Whether `request`'s rows apply LoRA adapter `name`."""
     return any(adapter == name for adapter, _ in request.params.lora)
-
-
-def signature_difference(a: SamplingParams, b: SamplingParams, *, packs_mixed_sizes: bool = False) -> str | None:
-    """The first batch-signature field that differs, as `sampling_params.<field>`; None when compatible. With
-    `packs_mixed_sizes` the size (`SIZE_FIELDS`) is not compared: the family packs rows of different sizes."""
-    for (name, va), (_, vb) in zip(a.signature(), b.signature(), strict=True):
-        if va != vb and not (packs_mixed_sizes and name in SIZE_FIELDS):
-            return f"sampling_params.{name}"
-    return None
 
 
 class DynamicBatcher:
@@ -145,6 +136,8 @@ class DynamicBatcher:
         self._gap_open = False
         """Whether the first arrival after the last answers is still to come (it measures `_return_gap`)."""
         self.packs_mixed_sizes = False
+        self.strength_per_row = False
+        """Edits of different strengths share a call (`FamilySpec.strength_per_row`): `strength` leaves rule 3."""
         """The served family packs rows of different sizes into one call (`FamilySpec.packs_mixed_sizes`, set by the
         engine from the loaded model's `Capabilities`): the size leaves the batch signature (rule 3)."""
         self.token_budget: int | None = config.max_tokens
@@ -266,12 +259,17 @@ class DynamicBatcher:
         return self._ineligible_reason(request)
 
     def set_capabilities(
-        self, *, supports_batching: bool, supports_continuous: bool = False, packs_mixed_sizes: bool = False
+        self,
+        *,
+        supports_batching: bool,
+        supports_continuous: bool = False,
+        packs_mixed_sizes: bool = False,
+        strength_per_row: bool = False,
     ) -> None:
         """What the loaded model can do decides what may be merged (the engine calls this once it is loaded);
         the request-level rules have no use for `supports_continuous`."""
         self.supports_batching = supports_batching
-        self.packs_mixed_sizes = packs_mixed_sizes
+        self.packs_mixed_sizes, self.strength_per_row = packs_mixed_sizes, strength_per_row
 
     # -- scheduling -------------------------------------------------------------------------------
     def schedule(self, now: float) -> Decision:
@@ -422,10 +420,8 @@ class DynamicBatcher:
         reason = self._ineligible_reason(request)
         if reason is not None:
             return (request.model, reason, request.request_id)
-        sig = request.params.signature()
-        if self.packs_mixed_sizes:
-            sig = tuple(item for item in sig if item[0] not in SIZE_FIELDS)
-        return (request.model, sig)
+        free = row_fields(request.params, packs=self.packs_mixed_sizes, strength=self.strength_per_row)
+        return (request.model, tuple(item for item in request.params.signature() if item[0] not in free))
 
     def _pick_head(self, ordered: list[Request]) -> Request:
         """Rule 2's anchor: the head of the queue (`fifo`), or under `drr` the oldest request of the class whose
@@ -460,7 +456,8 @@ class DynamicBatcher:
             return ineligible
         if cand.model != head.model:
             return MODEL_MISMATCH
-        return signature_difference(head.params, cand.params, packs_mixed_sizes=self.packs_mixed_sizes)
+        free = row_fields(head.params, cand.params, packs=self.packs_mixed_sizes, strength=self.strength_per_row)
+        return signature_difference(head.params, cand.params, free)
 
     def _dispatch(
         self, requests: list[Request], cap: int, reason: str, rejects: dict[str, int], now: float

@@ -180,10 +180,18 @@ class StepScheduler:
         self.requests.activation_budget = budget
 
     def set_capabilities(
-        self, *, supports_batching: bool, supports_continuous: bool = False, packs_mixed_sizes: bool = False
+        self,
+        *,
+        supports_batching: bool,
+        supports_continuous: bool = False,
+        packs_mixed_sizes: bool = False,
+        strength_per_row: bool = False,
     ) -> None:
-        """What the loaded model can do: merge requests at all, run them step by step, pack mixed sizes."""
-        self.requests.set_capabilities(supports_batching=supports_batching, packs_mixed_sizes=packs_mixed_sizes)
+        """What the loaded model can do: merge requests at all, run them step by step, pack mixed sizes, mix
+        strengths in a request-level batch (the continuous group key keeps `strength`)."""
+        self.requests.set_capabilities(
+            supports_batching=supports_batching, packs_mixed_sizes=packs_mixed_sizes, strength_per_row=strength_per_row
+        )
         self.supports_continuous = supports_continuous
 
     @property

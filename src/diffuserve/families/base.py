@@ -180,6 +180,11 @@ class FamilySpec:
     leave the size out of the batch signature and the continuous group key (engine/scheduler.py rule 3,
     engine/step_scheduler.py rule 2) and fill batches by `--batching-max-tokens`. False (and the diffusers backend):
     a batch holds one size."""
+    strength_per_row: bool = False
+    """Edits of different `strength` share one call: every edit start goes through `pipelines/inpaint.py`'s
+    `batch_schedule` / `first_timestep` and the recipe's `row_starts`, so `strength` leaves the batch signature
+    (engine/scheduler.py rule 3). False (and the diffusers backend, and the continuous group key): one strength
+    per batch."""
     cfg_batched: bool = False
     """CFG runs as ONE doubled transformer batch to match diffusers exactly, so CFG parallel (one branch per
     rank) cannot reproduce it: `plan` and start-up refuse `--enable-cfg-parallel`, and the recipe runs the

@@ -1,8 +1,7 @@
 """The contract between the worker and a pipeline (native family adapter or the diffusers backend).
 
-The worker hands a pipeline a list of `SamplingParams` (one per request of a batch) and gets back,
-per request, its `n` outputs. Everything model-specific lives behind this interface.
-"""
+The worker hands a pipeline a list of `SamplingParams` (one per request of a batch) and gets back, per request, its
+`n` outputs. Everything model-specific lives behind this interface."""
 
 from __future__ import annotations
 
@@ -50,9 +49,8 @@ def component_configs(components: Mapping[str, Any], model_index: Mapping[str, A
 class ComponentUser(Protocol):
     """Residency hook point: a pipeline wraps each stage in `use(component)`.
 
-    The residency manager (runtime/residency.py) implements it and moves weights on/off the device
-    as the deployment plan says; the default does nothing (everything resident).
-    """
+    The residency manager (runtime/residency.py) implements it and moves weights on/off the device as the
+    deployment plan says; the default does nothing (everything resident)."""
 
     in_compile_warmup: bool
     """True while `compile_warmup()` is entered (a replica's leader tells its other ranks to place the same)."""
@@ -126,8 +124,9 @@ class Capabilities:
     continuous: bool = False
     """`--batching-mode continuous` may step its requests in a shared denoise group (`pipelines/step_batch.py`)."""
     packs_mixed_sizes: bool = False
-    """Rows of different sizes may share one call (`FamilySpec.packs_mixed_sizes`): the schedulers leave the size out
-    of the batch signature and the continuous group key."""
+    """Rows of different sizes may share one call (`FamilySpec.packs_mixed_sizes`): the size leaves the signatures."""
+    strength_per_row: bool = False
+    """Edits of different `strength` may share one call (`FamilySpec.strength_per_row`)."""
     defers_decode: bool = False
     """`run` is `run_to_latents` + `decode_batch`, so the decode may run in the decode lane beside the next batch."""
     text_prefetch: bool = False
@@ -155,6 +154,8 @@ class Pipeline:
     packs_mixed_sizes: bool = False
     """Rows of different sizes may share one call: the family spec's `packs_mixed_sizes` for a native adapter
     (`bind_facts`); False (the diffusers backend) keeps one size per batch."""
+    strength_per_row: bool = False
+    """Edits of different strengths may share one call: the family spec's `strength_per_row` (`bind_facts`)."""
     size_multiple: int = 1
     """Width/height must be multiples of this: the checkpoint's figure (`bind_facts`, or derived by the diffusers
     backend from the loaded pipeline); 1 only for a pipeline that states none."""
@@ -182,8 +183,7 @@ class Pipeline:
     batched_cfg: bool = False
     """Run CFG as one doubled batch instead of two passes (such families refuse CFG parallel)."""
     cfg_parallel: Any = None
-    """The CFG-parallel strategy (`parallel/cfg_parallel.CfgParallel`) once `use_cfg_parallel` set it; None in one
-    process."""
+    """The CFG-parallel strategy (`parallel/cfg_parallel.CfgParallel`) once `use_cfg_parallel` set it; None: one."""
     _side_lanes: Overlap | None = None
     """The encode and decode side lanes (`pipelines/overlap.py`), made on first use by `side_lanes()`."""
     _prompt_tokens_lock = threading.Lock()
@@ -221,7 +221,7 @@ class Pipeline:
         self.max_width, self.max_height = facts.max_width, facts.max_height
         self.defaults = facts.defaults
         self.supports_continuous = facts.supports_continuous
-        self.packs_mixed_sizes = spec.packs_mixed_sizes
+        self.packs_mixed_sizes, self.strength_per_row = spec.packs_mixed_sizes, spec.strength_per_row
         self.batched_cfg = facts.cfg_batched
         """Run CFG as one doubled batch (`RecipePipeline.batched_cfg`); tests may flip it on an instance."""
         self.text_encoders = facts.text_encoders
@@ -241,6 +241,7 @@ class Pipeline:
             batching=self.supports_batching,
             continuous=self.supports_continuous,
             packs_mixed_sizes=self.packs_mixed_sizes,
+            strength_per_row=self.strength_per_row,
             defers_decode=self.defers_decode,
             text_prefetch=self.prefetches_text,
             split_over_ranks=self.split_over_ranks,
@@ -248,8 +249,7 @@ class Pipeline:
         )
 
     def use_residency(self, residency: ComponentUser) -> None:
-        """Place components through `residency` from now on (the serving set-up, `launch/setup.py`, builds it
-        from the plan once the components are loaded)."""
+        """Place components through `residency` from now on (built by `launch/setup.py` from the plan)."""
         self.residency = residency
 
     def use_cfg_parallel(self, strategy: Any) -> None:

@@ -68,19 +68,20 @@ def batch_noise(
     return randn_tensor((len(generators), *row_shape), generator=generators, device=device, dtype=dtype)
 
 
-def check_batch(batch: Sequence[SamplingParams]) -> SamplingParams:
-    """The batch's head, after checking it is non-empty and every request shares its signature.
+def check_batch(batch: Sequence[SamplingParams], strength_per_row: bool = False) -> SamplingParams:
+    """The batch's head, after checking it is non-empty and every request shares its signature (less `strength`
+    for a family whose edits of different strengths share a call: `sampling.row_fields`).
 
     The scheduler only merges equal signatures; this catches a caller that did not, naming the
     field, instead of silently running every request with the head's settings.
     """
-    from diffuserve.sampling import signature_difference
+    from diffuserve.sampling import row_fields, signature_difference
 
     if not batch:
         raise ValueError("a pipeline batch needs at least one request")
     head = batch[0]
     for i, params in enumerate(batch[1:], start=1):
-        diff = signature_difference(head, params)
+        diff = signature_difference(head, params, row_fields(head, params, strength=strength_per_row))
         if diff is not None:
             raise ValueError(f"request {i} of the batch differs from request 0 in {diff}; it cannot share the call")
     return head

@@ -111,6 +111,90 @@ def check_strength(params: Any) -> None:
         )
 
 
+def t_start(strength: float, num_steps: int) -> int:
+    """The schedule step at which an edit of `strength` starts: diffusers' `get_timesteps` (`timesteps[t_start:]`)."""
+    return int(max(num_steps - min(num_steps * strength, num_steps), 0))
+
+
+def batch_schedule(batch: Sequence[Any], scheduler: Any, timesteps: torch.Tensor) -> torch.Tensor:
+    """The schedule an edit batch runs: the full schedule from the earliest start among its rows (the largest
+    `strength`), the scheduler's begin index set there. Rows of smaller strengths join later (`row_starts`)."""
+    start = min(t_start(params.strength, len(timesteps)) for params in batch) * scheduler.order
+    scheduler.set_begin_index(start)
+    return timesteps[start:]
+
+
+def start_latents(
+    scheduler: Any, params: Any, timesteps: torch.Tensor, image_latents: torch.Tensor, noise: torch.Tensor
+) -> torch.Tensor:
+    """A request's rows re-noised to its own start of the full schedule `timesteps`, as its solo run starts.
+
+    diffusers' flow-match `scale_noise` reads the sigma at the scheduler's begin index (not the timestep it is
+    given) once one is set, so the begin index is the request's start for the call and the batch's again after."""
+    batch_begin = scheduler.begin_index
+    start = t_start(params.strength, len(timesteps)) * scheduler.order
+    scheduler.set_begin_index(start)
+    try:
+        return scheduler.scale_noise(image_latents, timesteps[start : start + 1].repeat(params.n), noise)
+    finally:
+        scheduler.set_begin_index(batch_begin)
+
+
+def row_starts(batch: Sequence[Any]) -> tuple[int, ...] | None:
+    """Per output row of an edit batch: the index of the batch's schedule (`batch_schedule`) at which the row
+    starts denoising, the rows of a request of a smaller `strength` later; None when every row starts at once
+    (one strength, or no input images).
+
+    Rows that have not started keep their (re-noised) latents untouched: the shared schedule's sigmas are the
+    solo run's from the row's start on, so each row equals its request run alone."""
+    if not batch or not batch[0].image_inputs:
+        return None
+    starts = [t_start(params.strength, params.num_inference_steps) for params in batch]
+    first = min(starts)
+    if all(start == first for start in starts):
+        return None
+    return tuple(start - first for params, start in zip(batch, starts, strict=True) for _ in range(params.n))
+
+
+def keep_waiting(
+    stepped: torch.Tensor, latents: torch.Tensor, starts: tuple[int, ...] | None, step_index: int
+) -> torch.Tensor:
+    """After the scheduler step `step_index`: the stepped latents of the rows that have started (`row_starts`),
+    the unchanged latents of the rows still waiting for their start. The shared scheduler's step index is theirs
+    too (every started row is at the batch's step), so no row needs a scheduler of its own."""
+    if starts is None or max(starts) <= step_index:
+        return stepped
+    started = torch.tensor([start <= step_index for start in starts], device=latents.device)
+    return torch.where(started.view(-1, *([1] * (latents.dim() - 1))), stepped, latents)
+
+
+def started_prediction(
+    pipeline: Any, starts: tuple[int, ...] | None, latents: torch.Tensor, timestep: torch.Tensor, *call: Any
+) -> torch.Tensor:
+    """`pipeline.guided_prediction` at step `call[3]` for the rows that have started (`row_starts`) only: rows
+    still waiting cost nothing. Their conditioning is gathered, the extras cut (`narrow_state`) and per-row layers
+    (LoRA) follow through `runtime/row_view.py`, as a step cache narrows its blocks; the waiting rows' prediction
+    is zero (`keep_waiting` leaves their latents untouched whatever it is). Row caches never come here: a step
+    cache keeps one strength per batch (`sampling.row_fields`)."""
+    positive, negative, head, state, step_index, model_key, rows = call
+    if starts is None or max(starts) <= step_index:
+        return pipeline.guided_prediction(latents, timestep, *call)
+    from diffuserve.pipelines.batch_rows import gather_rows
+    from diffuserve.runtime.row_view import narrowed_to
+
+    started = tuple(r for r, start in enumerate(starts) if start <= step_index)
+    index = torch.tensor(started, device=latents.device)
+    masked = pipeline.masked_sequences
+    narrow = (gather_rows(c, index, masked) if c is not None else None for c in (positive, negative))
+    with narrowed_to(started, latents.shape[0]):
+        pred = pipeline.guided_prediction(
+            latents[index], timestep[index], *narrow, head, pipeline.narrow_state(state, index), step_index, model_key
+        )
+    out = pred.new_zeros((latents.shape[0], *pred.shape[1:]))
+    out[index] = pred
+    return out
+
+
 def any_mask(batch: Sequence[Any]) -> bool:
     return any(params.mask_input is not None for params in batch)
 

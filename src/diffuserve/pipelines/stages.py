@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from diffuserve.errors import RequestCancelledError
+from diffuserve.pipelines import inpaint as inpaint_rows
 from diffuserve.pipelines import packing
 from diffuserve.pipelines.base import (
     BatchResult,
@@ -349,6 +350,7 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
     ) -> torch.Tensor:
         latents = state.latents
         num_steps = len(state.timesteps)
+        starts = inpaint_rows.row_starts(batch)
         with contextlib.ExitStack() as scope:
             active: str | None = None
             for i, t in enumerate(state.timesteps):
@@ -359,11 +361,11 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
                     scope.close()
                     scope.enter_context(self.residency.use(model_key))
                     active = model_key
-                timestep = t.expand(latents.shape[0])
-                noise_pred = self.guided_prediction(
-                    latents, timestep, positive, negative, head, state, i, model_key, rows
+                call = (latents, t.expand(latents.shape[0]), positive, negative, head, state, i, model_key, rows)
+                noise_pred = inpaint_rows.started_prediction(self, starts, *call)
+                latents = inpaint_rows.keep_waiting(
+                    self.scheduler_step(noise_pred, t, latents, state), latents, starts, i
                 )
-                latents = self.scheduler_step(noise_pred, t, latents, state)
                 if on_step is not None:
                     on_step(i, num_steps)
                 if on_preview is not None:
@@ -375,6 +377,11 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
                 if should_stop is not None and should_stop():
                     raise RequestCancelledError(f"cancelled after denoising step {i + 1}/{num_steps}")
         return latents
+
+    def narrow_state(self, state: DenoiseState, index: torch.Tensor) -> DenoiseState:
+        """The state a denoiser call on rows `index` only sees (`inpaint.started_prediction`): extras holding one
+        value per row are cut to those rows (default: none do)."""
+        return state
 
     def _previews(self, latents: torch.Tensor, state: DenoiseState, batch: Sequence[SamplingParams]) -> list[list[Any]]:
         with torch.inference_mode(), self.decoder_scope():
@@ -429,7 +436,7 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
         `pipelines/overlap.py`). A batch of several sizes runs packed where the family packs (`packing.py`)."""
         if self.packs_mixed_sizes and packing.mixed_sizes(batch):
             return packing.run_mixed(self, batch, on_step=on_step, should_stop=should_stop, on_preview=on_preview)
-        head = check_batch(batch)
+        head = check_batch(batch, self.strength_per_row)
         cfg = self.uses_cfg(head)
         timer = StageTimer()
         with torch.inference_mode():

@@ -8,6 +8,7 @@ there is no progress bar or input re-tokenisation, which is where the speed over
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -167,11 +168,7 @@ class FluxNativePipeline(stages.RecipePipeline):
         at step `steps - steps*strength`; a request's row generators sample its image latents (row 0's generator) and
         then draw one noise row each, so a request's rows are the same alone or in a batch. When a request of the
         batch has a mask, also the rows' inpainting state (`inpaint_rows`)."""
-        head = batch[0]
-        num_steps = len(timesteps)
-        t_start = int(max(num_steps - min(num_steps * head.strength, num_steps), 0))
-        timesteps = timesteps[t_start * scheduler.order :]
-        scheduler.set_begin_index(t_start * scheduler.order)
+        full, timesteps = timesteps, inpaint.batch_schedule(batch, scheduler, timesteps)
         lh, lw = self._latent_hw(height, width)
         channels = self.transformer.config.in_channels // 4
         rows, clean, noises, sources = [], [], [], []
@@ -184,9 +181,8 @@ class FluxNativePipeline(stages.RecipePipeline):
             noise = randn_tensor(
                 (params.n, channels, lh, lw), generator=generators, device=self.device, dtype=self.dtype
             )
-            start = timesteps[:1].repeat(params.n)
             image_latents = image_latents.to(self.dtype).expand(params.n, -1, -1, -1)
-            rows.append(scheduler.scale_noise(image_latents, start, noise))
+            rows.append(inpaint.start_latents(scheduler, params, full, image_latents, noise))
             clean.append(image_latents)
             noises.append(noise)
             sources.append(source)
@@ -428,10 +424,7 @@ class FluxFillNativePipeline(FluxNativePipeline):
         """FluxFillPipeline's start per request: image latents (row 0's generator) re-noised to `strength` with one
         noise row per output, then the masked image (`image * (1 - mask)`) encoded with row 0's generator again, and
         the mask folded into the VAE factor's f x f channels; both packed into the rows' conditioning."""
-        num_steps = len(timesteps)
-        t_start = int(max(num_steps - min(num_steps * batch[0].strength, num_steps), 0))
-        timesteps = timesteps[t_start * scheduler.order :]
-        scheduler.set_begin_index(t_start * scheduler.order)
+        full, timesteps = timesteps, inpaint.batch_schedule(batch, scheduler, timesteps)
         lh, lw = self._latent_hw(height, width)
         channels, f = self.vae.config.latent_channels, self.vae_scale_factor
         rows, conditions = [], []
@@ -443,7 +436,7 @@ class FluxFillNativePipeline(FluxNativePipeline):
             noise = randn_tensor(
                 (params.n, channels, lh, lw), generator=generators, device=self.device, dtype=self.dtype
             )
-            rows.append(scheduler.scale_noise(image_latents, timesteps[:1].repeat(params.n), noise))
+            rows.append(inpaint.start_latents(scheduler, params, full, image_latents, noise))
             masked = self._encode((source.pixels * (1 - mask)).to(self.dtype), generators[0]).repeat(params.n, 1, 1, 1)
             folded = mask[:, 0].view(1, lh, f, lw, f).permute(0, 2, 4, 1, 3).reshape(1, f * f, lh, lw)
             folded = folded.to(self.device, self.dtype).repeat(params.n, 1, 1, 1)
@@ -472,6 +465,11 @@ class FluxFillNativePipeline(FluxNativePipeline):
         state = super().prepare(batch, head, positive)
         state.extras["fill_condition"] = self.__dict__.pop("_fill_condition")
         return state
+
+    def narrow_state(self, state: DenoiseState, index: torch.Tensor) -> DenoiseState:
+        """Rows `index` of the fill condition (one row per output)."""
+        condition = state.extras["fill_condition"].index_select(0, index)
+        return dataclasses.replace(state, extras={**state.extras, "fill_condition": condition})
 
     def predict(
         self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str

@@ -50,6 +50,7 @@ SPECS = (
         model_id_patterns=(r"flux",),
         id_priority=0,
         tasks=frozenset({"t2i", "i2i", "inpaint"}),
+        strength_per_row=True,  # each edit row starts at its own step of the shared schedule (pipelines/inpaint.py)
         native_adapter="diffuserve.families.flux.adapter:FluxNativePipeline",
         lora_loader="FluxLoraLoaderMixin",
         # FLUX.1 ControlNet and ControlNet-Union (InstantX, Shakker-Labs) share this class (`num_mode` for Union).
@@ -87,6 +88,7 @@ SPECS = (
         id_priority=10,
         # Edits only: an image, and a mask (none: the whole image), as FluxFillPipeline (families/flux/adapter.py).
         tasks=frozenset({"i2i", "inpaint"}),
+        strength_per_row=True,
         native_adapter="diffuserve.families.flux.adapter:FluxFillNativePipeline",
         # FLUX.1-Fill-dev: 50 steps at embedded guidance 30 (diffusers' FluxFillPipeline call defaults).
         defaults=SamplingDefaults(width=1024, height=1024, num_inference_steps=50, guidance_scale=30.0),

@@ -259,6 +259,8 @@ class QwenImageNativePipeline(_QwenBase):
     def decode(self, latents: torch.Tensor, state: DenoiseState) -> list[Any]:
         return inpaint.apply_overlays(super().decode(latents, state), state, self.image_processor)
 
+    narrow_state = qwen_inpaint.narrow_state  # rows of the image shapes (edits of different strengths)
+
     def predict(
         self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
     ) -> torch.Tensor:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,10 +25,7 @@ def prepare_inpaint_latents(
     from diffusers import QwenImagePipeline
 
     head = batch[0]
-    num_steps = len(timesteps)
-    t_start = int(max(num_steps - min(num_steps * head.strength, num_steps), 0))
-    timesteps = timesteps[t_start * scheduler.order :]
-    scheduler.set_begin_index(t_start * scheduler.order)
+    full, timesteps = timesteps, inpaint.batch_schedule(batch, scheduler, timesteps)
     lh, lw = pipe._latent_hw(head.height, head.width)
     rows, clean, noises, masks, overlays = [], [], [], [], []
     for params in batch:
@@ -40,7 +38,7 @@ def prepare_inpaint_latents(
         noise = randn_tensor(
             (params.n, 1, channels, lh, lw), generator=generators, device=pipe.device, dtype=pipe.dtype
         )
-        rows.append(scheduler.scale_noise(image_latents, timesteps[:1].repeat(params.n), noise))
+        rows.append(inpaint.start_latents(scheduler, params, full, image_latents, noise))
         clean.append(image_latents)
         noises.append(noise)
         mask = inpaint.latent_mask(source.mask, (lh, lw), noise)
@@ -65,3 +63,9 @@ def check_request(params: Any) -> None:
             param="mask",
         )
     inpaint.check_strength(params)
+
+
+def narrow_state(pipe: Any, state: Any, index: torch.Tensor) -> Any:
+    """`RecipePipeline.narrow_state` for Qwen-Image: rows `index` of the image shapes (one entry per output row)."""
+    shapes = [state.extras["img_shapes"][r] for r in index.tolist()]
+    return dataclasses.replace(state, extras={**state.extras, "img_shapes": shapes})

@@ -79,6 +79,7 @@ SPECS = (
         # Edits with a mask, as QwenImageInpaintPipeline (pipelines/inpaint.py); an image without a mask is refused.
         max_image_inputs=1,
         tasks=frozenset({"t2i", "inpaint"}),
+        strength_per_row=True,  # each edit row starts at its own step of the shared schedule (pipelines/inpaint.py)
         model_id_patterns=(r"qwen[-_]?image",),
         id_priority=0,
         native_adapter="diffuserve.families.qwen_image.adapter:QwenImageNativePipeline",

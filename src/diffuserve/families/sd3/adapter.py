@@ -248,10 +248,7 @@ class SD3NativePipeline(stages.RecipePipeline):
         its other generators draw nothing there), then one noise row per output from the row generators; the
         schedule starts at `steps - steps * strength`."""
         head = batch[0]
-        num_steps = len(timesteps)
-        t_start = int(max(num_steps - min(num_steps * head.strength, num_steps), 0))
-        timesteps = timesteps[t_start * scheduler.order :]
-        scheduler.set_begin_index(t_start * scheduler.order)
+        full, timesteps = timesteps, inpaint.batch_schedule(batch, scheduler, timesteps)
         rows, clean, noises, sources = [], [], [], []
         for params in batch:
             generators = [torch.Generator("cpu").manual_seed(s) for s in stages.row_seeds(params)]
@@ -261,7 +258,7 @@ class SD3NativePipeline(stages.RecipePipeline):
             image_latents = (encoded - self.vae.config.shift_factor) * self.vae.config.scaling_factor
             image_latents = image_latents.expand(params.n, -1, -1, -1).to(dtype)
             noise = randn_tensor(image_latents.shape, generator=generators, device=self.device, dtype=dtype)
-            rows.append(scheduler.scale_noise(image_latents, timesteps[:1].repeat(params.n), noise))
+            rows.append(inpaint.start_latents(scheduler, params, full, image_latents, noise))
             clean.append(image_latents)
             noises.append(noise)
             sources.append(source)

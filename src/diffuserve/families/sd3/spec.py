@@ -49,6 +49,8 @@ SPEC = FamilySpec(
     ),
     pipeline_classes=("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline"),
     # Edits as diffusers' SD3 img2img (no mask) and inpaint (a mask) pipelines start and blend (pipelines/inpaint.py).
+    # Edits of different strengths share a call: each row starts at its own step of the shared schedule.
+    strength_per_row=True,
     tasks=frozenset({"t2i", "i2i", "inpaint"}),
     max_image_inputs=1,
     model_id_patterns=(r"stable[-_]?diffusion[-_]?3|sd3",),

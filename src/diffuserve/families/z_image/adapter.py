@@ -181,10 +181,7 @@ class ZImageNativePipeline(stages.RecipePipeline):
         """ZImageInpaintPipeline's start per request: the image encoded once (row 0's generator), re-noised to
         `strength` with one noise row per output, in the text embeddings' dtype; the rows' masks for the blend."""
         head = batch[0]
-        num_steps = len(timesteps)
-        t_start = int(max(num_steps - min(num_steps * head.strength, num_steps), 0))
-        timesteps = timesteps[t_start * scheduler.order :]
-        scheduler.set_begin_index(t_start * scheduler.order)
+        full, timesteps = timesteps, inpaint.batch_schedule(batch, scheduler, timesteps)
         dtype = positive["prompt_embeds"].dtype
         rows, clean, noises, masks = [], [], [], []
         for params in batch:
@@ -194,7 +191,7 @@ class ZImageNativePipeline(stages.RecipePipeline):
             image_latents = (encoded - self.vae.config.shift_factor) * self.vae.config.scaling_factor
             image_latents = image_latents.expand(params.n, -1, -1, -1)
             noise = randn_tensor(image_latents.shape, generator=generators, device=self.device, dtype=dtype)
-            rows.append(scheduler.scale_noise(image_latents, timesteps[:1].repeat(params.n), noise))
+            rows.append(inpaint.start_latents(scheduler, params, full, image_latents, noise))
             clean.append(image_latents)
             noises.append(noise)
             mask = inpaint.latent_mask(source.mask, tuple(noise.shape[2:]), noise)

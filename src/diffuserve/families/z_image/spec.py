@@ -51,6 +51,8 @@ SPEC = FamilySpec(
     text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Qwen3)", 512),),
     pipeline_classes=("ZImagePipeline", "ZImageInpaintPipeline"),
     # Edits with a mask, as ZImageInpaintPipeline (pipelines/inpaint.py); an image without a mask is refused.
+    # Edits of different strengths share a call: each row starts at its own step of the shared schedule.
+    strength_per_row=True,
     tasks=frozenset({"t2i", "inpaint"}),
     max_image_inputs=1,
     model_id_patterns=(r"z[-_]?image",),
