@@ -761,6 +761,7 @@ CASES: tuple[FamilyCase, ...] = (
                 {"prompt": "a cat", "seed": 5, "image_inputs": (png(32, 32, seed=1),)},
             ),
         ),
+        continuous=True,
         residency_batch=({"prompt": "a red kite", "seed": 4},),
         layered=frozenset({"transformer", "text_encoder", "vae"}),
         streamed_layers=frozenset({("transformer", "transformer_blocks"), ("vae", "decoder.up_blocks")}),

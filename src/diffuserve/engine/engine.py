@@ -434,6 +434,7 @@ class AsyncEngine:
             supports_batching=capabilities.batching,
             supports_continuous=capabilities.continuous,
             packs_mixed_sizes=capabilities.packs_mixed_sizes,
+            continuous_key_fields=capabilities.continuous_key_fields,
         )
         self._set_activation_budget(self.pipeline.describe_model())
         logger.info("model loaded in %.1fs: %s", time.monotonic() - started, self.pipeline.describe())

@@ -266,10 +266,15 @@ class DynamicBatcher:
         return self._ineligible_reason(request)
 
     def set_capabilities(
-        self, *, supports_batching: bool, supports_continuous: bool = False, packs_mixed_sizes: bool = False
+        self,
+        *,
+        supports_batching: bool,
+        supports_continuous: bool = False,
+        packs_mixed_sizes: bool = False,
+        continuous_key_fields: tuple[str, ...] = (),
     ) -> None:
         """What the loaded model can do decides what may be merged (the engine calls this once it is loaded);
-        the request-level rules have no use for `supports_continuous`."""
+        the request-level rules have no use for `supports_continuous` nor `continuous_key_fields`."""
         self.supports_batching = supports_batching
         self.packs_mixed_sizes = packs_mixed_sizes
 

@@ -32,10 +32,16 @@ class RequestScheduler(Protocol):
     only."""
 
     def set_capabilities(
-        self, *, supports_batching: bool, supports_continuous: bool = False, packs_mixed_sizes: bool = False
+        self,
+        *,
+        supports_batching: bool,
+        supports_continuous: bool = False,
+        packs_mixed_sizes: bool = False,
+        continuous_key_fields: tuple[str, ...] = (),
     ) -> None:
         """What the loaded model can do: merge requests at all, run them step by step, pack rows of different sizes
-        into one call (then width and height leave the batch signature and the continuous group key)."""
+        into one call (then width and height leave the batch signature and the continuous group key), and the family's
+        own fields of the continuous group key (`FamilySpec.continuous_key_fields`)."""
 
     def add(self, request: Request) -> None:
         """Queue an admitted request."""

@@ -1,8 +1,7 @@
 """The contract between the worker and a pipeline (native family adapter or the diffusers backend).
 
-The worker hands a pipeline a list of `SamplingParams` (one per request of a batch) and gets back,
-per request, its `n` outputs. Everything model-specific lives behind this interface.
-"""
+The worker hands a pipeline a list of `SamplingParams` (one per request of a batch) and gets back, per request,
+its `n` outputs. Everything model-specific lives behind this interface."""
 
 from __future__ import annotations
 
@@ -50,9 +49,8 @@ def component_configs(components: Mapping[str, Any], model_index: Mapping[str, A
 class ComponentUser(Protocol):
     """Residency hook point: a pipeline wraps each stage in `use(component)`.
 
-    The residency manager (runtime/residency.py) implements it and moves weights on/off the device
-    as the deployment plan says; the default does nothing (everything resident).
-    """
+    The residency manager (runtime/residency.py) implements it and moves weights on/off the device as the
+    deployment plan says; the default does nothing (everything resident)."""
 
     in_compile_warmup: bool
     """True while `compile_warmup()` is entered (a replica's leader tells its other ranks to place the same)."""
@@ -109,7 +107,6 @@ StepCallback = Callable[[int, int], None]
 StopCheck = Callable[[], bool]
 """should_stop(): checked between steps; True raises RequestCancelledError out of the loop."""
 
-
 PreviewCallback = Callable[[int, int, Callable[[], list[list["Image.Image"]]]], None]
 """on_preview(step_index, num_steps, make_previews): called after each denoising step of a native pipeline;
 `make_previews()` returns, per request of the batch, one preview image per output row (computed only when
@@ -128,6 +125,8 @@ class Capabilities:
     packs_mixed_sizes: bool = False
     """Rows of different sizes may share one call (`FamilySpec.packs_mixed_sizes`): the schedulers leave the size out
     of the batch signature and the continuous group key."""
+    continuous_key_fields: tuple[str, ...] = ()
+    """`SamplingParams` fields the family adds to the continuous group key (`FamilySpec.continuous_key_fields`)."""
     defers_decode: bool = False
     """`run` is `run_to_latents` + `decode_batch`, so the decode may run in the decode lane beside the next batch."""
     text_prefetch: bool = False
@@ -241,6 +240,7 @@ class Pipeline:
             batching=self.supports_batching,
             continuous=self.supports_continuous,
             packs_mixed_sizes=self.packs_mixed_sizes,
+            continuous_key_fields=self.spec.continuous_key_fields,
             defers_decode=self.defers_decode,
             text_prefetch=self.prefetches_text,
             split_over_ranks=self.split_over_ranks,

@@ -206,19 +206,26 @@ def finish_request(pipeline: RecipePipeline, rows: RequestRows) -> RequestOutput
 
 def finish_requests(pipeline: RecipePipeline, group: Sequence[RequestRows]) -> list[RequestOutput]:
     """Decode requests of one group that finished at the same step in ONE decoder call (they share the latent
-    shape: the group key), then split the rows back per request."""
+    shape: the group key), then split the rows back per request. A family with sound (LTX-2) leaves one waveform
+    per row in the decode's `extras["audios"]` (at its `sample_rate`); they are split back the same way."""
     latents = torch.cat([r.latents for r in group])
-    state = dataclasses.replace(group[0].state, extras=pipeline.step_extras([r.state for r in group]))
+    state = dataclasses.replace(group[0].state, extras=dict(pipeline.step_extras([r.state for r in group])))
     with torch.inference_mode(), pipeline.decoder_scope():
         decoded = pipeline.decode(latents, state)
+    audios = state.extras.pop("audios", None)
     outputs, first = [], 0
     for rows in group:
-        mine = list(decoded[first : first + rows.latents.shape[0]])
-        first += rows.latents.shape[0]
+        count = rows.latents.shape[0]
+        mine = list(decoded[first : first + count])
         counts = step_counts(rows.cache)
-        outputs.append(
+        output = (
             RequestOutput(videos=mine, step_cache=counts)
             if pipeline.output_kind == "video"
             else RequestOutput(images=mine, step_cache=counts)
         )
+        if audios is not None:
+            output.audios = list(audios[first : first + count])
+            output.audio_sample_rate = pipeline.sample_rate  # type: ignore[attr-defined]
+        first += count
+        outputs.append(output)
     return outputs

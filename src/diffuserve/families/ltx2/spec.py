@@ -67,11 +67,12 @@ SPECS = (
         native_adapter="diffuserve.families.ltx2.adapter:LTX2NativePipeline",
         lora_loader="LTX2LoraLoaderMixin",
         produces_audio=True,
-        # Not continuous: a request's audio length follows its own fps (diffusers: round(num_frames / fps x
-        # sample_rate / hop / 4) audio latents), which the continuous group key (engine/step_scheduler.py) does not
-        # hold, and generate_audio (whether the audio tokens exist at all) is not in it either. Request-level
-        # batches merge any rows: the adapter runs rows of different audio lengths as one call per length.
-        supports_continuous=False,
+        # Continuous: a request's audio length follows its own fps (diffusers: round(num_frames / fps x
+        # sample_rate / hop / 4) audio latents) and generate_audio decides whether audio tokens exist at all, so
+        # both join the continuous group key; the guidance reads each row's own sigma (`step_extras`). Request-
+        # level batches merge any rows: the adapter runs rows of different audio lengths as one call per length.
+        supports_continuous=True,
+        continuous_key_fields=("fps", "generate_audio"),
         text_encoder_keys=("text_encoder",),
         tiny_builds={
             "ltx2": "diffuserve.families.ltx2.tiny:build_ltx2",
