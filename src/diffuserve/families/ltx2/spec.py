@@ -11,16 +11,18 @@ from diffuserve.families.base import (
 LTX2_TEXT_ENCODERS = (TextEncoderFacts("tokenizer", "text_encoder (Gemma3)", 1024),)
 """Gemma3, diffusers' max_sequence_length 1024 (left-padded; every hidden state feeds the text connectors)."""
 
-# Unprofiled on large machines: frames and resolution decide the DiT peak (the seed's rule for video). No sequence or
-# tensor parallel plan yet (start-up refuses the flags for this family): the video self-attention would split like
-# Wan's, but the video-to-audio cross-attention reads every video token from the (replicated) audio side, which the
-# sequence split does not gather today. CFG parallel and FSDP2 run (tests/distributed/test_ltx2_parallel.py).
+# Unprofiled on large machines: frames and resolution decide the DiT peak (the seed's rule for video). Sequence
+# parallel (Ulysses, Ring) splits the video tokens and replicates the audio tokens; the video-to-audio
+# cross-attention all-gathers the video keys' input first (parallel/sequence_plans.py). No tensor parallel plan yet
+# (start-up refuses --tp-size). CFG parallel, FSDP2 and the sequence split equal one process
+# (tests/distributed/test_ltx2_parallel.py).
 LTX2_PROFILE = ProfileFacts(
     default_uses_cfg=True,
     dit_resident_threshold_gib=None,
     vae_resident_threshold_gib=40.0,
     fsdp_can_replace_dit_offload=True,
     dit_supports_layerwise=True,
+    sequence_parallel=True,
 )
 LTX2_LAYERS = {
     "LTX2VideoTransformer3DModel": (("transformer_blocks", "num_layers"),),
