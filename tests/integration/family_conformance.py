@@ -779,6 +779,7 @@ CASES: tuple[FamilyCase, ...] = (
         reference=ltx2_reference,
         reference_params=(("cfg-negative", {"prompt": "a cat surfing", "seed": 3, "negative_prompt": "blurry"}),),
         reference_tolerance=1,
+        continuous=True,
     ),
     FamilyCase("helios", "helios", "helios", "DiffusersBackendPipeline", output="video", max_bytes=20 * 2**20),
 )
