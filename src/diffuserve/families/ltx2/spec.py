@@ -14,8 +14,8 @@ LTX2_TEXT_ENCODERS = (TextEncoderFacts("tokenizer", "text_encoder (Gemma3)", 102
 # Unprofiled on large machines: frames and resolution decide the DiT peak (the seed's rule for video). Sequence
 # parallel (Ulysses, Ring) splits the video tokens and replicates the audio tokens; the video-to-audio
 # cross-attention all-gathers the video keys' input first (parallel/sequence_plans.py). No tensor parallel plan yet
-# (start-up refuses --tp-size): its q/k RMSNorms span all heads, so a head split needs a cross-rank norm. CFG parallel, FSDP2 and the sequence split equal one process
-# (tests/distributed/test_ltx2_parallel.py).
+# (start-up refuses --tp-size): its q/k RMSNorms span all heads, so a head split needs a cross-rank norm. CFG
+# parallel, FSDP2 and the sequence split equal one process (tests/distributed/test_ltx2_parallel.py).
 LTX2_PROFILE = ProfileFacts(
     default_uses_cfg=True,
     dit_resident_threshold_gib=None,
