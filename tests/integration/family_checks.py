@@ -80,10 +80,11 @@ def assert_rebuild_identical(build: str, built: Path, work: Path, *, max_bytes: 
     assert sum((built / f).stat().st_size for f in files) < max_bytes
 
 
-def simulate_steps(pipeline: Any, arrivals: dict[int, list]) -> dict[int, list]:
+def simulate_steps(pipeline: Any, arrivals: dict[int, list], whole: dict[int, Any] | None = None) -> dict[int, list]:
     """Run the continuous group loop as the engine does: the requests in `arrivals[k]` start together (shared
     encoder calls) and join before global step k; those that finish at one step are decoded together. Returns
-    each request's images (or videos) by its index in arrival order."""
+    each request's images (or videos) by its index in arrival order; `whole`, when given, gets each request's
+    whole `RequestOutput` (its audio too) by the same index."""
     from diffuserve.pipelines import step_batch
 
     group: list[tuple[int, Any]] = []
@@ -101,6 +102,8 @@ def simulate_steps(pipeline: Any, arrivals: dict[int, list]) -> dict[int, list]:
             outputs = step_batch.finish_requests(pipeline, [rows for _, rows in done])
             for (index, rows), output in zip(done, outputs, strict=True):
                 out[index] = output.videos if pipeline.output_kind == "video" else output.images
+                if whole is not None:
+                    whole[index] = output
                 group.remove((index, rows))
         tick += 1
     return out

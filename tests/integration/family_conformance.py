@@ -799,6 +799,7 @@ CASES: tuple[FamilyCase, ...] = (
                 {"prompt": "a cat", "seed": 5, "image_inputs": (png(32, 32, seed=1),)},
             ),
         ),
+        continuous=True,
         residency_batch=({"prompt": "a red kite", "seed": 4},),
         layered=frozenset({"transformer", "text_encoder", "vae"}),
         streamed_layers=frozenset({("transformer", "transformer_blocks"), ("vae", "decoder.up_blocks")}),
@@ -816,6 +817,7 @@ CASES: tuple[FamilyCase, ...] = (
         reference=ltx2_reference,
         reference_params=(("cfg-negative", {"prompt": "a cat surfing", "seed": 3, "negative_prompt": "blurry"}),),
         reference_tolerance=1,
+        continuous=True,
     ),
     FamilyCase("helios", "helios", "helios", "DiffusersBackendPipeline", output="video", max_bytes=20 * 2**20),
 )

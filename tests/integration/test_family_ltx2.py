@@ -111,6 +111,28 @@ def test_merged_rows_carry_their_own_audio(native) -> None:
     assert len(lengths) == 2  # fps 8 and 12: two audio lengths in one batch
 
 
+@pytest.mark.parametrize("generate_audio", [None, False], ids=["audio", "silent"])
+def test_continuous_join_carries_its_own_audio(native, generate_audio: bool | None) -> None:
+    """A continuous group (`pipelines/step_batch.py`, as the engine steps it): b and c join after a's first step,
+    so rows at different sigmas share each transformer call and the x0-space guidance; each request's frames and
+    waveform equal its run alone (silent requests: no waveform)."""
+    from tests.integration.family_checks import simulate_steps
+
+    a = _params(native, prompt="a red square", seed=1, num_inference_steps=3, generate_audio=generate_audio)
+    b = _params(native, prompt="a much longer prompt about a dog", seed=2, n=2, negative_prompt="dark")
+    b = dataclasses.replace(b, num_inference_steps=2, generate_audio=generate_audio)
+    c = _params(native, prompt="green", seed=3, num_inference_steps=2, generate_audio=generate_audio)
+    outputs: dict[int, Any] = {}
+    got = simulate_steps(native, {0: [a], 1: [b, c]}, whole=outputs)
+    for i, params in enumerate([a, b, c]):
+        (alone,) = native.run([params]).outputs
+        assert max_pixel_diff(got[i], alone.videos) <= 1, f"request {i} differs from its singleton run"
+        assert len(outputs[i].audios) == len(alone.audios) == (0 if generate_audio is False else params.n)
+        if alone.audios:
+            assert outputs[i].audio_sample_rate == alone.audio_sample_rate
+            assert _max_audio_diff(outputs[i].audios, alone.audios) <= AUDIO_TOLERANCE
+
+
 def test_bad_requests_are_refused_naming_the_field(native) -> None:
     """Before queueing (the request builder runs the model's checks): a frame count the VAE's temporal stride
     cannot take names `num_frames` and the nearest valid counts; a size off the 32 grid names `size`; two input

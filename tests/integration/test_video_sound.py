@@ -153,3 +153,19 @@ def test_generate_refuses_generate_audio_on_a_model_without_sound_before_loading
     code = cli.main([*argv, "--output-path", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2 and "--generate-audio" in err and "makes no sound" in err, err
+
+
+def test_a_continuous_server_writes_the_sound_too(tiny_checkpoint, tmp_path) -> None:
+    """`--batching-mode continuous` (LTX-2 joins running groups at step boundaries): the job's audio comes out of
+    the group's decode (`step_batch.finish_requests`) into the MP4 as an AAC track of the picture's duration."""
+    server = ServerProcess(
+        ["--model-path", str(tiny_checkpoint("ltx2")), "--batching-mode", "continuous"], tmp_path / "server.log"
+    )
+    server.start()
+    try:
+        job = _client(server).videos.create(prompt=PROMPT, size="32x32", extra_body=JOB)
+        info = probe_mp4(_mp4(server, job.id))
+    finally:
+        server.stop()
+    assert (info["video_streams"], info["audio_streams"], info["frames"]) == (1, 1, 9)
+    assert abs(info["audio"]["seconds"] - 9 / 8) <= 1 / 8

@@ -118,6 +118,26 @@ def test_group_key_separates_shape_guidance_and_cfg_but_not_steps() -> None:
     assert ids(step(s.schedule(0.3)).joined) == ["b"]
 
 
+def test_family_key_fields_keep_other_fps_and_silent_requests_out_of_the_group() -> None:
+    """LTX-2 declares `continuous_key_fields=("fps", "generate_audio")` (its audio length and whether audio tokens
+    exist): a request differing there waits for its own group; without the declaration it joins."""
+    fields = ("fps", "generate_audio")
+    base = req("a", 0.0, fps=8)
+    assert group_key(base) == group_key(req("b", 0.0, fps=12))
+    for change in ({"fps": 12}, {"fps": 8, "generate_audio": False}):
+        assert group_key(base, family_fields=fields) != group_key(req("c", 0.0, **change), family_fields=fields)
+    s = sched()
+    s.set_capabilities(supports_batching=True, supports_continuous=True, continuous_key_fields=fields)
+    s.add(req("a", 0.0, fps=8))
+    s.add(req("b", 0.0, fps=12))
+    assert ids(step(s.schedule(0.0)).rows) == ["a"]
+    s = sched()
+    s.set_capabilities(supports_batching=True, supports_continuous=True)
+    s.add(req("a", 0.0, fps=8))
+    s.add(req("b", 0.0, fps=12))
+    assert ids(step(s.schedule(0.0)).rows) == ["a", "b"]
+
+
 def test_delay_waits_for_companions_only_when_the_group_is_empty() -> None:
     s = sched(max_size=4, delay_ms=100.0)
     s.add(req("a", 0.0))

@@ -428,13 +428,13 @@ class AsyncEngine:
     def _load_and_warm_up(self) -> None:
         started = time.monotonic()
         self.pipeline = self.executor.load()
-        # What the loaded model can do decides what the scheduler may merge.
-        capabilities = self.pipeline.capabilities
+        capabilities = self.pipeline.capabilities  # what the loaded model can do decides what may merge
         self.scheduler.set_capabilities(
             supports_batching=capabilities.batching,
             supports_continuous=capabilities.continuous,
             packs_mixed_sizes=capabilities.packs_mixed_sizes,
             strength_per_row=capabilities.strength_per_row,
+            continuous_key_fields=capabilities.continuous_key_fields,
         )
         self._set_activation_budget(self.pipeline.describe_model())
         logger.info("model loaded in %.1fs: %s", time.monotonic() - started, self.pipeline.describe())

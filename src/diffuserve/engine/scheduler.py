@@ -265,9 +265,10 @@ class DynamicBatcher:
         supports_continuous: bool = False,
         packs_mixed_sizes: bool = False,
         strength_per_row: bool = False,
+        continuous_key_fields: tuple[str, ...] = (),
     ) -> None:
         """What the loaded model can do decides what may be merged (the engine calls this once it is loaded);
-        the request-level rules have no use for `supports_continuous`."""
+        the request-level rules have no use for `supports_continuous` nor `continuous_key_fields`."""
         self.supports_batching = supports_batching
         self.packs_mixed_sizes, self.strength_per_row = packs_mixed_sizes, strength_per_row
 

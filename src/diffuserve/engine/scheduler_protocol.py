@@ -38,10 +38,12 @@ class RequestScheduler(Protocol):
         supports_continuous: bool = False,
         packs_mixed_sizes: bool = False,
         strength_per_row: bool = False,
+        continuous_key_fields: tuple[str, ...] = (),
     ) -> None:
         """What the loaded model can do: merge requests at all, run them step by step, pack rows of different sizes
         into one call (then width and height leave the batch signature and the continuous group key), run edits of
-        different strengths in one call (then `strength` leaves the batch signature)."""
+        different strengths in one call (then `strength` leaves the batch signature), and the family's own fields of
+        the continuous group key (`FamilySpec.continuous_key_fields`)."""
 
     def add(self, request: Request) -> None:
         """Queue an admitted request."""

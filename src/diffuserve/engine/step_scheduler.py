@@ -20,7 +20,9 @@ Rules (on top of the module docstring of `engine/scheduler.py`: order, caps coun
    height, num_frames (latent shape), guidance_scale, true_cfg_scale, guidance_scale_2, strength and cfg_enabled
    (whether CFG runs). For a family that packs rows of different sizes into one denoiser call
    (`FamilySpec.packs_mixed_sizes`, through `set_capabilities`) width and height leave the key: a request of
-   another size joins the running group at a step boundary. dtype and scheduler kind are one per served pipeline,
+   another size joins the running group at a step boundary. A family adds its own fields through
+   `FamilySpec.continuous_key_fields` (LTX-2: `fps` sets its audio length, `generate_audio` whether audio tokens
+   exist). dtype and scheduler kind are one per served pipeline,
    so they are equal by construction. `num_inference_steps` is NOT in the key: the per-row scheduler handles each
    row's own schedule. Only eligible requests (`ineligible_reason` None, for example no input images) of a family
    that declares `supports_continuous` run step by step.
@@ -80,10 +82,13 @@ REMOVED_CANCELLED = "cancelled"
 REMOVED_DEADLINE = "deadline"
 
 
-def group_key(request: Request, *, packs_mixed_sizes: bool = False) -> tuple[Any, ...]:
+def group_key(
+    request: Request, *, packs_mixed_sizes: bool = False, family_fields: Sequence[str] = ()
+) -> tuple[Any, ...]:
     """The continuous denoising-group key of `request` (rule 2 of the module docstring); without width and height
-    for a family that packs rows of different sizes into one denoiser call."""
+    for a family that packs rows of different sizes into one denoiser call; with the family's own fields."""
     names = [n for n in GROUP_KEY_FIELDS if not (packs_mixed_sizes and n in SIZE_FIELDS)]
+    names += [n for n in family_fields if n not in names]
     return (request.model, *(getattr(request.params, name) for name in names))
 
 
@@ -156,6 +161,8 @@ class StepScheduler:
         """The queue and the request-level rules (heads that cannot run step by step are dispatched by it)."""
         self.supports_continuous = supports_continuous
         """Whether the served family can run step by step (set by the engine once the pipeline is loaded)."""
+        self.continuous_key_fields: tuple[str, ...] = ()
+        """The served family's own `SamplingParams` fields of the group key (rule 2; set with the capabilities)."""
         self._group: list[GroupEntry] = []
         self._cap = 1
         self._left = 0
@@ -186,13 +193,16 @@ class StepScheduler:
         supports_continuous: bool = False,
         packs_mixed_sizes: bool = False,
         strength_per_row: bool = False,
+        continuous_key_fields: tuple[str, ...] = (),
     ) -> None:
         """What the loaded model can do: merge requests at all, run them step by step, pack mixed sizes, mix
-        strengths in a request-level batch (the continuous group key keeps `strength`)."""
+        strengths in a request-level batch (the continuous group key keeps `strength`), and the family's own fields
+        of the group key (rule 2)."""
         self.requests.set_capabilities(
             supports_batching=supports_batching, packs_mixed_sizes=packs_mixed_sizes, strength_per_row=strength_per_row
         )
         self.supports_continuous = supports_continuous
+        self.continuous_key_fields = tuple(continuous_key_fields)
 
     @property
     def packs_mixed_sizes(self) -> bool:
@@ -372,7 +382,7 @@ class StepScheduler:
         return removed
 
     def _key(self, request: Request) -> tuple[Any, ...]:
-        return group_key(request, packs_mixed_sizes=self.packs_mixed_sizes)
+        return group_key(request, packs_mixed_sizes=self.packs_mixed_sizes, family_fields=self.continuous_key_fields)
 
     def _compatible(self, key: tuple[Any, ...], request: Request) -> bool:
         return self.can_step(request) and self._key(request) == key

@@ -174,6 +174,10 @@ class FamilySpec:
     (`pipelines/step_batch.py`): its native denoiser takes a per-row timestep, its scheduler state is per request
     and its per-batch extras depend only on the continuous group key. False (and the diffusers backend): its
     requests run as request-level batches under `continuous`."""
+    continuous_key_fields: tuple[str, ...] = ()
+    """`SamplingParams` fields that must also be equal within one continuous group, beyond the shared group key
+    (engine/step_scheduler.py rule 2): what this family's per-step extras depend on besides the latent shape and
+    guidance (LTX-2: `fps`, which sets the audio length, and `generate_audio`, whether audio tokens exist)."""
     packs_mixed_sizes: bool = False
     """The native denoiser runs rows of different sizes (and text lengths) in ONE call, padded and masked per row
     (`pipelines/packing.py`) with per-row positions, attention kept to each row's own tokens: the schedulers then

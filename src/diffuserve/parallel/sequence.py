@@ -1,5 +1,5 @@
 """Sequence parallel for the native DiTs: Ulysses, Ring, and their product (FLUX.1, Qwen-Image, Wan2.1/2.2,
-HunyuanVideo 1.5).
+HunyuanVideo 1.5, LTX-2).
 
 Every rank of the sequence-parallel (SP) group gets the same batch and runs the same recipe; inside each
 transformer call the image (or video) tokens are split over the group, each rank runs every block on its
@@ -24,6 +24,8 @@ dynamic batching and the residency modes compose with it).
 - A token count that does not divide U x R is padded at the end; padded keys are dropped before attention
   and padded outputs before returning, so any size runs.
 - Qwen-Image's text mask (a key-padding mask) is honoured in both modes.
+- LTX-2: the video tokens are split, the audio tokens replicated (`sequence_plans.py` says why); the
+  video-to-audio cross-attention (audio queries, video keys) all-gathers the video keys' input and RoPE first.
 
 The sharding is done by torch forward hooks named per DiT class below (where the tokens and their positional
 tables appear, where the output is gathered, which attention modules are joint self-attention); attention
@@ -87,6 +89,10 @@ class _Call:
                 dist.all_gather(parts, x.contiguous(), group=group)
                 x = torch.cat(parts, dim=1)
         return x[:, : self.tokens]
+
+    def gather_on(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """`gather` along the token dim `dim` (RoPE tables: (batch, tokens, D) or (batch, heads, tokens, D))."""
+        return self.gather(x.movedim(dim, 1)).movedim(1, dim).contiguous()
 
 
 _CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("diffuserve_sp_call", default=None)
@@ -209,6 +215,10 @@ class SequenceParallel:
                 attention = getattr(block, attribute)
                 self.handles.append(attention.register_forward_pre_hook(_enter_attention))
                 self.handles.append(attention.register_forward_hook(_leave_attention, always_call=True))
+        for blocks, attribute, names in plan.gathered_keys:
+            for block in transformer.get_submodule(blocks):
+                hook = _gather_arguments(names)
+                self.handles.append(getattr(block, attribute).register_forward_pre_hook(hook, with_kwargs=True))
         # always_call: the call's state is cleared even when the forward raises.
         self.handles.append(transformer.register_forward_hook(leave, with_kwargs=True, always_call=True))
 
@@ -385,6 +395,25 @@ def _split_output(indices: tuple[int, ...], dim: int) -> Callable:
         if call is None:
             return output
         return tuple(call.shard(x, dim) if i in indices else x for i, x in enumerate(output))
+
+    return hook
+
+
+def _gather_arguments(names: tuple[str, ...]) -> Callable:
+    """All-gather the keyword arguments `names` (tensors with the split tokens on dim 1, or RoPE tuples) on entry."""
+
+    def gather(call: _Call, x: Any) -> Any:
+        if isinstance(x, tuple):
+            return tuple(gather(call, part) for part in x)
+        if not isinstance(x, torch.Tensor):
+            return x
+        return call.gather_on(x, 2 if x.ndim == 4 else 1)  # split RoPE tables are (batch, heads, tokens, D)
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        call = _CALL.get()
+        if call is None:
+            return args, kwargs
+        return args, {**kwargs, **{n: gather(call, kwargs[n]) for n in names if kwargs.get(n) is not None}}
 
     return hook
 

@@ -49,6 +49,10 @@ class DitPlan:
     """(block list, attribute): the joint self-attention modules (cross-attention runs locally unchanged)."""
     gather: str = "proj_out"
     """The submodule whose output (batch, local tokens, channels) is gathered back to every token."""
+    gathered_keys: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
+    """(block list, attribute, keyword arguments): attention modules whose keys/values are the split tokens while
+    their queries are replicated (LTX-2's video-to-audio cross-attention): those arguments (the split tokens and
+    their key RoPE) are all-gathered on entry, so every rank attends to every token."""
 
 
 _PLANS: dict[str, DitPlan] = {
@@ -83,6 +87,18 @@ _PLANS: dict[str, DitPlan] = {
         inputs=(("transformer_blocks.0", "hidden_states", 1, 3),),
         outputs=(("rope", (0, 1), 0),),
         attention=(("transformer_blocks", "attn"),),
+    ),
+    "LTX2VideoTransformer3DModel": DitPlan(
+        module="diffusers.models.transformers.transformer_ltx2",
+        tokens=image_tokens,  # the video arrives packed (batch, tokens, channels)
+        # The video tokens, their position ids (batch, 3, tokens, 2; the RoPE tables follow) and an image-to-video
+        # per-token timestep (batch, tokens). The audio tokens are replicated: a short sequence (about 25 per
+        # second of clip against thousands of video tokens) that every video token reads in the audio-to-video
+        # cross-attention, so splitting it would add a gather per block to save little.
+        inputs=(("", "hidden_states", 1, 3), ("", "video_coords", 2, 4), ("", "timestep", 1, 2)),
+        attention=(("transformer_blocks", "attn1"),),
+        # The video-to-audio cross-attention reads every video token from the (replicated) audio queries.
+        gathered_keys=(("transformer_blocks", "video_to_audio_attn", ("encoder_hidden_states", "key_rotary_emb")),),
     ),
 }
 

@@ -107,7 +107,6 @@ StepCallback = Callable[[int, int], None]
 StopCheck = Callable[[], bool]
 """should_stop(): checked between steps; True raises RequestCancelledError out of the loop."""
 
-
 PreviewCallback = Callable[[int, int, Callable[[], list[list["Image.Image"]]]], None]
 """on_preview(step_index, num_steps, make_previews): called after each denoising step of a native pipeline;
 `make_previews()` returns, per request of the batch, one preview image per output row (computed only when
@@ -127,6 +126,8 @@ class Capabilities:
     """Rows of different sizes may share one call (`FamilySpec.packs_mixed_sizes`): the size leaves the signatures."""
     strength_per_row: bool = False
     """Edits of different `strength` may share one call (`FamilySpec.strength_per_row`)."""
+    continuous_key_fields: tuple[str, ...] = ()
+    """`SamplingParams` fields the family adds to the continuous group key (`FamilySpec.continuous_key_fields`)."""
     defers_decode: bool = False
     """`run` is `run_to_latents` + `decode_batch`, so the decode may run in the decode lane beside the next batch."""
     text_prefetch: bool = False
@@ -152,13 +153,11 @@ class Pipeline:
     family spec's `supports_continuous` for a native adapter (`bind_facts`); False falls back to request-level
     batching (the diffusers backend)."""
     packs_mixed_sizes: bool = False
-    """Rows of different sizes may share one call: the family spec's `packs_mixed_sizes` for a native adapter
-    (`bind_facts`); False (the diffusers backend) keeps one size per batch."""
+    """Rows of different sizes may share one call: the spec's fact (`bind_facts`); False for the diffusers backend."""
     strength_per_row: bool = False
     """Edits of different strengths may share one call: the family spec's `strength_per_row` (`bind_facts`)."""
     size_multiple: int = 1
-    """Width/height must be multiples of this: the checkpoint's figure (`bind_facts`, or derived by the diffusers
-    backend from the loaded pipeline); 1 only for a pipeline that states none."""
+    """Width/height must be multiples of this: the checkpoint's (`bind_facts`, or the diffusers backend's); 1: none."""
     max_pixels: int = 4096 * 4096
     max_width: int | None = None
     """Largest width the checkpoint's positional tables allow (None: no limit of the model's own)."""
@@ -242,6 +241,7 @@ class Pipeline:
             continuous=self.supports_continuous,
             packs_mixed_sizes=self.packs_mixed_sizes,
             strength_per_row=self.strength_per_row,
+            continuous_key_fields=self.spec.continuous_key_fields,
             defers_decode=self.defers_decode,
             text_prefetch=self.prefetches_text,
             split_over_ranks=self.split_over_ranks,

@@ -209,25 +209,33 @@ def finish_request(pipeline: RecipePipeline, rows: RequestRows) -> RequestOutput
 
 def finish_requests(pipeline: RecipePipeline, group: Sequence[RequestRows]) -> list[RequestOutput]:
     """Decode requests of one group that finished at the same step in ONE decoder call (they share the latent
-    shape: the group key; requests of several sizes decode per size), then split the rows back per request."""
+    shape: the group key; requests of several sizes decode per size), then split the rows back per request. A family
+    with sound (LTX-2) leaves one waveform per row in the decode's `extras["audios"]` (at its `sample_rate`); they
+    are split back the same way."""
     shapes = list(dict.fromkeys(packing.latent_shape(r.latents) for r in group))
     if len(shapes) > 1:
         done = {id(r): out for s in shapes for r, out in zip(*_finished_shape(pipeline, group, s), strict=True)}
         return [done[id(r)] for r in group]
     latents = torch.cat([r.latents for r in group])
-    state = dataclasses.replace(group[0].state, extras=pipeline.step_extras([r.state for r in group]))
+    state = dataclasses.replace(group[0].state, extras=dict(pipeline.step_extras([r.state for r in group])))
     with torch.inference_mode(), pipeline.decoder_scope():
         decoded = pipeline.decode(latents, state)
+    audios = state.extras.pop("audios", None)
     outputs, first = [], 0
     for rows in group:
-        mine = list(decoded[first : first + rows.latents.shape[0]])
-        first += rows.latents.shape[0]
+        count = rows.latents.shape[0]
+        mine = list(decoded[first : first + count])
         counts = step_counts(rows.cache)
-        outputs.append(
+        output = (
             RequestOutput(videos=mine, step_cache=counts)
             if pipeline.output_kind == "video"
             else RequestOutput(images=mine, step_cache=counts)
         )
+        if audios is not None:
+            output.audios = list(audios[first : first + count])
+            output.audio_sample_rate = pipeline.sample_rate  # type: ignore[attr-defined]
+        first += count
+        outputs.append(output)
     return outputs
 
 

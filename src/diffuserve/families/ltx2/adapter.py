@@ -314,7 +314,9 @@ class LTX2NativePipeline(stages.RecipePipeline):
             isolated = self._call(latents, timestep, positive, state, isolate=True)
             terms.append((guidance.modality - 1.0, guidance.modality - 1.0, isolated))
         shape: JointLayout = state.extras["layout"]
-        sigma = state.scheduler.sigmas[step_index]
+        # A continuous step's rows are at their own steps: each row's sigma (`step_extras`), else the batch's.
+        sigma = state.extras.get("row_sigmas")
+        sigma = state.scheduler.sigmas[step_index] if sigma is None else sigma.view(-1, 1, 1)
         x_video, x_audio = shape.split(latents.float())
         c_video, c_audio = shape.split(cond)
         split = [(wv, wa, shape.split(other)) for wv, wa, other in terms]
@@ -336,6 +338,15 @@ class LTX2NativePipeline(stages.RecipePipeline):
         before, _ = shape.split(latents)
         keep = mask.unsqueeze(-1).to(video.dtype)
         return JointLayout.join(before.to(video.dtype) * keep + video * (1 - keep), audio)
+
+    def step_extras(self, states: Sequence[DenoiseState]) -> dict[str, Any]:
+        """A continuous step's extras: the first request's (the group key holds size, frames, fps, guidance and
+        generate_audio, so the layout, positions and guidance are equal), plus each row's sigma at its own step
+        (its private scheduler's next step) for the x0-space guidance."""
+        sigmas = [
+            state.scheduler.sigmas[state.scheduler.step_index or 0].expand(state.latents.shape[0]) for state in states
+        ]
+        return {**states[0].extras, "row_sigmas": torch.cat(sigmas)}
 
     # -- 4. decode ------------------------------------------------------------------------------------------------
 

@@ -11,16 +11,18 @@ from diffuserve.families.base import (
 LTX2_TEXT_ENCODERS = (TextEncoderFacts("tokenizer", "text_encoder (Gemma3)", 1024),)
 """Gemma3, diffusers' max_sequence_length 1024 (left-padded; every hidden state feeds the text connectors)."""
 
-# Unprofiled on large machines: frames and resolution decide the DiT peak (the seed's rule for video). No sequence or
-# tensor parallel plan yet (start-up refuses the flags for this family): the video self-attention would split like
-# Wan's, but the video-to-audio cross-attention reads every video token from the (replicated) audio side, which the
-# sequence split does not gather today. CFG parallel and FSDP2 run (tests/distributed/test_ltx2_parallel.py).
+# Unprofiled on large machines: frames and resolution decide the DiT peak (the seed's rule for video). Sequence
+# parallel (Ulysses, Ring) splits the video tokens and replicates the audio tokens; the video-to-audio
+# cross-attention all-gathers the video keys' input first (parallel/sequence_plans.py). No tensor parallel plan yet
+# (start-up refuses --tp-size): its q/k RMSNorms span all heads, so a head split needs a cross-rank norm. CFG
+# parallel, FSDP2 and the sequence split equal one process (tests/distributed/test_ltx2_parallel.py).
 LTX2_PROFILE = ProfileFacts(
     default_uses_cfg=True,
     dit_resident_threshold_gib=None,
     vae_resident_threshold_gib=40.0,
     fsdp_can_replace_dit_offload=True,
     dit_supports_layerwise=True,
+    sequence_parallel=True,
 )
 LTX2_LAYERS = {
     "LTX2VideoTransformer3DModel": (("transformer_blocks", "num_layers"),),
@@ -67,11 +69,12 @@ SPECS = (
         native_adapter="diffuserve.families.ltx2.adapter:LTX2NativePipeline",
         lora_loader="LTX2LoraLoaderMixin",
         produces_audio=True,
-        # Not continuous: a request's audio length follows its own fps (diffusers: round(num_frames / fps x
-        # sample_rate / hop / 4) audio latents), which the continuous group key (engine/step_scheduler.py) does not
-        # hold, and generate_audio (whether the audio tokens exist at all) is not in it either. Request-level
-        # batches merge any rows: the adapter runs rows of different audio lengths as one call per length.
-        supports_continuous=False,
+        # Continuous: a request's audio length follows its own fps (diffusers: round(num_frames / fps x
+        # sample_rate / hop / 4) audio latents) and generate_audio decides whether audio tokens exist at all, so
+        # both join the continuous group key; the guidance reads each row's own sigma (`step_extras`). Request-
+        # level batches merge any rows: the adapter runs rows of different audio lengths as one call per length.
+        supports_continuous=True,
+        continuous_key_fields=("fps", "generate_audio"),
         text_encoder_keys=("text_encoder",),
         tiny_builds={
             "ltx2": "diffuserve.families.ltx2.tiny:build_ltx2",
