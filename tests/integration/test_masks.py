@@ -8,6 +8,7 @@ whose paste-back resizes); a merged row vs its singleton run <= 1 (batched kerne
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,6 +65,8 @@ class InpaintCase:
     mixes_plain: bool = True
     """An edit without a mask may share a call with masked rows (FLUX.2 Klein's is a reference edit: pure noise over
     the whole schedule, another program)."""
+    merges: bool = True
+    """Requests of the family share a call (Qwen-Image-Edit's never do: `supports_batching=False`)."""
 
 
 def _t5_length(key: str) -> Callable[[Any], dict[str, Any]]:
@@ -111,6 +114,16 @@ CASES = [
         lambda pipe: {"max_sequence_length": FLUX2_SEQ},
         (("guidance_scale", 4.0),),
         mixes_plain=False,
+    ),
+    # QwenImageEditInpaintPipeline outputs the image's ~1024² size: a square picture of exactly that size.
+    InpaintCase(
+        "qwen_image_edit",
+        "qwen-image-edit",
+        "QwenImageEditInpaintPipeline",
+        1024,
+        1024,
+        fields=(("negative_prompt", " "), ("true_cfg_scale", 4.0)),
+        merges=False,
     ),
 ]
 
@@ -199,6 +212,8 @@ def test_inpaint_equals_the_diffusers_pipeline(case, variant, tiny_checkpoint, f
 def test_rows_with_different_masks_or_none_merge(case, tiny_checkpoint, family_pipeline):
     """One call: two masks (one with padding_mask_crop), and an edit without a mask (a third mask where the family
     cannot mix them); each row equals its solo run, and the masks really changed the rows."""
+    if not case.merges:
+        pytest.skip(f"{case.id} requests never share a call (n rows of one edit are the diffusers comparison's n2)")
     native, _ = _native(case, tiny_checkpoint, family_pipeline)
     w, h = case.width, case.height
     batch = [
@@ -266,7 +281,15 @@ def test_families_without_inpainting_refuse_a_mask_naming_those_that_take_it(tin
     with pytest.raises(InvalidRequestError) as err:
         build_sampling_params(native.describe_model(), prompt="x", mask_input=box_mask(32, 32, (0, 0, 8, 8)))
     assert err.value.param == "mask"
-    assert families_with("inpaints") == ["flux", "flux2_klein", "flux_fill", "qwen_image", "sd3", "z_image"]
+    assert families_with("inpaints") == [
+        "flux",
+        "flux2_klein",
+        "flux_fill",
+        "qwen_image",
+        "qwen_image_edit",
+        "sd3",
+        "z_image",
+    ]
     assert named_list(families_with("inpaints")) in err.value.message, err.value.message
 
 
@@ -300,3 +323,28 @@ def test_flux2_klein_further_images_are_its_image_reference(tiny_checkpoint, fam
     assert max_pixel_diff(ours, theirs) <= 1
     without = native.run([_params(case, mask_input=mask)]).outputs[0].images
     assert max_pixel_diff(ours, without) > 0  # the reference really reached the model
+
+
+def test_qwen_image_edit_masks_a_smaller_image_at_its_1024_size(tiny_checkpoint, family_pipeline, diffusers_pipeline):
+    """Qwen-Image-Edit with a mask: a 64x48 image and its 64x48 mask are repainted at the image's ~1024² size,
+    1184x896, the image resized to it first, as QwenImageEditInpaintPipeline does (<= 1/255); another `size` is
+    refused naming it, before anything is queued. With padding_mask_crop the mask is resized as the image (diffusers
+    fails pasting a mask of another size back): equal to diffusers given that resized mask."""
+    case = next(c for c in CASES if c.id == "qwen_image_edit")
+    native, path = _native(case, tiny_checkpoint, family_pipeline)
+    mask = box_mask(64, 48, (8, 8, 40, 32))
+    image = (picture(64, 48, 4),)
+    with pytest.raises(InvalidRequestError) as err:
+        build_sampling_params(
+            native.describe_model(), prompt="x", image_inputs=image, mask_input=mask, width=1024, height=1024
+        )
+    assert err.value.param == "size" and "1184x896" in err.value.message
+    pipe = diffusers_pipeline(case.diffusers_class, path)
+    params = _params(case, width=1184, height=896, image_inputs=image, mask_input=mask, n=1)
+    assert max_pixel_diff(native.run([params]).outputs[0].images, _reference(pipe, case, params)) <= 1
+    cropped = _params(case, width=1184, height=896, image_inputs=image, mask_input=mask, padding_mask_crop=2, n=1)
+    ours = native.run([cropped]).outputs[0].images
+    resized = pipe.mask_processor.resize(Image.open(io.BytesIO(mask)).convert("L"), 896, 1184)
+    theirs = _reference(pipe, case, dataclasses.replace(cropped, mask_input=encode_mask(resized)))
+    assert [im.size for im in ours] == [im.size for im in theirs] == [(1184, 896)]
+    assert max_pixel_diff(ours, theirs) <= 1

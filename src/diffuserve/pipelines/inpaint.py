@@ -56,14 +56,27 @@ class RequestSource:
 
 
 def request_source(
-    params: Any, image_processor: VaeImageProcessor, masks: VaeImageProcessor, height: int, width: int
+    params: Any,
+    image_processor: VaeImageProcessor,
+    masks: VaeImageProcessor,
+    height: int,
+    width: int,
+    resize_first: bool = False,
 ) -> RequestSource:
-    """The request's first input image and its mask, preprocessed as the inpaint pipelines do."""
+    """The request's first input image and its mask, preprocessed as the inpaint pipelines do. `resize_first`:
+    the image (and the mask) are resized to the output size before the crop, the overlay's inputs
+    (QwenImageEditInpaintPipeline)."""
     source = Image.open(io.BytesIO(params.image_inputs[0])).convert("RGB")
+    if resize_first:
+        source = image_processor.resize(source, height, width)
     if params.mask_input is None:
         pixels = image_processor.preprocess(source, height=height, width=width)
         return RequestSource(pixels=pixels.to(torch.float32), mask=None, overlay=None)
     mask = Image.open(io.BytesIO(params.mask_input)).convert("L")
+    if resize_first:
+        # Its mask too: diffusers crops and pastes back with the mask as given, which fails (`apply_overlay`) or
+        # crops the wrong region unless the mask is at the output size; the resize is the one its preprocess does.
+        mask = masks.resize(mask, height, width)
     crop, mode = None, "default"
     if params.padding_mask_crop is not None:
         crop, mode = masks.get_crop_region(mask, width, height, pad=params.padding_mask_crop), "fill"

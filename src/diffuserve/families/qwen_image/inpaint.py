@@ -16,9 +16,15 @@ from diffuserve.pipelines import inpaint, stages
 
 
 def prepare_inpaint_latents(
-    pipe: Any, batch: Sequence[Any], scheduler: Any, timesteps: torch.Tensor, channels: int
+    pipe: Any,
+    batch: Sequence[Any],
+    scheduler: Any,
+    timesteps: torch.Tensor,
+    channels: int,
+    resize_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, inpaint.InpaintRows]:
-    """QwenImageInpaintPipeline's start, per request: the image encoded once by the video VAE (row 0's
+    """QwenImageInpaintPipeline's start (and QwenImageEditInpaintPipeline's, which resizes the image to the output
+    size first: `resize_first`), per request: the image encoded once by the video VAE (row 0's
     generator), normalised by the VAE's latents mean / std, re-noised to `strength` with one noise row per output
     ((1, C, h, w) each, the frame axis first as diffusers draws it); every row's mask, image latents and noise
     packed for the blend after each step."""
@@ -30,7 +36,9 @@ def prepare_inpaint_latents(
     rows, clean, noises, masks, overlays = [], [], [], [], []
     for params in batch:
         generators = [torch.Generator("cpu").manual_seed(s) for s in stages.row_seeds(params)]
-        source = inpaint.request_source(params, pipe.image_processor, pipe.mask_processor, head.height, head.width)
+        source = inpaint.request_source(
+            params, pipe.image_processor, pipe.mask_processor, head.height, head.width, resize_first
+        )
         pixels = source.pixels.unsqueeze(2).to(pipe.device, pipe.dtype)
         encoded = retrieve_latents(pipe.vae.encode(pixels), generator=generators[0])
         mean, std = ops.latents_stats(pipe.vae, encoded)

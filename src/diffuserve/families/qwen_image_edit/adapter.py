@@ -17,6 +17,12 @@ image(s), prompt, size, steps, `true_cfg_scale`, negative prompt and seeds give 
   the per-token norm of the conditional one.
 - Output. Unpack, un-normalise with the VAE's latents_mean/std, decode frame 0, diffusers' postprocess.
 
+- Masks (`QwenImageEditInpaintPipeline`): the output is the image's ~1024² size (diffusers ignores height and
+  width; we refuse another `size`); the image resized to it (and cropped with `padding_mask_crop`) is encoded
+  once (sampled with row 0's generator) and is both the conditioning tokens and Qwen-Image inpainting's start
+  re-noised to `strength` (families/qwen_image/inpaint.py); after each step the kept region is put back and a
+  crop pasted back (pipelines/inpaint.py). The prompt sees the whole resized image, as the edit does.
+
 Edits never merge across requests (the server marks them `image_conditioning`); `n` outputs of one edit
 share one call, row j seeded `seed + j`, which is diffusers with `num_images_per_prompt=n` and one generator
 per row.
@@ -38,8 +44,9 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus_m
 from PIL import Image
 
 from diffuserve.errors import CheckpointError, InvalidRequestError
+from diffuserve.families.qwen_image import inpaint as qwen_inpaint
 from diffuserve.families.qwen_image.ops import latents_stats, norm_rescaled_cfg, pad_rows
-from diffuserve.pipelines import stages
+from diffuserve.pipelines import inpaint, stages
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
@@ -96,6 +103,7 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
         # rounds down to this; we refuse other sizes instead, naming `size`); the RoPE size limit; the defaults.
         self.vae_scale_factor = self.bind_facts(component_configs(self.components)).vae_factor
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
+        self.mask_processor = inpaint.mask_processor(self.vae_scale_factor * 2, vae.config.z_dim)
         pipe_class = getattr(self.diffusers_module, self._diffusers_class_name())
         # The prompt encoding (chat template, image blocks, dropped system prefix) is the diffusers pipeline's
         # own method on an instance that holds only the text encoder and the processor (the same objects, so
@@ -132,6 +140,21 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
                 f"this {self.family} model edits images: send the input image with POST /v1/images/edits "
                 f"(up to {self.max_image_inputs} `image` file(s)); got {len(params.image_inputs)}.",
                 param="image",
+            )
+        if params.mask_input is not None:
+            self._check_inpaint(params)
+
+    def _check_inpaint(self, params: Any) -> None:
+        """A masked edit's strength, and its size: QwenImageEditInpaintPipeline outputs the image's ~1024² size."""
+        inpaint.check_strength(params)
+        image = Image.open(io.BytesIO(params.image_inputs[0]))
+        width, height, _ = self.diffusers_module.calculate_dimensions(1024 * 1024, image.size[0] / image.size[1])
+        if (params.width, params.height) != (width, height):
+            raise InvalidRequestError(
+                f"a masked {self.family} edit is output at its image's ~1024x1024 size, {width}x{height} for this "
+                f"{image.size[0]}x{image.size[1]} image (as QwenImageEditInpaintPipeline sizes it); send "
+                f"size={width}x{height}, not {params.width}x{params.height}.",
+                param="size",
             )
 
     def uses_cfg(self, head: Any) -> bool:
@@ -217,6 +240,8 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
 
     def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
         """Noise rows (row j of a request from `seed + j`), the input images' latents, img_shapes, schedule."""
+        if head.mask_input is not None:
+            return self._prepare_inpaint(batch, head)
         inputs = self._edit_inputs(head)
         rows = stages.num_rows(batch)
         dtype = positive["prompt_embeds"].dtype
@@ -227,17 +252,44 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
         image_latents = self._image_latents(inputs, rows, dtype)
         f = self.vae_scale_factor
         shapes = [(1, lh // 2, lw // 2), *[(1, h // f // 2, w // f // 2) for w, h in inputs.vae_sizes]]
-        guidance = None
-        if self.transformer.config.guidance_embeds:
-            guidance = torch.full([1], head.guidance_scale, device=self.device, dtype=torch.float32).expand(rows)
         scheduler, timesteps = self._schedule(head.num_inference_steps, latents.shape[1], head.flow_shift)
         extras = {
             "size": (head.height, head.width),
             "image_latents": image_latents,
             "img_shapes": [shapes] * rows,
-            "guidance": guidance,
+            "guidance": self._guidance(head, rows),
         }
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)
+
+    def _guidance(self, head: Any, rows: int) -> torch.Tensor | None:
+        if not self.transformer.config.guidance_embeds:
+            return None
+        return torch.full([1], head.guidance_scale, device=self.device, dtype=torch.float32).expand(rows)
+
+    def _prepare_inpaint(self, batch: Sequence[Any], head: Any) -> DenoiseState:
+        """QwenImageEditInpaintPipeline's start: Qwen-Image inpainting's, from the image resized to the output
+        size; its clean latents are also the conditioning tokens after the noise tokens (same grid)."""
+        lh, lw = self._latent_hw(head.height, head.width)
+        channels = self.transformer.config.in_channels // 4
+        scheduler, full = self._schedule(head.num_inference_steps, (lh // 2) * (lw // 2), head.flow_shift)
+        latents, timesteps, masked = qwen_inpaint.prepare_inpaint_latents(
+            self, batch, scheduler, full, channels, resize_first=True
+        )
+        rows = latents.shape[0]
+        extras = {
+            "size": (head.height, head.width),
+            "image_latents": masked.image_latents,
+            "img_shapes": [[(1, lh // 2, lw // 2)] * 2] * rows,
+            "guidance": self._guidance(head, rows),
+            inpaint.EXTRAS_KEY: masked,
+        }
+        return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)
+
+    def scheduler_step(
+        self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState
+    ) -> torch.Tensor:
+        """The scheduler's step, then (masked edits) the kept region put back."""
+        return inpaint.blend(super().scheduler_step(noise_pred, timestep, latents, state), state)
 
     # -- 3. one transformer call and the guidance combine ---------------------------------------------------
 
@@ -273,7 +325,8 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
         mean, std = latents_stats(self.vae, latents)
         latents = latents / (1.0 / std) + mean  # diffusers' operations (not latents * std), for equal bits
         image = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
-        return self.image_processor.postprocess(image, output_type="pil")
+        images = self.image_processor.postprocess(image, output_type="pil")
+        return inpaint.apply_overlays(images, state, self.image_processor)
 
 
 class QwenImageEditPlusNativePipeline(QwenImageEditNativePipeline):

@@ -24,10 +24,11 @@ SPECS = (
         quant_keep=QWEN_IMAGE_QUANT_KEEP,
         name="qwen_image_edit",
         text_encoders=EDIT_TEXT_ENCODERS,
-        pipeline_classes=("QwenImageEditPipeline",),
+        pipeline_classes=("QwenImageEditPipeline", "QwenImageEditInpaintPipeline"),
         model_id_patterns=(r"qwen[-_]?image[-_]?edit",),
         id_priority=10,
-        tasks=frozenset({"i2i"}),
+        # Edits with a mask, as QwenImageEditInpaintPipeline (output at the image's ~1024² size; adapter.py).
+        tasks=frozenset({"i2i", "inpaint"}),
         defaults=SamplingDefaults(num_inference_steps=50, guidance_scale=1.0, true_cfg_scale=4.0, negative_prompt=" "),
         profile=QWEN_PROFILE,
         layer_containers=QWEN_IMAGE_LAYERS,
