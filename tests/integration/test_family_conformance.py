@@ -478,7 +478,7 @@ def test_qwen_edit_plus_takes_an_image_list_through_the_official_client(
     assert [im.size for im in got] == [im.size for im in want] and max_pixel_diff(got, want) == 0
     with pytest.raises(openai.BadRequestError) as info:
         client.images.edit(image=[("a.png", RED, "image/png")] * 4, prompt=QWEN_EDIT["prompt"], size="64x64")
-    assert info.value.body["param"] == "image" and "1 to 3 image files" in info.value.body["message"]
+    assert info.value.body["param"] == "image" and "1 to 3 images" in info.value.body["message"]
 
 
 @pytest.mark.parametrize("case", ["hunyuan-video"], indirect=True)

@@ -161,10 +161,11 @@ def test_ltx2_sizes_and_frames_it_would_refuse_are_invalid_requests(tiny_checkpo
 def test_ltx2_rows_of_different_fps_run_as_separate_calls_each_equal_to_its_solo_run(tiny_checkpoint, family_pipeline):
     """LTX-2 takes the job's fps as `frame_rate` (its positions and the length of its sound depend on it), which is a
     per-row field: a merged batch with two rates runs one call per rate, and each row equals its run alone; a silent
-    row (`generate_audio=False`, a signature field, so never merged with sounding rows) has the same frames."""
+    row (`generate_audio=False`, a signature field, so never merged with sounding rows) has the same frames (the
+    backend computes the audio and drops it; the native family skips the branch: test_family_ltx2.py)."""
     from diffuserve.sampling import SamplingParams
 
-    backend = family_pipeline(tiny_checkpoint("ltx2"))
+    backend = family_pipeline(tiny_checkpoint("ltx2"), "diffusers")
     common = {"width": 32, "height": 32, "num_frames": 9, "num_inference_steps": 2, "output_format": "mp4"}
     batch = [
         SamplingParams(prompt="a red fox", seed=3, fps=8, **common),
