@@ -115,9 +115,12 @@ def _wait(server: ServerProcess, condition: Callable[[], bool], what: str, timeo
 
 
 def _open_anchor(server: ServerProcess) -> socket.socket:
-    """A 32x32 request of 5000 steps (another group key than the 64x64 requests, so they queue behind it) over a raw
-    socket: closing it makes its row leave the group at the next step."""
-    body = json.dumps({"prompt": "the anchor", "seed": 99, "size": "32x32", "num_inference_steps": 5000}).encode()
+    """A request of 5000 steps over a raw socket, of another continuous group key than the 64x64 requests (its
+    guidance: FLUX.1 packs sizes, so size alone no longer keeps them apart), so they queue behind it: closing it
+    makes its row leave the group at the next step."""
+    body = json.dumps(
+        {"prompt": "the anchor", "seed": 99, "size": "32x32", "num_inference_steps": 5000, "guidance_scale": 1.5}
+    ).encode()
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(
         b"POST /v1/images/generations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
