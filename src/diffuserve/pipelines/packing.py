@@ -198,7 +198,10 @@ def install_row_rotary(module_name: str, name: str = "apply_rotary_emb") -> None
 
     def rotate(x: torch.Tensor, freqs_cis: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         table = freqs_cis[0] if isinstance(freqs_cis, tuple) else freqs_cis
-        if _ROWS.get() is not None and x.shape[0] > 1 and table.shape[0] == x.shape[0] * x.shape[1]:
+        # Decided by shapes alone (a stacked per-row table has rows x tokens entries, diffusers' one table
+        # `tokens`), never by the packed-call context variable: reading it inside a compiled block breaks the graph,
+        # and the wrap stays installed for every later (compiled) call of the process.
+        if x.shape[0] > 1 and table.shape[0] == x.shape[0] * x.shape[1]:
             return original(x.reshape(1, -1, *x.shape[2:]), freqs_cis, *args, **kwargs).reshape(x.shape)
         return original(x, freqs_cis, *args, **kwargs)
 
