@@ -299,6 +299,7 @@ class DocsRun:
         self.ran.append(block.where)
 
 
+@pytest.mark.timeout(900)  # every docs page's blocks, several servers among them: past the suite's 300 s default
 def test_readme_runs_as_written(singleton_server: ServerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """README.md, then every docs/*.md page, in one scratch folder (the test keeps its name from README days)."""
     run = DocsRun(tmp_path, singleton_server.port, monkeypatch)
