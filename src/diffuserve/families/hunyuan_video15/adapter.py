@@ -33,6 +33,7 @@ from diffuserve.errors import CheckpointError, InvalidRequestError
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.stages import Cond, DenoiseState
+from diffuserve.pipelines.video_checks import check_frame_count
 
 # diffusers 0.42.1 registers HunyuanVideo's blocks but not 1.5's: say where its (hidden, encoder hidden) outputs sit,
 # so the step caches (pipelines/step_cache.py) and diffusers' own cache hooks can cut at its blocks.
@@ -164,14 +165,7 @@ class HunyuanVideo15NativePipeline(stages.RecipePipeline):
 
     def validate(self, params: Any) -> None:
         super().validate(params)
-        frames, step = params.num_frames, self.temporal_factor
-        if frames < 1 or (frames - 1) % step:
-            below = max(1, (frames - 1) // step * step + 1)
-            raise InvalidRequestError(
-                f"num_frames={frames} does not fit this HunyuanVideo 1.5 checkpoint: it needs {step}k+1 frames "
-                f"(its VAE compresses time {step}x); use {below} or {below + step}.",
-                param="num_frames",
-            )
+        check_frame_count(params.num_frames, self.temporal_factor, model="HunyuanVideo 1.5")
 
     def request_fields(self) -> frozenset[str]:
         return frozenset({"flow_shift"} if stages.has_flow_shift(self.scheduler) else ())

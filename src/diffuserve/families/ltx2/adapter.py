@@ -31,12 +31,13 @@ from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 from PIL import Image
 
-from diffuserve.errors import CheckpointError, InvalidRequestError
+from diffuserve.errors import CheckpointError
 from diffuserve.families.ltx2 import layout
 from diffuserve.families.ltx2.layout import Guidance, JointLayout
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.base import BatchResult, component_configs
 from diffuserve.pipelines.stages import Cond, Denoised, DenoiseState
+from diffuserve.pipelines.video_checks import check_frame_count
 
 MAX_SEQUENCE_LENGTH = 1024
 """Gemma3 tokens per prompt (diffusers' LTX2Pipeline default), left-padded."""
@@ -82,14 +83,7 @@ class LTX2NativePipeline(stages.RecipePipeline):
 
     def validate(self, params: Any) -> None:
         super().validate(params)
-        frames, step = params.num_frames, self.temporal_factor
-        if frames < 1 or (frames - 1) % step:
-            below = max(1, (frames - 1) // step * step + 1)
-            raise InvalidRequestError(
-                f"num_frames={frames} does not fit this LTX-2 checkpoint: it needs {step}k+1 frames (its video VAE "
-                f"compresses time {step}x); use {below} or {below + step}.",
-                param="num_frames",
-            )
+        check_frame_count(params.num_frames, self.temporal_factor, model="LTX-2", vae="video VAE")
 
     def request_fields(self) -> frozenset[str]:
         return frozenset({"generate_audio", *(("flow_shift",) if stages.has_flow_shift(self.scheduler) else ())})

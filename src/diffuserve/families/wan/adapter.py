@@ -24,6 +24,7 @@ from diffuserve.errors import CheckpointError, InvalidRequestError
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.stages import Cond, DenoiseState
+from diffuserve.pipelines.video_checks import check_frame_count
 
 MAX_SEQUENCE_LENGTH = 512
 """UMT5 tokens per prompt (diffusers' WanPipeline default)."""
@@ -95,14 +96,7 @@ class WanNativePipeline(stages.RecipePipeline):
 
     def validate(self, params: Any) -> None:
         super().validate(params)
-        frames, step = params.num_frames, self.temporal_factor
-        if frames < 1 or (frames - 1) % step:
-            below = max(1, (frames - 1) // step * step + 1)
-            raise InvalidRequestError(
-                f"num_frames={frames} does not fit this Wan checkpoint: it needs {step}k+1 frames (its VAE "
-                f"compresses time {step}x); use {below} or {below + step}.",
-                param="num_frames",
-            )
+        check_frame_count(params.num_frames, self.temporal_factor, model="Wan")
         for name in ("guidance_scale_2", "boundary_ratio"):
             if getattr(params, name) is not None and self.boundary_ratio is None:
                 raise InvalidRequestError(
