@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from diffuserve.activation import ActivationFacts
 from diffuserve.config.step_cache import StepCacheSettings
 from diffuserve.errors import InvalidRequestError
-from diffuserve.families.base import SamplingDefaults
+from diffuserve.family_spec.base import SamplingDefaults
 
 
 class PromptCounter(Protocol):
@@ -278,7 +278,7 @@ def check_request_fields(model: ModelDescription, given: dict[str, Any]) -> None
 def mask_refusal(family: str) -> InvalidRequestError:
     """The 400 of a `mask` sent to a model that does not inpaint, naming the families that do (their spec's
     `inpaint` task)."""
-    from diffuserve.families import families_with, named_list
+    from diffuserve.family_spec import families_with, named_list
 
     return InvalidRequestError(
         f"mask: this {family} model does not inpaint; masks are taken natively by "

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from diffuserve.errors import InvalidRequestError
-from diffuserve.families import spec_for
+from diffuserve.family_spec import spec_for
 from diffuserve.server.common import check_prompt
 
 ENCODES = 800

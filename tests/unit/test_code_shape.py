@@ -1,6 +1,7 @@
 """The shape of `src/diffuserve`, read with `ast` (nothing is imported, so this stays fast and torch-free):
 
-1. no import circle between modules (files), function-level and `TYPE_CHECKING` imports included;
+1. no import circle between modules (files), function-level and `TYPE_CHECKING` imports included, and none between
+   folders (the top-level modules and folders of `diffuserve`, from the same module imports);
 2. no upward import between the layers of docs / DESIGN.md §2-3 (`LAYERS` below), and the engine never imports
    the pipelines (it goes through the executor);
 3. no module over `MAX_MODULE_LINES` lines and no function over `MAX_FUNCTION_LINES` lines.
@@ -22,20 +23,18 @@ MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
 
 FAMILY_PART_LAYERS = {
-    "adapter": "families.adapter",
-    "ops": "families.adapter",
-    "controlnet": "families.adapter",  # a family's ControlNet rows run on the recipe beside its adapter
-    "inpaint": "families.adapter",  # a family's inpaint start runs on the recipe beside its adapter
     "tiny": "families.tiny",
 }
-"""`families/<family>/<part>.py` -> its layer name (every other module of `families/` is a leaf)."""
+"""`families/<family>/<part>.py` -> its layer name; every other module of `families/` (the adapter and its helpers) is
+in the `families` layer, on the recipe. A layer of the module check only: the folder check sees one `families`."""
 
 LAYERS: dict[str, float] = {
-    # Leaves: shared vocabulary, media and storage formats, hardware probing.
+    # Leaves: shared vocabulary (the family specs, checkpoint facts and registry), media and storage formats, hardware
+    # probing.
     "diffuserve": 0,
     "paths": 0,
     "errors": 0,
-    "families": 0,
+    "family_spec": 0,
     "hardware": 0,
     "activation": 0,  # the activation-memory estimate and budget (pure arithmetic on request fields)
     "media": 0,
@@ -50,8 +49,9 @@ LAYERS: dict[str, float] = {
     "quant": 2,
     # The recipes.
     "pipelines": 3,
-    # A family's adapter (`families/<f>/adapter.py`, and its maths `ops.py`) runs on the recipe.
-    "families.adapter": 3.5,
+    # The family plug-ins: a family's adapter (`families/<f>/adapter.py`, its maths, ControlNet rows, inpaint start and
+    # models) runs on the recipe.
+    "families": 3.5,
     # Load / build models into pipelines (`models.loader` builds adapters by name), and parallelise them.
     "models": 4,
     "parallel": 4,
@@ -80,6 +80,10 @@ FORBIDDEN_SKIPS = {("engine", "pipelines")}
 KNOWN_CYCLES: set[tuple[str, ...]] = set()
 """Import circles (strongly connected modules, sorted) present when this test was written (the engine <-> continuous
 and launch <-> launch_ranks circles are gone: issue 25 items 2 and 6)."""
+
+KNOWN_FOLDER_CYCLES: set[tuple[str, ...]] = set()
+"""Import circles between folders (strongly connected top-level modules and folders, sorted) when this check was
+written (the loop through `families/` is gone: issue 30 item 5 made the family vocabulary the leaf `family_spec/`)."""
 
 KNOWN_UPWARD: set[tuple[str, str]] = set()
 """(importer, imported) module pairs that point up the layers (or skip the executor) when this test was written."""
@@ -141,6 +145,19 @@ def _imports(name: str) -> set[str]:
 GRAPH = {name: _imports(name) for name in MODULES}
 
 
+def _folder(module: str) -> str:
+    """The top-level module or folder a module is in (`engine.engine` -> `engine`)."""
+    return module.split(".")[0]
+
+
+FOLDER_GRAPH: dict[str, set[str]] = {}
+"""Top-level module or folder -> the others its modules import (the module graph, folded)."""
+for _importer, _targets in GRAPH.items():
+    FOLDER_GRAPH.setdefault(_folder(_importer), set()).update(
+        _folder(t) for t in _targets if _folder(t) != _folder(_importer)
+    )
+
+
 def _layer(module: str) -> str:
     """The top-level module or folder; a family folder's adapter (and its maths) and tiny builder are layers of
     their own: the spec is a torch-free leaf, the adapter sits on the recipe, the builder on the model tools."""
@@ -150,8 +167,8 @@ def _layer(module: str) -> str:
     return parts[0]
 
 
-def _cycles() -> set[tuple[str, ...]]:
-    """Strongly connected groups of more than one module (Tarjan), each sorted."""
+def _cycles(graph: dict[str, set[str]]) -> set[tuple[str, ...]]:
+    """Strongly connected groups of more than one node (Tarjan), each sorted."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -162,7 +179,7 @@ def _cycles() -> set[tuple[str, ...]]:
         index[node] = low[node] = len(index)
         stack.append(node)
         on_stack.add(node)
-        for nxt in GRAPH[node]:
+        for nxt in sorted(graph.get(node, ())):
             if nxt not in index:
                 visit(nxt)
                 low[node] = min(low[node], low[nxt])
@@ -179,7 +196,7 @@ def _cycles() -> set[tuple[str, ...]]:
             if len(group) > 1:
                 groups.add(tuple(sorted(group)))
 
-    for node in sorted(GRAPH):
+    for node in sorted(graph):
         if node not in index:
             visit(node)
     return groups
@@ -223,7 +240,24 @@ def test_every_top_level_module_has_a_layer():
 
 
 def test_no_import_circle_between_modules():
-    _compare("import circles", _cycles(), KNOWN_CYCLES)
+    _compare("import circles", _cycles(GRAPH), KNOWN_CYCLES)
+
+
+def test_no_import_circle_between_folders():
+    found = _cycles(FOLDER_GRAPH)
+    edges = [
+        f"{a} -> {b}"
+        for group in sorted(found - KNOWN_FOLDER_CYCLES)
+        for a, targets in sorted(GRAPH.items())
+        for b in sorted(targets)
+        if _folder(a) != _folder(b) and _folder(a) in group and _folder(b) in group
+    ]
+    assert not edges, (
+        f"new folder import circles {sorted(found - KNOWN_FOLDER_CYCLES)}; the module imports between their folders: "
+        f"{edges} (move the misplaced module or invert the dependency; the allow-list in {Path(__file__).name} only "
+        "shrinks)"
+    )
+    _compare("folder import circles", found, KNOWN_FOLDER_CYCLES)
 
 
 def test_imports_point_down_the_layers():
@@ -251,3 +285,6 @@ def test_the_checks_see_what_they_check():
         "engine.engine"
     ]
     assert "executor.multirank" in GRAPH["launch.root"]  # function-level imports only
+    # The folder graph: the family plug-ins sit on the recipe and the model tools, over the leaf vocabulary.
+    assert {"pipelines", "models", "family_spec"} <= FOLDER_GRAPH["families"], FOLDER_GRAPH["families"]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {("a", "b", "c")}

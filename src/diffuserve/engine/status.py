@@ -15,7 +15,7 @@ from diffuserve.engine.requests import RequestBook
 from diffuserve.engine.scheduler_protocol import RequestScheduler
 from diffuserve.errors import ServiceUnavailableError
 from diffuserve.executor.base import ReplicaState
-from diffuserve.families.base import SamplingDefaults
+from diffuserve.family_spec.base import SamplingDefaults
 
 
 class EngineState(str, enum.Enum):

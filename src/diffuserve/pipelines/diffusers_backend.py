@@ -36,8 +36,8 @@ import torch
 from PIL import Image
 
 from diffuserve.errors import CheckpointError, ConfigError, InvalidRequestError, RequestCancelledError
-from diffuserve.families.base import SamplingDefaults
-from diffuserve.families.checkpoint import describe_checkpoint
+from diffuserve.family_spec.base import SamplingDefaults
+from diffuserve.family_spec.checkpoint import describe_checkpoint
 from diffuserve.pipelines import stages
 from diffuserve.pipelines.backend_outputs import to_pil, video_outputs
 from diffuserve.pipelines.base import (

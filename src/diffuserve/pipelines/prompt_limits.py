@@ -1,7 +1,7 @@
 """How many tokens a prompt takes in each text encoder, so a too-long prompt is reported, not silently cut,
 and the `usage` text tokens of a response.
 
-Family-agnostic: a family spec lists its text encoders (`families.base.TextEncoderFacts`); a loaded pipeline
+Family-agnostic: a family spec lists its text encoders (`family_spec.base.TextEncoderFacts`); a loaded pipeline
 turns them into `TextEncoderLimit`s (its tokenizer + the most tokens the encoder is given, special tokens
 included) from `prompt_token_limits()`, and `PromptTokens` is THE owner of every count the server makes: it
 holds private copies of those tokenizers (never the encode path's objects) and counts a request's texts once,

@@ -305,8 +305,8 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
 
     def step_cache_containers(self, model_key: str) -> tuple[str, ...]:
         """Attribute names of denoiser `model_key`'s repeated blocks: its class' layer containers in the family
-        spec's layer table (`families/*.py`)."""
-        from diffuserve.families import layer_rules
+        spec's layer table (`family_spec/*.py`)."""
+        from diffuserve.family_spec import layer_rules
         from diffuserve.pipelines.step_cache import model_class
 
         denoiser = getattr(self, model_key, None)

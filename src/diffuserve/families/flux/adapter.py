@@ -41,7 +41,7 @@ def _make_room(cache: dict) -> None:
 
 class FluxNativePipeline(stages.RecipePipeline):
     """FLUX.1 text-to-image (dev and schnell style) as a batched stage pipeline. Its static facts (size multiple,
-    dev/schnell defaults, continuous, text encoders) are the family spec's (`families/flux/spec.py`, `bind_facts`)."""
+    dev/schnell defaults, continuous, text encoders) are the family spec's (`family_spec/flux.py`, `bind_facts`)."""
 
     family = "flux"
     supports_controlnet = True

@@ -1,5 +1,2 @@
-"""FLUX.2-dev and FLUX.2-Klein: `spec.py` (every static fact, torch-free: `diffuserve plan` and `--help` import it),
-`adapter.py` (the native pipeline on the shared recipe; imported lazily by the loader), `tiny.py` (its `make-tiny`
-builders).
-
-Nothing is imported here, so reading the spec never imports torch."""
+"""FLUX.2-dev and FLUX.2-Klein: `adapter.py` (the native pipeline on the shared recipe; imported lazily by the loader),
+`tiny.py` (its `make-tiny` builders). Its static facts are its spec, `family_spec/flux2.py` (torch-free)."""

@@ -139,7 +139,7 @@ class Flux2NativePipeline(Flux2Packing, stages.RecipePipeline):
         """The checkpoint's model_index.json (pipeline-level config such as Klein's `is_distilled`)."""
         self.components = {"text_encoder": text_encoder, "transformer": transformer, "vae": vae}
         # The spec's facts: 2x2-patchified latents (size multiple), no positional table (RoPE from position ids),
-        # the variant's defaults (Klein-Base vs distilled Klein: `families/flux2/spec.py`).
+        # the variant's defaults (Klein-Base vs distilled Klein: `family_spec/flux2.py`).
         facts = self.bind_facts(component_configs(self.components, self.model_index))
         self.vae_scale_factor = facts.vae_factor
         self.image_processor = Flux2ImageProcessor(vae_scale_factor=self.size_multiple)

@@ -1,4 +1,2 @@
-"""Image families served by the diffusers backend (GLM-Image, ERNIE-Image, Qwen-Image-Layered): `spec.py` (every static
-fact, torch-free: `diffuserve plan` and `--help` import it), `tiny.py` (its `make-tiny` builders).
-
-Nothing is imported here, so reading the spec never imports torch."""
+"""Image families served by the diffusers backend (GLM-Image, ERNIE-Image, Qwen-Image-Layered): `tiny.py` (its
+`make-tiny` builders). Its static facts are its spec, `family_spec/image_others.py` (torch-free)."""

@@ -26,7 +26,7 @@ from diffusers.image_processor import VaeImageProcessor
 from diffuserve.families.qwen_image import controlnet as qwen_controlnet
 from diffuserve.families.qwen_image import inpaint as qwen_inpaint
 from diffuserve.families.qwen_image import ops
-from diffuserve.families.qwen_image.spec import QWEN_IMAGE_21_ROPE_POSITIONS, QWEN_IMAGE_TEXT_TOKENS
+from diffuserve.family_spec.qwen_image import QWEN_IMAGE_21_ROPE_POSITIONS, QWEN_IMAGE_TEXT_TOKENS
 from diffuserve.pipelines import inpaint, packing, stages
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows

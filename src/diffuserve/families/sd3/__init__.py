@@ -1,5 +1,2 @@
-"""Stable Diffusion 3 / 3.5: `spec.py` (every static fact, torch-free: `diffuserve plan` and `--help` import it),
-`adapter.py` (the native pipeline on the shared recipe; imported lazily by the loader), `tiny.py` (its `make-tiny`
-builders).
-
-Nothing is imported here, so reading the spec never imports torch."""
+"""Stable Diffusion 3 / 3.5: `adapter.py` (the native pipeline on the shared recipe; imported lazily by the loader),
+`tiny.py` (its `make-tiny` builders). Its static facts are its spec, `family_spec/sd3.py` (torch-free)."""

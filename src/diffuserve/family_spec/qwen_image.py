@@ -3,7 +3,7 @@ single-stream block-causal DiT with a prefix KV cache."""
 
 import dataclasses
 
-from diffuserve.families.base import (
+from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
     LatentGeometry,

@@ -1,7 +1,7 @@
 """Wan2.1 / Wan2.2 text-to-video (one spec: A14B's two experts and TI2V-5B's per-token timesteps are settings of
 the same `WanPipeline` class) and Wan image-to-video."""
 
-from diffuserve.families.base import (
+from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
     LatentGeometry,

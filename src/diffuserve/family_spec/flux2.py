@@ -8,7 +8,7 @@ size.
 
 import dataclasses
 
-from diffuserve.families.base import (
+from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
     LatentGeometry,
@@ -16,8 +16,8 @@ from diffuserve.families.base import (
     SamplingDefaults,
     TextEncoderFacts,
 )
-from diffuserve.families.checkpoint import square_default
-from diffuserve.families.flux.spec import flux_geometry
+from diffuserve.family_spec.checkpoint import square_default
+from diffuserve.family_spec.flux import flux_geometry
 
 # The chat-formatted prompt (system message + user turn): 512 tokens, diffusers' max_sequence_length.
 

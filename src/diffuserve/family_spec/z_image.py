@@ -1,6 +1,6 @@
 """Z-Image and Z-Image-Turbo (Qwen3 encoder)."""
 
-from diffuserve.families.base import (
+from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
     LatentGeometry,
@@ -8,8 +8,8 @@ from diffuserve.families.base import (
     SamplingDefaults,
     TextEncoderFacts,
 )
-from diffuserve.families.checkpoint import square_default
-from diffuserve.families.components import autoencoder_kl_factor
+from diffuserve.family_spec.checkpoint import square_default
+from diffuserve.family_spec.components import autoencoder_kl_factor
 
 # The chat-templated prompt, max_sequence_length 512 (the adapter also caps it by the DiT's caption axis).
 

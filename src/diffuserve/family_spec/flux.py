@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from diffuserve.families.base import (
+from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
     LatentGeometry,
@@ -10,8 +10,8 @@ from diffuserve.families.base import (
     SamplingDefaults,
     TextEncoderFacts,
 )
-from diffuserve.families.checkpoint import square_default
-from diffuserve.families.components import autoencoder_kl_factor
+from diffuserve.family_spec.checkpoint import square_default
+from diffuserve.family_spec.components import autoencoder_kl_factor
 
 # CLIP's 77 tokens (pooled), then T5: diffusers' max_sequence_length 512 (capped by what tokenizer_2 declares).
 FLUX_TEXT_ENCODERS = (

@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from diffuserve.families.base import (
+from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
     LatentGeometry,
@@ -10,7 +10,7 @@ from diffuserve.families.base import (
     SamplingDefaults,
     TextEncoderFacts,
 )
-from diffuserve.families.components import autoencoder_kl_factor
+from diffuserve.family_spec.components import autoencoder_kl_factor
 
 # Two CLIPs (77 tokens each) and T5 (diffusers' max_sequence_length 256); T5 may be left out.
 

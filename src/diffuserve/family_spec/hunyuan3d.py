@@ -1,6 +1,6 @@
 """The Hunyuan3D-2 family spec (read by the registry, the plan and `make-tiny`; no torch here)."""
 
-from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults
+from diffuserve.family_spec.base import FamilySpec, ProfileFacts, SamplingDefaults
 
 LICENSE_NOTE = (
     "Hunyuan3D-2 weights are under the Tencent Hunyuan 3D 2.0 Community License Agreement: not licensed "
@@ -16,7 +16,7 @@ HUNYUAN3D_QUANT_KEEP = ("latent_in", "time_in.*", "cond_in", "guidance_in.*", "f
 SPEC = FamilySpec(
     quant_keep=HUNYUAN3D_QUANT_KEEP,
     name="hunyuan3d",
-    # No diffusers pipeline class: the registry recognises the folder layout (families/hunyuan3d/layout.py).
+    # No diffusers pipeline class: the registry recognises the folder layout (family_spec/hunyuan3d_layout.py).
     pipeline_classes=(),
     model_id_patterns=(r"hunyuan3d",),
     output_kind="mesh",

@@ -1,7 +1,7 @@
 """LTX-2 and LTX-2.3: one joint audio-video transformer denoises the video tokens and the audio tokens together
 (`LTX2Pipeline`; image-to-video is `LTX2ImageToVideoPipeline` on the same checkpoint)."""
 
-from diffuserve.families.base import (
+from diffuserve.family_spec.base import (
     FamilySpec,
     ProfileFacts,
     SamplingDefaults,
