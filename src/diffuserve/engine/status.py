@@ -11,7 +11,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
-from diffuserve.engine.requests import RequestBook
+from diffuserve.engine.request_book import RequestBook
 from diffuserve.engine.scheduler_protocol import RequestScheduler
 from diffuserve.errors import ServiceUnavailableError
 from diffuserve.executor.base import ReplicaState

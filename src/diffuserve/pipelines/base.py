@@ -348,7 +348,7 @@ class Pipeline:
 
     def step_cache_problem(self, method: str) -> str | None:
         """Why this pipeline cannot run step-cache `method` (None: it can). Native families answer from their
-        denoiser's blocks (`stages.RecipePipeline`); other pipelines run no step cache."""
+        denoiser's blocks (`recipe.RecipePipeline`); other pipelines run no step cache."""
         return "only native families run step caches (this pipeline runs through the diffusers backend)"
 
     def run(

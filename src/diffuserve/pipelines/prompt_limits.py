@@ -102,7 +102,7 @@ class PromptTokens:
     It tokenizes only on its own deep copies of the encoders' tokenizers, made once here: a fast (Rust)
     tokenizer keeps its padding / truncation settings on the object for the length of a call, so counting on the
     pipeline's own tokenizer while the encode lane tokenizes a batch changed what the encode got (an unpadded
-    27-token T5 row in a batch of 64-token rows, failing `stages.concat_cond`). Counts run one at a time (the
+    27-token T5 row in a batch of 64-token rows, failing `recipe.concat_cond`). Counts run one at a time (the
     copies are not shared between threads) and belong off the event loop: the routes run `count` in a thread.
     """
 

@@ -29,7 +29,7 @@ from diffuserve.family_spec.base import SamplingDefaults
 from diffuserve.family_spec.hunyuan3d import LICENSE_NOTE
 from diffuserve.family_spec.hunyuan3d_layout import find_subfolder, read_config, target_name
 from diffuserve.pipelines.base import BatchResult, Pipeline, RequestOutput
-from diffuserve.pipelines.stages import batch_noise, check_batch
+from diffuserve.pipelines.recipe import batch_noise, check_batch
 
 if TYPE_CHECKING:
     from diffuserve.pipelines.base import PreviewCallback, StepCallback, StopCheck
