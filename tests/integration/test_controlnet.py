@@ -110,7 +110,8 @@ def test_rows_with_different_controls_or_none_in_one_batch_each_equal_their_solo
     mixed = native.run(batch).outputs
     for params, output in zip(batch, mixed, strict=True):
         solo = native.run([params]).outputs[0]
-        assert [_diff(a, b) for a, b in zip(output.images, solo.images, strict=True)] == [0] * params.n
+        # Rows of another batch size run other GEMM blockings: equal within one 8-bit level, as every merged row.
+        assert max(_diff(a, b) for a, b in zip(output.images, solo.images, strict=True)) <= PIXEL_TOL
 
 
 def test_continuous_steps_mix_control_rows_at_different_steps(native):
