@@ -1,8 +1,7 @@
 """Packed mixed-size calls compose (issue 31 item 4), on the tiny FLUX.1 checkpoint: rows of different sizes in one
-denoiser call with batched CFG, per-row LoRA adapters, component offload and the flex_attention kernel each equal
-their requests run alone (<= 1/255); a composition not proven packed (step caches) runs its size groups as separate
-calls and still equals them. The plain packed check (and the two-pass CFG one) is the conformance suite's
-`test_packed_rows_equal_their_singletons`.
+denoiser call with batched CFG, per-row LoRA adapters, per-row step caches, component offload and the flex_attention
+kernel each equal their requests run alone (<= 1/255). The plain packed check (and the two-pass CFG one) is the
+conformance suite's `test_packed_rows_equal_their_singletons`.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import torch
 
 from diffuserve.config.plan import ResidencyMode
 from diffuserve.config.step_cache import StepCacheSettings
-from diffuserve.pipelines import packing
+from diffuserve.pipelines import packing, step_cache_rows
 from diffuserve.sampling import SamplingParams
 from tests.integration.family_checks import max_pixel_diff, with_residency
 
@@ -92,13 +91,47 @@ def test_flex_kernel_equals_the_key_mask(native: Any, monkeypatch: pytest.Monkey
         assert max_pixel_diff(a, b) <= 1
 
 
-def test_step_caches_run_the_size_groups_as_separate_calls(native: Any) -> None:
-    cache = StepCacheSettings(method="fbcache", warmup_steps=1)
-    batch = [dataclasses.replace(p, step_cache=cache) for p in _batch(steps=3)]
-    assert native.packing_problem(batch[0]) is not None
-    got, calls = _counted(native, batch)
-    assert calls >= 3 * 2  # three size groups, each its own call per computed step
-    _assert_singletons(native, batch, got)
+def test_step_caches_decide_per_packed_row(native: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fbcache on packed rows: one call per step, and each row measures its first-block change over its real
+    tokens only (the padding left out), so it takes the same decisions, with the same measures, as its request run
+    alone. The thresholds differ by request, so rows reuse while others compute in the same call (the narrowing
+    cuts the per-row RoPE tables and the key mask to the computing rows)."""
+    measured: list[list[float | None]] = []  # per fbcache decision: each row's measure (None: it had none)
+    changes = step_cache_rows.changes
+
+    def recorded(call: Any, now: torch.Tensor) -> list[float | None]:
+        measured.append(changes(call, now))
+        return measured[-1]
+
+    monkeypatch.setattr(step_cache_rows, "changes", recorded)
+    batch = [
+        dataclasses.replace(p, step_cache=StepCacheSettings(method="fbcache", warmup_steps=1, threshold=threshold))
+        for p, threshold in zip(_batch(steps=5), (0.05, 0.2, 0.5), strict=True)
+    ]
+    batch[1] = dataclasses.replace(batch[1], n=2)
+    calls: list[int] = []
+    hook = native.transformer.register_forward_hook(lambda module, args, out: calls.append(1))
+    try:
+        packed = native.run(batch).outputs
+    finally:
+        hook.remove()
+    assert len(calls) == 5  # one packed call per step
+    per_row = list(measured)  # the packed call's rows are in the batch's order (its sizes are grouped already)
+    first = 0
+    for params, out in zip(batch, packed, strict=True):
+        measured.clear()
+        alone = native.run([params]).outputs[0]
+        assert out.step_cache == alone.step_cache, (params.width, params.height)
+        assert _measures(per_row, first, params.n) == pytest.approx(_measures(measured, 0, params.n), rel=1e-4)
+        assert max_pixel_diff(out.images, alone.images) <= 1, (params.width, params.height)
+        first += params.n
+    reused = [out.step_cache["reused_steps"] for out in packed]
+    assert reused[0] == 0 and reused[2] > 0, f"no call mixed computing and reusing rows: {reused}"
+
+
+def _measures(steps: list[list[float | None]], first: int, n: int) -> list[float]:
+    """Rows first..first+n's measures, decision after decision (-1: the row had none, warm-up or decided)."""
+    return [-1.0 if m is None else m for step in steps for m in step[first : first + n]]
 
 
 def test_per_row_lora_in_a_packed_call(tiny_flux_path: Path, tmp_path: Path) -> None:
