@@ -18,7 +18,7 @@ from diffuserve.config.plan import ResidencyMode
 from diffuserve.config.step_cache import StepCacheSettings
 from diffuserve.pipelines import packing, step_cache_rows
 from diffuserve.sampling import SamplingParams
-from tests.integration.family_checks import max_pixel_diff, with_residency
+from tests.integration.family_checks import max_pixel_diff, simulate_steps, with_residency
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -127,6 +127,29 @@ def test_step_caches_decide_per_packed_row(native: Any, monkeypatch: pytest.Monk
         first += params.n
     reused = [out.step_cache["reused_steps"] for out in packed]
     assert reused[0] == 0 and reused[2] > 0, f"no call mixed computing and reusing rows: {reused}"
+
+
+def test_step_caches_in_a_continuous_packed_group(native: Any) -> None:
+    """The continuous loop's packed calls carry the rows' step caches: a 64x64 request starts alone, a wider one
+    joins at its second step, so the first one's Taylor factors span calls of different padded lengths (kept at
+    its real tokens, else the expansion restarts and its forecast last step moves its pixels); rows forecast
+    beside rows that compute; each equals its request alone."""
+    a, b = (
+        dataclasses.replace(
+            p,
+            step_cache=StepCacheSettings(
+                method="taylorseer", warmup_steps=1, refresh_interval=k, compute_last_step=False, max_cached_steps=5
+            ),
+        )
+        for p, k in zip(_batch(steps=5)[:2], (3, 2), strict=False)
+    )
+    whole: dict[int, Any] = {}
+    got = simulate_steps(native, {0: [a], 1: [b]}, whole)
+    for i, params in enumerate([a, b]):
+        alone = native.run([params]).outputs[0]
+        assert whole[i].step_cache == alone.step_cache
+        assert max_pixel_diff(got[i], alone.images) <= 1, (params.width, params.height)
+    assert whole[0].step_cache["reused_steps"] > 0
 
 
 def _measures(steps: list[list[float | None]], first: int, n: int) -> list[float]:
