@@ -80,8 +80,9 @@ TEACACHE_COEFFICIENTS: dict[str, tuple[float, ...]] = {
 """Denoiser class -> published TeaCache rescale coefficients. Families without an entry refuse `teacache`."""
 
 SHARED_ARGUMENT_WORDS = ("rotary", "rope")
-"""Block arguments whose name holds one of these are shared by every row (position tables) and pass unchanged;
-every other tensor argument with one entry per row of the call (dim 0) is narrowed to the computing rows."""
+"""Block arguments whose name holds one of these are shared by every row (position tables) and pass unchanged
+(a packed call's, stacked per row, are cut with the rows: `step_cache_packed.py`); every other tensor argument with
+one entry per row of the call (dim 0) is narrowed to the computing rows."""
 
 CHAINED_CONTAINERS = frozenset({"FluxTransformer2DModel"})
 """Denoisers whose layer containers form one chain (each block takes the previous block's hidden states, across
