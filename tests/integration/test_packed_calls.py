@@ -1,6 +1,7 @@
 """Packed mixed-size calls compose (issue 31 item 4), on the tiny FLUX.1 checkpoint: rows of different sizes in one
 denoiser call with batched CFG, per-row LoRA adapters, per-row step caches, component offload and the flex_attention
-kernel each equal their requests run alone (<= 1/255). The plain packed check (and the two-pass CFG one) is the
+kernel each equal their requests run alone (<= 1/255); a composition not proven packed (image-conditioned rows) runs
+its size groups as separate calls and still equals them. The plain packed check (and the two-pass CFG one) is the
 conformance suite's `test_packed_rows_equal_their_singletons`.
 """
 
@@ -155,6 +156,22 @@ def test_step_caches_in_a_continuous_packed_group(native: Any) -> None:
 def _measures(steps: list[list[float | None]], first: int, n: int) -> list[float]:
     """Rows first..first+n's measures, decision after decision (-1: the row had none, warm-up or decided)."""
     return [-1.0 if m is None else m for step in steps for m in step[first : first + n]]
+
+
+def test_a_composition_not_packed_runs_its_size_groups_as_separate_calls(native: Any) -> None:
+    """What `packing_problem` names (here image-conditioned rows) runs one call per size group per step, and each
+    request still equals its run alone."""
+    import io
+
+    from PIL import Image
+
+    source = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 40, 90)).save(source, format="PNG")
+    batch = [dataclasses.replace(p, image_inputs=(source.getvalue(),), strength=0.7) for p in _batch(steps=2)[:2]]
+    assert native.packing_problem(batch[0], batch) is not None
+    got, calls = _counted(native, batch)
+    assert calls == 2 * 2  # two size groups, each its own call per step
+    _assert_singletons(native, batch, got)
 
 
 def test_per_row_lora_in_a_packed_call(tiny_flux_path: Path, tmp_path: Path) -> None:
