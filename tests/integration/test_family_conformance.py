@@ -8,6 +8,7 @@ fit no generic check live in `test_family_<family>.py`; the few that need the fa
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import Iterator
 from pathlib import Path
@@ -198,6 +199,36 @@ def test_packed_rows_equal_their_singletons(case: FamilyCase, native, batch_inde
     for params, got in zip(batch, packed, strict=True):
         assert [im.size for im in got] == [(params.width, params.height)] * params.n
         assert max_pixel_diff(got, outputs_of(native, native.run([params]).outputs[0])) <= case.merge_tolerance
+
+
+@cases(lambda c: bool(c.packed_batches) and not c.family.startswith("flux2"))  # tiny FLUX.2: one block, no cache
+def test_packed_step_cache_rows_equal_their_singletons(case: FamilyCase, native) -> None:
+    """Per-row step caches on packed rows: taylorseer with a refresh interval per request, so rows that compute
+    share calls with rows that forecast (the narrowing cuts the packed rows' tables and masks with them, and each
+    row caches its real tokens only); each request equals its run alone, decisions and outputs."""
+    from diffuserve.config.step_cache import StepCacheSettings
+
+    fields = case.packed_batches[0]
+    batch = [
+        dataclasses.replace(
+            params_of(case, native, {**f, "num_inference_steps": 4}),
+            step_cache=StepCacheSettings(method="taylorseer", warmup_steps=1, refresh_interval=interval),
+        )
+        for f, interval in zip(fields, (1, 3, 2), strict=True)
+    ]
+    calls: list[int] = []
+    hook = getattr(native, native.denoisers[0]).register_forward_hook(lambda module, args, out: calls.append(1))
+    try:
+        packed = native.run(batch).outputs
+    finally:
+        hook.remove()
+    assert len(calls) == 4 * (2 if native.uses_cfg(batch[0]) and not native.batched_cfg else 1)  # packed calls
+    reused = [out.step_cache["reused_steps"] for out in packed]
+    assert reused[0] == 0 < reused[1], reused  # a call where rows compute beside rows that forecast
+    for params, out in zip(batch, packed, strict=True):
+        alone = native.run([params]).outputs[0]
+        assert out.step_cache == alone.step_cache
+        assert max_pixel_diff(outputs_of(native, out), outputs_of(native, alone)) <= case.merge_tolerance
 
 
 @cases(lambda c: c.continuous)

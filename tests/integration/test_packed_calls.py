@@ -1,8 +1,8 @@
 """Packed mixed-size calls compose (issue 31 item 4), on the tiny FLUX.1 checkpoint: rows of different sizes in one
-denoiser call with batched CFG, per-row LoRA adapters, component offload and the flex_attention kernel each equal
-their requests run alone (<= 1/255); a composition not proven packed (step caches) runs its size groups as separate
-calls and still equals them. The plain packed check (and the two-pass CFG one) is the conformance suite's
-`test_packed_rows_equal_their_singletons`.
+denoiser call with batched CFG, per-row LoRA adapters, per-row step caches, component offload and the flex_attention
+kernel each equal their requests run alone (<= 1/255); a composition not proven packed (image-conditioned rows) runs
+its size groups as separate calls and still equals them. The plain packed check (and the two-pass CFG one) is the
+conformance suite's `test_packed_rows_equal_their_singletons`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 
 from diffuserve.config.plan import ResidencyMode
 from diffuserve.config.step_cache import StepCacheSettings
-from diffuserve.pipelines import packing
+from diffuserve.pipelines import packing, step_cache_rows
 from diffuserve.sampling import SamplingParams
-from tests.integration.family_checks import max_pixel_diff, with_residency
+from tests.integration.family_checks import max_pixel_diff, simulate_steps, with_residency
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -92,12 +92,85 @@ def test_flex_kernel_equals_the_key_mask(native: Any, monkeypatch: pytest.Monkey
         assert max_pixel_diff(a, b) <= 1
 
 
-def test_step_caches_run_the_size_groups_as_separate_calls(native: Any) -> None:
-    cache = StepCacheSettings(method="fbcache", warmup_steps=1)
-    batch = [dataclasses.replace(p, step_cache=cache) for p in _batch(steps=3)]
-    assert native.packing_problem(batch[0]) is not None
+def test_step_caches_decide_per_packed_row(native: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fbcache on packed rows: one call per step, and each row measures its first-block change over its real
+    tokens only (the padding left out), so it takes the same decisions, with the same measures, as its request run
+    alone. The thresholds differ by request, so rows reuse while others compute in the same call (the narrowing
+    cuts the per-row RoPE tables and the key mask to the computing rows)."""
+    measured: list[list[float | None]] = []  # per fbcache decision: each row's measure (None: it had none)
+    changes = step_cache_rows.changes
+
+    def recorded(call: Any, now: torch.Tensor) -> list[float | None]:
+        measured.append(changes(call, now))
+        return measured[-1]
+
+    monkeypatch.setattr(step_cache_rows, "changes", recorded)
+    batch = [
+        dataclasses.replace(p, step_cache=StepCacheSettings(method="fbcache", warmup_steps=1, threshold=threshold))
+        for p, threshold in zip(_batch(steps=5), (0.05, 0.2, 0.5), strict=True)
+    ]
+    batch[1] = dataclasses.replace(batch[1], n=2)
+    calls: list[int] = []
+    hook = native.transformer.register_forward_hook(lambda module, args, out: calls.append(1))
+    try:
+        packed = native.run(batch).outputs
+    finally:
+        hook.remove()
+    assert len(calls) == 5  # one packed call per step
+    per_row = list(measured)  # the packed call's rows are in the batch's order (its sizes are grouped already)
+    first = 0
+    for params, out in zip(batch, packed, strict=True):
+        measured.clear()
+        alone = native.run([params]).outputs[0]
+        assert out.step_cache == alone.step_cache, (params.width, params.height)
+        assert _measures(per_row, first, params.n) == pytest.approx(_measures(measured, 0, params.n), rel=1e-4)
+        assert max_pixel_diff(out.images, alone.images) <= 1, (params.width, params.height)
+        first += params.n
+    reused = [out.step_cache["reused_steps"] for out in packed]
+    assert reused[0] == 0 and reused[2] > 0, f"no call mixed computing and reusing rows: {reused}"
+
+
+def test_step_caches_in_a_continuous_packed_group(native: Any) -> None:
+    """The continuous loop's packed calls carry the rows' step caches: a 64x64 request starts alone, a wider one
+    joins at its second step, so the first one's Taylor factors span calls of different padded lengths (kept at
+    its real tokens, else the expansion restarts and its forecast last step moves its pixels); rows forecast
+    beside rows that compute; each equals its request alone."""
+    a, b = (
+        dataclasses.replace(
+            p,
+            step_cache=StepCacheSettings(
+                method="taylorseer", warmup_steps=1, refresh_interval=k, compute_last_step=False, max_cached_steps=5
+            ),
+        )
+        for p, k in zip(_batch(steps=5)[:2], (3, 2), strict=False)
+    )
+    whole: dict[int, Any] = {}
+    got = simulate_steps(native, {0: [a], 1: [b]}, whole)
+    for i, params in enumerate([a, b]):
+        alone = native.run([params]).outputs[0]
+        assert whole[i].step_cache == alone.step_cache
+        assert max_pixel_diff(got[i], alone.images) <= 1, (params.width, params.height)
+    assert whole[0].step_cache["reused_steps"] > 0
+
+
+def _measures(steps: list[list[float | None]], first: int, n: int) -> list[float]:
+    """Rows first..first+n's measures, decision after decision (-1: the row had none, warm-up or decided)."""
+    return [-1.0 if m is None else m for step in steps for m in step[first : first + n]]
+
+
+def test_a_composition_not_packed_runs_its_size_groups_as_separate_calls(native: Any) -> None:
+    """What `packing_problem` names (here image-conditioned rows) runs one call per size group per step, and each
+    request still equals its run alone."""
+    import io
+
+    from PIL import Image
+
+    source = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 40, 90)).save(source, format="PNG")
+    batch = [dataclasses.replace(p, image_inputs=(source.getvalue(),), strength=0.7) for p in _batch(steps=2)[:2]]
+    assert native.packing_problem(batch[0], batch) is not None
     got, calls = _counted(native, batch)
-    assert calls >= 3 * 2  # three size groups, each its own call per computed step
+    assert calls == 2 * 2  # two size groups, each its own call per step
     _assert_singletons(native, batch, got)
 
 

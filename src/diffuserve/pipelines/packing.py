@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diffuserve.pipelines.batch_rows import Cond, Denoised, DenoiseState, StageTimer, gather_rows, num_rows
+from diffuserve.pipelines.step_cache_rows import new_row_caches
 
 if TYPE_CHECKING:
     from diffuserve.pipelines.base import BatchResult
@@ -245,8 +246,6 @@ class PackedFamily:
             return "image-conditioned requests (edits, references, masks) are not yet proven packed"
         if any(p.control is not None for p in (head, *rows)):
             return "ControlNet rows are not yet proven packed (their residuals are laid out per size)"
-        if head.step_cache_method != "off":
-            return "step caches decide per row on whole-row residuals, which padding would change"
         if getattr(self, "sequence_parallel", None) is not None:
             return "sequence parallel splits one size's tokens over ranks; packed rows would straddle them"
         if getattr(self, "cfg_parallel", None) is not None:
@@ -376,6 +375,8 @@ def run_mixed(pipe: RecipePipeline, batch: list[SamplingParams], **callbacks: An
             groups = _prepare_groups(pipe, ordered, positive)
         layout = pipe.packed_layout(groups, positive)
         state = _packed_state(pipe, groups, layout, order, positive)
+        steps = len(state.timesteps)  # each row's step cache (pipelines/step_cache.py), none when asked for none
+        rows = [c for p in ordered for c in new_row_caches(p.step_cache, p.n, steps) or []] or None
         with timer.stage("denoise"), pipe.lora_scope(ordered):
             latents = pipe._denoise(
                 state,
@@ -386,8 +387,9 @@ def run_mixed(pipe: RecipePipeline, batch: list[SamplingParams], **callbacks: An
                 callbacks.get("should_stop"),
                 _in_request_order(callbacks.get("on_preview"), order),
                 ordered,
+                rows,
             )
-    return Denoised(batch=ordered, latents=latents, state=state, stage_seconds=timer.seconds)
+    return Denoised(batch=ordered, latents=latents, state=state, stage_seconds=timer.seconds, row_caches=rows)
 
 
 def _in_request_order(on_preview: Any, order: list[int]) -> Any:

@@ -274,7 +274,8 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
             from diffuserve.pipelines.step_cache import CallRows, rank_agreement
 
             hooks, rows = cache
-            call = CallRows(rows * len(branches), [b for b in branches for _ in rows], rank_agreement(self))
+            packed = state.extras["packed"].layout if "packed" in state.extras else None  # pipelines/packing.py
+            call = CallRows(rows * len(branches), [b for b in branches for _ in rows], rank_agreement(self), packed)
             with hooks.rows(call):
                 return self.predict(x, t, cond, state, model_key)
 

@@ -276,9 +276,10 @@ def _step_mixed(pipe: RecipePipeline, model_key: str, group: list[Any], conds: A
         extras = {"packed": packed, **pipe.packed_extras(groups, layout, positive)}
         state = DenoiseState(latents, head.state.timesteps, None, extras)
         timestep = torch.cat([t.expand(r.latents.shape[0]) for r, t in zip(group, timesteps, strict=True)])
+        caches = [c for r in group for c in (r.cache or [])] or None
         with pipe.lora_scope([r.params for r in group]):
             pred = pipe.guided_prediction(
-                latents, timestep, positive, negative, head.params, state, head.step_index, model_key
+                latents, timestep, positive, negative, head.params, state, head.step_index, model_key, caches
             )
         for rows, g, t in zip(group, groups, timesteps, strict=True):
             rows.latents = pipe.scheduler_step(g.latents_of(pred[g.rows]), t, rows.latents, rows.state)

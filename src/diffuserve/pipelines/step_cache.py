@@ -31,10 +31,11 @@ Methods (settings in `config/step_cache.py`):
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.hooks._helpers import TransformerBlockRegistry
 from diffusers.hooks.taylorseer_cache import TaylorSeerState
 
+from diffuserve.pipelines.step_cache_packed import narrow_packed, real_lengths
 from diffuserve.pipelines.step_cache_rows import (
     CallRows,
     RankAgreement,
@@ -51,6 +53,7 @@ from diffuserve.pipelines.step_cache_rows import (
     decide_taylorseer,
     decide_teacache,
     new_row_caches,
+    real_row,
     step_counts,
 )
 from diffuserve.runtime.row_view import narrowed_to
@@ -77,8 +80,9 @@ TEACACHE_COEFFICIENTS: dict[str, tuple[float, ...]] = {
 """Denoiser class -> published TeaCache rescale coefficients. Families without an entry refuse `teacache`."""
 
 SHARED_ARGUMENT_WORDS = ("rotary", "rope")
-"""Block arguments whose name holds one of these are shared by every row (position tables) and pass unchanged;
-every other tensor argument with one entry per row of the call (dim 0) is narrowed to the computing rows."""
+"""Block arguments whose name holds one of these are shared by every row (position tables) and pass unchanged
+(a packed call's, stacked per row, are cut with the rows: `step_cache_packed.py`); every other tensor argument with
+one entry per row of the call (dim 0) is narrowed to the computing rows."""
 
 CHAINED_CONTAINERS = frozenset({"FluxTransformer2DModel"})
 """Denoisers whose layer containers form one chain (each block takes the previous block's hidden states, across
@@ -100,6 +104,8 @@ class Span:
     """Rows of the call."""
     base: tuple[torch.Tensor, torch.Tensor | None]
     """Hidden (and encoder) states of every row where the narrowed blocks start."""
+    memo: dict[str, Any] = field(default_factory=dict)
+    """A packed call's narrowed layout and masks, made once for all its blocks (`step_cache_packed.py`)."""
 
 
 class StepCacheHooks:
@@ -254,9 +260,14 @@ class _Block:
         as LoRA's follow them through `runtime/row_view.py`)."""
         if index.numel() == full:
             return self.fn_ref.original_forward(**bound.arguments)  # type: ignore[attr-defined]
-        rows = getattr(self.meta, "row_arguments", ())
-        with narrowed_to(tuple(index.tolist()), full):
-            return self.fn_ref.original_forward(**_narrow(bound, index, full, rows))  # type: ignore[attr-defined]
+        arguments = _narrow(bound, index, full, getattr(self.meta, "row_arguments", ()))
+        span, packed = self.owner.span, contextlib.nullcontext()
+        if span is not None and span.call.packed is not None:
+            arguments, packed = narrow_packed(
+                span.call.packed, arguments, index, full, span.memo, SHARED_ARGUMENT_WORDS
+            )
+        with narrowed_to(tuple(index.tolist()), full), packed:
+            return self.fn_ref.original_forward(**arguments)  # type: ignore[attr-defined]
 
 
 @_eager
@@ -301,6 +312,8 @@ class _HeadHook(_Block, ModelHook):
         (the rows of the call, True) when the computing rows still have to run this block."""
         hidden, encoder = self.states(bound)
         full = hidden.shape[0]
+        if call.packed is not None:  # padded rows: each measures and caches its real tokens only
+            call.lengths = real_lengths(call.packed, bound.arguments, hidden)
         if call.method == "fbcache":
             first_hidden, first_encoder = self.outputs(out)
             decide_fbcache(call, first_hidden - hidden)
@@ -370,8 +383,8 @@ def _rebuild(span: Span, hidden: torch.Tensor, encoder: torch.Tensor | None) -> 
         for k, i in enumerate(computed):
             row, branch = span.call.rows[i], span.call.branches[i]
             if row.settings.calibrate and branch == 0:
-                _record_ratio(row, res_hidden[k])
-            res = (res_hidden[k], None if res_encoder is None else res_encoder[k])
+                _record_ratio(row, real_row(span.call, res_hidden, i, k))
+            res = (real_row(span.call, res_hidden, i, k), None if res_encoder is None else res_encoder[k])
             row.residual[branch] = res
             if row.settings.method == "taylorseer":
                 state = row.taylor.setdefault(
@@ -385,7 +398,10 @@ def _rebuild(span: Span, hidden: torch.Tensor, encoder: torch.Tensor | None) -> 
     residuals = [_cached_residual(span.call.rows[i], span.call.branches[i]) for i in cached]
     where = torch.tensor(cached, device=base_hidden.device)
     out_hidden = base_hidden.clone()
-    out_hidden.index_copy_(0, where, base_hidden.index_select(0, where) + torch.stack([r[0] for r in residuals]))
+    # A packed row cached its real tokens: zeros for its padding now (the call masks padding outputs away).
+    tokens = base_hidden.shape[1]
+    hidden_residuals = [r[0] if r[0].shape[0] == tokens else _zero_padded(r[0], tokens) for r in residuals]
+    out_hidden.index_copy_(0, where, base_hidden.index_select(0, where) + torch.stack(hidden_residuals))
     if computed:
         out_hidden.index_copy_(0, index, hidden)
     out_encoder = base_encoder
@@ -398,6 +414,10 @@ def _rebuild(span: Span, hidden: torch.Tensor, encoder: torch.Tensor | None) -> 
         if computed and encoder is not None:
             out_encoder.index_copy_(0, index, encoder)
     return out_hidden, out_encoder
+
+
+def _zero_padded(residual: torch.Tensor, tokens: int) -> torch.Tensor:
+    return torch.cat([residual, residual.new_zeros(tokens - residual.shape[0], *residual.shape[1:])])
 
 
 def _record_ratio(row: RowCache, residual: torch.Tensor) -> None:

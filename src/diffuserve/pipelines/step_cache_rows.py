@@ -120,13 +120,28 @@ def changes(call: CallRows, now: torch.Tensor) -> list[float | None]:
         return _agreed_changes(call, now, wanted)
     if not wanted:
         return out
-    current = now.index_select(0, torch.tensor(wanted, device=now.device))
-    before = torch.stack([call.rows[i].probe[call.branches[i]] for i in wanted])
-    dims = tuple(range(1, current.dim()))
-    change = (current - before).abs().mean(dim=dims) / before.abs().mean(dim=dims).clamp_min(1e-12)
+    if call.lengths is None:
+        current = now.index_select(0, torch.tensor(wanted, device=now.device))
+        before = torch.stack([call.rows[i].probe[call.branches[i]] for i in wanted])
+        change = _relative_l1(current, before)
+    else:  # packed rows: each over its own real tokens (their counts differ)
+        change = torch.cat(
+            [_relative_l1(real_row(call, now, i)[None], call.rows[i].probe[call.branches[i]][None]) for i in wanted]
+        )
     for i, value in zip(wanted, change.float().tolist(), strict=True):
         out[i] = value
     return out
+
+
+def _relative_l1(current: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    dims = tuple(range(1, current.dim()))
+    return (current - before).abs().mean(dim=dims) / before.abs().mean(dim=dims).clamp_min(1e-12)
+
+
+def real_row(call: CallRows, x: torch.Tensor, i: int, k: int | None = None) -> torch.Tensor:
+    """Row `k` of `x` (default `i`), which is row `i` of the call, cut to its real tokens in a packed call."""
+    row = x[i if k is None else k]
+    return row if call.lengths is None else row[: call.lengths[i]]
 
 
 def _agreed_changes(call: CallRows, now: torch.Tensor, wanted: list[int]) -> list[float | None]:
@@ -138,12 +153,15 @@ def _agreed_changes(call: CallRows, now: torch.Tensor, wanted: list[int]) -> lis
     assert agreement is not None
     # On the activations' device: the groups' backend (NCCL on GPUs) takes its own device's tensors.
     sums = torch.full((len(call.rows), 2), float("nan"), dtype=torch.float64, device=now.device)
-    if wanted:
-        current, share = agreement.local(now.index_select(0, torch.tensor(wanted, device=now.device)))
-        before, _ = agreement.local(torch.stack([call.rows[i].probe[call.branches[i]] for i in wanted]))
+    # Packed rows (`call.lengths`) measure one by one over their real tokens, as in one process.
+    parts = [wanted] if call.lengths is None else [[i] for i in wanted]
+    for part in [p for p in parts if p]:
+        rows = [real_row(call, now, i) for i in part]
+        current, share = agreement.local(torch.stack(rows))
+        before, _ = agreement.local(torch.stack([call.rows[i].probe[call.branches[i]] for i in part]))
         dims = tuple(range(1, current.dim()))
         measured = torch.stack([(current - before).abs().mean(dim=dims), before.abs().mean(dim=dims)], dim=1)
-        sums[torch.tensor(wanted, device=now.device)] = measured.to(torch.float64) * share if share else 0.0
+        sums[torch.tensor(part, device=now.device)] = measured.to(torch.float64) * share if share else 0.0
     sums = agreement.agree(sums)
     change = (sums[:, 0].to(now.dtype) / sums[:, 1].to(now.dtype).clamp_min(1e-12)).float()
     return [None if value != value else value for value in change.tolist()]  # NaN: no measure for the row
@@ -192,6 +210,11 @@ class CallRows:
     agreement: RankAgreement | None = None
     """Set when several ranks run these rows (CFG, sequence or tensor parallel, FSDP): they agree on each
     measure; None in one process."""
+    packed: Any = None
+    """A packed mixed-size call's `packing.PackedRows` (its rows padded to the longest), else None."""
+    lengths: list[int] | None = None
+    """Packed: each row's real tokens of the blocks' hidden states (a prefix), set by the first block's hook;
+    its measures and cached residuals cover those only (`step_cache_packed.py`). None: every token is real."""
 
     @property
     def method(self) -> str:
@@ -211,7 +234,7 @@ def decide_fbcache(call: CallRows, first_residual: torch.Tensor) -> None:
             row.compute = row.must_compute() or change is None or change > row.settings.resolved_threshold
             row.decided = True
         if row.compute:
-            row.probe[branch] = first_residual[i]
+            row.probe[branch] = real_row(call, first_residual, i)
 
 
 def decide_teacache(call: CallRows, modulated: torch.Tensor, coefficients: Sequence[float]) -> None:
@@ -227,7 +250,7 @@ def decide_teacache(call: CallRows, modulated: torch.Tensor, coefficients: Seque
             if row.compute:
                 row.accumulated = 0.0
             row.decided = True
-        row.probe[branch] = modulated[i]
+        row.probe[branch] = real_row(call, modulated, i)
 
 
 def decide_magcache(call: CallRows) -> None:
