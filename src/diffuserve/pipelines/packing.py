@@ -129,10 +129,16 @@ class PackedRows:
             _ROWS.reset(token)
 
 
-def packed_kernel(device: torch.device | str) -> str:
+def active_rows() -> PackedRows | None:
+    """The row context of the packed call running now, or None (read by sequence parallel's attention)."""
+    return _ROWS.get()
+
+
+def packed_kernel(device: torch.device | str, split: bool = False) -> str:
     """The attention kernel of packed calls on `device`: flex_attention where the device compiles it (CUDA, which
-    skips padded blocks), SDPA with a key mask elsewhere (CPU: the same logic, the padding computed then masked)."""
-    if torch.device(device).type == "cuda":
+    skips padded blocks), SDPA with a key mask elsewhere (CPU: the same logic, the padding computed then masked).
+    `split`: sequence parallel, whose own attention masks the padding: SDPA."""
+    if torch.device(device).type == "cuda" and not split:
         with contextlib.suppress(ImportError):
             from torch.nn.attention import flex_attention  # noqa: F401
 
@@ -144,8 +150,6 @@ def _fused_flex() -> None:
     """diffusers' flex backend calls `flex_attention` eagerly: torch's unfused reference, which materialises the
     scores. The fused kernel is the compiled function, so diffusers' dispatch module gets (once) a view of torch's
     flex module whose `flex_attention` is compiled; nothing else in the process uses that backend."""
-    import types
-
     from diffusers.models import attention_dispatch as dispatch
     from torch.nn.attention import flex_attention as module
 
@@ -237,6 +241,9 @@ class PackedFamily:
     """The family parts of packed calls, mixed into `RecipePipeline` (a family that packs overrides them and its
     spec says `packs_mixed_sizes`)."""
 
+    packs_split = False
+    """Its packed call runs under sequence parallel, each row's positions cut to the rank's share (FLUX.1)."""
+
     def packing_problem(self, head: SamplingParams, rows: Sequence[SamplingParams] = ()) -> str | None:
         """Why a mixed-size batch with `head`'s settings (and the per-row fields of `rows`, the batch's requests)
         cannot run packed on this pipeline (its size groups then run as separate calls), or None. The compositions
@@ -247,10 +254,8 @@ class PackedFamily:
             return "ControlNet rows are not yet proven packed (their residuals are laid out per size)"
         if head.step_cache_method != "off":
             return "step caches decide per row on whole-row residuals, which padding would change"
-        if getattr(self, "sequence_parallel", None) is not None:
-            return "sequence parallel splits one size's tokens over ranks; packed rows would straddle them"
-        if getattr(self, "cfg_parallel", None) is not None:
-            return "CFG parallel is not yet proven on packed rows"
+        if getattr(getattr(self, "sequence_parallel", None), "handles", None) and not self.packs_split:
+            return "this family's packed call does not yet cut its per-row positions to a rank's share"
         return None
 
     def packed_layout(self, groups: list[SizeGroup], positive: Cond) -> PackedRows:
