@@ -252,7 +252,8 @@ def test_what_cannot_run_is_refused(tiny_checkpoint):
 
 def test_blockwise_attention_merges_to_the_whole():
     """Ring's arithmetic in one process: the CPU kernel and the float32 formula (the path of other devices) agree,
-    and partial attentions over disjoint key blocks (one masked) merge to attention over all keys."""
+    and partial attentions over disjoint key blocks (one masked, one with no key for a row) merge to attention over
+    all keys."""
     import torch
 
     from diffuserve.parallel.attention import block_attention, math_attention, merge_partial
@@ -267,10 +268,14 @@ def test_blockwise_attention_merges_to_the_whole():
     formula, formula_lse = math_attention(q, k, v, bias, None)
     assert torch.allclose(kernel, formula, atol=1e-6) and torch.allclose(kernel_lse, formula_lse, atol=1e-6)
     out, lse = merge_partial(*merge_partial(None, None, kernel, kernel_lse), *block_attention(q, k2, v2, None, None))
+    # A third block holding none of row 1's keys (a packed row's padding on a ring block) adds nothing to row 1.
+    k3, v3 = (torch.randn(2, 3, 2, 8, generator=gen) for _ in range(2))
+    empty = torch.tensor([[True, True], [False, False]])
+    out, lse = merge_partial(out, lse, *block_attention(q, k3, v3, empty, None))
     whole = torch.nn.functional.scaled_dot_product_attention(
         q,
-        torch.cat([k, k2], 2),
-        torch.cat([v, v2], 2),
-        attn_mask=torch.cat([mask, torch.ones(2, 4, dtype=torch.bool)], 1)[:, None, None],
+        torch.cat([k, k2, k3], 2),
+        torch.cat([v, v2, v3], 2),
+        attn_mask=torch.cat([mask, torch.ones(2, 4, dtype=torch.bool), empty], 1)[:, None, None],
     )
     assert (out - whole).abs().max() < 1e-6
