@@ -3,10 +3,10 @@ single-process run: the final float32 latents within 1e-5 and the pixels within 
 
 Every run is the merged two-request batch of `ranks.requests` (CFG, n=2, prompts of different token lengths, so
 Qwen-Image's text mask pads), plus a FLUX request whose 9 image tokens do not divide the degree (padding), plus a
-FLUX batch of three sizes run as ONE packed call per step and branch (`pipelines/packing.py`; checked by counting
-those calls): its padded sequence (9 tokens, padded to 10) is split like any other, so a rank's share holds rows'
-padding, and one ring block holds none of the smallest row's tokens. Some runs are under component or layer-wise
-offload of every component. One launch of 4 ranks runs every case.
+FLUX.1 and a Qwen-Image batch of three sizes (and text lengths) run as ONE packed call per step and branch
+(`pipelines/packing.py`; checked by counting those calls): the padded sequence (9 tokens, padded to 10) is split
+like any other, so a rank's share holds rows' padding, and one ring block holds none of the smallest row's tokens.
+Some runs are under component or layer-wise offload of every component. One launch of 4 ranks runs every case.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ TWO_RANKS = (
     ("wan-u2", "wan", 2, 1, None),
     ("wan-r2", "wan", 1, 2, "component-offload"),
     ("wan2.2-ti2v-u2", "wan2.2-ti2v", 2, 1, None),  # per-token timesteps: split with the tokens
-    ("flux-packed-u2", "flux-packed", 2, 1, None),
     ("flux-packed-r2", "flux-packed", 1, 2, None),
+    ("qwen-image-packed-u2", "qwen-image-packed", 2, 1, None),  # per-row text lengths too
 )
 # (name, build, mesh dims): 4 ranks
 FOUR_RANKS = (
@@ -50,7 +50,7 @@ PACKED = (("a red fox", 1, 48, 48, 2), ("a long sandy beach", 5, 32, 32, 1), ("a
 
 
 def _batch(pipe, build: str):
-    if build == "flux-packed":  # 48x48 (9 tokens), 32x32 (4) and 32x48 (6): one packed call, true CFG
+    if build.endswith("-packed"):  # 48x48 (9 tokens), 32x32 (4) and 32x48 (6): one packed call, true CFG
         from diffuserve.sampling import build_sampling_params
 
         common = {"num_inference_steps": 2, "true_cfg_scale": 4.0, "negative_prompt": "dark"}
@@ -118,7 +118,7 @@ def _under(pipe, residency: str | None, run):
 
 
 def _checkpoint(checkpoints: dict[str, str], build: str) -> str:
-    return checkpoints["flux" if build.startswith("flux") else build]
+    return checkpoints["flux" if build.startswith("flux") else build.removesuffix("-packed")]
 
 
 def _save(out_dir: str, name: str, rank: int, result: tuple[np.ndarray, np.ndarray, int], sp) -> None:
@@ -187,7 +187,7 @@ def singles(checkpoints):
     from diffuserve.models.loader import load_pipeline
 
     out = {}
-    for build in ("flux", "flux-odd", "flux-packed", "qwen-image", "wan", "wan2.2-ti2v"):
+    for build in ("flux", "flux-odd", "flux-packed", "qwen-image", "qwen-image-packed", "wan", "wan2.2-ti2v"):
         out[build] = _run(load_pipeline(_checkpoint(checkpoints, build)), build)
     return out
 

@@ -24,10 +24,11 @@ dynamic batching and the residency modes compose with it).
 - A token count that does not divide U x R is padded at the end; padded keys are dropped before attention
   and padded outputs before returning, so any size runs.
 - Qwen-Image's text mask (a key-padding mask) is honoured in both modes.
-- Packed mixed-size calls (`pipelines/packing.py`, FLUX.1): the padded sequence (every row's image tokens padded to
-  the call's longest) is split like any other; the attention masks each row's padding as keys from the call's row
-  context (the split's shares need not align to row boundaries), and the family cuts each row's RoPE table to this
-  rank's share (`shard_tokens`). A ring block holding only a row's padding adds nothing to that row.
+- Packed mixed-size calls (`pipelines/packing.py`; FLUX.1, Qwen-Image): the padded sequence (every row's image
+  tokens padded to the call's longest) is split like any other; the attention masks each row's padding as keys
+  from the call's row context (the split's shares need not align to row boundaries), and the family cuts each
+  row's RoPE table to this rank's share (`shard_tokens`). A ring block holding only a row's padding adds nothing
+  to that row.
 - LTX-2: the video tokens are split, the audio tokens replicated (`sequence_plans.py` says why); the
   video-to-audio cross-attention (audio queries, video keys) all-gathers the video keys' input and RoPE first.
 

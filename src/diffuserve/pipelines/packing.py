@@ -63,7 +63,8 @@ class PackedRows:
     text_first: bool = True
     """The joint sequence is [text, image] (FLUX.1, Qwen-Image); False: [image, text] (SD3)."""
     kernel: str = "sdpa"
-    """`sdpa` (a key mask) or `flex` (`flex_attention` with a block mask that skips padded blocks)."""
+    """`sdpa` (a key mask), `flex` (`flex_attention` with a block mask that skips padded blocks) or `split` (sequence
+    parallel, whose attention masks the padding from this context: the key mask only reaches it, no SDPA wrap)."""
 
     @property
     def rows(self) -> int:
@@ -94,7 +95,7 @@ class PackedRows:
     def sdpa_mask(self, batch: int, keys: int, device: torch.device | str) -> torch.Tensor | None:
         """The (batch, 1, 1, keys) mask of an attention over `keys` keys (text and latents, or the latents alone as in
         SD3.5's second attention) in this call; None for an attention shorter than the latents."""
-        if keys < self.max_image:
+        if keys < self.max_image or self.kernel == "split":
             return None
         return self.key_mask(max(batch // self.rows, 1), device, keys)[:, None, None, :]
 
@@ -135,10 +136,11 @@ def active_rows() -> PackedRows | None:
 
 
 def packed_kernel(device: torch.device | str, split: bool = False) -> str:
-    """The attention kernel of packed calls on `device`: flex_attention where the device compiles it (CUDA, which
-    skips padded blocks), SDPA with a key mask elsewhere (CPU: the same logic, the padding computed then masked).
-    `split`: sequence parallel, whose own attention masks the padding: SDPA."""
-    if torch.device(device).type == "cuda" and not split:
+    """The attention kernel of packed calls: `split` under sequence parallel (its attention masks the padding), `flex`
+    on CUDA (flex_attention skips padded blocks), else `sdpa` (a key mask: the padding computed, then masked)."""
+    if split:
+        return "split"
+    if torch.device(device).type == "cuda":
         with contextlib.suppress(ImportError):
             from torch.nn.attention import flex_attention  # noqa: F401
 
@@ -242,7 +244,7 @@ class PackedFamily:
     spec says `packs_mixed_sizes`)."""
 
     packs_split = False
-    """Its packed call runs under sequence parallel, each row's positions cut to the rank's share (FLUX.1)."""
+    """Its packed call runs under sequence parallel, each row's positions cut to the rank's share (FLUX.1, Qwen)."""
 
     def packing_problem(self, head: SamplingParams, rows: Sequence[SamplingParams] = ()) -> str | None:
         """Why a mixed-size batch with `head`'s settings (and the per-row fields of `rows`, the batch's requests)
@@ -366,9 +368,7 @@ def run_mixed(pipe: RecipePipeline, batch: list[SamplingParams], **callbacks: An
         callbacks = {**callbacks, "on_preview": None}
         parts = [pipe.run_to_latents(g, **callbacks) for g in _by_size(ordered)]
         state = DenoiseState(latents=torch.empty(0), timesteps=torch.empty(0), scheduler=None, extras={})
-        state.extras["packed"] = Packed(
-            groups=[], layout=PackedRows((), (), 0, 0), order=order, extras={"parts": parts}
-        )
+        state.extras["packed"] = Packed([], PackedRows((), (), 0, 0), order, extras={"parts": parts})
         return Denoised(ordered, state.latents, state, _sum_seconds([part.stage_seconds for part in parts]))
     cfg = pipe.uses_cfg(head)
     timer = StageTimer()
