@@ -259,7 +259,7 @@ class SequenceParallel:
 
     def shard_tokens(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Within a sharded call: this rank's share of `x`'s image tokens on `dim` (zero-padded as the hidden states
-        are); outside one, `x`. A packed call's per-row RoPE table is cut with it (families/flux/adapter.py)."""
+        are); outside one, `x`. A packed call's per-row RoPE table is cut with it (`families/*/ops.py`)."""
         call = _CALL.get()
         return x if call is None else call.shard(x, dim)
 
