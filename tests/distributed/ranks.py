@@ -29,12 +29,15 @@ def requests(model, build: str):
 
 
 def pixels(result) -> np.ndarray:
-    """Every image (or video frame) of a BatchResult, stacked."""
+    """Every image (or video frame) of a BatchResult, stacked (flattened and concatenated when their sizes differ,
+    as in a packed mixed-size batch)."""
     frames = []
     for output in result.outputs:
         for item in output.videos or output.images:
             for frame in item if isinstance(item, list) else [item]:
                 frames.append(np.asarray(frame))
+    if len({frame.shape for frame in frames}) > 1:
+        return np.concatenate([frame.ravel() for frame in frames])
     return np.stack(frames)
 
 

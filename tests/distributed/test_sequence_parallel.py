@@ -2,8 +2,11 @@
 single-process run: the final float32 latents within 1e-5 and the pixels within 1/255, on every rank.
 
 Every run is the merged two-request batch of `ranks.requests` (CFG, n=2, prompts of different token lengths, so
-Qwen-Image's text mask pads), plus a FLUX request whose 9 image tokens do not divide the degree (padding). Some
-runs are under component or layer-wise offload of every component. One launch of 4 ranks runs every case.
+Qwen-Image's text mask pads), plus a FLUX request whose 9 image tokens do not divide the degree (padding), plus a
+FLUX.1 and a Qwen-Image batch of three sizes (and text lengths) run as ONE packed call per step and branch
+(`pipelines/packing.py`; checked by counting those calls): the padded sequence (9 tokens, padded to 10) is split
+like any other, so a rank's share holds rows' padding, and one ring block holds none of the smallest row's tokens.
+Some runs are under component or layer-wise offload of every component. One launch of 4 ranks runs every case.
 """
 
 from __future__ import annotations
@@ -32,16 +35,29 @@ TWO_RANKS = (
     ("wan-u2", "wan", 2, 1, None),
     ("wan-r2", "wan", 1, 2, "component-offload"),
     ("wan2.2-ti2v-u2", "wan2.2-ti2v", 2, 1, None),  # per-token timesteps: split with the tokens
+    ("flux-packed-r2", "flux-packed", 1, 2, None),
+    ("qwen-image-packed-u2", "qwen-image-packed", 2, 1, None),  # per-row text lengths too
 )
 # (name, build, mesh dims): 4 ranks
 FOUR_RANKS = (
     ("qwen-image-cfg2-u2", "qwen-image", ("cfg", "ulysses")),
+    ("flux-packed-cfg2-u2", "flux-packed", ("cfg", "ulysses")),  # each CFG rank's packed call split in two
     ("flux-odd-r2-u2", "flux-odd", ("ring", "ulysses")),
     ("wan-r2-u2", "wan", ("ring", "ulysses")),
 )
+PACKED = (("a red fox", 1, 48, 48, 2), ("a long sandy beach", 5, 32, 32, 1), ("a tower", 7, 32, 48, 1))
+"""The `flux-packed` batch: (prompt, seed, width, height, n)."""
 
 
 def _batch(pipe, build: str):
+    if build.endswith("-packed"):  # 48x48 (9 tokens), 32x32 (4) and 32x48 (6): one packed call, true CFG
+        from diffuserve.sampling import build_sampling_params
+
+        common = {"num_inference_steps": 2, "true_cfg_scale": 4.0, "negative_prompt": "dark"}
+        return [
+            build_sampling_params(pipe.describe_model(), prompt=prompt, seed=seed, width=w, height=h, n=n, **common)
+            for prompt, seed, w, h, n in PACKED
+        ]
     if build == "flux-odd":  # 48x48: 3x3 = 9 image tokens, padded to a multiple of the degree
         from diffuserve.sampling import build_sampling_params
 
@@ -53,21 +69,31 @@ def _batch(pipe, build: str):
     return requests(pipe.describe_model(), "wan" if build.startswith("wan") else build)
 
 
-def _run(pipe, build: str) -> tuple[np.ndarray, np.ndarray]:
-    """(final latents, pixels) of the build's batch."""
-    captured = []
-    decode = pipe.decode
+def _run(pipe, build: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """(final latents, pixels, packed denoiser calls) of the build's batch (a packed batch decodes per size: its
+    latents flattened and concatenated)."""
+    captured, packed = [], []
+    decode, predict_packed = pipe.decode, getattr(pipe, "predict_packed", None)
 
     def capture(latents, state):
         captured.append(latents.float().cpu().numpy().copy())
         return decode(latents, state)
 
+    def count(*args):
+        packed.append(1)
+        return predict_packed(*args)
+
     pipe.decode = capture
+    if predict_packed is not None:
+        pipe.predict_packed = count
     try:
         result = pipe.run(_batch(pipe, build))
     finally:
         del pipe.decode
-    return captured[0], pixels(result)
+        if predict_packed is not None:
+            del pipe.predict_packed
+    latents = captured[0] if len(captured) == 1 else np.concatenate([c.ravel() for c in captured])
+    return latents, pixels(result), len(packed)
 
 
 def _under(pipe, residency: str | None, run):
@@ -92,13 +118,13 @@ def _under(pipe, residency: str | None, run):
 
 
 def _checkpoint(checkpoints: dict[str, str], build: str) -> str:
-    return checkpoints["flux" if build == "flux-odd" else build]
+    return checkpoints["flux" if build.startswith("flux") else build.removesuffix("-packed")]
 
 
-def _save(out_dir: str, name: str, rank: int, result: tuple[np.ndarray, np.ndarray], sp) -> None:
+def _save(out_dir: str, name: str, rank: int, result: tuple[np.ndarray, np.ndarray, int], sp) -> None:
     np.save(Path(out_dir) / f"{name}-rank{rank}-latents.npy", result[0])
     np.save(Path(out_dir) / f"{name}-rank{rank}-pixels.npy", result[1])
-    np.save(Path(out_dir) / f"{name}-rank{rank}-calls.npy", np.array([sp.calls, sp.attention_calls]))
+    np.save(Path(out_dir) / f"{name}-rank{rank}-calls.npy", np.array([sp.calls, sp.attention_calls, result[2]]))
 
 
 def _rank_main(rank: int, world: int, init_file: str, checkpoints: dict[str, str], out_dir: str) -> None:
@@ -161,7 +187,7 @@ def singles(checkpoints):
     from diffuserve.models.loader import load_pipeline
 
     out = {}
-    for build in ("flux", "flux-odd", "qwen-image", "wan", "wan2.2-ti2v"):
+    for build in ("flux", "flux-odd", "flux-packed", "qwen-image", "qwen-image-packed", "wan", "wan2.2-ti2v"):
         out[build] = _run(load_pipeline(_checkpoint(checkpoints, build)), build)
     return out
 
@@ -173,11 +199,12 @@ def ranked(checkpoints, tmp_path_factory):
     return out_dir
 
 
-def _assert_matches(out_dir: Path, name: str, world: int, single: tuple[np.ndarray, np.ndarray]) -> None:
-    latents, image = single
+def _assert_matches(out_dir: Path, name: str, world: int, single: tuple[np.ndarray, np.ndarray, int]) -> None:
+    latents, image, packed = single
     for rank in range(world):
-        calls, attention_calls = np.load(out_dir / f"{name}-rank{rank}-calls.npy")
+        calls, attention_calls, ranked_packed = np.load(out_dir / f"{name}-rank{rank}-calls.npy")
         assert calls > 0 and attention_calls >= calls, (name, rank)  # the split really ran, in every block
+        assert (ranked_packed > 0) == (packed > 0), (name, rank, packed, ranked_packed)  # packed where one process is
         ranked_latents = np.load(out_dir / f"{name}-rank{rank}-latents.npy")
         ranked_pixels = np.load(out_dir / f"{name}-rank{rank}-pixels.npy")
         assert ranked_latents.shape == latents.shape and ranked_pixels.shape == image.shape, (name, rank)
@@ -225,7 +252,8 @@ def test_what_cannot_run_is_refused(tiny_checkpoint):
 
 def test_blockwise_attention_merges_to_the_whole():
     """Ring's arithmetic in one process: the CPU kernel and the float32 formula (the path of other devices) agree,
-    and partial attentions over disjoint key blocks (one masked) merge to attention over all keys."""
+    and partial attentions over disjoint key blocks (one masked, one with no key for a row) merge to attention over
+    all keys."""
     import torch
 
     from diffuserve.parallel.attention import block_attention, math_attention, merge_partial
@@ -240,10 +268,14 @@ def test_blockwise_attention_merges_to_the_whole():
     formula, formula_lse = math_attention(q, k, v, bias, None)
     assert torch.allclose(kernel, formula, atol=1e-6) and torch.allclose(kernel_lse, formula_lse, atol=1e-6)
     out, lse = merge_partial(*merge_partial(None, None, kernel, kernel_lse), *block_attention(q, k2, v2, None, None))
+    # A third block holding none of row 1's keys (a packed row's padding on a ring block) adds nothing to row 1.
+    k3, v3 = (torch.randn(2, 3, 2, 8, generator=gen) for _ in range(2))
+    empty = torch.tensor([[True, True], [False, False]])
+    out, lse = merge_partial(out, lse, *block_attention(q, k3, v3, empty, None))
     whole = torch.nn.functional.scaled_dot_product_attention(
         q,
-        torch.cat([k, k2], 2),
-        torch.cat([v, v2], 2),
-        attn_mask=torch.cat([mask, torch.ones(2, 4, dtype=torch.bool)], 1)[:, None, None],
+        torch.cat([k, k2, k3], 2),
+        torch.cat([v, v2, v3], 2),
+        attn_mask=torch.cat([mask, torch.ones(2, 4, dtype=torch.bool), empty], 1)[:, None, None],
     )
     assert (out - whole).abs().max() < 1e-6

@@ -15,7 +15,20 @@ def block_attention(
     """Attention of (B, H, Lq, D) queries to (B, H, Lk, D) keys with its log-sum-exp: (out, lse (B, H, Lq)).
 
     `mask`: (B, Lk) bool key-padding mask (True = attend) or None. CPU uses the fused kernel that returns the
-    log-sum-exp; CUDA the memory-efficient kernel when unmasked; otherwise the exact float32 formula."""
+    log-sum-exp; CUDA the memory-efficient kernel when unmasked; otherwise the exact float32 formula. A row whose
+    mask keeps no key (a ring block holding only a packed row's padding) gets out 0 and lse -inf, so it merges as
+    nothing (the CPU kernel itself returns lse 0 there, the formula NaN)."""
+    out, lse = _attention(q, k, v, mask, scale)
+    if mask is not None:
+        empty = ~mask.any(dim=1)
+        lse = lse.masked_fill(empty[:, None, None], float("-inf"))
+        out = out.masked_fill(empty[:, None, None, None], 0)
+    return out, lse
+
+
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     bias = None
     if mask is not None:
         bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))[:, None, None]
@@ -51,4 +64,6 @@ def merge_partial(
     if out is None or lse is None:
         return part, part_lse
     merged = torch.logaddexp(lse, part_lse)
-    return (out * torch.exp(lse - merged)[..., None] + part * torch.exp(part_lse - merged)[..., None]), merged
+    # An empty part (lse -inf) weighs exp(-inf) = 0; where both are empty, the weights must not be exp(nan).
+    base = merged.masked_fill(torch.isneginf(merged), 0)
+    return (out * torch.exp(lse - base)[..., None] + part * torch.exp(part_lse - base)[..., None]), merged

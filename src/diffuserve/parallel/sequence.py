@@ -24,6 +24,11 @@ dynamic batching and the residency modes compose with it).
 - A token count that does not divide U x R is padded at the end; padded keys are dropped before attention
   and padded outputs before returning, so any size runs.
 - Qwen-Image's text mask (a key-padding mask) is honoured in both modes.
+- Packed mixed-size calls (`pipelines/packing.py`; FLUX.1, Qwen-Image): the padded sequence (every row's image
+  tokens padded to the call's longest) is split like any other; the attention masks each row's padding as keys
+  from the call's row context (the split's shares need not align to row boundaries), and the family cuts each
+  row's RoPE table to this rank's share (`shard_tokens`). A ring block holding only a row's padding adds nothing
+  to that row.
 - LTX-2: the video tokens are split, the audio tokens replicated (`sequence_plans.py` says why); the
   video-to-audio cross-attention (audio queries, video keys) all-gathers the video keys' input and RoPE first.
 
@@ -142,12 +147,42 @@ def _key_padding(attn_mask: torch.Tensor | None, text: int) -> torch.Tensor | No
     image part is all True by construction (Qwen-Image's processor appends ones), and is not read (no host sync)."""
     if attn_mask is None:
         return None
+    if attn_mask.dtype == torch.bool and attn_mask.ndim == 2:  # (B, keys): a packed call's key mask (FLUX.1)
+        return attn_mask[:, :text]
     if attn_mask.dtype != torch.bool or attn_mask.ndim != 4 or attn_mask.shape[1:3] != (1, 1):
         raise ValueError(
-            f"sequence-parallel attention takes a boolean key-padding mask (B, 1, 1, keys); got "
+            f"sequence-parallel attention takes a boolean key-padding mask (B, 1, 1, keys) or (B, keys); got "
             f"{attn_mask.dtype} {tuple(attn_mask.shape)}"
         )
     return attn_mask[:, 0, 0, :text]
+
+
+def _image_padding(call: _Call, batch: int, device: torch.device) -> torch.Tensor | None:
+    """In a packed call: (batch, padded) bool, True at each row's real image tokens (False at its own padding and at
+    the split's); None otherwise. Read from the call's row context, not from the mask the family passes, whose image
+    part is laid out for the whole sequence while the attention sees this rank's share."""
+    from diffuserve.pipelines.packing import active_rows
+
+    rows = active_rows()
+    if rows is None:
+        return None
+    if rows.max_image != call.tokens:
+        raise ValueError(f"packed call of {rows.max_image} image tokens per row split as {call.tokens} tokens")
+    mask = rows.image_mask(max(batch // rows.rows, 1), device)
+    return torch.cat([mask, mask.new_zeros(batch, call.padded - call.tokens)], dim=1)
+
+
+def _joint_mask(text_mask: torch.Tensor | None, image_mask: torch.Tensor | None, text: int, image: int) -> Any:
+    """(B, text + image) key mask of [text, image] keys from their parts (None: all attend), or None."""
+    if text_mask is None and image_mask is None:
+        return None
+    reference = text_mask if text_mask is not None else image_mask
+    assert reference is not None
+    if text_mask is None:
+        text_mask = reference.new_ones(reference.shape[0], text)
+    if image_mask is None:
+        image_mask = reference.new_ones(reference.shape[0], image)
+    return torch.cat([text_mask, image_mask], dim=1)
 
 
 # -- the strategy -------------------------------------------------------------------------------------------
@@ -222,6 +257,12 @@ class SequenceParallel:
         # always_call: the call's state is cleared even when the forward raises.
         self.handles.append(transformer.register_forward_hook(leave, with_kwargs=True, always_call=True))
 
+    def shard_tokens(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Within a sharded call: this rank's share of `x`'s image tokens on `dim` (zero-padded as the hidden states
+        are); outside one, `x`. A packed call's per-row RoPE table is cut with it (`families/*/ops.py`)."""
+        call = _CALL.get()
+        return x if call is None else call.shard(x, dim)
+
     def real_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, float]:
         """Step caches: `x` cut to this rank's real tokens, and their share of the row's (`parallel/agreement.py`)."""
         from diffuserve.parallel.agreement import real_tokens
@@ -258,13 +299,13 @@ class SequenceParallel:
                 f"sequence-parallel attention expects joint self-attention over [text, {call.local} "
                 f"local tokens]; got queries {tuple(query.shape)}, keys {tuple(key.shape)}"
             )
-        text_mask = _key_padding(attn_mask, text)
+        masks = (_key_padding(attn_mask, text), _image_padding(call, query.shape[0], query.device))
         if self.ulysses_degree > 1:
             query, key, value = (self._to_heads(x, text) for x in (query, key, value))
         if self.ring_degree > 1:
-            out = self._ring(call, query, key, value, text, text_mask, scale)
+            out = self._ring(call, query, key, value, text, masks, scale)
         else:
-            out = self._whole(call, query, key, value, text, text_mask, scale)
+            out = self._whole(call, query, key, value, text, masks, scale)
         return self._to_sequence(out, text) if self.ulysses_degree > 1 else out
 
     def _to_heads(self, x: torch.Tensor, text: int) -> torch.Tensor:
@@ -304,15 +345,17 @@ class SequenceParallel:
         k: torch.Tensor,
         v: torch.Tensor,
         text: int,
-        text_mask: torch.Tensor | None,
+        masks: tuple[torch.Tensor | None, torch.Tensor | None],
         scale: float | None,
     ) -> torch.Tensor:
         # Ulysses alone: every image token is here (for this rank's heads), in the original order; one attention
         # call over the unpadded keys, as diffusers' native backend makes it.
+        # `masks`: the text's key padding and a packed call's image padding (either may be None).
         keys = text + call.tokens
-        mask = None
-        if text_mask is not None:
-            mask = torch.cat([text_mask, text_mask.new_ones(text_mask.shape[0], call.tokens)], dim=1)[:, None, None]
+        text_mask, image_mask = masks
+        mask = _joint_mask(text_mask, None if image_mask is None else image_mask[:, : call.tokens], text, call.tokens)
+        if mask is not None:
+            mask = mask[:, None, None]
         out = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k[:, :keys].transpose(1, 2), v[:, :keys].transpose(1, 2), attn_mask=mask, scale=scale
         )
@@ -325,10 +368,12 @@ class SequenceParallel:
         k: torch.Tensor,
         v: torch.Tensor,
         text: int,
-        text_mask: torch.Tensor | None,
+        masks: tuple[torch.Tensor | None, torch.Tensor | None],
         scale: float | None,
     ) -> torch.Tensor:
         r, n = self.ring_rank, self.ring_degree
+        text_mask, image_mask = masks
+        size = call.local * self.ulysses_degree  # image tokens per ring block
         queries = q.transpose(1, 2)
         block = torch.stack([k[:, text:], v[:, text:]]).contiguous()  # this rank's image keys/values, travelling
         send_to = dist.get_global_rank(self.ring_group, (r + 1) % n)
@@ -346,13 +391,12 @@ class SequenceParallel:
                     ]
                 )
             real = self._block_tokens(call, owner)
+            image = None if image_mask is None else image_mask[:, owner * size : owner * size + real]
             if step == 0:  # the local block carries the text keys (once over the ring)
                 keys, values = k[:, : text + real], v[:, : text + real]
-                mask = None
-                if text_mask is not None:
-                    mask = torch.cat([text_mask, text_mask.new_ones(text_mask.shape[0], real)], dim=1)
+                mask = _joint_mask(text_mask, image, text, real)
             else:
-                keys, values, mask = block[0][:, :real], block[1][:, :real], None
+                keys, values, mask = block[0][:, :real], block[1][:, :real], image
             if keys.shape[1]:
                 part, part_lse = block_attention(queries, keys.transpose(1, 2), values.transpose(1, 2), mask, scale)
                 out, lse = merge_partial(out, lse, part, part_lse)

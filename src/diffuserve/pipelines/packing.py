@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import logging
 import types
 from collections.abc import Iterator, Sequence
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffuserve.pipelines.batch_rows import Cond, Denoised, DenoiseState, StageTimer, gather_rows, num_rows
+from diffuserve.pipelines.batch_rows import Cond, Denoised, DenoiseState, StageTimer, check_batch, gather_rows, num_rows
 from diffuserve.pipelines.step_cache_rows import new_row_caches
 
 if TYPE_CHECKING:
@@ -64,7 +65,8 @@ class PackedRows:
     text_first: bool = True
     """The joint sequence is [text, image] (FLUX.1, Qwen-Image); False: [image, text] (SD3)."""
     kernel: str = "sdpa"
-    """`sdpa` (a key mask) or `flex` (`flex_attention` with a block mask that skips padded blocks)."""
+    """`sdpa` (a key mask), `flex` (`flex_attention` with a block mask that skips padded blocks) or `split` (sequence
+    parallel, whose attention masks the padding from this context: the key mask only reaches it, no SDPA wrap)."""
 
     @property
     def rows(self) -> int:
@@ -95,7 +97,7 @@ class PackedRows:
     def sdpa_mask(self, batch: int, keys: int, device: torch.device | str) -> torch.Tensor | None:
         """The (batch, 1, 1, keys) mask of an attention over `keys` keys (text and latents, or the latents alone as in
         SD3.5's second attention) in this call; None for an attention shorter than the latents."""
-        if keys < self.max_image:
+        if keys < self.max_image or self.kernel == "split":
             return None
         return self.key_mask(max(batch // self.rows, 1), device, keys)[:, None, None, :]
 
@@ -130,9 +132,16 @@ class PackedRows:
             _ROWS.reset(token)
 
 
-def packed_kernel(device: torch.device | str) -> str:
-    """The attention kernel of packed calls on `device`: flex_attention where the device compiles it (CUDA, which
-    skips padded blocks), SDPA with a key mask elsewhere (CPU: the same logic, the padding computed then masked)."""
+def active_rows() -> PackedRows | None:
+    """The row context of the packed call running now, or None (read by sequence parallel's attention)."""
+    return _ROWS.get()
+
+
+def packed_kernel(device: torch.device | str, split: bool = False) -> str:
+    """The attention kernel of packed calls: `split` under sequence parallel (its attention masks the padding), `flex`
+    on CUDA (flex_attention skips padded blocks), else `sdpa` (a key mask: the padding computed, then masked)."""
+    if split:
+        return "split"
     if torch.device(device).type == "cuda":
         with contextlib.suppress(ImportError):
             from torch.nn.attention import flex_attention  # noqa: F401
@@ -145,8 +154,6 @@ def _fused_flex() -> None:
     """diffusers' flex backend calls `flex_attention` eagerly: torch's unfused reference, which materialises the
     scores. The fused kernel is the compiled function, so diffusers' dispatch module gets (once) a view of torch's
     flex module whose `flex_attention` is compiled; nothing else in the process uses that backend."""
-    import types
-
     from diffusers.models import attention_dispatch as dispatch
     from torch.nn.attention import flex_attention as module
 
@@ -238,6 +245,9 @@ class PackedFamily:
     """The family parts of packed calls, mixed into `RecipePipeline` (a family that packs overrides them and its
     spec says `packs_mixed_sizes`)."""
 
+    packs_split = False
+    """Its packed call runs under sequence parallel, each row's positions cut to the rank's share (FLUX.1, Qwen)."""
+
     def packing_problem(self, head: SamplingParams, rows: Sequence[SamplingParams] = ()) -> str | None:
         """Why a mixed-size batch with `head`'s settings (and the per-row fields of `rows`, the batch's requests)
         cannot run packed on this pipeline (its size groups then run as separate calls), or None. The compositions
@@ -246,10 +256,12 @@ class PackedFamily:
             return "image-conditioned requests (edits, references, masks) are not yet proven packed"
         if any(p.control is not None for p in (head, *rows)):
             return "ControlNet rows are not yet proven packed (their residuals are laid out per size)"
-        if getattr(self, "sequence_parallel", None) is not None:
-            return "sequence parallel splits one size's tokens over ranks; packed rows would straddle them"
-        if getattr(self, "cfg_parallel", None) is not None:
-            return "CFG parallel is not yet proven on packed rows"
+        split = getattr(getattr(self, "sequence_parallel", None), "handles", None)
+        if split and not self.packs_split:
+            return "this family's packed call does not yet cut its per-row positions to a rank's share"
+        if split and head.step_cache_method != "off":
+            # The ranks' step-cache agreement (parallel/agreement.py) would count packed rows' padding as tokens.
+            return "step caches under sequence parallel are not yet proven on packed rows"
         return None
 
     def packed_layout(self, groups: list[SizeGroup], positive: Cond) -> PackedRows:
@@ -317,10 +329,6 @@ def size_order(batch: Sequence[SamplingParams]) -> list[int]:
 
 def check_mixed(batch: Sequence[SamplingParams]) -> SamplingParams:
     """The head, after checking every request shares its signature but for the size."""
-    import dataclasses
-
-    from diffuserve.pipelines.batch_rows import check_batch
-
     head = batch[0]
     check_batch([dataclasses.replace(p, width=head.width, height=head.height) for p in batch])
     return head
@@ -360,9 +368,7 @@ def run_mixed(pipe: RecipePipeline, batch: list[SamplingParams], **callbacks: An
         callbacks = {**callbacks, "on_preview": None}
         parts = [pipe.run_to_latents(g, **callbacks) for g in _by_size(ordered)]
         state = DenoiseState(latents=torch.empty(0), timesteps=torch.empty(0), scheduler=None, extras={})
-        state.extras["packed"] = Packed(
-            groups=[], layout=PackedRows((), (), 0, 0), order=order, extras={"parts": parts}
-        )
+        state.extras["packed"] = Packed([], PackedRows((), (), 0, 0), order, extras={"parts": parts})
         return Denoised(ordered, state.latents, state, _sum_seconds([part.stage_seconds for part in parts]))
     cfg = pipe.uses_cfg(head)
     timer = StageTimer()
@@ -489,8 +495,3 @@ def decode_batch(pipe: RecipePipeline, denoised: Denoised) -> BatchResult:
     for k, index in enumerate(packed.order):
         restored[index] = outputs[k]
     return BatchResult(outputs=restored, stage_seconds=seconds)
-
-
-def latent_shape(latents: torch.Tensor) -> tuple[int, ...]:
-    """A request's latent shape less its rows: what must match for its rows to concatenate with another's."""
-    return tuple(latents.shape[1:])

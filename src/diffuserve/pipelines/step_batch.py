@@ -165,7 +165,7 @@ def denoise_step(pipeline: RecipePipeline, group: Sequence[RequestRows], conds: 
 
 
 def _step_part(pipeline: RecipePipeline, model_key: str, group: list[RequestRows], conds: GroupConds) -> None:
-    if len({packing.latent_shape(r.latents) for r in group}) > 1:  # several sizes: packed (pipelines/packing.py)
+    if len({latent_shape(r.latents) for r in group}) > 1:  # several sizes: packed (pipelines/packing.py)
         return _step_mixed(pipeline, model_key, group, conds, _step_part)
     head = group[0]
     timesteps = [rows.state.timesteps[rows.step_index] for rows in group]
@@ -212,7 +212,7 @@ def finish_requests(pipeline: RecipePipeline, group: Sequence[RequestRows]) -> l
     shape: the group key; requests of several sizes decode per size), then split the rows back per request. A family
     with sound (LTX-2) leaves one waveform per row in the decode's `extras["audios"]` (at its `sample_rate`); they
     are split back the same way."""
-    shapes = list(dict.fromkeys(packing.latent_shape(r.latents) for r in group))
+    shapes = list(dict.fromkeys(latent_shape(r.latents) for r in group))
     if len(shapes) > 1:
         done = {id(r): out for s in shapes for r, out in zip(*_finished_shape(pipeline, group, s), strict=True)}
         return [done[id(r)] for r in group]
@@ -242,7 +242,7 @@ def finish_requests(pipeline: RecipePipeline, group: Sequence[RequestRows]) -> l
 def _finished_shape(
     pipeline: RecipePipeline, group: Sequence[RequestRows], shape: tuple[int, ...]
 ) -> tuple[list, list]:
-    part = [r for r in group if packing.latent_shape(r.latents) == shape]
+    part = [r for r in group if latent_shape(r.latents) == shape]
     return part, finish_requests(pipeline, part)
 
 
@@ -253,14 +253,14 @@ def _step_mixed(pipe: RecipePipeline, model_key: str, group: list[Any], conds: A
     if not pipe.packs_mixed_sizes or pipe.packing_problem(head.params, [r.params for r in group]) is not None:
         by_shape: dict[tuple[int, ...], list[Any]] = {}
         for rows in group:
-            by_shape.setdefault(packing.latent_shape(rows.latents), []).append(rows)
+            by_shape.setdefault(latent_shape(rows.latents), []).append(rows)
         for part in by_shape.values():
             step_part(pipe, model_key, part, conds)
         return
     groups, start = [], 0
     for rows in group:
         n = rows.latents.shape[0]
-        spatial = packing.latent_shape(rows.latents) if rows.latents.ndim == 4 else None
+        spatial = latent_shape(rows.latents) if rows.latents.ndim == 4 else None
         tokens = rows.latents.flatten(2).transpose(1, 2) if spatial is not None else rows.latents
         state = DenoiseState(tokens, rows.state.timesteps, rows.state.scheduler, rows.state.extras)
         groups.append(
@@ -284,3 +284,8 @@ def _step_mixed(pipe: RecipePipeline, model_key: str, group: list[Any], conds: A
         for rows, g, t in zip(group, groups, timesteps, strict=True):
             rows.latents = pipe.scheduler_step(g.latents_of(pred[g.rows]), t, rows.latents, rows.state)
             rows.step_index += 1
+
+
+def latent_shape(latents: torch.Tensor) -> tuple[int, ...]:
+    """A request's latent shape less its rows: what must match for its rows to concatenate with another's."""
+    return tuple(latents.shape[1:])

@@ -22,7 +22,8 @@ from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
 from diffuserve.families.flux import controlnet as flux_controlnet
-from diffuserve.pipelines import inpaint, packing, recipe, token_ids
+from diffuserve.families.flux.ops import FluxPacking
+from diffuserve.pipelines import inpaint, recipe, token_ids
 from diffuserve.pipelines.base import component_configs, declared_sequence_length
 from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows
 from diffuserve.pipelines.recipe import Cond, DenoiseState
@@ -39,7 +40,7 @@ def _make_room(cache: dict) -> None:
         cache.clear()
 
 
-class FluxNativePipeline(recipe.RecipePipeline):
+class FluxNativePipeline(FluxPacking, recipe.RecipePipeline):
     """FLUX.1 text-to-image (dev and schnell style) as a batched stage pipeline. Its static facts (size multiple,
     dev/schnell defaults, continuous, text encoders) are the family spec's (`family_spec/flux.py`, `bind_facts`)."""
 
@@ -358,53 +359,6 @@ class FluxNativePipeline(recipe.RecipePipeline):
         if control is None:
             return states[0].extras
         return {**{k: v for k, v in states[0].extras.items() if not k.startswith("_")}, EXTRAS_KEY: control}
-
-    # -- packed mixed-size calls (pipelines/packing.py) -------------------------------------------------------
-
-    def packed_layout(self, groups: list[packing.SizeGroup], positive: Cond) -> packing.PackedRows:
-        """[T5 text, image] per row: every row's text is the same padded length (T5 pads to its max length and
-        FLUX.1 attends to the padding, as diffusers does); the image tokens differ by size."""
-        text = positive["prompt_embeds"].shape[1]
-        image = [g.tokens for g in groups for _ in range(g.rows.stop - g.rows.start)]
-        kernel = packing.packed_kernel(self.device)
-        return packing.PackedRows((text,) * len(image), tuple(image), text, max(image), kernel=kernel)
-
-    def packed_extras(
-        self, groups: list[packing.SizeGroup], layout: packing.PackedRows, positive: Cond
-    ) -> dict[str, object]:
-        """Each row's own position ids ([text ids, its size's image ids, zeros for the padding]), stacked."""
-        text_ids = self._text_ids_for(layout.max_text)
-        ids = []
-        for g in groups:
-            image_ids = self._image_ids_for(*g.state.extras["size"])
-            pad = text_ids.new_zeros(layout.max_image - image_ids.shape[0], 3)
-            ids += [torch.cat([text_ids, image_ids, pad])] * (g.rows.stop - g.rows.start)
-        return {"ids": torch.cat(ids), "guidance": groups[0].state.extras["guidance"]}
-
-    def predict_packed(
-        self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState
-    ) -> torch.Tensor:
-        """One transformer call over rows of different sizes: per-row RoPE tables (stacked, applied per row by
-        `packing.install_row_rotary`), a key mask (or flex block mask) confining each row to its own tokens, and
-        the per-row timestep / guidance / pooled modulation diffusers already broadcasts per row."""
-        packing.install_row_rotary("diffusers.models.transformers.transformer_flux")
-        layout: packing.PackedRows = state.extras["packed"].layout
-        repeats = latents.shape[0] // layout.rows  # 2 for a doubled CFG batch
-        ids = state.extras["ids"].repeat(repeats, 1)
-        guidance = state.extras["guidance"]
-        with layout.active():
-            out = self.transformer(
-                hidden_states=latents,
-                timestep=timestep.to(latents.dtype) / 1000,
-                guidance=None if guidance is None else guidance.expand(latents.shape[0]),
-                pooled_projections=cond["pooled"],
-                encoder_hidden_states=cond["prompt_embeds"],
-                txt_ids=ids[:0],
-                img_ids=ids,
-                joint_attention_kwargs={"attention_mask": layout.attention_mask(repeats, latents.device)},
-                return_dict=False,
-            )[0]
-        return out * layout.image_mask(repeats, out.device)[..., None].to(out.dtype)
 
 
 class FluxFillNativePipeline(FluxNativePipeline):

@@ -27,7 +27,7 @@ from diffuserve.families.qwen_image import controlnet as qwen_controlnet
 from diffuserve.families.qwen_image import inpaint as qwen_inpaint
 from diffuserve.families.qwen_image import ops
 from diffuserve.family_spec.qwen_image import QWEN_IMAGE_21_ROPE_POSITIONS, QWEN_IMAGE_TEXT_TOKENS
-from diffuserve.pipelines import inpaint, packing, recipe
+from diffuserve.pipelines import inpaint, recipe
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows
 from diffuserve.pipelines.recipe import Cond, DenoiseState
@@ -135,7 +135,7 @@ class _QwenBase(recipe.RecipePipeline):
         return recipe.to_pil_images(image)
 
 
-class QwenImageNativePipeline(_QwenBase):
+class QwenImageNativePipeline(ops.QwenPacking, _QwenBase):
     """Qwen-Image / Qwen-Image 2512 text-to-image (`QwenImagePipeline`): Qwen2.5-VL text, MM-DiT, true CFG
     rescaled to the conditional prediction's norm."""
 
@@ -285,54 +285,6 @@ class QwenImageNativePipeline(_QwenBase):
         self, cond: torch.Tensor, uncond: torch.Tensor, head: Any, state: DenoiseState, step_index: int
     ) -> torch.Tensor:
         return ops.norm_rescaled_cfg(cond, uncond, self.cfg_scale(head))
-
-    # -- packed mixed-size calls (pipelines/packing.py) -------------------------------------------------------
-
-    def packed_layout(self, groups: list[packing.SizeGroup], positive: Cond) -> packing.PackedRows:
-        """[text, image] per row: each row's own text length (the mask's) and its size's image tokens."""
-        text = [int(n) for n in positive["mask"].sum(dim=1).tolist()]
-        image = [g.tokens for g in groups for _ in range(g.rows.stop - g.rows.start)]
-        kernel = packing.packed_kernel(self.device)
-        return packing.PackedRows(tuple(text), tuple(image), positive["mask"].shape[1], max(image), kernel=kernel)
-
-    def predict_packed(
-        self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState
-    ) -> torch.Tensor:
-        """One call over rows of different sizes: each size's RoPE tables (its image grid, and its text positions,
-        which start past its grid) stacked per row in place of the batch's one table, the image padding masked
-        beside the text padding, per-row modulation as diffusers broadcasts it."""
-        module = "diffusers.models.transformers.transformer_qwenimage"
-        packing.install_row_rotary(module, "apply_rotary_emb_qwen")
-        packing.install_masked_dispatch(module)
-        packed: packing.Packed = state.extras["packed"]
-        layout = packed.layout
-        repeats = latents.shape[0] // layout.rows
-        text = cond["embeds"].shape[1]
-        image_rows, text_rows = [], []
-        for g in packed.groups:
-            image, txt = self.transformer.pos_embed(
-                g.state.extras["img_shapes"][0], latents.device, max_txt_seq_len=text
-            )
-            image = torch.nn.functional.pad(image, (0, 0, 0, layout.max_image - image.shape[0]))
-            image_rows += [image] * (g.rows.stop - g.rows.start)
-            text_rows += [txt] * (g.rows.stop - g.rows.start)
-        tables = (torch.cat(image_rows * repeats), torch.cat(text_rows * repeats))
-        hook = self.transformer.pos_embed.register_forward_hook(lambda module, args, out: tables)
-        guidance, mask = packed.groups[0].state.extras["guidance"], cond["mask"]
-        try:
-            with layout.active():
-                out = self.transformer(
-                    hidden_states=latents,
-                    timestep=timestep.to(latents.dtype) / 1000,
-                    guidance=None if guidance is None else guidance.expand(latents.shape[0]),
-                    encoder_hidden_states_mask=None if bool(mask.all()) else mask,
-                    encoder_hidden_states=cond["embeds"],
-                    img_shapes=packed.groups[0].state.extras["img_shapes"][:1] * latents.shape[0],
-                    return_dict=False,
-                )[0]
-        finally:
-            hook.remove()
-        return out * layout.image_mask(repeats, out.device)[..., None].to(out.dtype)
 
     def _unpack(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         from diffusers import QwenImagePipeline

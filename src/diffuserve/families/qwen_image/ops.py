@@ -39,6 +39,9 @@ from typing import Any
 
 import torch
 
+from diffuserve.pipelines import packing
+from diffuserve.pipelines.batch_rows import Cond, DenoiseState
+
 
 def masked_rows(hidden: torch.Tensor, mask: torch.Tensor, drop: int, limit: int | None = None) -> list[torch.Tensor]:
     """Per text: its valid hidden states (mask == 1), minus the first `drop`, at most `limit` kept."""
@@ -79,3 +82,74 @@ def latents_stats(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(like.device, like.dtype)
     std = torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(like.device, like.dtype)
     return mean, std
+
+
+# -- packed mixed-size calls (pipelines/packing.py) -----------------------------------------------------------
+
+MODULE = "diffusers.models.transformers.transformer_qwenimage"
+
+
+class QwenPacking:
+    """Mixed into `QwenImageNativePipeline`: the packed layout and the packed transformer call."""
+
+    transformer: Any
+    device: torch.device
+    packs_split = True
+
+    def _split(self) -> Any:
+        """The sequence split while installed (`parallel/sequence.py`), else None."""
+        split = getattr(self, "sequence_parallel", None)
+        return split if split is not None and split.handles else None
+
+    def packed_layout(self, groups: list[packing.SizeGroup], positive: Cond) -> packing.PackedRows:
+        """[text, image] per row: each row's own text length (the mask's) and its size's image tokens."""
+        text = [int(n) for n in positive["mask"].sum(dim=1).tolist()]
+        image = [g.tokens for g in groups for _ in range(g.rows.stop - g.rows.start)]
+        kernel = packing.packed_kernel(self.device, split=self._split() is not None)
+        return packing.PackedRows(tuple(text), tuple(image), positive["mask"].shape[1], max(image), kernel=kernel)
+
+    def predict_packed(
+        self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState
+    ) -> torch.Tensor:
+        """One call over rows of different sizes: each size's RoPE tables (its image grid, and its text positions,
+        which start past its grid) stacked per row in place of the batch's one table, the image padding masked
+        beside the text padding, per-row modulation as diffusers broadcasts it. Under sequence parallel each row's
+        image table is cut to the rank's share inside the call, as the hidden states are."""
+        packing.install_row_rotary(MODULE, "apply_rotary_emb_qwen")
+        packing.install_masked_dispatch(MODULE)
+        packed: packing.Packed = state.extras["packed"]
+        layout, split = packed.layout, self._split()
+        repeats = latents.shape[0] // layout.rows
+        text = cond["embeds"].shape[1]
+        image_rows, text_rows = [], []
+        for g in packed.groups:
+            image, txt = self.transformer.pos_embed(
+                g.state.extras["img_shapes"][0], latents.device, max_txt_seq_len=text
+            )
+            image = torch.nn.functional.pad(image, (0, 0, 0, layout.max_image - image.shape[0]))
+            image_rows += [image] * (g.rows.stop - g.rows.start)
+            text_rows += [txt] * (g.rows.stop - g.rows.start)
+        tables = (torch.stack(image_rows * repeats), torch.cat(text_rows * repeats))
+
+        def per_row(module: torch.nn.Module, args: tuple, out: Any) -> tuple:
+            image = tables[0] if split is None else split.shard_tokens(tables[0], 1)
+            return image.flatten(0, 1), tables[1]
+
+        hook = self.transformer.pos_embed.register_forward_hook(per_row)
+        guidance, mask = packed.groups[0].state.extras["guidance"], cond["mask"]
+        # The largest size's shapes: diffusers' own table then has the call's token count (the split cuts it).
+        largest = max(packed.groups, key=lambda g: g.tokens)
+        try:
+            with layout.active():
+                out = self.transformer(
+                    hidden_states=latents,
+                    timestep=timestep.to(latents.dtype) / 1000,
+                    guidance=None if guidance is None else guidance.expand(latents.shape[0]),
+                    encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+                    encoder_hidden_states=cond["embeds"],
+                    img_shapes=largest.state.extras["img_shapes"][:1] * latents.shape[0],
+                    return_dict=False,
+                )[0]
+        finally:
+            hook.remove()
+        return out * layout.image_mask(repeats, out.device)[..., None].to(out.dtype)
