@@ -37,8 +37,8 @@ WAN_I2V_TP_PLAN = {
 HUNYUAN_VIDEO_15_TP_PLAN = {
     **{f"transformer_blocks.*.attn.{name}": "colwise" for name in ("to_q", "to_k", "to_v")},
     **{f"transformer_blocks.*.attn.{name}": "colwise" for name in ("add_q_proj", "add_k_proj", "add_v_proj")},
-    "transformer_blocks.*.attn.to_add_out": "rowwise",
     "transformer_blocks.*.attn.to_out.0": "rowwise",
+    "transformer_blocks.*.attn.to_add_out": "rowwise",
     "transformer_blocks.*.ff.net.0.proj": "colwise",
     "transformer_blocks.*.ff.net.2": "rowwise",
     "transformer_blocks.*.ff_context.net.0.proj": "colwise",
