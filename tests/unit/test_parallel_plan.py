@@ -29,7 +29,7 @@ def plan(family: str = "flux", num_gpus: int = 2, heads: int | None = 24, **flag
         ({"sp_degree": 2}, {"ulysses_degree": 2, "ring_degree": 1, "sp_degree": 2}),  # --sp-degree alone is Ulysses
         ({"num_gpus": 4, "sp_degree": 4, "ring_degree": 2}, {"ulysses_degree": 2, "ring_degree": 2}),
         ({"num_gpus": 4, "ulysses_degree": 2, "ring_degree": 2}, {"sp_degree": 4, "dp_size": 1}),
-        ({"tp_size": 2}, {"tp_size": 2}),
+        ({"family": "ltx2", "tp_size": 2}, {"tp_size": 2}),  # FLUX.1 reaches the heads check below
         ({"family": "qwen_image"}, {"enable_cfg_parallel": True, "dp_size": 1}),  # auto: CFG family on 2 ranks
         ({"family": "qwen_image", "num_gpus": 4}, {"enable_cfg_parallel": True, "dp_size": 2}),  # the rest: replicas
         ({"num_gpus": 2}, {"enable_cfg_parallel": False, "dp_size": 2}),  # FLUX runs no CFG by default: 2 replicas

@@ -13,9 +13,10 @@ LTX2_TEXT_ENCODERS = (TextEncoderFacts("tokenizer", "text_encoder (Gemma3)", 102
 
 # Unprofiled on large machines: frames and resolution decide the DiT peak (the seed's rule for video). Sequence
 # parallel (Ulysses, Ring) splits the video tokens and replicates the audio tokens; the video-to-audio
-# cross-attention all-gathers the video keys' input first (parallel/sequence_plans.py). No tensor parallel plan yet
-# (start-up refuses --tp-size): its q/k RMSNorms span all heads, so a head split needs a cross-rank norm. CFG
-# parallel, FSDP2 and the sequence split equal one process (tests/distributed/test_ltx2_parallel.py).
+# cross-attention all-gathers the video keys' input first (parallel/sequence_plans.py). Tensor parallel splits the
+# heads of all six attentions of each block and both MLPs (parallel/tensor_plans.py); its q/k RMSNorms span all
+# heads, so they all-reduce their sum of squares, and the RoPE tables are cut to each rank's features. CFG
+# parallel, FSDP2, the sequence split and TP equal one process (tests/distributed/test_ltx2_parallel.py).
 LTX2_PROFILE = ProfileFacts(
     default_uses_cfg=True,
     dit_resident_threshold_gib=None,
@@ -23,6 +24,7 @@ LTX2_PROFILE = ProfileFacts(
     fsdp_can_replace_dit_offload=True,
     dit_supports_layerwise=True,
     sequence_parallel=True,
+    tensor_parallel=True,
 )
 LTX2_LAYERS = {
     "LTX2VideoTransformer3DModel": (("transformer_blocks", "num_layers"),),

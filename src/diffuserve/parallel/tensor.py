@@ -9,11 +9,13 @@ larger than one device run; embeddings, AdaLN modulation and the final norm stay
 The plans: FLUX.1 and Qwen-Image use diffusers' own `_tp_plan` (FLUX's single blocks feed `proj_out` the
 concatenation of two column-sharded streams, so diffusers shards its input columns per stream with
 `PackedRowwiseParallel`), and their attention processors already reshape by head width, so each rank runs
-its own heads unchanged. Wan has no plan in diffusers; ours below shards the same Linears, gives each
-attention its local head count, and replaces the q/k RMSNorms, which normalise across all heads
-(`rms_norm_across_heads`), by `ShardedRMSNorm`: the sum of squares is all-reduced over the TP group, so the
-normalisation is that of the whole vector. Quantized layers (`--quantization`) are cut the same way by hand,
-their plain int8 / float8 tensors and per-row scales sliced per rank (`parallel/quantized.py`).
+its own heads unchanged. Wan, HunyuanVideo 1.5 and LTX-2 have no plan in diffusers; ours (`tensor_plans.py`)
+shard the same Linears, give each attention its local head count, and replace the q/k RMSNorms that normalise
+across all heads (`rms_norm_across_heads`: Wan, LTX-2) by `ShardedRMSNorm`: the sum of squares is all-reduced over
+the TP group, so the normalisation is that of the whole vector. LTX-2 also rotates the whole q / k vector before
+its heads are split, so its RoPE tables are cut to the rank's features. Quantized layers (`--quantization`) are
+cut the same way by hand, their plain int8 / float8 tensors and per-row scales sliced per rank
+(`parallel/quantized.py`).
 
 Every rank runs the same batch with the same inputs and ends with the same output: the arithmetic is the
 unsharded model's up to the order of the all-reduced sums (≤ ~1e-6 in fp32, tested over gloo). The mesh comes
@@ -26,47 +28,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from diffuserve.errors import ConfigError
 from diffuserve.lora.sharding import shard_lora_slots
-
-WAN_TP_PLAN = {
-    "blocks.*.attn1.to_q": "colwise",
-    "blocks.*.attn1.to_k": "colwise",
-    "blocks.*.attn1.to_v": "colwise",
-    "blocks.*.attn1.to_out.0": "rowwise",
-    "blocks.*.attn2.to_q": "colwise",
-    "blocks.*.attn2.to_k": "colwise",
-    "blocks.*.attn2.to_v": "colwise",
-    "blocks.*.attn2.to_out.0": "rowwise",
-    "blocks.*.ffn.net.0.proj": "colwise",
-    "blocks.*.ffn.net.2": "rowwise",
-}
-"""WanTransformer3DModel's plan (diffusers 0.42 has none): self- and cross-attention, then the MLP."""
-
-WAN_I2V_TP_PLAN = {
-    "blocks.*.attn2.add_k_proj": "colwise",
-    "blocks.*.attn2.add_v_proj": "colwise",
-}
-"""Added to `WAN_TP_PLAN` when the cross-attention also reads image tokens (Wan I2V: `added_kv_proj_dim`)."""
-
-HUNYUAN_VIDEO_15_TP_PLAN = {
-    **{f"transformer_blocks.*.attn.{name}": "colwise" for name in ("to_q", "to_k", "to_v")},
-    **{f"transformer_blocks.*.attn.{name}": "colwise" for name in ("add_q_proj", "add_k_proj", "add_v_proj")},
-    "transformer_blocks.*.attn.to_out.0": "rowwise",
-    "transformer_blocks.*.attn.to_add_out": "rowwise",
-    "transformer_blocks.*.ff.net.0.proj": "colwise",
-    "transformer_blocks.*.ff.net.2": "rowwise",
-    "transformer_blocks.*.ff_context.net.0.proj": "colwise",
-    "transformer_blocks.*.ff_context.net.2": "rowwise",
-}
-"""HunyuanVideo15Transformer3DModel's plan (diffusers 0.42 has none): the dual-stream blocks' joint attention (video
-and text projections) and both MLPs; its q/k norms are per head, so only the head count changes. The token refiner
-stays replicated."""
-
-_DIFFUSERS_PLANNED = ("FluxTransformer2DModel", "QwenImageTransformer2DModel")
-"""DiT classes whose diffusers `_tp_plan` we use as is (their processors are TP-agnostic)."""
+from diffuserve.parallel.tensor_plans import HEAD_COUNTS, localize_attention, tensor_parallel_plan
 
 _FLAG = "--tp-size"
 
@@ -82,51 +47,6 @@ def _refuse(message: str) -> ConfigError:
     return ConfigError(f"{_FLAG}: {message}", param="tp_size")
 
 
-class ShardedRMSNorm(torch.nn.Module):
-    """An RMSNorm over a vector whose last dimension is split over the TP ranks (contiguous slices, rank order).
-
-    The rank's slice of the weight scales its slice of the vector; the mean of squares is that of the whole
-    vector, from an all-reduce of the per-rank sums over the TP group.
-    """
-
-    def __init__(self, norm: torch.nn.RMSNorm, mesh: Any) -> None:
-        super().__init__()
-        (self.full_dim,) = norm.normalized_shape
-        self.eps = norm.eps
-        self.group = mesh.get_group()
-        degree, rank = mesh.size(), mesh.get_local_rank()
-        width = self.full_dim // degree
-        weight = None
-        if norm.weight is not None:
-            weight = torch.nn.Parameter(
-                norm.weight.detach()[rank * width : (rank + 1) * width].clone(), requires_grad=False
-            )
-        self.weight = weight
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # The statistics in fp32 whatever the activations, as torch's fused rms_norm computes them.
-        squares = hidden.float().pow(2).sum(dim=-1, keepdim=True)
-        dist.all_reduce(squares, group=self.group)
-        eps = self.eps if self.eps is not None else torch.finfo(hidden.dtype).eps
-        out = (hidden.float() * torch.rsqrt(squares / self.full_dim + eps)).type_as(hidden)
-        return out * self.weight if self.weight is not None else out
-
-
-def tensor_parallel_plan(module: torch.nn.Module) -> dict[str, Any] | None:
-    """The flat TP plan (diffusers' `_tp_plan` format) of a DiT, or None when it has none here."""
-    name = type(module).__name__
-    if name == "WanTransformer3DModel":
-        plan = dict(WAN_TP_PLAN)
-        if module.config.get("added_kv_proj_dim") is not None:
-            plan.update(WAN_I2V_TP_PLAN)
-        return plan
-    if name == "HunyuanVideo15Transformer3DModel":
-        return dict(HUNYUAN_VIDEO_15_TP_PLAN)
-    if name in _DIFFUSERS_PLANNED and getattr(type(module), "_tp_plan", None):
-        return dict(type(module)._tp_plan)
-    return None
-
-
 def _check_denoiser(key: str, module: torch.nn.Module, plan: dict[str, Any] | None, degree: int) -> None:
     """Refuse, before any weight moves, what this denoiser cannot run under TP of `degree`."""
     from torch.distributed.tensor import DTensor
@@ -137,12 +57,14 @@ def _check_denoiser(key: str, module: torch.nn.Module, plan: dict[str, Any] | No
             f"{key} ({name}) has no tensor-parallel plan; TP runs the {_tp_families()} DiTs. "
             "Drop --tp-size (or shard with --use-fsdp-inference)."
         )
-    heads = module.config.get("num_attention_heads")
-    if isinstance(heads, int) and heads % degree:
-        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-        raise _refuse(
-            f"{degree} does not divide the {heads} attention heads of {key} ({name}); use a --tp-size in {divisors}."
-        )
+    for field in HEAD_COUNTS:  # LTX-2's audio stream has its own head count
+        heads = module.config.get(field)
+        if isinstance(heads, int) and heads % degree:
+            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+            what = "attention heads" if field == "num_attention_heads" else "audio attention heads"
+            raise _refuse(
+                f"{degree} does not divide the {heads} {what} of {key} ({name}); use a --tp-size in {divisors}."
+            )
     sharded = any(getattr(m, "tp_shard", None) for m in module.modules())  # quantized layers cut by hand
     if sharded or any(isinstance(p, DTensor) for p in module.parameters()):
         raise _refuse(
@@ -162,22 +84,6 @@ def _check_denoiser(key: str, module: torch.nn.Module, plan: dict[str, Any] | No
         resolve_tp_shard_specs(module, plan, degree)  # every sharded block must divide by the degree
     except ValueError as exc:
         raise _refuse(f"{key} ({name}): {exc} Use a --tp-size that divides the DiT's hidden sizes.") from exc
-
-
-def _shard_wan_attention(module: torch.nn.Module, mesh: Any) -> None:
-    """Give every Wan attention its local heads and norms across heads that see the whole vector."""
-    from diffusers.models.transformers.transformer_wan import WanAttention
-
-    degree = mesh.size()
-    for attention in module.modules():
-        if not isinstance(attention, WanAttention):
-            continue
-        # WanAttnProcessor reshapes by `attn.heads`; after the column split a rank holds heads/degree of them.
-        attention.heads //= degree
-        for name in ("norm_q", "norm_k", "norm_added_k"):
-            norm = getattr(attention, name, None)
-            if isinstance(norm, torch.nn.RMSNorm):
-                setattr(attention, name, ShardedRMSNorm(norm, mesh))
 
 
 def _parallelize(module: torch.nn.Module, plan: dict[str, Any], mesh: Any, specs: dict[str, Any]) -> None:
@@ -260,11 +166,7 @@ def enable_tensor_parallel(pipeline: Any, *, mesh: Any) -> list[str]:
     plans = check_tensor_parallel(pipeline, mesh.size())
     for key, plan in plans.items():
         module = pipeline.components[key]
-        if type(module).__name__ == "WanTransformer3DModel":
-            _shard_wan_attention(module, mesh)
-        if type(module).__name__ == "HunyuanVideo15Transformer3DModel":
-            for block in module.transformer_blocks:  # its processors reshape by `attn.heads`: the local heads
-                block.attn.heads //= mesh.size()
+        localize_attention(module, mesh)  # local heads, q/k norms across heads, LTX-2's RoPE tables
         from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
 
         specs = resolve_tp_shard_specs(module, plan, mesh.size())  # the whole layers' shapes, before any cut
