@@ -9,12 +9,13 @@ each copy behind its own in-process `AsyncEngine` (dynamic mode, `--batching-max
 - `size-grouped`: today's batching: the copy's `packs_mixed_sizes` is set False, so size stays in the batch
   signature (what a family that cannot pack gets), FIFO order, no token budget;
 - `tokens+drr`: the family as it ships (packed mixed-size denoiser calls), `--batching-max-tokens` = 8 rows of the
-  middle size, `--batching-order drr`.
+  middle size, `--batching-order drr`;
+- with `--ablation` also `tokens (fifo)` (packing and the budget alone) and `size-grouped+drr` (fair order alone).
 
 The sizes are the issue's (256x256, 384x512, 512x512, 512x768) divided by `--scale` (default 4: 64x64, 96x128,
 128x128, 128x192), drawn uniformly; one 256x256 request of 2 steps takes ~10 s on this shared 2-core CPU, so the
 issue's sizes would not finish in a useful time. The figures, interleaved so that load from other processes hits
-both alike (round r runs both settings, the order alternating by round):
+all alike (round r runs every setting, the order rotating by round):
 
 1. saturation: a closed loop of `--clients` clients over the round's share of the requests (requests / s, pooled);
 2. latency: Poisson arrivals at `--load` x size-grouped's pooled saturation throughput (the same arrivals and sizes
@@ -31,7 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from diffuserve.tools.bench_report import percentile
-from diffuserve.tools.sim_mixed import MIXED_SIZES, SCHEDULERS, SimScheduler, open_loop, report, saturation_rps
+from diffuserve.tools.sim_mixed import (
+    ABLATION,
+    MIXED_SIZES,
+    SCHEDULERS,
+    SimScheduler,
+    open_loop,
+    report,
+    saturation_rps,
+)
 
 
 def _engine(checkpoint: Path, setting: SimScheduler, *, max_tokens: int | None, delay_ms: float) -> Any:
@@ -73,12 +82,12 @@ def run(args: argparse.Namespace) -> list[str]:
         checkpoint = build_tiny_checkpoint("flux", Path(tmp) / "flux-36m", preset="36m")
         engines = {
             name: _engine(checkpoint, s, max_tokens=max_tokens if s.packs else None, delay_ms=5.0)
-            for name, s in SCHEDULERS.items()
+            for name, s in (SCHEDULERS | ABLATION if args.ablation else SCHEDULERS).items()
         }
         try:
             for engine in engines.values():  # warm-up: one request of each size, not timed
                 saturation_rps(engine, list(sizes_of), clients=1, steps=args.steps)
-            rounds = [list(engines) if r % 2 == 0 else list(engines)[::-1] for r in range(args.rounds)]
+            rounds = [list(engines)[r % len(engines) :] + list(engines)[: r % len(engines)] for r in range(args.rounds)]
             seconds = {name: 0.0 for name in engines}
             for r, order in enumerate(rounds):
                 for name in order:
@@ -121,6 +130,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8, help="closed-loop clients at saturation")
     parser.add_argument("--load", type=float, default=0.7, help="open-loop rate / size-grouped saturation")
     parser.add_argument("--scale", type=int, default=4, help="divide the issue's sizes by this (1: as given)")
+    parser.add_argument("--ablation", action="store_true", help="also packing alone and fair order alone")
     parser.add_argument("--output", type=Path, help="append the printed figures to this file")
     args = parser.parse_args()
     lines = run(args)
