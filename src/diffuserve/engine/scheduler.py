@@ -417,7 +417,7 @@ class DynamicBatcher:
         left = self.token_budget - sum(r.tokens for r in batch)
         return left < min(r.tokens_per_row for r in batch)
 
-    def _class_key(self, request: Request) -> Hashable:
+    def class_key(self, request: Request) -> Hashable:
         """Rule 10's class: what must match to share a batch (an ineligible request is a class of its own)."""
         reason = self._ineligible_reason(request)
         if reason is not None:
@@ -437,7 +437,7 @@ class DynamicBatcher:
         for request in ordered:
             if request.priority != ordered[0].priority:
                 break
-            heads.setdefault(self._class_key(request), request)
+            heads.setdefault(self.class_key(request), request)
         if len(heads) == 1:
             return ordered[0]
         self._turn = self._fair.plan({key: tokens_x_steps(r) for key, r in heads.items()})

@@ -48,7 +48,7 @@ Rules (on top of the module docstring of `engine/scheduler.py`: order, caps coun
    `removed`). A step that raised removes every request in it (`fail`).
 8. **Fair order** (`--batching-order drr`). Among the queued requests of the best priority (priority stays
    strict), the next to join (or to anchor an empty group) is the oldest of the *class* (the group key with the
-   size, so sizes take turns also where they share a group; a request that cannot step is a class of its own)
+   size, so sizes take turns also where they share a group; a request that cannot step: the request-level class)
    whose turn it is in a deficit round-robin by tokens x steps (`engine/fair_order.py`); each entry pays its own
    tokens x steps. The scan stops at the chosen request when it cannot join (rules 3, 4, 6), and the turn stays
    its class's until it joins (the round's state changes only on an entry): a 1024x1024 request whose turn it is
@@ -402,7 +402,8 @@ class StepScheduler:
         return self.can_step(request) and self._key(request) == key
 
     def _fitting_rows(self, head: Request, cap: int) -> int:
-        """Rows a group anchored by `head` would start with (the same scan as `_take_joiners`)."""
+        """Rows a group anchored by `head` would start with (the scan of `_take_joiners` in queue order after the
+        head; under `drr` an estimate, as the joins follow rule 8)."""
         rows, tokens, key, adapters = 0, 0, self._key(head), frozenset[str]()
         budget = self.token_budget
         for request in [head, *(r for r in self.requests.queued_requests() if r is not head)]:
@@ -454,9 +455,9 @@ class StepScheduler:
 
     def _fair_class(self, request: Request) -> tuple[Any, ...]:
         """Rule 8's class: the group key with the size (each size takes its turn also where sizes share a group);
-        a request that cannot step is a class of its own."""
+        for a request that cannot step, the request-level scheduler's class (its rule 10)."""
         if not self.can_step(request):
-            return ("request-level", request.request_id)
+            return ("request-level", self.requests.class_key(request))
         return group_key(request, family_fields=self.continuous_key_fields)
 
     def _adapters_with(self, adapters: frozenset[str], request: Request) -> frozenset[str] | None:
