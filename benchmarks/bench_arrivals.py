@@ -31,7 +31,9 @@ batches of mixed sizes and deficit round-robin (`--batching-max-tokens 8192 --ba
 packs mixed sizes), on a mixed-size workload (256x256, 384x512, 512x512, 512x768 drawn uniformly) and on the
 one-shape workload (512x512): saturation throughput (a closed loop of `--mixed-clients`), then mean latency and the
 p99 of the smallest size class under Poisson arrivals at 70 % of the size-grouped saturation throughput
-(`diffuserve/tools/sim_mixed.py`), and issue 31's targets.
+(`diffuserve/tools/sim_mixed.py`), and issue 31's targets. `--mixed-fair-order` compares the fair order alone on
+the mixed workload: `tokens (fifo)` against `tokens+drr`, both packing `--mixed-max-tokens`, at 70 % of
+`tokens (fifo)`'s saturation.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -370,15 +372,20 @@ def run_mixed(cost_names: list[str], args: argparse.Namespace) -> list[str]:
 
     lines: list[str] = []
     delay_ms = 0.0 if args.mixed_mode == "continuous" else 5.0
+    # --mixed-fair-order: the fair order alone, both packing: fifo as the baseline (load relative to its saturation).
+    budget = args.mixed_max_tokens
+    pair = {"tokens (fifo)": ABLATION["tokens (fifo)"], "tokens+drr": SCHEDULERS["tokens+drr"]}
+    fair = {k: replace(v, max_tokens=budget) for k, v in pair.items()} if args.mixed_fair_order else None
+    baseline = "tokens (fifo)" if fair else "size-grouped"
     for name in cost_names:
         cost = COST_MODELS[name]
         lines.append(
             f"sim-{name}: {cost.name}; {args.steps} steps; {args.mixed_requests} requests per point; saturation: "
-            f"{args.mixed_clients} closed-loop clients; load: 70% of size-grouped saturation; {args.mixed_mode}, "
+            f"{args.mixed_clients} closed-loop clients; load: 70% of {baseline} saturation; {args.mixed_mode}, "
             f"max size 8, {delay_ms:g} ms"
         )
         print(lines[-1], flush=True)
-        for label, workload in (("mixed", MIXED_SIZES), ("one-shape", ONE_SHAPE)):
+        for label, workload in (("mixed", MIXED_SIZES), ("one-shape", ONE_SHAPE))[: 1 if fair else 2]:
             mixed = label == "mixed"
             results = compare(
                 cost,
@@ -388,9 +395,10 @@ def run_mixed(cost_names: list[str], args: argparse.Namespace) -> list[str]:
                 steps=args.steps,
                 mode=args.mixed_mode,
                 delay_ms=delay_ms,
-                schedulers=SCHEDULERS | ABLATION if args.mixed_ablation and mixed else SCHEDULERS,
+                schedulers=fair or (SCHEDULERS | ABLATION if args.mixed_ablation and mixed else SCHEDULERS),
+                baseline=baseline,
             )
-            block = report(f"sim-{name} {label}", results, targets=mixed)
+            block = report(f"sim-{name} {label}", results, targets=mixed and not fair, baseline=baseline)
             lines += block
             print("\n".join(block), flush=True)
     return lines
@@ -451,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed-clients", type=int, default=16, help="--mixed: closed-loop clients at saturation.")
     parser.add_argument("--mixed-mode", choices=["dynamic", "continuous"], default="dynamic", help="--mixed: mode.")
     parser.add_argument("--mixed-ablation", action="store_true", help="--mixed: also each half of the change alone.")
+    parser.add_argument("--mixed-fair-order", action="store_true", help="--mixed: drr against fifo, both packing.")
+    parser.add_argument("--mixed-max-tokens", type=int, default=8192, help="--mixed-fair-order: the token budget.")
     args = parser.parse_args(argv)
     if args.simulate:
         lines = (run_mixed if args.mixed else run_simulation)(args.simulate, args)

@@ -186,8 +186,8 @@ def step(decision: object) -> StepPlan:
     return decision
 
 
-def sched(*, packs: bool, tokens: int | None, max_size: int = 8) -> StepScheduler:
-    config = BatchingConfig(mode="continuous", max_size=max_size, max_tokens=tokens)
+def sched(*, packs: bool, tokens: int | None, max_size: int = 8, order: str = "fifo") -> StepScheduler:
+    config = BatchingConfig(mode="continuous", max_size=max_size, max_tokens=tokens, order=order)
     s = StepScheduler(config, model_names=[MODEL])
     s.set_capabilities(supports_batching=True, supports_continuous=True, packs_mixed_sizes=packs)
     return s
@@ -227,6 +227,77 @@ def test_a_request_over_the_token_budget_starts_alone_in_an_empty_group() -> Non
     assert [e.request.request_id for e in plan.rows] == ["big"]
     s.step_done(plan)
     assert [e.request.request_id for e in step(s.schedule(0.1)).rows] == ["small"]
+
+
+def _large_behind_a_group(order: str) -> StepScheduler:
+    """A packed group (budget: four 512x512 rows) runs `a`; then a 1024x1024 request (the whole budget) and three
+    512x512 ones arrive, all of 4 steps: the large one costs 4 of the small class's tokens x steps. The three small
+    ones fit beside `a`."""
+    s = sched(packs=True, tokens=4 * T512, order=order)
+    s.add(req("a", 0.0, 512, steps=2))
+    s.step_done(step(s.schedule(0.0)))
+    s.add(req("L", 0.1, 1024))
+    for i in range(3):
+        s.add(req(f"S{i}", 0.2 + 0.01 * i, 512))
+    return s
+
+
+def test_continuous_fifo_lets_a_large_request_block_the_small_ones_behind_it() -> None:
+    assert step(_large_behind_a_group("fifo").schedule(0.3)).joined == []
+
+
+def test_continuous_drr_lets_small_sizes_join_while_the_large_class_earns_its_turn() -> None:
+    plan = step(_large_behind_a_group("drr").schedule(0.3))
+    # The small class runs while the large one earns a small head's cost per visit: its turn comes after three.
+    assert [e.request.request_id for e in plan.joined] == ["S0", "S1", "S2"]
+
+
+def test_continuous_drr_holds_the_others_back_once_the_large_turn_comes_so_it_never_starves() -> None:
+    s = _large_behind_a_group("drr")
+    entered: list[str] = []
+    for t in range(12):
+        s.add(req(f"late{t}", 0.3 + t, 512))  # a steady stream of small requests
+        plan = step(s.schedule(0.3 + t))
+        entered += [e.request.request_id for e in plan.joined]
+        s.step_done(plan)
+        if "L" in entered:
+            break
+    assert entered[:4] == ["S0", "S1", "S2", "L"]  # nothing joined past it while it waited for room
+
+
+def test_continuous_drr_with_one_size_is_fifo_and_priority_stays_strict() -> None:
+    joins: dict[str, list[str]] = {}
+    for order in ("fifo", "drr"):
+        s = sched(packs=True, tokens=4 * T512, max_size=3, order=order)
+        for i in range(5):
+            s.add(req(f"s{i}", 0.01 * i, 512, steps=1 + i % 2))
+        joins[order] = [e.request.request_id for t in range(6) for e in _joined_and_stepped(s, float(t))]
+    assert joins["drr"] == joins["fifo"]
+    s = sched(packs=True, tokens=4 * T512, order="drr")
+    s.add(req("a", 0.0, 512, steps=3))
+    s.step_done(step(s.schedule(0.0)))
+    s.add(req("low-small", 0.1, 256, priority=1))
+    s.add(req("high-big", 0.2, 1024, priority=0))  # does not fit beside a: the lower priority does not pass it
+    assert step(s.schedule(0.3)).joined == []
+
+
+def _joined_and_stepped(s: StepScheduler, now: float) -> list:
+    decision = s.schedule(now)
+    if isinstance(decision, Idle):
+        return []
+    plan = step(decision)
+    s.step_done(plan)
+    return plan.joined
+
+
+def test_continuous_drr_hands_a_request_that_cannot_step_to_the_request_level_rules_on_its_turn() -> None:
+    s = sched(packs=True, tokens=4 * T512, order="drr")
+    s.add(req("L", 0.0, 1024))
+    s.add(req("edit", 0.1, 512, ineligible_reason="image_conditioning"))
+    batch = dispatched(s.schedule(0.2))  # fifo would start L's group: the edit's class is the cheaper one
+    assert batch.request_ids == ["edit"]
+    s.complete(batch)
+    assert [e.request.request_id for e in step(s.schedule(0.3)).rows] == ["L"]
 
 
 def test_the_default_budget_is_the_row_cap_at_the_largest_size_capped_by_memory() -> None:

@@ -97,13 +97,14 @@ class BatchingConfig:
     order: str = flag(
         "fifo",
         "Which waiting batch class runs next: fifo (the oldest request's) or drr (deficit round-robin by tokens x "
-        "steps, so a large size neither starves nor blocks the small ones). Request-level batches; continuous "
-        "joins keep their strict order.",
+        "steps, so a large size neither starves nor blocks the small ones). Dynamic batches, and continuous mode's "
+        "joins at step boundaries (each size takes its turn).",
         BATCHING_GROUP,
         dest="batching_order",
         choices=ORDERS,
     )
-    """`fifo` (the head of the queue anchors the next batch) or `drr` (deficit round-robin over the batch classes)."""
+    """`fifo` (the head of the queue anchors the next batch; continuous joins in queue order) or `drr` (deficit
+    round-robin over the batch classes; continuous: over the waiting classes by size, for each join)."""
     delay_ms: float = flag(
         0.0,
         "How long the head of the queue may wait for compatible requests.",

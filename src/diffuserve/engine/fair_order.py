@@ -17,8 +17,15 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 
+from diffuserve.engine.request import Request
+
 MAX_COST_RATIO = 64.0
 """The quantum is at least the dearest head's cost / this, so a plan takes a bounded number of turns."""
+
+
+def tokens_x_steps(request: Request) -> float:
+    """What a request costs in the round: its latent tokens (all rows) x its denoising steps."""
+    return float(request.tokens * max(1, request.params.num_inference_steps))
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ from collections.abc import Hashable, Iterable, Sequence
 
 from diffuserve.config.batching import BatchingConfig  # owned by config/; re-exported
 from diffuserve.engine.decisions import Decision, Dispatch, Idle, ScheduledBatch, WaitUntil, batch_facts  # re-exported
-from diffuserve.engine.fair_order import DeficitRoundRobin, Turn
+from diffuserve.engine.fair_order import DeficitRoundRobin, Turn, tokens_x_steps
 from diffuserve.engine.request import Request, RequestStatus
 from diffuserve.sampling import SIZE_FIELDS, SamplingParams, row_fields, signature_difference  # noqa: F401 - re-exported
 
@@ -273,14 +273,15 @@ class DynamicBatcher:
         self.packs_mixed_sizes, self.strength_per_row = packs_mixed_sizes, strength_per_row
 
     # -- scheduling -------------------------------------------------------------------------------
-    def schedule(self, now: float) -> Decision:
-        """Decide what to do at clock time `now`; a returned `Dispatch` marks its batch running."""
+    def schedule(self, now: float, *, anchor: Request | None = None) -> Decision:
+        """Decide what to do at clock time `now`; a returned `Dispatch` marks its batch running. `anchor` (a queued
+        request) replaces rule 2's choice: the continuous scheduler's fallback for a head that cannot step."""
         if len(self._running) >= self.slots:
             return Idle(busy=True)
         ordered = self._ordered()
         if not ordered:
             return Idle()
-        head = self._pick_head(ordered)
+        head = self._pick_head(ordered, anchor)
         candidates = [r for r in ordered if r is not head]
         room = self.activation_room()
         if room is not None and head.activation_bytes > room and (self._running or self._answering):
@@ -416,7 +417,7 @@ class DynamicBatcher:
         left = self.token_budget - sum(r.tokens for r in batch)
         return left < min(r.tokens_per_row for r in batch)
 
-    def _class_key(self, request: Request) -> Hashable:
+    def class_key(self, request: Request) -> Hashable:
         """Rule 10's class: what must match to share a batch (an ineligible request is a class of its own)."""
         reason = self._ineligible_reason(request)
         if reason is not None:
@@ -424,26 +425,23 @@ class DynamicBatcher:
         free = row_fields(request.params, packs=self.packs_mixed_sizes, strength=self.strength_per_row)
         return (request.model, tuple(item for item in request.params.signature() if item[0] not in free))
 
-    def _pick_head(self, ordered: list[Request]) -> Request:
+    def _pick_head(self, ordered: list[Request], anchor: Request | None = None) -> Request:
         """Rule 2's anchor: the head of the queue (`fifo`), or under `drr` the oldest request of the class whose
-        turn it is among the requests of the best priority (rule 10)."""
+        turn it is among the requests of the best priority (rule 10); `anchor` when the caller chose it."""
         self._turn = None
+        if anchor is not None:
+            return anchor
         if self.config.order != "drr" or not self.config.dynamic:
             return ordered[0]
         heads: dict[Hashable, Request] = {}
         for request in ordered:
             if request.priority != ordered[0].priority:
                 break
-            heads.setdefault(self._class_key(request), request)
+            heads.setdefault(self.class_key(request), request)
         if len(heads) == 1:
             return ordered[0]
-        self._turn = self._fair.plan({key: self._cost(r) for key, r in heads.items()})
+        self._turn = self._fair.plan({key: tokens_x_steps(r) for key, r in heads.items()})
         return heads[self._turn.key]
-
-    @staticmethod
-    def _cost(request: Request) -> float:
-        """Rule 10's cost: tokens x steps."""
-        return float(request.tokens * max(1, request.params.num_inference_steps))
 
     def _alike(self, head: Request, other: Request) -> bool:
         """Whether `other`'s batch ran what `head` would run (rule 8: its clients' next requests may join)."""
@@ -467,7 +465,7 @@ class DynamicBatcher:
             self._pop(request.request_id)
             request.status = RequestStatus.RUNNING
         if self._turn is not None:
-            self._fair.commit(self._turn, sum(self._cost(r) for r in requests))
+            self._fair.commit(self._turn, sum(tokens_x_steps(r) for r in requests))
             self._turn = None
         if len(requests) == 1 and self.token_budget is not None and requests[0].tokens > self.token_budget:
             cap = min(cap, max(1, self.token_budget // requests[0].tokens_per_row))  # rule 6: calls within the budget

@@ -30,22 +30,30 @@ Rules (on top of the module docstring of `engine/scheduler.py`: order, caps coun
    while they match the key, their `n` fits under the cap and their LoRA adapters keep the group within
    `max_adapters` distinct adapters (`--max-loras`, the device slots every step's rows must fit in at once);
    the scan stops at the first one that does not (strict first-come order, so a large or incompatible request is
-   never overtaken forever: it joins once rows leave room, at the latest it anchors the next group). The order
-   is strict under `--batching-order drr` too: the fair order is the request-level scheduler's (its rule 10).
+   never overtaken forever: it joins once rows leave room, at the latest it anchors the next group). Under
+   `--batching-order drr` the order is rule 8's instead; the scan stops the same way.
 4. **Cap.** `min(--batching-max-size, smallest matching rule cap)` of the group's first request, in rows (a
    joining size of a packed group must also fit its own rule cap), and the **token budget** (`token_budget`, the
    composed queue's): the group's latent tokens (`Request.tokens`) plus a joiner's must fit in it. A request whose
    `n` or tokens alone reach a limit starts only in an empty group (and then runs alone, never refused).
 5. **Starting a group.** With the group empty the head waits up to `--batching-delay-ms` for companions (as in
-   dynamic mode), unless it is already full. A head that cannot run step by step is handed to the request-level
-   rules instead (`DynamicBatcher.schedule`: it runs alone, or merged with equal signatures when the family
-   batches but is not continuous).
+   dynamic mode), unless it is already full. The head is the queue's (`fifo`) or rule 8's choice (`drr`). A head
+   that cannot run step by step is handed to the request-level rules instead (`DynamicBatcher.schedule` with it as
+   the anchor: it runs alone, or merged with equal signatures when the family batches but is not continuous).
 6. **Activation memory.** With a budget (the composed scheduler's `activation_budget`), a request joins only while
    the group's `activation_bytes` plus its own fit in it (rule 3's strict order: the scan stops at it); a group
    always starts with its head (a request over the budget alone is refused at admission).
 7. **Leaving.** A request leaves after its own last step (`step_done`), or at the next boundary when it was
    cancelled (`cancel_event` set: client gone, engine shutdown) or its deadline passed (`schedule` returns it in
    `removed`). A step that raised removes every request in it (`fail`).
+8. **Fair order** (`--batching-order drr`). Among the queued requests of the best priority (priority stays
+   strict), the next to join (or to anchor an empty group) is the oldest of the *class* (the group key with the
+   size, so sizes take turns also where they share a group; a request that cannot step: the request-level class)
+   whose turn it is in a deficit round-robin by tokens x steps (`engine/fair_order.py`); each entry pays its own
+   tokens x steps. The scan stops at the chosen request when it cannot join (rules 3, 4, 6), and the turn stays
+   its class's until it joins (the round's state changes only on an entry): a 1024x1024 request whose turn it is
+   not yet does not hold back the 512x512 ones behind it, and once its turn comes they stop joining until rows
+   leave room for it, or it anchors the next group (no starvation). One class waiting: the queue's order.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffuserve.engine.fair_order import DeficitRoundRobin, Turn, tokens_x_steps
 from diffuserve.engine.request import Request, RequestStatus
 from diffuserve.engine.scheduler import (
     SIZE_FIELDS,
@@ -164,6 +173,8 @@ class StepScheduler:
         self.continuous_key_fields: tuple[str, ...] = ()
         """The served family's own `SamplingParams` fields of the group key (rule 2; set with the capabilities)."""
         self._group: list[GroupEntry] = []
+        self._fair = DeficitRoundRobin()
+        """Rule 8's round over the waiting classes (`--batching-order drr`)."""
         self._cap = 1
         self._left = 0
         self._steps = 0
@@ -319,15 +330,18 @@ class StepScheduler:
         ordered = self.requests.queued_requests()
         if not ordered:
             return Idle()
-        head = ordered[0]
+        head, turn = self._next_in_order(ordered)
         if not self.can_step(head):
-            return self.requests.schedule(now)
+            decision = self.requests.schedule(now, anchor=head)
+            if isinstance(decision, Dispatch) and turn is not None:
+                self._fair.commit(turn, sum(tokens_x_steps(r) for r in decision.batch.requests))
+            return decision
         cap = self.effective_cap_for(head)
         rows = self._fitting_rows(head, cap)
         if rows < cap and now < head.arrival_time + self.config.delay_ms / 1000.0:
             return WaitUntil(head.arrival_time + self.config.delay_ms / 1000.0)
         self._cap = cap
-        joined = [self._enter(head)]
+        joined = [self._enter(head, turn)]
         joined += self._take_joiners(self._key(head), cap - head.num_outputs)
         return self._step(joined, removed)
 
@@ -388,10 +402,11 @@ class StepScheduler:
         return self.can_step(request) and self._key(request) == key
 
     def _fitting_rows(self, head: Request, cap: int) -> int:
-        """Rows a group anchored by `head` would start with (the same scan as `_take_joiners`)."""
+        """Rows a group anchored by `head` would start with (the scan of `_take_joiners` in queue order after the
+        head; under `drr` an estimate, as the joins follow rule 8)."""
         rows, tokens, key, adapters = 0, 0, self._key(head), frozenset[str]()
         budget = self.token_budget
-        for request in self.requests.queued_requests():
+        for request in [head, *(r for r in self.requests.queued_requests() if r is not head)]:
             more = self._adapters_with(adapters, request)
             if not self._compatible(key, request) or (rows and rows + request.num_outputs > cap) or more is None:
                 break
@@ -406,21 +421,44 @@ class StepScheduler:
         budget = self.activation_budget
         memory = None if budget is None else budget - sum(e.request.activation_bytes for e in self._group)
         tokens = None if self.token_budget is None else self.token_budget - self.num_active_tokens
-        for request in self.requests.queued_requests():
+        while ordered := self.requests.queued_requests():
+            request, turn = self._next_in_order(ordered)  # rule 3 (fifo: the queue's head) or rule 8 (drr)
             more = self._adapters_with(adapters, request)
             if room <= 0 or not self._compatible(key, request) or request.num_outputs > room or more is None:
-                break  # rule 3: strict order, the scan stops at the first request that cannot join
+                break  # rule 3: the scan stops at the first request that cannot join
             if tokens is not None and request.tokens > tokens:
                 break  # rule 4: it joins once rows leave room in the token budget (a head starts anyway, alone)
             if memory is not None and request.activation_bytes > memory:
                 break  # rule 6: it waits until rows leave
             if self.packs_mixed_sizes and self.num_active_rows + request.num_outputs > self.effective_cap_for(request):
                 break  # rule 4: a size whose own rule cap the group would exceed waits
-            joined.append(self._enter(request))
+            joined.append(self._enter(request, turn))
             room, adapters = room - request.num_outputs, more
             tokens = None if tokens is None else tokens - request.tokens
             memory = None if memory is None else memory - request.activation_bytes
         return joined
+
+    def _next_in_order(self, ordered: list[Request]) -> tuple[Request, Turn | None]:
+        """The next request to join or anchor (rule 3 / rule 8) and, under `drr`, the planned turn its entry
+        commits. `ordered` is the queue in `(priority, arrival)` order (not empty)."""
+        if self.config.order != "drr":
+            return ordered[0], None
+        heads: dict[Any, Request] = {}
+        for request in ordered:
+            if request.priority != ordered[0].priority:
+                break  # priority stays strict
+            heads.setdefault(self._fair_class(request), request)
+        if len(heads) == 1:
+            return ordered[0], None
+        turn = self._fair.plan({key: tokens_x_steps(r) for key, r in heads.items()})
+        return heads[turn.key], turn
+
+    def _fair_class(self, request: Request) -> tuple[Any, ...]:
+        """Rule 8's class: the group key with the size (each size takes its turn also where sizes share a group);
+        for a request that cannot step, the request-level scheduler's class (its rule 10)."""
+        if not self.can_step(request):
+            return ("request-level", self.requests.class_key(request))
+        return group_key(request, family_fields=self.continuous_key_fields)
 
     def _adapters_with(self, adapters: frozenset[str], request: Request) -> frozenset[str] | None:
         """The group's distinct LoRA adapters once `request` joins; None when they would exceed `max_adapters`."""
@@ -428,7 +466,9 @@ class StepScheduler:
         limit = self.config.max_adapters
         return None if limit is not None and len(more) > limit else more
 
-    def _enter(self, request: Request) -> GroupEntry:
+    def _enter(self, request: Request, turn: Turn | None = None) -> GroupEntry:
+        if turn is not None:
+            self._fair.commit(turn, tokens_x_steps(request))
         self.requests.take(request.request_id)
         request.status = RequestStatus.RUNNING
         entry = GroupEntry(request=request, num_steps=request.params.num_inference_steps)

@@ -140,8 +140,9 @@ def compare(
     delay_ms: float = 5.0,
     seed: int = 0,
     schedulers: dict[str, SimScheduler] | None = None,
+    baseline: str = "size-grouped",
 ) -> dict[str, dict[str, float]]:
-    """Per scheduler of `SCHEDULERS`: saturation throughput, and at `load` x size-grouped's: mean latency and the
+    """Per scheduler of `SCHEDULERS`: saturation throughput, and at `load` x `baseline`'s: mean latency and the
     p99 of the smallest size class (ms)."""
     from diffuserve.tools.bench_report import percentile
 
@@ -155,7 +156,7 @@ def compare(
             results[name] = {"saturation_rps": saturation_rps(engine, sizes, clients=clients, steps=steps)}
         finally:
             engine.stop()
-    rate = load * results["size-grouped"]["saturation_rps"]
+    rate = load * results[baseline]["saturation_rps"]
     for name, setting in settings.items():
         engine = _engine(setting, cost, mode=mode, max_size=max_size, delay_ms=delay_ms)
         try:
@@ -171,18 +172,21 @@ def compare(
     return results
 
 
-def report(label: str, results: dict[str, dict[str, float]], *, targets: bool) -> list[str]:
-    """The printed lines of one workload: each scheduler's figures, the ratios and (`targets`) issue 31's targets."""
+def report(
+    label: str, results: dict[str, dict[str, float]], *, targets: bool, baseline: str = "size-grouped"
+) -> list[str]:
+    """The printed lines of one workload: each scheduler's figures, the ratios of `tokens+drr` to `baseline` and
+    (`targets`) issue 31's targets."""
     lines = [
         f"{label} {name:12} saturation={r['saturation_rps']:.2f} req/s  at {r['rate_rps']:.2f} req/s: "
         f"mean={r['mean_ms']:.0f}ms p99(smallest size)={r['p99_smallest_ms']:.0f}ms"
         for name, r in results.items()
     ]
-    old, new = results["size-grouped"], results["tokens+drr"]
+    old, new = results[baseline], results["tokens+drr"]
     throughput = new["saturation_rps"] / old["saturation_rps"]
     mean = new["mean_ms"] / old["mean_ms"]
     p99 = new["p99_smallest_ms"] / old["p99_smallest_ms"]
-    lines.append(f"{label} tokens+drr / size-grouped: throughput {throughput:.2f}x, mean {mean:.2f}x, p99 {p99:.2f}x")
+    lines.append(f"{label} tokens+drr / {baseline}: throughput {throughput:.2f}x, mean {mean:.2f}x, p99 {p99:.2f}x")
     if targets:
         lines.append(
             f"{label} targets: throughput >= 1.2x {'met' if throughput >= 1.2 else 'NOT met'}; mean <= 0.8x "
