@@ -26,6 +26,7 @@ from diffuserve.pipelines import inpaint, packing, recipe, token_ids
 from diffuserve.pipelines.base import component_configs, declared_sequence_length
 from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows
 from diffuserve.pipelines.recipe import Cond, DenoiseState
+from diffuserve.pipelines.schedules import flow_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -261,17 +262,19 @@ class FluxNativePipeline(recipe.RecipePipeline):
     ) -> tuple[Any, torch.Tensor]:
         """A private scheduler with its timesteps set for this shape and shift (the set-up is cached per key)."""
 
-        def build() -> tuple[Any, torch.Tensor]:
-            template = recipe.scheduler_template(self.scheduler, flow_shift)
-            sigmas = (
-                None
-                if getattr(template.config, "use_flow_sigmas", False)
-                else np.linspace(1.0, 1 / num_steps, num_steps)
-            )
-            mu = recipe.dynamic_shift_mu(template.config, image_seq_len)
-            return template, retrieve_timesteps(template, num_steps, self.device, sigmas=sigmas, mu=mu)[0]
-
-        return recipe.cached_schedule(self._schedulers, (num_steps, image_seq_len, flow_shift), build)
+        return flow_schedule(
+            self._schedulers,
+            self.scheduler,
+            retrieve_timesteps,
+            self.device,
+            num_steps,
+            flow_shift,
+            shape_key=(image_seq_len,),
+            sigmas=lambda config: (
+                None if getattr(config, "use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
+            ),
+            mu=lambda config: recipe.dynamic_shift_mu(config, image_seq_len),
+        )
 
     # -- 4. decode --------------------------------------------------------------------------------------
 

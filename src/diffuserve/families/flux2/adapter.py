@@ -54,6 +54,7 @@ from diffuserve.families.flux2.ops import Flux2Packing
 from diffuserve.pipelines import inpaint, recipe
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
+from diffuserve.pipelines.schedules import flow_schedule, flow_shift_fields
 
 logger = logging.getLogger(__name__)
 
@@ -278,24 +279,26 @@ class Flux2NativePipeline(Flux2Packing, recipe.RecipePipeline):
         return self._text_ids[seq_len]
 
     def request_fields(self) -> frozenset[str]:
-        return frozenset({"flow_shift"}) if recipe.has_flow_shift(self.scheduler) else frozenset()
+        return flow_shift_fields(self.scheduler)
 
     def _schedule(
         self, num_steps: int, image_seq_len: int, flow_shift: float | None = None
     ) -> tuple[Any, torch.Tensor]:
         """A private scheduler with this shape's timesteps (the set-up is cached per shape and `flow_shift`)."""
 
-        def build() -> tuple[Any, torch.Tensor]:
-            template = recipe.scheduler_template(self.scheduler, flow_shift)
-            sigmas = (
-                None
-                if getattr(template.config, "use_flow_sigmas", False)
-                else np.linspace(1.0, 1 / num_steps, num_steps)
-            )
-            mu = compute_empirical_mu(image_seq_len=image_seq_len, num_steps=num_steps)
-            return template, retrieve_timesteps(template, num_steps, self.device, sigmas=sigmas, mu=mu)[0]
-
-        return recipe.cached_schedule(self._schedules, (num_steps, image_seq_len, flow_shift), build)
+        return flow_schedule(
+            self._schedules,
+            self.scheduler,
+            retrieve_timesteps,
+            self.device,
+            num_steps,
+            flow_shift,
+            shape_key=(image_seq_len,),
+            sigmas=lambda config: (
+                None if getattr(config, "use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
+            ),
+            mu=lambda config: compute_empirical_mu(image_seq_len=image_seq_len, num_steps=num_steps),
+        )
 
     def _reference_tokens(self, params: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """A request's reference images as packed tokens (1, N, C) and their position ids (N, 4)."""

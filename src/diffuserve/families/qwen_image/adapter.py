@@ -31,6 +31,7 @@ from diffuserve.pipelines import inpaint, packing, recipe
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows
 from diffuserve.pipelines.recipe import Cond, DenoiseState
+from diffuserve.pipelines.schedules import flow_schedule
 
 
 def _required(components: dict[str, Any], keys: tuple[str, ...], what: str) -> None:
@@ -111,13 +112,17 @@ class _QwenBase(recipe.RecipePipeline):
         `grid`: the checkpoint's own sigmas (2.1 Turbo) instead of diffusers' `linspace(1, 1/N, N)`."""
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import retrieve_timesteps
 
-        def build() -> tuple[Any, torch.Tensor]:
-            template = recipe.scheduler_template(self.scheduler, flow_shift)
-            mu = recipe.dynamic_shift_mu(template.config, image_seq_len)
-            sigmas = list(grid) if grid else np.linspace(1.0, 1 / num_steps, num_steps)
-            return template, retrieve_timesteps(template, num_steps, self.device, sigmas=sigmas, mu=mu)[0]
-
-        return recipe.cached_schedule(self._schedules, (num_steps, image_seq_len, flow_shift), build)
+        return flow_schedule(
+            self._schedules,
+            self.scheduler,
+            retrieve_timesteps,
+            self.device,
+            num_steps,
+            flow_shift,
+            shape_key=(image_seq_len,),
+            sigmas=lambda config: list(grid) if grid else np.linspace(1.0, 1 / num_steps, num_steps),
+            mu=lambda config: recipe.dynamic_shift_mu(config, image_seq_len),
+        )
 
     # -- decode -------------------------------------------------------------------------------------------
 

@@ -49,6 +49,7 @@ from diffuserve.families.qwen_image.ops import latents_stats, norm_rescaled_cfg,
 from diffuserve.pipelines import inpaint, recipe
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
+from diffuserve.pipelines.schedules import flow_schedule, flow_shift_fields
 
 logger = logging.getLogger(__name__)
 
@@ -206,23 +207,24 @@ class QwenImageEditNativePipeline(recipe.RecipePipeline):
         return 2 * (height // (self.vae_scale_factor * 2)), 2 * (width // (self.vae_scale_factor * 2))
 
     def request_fields(self) -> frozenset[str]:
-        return frozenset({"flow_shift"}) if recipe.has_flow_shift(self.scheduler) else frozenset()
+        return flow_shift_fields(self.scheduler)
 
     def _schedule(
         self, num_steps: int, image_seq_len: int, flow_shift: float | None = None
     ) -> tuple[Any, torch.Tensor]:
         """A private scheduler with timesteps set as the pipeline sets them (cached per shape and shift)."""
 
-        def build() -> tuple[Any, torch.Tensor]:
-            template = recipe.scheduler_template(self.scheduler, flow_shift)
-            sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-            mu = recipe.dynamic_shift_mu(template.config, image_seq_len)
-            timesteps, _ = self.diffusers_module.retrieve_timesteps(
-                template, num_steps, self.device, sigmas=sigmas, mu=mu
-            )
-            return template, timesteps
-
-        return recipe.cached_schedule(self._schedules, (num_steps, image_seq_len, flow_shift), build)
+        return flow_schedule(
+            self._schedules,
+            self.scheduler,
+            self.diffusers_module.retrieve_timesteps,
+            self.device,
+            num_steps,
+            flow_shift,
+            shape_key=(image_seq_len,),
+            sigmas=lambda config: np.linspace(1.0, 1 / num_steps, num_steps),
+            mu=lambda config: recipe.dynamic_shift_mu(config, image_seq_len),
+        )
 
     def _image_latents(self, inputs: EditInputs, rows: int, dtype: torch.dtype) -> torch.Tensor:
         """Every input image VAE-encoded (distribution mode), normalised, repeated per row, packed, concatenated."""

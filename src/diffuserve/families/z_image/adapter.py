@@ -32,6 +32,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from diffuserve.pipelines import inpaint, packing, recipe
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
+from diffuserve.pipelines.schedules import flow_schedule, flow_shift_fields
 
 logger = logging.getLogger(__name__)
 
@@ -147,20 +148,24 @@ class ZImageNativePipeline(recipe.RecipePipeline):
         return 2 * (height // self.size_multiple), 2 * (width // self.size_multiple)
 
     def request_fields(self) -> frozenset[str]:
-        return frozenset({"flow_shift"}) if recipe.has_flow_shift(self.scheduler) else frozenset()
+        return flow_shift_fields(self.scheduler)
 
     def _schedule(
         self, num_steps: int, image_seq_len: int, flow_shift: float | None = None
     ) -> tuple[Any, torch.Tensor]:
         """A private scheduler with this shape's timesteps (the set-up is cached per shape and `flow_shift`)."""
 
-        def build() -> tuple[Any, torch.Tensor]:
-            template = recipe.scheduler_template(self.scheduler, flow_shift)
-            mu = recipe.dynamic_shift_mu(template.config, image_seq_len)
-            sigmas = get_default_z_image_sigmas(num_steps)
-            return template, retrieve_timesteps(template, num_steps, self.device, sigmas=sigmas, mu=mu)[0]
-
-        return recipe.cached_schedule(self._schedules, (num_steps, image_seq_len, flow_shift), build)
+        return flow_schedule(
+            self._schedules,
+            self.scheduler,
+            retrieve_timesteps,
+            self.device,
+            num_steps,
+            flow_shift,
+            shape_key=(image_seq_len,),
+            sigmas=lambda config: get_default_z_image_sigmas(num_steps),
+            mu=lambda config: recipe.dynamic_shift_mu(config, image_seq_len),
+        )
 
     def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
         """float32 noise rows (diffusers keeps Z-Image latents in float32), the schedule for this size."""
