@@ -22,6 +22,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
 from diffuserve.families.flux import controlnet as flux_controlnet
+from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import inpaint, packing, recipe, token_ids
 from diffuserve.pipelines.base import component_configs, declared_sequence_length
 from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows
@@ -97,31 +98,8 @@ class FluxNativePipeline(recipe.RecipePipeline):
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
     ) -> FluxNativePipeline:
         """Build from the loader's model_index.json key -> loaded object mapping."""
-        required = (
-            "transformer",
-            "vae",
-            "text_encoder",
-            "tokenizer",
-            "text_encoder_2",
-            "tokenizer_2",
-            "scheduler",
-        )
-        missing = [key for key in required if components.get(key) is None]
-        if missing:
-            from diffuserve.errors import CheckpointError
-
-            raise CheckpointError(
-                f"a FLUX.1 checkpoint needs components {list(required)}; its model_index.json lacks {missing} "
-                "(use --backend diffusers for a pipeline without them)."
-            )
         return cls(
-            transformer=components["transformer"],
-            vae=components["vae"],
-            text_encoder=components["text_encoder"],
-            tokenizer=components["tokenizer"],
-            text_encoder_2=components["text_encoder_2"],
-            tokenizer_2=components["tokenizer_2"],
-            scheduler=components["scheduler"],
+            **required_components(cls.family, components),
             device=device,
             dtype=dtype,
             max_sequence_length=declared_sequence_length(components["tokenizer_2"], 512),

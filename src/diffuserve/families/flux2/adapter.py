@@ -51,6 +51,7 @@ from PIL import Image
 from diffuserve.errors import CheckpointError, InvalidRequestError
 from diffuserve.families.flux2 import inpaint as flux2_inpaint
 from diffuserve.families.flux2.ops import Flux2Packing
+from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import inpaint, recipe
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
@@ -68,8 +69,6 @@ REFERENCE_MAX_ASPECT = 8
 """... or an aspect ratio above this."""
 MAX_CACHED_SHAPES = 64
 """Per-shape caches (position ids, schedules) are cleared past this many entries."""
-REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
-"""model_index.json components both FLUX.2 pipelines need."""
 
 
 def _make_room(cache: dict) -> None:
@@ -153,12 +152,8 @@ class Flux2NativePipeline(Flux2Packing, recipe.RecipePipeline):
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
     ) -> Flux2NativePipeline:
         """Build from the loader's model_index.json key -> loaded object mapping."""
-        missing = [key for key in REQUIRED if components.get(key) is None]
-        if missing:
-            raise CheckpointError(
-                f"a {cls.family} checkpoint needs components {list(REQUIRED)}; its model_index.json lacks {missing}."
-            )
-        text_encoder = components["text_encoder"]
+        parts = required_components(cls.family, components)
+        text_encoder = parts["text_encoder"]
         text_config = _text_config(text_encoder)
         layers = int(getattr(text_config, "num_hidden_layers", 0))
         if max(cls.hidden_states_layers) > layers:
@@ -177,11 +172,7 @@ class Flux2NativePipeline(Flux2Packing, recipe.RecipePipeline):
             "%s: %d text tokens per prompt, hidden-state layers %s", cls.family, length, list(cls.hidden_states_layers)
         )
         return cls(
-            transformer=components["transformer"],
-            vae=components["vae"],
-            text_encoder=text_encoder,
-            tokenizer=components["tokenizer"],
-            scheduler=components["scheduler"],
+            **parts,
             device=device,
             dtype=dtype,
             max_sequence_length=length,

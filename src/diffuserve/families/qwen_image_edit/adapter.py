@@ -43,18 +43,16 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as edit_module
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus_module
 from PIL import Image
 
-from diffuserve.errors import CheckpointError, InvalidRequestError
+from diffuserve.errors import InvalidRequestError
 from diffuserve.families.qwen_image import inpaint as qwen_inpaint
 from diffuserve.families.qwen_image.ops import latents_stats, norm_rescaled_cfg, pad_rows
+from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import inpaint, recipe
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
 from diffuserve.pipelines.schedules import flow_schedule, flow_shift_fields
 
 logger = logging.getLogger(__name__)
-
-REQUIRED_COMPONENTS = ("transformer", "vae", "text_encoder", "processor", "scheduler")
-"""model_index.json keys the native adapters run (the tokenizer is the processor's own copy)."""
 
 
 @dataclass(frozen=True)
@@ -124,13 +122,8 @@ class QwenImageEditNativePipeline(recipe.RecipePipeline):
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
     ) -> QwenImageEditNativePipeline:
         """Build from the loader's model_index.json key -> loaded object mapping."""
-        missing = [key for key in REQUIRED_COMPONENTS if components.get(key) is None]
-        if missing:
-            raise CheckpointError(
-                f"a {cls._diffusers_class_name()} checkpoint needs components {list(REQUIRED_COMPONENTS)}; its "
-                f"model_index.json lacks {missing}."
-            )
-        return cls(**{key: components[key] for key in REQUIRED_COMPONENTS}, device=device, dtype=dtype)
+        # The tokenizer is the processor's own copy.
+        return cls(**required_components(cls.family, components), device=device, dtype=dtype)
 
     # -- requests --------------------------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from diffusers.image_processor import PixArtImageProcessor
 from diffusers.pipelines.sana import pipeline_sana
 from diffusers.pipelines.sana.pipeline_sana import SanaPipeline, retrieve_timesteps
 
+from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import recipe
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
@@ -110,15 +111,7 @@ class SanaNativePipeline(recipe.RecipePipeline):
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
     ) -> SanaNativePipeline:
         """Build from the loader's model_index.json key -> loaded object mapping."""
-        required = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
-        missing = [key for key in required if components.get(key) is None]
-        if missing:
-            from diffuserve.errors import CheckpointError
-
-            raise CheckpointError(
-                f"a SANA checkpoint needs components {list(required)}; its model_index.json lacks {missing}."
-            )
-        return cls(**{key: components[key] for key in required}, device=device, dtype=dtype)
+        return cls(**required_components(cls.family, components), device=device, dtype=dtype)
 
     # -- family parts ------------------------------------------------------------------------------------
 

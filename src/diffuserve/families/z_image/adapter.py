@@ -29,6 +29,7 @@ from diffusers.pipelines.z_image.pipeline_z_image import (
 )
 from diffusers.utils.torch_utils import randn_tensor
 
+from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import inpaint, packing, recipe
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
@@ -107,15 +108,7 @@ class ZImageNativePipeline(recipe.RecipePipeline):
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
     ) -> ZImageNativePipeline:
         """Build from the loader's model_index.json key -> loaded object mapping."""
-        required = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
-        missing = [key for key in required if components.get(key) is None]
-        if missing:
-            from diffuserve.errors import CheckpointError
-
-            raise CheckpointError(
-                f"a Z-Image checkpoint needs components {list(required)}; its model_index.json lacks {missing}."
-            )
-        return cls(**{key: components[key] for key in required}, device=device, dtype=dtype)
+        return cls(**required_components(cls.family, components), device=device, dtype=dtype)
 
     # -- family parts ------------------------------------------------------------------------------------
 
