@@ -9,7 +9,6 @@ from typing import Any
 
 from diffuserve.config.server_args import ServerArgs
 from diffuserve.errors import ConfigError, InvalidRequestError
-from diffuserve.executor.batch_runner import plan_calls
 from diffuserve.generate_masks import check_mask_family, read_mask
 from diffuserve.sampling import SamplingParams, build_sampling_params
 from diffuserve.server.control_fields import generate_control
@@ -21,14 +20,6 @@ INTERRUPTED = 130
 def _file_stem(prompt: str) -> str:
     stem = re.sub(r"[^A-Za-z0-9]+", "_", prompt).strip("_")[:48]
     return stem or "image"
-
-
-def chunk_rows(params: list[SamplingParams], max_rows: int | None) -> list[list[tuple[int, int, SamplingParams]]]:
-    """Pipeline calls for the prompts: (prompt index, first row, part) per call, at most `max_rows` rows
-    each (the engine's `plan_calls`); None runs one prompt, all its rows, per call."""
-    if max_rows is None:
-        return [[(i, 0, p)] for i, p in enumerate(params)]
-    return plan_calls(params, max_rows)
 
 
 def output_names(prompts: list[str], n: int, stem: str | None) -> list[list[str]]:

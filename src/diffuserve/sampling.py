@@ -166,10 +166,6 @@ class SamplingParams:
             object.__setattr__(self, "_signature", cached)  # a cache, not a field: never compared or replaced
         return cached
 
-    @classmethod
-    def signature_fields(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls) if f.metadata.get("signature")) + ("cfg_enabled", "step_cache_method")
-
 
 SIZE_FIELDS = ("width", "height")
 """Signature fields that leave it for a family that packs rows of different sizes into one call."""

@@ -324,10 +324,10 @@ def test_sizes_beyond_the_positional_tables_or_off_the_grid_are_refused(case: Fa
 
 def prompt_truncations(native: Any, text: str) -> list:
     """What the server reports for `text` as a prompt (server/common.py `prompt_warnings`)."""
-    from diffuserve.pipelines.prompt_limits import check_texts
+    from diffuserve.pipelines.prompt_limits import PromptTokens
 
     limits = getattr(native, "prompt_token_limits", None)
-    return check_texts(limits(), {"prompt": text}) if limits is not None else []
+    return list(PromptTokens(limits()).count({"prompt": text}).truncations) if limits is not None else []
 
 
 @cases(lambda c: c.warns_long_prompt)

@@ -99,19 +99,20 @@ def test_a_queued_requests_text_encodes_while_the_running_batch_denoises(dynamic
 
 def test_counting_prompt_tokens_beside_an_encode_does_not_change_what_the_encode_gets(tiny_flux_path):
     """The server counts prompt tokens (HTTP thread) while the encode lane tokenizes: on one shared fast tokenizer
-    the count's settings leaked into the encode (unpadded rows). `count_tokens` runs on a private copy."""
+    the count's settings leaked into the encode (unpadded rows). `PromptTokens` counts on a private copy."""
     import threading
 
     from transformers import AutoTokenizer
 
-    from diffuserve.pipelines.prompt_limits import count_tokens
+    from diffuserve.pipelines.prompt_limits import PromptTokens, TextEncoderLimit
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_flux_path / "tokenizer_2")
     text, stop = "a red fox in fresh snow, golden hour", threading.Event()
+    counter = PromptTokens([TextEncoderLimit("text_encoder_2 (T5)", tokenizer, 64)])
 
     def count() -> None:
         while not stop.is_set():
-            count_tokens(tokenizer, text)
+            counter.count({"prompt": text})
 
     counter = threading.Thread(target=count)
     counter.start()

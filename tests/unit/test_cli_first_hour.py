@@ -14,7 +14,7 @@ import pytest
 from diffuserve import cli
 from diffuserve.engine.metrics import EngineMetrics
 from diffuserve.executor.batch_runner import plan_calls, split_rows
-from diffuserve.generate import chunk_rows, output_names
+from diffuserve.generate import output_names
 from diffuserve.sampling import SamplingParams
 
 
@@ -181,25 +181,22 @@ def test_row_cap_splits_a_request_keeping_each_rows_seed():
     ]
     assert all(sum(p.n for _, _, p in call) <= 2 for call in calls)
     assert len(plan_calls([big, small], None)) == 1 and len(plan_calls([big, small], 6)) == 1
-    # generate: singleton mode runs one prompt (all its rows) per call; dynamic mode the engine's plan.
-    assert [len(c) for c in chunk_rows([big, small], None)] == [1, 1]
-    assert chunk_rows([big, small], 2) == calls
 
 
 def test_prompt_token_counting_with_real_tokenizers():
     from diffuserve.models.tiny import build_tokenizers
-    from diffuserve.pipelines.prompt_limits import TextEncoderLimit, check_texts, count_tokens
+    from diffuserve.pipelines.prompt_limits import PromptTokens, TextEncoderLimit
 
     clip, t5 = build_tokenizers(t5_max_length=64)
     limits = [TextEncoderLimit("text_encoder (CLIP)", clip, 77), TextEncoderLimit("text_encoder_2 (T5)", t5, 64)]
-    assert check_texts(limits, {"prompt": "a red fox", "negative_prompt": None}) == []
+    assert PromptTokens(limits).count({"prompt": "a red fox", "negative_prompt": None}).truncations == ()
     long = " ".join(["fox"] * 100)
-    found = check_texts(limits, {"prompt": long, "negative_prompt": "blurry"})
+    found = PromptTokens(limits).count({"prompt": long, "negative_prompt": "blurry"}).truncations
     assert [(f.field, f.encoder) for f in found] == [
         ("prompt", "text_encoder (CLIP)"),
         ("prompt", "text_encoder_2 (T5)"),
     ]
-    clip_tokens = count_tokens(clip, long)
+    clip_tokens = found[0].tokens
     assert clip_tokens == len(clip(long)["input_ids"]) > 77
     assert found[0].message.startswith(f"prompt is {clip_tokens} tokens for text_encoder (CLIP), which takes 77")
 

@@ -24,7 +24,7 @@ def test_device_bytes_now_and_peak_per_component() -> None:
     assert led.peak_bytes("transformer") == 150
     assert led.peak_bytes("vae") == 30
     assert led.on_device() == {"transformer": {"blocks.1"}}
-    assert led.attached_bytes("transformer", "blocks.1") == 50
+    assert led.device_bytes("transformer") == 50  # blocks.1 alone
     led.reset_peak()
     assert led.peak_bytes() == 50
 

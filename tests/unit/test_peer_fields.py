@@ -40,7 +40,7 @@ def _refused(call, param: str) -> str:
 
 
 def test_peer_fields_join_the_batch_signature():
-    assert {"flow_shift", "boundary_ratio", "resolution"} <= set(SamplingParams.signature_fields())
+    assert {"flow_shift", "boundary_ratio", "resolution"} <= set(dict(SamplingParams().signature()))
 
 
 @pytest.mark.parametrize("name", ["flow_shift", "guidance_scale_2", "boundary_ratio", "resolution"])

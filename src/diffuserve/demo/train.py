@@ -47,10 +47,10 @@ def build_tokenizers() -> tuple[Any, Any]:
     """
     from transformers import T5Tokenizer
 
-    from diffuserve.models import tiny
+    from diffuserve.models import tiny, tiny_parts
 
     clip, _ = tiny.build_tokenizers()
-    pieces = tiny._t5_pieces()
+    pieces = tiny_parts.t5_pieces()
     known = {piece for piece, _ in pieces}
     words = [("▁" + w, -5.0) for w in shapes.vocabulary() if "▁" + w not in known]
     # Special pieces first (their ids are fixed), then the new words, then tiny's words and characters.
@@ -63,13 +63,13 @@ def build_components(seed: int) -> dict[str, Any]:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from diffuserve.models import tiny
+    from diffuserve.models import tiny_parts
 
     clip_tok, t5_tok = build_tokenizers()
     torch.manual_seed(seed + 1)
-    clip = CLIPTextModel(CLIPTextConfig(**tiny._tiny_clip_config(clip_tok, TEXT_HIDDEN)))
+    clip = CLIPTextModel(CLIPTextConfig(**tiny_parts.tiny_clip_config(clip_tok, TEXT_HIDDEN)))
     torch.manual_seed(seed + 2)
-    t5 = T5EncoderModel(T5Config(**tiny._tiny_t5_config(t5_tok, TEXT_HIDDEN)))
+    t5 = T5EncoderModel(T5Config(**tiny_parts.tiny_t5_config(t5_tok, TEXT_HIDDEN)))
     torch.manual_seed(seed + 3)
     # schnell style (no guidance embedding): the pipeline then defaults to 4 steps, guidance 0.
     transformer = FluxTransformer2DModel(

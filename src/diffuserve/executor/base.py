@@ -24,8 +24,10 @@ __all__ = [
     "ServingPipeline",
     "StepRunner",
 ]
-"""`Pipeline`, `ServingPipeline`, `Capabilities` and `RequestOutput` are re-exported: the engine sees the loaded
-pipeline and the outputs only through this seam (it imports nothing from `pipelines/`)."""
+"""`Pipeline`, `ServingPipeline`, `Capabilities` and `RequestOutput` are re-exported so the engine imports nothing
+from `pipelines/`. The seam is not yet the whole contact: with continuous batching the engine's step loop
+(`engine/step_loop.py`) drives the StepRunner's `lanes` itself, submitting starts, previews and decodes to the encode
+and decode lanes, and making the loop's CUDA stream wait for the encode lane's (`SideResult.take`)."""
 
 
 @dataclass

@@ -196,6 +196,9 @@ class FamilySpec:
     text_encoder_keys: tuple[str, ...] = ()
     """model_index.json keys of the text encoders the native adapter runs, in encode order (an optional one the
     checkpoint leaves out, such as SD3's T5, is dropped by `describe_checkpoint`)."""
+    required_components: tuple[str, ...] = ()
+    """model_index.json keys the native adapter cannot run without: `family_spec.checkpoint.required_components`
+    takes them from the loaded components for the adapter's constructor, and refuses a checkpoint that lacks one."""
     tiny_builds: dict[str, str] = field(default_factory=dict)
     """`make-tiny --family` name -> "module:function" that writes a tiny checkpoint of this family."""
     lora_loader: str | None = None

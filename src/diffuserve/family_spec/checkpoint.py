@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from diffuserve.errors import CheckpointError
+from diffuserve.family_spec import spec_for
 from diffuserve.family_spec.base import CheckpointConfigs, FamilySpec, LatentGeometry, SamplingDefaults
 
 _CONFIG_FILES = ("config.json", "scheduler_config.json", "guider_config.json")
@@ -75,6 +78,19 @@ def describe_checkpoint(spec: FamilySpec, configs: CheckpointConfigs) -> Checkpo
         cfg_batched=spec.cfg_batched,
         text_encoders=tuple(present),
     )
+
+
+def required_components(family: str, components: Mapping[str, Any]) -> dict[str, Any]:
+    """The family spec's `required_components`, taken from the loader's model_index.json key -> loaded object
+    mapping (the keyword arguments of the native adapter's constructor); a CheckpointError names the missing ones."""
+    required = spec_for(family).required_components
+    missing = [key for key in required if components.get(key) is None]
+    if missing:
+        raise CheckpointError(
+            f"a {family} checkpoint needs components {list(required)}; its model_index.json lacks {missing} "
+            "(use --backend diffusers for a pipeline without them)."
+        )
+    return {key: components[key] for key in required}
 
 
 def square_default(defaults: SamplingDefaults, geometry: LatentGeometry, pixels: int) -> SamplingDefaults:

@@ -41,6 +41,9 @@ def flux_defaults(defaults: SamplingDefaults, configs: CheckpointConfigs, geomet
 # with per-row scales: they hold ~27% of the DiT's weights, and keeping them would leave an fp8 DiT at 0.64x of bf16.
 FLUX_QUANT_KEEP = ("x_embedder", "context_embedder", "time_text_embed.*", "norm_out.*", "proj_out")
 
+FLUX_COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
+"""The native adapter's components (model_index.json keys)."""
+
 SPECS = (
     FamilySpec(
         quant_keep=FLUX_QUANT_KEEP,
@@ -52,6 +55,7 @@ SPECS = (
         tasks=frozenset({"t2i", "i2i", "inpaint"}),
         strength_per_row=True,  # each edit row starts at its own step of the shared schedule (pipelines/inpaint.py)
         native_adapter="diffuserve.families.flux.adapter:FluxNativePipeline",
+        required_components=FLUX_COMPONENTS,
         lora_loader="FluxLoraLoaderMixin",
         # FLUX.1 ControlNet and ControlNet-Union (InstantX, Shakker-Labs) share this class (`num_mode` for Union).
         controlnet_classes=("FluxControlNetModel",),
@@ -90,6 +94,7 @@ SPECS = (
         tasks=frozenset({"i2i", "inpaint"}),
         strength_per_row=True,
         native_adapter="diffuserve.families.flux.adapter:FluxFillNativePipeline",
+        required_components=FLUX_COMPONENTS,
         # FLUX.1-Fill-dev: 50 steps at embedded guidance 30 (diffusers' FluxFillPipeline call defaults).
         defaults=SamplingDefaults(width=1024, height=1024, num_inference_steps=50, guidance_scale=30.0),
         checkpoint_defaults=flux_defaults,

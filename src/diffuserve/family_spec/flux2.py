@@ -61,6 +61,7 @@ SPECS = (
         id_priority=20,
         tasks=frozenset({"t2i", "i2i"}),
         native_adapter="diffuserve.families.flux2.adapter:Flux2NativePipeline",
+        required_components=("transformer", "vae", "text_encoder", "tokenizer", "scheduler"),
         lora_loader="Flux2LoraLoaderMixin",
         # diffusers' Flux2Pipeline call defaults: 50 steps, embedded guidance 4.0 (guidance-distilled: no CFG).
         defaults=SamplingDefaults(num_inference_steps=50, guidance_scale=4.0),
@@ -88,6 +89,7 @@ SPECS = (
         # Masks natively as Flux2KleinInpaintPipeline (`families/flux2/inpaint.py`); FLUX.2-dev has no inpaint pipeline.
         tasks=frozenset({"t2i", "i2i", "inpaint"}),
         native_adapter="diffuserve.families.flux2.adapter:Flux2KleinNativePipeline",
+        required_components=("transformer", "vae", "text_encoder", "tokenizer", "scheduler"),
         lora_loader="Flux2LoraLoaderMixin",
         # The step-distilled Klein 4B/9B: 4 steps, guidance ignored. `klein_defaults` gives Klein-Base
         # (model_index.json `is_distilled: false`) diffusers' call defaults instead: 50 steps, CFG at 4.0.

@@ -84,6 +84,17 @@ _COMMON = {
     "text_encoder_keys": ("text_encoder", "text_encoder_2"),
 }
 
+HUNYUAN_15_COMPONENTS = (
+    "transformer",
+    "vae",
+    "text_encoder",
+    "tokenizer",
+    "text_encoder_2",
+    "tokenizer_2",
+    "scheduler",
+)
+"""The components every HunyuanVideo 1.5 checkpoint has (the guider is optional: it only names the default scale)."""
+
 SPECS = (
     FamilySpec(
         name="hunyuan_video_15",
@@ -92,6 +103,7 @@ SPECS = (
         id_priority=10,
         tasks=frozenset({"t2v"}),
         native_adapter="diffuserve.families.hunyuan_video15.adapter:HunyuanVideo15NativePipeline",
+        required_components=HUNYUAN_15_COMPONENTS,
         # Rows merge: the native decode runs the VAE one row at a time (diffusers 0.42.1's VAE cannot decode a
         # batch, see adapter.py). Continuous: FlowMatchEuler is stateless per step beyond its sigma index, and each
         # request owns a private scheduler copy.
@@ -106,6 +118,7 @@ SPECS = (
         id_priority=20,
         tasks=frozenset({"i2v"}),
         native_adapter="diffuserve.families.hunyuan_video15.adapter:HunyuanVideo15I2VNativePipeline",
+        required_components=(*HUNYUAN_15_COMPONENTS, "image_encoder", "feature_extractor"),
         max_image_inputs=1,
         base_family="hunyuan_video_15",
         # Rows with different input images merge (each row encodes its own image); image-conditioned requests

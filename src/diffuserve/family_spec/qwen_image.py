@@ -83,6 +83,7 @@ SPECS = (
         model_id_patterns=(r"qwen[-_]?image",),
         id_priority=0,
         native_adapter="diffuserve.families.qwen_image.adapter:QwenImageNativePipeline",
+        required_components=("transformer", "vae", "text_encoder", "tokenizer", "scheduler"),
         lora_loader="QwenImageLoraLoaderMixin",
         controlnet_classes=("QwenImageControlNetModel",),
         # diffusers' call defaults (1024x1024 from default_sample_size 128 x VAE 8, 50 steps, true_cfg_scale 4),
@@ -110,6 +111,7 @@ SPECS = (
         model_id_patterns=(r"qwen[-_]?image[-_.]?2\.?1",),
         id_priority=5,
         native_adapter="diffuserve.families.qwen_image.adapter:QwenImage21NativePipeline",
+        required_components=("transformer", "vae", "text_encoder", "processor", "scheduler"),
         lora_loader="QwenImageLoraLoaderMixin",
         # diffusers' call defaults: output_resolution 1024, 40 steps, true_cfg_scale 1 (2.1 samples without
         # guidance); a Turbo checkpoint's `sample_sigmas` fixes the step count instead (the adapter reads it).

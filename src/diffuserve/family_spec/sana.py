@@ -40,6 +40,7 @@ SPEC = FamilySpec(
     pipeline_classes=("SanaPipeline",),
     model_id_patterns=(r"sana",),
     native_adapter="diffuserve.families.sana.adapter:SanaNativePipeline",
+    required_components=("transformer", "vae", "text_encoder", "tokenizer", "scheduler"),
     lora_loader="SanaLoraLoaderMixin",
     defaults=SamplingDefaults(num_inference_steps=20, guidance_scale=4.5),
     checkpoint_defaults=sana_defaults,

@@ -39,6 +39,9 @@ def sd3_defaults(defaults: SamplingDefaults, configs: CheckpointConfigs, geometr
 # the per-block AdaLN projections are quantized with per-row scales, as FLUX.1's.
 SD3_QUANT_KEEP = ("pos_embed.*", "context_embedder", "time_text_embed.*", "norm_out.*", "proj_out")
 
+SD3_COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
+"""Components every SD3 checkpoint has; T5 (`text_encoder_3`, `tokenizer_3`) may be left out, as diffusers allows."""
+
 SPEC = FamilySpec(
     quant_keep=SD3_QUANT_KEEP,
     name="sd3",
@@ -55,6 +58,7 @@ SPEC = FamilySpec(
     max_image_inputs=1,
     model_id_patterns=(r"stable[-_]?diffusion[-_]?3|sd3",),
     native_adapter="diffuserve.families.sd3.adapter:SD3NativePipeline",
+    required_components=SD3_COMPONENTS,
     lora_loader="SD3LoraLoaderMixin",
     controlnet_classes=("SD3ControlNetModel",),
     # diffusers' call defaults; CFG runs whenever guidance_scale > 1, against "" when no negative is given.

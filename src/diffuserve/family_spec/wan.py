@@ -62,6 +62,7 @@ SPECS = (
         max_latent_side=wan_max_latent_side,
         latent_geometry=wan_geometry,
         native_adapter="diffuserve.families.wan.adapter:WanNativePipeline",
+        required_components=("transformer", "vae", "text_encoder", "tokenizer", "scheduler"),
         lora_loader="WanLoraLoaderMixin",
         # Continuous (Wan2.1, Wan2.2 TI2V-5B and A14B): UniPC keeps its multistep history per request. With two
         # experts (A14B) a step whose rows straddle the boundary makes one call per expert; guidance_scale_2 is in
@@ -96,6 +97,7 @@ SPECS = (
         supports_batching=False,
         base_family="wan",
         native_adapter="diffuserve.families.wan.adapter:WanI2VNativePipeline",
+        required_components=("transformer", "vae", "text_encoder", "tokenizer", "scheduler"),
         lora_loader="WanLoraLoaderMixin",
         tiny_builds={"wan-i2v": "diffuserve.families.wan.tiny:build_wan_i2v"},
     ),

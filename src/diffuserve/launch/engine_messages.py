@@ -5,8 +5,10 @@ front end sends `Start`, `Submit`, `Abort`, `BeginDrain`, `Drain`, `MetricsQuery
 answers with `Hello` (once, before the model loads), `ModelInfo` (once, when the model is loaded), `Status` (its
 `EngineStatus` and the live requests' progress, when they changed), `Admitted` / `Answer` per request,
 `PreviewImages` for streaming requests, `Reply` to a `Drain` or `MetricsQuery`, and `Fatal` when the engine gives
-up. Data only: no callables, no locks, nothing bound to one process (a model's own `validate` runs in the engine
-process).
+up. Data, with no callables and nothing bound to one process (a model's own `validate` runs in the engine
+process), except one object that carries a lock: `ModelInfo`'s description holds the model's prompt-token owner
+(`ModelDescription.prompt_tokens`, private tokenizer copies guarded by a lock), which `send` pickles with a fresh
+lock of its own (`_Pickler`), so the front end counts tokens on its own copy.
 """
 
 from __future__ import annotations

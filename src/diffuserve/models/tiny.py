@@ -3,7 +3,7 @@
 The embedded default is the trained demo checkpoint shipped as package data (`DEMO_CHECKPOINT`);
 the random-weight checkpoints are the test and benchmark models. `build_tiny_checkpoint` (`make-tiny`) runs the
 builder a family spec names (`tiny_builds`, in `families/<family>/tiny.py`); this module holds what they share
-(offline tokenizers, encoder configs, the suggested-defaults writer).
+(offline tokenizers, the suggested-defaults writer; vocabularies and encoder configs in `models/tiny_parts.py`).
 
 Everything is built from in-code configs and vocabularies with fixed seeds, so two builds write the
 same bytes and no step touches the network. The layout is exactly what `diffusers` saves, so the
@@ -24,6 +24,7 @@ from typing import Any
 
 from diffuserve.errors import ConfigError
 from diffuserve.models.registry import DEFAULTS_KEY
+from diffuserve.models.tiny_parts import BIGRAMS, t5_pieces
 from diffuserve.paths import default_cache_dir
 
 DEFAULT_MODEL_NAME = "flux-demo-shapes-v3"
@@ -38,16 +39,6 @@ coloured shape on white ("a red circle in the top left"), written by `python -m 
 # Small but real vocabularies: byte-level BPE for CLIP (every byte is covered, so any prompt encodes
 # without <unk>) and unigram pieces for T5 (letters, digits, punctuation and some whole words), so
 # different prompts give different token ids as with the real tokenizers.
-
-_BIGRAMS = (
-    "th he in er an re on at en nd ti es or te of ed is it al ar st to nt ng se ha as ou io le ve co me "
-    "de hi ri ro ic ne ea ra ce li ch ll be ma si om ur ca el ta la ns ge ly ei os no pe do su pa ec ac"
-).split()
-_T5_WORDS = (
-    "a an the of and in on with at to for by from cat dog bird fish tree house city sky sea sun moon "
-    "red blue green yellow black white small big old new photo painting portrait landscape of surfing "
-    "wave mountain river forest night day light dark style detailed high quality art"
-).split()
 
 
 @dataclass(frozen=True)
@@ -98,7 +89,7 @@ def _clip_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tokens = list(alphabet) + [c + "</w>" for c in alphabet]
     merges: list[tuple[str, str]] = []
-    for pair in _BIGRAMS:
+    for pair in BIGRAMS:
         a, b = pair[0], pair[1]
         merges.append((a, b))
         merges.append((a, b + "</w>"))
@@ -108,60 +99,17 @@ def _clip_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return vocab, merges
 
 
-def _t5_pieces() -> list[tuple[str, float]]:
-    pieces: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-    chars = [chr(c) for c in range(33, 127)]
-    pieces += [("▁" + w, -4.0 - 0.01 * i) for i, w in enumerate(dict.fromkeys(_T5_WORDS))]
-    pieces += [("▁" + c, -8.0) for c in chars]
-    pieces += [(c, -9.0) for c in chars]
-    return pieces
-
-
 def build_tokenizers(t5_max_length: int = 512) -> tuple[Any, Any]:
     """The offline (CLIPTokenizer, T5Tokenizer) pair every tiny checkpoint ships."""
     from transformers import CLIPTokenizer, T5Tokenizer
 
     vocab, merges = _clip_vocab_and_merges()
     clip = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
-    t5 = T5Tokenizer(vocab=_t5_pieces(), extra_ids=100, model_max_length=t5_max_length)
+    t5 = T5Tokenizer(vocab=t5_pieces(), extra_ids=100, model_max_length=t5_max_length)
     return clip, t5
 
 
 # -- models -------------------------------------------------------------------------------------------
-
-
-def _tiny_clip_config(tokenizer: Any, hidden: int) -> dict[str, Any]:
-    """A 2-layer CLIP text config over `tokenizer`'s vocabulary (FLUX's CLIP encoder)."""
-    return {
-        "vocab_size": len(tokenizer),
-        "hidden_size": hidden,
-        "intermediate_size": 37,
-        "projection_dim": hidden,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "max_position_embeddings": 77,
-        "hidden_act": "gelu",
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
-
-
-def _tiny_t5_config(tokenizer: Any, hidden: int) -> dict[str, Any]:
-    """A 2-layer T5/UMT5 encoder config over `tokenizer`'s vocabulary (FLUX's text_encoder_2, Wan's encoder)."""
-    return {
-        "vocab_size": len(tokenizer),
-        "d_model": hidden,
-        "d_kv": 8,
-        "d_ff": 37,
-        "num_layers": 2,
-        "num_heads": 4,
-        "relative_attention_num_buckets": 8,
-        "feed_forward_proj": "gated-gelu",
-        "decoder_start_token_id": 0,
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-    }
 
 
 def write_defaults(output_dir: Path, defaults: dict[str, Any]) -> None:

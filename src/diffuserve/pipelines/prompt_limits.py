@@ -57,32 +57,6 @@ class PromptTruncation:
         )
 
 
-_COPIES: dict[int, tuple[Any, Any]] = {}
-"""id(tokenizer) -> (the tokenizer, the private copy counts run on)."""
-_COPIES_LOCK = threading.Lock()
-
-
-def count_tokens(tokenizer: Any, text: str) -> int:
-    """Tokens of `text` as the encoder would see it untruncated (special tokens included).
-
-    Counted on a private copy of the tokenizer, one count at a time: a fast (Rust) tokenizer keeps its padding /
-    truncation settings on the object for the length of a call, so counting on the pipeline's own tokenizer from
-    an HTTP thread while the encode lane tokenizes a batch changed what the encode got (an unpadded 27-token T5
-    row in a batch of 64-token rows)."""
-    with _COPIES_LOCK:
-        entry = _COPIES.get(id(tokenizer))
-        if entry is None or entry[0] is not tokenizer:
-            entry = _COPIES[id(tokenizer)] = (tokenizer, copy.deepcopy(tokenizer))
-        # verbose=False: transformers otherwise logs "sequence length is longer than the maximum" itself.
-        return len(entry[1](text, truncation=False, add_special_tokens=True, verbose=False)["input_ids"])
-
-
-def check_texts(limits: Sequence[TextEncoderLimit], texts: Mapping[str, str | None]) -> list[PromptTruncation]:
-    """Every (field, encoder) pair whose text is longer than the encoder takes; empty when all fit. A one-off
-    check (it copies the tokenizers each call): a served model counts through its one `PromptTokens`."""
-    return list(PromptTokens(limits).count(texts).truncations)
-
-
 @dataclass(frozen=True)
 class PromptCount:
     """What one count of a request's texts found: everything the server needs from the tokenizers."""

@@ -2,15 +2,19 @@
 fault hooks as declared fields, and its `Capabilities`.
 
 `launch/setup.py` builds one per rank (`ServingPipeline.of`); the executor runs batches and continuous steps on it
-and the engine reads its capabilities and model description. Nothing else is attached to the adapter from outside:
-residency and CFG parallel go in through the adapter's own `use_residency` / `use_cfg_parallel`, the side lanes
-are the adapter's `side_lanes()`, and fault injection is the `faults` hook, consulted around every call.
+and the engine reads its capabilities and model description. Residency and CFG parallel go in through the adapter's
+own `use_residency` / `use_cfg_parallel`, the side lanes are the adapter's `side_lanes()`, and fault injection is
+the `faults` hook, consulted around every call. Some parts are still attached to the adapter from outside, before
+it is wrapped here: `--controlnet` sets its `controlnets` and their components (`models/controlnets.py`), sequence
+parallel its `sequence_parallel` (`parallel/sequence.py`), and the parallel strategies append the parts whose
+step-cache decisions rank 0 makes to its `step_cache_agreement` list (`parallel/agreement.py`, read by
+`pipelines/step_cache.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from diffuserve.pipelines.base import BatchResult, Capabilities, ComponentUser, Pipeline
@@ -60,9 +64,6 @@ class ServingPipeline:
         capabilities = adapter.capabilities
         lanes = adapter.side_lanes() if capabilities.defers_decode else None
         return cls(adapter, capabilities, lanes, tuple(parallel), faults)
-
-    def with_faults(self, faults: FaultHooks) -> ServingPipeline:
-        return replace(self, faults=faults)
 
     # -- calls --------------------------------------------------------------------------------------------
     def run(self, batch: list[SamplingParams], **hooks: Any) -> BatchResult:

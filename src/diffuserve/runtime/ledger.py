@@ -235,11 +235,6 @@ class TransferLedger:
                 out.setdefault(component, set()).add(layer)
             return out
 
-    def attached_bytes(self, component: str, layer: str | None = None) -> int:
-        """Bytes attached now for one (component, layer) entry."""
-        with self._lock:
-            return self._attached.get((component, layer), 0)
-
     def totals(self) -> dict[str, dict[str, int]]:
         """component -> direction -> bytes moved since creation."""
         with self._lock:

@@ -24,6 +24,7 @@ from diffuserve.server import (
     playground,
 )
 from diffuserve.server.context import ServerContext
+from diffuserve.server.mesh_jobs import MeshJobStore
 from diffuserve.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, TrailingSlashMiddleware
 from diffuserve.server.protocol import ErrorEnvelope, error_envelope
 from diffuserve.server.result_cache import build_result_cache
@@ -152,7 +153,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ctx.engine.start()
         openai_videos.start_results_sweep(ctx)
-        openai_meshes.start_mesh_sync(ctx, app)
+        openai_meshes.start_mesh_sync(ctx)
         try:
             yield
         finally:
@@ -175,6 +176,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
         ctx.results = open_results_store(ctx.args)
     if ctx.videos is None:
         ctx.videos = VideoJobStore(ctx.results, ctx.args.max_video_jobs)
+    if ctx.meshes is None:
+        ctx.meshes = MeshJobStore(ctx.results, ctx.args.max_mesh_jobs)
     if ctx.result_cache is None:
         ctx.result_cache = build_result_cache(ctx.args, ctx.results, ctx.metrics.registry, ctx.plan)
     app.state.ctx = ctx

@@ -10,6 +10,7 @@ from diffuserve.config.server_args import ServerArgs
 from diffuserve.engine.metrics import EngineMetrics
 from diffuserve.server.engine_client import EngineClient
 from diffuserve.server.job_drain import JobDrivers
+from diffuserve.server.mesh_jobs import MeshJobStore
 from diffuserve.server.video_jobs import VideoJobStore
 from diffuserve.storage import ResultStore
 
@@ -77,6 +78,8 @@ class ServerContext:
     """The results store under --output-dir that `images` and `videos` keep their rows and files in."""
     videos: VideoJobStore | None = None
     """Async video jobs; `create_app` makes one sized by --max-video-jobs when none is given."""
+    meshes: MeshJobStore | None = None
+    """Async mesh jobs; `create_app` makes one sized by --max-mesh-jobs when none is given."""
     result_cache: Any = None
     """The exact-result cache (`server/result_cache.py`) with --result-cache-mib > 0; `create_app` builds it."""
     jobs: JobDrivers = field(default_factory=JobDrivers)

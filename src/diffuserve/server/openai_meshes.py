@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
-import threading
 import time
 import uuid
 from typing import Any, Literal
 
-from fastapi import APIRouter, FastAPI, Query, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -29,16 +27,16 @@ from diffuserve.errors import DiffuserveError, InvalidRequestError, NotFoundErro
 from diffuserve.media.images import decode_image
 from diffuserve.media.meshes import MESH_FORMATS, encode_mesh
 from diffuserve.sampling import SamplingParams, build_sampling_params
+from diffuserve.server import job_routes
 from diffuserve.server.common import check_request_limits, require_ready, result_timings, server_context
 from diffuserve.server.context import ServerContext
+from diffuserve.server.job_routes import error_dict
 from diffuserve.server.media_sources import FetchPolicy, load_image_source
 from diffuserve.server.mesh_jobs import MeshJob, MeshJobStore
 from diffuserve.server.protocol import MAX_SEED, coerce_form_fields, error_envelope
 
 router = APIRouter()
-logger = logging.getLogger(__name__)
 IMAGE_FIELDS = ("image", "input_image")
-_store_lock = threading.Lock()
 
 
 class MeshNotReadyError(DiffuserveError):
@@ -60,44 +58,23 @@ class MeshCreateRequest(BaseModel):
     octree_resolution: StrictInt | None = Field(default=None, ge=16, description="Grid cells per side of the volume.")
 
 
-def _app_jobs(app: FastAPI, ctx: ServerContext) -> MeshJobStore:
-    with _store_lock:
-        jobs = getattr(app.state, "meshes", None)
-        if jobs is None:
-            assert ctx.results is not None, "create_app opens the results store"
-            jobs = app.state.meshes = MeshJobStore(ctx.results, ctx.args.max_mesh_jobs)
-    return jobs
+def _store(ctx: ServerContext) -> MeshJobStore:
+    assert ctx.meshes is not None, "create_app makes the mesh job store"
+    return ctx.meshes
 
 
 def _jobs(request: Request) -> MeshJobStore:
-    return _app_jobs(request.app, server_context(request))
+    return _store(server_context(request))
 
 
-def start_mesh_sync(ctx: ServerContext, app: FastAPI) -> None:
+def start_mesh_sync(ctx: ServerContext) -> None:
     """Share this process' mesh jobs with the other replicas of its results store: after each sweep publish
     their progress (for polls that reach another replica) and stop those another replica cancelled or deleted;
     on a PostgreSQL notification stop such a job at once (at its next DiT step or decode chunk)."""
-    jobs = _app_jobs(app, ctx)
+    jobs = _store(ctx)
     assert ctx.results is not None
-
-    def stop_gone(how: str) -> None:
-        for job_id in jobs.live_ids_finished_elsewhere():
-            logger.info("mesh job %s was finished or deleted through another replica (%s); stopping it", job_id, how)
-            ctx.engine.abort(job_id, RequestCancelledError(f"The mesh job {job_id} was cancelled or deleted."))
-
-    def after_sweep() -> None:
-        for job_id in jobs.live_ids():
-            progress = ctx.engine.progress(job_id)
-            if progress is not None:
-                jobs.set_progress(job_id, *progress)
-        stop_gone("swept")
-
-    def notified(job_id: str) -> None:
-        if job_id in jobs.live_ids():
-            stop_gone("notified")
-
-    ctx.results.watch(notified)
-    ctx.results.add_sweep_hook(after_sweep)
+    ctx.results.watch(lambda job_id: job_routes.stop_if_mine(ctx, jobs, job_id))
+    ctx.results.add_sweep_hook(lambda: job_routes.sync_live_jobs(ctx, jobs))
 
 
 async def _create_body(request: Request) -> tuple[MeshCreateRequest, bytes]:
@@ -177,10 +154,6 @@ def build_mesh_params(body: MeshCreateRequest, ctx: ServerContext, image: bytes)
     return params
 
 
-def _error(exc: DiffuserveError) -> dict[str, Any]:
-    return error_envelope(exc.message, exc.error_type, exc.param, exc.code)["error"]
-
-
 async def _drive(ctx: ServerContext, jobs: MeshJobStore, job: MeshJob, generation: Any, received: float) -> None:
     """Await the engine, encode the mesh and record the outcome (never raises)."""
     try:
@@ -192,11 +165,11 @@ async def _drive(ctx: ServerContext, jobs: MeshJobStore, job: MeshJob, generatio
         content = await run_in_threadpool(encode_mesh, mesh.vertices, mesh.faces, job.output_format)
         timings = result_timings(result, encode_s=time.monotonic() - started, received=received)
     except RequestCancelledError as exc:
-        jobs.finish(job.id, "cancelled", error=_error(exc))
+        jobs.finish(job.id, "cancelled", error=error_dict(exc))
         return
     except DiffuserveError as exc:
         # Answered by the drain's deadline or a second signal: the job reads "stopped", not a bare 503.
-        error = ctx.jobs.failure(job.id, exc) or _error(exc)
+        error = ctx.jobs.failure(job.id, exc) or error_dict(exc)
         await run_in_threadpool(lambda: jobs.finish(job.id, "failed", error=error))
         return
     except Exception as exc:  # noqa: BLE001 - a job always ends in a status
@@ -252,11 +225,7 @@ def _get(request: Request, mesh_id: str) -> MeshJob:
     job = _jobs(request).get(mesh_id)
     if job is None:
         raise NotFoundError(f"No mesh job {mesh_id!r}.", param="mesh_id")
-    if not job.terminal:
-        progress = server_context(request).engine.progress(job.id)
-        if progress is not None:
-            _jobs(request).set_progress(job.id, *progress)
-    return job
+    return job_routes.refresh(server_context(request), _jobs(request), job)
 
 
 @router.get("/v1/meshes", tags=["meshes"])
@@ -270,14 +239,7 @@ async def list_meshes(
         page, has_more = _jobs(request).list(limit=limit, after=after, newest_first=order == "desc")
     except KeyError:
         raise InvalidRequestError(f"after={after!r} is not a kept mesh job id.", param="after") from None
-    data = [job.to_dict() for job in page]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more,
-    }
+    return job_routes.list_page([job.to_dict() for job in page], has_more)
 
 
 @router.get("/v1/meshes/{mesh_id}", tags=["meshes"])
@@ -305,12 +267,6 @@ async def mesh_content(mesh_id: str, request: Request) -> Response:
     )
 
 
-def _cancel(request: Request, job: MeshJob, how: str) -> None:
-    error = RequestCancelledError(f"The mesh job was cancelled ({how}).")
-    if _jobs(request).finish(job.id, "cancelled", error=_error(error)):
-        server_context(request).engine.abort(job.id, error)
-
-
 @router.post("/v1/meshes/{mesh_id}/cancel", tags=["meshes"])
 async def cancel_mesh(mesh_id: str, request: Request) -> dict[str, Any]:
     job = _get(request, mesh_id)
@@ -320,13 +276,13 @@ async def cancel_mesh(mesh_id: str, request: Request) -> dict[str, Any]:
             param="mesh_id",
             code="mesh_already_finished",
         )
-    _cancel(request, job, f"POST /v1/meshes/{mesh_id}/cancel")
+    job_routes.cancel(server_context(request), _jobs(request), job, f"POST /v1/meshes/{mesh_id}/cancel")
     return _get(request, mesh_id).to_dict()
 
 
 @router.delete("/v1/meshes/{mesh_id}", tags=["meshes"])
 async def delete_mesh(mesh_id: str, request: Request) -> dict[str, Any]:
     job = _get(request, mesh_id)
-    _cancel(request, job, f"DELETE /v1/meshes/{mesh_id}")
+    job_routes.cancel(server_context(request), _jobs(request), job, f"DELETE /v1/meshes/{mesh_id}")
     _jobs(request).remove(mesh_id)
     return {"id": mesh_id, "object": "mesh.deleted", "deleted": True}

@@ -13,7 +13,6 @@ upload, or a data: URL) and never merge with other jobs.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from typing import Any, Literal
@@ -32,15 +31,16 @@ from diffuserve.errors import (
 )
 from diffuserve.media.video import encode_mp4, spritesheet, thumbnail
 from diffuserve.sampling import SamplingParams
+from diffuserve.server import job_routes
 from diffuserve.server.common import count_prompt, require_ready, result_timings, server_context
 from diffuserve.server.context import ServerContext
+from diffuserve.server.job_routes import error_dict
 from diffuserve.server.protocol import error_envelope
 from diffuserve.server.video_inputs import create_body
 from diffuserve.server.video_jobs import VideoJob, VideoJobStore
 from diffuserve.server.video_params import VideoCreateRequest, build_video_params, frames_note
 
 router = APIRouter()
-logger = logging.getLogger("diffuserve.server")
 
 
 class VideoNotReadyError(DiffuserveError):
@@ -54,10 +54,6 @@ class VideoNotReadyError(DiffuserveError):
 def _store(ctx: ServerContext) -> VideoJobStore:
     assert ctx.videos is not None, "create_app makes the video job store"
     return ctx.videos
-
-
-def _error_dict(exc: DiffuserveError) -> dict[str, Any]:
-    return error_envelope(exc.message, exc.error_type, exc.param, exc.code)["error"]
 
 
 async def _drive_job(
@@ -74,11 +70,11 @@ async def _drive_job(
         content = await run_in_threadpool(encode_mp4, output.videos[0], job.fps, audio, output.audio_sample_rate)
         encode_s = time.monotonic() - encode_started
     except RequestCancelledError as exc:
-        store.cancel(job.id, _error_dict(exc))
+        store.cancel(job.id, error_dict(exc))
         return
     except DiffuserveError as exc:
         # Answered by the drain's deadline or a second signal: the job reads "stopped", not a bare 503.
-        await run_in_threadpool(store.fail, job.id, ctx.jobs.failure(job.id, exc) or _error_dict(exc))
+        await run_in_threadpool(store.fail, job.id, ctx.jobs.failure(job.id, exc) or error_dict(exc))
         return
     except Exception as exc:  # noqa: BLE001 - a job must always end in a status, whatever went wrong
         store.fail(
@@ -113,38 +109,15 @@ def start_results_sweep(ctx: ServerContext) -> None:
     results = ctx.results
     assert results is not None
 
-    def sync_live_jobs() -> None:
-        store = _store(ctx)
-        for job_id in store.live_ids():
-            progress = ctx.engine.progress(job_id)
-            if progress is not None:
-                store.set_progress(job_id, *progress)
-        for job_id in store.live_ids_finished_elsewhere():
-            ctx.engine.abort(job_id, RequestCancelledError(f"The video job {job_id} was cancelled or deleted."))
-
-    def stop_if_mine(job_id: str) -> None:
-        # Another replica finished or deleted `job_id` (PostgreSQL NOTIFY): if it runs here, stop it now
-        # (at its next denoising step) rather than at the next sweep.
-        store = _store(ctx)
-        if job_id in store.live_ids():
-            for gone in store.live_ids_finished_elsewhere():
-                logger.info(
-                    "video job %s was finished or deleted through another replica (notified); stopping it", gone
-                )
-                ctx.engine.abort(gone, RequestCancelledError(f"The video job {gone} was cancelled or deleted."))
-
     results.fail_interrupted(INTERRUPTED_ERROR)
-    results.watch(stop_if_mine)
-    results.start_sweeper(ctx.args.result_sweep_interval_s, INTERRUPTED_ERROR, sync_live_jobs)
+    results.watch(lambda job_id: job_routes.stop_if_mine(ctx, _store(ctx), job_id))
+    results.start_sweeper(
+        ctx.args.result_sweep_interval_s, INTERRUPTED_ERROR, lambda: job_routes.sync_live_jobs(ctx, _store(ctx))
+    )
 
 
 def _refresh(ctx: ServerContext, job: VideoJob) -> VideoJob:
-    """Bring a live job's status and progress up to date from the engine's step counter."""
-    if not job.terminal:
-        progress = ctx.engine.progress(job.id)
-        if progress is not None:
-            _store(ctx).set_progress(job.id, *progress)
-    return job
+    return job_routes.refresh(ctx, _store(ctx), job)
 
 
 def _get_job(ctx: ServerContext, video_id: str) -> VideoJob:
@@ -154,14 +127,6 @@ def _get_job(ctx: ServerContext, video_id: str) -> VideoJob:
             f"No video job {video_id!r} (unknown id, deleted, or dropped past --max-video-jobs).", param="video_id"
         )
     return _refresh(ctx, job)
-
-
-def _cancel(ctx: ServerContext, job: VideoJob, how: str) -> None:
-    error = RequestCancelledError(f"The video job was cancelled ({how}).")
-    if _store(ctx).cancel(job.id, _error_dict(error)):
-        # Queued: removed from the queue (it never runs). Running: stopped at the next step boundary
-        # when no other request of its batch still waits, otherwise its row is dropped.
-        ctx.engine.abort(job.id, error)
 
 
 POLL_AFTER_HEADER = "openai-poll-after-ms"
@@ -322,14 +287,7 @@ async def list_videos(
         )
     except KeyError:
         raise InvalidRequestError(f"after={after!r} is not a kept video job id.", param="after") from None
-    data = [_refresh(ctx, job).to_dict() for job in page]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more,
-    }
+    return job_routes.list_page([_refresh(ctx, job).to_dict() for job in page], has_more)
 
 
 @router.get("/v1/videos/{video_id}", tags=["videos"])
@@ -391,7 +349,7 @@ async def cancel_video(video_id: str, request: Request) -> dict[str, Any]:
             param="video_id",
             code="video_already_finished",
         )
-    _cancel(ctx, job, f"POST /v1/videos/{video_id}/cancel")
+    job_routes.cancel(ctx, _store(ctx), job, f"POST /v1/videos/{video_id}/cancel")
     return _get_job(ctx, video_id).to_dict()
 
 
@@ -400,6 +358,6 @@ async def delete_video(video_id: str, request: Request) -> dict[str, Any]:
     """Remove a job and its MP4; a queued or running job is cancelled first."""
     ctx = server_context(request)
     job = _get_job(ctx, video_id)
-    _cancel(ctx, job, f"DELETE /v1/videos/{video_id}")
+    job_routes.cancel(ctx, _store(ctx), job, f"DELETE /v1/videos/{video_id}")
     _store(ctx).remove(video_id)
     return {"id": video_id, "object": "video.deleted", "deleted": True}

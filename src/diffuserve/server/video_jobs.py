@@ -5,31 +5,25 @@ A job is created `queued`, becomes `in_progress` once its first denoising step i
 job never changes again: a late result of a cancelled job is dropped, a late cancel of a completed job
 is refused by the route.
 
-Jobs are rows of the results store (storage/results.py), so they survive a restart and are seen by
-every process sharing its stores (--output-dir, or --results-db and --media-store across hosts); the MP4
-is a file or object there. The jobs this process is running are
-also kept as objects in memory (progress is updated at every poll and written through). Past
-`max_jobs` rows, the oldest *finished* jobs (and their files) are dropped first; running and queued
-jobs never are, since their number is already bounded by the engine's queue.
+Jobs are rows of kind `video` in the results store, kept by the shared job store (server/job_store.py), so they
+survive a restart and are seen by every process sharing its stores (--output-dir, or --results-db and --media-store
+across hosts); the MP4 is a file or object there. Running and queued jobs are never dropped past `max_jobs`, since
+their number is already bounded by the engine's queue. Recording a finished video retries while the results store
+is unavailable (FINISH_RETRIES_S).
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffuserve.server.job_store import QUEUED, TERMINAL_STATUSES, JobStore
 from diffuserve.storage import Record, ResultStore
 from diffuserve.storage.media import StoreUnavailableError
 
-QUEUED = "queued"
-IN_PROGRESS = "in_progress"
-COMPLETED = "completed"
-FAILED = "failed"
-CANCELLED = "cancelled"
-TERMINAL_STATUSES = frozenset({COMPLETED, FAILED, CANCELLED})
-"""Statuses a job never leaves."""
+VIDEO_FILE = "video.mp4"
+"""Name of a completed job's MP4 inside its results folder."""
 
 
 @dataclass
@@ -86,6 +80,10 @@ class VideoJob:
     @property
     def terminal(self) -> bool:
         return self.status in TERMINAL_STATUSES
+
+    @property
+    def file_name(self) -> str:
+        return VIDEO_FILE
 
     @property
     def seconds(self) -> str:
@@ -158,149 +156,12 @@ class VideoJob:
 FINISH_RETRIES_S = (1.0, 2.0, 4.0, 8.0)
 """Waits between attempts to record a finished job while the results store is unavailable."""
 
-VIDEO_FILE = "video.mp4"
-"""Name of a completed job's MP4 inside its results folder."""
 
-
-class VideoJobStore:
-    """Jobs by id, newest first; thread-safe; bounded by `max_jobs` rows (live ones always kept)."""
+class VideoJobStore(JobStore[VideoJob]):
+    """Video jobs by id, newest first; thread-safe; bounded by `max_jobs` rows (live ones always kept)."""
 
     def __init__(self, results: ResultStore, max_jobs: int = 128):
-        if max_jobs < 1:
-            raise ValueError(f"max_jobs must be >= 1, got {max_jobs}")
-        self.results = results
-        self.max_jobs = max_jobs
-        self._live: dict[str, VideoJob] = {}
-        """Jobs of this process that have not finished (the object the runner task updates)."""
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return self.results.count("video")
-
-    def add(self, job: VideoJob) -> list[str]:
-        """Keep `job`; returns the ids of the finished jobs dropped to stay within `max_jobs`."""
-        with self._lock:
-            if job.id in self._live or self.results.get(job.id) is not None:
-                raise KeyError(f"duplicate video job id {job.id!r}")
-            self.results.add(job.id, "video", job.status, job.meta(), created_at=job.created_at)
-            self._live[job.id] = job
-        return self.results.evict("video", self.max_jobs)
-
-    def get(self, job_id: str) -> VideoJob | None:
-        with self._lock:
-            if job_id in self._live:
-                return self._live[job_id]
-        record = self.results.get(job_id)
-        return VideoJob.from_record(record) if record is not None and record.kind == "video" else None
-
-    def list(
-        self, *, limit: int = 20, after: str | None = None, newest_first: bool = True
-    ) -> tuple[list[VideoJob], bool]:
-        """Jobs newest (or oldest) first, starting after the job `after` (a cursor); returns (page, has_more).
-
-        Raises KeyError when `after` is not a kept job.
-        """
-        records, has_more = self.results.list("video", limit=limit, after=after, newest_first=newest_first)
-        with self._lock:
-            page = [self._live.get(r.id) or VideoJob.from_record(r) for r in records]
-        return page, has_more
-
-    def content(self, job: VideoJob) -> bytes | None:
-        """The MP4 of a completed job (None otherwise, or when its file is gone)."""
-        record = self.results.get(job.id)
-        if record is None or record.status != COMPLETED:
-            return None
-        return self.results.read_file(record, VIDEO_FILE)
-
-    def presign(self, job: VideoJob, expires_s: int) -> str | None:
-        """A presigned URL of a completed job's MP4 in the media store (None where it cannot sign)."""
-        record = self.results.get(job.id)
-        if record is None or record.status != COMPLETED:
-            return None
-        return self.results.presign(record, VIDEO_FILE, expires_s)
-
-    def remove(self, job_id: str) -> VideoJob | None:
-        job = self.get(job_id)
-        with self._lock:
-            self._live.pop(job_id, None)
-        self.results.delete(job_id)
-        return job
-
-    def live_ids(self) -> list[str]:
-        """Ids of the jobs this process is running or has queued."""
-        with self._lock:
-            return list(self._live)
-
-    def live_ids_finished_elsewhere(self) -> list[str]:
-        """Jobs this process runs whose row another process finished or deleted (a cancel or delete
-        sent to another replica); they are forgotten here and returned so the caller can abort them."""
-        with self._lock:
-            ids = list(self._live)
-        gone = []
-        for job_id in ids:
-            record = self.results.get(job_id)
-            if record is None or not record.live:
-                gone.append(job_id)
-        with self._lock:
-            for job_id in gone:
-                self._live.pop(job_id, None)
-        return gone
-
-    # -- transitions (each returns False when the job is unknown or already finished) -------------
-
-    def set_progress(self, job_id: str, steps_done: int, num_steps: int) -> bool:
-        """A running job reported `steps_done` of `num_steps`: in_progress, progress never goes back."""
-        with self._lock:
-            job = self._live.get(job_id)
-            if job is None or job.terminal:
-                return False
-            # 100 is kept for "completed": decode and MP4 encoding still follow the last step.
-            share = int(100 * steps_done / num_steps) if num_steps > 0 else 0
-            progress = max(job.progress, min(99, share))
-            changed = job.status != IN_PROGRESS or progress != job.progress
-            job.status, job.progress = IN_PROGRESS, progress
-            meta = job.meta()
-        if changed:
-            self.results.update_live(job_id, status=IN_PROGRESS, meta=meta)
-        return True
-
-    def _finish(
-        self,
-        job_id: str,
-        status: str,
-        *,
-        error: dict[str, Any] | None = None,
-        content: bytes | None = None,
-        timings: dict[str, Any] | None = None,
-    ) -> bool:
-        with self._lock:
-            job = self._live.get(job_id)
-        if job is None:
-            # Not running here: a job of another (live) process, or already finished.
-            record = self.results.get(job_id)
-            if record is None or not record.live:
-                return False
-            job = VideoJob.from_record(record)
-        if job.terminal:
-            return False
-        final = VideoJob(**{**job.__dict__, "status": status, "runner": None})
-        if error is not None:
-            final.error = error
-        if status == COMPLETED:
-            final.progress, final.timings = 100, timings
-        files = {VIDEO_FILE: content} if content is not None else None
-        if not self._finish_row(job_id, status, final.meta(), files):
-            with self._lock:
-                self._live.pop(job_id, None)
-            return False
-        record = self.results.get(job_id)
-        with self._lock:
-            self._live.pop(job_id, None)
-            job.status, job.progress, job.error, job.timings = final.status, final.progress, final.error, final.timings
-            if record is not None:
-                job.completed_at = int(record.completed_at or time.time())
-                job.expires_at = None if record.expires_at is None else int(record.expires_at)
-        return True
+        super().__init__(results, max_jobs, kind="video", job_type=VideoJob)
 
     def _finish_row(self, job_id: str, status: str, meta: dict[str, Any], files: dict[str, bytes] | None) -> bool:
         """`results.finish`, retried while the store is unavailable (FINISH_RETRIES_S): a finished video is
@@ -313,12 +174,3 @@ class VideoJobStore:
                     raise
                 time.sleep(wait_s)
         raise AssertionError("unreachable")
-
-    def complete(self, job_id: str, content: bytes, timings: dict[str, Any]) -> bool:
-        return self._finish(job_id, COMPLETED, content=content, timings=timings)
-
-    def fail(self, job_id: str, error: dict[str, Any]) -> bool:
-        return self._finish(job_id, FAILED, error=error)
-
-    def cancel(self, job_id: str, error: dict[str, Any] | None = None) -> bool:
-        return self._finish(job_id, CANCELLED, error=error)

@@ -23,10 +23,12 @@ from PIL import Image
 
 from diffuserve.families.flux import controlnet as flux_controlnet
 from diffuserve.families.flux.ops import FluxPacking
+from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import inpaint, recipe, token_ids
 from diffuserve.pipelines.base import component_configs, declared_sequence_length
 from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows
 from diffuserve.pipelines.recipe import Cond, DenoiseState
+from diffuserve.pipelines.schedules import flow_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -97,31 +99,8 @@ class FluxNativePipeline(FluxPacking, recipe.RecipePipeline):
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
     ) -> FluxNativePipeline:
         """Build from the loader's model_index.json key -> loaded object mapping."""
-        required = (
-            "transformer",
-            "vae",
-            "text_encoder",
-            "tokenizer",
-            "text_encoder_2",
-            "tokenizer_2",
-            "scheduler",
-        )
-        missing = [key for key in required if components.get(key) is None]
-        if missing:
-            from diffuserve.errors import CheckpointError
-
-            raise CheckpointError(
-                f"a FLUX.1 checkpoint needs components {list(required)}; its model_index.json lacks {missing} "
-                "(use --backend diffusers for a pipeline without them)."
-            )
         return cls(
-            transformer=components["transformer"],
-            vae=components["vae"],
-            text_encoder=components["text_encoder"],
-            tokenizer=components["tokenizer"],
-            text_encoder_2=components["text_encoder_2"],
-            tokenizer_2=components["tokenizer_2"],
-            scheduler=components["scheduler"],
+            **required_components(cls.family, components),
             device=device,
             dtype=dtype,
             max_sequence_length=declared_sequence_length(components["tokenizer_2"], 512),
@@ -262,17 +241,19 @@ class FluxNativePipeline(FluxPacking, recipe.RecipePipeline):
     ) -> tuple[Any, torch.Tensor]:
         """A private scheduler with its timesteps set for this shape and shift (the set-up is cached per key)."""
 
-        def build() -> tuple[Any, torch.Tensor]:
-            template = recipe.scheduler_template(self.scheduler, flow_shift)
-            sigmas = (
-                None
-                if getattr(template.config, "use_flow_sigmas", False)
-                else np.linspace(1.0, 1 / num_steps, num_steps)
-            )
-            mu = recipe.dynamic_shift_mu(template.config, image_seq_len)
-            return template, retrieve_timesteps(template, num_steps, self.device, sigmas=sigmas, mu=mu)[0]
-
-        return recipe.cached_schedule(self._schedulers, (num_steps, image_seq_len, flow_shift), build)
+        return flow_schedule(
+            self._schedulers,
+            self.scheduler,
+            retrieve_timesteps,
+            self.device,
+            num_steps,
+            flow_shift,
+            shape_key=(image_seq_len,),
+            sigmas=lambda config: (
+                None if getattr(config, "use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
+            ),
+            mu=lambda config: recipe.dynamic_shift_mu(config, image_seq_len),
+        )
 
     # -- 4. decode --------------------------------------------------------------------------------------
 

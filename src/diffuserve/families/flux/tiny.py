@@ -10,13 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from diffuserve.errors import ConfigError
-from diffuserve.models.tiny import (
-    PRESETS,
-    TinyFluxPreset,
-    _tiny_clip_config,
-    _tiny_t5_config,
-    build_tokenizers,
-)
+from diffuserve.models.tiny import PRESETS, TinyFluxPreset, build_tokenizers
+from diffuserve.models.tiny_parts import tiny_clip_config, tiny_t5_config
 
 TINY_FLUX_T5_LENGTH = 64
 """T5 tokens per prompt the tiny FLUX checkpoints declare (tokenizer_2 `model_max_length`).
@@ -41,9 +36,9 @@ def _build_flux_components(preset: TinyFluxPreset) -> dict[str, Any]:
 
     # Each model gets its own fixed seed so that changing one component leaves the others' bytes alone.
     torch.manual_seed(preset.seed + 1)
-    clip = CLIPTextModel(CLIPTextConfig(**_tiny_clip_config(clip_tok, h)))
+    clip = CLIPTextModel(CLIPTextConfig(**tiny_clip_config(clip_tok, h)))
     torch.manual_seed(preset.seed + 2)
-    t5 = T5EncoderModel(T5Config(**_tiny_t5_config(t5_tok, h)))
+    t5 = T5EncoderModel(T5Config(**tiny_t5_config(t5_tok, h)))
     torch.manual_seed(preset.seed + 3)
     transformer = FluxTransformer2DModel(
         patch_size=1,

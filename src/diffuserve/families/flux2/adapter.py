@@ -51,9 +51,11 @@ from PIL import Image
 from diffuserve.errors import CheckpointError, InvalidRequestError
 from diffuserve.families.flux2 import inpaint as flux2_inpaint
 from diffuserve.families.flux2.ops import Flux2Packing
+from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import inpaint, recipe
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
+from diffuserve.pipelines.schedules import flow_schedule, flow_shift_fields
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +69,6 @@ REFERENCE_MAX_ASPECT = 8
 """... or an aspect ratio above this."""
 MAX_CACHED_SHAPES = 64
 """Per-shape caches (position ids, schedules) are cleared past this many entries."""
-REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
-"""model_index.json components both FLUX.2 pipelines need."""
 
 
 def _make_room(cache: dict) -> None:
@@ -152,12 +152,8 @@ class Flux2NativePipeline(Flux2Packing, recipe.RecipePipeline):
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
     ) -> Flux2NativePipeline:
         """Build from the loader's model_index.json key -> loaded object mapping."""
-        missing = [key for key in REQUIRED if components.get(key) is None]
-        if missing:
-            raise CheckpointError(
-                f"a {cls.family} checkpoint needs components {list(REQUIRED)}; its model_index.json lacks {missing}."
-            )
-        text_encoder = components["text_encoder"]
+        parts = required_components(cls.family, components)
+        text_encoder = parts["text_encoder"]
         text_config = _text_config(text_encoder)
         layers = int(getattr(text_config, "num_hidden_layers", 0))
         if max(cls.hidden_states_layers) > layers:
@@ -176,11 +172,7 @@ class Flux2NativePipeline(Flux2Packing, recipe.RecipePipeline):
             "%s: %d text tokens per prompt, hidden-state layers %s", cls.family, length, list(cls.hidden_states_layers)
         )
         return cls(
-            transformer=components["transformer"],
-            vae=components["vae"],
-            text_encoder=text_encoder,
-            tokenizer=components["tokenizer"],
-            scheduler=components["scheduler"],
+            **parts,
             device=device,
             dtype=dtype,
             max_sequence_length=length,
@@ -278,24 +270,26 @@ class Flux2NativePipeline(Flux2Packing, recipe.RecipePipeline):
         return self._text_ids[seq_len]
 
     def request_fields(self) -> frozenset[str]:
-        return frozenset({"flow_shift"}) if recipe.has_flow_shift(self.scheduler) else frozenset()
+        return flow_shift_fields(self.scheduler)
 
     def _schedule(
         self, num_steps: int, image_seq_len: int, flow_shift: float | None = None
     ) -> tuple[Any, torch.Tensor]:
         """A private scheduler with this shape's timesteps (the set-up is cached per shape and `flow_shift`)."""
 
-        def build() -> tuple[Any, torch.Tensor]:
-            template = recipe.scheduler_template(self.scheduler, flow_shift)
-            sigmas = (
-                None
-                if getattr(template.config, "use_flow_sigmas", False)
-                else np.linspace(1.0, 1 / num_steps, num_steps)
-            )
-            mu = compute_empirical_mu(image_seq_len=image_seq_len, num_steps=num_steps)
-            return template, retrieve_timesteps(template, num_steps, self.device, sigmas=sigmas, mu=mu)[0]
-
-        return recipe.cached_schedule(self._schedules, (num_steps, image_seq_len, flow_shift), build)
+        return flow_schedule(
+            self._schedules,
+            self.scheduler,
+            retrieve_timesteps,
+            self.device,
+            num_steps,
+            flow_shift,
+            shape_key=(image_seq_len,),
+            sigmas=lambda config: (
+                None if getattr(config, "use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
+            ),
+            mu=lambda config: compute_empirical_mu(image_seq_len=image_seq_len, num_steps=num_steps),
+        )
 
     def _reference_tokens(self, params: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """A request's reference images as packed tokens (1, N, C) and their position ids (N, 4)."""

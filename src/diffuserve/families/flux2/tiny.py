@@ -23,6 +23,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from diffuserve.models.tiny_parts import byte_bpe_vocab
+
 TEXT_LENGTH = 64
 """Text tokens per prompt the tiny checkpoints declare (`model_max_length`); real FLUX.2 uses 512. The chat-
 formatted FLUX.2-dev prompt (system message included) is ~40 tokens before the user's text."""
@@ -36,13 +38,6 @@ LATENT_CHANNELS = 4
 TEXT_HIDDEN = 16
 """Hidden width of the tiny text encoders (the transformer sees 3 stacked layers: 48)."""
 
-# Words of FLUX.2's SYSTEM_MESSAGE and a few prompt words: each gets a chain of merges, so it is one token.
-_WORDS = (
-    "You are an AI that reasons about image descriptions give structured responses focusing on object "
-    "relationships attribution and actions without speculation a the of in with cat dog red blue green "
-    "photo painting small big user assistant"
-).split()
-_BIGRAMS = "th he in er an re on at en nd ti es or te of ed is it al ar st to nt ng se ha as ou io le ve".split()
 
 _MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "<pad>")
 _MISTRAL_CHAT_TEMPLATE = (
@@ -69,38 +64,12 @@ _QWEN_CHAT_TEMPLATE = (
 )
 
 
-def _byte_bpe_vocab(specials: tuple[str, ...]) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """Vocabulary and merges of a byte-level BPE: specials, the 256 byte symbols, whole-word and bigram merges."""
-    from tokenizers import pre_tokenizers
-
-    tokens: list[str] = [*specials, *sorted(pre_tokenizers.ByteLevel.alphabet())]
-    merges: list[tuple[str, str]] = []
-
-    def merge(a: str, b: str) -> None:
-        if a + b not in tokens:
-            merges.append((a, b))
-            tokens.append(a + b)
-
-    # Merge rank is priority: whole words after a space first (they only grow from the "Ġ" at a word's
-    # start, so they cannot cut into each other), then words at the start of a text, then bigrams.
-    words = list(dict.fromkeys(_WORDS))
-    for piece_start, drop in (("Ġ", 0), ("", 1)):
-        for word in words:
-            piece = piece_start or word[0]
-            for ch in word[drop:]:
-                merge(piece, ch)
-                piece += ch
-    for pair in _BIGRAMS:
-        merge(pair[0], pair[1])
-    return {tok: i for i, tok in enumerate(tokens)}, merges
-
-
 def build_mistral_tokenizer() -> Any:
     """FLUX.2-dev's tokenizer: byte-level BPE, Mistral's special tokens and a Mistral-style chat template."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import TokenizersBackend
 
-    vocab, merges = _byte_bpe_vocab(_MISTRAL_SPECIALS)
+    vocab, merges = byte_bpe_vocab(_MISTRAL_SPECIALS)
     bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     bpe.decoder = decoders.ByteLevel()
@@ -122,7 +91,7 @@ def build_qwen_tokenizer() -> Any:
     """FLUX.2-Klein's tokenizer: Qwen2Tokenizer over the tiny byte-level BPE, Qwen's chat tokens, Qwen3 template."""
     from transformers import Qwen2Tokenizer
 
-    vocab, merges = _byte_bpe_vocab(_QWEN_SPECIALS)
+    vocab, merges = byte_bpe_vocab(_QWEN_SPECIALS)
     tok = Qwen2Tokenizer(
         vocab=vocab,
         merges=merges,
@@ -208,7 +177,7 @@ def _transformer(*, guidance_embeds: bool) -> Any:
     )
 
 
-def _vae() -> Any:
+def build_vae() -> Any:
     """A tiny AutoencoderKLFlux2 (scale factor 8) with fixed, non-trivial batch-norm statistics."""
     import torch
     from diffusers import AutoencoderKLFlux2
@@ -263,7 +232,7 @@ def build_flux2(output_dir: Path) -> None:
     torch.manual_seed(802)
     transformer = _transformer(guidance_embeds=True).eval()
     torch.manual_seed(803)
-    vae = _vae().eval()
+    vae = build_vae().eval()
     pipe = Flux2Pipeline(
         scheduler=_scheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
     )
@@ -281,7 +250,7 @@ def build_flux2_klein(output_dir: Path) -> None:
     torch.manual_seed(812)
     transformer = _transformer(guidance_embeds=False).eval()
     torch.manual_seed(813)
-    vae = _vae().eval()
+    vae = build_vae().eval()
     pipe = Flux2KleinPipeline(
         scheduler=_scheduler(),
         vae=vae,

@@ -29,7 +29,8 @@ from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15I
 from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import HunyuanVideo15Pipeline
 from PIL import Image
 
-from diffuserve.errors import CheckpointError, InvalidRequestError
+from diffuserve.errors import InvalidRequestError
+from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import recipe
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
@@ -105,10 +106,6 @@ class TextFirstAttnProcessor:
         return video, attn.to_add_out(out[:, :text])
 
 
-REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
-"""The components every HunyuanVideo 1.5 checkpoint has (the guider is optional: it only names the default scale)."""
-
-
 class HunyuanVideo15NativePipeline(recipe.RecipePipeline):
     """HunyuanVideo 1.5 text-to-video: one DiT, classic CFG, rows merge and join running groups."""
 
@@ -155,12 +152,7 @@ class HunyuanVideo15NativePipeline(recipe.RecipePipeline):
     def from_components(
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
     ) -> HunyuanVideo15NativePipeline:
-        missing = [key for key in REQUIRED if components.get(key) is None]
-        if missing:
-            raise CheckpointError(
-                f"a HunyuanVideo 1.5 checkpoint needs components {list(REQUIRED)}; its model_index.json "
-                f"lacks {missing} (use --backend diffusers for a pipeline without them)."
-            )
+        required_components(cls.family, components)  # the guider is optional: it only names the default scale
         return cls(components=components, device=device, dtype=dtype)
 
     def validate(self, params: Any) -> None:
@@ -304,11 +296,7 @@ class HunyuanVideo15I2VNativePipeline(HunyuanVideo15NativePipeline):
     def from_components(
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
     ) -> HunyuanVideo15I2VNativePipeline:
-        if components.get("image_encoder") is None or components.get("feature_extractor") is None:
-            raise CheckpointError(
-                "a HunyuanVideo 1.5 image-to-video checkpoint needs its image_encoder and feature_extractor "
-                "components (SigLIP); model_index.json lacks them."
-            )
+        required_components(cls.family, components)  # with SigLIP's image_encoder and feature_extractor
         base = HunyuanVideo15NativePipeline.from_components(components, device=device, dtype=dtype)
         return cls(components=components, device=base.device, dtype=base.dtype)
 

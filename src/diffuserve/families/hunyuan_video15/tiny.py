@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from diffuserve.models.tiny import _BIGRAMS, _tiny_t5_config, write_defaults
+from diffuserve.models.tiny import write_defaults
+from diffuserve.models.tiny_parts import BIGRAMS, tiny_t5_config
 
 SEED = 900
 """Base seed of the components (the range the backend-era builder used, so the T2V bytes stay comparable)."""
@@ -29,8 +30,8 @@ def _qwen_tokenizer() -> Any:
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tokens = list(alphabet)
-    merges = [(p[0], p[1]) for p in _BIGRAMS]
-    tokens += list(_BIGRAMS)
+    merges = [(p[0], p[1]) for p in BIGRAMS]
+    tokens += list(BIGRAMS)
     vocab = {tok: i for i, tok in enumerate(dict.fromkeys(tokens))}
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
@@ -79,7 +80,7 @@ def _t2v_components() -> dict[str, Any]:
         )
     ).eval()
     torch.manual_seed(SEED + 12)
-    byt5 = T5EncoderModel(T5Config(**{**_tiny_t5_config(byt5_tok, 32), "vocab_size": len(byt5_tok)})).eval()
+    byt5 = T5EncoderModel(T5Config(**{**tiny_t5_config(byt5_tok, 32), "vocab_size": len(byt5_tok)})).eval()
     torch.manual_seed(SEED + 13)
     transformer = HunyuanVideo15Transformer3DModel(
         in_channels=9,

@@ -73,7 +73,7 @@ def build_ernie_image(output_dir: Path) -> None:
     import torch
     from diffusers import ErnieImagePipeline, ErnieImageTransformer2DModel, FlowMatchEulerDiscreteScheduler
 
-    from diffuserve.families.flux2.tiny import LATENT_CHANNELS, _vae, build_mistral_tokenizer
+    from diffuserve.families.flux2.tiny import LATENT_CHANNELS, build_mistral_tokenizer, build_vae
 
     tokenizer = build_mistral_tokenizer()
     torch.manual_seed(901)
@@ -91,7 +91,7 @@ def build_ernie_image(output_dir: Path) -> None:
         rope_axes_dim=(4, 6, 6),
     ).eval()
     torch.manual_seed(903)
-    vae = _vae().eval()
+    vae = build_vae().eval()
     # The pipeline sets its own linear sigmas; the scheduler is the plain flow-matching Euler one.
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
     pipe = ErnieImagePipeline(
@@ -114,14 +114,15 @@ def build_qwen_image_layered(output_dir: Path) -> None:
     import torch
     from diffusers import AutoencoderKLQwenImage, QwenImageLayeredPipeline, QwenImageTransformer2DModel
 
-    from diffuserve.families.qwen_image.tiny import _qwen25_vl_encoder, build_qwen2_tokenizer
+    from diffuserve.families.qwen_image.tiny import build_qwen2_tokenizer, build_qwen25_vl_encoder
     from diffuserve.families.qwen_image_edit import tiny as edit
+    from diffuserve.models.tiny_parts import qwen_image_scheduler
 
     # 8 latent channels, not 4: the pipeline takes an input whose channel count equals z_dim for latents, and an
     # RGBA image has 4.
     z_dim = 8
     tokenizer = build_qwen2_tokenizer(model_max_length=1024)
-    text_encoder = _qwen25_vl_encoder(tokenizer, edit.TEXT_HIDDEN, 911)
+    text_encoder = build_qwen25_vl_encoder(tokenizer, edit.TEXT_HIDDEN, 911)
     torch.manual_seed(912)
     transformer = QwenImageTransformer2DModel(
         patch_size=2,
@@ -147,7 +148,7 @@ def build_qwen_image_layered(output_dir: Path) -> None:
         latents_std=[1.5, 0.8, 1.2, 2.0, 1.1, 0.9, 1.3, 1.0],
     ).eval()
     pipe = QwenImageLayeredPipeline(
-        scheduler=edit._scheduler(),
+        scheduler=qwen_image_scheduler(),
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
@@ -185,11 +186,11 @@ def _glm_tokenizer() -> Any:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import TokenizersBackend
 
-    from diffuserve.families.flux2.tiny import _byte_bpe_vocab
+    from diffuserve.models.tiny_parts import byte_bpe_vocab
 
     image_tokens = tuple(f"<|dit_token_{i}|>" for i in range(GLM_CODEBOOK + 2))
     specials = image_tokens + _GLM_SPECIALS
-    vocab, merges = _byte_bpe_vocab(specials)
+    vocab, merges = byte_bpe_vocab(specials)
     bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     bpe.decoder = decoders.ByteLevel()
@@ -267,14 +268,14 @@ def build_glm_image(output_dir: Path) -> None:
     )
     from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
 
-    from diffuserve.models.tiny import _tiny_t5_config
+    from diffuserve.models.tiny_parts import tiny_t5_config
 
     processor = _glm_processor()
     glyph_tokenizer = ByT5Tokenizer()
     torch.manual_seed(921)
     vision_language_encoder = _glm_ar_model(processor.tokenizer).eval()
     torch.manual_seed(922)
-    text_encoder = T5EncoderModel(T5Config(**_tiny_t5_config(glyph_tokenizer, 32))).eval()
+    text_encoder = T5EncoderModel(T5Config(**tiny_t5_config(glyph_tokenizer, 32))).eval()
     torch.manual_seed(923)
     # patch 2 x VAE factor 8 = 16 px per DiT token: the AR's d32 tokens upsampled 2x, as upstream.
     transformer = GlmImageTransformer2DModel(

@@ -26,22 +26,13 @@ from diffusers.image_processor import VaeImageProcessor
 from diffuserve.families.qwen_image import controlnet as qwen_controlnet
 from diffuserve.families.qwen_image import inpaint as qwen_inpaint
 from diffuserve.families.qwen_image import ops
+from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.family_spec.qwen_image import QWEN_IMAGE_21_ROPE_POSITIONS, QWEN_IMAGE_TEXT_TOKENS
 from diffuserve.pipelines import inpaint, recipe
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows
 from diffuserve.pipelines.recipe import Cond, DenoiseState
-
-
-def _required(components: dict[str, Any], keys: tuple[str, ...], what: str) -> None:
-    missing = [key for key in keys if components.get(key) is None]
-    if missing:
-        from diffuserve.errors import CheckpointError
-
-        raise CheckpointError(
-            f"a {what} checkpoint needs components {list(keys)}; its model_index.json lacks {missing} "
-            "(use --backend diffusers for a pipeline without them)."
-        )
+from diffuserve.pipelines.schedules import flow_schedule
 
 
 class _QwenBase(recipe.RecipePipeline):
@@ -111,13 +102,17 @@ class _QwenBase(recipe.RecipePipeline):
         `grid`: the checkpoint's own sigmas (2.1 Turbo) instead of diffusers' `linspace(1, 1/N, N)`."""
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import retrieve_timesteps
 
-        def build() -> tuple[Any, torch.Tensor]:
-            template = recipe.scheduler_template(self.scheduler, flow_shift)
-            mu = recipe.dynamic_shift_mu(template.config, image_seq_len)
-            sigmas = list(grid) if grid else np.linspace(1.0, 1 / num_steps, num_steps)
-            return template, retrieve_timesteps(template, num_steps, self.device, sigmas=sigmas, mu=mu)[0]
-
-        return recipe.cached_schedule(self._schedules, (num_steps, image_seq_len, flow_shift), build)
+        return flow_schedule(
+            self._schedules,
+            self.scheduler,
+            retrieve_timesteps,
+            self.device,
+            num_steps,
+            flow_shift,
+            shape_key=(image_seq_len,),
+            sigmas=lambda config: list(grid) if grid else np.linspace(1.0, 1 / num_steps, num_steps),
+            mu=lambda config: recipe.dynamic_shift_mu(config, image_seq_len),
+        )
 
     # -- decode -------------------------------------------------------------------------------------------
 
@@ -172,9 +167,7 @@ class QwenImageNativePipeline(ops.QwenPacking, _QwenBase):
     def from_components(
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
     ) -> QwenImageNativePipeline:
-        keys = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
-        _required(components, keys, "Qwen-Image")
-        return cls(**{k: components[k] for k in keys}, device=device, dtype=dtype)
+        return cls(**required_components(cls.family, components), device=device, dtype=dtype)
 
     def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
         """The last hidden state of Qwen2.5-VL over the prompt template, system prefix dropped, padded + mask."""
@@ -349,9 +342,7 @@ class QwenImage21NativePipeline(_QwenBase):
     def from_components(
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
     ) -> QwenImage21NativePipeline:
-        keys = ("transformer", "vae", "text_encoder", "processor", "scheduler")
-        _required(components, keys, "Qwen-Image 2.1")
-        return cls(**{k: components[k] for k in keys}, device=device, dtype=dtype)
+        return cls(**required_components(cls.family, components), device=device, dtype=dtype)
 
     def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
         """Qwen3-VL's last decoder layer BEFORE its final norm (as diffusers reads it), system prefix dropped."""

@@ -102,7 +102,7 @@ def build_qwen2_tokenizer(model_max_length: int = 131072) -> Any:
     return tokenizer
 
 
-def _qwen25_vl_encoder(tokenizer: Any, hidden: int, seed: int) -> Any:
+def build_qwen25_vl_encoder(tokenizer: Any, hidden: int, seed: int) -> Any:
     """A 2-layer Qwen2.5-VL (text + a 1-block vision tower) over `tokenizer`'s vocabulary."""
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -154,7 +154,7 @@ def qwen_image_components(*, seed: int = 0) -> dict[str, Any]:
     hidden = 32
     z_dim = 4
     tokenizer = build_qwen2_tokenizer()
-    text_encoder = _qwen25_vl_encoder(tokenizer, hidden, seed + 1)
+    text_encoder = build_qwen25_vl_encoder(tokenizer, hidden, seed + 1)
     torch.manual_seed(seed + 2)
     # 2 MM-DiT blocks (so layer-wise offload has more than one block to move); head dim 16 split
     # over the RoPE axes (frame, row, column) like the real (16, 56, 56) of 128.

@@ -43,17 +43,16 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as edit_module
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus_module
 from PIL import Image
 
-from diffuserve.errors import CheckpointError, InvalidRequestError
+from diffuserve.errors import InvalidRequestError
 from diffuserve.families.qwen_image import inpaint as qwen_inpaint
 from diffuserve.families.qwen_image.ops import latents_stats, norm_rescaled_cfg, pad_rows
+from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import inpaint, recipe
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
+from diffuserve.pipelines.schedules import flow_schedule, flow_shift_fields
 
 logger = logging.getLogger(__name__)
-
-REQUIRED_COMPONENTS = ("transformer", "vae", "text_encoder", "processor", "scheduler")
-"""model_index.json keys the native adapters run (the tokenizer is the processor's own copy)."""
 
 
 @dataclass(frozen=True)
@@ -123,13 +122,8 @@ class QwenImageEditNativePipeline(recipe.RecipePipeline):
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
     ) -> QwenImageEditNativePipeline:
         """Build from the loader's model_index.json key -> loaded object mapping."""
-        missing = [key for key in REQUIRED_COMPONENTS if components.get(key) is None]
-        if missing:
-            raise CheckpointError(
-                f"a {cls._diffusers_class_name()} checkpoint needs components {list(REQUIRED_COMPONENTS)}; its "
-                f"model_index.json lacks {missing}."
-            )
-        return cls(**{key: components[key] for key in REQUIRED_COMPONENTS}, device=device, dtype=dtype)
+        # The tokenizer is the processor's own copy.
+        return cls(**required_components(cls.family, components), device=device, dtype=dtype)
 
     # -- requests --------------------------------------------------------------------------------------------
 
@@ -206,23 +200,24 @@ class QwenImageEditNativePipeline(recipe.RecipePipeline):
         return 2 * (height // (self.vae_scale_factor * 2)), 2 * (width // (self.vae_scale_factor * 2))
 
     def request_fields(self) -> frozenset[str]:
-        return frozenset({"flow_shift"}) if recipe.has_flow_shift(self.scheduler) else frozenset()
+        return flow_shift_fields(self.scheduler)
 
     def _schedule(
         self, num_steps: int, image_seq_len: int, flow_shift: float | None = None
     ) -> tuple[Any, torch.Tensor]:
         """A private scheduler with timesteps set as the pipeline sets them (cached per shape and shift)."""
 
-        def build() -> tuple[Any, torch.Tensor]:
-            template = recipe.scheduler_template(self.scheduler, flow_shift)
-            sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-            mu = recipe.dynamic_shift_mu(template.config, image_seq_len)
-            timesteps, _ = self.diffusers_module.retrieve_timesteps(
-                template, num_steps, self.device, sigmas=sigmas, mu=mu
-            )
-            return template, timesteps
-
-        return recipe.cached_schedule(self._schedules, (num_steps, image_seq_len, flow_shift), build)
+        return flow_schedule(
+            self._schedules,
+            self.scheduler,
+            self.diffusers_module.retrieve_timesteps,
+            self.device,
+            num_steps,
+            flow_shift,
+            shape_key=(image_seq_len,),
+            sigmas=lambda config: np.linspace(1.0, 1 / num_steps, num_steps),
+            mu=lambda config: recipe.dynamic_shift_mu(config, image_seq_len),
+        )
 
     def _image_latents(self, inputs: EditInputs, rows: int, dtype: torch.dtype) -> torch.Tensor:
         """Every input image VAE-encoded (distribution mode), normalised, repeated per row, packed, concatenated."""

@@ -30,6 +30,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from diffuserve.models.tiny_parts import qwen_image_scheduler
+
 TINY_DEFAULTS = {"width": 64, "height": 64, "num_inference_steps": 2}
 """Request defaults the tiny checkpoints suggest (model_index.json `_diffuserve_defaults`)."""
 
@@ -233,28 +235,11 @@ def _vae(seed: int) -> Any:
     ).eval()
 
 
-def _scheduler() -> Any:
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    # The published Qwen-Image scheduler settings (exponential dynamic shift, terminal shift).
-    return FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        shift=1.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=0.9,
-        base_image_seq_len=256,
-        max_image_seq_len=8192,
-        shift_terminal=0.02,
-        time_shift_type="exponential",
-    )
-
-
 def build_components(seed: int = 0) -> dict[str, Any]:
     """The six components of a tiny Qwen-Image-Edit pipeline (shared by Edit and EditPlus)."""
     tokenizer = build_tokenizer()
     return {
-        "scheduler": _scheduler(),
+        "scheduler": qwen_image_scheduler(),
         "vae": _vae(seed + 3),
         "text_encoder": _text_encoder(tokenizer, seed + 1),
         "tokenizer": tokenizer,

@@ -30,9 +30,11 @@ from diffusers.image_processor import PixArtImageProcessor
 from diffusers.pipelines.sana import pipeline_sana
 from diffusers.pipelines.sana.pipeline_sana import SanaPipeline, retrieve_timesteps
 
+from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import recipe
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
+from diffuserve.pipelines.schedules import flow_schedule, flow_shift_fields
 
 logger = logging.getLogger(__name__)
 
@@ -109,15 +111,7 @@ class SanaNativePipeline(recipe.RecipePipeline):
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
     ) -> SanaNativePipeline:
         """Build from the loader's model_index.json key -> loaded object mapping."""
-        required = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
-        missing = [key for key in required if components.get(key) is None]
-        if missing:
-            from diffuserve.errors import CheckpointError
-
-            raise CheckpointError(
-                f"a SANA checkpoint needs components {list(required)}; its model_index.json lacks {missing}."
-            )
-        return cls(**{key: components[key] for key in required}, device=device, dtype=dtype)
+        return cls(**required_components(cls.family, components), device=device, dtype=dtype)
 
     # -- family parts ------------------------------------------------------------------------------------
 
@@ -174,16 +168,12 @@ class SanaNativePipeline(recipe.RecipePipeline):
         return out
 
     def request_fields(self) -> frozenset[str]:
-        return frozenset({"flow_shift"}) if recipe.has_flow_shift(self.scheduler) else frozenset()
+        return flow_shift_fields(self.scheduler)
 
     def _schedule(self, num_steps: int, flow_shift: float | None = None) -> tuple[Any, torch.Tensor]:
         """A private scheduler with its timesteps (a multistep solver: `fresh_scheduler` deep-copies its history)."""
 
-        def build() -> tuple[Any, torch.Tensor]:
-            template = recipe.scheduler_template(self.scheduler, flow_shift)
-            return template, retrieve_timesteps(template, num_steps, self.device)[0]
-
-        return recipe.cached_schedule(self._schedules, (num_steps, flow_shift), build)
+        return flow_schedule(self._schedules, self.scheduler, retrieve_timesteps, self.device, num_steps, flow_shift)
 
     def generation_size(self, height: int, width: int) -> tuple[int, int]:
         """The (height, width) the model runs at for a requested size: its aspect-ratio bin when binning."""

@@ -34,6 +34,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
 from diffuserve.families.sd3 import controlnet as sd3_controlnet
+from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import inpaint, packing, recipe
 from diffuserve.pipelines.base import component_configs, declared_sequence_length
 from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows
@@ -43,9 +44,6 @@ logger = logging.getLogger(__name__)
 
 DIFFUSERS_MAX_SEQUENCE_LENGTH = 256
 """`StableDiffusion3Pipeline.__call__`'s default T5 length (capped by what tokenizer_3 declares)."""
-
-REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
-"""Components every SD3 checkpoint has; T5 (`text_encoder_3`, `tokenizer_3`) may be left out, as diffusers allows."""
 
 # The pieces `encode_text` returns; `_join` assembles them into the transformer's two inputs.
 _CLIP_KEYS = {"text_encoder": ("clip_1", "pooled_1"), "text_encoder_2": ("clip_2", "pooled_2")}
@@ -112,14 +110,7 @@ class SD3NativePipeline(recipe.RecipePipeline):
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
     ) -> SD3NativePipeline:
         """Build from the loader's model_index.json key -> loaded object mapping."""
-        missing = [key for key in REQUIRED if components.get(key) is None]
-        if missing:
-            from diffuserve.errors import CheckpointError
-
-            raise CheckpointError(
-                f"an SD3 checkpoint needs components {list(REQUIRED)}; its model_index.json lacks {missing} "
-                "(--backend diffusers runs a pipeline without them)."
-            )
+        required_components(cls.family, components)  # T5 (`text_encoder_3`, `tokenizer_3`) may be left out
         return cls(components, device=device, dtype=dtype)
 
     # -- guidance: diffusers' rule ---------------------------------------------------------------------

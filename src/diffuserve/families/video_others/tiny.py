@@ -11,13 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffuserve.models.tiny import (
-    _BIGRAMS,
-    _tiny_clip_config,
-    _tiny_t5_config,
-    build_tokenizers,
-    write_defaults,
-)
+from diffuserve.models.tiny import build_tokenizers, write_defaults
+from diffuserve.models.tiny_parts import sentencepiece_vocab, tiny_clip_config, tiny_t5_config
+
+_sentencepiece_vocab = sentencepiece_vocab
+"""The name families/ltx2/tiny.py still imports (its builder moves to `models.tiny_parts.sentencepiece_vocab`)."""
 
 SEED = 900
 """Base seed of this module's components (other tiny modules use other ranges)."""
@@ -29,20 +27,6 @@ HELIOS_TINY_DEFAULTS = {"width": 32, "height": 32, "num_frames": 33, "num_infere
 """What the tiny Helios checkpoint suggests. Helios denoises in chunks of (num_latent_frames_per_chunk - 1) x 4
 + 1 = 33 frames, so any count up to 33 gives one 33-frame chunk (diffusers' behaviour, kept unmodified): the
 default asks for exactly what comes back."""
-
-
-def _sentencepiece_vocab(specials: list[str]) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """A small SentencePiece-style BPE vocabulary (byte fallback, `▁` word starts, some bigram merges) for the
-    Llama and Gemma tokenizers: every string encodes, and different prompts give different ids."""
-    tokens = list(specials) + [f"<0x{b:02X}>" for b in range(256)] + ["▁"] + [chr(c) for c in range(33, 127)]
-    merges: list[tuple[str, str]] = []
-    for pair in _BIGRAMS:
-        merges.append((pair[0], pair[1]))
-        tokens.append(pair)
-    for letter in "abcdefghijklmnopqrstuvwxyz":
-        merges.append(("▁", letter))
-        tokens.append("▁" + letter)
-    return {tok: i for i, tok in enumerate(dict.fromkeys(tokens))}, merges
 
 
 def build_hunyuan_video(output_dir: Path) -> None:
@@ -58,7 +42,7 @@ def build_hunyuan_video(output_dir: Path) -> None:
     from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel, LlamaTokenizer
 
     clip_tok, _ = build_tokenizers()
-    vocab, merges = _sentencepiece_vocab(["<unk>", "<s>", "</s>", "<pad>"])
+    vocab, merges = sentencepiece_vocab(["<unk>", "<s>", "</s>", "<pad>"])
     llama_tok = LlamaTokenizer(vocab=vocab, merges=merges, pad_token="<pad>")
     torch.manual_seed(SEED + 1)
     llama = LlamaModel(
@@ -76,7 +60,7 @@ def build_hunyuan_video(output_dir: Path) -> None:
         )
     ).eval()
     torch.manual_seed(SEED + 2)
-    clip = CLIPTextModel(CLIPTextConfig(**_tiny_clip_config(clip_tok, 8))).eval()
+    clip = CLIPTextModel(CLIPTextConfig(**tiny_clip_config(clip_tok, 8))).eval()
     torch.manual_seed(SEED + 3)
     transformer = HunyuanVideoTransformer3DModel(
         in_channels=4,
@@ -130,7 +114,7 @@ def build_helios(output_dir: Path) -> None:
 
     _, t5_tok = build_tokenizers(t5_max_length=64)
     torch.manual_seed(SEED + 31)
-    text_encoder = UMT5EncoderModel(UMT5Config(**_tiny_t5_config(t5_tok, 32))).eval()
+    text_encoder = UMT5EncoderModel(UMT5Config(**tiny_t5_config(t5_tok, 32))).eval()
     torch.manual_seed(SEED + 32)
     transformer = HeliosTransformer3DModel(
         patch_size=(1, 2, 2),

@@ -21,6 +21,7 @@ from diffusers.video_processor import VideoProcessor
 from PIL import Image
 
 from diffuserve.errors import CheckpointError, InvalidRequestError
+from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import recipe
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
@@ -75,13 +76,7 @@ class WanNativePipeline(recipe.RecipePipeline):
     def from_components(
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
     ) -> WanNativePipeline:
-        required = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
-        missing = [key for key in required if components.get(key) is None]
-        if missing:
-            raise CheckpointError(
-                f"a Wan checkpoint needs components {list(required)}; its model_index.json "
-                f"lacks {missing} (use --backend diffusers for a pipeline without them)."
-            )
+        required = tuple(required_components(cls.family, components))
         if components.get("transformer_2") is not None and components.get("boundary_ratio") is None:
             raise CheckpointError(
                 "a Wan checkpoint with transformer_2 needs `boundary_ratio` in model_index.json "

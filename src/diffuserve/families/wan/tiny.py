@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from diffuserve.models.tiny import PRESETS, TinyFluxPreset, _tiny_t5_config, build_tokenizers, write_defaults
+from diffuserve.models.tiny import PRESETS, TinyFluxPreset, build_tokenizers, write_defaults
+from diffuserve.models.tiny_parts import tiny_t5_config
 
 WAN_TINY_DEFAULTS = {"width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 4, "fps": 8}
 """What the tiny Wan2.1 checkpoint suggests: small enough that a video job takes well under a second."""
@@ -31,7 +32,7 @@ def _build_wan_components(preset: TinyFluxPreset) -> dict[str, Any]:
     h = preset.text_hidden
     z_dim = preset.latent_channels
     torch.manual_seed(preset.seed + 21)
-    text_encoder = UMT5EncoderModel(UMT5Config(**_tiny_t5_config(t5_tok, h))).eval()
+    text_encoder = UMT5EncoderModel(UMT5Config(**tiny_t5_config(t5_tok, h))).eval()
     torch.manual_seed(preset.seed + 22)
     # head dim 12 splits into RoPE axes (t, h, w) = (4, 4, 4), as 128 splits into (44, 42, 42) upstream.
     transformer = WanTransformer3DModel(

@@ -29,9 +29,11 @@ from diffusers.pipelines.z_image.pipeline_z_image import (
 )
 from diffusers.utils.torch_utils import randn_tensor
 
+from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import inpaint, packing, recipe
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
+from diffuserve.pipelines.schedules import flow_schedule, flow_shift_fields
 
 logger = logging.getLogger(__name__)
 
@@ -106,15 +108,7 @@ class ZImageNativePipeline(recipe.RecipePipeline):
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
     ) -> ZImageNativePipeline:
         """Build from the loader's model_index.json key -> loaded object mapping."""
-        required = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
-        missing = [key for key in required if components.get(key) is None]
-        if missing:
-            from diffuserve.errors import CheckpointError
-
-            raise CheckpointError(
-                f"a Z-Image checkpoint needs components {list(required)}; its model_index.json lacks {missing}."
-            )
-        return cls(**{key: components[key] for key in required}, device=device, dtype=dtype)
+        return cls(**required_components(cls.family, components), device=device, dtype=dtype)
 
     # -- family parts ------------------------------------------------------------------------------------
 
@@ -147,20 +141,24 @@ class ZImageNativePipeline(recipe.RecipePipeline):
         return 2 * (height // self.size_multiple), 2 * (width // self.size_multiple)
 
     def request_fields(self) -> frozenset[str]:
-        return frozenset({"flow_shift"}) if recipe.has_flow_shift(self.scheduler) else frozenset()
+        return flow_shift_fields(self.scheduler)
 
     def _schedule(
         self, num_steps: int, image_seq_len: int, flow_shift: float | None = None
     ) -> tuple[Any, torch.Tensor]:
         """A private scheduler with this shape's timesteps (the set-up is cached per shape and `flow_shift`)."""
 
-        def build() -> tuple[Any, torch.Tensor]:
-            template = recipe.scheduler_template(self.scheduler, flow_shift)
-            mu = recipe.dynamic_shift_mu(template.config, image_seq_len)
-            sigmas = get_default_z_image_sigmas(num_steps)
-            return template, retrieve_timesteps(template, num_steps, self.device, sigmas=sigmas, mu=mu)[0]
-
-        return recipe.cached_schedule(self._schedules, (num_steps, image_seq_len, flow_shift), build)
+        return flow_schedule(
+            self._schedules,
+            self.scheduler,
+            retrieve_timesteps,
+            self.device,
+            num_steps,
+            flow_shift,
+            shape_key=(image_seq_len,),
+            sigmas=lambda config: get_default_z_image_sigmas(num_steps),
+            mu=lambda config: recipe.dynamic_shift_mu(config, image_seq_len),
+        )
 
     def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
         """float32 noise rows (diffusers keeps Z-Image latents in float32), the schedule for this size."""

@@ -43,7 +43,7 @@ def build_qwen_tokenizer() -> Any:
     from tokenizers import pre_tokenizers
     from transformers import Qwen2Tokenizer
 
-    from diffuserve.models.tiny import _BIGRAMS
+    from diffuserve.models.tiny_parts import BIGRAMS
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tokens = list(alphabet)
@@ -53,7 +53,7 @@ def build_qwen_tokenizer() -> Any:
     for letter in "abcdefghijklmnopqrstuvwxyz":
         merges.append(("Ġ", letter))
         tokens.append("Ġ" + letter)
-    for pair in _BIGRAMS:
+    for pair in BIGRAMS:
         merges.append((pair[0], pair[1]))
         tokens.append(pair)
     vocab = {tok: i for i, tok in enumerate(dict.fromkeys(tokens))}
