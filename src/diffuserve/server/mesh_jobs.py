@@ -2,7 +2,7 @@
 
 A job is `queued`, then `in_progress` once its first DiT step is reported, and ends `completed` (with its GLB or
 OBJ file), `failed` or `cancelled`. Jobs are rows of kind `mesh` in the results store, kept by the shared job store
-(server/job_store.py, which says how rows are kept, dropped and stopped across replicas); a process takes no more
+(the `server.job_store` module, which says how rows are kept, dropped and stopped across replicas); a process takes no more
 than `max_jobs` unfinished mesh jobs (`check_room`: 429).
 """
 
