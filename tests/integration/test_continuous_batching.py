@@ -188,6 +188,17 @@ def test_a_failing_step_fails_its_rows_and_the_server_keeps_serving(continuous_s
     assert httpx.get(f"{continuous_server.base_url}/health").status_code == 200
 
 
+def test_timings_report_the_rows_of_the_answer(continuous_server):
+    """Continuous mode reports `timings.batch_rows` (issue 22 item 5): a request with n=2 steps as two rows."""
+    answer = httpx.post(
+        f"{continuous_server.base_url}/v1/images/generations",
+        timeout=120,
+        json={"prompt": "a red circle", "size": "64x64", "n": 2, "num_inference_steps": 2},
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["timings"]["batch_rows"] == 2, answer.json()["timings"]
+
+
 def test_drain_finishes_the_running_group_then_exits(continuous_server):
     """Last test of the module: SIGTERM turns /health 503 and the running row still gets its image. The row's
     steps are held until the server is draining, so it is mid-run at SIGTERM on any machine."""
