@@ -3,41 +3,27 @@ against a real server."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
-from diffuserve.cli import main
+from tests.integration.conftest import CliRun
 from tests.integration.helpers import decode_b64_png, metric_value, pixels
 from tests.serverproc import ServerProcess
 
 
-@dataclass
-class PlanRun:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
 @pytest.fixture
-def plan(capsys: pytest.CaptureFixture[str]) -> Callable[..., PlanRun]:
-    """`plan(*args)` -> `diffuserve plan ARGS` through the CLI's `main`, in this process (a subprocess per call
-    cost seconds of interpreter start each; the one real process below checks what only a process can: no torch)."""
-
-    def run(*args: str) -> PlanRun:
-        capsys.readouterr()
-        code = main(["plan", *args])
-        out = capsys.readouterr()
-        return PlanRun(code, out.out, out.err)
-
-    return run
+def plan(cli_main) -> Callable[..., CliRun]:
+    """`plan(*args)` -> `diffuserve plan ARGS` in this process (a subprocess per call cost seconds of interpreter
+    start each; the one real process below checks what only a process can: torch never imported)."""
+    return functools.partial(cli_main, "plan")
 
 
 def test_plan_json_for_described_hardware(tiny_flux_path: Path, plan):

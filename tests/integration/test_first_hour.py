@@ -226,8 +226,10 @@ def test_a_checkpoint_that_cannot_load_exits_1(tiny_flux_path: Path, tmp_path: P
         assert serve.returncode == 1 and missing in serve.stderr and "Traceback" not in serve.stderr
 
 
-def test_flags_that_do_not_apply_to_the_model_are_errors(tiny_flux_path: Path, tiny_wan_path: Path, tmp_path: Path):
-    image = _cli(
+def test_flags_that_do_not_apply_to_the_model_are_errors(
+    tiny_flux_path: Path, tiny_wan_path: Path, tmp_path: Path, cli_main
+):
+    image = cli_main(
         "generate",
         "--model-path",
         str(tiny_flux_path),
@@ -239,7 +241,7 @@ def test_flags_that_do_not_apply_to_the_model_are_errors(tiny_flux_path: Path, t
         str(tmp_path),
     )
     assert image.returncode == 2 and "--num-frames" in image.stderr and "makes images" in image.stderr
-    video = _cli(
+    video = cli_main(
         "generate",
         "--model-path",
         str(tiny_wan_path),
