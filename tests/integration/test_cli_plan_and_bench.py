@@ -105,7 +105,8 @@ def test_offloaded_server_matches_resident_and_reports_transfers(offload_server,
     )
     assert moved > 0
     assert metric_value(offload_server.base_url, "diffuserve_device_peak_bytes", {"component": "transformer"}) > 0
-    assert "layerwise-offload" in offload_server.log()
+    served = httpx.get(f"{offload_server.base_url}/server_info", timeout=30).json()["deployment_plan"]["components"]
+    assert (served["transformer"]["mode"], served["transformer"]["prefetch_size"]) == ("layerwise-offload", 2)
 
 
 def test_bench_against_the_real_server(dynamic_server, tmp_path: Path):
