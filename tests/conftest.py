@@ -25,11 +25,10 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
-def tiny_flux_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The `tiny` FLUX.1-style checkpoint (the embedded default model), built once per session."""
-    from diffuserve.models.tiny import build_tiny_checkpoint
-
-    return build_tiny_checkpoint("flux", tmp_path_factory.mktemp("ckpt") / "flux-tiny", preset="tiny")
+def tiny_flux_path(tiny_checkpoint) -> Path:
+    """The `tiny` FLUX.1-style checkpoint (the embedded default model), built once per session: the very folder
+    of `tiny_checkpoint("flux")`, so the pipelines cached per folder are shared by both spellings."""
+    return tiny_checkpoint("flux")
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,29 @@ def diffusers_pipeline():
         return loaded[class_name, path]
 
     return get
+
+
+@dataclass
+class CliRun:
+    """What one `diffuserve` command run in the test's process returned and printed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli_main(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliRun]:
+    """`cli_main(*argv)` -> `diffuserve ARGV` through the CLI's `main`, in this process: for commands that load no
+    model and serve nothing (`plan`), where a real process costs seconds of interpreter and import start-up each.
+    Whatever only a real process shows (exit without a traceback, torch never imported, a server that must not
+    start) stays a subprocess."""
+    from diffuserve.cli import main
+
+    def run(*argv: str) -> CliRun:
+        capsys.readouterr()
+        code = main(list(argv))
+        out = capsys.readouterr()
+        return CliRun(code, out.out, out.err)
+
+    return run

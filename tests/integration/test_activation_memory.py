@@ -9,8 +9,6 @@ from __future__ import annotations
 import base64
 import io
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -73,16 +71,12 @@ def test_n_over_the_budget_names_n_and_the_largest_n_that_runs(client):
     assert len(_image(client, size="256x256", n=most)) == most
 
 
-def test_server_info_and_plan_show_the_budget(server: ServerProcess, tiny_flux_path: Path):
+def test_server_info_and_plan_show_the_budget(server: ServerProcess, tiny_flux_path: Path, cli_main):
     info = httpx.get(f"{server.base_url}/server_info", timeout=30).json()
     memory = info["deployment_plan"]["activation_memory"]
     assert memory == {"budget_gib": float(BUDGET_GIB), "source": f"--activation-memory-gib {BUDGET_GIB}"}
-    plan = subprocess.run(
-        [sys.executable, "-m", "diffuserve.cli", "plan", "--model-path", str(tiny_flux_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
+    planned = cli_main("plan", "--model-path", str(tiny_flux_path))
+    assert planned.returncode == 0, planned.stderr
+    plan = planned.stdout
     # Without the flag: 0.75 x the available RAM after the weights (a CPU host).
     assert re.search(r"activation memory: [\d.]+ GiB per replica \(75% of available RAM [\d.]+ GiB after", plan), plan

@@ -3,36 +3,39 @@ against a real server."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
+from tests.integration.conftest import CliRun
 from tests.integration.helpers import decode_b64_png, metric_value, pixels
 from tests.serverproc import ServerProcess
 
 
-def _plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "diffuserve.cli", "plan", *args], capture_output=True, text=True, timeout=120
-    )
+@pytest.fixture
+def plan(cli_main) -> Callable[..., CliRun]:
+    """`plan(*args)` -> `diffuserve plan ARGS` in this process (a subprocess per call cost seconds of interpreter
+    start each; the one real process below checks what only a process can: torch never imported)."""
+    return functools.partial(cli_main, "plan")
 
 
-def test_plan_json_for_described_hardware(tiny_flux_path: Path):
-    out = _plan("--model-path", str(tiny_flux_path), "--num-gpus", "2", "--gpu-memory-gib", "40", "--json")
+def test_plan_json_for_described_hardware(tiny_flux_path: Path, plan):
+    out = plan("--model-path", str(tiny_flux_path), "--num-gpus", "2", "--gpu-memory-gib", "40", "--json")
     assert out.returncode == 0, out.stderr
-    plan = json.loads(out.stdout)
-    assert plan["num_gpus"] == 2 and plan["performance_mode"] == "auto"
-    assert plan["components"]["transformer"]["mode"] == "component-offload"  # 40 GiB < 45 GiB
-    assert plan["fsdp"] is False and any("45" in line for line in plan["trace"])
-    roomy = json.loads(_plan("--model-path", str(tiny_flux_path), "--gpu-memory-gib", "80", "--json").stdout)
+    described = json.loads(out.stdout)
+    assert described["num_gpus"] == 2 and described["performance_mode"] == "auto"
+    assert described["components"]["transformer"]["mode"] == "component-offload"  # 40 GiB < 45 GiB
+    assert described["fsdp"] is False and any("45" in line for line in described["trace"])
+    roomy = json.loads(plan("--model-path", str(tiny_flux_path), "--gpu-memory-gib", "80", "--json").stdout)
     assert roomy["components"]["transformer"]["mode"] == "resident"
-    # torch is never imported by `plan`: it resolves from JSON and safetensors headers only.
+    # torch is never imported by `plan`: it resolves from JSON and safetensors headers only (a real process).
     probe = subprocess.run(
         [
             sys.executable,
@@ -49,20 +52,20 @@ def test_plan_json_for_described_hardware(tiny_flux_path: Path):
     assert "Why:" in probe.stdout
 
 
-def test_plan_says_what_the_model_supports_apart_from_the_batching_mode_in_use(tiny_flux_path: Path):
+def test_plan_says_what_the_model_supports_apart_from_the_batching_mode_in_use(tiny_flux_path: Path, plan):
     """Issue 34: "--batching-mode continuous: steps in a shared denoise group" read as the mode in use."""
-    default = _plan("--model-path", str(tiny_flux_path)).stdout
+    default = plan("--model-path", str(tiny_flux_path)).stdout
     assert "continuous batching supported (steps in a shared denoise group)" in default, default
     assert "--batching-mode continuous:" not in default
     assert "batching: --batching-mode singleton in use (the default" in default, default
-    dynamic = _plan("--model-path", str(tiny_flux_path), "--batching-mode", "dynamic").stdout
+    dynamic = plan("--model-path", str(tiny_flux_path), "--batching-mode", "dynamic").stdout
     assert "batching: --batching-mode dynamic in use" in dynamic, dynamic
-    diffusers = _plan("--model-path", str(tiny_flux_path), "--backend", "diffusers").stdout
+    diffusers = plan("--model-path", str(tiny_flux_path), "--backend", "diffusers").stdout
     assert "continuous batching not supported" in diffusers, diffusers
 
 
-def test_plan_errors_name_the_flag(tiny_flux_path: Path):
-    out = _plan("--model-path", str(tiny_flux_path), "--component-residency", "dit=layerwise-offlaod")
+def test_plan_errors_name_the_flag(tiny_flux_path: Path, plan):
+    out = plan("--model-path", str(tiny_flux_path), "--component-residency", "dit=layerwise-offlaod")
     assert out.returncode == 2 and "--component-residency" in out.stderr
 
 
@@ -102,7 +105,8 @@ def test_offloaded_server_matches_resident_and_reports_transfers(offload_server,
     )
     assert moved > 0
     assert metric_value(offload_server.base_url, "diffuserve_device_peak_bytes", {"component": "transformer"}) > 0
-    assert "layerwise-offload" in offload_server.log()
+    served = httpx.get(f"{offload_server.base_url}/server_info", timeout=30).json()["deployment_plan"]["components"]
+    assert (served["transformer"]["mode"], served["transformer"]["prefetch_size"]) == ("layerwise-offload", 2)
 
 
 def test_bench_against_the_real_server(dynamic_server, tmp_path: Path):

@@ -2,7 +2,8 @@
 others denoise join the running group at a step boundary, every image equals its singleton-server image
 (within 1/255), a failing step fails only its rows, cancellation frees a row, /health and drain behave.
 
-Concurrency is gated on the server's own per-step log lines (`--enable-batching-metrics`), never on sleeps.
+Concurrency is gated on the server's own metrics (the running gauge, set at every step, and the step counter), never
+on sleeps or log text.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import openai
 import pytest
 
 from tests.integration.conftest import FAULT_MARKER, HOLD_MARKER
-from tests.integration.helpers import decode_b64_png, metric_value, pixels, wait_for_log
+from tests.integration.helpers import decode_b64_png, metric_value, pixels
 from tests.serverproc import ServerProcess
-from tests.step_hold import StepHold, seconds_after_running
+from tests.step_hold import StepHold, running, seconds_after_running, wait_idle
 
 PIXEL_TOL = 1  # uint8 steps, i.e. 1/255
-STEP_RE = r"Continuous denoising step batch: size=(\d+)/(\d+), joined=(\d+), left=(\d+), active=(\d+)"
+STEPS = "diffuserve_continuous_step_batch_rows_count"
+"""Denoising steps the continuous loop ran (one observation per step, before it runs)."""
 
 
 def _server(path: Path, logs: Path) -> ServerProcess:
@@ -94,39 +96,54 @@ def _overlap_steps(server: ServerProcess) -> dict[str, float]:
     }
 
 
+def _rows_stepping(server: ServerProcess) -> float:
+    """Requests in the group's latest step (the gauge is set at every step; 0 when the loop is idle)."""
+    return metric_value(server.base_url, "diffuserve_running_batch_size")
+
+
+def _until(server: ServerProcess, condition, what: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"never saw {what}; log tail:\n{server.log()[-3000:]}"
+        time.sleep(0.05)
+
+
 def _open_anchor(server: ServerProcess, steps: int) -> socket.socket:
-    """A long request sent over a raw socket, so the test decides when its client goes away (close())."""
+    """A long request sent over a raw socket, so the test decides when its client goes away (close()); returns once
+    it steps (alone: the server was idle before it)."""
+    wait_idle(server)
     body = json.dumps({"prompt": "the anchor", "seed": 99, "size": "64x64", "num_inference_steps": steps}).encode()
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(
         b"POST /v1/images/generations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
     )
+    _until(server, lambda: running(server), "the anchor stepping")
     return sock
 
 
 def test_arrivals_join_the_running_group_and_equal_their_singleton_images(continuous_server, singleton_server):
-    """A long anchor keeps the group running (gated on its step lines), so b and c surely arrive mid-run; they
+    """A long anchor keeps the group running (gated on the server's metrics), so b and c surely arrive mid-run; they
     join at a step boundary, leave after their own last step while the anchor goes on, and equal their
     singleton-server images. Then the anchor's client disconnects and its row leaves at the next step."""
     server = continuous_server
-    start = len(server.log())
     anchor = _open_anchor(server, 5000)
     try:
-        wait_for_log(server, STEP_RE.replace(r"active=(\d+)", "active=1"), start=start, timeout_s=120)
+        joins = metric_value(server.base_url, "diffuserve_continuous_joins_total")  # the anchor's join counted
         jobs = [("joins first", 12, 3), ("joins second", 13, 5)]
         with ThreadPoolExecutor(2) as pool:
             second = pool.submit(_generate, server, *jobs[0])
-            wait_for_log(
+            # A counter, not the gauge: a 3-step joiner may be gone again before a poll would see 2 rows.
+            _until(
                 server,
-                r"Continuous denoising step batch: size=2/4, joined=1, left=0, active=2",
-                start=start,
-                timeout_s=120,
+                lambda: metric_value(server.base_url, "diffuserve_continuous_joins_total") > joins,
+                "the first arrival joining the anchor's group",
             )
             third = pool.submit(_generate, server, *jobs[1])
             got = [second.result(), third.result()]
-        # both left while the anchor kept denoising: a later step has the anchor alone again
-        wait_for_log(server, r"size=1/4, joined=0, left=1, active=1", start=start, timeout_s=60)
+        # Both left while the anchor kept denoising: a later step has the anchor alone again (the third's last step
+        # had the anchor beside it, so the gauge reads 1 only after a step that came after).
+        _until(server, lambda: _rows_stepping(server) == 1, "the anchor stepping alone again", timeout_s=60)
     finally:
         anchor.close()  # the anchor's client goes away
     for (prompt, seed, steps), image in zip(jobs, got, strict=True):
@@ -149,10 +166,9 @@ def test_a_joiners_encode_and_decode_run_beside_the_stepping_group(continuous_se
     them can run those steps (the loop's own step counter, reported as `overlap_steps_total`). Its image still
     equals its singleton image."""
     server = continuous_server
-    start, before = len(server.log()), _overlap_steps(server)
+    before = _overlap_steps(server)
     anchor = _open_anchor(server, 5000)
     try:
-        wait_for_log(server, STEP_RE.replace(r"active=(\d+)", "active=1"), start=start, timeout_s=120)
         image = _generate(server, f"{HOLD_MARKER} joiner", 21, 3)
     finally:
         anchor.close()
@@ -188,26 +204,38 @@ def test_a_failing_step_fails_its_rows_and_the_server_keeps_serving(continuous_s
     assert httpx.get(f"{continuous_server.base_url}/health").status_code == 200
 
 
+def test_timings_report_the_rows_of_the_answer(continuous_server):
+    """Continuous mode reports `timings.batch_rows` (issue 22 item 5): a request with n=2 steps as two rows."""
+    answer = httpx.post(
+        f"{continuous_server.base_url}/v1/images/generations",
+        timeout=120,
+        json={"prompt": "a red circle", "size": "64x64", "n": 2, "num_inference_steps": 2},
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["timings"]["batch_rows"] == 2, answer.json()["timings"]
+
+
 def test_drain_finishes_the_running_group_then_exits(continuous_server):
     """Last test of the module: SIGTERM turns /health 503 and the running row still gets its image. The row's
     steps are held until the server is draining, so it is mid-run at SIGTERM on any machine."""
     server = continuous_server
-    start = len(server.log())
     hold = _hold(server)
     hold.arm()
+    wait_idle(server)
     with ThreadPoolExecutor(1) as pool:
         try:
-            running = pool.submit(_generate, server, f"finish me {StepHold.MARKER}", 5, 60)
-            wait_for_log(server, STEP_RE, start=start, timeout_s=120)
+            held = pool.submit(_generate, server, f"finish me {StepHold.MARKER}", 5, 60)
+            _until(server, lambda: running(server), "the held row stepping")
             server.signal(signal.SIGTERM)
             deadline = time.monotonic() + 60
             while (health := httpx.get(f"{server.base_url}/health", timeout=10)).status_code != 503:
                 assert time.monotonic() < deadline, "SIGTERM never turned /health 503"
                 time.sleep(0.05)
             assert health.status_code == 503 and health.json()["status"] == "draining"
-            after_sigterm = len(server.log())
+            steps_at_sigterm = metric_value(server.base_url, STEPS)
         finally:
             hold.release()
-        wait_for_log(server, STEP_RE, start=after_sigterm, timeout_s=60)  # still denoising after SIGTERM
-        assert running.result().shape == (64, 64, 3)
+        # Still denoising after SIGTERM: the held step was counted before it ran, so a higher count is a later step.
+        _until(server, lambda: metric_value(server.base_url, STEPS) > steps_at_sigterm, "a step after SIGTERM", 60)
+        assert held.result().shape == (64, 64, 3)
     assert server.proc is not None and server.proc.wait(60) == 0

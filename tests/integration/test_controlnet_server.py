@@ -215,49 +215,33 @@ def test_generate_takes_the_control_flags_and_matches_the_server(
 
 
 def test_a_controlnet_of_another_family_exits_2_naming_the_flag_and_both_families(
-    tiny_flux_path: Path, tmp_path: Path
+    tiny_flux_path: Path, tmp_path: Path, cli_main
 ) -> None:
     folder = tmp_path / "sd3-canny"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"_class_name": "SD3ControlNetModel"}))
-    for command in ("serve", "plan"):
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "diffuserve.cli",
-                command,
-                "--model-path",
-                str(tiny_flux_path),
-                "--controlnet",
-                str(folder),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+    args = ["--model-path", str(tiny_flux_path), "--controlnet", str(folder)]
+    # `serve` in a real process (were it not refused, it would go on to serve); `plan` in this one.
+    served = subprocess.run(
+        [sys.executable, "-m", "diffuserve.cli", "serve", *args], capture_output=True, text=True, timeout=300
+    )
+    for out in (served, cli_main("plan", *args)):
         assert out.returncode == 2, out.stderr[-2000:]
         assert "--controlnet: sd3-canny" in out.stderr and "for the sd3 family" in out.stderr, out.stderr[-2000:]
         assert "is a flux model" in out.stderr, out.stderr[-2000:]
 
 
-def test_plan_counts_each_controlnet_as_a_component(tiny_flux_path: Path, controlnet_folders: dict[str, Path]) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "diffuserve.cli",
-            "plan",
-            "--model-path",
-            str(tiny_flux_path),
-            "--json",
-            "--controlnet",
-            str(controlnet_folders["canny"]),
-            f"u={controlnet_folders['union']}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+def test_plan_counts_each_controlnet_as_a_component(
+    tiny_flux_path: Path, controlnet_folders: dict[str, Path], cli_main
+) -> None:
+    out = cli_main(
+        "plan",
+        "--model-path",
+        str(tiny_flux_path),
+        "--json",
+        "--controlnet",
+        str(controlnet_folders["canny"]),
+        f"u={controlnet_folders['union']}",
     )
     assert out.returncode == 0, out.stderr[-2000:]
     components = json.loads(out.stdout)["components"]
@@ -269,26 +253,20 @@ def test_plan_counts_each_controlnet_as_a_component(tiny_flux_path: Path, contro
         assert components[key]["weight_bytes"] == expected and components[key]["mode"] == "resident", components[key]
 
 
-def test_plan_refuses_splitting_a_controlnet_call_over_ranks(tiny_flux_path: Path, controlnet_folders) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "diffuserve.cli",
-            "plan",
-            "--model-path",
-            str(tiny_flux_path),
-            "--num-gpus",
-            "2",
-            "--tp-size",
-            "2",
-            "--gpu-memory-gib",
-            "80",
-            "--controlnet",
-            str(controlnet_folders["canny"]),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+def test_plan_refuses_splitting_a_controlnet_call_over_ranks(
+    tiny_flux_path: Path, controlnet_folders, cli_main
+) -> None:
+    out = cli_main(
+        "plan",
+        "--model-path",
+        str(tiny_flux_path),
+        "--num-gpus",
+        "2",
+        "--tp-size",
+        "2",
+        "--gpu-memory-gib",
+        "80",
+        "--controlnet",
+        str(controlnet_folders["canny"]),
     )
     assert out.returncode == 2 and "--controlnet with --tp-size" in out.stderr, out.stderr[-2000:]

@@ -226,8 +226,10 @@ def test_a_checkpoint_that_cannot_load_exits_1(tiny_flux_path: Path, tmp_path: P
         assert serve.returncode == 1 and missing in serve.stderr and "Traceback" not in serve.stderr
 
 
-def test_flags_that_do_not_apply_to_the_model_are_errors(tiny_flux_path: Path, tiny_wan_path: Path, tmp_path: Path):
-    image = _cli(
+def test_flags_that_do_not_apply_to_the_model_are_errors(
+    tiny_flux_path: Path, tiny_wan_path: Path, tmp_path: Path, cli_main
+):
+    image = cli_main(
         "generate",
         "--model-path",
         str(tiny_flux_path),
@@ -239,7 +241,7 @@ def test_flags_that_do_not_apply_to_the_model_are_errors(tiny_flux_path: Path, t
         str(tmp_path),
     )
     assert image.returncode == 2 and "--num-frames" in image.stderr and "makes images" in image.stderr
-    video = _cli(
+    video = cli_main(
         "generate",
         "--model-path",
         str(tiny_wan_path),
@@ -338,6 +340,15 @@ def test_make_bench_leaves_no_temporary_folder(tmp_path: Path):
 # -- last in the module: it shuts the module's server down ----------------------------------------------
 
 
+def _wait_draining(base: str, timeout_s: float = 60) -> None:
+    """Until /health (a public probe) answers 503 `draining`: the drain has begun."""
+    deadline = time.monotonic() + timeout_s
+    while (health := httpx.get(f"{base}/health", timeout=10)).status_code != 503:
+        assert time.monotonic() < deadline, "SIGTERM never turned /health 503"
+        time.sleep(0.05)
+    assert health.json()["status"] == "draining", health.text
+
+
 def test_second_signal_answers_in_flight_with_503_and_exits_130(server: ServerProcess):
     base = server.base_url
     body = {"prompt": "never finishes", "size": "32x32", "num_inference_steps": 50000}
@@ -351,7 +362,7 @@ def test_second_signal_answers_in_flight_with_503_and_exits_130(server: ServerPr
     assert full.status_code == 429  # --max-queue-size 2
 
     server.signal(signal.SIGTERM)
-    wait_for_log(server, "draining")
+    _wait_draining(base)
     late = httpx.post(f"{base}/v1/images/generations", json=body, headers=AUTH, timeout=30)
     assert late.status_code == 503
     after = _errors(server)

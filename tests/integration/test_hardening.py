@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -191,29 +189,21 @@ def test_deadline_queued_and_running_get_504(limits_server, hold):
     wait_for_log(limits_server, r"stopped at step (\d+)/200", start=start)
 
 
-def test_no_field_fetches_urls_and_paths_stay_inside(limits_server, tiny_flux_path: Path, tmp_path: Path):
+def test_no_field_fetches_urls_and_paths_stay_inside(limits_server, tiny_flux_path: Path, tmp_path: Path, cli_main):
     # There is no field that names a remote resource or a server path: such fields are refused.
     for field in ("image_url", "output_path"):
         response = _post(limits_server, {"prompt": "x", field: "http://169.254.169.254/latest"})
         assert response.status_code == 400 and response.json()["error"]["param"] == field
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "diffuserve.cli",
-            "generate",
-            "--model-path",
-            str(tiny_flux_path),
-            "--prompt",
-            "x",
-            "--output-path",
-            str(tmp_path / "out"),
-            "--output-file-name",
-            "../escape",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    out = cli_main(
+        "generate",
+        "--model-path",
+        str(tiny_flux_path),
+        "--prompt",
+        "x",
+        "--output-path",
+        str(tmp_path / "out"),
+        "--output-file-name",
+        "../escape",
     )
     assert out.returncode == 2 and "--output-file-name" in out.stderr
     assert not (tmp_path / "escape.png").exists()

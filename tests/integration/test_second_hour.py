@@ -1,7 +1,7 @@
 """Defaults that fit (issue 22 items 5 and 7), over a real server: an absolute --model-path is served under its
 folder's name, an image server lists no video jobs of a shared results folder, an edit input larger than
---max-image-side (without size) is a 400 naming `image`, the log at info has no transformers loading chatter, and
-continuous mode reports `timings.batch_rows`."""
+--max-image-side (without size) is a 400 naming `image`, the log at info has no transformers loading chatter
+(continuous mode's `timings.batch_rows`: test_continuous_batching.py, on its continuous server)."""
 
 from __future__ import annotations
 
@@ -52,21 +52,3 @@ def test_folder_name_ids_no_foreign_video_jobs_and_oversized_edit_input(tiny_flu
     assert "serving 'my-flux'" in log
     # transformers' loading chatter stays below info (issue 22 item 7): no torchvision fallback note, no bars.
     assert "requires torchvision" not in log and "Loading weights" not in log, log[-3000:]
-
-
-def test_continuous_mode_reports_batch_rows(tiny_flux_path: Path, tmp_path: Path):
-    server = ServerProcess(
-        ["--model-path", str(tiny_flux_path), "--batching-mode", "continuous", "--batching-max-size", "4"],
-        tmp_path / "server.log",
-    )
-    server.start(timeout_s=180)
-    try:
-        answer = httpx.post(
-            f"{server.base_url}/v1/images/generations",
-            timeout=120,
-            json={"prompt": "a red circle", "size": "64x64", "n": 2, "num_inference_steps": 2},
-        )
-    finally:
-        server.stop()
-    assert answer.status_code == 200, answer.text
-    assert answer.json()["timings"]["batch_rows"] == 2, answer.json()["timings"]
