@@ -5,8 +5,8 @@ front end sends `Start`, `Submit`, `Abort`, `BeginDrain`, `Drain`, `MetricsQuery
 answers with `Hello` (once, before the model loads), `ModelInfo` (once, when the model is loaded), `Status` (its
 `EngineStatus` and the live requests' progress, when they changed), `Admitted` / `Answer` per request,
 `PreviewImages` for streaming requests, `Reply` to a `Drain` or `MetricsQuery`, and `Fatal` when the engine gives
-up. Data only: no callables, no locks, nothing bound to one process (a model's own `validate` runs in the engine
-process).
+up. Data only: no callables, nothing bound to one process (the model's request rules are data; the front end
+checks requests against them).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Submit:
     request_id: str
     """Server-generated id; the key of every later message about the request."""
     params: SamplingParams
-    """Its sampling parameters (built and checked by the front end, except the model's own `validate`)."""
+    """Its sampling parameters (built and checked by the front end against the model's request rules)."""
     endpoint: str
     """The API it came through (the label of the request metrics)."""
     timeout_s: float | None
@@ -109,7 +109,7 @@ class ModelInfo:
     """The model is loaded: what the routes need to know about it."""
 
     model: ModelDescription
-    """Its description, without `validate` (a bound method of the pipeline: it runs in the engine process)."""
+    """Its description: plain data (its request rules included; the front end checks requests against them)."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """FLUX.1 (dev, schnell) and FLUX.1 Kontext."""
 
 import dataclasses
+from typing import Any
 
 from diffuserve.families.base import (
     CheckpointConfigs,
@@ -12,6 +13,7 @@ from diffuserve.families.base import (
 )
 from diffuserve.families.checkpoint import square_default
 from diffuserve.families.components import autoencoder_kl_factor
+from diffuserve.families.request_rules import RequestRules, TokenCount, check_control, check_strength, no_crop
 
 # CLIP's 77 tokens (pooled), then T5: diffusers' max_sequence_length 512 (capped by what tokenizer_2 declares).
 FLUX_TEXT_ENCODERS = (
@@ -41,10 +43,24 @@ def flux_defaults(defaults: SamplingDefaults, configs: CheckpointConfigs, geomet
 # with per-row scales: they hold ~27% of the DiT's weights, and keeping them would leave an fp8 DiT at 0.64x of bf16.
 FLUX_QUANT_KEEP = ("x_embedder", "context_embedder", "time_text_embed.*", "norm_out.*", "proj_out")
 
+
+def check_flux(params: Any, rules: RequestRules, tokens: TokenCount | None = None) -> None:
+    """FLUX.1: its ControlNet fields; an image-to-image edit's strength."""
+    check_control(params, rules)
+    check_strength(params)
+
+
+def check_flux_fill(params: Any, rules: RequestRules, tokens: TokenCount | None = None) -> None:
+    """FLUX.1 Fill: no crop (diffusers' FluxFillPipeline repaints the whole image it is given)."""
+    check_flux(params, rules)
+    no_crop(params, "FLUX.1 Fill repaints the whole image it is given (diffusers' FluxFillPipeline has no crop)")
+
+
 SPECS = (
     FamilySpec(
         quant_keep=FLUX_QUANT_KEEP,
         name="flux",
+        request_check=check_flux,
         text_encoders=FLUX_TEXT_ENCODERS,
         pipeline_classes=("FluxPipeline", "FluxImg2ImgPipeline"),
         model_id_patterns=(r"flux",),
@@ -82,6 +98,7 @@ SPECS = (
     FamilySpec(
         quant_keep=FLUX_QUANT_KEEP,
         name="flux_fill",
+        request_check=check_flux_fill,
         text_encoders=FLUX_TEXT_ENCODERS,
         pipeline_classes=("FluxFillPipeline",),
         model_id_patterns=(r"flux\.?1?[-_.]?fill",),

@@ -5,6 +5,7 @@ compression times the DiT's patch (16 x 1 for the published checkpoints, 4 x 1 f
 """
 
 import dataclasses
+from typing import Any
 
 from diffuserve.families.base import (
     CheckpointConfigs,
@@ -14,6 +15,7 @@ from diffuserve.families.base import (
     SamplingDefaults,
     TextEncoderFacts,
 )
+from diffuserve.families.request_rules import RequestRules, TokenCount, check_frame_count, check_one_image
 
 HUNYUAN_15_TEXT_ENCODERS = (
     TextEncoderFacts("tokenizer", "text_encoder (Qwen2.5-VL)", 1000),
@@ -84,9 +86,24 @@ _COMMON = {
     "text_encoder_keys": ("text_encoder", "text_encoder_2"),
 }
 
+
+def check_hunyuan_video15(params: Any, rules: RequestRules, tokens: TokenCount | None = None) -> None:
+    """HunyuanVideo 1.5: a frame count its VAE takes."""
+    check_frame_count(params.num_frames, rules.frame_multiple, model="HunyuanVideo 1.5")
+
+
+def check_hunyuan_video15_i2v(params: Any, rules: RequestRules, tokens: TokenCount | None = None) -> None:
+    """HunyuanVideo 1.5 image-to-video: the frame count, and exactly one input image."""
+    check_hunyuan_video15(params, rules)
+    check_one_image(
+        params, "this HunyuanVideo 1.5 image-to-video model needs exactly one input image (`input_reference`)."
+    )
+
+
 SPECS = (
     FamilySpec(
         name="hunyuan_video_15",
+        request_check=check_hunyuan_video15,
         pipeline_classes=("HunyuanVideo15Pipeline",),
         model_id_patterns=(r"hunyuan[-_]?video[-_]?1[._-]?5",),
         id_priority=10,
@@ -101,6 +118,7 @@ SPECS = (
     ),
     FamilySpec(
         name="hunyuan_video_15_i2v",
+        request_check=check_hunyuan_video15_i2v,
         pipeline_classes=("HunyuanVideo15ImageToVideoPipeline",),
         model_id_patterns=(r"hunyuan[-_]?video[-_]?1[._-]?5.*i2v",),
         id_priority=20,

@@ -36,7 +36,7 @@ from PIL import Image
 from diffuserve.families.sd3 import controlnet as sd3_controlnet
 from diffuserve.pipelines import inpaint, packing, stages
 from diffuserve.pipelines.base import component_configs, declared_sequence_length
-from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows
+from diffuserve.pipelines.controlnet import EXTRAS_KEY, merge_rows
 from diffuserve.pipelines.stages import Cond, DenoiseState
 
 logger = logging.getLogger(__name__)
@@ -204,11 +204,6 @@ class SD3NativePipeline(stages.RecipePipeline):
     def request_fields(self) -> frozenset[str]:
         control = {"control_image"} if self.controlnets else set()
         return frozenset({*control, *(("flow_shift",) if stages.has_flow_shift(self.scheduler) else ())})
-
-    def validate(self, params: Any) -> None:
-        super().validate(params)
-        check_control(params, self.controlnets)
-        inpaint.check_strength(params)
 
     def step_extras(self, states: Sequence[DenoiseState]) -> dict[str, Any]:
         """No extras but each state's ControlNet rows (continuous steps)."""
