@@ -10,7 +10,7 @@ the same image. No torch and no I/O here: the scheduler and the server both impo
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
@@ -19,6 +19,7 @@ from diffuserve.config.step_cache import StepCacheSettings
 from diffuserve.errors import InvalidRequestError
 from diffuserve.families.base import SamplingDefaults
 from diffuserve.families.request_rules import RequestRules, TokenCount
+from diffuserve.families.text_tokens import EncoderLimit, TokenIds
 
 
 class PromptCounter(Protocol):
@@ -133,14 +134,15 @@ class SamplingParams:
     control: ControlRequest | None = _row(
         None, "ControlNet conditioning of this request's rows (None: plain rows); per row, never in the signature."
     )
-    text_ids: dict[str, dict[str, tuple[int, ...]]] | None = field(
+    text_ids: Mapping[str, TokenIds] | None = field(
         default=None,
         compare=False,
         repr=False,
         metadata={
             "signature": False,
-            "doc": "The server's one tokenization of the texts (tokenizer key -> text -> ids, untruncated, special "
-            "tokens included; `pipelines/token_ids.py`): the encode reuses them. None: the encode tokenizes.",
+            "doc": "The front end's one tokenization of the texts (tokenizer key -> ids stamped with the tokenizer "
+            "that made them; `pipelines/token_ids.py`): the encode reuses them when its own tokenizer has the same "
+            "stamp. None: the encode tokenizes.",
         },
     )
 
@@ -235,9 +237,16 @@ class ModelDescription:
     activation: ActivationFacts | None = field(default=None, compare=False, repr=False)
     """What the activation-memory estimate knows about the checkpoint (`diffuserve/activation.py`); None: the
     engine admits without an estimate."""
+    text_encoders: tuple[EncoderLimit, ...] = ()
+    """The checkpoint's text encoders as plain data (tokenizer folder, class, limit net of the framing): the front
+    end builds its own prompt counter from them (`pipelines/prompt_limits.prompt_counter`)."""
+    usage_encoder: EncoderLimit | None = None
+    """The encoder whose tokens are the `usage` text tokens when it is not the last of `text_encoders`."""
     prompt_tokens: PromptCounter | None = field(default=None, compare=False, repr=False)
-    """THE owner of prompt token counts (limits, truncation warnings, usage), built once per loaded model on
-    private tokenizer copies; its `count` tokenizes, so callers run it off the event loop. None: not known."""
+    """This process's prompt counter (limits, truncation warnings, usage), attached by the process that uses the
+    description (the HTTP front end: `server/common.served_model`), built from `text_encoders`; never sent across
+    processes (the engine's description leaves it None). Its `count` tokenizes, so callers run it off the event
+    loop. None: not attached."""
 
     @property
     def outputs(self) -> str:

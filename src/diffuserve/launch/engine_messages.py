@@ -11,10 +11,7 @@ checks requests against them).
 
 from __future__ import annotations
 
-import copyreg
-import io
 import pickle
-import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -174,20 +171,9 @@ class Fatal:
     """What happened."""
 
 
-class _Pickler(pickle.Pickler):
-    """Pickles a lock as a fresh one: an object that guards itself with a lock (a prompt-token owner's private
-    tokenizers) crosses as a copy with its own lock."""
-
-    dispatch_table = copyreg.dispatch_table.copy()
-    dispatch_table[type(threading.Lock())] = lambda _: (threading.Lock, ())
-    dispatch_table[type(threading.RLock())] = lambda _: (threading.RLock, ())
-
-
 def send(conn: Connection, message: Any) -> None:
     """Pickle `message` (on the calling thread) and send it."""
-    buffer = io.BytesIO()
-    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
-    conn.send_bytes(buffer.getbuffer())
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def receive(conn: Connection) -> Any:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from diffuserve.activation import ActivationFacts
     from diffuserve.families.checkpoint import CheckpointFacts
     from diffuserve.families.request_rules import RequestRules
+    from diffuserve.families.text_tokens import EncoderLimit
     from diffuserve.pipelines.overlap import Overlap
     from diffuserve.pipelines.prompt_limits import PromptTokens, TextEncoderLimit
     from diffuserve.sampling import ModelDescription, SamplingParams
@@ -353,6 +354,7 @@ class Pipeline:
         """What the routes and the request builder need to know (`diffuserve.sampling.ModelDescription`)."""
         from diffuserve.sampling import ModelDescription
 
+        encoders, usage = self._prompt_table()
         return ModelDescription(
             family=self.family,
             output_kind=self.output_kind,
@@ -367,11 +369,19 @@ class Pipeline:
             max_width=self.max_width,
             max_height=self.max_height,
             rules=self.request_rules(),
-            prompt_tokens=self.prompt_tokens(),
+            text_encoders=encoders,
+            usage_encoder=usage,
             request_fields=self.request_fields(),
             produces_audio=self.produces_audio,
             activation=self._activation_facts(),
         )
+
+    def _prompt_table(self) -> tuple[tuple[EncoderLimit, ...], EncoderLimit | None]:
+        """`prompt_tokens().table()`, derived once (the routes describe the model on every request)."""
+        cached = self.__dict__.get("_described_prompt_table")
+        if cached is None:
+            cached = self.__dict__["_described_prompt_table"] = self.prompt_tokens().table()
+        return cached
 
     def _activation_facts(self) -> ActivationFacts:
         """`activation_facts()`, derived once (the routes describe the model on every request)."""

@@ -1,12 +1,14 @@
-"""Tokenize once: the encode path reuses the token ids the server's prompt count made (issue 24 item 2).
+"""Tokenize once: the encode reuses the token ids the front end's prompt count made.
 
-A served request's texts are tokenized once per tokenizer, by the model's `PromptTokens` owner
-(`pipelines/prompt_limits.py`, on its private tokenizer copies, off the event loop): that count's ids (untruncated,
-special tokens included) serve the prompt limits, the truncation warnings and the usage, and they travel with the
-request (`SamplingParams.text_ids`: tokenizer key -> text -> ids) to the encode. A family whose encoder takes a
-fixed-length, right-padded input (FLUX.1's CLIP and T5) builds that input from the carried ids with `padded_ids`
-instead of tokenizing again; only texts that came without ids (the empty negative text has fixed ids; a request
-no route counted, a warm-up) are tokenized in the encode.
+A served request's texts are tokenized once per tokenizer, by the front end's prompt counter
+(`pipelines/prompt_limits.PromptTokens`, built from the checkpoint's tokenizer folders, off the event loop): that
+count's ids (untruncated, special tokens included) serve the prompt limits, the truncation warnings and the usage,
+and they travel with the request (`SamplingParams.text_ids`: tokenizer key -> `TokenIds`) to the encode. Each
+`TokenIds` is stamped with the `fingerprint` of the tokenizer that made it; the encode uses carried ids only when its
+own tokenizer has the same fingerprint (a front end that loaded another tokenizer, or none, costs one tokenization,
+never a wrong input). A family whose encoder takes a fixed-length, right-padded input (FLUX.1's CLIP and T5) builds
+that input from the carried ids with `padded_ids` instead of tokenizing again; only texts that came without ids (the
+empty negative text has fixed ids; a request no route counted, a warm-up) are tokenized in the encode.
 
 The padded input is built by a rule (keep the leading ids, then the trailing special tokens, then pad) that is
 checked once per (tokenizer, length) against the tokenizer itself on probe texts, a short one, an empty one and
@@ -17,15 +19,39 @@ no rule and its encode tokenizes as before, so an input built here is always the
 from __future__ import annotations
 
 import copy
+import hashlib
 import threading
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-TextIds = Mapping[str, Mapping[str, tuple[int, ...]]]
-"""Tokenizer key (the model_index part, e.g. `tokenizer_2`) -> text -> its ids (untruncated, special tokens)."""
+from diffuserve.families.text_tokens import TokenIds
+
+_FINGERPRINT_PROBE = "A photo of 2 cats, résumé; 東京 <x> ..."
+"""A text whose ids tell tokenizers apart (case, digits, accents, CJK, markup, punctuation)."""
+_FINGERPRINTS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+"""Tokenizer -> its fingerprint (made once per tokenizer object; forgotten with it)."""
+_FINGERPRINTS_LOCK = threading.Lock()
+
+
+def fingerprint(tokenizer: Any) -> str:
+    """A stamp of what `tokenizer` makes of text: its class, its vocabulary size and its ids of a probe text. Two
+    tokenizers loaded from the same folder (the engine's and the front end's) have the same stamp; counted on a
+    private copy (a fast tokenizer keeps its truncation settings on the object for the length of a call)."""
+    with _FINGERPRINTS_LOCK:
+        stamp = _FINGERPRINTS.get(tokenizer)
+        if stamp is None:
+            own = copy.deepcopy(tokenizer)
+            ids = own(_FINGERPRINT_PROBE, truncation=False, add_special_tokens=True, verbose=False)["input_ids"]
+            name = getattr(type(own), "__name__", "")
+            vocab = own.get_vocab() if callable(getattr(own, "get_vocab", None)) else {}
+            text = f"{name}|{len(vocab)}|{list(ids)}"
+            stamp = _FINGERPRINTS[tokenizer] = hashlib.sha1(text.encode()).hexdigest()[:16]
+        return stamp
+
 
 _PROBES = ("a photo of a cat", "")
 """Texts the rule is checked on, with one longer than the length (made per length)."""
@@ -90,12 +116,15 @@ def _rule(tokenizer: Any, length: int) -> _PadRule | None:
         return entry[1]
 
 
-def carried(batch: Sequence[Any], key: str) -> dict[str, tuple[int, ...]]:
-    """The ids the requests of `batch` carry for tokenizer `key` (their `text_ids`), by text."""
+def carried(batch: Sequence[Any], key: str, stamp: str) -> dict[str, tuple[int, ...]]:
+    """The ids the requests of `batch` carry for tokenizer `key` (their `text_ids`), by text: only those made by a
+    tokenizer whose fingerprint is `stamp` (the encode's own)."""
     found: dict[str, tuple[int, ...]] = {}
     for params in batch:
-        for text, ids in ((getattr(params, "text_ids", None) or {}).get(key) or {}).items():
-            found.setdefault(text, ids)
+        made: TokenIds | None = (params.text_ids or {}).get(key)
+        if made is not None and made.tokenizer == stamp:
+            for text, ids in made.ids.items():
+                found.setdefault(text, ids)
     return found
 
 
@@ -109,7 +138,7 @@ def padded_ids(
     rule = _rule(tokenizer, max_length)
     if rule is None:
         return None
-    found = carried(batch, key)
+    found = carried(batch, key, fingerprint(tokenizer))
     missing = [text for text in dict.fromkeys(texts) if text not in found and text != ""]
     if missing:
         fresh = tokenizer(missing, truncation=False, add_special_tokens=True, verbose=False)["input_ids"]

@@ -29,7 +29,7 @@ from diffuserve.errors import DiffuserveError, InvalidRequestError, NotFoundErro
 from diffuserve.media.images import decode_image
 from diffuserve.media.meshes import MESH_FORMATS, encode_mesh
 from diffuserve.sampling import SamplingParams, build_sampling_params, validate_request
-from diffuserve.server.common import check_request_limits, require_ready, result_timings, server_context
+from diffuserve.server.common import check_request_limits, require_ready, result_timings, served_model, server_context
 from diffuserve.server.context import ServerContext
 from diffuserve.server.media_sources import FetchPolicy, load_image_source
 from diffuserve.server.mesh_jobs import MeshJob, MeshJobStore
@@ -145,7 +145,7 @@ async def _create_body(request: Request) -> tuple[MeshCreateRequest, bytes]:
 
 
 def build_mesh_params(body: MeshCreateRequest, ctx: ServerContext, image: bytes) -> SamplingParams:
-    model = ctx.engine.model
+    model = served_model(ctx)
     assert model is not None
     if model.output_kind != "mesh":
         raise InvalidRequestError(
