@@ -188,6 +188,7 @@ class EngineServer:
         elif isinstance(message, m.Drain):
             asyncio.ensure_future(self._drain(message))
         elif isinstance(message, m.MetricsQuery):
+            self.engine.status().mirror_into(self.metrics)  # the gauges that mirror the engine's one snapshot
             self.out.put(m.Reply(message.call_id, list(self.metrics.registry.collect())))
         elif isinstance(message, m.Stop):
             assert self._stopped is not None
