@@ -263,15 +263,26 @@ def declared_limit(tokenizer: Any, max_tokens: int | None) -> int | None:
 def load_tokenizer(entry: EncoderLimit) -> Any:
     """The tokenizer of `entry`, loaded from its folder with the class the engine loaded (local files only)."""
     import transformers
+    from transformers import AutoTokenizer
 
-    cls = getattr(transformers, entry.tokenizer_class, None) or transformers.AutoTokenizer
+    cls = getattr(transformers, entry.tokenizer_class, None) or AutoTokenizer
     return cls.from_pretrained(entry.folder, local_files_only=True)
 
 
-@functools.lru_cache(maxsize=4)
+_BUILD_LOCK = threading.Lock()
+"""One build at a time: the first requests and the start-up build may ask together (and transformers' lazy module
+must not be imported from two threads at once)."""
+
+
 def prompt_counter(encoders: tuple[EncoderLimit, ...], usage: EncoderLimit | None) -> PromptTokens:
     """The front end's prompt counter for a model described by `encoders` / `usage` (its
     `ModelDescription.text_encoders` / `usage_encoder`), built once per process from the tokenizer folders."""
+    with _BUILD_LOCK:
+        return _built(encoders, usage)
+
+
+@functools.lru_cache(maxsize=4)
+def _built(encoders: tuple[EncoderLimit, ...], usage: EncoderLimit | None) -> PromptTokens:
     return PromptTokens.from_table(encoders, usage)
 
 
