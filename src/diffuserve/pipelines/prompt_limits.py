@@ -16,20 +16,44 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import hashlib
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diffuserve.families.text_tokens import EncoderLimit, TokenIds
-from diffuserve.pipelines.token_ids import fingerprint
 
 if TYPE_CHECKING:
     from diffuserve.sampling import ModelDescription
 
 logger = logging.getLogger(__name__)
+
+
+_FINGERPRINT_PROBE = "A photo of 2 cats, résumé; 東京 <x> ..."
+"""A text whose ids tell tokenizers apart (case, digits, accents, CJK, markup, punctuation)."""
+_FINGERPRINTS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+"""Tokenizer -> its fingerprint (made once per tokenizer object; forgotten with it)."""
+_FINGERPRINTS_LOCK = threading.Lock()
+
+
+def fingerprint(tokenizer: Any) -> str:
+    """A stamp of what `tokenizer` makes of text: its class, its vocabulary size and its ids of a probe text. Two
+    tokenizers loaded from the same folder (the engine's and the front end's) have the same stamp; counted on a
+    private copy (a fast tokenizer keeps its truncation settings on the object for the length of a call)."""
+    with _FINGERPRINTS_LOCK:
+        stamp = _FINGERPRINTS.get(tokenizer)
+        if stamp is None:
+            own = copy.deepcopy(tokenizer)
+            ids = own(_FINGERPRINT_PROBE, truncation=False, add_special_tokens=True, verbose=False)["input_ids"]
+            name = getattr(type(own), "__name__", "")
+            vocab = own.get_vocab() if callable(getattr(own, "get_vocab", None)) else {}
+            text = f"{name}|{len(vocab)}|{list(ids)}"
+            stamp = _FINGERPRINTS[tokenizer] = hashlib.sha1(text.encode()).hexdigest()[:16]
+        return stamp
 
 
 @dataclass(frozen=True)

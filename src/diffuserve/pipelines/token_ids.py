@@ -19,9 +19,7 @@ no rule and its encode tokenizes as before, so an input built here is always the
 from __future__ import annotations
 
 import copy
-import hashlib
 import threading
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,29 +27,7 @@ from typing import Any
 import torch
 
 from diffuserve.families.text_tokens import TokenIds
-
-_FINGERPRINT_PROBE = "A photo of 2 cats, résumé; 東京 <x> ..."
-"""A text whose ids tell tokenizers apart (case, digits, accents, CJK, markup, punctuation)."""
-_FINGERPRINTS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
-"""Tokenizer -> its fingerprint (made once per tokenizer object; forgotten with it)."""
-_FINGERPRINTS_LOCK = threading.Lock()
-
-
-def fingerprint(tokenizer: Any) -> str:
-    """A stamp of what `tokenizer` makes of text: its class, its vocabulary size and its ids of a probe text. Two
-    tokenizers loaded from the same folder (the engine's and the front end's) have the same stamp; counted on a
-    private copy (a fast tokenizer keeps its truncation settings on the object for the length of a call)."""
-    with _FINGERPRINTS_LOCK:
-        stamp = _FINGERPRINTS.get(tokenizer)
-        if stamp is None:
-            own = copy.deepcopy(tokenizer)
-            ids = own(_FINGERPRINT_PROBE, truncation=False, add_special_tokens=True, verbose=False)["input_ids"]
-            name = getattr(type(own), "__name__", "")
-            vocab = own.get_vocab() if callable(getattr(own, "get_vocab", None)) else {}
-            text = f"{name}|{len(vocab)}|{list(ids)}"
-            stamp = _FINGERPRINTS[tokenizer] = hashlib.sha1(text.encode()).hexdigest()[:16]
-        return stamp
-
+from diffuserve.pipelines.prompt_limits import fingerprint
 
 _PROBES = ("a photo of a cat", "")
 """Texts the rule is checked on, with one longer than the length (made per length)."""
