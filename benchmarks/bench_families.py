@@ -38,12 +38,12 @@ def _random_png(seed: int, size: int) -> bytes:
 
 
 def bench_family(build: str, work: Path, *, size: int, steps: int, runs: int, warmup: int) -> dict[str, float]:
-    from diffuserve import families
+    from diffuserve import family_spec
     from diffuserve.models.loader import load_pipeline
     from diffuserve.models.tiny import build_tiny_checkpoint
     from diffuserve.sampling import build_sampling_params
 
-    spec = families.spec_for(families.family_of_tiny(build))
+    spec = family_spec.spec_for(family_spec.family_of_tiny(build))
     path = build_tiny_checkpoint(build, work / build)
     native = load_pipeline(path, backend="native")
     reference = load_pipeline(path, backend="diffusers")
@@ -166,12 +166,12 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from diffuserve import families
+    from diffuserve import family_spec
 
     builds = (
         [b.strip() for b in args.families.split(",")]
         if args.families
-        else [name for spec in families.all_specs().values() if spec.has_native for name in spec.tiny_builds]
+        else [name for spec in family_spec.all_specs().values() if spec.has_native for name in spec.tiny_builds]
     )
     print(
         f"{'family':<22}{'native ms':>11}{'diffusers ms':>14}{'ratio':>8}{'b1 out/s':>10}{'bN out/s':>10}"

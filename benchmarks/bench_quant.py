@@ -34,7 +34,7 @@ def _nbytes(module) -> int:
 def _quantized(pipe, method: str | None) -> Iterator[None]:
     import torch
 
-    from diffuserve import families
+    from diffuserve import family_spec
     from diffuserve.quant.apply import quantize_components
 
     if method is None:
@@ -42,7 +42,7 @@ def _quantized(pipe, method: str | None) -> Iterator[None]:
         return
     dit = pipe.components["transformer"]
     before = {(p, n): c for p in dit.modules() for n, c in p.named_children() if type(c) is torch.nn.Linear}
-    quantize_components(pipe.components, {"transformer": (method, families.spec_for(pipe.family).quant_keep)}, "cpu")
+    quantize_components(pipe.components, {"transformer": (method, family_spec.spec_for(pipe.family).quant_keep)}, "cpu")
     try:
         yield
     finally:

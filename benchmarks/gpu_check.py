@@ -178,7 +178,7 @@ def _weights_bytes(module: torch.nn.Module) -> int:
 
 def dit_rows(family: str, device: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> list[dict]:
     """Step time and memory of the DiT per method (each built afresh, quantized as serving quantizes it)."""
-    from diffuserve.families import spec_for
+    from diffuserve.family_spec import spec_for
     from diffuserve.quant.apply import quantize_module
 
     rows = []

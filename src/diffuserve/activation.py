@@ -101,7 +101,7 @@ def _first_int(config: Mapping[str, Any], *keys: str) -> int | None:
 def activation_facts(
     kind: str, configs: Mapping[str, Any], *, size_multiple: int | None, dtype_bytes: int, **extra: Any
 ) -> ActivationFacts:
-    """The facts of a diffusers-format checkpoint from its configs (`families.base.CheckpointConfigs`): the DiT's
+    """The facts of a diffusers-format checkpoint from its configs (`family_spec.base.CheckpointConfigs`): the DiT's
     width from `transformer` (heads x head dim, else hidden_size), the VAE's widest block from `vae`; published
     FLUX-sized figures where a config does not say (conservative). `extra` sets the other fields (meshes)."""
     dit = configs.get("transformer") or configs.get("unet") or {}

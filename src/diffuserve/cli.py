@@ -259,7 +259,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="Write a tiny random-weight checkpoint (offline).",
         description="Write a tiny diffusers-format checkpoint with random weights and offline tokenizers.",
     )
-    from diffuserve.families import tiny_builds
+    from diffuserve.family_spec import tiny_builds
 
     tiny_families = sorted(tiny_builds())
     tiny.add_argument(

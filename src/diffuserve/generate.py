@@ -243,7 +243,7 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
         raise ConfigError("--num-outputs-per-prompt must be >= 1.")
     args.validate()
     model_path = resolve_model_path(args, quiet=True)  # the engine's set-up resolves (and logs) it again
-    from diffuserve.families import spec_for
+    from diffuserve.family_spec import spec_for
     from diffuserve.models.registry import resolve as resolve_model
 
     spec = resolve_model(model_path, model_id=args.model_id, backend=args.backend)
@@ -277,8 +277,8 @@ def _step_cache(args: ServerArgs) -> Any:
 def _check_family_inputs(values: dict[str, Any], images: tuple[bytes, ...], spec: Any, model_path: Path) -> None:
     """`check_inputs` with what the family spec says of the checkpoint's configs before loading (the size multiple
     only for native adapters, whose rule the spec states; the loaded model's own checks follow in `_generate`)."""
-    from diffuserve.families import spec_for
-    from diffuserve.families.checkpoint import describe_checkpoint, read_checkpoint_configs
+    from diffuserve.family_spec import spec_for
+    from diffuserve.family_spec.checkpoint import describe_checkpoint, read_checkpoint_configs
 
     family = spec_for(spec.family)
     multiple = describe_checkpoint(family, read_checkpoint_configs(model_path)).size_multiple

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from diffuserve.activation import ActivationFacts
 from diffuserve.config.step_cache import StepCacheSettings
 from diffuserve.errors import InvalidRequestError
-from diffuserve.families.base import SamplingDefaults
+from diffuserve.family_spec.base import SamplingDefaults
 from diffuserve.families.request_rules import RequestRules, TokenCount
 from diffuserve.families.text_tokens import EncoderLimit, TokenIds
 
@@ -289,7 +289,7 @@ def check_request_fields(model: ModelDescription, given: dict[str, Any]) -> None
 def mask_refusal(family: str) -> InvalidRequestError:
     """The 400 of a `mask` sent to a model that does not inpaint, naming the families that do (their spec's
     `inpaint` task)."""
-    from diffuserve.families import families_with, named_list
+    from diffuserve.family_spec import families_with, named_list
 
     return InvalidRequestError(
         f"mask: this {family} model does not inpaint; masks are taken natively by "
@@ -388,7 +388,7 @@ def validate_request(params: SamplingParams, rules: RequestRules, tokens: TokenC
     and the checkpoint's rules, so the HTTP front end, `generate` and the engine refuse the same way. The common
     checks, then the family's own (`FamilySpec.request_check`; the diffusers backend's `diffusers_checks`, which
     run the common ones themselves). `tokens`: the prompt counter for checks that bound a prompt's tokens."""
-    from diffuserve.families import spec_for
+    from diffuserve.family_spec import spec_for
     from diffuserve.families.request_rules import diffusers_checks
 
     if rules.backend == "diffusers":

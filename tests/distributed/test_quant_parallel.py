@@ -29,10 +29,10 @@ CASES = [(mode, "flux", method) for method in ("fp8", "int8") for mode in MODES]
 
 
 def _load(path: str, build: str, method: str):
-    from diffuserve import families
+    from diffuserve import family_spec
     from diffuserve.models.loader import load_pipeline
 
-    keep = families.spec_for("wan" if build == "wan" else "flux").quant_keep
+    keep = family_spec.spec_for("wan" if build == "wan" else "flux").quant_keep
     return load_pipeline(path, quantization={"transformer": (method, keep)})
 
 

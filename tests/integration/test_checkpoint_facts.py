@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from diffuserve import families
-from diffuserve.families.checkpoint import describe_checkpoint, read_checkpoint_configs
+from diffuserve import family_spec
+from diffuserve.family_spec.checkpoint import describe_checkpoint, read_checkpoint_configs
 
 NATIVE_TINY = sorted(
     name
-    for name, spec in ((n, families.spec_for(families.family_of_tiny(n))) for n in families.tiny_builds())
+    for name, spec in ((n, family_spec.spec_for(family_spec.family_of_tiny(n))) for n in family_spec.tiny_builds())
     # Diffusers-format checkpoints: describe_checkpoint reads their JSON configs. Hunyuan3D-2 comes
     # in Tencent's layout (config.yaml), which its own reader describes (test_hunyuan3d_*.py).
     if spec.has_native and spec.output_kind != "mesh"
@@ -23,7 +23,7 @@ def test_the_plan_and_the_adapter_describe_a_checkpoint_alike(name: str, tiny_ch
 
     path = tiny_checkpoint(name)
     pipeline = load_pipeline(path)
-    spec = families.spec_for(pipeline.family)
+    spec = family_spec.spec_for(pipeline.family)
     planned = describe_checkpoint(spec, read_checkpoint_configs(path))
     assert pipeline.facts == planned
     # The adapter copies nothing: its settings are the spec's facts.
@@ -39,7 +39,7 @@ def test_the_plan_and_the_adapter_describe_a_checkpoint_alike(name: str, tiny_ch
 
 
 def test_flux_schnell_is_a_pure_function_of_the_transformer_config() -> None:
-    spec = families.spec_for("flux")
+    spec = family_spec.spec_for("flux")
     configs = {"vae": {"block_out_channels": [1, 2, 3, 4], "sample_size": 1024}, "transformer": {}}
     schnell = describe_checkpoint(spec, configs)
     dev = describe_checkpoint(spec, {**configs, "transformer": {"guidance_embeds": True}})
@@ -49,7 +49,7 @@ def test_flux_schnell_is_a_pure_function_of_the_transformer_config() -> None:
 
 
 def test_wan_size_multiple_is_the_vae_factor_times_the_patch() -> None:
-    spec = families.spec_for("wan")
+    spec = family_spec.spec_for("wan")
     ti2v = describe_checkpoint(spec, {"vae": {"scale_factor_spatial": 16}, "transformer": {"patch_size": [1, 2, 2]}})
     wan21 = describe_checkpoint(spec, {"vae": {"scale_factor_spatial": 8}, "transformer": {"patch_size": [1, 2, 2]}})
     assert (ti2v.size_multiple, wan21.size_multiple) == (32, 16)

@@ -65,7 +65,7 @@ def test_qwen_image_21_refuses_a_prompt_longer_than_its_text_positions(pipes) ->
 def test_rope_limits_follow_the_tables(pipes) -> None:
     """The limits come from the transformers' RoPE tables: Qwen-Image's text starts max(h, w) // 2 positions
     in, so the last image side leaves exactly the 512 text positions; 2.1 centres rows on its negative table."""
-    from diffuserve.families.qwen_image.spec import QWEN_IMAGE_21_ROPE_POSITIONS, QWEN_IMAGE_ROPE_POSITIONS
+    from diffuserve.family_spec.qwen_image import QWEN_IMAGE_21_ROPE_POSITIONS, QWEN_IMAGE_ROPE_POSITIONS
 
     qi, q21 = pipes["qwen_image"].transformer.pos_embed, pipes["qwen_image_21"].transformer.pos_embed
     # The spec's table sizes (torch-free, for both backends) are diffusers' own.

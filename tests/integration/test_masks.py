@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from diffuserve.errors import InvalidRequestError
-from diffuserve.families import families_with, named_list
+from diffuserve.family_spec import families_with, named_list
 from diffuserve.media.masks import encode_mask, to_repaint_mask
 from diffuserve.sampling import SamplingParams, build_sampling_params
 from tests.integration.family_checks import max_pixel_diff, row_generators

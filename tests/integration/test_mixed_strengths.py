@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 
-from diffuserve import families
+from diffuserve import family_spec
 from diffuserve.pipelines import inpaint
 from tests.integration.family_checks import max_pixel_diff
 from tests.integration.test_masks import CASES, InpaintCase, _native, _params, box_mask, picture
@@ -25,7 +25,7 @@ IMG2IMG = {"flux", "sd3", "flux_fill"}
 @pytest.mark.parametrize(
     "case",
     # Families whose spec keeps one strength per batch (FLUX.2 Klein: no `strength_per_row`) are not mixed here.
-    [c for c in CASES if c.merges and families.spec_for(c.id).strength_per_row],
+    [c for c in CASES if c.merges and family_spec.spec_for(c.id).strength_per_row],
     ids=lambda case: case.id,
 )
 def test_rows_with_different_strengths_share_one_call(case: InpaintCase, tiny_checkpoint, family_pipeline, monkeypatch):

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from diffuserve.errors import InvalidRequestError
-from diffuserve.families import spec_for
+from diffuserve.family_spec import spec_for
 from diffuserve.pipelines.prompt_limits import with_counter
 from diffuserve.server.common import check_prompt
 
@@ -41,7 +41,7 @@ def _ctx(pipeline: Any, *, reject: bool = False) -> SimpleNamespace:
 def test_usage_counting_beside_encodes_never_changes_what_an_encode_gets(tiny_flux_path: Path):
     """The bench defect of issue 25: the usage count tokenized on the pipeline's own fast T5 tokenizer (from the
     HTTP side) while the encode lane encoded with it, so an encode came out unpadded (27 of 64 tokens) and the
-    group's `stages.concat_cond` failed. Counting now runs on the owner's private copies: every encode is padded
+    group's `recipe.concat_cond` failed. Counting now runs on the owner's private copies: every encode is padded
     to the family length however many requests are counted beside it."""
     pipeline = _load(tiny_flux_path)
     ctx = _ctx(pipeline)

@@ -42,13 +42,13 @@ def _images(pipe, batch) -> list[np.ndarray]:
 def test_quantized_dit_compiles_without_graph_breaks_or_recompiles(tiny_flux_path: Path, method: str) -> None:
     from torch._dynamo.utils import counters
 
-    from diffuserve import families
+    from diffuserve import family_spec
     from diffuserve.config.plan import DeploymentPlan
     from diffuserve.models.loader import load_pipeline
     from diffuserve.quant.linear import QuantizedLinear
     from diffuserve.runtime.compile import apply_compile
 
-    pipe = load_pipeline(tiny_flux_path, quantization={"transformer": (method, families.spec_for("flux").quant_keep)})
+    pipe = load_pipeline(tiny_flux_path, quantization={"transformer": (method, family_spec.spec_for("flux").quant_keep)})
     dit = pipe.components["transformer"]
     assert sum(isinstance(m, QuantizedLinear) for m in dit.modules()) > 10
     mixes = _mixes()

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffuserve import families
+from diffuserve import family_spec
 from diffuserve.sampling import SamplingParams
 
 METHODS = ("fp8", "int8", "int8-dynamic")
@@ -49,7 +49,7 @@ def quantized(pipeline, method: str, component: str = "transformer") -> Iterator
 
     module = pipeline.components[component]
     before = {(p, n): c for p in module.modules() for n, c in p.named_children() if type(c) is torch.nn.Linear}
-    keep = families.spec_for(pipeline.family).quant_keep
+    keep = family_spec.spec_for(pipeline.family).quant_keep
     (report,) = quantize_components(pipeline.components, {component: (method, keep)}, "cpu")
     assert report.quantized > 0 and report.bytes_after < report.bytes_before
     try:
@@ -120,7 +120,7 @@ def lora_pipeline(tiny_flux_path: Path, tmp_path_factory: pytest.TempPathFactory
         "style": str(write_random_lora(tiny_flux_path, root / "style", rank=4, seed=1)),
         "mlp": str(write_random_lora(tiny_flux_path, root / "mlp", rank=2, seed=3, targets=("to_q", "proj_mlp"))),
     }
-    keep = families.spec_for("flux").quant_keep
+    keep = family_spec.spec_for("flux").quant_keep
     pipe = load_pipeline(tiny_flux_path, quantization={"transformer": ("int8-dynamic", keep)})
     install_lora(pipe, "flux", adapters, max_loras=2, max_rank=4, device="cpu", dtype=torch.float32)
     return pipe
@@ -190,7 +190,7 @@ def test_offload_equals_resident_and_streams_the_quantized_bytes(checkpoints, me
     from .family_checks import with_residency
 
     path = checkpoints["36m"][0]
-    keep = families.spec_for("flux").quant_keep
+    keep = family_spec.spec_for("flux").quant_keep
     params = _request(5, "a blue square", width=64, height=64)
     streamed = {}
     for label, quant in (("bf16", None), (method, {"transformer": (method, keep)})):
@@ -274,7 +274,7 @@ def test_diffusers_backend_quantizes_through_pipeline_quantization_config(family
     kept modules named to it, a transformers text encoder with transformers' config; within 30 dB of unquantized."""
     from diffuserve.models.loader import load_pipeline
 
-    keep = families.spec_for("flux").quant_keep
+    keep = family_spec.spec_for("flux").quant_keep
     params = SamplingParams(prompt="a red circle", seed=3, num_inference_steps=3)
     with torch.inference_mode():
         reference = _pixels(family_pipeline(tiny_flux_path, "diffusers").run([params]))

@@ -124,7 +124,7 @@ def test_bad_sound_fields_are_400s_naming_them_before_queueing(ltx2_server, extr
 
 def test_generate_writes_the_sound_and_takes_generate_audio_false(tiny_checkpoint, tmp_path, capsys):
     from diffuserve import cli
-    from diffuserve.families.base import SamplingDefaults
+    from diffuserve.family_spec.base import SamplingDefaults
     from diffuserve.generate import _build_params
     from diffuserve.sampling import ModelDescription
 

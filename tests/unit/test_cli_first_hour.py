@@ -135,7 +135,7 @@ def test_make_tiny_and_bench_help(capsys):
     with pytest.raises(SystemExit):
         cli.main(["make-tiny", "--help"])
     text = capsys.readouterr().out
-    from diffuserve.families import tiny_builds
+    from diffuserve.family_spec import tiny_builds
 
     # argparse may wrap a line after a hyphen inside a name (`qwen-` / `image-edit`): rejoin those.
     assert "Model family: " + ", ".join(sorted(tiny_builds())) in " ".join(text.split()).replace("- ", "-")

@@ -680,7 +680,7 @@ def _imports_of(module: str) -> set[str]:
 
 
 def test_the_engine_core_imports_down_the_stack_only():
-    core = ("engine", "requests", "batch_loop", "step_loop", "scheduler", "step_scheduler", "request")
+    core = ("engine", "request_book", "batch_loop", "step_loop", "scheduler", "step_scheduler", "request")
     for module in core:
         imports = _imports_of(module)
         assert not any(m.startswith("diffuserve.pipelines") for m in imports), (module, imports)
@@ -688,7 +688,7 @@ def test_the_engine_core_imports_down_the_stack_only():
     # The two loops know nothing of each other or of the facade; the book knows no loop.
     assert not _imports_of("batch_loop") & {"diffuserve.engine.step_loop", "diffuserve.engine.engine"}
     assert not _imports_of("step_loop") & {"diffuserve.engine.batch_loop", "diffuserve.engine.engine"}
-    assert not _imports_of("requests") & {
+    assert not _imports_of("request_book") & {
         "diffuserve.engine.batch_loop",
         "diffuserve.engine.step_loop",
         "diffuserve.engine.engine",

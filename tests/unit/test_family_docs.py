@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from diffuserve.families import FamilySpec, ProfileFacts, all_specs
+from diffuserve.family_spec import FamilySpec, ProfileFacts, all_specs
 from diffuserve.tools import family_docs
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from diffuserve.errors import CheckpointError
-from diffuserve.families.hunyuan3d.layout import component_bytes, find_subfolder, looks_like_hunyuan3d
+from diffuserve.family_spec.hunyuan3d_layout import component_bytes, find_subfolder, looks_like_hunyuan3d
 
 NAMES = ("hunyuan3d-dit-v2-0", "hunyuan3d-dit-v2-0-fast", "hunyuan3d-dit-v2-0-turbo", "hunyuan3d-dit-v2-mini")
 

@@ -103,16 +103,16 @@ def backend_plan(family: str, backend: str, num_gpus: int = 2, **flags: Any):
     ],
 )
 def test_a_diffusers_backend_family_is_refused_every_split_of_its_loop(family, backend, flags, param):
-    from diffuserve import families
+    from diffuserve import family_spec
 
     with pytest.raises(ConfigError) as err:
         backend_plan(family, backend, **flags)
     message = err.value.message
     assert err.value.param == param and "runs on the diffusers backend" in message, message
-    if families.spec_for(family).has_native:
+    if family_spec.spec_for(family).has_native:
         assert "serve it natively (--backend auto or native)" in message, message
     else:  # the list of native families comes from the specs
-        assert families.named_list(families.families_with("has_native")) in message, message
+        assert family_spec.named_list(family_spec.families_with("has_native")) in message, message
 
 
 def test_the_backend_turns_auto_parallel_modes_off_instead_of_failing_at_start_up():
@@ -136,9 +136,9 @@ def test_backend_native_for_a_family_without_an_adapter_fails_in_the_plan_as_at_
 
 
 def test_profiles_carry_the_specs_capabilities_for_their_backend():
-    from diffuserve import families
+    from diffuserve import family_spec
 
-    for name, spec in families.all_specs().items():
+    for name, spec in family_spec.all_specs().items():
         profile = family_profile(name)
         assert profile.backend == ("native" if spec.has_native else "diffusers")
         assert profile.supports_continuous == (spec.supports_continuous and spec.has_native)
@@ -155,8 +155,8 @@ def test_profiles_carry_the_specs_capabilities_for_their_backend():
     ],
 )
 def test_family_lists_in_refusals_are_generated_from_the_specs(flags, capability):
-    from diffuserve import families
+    from diffuserve import family_spec
 
     with pytest.raises(ConfigError) as err:
         plan(**flags)
-    assert families.named_list(families.families_with(capability)) in err.value.message
+    assert family_spec.named_list(family_spec.families_with(capability)) in err.value.message

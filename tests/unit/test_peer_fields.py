@@ -11,7 +11,7 @@ import pytest
 
 from diffuserve.config.server_args import ServerArgs
 from diffuserve.errors import InvalidRequestError
-from diffuserve.families.base import SamplingDefaults
+from diffuserve.family_spec.base import SamplingDefaults
 from diffuserve.sampling import PEER_FIELDS, ModelDescription, SamplingParams, build_sampling_params
 from diffuserve.server.common import check_image_only_fields, layer_count, resolve_size
 from diffuserve.server.openai_images import image_params

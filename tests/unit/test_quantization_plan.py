@@ -160,12 +160,12 @@ def test_plan_and_start_up_refuse_with_the_same_words(big_flux: Path) -> None:
 
 
 def test_every_native_family_declares_what_it_keeps() -> None:
-    from diffuserve import families
+    from diffuserve import family_spec
 
-    for name, spec in families.all_specs().items():
+    for name, spec in family_spec.all_specs().items():
         if spec.has_native:
             assert spec.quant_keep, name
-    flux = families.spec_for("flux").quant_keep
+    flux = family_spec.spec_for("flux").quant_keep
     assert keeps("time_text_embed.timestep_embedder.linear_1", flux) and keeps("proj_out", flux)
     assert not keeps("single_transformer_blocks.0.proj_out", flux) and not keeps("transformer_blocks.0.attn.to_q", flux)
 

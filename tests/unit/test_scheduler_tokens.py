@@ -262,7 +262,7 @@ def test_config_validate_names_the_token_flag(value: object) -> None:
 
 def test_the_engine_gives_a_default_budget_only_to_families_that_pack_mixed_sizes() -> None:
     from diffuserve.engine.token_costs import model_token_budget
-    from diffuserve.families.base import SamplingDefaults
+    from diffuserve.family_spec.base import SamplingDefaults
     from diffuserve.sampling import ModelDescription
 
     config = BatchingConfig(mode="dynamic", max_size=8)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from diffuserve.config.engine_limits import EngineConfig
+from diffuserve.config.engine import EngineConfig
 from diffuserve.config.step_cache import (
     StepCacheSettings,
     parse_step_cache,

@@ -8,7 +8,7 @@ import pytest
 
 from diffuserve.config.server_args import ServerArgs
 from diffuserve.errors import InvalidRequestError, ModelNotFoundError
-from diffuserve.families.base import SamplingDefaults
+from diffuserve.family_spec.base import SamplingDefaults
 from diffuserve.sampling import ModelDescription
 from diffuserve.server.video_jobs import VideoJob, VideoJobStore
 from diffuserve.storage import ResultStore

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from diffuserve import families
+from diffuserve import family_spec
 from diffuserve.config.deployment_args import (
     LIFETIMES,
     PERFORMANCE_MODES,
@@ -357,7 +357,7 @@ def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile,
 def continuous_refusal(profile: ModelProfile) -> ConfigError:
     """`--batching-mode continuous` for a model that cannot step in a shared denoise group (its family has no
     per-row timestep, or the diffusers backend serves it): `plan` and start-up say the same words."""
-    steppable = families.named_list(families.families_with("supports_continuous"))
+    steppable = family_spec.named_list(family_spec.families_with("supports_continuous"))
     why = (
         "runs on the diffusers backend, whose denoising loop cannot be stepped row by row"
         if profile.backend != "native"

@@ -1,7 +1,7 @@
 """LimitsArgs: request size caps and security switches (the `Admission, limits and security` flags).
 
 The engine's admission limits of the same `--help` group (`--max-queue-size`, `--request-timeout-s`)
-are owned by `EngineConfig` (config/engine_limits.py), which the engine reads directly.
+are owned by `EngineConfig` (config/engine.py), which the engine reads directly.
 """
 
 from __future__ import annotations

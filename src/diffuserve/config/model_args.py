@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from diffuserve.config.argparse_dataclass import flag
 from diffuserve.errors import ConfigError
-from diffuserve.families import BACKENDS  # one list: the family registry owns the backends
+from diffuserve.family_spec import BACKENDS  # one list: the family registry owns the backends
 
 MODEL_GROUP = "Model"
 _ALL = ("serve", "generate", "plan")

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from diffuserve.errors import CheckpointError, ConfigError
-from diffuserve.families.base import ProfileFacts
-from diffuserve.families.checkpoint import CheckpointFacts, describe_checkpoint, read_checkpoint_configs
+from diffuserve.family_spec.base import ProfileFacts
+from diffuserve.family_spec.checkpoint import CheckpointFacts, describe_checkpoint, read_checkpoint_configs
 
 GROUPS = ("dit", "text_encoder", "image_encoder", "vae", "other")
 """Component groups, usable as `--component-residency` selectors (with `all`)."""
@@ -73,7 +73,7 @@ class ModelProfile(ProfileFacts):
     family spec; thresholds live there, not in the resolver) and its weight-holding components."""
 
     family: str = "generic"
-    """Family name (a spec name from `diffuserve.families`, or generic)."""
+    """Family name (a spec name from `diffuserve.family_spec`, or generic)."""
     kind: str = "image"
     """image | video. Video DiT residency under `auto` follows `dit_resident_threshold_gib` only if set."""
     components: dict[str, ComponentProfile] = field(default_factory=dict)
@@ -82,14 +82,14 @@ class ModelProfile(ProfileFacts):
     """Attention heads of the DiT (`transformer/config.json` `num_attention_heads`); sequence and tensor
     parallel degrees must divide it. None when the config does not say."""
     backend: str = "native"
-    """native | diffusers: the backend that will serve it (`families.backend_for` under `--backend`). The diffusers
+    """native | diffusers: the backend that will serve it (`family_spec.backend_for` under `--backend`). The diffusers
     backend's denoising loop cannot be split over ranks, so the plan refuses CFG parallel / SP / TP / FSDP for it."""
     cfg_batched: bool = False
     """The family spec's `cfg_batched` (CFG as one doubled batch: no CFG parallel)."""
     supports_continuous: bool = False
     """The family spec's `supports_continuous` on the native backend (`--batching-mode continuous` steps it)."""
     checkpoint: CheckpointFacts | None = None
-    """The checkpoint's facts from its configs (`families.checkpoint.describe_checkpoint`, as the native adapter
+    """The checkpoint's facts from its configs (`family_spec.checkpoint.describe_checkpoint`, as the native adapter
     derives them at load); None for a profile built without a folder."""
 
     def with_components(self, components: dict[str, ComponentProfile]) -> ModelProfile:
@@ -100,20 +100,20 @@ class ModelProfile(ProfileFacts):
 
 
 def family_profile(family: str, backend: str = "auto") -> ModelProfile:
-    """The family's plan facts (no components), from its spec in `diffuserve.families`, served by the backend
+    """The family's plan facts (no components), from its spec in `diffuserve.family_spec`, served by the backend
     `--backend` picks (`auto`: native when the family has an adapter).
 
     `generic`/`unknown` give the generic defaults. Names no spec knows fail with the closest known one.
     """
-    from diffuserve import families
+    from diffuserve import family_spec
 
-    known = sorted({*families.all_specs(), "generic", "unknown"})
+    known = sorted({*family_spec.all_specs(), "generic", "unknown"})
     if family not in known:
         close = difflib.get_close_matches(family, known, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"Unknown model family {family!r}; known: {', '.join(known)}.{hint}", param="family")
-    spec = families.spec_for(family)
-    served_by = families.backend_for(family, backend)
+    spec = family_spec.spec_for(family)
+    served_by = family_spec.backend_for(family, backend)
     return ModelProfile(
         family="generic" if family == "unknown" else family,
         kind=spec.output_kind,
@@ -134,7 +134,7 @@ def group_of(key: str) -> str:
     return "other"
 
 
-# --- layer structure: the one table is `diffuserve.families.layer_rules()` (shared encoder/VAE classes plus
+# --- layer structure: the one table is `diffuserve.family_spec.layer_rules()` (shared encoder/VAE classes plus
 # each family's own DiT classes). Classes not listed there declare no layers: layer-wise offload is refused.
 _Count = str | Callable[[dict[str, Any]], int] | None
 
@@ -265,9 +265,9 @@ def component_profile(
     paths: list[str] = []
     num_layers = 0
     layers_bytes = 0
-    from diffuserve import families
+    from diffuserve import family_spec
 
-    for path, count in families.layer_rules().get(class_name, ()):
+    for path, count in family_spec.layer_rules().get(class_name, ()):
         indices, size = _scan_layers(path, tensors)
         n = _config_count(cfg, count)
         n = len(indices) if n is None else n
@@ -298,7 +298,7 @@ def profile_from_checkpoint(
 ) -> ModelProfile:
     """The ModelProfile of a diffusers-format folder, from JSON and safetensors headers only.
 
-    `family` overrides detection; otherwise `families.family_for(_class_name, model_id)` decides (the one
+    `family` overrides detection; otherwise `family_spec.family_for(_class_name, model_id)` decides (the one
     precedence rule: a class some spec lists wins over the `--model-id` hint).
     `load_dtype` (float32 | bfloat16 | float16) counts floating-point weights at the dtype they are
     loaded in rather than stored in; None keeps the stored sizes. `backend` is `--backend` (auto | native |
@@ -307,14 +307,14 @@ def profile_from_checkpoint(
     model_path = Path(model_path)
     if load_dtype is not None and load_dtype not in LOAD_DTYPE_SIZES:
         raise ConfigError(f"--dtype {load_dtype!r} is not one of {', '.join(LOAD_DTYPE_SIZES)}.", param="dtype")
-    from diffuserve import families
-    from diffuserve.families.hunyuan3d import layout as hunyuan3d_layout
+    from diffuserve import family_spec
+    from diffuserve.family_spec import hunyuan3d_layout
 
     if not (model_path / "model_index.json").is_file() and hunyuan3d_layout.looks_like_hunyuan3d(model_path):
         return _hunyuan3d_profile(hunyuan3d_layout.find_subfolder(model_path, model_id))
     index = _read_json(model_path / "model_index.json")
 
-    family = family or families.family_for(str(index.get("_class_name", "")), model_id)
+    family = family or family_spec.family_for(str(index.get("_class_name", "")), model_id)
     components: dict[str, ComponentProfile] = {}
     for key, value in index.items():
         if key.startswith("_") or key.startswith(_NON_COMPONENT_PREFIXES):
@@ -329,13 +329,13 @@ def profile_from_checkpoint(
         components[key] = component_profile(key, str(value[1]), folder, load_dtype)
     heads = _dit_attention_heads(model_path)
     profile = family_profile(family, backend).with_components(components)
-    facts = describe_checkpoint(families.spec_for(family), read_checkpoint_configs(model_path))
+    facts = describe_checkpoint(family_spec.spec_for(family), read_checkpoint_configs(model_path))
     return dataclasses.replace(profile, dit_attention_heads=heads, checkpoint=facts)
 
 
 def _hunyuan3d_profile(folder: Path) -> ModelProfile:
     """Tencent's Hunyuan3D-2 layout: the three weight prefixes of model.fp16.safetensors as components."""
-    from diffuserve.families.hunyuan3d.layout import COMPONENTS, component_bytes
+    from diffuserve.family_spec.hunyuan3d_layout import COMPONENTS, component_bytes
 
     sizes = component_bytes(folder)
     components = {
@@ -343,14 +343,14 @@ def _hunyuan3d_profile(folder: Path) -> ModelProfile:
         for key, (group, cls) in COMPONENTS.items()
     }
     # The DiT's declared blocks (its layer rule), counted from the `model.` keys of the one weights file.
-    from diffuserve import families
+    from diffuserve import family_spec
 
     weights = folder / "model.fp16.safetensors"
     stored = read_safetensors_sizes(weights) if weights.is_file() else {}
     dit = {k.split(".", 1)[1]: n for k, n in stored.items() if k.startswith("model.")}
     paths: list[str] = []
     count, nbytes = 0, 0
-    for path, _ in families.layer_rules().get(COMPONENTS["model"][1], ()):
+    for path, _ in family_spec.layer_rules().get(COMPONENTS["model"][1], ()):
         indices, size = _scan_layers(path, dit)
         if indices:
             paths.append(path)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from diffuserve import families
+from diffuserve import family_spec
 from diffuserve.config.deployment_args import DeploymentArgs, flag_param, positive
 from diffuserve.config.model_profiles import ModelProfile
 from diffuserve.config.plan import DeploymentPlan, ResidencyMode
@@ -55,11 +55,11 @@ def _resolve_sequence_degrees(args: DeploymentArgs, trace: Any) -> tuple[int, in
 
 def diffusers_backend_refusal(family: str, flag: str) -> ConfigError:
     """The refusal of a parallel mode for a model the diffusers backend serves (`plan` and start-up alike)."""
-    native = families.families_with("has_native")
+    native = family_spec.families_with("has_native")
     instead = (
         "serve it natively (--backend auto or native)"
         if family in native
-        else f"serve a native family ({families.named_list(native)})"
+        else f"serve a native family ({family_spec.named_list(native)})"
     )
     return ConfigError(
         f"{flag}: the {family} model runs on the diffusers backend, whose denoising loop cannot be "
@@ -87,7 +87,7 @@ def _check_parallel_support(profile: ModelProfile, ulysses: int, ring: int, tp: 
             if on:
                 raise diffusers_backend_refusal(profile.family, flag)
     if ulysses * ring > 1 and not profile.sequence_parallel:
-        split = families.named_list(families.families_with("sequence_parallel"))
+        split = family_spec.named_list(family_spec.families_with("sequence_parallel"))
         raise ConfigError(
             f"{sp_flag}: the {profile.family} model has no sequence split in this release (sequence "
             f"parallel runs for the native {split} DiTs); use --enable-cfg-parallel, "
@@ -95,7 +95,7 @@ def _check_parallel_support(profile: ModelProfile, ulysses: int, ring: int, tp: 
             param=flag_param(sp_flag),
         )
     if tp > 1 and not profile.tensor_parallel:
-        plans = families.named_list(families.families_with("tensor_parallel"))
+        plans = family_spec.named_list(family_spec.families_with("tensor_parallel"))
         raise ConfigError(
             f"--tp-size: the {profile.family} model has no tensor-parallel plan in this release (tensor "
             f"parallel runs for the native {plans} DiTs); use --use-fsdp-inference to "

@@ -88,9 +88,9 @@ def resolve_quantization(args: QuantArgs, profile: ModelProfile, device_kind: st
     items = _items(args)
     for _, value in items:
         choose(FLAG, value, (*METHODS, NONE))
-    from diffuserve import families
+    from diffuserve import family_spec
 
-    family_keep = families.spec_for(profile.family).quant_keep if profile.family in families.all_specs() else ()
+    family_keep = family_spec.spec_for(profile.family).quant_keep if profile.family in family_spec.all_specs() else ()
     for comp, (method, source) in select_targets(FLAG, items, profile).items():
         group = profile.components[comp].group
         if method == NONE:

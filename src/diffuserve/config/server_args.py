@@ -7,7 +7,7 @@ commands that take it, its validation):
     HttpArgs        config/http_args.py      --host, --port, --log-level, request caps, results store
     StoreArgs       config/store_args.py     --results-db, --media-store, --s3-endpoint-url, --owner-timeout-s
     BatchingConfig  config/batching.py       --batching-mode/-max-size/-delay-ms/-config, --enable-batching-metrics
-    EngineConfig    config/engine_limits.py  --max-queue-size, --request-timeout-s, --enable-warmup, --warmup-steps
+    EngineConfig    config/engine.py  --max-queue-size, --request-timeout-s, --enable-warmup, --warmup-steps
     LimitsArgs      config/limits.py         --max-request-bytes, --api-key, prompt and upload caps
     LoraArgs        config/lora.py           --lora-modules, --max-loras, --max-lora-rank
     ControlNetArgs  config/controlnet.py     --controlnet, and generate's --control-image, --control-mode, ...
@@ -36,7 +36,7 @@ from diffuserve.config.batching import BATCHING_GROUP, BatchingConfig
 from diffuserve.config.controlnet import CONTROLNET_GROUP, ControlNetArgs
 from diffuserve.config.deployment_args import DeploymentArgs
 from diffuserve.config.distributed import DIST_GROUP, DistArgs
-from diffuserve.config.engine_limits import EngineConfig
+from diffuserve.config.engine import EngineConfig
 from diffuserve.config.http_args import SERVER_GROUP, HttpArgs
 from diffuserve.config.limits import LIMITS_GROUP, LimitsArgs
 from diffuserve.config.lora import LORA_GROUP, LoraArgs

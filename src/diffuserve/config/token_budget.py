@@ -1,7 +1,7 @@
 """The token budget of a batch (`--batching-max-tokens`): what one row costs, the default, and the start-up check.
 
 A row's cost is its latent tokens: `(width / token side) x (height / token side)`, times the latent frames of a
-video (the token side is the family's VAE factor x patch, `families.base.LatentGeometry.size_multiple`). A batch's
+video (the token side is the family's VAE factor x patch, `family_spec.base.LatentGeometry.size_multiple`). A batch's
 tokens are the sum over its rows; the schedulers fill a batch up to the budget and up to `--batching-max-size` rows
 (engine/scheduler.py rule 4, engine/step_scheduler.py rule 4).
 
@@ -59,7 +59,7 @@ class TokenBudget:
 
 
 def check_checkpoint_tokens(max_tokens: int | None, max_size: int, kind: str, checkpoint: Any) -> None:
-    """The start-up check (exit 2) from a checkpoint's facts (`families.checkpoint.CheckpointFacts`, read without
+    """The start-up check (exit 2) from a checkpoint's facts (`family_spec.checkpoint.CheckpointFacts`, read without
     weights): image families whose token side the configs give; video and meshes are checked once loaded."""
     if max_tokens is None or checkpoint is None or kind != "image" or not checkpoint.size_multiple:
         return

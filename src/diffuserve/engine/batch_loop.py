@@ -16,7 +16,7 @@ from collections.abc import Callable
 from diffuserve.config.batching import BatchingMode
 from diffuserve.engine.metrics import BatchingStats, EngineMetrics
 from diffuserve.engine.request import Request
-from diffuserve.engine.requests import GenerationResult, RequestBook
+from diffuserve.engine.request_book import GenerationResult, RequestBook
 from diffuserve.engine.scheduler import Dispatch, ScheduledBatch, WaitUntil
 from diffuserve.engine.scheduler_protocol import RequestScheduler
 from diffuserve.errors import GenerationError, RequestCancelledError, RequestTimeoutError

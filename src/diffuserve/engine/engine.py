@@ -1,6 +1,6 @@
 """AsyncEngine: the asyncio facade over the pure scheduler, the request book and one serving loop.
 
-The event loop admits requests (429 / 503 here) into the request book (`engine/requests.py`) and awaits one
+The event loop admits requests (429 / 503 here) into the request book (`engine/request_book.py`) and awaits one
 future per request; the worker thread loads the model through the `Executor` (executor/base.py), warms it up, then
 runs the ONE loop its batching mode picks: `BatchLoop` (`engine/batch_loop.py`: schedule -> execute one batch on a
 free replica -> answer) for singleton and dynamic batching, `StepLoop` (`engine/step_loop.py`: requests join and
@@ -22,11 +22,11 @@ from typing import Any
 
 from diffuserve.activation import ActivationFacts, check_fits, estimate_bytes
 from diffuserve.config.batching import BatchingMode
-from diffuserve.config.engine_limits import EngineConfig  # owned by config/; re-exported
+from diffuserve.config.engine import EngineConfig  # owned by config/; re-exported
 from diffuserve.engine.batch_loop import BatchLoop
 from diffuserve.engine.metrics import BatchingStats, EngineMetrics
 from diffuserve.engine.request import Request
-from diffuserve.engine.requests import GenerationResult, PendingRequest, RequestBook
+from diffuserve.engine.request_book import GenerationResult, PendingRequest, RequestBook
 from diffuserve.engine.scheduler_protocol import RequestScheduler
 from diffuserve.engine.status import EngineState, EngineStatus, engine_status, not_ready_error
 from diffuserve.engine.step_loop import StepLoop

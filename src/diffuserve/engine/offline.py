@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from diffuserve.engine.engine import AsyncEngine, EngineState
-from diffuserve.engine.requests import GenerationResult
+from diffuserve.engine.request_book import GenerationResult
 from diffuserve.errors import GenerationError, RequestCancelledError
 from diffuserve.sampling import ModelDescription, SamplingParams
 

@@ -13,11 +13,11 @@ import enum
 from dataclasses import dataclass
 
 from diffuserve.engine.metrics import EngineMetrics
-from diffuserve.engine.requests import RequestBook
+from diffuserve.engine.request_book import RequestBook
 from diffuserve.engine.scheduler_protocol import RequestScheduler
 from diffuserve.errors import ServiceUnavailableError
 from diffuserve.executor.base import ReplicaState
-from diffuserve.families.base import SamplingDefaults
+from diffuserve.family_spec.base import SamplingDefaults
 
 
 class EngineState(str, enum.Enum):

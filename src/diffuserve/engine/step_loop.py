@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffuserve.engine.metrics import ContinuousStats, EngineMetrics
-from diffuserve.engine.requests import GenerationResult, RequestBook
+from diffuserve.engine.request_book import GenerationResult, RequestBook
 from diffuserve.engine.scheduler import Dispatch, ScheduledBatch, WaitUntil, batch_facts
 from diffuserve.engine.step_scheduler import REMOVED_DEADLINE, GroupEntry, StepPlan, StepScheduler
 from diffuserve.errors import GenerationError, RequestTimeoutError

@@ -1,5 +1,5 @@
-"""Every model family the product knows, one folder each: `families/<family>/spec.py` (its `FamilySpec`, see
-`families/base.py` for the fields), `adapter.py` (its native pipeline, if any) and `tiny.py` (its `make-tiny`
+"""Every model family the product knows, one folder each: `family_spec/<family>.py` (its `FamilySpec`, see
+`family_spec/base.py` for the fields), `adapter.py` (its native pipeline, if any) and `tiny.py` (its `make-tiny`
 builders). This module is the registry over the specs; it imports no adapter and no torch.
 
 Precedence between a checkpoint and `--model-id`: the folder's model_index.json `_class_name` decides the
@@ -14,8 +14,8 @@ import importlib
 import re
 from functools import lru_cache
 
-from diffuserve.families.base import FamilySpec, LayerRules, ProfileFacts, SamplingDefaults
-from diffuserve.families.components import SHARED_LAYER_RULES
+from diffuserve.family_spec.base import FamilySpec, LayerRules, ProfileFacts, SamplingDefaults
+from diffuserve.family_spec.components import SHARED_LAYER_RULES
 
 __all__ = [
     "FamilySpec",
@@ -53,7 +53,7 @@ FAMILY_MODULES: tuple[str, ...] = (
     "image_others",
     "hunyuan3d",
 )
-"""Family folders under `diffuserve.families` whose `spec.py` defines `SPECS` (a tuple) or `SPEC`; one line each."""
+"""Family folders under `diffuserve.family_spec` whose `spec.py` defines `SPECS` (a tuple) or `SPEC`; one line each."""
 
 GENERIC = FamilySpec(name="generic")
 """Plan defaults for a checkpoint whose class no spec lists (it still runs through the diffusers backend)."""

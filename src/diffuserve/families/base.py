@@ -24,7 +24,7 @@ OutputKind = Literal["image", "video", "mesh"]
 CheckpointConfigs = Mapping[str, Mapping[str, Any]]
 """A checkpoint's configs, read without weights: model_index.json key -> that component's config.json
 (scheduler_config.json for a scheduler), plus "model_index" -> model_index.json itself. `diffuserve plan` reads
-them from the folder (`families.checkpoint.read_checkpoint_configs`); an adapter from its loaded modules."""
+them from the folder (`family_spec.checkpoint.read_checkpoint_configs`); an adapter from its loaded modules."""
 
 
 @dataclass(frozen=True)
@@ -122,10 +122,10 @@ class TextEncoderFacts:
 
 @dataclass(frozen=True)
 class FamilySpec:
-    """Every fact about one model family. One instance per family, in `families/<family>/spec.py`.
+    """Every fact about one model family. One instance per family, in `family_spec/<family>.py`.
 
     Static facts only, and checkpoint-dependent ones as small pure functions of the checkpoint's configs
-    (`latent_geometry`, `checkpoint_defaults`, `max_latent_side`): `families.checkpoint.describe_checkpoint` applies
+    (`latent_geometry`, `checkpoint_defaults`, `max_latent_side`): `family_spec.checkpoint.describe_checkpoint` applies
     them, for `diffuserve plan` (no weights) and for the loaded adapter alike."""
 
     name: str
@@ -148,7 +148,7 @@ class FamilySpec:
     """Deployment-plan facts."""
     layer_containers: LayerRules = field(default_factory=dict)
     """Layer table rows of this family's own model classes (its DiT); shared encoder and VAE classes are
-    in `families/components.py`."""
+    in `family_spec/components.py`."""
     size_multiple: int | None = None
     """Width and height must be multiples of this: the diffusers pipeline class's own input check, for a family
     whose figure is not a rule of its configs (LTX-2: 32 whatever its VAE). None: `latent_geometry` decides (native

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diffuserve.families.base import CheckpointConfigs, FamilySpec, LatentGeometry, SamplingDefaults
+from diffuserve.family_spec.base import CheckpointConfigs, FamilySpec, LatentGeometry, SamplingDefaults
 
 _CONFIG_FILES = ("config.json", "scheduler_config.json", "guider_config.json")
 """The config file of a component folder: a model's, a scheduler's or a guider's (HunyuanVideo 1.5's default guidance

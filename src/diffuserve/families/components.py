@@ -1,6 +1,6 @@
 """Layer table rows of the model classes many families share (text encoders, image encoders, VAEs).
 
-Each family's own classes (its DiT) are in its spec; `families.layer_rules()` is the union, the ONE table
+Each family's own classes (its DiT) are in its spec; `family_spec.layer_rules()` is the union, the ONE table
 that the model profiles (layer counts and bytes from safetensors headers) and the layer-wise runtime (which
 module lists stream) both read. Paths are suffixes where library versions nest the same encoder differently
 (transformers 5 flattens CLIP's `text_model`): `resolve_layer_containers` finds the full path in the module.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from diffuserve.families.base import LayerRules
+from diffuserve.family_spec.base import LayerRules
 
 
 def num_vae_levels(cfg: dict[str, Any]) -> int:

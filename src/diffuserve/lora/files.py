@@ -22,7 +22,7 @@ from diffuserve.errors import ConfigError
 
 def lora_families() -> list[str]:
     """The families whose native adapter takes per-request LoRA (their spec names a diffusers loader)."""
-    from diffuserve.families import all_specs
+    from diffuserve.family_spec import all_specs
 
     return sorted(name for name, spec in all_specs().items() if spec.lora_loader)
 
@@ -30,7 +30,7 @@ def lora_families() -> list[str]:
 def lora_loader(family: str) -> str:
     """The diffusers `*LoraLoaderMixin` that reads `family`'s adapter files (its spec's `lora_loader`); refused
     (ConfigError) naming the family when it has none."""
-    from diffuserve.families import spec_for
+    from diffuserve.family_spec import spec_for
 
     try:
         loader = spec_for(family).lora_loader

@@ -42,7 +42,7 @@ def write_random_lora(
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
-    from diffuserve.families import all_specs, family_from_class
+    from diffuserve.family_spec import all_specs, family_from_class
 
     index = json.loads((Path(checkpoint) / "model_index.json").read_text())
     family = family_from_class(str(index.get("_class_name")))

@@ -26,19 +26,19 @@ def controlnet_class(entry: ControlNetEntry) -> str:
 
 def family_of_class(class_name: str) -> str | None:
     """The family whose spec lists this ControlNet class; None when none does."""
-    from diffuserve import families
+    from diffuserve import family_spec
 
-    return next((s.name for s in families.all_specs().values() if class_name in s.controlnet_classes), None)
+    return next((s.name for s in family_spec.all_specs().values() if class_name in s.controlnet_classes), None)
 
 
 def check_families(entries: list[ControlNetEntry], base_family: str) -> list[str]:
     """Each entry's class, after checking it is a ControlNet of `base_family`; ConfigError (exit 2) otherwise."""
-    from diffuserve import families
+    from diffuserve import family_spec
 
-    spec = families.spec_for(base_family) if base_family in families.all_specs() else None
+    spec = family_spec.spec_for(base_family) if base_family in family_spec.all_specs() else None
     # A variant (qwen_image_edit) shares nothing here: the base family's own list decides.
     takes = spec.controlnet_classes if spec is not None else ()
-    takers = sorted(s.name for s in families.all_specs().values() if s.controlnet_classes)
+    takers = sorted(s.name for s in family_spec.all_specs().values() if s.controlnet_classes)
     classes = []
     for entry in entries:
         cls = controlnet_class(entry)

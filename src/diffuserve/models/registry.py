@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diffuserve import families
+from diffuserve import family_spec
 from diffuserve.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = families.BACKENDS
+BACKENDS = family_spec.BACKENDS
 
 DEFAULTS_KEY = "_diffuserve_defaults"
 """model_index.json key where a checkpoint may suggest request defaults (width, height, num_frames,
@@ -38,7 +38,7 @@ _DEFAULT_FIELDS = {
 
 def native_families() -> dict[str, str]:
     """family -> "module:Class" of its native adapter, from the family specs."""
-    return {name: spec.native_adapter for name, spec in families.all_specs().items() if spec.native_adapter}
+    return {name: spec.native_adapter for name, spec in family_spec.all_specs().items() if spec.native_adapter}
 
 
 @dataclass(frozen=True)
@@ -59,12 +59,12 @@ class ModelSpec:
     @property
     def output_kind(self) -> str:
         """image | video | mesh: what the family makes (images for a checkpoint no spec knows)."""
-        known = families.all_specs().get(self.family)
+        known = family_spec.all_specs().get(self.family)
         return known.output_kind if known is not None else "image"
 
 
-family_from_class = families.family_from_class
-family_from_model_id = families.family_from_model_id
+family_from_class = family_spec.family_from_class
+family_from_model_id = family_spec.family_from_model_id
 
 
 def read_model_index(model_path: Path) -> dict:
@@ -107,19 +107,19 @@ def index_components(index: dict) -> dict[str, tuple[str, str]]:
     return out
 
 
-select_backend = families.backend_for
+select_backend = family_spec.backend_for
 """native | diffusers for `family` under `--backend auto|native|diffusers` (the rule is the families')."""
 
 
 def resolve(model_path: Path, *, model_id: str | None = None, backend: str = "auto") -> ModelSpec:
     """Read the folder's model_index.json and decide family and backend.
 
-    The family follows `families.family_for`: the class name wins over the model-id hint, because the
+    The family follows `family_spec.family_for`: the class name wins over the model-id hint, because the
     folder is what will actually be loaded; the hint only names a family when the class is not one we know.
     """
     model_path = Path(model_path)
     if not (model_path / "model_index.json").is_file():
-        from diffuserve.families.hunyuan3d.layout import looks_like_hunyuan3d
+        from diffuserve.family_spec.hunyuan3d_layout import looks_like_hunyuan3d
 
         if looks_like_hunyuan3d(model_path):  # Tencent's own layout: no diffusers pipeline, a native family only
             return ModelSpec(
@@ -130,7 +130,7 @@ def resolve(model_path: Path, *, model_id: str | None = None, backend: str = "au
             )
     index = read_model_index(model_path)
     class_name = index["_class_name"]
-    family = families.family_for(class_name, model_id)
+    family = family_spec.family_for(class_name, model_id)
     return ModelSpec(
         family=family,
         pipeline_class=class_name,

@@ -174,9 +174,9 @@ def write_defaults(output_dir: Path, defaults: dict[str, Any]) -> None:
 
 def tiny_families() -> list[str]:
     """Every `make-tiny --family` name, from the family specs."""
-    from diffuserve import families
+    from diffuserve import family_spec
 
-    return sorted(families.tiny_builds())
+    return sorted(family_spec.tiny_builds())
 
 
 def build_tiny_checkpoint(family: str, output_dir: Path, *, preset: str = "tiny") -> Path:
@@ -189,9 +189,9 @@ def build_tiny_checkpoint(family: str, output_dir: Path, *, preset: str = "tiny"
     import importlib
     import inspect
 
-    from diffuserve import families
+    from diffuserve import family_spec
 
-    builds = families.tiny_builds()
+    builds = family_spec.tiny_builds()
     if family not in builds:
         raise ConfigError(
             f"--family {family!r} cannot be built as a tiny checkpoint; choose one of {sorted(builds)}.",

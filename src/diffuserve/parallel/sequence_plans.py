@@ -118,8 +118,8 @@ def degree_flag(ulysses_degree: int, ring_degree: int) -> str:
 
 def check_sequence_parallel(pipeline: Any, *, ulysses_degree: int, ring_degree: int) -> None:
     """Refuse (ConfigError naming the flag) a pipeline or degree the sequence split cannot run."""
-    from diffuserve.families import families_with, named_list, spec_for
-    from diffuserve.pipelines.stages import RecipePipeline
+    from diffuserve.family_spec import families_with, named_list, spec_for
+    from diffuserve.pipelines.recipe import RecipePipeline
 
     if ulysses_degree < 1 or ring_degree < 1:
         raise ConfigError(

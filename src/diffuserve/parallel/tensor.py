@@ -73,7 +73,7 @@ _FLAG = "--tp-size"
 
 def _tp_families() -> str:
     """The families with a tensor-parallel plan, from their specs (for the refusals below)."""
-    from diffuserve.families import families_with, named_list
+    from diffuserve.family_spec import families_with, named_list
 
     return named_list(families_with("tensor_parallel"))
 
@@ -222,7 +222,7 @@ def check_tensor_parallel(pipeline: Any, degree: int) -> dict[str, dict[str, Any
     """The TP plan of each denoiser of `pipeline` under `degree` ranks, or ConfigError(param="tp_size") naming
     what cannot run: not a native pipeline, a family or DiT without a plan, heads or hidden sizes that
     `degree` does not divide, a DiT already sharded or offloaded. Touches no weight."""
-    from diffuserve.families import spec_for
+    from diffuserve.family_spec import spec_for
 
     family = getattr(pipeline, "family", "unknown")
     keys = [k for k in getattr(pipeline, "denoisers", ()) if k in getattr(pipeline, "components", {})]

@@ -11,14 +11,14 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from diffuserve.families.base import FamilySpec, SamplingDefaults
+from diffuserve.family_spec.base import FamilySpec, SamplingDefaults
 
 if TYPE_CHECKING:
     import torch
     from PIL import Image
 
     from diffuserve.activation import ActivationFacts
-    from diffuserve.families.checkpoint import CheckpointFacts
+    from diffuserve.family_spec.checkpoint import CheckpointFacts
     from diffuserve.families.request_rules import RequestRules
     from diffuserve.families.text_tokens import EncoderLimit
     from diffuserve.pipelines.overlap import Overlap
@@ -34,7 +34,7 @@ def declared_sequence_length(tokenizer: Any, default: int) -> int:
 
 
 def component_configs(components: Mapping[str, Any], model_index: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The `families.base.CheckpointConfigs` of loaded components: each one's config (diffusers' FrozenDict, or
+    """The `family_spec.base.CheckpointConfigs` of loaded components: each one's config (diffusers' FrozenDict, or
     transformers' config as a dict), plus the checkpoint's model_index.json when given."""
     configs: dict[str, Any] = {}
     for key, value in components.items():
@@ -197,12 +197,12 @@ class Pipeline:
     """The built `PromptTokens` (None until `prompt_tokens()` first runs)."""
 
     facts: CheckpointFacts | None = None
-    """A native adapter's checkpoint facts (`families.checkpoint.describe_checkpoint`), set by `bind_facts`."""
+    """A native adapter's checkpoint facts (`family_spec.checkpoint.describe_checkpoint`), set by `bind_facts`."""
 
     @property
     def spec(self) -> FamilySpec:
         """This pipeline's family spec (the generic one for a family no spec lists)."""
-        from diffuserve.families import spec_for
+        from diffuserve.family_spec import spec_for
 
         try:
             return spec_for(self.family)
@@ -213,7 +213,7 @@ class Pipeline:
         """Describe this checkpoint from its configs under the family spec, and take the spec's facts as this
         pipeline's settings: the ONE place an adapter learns them (output kind, batching, image inputs, size multiple
         and limit, defaults, continuous, CFG as one doubled batch, text encoders)."""
-        from diffuserve.families.checkpoint import describe_checkpoint
+        from diffuserve.family_spec.checkpoint import describe_checkpoint
 
         spec = self.spec
         self.output_kind = spec.output_kind
@@ -326,7 +326,7 @@ class Pipeline:
 
     def step_cache_problem(self, method: str) -> str | None:
         """Why this pipeline cannot run step-cache `method` (None: it can). Native families answer from their
-        denoiser's blocks (`stages.RecipePipeline`); other pipelines run no step cache."""
+        denoiser's blocks (`recipe.RecipePipeline`); other pipelines run no step cache."""
         return "only native families run step caches (this pipeline runs through the diffusers backend)"
 
     def run(
@@ -426,7 +426,7 @@ class Pipeline:
         """What each text encoder takes, from the family spec's `text_encoders` and this checkpoint's tokenizers
         (each capped by what its tokenizer declares and by `text_token_cap`). These are the pipeline's own
         tokenizer objects: count only through `prompt_tokens()`, which copies them."""
-        from diffuserve.families import spec_for
+        from diffuserve.family_spec import spec_for
         from diffuserve.pipelines.prompt_limits import TextEncoderLimit, declared_limit, inner_tokenizer
 
         try:

@@ -1,4 +1,4 @@
-"""The pieces of a batch the recipe (`pipelines/stages.py`) and the continuous steps (`step_batch.py`) share, pure
+"""The pieces of a batch the recipe (`pipelines/recipe.py`) and the continuous steps (`step_batch.py`) share, pure
 functions and small types: per-row seeds and noise, splitting rows back per request, the CFG combine, private
 scheduler copies, stage timing, conditioning rows (gather, pad, stack) and the state `prepare` hands the loop.
 

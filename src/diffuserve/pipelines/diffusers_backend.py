@@ -36,9 +36,9 @@ import torch
 from PIL import Image
 
 from diffuserve.errors import CheckpointError, ConfigError, RequestCancelledError
-from diffuserve.families.base import SamplingDefaults
-from diffuserve.families.checkpoint import describe_checkpoint
-from diffuserve.pipelines import stages
+from diffuserve.family_spec.base import SamplingDefaults
+from diffuserve.family_spec.checkpoint import describe_checkpoint
+from diffuserve.pipelines import recipe
 from diffuserve.pipelines.backend_outputs import to_pil, video_outputs
 from diffuserve.pipelines.base import (
     BatchResult,
@@ -235,7 +235,7 @@ class DiffusersBackendPipeline(Pipeline):
         calls on one pipeline never overlap)."""
         scheduler, ratio = getattr(self.pipe, "scheduler", None), getattr(self.pipe.config, "boundary_ratio", None)
         if head.flow_shift is not None:
-            self.pipe.scheduler = stages.scheduler_template(scheduler, head.flow_shift)
+            self.pipe.scheduler = recipe.scheduler_template(scheduler, head.flow_shift)
         if head.boundary_ratio is not None:
             self.pipe.register_to_config(boundary_ratio=head.boundary_ratio)
         try:
@@ -265,7 +265,7 @@ class DiffusersBackendPipeline(Pipeline):
             "guidance_scale": head.guidance_scale,
             "height": head.height,
             "width": head.width,
-            "generator": stages.row_generators(batch),
+            "generator": recipe.row_generators(batch),
         }
         # Negative prompts go in whenever a row has one: pipelines with classic CFG (SD3, Wan) use
         # them under guidance_scale, FLUX only under true_cfg_scale > 1 (part of the signature).
@@ -296,7 +296,7 @@ class DiffusersBackendPipeline(Pipeline):
                 layers=head.n,
                 num_images_per_prompt=1,
                 image=Image.open(io.BytesIO(head.image_inputs[0])).convert("RGBA"),
-                generator=stages.row_generators(batch)[:1],
+                generator=recipe.row_generators(batch)[:1],
             )
             if head.resolution is not None:
                 wanted["resolution"] = head.resolution
@@ -316,7 +316,7 @@ class DiffusersBackendPipeline(Pipeline):
         pipeline's `layers` (= n) and `resolution` bucket."""
         fields = {name for name in ("true_cfg_scale",) if name in self._call_params}
         scheduler = getattr(self.pipe, "scheduler", None)
-        if scheduler is not None and hasattr(scheduler, "config") and stages.has_flow_shift(scheduler):
+        if scheduler is not None and hasattr(scheduler, "config") and recipe.has_flow_shift(scheduler):
             fields.add("flow_shift")
         if "guidance_scale_2" in self._call_params and getattr(self.pipe.config, "boundary_ratio", None) is not None:
             fields.update({"guidance_scale_2", "boundary_ratio"})
@@ -376,7 +376,7 @@ class DiffusersBackendPipeline(Pipeline):
         """One diffusers call per adapter set (and, for a pipeline that takes `frame_rate`, per fps): requests of a
         batch with different adapters or rates (merged by the scheduler, which treats `lora` and `fps` as per-row
         fields) run as consecutive calls, one set each, in order."""
-        stages.check_batch(batch)
+        recipe.check_batch(batch)
         named = next((p.lora for p in batch if p.lora), None)
         if named and not self.lora_names:
             raise ValueError(f"lora: {named[0][0]!r} is asked for but this pipeline has no adapters loaded")
@@ -433,7 +433,7 @@ class DiffusersBackendPipeline(Pipeline):
             items = result[0] if items is None else items
             # A layered pipeline returns one list of layers per call (one request): those are its n images.
             images = [to_pil(im) for im in (items[0] if self.layered else items)]
-            outputs = [RequestOutput(images=rows) for rows in stages.split_rows(images, batch)]
+            outputs = [RequestOutput(images=rows) for rows in recipe.split_rows(images, batch)]
         return BatchResult(outputs=outputs, stage_seconds={"total": elapsed})
 
     def _run_ar_prior(self, batch: list[Any], callback: Any, start: float) -> BatchResult:
@@ -448,7 +448,7 @@ class DiffusersBackendPipeline(Pipeline):
             prior = glm_image_ar.prior_tokens(
                 self.pipe,
                 [p.prompt for p in batch],
-                [stages.row_seeds(p)[0] for p in batch],
+                [recipe.row_seeds(p)[0] for p in batch],
                 height=head.height,
                 width=head.width,
                 device=self.device,

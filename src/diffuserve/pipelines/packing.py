@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from diffuserve.sampling import SamplingParams
 
 RecipePipeline = Any
-"""A `stages.RecipePipeline` (named, not imported: the recipe imports this module)."""
+"""A `recipe.RecipePipeline` (named, not imported: the recipe imports this module)."""
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """How many tokens a prompt takes in each text encoder, so a too-long prompt is reported, not silently cut,
 and the `usage` text tokens of a response.
 
-Family-agnostic: a family spec lists its text encoders (`families.base.TextEncoderFacts`); a loaded pipeline
+Family-agnostic: a family spec lists its text encoders (`family_spec.base.TextEncoderFacts`); a loaded pipeline
 turns them into `TextEncoderLimit`s (its tokenizer + the most tokens the encoder is given, special tokens
 included) from `prompt_token_limits()`, and describes them to the front end as plain data (`table`: each
 encoder's tokenizer folder and its limit net of the pipeline's framing, `families/text_tokens.EncoderLimit`). The
@@ -141,7 +141,7 @@ class PromptTokens:
     It tokenizes only on its own deep copies of the encoders' tokenizers, made once here: a fast (Rust)
     tokenizer keeps its padding / truncation settings on the object for the length of a call, so counting on the
     pipeline's own tokenizer while the encode lane tokenizes a batch changed what the encode got (an unpadded
-    27-token T5 row in a batch of 64-token rows, failing `stages.concat_cond`). Counts run one at a time (the
+    27-token T5 row in a batch of 64-token rows, failing `recipe.concat_cond`). Counts run one at a time (the
     copies are not shared between threads) and belong off the event loop: the routes run `count` in a thread.
     """
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from diffuserve.pipelines.base import BatchResult, Capabilities, ComponentUser, Pipeline
 
 if TYPE_CHECKING:
-    from diffuserve.families.base import SamplingDefaults
+    from diffuserve.family_spec.base import SamplingDefaults
     from diffuserve.pipelines.overlap import Overlap
     from diffuserve.sampling import ModelDescription, SamplingParams
 

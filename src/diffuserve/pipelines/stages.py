@@ -8,7 +8,7 @@ residency scopes per stage and per denoiser, the CFG choice (two passes or one d
 between steps, progress and previews, and splitting the rows back per request.
 
 The batch pieces it shares with the continuous steps (seeds, noise, rows, conditioning) are in
-`pipelines/batch_rows.py` (re-exported here, so an adapter reads `stages.row_generators`, `stages.Cond`, ...).
+`pipelines/batch_rows.py` (re-exported here, so an adapter reads `recipe.row_generators`, `recipe.Cond`, ...).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from diffuserve.pipelines.base import (
     StepCallback,
     StopCheck,
 )
-from diffuserve.pipelines.batch_rows import (  # noqa: F401 - re-exported: adapters call them as `stages.X`
+from diffuserve.pipelines.batch_rows import (  # noqa: F401 - re-exported: adapters call them as `recipe.X`
     MAX_SEED,
     Cond,
     Denoised,
@@ -305,8 +305,8 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
 
     def step_cache_containers(self, model_key: str) -> tuple[str, ...]:
         """Attribute names of denoiser `model_key`'s repeated blocks: its class' layer containers in the family
-        spec's layer table (`families/*.py`)."""
-        from diffuserve.families import layer_rules
+        spec's layer table (`family_spec/*.py`)."""
+        from diffuserve.family_spec import layer_rules
         from diffuserve.pipelines.step_cache import model_class
 
         denoiser = getattr(self, model_key, None)

@@ -1,4 +1,4 @@
-"""The shared recipe (`stages.RecipePipeline`) cut into resumable pieces, for step-level (continuous) batching.
+"""The shared recipe (`recipe.RecipePipeline`) cut into resumable pieces, for step-level (continuous) batching.
 
 `RecipePipeline.run` is encode -> prepare -> denoise loop -> decode for one fixed batch. Here the same family
 parts run per request instead, so requests can enter and leave a running denoise group at step boundaries:
@@ -13,7 +13,7 @@ parts run per request instead, so requests can enter and leave a running denoise
   finishing at one step share a decoder call; the engine
   runs them, and `start_request`, in the side lanes of `pipelines/overlap.py`, beside the loop).
 
-Seeds and noise are those of `run` for a batch of one (`stages.batch_noise`), and each request's scheduler is a
+Seeds and noise are those of `run` for a batch of one (`recipe.batch_noise`), and each request's scheduler is a
 `fresh_scheduler` copy, so a request's rows equal its singleton run up to the float reordering of batched kernels.
 Only families that declare `supports_continuous` (see `Pipeline.supports_continuous`) may be stepped this way:
 their per-batch `extras` must be equal across requests of one group key (`engine/step_scheduler.py`), and their
@@ -32,7 +32,7 @@ import torch
 
 from diffuserve.pipelines import packing
 from diffuserve.pipelines.base import RequestOutput
-from diffuserve.pipelines.stages import Cond, DenoiseState, RecipePipeline, concat_cond, gather_rows
+from diffuserve.pipelines.recipe import Cond, DenoiseState, RecipePipeline, concat_cond, gather_rows
 from diffuserve.pipelines.step_cache import RowCache, new_row_caches, step_counts
 
 

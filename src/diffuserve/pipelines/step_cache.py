@@ -10,7 +10,7 @@ or tensor parallel, FSDP) the ranks agree on each measure before deciding (`rank
 bookkeeping are not traced (`_eager`), only the blocks they call: rows switching between compute and reuse
 recompile nothing.
 
-How the denoiser is cut: the family spec's layer containers (the repeated blocks, `families/*.py`) get named
+How the denoiser is cut: the family spec's layer containers (the repeated blocks, `family_spec/*.py`) get named
 diffusers `ModelHook`s (`HookRegistry`, as diffusers' own FirstBlockCache / TaylorSeer hooks). The first
 block's hook decides and narrows the call to the computing rows; the later blocks run on those rows only (their
 per-row arguments are indexed); the last block's hook rebuilds every row: `base + residual`, the residual being

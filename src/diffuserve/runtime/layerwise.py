@@ -54,12 +54,12 @@ def _find_container(module: torch.nn.Module, path: str) -> str | None:
 
 def default_layer_specs(component_key: str, module: torch.nn.Module) -> list[str] | None:
     """The module lists of `module` that layer-wise offload can stream, from the one layer table
-    (`diffuserve.families.layer_rules()`, keyed by the module's class), or None when its class declares no
+    (`diffuserve.family_spec.layer_rules()`, keyed by the module's class), or None when its class declares no
     layers. `component_key` (the model_index.json key) is part of the signature for error messages."""
-    from diffuserve import families
+    from diffuserve import family_spec
 
     specs = []
-    for path, _count in families.layer_rules().get(type(module).__name__, ()):
+    for path, _count in family_spec.layer_rules().get(type(module).__name__, ()):
         full = _find_container(module, path)
         sub = _get(module, full) if full is not None else None
         if isinstance(sub, (torch.nn.ModuleList, torch.nn.Sequential)) and len(sub):

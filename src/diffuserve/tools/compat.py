@@ -152,11 +152,11 @@ def _layered_components(model_path: Path) -> list[str]:
 
 def check_build(build: str, work_dir: Path, *, quick: bool = False) -> CompatRow:
     """Build one tiny checkpoint and fill its grid row (`quick`: the QUICK_COLUMNS only)."""
-    from diffuserve import families
+    from diffuserve import family_spec
     from diffuserve.models.registry import read_model_index
     from diffuserve.models.tiny import build_tiny_checkpoint
 
-    spec = families.spec_for(families.family_of_tiny(build))
+    spec = family_spec.spec_for(family_spec.family_of_tiny(build))
     path = build_tiny_checkpoint(build, work_dir / build)
     if spec.output_kind == "mesh":
         return _check_mesh_build(build, spec, path, quick=quick)
@@ -300,11 +300,11 @@ def _check_mesh_build(build: str, spec: Any, path: Path, *, quick: bool) -> Comp
 
 def image_builds() -> list[str]:
     """Every `make-tiny` name of an image (or image-to-mesh) family, in the order the family modules list them."""
-    from diffuserve import families
+    from diffuserve import family_spec
 
     return [
         name
-        for spec in families.all_specs().values()
+        for spec in family_spec.all_specs().values()
         if spec.output_kind in ("image", "mesh")
         for name in spec.tiny_builds
     ]

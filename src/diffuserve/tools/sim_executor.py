@@ -31,7 +31,7 @@ from diffuserve.executor.base import InProcessExecutor, ReplicaState, ServingPip
 from diffuserve.executor.batch_runner import BatchEvents, BatchOutcome
 from diffuserve.executor.messages import BatchMessage
 from diffuserve.pipelines.base import BatchResult, Pipeline, RequestOutput
-from diffuserve.pipelines.stages import DenoiseState
+from diffuserve.pipelines.recipe import DenoiseState
 from diffuserve.pipelines.step_batch import RequestRows
 from diffuserve.sampling import SamplingParams
 

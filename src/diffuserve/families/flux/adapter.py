@@ -1,4 +1,4 @@
-"""Native FLUX.1 pipeline: diffusers' model classes and scheduler on the shared recipe (`stages.RecipePipeline`).
+"""Native FLUX.1 pipeline: diffusers' model classes and scheduler on the shared recipe (`recipe.RecipePipeline`).
 
 The family parts follow `diffusers.FluxPipeline` step for step (so outputs match it) for a batch of
 requests: per-row prompts, per-request seeds and `n`, one shared signature (size, steps, guidance).
@@ -22,10 +22,10 @@ from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
 from diffuserve.families.flux import controlnet as flux_controlnet
-from diffuserve.pipelines import inpaint, packing, stages, token_ids
+from diffuserve.pipelines import inpaint, packing, recipe, token_ids
 from diffuserve.pipelines.base import component_configs, declared_sequence_length
 from diffuserve.pipelines.controlnet import EXTRAS_KEY, merge_rows
-from diffuserve.pipelines.stages import Cond, DenoiseState
+from diffuserve.pipelines.recipe import Cond, DenoiseState
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +39,9 @@ def _make_room(cache: dict) -> None:
         cache.clear()
 
 
-class FluxNativePipeline(stages.RecipePipeline):
+class FluxNativePipeline(recipe.RecipePipeline):
     """FLUX.1 text-to-image (dev and schnell style) as a batched stage pipeline. Its static facts (size multiple,
-    dev/schnell defaults, continuous, text encoders) are the family spec's (`families/flux/spec.py`, `bind_facts`)."""
+    dev/schnell defaults, continuous, text encoders) are the family spec's (`family_spec/flux.py`, `bind_facts`)."""
 
     family = "flux"
     supports_controlnet = True
@@ -156,7 +156,7 @@ class FluxNativePipeline(stages.RecipePipeline):
         """Packed initial noise, one row per output, each drawn from its request's row generator."""
         lh, lw = self._latent_hw(height, width)
         channels = self.transformer.config.in_channels // 4
-        noise = stages.batch_noise(batch, (channels, lh, lw), device=self.device, dtype=self.dtype)
+        noise = recipe.batch_noise(batch, (channels, lh, lw), device=self.device, dtype=self.dtype)
         return FluxPipeline._pack_latents(noise, noise.shape[0], channels, lh, lw)
 
     def prepare_image_latents(
@@ -173,7 +173,7 @@ class FluxNativePipeline(stages.RecipePipeline):
         channels = self.transformer.config.in_channels // 4
         rows, clean, noises, sources = [], [], [], []
         for params in batch:
-            generators = [torch.Generator("cpu").manual_seed(s) for s in stages.row_seeds(params)]
+            generators = [torch.Generator("cpu").manual_seed(s) for s in recipe.row_seeds(params)]
             source = self.edit_source(params, height, width)
             encoded = self.vae.encode(source.pixels.to(self.device, self.vae.dtype))
             image_latents = retrieve_latents(encoded, generator=generators[0])
@@ -224,7 +224,7 @@ class FluxNativePipeline(stages.RecipePipeline):
     def request_fields(self) -> frozenset[str]:
         control = ("control_image",) if self.controlnets else ()
         return frozenset(
-            {"true_cfg_scale", *control, *(("flow_shift",) if stages.has_flow_shift(self.scheduler) else ())}
+            {"true_cfg_scale", *control, *(("flow_shift",) if recipe.has_flow_shift(self.scheduler) else ())}
         )
 
     def _image_ids_for(self, height: int, width: int) -> torch.Tensor:
@@ -247,16 +247,16 @@ class FluxNativePipeline(stages.RecipePipeline):
         """A private scheduler with its timesteps set for this shape and shift (the set-up is cached per key)."""
 
         def build() -> tuple[Any, torch.Tensor]:
-            template = stages.scheduler_template(self.scheduler, flow_shift)
+            template = recipe.scheduler_template(self.scheduler, flow_shift)
             sigmas = (
                 None
                 if getattr(template.config, "use_flow_sigmas", False)
                 else np.linspace(1.0, 1 / num_steps, num_steps)
             )
-            mu = stages.dynamic_shift_mu(template.config, image_seq_len)
+            mu = recipe.dynamic_shift_mu(template.config, image_seq_len)
             return template, retrieve_timesteps(template, num_steps, self.device, sigmas=sigmas, mu=mu)[0]
 
-        return stages.cached_schedule(self._schedulers, (num_steps, image_seq_len, flow_shift), build)
+        return recipe.cached_schedule(self._schedulers, (num_steps, image_seq_len, flow_shift), build)
 
     # -- 4. decode --------------------------------------------------------------------------------------
 
@@ -266,7 +266,7 @@ class FluxNativePipeline(stages.RecipePipeline):
         latents = FluxPipeline._unpack_latents(latents, height, width, self.vae_scale_factor)
         latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
         image = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
-        return inpaint.apply_overlays(stages.to_pil_images(image), state, self.image_processor)
+        return inpaint.apply_overlays(recipe.to_pil_images(image), state, self.image_processor)
 
     def scheduler_step(
         self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState
@@ -414,7 +414,7 @@ class FluxFillNativePipeline(FluxNativePipeline):
         channels, f = self.vae.config.latent_channels, self.vae_scale_factor
         rows, conditions = [], []
         for params in batch:
-            generators = [torch.Generator("cpu").manual_seed(s) for s in stages.row_seeds(params)]
+            generators = [torch.Generator("cpu").manual_seed(s) for s in recipe.row_seeds(params)]
             source = self.edit_source(params, height, width)
             mask = source.mask if source.mask is not None else torch.ones_like(source.pixels[:, :1])
             image_latents = self._encode(source.pixels, generators[0]).expand(params.n, -1, -1, -1)

@@ -3,7 +3,7 @@
 import dataclasses
 from typing import Any
 
-from diffuserve.families.base import (
+from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
     LatentGeometry,
@@ -11,8 +11,8 @@ from diffuserve.families.base import (
     SamplingDefaults,
     TextEncoderFacts,
 )
-from diffuserve.families.checkpoint import square_default
-from diffuserve.families.components import autoencoder_kl_factor
+from diffuserve.family_spec.checkpoint import square_default
+from diffuserve.family_spec.components import autoencoder_kl_factor
 from diffuserve.families.request_rules import RequestRules, TokenCount, check_control, check_strength, no_crop
 
 # CLIP's 77 tokens (pooled), then T5: diffusers' max_sequence_length 512 (capped by what tokenizer_2 declares).

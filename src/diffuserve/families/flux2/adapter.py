@@ -51,9 +51,9 @@ from PIL import Image
 from diffuserve.errors import CheckpointError
 from diffuserve.families.flux2 import inpaint as flux2_inpaint
 from diffuserve.families.flux2.ops import Flux2Packing
-from diffuserve.pipelines import inpaint, stages
+from diffuserve.pipelines import inpaint, recipe
 from diffuserve.pipelines.base import component_configs
-from diffuserve.pipelines.stages import Cond, DenoiseState
+from diffuserve.pipelines.recipe import Cond, DenoiseState
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def _text_config(text_encoder: Any) -> Any:
     return getattr(config, "text_config", None) or config
 
 
-class Flux2NativePipeline(Flux2Packing, stages.RecipePipeline):
+class Flux2NativePipeline(Flux2Packing, recipe.RecipePipeline):
     """FLUX.2-dev: Mistral3 text encoder, embedded guidance (`guidance_scale`), no CFG; reference images."""
 
     family = "flux2"
@@ -139,7 +139,7 @@ class Flux2NativePipeline(Flux2Packing, stages.RecipePipeline):
         """The checkpoint's model_index.json (pipeline-level config such as Klein's `is_distilled`)."""
         self.components = {"text_encoder": text_encoder, "transformer": transformer, "vae": vae}
         # The spec's facts: 2x2-patchified latents (size multiple), no positional table (RoPE from position ids),
-        # the variant's defaults (Klein-Base vs distilled Klein: `families/flux2/spec.py`).
+        # the variant's defaults (Klein-Base vs distilled Klein: `family_spec/flux2.py`).
         facts = self.bind_facts(component_configs(self.components, self.model_index))
         self.vae_scale_factor = facts.vae_factor
         self.image_processor = Flux2ImageProcessor(vae_scale_factor=self.size_multiple)
@@ -247,7 +247,7 @@ class Flux2NativePipeline(Flux2Packing, stages.RecipePipeline):
         return self._text_ids[seq_len]
 
     def request_fields(self) -> frozenset[str]:
-        return frozenset({"flow_shift"}) if stages.has_flow_shift(self.scheduler) else frozenset()
+        return frozenset({"flow_shift"}) if recipe.has_flow_shift(self.scheduler) else frozenset()
 
     def _schedule(
         self, num_steps: int, image_seq_len: int, flow_shift: float | None = None
@@ -255,7 +255,7 @@ class Flux2NativePipeline(Flux2Packing, stages.RecipePipeline):
         """A private scheduler with this shape's timesteps (the set-up is cached per shape and `flow_shift`)."""
 
         def build() -> tuple[Any, torch.Tensor]:
-            template = stages.scheduler_template(self.scheduler, flow_shift)
+            template = recipe.scheduler_template(self.scheduler, flow_shift)
             sigmas = (
                 None
                 if getattr(template.config, "use_flow_sigmas", False)
@@ -264,7 +264,7 @@ class Flux2NativePipeline(Flux2Packing, stages.RecipePipeline):
             mu = compute_empirical_mu(image_seq_len=image_seq_len, num_steps=num_steps)
             return template, retrieve_timesteps(template, num_steps, self.device, sigmas=sigmas, mu=mu)[0]
 
-        return stages.cached_schedule(self._schedules, (num_steps, image_seq_len, flow_shift), build)
+        return recipe.cached_schedule(self._schedules, (num_steps, image_seq_len, flow_shift), build)
 
     def _reference_tokens(self, params: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """A request's reference images as packed tokens (1, N, C) and their position ids (N, 4)."""
@@ -300,7 +300,7 @@ class Flux2NativePipeline(Flux2Packing, stages.RecipePipeline):
             return flux2_inpaint.prepare_masked(self, batch, head, positive)
         tokens_h, tokens_w = head.height // self.size_multiple, head.width // self.size_multiple
         channels = self.transformer.config.in_channels
-        noise = stages.batch_noise(
+        noise = recipe.batch_noise(
             batch, (channels, tokens_h, tokens_w), device=self.device, dtype=positive["prompt_embeds"].dtype
         )
         latents = Flux2Pipeline._pack_latents(noise)
@@ -374,7 +374,7 @@ class Flux2NativePipeline(Flux2Packing, stages.RecipePipeline):
         mean, std = self._bn_stats(grid)
         grid = Flux2Pipeline._unpatchify_latents(grid * std + mean)
         image = self.vae.decode(grid.to(self.vae.dtype), return_dict=False)[0]
-        return inpaint.apply_overlays(stages.to_pil_images(image), state, self.image_processor)
+        return inpaint.apply_overlays(recipe.to_pil_images(image), state, self.image_processor)
 
 
 class Flux2KleinNativePipeline(Flux2NativePipeline):

@@ -23,8 +23,8 @@ from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
 from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline, retrieve_latents
 from diffusers.utils.torch_utils import randn_tensor
 
-from diffuserve.pipelines import inpaint, stages
-from diffuserve.pipelines.stages import Cond, DenoiseState
+from diffuserve.pipelines import inpaint, recipe
+from diffuserve.pipelines.recipe import Cond, DenoiseState
 
 
 def mask_processor(size_multiple: int, latent_channels: int) -> Flux2ImageProcessor:
@@ -70,7 +70,7 @@ def prepare_masked(pipe: Any, batch: Sequence[Any], head: Any, positive: Cond) -
     masks = mask_processor(pipe.size_multiple, pipe.vae.config.latent_channels)
     rows, clean, noises, mask_rows, conditions, overlays, ids = [], [], [], [], [], [], None
     for params in batch:
-        generators = [torch.Generator("cpu").manual_seed(s) for s in stages.row_seeds(params)]
+        generators = [torch.Generator("cpu").manual_seed(s) for s in recipe.row_seeds(params)]
         source = inpaint.request_source(params, pipe.image_processor, masks, head.height, head.width)
         image_latents = encode_image(pipe, source.pixels, dtype)
         latents = [image_latents, *pipe._reference_latents(params.image_inputs[1:])]

@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any
 
 from diffuserve.errors import InvalidRequestError
-from diffuserve.families.base import (
+from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
     LatentGeometry,
@@ -18,8 +18,8 @@ from diffuserve.families.base import (
     SamplingDefaults,
     TextEncoderFacts,
 )
-from diffuserve.families.checkpoint import square_default
-from diffuserve.families.flux.spec import flux_geometry
+from diffuserve.family_spec.checkpoint import square_default
+from diffuserve.family_spec.flux import flux_geometry
 from diffuserve.families.request_rules import RequestRules, TokenCount, check_strength
 
 # The chat-formatted prompt (system message + user turn): 512 tokens, diffusers' max_sequence_length.

@@ -5,6 +5,6 @@
 `pipelines.base`, as every family's adapter) and `tiny.py` the tiny checkpoint builder.
 """
 
-from diffuserve.families.hunyuan3d.spec import SPEC
+from diffuserve.family_spec.hunyuan3d import SPEC
 
 __all__ = ["SPEC"]

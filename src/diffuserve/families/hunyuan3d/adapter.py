@@ -21,15 +21,15 @@ import torch
 
 from diffuserve.activation import ActivationFacts
 from diffuserve.errors import CheckpointError, RequestCancelledError
-from diffuserve.families.base import SamplingDefaults
+from diffuserve.family_spec.base import SamplingDefaults
 from diffuserve.families.hunyuan3d import conditioning
 from diffuserve.families.hunyuan3d.dit import Hunyuan3DDiT
 from diffuserve.families.hunyuan3d.flashvdm import flashvdm_decode
-from diffuserve.families.hunyuan3d.layout import find_subfolder, read_config, target_name
-from diffuserve.families.hunyuan3d.spec import LICENSE_NOTE
+from diffuserve.family_spec.hunyuan3d_layout import find_subfolder, read_config, target_name
+from diffuserve.family_spec.hunyuan3d import LICENSE_NOTE
 from diffuserve.families.hunyuan3d.vae import ShapeVAE, decode_volume
 from diffuserve.pipelines.base import BatchResult, Pipeline, RequestOutput
-from diffuserve.pipelines.stages import batch_noise, check_batch
+from diffuserve.pipelines.recipe import batch_noise, check_batch
 
 if TYPE_CHECKING:
     from diffuserve.pipelines.base import PreviewCallback, StepCallback, StopCheck

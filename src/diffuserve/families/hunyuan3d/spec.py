@@ -3,7 +3,7 @@
 from typing import Any
 
 from diffuserve.errors import InvalidRequestError
-from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults
+from diffuserve.family_spec.base import FamilySpec, ProfileFacts, SamplingDefaults
 from diffuserve.families.request_rules import RequestRules, TokenCount
 
 LICENSE_NOTE = (
@@ -37,7 +37,7 @@ SPEC = FamilySpec(
     quant_keep=HUNYUAN3D_QUANT_KEEP,
     name="hunyuan3d",
     request_check=check_hunyuan3d,
-    # No diffusers pipeline class: the registry recognises the folder layout (families/hunyuan3d/layout.py).
+    # No diffusers pipeline class: the registry recognises the folder layout (family_spec/hunyuan3d_layout.py).
     pipeline_classes=(),
     model_id_patterns=(r"hunyuan3d",),
     output_kind="mesh",

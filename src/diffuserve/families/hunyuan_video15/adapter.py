@@ -30,9 +30,9 @@ from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import Hunyu
 from PIL import Image
 
 from diffuserve.errors import CheckpointError
-from diffuserve.pipelines import stages
+from diffuserve.pipelines import recipe
 from diffuserve.pipelines.base import component_configs
-from diffuserve.pipelines.stages import Cond, DenoiseState
+from diffuserve.pipelines.recipe import Cond, DenoiseState
 
 # diffusers 0.42.1 registers HunyuanVideo's blocks but not 1.5's: say where its (hidden, encoder hidden) outputs sit,
 # so the step caches (pipelines/step_cache.py) and diffusers' own cache hooks can cut at its blocks.
@@ -108,7 +108,7 @@ REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2",
 """The components every HunyuanVideo 1.5 checkpoint has (the guider is optional: it only names the default scale)."""
 
 
-class HunyuanVideo15NativePipeline(stages.RecipePipeline):
+class HunyuanVideo15NativePipeline(recipe.RecipePipeline):
     """HunyuanVideo 1.5 text-to-video: one DiT, classic CFG, rows merge and join running groups."""
 
     family = "hunyuan_video_15"
@@ -163,7 +163,7 @@ class HunyuanVideo15NativePipeline(stages.RecipePipeline):
         return cls(components=components, device=device, dtype=dtype)
 
     def request_fields(self) -> frozenset[str]:
-        return frozenset({"flow_shift"} if stages.has_flow_shift(self.scheduler) else ())
+        return frozenset({"flow_shift"} if recipe.has_flow_shift(self.scheduler) else ())
 
     # -- 1. encode --------------------------------------------------------------------------------------------
 
@@ -205,8 +205,8 @@ class HunyuanVideo15NativePipeline(stages.RecipePipeline):
         return (int(self.vae.config.latent_channels), frames, lh, lw)
 
     def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
-        latents = stages.batch_noise(batch, self.latent_shape(head), device=self.device, dtype=self.transformer.dtype)
-        scheduler = stages.scheduler_template(self.scheduler, head.flow_shift)
+        latents = recipe.batch_noise(batch, self.latent_shape(head), device=self.device, dtype=self.transformer.dtype)
+        scheduler = recipe.scheduler_template(self.scheduler, head.flow_shift)
         sigmas = np.linspace(1.0, 0.0, head.num_inference_steps + 1)[:-1]
         scheduler.set_timesteps(sigmas=sigmas, device=self.device)
         scheduler.set_begin_index(0)

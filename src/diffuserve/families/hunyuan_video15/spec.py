@@ -7,7 +7,7 @@ compression times the DiT's patch (16 x 1 for the published checkpoints, 4 x 1 f
 import dataclasses
 from typing import Any
 
-from diffuserve.families.base import (
+from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
     LatentGeometry,

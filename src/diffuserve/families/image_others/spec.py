@@ -1,6 +1,6 @@
 """Image families served through the diffusers backend (no native adapter yet)."""
 
-from diffuserve.families.base import FamilySpec, ProfileFacts, SamplingDefaults
+from diffuserve.family_spec.base import FamilySpec, ProfileFacts, SamplingDefaults
 
 _TINY = "diffuserve.families.image_others.tiny"
 

@@ -34,16 +34,16 @@ from PIL import Image
 from diffuserve.errors import CheckpointError
 from diffuserve.families.ltx2 import layout
 from diffuserve.families.ltx2.layout import Guidance, JointLayout
-from diffuserve.pipelines import stages
+from diffuserve.pipelines import recipe
 from diffuserve.pipelines.base import BatchResult, component_configs
-from diffuserve.pipelines.stages import Cond, Denoised, DenoiseState
+from diffuserve.pipelines.recipe import Cond, Denoised, DenoiseState
 
 MAX_SEQUENCE_LENGTH = 1024
 """Gemma3 tokens per prompt (diffusers' LTX2Pipeline default), left-padded."""
 REQUIRED = ("transformer", "vae", "audio_vae", "text_encoder", "tokenizer", "connectors", "vocoder", "scheduler")
 
 
-class LTX2NativePipeline(stages.RecipePipeline):
+class LTX2NativePipeline(recipe.RecipePipeline):
     """LTX-2 joint audio-video: one transformer call per guidance branch denoises the video and audio tokens."""
 
     family = "ltx2"
@@ -81,7 +81,7 @@ class LTX2NativePipeline(stages.RecipePipeline):
         return cls({k: components[k] for k in REQUIRED}, device=device, dtype=dtype)
 
     def request_fields(self) -> frozenset[str]:
-        return frozenset({"generate_audio", *(("flow_shift",) if stages.has_flow_shift(self.scheduler) else ())})
+        return frozenset({"generate_audio", *(("flow_shift",) if recipe.has_flow_shift(self.scheduler) else ())})
 
     # -- 1. encode --------------------------------------------------------------------------------------------
 
@@ -159,7 +159,7 @@ class LTX2NativePipeline(stages.RecipePipeline):
         mel = int(self.audio_vae.config.mel_bins) // int(self.audio_vae.mel_compression_ratio)
         audio_channels = int(self.audio_vae.config.latent_channels)
         videos, audios = [], []
-        for generator in stages.row_generators(batch):  # per row: the video noise, then the audio noise
+        for generator in recipe.row_generators(batch):  # per row: the video noise, then the audio noise
             videos.append(randn_tensor((1, channels, *grid), generator=generator, device=self.device))
             audios.append(randn_tensor((1, audio_channels, audio_frames, mel), generator=generator, device=self.device))
         video = torch.cat(videos)
@@ -181,7 +181,7 @@ class LTX2NativePipeline(stages.RecipePipeline):
             1, *grid, self.device, fps=conditioning_fps(float(head.fps), 1.0)
         )
         extras["audio_coords"] = self.transformer.audio_rope.prepare_audio_coords(1, audio_frames, self.device)
-        scheduler = stages.scheduler_template(self.scheduler, head.flow_shift)
+        scheduler = recipe.scheduler_template(self.scheduler, head.flow_shift)
         steps = head.num_inference_steps
         config = scheduler.config
         mu = _calculate_shift(packed_video.shape[1], config)
@@ -428,7 +428,7 @@ class LTX2NativePipeline(stages.RecipePipeline):
         result = super().decode_batch(denoised)
         audios = denoised.state.extras.pop("audios", None)
         if audios is not None:
-            for output, waves in zip(result.outputs, stages.split_rows(audios, denoised.batch), strict=True):
+            for output, waves in zip(result.outputs, recipe.split_rows(audios, denoised.batch), strict=True):
                 output.audios = list(waves)
                 output.audio_sample_rate = self.sample_rate
         return result

@@ -3,7 +3,7 @@
 
 from typing import Any
 
-from diffuserve.families.base import (
+from diffuserve.family_spec.base import (
     FamilySpec,
     ProfileFacts,
     SamplingDefaults,

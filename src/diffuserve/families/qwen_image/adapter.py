@@ -1,4 +1,4 @@
-"""Native Qwen-Image (and 2512) and Qwen-Image 2.1 pipelines on the shared recipe (`stages.RecipePipeline`).
+"""Native Qwen-Image (and 2512) and Qwen-Image 2.1 pipelines on the shared recipe (`recipe.RecipePipeline`).
 
 The family parts follow `diffusers.QwenImagePipeline` / `QwenImage21Pipeline` step for step (what the
 diffusers calls do is written down in `qwen_image_ops`), for a batch of requests: per-row prompts and
@@ -26,11 +26,11 @@ from diffusers.image_processor import VaeImageProcessor
 from diffuserve.families.qwen_image import controlnet as qwen_controlnet
 from diffuserve.families.qwen_image import inpaint as qwen_inpaint
 from diffuserve.families.qwen_image import ops
-from diffuserve.families.qwen_image.spec import QWEN_IMAGE_TEXT_TOKENS
-from diffuserve.pipelines import inpaint, packing, stages
+from diffuserve.family_spec.qwen_image import QWEN_IMAGE_TEXT_TOKENS
+from diffuserve.pipelines import inpaint, packing, recipe
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.controlnet import EXTRAS_KEY, merge_rows
-from diffuserve.pipelines.stages import Cond, DenoiseState
+from diffuserve.pipelines.recipe import Cond, DenoiseState
 
 
 def _required(components: dict[str, Any], keys: tuple[str, ...], what: str) -> None:
@@ -44,7 +44,7 @@ def _required(components: dict[str, Any], keys: tuple[str, ...], what: str) -> N
         )
 
 
-class _QwenBase(stages.RecipePipeline):
+class _QwenBase(recipe.RecipePipeline):
     """What both Qwen-Image generations share: the schedule, the noise, one text encoder, the decode."""
 
     masked_sequences = {"embeds": "mask"}
@@ -99,10 +99,10 @@ class _QwenBase(stages.RecipePipeline):
 
     def _noise(self, batch: Sequence[Any], channels: int, lh: int, lw: int) -> torch.Tensor:
         # diffusers draws (rows, 1, C, h, w): the frame axis of the video VAE is part of the noise shape.
-        return stages.batch_noise(batch, (1, channels, lh, lw), device=self.device, dtype=self.dtype)
+        return recipe.batch_noise(batch, (1, channels, lh, lw), device=self.device, dtype=self.dtype)
 
     def request_fields(self) -> frozenset[str]:
-        return frozenset({"true_cfg_scale", *(("flow_shift",) if stages.has_flow_shift(self.scheduler) else ())})
+        return frozenset({"true_cfg_scale", *(("flow_shift",) if recipe.has_flow_shift(self.scheduler) else ())})
 
     def _timesteps(
         self, num_steps: int, image_seq_len: int, grid: list[float] | None = None, flow_shift: float | None = None
@@ -112,12 +112,12 @@ class _QwenBase(stages.RecipePipeline):
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import retrieve_timesteps
 
         def build() -> tuple[Any, torch.Tensor]:
-            template = stages.scheduler_template(self.scheduler, flow_shift)
-            mu = stages.dynamic_shift_mu(template.config, image_seq_len)
+            template = recipe.scheduler_template(self.scheduler, flow_shift)
+            mu = recipe.dynamic_shift_mu(template.config, image_seq_len)
             sigmas = list(grid) if grid else np.linspace(1.0, 1 / num_steps, num_steps)
             return template, retrieve_timesteps(template, num_steps, self.device, sigmas=sigmas, mu=mu)[0]
 
-        return stages.cached_schedule(self._schedules, (num_steps, image_seq_len, flow_shift), build)
+        return recipe.cached_schedule(self._schedules, (num_steps, image_seq_len, flow_shift), build)
 
     # -- decode -------------------------------------------------------------------------------------------
 
@@ -132,7 +132,7 @@ class _QwenBase(stages.RecipePipeline):
         height, width = state.extras["size"]
         latents = self._unscale(self._unpack(latents, height, width).to(self.vae.dtype))
         image = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
-        return stages.to_pil_images(image)
+        return recipe.to_pil_images(image)
 
 
 class QwenImageNativePipeline(_QwenBase):

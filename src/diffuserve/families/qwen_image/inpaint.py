@@ -12,7 +12,7 @@ from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 from diffusers.utils.torch_utils import randn_tensor
 
 from diffuserve.families.qwen_image import ops
-from diffuserve.pipelines import inpaint, stages
+from diffuserve.pipelines import inpaint, recipe
 
 
 def prepare_inpaint_latents(
@@ -35,7 +35,7 @@ def prepare_inpaint_latents(
     lh, lw = pipe._latent_hw(head.height, head.width)
     rows, clean, noises, masks, overlays = [], [], [], [], []
     for params in batch:
-        generators = [torch.Generator("cpu").manual_seed(s) for s in stages.row_seeds(params)]
+        generators = [torch.Generator("cpu").manual_seed(s) for s in recipe.row_seeds(params)]
         source = inpaint.request_source(
             params, pipe.image_processor, pipe.mask_processor, head.height, head.width, resize_first
         )

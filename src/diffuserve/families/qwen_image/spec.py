@@ -5,7 +5,7 @@ import dataclasses
 from typing import Any
 
 from diffuserve.errors import InvalidRequestError
-from diffuserve.families.base import (
+from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
     LatentGeometry,

@@ -46,9 +46,9 @@ from PIL import Image
 from diffuserve.errors import CheckpointError
 from diffuserve.families.qwen_image import inpaint as qwen_inpaint
 from diffuserve.families.qwen_image.ops import latents_stats, norm_rescaled_cfg, pad_rows
-from diffuserve.pipelines import inpaint, stages
+from diffuserve.pipelines import inpaint, recipe
 from diffuserve.pipelines.base import component_configs
-from diffuserve.pipelines.stages import Cond, DenoiseState
+from diffuserve.pipelines.recipe import Cond, DenoiseState
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class EditInputs:
     """(width, height) of each VAE input."""
 
 
-class QwenImageEditNativePipeline(stages.RecipePipeline):
+class QwenImageEditNativePipeline(recipe.RecipePipeline):
     """Qwen-Image-Edit: one input image, the instruction encoded together with it."""
 
     family = "qwen_image_edit"
@@ -182,7 +182,7 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
         return 2 * (height // (self.vae_scale_factor * 2)), 2 * (width // (self.vae_scale_factor * 2))
 
     def request_fields(self) -> frozenset[str]:
-        return frozenset({"flow_shift"}) if stages.has_flow_shift(self.scheduler) else frozenset()
+        return frozenset({"flow_shift"}) if recipe.has_flow_shift(self.scheduler) else frozenset()
 
     def _schedule(
         self, num_steps: int, image_seq_len: int, flow_shift: float | None = None
@@ -190,15 +190,15 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
         """A private scheduler with timesteps set as the pipeline sets them (cached per shape and shift)."""
 
         def build() -> tuple[Any, torch.Tensor]:
-            template = stages.scheduler_template(self.scheduler, flow_shift)
+            template = recipe.scheduler_template(self.scheduler, flow_shift)
             sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-            mu = stages.dynamic_shift_mu(template.config, image_seq_len)
+            mu = recipe.dynamic_shift_mu(template.config, image_seq_len)
             timesteps, _ = self.diffusers_module.retrieve_timesteps(
                 template, num_steps, self.device, sigmas=sigmas, mu=mu
             )
             return template, timesteps
 
-        return stages.cached_schedule(self._schedules, (num_steps, image_seq_len, flow_shift), build)
+        return recipe.cached_schedule(self._schedules, (num_steps, image_seq_len, flow_shift), build)
 
     def _image_latents(self, inputs: EditInputs, rows: int, dtype: torch.dtype) -> torch.Tensor:
         """Every input image VAE-encoded (distribution mode), normalised, repeated per row, packed, concatenated."""
@@ -219,11 +219,11 @@ class QwenImageEditNativePipeline(stages.RecipePipeline):
         if head.mask_input is not None:
             return self._prepare_inpaint(batch, head)
         inputs = self._edit_inputs(head)
-        rows = stages.num_rows(batch)
+        rows = recipe.num_rows(batch)
         dtype = positive["prompt_embeds"].dtype
         lh, lw = self._latent_hw(head.height, head.width)
         channels = self.transformer.config.in_channels // 4
-        noise = stages.batch_noise(batch, (1, channels, lh, lw), device=self.device, dtype=dtype)
+        noise = recipe.batch_noise(batch, (1, channels, lh, lw), device=self.device, dtype=dtype)
         latents = edit_module.QwenImageEditPipeline._pack_latents(noise, rows, channels, lh, lw)
         image_latents = self._image_latents(inputs, rows, dtype)
         f = self.vae_scale_factor

@@ -4,8 +4,8 @@ import math
 from typing import Any
 
 from diffuserve.errors import InvalidRequestError
-from diffuserve.families.base import FamilySpec, SamplingDefaults, TextEncoderFacts
-from diffuserve.families.qwen_image.spec import (
+from diffuserve.family_spec.base import FamilySpec, SamplingDefaults, TextEncoderFacts
+from diffuserve.family_spec.qwen_image import (
     QWEN_IMAGE_LAYERS,
     QWEN_IMAGE_QUANT_KEEP,
     QWEN_IMAGE_ROPE_POSITIONS,

@@ -30,9 +30,9 @@ from diffusers.image_processor import PixArtImageProcessor
 from diffusers.pipelines.sana import pipeline_sana
 from diffusers.pipelines.sana.pipeline_sana import SanaPipeline, retrieve_timesteps
 
-from diffuserve.pipelines import stages
+from diffuserve.pipelines import recipe
 from diffuserve.pipelines.base import component_configs
-from diffuserve.pipelines.stages import Cond, DenoiseState
+from diffuserve.pipelines.recipe import Cond, DenoiseState
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ ASPECT_RATIO_BINS: dict[int, dict[str, list[float]]] = {
 """transformer `sample_size` -> the bin table SanaPipeline's resolution binning uses for it."""
 
 
-class SanaNativePipeline(stages.RecipePipeline):
+class SanaNativePipeline(recipe.RecipePipeline):
     """SANA text-to-image as a batched recipe pipeline."""
 
     family = "sana"
@@ -174,16 +174,16 @@ class SanaNativePipeline(stages.RecipePipeline):
         return out
 
     def request_fields(self) -> frozenset[str]:
-        return frozenset({"flow_shift"}) if stages.has_flow_shift(self.scheduler) else frozenset()
+        return frozenset({"flow_shift"}) if recipe.has_flow_shift(self.scheduler) else frozenset()
 
     def _schedule(self, num_steps: int, flow_shift: float | None = None) -> tuple[Any, torch.Tensor]:
         """A private scheduler with its timesteps (a multistep solver: `fresh_scheduler` deep-copies its history)."""
 
         def build() -> tuple[Any, torch.Tensor]:
-            template = stages.scheduler_template(self.scheduler, flow_shift)
+            template = recipe.scheduler_template(self.scheduler, flow_shift)
             return template, retrieve_timesteps(template, num_steps, self.device)[0]
 
-        return stages.cached_schedule(self._schedules, (num_steps, flow_shift), build)
+        return recipe.cached_schedule(self._schedules, (num_steps, flow_shift), build)
 
     def generation_size(self, height: int, width: int) -> tuple[int, int]:
         """The (height, width) the model runs at for a requested size: its aspect-ratio bin when binning."""
@@ -195,7 +195,7 @@ class SanaNativePipeline(stages.RecipePipeline):
         height, width = self.generation_size(head.height, head.width)
         channels = self.transformer.config.in_channels
         shape = (channels, height // self.vae_scale_factor, width // self.vae_scale_factor)
-        latents = stages.batch_noise(batch, shape, device=self.device, dtype=torch.float32)
+        latents = recipe.batch_noise(batch, shape, device=self.device, dtype=torch.float32)
         scheduler, timesteps = self._schedule(head.num_inference_steps, head.flow_shift)
         extras = {"rows": latents.shape[0], "size": (head.height, head.width)}
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)

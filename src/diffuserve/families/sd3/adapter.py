@@ -34,10 +34,10 @@ from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
 from diffuserve.families.sd3 import controlnet as sd3_controlnet
-from diffuserve.pipelines import inpaint, packing, stages
+from diffuserve.pipelines import inpaint, packing, recipe
 from diffuserve.pipelines.base import component_configs, declared_sequence_length
 from diffuserve.pipelines.controlnet import EXTRAS_KEY, merge_rows
-from diffuserve.pipelines.stages import Cond, DenoiseState
+from diffuserve.pipelines.recipe import Cond, DenoiseState
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ REQUIRED = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2",
 _CLIP_KEYS = {"text_encoder": ("clip_1", "pooled_1"), "text_encoder_2": ("clip_2", "pooled_2")}
 
 
-class SD3NativePipeline(stages.RecipePipeline):
+class SD3NativePipeline(recipe.RecipePipeline):
     """SD3 / SD3.5 text-to-image on the shared recipe."""
 
     family = "sd3"
@@ -193,17 +193,17 @@ class SD3NativePipeline(stages.RecipePipeline):
         """A private scheduler with this shape's timesteps (the set-up is cached per shape and shift)."""
 
         def build() -> tuple[Any, torch.Tensor]:
-            template = stages.scheduler_template(self.scheduler, flow_shift)
+            template = recipe.scheduler_template(self.scheduler, flow_shift)
             kwargs: dict[str, Any] = {}
             if template.config.get("use_dynamic_shifting", None):
-                kwargs["mu"] = stages.dynamic_shift_mu(template.config, image_seq_len, max_shift=1.16)
+                kwargs["mu"] = recipe.dynamic_shift_mu(template.config, image_seq_len, max_shift=1.16)
             return template, retrieve_timesteps(template, num_steps, self.device, **kwargs)[0]
 
-        return stages.cached_schedule(self._schedulers, (num_steps, image_seq_len, flow_shift), build)
+        return recipe.cached_schedule(self._schedulers, (num_steps, image_seq_len, flow_shift), build)
 
     def request_fields(self) -> frozenset[str]:
         control = {"control_image"} if self.controlnets else set()
-        return frozenset({*control, *(("flow_shift",) if stages.has_flow_shift(self.scheduler) else ())})
+        return frozenset({*control, *(("flow_shift",) if recipe.has_flow_shift(self.scheduler) else ())})
 
     def step_extras(self, states: Sequence[DenoiseState]) -> dict[str, Any]:
         """No extras but each state's ControlNet rows (continuous steps)."""
@@ -222,7 +222,7 @@ class SD3NativePipeline(stages.RecipePipeline):
             latents, timesteps, masked = self.prepare_edit_latents(batch, scheduler, timesteps, dtype)
             extras = {} if masked is None else {inpaint.EXTRAS_KEY: masked}
         else:
-            latents = stages.batch_noise(
+            latents = recipe.batch_noise(
                 batch, (self.transformer.config.in_channels, lh, lw), device=self.device, dtype=dtype
             )
             extras = {}
@@ -246,7 +246,7 @@ class SD3NativePipeline(stages.RecipePipeline):
         full, timesteps = timesteps, inpaint.batch_schedule(batch, scheduler, timesteps)
         rows, clean, noises, sources = [], [], [], []
         for params in batch:
-            generators = [torch.Generator("cpu").manual_seed(s) for s in stages.row_seeds(params)]
+            generators = [torch.Generator("cpu").manual_seed(s) for s in recipe.row_seeds(params)]
             source = inpaint.request_source(params, self.image_processor, self.mask_processor, head.height, head.width)
             pixels = source.pixels.to(self.device, dtype)
             encoded = retrieve_latents(self.vae.encode(pixels), generator=generators[0])
@@ -298,7 +298,7 @@ class SD3NativePipeline(stages.RecipePipeline):
         """Unscale, VAE-decode, and round as diffusers' image processor does."""
         latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
         image = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
-        return inpaint.apply_overlays(stages.to_pil_images(image), state, self.image_processor)
+        return inpaint.apply_overlays(recipe.to_pil_images(image), state, self.image_processor)
 
     # -- packed mixed-size calls (pipelines/packing.py) -------------------------------------------------------
 

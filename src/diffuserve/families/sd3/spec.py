@@ -3,7 +3,7 @@
 import dataclasses
 from typing import Any
 
-from diffuserve.families.base import (
+from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
     LatentGeometry,
@@ -11,7 +11,7 @@ from diffuserve.families.base import (
     SamplingDefaults,
     TextEncoderFacts,
 )
-from diffuserve.families.components import autoencoder_kl_factor
+from diffuserve.family_spec.components import autoencoder_kl_factor
 from diffuserve.families.request_rules import RequestRules, TokenCount, check_control, check_strength
 
 # Two CLIPs (77 tokens each) and T5 (diffusers' max_sequence_length 256); T5 may be left out.

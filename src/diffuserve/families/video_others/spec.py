@@ -5,7 +5,7 @@ the diffusers pipeline class's own check (HunyuanVideo, Helios: 16; LTX: 32); th
 sizes with a 400 before queueing.
 """
 
-from diffuserve.families.base import FamilySpec, ProfileFacts
+from diffuserve.family_spec.base import FamilySpec, ProfileFacts
 
 # Unprofiled video: no auto DiT residency; frames and resolution decide its peak (the seed's rule).
 _VIDEO_PROFILE = ProfileFacts(dit_resident_threshold_gib=None)

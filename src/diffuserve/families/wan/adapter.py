@@ -21,15 +21,15 @@ from diffusers.video_processor import VideoProcessor
 from PIL import Image
 
 from diffuserve.errors import CheckpointError
-from diffuserve.pipelines import stages
+from diffuserve.pipelines import recipe
 from diffuserve.pipelines.base import component_configs
-from diffuserve.pipelines.stages import Cond, DenoiseState
+from diffuserve.pipelines.recipe import Cond, DenoiseState
 
 MAX_SEQUENCE_LENGTH = 512
 """UMT5 tokens per prompt (diffusers' WanPipeline default)."""
 
 
-class WanNativePipeline(stages.RecipePipeline):
+class WanNativePipeline(recipe.RecipePipeline):
     """Wan text-to-video: one or two denoising experts, classic CFG."""
 
     family = "wan"
@@ -95,7 +95,7 @@ class WanNativePipeline(stages.RecipePipeline):
 
     def request_fields(self) -> frozenset[str]:
         experts = ("guidance_scale_2", "boundary_ratio") if self.boundary_ratio is not None else ()
-        return frozenset({*experts, *(("flow_shift",) if stages.has_flow_shift(self.scheduler) else ())})
+        return frozenset({*experts, *(("flow_shift",) if recipe.has_flow_shift(self.scheduler) else ())})
 
     def request_facts(self) -> dict[str, Any]:
         """A two-expert Wan2.2 checkpoint takes the second expert's fields (`wan/spec.check_wan`)."""
@@ -132,9 +132,9 @@ class WanNativePipeline(stages.RecipePipeline):
     def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
         frames = (head.num_frames - 1) // self.temporal_factor + 1
         shape = (self.vae.config.z_dim, frames, head.height // self.spatial_factor, head.width // self.spatial_factor)
-        latents = stages.batch_noise(batch, shape, device=self.device, dtype=torch.float32)
+        latents = recipe.batch_noise(batch, shape, device=self.device, dtype=torch.float32)
         # A private scheduler per batch: UniPC keeps multistep history in lists it mutates in place.
-        scheduler = stages.scheduler_template(self.scheduler, head.flow_shift)
+        scheduler = recipe.scheduler_template(self.scheduler, head.flow_shift)
         scheduler.set_timesteps(head.num_inference_steps, device=self.device)
         scheduler.set_begin_index(0)
         # A job's own boundary_ratio (validated: two-expert checkpoints only) moves the expert switch.
@@ -157,7 +157,7 @@ class WanNativePipeline(stages.RecipePipeline):
         scale = head.guidance_scale
         if expert == "transformer_2":
             scale = head.guidance_scale if head.guidance_scale_2 is None else head.guidance_scale_2
-        return stages.combine_cfg(cond, uncond, scale)
+        return recipe.combine_cfg(cond, uncond, scale)
 
     def predict(
         self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str

@@ -4,7 +4,7 @@ the same `WanPipeline` class) and Wan image-to-video."""
 from typing import Any
 
 from diffuserve.errors import InvalidRequestError
-from diffuserve.families.base import (
+from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
     LatentGeometry,

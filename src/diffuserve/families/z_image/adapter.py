@@ -29,9 +29,9 @@ from diffusers.pipelines.z_image.pipeline_z_image import (
 )
 from diffusers.utils.torch_utils import randn_tensor
 
-from diffuserve.pipelines import inpaint, packing, stages
+from diffuserve.pipelines import inpaint, packing, recipe
 from diffuserve.pipelines.base import component_configs
-from diffuserve.pipelines.stages import Cond, DenoiseState
+from diffuserve.pipelines.recipe import Cond, DenoiseState
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def _chat(tokenizer: Any, text: str) -> str:
     )
 
 
-class ZImageNativePipeline(stages.RecipePipeline):
+class ZImageNativePipeline(recipe.RecipePipeline):
     """Z-Image and Z-Image-Turbo text-to-image as a batched recipe pipeline."""
 
     family = "z_image"
@@ -147,7 +147,7 @@ class ZImageNativePipeline(stages.RecipePipeline):
         return 2 * (height // self.size_multiple), 2 * (width // self.size_multiple)
 
     def request_fields(self) -> frozenset[str]:
-        return frozenset({"flow_shift"}) if stages.has_flow_shift(self.scheduler) else frozenset()
+        return frozenset({"flow_shift"}) if recipe.has_flow_shift(self.scheduler) else frozenset()
 
     def _schedule(
         self, num_steps: int, image_seq_len: int, flow_shift: float | None = None
@@ -155,12 +155,12 @@ class ZImageNativePipeline(stages.RecipePipeline):
         """A private scheduler with this shape's timesteps (the set-up is cached per shape and `flow_shift`)."""
 
         def build() -> tuple[Any, torch.Tensor]:
-            template = stages.scheduler_template(self.scheduler, flow_shift)
-            mu = stages.dynamic_shift_mu(template.config, image_seq_len)
+            template = recipe.scheduler_template(self.scheduler, flow_shift)
+            mu = recipe.dynamic_shift_mu(template.config, image_seq_len)
             sigmas = get_default_z_image_sigmas(num_steps)
             return template, retrieve_timesteps(template, num_steps, self.device, sigmas=sigmas, mu=mu)[0]
 
-        return stages.cached_schedule(self._schedules, (num_steps, image_seq_len, flow_shift), build)
+        return recipe.cached_schedule(self._schedules, (num_steps, image_seq_len, flow_shift), build)
 
     def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
         """float32 noise rows (diffusers keeps Z-Image latents in float32), the schedule for this size."""
@@ -170,7 +170,7 @@ class ZImageNativePipeline(stages.RecipePipeline):
         if head.image_inputs:
             latents, timesteps, masked = self.prepare_inpaint_latents(batch, scheduler, timesteps, positive)
             return DenoiseState(latents, timesteps, scheduler, extras={inpaint.EXTRAS_KEY: masked})
-        latents = stages.batch_noise(batch, (channels, lh, lw), device=self.device, dtype=torch.float32)
+        latents = recipe.batch_noise(batch, (channels, lh, lw), device=self.device, dtype=torch.float32)
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras={})
 
     # -- inpainting (ZImageInpaintPipeline; pipelines/inpaint.py) ----------------------------------------------
@@ -185,7 +185,7 @@ class ZImageNativePipeline(stages.RecipePipeline):
         dtype = positive["prompt_embeds"].dtype
         rows, clean, noises, masks = [], [], [], []
         for params in batch:
-            generators = [torch.Generator("cpu").manual_seed(s) for s in stages.row_seeds(params)]
+            generators = [torch.Generator("cpu").manual_seed(s) for s in recipe.row_seeds(params)]
             source = inpaint.request_source(params, self.image_processor, self.mask_processor, head.height, head.width)
             encoded = retrieve_latents(self.vae.encode(source.pixels.to(self.device, dtype)), generator=generators[0])
             image_latents = (encoded - self.vae.config.shift_factor) * self.vae.config.scaling_factor
@@ -246,4 +246,4 @@ class ZImageNativePipeline(stages.RecipePipeline):
     def decode(self, latents: torch.Tensor, state: DenoiseState) -> list[Any]:
         latents = latents.to(self.vae.dtype) / self.vae.config.scaling_factor + self.vae.config.shift_factor
         image = self.vae.decode(latents, return_dict=False)[0]
-        return stages.to_pil_images(image)
+        return recipe.to_pil_images(image)

@@ -3,7 +3,7 @@
 from typing import Any
 
 from diffuserve.errors import InvalidRequestError
-from diffuserve.families.base import (
+from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
     LatentGeometry,
@@ -11,8 +11,8 @@ from diffuserve.families.base import (
     SamplingDefaults,
     TextEncoderFacts,
 )
-from diffuserve.families.checkpoint import square_default
-from diffuserve.families.components import autoencoder_kl_factor
+from diffuserve.family_spec.checkpoint import square_default
+from diffuserve.family_spec.components import autoencoder_kl_factor
 from diffuserve.families.request_rules import RequestRules, TokenCount, check_strength, no_crop
 
 # The chat-templated prompt, max_sequence_length 512 (the adapter also caps it by the DiT's caption axis).
