@@ -10,6 +10,7 @@ from typing import Any
 from diffuserve.config.server_args import ServerArgs
 from diffuserve.errors import ConfigError, InvalidRequestError
 from diffuserve.generate_masks import check_mask_family, read_mask
+from diffuserve.pipelines.prompt_limits import with_counter
 from diffuserve.sampling import SamplingParams, build_sampling_params
 from diffuserve.server.control_fields import generate_control
 
@@ -248,7 +249,8 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     step_cache = _step_cache(args)
     engine = OfflineEngine(build_generate_engine(args))
     try:
-        return _generate(values, engine, engine.start(), prompts, n, stem, images, step_cache=step_cache, mask=mask)
+        model = with_counter(engine.start())  # generate counts prompts as `serve`'s front end does
+        return _generate(values, engine, model, prompts, n, stem, images, step_cache=step_cache, mask=mask)
     finally:
         engine.close()
 

@@ -340,16 +340,16 @@ def test_a_long_prompt_is_reported(native) -> None:
 
 @cases(lambda c: c.output == "image")
 def test_usage_is_counted(native) -> None:
+    from diffuserve.pipelines.prompt_limits import with_counter
     from diffuserve.server.usage import usage
 
     m = native.size_multiple
     params = SamplingParams(prompt="a red cat", negative_prompt="blurry", width=4 * m, height=2 * m, n=2)
     model = native.describe_model()
-    # The server's one count of the request's texts (`PromptTokens`, on its private tokenizer copies).
+    # The server's one count of the request's texts (its own `PromptTokens`, from the tokenizer folders).
     texts = {"prompt": params.prompt, "negative_prompt": params.negative_prompt}
-    counted = usage(
-        model, params, text_tokens=model.prompt_tokens.count(texts).text_tokens, input_sizes=[(2 * m, 2 * m)]
-    )
+    owner = with_counter(model).prompt_tokens
+    counted = usage(model, params, text_tokens=owner.count(texts).text_tokens, input_sizes=[(2 * m, 2 * m)])
     assert counted["output_tokens"] == 2 * 4 * 2
     assert counted["input_tokens_details"] == {
         "text_tokens": counted["input_tokens"] - 4,  # type: ignore[index]

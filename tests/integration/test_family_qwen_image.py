@@ -53,6 +53,13 @@ def test_qwen_image_21_refuses_a_prompt_longer_than_its_text_positions(pipes) ->
         with pytest.raises(InvalidRequestError) as info:
             pipe.validate(_params(**{"prompt": "x", field: "\u00e9" * 5000}))  # 10000 tokens
         assert info.value.param == field
+    # The front end refuses the same through the description alone (its own counter, from the tokenizer folder).
+    from diffuserve.pipelines.prompt_limits import with_counter
+    from diffuserve.sampling import build_sampling_params
+
+    with pytest.raises(InvalidRequestError) as info:
+        build_sampling_params(with_counter(pipe.describe_model()), prompt="\u00e9" * 5000)
+    assert info.value.param == "prompt" and "positions at most" in info.value.message
 
 
 def test_rope_limits_follow_the_tables(pipes) -> None:

@@ -1,6 +1,6 @@
-"""One owner for the server's prompt token counts (`pipelines/prompt_limits.PromptTokens`, reached through
-`ModelDescription.prompt_tokens`): it never shares a tokenizer with the encode path, and every family reports
-prompt truncation from its spec's text encoders.
+"""One owner for the server's prompt token counts (`pipelines/prompt_limits.PromptTokens`, the front end's own,
+built from the description's tokenizer folders: `with_counter`): it never shares a tokenizer with the encode path,
+and every family reports prompt truncation from its spec's text encoders.
 
 The race and the per-family checks run on loaded tiny pipelines (no server): the description API is what the
 routes call; the video and /server_info checks use the shared session servers.
@@ -19,6 +19,7 @@ import pytest
 
 from diffuserve.errors import InvalidRequestError
 from diffuserve.family_spec import spec_for
+from diffuserve.pipelines.prompt_limits import with_counter
 from diffuserve.server.common import check_prompt
 
 ENCODES = 800
@@ -118,7 +119,7 @@ def test_every_family_reports_a_truncated_prompt_from_its_spec(
     assert found.warnings and all(w.startswith("prompt is ") for w in found.warnings)
     assert {w.split(" tokens for ")[1].split(",")[0] for w in found.warnings} == {limit.encoder for limit in cut}
     # usage counts the spec's last encoder, as far as the text reaches into it (net of chat templates)
-    owner = pipeline.describe_model().prompt_tokens
+    owner = with_counter(pipeline.describe_model()).prompt_tokens
     assert owner.usage == owner.limits[-1]  # the spec's last encoder (T5 for FLUX.1 and SD3)
     reads = owner.usage.max_tokens
     assert found.text_tokens == reads
@@ -137,10 +138,17 @@ def test_every_family_reports_a_truncated_prompt_from_its_spec(
 
 
 def test_the_token_owner_never_holds_the_pipelines_tokenizers(tiny_flux_path: Path):
-    """Private copies, made once per loaded model."""
+    """The front end's own tokenizers, loaded once per process from the folders the description names (plain
+    data: the description carries no tokenizer)."""
     pipeline = _load(tiny_flux_path)
-    owner = pipeline.describe_model().prompt_tokens
-    assert owner is pipeline.describe_model().prompt_tokens
+    model = pipeline.describe_model()
+    assert model.prompt_tokens is None
+    assert {e.folder for e in model.text_encoders} == {
+        str(tiny_flux_path / "tokenizer"),
+        str(tiny_flux_path / "tokenizer_2"),
+    }
+    owner = with_counter(model).prompt_tokens
+    assert owner is with_counter(pipeline.describe_model()).prompt_tokens
     shared = {id(pipeline.tokenizer), id(pipeline.tokenizer_2)}
     assert not shared & {id(limit.tokenizer) for limit in owner.limits}
     assert owner.usage is not None and id(owner.usage.tokenizer) not in shared

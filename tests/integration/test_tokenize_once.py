@@ -1,10 +1,11 @@
-"""Tokenize once (issue 24 item 2): a served request's texts are tokenized once per tokenizer, by the model's
-prompt count (`server/common.check_prompt`, on the token owner's private copies), and the encode reuses those ids
-(`SamplingParams.text_ids`, `pipelines/token_ids.py`) instead of tokenizing again.
+"""Tokenize once: a served request's texts are tokenized once per tokenizer, by the front end's prompt count
+(`server/common.check_prompt`, on the front end's own tokenizers loaded from the description's folders), and the
+encode reuses those ids (`SamplingParams.text_ids`, stamped with the tokenizer that made them,
+`pipelines/token_ids.py`) instead of tokenizing again.
 
 The requests go the route's way (count, carry, `AsyncEngine.generate`) through a dynamic-batching engine on the
-tiny FLUX checkpoint, in this process, so counting wrappers around the pipeline's tokenizers see every
-tokenization, the count's (on the copies) and the encode's (batch encodes and the encode lane's prefetches).
+tiny FLUX checkpoint, in this process, so counting wrappers around the pipeline's tokenizers and the front end's
+see every tokenization, the count's and the encode's (batch encodes and the encode lane's prefetches).
 Every row equals its singleton run without carried ids, which tokenizes as before (<= 1/255; found equal).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import threading
 from collections import Counter
 from pathlib import Path
@@ -20,8 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from diffuserve.family_spec.text_tokens import TokenIds
 from diffuserve.models.loader import load_pipeline
 from diffuserve.pipelines import token_ids
+from diffuserve.pipelines.prompt_limits import PromptTokens, with_counter
 from diffuserve.sampling import SamplingParams
 from diffuserve.server.common import check_prompt
 
@@ -77,8 +81,15 @@ def test_a_served_prompt_is_tokenized_once_per_tokenizer_and_rows_are_unchanged(
     pipeline = load_pipeline(tiny_flux_path)
     for key in ("tokenizer", "tokenizer_2"):
         setattr(pipeline, key, CountingTokenizer(getattr(pipeline, key), key, counts, lock))
-    model = pipeline.describe_model()  # the token owner copies the (counting) tokenizers here
-    ctx = SimpleNamespace(engine=SimpleNamespace(model=model), args=SimpleNamespace(reject_truncated_prompts=False))
+    model = pipeline.describe_model()
+    originals = {key: type(getattr(pipeline, key)._inner) for key in ("tokenizer", "tokenizer_2")}
+
+    def load(entry: Any) -> CountingTokenizer:  # the front end's tokenizers, from the folders the description names
+        return CountingTokenizer(originals[entry.key].from_pretrained(entry.folder), entry.key, counts, lock)
+
+    counter = PromptTokens.from_table(model.text_encoders, model.usage_encoder, load=load)
+    front = dataclasses.replace(model, prompt_tokens=counter)
+    ctx = SimpleNamespace(engine=SimpleNamespace(model=front), args=SimpleNamespace(reject_truncated_prompts=False))
     batcher = DynamicBatcher(BatchingConfig(mode="dynamic", max_size=4, delay_ms=20), model_names=["tiny"])
     engine = AsyncEngine(InProcessExecutor(lambda: ServingPipeline.of(pipeline)), batcher, config=EngineConfig())
     engine.start()
@@ -116,14 +127,19 @@ def test_padded_ids_equal_the_tokenizers_own_padding(tiny_flux_path: Path):
     """The rule that builds an encoder input from carried ids gives what the tokenizer itself gives, for texts
     shorter and longer than the length and the empty text."""
     pipeline = load_pipeline(tiny_flux_path)
-    model = pipeline.describe_model()
+    owner = with_counter(pipeline.describe_model()).prompt_tokens
     texts = [PROMPTS[0], PROMPTS[2], ""]
-    carried = model.prompt_tokens.count({"prompt": texts[0], "negative_prompt": texts[1]}).text_ids
+    carried = owner.count({"prompt": texts[0], "negative_prompt": texts[1]}).text_ids
     batch = [SimpleNamespace(text_ids=carried)]
+    # Ids stamped by another tokenizer are never used: bogus ids under a foreign stamp change nothing.
+    foreign = [SimpleNamespace(text_ids={k: TokenIds("another", {texts[0]: (1, 2, 3)}) for k in carried})]
     for key, length in (("tokenizer", pipeline._clip_max_length), ("tokenizer_2", pipeline.max_sequence_length)):
         tokenizer = getattr(pipeline, key)
         built = token_ids.padded_ids(tokenizer, key, texts, batch, length)
         want = tokenizer(texts, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
+        assert built is not None and built.tolist() == want.input_ids.tolist()
+        assert token_ids.carried(batch, key, token_ids.fingerprint(tokenizer))  # the front end's stamp matched
+        built = token_ids.padded_ids(tokenizer, key, texts, foreign, length)
         assert built is not None and built.tolist() == want.input_ids.tolist()
         # A text that came without ids is tokenized in the encode (once), with the same result.
         mixed = [*texts, "not counted"]

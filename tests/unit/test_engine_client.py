@@ -1,8 +1,7 @@
-"""The pieces of `--api-process separate` that need no process: the channel's pickling and the /metrics merge."""
+"""The pieces of `--api-process separate` that need no process: the channel's messages and the /metrics merge."""
 
 from __future__ import annotations
 
-import threading
 from multiprocessing.connection import Pipe
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -13,22 +12,21 @@ from diffuserve.launch import engine_messages as m
 from diffuserve.server.engine_client import merge_families
 
 
-class _Guarded:
-    """An object that guards itself with a lock, as a prompt-token owner does."""
+def test_messages_cross_with_their_errors_and_the_model_as_plain_data():
+    """The model's description crosses as data (its request rules and encoder table, no callable, no lock: the
+    standard pickler), and an admission error keeps its status and hint."""
+    from diffuserve.family_spec.request_rules import RequestRules
+    from diffuserve.family_spec.text_tokens import EncoderLimit
+    from diffuserve.sampling import ModelDescription
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.value = 7
-
-
-def test_messages_cross_with_their_errors_and_fresh_locks():
     ours, theirs = Pipe()
-    guarded = _Guarded()
-    guarded.lock.acquire()  # held here: the copy gets its own, free lock
-    m.send(ours, m.Reply(3, guarded))
+    rules = RequestRules(family="flux", size_multiple=16, max_width=1024, facts={"controlnets": {"canny": None}})
+    t5 = EncoderLimit("text_encoder_2 (T5)", "tokenizer_2", "/ckpt/tokenizer_2", "T5TokenizerFast", 512)
+    model = ModelDescription(family="flux", rules=rules, text_encoders=(t5,))
+    m.send(ours, m.ModelInfo(model))
     m.send(ours, m.Answer("r1", error=QueueFullError("full", retry_after_s=2.0), admitted=False))
-    reply = m.receive(theirs)
-    assert reply.call_id == 3 and reply.value.value == 7 and reply.value.lock.acquire(blocking=False)
+    received = m.receive(theirs).model
+    assert received == model and received.rules == rules and received.prompt_tokens is None
     answer = m.receive(theirs)
     assert answer.request_id == "r1" and not answer.admitted
     assert answer.error.http_status == 429 and answer.error.retry_after_s == 2.0

@@ -78,6 +78,29 @@ def test_status_is_a_frozen_snapshot(engines):
     assert engine.status().draining and not status.draining
 
 
+def test_metrics_mirror_the_status_snapshot():
+    """/metrics' engine gauges (queue depth, drain, each replica) are read from the one `EngineStatus`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from diffuserve.engine.metrics import EngineMetrics
+    from diffuserve.executor.base import ReplicaState
+
+    replicas = (ReplicaState(0, (0,), busy=True, batches=4, rows=9), ReplicaState(1, (1,), failed="rank 1 died"))
+    metrics = EngineMetrics()
+    EngineStatus(EngineState.DRAINING, num_queued=3, replicas=replicas).mirror_into(metrics)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.render()[0].decode())
+        for s in family.samples
+    }
+    assert samples[("diffuserve_queue_depth", ())] == 3 and samples[("diffuserve_draining", ())] == 1
+    assert samples[("diffuserve_replica_busy", (("replica", "0"),))] == 1
+    assert samples[("diffuserve_replica_rows", (("replica", "0"),))] == 9
+    assert samples[("diffuserve_replica_healthy", (("replica", "1"),))] == 0
+    EngineStatus(EngineState.READY).mirror_into(metrics)
+    assert "diffuserve_draining 0.0" in metrics.render()[0].decode().splitlines()
+
+
 def test_remote_client_shows_the_pushed_status_with_its_own_drain():
     client = RemoteEngineClient(proc=None, conn=None)  # type: ignore[arg-type]
     assert client.status().state == EngineState.LOADING

@@ -27,7 +27,6 @@ def _ctx(output_kind: str = "image", fields: frozenset[str] = frozenset(), sound
         produces_audio=sound,
         frame_multiple=4,
         defaults=SamplingDefaults(width=32, height=32, num_frames=5, fps=8),
-        validate=lambda params: None,
     )
     return SimpleNamespace(args=ServerArgs(served_model_name="m"), engine=SimpleNamespace(model=model))
 

@@ -103,7 +103,6 @@ def _ctx(output_kind: str) -> SimpleNamespace:
         output_kind=output_kind,
         defaults=SamplingDefaults(width=32, height=32, num_frames=5, fps=8),
         frame_multiple=4,
-        validate=lambda params: None,
     )
     return SimpleNamespace(
         args=ServerArgs(served_model_name="m", max_video_frames=33), engine=SimpleNamespace(model=model)

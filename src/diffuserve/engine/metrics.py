@@ -96,6 +96,7 @@ class EngineMetrics:
             registry=r,
         )
         self.queue_depth = Gauge(f"{p}queue_depth", "Requests waiting in the queue.", registry=r)
+        self.draining = Gauge(f"{p}draining", "1 while the engine drains (it admits nothing new).", registry=r)
         self.cancelled_before_run = Counter(
             f"{p}requests_cancelled_before_run", "Queued requests removed because the client went away.", registry=r
         )

@@ -1,8 +1,9 @@
 """What the engine says about itself: its lifecycle state and one typed, frozen `EngineStatus` snapshot.
 
 `AsyncEngine.status()` builds the snapshot in one place (`engine_status`, under the engine lock, once); /health,
-/server_info and the remote engine's status message (`launch/engine_process.py`, pushed to the HTTP front end when
-it changed) all read it, so no route reaches into the scheduler, the executor or the pipeline for it.
+/server_info, the remote engine's status message (`launch/engine_process.py`, pushed to the HTTP front end when
+it changed) and the gauges /metrics mirrors (`EngineStatus.mirror_into`) all read it, so no route reaches into the
+scheduler, the executor or the pipeline for it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
+from diffuserve.engine.metrics import EngineMetrics
 from diffuserve.engine.request_book import RequestBook
 from diffuserve.engine.scheduler_protocol import RequestScheduler
 from diffuserve.errors import ServiceUnavailableError
@@ -76,6 +78,14 @@ class EngineStatus:
     @property
     def draining(self) -> bool:
         return self.state == EngineState.DRAINING
+
+    def mirror_into(self, metrics: EngineMetrics) -> None:
+        """Set the gauges of `metrics` that mirror this snapshot (queue depth, drain, each replica's state), so
+        /metrics reads the same snapshot /health and /server_info do (refreshed when /metrics is scraped)."""
+        metrics.set_queue_depth(self.num_queued)
+        metrics.draining.set(int(self.draining))
+        for replica in self.replicas:
+            metrics.observe_replica(replica)
 
 
 def engine_status(

@@ -220,6 +220,10 @@ class FamilySpec:
     """The text encoders a prompt goes through, with their token limits (prompt truncation warnings and the
     `usage` text tokens, which count the last one listed: the long-context T5 of FLUX.1 and SD3). Empty: no
     warnings; usage counts the pipeline's longest-context tokenizer."""
+    request_check: Callable[..., None] | None = None
+    """The family's own request checks beyond the common ones (`family_spec.request_rules.FamilyCheck`: params, the
+    checkpoint's `RequestRules`, a prompt counter), a pure function run by `sampling.validate_request` in whichever
+    process builds the request; None: the common checks only."""
 
     @property
     def has_native(self) -> bool:

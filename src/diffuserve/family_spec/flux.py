@@ -1,6 +1,7 @@
 """FLUX.1 (dev, schnell) and FLUX.1 Kontext."""
 
 import dataclasses
+from typing import Any
 
 from diffuserve.family_spec.base import (
     CheckpointConfigs,
@@ -12,6 +13,7 @@ from diffuserve.family_spec.base import (
 )
 from diffuserve.family_spec.checkpoint import square_default
 from diffuserve.family_spec.components import autoencoder_kl_factor
+from diffuserve.family_spec.request_rules import RequestRules, TokenCount, check_control, check_strength, no_crop
 
 # CLIP's 77 tokens (pooled), then T5: diffusers' max_sequence_length 512 (capped by what tokenizer_2 declares).
 FLUX_TEXT_ENCODERS = (
@@ -44,10 +46,24 @@ FLUX_QUANT_KEEP = ("x_embedder", "context_embedder", "time_text_embed.*", "norm_
 FLUX_COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
 """The native adapter's components (model_index.json keys)."""
 
+
+def check_flux(params: Any, rules: RequestRules, tokens: TokenCount | None = None) -> None:
+    """FLUX.1: its ControlNet fields; an image-to-image edit's strength."""
+    check_control(params, rules)
+    check_strength(params)
+
+
+def check_flux_fill(params: Any, rules: RequestRules, tokens: TokenCount | None = None) -> None:
+    """FLUX.1 Fill: no crop (diffusers' FluxFillPipeline repaints the whole image it is given)."""
+    check_flux(params, rules)
+    no_crop(params, "FLUX.1 Fill repaints the whole image it is given (diffusers' FluxFillPipeline has no crop)")
+
+
 SPECS = (
     FamilySpec(
         quant_keep=FLUX_QUANT_KEEP,
         name="flux",
+        request_check=check_flux,
         text_encoders=FLUX_TEXT_ENCODERS,
         pipeline_classes=("FluxPipeline", "FluxImg2ImgPipeline"),
         model_id_patterns=(r"flux",),
@@ -86,6 +102,7 @@ SPECS = (
     FamilySpec(
         quant_keep=FLUX_QUANT_KEEP,
         name="flux_fill",
+        request_check=check_flux_fill,
         text_encoders=FLUX_TEXT_ENCODERS,
         pipeline_classes=("FluxFillPipeline",),
         model_id_patterns=(r"flux\.?1?[-_.]?fill",),

@@ -7,7 +7,9 @@ size.
 """
 
 import dataclasses
+from typing import Any
 
+from diffuserve.errors import InvalidRequestError
 from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
@@ -18,6 +20,7 @@ from diffuserve.family_spec.base import (
 )
 from diffuserve.family_spec.checkpoint import square_default
 from diffuserve.family_spec.flux import flux_geometry
+from diffuserve.family_spec.request_rules import RequestRules, TokenCount, check_strength
 
 # The chat-formatted prompt (system message + user turn): 512 tokens, diffusers' max_sequence_length.
 
@@ -51,10 +54,78 @@ _FLUX2_LAYERS = {
 # compute dtype.
 FLUX2_QUANT_KEEP = ("x_embedder", "context_embedder", "time_guidance_embed.*", "*modulation*", "norm_out.*", "proj_out")
 
+
+REFERENCE_MIN_SIDE = 64
+"""Smallest side of a FLUX.2 reference image (diffusers' check)."""
+REFERENCE_MAX_ASPECT = 8
+"""Largest aspect ratio of a FLUX.2 reference image (diffusers' check)."""
+
+
+def check_flux2(params: Any, rules: RequestRules, tokens: TokenCount | None = None) -> None:
+    """FLUX.2 (dev and Klein): no true-CFG scale; a negative prompt only where CFG runs; readable reference images
+    of a size and aspect the pipeline takes. `rules.facts["is_distilled"]`: a step-distilled Klein checkpoint."""
+    klein = rules.family == "flux2_klein"
+    distilled = bool(rules.facts.get("is_distilled", False))
+    if params.true_cfg_scale != 1.0:
+        hint = (
+            "FLUX.2-Klein's classifier-free guidance scale is guidance_scale."
+            if klein
+            else "FLUX.2-dev is guidance-distilled: set guidance_scale (embedded guidance) instead."
+        )
+        raise InvalidRequestError(
+            f"true_cfg_scale={params.true_cfg_scale}: {rules.family} has no true-CFG scale; {hint}",
+            param="true_cfg_scale",
+        )
+    uses_cfg = klein and params.guidance_scale > 1.0 and not distilled
+    if params.negative_prompt and not uses_cfg:
+        if not klein:
+            hint = "FLUX.2-dev is guidance-distilled and runs no unconditional branch; drop negative_prompt."
+        elif distilled:
+            hint = "this FLUX.2-Klein checkpoint is step-distilled and runs no unconditional branch."
+        else:
+            hint = "the unconditional branch runs only with guidance_scale > 1."
+        raise InvalidRequestError(f"negative_prompt is unused here: {hint}", param="negative_prompt")
+    _check_references(params, rules.family)
+
+
+def _check_references(params: Any, family: str) -> None:
+    import io
+
+    from PIL import Image
+
+    for index, data in enumerate(params.image_inputs):
+        try:
+            with Image.open(io.BytesIO(data)) as image:
+                width, height = image.size
+        except Exception as exc:  # noqa: BLE001 - any decoder error is a bad upload
+            raise InvalidRequestError(f"image {index} is not a readable image ({exc}).", param="image") from exc
+        if min(width, height) < REFERENCE_MIN_SIDE:
+            raise InvalidRequestError(
+                f"image {index} is {width}x{height}; {family} needs reference images of at least "
+                f"{REFERENCE_MIN_SIDE} px on each side.",
+                param="image",
+            )
+        if max(width / height, height / width) > REFERENCE_MAX_ASPECT:
+            raise InvalidRequestError(
+                f"image {index} is {width}x{height}; {family} takes reference aspect ratios up to "
+                f"{REFERENCE_MAX_ASPECT}:1.",
+                param="image",
+            )
+
+
+def check_flux2_klein(params: Any, rules: RequestRules, tokens: TokenCount | None = None) -> None:
+    """FLUX.2-Klein: FLUX.2's checks, and a masked edit's strength (Flux2KleinInpaintPipeline's; reference edits
+    ignore it)."""
+    check_flux2(params, rules)
+    if params.mask_input is not None:
+        check_strength(params)
+
+
 SPECS = (
     FamilySpec(
         quant_keep=FLUX2_QUANT_KEEP,
         name="flux2",
+        request_check=check_flux2,
         text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Mistral3)", 512),),
         pipeline_classes=("Flux2Pipeline",),
         model_id_patterns=(r"flux\.?2",),
@@ -82,6 +153,7 @@ SPECS = (
     FamilySpec(
         quant_keep=FLUX2_QUANT_KEEP,
         name="flux2_klein",
+        request_check=check_flux2_klein,
         text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Qwen3)", 512),),
         pipeline_classes=("Flux2KleinPipeline", "Flux2KleinInpaintPipeline"),
         model_id_patterns=(r"flux\.?2[-_.]?klein",),

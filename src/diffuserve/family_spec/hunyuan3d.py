@@ -1,6 +1,10 @@
 """The Hunyuan3D-2 family spec (read by the registry, the plan and `make-tiny`; no torch here)."""
 
+from typing import Any
+
+from diffuserve.errors import InvalidRequestError
 from diffuserve.family_spec.base import FamilySpec, ProfileFacts, SamplingDefaults
+from diffuserve.family_spec.request_rules import RequestRules, TokenCount
 
 LICENSE_NOTE = (
     "Hunyuan3D-2 weights are under the Tencent Hunyuan 3D 2.0 Community License Agreement: not licensed "
@@ -13,9 +17,26 @@ LICENSE_NOTE = (
 # per-block modulation is quantized with per-row scales, as FLUX.1's.
 HUNYUAN3D_QUANT_KEEP = ("latent_in", "time_in.*", "cond_in", "guidance_in.*", "final_layer.*")
 
+
+def check_hunyuan3d(params: Any, rules: RequestRules, tokens: TokenCount | None = None) -> None:
+    """A mesh request: exactly one image, and an octree resolution from 16 to the checkpoint's largest
+    (`rules.facts`: `default_octree_resolution`, `max_octree_resolution`)."""
+    if len(params.image_inputs) != 1:
+        raise InvalidRequestError(
+            f"a {rules.family} mesh request takes exactly one image; got {len(params.image_inputs)}.", param="image"
+        )
+    resolution = params.octree_resolution or rules.facts["default_octree_resolution"]
+    largest = rules.facts["max_octree_resolution"]
+    if not 16 <= resolution <= largest:
+        raise InvalidRequestError(
+            f"octree_resolution={resolution} must be between 16 and {largest}.", param="octree_resolution"
+        )
+
+
 SPEC = FamilySpec(
     quant_keep=HUNYUAN3D_QUANT_KEEP,
     name="hunyuan3d",
+    request_check=check_hunyuan3d,
     # No diffusers pipeline class: the registry recognises the folder layout (family_spec/hunyuan3d_layout.py).
     pipeline_classes=(),
     model_id_patterns=(r"hunyuan3d",),

@@ -5,6 +5,7 @@ compression times the DiT's patch (16 x 1 for the published checkpoints, 4 x 1 f
 """
 
 import dataclasses
+from typing import Any
 
 from diffuserve.family_spec.base import (
     CheckpointConfigs,
@@ -14,6 +15,7 @@ from diffuserve.family_spec.base import (
     SamplingDefaults,
     TextEncoderFacts,
 )
+from diffuserve.family_spec.request_rules import RequestRules, TokenCount, check_frame_count, check_one_image
 
 HUNYUAN_15_TEXT_ENCODERS = (
     TextEncoderFacts("tokenizer", "text_encoder (Qwen2.5-VL)", 1000),
@@ -95,9 +97,24 @@ HUNYUAN_15_COMPONENTS = (
 )
 """The components every HunyuanVideo 1.5 checkpoint has (the guider is optional: it only names the default scale)."""
 
+
+def check_hunyuan_video15(params: Any, rules: RequestRules, tokens: TokenCount | None = None) -> None:
+    """HunyuanVideo 1.5: a frame count its VAE takes."""
+    check_frame_count(params.num_frames, rules.frame_multiple, model="HunyuanVideo 1.5")
+
+
+def check_hunyuan_video15_i2v(params: Any, rules: RequestRules, tokens: TokenCount | None = None) -> None:
+    """HunyuanVideo 1.5 image-to-video: the frame count, and exactly one input image."""
+    check_hunyuan_video15(params, rules)
+    check_one_image(
+        params, "this HunyuanVideo 1.5 image-to-video model needs exactly one input image (`input_reference`)."
+    )
+
+
 SPECS = (
     FamilySpec(
         name="hunyuan_video_15",
+        request_check=check_hunyuan_video15,
         pipeline_classes=("HunyuanVideo15Pipeline",),
         model_id_patterns=(r"hunyuan[-_]?video[-_]?1[._-]?5",),
         id_priority=10,
@@ -113,6 +130,7 @@ SPECS = (
     ),
     FamilySpec(
         name="hunyuan_video_15_i2v",
+        request_check=check_hunyuan_video15_i2v,
         pipeline_classes=("HunyuanVideo15ImageToVideoPipeline",),
         model_id_patterns=(r"hunyuan[-_]?video[-_]?1[._-]?5.*i2v",),
         id_priority=20,

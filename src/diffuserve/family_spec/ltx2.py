@@ -1,12 +1,15 @@
 """LTX-2 and LTX-2.3: one joint audio-video transformer denoises the video tokens and the audio tokens together
 (`LTX2Pipeline`; image-to-video is `LTX2ImageToVideoPipeline` on the same checkpoint)."""
 
+from typing import Any
+
 from diffuserve.family_spec.base import (
     FamilySpec,
     ProfileFacts,
     SamplingDefaults,
     TextEncoderFacts,
 )
+from diffuserve.family_spec.request_rules import RequestRules, TokenCount, check_frame_count
 
 LTX2_TEXT_ENCODERS = (TextEncoderFacts("tokenizer", "text_encoder (Gemma3)", 1024),)
 """Gemma3, diffusers' max_sequence_length 1024 (left-padded; every hidden state feeds the text connectors)."""
@@ -47,10 +50,17 @@ LTX2_QUANT_KEEP = (
     "audio_proj_out",
 )
 
+
+def check_ltx2(params: Any, rules: RequestRules, tokens: TokenCount | None = None) -> None:
+    """LTX-2: a frame count its video VAE takes."""
+    check_frame_count(params.num_frames, rules.frame_multiple, model="LTX-2", vae="video VAE")
+
+
 SPECS = (
     FamilySpec(
         quant_keep=LTX2_QUANT_KEEP,
         name="ltx2",
+        request_check=check_ltx2,
         text_encoders=LTX2_TEXT_ENCODERS,
         pipeline_classes=("LTX2Pipeline", "LTX2ImageToVideoPipeline"),
         model_id_patterns=(r"ltx[-_]?2",),

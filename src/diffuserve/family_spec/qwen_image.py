@@ -2,7 +2,9 @@
 single-stream block-causal DiT with a prefix KV cache."""
 
 import dataclasses
+from typing import Any
 
+from diffuserve.errors import InvalidRequestError
 from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
@@ -11,6 +13,7 @@ from diffuserve.family_spec.base import (
     SamplingDefaults,
     TextEncoderFacts,
 )
+from diffuserve.family_spec.request_rules import RequestRules, TokenCount, check_control, check_strength
 
 # Qwen-Image: the prompt inside its template, system prefix dropped, cut to max_sequence_length (512) tokens.
 # 2.1 reads the whole prompt through its processor's tokenizer, as far as the RoPE table's non-negative
@@ -70,10 +73,51 @@ def qwen_image_21_defaults(
 # modulation (`img_mod.1` / `txt_mod.1`, a third of each block's weights) is quantized with per-row scales, as FLUX.1's.
 QWEN_IMAGE_QUANT_KEEP = ("img_in", "txt_in", "time_text_embed.*", "norm_out.*", "proj_out")
 
+
+def check_qwen_image(params: Any, rules: RequestRules, tokens: TokenCount | None = None) -> None:
+    """Qwen-Image: its ControlNet fields; an input image only with a mask (diffusers has no Qwen-Image img2img
+    pipeline we follow), and the strength."""
+    check_control(params, rules)
+    if params.image_inputs and params.mask_input is None:
+        raise InvalidRequestError(
+            "Qwen-Image takes an input image only to inpaint it: send a mask with the image (Qwen-Image-Edit "
+            "checkpoints edit whole images).",
+            param="mask",
+        )
+    check_strength(params)
+
+
+def check_qwen_image_21(params: Any, rules: RequestRules, tokens: TokenCount | None = None) -> None:
+    """Qwen-Image 2.1 reads the whole prompt (no max_sequence_length) and numbers text tokens on the RoPE frame
+    axis before the image: past the table's non-negative positions they would silently wrap. Counted on the
+    templated text (`rules.facts`: `prompt_template`, `drop_idx`) with the caller's prompt counter. A Turbo
+    checkpoint samples on its own grid (`rules.facts["grid_steps"]`), which fixes the step count."""
+    limit = QWEN_IMAGE_21_ROPE_POSITIONS[0] - 1
+    template, drop = rules.facts.get("prompt_template"), int(rules.facts.get("drop_idx", 0))
+    for name, text in (("prompt", params.prompt), ("negative_prompt", params.negative_prompt)):
+        # A cheap pre-check first: a token covers at most a few characters.
+        if tokens is not None and template is not None and text and len(text) > limit // 8:
+            count = tokens(template.format(text)) - drop
+            if count > limit:
+                raise InvalidRequestError(
+                    f"{name} is {count} tokens long; Qwen-Image 2.1 positions at most {limit} text tokens. Shorten it.",
+                    param=name,
+                )
+    grid = rules.facts.get("grid_steps")
+    if grid and params.num_inference_steps != grid:
+        raise InvalidRequestError(
+            f"this Qwen-Image 2.1 Turbo checkpoint samples on its own {grid}-step grid "
+            f"(model_index.json sample_sigmas); num_inference_steps={params.num_inference_steps} cannot "
+            f"run, use {grid} or leave it unset.",
+            param="num_inference_steps",
+        )
+
+
 SPECS = (
     FamilySpec(
         quant_keep=QWEN_IMAGE_QUANT_KEEP,
         name="qwen_image",
+        request_check=check_qwen_image,
         text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Qwen2.5-VL)", QWEN_IMAGE_TEXT_TOKENS),),
         pipeline_classes=("QwenImagePipeline", "QwenImageInpaintPipeline"),
         # Edits with a mask, as QwenImageInpaintPipeline (pipelines/inpaint.py); an image without a mask is refused.
@@ -106,6 +150,7 @@ SPECS = (
     FamilySpec(
         quant_keep=QWEN_IMAGE_QUANT_KEEP,
         name="qwen_image_21",
+        request_check=check_qwen_image_21,
         text_encoders=(TextEncoderFacts("processor", "text_encoder (Qwen3-VL)", QWEN_IMAGE_21_ROPE_POSITIONS[0] - 1),),
         pipeline_classes=("QwenImage21Pipeline",),
         model_id_patterns=(r"qwen[-_]?image[-_.]?2\.?1",),

@@ -1,5 +1,9 @@
 """Qwen-Image-Edit and Qwen-Image-Edit 2509/2511 (several input images)."""
 
+import math
+from typing import Any
+
+from diffuserve.errors import InvalidRequestError
 from diffuserve.family_spec.base import FamilySpec, SamplingDefaults, TextEncoderFacts
 from diffuserve.family_spec.qwen_image import (
     QWEN_IMAGE_LAYERS,
@@ -8,6 +12,7 @@ from diffuserve.family_spec.qwen_image import (
     QWEN_PROFILE,
     qwen_image_geometry,
 )
+from diffuserve.family_spec.request_rules import RequestRules, TokenCount, check_strength
 
 # diffusers' edit pipelines give the processor the whole templated prompt (no max_sequence_length cut).
 EDIT_TEXT_ENCODERS = (TextEncoderFacts("processor", "text_encoder (Qwen2.5-VL)", None),)
@@ -19,10 +24,51 @@ def qwen_image_edit_max_latent_side(cfg: dict) -> int:
     return QWEN_IMAGE_ROPE_POSITIONS * int(cfg.get("patch_size") or 2)
 
 
+EDIT_AREA = 1024 * 1024
+"""The pixel area a masked Qwen-Image-Edit output is sized to (QwenImageEditInpaintPipeline)."""
+
+
+def edit_size(width: int, height: int) -> tuple[int, int]:
+    """The output size QwenImageEditInpaintPipeline gives an input image of `width` x `height` (diffusers'
+    `calculate_dimensions(1024 * 1024, ratio)`: the ratio kept at ~1024² px, each side a multiple of 32)."""
+    ratio = width / height
+    out_width = math.sqrt(EDIT_AREA * ratio)
+    out_height = out_width / ratio
+    return round(out_width / 32) * 32, round(out_height / 32) * 32
+
+
+def check_qwen_image_edit(params: Any, rules: RequestRules, tokens: TokenCount | None = None) -> None:
+    """An edit needs its input image; a masked edit's strength, and its size (QwenImageEditInpaintPipeline outputs
+    the image's ~1024² size)."""
+    if len(params.image_inputs) < rules.min_image_inputs:
+        raise InvalidRequestError(
+            f"this {rules.family} model edits images: send the input image with POST /v1/images/edits "
+            f"(up to {rules.max_image_inputs} `image` file(s)); got {len(params.image_inputs)}.",
+            param="image",
+        )
+    if params.mask_input is None:
+        return
+    import io
+
+    from PIL import Image
+
+    check_strength(params)
+    image = Image.open(io.BytesIO(params.image_inputs[0]))
+    width, height = edit_size(*image.size)
+    if (params.width, params.height) != (width, height):
+        raise InvalidRequestError(
+            f"a masked {rules.family} edit is output at its image's ~1024x1024 size, {width}x{height} for this "
+            f"{image.size[0]}x{image.size[1]} image (as QwenImageEditInpaintPipeline sizes it); send "
+            f"size={width}x{height}, not {params.width}x{params.height}.",
+            param="size",
+        )
+
+
 SPECS = (
     FamilySpec(
         quant_keep=QWEN_IMAGE_QUANT_KEEP,
         name="qwen_image_edit",
+        request_check=check_qwen_image_edit,
         text_encoders=EDIT_TEXT_ENCODERS,
         pipeline_classes=("QwenImageEditPipeline", "QwenImageEditInpaintPipeline"),
         model_id_patterns=(r"qwen[-_]?image[-_]?edit",),
@@ -49,6 +95,7 @@ SPECS = (
     FamilySpec(
         quant_keep=QWEN_IMAGE_QUANT_KEEP,
         name="qwen_image_edit_plus",
+        request_check=check_qwen_image_edit,
         text_encoders=EDIT_TEXT_ENCODERS,
         pipeline_classes=("QwenImageEditPlusPipeline",),
         model_id_patterns=(r"qwen[-_]?image[-_]?edit[-_]?(2509|2511|plus)",),

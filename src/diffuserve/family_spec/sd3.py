@@ -1,6 +1,7 @@
 """Stable Diffusion 3 / 3.5 (two CLIP encoders and T5)."""
 
 import dataclasses
+from typing import Any
 
 from diffuserve.family_spec.base import (
     CheckpointConfigs,
@@ -11,6 +12,7 @@ from diffuserve.family_spec.base import (
     TextEncoderFacts,
 )
 from diffuserve.family_spec.components import autoencoder_kl_factor
+from diffuserve.family_spec.request_rules import RequestRules, TokenCount, check_control, check_strength
 
 # Two CLIPs (77 tokens each) and T5 (diffusers' max_sequence_length 256); T5 may be left out.
 
@@ -42,9 +44,17 @@ SD3_QUANT_KEEP = ("pos_embed.*", "context_embedder", "time_text_embed.*", "norm_
 SD3_COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
 """Components every SD3 checkpoint has; T5 (`text_encoder_3`, `tokenizer_3`) may be left out, as diffusers allows."""
 
+
+def check_sd3(params: Any, rules: RequestRules, tokens: TokenCount | None = None) -> None:
+    """SD3: its ControlNet fields; an edit's strength."""
+    check_control(params, rules)
+    check_strength(params)
+
+
 SPEC = FamilySpec(
     quant_keep=SD3_QUANT_KEEP,
     name="sd3",
+    request_check=check_sd3,
     text_encoders=(
         TextEncoderFacts("tokenizer", "text_encoder (CLIP-L)", 77),
         TextEncoderFacts("tokenizer_2", "text_encoder_2 (CLIP-G)", 77),

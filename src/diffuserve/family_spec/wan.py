@@ -1,6 +1,9 @@
 """Wan2.1 / Wan2.2 text-to-video (one spec: A14B's two experts and TI2V-5B's per-token timesteps are settings of
 the same `WanPipeline` class) and Wan image-to-video."""
 
+from typing import Any
+
+from diffuserve.errors import InvalidRequestError
 from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
@@ -9,6 +12,7 @@ from diffuserve.family_spec.base import (
     SamplingDefaults,
     TextEncoderFacts,
 )
+from diffuserve.family_spec.request_rules import RequestRules, TokenCount, check_frame_count, check_one_image
 
 WAN_TEXT_ENCODERS = (TextEncoderFacts("tokenizer", "text_encoder (UMT5)", 512),)
 """UMT5, diffusers' max_sequence_length 512 (capped by what the tokenizer declares)."""
@@ -45,10 +49,37 @@ def wan_geometry(configs: CheckpointConfigs) -> LatentGeometry:
 # Linear.
 WAN_QUANT_KEEP = ("patch_embedding", "condition_embedder.*", "proj_out")
 
+
+def check_wan(params: Any, rules: RequestRules, tokens: TokenCount | None = None) -> None:
+    """Wan: a frame count its VAE takes; the second expert's fields only on a two-expert Wan2.2 checkpoint
+    (`rules.facts["two_experts"]`), with a boundary inside (0, 1)."""
+    check_frame_count(params.num_frames, rules.frame_multiple, model="Wan")
+    for name in ("guidance_scale_2", "boundary_ratio"):
+        if getattr(params, name) is not None and not rules.facts.get("two_experts", False):
+            raise InvalidRequestError(
+                f"{name} applies only to two-expert Wan2.2 checkpoints "
+                "(boundary_ratio in model_index.json); this one has one transformer.",
+                param=name,
+            )
+    if params.boundary_ratio is not None and not 0.0 < params.boundary_ratio < 1.0:
+        raise InvalidRequestError(
+            f"boundary_ratio={params.boundary_ratio} must be between 0 and 1 (exclusive): "
+            "the timestep share at which the low-noise expert takes over.",
+            param="boundary_ratio",
+        )
+
+
+def check_wan_i2v(params: Any, rules: RequestRules, tokens: TokenCount | None = None) -> None:
+    """Wan image-to-video: Wan's checks, and exactly one input image."""
+    check_wan(params, rules)
+    check_one_image(params, "this Wan image-to-video model needs exactly one input image (`input_reference`).")
+
+
 SPECS = (
     FamilySpec(
         quant_keep=WAN_QUANT_KEEP,
         name="wan",
+        request_check=check_wan,
         text_encoders=WAN_TEXT_ENCODERS,
         pipeline_classes=("WanPipeline",),
         model_id_patterns=(r"wan",),
@@ -78,6 +109,7 @@ SPECS = (
     FamilySpec(
         quant_keep=WAN_QUANT_KEEP,
         name="wan_i2v",
+        request_check=check_wan_i2v,
         text_encoders=WAN_TEXT_ENCODERS,
         pipeline_classes=("WanImageToVideoPipeline",),
         model_id_patterns=(r"wan.*i2v",),

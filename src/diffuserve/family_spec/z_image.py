@@ -1,5 +1,8 @@
 """Z-Image and Z-Image-Turbo (Qwen3 encoder)."""
 
+from typing import Any
+
+from diffuserve.errors import InvalidRequestError
 from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
@@ -10,6 +13,7 @@ from diffuserve.family_spec.base import (
 )
 from diffuserve.family_spec.checkpoint import square_default
 from diffuserve.family_spec.components import autoencoder_kl_factor
+from diffuserve.family_spec.request_rules import RequestRules, TokenCount, check_strength, no_crop
 
 # The chat-templated prompt, max_sequence_length 512 (the adapter also caps it by the DiT's caption axis).
 
@@ -45,9 +49,21 @@ def z_image_defaults(
 # the final layers stay in the compute dtype.
 Z_IMAGE_QUANT_KEEP = ("t_embedder.*", "cap_embedder.*", "all_x_embedder.*", "all_final_layer.*", "*adaLN_modulation*")
 
+
+def check_z_image(params: Any, rules: RequestRules, tokens: TokenCount | None = None) -> None:
+    """Z-Image takes an input image only to inpaint it, without a crop; the strength."""
+    if params.image_inputs and params.mask_input is None:
+        raise InvalidRequestError(
+            "Z-Image takes an input image only to inpaint it: send a mask with the image.", param="mask"
+        )
+    no_crop(params, "diffusers' ZImageInpaintPipeline has no crop")
+    check_strength(params)
+
+
 SPEC = FamilySpec(
     quant_keep=Z_IMAGE_QUANT_KEEP,
     name="z_image",
+    request_check=check_z_image,
     text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Qwen3)", 512),),
     pipeline_classes=("ZImagePipeline", "ZImageInpaintPipeline"),
     # Edits with a mask, as ZImageInpaintPipeline (pipelines/inpaint.py); an image without a mask is refused.

@@ -5,18 +5,13 @@ front end sends `Start`, `Submit`, `Abort`, `BeginDrain`, `Drain`, `MetricsQuery
 answers with `Hello` (once, before the model loads), `ModelInfo` (once, when the model is loaded), `Status` (its
 `EngineStatus` and the live requests' progress, when they changed), `Admitted` / `Answer` per request,
 `PreviewImages` for streaming requests, `Reply` to a `Drain` or `MetricsQuery`, and `Fatal` when the engine gives
-up. Data, with no callables and nothing bound to one process (a model's own `validate` runs in the engine
-process), except one object that carries a lock: `ModelInfo`'s description holds the model's prompt-token owner
-(`ModelDescription.prompt_tokens`, private tokenizer copies guarded by a lock), which `send` pickles with a fresh
-lock of its own (`_Pickler`), so the front end counts tokens on its own copy.
+up. Data only: no callables, nothing bound to one process (the model's request rules are data; the front end
+checks requests against them).
 """
 
 from __future__ import annotations
 
-import copyreg
-import io
 import pickle
-import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -41,7 +36,7 @@ class Submit:
     request_id: str
     """Server-generated id; the key of every later message about the request."""
     params: SamplingParams
-    """Its sampling parameters (built and checked by the front end, except the model's own `validate`)."""
+    """Its sampling parameters (built and checked by the front end against the model's request rules)."""
     endpoint: str
     """The API it came through (the label of the request metrics)."""
     timeout_s: float | None
@@ -111,7 +106,7 @@ class ModelInfo:
     """The model is loaded: what the routes need to know about it."""
 
     model: ModelDescription
-    """Its description, without `validate` (a bound method of the pipeline: it runs in the engine process)."""
+    """Its description: plain data (its request rules included; the front end checks requests against them)."""
 
 
 @dataclass(frozen=True)
@@ -176,20 +171,9 @@ class Fatal:
     """What happened."""
 
 
-class _Pickler(pickle.Pickler):
-    """Pickles a lock as a fresh one: an object that guards itself with a lock (a prompt-token owner's private
-    tokenizers) crosses as a copy with its own lock."""
-
-    dispatch_table = copyreg.dispatch_table.copy()
-    dispatch_table[type(threading.Lock())] = lambda _: (threading.Lock, ())
-    dispatch_table[type(threading.RLock())] = lambda _: (threading.RLock, ())
-
-
 def send(conn: Connection, message: Any) -> None:
     """Pickle `message` (on the calling thread) and send it."""
-    buffer = io.BytesIO()
-    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
-    conn.send_bytes(buffer.getbuffer())
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def receive(conn: Connection) -> Any:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import queue
@@ -189,6 +188,7 @@ class EngineServer:
         elif isinstance(message, m.Drain):
             asyncio.ensure_future(self._drain(message))
         elif isinstance(message, m.MetricsQuery):
+            self.engine.status().mirror_into(self.metrics)  # the gauges that mirror the engine's one snapshot
             self.out.put(m.Reply(message.call_id, list(self.metrics.registry.collect())))
         elif isinstance(message, m.Stop):
             assert self._stopped is not None
@@ -206,9 +206,6 @@ class EngineServer:
                 message.partial_images, lambda index, images: self.out.put(m.PreviewImages(request_id, index, images))
             )
         try:
-            model = self.engine.model
-            if model is not None and model.validate is not None:
-                model.validate(message.params)  # the front end's copy of the description has no validate
             future = self.engine.submit(
                 message.params,
                 endpoint=message.endpoint,
@@ -221,7 +218,7 @@ class EngineServer:
         except DiffuserveError as exc:
             self.out.put(m.Answer(request_id, error=exc, admitted=False))
             return
-        except Exception as exc:  # a bug in a model's validate: that request fails, loudly
+        except Exception as exc:  # a bug in admission: that request fails, loudly
             logger.exception("admission of %s failed", request_id)
             self.out.put(m.Answer(request_id, error=GenerationError(f"{type(exc).__name__}: {exc}"), admitted=False))
             return
@@ -253,8 +250,7 @@ class EngineServer:
             self._changed.clear()
             status = self._status()
             if not self._model_sent and self.engine.pipeline is not None:
-                model = dataclasses.replace(self.engine.pipeline.describe_model(), validate=None)
-                self.out.put(m.ModelInfo(model))
+                self.out.put(m.ModelInfo(self.engine.pipeline.describe_model()))
                 self._model_sent = True
             if status != last:
                 self.out.put(status)

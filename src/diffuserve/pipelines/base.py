@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
     from diffuserve.activation import ActivationFacts
     from diffuserve.family_spec.checkpoint import CheckpointFacts
+    from diffuserve.family_spec.request_rules import RequestRules
+    from diffuserve.family_spec.text_tokens import EncoderLimit
     from diffuserve.pipelines.overlap import Overlap
     from diffuserve.pipelines.prompt_limits import PromptTokens, TextEncoderLimit
     from diffuserve.sampling import ModelDescription, SamplingParams
@@ -159,6 +161,10 @@ class Pipeline:
     size_multiple: int = 1
     """Width/height must be multiples of this: the checkpoint's (`bind_facts`, or the diffusers backend's); 1: none."""
     max_pixels: int = 4096 * 4096
+    backend: str = "native"
+    controlnets: Mapping[str, Any] = {}
+    """The loaded ControlNets by name (`models/controlnets.install_controlnets`); none by default."""
+    """native | diffusers: which backend runs the checkpoint (the diffusers backend has its own request checks)."""
     max_width: int | None = None
     """Largest width the checkpoint's positional tables allow (None: no limit of the model's own)."""
     max_height: int | None = None
@@ -277,74 +283,46 @@ class Pipeline:
         """Encode a queued request's texts beside the running batch; False: this pipeline cannot (the default)."""
         return False
 
+    def request_rules(self) -> RequestRules:
+        """The facts a request is checked against, as plain data (`family_spec.request_rules.RequestRules`): derived
+        once here, in the engine's process, and carried by the model's description, so any process checks a
+        request with `sampling.validate_request` and never calls this pipeline."""
+        from diffuserve.config.step_cache import METHODS
+        from diffuserve.family_spec.request_rules import RequestRules
+
+        problems = self.__dict__.get("_step_cache_problems")  # asked once: the routes describe the model per request
+        if problems is None:
+            problems = {m: p for m in METHODS if (p := self.step_cache_problem(m)) is not None}
+            self.__dict__["_step_cache_problems"] = problems
+        return RequestRules(
+            family=self.family,
+            output_kind=self.output_kind,
+            backend=self.backend,
+            size_multiple=self.size_multiple,
+            max_width=self.max_width,
+            max_height=self.max_height,
+            max_pixels=self.max_pixels,
+            max_image_inputs=self.max_image_inputs,
+            min_image_inputs=self.min_image_inputs,
+            inpaints=self.inpaints,
+            frame_multiple=self.frame_multiple,
+            step_cache_problems=problems,
+            facts=self.request_facts(),
+        )
+
+    def request_facts(self) -> dict[str, Any]:
+        """The checkpoint's own facts its family's request check reads (`FamilySpec.request_check`), plain data: the
+        loaded ControlNets' Union mode counts by name (the base); a family adds its own."""
+        nets = self.controlnets
+        return {"controlnets": {name: net.num_modes for name, net in nets.items()}} if nets else {}
+
     def validate(self, params: SamplingParams) -> None:
-        """Reject what this family cannot run, naming the field (InvalidRequestError)."""
-        from diffuserve.errors import InvalidRequestError
+        """`sampling.validate_request` against this pipeline's rules (for tools and tests in the engine's process;
+        the routes check against the description's copy of the rules)."""
+        from diffuserve.sampling import validate_request
 
-        for name in ("width", "height"):
-            value = getattr(params, name)
-            if value <= 0 or value % self.size_multiple:
-                raise InvalidRequestError(
-                    f"{name}={value} is not a positive multiple of {self.size_multiple}, which this "
-                    f"{self.family} model needs; choose e.g. "
-                    f"{max(self.size_multiple, value // self.size_multiple * self.size_multiple)}.",
-                    param="size",
-                )
-        for name, value, limit in (("width", params.width, self.max_width), ("height", params.height, self.max_height)):
-            if limit is not None and value > limit:
-                raise InvalidRequestError(
-                    f"{name}={value} is larger than this {self.family} checkpoint can run (its positional tables "
-                    f"end at {limit} px); choose a size up to {self.max_width}x{self.max_height}.",
-                    param="size",
-                )
-        if len(params.image_inputs) > self.max_image_inputs:
-            what = (
-                "takes no input image (image inputs / edits are not supported for it)"
-                if not self.max_image_inputs
-                else f"takes at most {self.max_image_inputs} input image(s)"
-            )
-            # The video API calls its image field `input_reference`; the images API `image`.
-            raise InvalidRequestError(
-                f"this {self.family} model {what}; got {len(params.image_inputs)}.",
-                param="input_reference" if self.output_kind == "video" else "image",
-            )
-        self._check_mask(params)
-        if params.width * params.height > self.max_pixels:
-            raise InvalidRequestError(
-                f"size {params.width}x{params.height} exceeds this server's limit of {self.max_pixels} pixels.",
-                param="size",
-            )
-        if self.output_kind == "image" and params.num_frames != 1:
-            raise InvalidRequestError("num_frames must be 1 for an image model.", param="num_frames")
-        if params.step_cache is not None:
-            problem = self.step_cache_problem(params.step_cache.method)
-            if problem is not None:
-                raise InvalidRequestError(
-                    f"step_cache {params.step_cache.method!r} cannot run on this {self.family} model: {problem}.",
-                    param="step_cache",
-                )
-            settings = params.step_cache
-            if settings.method == "magcache" and not settings.mag_ratios and not settings.calibrate:
-                raise InvalidRequestError(
-                    "step_cache magcache needs this checkpoint's magnitude ratios (`diffuserve "
-                    "calibrate-cache`, then --step-cache-calibration FILE).",
-                    param="step_cache",
-                )
-
-    def _check_mask(self, params: SamplingParams) -> None:
-        """A mask only where the family inpaints, only with an input image; `padding_mask_crop` only with a mask."""
-        from diffuserve.errors import InvalidRequestError
-        from diffuserve.sampling import mask_refusal
-
-        if params.mask_input is not None and not self.inpaints:
-            raise mask_refusal(self.family)
-        if params.mask_input is not None and not params.image_inputs:
-            raise InvalidRequestError("mask needs the image it masks; send an `image` file too.", param="mask")
-        if params.padding_mask_crop is not None and (params.mask_input is None or params.padding_mask_crop < 0):
-            raise InvalidRequestError(
-                f"padding_mask_crop={params.padding_mask_crop} needs a mask and a value >= 0 (pixels around it).",
-                param="padding_mask_crop",
-            )
+        owner = self.prompt_tokens()
+        validate_request(params, self.request_rules(), owner.tokens)
 
     def step_cache_problem(self, method: str) -> str | None:
         """Why this pipeline cannot run step-cache `method` (None: it can). Native families answer from their
@@ -376,6 +354,7 @@ class Pipeline:
         """What the routes and the request builder need to know (`diffuserve.sampling.ModelDescription`)."""
         from diffuserve.sampling import ModelDescription
 
+        encoders, usage = self._prompt_table()
         return ModelDescription(
             family=self.family,
             output_kind=self.output_kind,
@@ -389,12 +368,20 @@ class Pipeline:
             packs_mixed_sizes=self.packs_mixed_sizes,
             max_width=self.max_width,
             max_height=self.max_height,
-            validate=self.validate,
-            prompt_tokens=self.prompt_tokens(),
+            rules=self.request_rules(),
+            text_encoders=encoders,
+            usage_encoder=usage,
             request_fields=self.request_fields(),
             produces_audio=self.produces_audio,
             activation=self._activation_facts(),
         )
+
+    def _prompt_table(self) -> tuple[tuple[EncoderLimit, ...], EncoderLimit | None]:
+        """`prompt_tokens().table()`, derived once (the routes describe the model on every request)."""
+        cached = self.__dict__.get("_described_prompt_table")
+        if cached is None:
+            cached = self.__dict__["_described_prompt_table"] = self.prompt_tokens().table()
+        return cached
 
     def _activation_facts(self) -> ActivationFacts:
         """`activation_facts()`, derived once (the routes describe the model on every request)."""

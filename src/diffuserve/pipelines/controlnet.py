@@ -19,13 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffuserve.errors import InvalidRequestError
+from diffuserve.family_spec.request_rules import control_name
 
 if TYPE_CHECKING:
     from diffuserve.sampling import SamplingParams
 
-SCALE_RANGE = (0.0, 10.0)
-"""`controlnet_conditioning_scale` values a request may give (diffusers' published examples use 0.3-1.0)."""
 EXTRAS_KEY = "control"
 """The `DenoiseState.extras` key of a batch's `ControlRows`."""
 
@@ -172,65 +170,5 @@ def step_residuals(
 
 def resolve(params: SamplingParams, controlnets: dict[str, LoadedControlNet]) -> LoadedControlNet:
     """The ControlNet a request's rows use (its `controlnet` name, or the only one loaded)."""
-    control = params.control
-    assert control is not None
-    if not controlnets:
-        raise InvalidRequestError(
-            "control_image: no ControlNet is loaded; serve with --controlnet [NAME=]PATH.", param="control_image"
-        )
-    names = ", ".join(controlnets)
-    if control.name is None:
-        if len(controlnets) > 1:
-            raise InvalidRequestError(
-                f"controlnet: several ControlNets are loaded ({names}); name the one to use.", param="controlnet"
-            )
-        return next(iter(controlnets.values()))
-    if control.name not in controlnets:
-        raise InvalidRequestError(
-            f"controlnet: no ControlNet named {control.name!r} (loaded: {names}).", param="controlnet"
-        )
-    return controlnets[control.name]
-
-
-def check_control(params: SamplingParams, controlnets: dict[str, LoadedControlNet]) -> None:
-    """400 naming the field for a request's ControlNet fields this server cannot run (before it is queued)."""
-    control = params.control
-    if control is None:
-        return
-    net = resolve(params, controlnets)
-    modes = net.num_modes
-    if modes is None and control.mode is not None:
-        raise InvalidRequestError(
-            f"control_mode: ControlNet {net.name!r} is not a Union ControlNet (no modes); leave control_mode out.",
-            param="control_mode",
-        )
-    if modes is not None and (control.mode is None or not 0 <= control.mode < modes):
-        got = "is missing" if control.mode is None else f"{control.mode} is not one of its modes"
-        raise InvalidRequestError(
-            f"control_mode {got}: Union ControlNet {net.name!r} takes a mode 0..{modes - 1} (the control type, e.g. "
-            "for InstantX's FLUX.1 Union: 0 canny, 1 tile, 2 depth, 3 blur, 4 pose, 5 gray, 6 low quality).",
-            param="control_mode",
-        )
-    low, high = SCALE_RANGE
-    if not low <= control.scale <= high:
-        raise InvalidRequestError(
-            f"controlnet_conditioning_scale={control.scale} must be in [{low}, {high}].",
-            param="controlnet_conditioning_scale",
-        )
-    if not 0.0 <= control.start < control.end <= 1.0:
-        raise InvalidRequestError(
-            f"control_guidance_start={control.start}, control_guidance_end={control.end}: need "
-            "0 <= start < end <= 1 (shares of the steps).",
-            param="control_guidance_start" if not 0.0 <= control.start < 1.0 else "control_guidance_end",
-        )
-    if params.image_inputs:
-        raise InvalidRequestError(
-            "control_image: ControlNet runs on text-to-image (POST /v1/images/generations); an edit takes none.",
-            param="control_image",
-        )
-    if params.step_cache_method != "off":
-        raise InvalidRequestError(
-            f"step_cache: a step cache ({params.step_cache_method}) skips the DiT blocks that take the ControlNet's "
-            'residuals, so it is refused for ControlNet rows; send "step_cache": "off" with control_image.',
-            param="step_cache",
-        )
+    assert params.control is not None
+    return controlnets[control_name(params, controlnets)]

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from diffuserve.errors import CheckpointError, ConfigError, InvalidRequestError, RequestCancelledError
+from diffuserve.errors import CheckpointError, ConfigError, RequestCancelledError
 from diffuserve.family_spec.base import SamplingDefaults
 from diffuserve.family_spec.checkpoint import describe_checkpoint
 from diffuserve.pipelines import recipe
@@ -72,6 +72,7 @@ class DiffusersBackendPipeline(Pipeline):
     """Wraps a loaded `diffusers.DiffusionPipeline`; batches by prompt lists."""
 
     supports_batching = True
+    backend = "diffusers"
     lora_names: tuple[str, ...] = ()
     """Adapters loaded with `--lora-modules` (`load_lora_adapters`); each call runs one set of them."""
 
@@ -305,6 +306,10 @@ class DiffusersBackendPipeline(Pipeline):
             wanted["output_type"] = "pil" if self.output_kind == "image" else "np"
         return {k: v for k, v in wanted.items() if k in self._call_params}
 
+    def request_facts(self) -> dict[str, Any]:
+        """The layered pipelines' resolution buckets (`family_spec.request_rules.diffusers_checks`)."""
+        return {"resolutions": LAYERED_RESOLUTIONS}
+
     def request_fields(self) -> frozenset[str]:
         """Peer fields the wrapped pipeline honours: true_cfg_scale where its `__call__` takes it; flow_shift where
         its scheduler has a shift; guidance_scale_2 and boundary_ratio on a two-expert checkpoint; a layered
@@ -318,40 +323,6 @@ class DiffusersBackendPipeline(Pipeline):
         if self.layered:
             fields.update({"layers", *(("resolution",) if "resolution" in self._call_params else ())})
         return frozenset(fields)
-
-    def validate(self, params: Any) -> None:
-        if params.boundary_ratio is not None and not 0.0 < params.boundary_ratio < 1.0:
-            raise InvalidRequestError(
-                f"boundary_ratio={params.boundary_ratio} must be between 0 and 1 (exclusive).", param="boundary_ratio"
-            )
-        if params.resolution is not None and params.resolution not in LAYERED_RESOLUTIONS:
-            raise InvalidRequestError(
-                f"resolution={params.resolution} is not one of this {self.family} model's "
-                f"buckets {list(LAYERED_RESOLUTIONS)}.",
-                param="resolution",
-            )
-        if self.output_kind == "video":
-            self._validate_video(params)
-        # max_image_inputs stays 0 unless the pipeline's call takes `image`: an unmodified text-to-image
-        # pipeline would ignore an image, so the base check refuses edits rather than silently answering one
-        # with an unrelated generation.
-        super().validate(params)
-        if len(params.image_inputs) < self.min_image_inputs:
-            raise InvalidRequestError(
-                f"this {self.family} model splits one input image into layers: send it with POST /v1/images/edits "
-                f"(one `image` file; `n` = number of layers); got {len(params.image_inputs)}.",
-                param="image",
-            )
-
-    def _validate_video(self, params: Any) -> None:
-        frames, step = params.num_frames, self.frame_multiple
-        if frames < 1 or (frames - 1) % step:
-            below = max(1, (frames - 1) // step * step + 1)
-            raise InvalidRequestError(
-                f"num_frames={frames} does not fit this {self.family} model, which needs num_frames = "
-                f"{step}k+1 (its VAE compresses time {step}x); use {below} or {below + step}.",
-                param="num_frames",
-            )
 
     def load_lora_adapters(self, adapters: dict[str, str]) -> None:
         """`--lora-modules` on this backend: each adapter goes through the pipeline's own `load_lora_weights`

@@ -108,22 +108,6 @@ def latent_mask(mask: torch.Tensor | None, size: tuple[int, ...], like: torch.Te
     return torch.nn.functional.interpolate(mask, size=size).to(device=like.device, dtype=like.dtype)
 
 
-def check_strength(params: Any) -> None:
-    """An edit's `strength` in (0, 1] that leaves at least one denoising step (the diffusers pipelines' check)."""
-    if not params.image_inputs:
-        return
-    from diffuserve.errors import InvalidRequestError
-
-    if not 0.0 < params.strength <= 1.0:
-        raise InvalidRequestError(f"strength={params.strength} must be in (0, 1].", param="strength")
-    if int(params.num_inference_steps * params.strength) < 1:
-        raise InvalidRequestError(
-            f"strength={params.strength} with num_inference_steps={params.num_inference_steps} leaves no denoising "
-            "step; raise strength or num_inference_steps.",
-            param="strength",
-        )
-
-
 def t_start(strength: float, num_steps: int) -> int:
     """The schedule step at which an edit of `strength` starts: diffusers' `get_timesteps` (`timesteps[t_start:]`)."""
     return int(max(num_steps - min(num_steps * strength, num_steps), 0))

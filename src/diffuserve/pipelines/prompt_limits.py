@@ -3,19 +3,57 @@ and the `usage` text tokens of a response.
 
 Family-agnostic: a family spec lists its text encoders (`family_spec.base.TextEncoderFacts`); a loaded pipeline
 turns them into `TextEncoderLimit`s (its tokenizer + the most tokens the encoder is given, special tokens
-included) from `prompt_token_limits()`, and `PromptTokens` is THE owner of every count the server makes: it
-holds private copies of those tokenizers (never the encode path's objects) and counts a request's texts once,
-for prompt limits, truncation warnings and usage together. The server calls it off the event loop before
-queueing a request and warns (or, with `--reject-truncated-prompts`, refuses).
+included) from `prompt_token_limits()`, and describes them to the front end as plain data (`table`: each
+encoder's tokenizer folder and its limit net of the pipeline's framing, `family_spec/text_tokens.EncoderLimit`). The
+front end builds its own `PromptTokens` from that table (`prompt_counter`: the tokenizers loaded from their folders,
+never the engine's objects) and counts a request's texts once, for prompt limits, truncation warnings and usage
+together, off the event loop, before queueing the request; it warns (or, with `--reject-truncated-prompts`,
+refuses).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
+import hashlib
+import logging
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from diffuserve.family_spec.text_tokens import EncoderLimit, TokenIds
+
+if TYPE_CHECKING:
+    from diffuserve.sampling import ModelDescription
+
+logger = logging.getLogger(__name__)
+
+
+_FINGERPRINT_PROBE = "A photo of 2 cats, résumé; 東京 <x> ..."
+"""A text whose ids tell tokenizers apart (case, digits, accents, CJK, markup, punctuation)."""
+_FINGERPRINTS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+"""Tokenizer -> its fingerprint (made once per tokenizer object; forgotten with it)."""
+_FINGERPRINTS_LOCK = threading.Lock()
+
+
+def fingerprint(tokenizer: Any) -> str:
+    """A stamp of what `tokenizer` makes of text: its class, its vocabulary size and its ids of a probe text. Two
+    tokenizers loaded from the same folder (the engine's and the front end's) have the same stamp; counted on a
+    private copy (a fast tokenizer keeps its truncation settings on the object for the length of a call)."""
+    with _FINGERPRINTS_LOCK:
+        stamp = _FINGERPRINTS.get(tokenizer)
+        if stamp is None:
+            own = copy.deepcopy(tokenizer)
+            ids = own(_FINGERPRINT_PROBE, truncation=False, add_special_tokens=True, verbose=False)["input_ids"]
+            name = getattr(type(own), "__name__", "")
+            vocab = own.get_vocab() if callable(getattr(own, "get_vocab", None)) else {}
+            text = f"{name}|{len(vocab)}|{list(ids)}"
+            stamp = _FINGERPRINTS[tokenizer] = hashlib.sha1(text.encode()).hexdigest()[:16]
+        return stamp
 
 
 @dataclass(frozen=True)
@@ -65,9 +103,10 @@ class PromptCount:
     """Every (field, encoder) pair whose text is longer than the encoder takes (limits and warnings)."""
     text_tokens: int
     """The `usage` text tokens: the texts' tokens in the usage encoder (the spec's last), as far as it reads."""
-    text_ids: dict[str, dict[str, tuple[int, ...]]] = field(default_factory=dict)
-    """Tokenizer key -> text -> its ids (untruncated, special tokens included): the one tokenization of each
-    text, carried to the encode (`SamplingParams.text_ids`, `pipelines/token_ids.py`)."""
+    text_ids: dict[str, TokenIds] = field(default_factory=dict)
+    """Tokenizer key -> its ids of each text (untruncated, special tokens included), stamped with the tokenizer that
+    made them: the one tokenization of each text, carried to the encode (`SamplingParams.text_ids`,
+    `pipelines/token_ids.py`)."""
 
 
 class PromptTokens:
@@ -101,6 +140,51 @@ class PromptTokens:
         self.usage: TextEncoderLimit | None = chosen
         """The encoder whose tokens are the `usage` text tokens, on its private copy (None: words)."""
         self._lock = threading.Lock()
+        self._stamps = {limit.key: fingerprint(limit.tokenizer) for limit in self.limits if limit.key is not None}
+        """Tokenizer key -> the fingerprint its ids are stamped with (made once, here)."""
+
+    @classmethod
+    def from_table(
+        cls,
+        encoders: Sequence[EncoderLimit],
+        usage: EncoderLimit | None = None,
+        *,
+        load: Callable[[EncoderLimit], Any] | None = None,
+    ) -> PromptTokens:
+        """The front end's counter: each encoder's tokenizer loaded from its folder (`load`, default
+        `load_tokenizer`), its limit as described (already net of the framing). An encoder without a folder cannot
+        be counted and is left out (logged); `usage` None: the last encoder counted is the usage encoder."""
+        loader = load or load_tokenizer
+        loaded: dict[str, Any] = {}
+
+        def limit(entry: EncoderLimit) -> TextEncoderLimit | None:
+            if entry.folder is None:
+                logger.warning("no tokenizer folder for %s: its prompt tokens are not counted", entry.encoder)
+                return None
+            if entry.folder not in loaded:
+                loaded[entry.folder] = loader(entry)
+            return TextEncoderLimit(entry.encoder, loaded[entry.folder], entry.max_tokens, key=entry.key)
+
+        limits = [x for x in (limit(e) for e in encoders) if x is not None]
+        return cls(limits, usage=limit(usage) if usage is not None else None)
+
+    def table(self) -> tuple[tuple[EncoderLimit, ...], EncoderLimit | None]:
+        """This counter as plain data for another process (`PromptTokens.from_table`): each encoder's tokenizer
+        folder and class, and its limit net of the framing; the usage encoder when it is not the last one."""
+
+        def entry(limit: TextEncoderLimit) -> EncoderLimit:
+            folder = str(getattr(limit.tokenizer, "name_or_path", "") or "")
+            return EncoderLimit(
+                encoder=limit.encoder,
+                key=limit.key,
+                folder=folder if folder and Path(folder).is_dir() else None,
+                tokenizer_class=type(limit.tokenizer).__name__,
+                max_tokens=limit.max_tokens,
+            )
+
+        encoders = tuple(entry(limit) for limit in self.limits)
+        last = self.limits[-1] if self.limits else None
+        return encoders, (entry(self.usage) if self.usage is not None and self.usage is not last else None)
 
     def count(self, texts: Mapping[str, str | None]) -> PromptCount:
         """Count `texts` (request field -> text; None/empty texts count nothing) once for every purpose: each text
@@ -122,7 +206,8 @@ class PromptTokens:
                 else:
                     tokens = len(self._ids(self.usage, text, counted, text_ids))
                     text_tokens += tokens if self.usage.max_tokens is None else min(tokens, self.usage.max_tokens)
-        return PromptCount(tuple(truncations), text_tokens, text_ids)
+        stamped = {key: TokenIds(self._stamps[key], ids) for key, ids in text_ids.items() if key in self._stamps}
+        return PromptCount(tuple(truncations), text_tokens, stamped)
 
     def _ids(
         self,
@@ -171,3 +256,37 @@ def declared_limit(tokenizer: Any, max_tokens: int | None) -> int | None:
     if max_tokens is None or not isinstance(declared, int) or declared <= 0:
         return max_tokens
     return min(max_tokens, declared)
+
+
+def load_tokenizer(entry: EncoderLimit) -> Any:
+    """The tokenizer of `entry`, loaded from its folder with the class the engine loaded (local files only)."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    cls = getattr(transformers, entry.tokenizer_class, None) or AutoTokenizer
+    return cls.from_pretrained(entry.folder, local_files_only=True)
+
+
+_BUILD_LOCK = threading.Lock()
+"""One build at a time: the first requests and the start-up build may ask together (and transformers' lazy module
+must not be imported from two threads at once)."""
+
+
+def prompt_counter(encoders: tuple[EncoderLimit, ...], usage: EncoderLimit | None) -> PromptTokens:
+    """The front end's prompt counter for a model described by `encoders` / `usage` (its
+    `ModelDescription.text_encoders` / `usage_encoder`), built once per process from the tokenizer folders."""
+    with _BUILD_LOCK:
+        return _built(encoders, usage)
+
+
+@functools.lru_cache(maxsize=4)
+def _built(encoders: tuple[EncoderLimit, ...], usage: EncoderLimit | None) -> PromptTokens:
+    return PromptTokens.from_table(encoders, usage)
+
+
+def with_counter(model: ModelDescription) -> ModelDescription:
+    """`model` with this process's prompt counter attached (`prompt_counter` of its `text_encoders`): what the HTTP
+    front end and `generate` count and check prompts with, never the engine's pipeline."""
+    if model.prompt_tokens is not None:
+        return model
+    return dataclasses.replace(model, prompt_tokens=prompt_counter(model.text_encoders, model.usage_encoder))

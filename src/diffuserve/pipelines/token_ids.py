@@ -1,12 +1,14 @@
-"""Tokenize once: the encode path reuses the token ids the server's prompt count made (issue 24 item 2).
+"""Tokenize once: the encode reuses the token ids the front end's prompt count made.
 
-A served request's texts are tokenized once per tokenizer, by the model's `PromptTokens` owner
-(`pipelines/prompt_limits.py`, on its private tokenizer copies, off the event loop): that count's ids (untruncated,
-special tokens included) serve the prompt limits, the truncation warnings and the usage, and they travel with the
-request (`SamplingParams.text_ids`: tokenizer key -> text -> ids) to the encode. A family whose encoder takes a
-fixed-length, right-padded input (FLUX.1's CLIP and T5) builds that input from the carried ids with `padded_ids`
-instead of tokenizing again; only texts that came without ids (the empty negative text has fixed ids; a request
-no route counted, a warm-up) are tokenized in the encode.
+A served request's texts are tokenized once per tokenizer, by the front end's prompt counter
+(`pipelines/prompt_limits.PromptTokens`, built from the checkpoint's tokenizer folders, off the event loop): that
+count's ids (untruncated, special tokens included) serve the prompt limits, the truncation warnings and the usage,
+and they travel with the request (`SamplingParams.text_ids`: tokenizer key -> `TokenIds`) to the encode. Each
+`TokenIds` is stamped with the `fingerprint` of the tokenizer that made it; the encode uses carried ids only when its
+own tokenizer has the same fingerprint (a front end that loaded another tokenizer, or none, costs one tokenization,
+never a wrong input). A family whose encoder takes a fixed-length, right-padded input (FLUX.1's CLIP and T5) builds
+that input from the carried ids with `padded_ids` instead of tokenizing again; only texts that came without ids (the
+empty negative text has fixed ids; a request no route counted, a warm-up) are tokenized in the encode.
 
 The padded input is built by a rule (keep the leading ids, then the trailing special tokens, then pad) that is
 checked once per (tokenizer, length) against the tokenizer itself on probe texts, a short one, an empty one and
@@ -18,14 +20,14 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-TextIds = Mapping[str, Mapping[str, tuple[int, ...]]]
-"""Tokenizer key (the model_index part, e.g. `tokenizer_2`) -> text -> its ids (untruncated, special tokens)."""
+from diffuserve.family_spec.text_tokens import TokenIds
+from diffuserve.pipelines.prompt_limits import fingerprint
 
 _PROBES = ("a photo of a cat", "")
 """Texts the rule is checked on, with one longer than the length (made per length)."""
@@ -90,12 +92,15 @@ def _rule(tokenizer: Any, length: int) -> _PadRule | None:
         return entry[1]
 
 
-def carried(batch: Sequence[Any], key: str) -> dict[str, tuple[int, ...]]:
-    """The ids the requests of `batch` carry for tokenizer `key` (their `text_ids`), by text."""
+def carried(batch: Sequence[Any], key: str, stamp: str) -> dict[str, tuple[int, ...]]:
+    """The ids the requests of `batch` carry for tokenizer `key` (their `text_ids`), by text: only those made by a
+    tokenizer whose fingerprint is `stamp` (the encode's own)."""
     found: dict[str, tuple[int, ...]] = {}
     for params in batch:
-        for text, ids in ((getattr(params, "text_ids", None) or {}).get(key) or {}).items():
-            found.setdefault(text, ids)
+        made: TokenIds | None = (params.text_ids or {}).get(key)
+        if made is not None and made.tokenizer == stamp:
+            for text, ids in made.ids.items():
+                found.setdefault(text, ids)
     return found
 
 
@@ -109,7 +114,7 @@ def padded_ids(
     rule = _rule(tokenizer, max_length)
     if rule is None:
         return None
-    found = carried(batch, key)
+    found = carried(batch, key, fingerprint(tokenizer))
     missing = [text for text in dict.fromkeys(texts) if text not in found and text != ""]
     if missing:
         fresh = tokenizer(missing, truncation=False, add_special_tokens=True, verbose=False)["input_ids"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import sqlite3
@@ -10,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from diffuserve import __version__
@@ -23,6 +25,7 @@ from diffuserve.server import (
     openai_videos,
     playground,
 )
+from diffuserve.server.common import served_model
 from diffuserve.server.context import ServerContext
 from diffuserve.server.mesh_jobs import MeshJobStore
 from diffuserve.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, TrailingSlashMiddleware
@@ -146,17 +149,31 @@ def open_results_store(args) -> ResultStore:
         ) from exc
 
 
+async def _prepare_prompt_counter(ctx: ServerContext) -> None:
+    """Build the front end's prompt counter (tokenizers loaded from the folders the model's description names) in a
+    worker thread as soon as the engine has described the model, so no request loads tokenizers on the event loop;
+    the engine's warm-up runs meanwhile, and requests wait for it (503) anyway."""
+    while ctx.engine.model is None:
+        await asyncio.sleep(0.25)
+    try:
+        await run_in_threadpool(served_model, ctx)
+    except Exception:  # noqa: BLE001 - the first request builds it again and reports the error
+        logging.getLogger("diffuserve.server").exception("building the prompt counter failed")
+
+
 def create_app(ctx: ServerContext) -> FastAPI:
     """Build the app around an engine that is started by the lifespan (load and warm-up run in its thread)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ctx.engine.start()
+        counter = asyncio.create_task(_prepare_prompt_counter(ctx))
         openai_videos.start_results_sweep(ctx)
         openai_meshes.start_mesh_sync(ctx)
         try:
             yield
         finally:
+            counter.cancel()
             assert ctx.results is not None
             ctx.results.stop_sweeper()
             ctx.engine.stop()

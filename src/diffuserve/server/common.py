@@ -22,8 +22,9 @@ from diffuserve.config.step_cache import (
 from diffuserve.engine.engine import EngineState, GenerationResult
 from diffuserve.engine.metrics import EngineMetrics
 from diffuserve.errors import InvalidRequestError, ModelNotFoundError
-from diffuserve.pipelines.prompt_limits import PromptTokens
-from diffuserve.sampling import SamplingParams
+from diffuserve.family_spec.text_tokens import TokenIds
+from diffuserve.pipelines.prompt_limits import prompt_counter, with_counter
+from diffuserve.sampling import ModelDescription, SamplingParams
 from diffuserve.server.context import ServerContext
 from diffuserve.server.lora_fields import adapter_names
 from diffuserve.server.protocol import parse_size
@@ -31,6 +32,14 @@ from diffuserve.server.protocol import parse_size
 
 def server_context(request: Request) -> ServerContext:
     return request.app.state.ctx
+
+
+def served_model(ctx: ServerContext) -> ModelDescription | None:
+    """The engine's description of the served model (plain data, in either `--api-process` mode) with this
+    process's own prompt counter attached, built once from the description's tokenizer folders
+    (`pipelines/prompt_limits.prompt_counter`): the routes count and check prompts without the engine's pipeline."""
+    model = ctx.engine.model
+    return with_counter(model) if model is not None else None
 
 
 def require_ready(ctx: ServerContext) -> None:
@@ -135,9 +144,9 @@ class PromptCheck:
     """Texts longer than a text encoder takes (empty when all fit)."""
     text_tokens: int
     """The `usage` text tokens (server/usage.py)."""
-    text_ids: dict[str, dict[str, tuple[int, ...]]] = field(default_factory=dict)
-    """The count's ids of each text per tokenizer (`PromptCount.text_ids`): `carry` puts them on the request,
-    so the encode does not tokenize the texts again."""
+    text_ids: dict[str, TokenIds] = field(default_factory=dict)
+    """The count's ids of each text per tokenizer, stamped with the tokenizer (`PromptCount.text_ids`): `carry` puts
+    them on the request, so the encode does not tokenize the texts again."""
 
     def carry(self, params: SamplingParams) -> SamplingParams:
         """`params` with this count's token ids for the encode (tokenize once, `pipelines/token_ids.py`)."""
@@ -145,13 +154,13 @@ class PromptCheck:
 
 
 def check_prompt(ctx: ServerContext, texts: dict[str, str | None]) -> PromptCheck:
-    """Count the texts ONCE through the model's token owner: texts longer than a text encoder takes become
-    warnings for the response (logged once per request), or a 400 naming the field with
+    """Count the texts ONCE through this process's prompt counter (`served_model`): texts longer than a text
+    encoder takes become warnings for the response (logged once per request), or a 400 naming the field with
     --reject-truncated-prompts; the same count gives the usage text tokens. It tokenizes, so call it off the
     event loop (`count_prompt`), before the request is queued."""
-    model = ctx.engine.model
+    model = served_model(ctx)
     owner = model.prompt_tokens if model is not None else None
-    counted = (owner or PromptTokens(())).count(texts)
+    counted = (owner or prompt_counter((), None)).count(texts)
     if not counted.truncations:
         return PromptCheck([], counted.text_tokens, counted.text_ids)
     if ctx.args.reject_truncated_prompts:

@@ -1,8 +1,8 @@
 """The ControlNet request fields (`control_image`, `control_mode`, `controlnet_conditioning_scale`,
 `control_guidance_start` / `_end`, `controlnet`; docs/api.md "ControlNet") -> `ControlRequest`, checked before
 anything is queued: an image that is not one, a companion field without `control_image` or a field the served model
-does not take is a 400 naming the field. What depends on the loaded ControlNets (names, Union modes) is the
-pipeline's `validate` (`pipelines/controlnet.py` `check_control`), which the one builder runs.
+does not take is a 400 naming the field. What depends on the loaded ControlNets (names, Union modes) is checked
+against the model's request rules (`family_spec/request_rules.py` `check_control`), which the one builder runs.
 
 `control_image` is a base64 `data:` URL, bare base64, `{"image_url": ...}`, or an http(s) URL that the server fetches
 only with `--allow-remote-urls`, under the guards of `server/safe_fetch.py` (`load_control_image`, one loader for every

@@ -433,8 +433,10 @@ class _Families:
 
 
 async def render_metrics(engine: Any, metrics: EngineMetrics) -> tuple[bytes, str]:
-    """/metrics: this process's collectors, plus the engine process's when the engine runs in one."""
+    """/metrics: this process's collectors, plus the engine process's when the engine runs in one (each process's
+    engine gauges refreshed from its `EngineStatus` first: `mirror_into`)."""
     if not isinstance(engine, RemoteEngineClient):
+        engine.status().mirror_into(metrics)  # the gauges that mirror the engine's one snapshot
         return metrics.render()
     families = merge_families(metrics.registry.collect(), await engine.metric_families())
     registry = CollectorRegistry(auto_describe=False)

@@ -1,9 +1,9 @@
 """The store of asynchronous mesh jobs behind `/v1/meshes` (no engine, no HTTP here).
 
 A job is `queued`, then `in_progress` once its first DiT step is reported, and ends `completed` (with its GLB or
-OBJ file), `failed` or `cancelled`. Jobs are rows of kind `mesh` in the results store, kept by the shared job store
-(the `server.job_store` module, which says how rows are kept, dropped and stopped across replicas); a process takes no more
-than `max_jobs` unfinished mesh jobs (`check_room`: 429).
+OBJ file), `failed` or `cancelled`. Jobs are rows of kind `mesh` in the results store, kept by the shared job
+store (the `server.job_store` module, which says how rows are kept, dropped and stopped across replicas); a process
+takes no more than `max_jobs` unfinished mesh jobs (`check_room`: 429).
 """
 
 from __future__ import annotations

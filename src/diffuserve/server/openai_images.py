@@ -28,6 +28,7 @@ from diffuserve.server.common import (
     request_step_cache,
     require_ready,
     result_timings,
+    served_model,
     server_context,
 )
 from diffuserve.server.context import ServerContext, StoredImage
@@ -68,7 +69,7 @@ def image_params(
     mask_input: bytes | None = None,
 ) -> SamplingParams:
     """Request body -> SamplingParams through the one builder, after the server's own caps."""
-    model = ctx.engine.model
+    model = served_model(ctx)
     assert model is not None
     if model.output_kind != "image":
         route = "a mesh job with POST /v1/meshes" if model.output_kind == "mesh" else "a video job with POST /v1/videos"
@@ -302,7 +303,7 @@ async def _edit_mask(extras: dict[str, Any], ctx: ServerContext, image_size: tup
     given = [(k, extras[k]) for k in _MASK_FIELDS if k in extras]
     if not given:
         return None
-    model = ctx.engine.model
+    model = served_model(ctx)
     assert model is not None
     if not model.inpaints:
         raise mask_refusal(model.family)

@@ -26,9 +26,9 @@ from starlette.concurrency import run_in_threadpool
 from diffuserve.errors import DiffuserveError, InvalidRequestError, NotFoundError, RequestCancelledError
 from diffuserve.media.images import decode_image
 from diffuserve.media.meshes import MESH_FORMATS, encode_mesh
-from diffuserve.sampling import SamplingParams, build_sampling_params
+from diffuserve.sampling import SamplingParams, build_sampling_params, validate_request
 from diffuserve.server import job_routes
-from diffuserve.server.common import check_request_limits, require_ready, result_timings, server_context
+from diffuserve.server.common import check_request_limits, require_ready, result_timings, served_model, server_context
 from diffuserve.server.context import ServerContext
 from diffuserve.server.job_routes import error_dict
 from diffuserve.server.media_sources import FetchPolicy, load_image_source
@@ -122,7 +122,7 @@ async def _create_body(request: Request) -> tuple[MeshCreateRequest, bytes]:
 
 
 def build_mesh_params(body: MeshCreateRequest, ctx: ServerContext, image: bytes) -> SamplingParams:
-    model = ctx.engine.model
+    model = served_model(ctx)
     assert model is not None
     if model.output_kind != "mesh":
         raise InvalidRequestError(
@@ -149,8 +149,8 @@ def build_mesh_params(body: MeshCreateRequest, ctx: ServerContext, image: bytes)
         )
     # The value the job runs with (the checkpoint's default when unset), so the job reports it, not 0.
     params = dataclasses.replace(params, octree_resolution=body.octree_resolution or model.defaults.octree_resolution)
-    if model.validate is not None:
-        model.validate(params)
+    if model.rules is not None:
+        validate_request(params, model.rules)
     return params
 
 

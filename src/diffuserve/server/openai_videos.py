@@ -32,7 +32,7 @@ from diffuserve.errors import (
 from diffuserve.media.video import encode_mp4, spritesheet, thumbnail
 from diffuserve.sampling import SamplingParams
 from diffuserve.server import job_routes
-from diffuserve.server.common import count_prompt, require_ready, result_timings, server_context
+from diffuserve.server.common import count_prompt, require_ready, result_timings, served_model, server_context
 from diffuserve.server.context import ServerContext
 from diffuserve.server.job_routes import error_dict
 from diffuserve.server.protocol import error_envelope
@@ -278,7 +278,7 @@ async def list_videos(
 ) -> dict[str, Any]:
     """Kept jobs, newest first (`order=asc`: oldest first); `after` is the last id of the previous page."""
     ctx = server_context(request)
-    model = ctx.engine.model
+    model = served_model(ctx)
     if model is not None and model.output_kind != "video":  # a shared --output-dir: not this server's jobs
         return {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
     try:

@@ -4,7 +4,7 @@
 Token counts (OpenAI's `usage` object, for diffusion models):
 - text tokens: what the family spec's last text encoder (T5 for FLUX / SD3, UMT5 for Wan, else the family's
   one encoder) makes of the prompt and the negative prompt, truncated to the length the model reads. They are
-  counted by the model's `PromptTokens` owner (`pipelines/prompt_limits.py`, via `server/common.check_prompt`)
+  counted by the front end's `PromptTokens` (`pipelines/prompt_limits.py`, via `server/common.check_prompt`)
   in the same count as the truncation warnings, whose token ids the encode reuses (`pipelines/token_ids.py`);
   this module never touches a tokenizer;
 - image tokens: one per `size_multiple x size_multiple` pixel patch (FLUX: the 16 px patches the transformer

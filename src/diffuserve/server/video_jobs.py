@@ -5,8 +5,8 @@ A job is created `queued`, becomes `in_progress` once its first denoising step i
 job never changes again: a late result of a cancelled job is dropped, a late cancel of a completed job
 is refused by the route.
 
-Jobs are rows of kind `video` in the results store, kept by the shared job store (the `server.job_store` module), so they
-survive a restart and are seen by every process sharing its stores (--output-dir, or --results-db and --media-store
+Jobs are rows of kind `video` in the results store, kept by the shared job store (the `server.job_store` module), so
+they survive a restart and are seen by every process sharing its stores (--output-dir, or --results-db and --media-store
 across hosts); the MP4 is a file or object there. Running and queued jobs are never dropped past `max_jobs`, since
 their number is already bounded by the engine's queue. Recording a finished video retries while the results store
 is unavailable (FINISH_RETRIES_S).

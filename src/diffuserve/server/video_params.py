@@ -17,7 +17,7 @@ from pydantic import Field, StrictFloat, StrictInt, StrictStr
 
 from diffuserve.errors import InvalidRequestError
 from diffuserve.sampling import ModelDescription, SamplingParams, build_sampling_params, check_request_fields
-from diffuserve.server.common import check_request_limits, request_step_cache, resolve_size
+from diffuserve.server.common import check_request_limits, request_step_cache, resolve_size, served_model
 from diffuserve.server.context import ServerContext
 from diffuserve.server.lora_fields import base_model_name, request_loras
 from diffuserve.server.protocol import MAX_SEED, PromptRequest
@@ -161,7 +161,7 @@ def audio_choice(body: VideoCreateRequest, model: ModelDescription, num_frames: 
 def build_video_params(body: VideoCreateRequest, ctx: ServerContext, image: bytes | None = None) -> SamplingParams:
     """Request body + the model's defaults -> SamplingParams, checked against the server's caps."""
     args = ctx.args
-    model = ctx.engine.model
+    model = served_model(ctx)
     assert model is not None
     if model.output_kind != "video":
         raise InvalidRequestError(

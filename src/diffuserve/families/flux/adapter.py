@@ -26,7 +26,7 @@ from diffuserve.families.flux.ops import FluxPacking
 from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import inpaint, recipe, token_ids
 from diffuserve.pipelines.base import component_configs, declared_sequence_length
-from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows
+from diffuserve.pipelines.controlnet import EXTRAS_KEY, merge_rows
 from diffuserve.pipelines.recipe import Cond, DenoiseState
 from diffuserve.pipelines.schedules import flow_schedule
 
@@ -207,21 +207,6 @@ class FluxNativePipeline(FluxPacking, recipe.RecipePipeline):
             {"true_cfg_scale", *control, *(("flow_shift",) if recipe.has_flow_shift(self.scheduler) else ())}
         )
 
-    def validate(self, params: Any) -> None:
-        super().validate(params)
-        check_control(params, self.controlnets)
-        if params.image_inputs:
-            from diffuserve.errors import InvalidRequestError
-
-            if not 0.0 < params.strength <= 1.0:
-                raise InvalidRequestError(f"strength={params.strength} must be in (0, 1].", param="strength")
-            if int(params.num_inference_steps * params.strength) < 1:
-                raise InvalidRequestError(
-                    f"strength={params.strength} with num_inference_steps={params.num_inference_steps} leaves no "
-                    "denoising step; raise strength or num_inference_steps.",
-                    param="strength",
-                )
-
     def _image_ids_for(self, height: int, width: int) -> torch.Tensor:
         key = (height, width)
         if key not in self._image_ids:
@@ -380,17 +365,6 @@ class FluxFillNativePipeline(FluxNativePipeline):
         latents = torch.cat(rows)
         self._fill_condition = torch.cat(conditions)
         return FluxPipeline._pack_latents(latents, latents.shape[0], channels, lh, lw), timesteps, None
-
-    def validate(self, params: Any) -> None:
-        super().validate(params)
-        if params.padding_mask_crop is not None:
-            from diffuserve.errors import InvalidRequestError
-
-            raise InvalidRequestError(
-                "padding_mask_crop: FLUX.1 Fill repaints the whole image it is given (diffusers' FluxFillPipeline has "
-                "no crop); leave it out.",
-                param="padding_mask_crop",
-            )
 
     def _encode(self, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         encoded = retrieve_latents(self.vae.encode(pixels.to(self.device, self.vae.dtype)), generator=generator)

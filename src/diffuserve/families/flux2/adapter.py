@@ -48,7 +48,7 @@ from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
 from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from PIL import Image
 
-from diffuserve.errors import CheckpointError, InvalidRequestError
+from diffuserve.errors import CheckpointError
 from diffuserve.families.flux2 import inpaint as flux2_inpaint
 from diffuserve.families.flux2.ops import Flux2Packing
 from diffuserve.family_spec.checkpoint import required_components
@@ -195,37 +195,6 @@ class Flux2NativePipeline(Flux2Packing, recipe.RecipePipeline):
         )
 
     # -- defaults and validation -------------------------------------------------------------------------
-
-    def validate(self, params: Any) -> None:
-        super().validate(params)
-        if params.true_cfg_scale != 1.0:
-            raise InvalidRequestError(
-                f"true_cfg_scale={params.true_cfg_scale}: {self.family} has no true-CFG scale; {self._guidance_hint()}",
-                param="true_cfg_scale",
-            )
-        if params.negative_prompt and not self.uses_cfg(params):
-            raise InvalidRequestError(
-                f"negative_prompt is unused here: {self._negative_hint()}", param="negative_prompt"
-            )
-        for index, data in enumerate(params.image_inputs):
-            try:
-                with Image.open(io.BytesIO(data)) as image:
-                    size = image.size
-            except Exception as exc:  # noqa: BLE001 - any decoder error is a bad upload
-                raise InvalidRequestError(f"image {index} is not a readable image ({exc}).", param="image") from exc
-            width, height = size
-            if min(width, height) < REFERENCE_MIN_SIDE:
-                raise InvalidRequestError(
-                    f"image {index} is {width}x{height}; {self.family} needs reference images of at least "
-                    f"{REFERENCE_MIN_SIDE} px on each side.",
-                    param="image",
-                )
-            if max(width / height, height / width) > REFERENCE_MAX_ASPECT:
-                raise InvalidRequestError(
-                    f"image {index} is {width}x{height}; {self.family} takes reference aspect ratios up to "
-                    f"{REFERENCE_MAX_ASPECT}:1.",
-                    param="image",
-                )
 
     def uses_cfg(self, head: Any) -> bool:
         # Guidance-distilled: the guidance scale is an input of the transformer, never a second branch.
@@ -429,13 +398,12 @@ class Flux2KleinNativePipeline(Flux2NativePipeline):
         """model_index.json `is_distilled` (step-distilled Klein 4B/9B: guidance is ignored)."""
         return bool(self.model_index.get("is_distilled", False))
 
+    def request_facts(self) -> dict[str, Any]:
+        """A step-distilled checkpoint runs no unconditional branch (`flux2/spec.check_flux2`)."""
+        return {**super().request_facts(), "is_distilled": self.is_distilled}
+
     def uses_cfg(self, head: Any) -> bool:
         return head.guidance_scale > 1.0 and not self.is_distilled
-
-    def validate(self, params: Any) -> None:
-        super().validate(params)
-        if params.mask_input is not None:  # Flux2KleinInpaintPipeline's `strength`; reference edits ignore it
-            inpaint.check_strength(params)
 
     def scheduler_step(
         self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from diffuserve.activation import ActivationFacts
-from diffuserve.errors import CheckpointError, InvalidRequestError, RequestCancelledError
+from diffuserve.errors import CheckpointError, RequestCancelledError
 from diffuserve.families.hunyuan3d import conditioning
 from diffuserve.families.hunyuan3d.dit import Hunyuan3DDiT
 from diffuserve.families.hunyuan3d.flashvdm import flashvdm_decode
@@ -245,17 +245,13 @@ class Hunyuan3DPipeline(Pipeline):
     def octree_resolution(self, params: SamplingParams) -> int:
         return params.octree_resolution or self.settings.default_octree_resolution
 
-    def validate(self, params: SamplingParams) -> None:
-        if len(params.image_inputs) != 1:
-            raise InvalidRequestError(
-                f"a {self.family} mesh request takes exactly one image; got {len(params.image_inputs)}.", param="image"
-            )
-        resolution = self.octree_resolution(params)
-        if not 16 <= resolution <= self.settings.max_octree_resolution:
-            raise InvalidRequestError(
-                f"octree_resolution={resolution} must be between 16 and {self.settings.max_octree_resolution}.",
-                param="octree_resolution",
-            )
+    def request_facts(self) -> dict[str, Any]:
+        """A mesh request is checked by `hunyuan3d/spec.check_hunyuan3d` alone, against the octree settings."""
+        return {
+            "replaces_common_checks": True,
+            "default_octree_resolution": self.settings.default_octree_resolution,
+            "max_octree_resolution": self.settings.max_octree_resolution,
+        }
 
     def activation_facts(self) -> ActivationFacts:
         """A mesh's activation memory is the octree grid and one decoder chunk (`diffuserve/activation.py`)."""

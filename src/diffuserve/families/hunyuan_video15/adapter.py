@@ -29,12 +29,10 @@ from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15I
 from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import HunyuanVideo15Pipeline
 from PIL import Image
 
-from diffuserve.errors import InvalidRequestError
 from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import recipe
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
-from diffuserve.pipelines.video_checks import check_frame_count
 
 # diffusers 0.42.1 registers HunyuanVideo's blocks but not 1.5's: say where its (hidden, encoder hidden) outputs sit,
 # so the step caches (pipelines/step_cache.py) and diffusers' own cache hooks can cut at its blocks.
@@ -154,10 +152,6 @@ class HunyuanVideo15NativePipeline(recipe.RecipePipeline):
     ) -> HunyuanVideo15NativePipeline:
         required_components(cls.family, components)  # the guider is optional: it only names the default scale
         return cls(components=components, device=device, dtype=dtype)
-
-    def validate(self, params: Any) -> None:
-        super().validate(params)
-        check_frame_count(params.num_frames, self.temporal_factor, model="HunyuanVideo 1.5")
 
     def request_fields(self) -> frozenset[str]:
         return frozenset({"flow_shift"} if recipe.has_flow_shift(self.scheduler) else ())
@@ -299,14 +293,6 @@ class HunyuanVideo15I2VNativePipeline(HunyuanVideo15NativePipeline):
         required_components(cls.family, components)  # with SigLIP's image_encoder and feature_extractor
         base = HunyuanVideo15NativePipeline.from_components(components, device=device, dtype=dtype)
         return cls(components=components, device=base.device, dtype=base.dtype)
-
-    def validate(self, params: Any) -> None:
-        super().validate(params)
-        if len(params.image_inputs) != 1:
-            raise InvalidRequestError(
-                "this HunyuanVideo 1.5 image-to-video model needs exactly one input image (`input_reference`).",
-                param="input_reference",
-            )
 
     def prepare_components(self, head: Any) -> tuple[str, ...]:
         return ("vae", "image_encoder")

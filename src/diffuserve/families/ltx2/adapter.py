@@ -37,7 +37,6 @@ from diffuserve.families.ltx2.layout import Guidance, JointLayout
 from diffuserve.pipelines import recipe
 from diffuserve.pipelines.base import BatchResult, component_configs
 from diffuserve.pipelines.recipe import Cond, Denoised, DenoiseState
-from diffuserve.pipelines.video_checks import check_frame_count
 
 MAX_SEQUENCE_LENGTH = 1024
 """Gemma3 tokens per prompt (diffusers' LTX2Pipeline default), left-padded."""
@@ -80,10 +79,6 @@ class LTX2NativePipeline(recipe.RecipePipeline):
                 "(use --backend diffusers for a pipeline without them)."
             )
         return cls({k: components[k] for k in REQUIRED}, device=device, dtype=dtype)
-
-    def validate(self, params: Any) -> None:
-        super().validate(params)
-        check_frame_count(params.num_frames, self.temporal_factor, model="LTX-2", vae="video VAE")
 
     def request_fields(self) -> frozenset[str]:
         return frozenset({"generate_audio", *(("flow_shift",) if recipe.has_flow_shift(self.scheduler) else ())})

@@ -27,10 +27,10 @@ from diffuserve.families.qwen_image import controlnet as qwen_controlnet
 from diffuserve.families.qwen_image import inpaint as qwen_inpaint
 from diffuserve.families.qwen_image import ops
 from diffuserve.family_spec.checkpoint import required_components
-from diffuserve.family_spec.qwen_image import QWEN_IMAGE_21_ROPE_POSITIONS, QWEN_IMAGE_TEXT_TOKENS
+from diffuserve.family_spec.qwen_image import QWEN_IMAGE_TEXT_TOKENS
 from diffuserve.pipelines import inpaint, recipe
 from diffuserve.pipelines.base import component_configs
-from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows
+from diffuserve.pipelines.controlnet import EXTRAS_KEY, merge_rows
 from diffuserve.pipelines.recipe import Cond, DenoiseState
 from diffuserve.pipelines.schedules import flow_schedule
 
@@ -229,11 +229,6 @@ class QwenImageNativePipeline(ops.QwenPacking, _QwenBase):
     def request_fields(self) -> frozenset[str]:
         return super().request_fields() | ({"control_image"} if self.controlnets else set())
 
-    def validate(self, params: Any) -> None:
-        super().validate(params)
-        check_control(params, self.controlnets)
-        qwen_inpaint.check_request(params)
-
     def step_extras(self, states: Sequence[DenoiseState]) -> dict[str, Any]:
         """The first state's extras, with every state's ControlNet rows (continuous steps)."""
         control = merge_rows([s.extras for s in states], [s.latents.shape[0] for s in states])
@@ -313,30 +308,16 @@ class QwenImage21NativePipeline(_QwenBase):
         self.drop_idx = reference._drop_idx
         self._norm = getattr(self.text_encoder.model, "language_model", self.text_encoder.model).norm
 
-    def validate(self, params: Any) -> None:
-        from diffuserve.errors import InvalidRequestError
-
-        super().validate(params)
-        # 2.1 reads the whole prompt (no max_sequence_length) and numbers text tokens on the RoPE frame axis
-        # before the image: past the table's non-negative positions they would silently wrap.
-        limit = QWEN_IMAGE_21_ROPE_POSITIONS[0] - 1
-        for name, text in (("prompt", params.prompt), ("negative_prompt", params.negative_prompt)):
-            if text and len(text) > limit // 8:  # cheap pre-check: a token covers at most a few characters
-                # On the token owner's private copy: the processor's tokenizer belongs to the encode path.
-                tokens = self.prompt_tokens().tokens(self.template.format(text)) - self.drop_idx
-                if tokens > limit:
-                    raise InvalidRequestError(
-                        f"{name} is {tokens} tokens long; Qwen-Image 2.1 positions at most {limit} text tokens. "
-                        "Shorten it.",
-                        param=name,
-                    )
-        if self.sample_sigmas and params.num_inference_steps != len(self.sample_sigmas):
-            raise InvalidRequestError(
-                f"this Qwen-Image 2.1 Turbo checkpoint samples on its own {len(self.sample_sigmas)}-step grid "
-                f"(model_index.json sample_sigmas); num_inference_steps={params.num_inference_steps} cannot "
-                f"run, use {len(self.sample_sigmas)} or leave it unset.",
-                param="num_inference_steps",
-            )
+    def request_facts(self) -> dict[str, Any]:
+        """The prompt template and its dropped prefix (`qwen_image/spec.check_qwen_image_21` counts the templated
+        prompt against the RoPE table's text positions) and a Turbo checkpoint's fixed step count."""
+        grid = len(self.sample_sigmas) if self.sample_sigmas else None
+        return {
+            **super().request_facts(),
+            "prompt_template": self.template,
+            "drop_idx": self.drop_idx,
+            "grid_steps": grid,
+        }
 
     @classmethod
     def from_components(

@@ -60,19 +60,6 @@ def prepare_inpaint_latents(
     return latents, timesteps, inpaint.InpaintRows(pack(torch.cat(masks)), clean_rows, noise_rows, overlays)
 
 
-def check_request(params: Any) -> None:
-    """An input image only with a mask (diffusers has no Qwen-Image img2img pipeline we follow), and the strength."""
-    if params.image_inputs and params.mask_input is None:
-        from diffuserve.errors import InvalidRequestError
-
-        raise InvalidRequestError(
-            "Qwen-Image takes an input image only to inpaint it: send a mask with the image (Qwen-Image-Edit "
-            "checkpoints edit whole images).",
-            param="mask",
-        )
-    inpaint.check_strength(params)
-
-
 def narrow_state(pipe: Any, state: Any, index: torch.Tensor) -> Any:
     """`RecipePipeline.narrow_state` for Qwen-Image: rows `index` of the image shapes (one entry per output row)."""
     shapes = [state.extras["img_shapes"][r] for r in index.tolist()]

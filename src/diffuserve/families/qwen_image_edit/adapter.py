@@ -43,7 +43,6 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as edit_module
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus_module
 from PIL import Image
 
-from diffuserve.errors import InvalidRequestError
 from diffuserve.families.qwen_image import inpaint as qwen_inpaint
 from diffuserve.families.qwen_image.ops import latents_stats, norm_rescaled_cfg, pad_rows
 from diffuserve.family_spec.checkpoint import required_components
@@ -126,30 +125,6 @@ class QwenImageEditNativePipeline(recipe.RecipePipeline):
         return cls(**required_components(cls.family, components), device=device, dtype=dtype)
 
     # -- requests --------------------------------------------------------------------------------------------
-
-    def validate(self, params: Any) -> None:
-        super().validate(params)
-        if len(params.image_inputs) < self.min_image_inputs:
-            raise InvalidRequestError(
-                f"this {self.family} model edits images: send the input image with POST /v1/images/edits "
-                f"(up to {self.max_image_inputs} `image` file(s)); got {len(params.image_inputs)}.",
-                param="image",
-            )
-        if params.mask_input is not None:
-            self._check_inpaint(params)
-
-    def _check_inpaint(self, params: Any) -> None:
-        """A masked edit's strength, and its size: QwenImageEditInpaintPipeline outputs the image's ~1024² size."""
-        inpaint.check_strength(params)
-        image = Image.open(io.BytesIO(params.image_inputs[0]))
-        width, height, _ = self.diffusers_module.calculate_dimensions(1024 * 1024, image.size[0] / image.size[1])
-        if (params.width, params.height) != (width, height):
-            raise InvalidRequestError(
-                f"a masked {self.family} edit is output at its image's ~1024x1024 size, {width}x{height} for this "
-                f"{image.size[0]}x{image.size[1]} image (as QwenImageEditInpaintPipeline sizes it); send "
-                f"size={width}x{height}, not {params.width}x{params.height}.",
-                param="size",
-            )
 
     def uses_cfg(self, head: Any) -> bool:
         # diffusers runs the negative branch whenever a negative prompt is given, even an empty one.

@@ -37,7 +37,7 @@ from diffuserve.families.sd3 import controlnet as sd3_controlnet
 from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import inpaint, packing, recipe
 from diffuserve.pipelines.base import component_configs, declared_sequence_length
-from diffuserve.pipelines.controlnet import EXTRAS_KEY, check_control, merge_rows
+from diffuserve.pipelines.controlnet import EXTRAS_KEY, merge_rows
 from diffuserve.pipelines.recipe import Cond, DenoiseState
 
 logger = logging.getLogger(__name__)
@@ -195,11 +195,6 @@ class SD3NativePipeline(recipe.RecipePipeline):
     def request_fields(self) -> frozenset[str]:
         control = {"control_image"} if self.controlnets else set()
         return frozenset({*control, *(("flow_shift",) if recipe.has_flow_shift(self.scheduler) else ())})
-
-    def validate(self, params: Any) -> None:
-        super().validate(params)
-        check_control(params, self.controlnets)
-        inpaint.check_strength(params)
 
     def step_extras(self, states: Sequence[DenoiseState]) -> dict[str, Any]:
         """No extras but each state's ControlNet rows (continuous steps)."""

@@ -20,12 +20,11 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.video_processor import VideoProcessor
 from PIL import Image
 
-from diffuserve.errors import CheckpointError, InvalidRequestError
+from diffuserve.errors import CheckpointError
 from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import recipe
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
-from diffuserve.pipelines.video_checks import check_frame_count
 
 MAX_SEQUENCE_LENGTH = 512
 """UMT5 tokens per prompt (diffusers' WanPipeline default)."""
@@ -89,26 +88,13 @@ class WanNativePipeline(recipe.RecipePipeline):
             dtype=dtype,
         )
 
-    def validate(self, params: Any) -> None:
-        super().validate(params)
-        check_frame_count(params.num_frames, self.temporal_factor, model="Wan")
-        for name in ("guidance_scale_2", "boundary_ratio"):
-            if getattr(params, name) is not None and self.boundary_ratio is None:
-                raise InvalidRequestError(
-                    f"{name} applies only to two-expert Wan2.2 checkpoints "
-                    "(boundary_ratio in model_index.json); this one has one transformer.",
-                    param=name,
-                )
-        if params.boundary_ratio is not None and not 0.0 < params.boundary_ratio < 1.0:
-            raise InvalidRequestError(
-                f"boundary_ratio={params.boundary_ratio} must be between 0 and 1 (exclusive): "
-                "the timestep share at which the low-noise expert takes over.",
-                param="boundary_ratio",
-            )
-
     def request_fields(self) -> frozenset[str]:
         experts = ("guidance_scale_2", "boundary_ratio") if self.boundary_ratio is not None else ()
         return frozenset({*experts, *(("flow_shift",) if recipe.has_flow_shift(self.scheduler) else ())})
+
+    def request_facts(self) -> dict[str, Any]:
+        """A two-expert Wan2.2 checkpoint takes the second expert's fields (`wan/spec.check_wan`)."""
+        return {**super().request_facts(), "two_experts": self.boundary_ratio is not None}
 
     # -- 1. encode --------------------------------------------------------------------------------------------
 
@@ -250,14 +236,6 @@ class WanI2VNativePipeline(WanNativePipeline):
             device=device,
             dtype=dtype,
         )
-
-    def validate(self, params: Any) -> None:
-        super().validate(params)
-        if len(params.image_inputs) != 1:
-            raise InvalidRequestError(
-                "this Wan image-to-video model needs exactly one input image (`input_reference`).",
-                param="input_reference",
-            )
 
     def prepare_components(self, head: Any) -> tuple[str, ...]:
         return ("vae", "image_encoder") if self.image_encoder is not None else ("vae",)

@@ -198,23 +198,6 @@ class ZImageNativePipeline(recipe.RecipePipeline):
         rows_state = inpaint.InpaintRows(torch.cat(masks), torch.cat(clean), torch.cat(noises), overlays)
         return torch.cat(rows), timesteps, rows_state
 
-    def validate(self, params: Any) -> None:
-        super().validate(params)
-        if params.image_inputs and params.mask_input is None:
-            from diffuserve.errors import InvalidRequestError
-
-            raise InvalidRequestError(
-                "Z-Image takes an input image only to inpaint it: send a mask with the image.", param="mask"
-            )
-        if params.padding_mask_crop is not None:
-            from diffuserve.errors import InvalidRequestError
-
-            raise InvalidRequestError(
-                "padding_mask_crop: diffusers' ZImageInpaintPipeline has no crop; leave it out.",
-                param="padding_mask_crop",
-            )
-        inpaint.check_strength(params)
-
     def predict(
         self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
     ) -> torch.Tensor:
