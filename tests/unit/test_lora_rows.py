@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diffuserve.lora.files import LoraAdapter, LoraModule
-from diffuserve.lora.layers import LORA_DOWN, LORA_UP, LoraBank
+from diffuserve.lora.layers import LORA_DOWN, LORA_UP, LoraBank, current_adapters
 from diffuserve.lora.rows import add_dense
 
 
@@ -71,9 +71,8 @@ def test_both_paths_equal_the_per_row_reference_and_each_row_alone(rows) -> None
             assert torch.equal(batched[i], torch.nn.functional.linear(x[i], model.proj.weight, model.proj.bias))
     with bank.rows(rows):  # the compiled form (every slot, scales as data) gives the same sums, CFG-doubled too
         base = torch.nn.functional.linear(torch.cat([x, x]), model.proj.weight, model.proj.bias)
-        dense = add_dense(
-            base, torch.cat([x, x]), model.proj._buffers[LORA_DOWN], model.proj._buffers[LORA_UP], bank.dense
-        )
+        scales = current_adapters().dense
+        dense = add_dense(base, torch.cat([x, x]), model.proj._buffers[LORA_DOWN], model.proj._buffers[LORA_UP], scales)
     assert torch.allclose(dense, torch.cat([batched, batched]), atol=1e-5)
     with bank.rows([[("d", 1.0)]] * 3):  # no row's adapter adapts `proj`: the base layer, exactly
         assert torch.equal(model.proj(x), torch.nn.functional.linear(x, model.proj.weight, model.proj.bias))

@@ -17,13 +17,13 @@ block under layer-wise offload, and counted in the transfer ledger with the laye
 Which rows use which slots is per denoiser call: the recipe sets it for the denoise of a batch, or for each step of
 a continuous group (`LoraBank.rows`), one entry per output row; a request's rows share its adapters, a doubled
 batch (batched CFG) repeats the assignment for each half, and a block that a step cache narrows to the rows that
-compute narrows the assignment with it (`runtime/row_view.py`).
+compute narrows the assignment with it. The hooks read it from the call in progress (`runtime/row_context.py`).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -32,7 +32,8 @@ import torch
 from diffuserve.errors import ConfigError
 from diffuserve.lora.files import LoraAdapter
 from diffuserve.lora.rows import RowPlan, add_dense, add_rows, dense_scales, plan_rows
-from diffuserve.runtime.row_view import RowView, listening
+from diffuserve.runtime import row_context
+from diffuserve.runtime.row_context import RowView
 
 LORA_HOOK = "diffuserve_lora"
 """The name of the per-row adapter hook in each adapted layer's diffusers `HookRegistry`."""
@@ -42,13 +43,20 @@ LORA_UP = "diffuserve_lora_up"
 """The buffer of an adapted Linear holding its stacked B slots, (slots, out_features, max_rank), alpha / rank in."""
 
 
-class _RowAssignment:
-    """One denoiser call's rows -> (slot, scale) pairs, with its index tensors per row count (`lora/rows.py`)."""
+class RowAssignment:
+    """One denoiser call's rows -> (slot, scale) pairs, with its index tensors per row count (`lora/rows.py`) and
+    its fixed-shape scales for compiled code (`rows.dense_scales`). The call's `adapters` (`runtime/row_context.py`)."""
 
-    def __init__(self, rows: Sequence[Sequence[tuple[int, float]]]) -> None:
+    def __init__(
+        self, rows: Sequence[Sequence[tuple[int, float]]], shape: tuple[int, int, torch.device, torch.dtype]
+    ) -> None:
         self.rows = [list(r) for r in rows]
+        self.shape = shape
+        """(slots, max rank, device, dtype) of the bank's slots."""
+        self.dense = dense_scales(self.rows, *shape)
+        """The scales per row and slot that compiled code reads (made here, outside compiled code)."""
         self._plans: dict[tuple[int, str], RowPlan | None] = {}
-        self._narrowed: dict[RowView, _RowAssignment] = {}
+        self._narrowed: dict[RowView, RowAssignment] = {}
 
     def plan(self, total: int, rank: int, device: torch.device, dtype: torch.dtype) -> RowPlan | None:
         """The index and scale tensors of a call of `total` rows, built once per assignment."""
@@ -57,7 +65,7 @@ class _RowAssignment:
             self._plans[key] = plan_rows(self.rows, total, rank, device, dtype)
         return self._plans[key]
 
-    def narrowed(self, view: RowView) -> _RowAssignment:
+    def narrowed(self, view: RowView) -> RowAssignment:
         """The assignment of the rows `view` keeps of a call of `view.full` rows (this assignment repeated when the
         call doubles the batch)."""
         found = self._narrowed.get(view)
@@ -67,8 +75,14 @@ class _RowAssignment:
                 raise RuntimeError(f"a call of {view.full} rows was narrowed but the batch assigned adapters to {n}")
             if len(self._narrowed) >= 64:  # the computing rows vary from step to step
                 self._narrowed.clear()
-            found = self._narrowed[view] = _RowAssignment([self.rows[r % n] for r in view.rows])
+            found = self._narrowed[view] = RowAssignment([self.rows[r % n] for r in view.rows], self.shape)
         return found
+
+
+def current_adapters() -> RowAssignment | None:
+    """The adapters of the rows of the call in progress (None: no row uses one)."""
+    call = row_context.current()
+    return None if call is None else call.adapters
 
 
 def _lora_hook_class() -> type:
@@ -99,10 +113,9 @@ def _lora_hook_class() -> type:
             y = self.fn_ref.original_forward(x, *args, **kwargs)
             if self.parallel is not None:
                 return self.parallel(self, y, x)
+            assignment = current_adapters()
             if torch.compiler.is_compiling():  # fixed shapes, scales as data: a new adapter mix does not recompile
-                scales = self.bank.dense
-                return y if scales is None else add_dense(y, x, self.down, self.up, scales)
-            assignment = self.bank.current
+                return y if assignment is None else add_dense(y, x, self.down, self.up, assignment.dense)
             if assignment is None:
                 return y
             down, up = self.down, self.up
@@ -120,7 +133,7 @@ def _lora_hook_class() -> type:
 
 
 class LoraBank:
-    """The adapters in per-layer slots of the denoiser(s), and the rows of the call being denoised."""
+    """The adapters in per-layer slots of the denoiser(s); which rows use them is the call's (`rows`)."""
 
     def __init__(
         self,
@@ -141,14 +154,10 @@ class LoraBank:
             denoisers = {"transformer": denoisers}
         self.slots: dict[str, int] = {a.name: i for i, a in enumerate(adapters)}
         """Adapter name -> its slot in every adapted layer."""
-        self.current: _RowAssignment | None = None
-        """The rows of the call being denoised; None: no row uses an adapter (every layer is the base layer)."""
-        self.dense: torch.Tensor | None = None
-        """The current call's scales per row and slot (`rows.dense_scales`), which compiled code reads; None: none."""
         self._shape = (max_loras, max_rank, torch.device(device), dtype)
         self._lock = threading.Lock()
         self._adapted: dict[int, set[int]] = {}
-        self._assignments: dict[tuple[tuple[tuple[str, float], ...], ...], _RowAssignment] = {}
+        self._assignments: dict[tuple[tuple[tuple[str, float], ...], ...], RowAssignment] = {}
         """Recent row assignments by their rows: a continuous group keeps its rows for many steps."""
         self._layers = {key: dict(model.named_modules()) for key, model in denoisers.items()}
         self.hooks: dict[tuple[str, str], Any] = {}
@@ -229,41 +238,23 @@ class LoraBank:
             out.append(pairs)
         return out
 
-    def assignment(self, loras: Sequence[Sequence[tuple[str, float]]]) -> _RowAssignment:
+    def assignment(self, loras: Sequence[Sequence[tuple[str, float]]]) -> RowAssignment:
         """The row assignment of `loras`, reused while the same rows come back (a continuous group's steps)."""
         key = tuple(tuple((name, float(scale)) for name, scale in row) for row in loras)
         found = self._assignments.get(key)
         if found is None:
             if len(self._assignments) >= 16:  # a few groups alive at once; older ones are gone
                 self._assignments.clear()
-            found = self._assignments[key] = _RowAssignment(self.slot_rows(loras))
+            found = self._assignments[key] = RowAssignment(self.slot_rows(loras), self._shape)
         return found
-
-    def _narrow(self, view: RowView) -> Callable[[], None]:
-        """A step cache narrowed the call to `view`'s rows: the assignment follows until the returned restore."""
-        current, dense = self.current, self.dense
-        if current is not None:
-            self.current = current.narrowed(view)
-            self.dense = dense_scales(self.current.rows, *self._shape)
-
-        def restore() -> None:
-            self.current, self.dense = current, dense
-
-        return restore
 
     @contextmanager
     def rows(self, loras: Sequence[Sequence[tuple[str, float]]]) -> Iterator[None]:
         """Within: the adapted layers apply row r's adapters `loras[r]` ((name, scale) pairs), one entry per row
-        of the denoiser call (a dynamic batch, or the rows of one continuous step). One call at a time."""
+        of the denoiser call (a dynamic batch, or the rows of one continuous step): the call's `adapters`
+        (`runtime/row_context.py`). One call at a time."""
         if not any(loras):
             yield
             return
-        assignment = self.assignment(loras)
-        with self._lock, listening(self._narrow):
-            self.current = assignment
-            self.dense = dense_scales(assignment.rows, *self._shape)
-            try:
-                yield
-            finally:
-                self.current = None
-                self.dense = None
+        with self._lock, row_context.with_parts(adapters=self.assignment(loras)):
+            yield

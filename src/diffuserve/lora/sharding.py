@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from diffuserve.lora.layers import LORA_DOWN, LORA_HOOK, LORA_UP
+from diffuserve.lora.layers import LORA_DOWN, LORA_HOOK, LORA_UP, current_adapters
 from diffuserve.lora.rows import add_rows
 
 
@@ -39,7 +39,7 @@ class ShardedRows:
     def __call__(self, hook: Any, y: Any, x: Any) -> Any:
         from torch.distributed.tensor import DTensor
 
-        assignment = hook.bank.current
+        assignment = current_adapters()
         if assignment is None:
             return y
         local_x = x.to_local() if isinstance(x, DTensor) else x

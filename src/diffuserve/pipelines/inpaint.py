@@ -170,20 +170,20 @@ def started_prediction(
 ) -> torch.Tensor:
     """`pipeline.guided_prediction` at step `call[3]` for the rows that have started (`row_starts`) only: rows
     still waiting cost nothing. Their conditioning is gathered, the extras cut (`narrow_state`) and per-row layers
-    (LoRA) follow through `runtime/row_view.py`, as a step cache narrows its blocks; the waiting rows' prediction
-    is zero (`keep_waiting` leaves their latents untouched whatever it is). Row caches never come here: a step
-    cache keeps one strength per batch (`sampling.row_fields`)."""
+    (LoRA) follow the narrowed call (`runtime/row_context.py`), as a step cache narrows its blocks; the waiting
+    rows' prediction is zero (`keep_waiting` leaves their latents untouched whatever it is). Row caches never
+    come here: a step cache keeps one strength per batch (`sampling.row_fields`)."""
     positive, negative, head, state, step_index, model_key, rows = call
     if starts is None or max(starts) <= step_index:
         return pipeline.guided_prediction(latents, timestep, *call)
     from diffuserve.pipelines.batch_rows import gather_rows
-    from diffuserve.runtime.row_view import narrowed_to
+    from diffuserve.runtime.row_context import narrowed
 
     started = tuple(r for r, start in enumerate(starts) if start <= step_index)
     index = torch.tensor(started, device=latents.device)
     masked = pipeline.masked_sequences
     narrow = (gather_rows(c, index, masked) if c is not None else None for c in (positive, negative))
-    with narrowed_to(started, latents.shape[0]):
+    with narrowed(started, latents.shape[0]):
         pred = pipeline.guided_prediction(
             latents[index], timestep[index], *narrow, head, pipeline.narrow_state(state, index), step_index, model_key
         )

@@ -56,7 +56,7 @@ from diffuserve.pipelines.step_cache_rows import (
     real_row,
     step_counts,
 )
-from diffuserve.runtime.row_view import narrowed_to
+from diffuserve.runtime.row_context import narrowed as narrowed_to
 
 __all__ = [
     "CallRows",
@@ -257,7 +257,7 @@ class _Block:
     @_around_blocks
     def run_rows(self, bound: inspect.BoundArguments, index: torch.Tensor, full: int) -> Any:
         """The block on rows `index` only: per-row arguments of `full` rows are narrowed (and per-row layers such
-        as LoRA's follow them through `runtime/row_view.py`)."""
+        as LoRA's follow them through `runtime/row_context.py`)."""
         if index.numel() == full:
             return self.fn_ref.original_forward(**bound.arguments)  # type: ignore[attr-defined]
         arguments = _narrow(bound, index, full, getattr(self.meta, "row_arguments", ()))
