@@ -245,13 +245,11 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
         row decides for itself whether the denoiser's blocks run for it at this step."""
         if rows is None:
             return self._guided(latents, timestep, positive, negative, head, state, step_index, model_key)
-        hooks = self.step_cache_hooks(model_key)
+        self.install_step_cache(model_key)
         for row in rows:
             row.use_denoiser(model_key)
         try:
-            return self._guided(
-                latents, timestep, positive, negative, head, state, step_index, model_key, (hooks, list(rows))
-            )
+            return self._guided(latents, timestep, positive, negative, head, state, step_index, model_key, list(rows))
         finally:
             for row in rows:
                 row.end_step()
@@ -266,17 +264,16 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
         state: DenoiseState,
         step_index: int,
         model_key: str,
-        cache: tuple[Any, list[RowCache]] | None = None,
+        cache: list[RowCache] | None = None,
     ) -> torch.Tensor:
         def predict(x: torch.Tensor, t: torch.Tensor, cond: Cond, branches: Sequence[int]) -> torch.Tensor:
             if cache is None:
                 return self.predict(x, t, cond, state, model_key)
-            from diffuserve.pipelines.step_cache import CallRows, rank_agreement
+            from diffuserve.pipelines.step_cache import CallRows, caching, rank_agreement
 
-            hooks, rows = cache
             packed = state.extras["packed"].layout if "packed" in state.extras else None  # pipelines/packing.py
-            call = CallRows(rows * len(branches), [b for b in branches for _ in rows], rank_agreement(self), packed)
-            with hooks.rows(call):
+            call = CallRows(cache * len(branches), [b for b in branches for _ in cache], rank_agreement(self), packed)
+            with caching(call):
                 return self.predict(x, t, cond, state, model_key)
 
         if negative is None:
@@ -314,11 +311,11 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
         rules = layer_rules().get(model_class(denoiser).__name__, ())
         return tuple(path for path, _count in rules)
 
-    def step_cache_hooks(self, model_key: str) -> Any:
-        """The step-cache hooks of denoiser `model_key` (installed on its blocks at first use)."""
-        from diffuserve.pipelines.step_cache import block_hooks
+    def install_step_cache(self, model_key: str) -> None:
+        """Hook denoiser `model_key`'s blocks for step caches (once, at first use)."""
+        from diffuserve.pipelines.step_cache import install_hooks
 
-        return block_hooks(getattr(self, model_key), self.step_cache_containers(model_key))
+        install_hooks(getattr(self, model_key), self.step_cache_containers(model_key))
 
     def step_cache_problem(self, method: str) -> str | None:
         from diffuserve.pipelines.step_cache import TEACACHE_COEFFICIENTS, model_class, supports_blocks

@@ -11,11 +11,14 @@ bookkeeping are not traced (`_eager`), only the blocks they call: rows switching
 recompile nothing.
 
 How the denoiser is cut: the family spec's layer containers (the repeated blocks, `family_spec/*.py`) get named
-diffusers `ModelHook`s (`HookRegistry`, as diffusers' own FirstBlockCache / TaylorSeer hooks). The first
-block's hook decides and narrows the call to the computing rows; the later blocks run on those rows only (their
-per-row arguments are indexed); the last block's hook rebuilds every row: `base + residual`, the residual being
-the one just computed, the row's cached one, or its Taylor forecast. What runs before and after the blocks
-(embedders, final norm and projection) runs for every row: it is cheap, and keeps the call's shape.
+diffusers `ModelHook`s (`HookRegistry`, as diffusers' own FirstBlockCache / TaylorSeer hooks), installed once
+(`install_hooks`) and holding no state of a call: they read the rows of the call in progress, its `cache`
+(`CallRows`, set by the recipe: `runtime/row_context.py`), and the first block hands the later ones its `Span`
+through that call. The first block's hook decides and narrows the call to the computing rows; the later blocks
+run on those rows only (their per-row arguments are indexed); the last block's hook rebuilds every row:
+`base + residual`, the residual being the one just computed, the row's cached one, or its Taylor forecast. What
+runs before and after the blocks (embedders, final norm and projection) runs for every row: it is cheap, and
+keeps the call's shape.
 
 Methods (settings in `config/step_cache.py`):
 * `fbcache`: the first block runs for every row; a row reuses when the relative L1 change of its first-block
@@ -56,13 +59,12 @@ from diffuserve.pipelines.step_cache_rows import (
     real_row,
     step_counts,
 )
-from diffuserve.runtime.row_context import narrowed as narrowed_to
+from diffuserve.runtime import row_context
 
 __all__ = [
     "CallRows",
     "RowCache",
-    "StepCacheHooks",
-    "block_hooks",
+    "install_hooks",
     "model_class",
     "new_row_caches",
     "rank_agreement",
@@ -108,34 +110,38 @@ class Span:
     """A packed call's narrowed layout and masks, made once for all its blocks (`step_cache_packed.py`)."""
 
 
-class StepCacheHooks:
-    """The hooks on one denoiser's blocks, and the rows of the call in progress (one caller thread at a time: the
-    loop that runs the denoiser)."""
+def install_hooks(denoiser: torch.nn.Module, containers: Sequence[str]) -> None:
+    """Hook the blocks of `denoiser` a step cache narrows (`span_blocks`), once: a denoiser whose first block
+    already holds the head hook is left as it is."""
+    blocks = span_blocks(denoiser, containers)
+    if len(blocks) < 2:
+        raise ValueError("a step cache needs a denoiser with at least two repeated blocks")
+    registry = HookRegistry.check_if_exists_or_initialize(blocks[0])
+    if registry.get_hook(HEAD_HOOK) is not None:
+        return
+    denoiser_class = model_class(denoiser).__name__
+    metas = [_block_metadata(model_class(b)) for b in blocks]
+    for position, block in enumerate(blocks):
+        registry = HookRegistry.check_if_exists_or_initialize(block)
+        hook: ModelHook = (
+            _HeadHook(metas[0], denoiser_class)
+            if position == 0
+            else _BlockHook(metas[position], tail=position == len(blocks) - 1)
+        )
+        registry.register_hook(hook, HEAD_HOOK if position == 0 else BLOCK_HOOK)
 
-    def __init__(self, denoiser: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
-        if len(blocks) < 2:
-            raise ValueError("a step cache needs a denoiser with at least two repeated blocks")
-        self.denoiser_class = model_class(denoiser).__name__
-        self.call: CallRows | None = None
-        self.span: Span | None = None
-        metas = [_block_metadata(model_class(b)) for b in blocks]
-        for position, block in enumerate(blocks):
-            registry = HookRegistry.check_if_exists_or_initialize(block)
-            hook: ModelHook = (
-                _HeadHook(self, metas[0])
-                if position == 0
-                else _BlockHook(self, metas[position], tail=position == len(blocks) - 1)
-            )
-            registry.register_hook(hook, HEAD_HOOK if position == 0 else BLOCK_HOOK)
 
-    @contextmanager
-    def rows(self, call: CallRows | None) -> Iterator[None]:
-        """The rows of the denoiser call made inside (None: every row computes, no hook acts)."""
-        self.call, self.span = call, None
-        try:
-            yield
-        finally:
-            self.call, self.span = None, None
+@contextmanager
+def caching(call: CallRows) -> Iterator[None]:
+    """Within: the denoiser call made inside is `call`'s rows (the row context's `cache`)."""
+    with row_context.with_parts(cache=call):
+        yield
+
+
+def _call_rows() -> CallRows | None:
+    """The step-cache rows of the call in progress (None: no row caches, the hooks are the plain blocks)."""
+    call = row_context.current()
+    return None if call is None else call.cache
 
 
 def model_class(module: torch.nn.Module) -> type:
@@ -149,16 +155,6 @@ def span_blocks(denoiser: torch.nn.Module, containers: Sequence[str]) -> list[to
     if model_class(denoiser).__name__ not in CHAINED_CONTAINERS:
         containers = containers[-1:]
     return [block for name in containers for block in getattr(denoiser, name, ())]
-
-
-def block_hooks(denoiser: torch.nn.Module, containers: Sequence[str]) -> StepCacheHooks:
-    """The step-cache hooks of `denoiser`, installed once on the blocks it narrows (`span_blocks`)."""
-    found = denoiser.__dict__.get("_diffuserve_step_cache")
-    if found is None:
-        blocks = span_blocks(denoiser, containers)
-        found = StepCacheHooks(denoiser, blocks)
-        denoiser.__dict__["_diffuserve_step_cache"] = found
-    return found
 
 
 def rank_agreement(pipeline: Any) -> RankAgreement | None:
@@ -211,9 +207,8 @@ _around_blocks = torch.compiler.disable(recursive=False)
 class _Block:
     """Argument access shared by the hooks (the diffusers block metadata says where outputs sit)."""
 
-    def __init__(self, owner: StepCacheHooks, meta: Any) -> None:
+    def __init__(self, meta: Any) -> None:
         super().__init__()
-        self.owner = owner
         self.meta = meta
         self._signature: inspect.Signature | None = None
 
@@ -257,16 +252,17 @@ class _Block:
     @_around_blocks
     def run_rows(self, bound: inspect.BoundArguments, index: torch.Tensor, full: int) -> Any:
         """The block on rows `index` only: per-row arguments of `full` rows are narrowed (and per-row layers such
-        as LoRA's follow them through `runtime/row_context.py`)."""
+        as LoRA's follow them: `runtime/row_context.py`)."""
         if index.numel() == full:
             return self.fn_ref.original_forward(**bound.arguments)  # type: ignore[attr-defined]
         arguments = _narrow(bound, index, full, getattr(self.meta, "row_arguments", ()))
-        span, packed = self.owner.span, contextlib.nullcontext()
+        call, packed = _call_rows(), contextlib.nullcontext()
+        span = call.span if call is not None else None
         if span is not None and span.call.packed is not None:
             arguments, packed = narrow_packed(
                 span.call.packed, arguments, index, full, span.memo, SHARED_ARGUMENT_WORDS
             )
-        with narrowed_to(tuple(index.tolist()), full), packed:
+        with row_context.narrowed(tuple(index.tolist()), full), packed:
             return self.fn_ref.original_forward(**arguments)  # type: ignore[attr-defined]
 
 
@@ -296,15 +292,20 @@ def _narrow(
 class _HeadHook(_Block, ModelHook):
     """First block: decides per row, then narrows the call to the rows that compute."""
 
+    def __init__(self, meta: Any, denoiser_class: str) -> None:
+        super().__init__(meta)
+        self.denoiser_class = denoiser_class
+        """The denoiser's class name (teacache's coefficients are per class)."""
+
     @_around_blocks
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        call = self.owner.call
+        call = _call_rows()
         if call is None:
             return self.fn_ref.original_forward(*args, **kwargs)
         bound = self.bind(module, args, kwargs)
         out = self.fn_ref.original_forward(*args, **kwargs) if call.method == "fbcache" else None
         output, run = self.decide(module, call, bound, out)
-        return self.run_rows(bound, self.owner.span.index, output) if run else output  # type: ignore[union-attr]
+        return self.run_rows(bound, call.span.index, output) if run else output  # type: ignore[union-attr]
 
     @_eager
     def decide(self, module: torch.nn.Module, call: CallRows, bound: inspect.BoundArguments, out: Any) -> Any:
@@ -322,14 +323,14 @@ class _HeadHook(_Block, ModelHook):
             if call.method == "teacache":
                 temb = bound.arguments["temb"]
                 modulated = module.norm1(hidden, emb=temb)[0]
-                decide_teacache(call, modulated, TEACACHE_COEFFICIENTS[self.owner.denoiser_class])
+                decide_teacache(call, modulated, TEACACHE_COEFFICIENTS[self.denoiser_class])
             elif call.method == "magcache":
                 decide_magcache(call)
             else:
                 decide_taylorseer(call)
             base = (hidden, encoder)
         index = torch.tensor([i for i, row in enumerate(call.rows) if row.compute], dtype=torch.long)
-        self.owner.span = Span(call=call, index=index, full=full, base=base)
+        call.span = Span(call=call, index=index, full=full, base=base)
         if call.method == "fbcache":
             if index.numel() == full:
                 return out, False
@@ -346,13 +347,14 @@ class _HeadHook(_Block, ModelHook):
 class _BlockHook(_Block, ModelHook):
     """Later blocks: run the computing rows only; the last one rebuilds every row of the call."""
 
-    def __init__(self, owner: StepCacheHooks, meta: Any, *, tail: bool) -> None:
-        super().__init__(owner, meta)
+    def __init__(self, meta: Any, *, tail: bool) -> None:
+        super().__init__(meta)
         self.tail = tail
 
     @_around_blocks
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        span = self.owner.span
+        call = _call_rows()
+        span = call.span if call is not None else None
         if span is None:
             return self.fn_ref.original_forward(*args, **kwargs)
         bound = self.bind(module, args, kwargs)
@@ -365,7 +367,7 @@ class _BlockHook(_Block, ModelHook):
         if not self.tail:
             return out if out is not None else self.pack(hidden, encoder, (None, None))
         hidden, encoder = _rebuild(span, hidden, encoder)
-        self.owner.span = None
+        call.span = None  # type: ignore[union-attr]
         return self.pack(hidden, encoder, out if out is not None else (None, None))
 
 

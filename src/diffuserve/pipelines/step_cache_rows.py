@@ -215,6 +215,9 @@ class CallRows:
     lengths: list[int] | None = None
     """Packed: each row's real tokens of the blocks' hidden states (a prefix), set by the first block's hook;
     its measures and cached residuals cover those only (`step_cache_packed.py`). None: every token is real."""
+    span: Any = None
+    """Set by the first block's hook for the later blocks of this call (`step_cache.Span`: who computes, the states
+    where the narrowed blocks start); None before the first block and after the last."""
 
     @property
     def method(self) -> str:
