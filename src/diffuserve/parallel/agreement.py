@@ -3,13 +3,14 @@
 A step cache decides per row from a number its first block measured. Over several ranks each rank measures its
 own part (its CFG branch, its share of the tokens), and ranks that decided differently would diverge: worse, a
 rank that skips the blocks another runs would leave the other waiting in the blocks' collectives. So each
-measure goes through every strategy the pipeline runs before any rank decides (`step_cache.rank_agreement`):
+measure goes through every strategy the pipeline runs before any rank decides (`step_cache.rank_agreement`, given
+the pipeline's declared `sequence_parallel`, `cfg_parallel` and `rank_parts`):
 
 - sequence parallel (`SequenceParallel.agree_rows`) sums each row's share-weighted L1 means over its Ulysses and
   Ring peers: the full row's means, as one process takes them (padded tokens left out);
 - CFG parallel (`CfgParallel.agree_rows`) broadcasts them from CFG rank 0, whose conditional branch decides for
   the row (as in one process, where the negative branch follows);
-- tensor parallel and FSDP (`FromFirstRank`, registered on the pipeline when they shard it) broadcast them from
+- tensor parallel and FSDP (`FromFirstRank`, added by `pipeline.agree_over` when they shard it) broadcast them from
   the group's first rank: their ranks already hold the same activations, the broadcast makes the numbers the
   same bytes whatever the reduction order.
 
@@ -24,14 +25,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-ATTRIBUTE = "step_cache_agreement"
-"""The pipeline attribute listing the registered `FromFirstRank` parts (read by `step_cache.rank_agreement`)."""
-
-
-def add_agreement(pipeline: Any, part: Any) -> None:
-    """Register `part` on `pipeline` (every rank shards its pipeline in the same order)."""
-    pipeline.__dict__.setdefault(ATTRIBUTE, []).append(part)
 
 
 def from_first_rank(values: torch.Tensor, group: Any) -> torch.Tensor:

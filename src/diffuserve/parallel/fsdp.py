@@ -54,9 +54,9 @@ def shard_denoisers(
                 fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
         module.requires_grad_(False)
-    from diffuserve.parallel.agreement import FromFirstRank, add_agreement
+    from diffuserve.parallel.agreement import FromFirstRank
 
-    add_agreement(pipeline, FromFirstRank(mesh.get_group()))  # step caches: every rank decides alike
+    pipeline.agree_over(FromFirstRank(mesh.get_group()))  # step caches: every rank decides alike
     return keys
 
 

@@ -483,8 +483,7 @@ def enable_sequence_parallel(pipeline: Any, *, ulysses_group: Any = None, ring_g
 
     Every rank of both groups must run the same batches. Refuses with ConfigError (param `ulysses_degree` or
     `ring_degree`) a pipeline without a sequence split or a Ulysses degree that does not divide the heads."""
-    existing = getattr(pipeline, "sequence_parallel", None)
-    if existing is not None and existing.handles:
+    if pipeline.active_split() is not None:
         raise ValueError("sequence parallel is already enabled on this pipeline; call its remove() first")
     sp = SequenceParallel(ulysses_group, ring_group)
     check_sequence_parallel(pipeline, ulysses_degree=sp.ulysses_degree, ring_degree=sp.ring_degree)
@@ -492,5 +491,5 @@ def enable_sequence_parallel(pipeline: Any, *, ulysses_group: Any = None, ring_g
         for key in pipeline.denoisers:
             if key in pipeline.components:
                 sp.install(pipeline.components[key])
-    pipeline.sequence_parallel = sp
+    pipeline.sequence_parallel = sp  # a declared field of every pipeline (`Pipeline.sequence_parallel`)
     return sp

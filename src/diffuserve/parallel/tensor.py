@@ -174,9 +174,9 @@ def enable_tensor_parallel(pipeline: Any, *, mesh: Any) -> list[str]:
             _parallelize(module, plan, mesh, specs)
             shard_lora_slots(module, plan, mesh, specs)  # per-request LoRA: A / B cut like their base weight
         module.requires_grad_(False)
-    from diffuserve.parallel.agreement import FromFirstRank, add_agreement
+    from diffuserve.parallel.agreement import FromFirstRank
 
-    add_agreement(pipeline, FromFirstRank(mesh.get_group()))  # step caches: every TP rank decides alike
+    pipeline.agree_over(FromFirstRank(mesh.get_group()))  # step caches: every TP rank decides alike
     return list(plans)
 
 

@@ -189,6 +189,10 @@ class Pipeline:
     """Run CFG as one doubled batch instead of two passes (such families refuse CFG parallel)."""
     cfg_parallel: Any = None
     """The CFG-parallel strategy (`parallel/cfg_parallel.CfgParallel`) once `use_cfg_parallel` set it; None: one."""
+    sequence_parallel: Any = None
+    """The sequence split (`parallel/sequence.SequenceParallel`), set by `enable_sequence_parallel`; None: none."""
+    rank_parts: tuple[Any, ...] = ()
+    """Weight-sharding strategies (TP, FSDP) whose ranks agree on step-cache measures (`agree_over`)."""
     _side_lanes: Overlap | None = None
     """The encode and decode side lanes (`pipelines/overlap.py`), made on first use by `side_lanes()`."""
     _prompt_tokens_lock = threading.Lock()
@@ -269,6 +273,14 @@ class Pipeline:
                 param="enable_cfg_parallel",
             )
         self.cfg_parallel = strategy
+
+    def agree_over(self, part: Any) -> None:
+        """Let `part`'s ranks agree on step-cache measures (`parallel/agreement.py`); same order on every rank."""
+        self.rank_parts = (*self.rank_parts, part)
+
+    def active_split(self) -> Any:
+        """The sequence split while its hooks are installed, else None."""
+        return self.sequence_parallel if self.sequence_parallel is not None and self.sequence_parallel.handles else None
 
     def side_lanes(self) -> Overlap:
         """This pipeline's encode and decode side lanes (`pipelines/overlap.py`), made once, on its device."""

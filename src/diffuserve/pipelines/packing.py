@@ -247,6 +247,8 @@ class PackedFamily:
 
     packs_split = False
     """Its packed call runs under sequence parallel, each row's positions cut to the rank's share (FLUX.1, Qwen)."""
+    active_split: Any
+    """`Pipeline.active_split`: the sequence split while installed, else None."""
 
     def packing_problem(self, head: SamplingParams, rows: Sequence[SamplingParams] = ()) -> str | None:
         """Why a mixed-size batch with `head`'s settings (and the per-row fields of `rows`, the batch's requests)
@@ -256,7 +258,7 @@ class PackedFamily:
             return "image-conditioned requests (edits, references, masks) are not yet proven packed"
         if any(p.control is not None for p in (head, *rows)):
             return "ControlNet rows are not yet proven packed (their residuals are laid out per size)"
-        split = getattr(getattr(self, "sequence_parallel", None), "handles", None)
+        split = self.active_split() is not None
         if split and not self.packs_split:
             return "this family's packed call does not yet cut its per-row positions to a rank's share"
         if split and head.step_cache_method != "off":

@@ -272,7 +272,8 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
             from diffuserve.pipelines.step_cache import CallRows, caching, rank_agreement
 
             packed = state.extras["packed"].layout if "packed" in state.extras else None  # pipelines/packing.py
-            call = CallRows(cache * len(branches), [b for b in branches for _ in cache], rank_agreement(self), packed)
+            agreement = rank_agreement(self.active_split(), self.cfg_parallel, self.rank_parts)
+            call = CallRows(cache * len(branches), [b for b in branches for _ in cache], agreement, packed)
             with caching(call):
                 return self.predict(x, t, cond, state, model_key)
 

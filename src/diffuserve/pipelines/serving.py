@@ -4,11 +4,10 @@ fault hooks as declared fields, and its `Capabilities`.
 `launch/setup.py` builds one per rank (`ServingPipeline.of`); the executor runs batches and continuous steps on it
 and the engine reads its capabilities and model description. Residency and CFG parallel go in through the adapter's
 own `use_residency` / `use_cfg_parallel`, the side lanes are the adapter's `side_lanes()`, and fault injection is
-the `faults` hook, consulted around every call. Some parts are still attached to the adapter from outside, before
-it is wrapped here: `--controlnet` sets its `controlnets` and their components (`models/controlnets.py`), sequence
-parallel its `sequence_parallel` (`parallel/sequence.py`), and the parallel strategies append the parts whose
-step-cache decisions rank 0 makes to its `step_cache_agreement` list (`parallel/agreement.py`, read by
-`pipelines/step_cache.py`).
+the `faults` hook, consulted around every call. The parallel strategies go in through declared fields too
+(`sequence_parallel`, and `agree_over` for the weight-sharding ones whose ranks take rank 0's step-cache
+measures: `parallel/agreement.py`); `--controlnet` still sets its `controlnets` and their components from outside,
+before the adapter is wrapped here (`models/controlnets.py`).
 """
 
 from __future__ import annotations

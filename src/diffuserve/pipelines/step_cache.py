@@ -157,14 +157,11 @@ def span_blocks(denoiser: torch.nn.Module, containers: Sequence[str]) -> list[to
     return [block for name in containers for block in getattr(denoiser, name, ())]
 
 
-def rank_agreement(pipeline: Any) -> RankAgreement | None:
-    """How the ranks that run this pipeline's rows agree on each row's measure (`parallel/agreement.py`): its
+def rank_agreement(split: Any, cfg_parallel: Any, rank_parts: Sequence[Any]) -> RankAgreement | None:
+    """How the ranks that run a pipeline's rows agree on each row's measure (`parallel/agreement.py`): its
     sequence split while installed, its CFG parallel, the tensor-parallel / FSDP groups its weights were
-    sharded over. None in one process."""
-    sp = getattr(pipeline, "sequence_parallel", None)
-    parts = [sp] if sp is not None and sp.handles else []
-    parts += [part for part in (getattr(pipeline, "cfg_parallel", None),) if part is not None]
-    parts += getattr(pipeline, "step_cache_agreement", [])
+    sharded over (each None or empty when not used). None in one process."""
+    parts = [part for part in (split, cfg_parallel) if part is not None] + list(rank_parts)
     return RankAgreement(tuple(parts)) if parts else None
 
 

@@ -17,7 +17,6 @@ class FluxPacking:
 
     transformer: Any
     device: torch.device
-    sequence_parallel: Any
     _text_ids_for: Any
     _image_ids_for: Any
     packs_split = True
@@ -27,13 +26,10 @@ class FluxPacking:
         FLUX.1 attends to the padding, as diffusers does); the image tokens differ by size."""
         text = positive["prompt_embeds"].shape[1]
         image = [g.tokens for g in groups for _ in range(g.rows.stop - g.rows.start)]
-        kernel = packing.packed_kernel(self.device, split=self._split() is not None)
+        kernel = packing.packed_kernel(self.device, split=self.active_split() is not None)
         return packing.PackedRows((text,) * len(image), tuple(image), text, max(image), kernel=kernel)
 
-    def _split(self) -> Any:
-        """The sequence split while installed (`parallel/sequence.py`), else None."""
-        split = getattr(self, "sequence_parallel", None)
-        return split if split is not None and split.handles else None
+    active_split: Any
 
     def packed_extras(
         self, groups: list[packing.SizeGroup], layout: packing.PackedRows, positive: Cond
@@ -58,7 +54,7 @@ class FluxPacking:
         repeats = latents.shape[0] // layout.rows  # 2 for a doubled CFG batch
         ids = state.extras["ids"].repeat(repeats, 1)
         guidance = state.extras["guidance"]
-        split, hook = self._split(), None
+        split, hook = self.active_split(), None
         text_ids, image_ids = ids[:0], ids
         if split is not None:
             text_ids, image_ids, hook = self._split_row_ids(split, layout, ids)
