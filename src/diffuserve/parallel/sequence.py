@@ -43,7 +43,6 @@ needs an accelerator on CPU.
 
 from __future__ import annotations
 
-import contextvars
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,57 +52,19 @@ import torch
 import torch.distributed as dist
 
 from diffuserve.parallel.attention import block_attention, merge_partial
-
-# -- the state of one sharded transformer call -------------------------------------------------------------
 from diffuserve.parallel.sequence_plans import (
     check_sequence_parallel,
     plan_of,
 )
-
-
-@dataclass
-class _Call:
-    """The token split of one transformer call."""
-
-    sp: SequenceParallel
-    tokens: int
-    """Image tokens of the call (before padding)."""
-    local: int
-    """Tokens per rank (after padding to a multiple of the SP degree)."""
-
-    @property
-    def padded(self) -> int:
-        return self.local * self.sp.degree
-
-    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """This rank's contiguous share of `x` along `dim` (zero-padded at the end to the padded length)."""
-        if x.shape[dim] != self.tokens:
-            raise ValueError(f"sequence parallel: expected {self.tokens} tokens on dim {dim}, got {tuple(x.shape)}")
-        if self.padded > self.tokens:
-            shape = list(x.shape)
-            shape[dim] = self.padded - self.tokens
-            x = torch.cat([x, x.new_zeros(shape)], dim=dim)
-        return x.narrow(dim, self.sp.index * self.local, self.local).contiguous()
-
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """(batch, local, ...) shares of every rank -> (batch, tokens, ...), the same bytes on every rank."""
-        sp = self.sp
-        for group, degree in ((sp.ulysses_group, sp.ulysses_degree), (sp.ring_group, sp.ring_degree)):
-            if degree > 1:
-                parts = [torch.empty_like(x) for _ in range(degree)]
-                dist.all_gather(parts, x.contiguous(), group=group)
-                x = torch.cat(parts, dim=1)
-        return x[:, : self.tokens]
-
-    def gather_on(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """`gather` along the token dim `dim` (RoPE tables: (batch, tokens, D) or (batch, heads, tokens, D))."""
-        return self.gather(x.movedim(dim, 1)).movedim(1, dim).contiguous()
-
-
-_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("diffuserve_sp_call", default=None)
-"""Set while a sharded transformer call runs (its hooks on submodules read it)."""
-_ATTENTION: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("diffuserve_sp_attention", default=None)
-"""Set while one of that call's joint self-attention modules runs (the dispatch wrapper acts only then)."""
+from diffuserve.parallel.sequence_split import (
+    SplitCall,
+    attention_split,
+    current_split,
+    enter_attention,
+    enter_split,
+    leave_attention,
+    leave_split,
+)
 
 
 def _wrap_dispatch(module_name: str) -> None:
@@ -127,7 +88,7 @@ def _wrap_dispatch(module_name: str) -> None:
         *args: Any,
         **kwargs: Any,
     ) -> torch.Tensor:
-        call = _ATTENTION.get()
+        call = attention_split()
         if call is None:
             return original(query, key, value, attn_mask, dropout_p, is_causal, scale, *args, **kwargs)
         if dropout_p or is_causal:
@@ -157,7 +118,7 @@ def _key_padding(attn_mask: torch.Tensor | None, text: int) -> torch.Tensor | No
     return attn_mask[:, 0, 0, :text]
 
 
-def _image_padding(call: _Call, batch: int, device: torch.device) -> torch.Tensor | None:
+def _image_padding(call: SplitCall, batch: int, device: torch.device) -> torch.Tensor | None:
     """In a packed call: (batch, padded) bool, True at each row's real image tokens (False at its own padding and at
     the split's); None otherwise. Read from the call's row context, not from the mask the family passes, whose image
     part is laid out for the whole sequence while the attention sees this rank's share."""
@@ -230,11 +191,11 @@ class SequenceParallel:
             named = {**dict(zip(signature, args, strict=False)), **kwargs}
             tokens = plan.tokens(module, named)
             sp.calls += 1
-            _CALL.set(_Call(sp, tokens, -(-tokens // sp.degree)))
+            enter_split(SplitCall(sp, tokens, -(-tokens // sp.degree)))
             return args, kwargs
 
         def leave(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            _CALL.set(None)
+            leave_split()
 
         self.handles.append(transformer.register_forward_pre_hook(enter, with_kwargs=True))
         for path, name, dim, ndim in plan.inputs:
@@ -248,8 +209,8 @@ class SequenceParallel:
         for blocks, attribute in plan.attention:
             for block in transformer.get_submodule(blocks):
                 attention = getattr(block, attribute)
-                self.handles.append(attention.register_forward_pre_hook(_enter_attention))
-                self.handles.append(attention.register_forward_hook(_leave_attention, always_call=True))
+                self.handles.append(attention.register_forward_pre_hook(enter_attention))
+                self.handles.append(attention.register_forward_hook(leave_attention, always_call=True))
         for blocks, attribute, names in plan.gathered_keys:
             for block in transformer.get_submodule(blocks):
                 hook = _gather_arguments(names)
@@ -260,14 +221,14 @@ class SequenceParallel:
     def shard_tokens(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Within a sharded call: this rank's share of `x`'s image tokens on `dim` (zero-padded as the hidden states
         are); outside one, `x`. A packed call's per-row RoPE table is cut with it (`families/*/ops.py`)."""
-        call = _CALL.get()
+        call = current_split()
         return x if call is None else call.shard(x, dim)
 
     def real_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, float]:
         """Step caches: `x` cut to this rank's real tokens, and their share of the row's (`parallel/agreement.py`)."""
         from diffuserve.parallel.agreement import real_tokens
 
-        return real_tokens(self, _CALL.get(), x)
+        return real_tokens(self, current_split(), x)
 
     def agree_rows(self, values: torch.Tensor) -> torch.Tensor:
         """Step caches: each row's share-weighted measures summed over the split (`parallel/agreement.py`)."""
@@ -285,7 +246,7 @@ class SequenceParallel:
 
     def attention(
         self,
-        call: _Call,
+        call: SplitCall,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -333,14 +294,14 @@ class SequenceParallel:
         dist.all_gather(parts, x[:, :text].contiguous(), group=self.ulysses_group)
         return torch.cat([torch.cat(parts, dim=2), image], dim=1)
 
-    def _block_tokens(self, call: _Call, ring_rank: int) -> int:
+    def _block_tokens(self, call: SplitCall, ring_rank: int) -> int:
         """Real (unpadded) image tokens in ring rank `ring_rank`'s block."""
         size = call.local * self.ulysses_degree
         return max(0, min(size, call.tokens - ring_rank * size))
 
     def _whole(
         self,
-        call: _Call,
+        call: SplitCall,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -363,7 +324,7 @@ class SequenceParallel:
 
     def _ring(
         self,
-        call: _Call,
+        call: SplitCall,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -420,7 +381,7 @@ def _split_argument(module: torch.nn.Module, name: str, dim: int, ndim: int) -> 
     position = _parameters(module).index(name)
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        call = _CALL.get()
+        call = current_split()
         if call is None:
             return args, kwargs
         if name in kwargs:
@@ -435,7 +396,7 @@ def _split_argument(module: torch.nn.Module, name: str, dim: int, ndim: int) -> 
 
 def _split_output(indices: tuple[int, ...], dim: int) -> Callable:
     def hook(module: torch.nn.Module, args: tuple, output: Any) -> Any:
-        call = _CALL.get()
+        call = current_split()
         if call is None:
             return output
         return tuple(call.shard(x, dim) if i in indices else x for i, x in enumerate(output))
@@ -446,7 +407,7 @@ def _split_output(indices: tuple[int, ...], dim: int) -> Callable:
 def _gather_arguments(names: tuple[str, ...]) -> Callable:
     """All-gather the keyword arguments `names` (tensors with the split tokens on dim 1, or RoPE tuples) on entry."""
 
-    def gather(call: _Call, x: Any) -> Any:
+    def gather(call: SplitCall, x: Any) -> Any:
         if isinstance(x, tuple):
             return tuple(gather(call, part) for part in x)
         if not isinstance(x, torch.Tensor):
@@ -454,7 +415,7 @@ def _gather_arguments(names: tuple[str, ...]) -> Callable:
         return call.gather_on(x, 2 if x.ndim == 4 else 1)  # split RoPE tables are (batch, heads, tokens, D)
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        call = _CALL.get()
+        call = current_split()
         if call is None:
             return args, kwargs
         return args, {**kwargs, **{n: gather(call, kwargs[n]) for n in names if kwargs.get(n) is not None}}
@@ -463,16 +424,8 @@ def _gather_arguments(names: tuple[str, ...]) -> Callable:
 
 
 def _gather_output(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-    call = _CALL.get()
+    call = current_split()
     return output if call is None else call.gather(output)
-
-
-def _enter_attention(module: torch.nn.Module, args: tuple) -> None:
-    _ATTENTION.set(_CALL.get())
-
-
-def _leave_attention(module: torch.nn.Module, args: tuple, output: Any) -> None:
-    _ATTENTION.set(None)
 
 
 # -- the entry point ------------------------------------------------------------------------------------------

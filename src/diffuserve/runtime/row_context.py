@@ -2,10 +2,11 @@
 
 Per-row state that the layers inside a denoiser need — which adapters and scales each row applies (LoRA,
 `lora/layers.py`), each row's step-cache history and CFG branch (`pipelines/step_cache.py`) — is described once
-per call by the recipe (`pipelines/recipe.py`) and entered with `calling`; a hook reads `current()` and nothing
-else. A step cache that runs its blocks on the rows that compute only (or the recipe on the rows that have
-started, `pipelines/inpaint.py`) enters `narrowed(view)`: the same call, each per-row part cut to those rows,
-so a layer laid out by the rows of the whole call follows without being told.
+per call by the recipe; sequence parallel adds the call's token split when the transformer is entered
+(`parallel/sequence_split.py`). The call is entered with `calling`; a hook reads `current()` and nothing else.
+A step cache that runs its blocks on the rows that compute only (or the recipe on the rows that have started,
+`pipelines/inpaint.py`) enters `narrowed(view)`: the same call, each per-row part cut to those rows, so a layer
+laid out by the rows of the whole call follows without being told.
 
 Why a thread-local and not a `contextvars.ContextVar`: the call runs on the one thread that runs the batch (as a
 context variable would be, outside asyncio), and compiled code reads it too (`--enable-torch-compile` traces the
@@ -55,6 +56,11 @@ class DenoiseCall:
     the span the cache's first block hands the later ones (`pipelines/step_cache.py`)."""
     view: RowView | None = None
     """Set while blocks run on some rows of the call only (`narrowed`); None: every row."""
+    split: Any = None
+    """The call's sequence-parallel token split (`parallel/sequence.py`), set by its hook on the transformer while
+    the transformer runs; None: not split."""
+    split_attention: bool = False
+    """Set while one of the split call's joint self-attention modules runs (its attention dispatch acts then)."""
 
     def narrowed(self, view: RowView) -> DenoiseCall:
         """This call on the rows `view` keeps: the per-row parts that layers read follow the rows."""
@@ -83,6 +89,14 @@ def calling(call: DenoiseCall | None) -> Iterator[DenoiseCall | None]:
         yield call
     finally:
         _CURRENT.call = before
+
+
+def swap(call: DenoiseCall | None) -> DenoiseCall | None:
+    """Make `call` the call in progress and return the one before it: for hooks that enter and leave in two
+    functions (a forward pre-hook and its forward hook), which put the returned one back."""
+    before = _CURRENT.call
+    _CURRENT.call = call
+    return before
 
 
 @contextmanager
