@@ -19,7 +19,7 @@ import importlib
 import re
 from functools import lru_cache
 
-from diffuserve.family_spec.base import FamilySpec, LayerRules, ProfileFacts, SamplingDefaults
+from diffuserve.family_spec.base import FamilySpec, LayerRules, ProfileFacts, SamplingDefaults, StepCacheRules
 from diffuserve.family_spec.components import SHARED_LAYER_RULES
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "family_from_model_id",
     "tiny_builds",
     "layer_rules",
+    "step_cache_rules",
     "GENERIC",
     "families_with",
     "named_list",
@@ -177,4 +178,13 @@ def layer_rules() -> LayerRules:
     rules: LayerRules = dict(SHARED_LAYER_RULES)
     for spec in all_specs().values():
         rules.update(spec.layer_containers)
+    return rules
+
+
+@lru_cache(maxsize=1)
+def step_cache_rules() -> dict[str, StepCacheRules]:
+    """DiT class name -> its step-cache rules, from every family's spec."""
+    rules: dict[str, StepCacheRules] = {}
+    for spec in all_specs().values():
+        rules.update(spec.step_cache_rules)
     return rules

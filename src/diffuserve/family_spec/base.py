@@ -19,6 +19,22 @@ the config, or None (count the indices in the safetensors header)."""
 LayerRules = dict[str, tuple[tuple[str, LayerCount], ...]]
 """model class name -> (module-list path or path suffix, its layer count), in execution order."""
 
+
+@dataclass(frozen=True)
+class StepCacheRules:
+    """How the step caches (`pipelines/step_cache.py`) cut one DiT class beyond its layer containers."""
+
+    chained: bool = False
+    """Its layer containers form one chain (each block takes the previous block's hidden states, across
+    containers: FLUX.1), so the cache narrows them all. False: only the last container's blocks chain (FLUX.2 joins
+    the text and image streams before its single blocks; Z-Image's refiners run on other token sets)."""
+    teacache_coefficients: tuple[float, ...] = ()
+    """The published TeaCache rescale polynomial of this DiT, highest power first; empty: `teacache` is refused."""
+    teacache_input: Callable[[Any, Any, dict[str, Any]], Any] | None = None
+    """TeaCache's block-input rule: (first block, its hidden states, its bound arguments) -> the timestep-modulated
+    input whose change decides (FLUX.1: the block's `norm1` with `temb`)."""
+
+
 OutputKind = Literal["image", "video", "mesh"]
 
 CheckpointConfigs = Mapping[str, Mapping[str, Any]]
@@ -149,6 +165,8 @@ class FamilySpec:
     layer_containers: LayerRules = field(default_factory=dict)
     """Layer table rows of this family's own model classes (its DiT); shared encoder and VAE classes are
     in `family_spec/components.py`."""
+    step_cache_rules: dict[str, StepCacheRules] = field(default_factory=dict)
+    """DiT class name -> how step caches cut it beyond its layer containers; a class not listed: defaults."""
     size_multiple: int | None = None
     """Width and height must be multiples of this: the diffusers pipeline class's own input check, for a family
     whose figure is not a rule of its configs (LTX-2: 32 whatever its VAE). None: `latent_geometry` decides (native

@@ -9,6 +9,7 @@ from diffuserve.family_spec.base import (
     LatentGeometry,
     ProfileFacts,
     SamplingDefaults,
+    StepCacheRules,
     TextEncoderFacts,
 )
 from diffuserve.family_spec.checkpoint import square_default
@@ -20,6 +21,21 @@ FLUX_TEXT_ENCODERS = (
     TextEncoderFacts("tokenizer", "text_encoder (CLIP)", 77),
     TextEncoderFacts("tokenizer_2", "text_encoder_2 (T5)", 512),
 )
+
+
+def flux_modulated_input(block: Any, hidden: Any, arguments: dict[str, Any]) -> Any:
+    """TeaCache's input on FLUX.1: the first double block's `norm1` of the hidden states with the step's `temb`."""
+    return block.norm1(hidden, emb=arguments["temb"])[0]
+
+
+FLUX_STEP_CACHE = {
+    "FluxTransformer2DModel": StepCacheRules(
+        chained=True,
+        # TeaCache4FLUX (ali-vilab/TeaCache): the rescale polynomial fitted on FLUX.1-dev, highest power first.
+        teacache_coefficients=(4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01),
+        teacache_input=flux_modulated_input,
+    ),
+}
 
 
 def flux_geometry(configs: CheckpointConfigs) -> LatentGeometry:
@@ -89,6 +105,7 @@ SPECS = (
                 ("single_transformer_blocks", "num_single_layers"),
             ),
         },
+        step_cache_rules=FLUX_STEP_CACHE,
         latent_geometry=flux_geometry,
         # FlowMatchEulerDiscreteScheduler steps from the row's own sigma[i], sigma[i+1]; the transformer takes a
         # per-row timestep; position ids and the guidance vector depend only on size and guidance (the group key).

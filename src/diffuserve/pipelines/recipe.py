@@ -319,7 +319,8 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
         install_hooks(getattr(self, model_key), self.step_cache_containers(model_key))
 
     def step_cache_problem(self, method: str) -> str | None:
-        from diffuserve.pipelines.step_cache import TEACACHE_COEFFICIENTS, model_class, supports_blocks
+        from diffuserve.family_spec import step_cache_rules
+        from diffuserve.pipelines.step_cache import cache_rules, supports_blocks
 
         for key in self.denoisers:
             denoiser = getattr(self, key, None)
@@ -328,10 +329,11 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
             problem = supports_blocks(denoiser, self.step_cache_containers(key))
             if problem is not None:
                 return problem
-            if method == "teacache" and model_class(denoiser).__name__ not in TEACACHE_COEFFICIENTS:
+            if method == "teacache" and not cache_rules(denoiser).teacache_coefficients:
                 return (
                     f"teacache needs published rescale coefficients for {type(denoiser).__name__}; they exist for "
-                    f"{sorted(TEACACHE_COEFFICIENTS)} (FLUX.1); use fbcache or taylorseer here"
+                    f"{sorted(k for k, r in step_cache_rules().items() if r.teacache_coefficients)} (FLUX.1); use "
+                    "fbcache or taylorseer here"
                 )
         return None
 

@@ -46,6 +46,8 @@ from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.hooks._helpers import TransformerBlockRegistry
 from diffusers.hooks.taylorseer_cache import TaylorSeerState
 
+from diffuserve.family_spec import step_cache_rules
+from diffuserve.family_spec.base import StepCacheRules
 from diffuserve.pipelines.step_cache_packed import narrow_packed, real_lengths
 from diffuserve.pipelines.step_cache_rows import (
     CallRows,
@@ -75,21 +77,15 @@ __all__ = [
 HEAD_HOOK = "diffuserve_step_cache_head"
 BLOCK_HOOK = "diffuserve_step_cache_block"
 
-TEACACHE_COEFFICIENTS: dict[str, tuple[float, ...]] = {
-    # TeaCache4FLUX (ali-vilab/TeaCache): the rescale polynomial fitted on FLUX.1-dev, highest power first.
-    "FluxTransformer2DModel": (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01),
-}
-"""Denoiser class -> published TeaCache rescale coefficients. Families without an entry refuse `teacache`."""
-
 SHARED_ARGUMENT_WORDS = ("rotary", "rope")
 """Block arguments whose name holds one of these are shared by every row (position tables) and pass unchanged
 (a packed call's, stacked per row, are cut with the rows: `step_cache_packed.py`); every other tensor argument with
 one entry per row of the call (dim 0) is narrowed to the computing rows."""
 
-CHAINED_CONTAINERS = frozenset({"FluxTransformer2DModel"})
-"""Denoisers whose layer containers form one chain (each block takes the previous block's hidden states, across
-containers). Elsewhere the span is the last container: FLUX.2 joins the text and image streams before its single
-blocks and Z-Image's refiners run on other token sets, so only the last container's blocks chain."""
+
+def cache_rules(denoiser: torch.nn.Module) -> StepCacheRules:
+    """How step caches cut `denoiser` beyond its layer containers: its family spec's `step_cache_rules`."""
+    return step_cache_rules().get(model_class(denoiser).__name__, StepCacheRules())
 
 
 # -- the call's rows and the span of blocks ------------------------------------------------------------------
@@ -119,12 +115,12 @@ def install_hooks(denoiser: torch.nn.Module, containers: Sequence[str]) -> None:
     registry = HookRegistry.check_if_exists_or_initialize(blocks[0])
     if registry.get_hook(HEAD_HOOK) is not None:
         return
-    denoiser_class = model_class(denoiser).__name__
+    rules = cache_rules(denoiser)
     metas = [_block_metadata(model_class(b)) for b in blocks]
     for position, block in enumerate(blocks):
         registry = HookRegistry.check_if_exists_or_initialize(block)
         hook: ModelHook = (
-            _HeadHook(metas[0], denoiser_class)
+            _HeadHook(metas[0], rules)
             if position == 0
             else _BlockHook(metas[position], tail=position == len(blocks) - 1)
         )
@@ -151,8 +147,9 @@ def model_class(module: torch.nn.Module) -> type:
 
 
 def span_blocks(denoiser: torch.nn.Module, containers: Sequence[str]) -> list[torch.nn.Module]:
-    """The blocks a step cache narrows: every container's when they chain (`CHAINED_CONTAINERS`), else the last's."""
-    if model_class(denoiser).__name__ not in CHAINED_CONTAINERS:
+    """The blocks a step cache narrows: every container's when they chain (`StepCacheRules.chained`), else the
+    last's."""
+    if not cache_rules(denoiser).chained:
         containers = containers[-1:]
     return [block for name in containers for block in getattr(denoiser, name, ())]
 
@@ -289,10 +286,10 @@ def _narrow(
 class _HeadHook(_Block, ModelHook):
     """First block: decides per row, then narrows the call to the rows that compute."""
 
-    def __init__(self, meta: Any, denoiser_class: str) -> None:
+    def __init__(self, meta: Any, rules: StepCacheRules) -> None:
         super().__init__(meta)
-        self.denoiser_class = denoiser_class
-        """The denoiser's class name (teacache's coefficients are per class)."""
+        self.rules = rules
+        """The denoiser's step-cache rules (teacache's coefficients and input)."""
 
     @_around_blocks
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -318,9 +315,8 @@ class _HeadHook(_Block, ModelHook):
             base = (first_hidden, first_encoder)
         else:
             if call.method == "teacache":
-                temb = bound.arguments["temb"]
-                modulated = module.norm1(hidden, emb=temb)[0]
-                decide_teacache(call, modulated, TEACACHE_COEFFICIENTS[self.denoiser_class])
+                modulated = self.rules.teacache_input(module, hidden, bound.arguments)  # type: ignore[misc]
+                decide_teacache(call, modulated, self.rules.teacache_coefficients)
             elif call.method == "magcache":
                 decide_magcache(call)
             else:
