@@ -17,8 +17,9 @@ import torch
 
 from diffuserve.config.plan import ResidencyMode
 from diffuserve.config.step_cache import StepCacheSettings
-from diffuserve.pipelines import packing, step_cache_rows
+from diffuserve.pipelines import packing
 from diffuserve.sampling import SamplingParams
+from diffuserve.step_cache import rows as step_cache_rows
 from tests.integration.family_checks import max_pixel_diff, simulate_steps, with_residency
 
 pytestmark = pytest.mark.timeout(300)

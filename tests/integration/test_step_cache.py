@@ -1,4 +1,4 @@
-"""Step caches decide per row (`pipelines/step_cache.py`): a row in a merged batch, or in a continuous group, equals
+"""Step caches decide per row (`step_cache/hooks.py`): a row in a merged batch, or in a continuous group, equals
 the same request alone with the same settings, while rows of one batch hit and miss at the same steps; a cached
 image differs from the uncached one (steps really are skipped) yet stays close; the server takes the setting per
 request (`step_cache`, `enable_teacache`) or from `--step-cache`, reports counts in `timings` and on `/metrics`,

@@ -45,6 +45,7 @@ LAYERS: dict[str, float] = {
     # Weight placement and streaming; per-row LoRA layers on the model's Linear layers.
     "runtime": 2,
     "lora": 2,
+    "step_cache": 2,  # per-row step caches: hooks on the denoiser's blocks, each row's history and policies
     # Quantized Linear layers (online methods) and applying them to a loaded pipeline's components.
     "quant": 2,
     # The recipes.

@@ -1,6 +1,6 @@
 """What a step cache is asked to do: `StepCacheSettings`, parsed once from a request's `step_cache` field or the
 server's `--step-cache` / `--step-cache-config` flags (no torch here: the routes, the scheduler and the config
-layer read it). The policies that act on these settings, per row, live in `pipelines/step_cache.py`.
+layer read it). The policies that act on these settings, per row, live in `step_cache/hooks.py`.
 
 A setting is a method name (`"fbcache"`), an object with the method and its options
 (`{"method": "fbcache", "threshold": 0.1}`), or `"off"`. FastVideo's and SGLang's `enable_teacache: true` is

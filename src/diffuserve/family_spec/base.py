@@ -22,7 +22,7 @@ LayerRules = dict[str, tuple[tuple[str, LayerCount], ...]]
 
 @dataclass(frozen=True)
 class StepCacheRules:
-    """How the step caches (`pipelines/step_cache.py`) cut one DiT class beyond its layer containers."""
+    """How the step caches (`step_cache/hooks.py`) cut one DiT class beyond its layer containers."""
 
     chained: bool = False
     """Its layer containers form one chain (each block takes the previous block's hidden states, across

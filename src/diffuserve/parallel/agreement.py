@@ -1,4 +1,4 @@
-"""How the ranks that run the same rows agree on a step cache's per-row measures (`pipelines/step_cache_rows.py`).
+"""How the ranks that run the same rows agree on a step cache's per-row measures (`step_cache/rows.py`).
 
 A step cache decides per row from a number its first block measured. Over several ranks each rank measures its
 own part (its CFG branch, its share of the tokens), and ranks that decided differently would diverge: worse, a

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diffuserve.pipelines.batch_rows import Cond, Denoised, DenoiseState, StageTimer, check_batch, gather_rows, num_rows
-from diffuserve.pipelines.step_cache_rows import new_row_caches
+from diffuserve.step_cache.rows import new_row_caches
 
 if TYPE_CHECKING:
     from diffuserve.pipelines.base import BatchResult
@@ -383,7 +383,7 @@ def run_mixed(pipe: RecipePipeline, batch: list[SamplingParams], **callbacks: An
             groups = _prepare_groups(pipe, ordered, positive)
         layout = pipe.packed_layout(groups, positive)
         state = _packed_state(pipe, groups, layout, order, positive)
-        steps = len(state.timesteps)  # each row's step cache (pipelines/step_cache.py), none when asked for none
+        steps = len(state.timesteps)  # each row's step cache (step_cache/hooks.py), none when asked for none
         rows = [c for p in ordered for c in new_row_caches(p.step_cache, p.n, steps) or []] or None
         with timer.stage("denoise"), pipe.lora_scope(ordered):
             latents = pipe._denoise(

@@ -54,7 +54,7 @@ from diffuserve.pipelines.batch_rows import (  # noqa: F401 - re-exported: adapt
     split_rows,
 )
 from diffuserve.pipelines.overlap import overlap_for
-from diffuserve.pipelines.step_cache import RowCache, new_row_caches, step_counts
+from diffuserve.step_cache.hooks import RowCache, new_row_caches, step_counts
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -241,7 +241,7 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
         """Recipe step 3, one denoiser call: the prediction for `latents` at `timestep`, guided by the negative
         branch when there is one (CFG, or CFG parallel's split). Public: the continuous step calls it.
 
-        `rows`: the step cache of each row (`pipelines/step_cache.py`), or None when the rows run no cache; each
+        `rows`: the step cache of each row (`step_cache/hooks.py`), or None when the rows run no cache; each
         row decides for itself whether the denoiser's blocks run for it at this step."""
         if rows is None:
             return self._guided(latents, timestep, positive, negative, head, state, step_index, model_key)
@@ -269,7 +269,7 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
         def predict(x: torch.Tensor, t: torch.Tensor, cond: Cond, branches: Sequence[int]) -> torch.Tensor:
             if cache is None:
                 return self.predict(x, t, cond, state, model_key)
-            from diffuserve.pipelines.step_cache import CallRows, caching, rank_agreement
+            from diffuserve.step_cache.hooks import CallRows, caching, rank_agreement
 
             packed = state.extras["packed"].layout if "packed" in state.extras else None  # pipelines/packing.py
             agreement = rank_agreement(self.active_split(), self.cfg_parallel, self.rank_parts)
@@ -300,13 +300,13 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
             uncond = predict(latents, timestep, negative, (1,))
         return self.combine_guidance(cond, uncond, head, state, step_index)
 
-    # -- step caches (pipelines/step_cache.py) -------------------------------------------------------------
+    # -- step caches (step_cache/hooks.py) -------------------------------------------------------------
 
     def step_cache_containers(self, model_key: str) -> tuple[str, ...]:
         """Attribute names of denoiser `model_key`'s repeated blocks: its class' layer containers in the family
         spec's layer table (`family_spec/*.py`)."""
         from diffuserve.family_spec import layer_rules
-        from diffuserve.pipelines.step_cache import model_class
+        from diffuserve.step_cache.hooks import model_class
 
         denoiser = getattr(self, model_key, None)
         rules = layer_rules().get(model_class(denoiser).__name__, ())
@@ -314,13 +314,13 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
 
     def install_step_cache(self, model_key: str) -> None:
         """Hook denoiser `model_key`'s blocks for step caches (once, at first use)."""
-        from diffuserve.pipelines.step_cache import install_hooks
+        from diffuserve.step_cache.hooks import install_hooks
 
         install_hooks(getattr(self, model_key), self.step_cache_containers(model_key))
 
     def step_cache_problem(self, method: str) -> str | None:
         from diffuserve.family_spec import step_cache_rules
-        from diffuserve.pipelines.step_cache import cache_rules, supports_blocks
+        from diffuserve.step_cache.hooks import cache_rules, supports_blocks
 
         for key in self.denoisers:
             denoiser = getattr(self, key, None)

@@ -33,7 +33,7 @@ import torch
 from diffuserve.pipelines import packing
 from diffuserve.pipelines.base import RequestOutput
 from diffuserve.pipelines.recipe import Cond, DenoiseState, RecipePipeline, concat_cond, gather_rows
-from diffuserve.pipelines.step_cache import RowCache, new_row_caches, step_counts
+from diffuserve.step_cache.hooks import RowCache, new_row_caches, step_counts
 
 
 @dataclass(eq=False)

@@ -1,7 +1,7 @@
 """The rows of the denoiser call in progress: one frozen `DenoiseCall`, set by the recipe, read by every hook.
 
 Per-row state that the layers inside a denoiser need — which adapters and scales each row applies (LoRA,
-`lora/layers.py`), each row's step-cache history and CFG branch (`pipelines/step_cache.py`) — is described once
+`lora/layers.py`), each row's step-cache history and CFG branch (`step_cache/hooks.py`) — is described once
 per call by the recipe; sequence parallel adds the call's token split when the transformer is entered
 (`parallel/sequence_split.py`). The call is entered with `calling`; a hook reads `current()` and nothing else.
 A step cache that runs its blocks on the rows that compute only (or the recipe on the rows that have started,
@@ -52,8 +52,8 @@ class DenoiseCall:
     adapters: Any = None
     """Per row, the adapter slots and scales it applies (a `RowAdapters`: `lora/layers.py` `RowAssignment`)."""
     cache: Any = None
-    """Per row, its step-cache history and CFG branch (`pipelines/step_cache_rows.py` `CallRows`); it also holds
-    the span the cache's first block hands the later ones (`pipelines/step_cache.py`)."""
+    """Per row, its step-cache history and CFG branch (`step_cache/rows.py` `CallRows`); it also holds
+    the span the cache's first block hands the later ones (`step_cache/hooks.py`)."""
     view: RowView | None = None
     """Set while blocks run on some rows of the call only (`narrowed`); None: every row."""
     split: Any = None

@@ -35,7 +35,7 @@ from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
 
 # diffusers 0.42.1 registers HunyuanVideo's blocks but not 1.5's: say where its (hidden, encoder hidden) outputs sit,
-# so the step caches (pipelines/step_cache.py) and diffusers' own cache hooks can cut at its blocks.
+# so the step caches (step_cache/hooks.py) and diffusers' own cache hooks can cut at its blocks.
 TransformerBlockRegistry.register(
     model_class=HunyuanVideo15TransformerBlock,
     metadata=TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=1),

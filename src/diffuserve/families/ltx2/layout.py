@@ -106,7 +106,7 @@ def guide_modality(
 
 @dataclass
 class JointBlockMetadata(TransformerBlockMetadata):
-    """Where LTX-2's block keeps its two streams, for the step caches (`pipelines/step_cache.py`): it returns
+    """Where LTX-2's block keeps its two streams, for the step caches (`step_cache/hooks.py`): it returns
     (video, audio); the audio enters as `audio_hidden_states` (not the text's `encoder_hidden_states`), and its
     RoPE (cos, sin) pairs carry one entry per row."""
 

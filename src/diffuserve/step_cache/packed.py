@@ -1,4 +1,4 @@
-"""Step caches on packed mixed-size calls (`pipelines/packing.py`, `pipelines/step_cache.py`).
+"""Step caches on packed mixed-size calls (`pipelines/packing.py`, `step_cache/hooks.py`).
 
 A packed call pads each row's tokens to the call's longest. Two things would then differ from the row run alone,
 and this module puts them back:

@@ -1,4 +1,4 @@
-"""The per-row half of the step caches (`pipelines/step_cache.py`): each row's history (`RowCache`) and the
+"""The per-row half of the step caches (`step_cache/hooks.py`): each row's history (`RowCache`) and the
 policies that decide, row by row, whether it computes or reuses this step. No hooks here: these read numbers
 the hooks measured (a first-block residual, a modulated input) and the row's own counters."""
 
@@ -214,7 +214,7 @@ class CallRows:
     """A packed mixed-size call's `packing.PackedRows` (its rows padded to the longest), else None."""
     lengths: list[int] | None = None
     """Packed: each row's real tokens of the blocks' hidden states (a prefix), set by the first block's hook;
-    its measures and cached residuals cover those only (`step_cache_packed.py`). None: every token is real."""
+    its measures and cached residuals cover those only (`step_cache/packed.py`). None: every token is real."""
     span: Any = None
     """Set by the first block's hook for the later blocks of this call (`step_cache.Span`: who computes, the states
     where the narrowed blocks start); None before the first block and after the last."""

@@ -48,8 +48,9 @@ from diffusers.hooks.taylorseer_cache import TaylorSeerState
 
 from diffuserve.family_spec import step_cache_rules
 from diffuserve.family_spec.base import StepCacheRules
-from diffuserve.pipelines.step_cache_packed import narrow_packed, real_lengths
-from diffuserve.pipelines.step_cache_rows import (
+from diffuserve.runtime import row_context
+from diffuserve.step_cache.packed import narrow_packed, real_lengths
+from diffuserve.step_cache.rows import (
     CallRows,
     RankAgreement,
     RowCache,
@@ -61,7 +62,6 @@ from diffuserve.pipelines.step_cache_rows import (
     real_row,
     step_counts,
 )
-from diffuserve.runtime import row_context
 
 __all__ = [
     "CallRows",
@@ -79,7 +79,7 @@ BLOCK_HOOK = "diffuserve_step_cache_block"
 
 SHARED_ARGUMENT_WORDS = ("rotary", "rope")
 """Block arguments whose name holds one of these are shared by every row (position tables) and pass unchanged
-(a packed call's, stacked per row, are cut with the rows: `step_cache_packed.py`); every other tensor argument with
+(a packed call's, stacked per row, are cut with the rows: `step_cache/packed.py`); every other tensor argument with
 one entry per row of the call (dim 0) is narrowed to the computing rows."""
 
 
@@ -103,7 +103,7 @@ class Span:
     base: tuple[torch.Tensor, torch.Tensor | None]
     """Hidden (and encoder) states of every row where the narrowed blocks start."""
     memo: dict[str, Any] = field(default_factory=dict)
-    """A packed call's narrowed layout and masks, made once for all its blocks (`step_cache_packed.py`)."""
+    """A packed call's narrowed layout and masks, made once for all its blocks (`step_cache/packed.py`)."""
 
 
 def install_hooks(denoiser: torch.nn.Module, containers: Sequence[str]) -> None:
