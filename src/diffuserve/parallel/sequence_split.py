@@ -3,8 +3,8 @@ the transformer runs: in the row context of the denoiser call (`runtime/row_cont
 `split_attention` while one of its joint self-attention modules runs), entered and left by the hooks on the
 transformer and its attention modules.
 
-These are read and set outside compiled code (`torch.compiler.disable`), where the context variables they
-replaced broke the graph too: the sharded attention and its collectives stay out of the compiled blocks.
+These are read and set outside compiled code (`torch.compiler.disable`: a graph break at each hook), so the
+sharded attention and its collectives stay out of the compiled blocks.
 """
 
 from __future__ import annotations

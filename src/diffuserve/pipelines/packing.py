@@ -21,7 +21,6 @@ recipe runs instead, one after the other, and say so once in the log.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import logging
 import types
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diffuserve.pipelines.batch_rows import Cond, Denoised, DenoiseState, StageTimer, check_batch, gather_rows, num_rows
+from diffuserve.runtime import row_context
 from diffuserve.step_cache.rows import new_row_caches
 
 if TYPE_CHECKING:
@@ -46,8 +46,6 @@ logger = logging.getLogger(__name__)
 PACKED_ROW_EXTRAS = ("velocity",)
 """Extras a family's scheduler step leaves on the packed state, laid out like the latents (FLUX.1's velocity for the
 clean-latent preview): cut to each size group before its preview."""
-
-_ROWS: contextvars.ContextVar[PackedRows | None] = contextvars.ContextVar("diffuserve_packed_rows", default=None)
 
 
 @dataclass(frozen=True)
@@ -117,8 +115,7 @@ class PackedRows:
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """Within: this call's rows are packed (the rotary hook and the attention backend read it)."""
-        token = _ROWS.set(self)
-        try:
+        with row_context.with_parts(packed=self):
             if self.kernel == "flex":
                 from diffusers.models.attention_dispatch import attention_backend
 
@@ -128,13 +125,15 @@ class PackedRows:
                     yield
             else:
                 yield
-        finally:
-            _ROWS.reset(token)
 
 
+@torch.compiler.disable
 def active_rows() -> PackedRows | None:
-    """The row context of the packed call running now, or None (read by sequence parallel's attention)."""
-    return _ROWS.get()
+    """The packed rows of the call running now (the row context's `packed`), or None. Read outside compiled code
+    (`torch.compiler.disable`: a graph break at the attention wrappers below and sequence parallel's attention), so
+    the masks' Python bookkeeping is never traced."""
+    call = row_context.current()
+    return None if call is None else call.packed
 
 
 def packed_kernel(device: torch.device | str, split: bool = False) -> str:
@@ -176,7 +175,7 @@ class _MaskedFunctional(types.ModuleType):
     def scaled_dot_product_attention(
         query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
-        rows = _ROWS.get()
+        rows = active_rows()
         if rows is not None and not args and kwargs.get("attn_mask") is None:
             kwargs["attn_mask"] = rows.sdpa_mask(query.shape[0], key.shape[-2], key.device)
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, *args, **kwargs)
@@ -207,8 +206,8 @@ def install_row_rotary(module_name: str, name: str = "apply_rotary_emb") -> None
     def rotate(x: torch.Tensor, freqs_cis: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         table = freqs_cis[0] if isinstance(freqs_cis, tuple) else freqs_cis
         # Decided by shapes alone (a stacked per-row table has rows x tokens entries, diffusers' one table
-        # `tokens`), never by the packed-call context variable: reading it inside a compiled block breaks the graph,
-        # and the wrap stays installed for every later (compiled) call of the process.
+        # `tokens`), never by the call's packed rows (`active_rows`): reading them inside a compiled block breaks the
+        # graph, and the wrap stays installed for every later (compiled) call of the process.
         if x.shape[0] > 1 and table.shape[0] == x.shape[0] * x.shape[1]:
             return original(x.reshape(1, -1, *x.shape[2:]), freqs_cis, *args, **kwargs).reshape(x.shape)
         return original(x, freqs_cis, *args, **kwargs)
@@ -229,7 +228,7 @@ def install_masked_dispatch(module_name: str) -> None:
         return
 
     def dispatch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        rows = _ROWS.get()
+        rows = active_rows()
         if rows is not None and not args:
             mask = rows.sdpa_mask(query.shape[0], key.shape[1], key.device)
             given = kwargs.get("attn_mask")

@@ -56,6 +56,9 @@ class DenoiseCall:
     the span the cache's first block hands the later ones (`step_cache/hooks.py`)."""
     view: RowView | None = None
     """Set while blocks run on some rows of the call only (`narrowed`); None: every row."""
+    packed: Any = None
+    """A packed mixed-size call's rows (`pipelines/packing.py` `PackedRows`: each row's text and image tokens, the
+    padding masks), set around the packed denoiser call; None: the rows are not packed."""
     split: Any = None
     """The call's sequence-parallel token split (`parallel/sequence.py`), set by its hook on the transformer while
     the transformer runs; None: not split."""
