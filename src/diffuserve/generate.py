@@ -261,7 +261,7 @@ def _step_cache(args: ServerArgs) -> Any:
     from diffuserve.config.step_cache import server_step_cache, with_calibration
 
     return with_calibration(
-        server_step_cache(args.step_cache, args.step_cache_config), args.step_cache_calibration, "--step-cache"
+        server_step_cache(args.step_cache.method, args.step_cache.options), args.step_cache.calibration, "--step-cache"
     )
 
 

@@ -137,17 +137,19 @@ of serve (issue 20), plus the `Quantization` flags of serve, generate and plan a
 def flag_table(command: str) -> dict[str, dict]:
     """dest -> what `diffuserve COMMAND --help` and `--config` show of the flag: names, section, default
     (the dataclass default where the flag has one), choices, nargs and metavar."""
+    from diffuserve.config.argparse_dataclass import flag_dest, flag_fields
     from diffuserve.config.deployment import DeploymentArgs
+    from diffuserve.config.server_args import SECTIONS
 
-    owners = (ServerArgs(), DeploymentArgs())
+    owners = [cls() for cls in (*SECTIONS.values(), DeploymentArgs)]
+    defaults = {flag_dest(f): getattr(owner, f.name) for owner in owners for f in flag_fields(type(owner))}
     sub = cli._subparsers(cli._build_parser())[command]
     table = {}
     for group in sub._action_groups:
         for action in group._group_actions:
             if not action.option_strings or action.dest == "help":
                 continue
-            owner = next((o for o in owners if action.dest != "config" and hasattr(o, action.dest)), None)
-            default = getattr(owner, action.dest) if owner is not None else action.default
+            default = defaults[action.dest] if action.dest in defaults else action.default
             table[action.dest] = {
                 "flags": list(action.option_strings),
                 "group": group.title,

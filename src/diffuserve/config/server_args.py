@@ -8,6 +8,7 @@ commands that take it, its validation):
     StoreArgs       config/store_args.py     --results-db, --media-store, --s3-endpoint-url, --owner-timeout-s
     BatchingConfig  config/batching.py       --batching-mode/-max-size/-delay-ms/-config, --enable-batching-metrics
     EngineConfig    config/engine.py         --max-queue-size, --request-timeout-s, --enable-warmup, --warmup-steps
+    StepCacheArgs   config/step_cache_args.py --step-cache, --step-cache-config, --step-cache-calibration
     LimitsArgs      config/limits.py         --max-request-bytes, --api-key, prompt and upload caps
     LoraArgs        config/lora.py           --lora-modules, --max-loras, --max-lora-rank
     ControlNetArgs  config/controlnet.py     --controlnet, and generate's --control-image, --control-mode, ...
@@ -42,6 +43,7 @@ from diffuserve.config.limits import LIMITS_GROUP, LimitsArgs
 from diffuserve.config.lora import LORA_GROUP, LoraArgs
 from diffuserve.config.model_args import MODEL_GROUP, ModelArgs
 from diffuserve.config.quant_args import QUANT_GROUP, QuantArgs
+from diffuserve.config.step_cache_args import StepCacheArgs
 from diffuserve.config.store_args import STORE_GROUP, StoreArgs
 from diffuserve.errors import ConfigError
 
@@ -50,6 +52,7 @@ SECTIONS: dict[str, type] = {
     "http": HttpArgs,
     "batching": BatchingConfig,
     "engine": EngineConfig,
+    "step_cache": StepCacheArgs,
     "limits": LimitsArgs,
     "dist": DistArgs,
     "store": StoreArgs,
@@ -93,6 +96,8 @@ class ServerArgs:
     """The `--batching-*` flags; the schedulers' config (after `with_rules()`)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Admission and warm-up; the engine's config (plus the plan's warm-up resolutions)."""
+    step_cache: StepCacheArgs = field(default_factory=StepCacheArgs)
+    """The default step cache of requests that set none."""
     limits: LimitsArgs = field(default_factory=LimitsArgs)
     """Body and prompt caps, API key, security switches."""
     dist: DistArgs = field(default_factory=DistArgs)
@@ -116,6 +121,7 @@ class ServerArgs:
         http: HttpArgs | None = None,
         batching: BatchingConfig | None = None,
         engine: EngineConfig | None = None,
+        step_cache: StepCacheArgs | None = None,
         limits: LimitsArgs | None = None,
         dist: DistArgs | None = None,
         store: StoreArgs | None = None,
@@ -131,6 +137,7 @@ class ServerArgs:
             "http": http,
             "batching": batching,
             "engine": engine,
+            "step_cache": step_cache,
             "limits": limits,
             "dist": dist,
             "store": store,
@@ -224,6 +231,8 @@ def _flat_property(section: str, name: str, doc: str | None) -> property:
 
 
 for _dest, (_section, _name) in _OWNER.items():
+    if _dest in SECTIONS:  # `args.step_cache` is the section; its `--step-cache` is `args.step_cache.method`
+        continue
     setattr(ServerArgs, _dest, _flat_property(_section, _name, f"`{_section}.{_name}` (--{_dest.replace('_', '-')})."))
 
 

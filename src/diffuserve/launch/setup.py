@@ -360,10 +360,10 @@ def prepare_rank(args: ServerArgs, info: LaunchInfo | None, *, log_plan: bool = 
     `brief`), size its thread pool."""
     args.validate()
     model_path = resolve_model_path(args)
-    if args.step_cache_calibration:  # a MagCache file made for another checkpoint is refused before any load
+    if args.step_cache.calibration:  # a MagCache file made for another checkpoint is refused before any load
         from diffuserve.models.fingerprint import check_calibration
 
-        check_calibration(args.step_cache_calibration, model_path, model_id=args.model_id, backend=args.backend)
+        check_calibration(args.step_cache.calibration, model_path, model_id=args.model_id, backend=args.backend)
     device = resolve_device(args.device)
     if info is not None:
         device = info.device(device)

@@ -206,7 +206,7 @@ def result_timings(
 def request_step_cache(body: Any, ctx: ServerContext) -> StepCacheSettings | None:
     """A body's step cache: its `step_cache` (or `enable_teacache: true`), else the server's `--step-cache`; magcache
     gets the checkpoint's ratios from `--step-cache-calibration`."""
-    return with_calibration(_asked_step_cache(body, ctx), ctx.args.step_cache_calibration)
+    return with_calibration(_asked_step_cache(body, ctx), ctx.args.step_cache.calibration)
 
 
 def _asked_step_cache(body: Any, ctx: ServerContext) -> StepCacheSettings | None:
@@ -217,4 +217,4 @@ def _asked_step_cache(body: Any, ctx: ServerContext) -> StepCacheSettings | None
         return parse_step_cache("teacache" if body.enable_teacache else "off", "enable_teacache")
     if "step_cache" in fields:
         return parse_step_cache(body.step_cache if body.step_cache is not None else "off")
-    return server_step_cache(ctx.args.step_cache, ctx.args.step_cache_config)
+    return server_step_cache(ctx.args.step_cache.method, ctx.args.step_cache.options)
