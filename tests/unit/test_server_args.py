@@ -295,3 +295,10 @@ def test_merging_modes_that_never_merge_warn_and_both_schedulers_take_max_loras(
         lora = ServerArgs(batching_mode=mode, batching_max_size=4, lora_modules=["a=/a"], max_loras=2)
         assert build_batcher(lora).config.max_adapters == 2
         assert build_batcher(ServerArgs(batching_mode=mode, batching_max_size=4)).config.max_adapters is None
+
+
+def test_step_cache_is_a_section_and_its_flag_a_keyword():
+    from diffuserve.config.step_cache_args import StepCacheArgs
+
+    assert ServerArgs(step_cache="fbcache").step_cache == StepCacheArgs(method="fbcache")
+    assert ServerArgs(step_cache=StepCacheArgs(method="teacache"), step_cache_config="{}").step_cache.options == "{}"

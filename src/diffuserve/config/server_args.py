@@ -121,7 +121,7 @@ class ServerArgs:
         http: HttpArgs | None = None,
         batching: BatchingConfig | None = None,
         engine: EngineConfig | None = None,
-        step_cache: StepCacheArgs | None = None,
+        step_cache: StepCacheArgs | str | None = None,
         limits: LimitsArgs | None = None,
         dist: DistArgs | None = None,
         store: StoreArgs | None = None,
@@ -145,6 +145,8 @@ class ServerArgs:
             "control": control,
             "quant": quant,
         }
+        if isinstance(step_cache, str):  # the flat `step_cache="fbcache"` (--step-cache), not a section
+            flags["step_cache"], given["step_cache"] = step_cache, None
         unknown = sorted(set(flags) - set(_OWNER))
         if unknown:
             raise TypeError(f"ServerArgs got unexpected keyword arguments {unknown}")
