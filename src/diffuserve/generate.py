@@ -235,7 +235,7 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     args.validate()
     model_path = resolve_model_path(args, quiet=True)  # the engine's set-up resolves (and logs) it again
     from diffuserve.family_spec import spec_for
-    from diffuserve.models.registry import resolve as resolve_model
+    from diffuserve.models.registry import resolve_model
 
     spec = resolve_model(model_path, model_id=args.model_id, backend=args.backend)
     video = spec.output_kind == "video"

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from diffuserve import cli
-from diffuserve.config.deployment import resolve
+from diffuserve.config.deployment import resolve_plan
 from diffuserve.config.model_profiles import family_profile
 from diffuserve.config.server_args import ServerArgs
 from diffuserve.hardware import describe_hardware
@@ -154,7 +154,7 @@ def _plan(manifest: Manifest, index: int, gpus: int) -> Any:
     args = manifest.server_args(index)
     family, heads = CHECKPOINTS[Path(args.model_path).name]
     profile = dataclasses.replace(family_profile(family), dit_attention_heads=heads)
-    plan = resolve(args.deployment, describe_hardware(gpus, 80.0), profile, hosts=args.nnodes)
+    plan = resolve_plan(args.deployment, describe_hardware(gpus, 80.0), profile, hosts=args.nnodes)
     assert plan.num_gpus == (args.deployment.num_gpus or 1)
     return plan
 

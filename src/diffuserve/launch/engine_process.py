@@ -32,7 +32,7 @@ from diffuserve.config.server_args import ServerArgs
 from diffuserve.engine.engine import AsyncEngine
 from diffuserve.engine.metrics import EngineMetrics
 from diffuserve.errors import DiffuserveError, GenerationError
-from diffuserve.executor.batch_runner import PreviewSink
+from diffuserve.executor.messages import PreviewSink
 from diffuserve.launch import engine_messages as m
 
 logger = logging.getLogger("diffuserve.engine_process")

@@ -14,7 +14,7 @@ from typing import Any
 from diffuserve.config.server_args import ServerArgs
 from diffuserve.engine.engine import AsyncEngine
 from diffuserve.engine.metrics import BatchingStats, EngineMetrics
-from diffuserve.engine.scheduler import DynamicBatcher
+from diffuserve.engine.scheduler import RequestLevelScheduler
 from diffuserve.engine.step_scheduler import StepScheduler
 from diffuserve.errors import ConfigError
 from diffuserve.executor.base import InProcessExecutor
@@ -33,7 +33,7 @@ from diffuserve.pipelines.serving import ServingPipeline
 logger = logging.getLogger("diffuserve")
 
 
-def build_batcher(args: ServerArgs, slots: int = 1) -> DynamicBatcher | StepScheduler:
+def build_batcher(args: ServerArgs, slots: int = 1) -> RequestLevelScheduler | StepScheduler:
     """The scheduler of the configured batching mode (`slots`: replicas that run batches at once)."""
     config = args.batching.with_rules()  # the scheduler validates it
     if args.lora.enabled:  # a batch's (or group's) adapters must fit the device slots at once (lora/registry.py)
@@ -43,7 +43,7 @@ def build_batcher(args: ServerArgs, slots: int = 1) -> DynamicBatcher | StepSche
         logger.warning("%s", warning)
     if config.mode == "continuous":
         return StepScheduler(config, model_names=args.model_names)
-    return DynamicBatcher(config, model_names=args.model_names, slots=slots)
+    return RequestLevelScheduler(config, model_names=args.model_names, slots=slots)
 
 
 def _multi_rank_executor(args: ServerArgs, info: LaunchInfo, setup: RankSetup, metrics: EngineMetrics | None) -> Any:

@@ -102,7 +102,7 @@ def resolve_deployment(
     at its quantized size), so `plan` and start-up refuse the same things with the same words.
     `transformer_path` (`--transformer-path`): the transformer is counted at that file's bytes and method.
     `controlnet` (`--controlnet`): each ControlNet is a component beside the base (family-checked, counted)."""
-    from diffuserve.config.deployment import continuous_refusal, describe_batching, resolve
+    from diffuserve.config.deployment import continuous_refusal, describe_batching, resolve_plan
     from diffuserve.config.model_profiles import profile_from_checkpoint
     from diffuserve.config.quantization import annotate, plan_quantization
     from diffuserve.config.token_budget import check_checkpoint_tokens
@@ -128,7 +128,7 @@ def resolve_deployment(
             "--quantization text_encoder=int8) or drop one of the two flags.",
             param="quantization",
         )
-    plan = resolve(deployment, hardware, profile, hosts=hosts)
+    plan = resolve_plan(deployment, hardware, profile, hosts=hosts)
     if controlnet:
         from diffuserve.models.controlnets import check_parallel as check_controlnet_parallel
 
@@ -231,8 +231,8 @@ def load_serving_pipeline(
 ) -> ServingPipeline:
     """Load the adapter, give it residency and (on several ranks, `groups`) the plan's parallel modes, compile,
     and serve it with (operator-only) fault injection."""
-    from diffuserve.engine.faults import maybe_inject_faults
     from diffuserve.models.loader import load_pipeline
+    from diffuserve.pipelines.fault_hooks import maybe_inject_faults
 
     quiet_library_loading()
     quantization = {
