@@ -264,7 +264,7 @@ def _setup(conn: Connection) -> tuple[AsyncEngine, EngineMetrics]:
     from diffuserve.launch.root import build_engine
 
     args: ServerArgs = m.receive(conn)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.http.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine, metrics, plan = build_engine(args)
     except Exception as exc:
