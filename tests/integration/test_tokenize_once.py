@@ -89,7 +89,10 @@ def test_a_served_prompt_is_tokenized_once_per_tokenizer_and_rows_are_unchanged(
 
     counter = PromptTokens.from_table(model.text_encoders, model.usage_encoder, load=load)
     front = dataclasses.replace(model, prompt_tokens=counter)
-    ctx = SimpleNamespace(engine=SimpleNamespace(model=front), args=SimpleNamespace(reject_truncated_prompts=False))
+    ctx = SimpleNamespace(
+        engine=SimpleNamespace(model=front),
+        args=SimpleNamespace(limits=SimpleNamespace(reject_truncated_prompts=False)),
+    )
     batcher = RequestLevelScheduler(BatchingConfig(mode="dynamic", max_size=4, delay_ms=20), model_names=["tiny"])
     engine = AsyncEngine(InProcessExecutor(lambda: ServingPipeline.of(pipeline)), batcher, config=EngineConfig())
     engine.start()
