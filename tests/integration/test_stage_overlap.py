@@ -114,8 +114,8 @@ def test_counting_prompt_tokens_beside_an_encode_does_not_change_what_the_encode
         while not stop.is_set():
             counter.count({"prompt": text})
 
-    counter = threading.Thread(target=count)
-    counter.start()
+    counting = threading.Thread(target=count)
+    counting.start()
     try:
         lengths = {
             tokenizer(
@@ -125,5 +125,5 @@ def test_counting_prompt_tokens_beside_an_encode_does_not_change_what_the_encode
         }
     finally:
         stop.set()
-        counter.join()
+        counting.join()
     assert lengths == {64}
