@@ -150,7 +150,7 @@ class DrainingServer(uvicorn.Server):
         self._drain_started = True
         self.ctx.draining = True
         engine.begin_drain()
-        timeout_s = self.ctx.args.shutdown_timeout_s
+        timeout_s = self.ctx.args.http.shutdown_timeout_s
         self.ctx.jobs.stop_reason = f"its deadline, --shutdown-timeout-s {timeout_s:g}, passed"
         logger.info(
             "%s: draining %d accepted request(s) and %d job(s), up to %.0fs",
@@ -168,7 +168,7 @@ class DrainingServer(uvicorn.Server):
         The drain is the engine's (every accepted request generated and answered), then the job drivers' (each
         video or mesh job encoded, written and recorded `completed`), both within the one budget; the jobs still
         unfinished at its end are recorded as stopped by the drain (server/job_drain.py)."""
-        budget = self.ctx.args.shutdown_timeout_s if timeout_s is None else timeout_s
+        budget = self.ctx.args.http.shutdown_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + budget
         failed = await self.ctx.engine.drain(budget)
         await self.ctx.jobs.wait(deadline)
