@@ -1,4 +1,10 @@
-# Renames of issue 30 item 6 (branch wt/names). Apply with: sed -i -f RENAMES.sed FILES (GNU sed, word-bounded).
+# Renames of issue 30 item 6 (branch wt/names). Apply with: sed -i -f RENAMES.sed FILES (GNU sed, word-bounded),
+# then `ruff check --fix` (merges the split executor.messages imports) and `ruff format`. By hand afterwards:
+# - the call sites of the two `resolve`s in files that import them by name: `resolve(` -> `resolve_plan(` (from
+#   config.deployment) / `resolve_model(` (from models.registry); `registry.resolve(` is covered below;
+# - `\bOverlap\b` also hits the English word at the start of a comment ("Overlap (dynamic / continuous)" in
+#   engine/batch_loop.py): keep those;
+# - flat flag reads on ServerArgs (`args.port`): the aliases are gone; read the section (`args.http.port`).
 # Modules
 s|\bdiffuserve\.pipelines\.overlap\b|diffuserve.pipelines.lanes|g
 s|\bpipelines/overlap\.py\b|pipelines/lanes.py|g
