@@ -45,7 +45,7 @@ from diffuserve.tools.sim_mixed import (
 
 def _engine(checkpoint: Path, setting: SimScheduler, *, max_tokens: int | None, delay_ms: float) -> Any:
     from diffuserve.engine.engine import AsyncEngine, EngineConfig
-    from diffuserve.engine.scheduler import BatchingConfig, DynamicBatcher
+    from diffuserve.engine.scheduler import BatchingConfig, RequestLevelScheduler
     from diffuserve.executor.base import InProcessExecutor
     from diffuserve.models.loader import load_pipeline
     from diffuserve.pipelines.serving import ServingPipeline
@@ -58,7 +58,7 @@ def _engine(checkpoint: Path, setting: SimScheduler, *, max_tokens: int | None, 
     config = BatchingConfig(mode="dynamic", max_size=8, delay_ms=delay_ms, max_tokens=max_tokens, order=setting.order)
     engine = AsyncEngine(
         InProcessExecutor(load),
-        DynamicBatcher(config, model_names=["flux-36m"]),
+        RequestLevelScheduler(config, model_names=["flux-36m"]),
         config=EngineConfig(max_queue_size=0, request_timeout_s=0.0, enable_warmup=False),
         model_name="flux-36m",
     )

@@ -1,5 +1,5 @@
-"""The test side of the operator-only `hold_step:` fault (`engine/faults.py`): gate a test on observed state, not on
-how fast the machine denoises.
+"""The test side of the operator-only `hold_step:` fault (`pipelines/fault_hooks.py`): gate a test on observed
+state, not on how fast the machine denoises.
 
 A server started with `StepHold.env()` holds every denoising step of a request whose prompt contains
 `StepHold.MARKER` until the release file exists. Arm, send the marked request, wait for what the test needs

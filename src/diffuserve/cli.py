@@ -461,7 +461,7 @@ def _main(argv: list[str] | None) -> int:
 
             return print_plan(values)
         args = _server_args(values, getattr(ns, "config", None))
-        _setup_logging(args.log_level)
+        _setup_logging(args.http.log_level)
         if ns.command == "serve":
             from diffuserve.server.runner import install_startup_signal_handlers, serve
 

@@ -235,12 +235,12 @@ def generate(args: ServerArgs, values: dict[str, Any]) -> int:
     args.validate()
     model_path = resolve_model_path(args, quiet=True)  # the engine's set-up resolves (and logs) it again
     from diffuserve.family_spec import spec_for
-    from diffuserve.models.registry import resolve as resolve_model
+    from diffuserve.models.registry import resolve_model
 
-    spec = resolve_model(model_path, model_id=args.model_id, backend=args.backend)
+    spec = resolve_model(model_path, model_id=args.model.model_id, backend=args.model.backend)
     video = spec.output_kind == "video"
-    images = read_images(values, args.max_image_side, video=video)
-    mask = read_mask(values, images, args.max_image_side)  # before loading, as read_images
+    images = read_images(values, args.http.max_image_side, video=video)
+    mask = read_mask(values, images, args.http.max_image_side)  # before loading, as read_images
     if spec.family != "unknown":  # known from model_index.json alone: refuse before loading any weight
         _check_applicable(values, video, spec.family, spec_for(spec.family).produces_audio)
         if spec.output_kind != "mesh":  # a mesh model ignores the prompt (its image is the condition)
@@ -261,7 +261,7 @@ def _step_cache(args: ServerArgs) -> Any:
     from diffuserve.config.step_cache import server_step_cache, with_calibration
 
     return with_calibration(
-        server_step_cache(args.step_cache, args.step_cache_config), args.step_cache_calibration, "--step-cache"
+        server_step_cache(args.step_cache.method, args.step_cache.options), args.step_cache.calibration, "--step-cache"
     )
 
 

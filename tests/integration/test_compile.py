@@ -48,7 +48,7 @@ def _warm_engine(tiny_flux_path: Path, plan: DeploymentPlan):
     """An engine whose load is serve's (host load, residency from the plan, compile) with the eager backend,
     and the ledger moves it made, each with the engine state at that moment."""
     from diffuserve.engine.engine import AsyncEngine, EngineConfig
-    from diffuserve.engine.scheduler import BatchingConfig, DynamicBatcher
+    from diffuserve.engine.scheduler import BatchingConfig, RequestLevelScheduler
     from diffuserve.executor.base import InProcessExecutor, ServingPipeline
     from diffuserve.runtime.ledger import TransferLedger
     from diffuserve.runtime.residency import build_residency
@@ -62,7 +62,7 @@ def _warm_engine(tiny_flux_path: Path, plan: DeploymentPlan):
         apply_compile(pipeline.components, plan, backend="eager")
         return ServingPipeline.of(pipeline)
 
-    batcher = DynamicBatcher(BatchingConfig(mode="dynamic", max_size=1, delay_ms=0), model_names=["tiny"])
+    batcher = RequestLevelScheduler(BatchingConfig(mode="dynamic", max_size=1, delay_ms=0), model_names=["tiny"])
     engine = AsyncEngine(InProcessExecutor(load), batcher, config=EngineConfig(enable_warmup=True, warmup_steps=1))
     ledger.add_listener(lambda move: moves.append((move, engine.state.name)))
     engine.start()

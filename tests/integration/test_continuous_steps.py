@@ -83,7 +83,7 @@ def test_side_lanes_beside_an_offloaded_loop_equal_the_singleton_runs(tiny_flux_
     scopes surely overlap; an offloaded module used outside its scope would raise (the guard hooks)."""
     from diffuserve.config.plan import ComponentPlan, DeploymentPlan, ResidencyMode
     from diffuserve.models.loader import load_pipeline
-    from diffuserve.pipelines.overlap import overlap_for
+    from diffuserve.pipelines.lanes import lanes_for
     from diffuserve.runtime.ledger import TransferLedger
     from diffuserve.runtime.residency import build_residency
 
@@ -102,7 +102,7 @@ def test_side_lanes_beside_an_offloaded_loop_equal_the_singleton_runs(tiny_flux_
     groups = {"text_encoder": "text_encoder", "text_encoder_2": "text_encoder", "vae": "vae", "transformer": "dit"}
     plan = DeploymentPlan(components={n: ComponentPlan(name=n, group=groups[n], mode=m) for n, m in modes.items()})
     pipeline.residency = build_residency(plan, pipeline.components, device="cpu", ledger=TransferLedger())
-    overlap = overlap_for(pipeline)
+    overlap = lanes_for(pipeline)
     overlap.hold_marker = "HOLD"
     group = step_batch.start_requests(pipeline, [a, b])
     for _ in range(2):

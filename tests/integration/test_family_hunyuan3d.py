@@ -57,7 +57,7 @@ def _params(seed: int, png: bytes | None = None, **extra) -> SamplingParams:
 def test_loads_tencents_layout_and_the_plain_model_by_default(pipe, release):
     from diffuserve.models import registry
 
-    assert registry.resolve(release).family == "hunyuan3d"
+    assert registry.resolve_model(release).family == "hunyuan3d"
     assert pipe.family == "hunyuan3d" and pipe.output_kind == "mesh"
     assert pipe.variant == "hunyuan3d-dit-v2-0" and not pipe.guidance_distilled
     assert set(pipe.components) == {"model", "vae", "conditioner"}

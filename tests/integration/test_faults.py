@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from diffuserve.engine.engine import AsyncEngine, EngineConfig
-from diffuserve.engine.faults import inject_faults
 from diffuserve.engine.metrics import EngineMetrics
-from diffuserve.engine.scheduler import BatchingConfig, DynamicBatcher
+from diffuserve.engine.scheduler import BatchingConfig, RequestLevelScheduler
 from diffuserve.errors import GenerationError
 from diffuserve.executor.base import InProcessExecutor, ServingPipeline
 from diffuserve.models.loader import load_pipeline
+from diffuserve.pipelines.fault_hooks import inject_faults
 from diffuserve.sampling import SamplingParams
 
 MARKER = "BOOM"
@@ -25,7 +25,9 @@ def pipeline(tiny_flux_path: Path):
 
 
 def _engine(pipeline, *, max_size: int, delay_ms: float) -> AsyncEngine:
-    batcher = DynamicBatcher(BatchingConfig(mode="dynamic", max_size=max_size, delay_ms=delay_ms), model_names=["tiny"])
+    batcher = RequestLevelScheduler(
+        BatchingConfig(mode="dynamic", max_size=max_size, delay_ms=delay_ms), model_names=["tiny"]
+    )
     engine = AsyncEngine(
         InProcessExecutor(lambda: pipeline),
         batcher,

@@ -35,7 +35,10 @@ def _load(path: Path, backend: str = "auto") -> Any:
 def _ctx(pipeline: Any, *, reject: bool = False) -> SimpleNamespace:
     """What `check_prompt` reads of the server: the engine's model description and the reject flag."""
     model = pipeline.describe_model()
-    return SimpleNamespace(engine=SimpleNamespace(model=model), args=SimpleNamespace(reject_truncated_prompts=reject))
+    return SimpleNamespace(
+        engine=SimpleNamespace(model=model),
+        args=SimpleNamespace(limits=SimpleNamespace(reject_truncated_prompts=reject)),
+    )
 
 
 def test_usage_counting_beside_encodes_never_changes_what_an_encode_gets(tiny_flux_path: Path):

@@ -1,5 +1,5 @@
 """Dynamic batching with stage overlap, over a real server and the official openai client: batch k's VAE decode
-runs in the decode lane while batch k+1 denoises (`executor/batch_runner.py` `run_batch`, `pipelines/overlap.py`).
+runs in the decode lane while batch k+1 denoises (`executor/batch_runner.py` `run_batch`, `pipelines/lanes.py`).
 
 The `hold:` fault injection makes the first batch's decode wait until the loop has run two more denoising steps,
 which only the next batch can supply: the proof is the loop's own step counter (`overlap_steps_total`), not
@@ -114,8 +114,8 @@ def test_counting_prompt_tokens_beside_an_encode_does_not_change_what_the_encode
         while not stop.is_set():
             counter.count({"prompt": text})
 
-    counter = threading.Thread(target=count)
-    counter.start()
+    counting = threading.Thread(target=count)
+    counting.start()
     try:
         lengths = {
             tokenizer(
@@ -125,5 +125,5 @@ def test_counting_prompt_tokens_beside_an_encode_does_not_change_what_the_encode
         }
     finally:
         stop.set()
-        counter.join()
+        counting.join()
     assert lengths == {64}

@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from diffuserve.pipelines.overlap import overlap_for
+from diffuserve.pipelines.lanes import lanes_for
 from diffuserve.sampling import SamplingParams
 
 WAIT_S = 120
@@ -43,7 +43,7 @@ def test_rows_encoded_in_one_lane_job_equal_their_requests_alone(tiny_checkpoint
         started.set()
         assert release.wait(WAIT_S)
 
-    overlap_for(pipeline).encode.submit(hold)
+    lanes_for(pipeline).encode.submit(hold)
     assert started.wait(WAIT_S)
     done = threading.Semaphore(0)
     for params in batch:

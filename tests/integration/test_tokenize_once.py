@@ -73,7 +73,7 @@ def _params(prompt: str, seed: int, negative: str | None = None) -> SamplingPara
 
 def test_a_served_prompt_is_tokenized_once_per_tokenizer_and_rows_are_unchanged(tiny_flux_path: Path):
     from diffuserve.engine.engine import AsyncEngine, EngineConfig
-    from diffuserve.engine.scheduler import BatchingConfig, DynamicBatcher
+    from diffuserve.engine.scheduler import BatchingConfig, RequestLevelScheduler
     from diffuserve.executor.base import InProcessExecutor, ServingPipeline
 
     counts: Counter = Counter()
@@ -89,8 +89,11 @@ def test_a_served_prompt_is_tokenized_once_per_tokenizer_and_rows_are_unchanged(
 
     counter = PromptTokens.from_table(model.text_encoders, model.usage_encoder, load=load)
     front = dataclasses.replace(model, prompt_tokens=counter)
-    ctx = SimpleNamespace(engine=SimpleNamespace(model=front), args=SimpleNamespace(reject_truncated_prompts=False))
-    batcher = DynamicBatcher(BatchingConfig(mode="dynamic", max_size=4, delay_ms=20), model_names=["tiny"])
+    ctx = SimpleNamespace(
+        engine=SimpleNamespace(model=front),
+        args=SimpleNamespace(limits=SimpleNamespace(reject_truncated_prompts=False)),
+    )
+    batcher = RequestLevelScheduler(BatchingConfig(mode="dynamic", max_size=4, delay_ms=20), model_names=["tiny"])
     engine = AsyncEngine(InProcessExecutor(lambda: ServingPipeline.of(pipeline)), batcher, config=EngineConfig())
     engine.start()
     requests = [_params(p, 10 + i, NEGATIVE if i % 2 else None) for i, p in enumerate(PROMPTS)]

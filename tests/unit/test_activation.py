@@ -23,7 +23,7 @@ from diffuserve.config.model_profiles import ComponentProfile, ModelProfile
 from diffuserve.config.plan import ComponentPlan, DeploymentPlan, ResidencyMode
 from diffuserve.engine.engine import AsyncEngine, EngineConfig
 from diffuserve.engine.request import Request
-from diffuserve.engine.scheduler import ACTIVATION_MEMORY, BatchingConfig, Dispatch, DynamicBatcher, Idle
+from diffuserve.engine.scheduler import ACTIVATION_MEMORY, BatchingConfig, Dispatch, Idle, RequestLevelScheduler
 from diffuserve.engine.step_scheduler import StepPlan, StepScheduler
 from diffuserve.errors import InvalidRequestError
 from diffuserve.sampling import SamplingParams
@@ -152,7 +152,7 @@ def _req(rid: str, t: float, nbytes: int) -> Request:
 
 
 def test_a_head_waits_while_the_running_batch_holds_the_budget_and_starts_after():
-    sched = DynamicBatcher(BatchingConfig(mode="dynamic", max_size=4, delay_ms=0), model_names=["m"], slots=2)
+    sched = RequestLevelScheduler(BatchingConfig(mode="dynamic", max_size=4, delay_ms=0), model_names=["m"], slots=2)
     sched.activation_budget = 5  # per replica: 10 over the 2 slots
     sched.add(_req("a", 0.0, 7))
     first = sched.schedule(0.0)
@@ -168,7 +168,7 @@ def test_a_head_waits_while_the_running_batch_holds_the_budget_and_starts_after(
 
 
 def test_a_candidate_that_does_not_fit_beside_the_head_waits_for_the_next_batch():
-    sched = DynamicBatcher(BatchingConfig(mode="dynamic", max_size=4, delay_ms=0), model_names=["m"])
+    sched = RequestLevelScheduler(BatchingConfig(mode="dynamic", max_size=4, delay_ms=0), model_names=["m"])
     sched.activation_budget = 10
     for rid, nbytes in (("a", 6), ("b", 5), ("c", 4)):
         sched.add(_req(rid, 0.0, nbytes))
@@ -178,7 +178,7 @@ def test_a_candidate_that_does_not_fit_beside_the_head_waits_for_the_next_batch(
 
 
 def test_a_head_over_the_budget_still_starts_when_nothing_runs():
-    sched = DynamicBatcher(BatchingConfig(mode="dynamic", max_size=4, delay_ms=0), model_names=["m"])
+    sched = RequestLevelScheduler(BatchingConfig(mode="dynamic", max_size=4, delay_ms=0), model_names=["m"])
     sched.activation_budget = 10
     sched.add(_req("a", 0.0, 50))  # the engine refuses such a request; if the budget shrank, it never starves
     assert isinstance(sched.schedule(0.0), Dispatch)
@@ -218,7 +218,7 @@ def _engine(executor: FakeExecutor, budget: int, mode: str) -> AsyncEngine:
     scheduler = (
         StepScheduler(config, model_names=["fake"])
         if mode == "continuous"
-        else DynamicBatcher(config, model_names=["fake"])
+        else RequestLevelScheduler(config, model_names=["fake"])
     )
     engine = AsyncEngine(
         executor,

@@ -13,7 +13,7 @@ import pytest
 
 from diffuserve import cli
 from diffuserve.engine.metrics import EngineMetrics
-from diffuserve.executor.batch_runner import plan_calls, split_rows
+from diffuserve.executor.batch_runner import plan_calls, split_request
 from diffuserve.generate import output_names
 from diffuserve.sampling import SamplingParams
 
@@ -167,10 +167,10 @@ def test_output_names_index_prompts_and_outputs_the_same_with_or_without_a_stem(
 
 def test_row_cap_splits_a_request_keeping_each_rows_seed():
     big = SamplingParams(prompt="p", n=5, seed=100)
-    parts = split_rows(big, 2)
+    parts = split_request(big, 2)
     assert [(p.n, p.seed) for p in parts] == [(2, 100), (2, 102), (1, 104)]
-    assert split_rows(big, 8) == [big]
-    unseeded = split_rows(SamplingParams(prompt="p", n=3, seed=None), 2)
+    assert split_request(big, 8) == [big]
+    unseeded = split_request(SamplingParams(prompt="p", n=3, seed=None), 2)
     assert unseeded[1].seed == unseeded[0].seed + 2, "one drawn seed continues across parts"
     small = SamplingParams(prompt="q", n=1, seed=7)
     calls = plan_calls([big, small], 2)
@@ -250,7 +250,8 @@ def test_reject_truncated_prompts_is_a_400_naming_the_field():
 
     def ctx(reject: bool) -> SimpleNamespace:
         return SimpleNamespace(
-            engine=SimpleNamespace(model=model), args=SimpleNamespace(reject_truncated_prompts=reject)
+            engine=SimpleNamespace(model=model),
+            args=SimpleNamespace(limits=SimpleNamespace(reject_truncated_prompts=reject)),
         )
 
     long = " ".join(["fox"] * 70)

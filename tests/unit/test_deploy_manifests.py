@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from diffuserve import cli
-from diffuserve.config.deployment import resolve
+from diffuserve.config.deployment import resolve_plan
 from diffuserve.config.model_profiles import family_profile
 from diffuserve.config.server_args import ServerArgs
 from diffuserve.hardware import describe_hardware
@@ -152,9 +152,9 @@ def _plan(manifest: Manifest, index: int, gpus: int) -> Any:
     """The real resolver for pod `index` on `gpus` described GPUs: degrees that do not fill --num-gpus, or that
     do not divide the DiT's heads, fail here as at start-up."""
     args = manifest.server_args(index)
-    family, heads = CHECKPOINTS[Path(args.model_path).name]
+    family, heads = CHECKPOINTS[Path(args.model.model_path).name]
     profile = dataclasses.replace(family_profile(family), dit_attention_heads=heads)
-    plan = resolve(args.deployment, describe_hardware(gpus, 80.0), profile, hosts=args.nnodes)
+    plan = resolve_plan(args.deployment, describe_hardware(gpus, 80.0), profile, hosts=args.dist.nnodes)
     assert plan.num_gpus == (args.deployment.num_gpus or 1)
     return plan
 
@@ -162,8 +162,8 @@ def _plan(manifest: Manifest, index: int, gpus: int) -> Any:
 def test_flags_parse_on_every_pod_and_the_plan_resolves(manifest: Manifest):
     for index in range(manifest.pods):
         args = manifest.server_args(index)
-        assert args.port == _container_port(manifest, "http")
-        _plan(manifest, index, (args.deployment.num_gpus or 1) // args.nnodes)  # this host's share of the ranks
+        assert args.http.port == _container_port(manifest, "http")
+        _plan(manifest, index, (args.deployment.num_gpus or 1) // args.dist.nnodes)  # this host's share of the ranks
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
@@ -178,9 +178,9 @@ def test_gpu_limit_times_hosts_is_num_gpus(manifest: Manifest):
     args = manifest.server_args()
     limit = int(manifest.container["resources"]["limits"][GPU])
     num_gpus = args.deployment.num_gpus or 1
-    assert num_gpus == limit * args.nnodes
-    if args.nnodes > 1:
-        assert manifest.workload["kind"] == "StatefulSet" and manifest.pods == args.nnodes
+    assert num_gpus == limit * args.dist.nnodes
+    if args.dist.nnodes > 1:
+        assert manifest.workload["kind"] == "StatefulSet" and manifest.pods == args.dist.nnodes
     for index in range(manifest.pods):  # the real launch: each pod starts as many ranks as it has GPUs
         info = launch_info(manifest.server_args(index), num_gpus)
         assert (info.local_world_size if info else 1) == limit
@@ -196,9 +196,9 @@ def test_several_gpus_get_a_memory_backed_dev_shm(manifest: Manifest):
 
 def test_output_dir_is_on_a_writable_volume(manifest: Manifest):
     args = manifest.server_args()
-    if args.results_db and args.media_store:
+    if args.store.results_db and args.store.media_store:
         return  # every result is in the shared stores: nothing is kept on the pod
-    output_dir = Path(args.output_dir)
+    output_dir = Path(args.http.output_dir)
     mounts = [m for m in manifest.container["volumeMounts"] if output_dir.is_relative_to(m["mountPath"])]
     assert mounts and not mounts[0].get("readOnly"), f"--output-dir {output_dir} is on no writable volume"
     claims = {v["name"] for v in manifest.pod["volumes"] if "persistentVolumeClaim" in v}
@@ -212,7 +212,7 @@ def test_replicas_share_the_stores_with_credentials_from_a_secret(manifest: Mani
     args = manifest.server_args()
     if manifest.workload["kind"] != "Deployment" or manifest.pods < 2:
         return
-    assert args.nnodes == 1 and args.results_db and args.media_store
+    assert args.dist.nnodes == 1 and args.store.results_db and args.store.media_store
     env = {v["name"]: v for v in manifest.container["env"]}
     assert any(a == "--results-db=$(RESULTS_DB)" for a in manifest.container["args"]), "the URL holds a password"
     for name in ("RESULTS_DB", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
@@ -223,33 +223,33 @@ def test_replicas_share_the_stores_with_credentials_from_a_secret(manifest: Mani
 
 def test_node_rank_is_the_pod_index(manifest: Manifest):
     args = manifest.server_args()
-    if args.nnodes == 1:
+    if args.dist.nnodes == 1:
         return
     assert any("$(" in a and a.startswith("--node-rank") for a in manifest.container["args"]), (
         "--node-rank is hard-coded"
     )
     assert manifest.workload["spec"]["podManagementPolicy"] == "Parallel"  # pod 0 is never ready alone
-    assert [manifest.server_args(i).node_rank for i in range(manifest.pods)] == list(range(args.nnodes))
-    per_pod = args.deployment.num_gpus // args.nnodes
+    assert [manifest.server_args(i).dist.node_rank for i in range(manifest.pods)] == list(range(args.dist.nnodes))
+    per_pod = args.deployment.num_gpus // args.dist.nnodes
     first_ranks = [launch_info(manifest.server_args(i), args.deployment.num_gpus).rank for i in range(manifest.pods)]
     assert first_ranks == [i * per_pod for i in range(manifest.pods)]
 
 
 def test_dist_init_addr_is_pod_0_through_the_headless_service(manifest: Manifest):
     args = manifest.server_args()
-    if args.nnodes == 1:
+    if args.dist.nnodes == 1:
         return
     (headless,) = manifest.services(headless=True)
     workload = manifest.workload
     assert workload["spec"]["serviceName"] == headless["metadata"]["name"]
     assert headless["spec"]["publishNotReadyAddresses"] is True  # the others resolve pod 0 before it is ready
     assert _selects(headless, manifest.pod_labels(0))
-    host, port = args.dist_init_addr.rsplit(":", 1)
+    host, port = args.dist.dist_init_addr.rsplit(":", 1)
     pod0 = f"{workload['metadata']['name']}-0.{headless['metadata']['name']}"
     assert host == pod0 or host.startswith(pod0 + "."), f"--dist-init-addr {host} is not pod 0 ({pod0})"
     service_port = next(p for p in headless["spec"]["ports"] if p["port"] == int(port))
     assert _container_port(manifest, service_port["targetPort"]) == int(port)
-    assert all(manifest.server_args(i).dist_init_addr == args.dist_init_addr for i in range(manifest.pods))
+    assert all(manifest.server_args(i).dist.dist_init_addr == args.dist.dist_init_addr for i in range(manifest.pods))
     info = launch_info(args, args.deployment.num_gpus)  # where the real launch meets
     assert (info.store_host, info.store_port) == (host, int(port))
 
@@ -258,11 +258,11 @@ def test_http_service_routes_to_node_0_only(manifest: Manifest):
     args = manifest.server_args()
     (service,) = manifest.services(headless=False)
     serving = [is_serving_process(manifest.server_args(i)) for i in range(manifest.pods)]
-    if args.nnodes > 1:
+    if args.dist.nnodes > 1:
         assert serving == [True] + [False] * (manifest.pods - 1)
     assert [_selects(service, manifest.pod_labels(i)) for i in range(manifest.pods)] == serving
     (port,) = service["spec"]["ports"]
-    assert _container_port(manifest, port["targetPort"]) == args.port
+    assert _container_port(manifest, port["targetPort"]) == args.http.port
 
 
 def test_probes_point_at_the_health_routes(manifest: Manifest):
@@ -271,12 +271,12 @@ def test_probes_point_at_the_health_routes(manifest: Manifest):
     for name in PROBES:
         probe = manifest.container[name]
         if "httpGet" in probe:
-            assert args.nnodes == 1, "with several hosts only node 0 has an HTTP port: use an exec probe"
+            assert args.dist.nnodes == 1, "with several hosts only node 0 has an HTTP port: use an exec probe"
             path, port = probe["httpGet"]["path"], _container_port(manifest, probe["httpGet"]["port"])
         else:
             path, port = _exec_probe_url(probe)
         assert path == PROBE_PATHS[name] and path in routes and path in PUBLIC_PATHS  # works with --api-key
-        assert port == args.port
+        assert port == args.http.port
 
 
 def test_multi_gpu_pod_keeps_the_single_gpu_probes_and_grace():
@@ -286,7 +286,7 @@ def test_multi_gpu_pod_keeps_the_single_gpu_probes_and_grace():
 
 
 def test_grace_period_covers_the_drain(manifest: Manifest):
-    assert manifest.pod["terminationGracePeriodSeconds"] > manifest.server_args().shutdown_timeout_s
+    assert manifest.pod["terminationGracePeriodSeconds"] > manifest.server_args().http.shutdown_timeout_s
 
 
 def test_exec_probes_ask_node_0_and_pass_elsewhere(manifest: Manifest):
@@ -314,8 +314,8 @@ def test_the_containerfile_entrypoint_parses_and_listens_beyond_the_container():
     assert argv[:2] == ["diffuserve", "serve"]
     args = cli._server_args(cli._merge_config_file(cli._build_parser().parse_args(argv[1:])), None)
     args.validate()
-    assert args.host == "0.0.0.0" and args.port == image["port"]
-    assert Path(args.output_dir).is_relative_to(image["volumes"]["results"]), "the results store is on no VOLUME"
+    assert args.http.host == "0.0.0.0" and args.http.port == image["port"]
+    assert Path(args.http.output_dir).is_relative_to(image["volumes"]["results"]), "the results store is on no VOLUME"
 
 
 def test_pods_run_the_image_as_its_user_with_its_volumes(manifest: Manifest):
@@ -328,7 +328,7 @@ def test_pods_run_the_image_as_its_user_with_its_volumes(manifest: Manifest):
     assert security["runAsNonRoot"] is True and security["runAsUser"] == security["fsGroup"] == image["uid"]
     mounts = {m["mountPath"]: m for m in manifest.container["volumeMounts"]}
     args = manifest.server_args()
-    wanted = ["cache"] if args.results_db and args.media_store else ["cache", "results"]
+    wanted = ["cache"] if args.store.results_db and args.store.media_store else ["cache", "results"]
     for volume in wanted:
         path = image["volumes"][volume]
         assert path in mounts and not mounts[path].get("readOnly"), f"{manifest.path.name}: nothing writable on {path}"

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from diffuserve.config.argparse_dataclass import parse_bool
-from diffuserve.config.deployment import DeploymentArgs, format_plan, resolve
+from diffuserve.config.deployment import DeploymentArgs, format_plan, resolve_plan
 from diffuserve.config.model_profiles import (
     ComponentProfile,
     ModelProfile,
@@ -80,7 +80,7 @@ def plan_for(
 ):
     gpus = len(gib) if isinstance(gib, list) else num_gpus
     hw = hardware or describe_hardware(gpus, gib)
-    return resolve(DeploymentArgs(num_gpus=num_gpus, **args), hw, prof or profile(family))
+    return resolve_plan(DeploymentArgs(num_gpus=num_gpus, **args), hw, prof or profile(family))
 
 
 def modes(plan) -> dict[str, str]:
@@ -616,7 +616,7 @@ def test_profile_from_checkpoint_reads_sizes_layers_and_groups(checkpoint: tuple
     assert (t5.num_layers, t5.param_bytes) == (3, sizes["text_encoder_2"])  # both shards counted
     assert (vae.group, vae.num_layers) == ("vae", 4)  # 2 down + 2 up blocks from block_out_channels
     # The profile drives a plan without loading anything.
-    plan = resolve(DeploymentArgs(performance_mode="memory"), CPU, prof)
+    plan = resolve_plan(DeploymentArgs(performance_mode="memory"), CPU, prof)
     assert plan.components["transformer"].mode is ResidencyMode.LAYERWISE_OFFLOAD
 
 
@@ -642,7 +642,7 @@ def test_profile_family_override_and_generic(checkpoint: tuple[Path, dict[str, i
     assert prof.family == "generic"
     assert prof.components["unet"].group == "dit" and not prof.components["unet"].has_layers
     with pytest.raises(ConfigError, match="declares no layer"):
-        resolve(DeploymentArgs(component_residency=["dit=layerwise-offload"]), CPU, prof)
+        resolve_plan(DeploymentArgs(component_residency=["dit=layerwise-offload"]), CPU, prof)
 
 
 def test_profile_rejects_broken_checkpoints(tmp_path: Path) -> None:
@@ -664,10 +664,10 @@ def test_profiling_and_resolving_never_import_torch(checkpoint: tuple[Path, dict
     code = (
         "import sys; from pathlib import Path\n"
         "from diffuserve.config.model_profiles import profile_from_checkpoint\n"
-        "from diffuserve.config.deployment import DeploymentArgs, resolve, format_plan\n"
+        "from diffuserve.config.deployment import DeploymentArgs, resolve_plan, format_plan\n"
         "from diffuserve.hardware import describe_hardware\n"
         f"p = profile_from_checkpoint(Path({str(root)!r}))\n"
-        "format_plan(resolve(DeploymentArgs(), describe_hardware(1, 40.0), p))\n"
+        "format_plan(resolve_plan(DeploymentArgs(), describe_hardware(1, 40.0), p))\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

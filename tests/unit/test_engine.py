@@ -24,7 +24,7 @@ import pytest
 from diffuserve.engine.engine import AsyncEngine, EngineConfig, EngineState
 from diffuserve.engine.metrics import EngineMetrics
 from diffuserve.engine.offline import OfflineEngine
-from diffuserve.engine.scheduler import BatchingConfig, DynamicBatcher
+from diffuserve.engine.scheduler import BatchingConfig, RequestLevelScheduler
 from diffuserve.engine.step_scheduler import StepScheduler
 from diffuserve.errors import (
     GenerationError,
@@ -32,7 +32,7 @@ from diffuserve.errors import (
     RequestTimeoutError,
     ServiceUnavailableError,
 )
-from diffuserve.executor.batch_runner import PreviewSink
+from diffuserve.executor.messages import PreviewSink
 from diffuserve.sampling import SamplingParams
 from diffuserve.tools.sim_executor import SimulatedExecutor, SimulatedPipeline
 
@@ -134,11 +134,11 @@ def _engine(
     timeout_s: float = 0.0,
 ) -> AsyncEngine:
     config = BatchingConfig(mode=mode, max_size=max_size, delay_ms=delay_ms)
-    scheduler: DynamicBatcher
+    scheduler: RequestLevelScheduler
     if mode == "continuous":
         scheduler = StepScheduler(config, model_names=["fake"])
     else:
-        scheduler = DynamicBatcher(config, model_names=["fake"], slots=len(executor.replicas))
+        scheduler = RequestLevelScheduler(config, model_names=["fake"], slots=len(executor.replicas))
     engine = AsyncEngine(
         executor,
         scheduler,
@@ -446,7 +446,7 @@ def test_warm_up_runs_one_generation_per_replica_before_ready_and_answers_nobody
     executor = FakeExecutor(replicas=2)
     for pipeline in executor.pipelines:
         pipeline.open()
-    scheduler = DynamicBatcher(BatchingConfig(mode="dynamic", max_size=2), model_names=["fake"], slots=2)
+    scheduler = RequestLevelScheduler(BatchingConfig(mode="dynamic", max_size=2), model_names=["fake"], slots=2)
     engine = AsyncEngine(
         executor,
         scheduler,
@@ -603,7 +603,7 @@ def test_the_serving_pipeline_declares_what_its_adapter_can_do():
 
     deferring = ServingPipeline.of(FakePipeline(defers_decode=True))
     assert deferring.capabilities == Capabilities(batching=True, continuous=True, defers_decode=True)
-    assert deferring.lanes is deferring.adapter.side_lanes()  # the adapter's own lanes, made once
+    assert deferring.lanes is deferring.adapter.lanes()  # the adapter's own lanes, made once
     inline = ServingPipeline.of(FakePipeline())
     assert inline.lanes is None and not inline.capabilities.defers_decode
     assert inline.prefetch_text(_params("x"), lambda steps: None) is False
@@ -617,7 +617,7 @@ def _offline(executor: FakeExecutor) -> OfflineEngine:
     return OfflineEngine(
         AsyncEngine(
             executor,
-            DynamicBatcher(config, model_names=["fake"]),
+            RequestLevelScheduler(config, model_names=["fake"]),
             config=EngineConfig(max_queue_size=0, enable_warmup=False),
             model_name="fake",
         )

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from diffuserve.engine.engine import AsyncEngine
-from diffuserve.engine.scheduler import DynamicBatcher
+from diffuserve.engine.scheduler import RequestLevelScheduler
 from diffuserve.engine.scheduler_protocol import RequestScheduler
 from diffuserve.engine.status import EngineState, EngineStatus
 from diffuserve.engine.step_scheduler import StepScheduler
@@ -121,7 +121,7 @@ def _members(protocol: type) -> set[str]:
     return names | set(inspect.get_annotations(protocol))
 
 
-@pytest.mark.parametrize("scheduler", [DynamicBatcher, StepScheduler])
+@pytest.mark.parametrize("scheduler", [RequestLevelScheduler, StepScheduler])
 def test_both_schedulers_implement_every_verb_of_the_protocol(scheduler):
     from diffuserve.engine.scheduler import BatchingConfig
 

@@ -1,4 +1,4 @@
-"""The operator-only `hold_step:` fault (`engine/faults.py`) that integration tests gate on, without a model."""
+"""The operator-only `hold_step:` fault (`pipelines/fault_hooks.py`) that integration tests gate on, without a model."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from diffuserve.engine.faults import ENV_VAR, InjectedFault, InjectedFaults, maybe_inject_faults
+from diffuserve.pipelines.fault_hooks import ENV_VAR, InjectedFault, InjectedFaults, maybe_inject_faults
 from diffuserve.pipelines.serving import ServingPipeline
 
 WAIT_S = 30

@@ -53,7 +53,7 @@ def test_registry_and_plan_read_the_layout(tmp_path: Path):
     import struct
 
     from diffuserve.config.model_profiles import profile_from_checkpoint
-    from diffuserve.models.registry import resolve
+    from diffuserve.models.registry import resolve_model
 
     root = release(tmp_path / "r", names=("hunyuan3d-dit-v2-0",))
     header = {
@@ -65,7 +65,7 @@ def test_registry_and_plan_read_the_layout(tmp_path: Path):
     (root / "hunyuan3d-dit-v2-0" / "model.fp16.safetensors").write_bytes(
         struct.pack("<Q", len(blob)) + blob + bytes(14)
     )
-    spec = resolve(root)
+    spec = resolve_model(root)
     assert (spec.family, spec.backend) == ("hunyuan3d", "native")
     assert component_bytes(root / "hunyuan3d-dit-v2-0") == {"model": 8, "vae": 4, "conditioner": 2}
     profile = profile_from_checkpoint(root)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import diffuserve
@@ -50,6 +51,8 @@ def test_only_the_channel_touches_the_store_and_only_the_protocol_names_keys():
     keys = ("batch/", "report/", "progress/", "cancel/", "call/", "ack/", "bye/", "heartbeat/", "fault/", '"rank/')
     for path in PACKAGE.rglob("*.py"):
         text, name = path.read_text(), path.relative_to(PACKAGE).as_posix()
+        # `args.store` (ServerArgs' `self.store`) is the results-store flags section, not the TCP store
+        text = re.sub(r"\bargs\.store\." if name != "config/server_args.py" else r"\bself\.store\.", "args.", text)
         if name != "executor/channel.py":
             assert ".store." not in text and "_store." not in text and "store.add(" not in text, name
         if name != "executor/protocol.py" and name.startswith(("executor/", "launch/")):

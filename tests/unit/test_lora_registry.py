@@ -8,7 +8,7 @@ import torch
 
 from diffuserve.config.batching import BatchingConfig
 from diffuserve.engine.request import Request
-from diffuserve.engine.scheduler import LORA_SLOTS, Dispatch, DynamicBatcher
+from diffuserve.engine.scheduler import LORA_SLOTS, Dispatch, RequestLevelScheduler
 from diffuserve.lora.files import LoraAdapter, LoraModule
 from diffuserve.lora.registry import LoraRegistry
 from diffuserve.lora.slots import RegistryBank
@@ -92,7 +92,9 @@ def test_host_lru_rereads_from_disk_and_a_reload_is_another_adapter() -> None:
 
 
 def test_a_batch_holds_at_most_max_loras_distinct_adapters() -> None:
-    batcher = DynamicBatcher(BatchingConfig(mode="dynamic", max_size=8, delay_ms=0, max_adapters=2), model_names=["m"])
+    batcher = RequestLevelScheduler(
+        BatchingConfig(mode="dynamic", max_size=8, delay_ms=0, max_adapters=2), model_names=["m"]
+    )
     for i, lora in enumerate([(("a", 1.0),), (("b", 1.0),), (("c", 1.0),), (), (("a", 0.5), ("b", 1.0))]):
         batcher.add(Request(request_id=str(i), params=SamplingParams(prompt="p", lora=lora), arrival_time=float(i)))
     action = batcher.schedule(10.0)
@@ -127,7 +129,7 @@ def _request(rid: str, t: float, lora: tuple = (), **params: object) -> Request:
 def test_both_schedulers_name_the_queued_and_running_requests_of_an_adapter() -> None:
     from diffuserve.engine.step_scheduler import StepPlan, StepScheduler
 
-    batcher = DynamicBatcher(BatchingConfig(mode="dynamic", max_size=1), model_names=["m"])
+    batcher = RequestLevelScheduler(BatchingConfig(mode="dynamic", max_size=1), model_names=["m"])
     for i, lora in enumerate([(("a", 1.0),), (), (("b", 1.0), ("a", 0.5))]):
         batcher.add(_request(str(i), float(i), lora))
     assert isinstance(batcher.schedule(10.0), Dispatch)  # "0" runs, "1" and "2" wait

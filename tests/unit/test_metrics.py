@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from diffuserve.engine.metrics import BatchingStats, EngineMetrics, format_dispatch, summarize
 from diffuserve.engine.request import Request
-from diffuserve.engine.scheduler import BatchingConfig, Dispatch, DynamicBatcher, ScheduledBatch
+from diffuserve.engine.scheduler import BatchingConfig, Dispatch, RequestLevelScheduler, ScheduledBatch
 from diffuserve.sampling import SamplingParams
 
 DISPATCH_RE = re.compile(
@@ -175,7 +175,7 @@ def test_engine_methods_show_up_in_the_exposition() -> None:
 def test_scheduler_to_log_line_end_to_end(caplog: pytest.LogCaptureFixture) -> None:
     """The issue's integration expectation at unit scale: 4 same-shape requests, max 4 -> size=4/4 max_size."""
     caplog.set_level(logging.INFO, logger="diffuserve.batching")
-    b = DynamicBatcher(BatchingConfig(mode="dynamic", max_size=4, delay_ms=1000.0), model_names=["m"])
+    b = RequestLevelScheduler(BatchingConfig(mode="dynamic", max_size=4, delay_ms=1000.0), model_names=["m"])
     for i in range(4):
         b.add(Request(f"r{i}", SamplingParams(prompt=f"p{i}", seed=i), arrival_time=1.0 + i * 0.001))
     decision = b.schedule(1.00512)

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from diffuserve.engine.engine import AsyncEngine, EngineConfig
 from diffuserve.engine.metrics import BatchingStats, EngineMetrics
-from diffuserve.engine.scheduler import BatchingConfig, DynamicBatcher
+from diffuserve.engine.scheduler import BatchingConfig, RequestLevelScheduler
 from diffuserve.engine.step_scheduler import StepScheduler
 from diffuserve.sampling import SamplingParams
 from tests.unit.test_engine import WAIT_S, FakeExecutor
@@ -32,7 +32,9 @@ def _engine(executor: FakeExecutor, *, mode: str, packs: bool, max_size: int, de
     config = BatchingConfig(mode=mode, max_size=max_size, delay_ms=delay_ms, max_tokens=4096)
     names = ["fake"]
     scheduler = (
-        StepScheduler(config, model_names=names) if mode == "continuous" else DynamicBatcher(config, model_names=names)
+        StepScheduler(config, model_names=names)
+        if mode == "continuous"
+        else RequestLevelScheduler(config, model_names=names)
     )
     metrics = EngineMetrics()
     engine = AsyncEngine(

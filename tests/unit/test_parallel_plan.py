@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from diffuserve.config.deployment import DeploymentArgs, resolve
+from diffuserve.config.deployment import DeploymentArgs, resolve_plan
 from diffuserve.config.model_profiles import family_profile
 from diffuserve.errors import ConfigError
 from diffuserve.executor.topology import Topology
@@ -20,7 +20,7 @@ def plan(family: str = "flux", num_gpus: int = 2, heads: int | None = 24, **flag
     # Realistic component sizes where that table has the family.
     base = sized(family) if family in ("flux", "qwen_image", "wan", "sana") else family_profile(family)
     profile = dataclasses.replace(base, dit_attention_heads=heads)
-    return resolve(DeploymentArgs(num_gpus=num_gpus, **flags), describe_hardware(num_gpus, 80.0), profile)
+    return resolve_plan(DeploymentArgs(num_gpus=num_gpus, **flags), describe_hardware(num_gpus, 80.0), profile)
 
 
 @pytest.mark.parametrize(
@@ -86,7 +86,7 @@ def backend_plan(family: str, backend: str, num_gpus: int = 2, **flags: Any):
     profile = dataclasses.replace(
         base, backend=served.backend, supports_continuous=served.supports_continuous, dit_attention_heads=24
     )
-    return resolve(DeploymentArgs(num_gpus=num_gpus, **flags), describe_hardware(num_gpus, 80.0), profile)
+    return resolve_plan(DeploymentArgs(num_gpus=num_gpus, **flags), describe_hardware(num_gpus, 80.0), profile)
 
 
 @pytest.mark.parametrize(

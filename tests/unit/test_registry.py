@@ -58,40 +58,40 @@ def test_resolve_reads_components_and_prefers_native(tmp_path: Path) -> None:
         tokenizer=["transformers", "CLIPTokenizer"],
         image_encoder=[None, None],
     )
-    spec = registry.resolve(folder)
+    spec = registry.resolve_model(folder)
     assert (spec.family, spec.pipeline_class, spec.backend) == ("flux", "FluxPipeline", "native")
     assert spec.components == {
         "vae": ("diffusers", "AutoencoderKL"),
         "tokenizer": ("transformers", "CLIPTokenizer"),
     }
-    assert registry.resolve(folder, backend="diffusers").backend == "diffusers"
-    assert registry.resolve(folder, backend="native").backend == "native"
+    assert registry.resolve_model(folder, backend="diffusers").backend == "diffusers"
+    assert registry.resolve_model(folder, backend="native").backend == "native"
 
 
 def test_class_name_wins_over_model_id_hint(tmp_path: Path) -> None:
-    spec = registry.resolve(_folder(tmp_path, "WanPipeline"), model_id="FLUX.1-dev")
+    spec = registry.resolve_model(_folder(tmp_path, "WanPipeline"), model_id="FLUX.1-dev")
     assert spec.family == "wan" and spec.output_kind == "video"
 
 
 def test_model_id_hint_names_unknown_class(tmp_path: Path) -> None:
-    spec = registry.resolve(_folder(tmp_path, "MyFluxVariantPipeline"), model_id="black-forest-labs/FLUX.1-dev")
+    spec = registry.resolve_model(_folder(tmp_path, "MyFluxVariantPipeline"), model_id="black-forest-labs/FLUX.1-dev")
     assert spec.family == "flux" and spec.backend == "native"
-    assert registry.resolve(_folder(tmp_path, "MyFluxVariantPipeline")).family == "unknown"
+    assert registry.resolve_model(_folder(tmp_path, "MyFluxVariantPipeline")).family == "unknown"
 
 
 def test_auto_falls_back_to_diffusers_without_native_adapter(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(registry, "native_families", lambda: {"flux": "x:y"})
     folder = _folder(tmp_path, "SomeCustomPipeline")
-    assert registry.resolve(folder).backend == "diffusers"
+    assert registry.resolve_model(folder).backend == "diffusers"
     with pytest.raises(ConfigError, match="--backend native") as err:
-        registry.resolve(folder, backend="native")
+        registry.resolve_model(folder, backend="native")
     assert err.value.param == "backend"
     assert "--backend auto or --backend diffusers" in err.value.message
 
 
 def test_unknown_backend_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--backend 'onnx'"):
-        registry.resolve(_folder(tmp_path, "FluxPipeline"), backend="onnx")
+        registry.resolve_model(_folder(tmp_path, "FluxPipeline"), backend="onnx")
 
 
 @pytest.mark.parametrize(
@@ -106,7 +106,7 @@ def test_bad_model_index(tmp_path: Path, content: str | None, message: str) -> N
     if content is not None:
         (tmp_path / "model_index.json").write_text(content)
     with pytest.raises(CheckpointError, match=message) as err:
-        registry.resolve(tmp_path)
+        registry.resolve_model(tmp_path)
     assert str(tmp_path) in err.value.message
 
 

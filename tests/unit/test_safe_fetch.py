@@ -75,7 +75,7 @@ def test_allowed_media_domains_match_exact_hosts():
     assert host_refusal("anything.test", ()) is None  # no list: any host (its addresses are still checked)
 
 
-def test_policy_from_flags_and_the_test_only_environment(monkeypatch):
+def test_policy_from_the_limit_flags_and_the_test_only_environment(monkeypatch):
     args = SimpleNamespace(
         allow_remote_urls=True,
         allowed_media_domains=["Img.Example.com."],
@@ -83,10 +83,10 @@ def test_policy_from_flags_and_the_test_only_environment(monkeypatch):
         media_fetch_timeout_s=2,
     )
     monkeypatch.delenv(safe_fetch.TEST_LOOPBACK_ENV, raising=False)
-    policy = FetchPolicy.from_args(args)
+    policy = FetchPolicy.from_limits(args)
     assert policy == FetchPolicy(True, ("img.example.com",), 1024, 2.0, allow_loopback=False)
     monkeypatch.setenv(safe_fetch.TEST_LOOPBACK_ENV, "1")
-    assert FetchPolicy.from_args(args).allow_loopback
+    assert FetchPolicy.from_limits(args).allow_loopback
 
 
 # -- data: URLs and the switch ------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ from diffuserve.engine.request import Request, RequestStatus
 from diffuserve.engine.scheduler import (
     BatchingConfig,
     Dispatch,
-    DynamicBatcher,
     Idle,
+    RequestLevelScheduler,
     ScheduledBatch,
     WaitUntil,
 )
@@ -49,9 +49,9 @@ def batcher(
     mode: str = "dynamic",
     rules: BatchingRules | None = None,
     supports_batching: bool = True,
-) -> DynamicBatcher:
+) -> RequestLevelScheduler:
     config = BatchingConfig(mode=mode, max_size=max_size, delay_ms=delay_ms, rules=rules)
-    return DynamicBatcher(config, model_names=[MODEL, "/ckpt/tiny-flux"], supports_batching=supports_batching)
+    return RequestLevelScheduler(config, model_names=[MODEL, "/ckpt/tiny-flux"], supports_batching=supports_batching)
 
 
 def dispatched(decision: object) -> ScheduledBatch:
@@ -77,7 +77,7 @@ def test_config_validate_names_the_flag(kwargs: dict, flag: str) -> None:
     with pytest.raises(ConfigError, match=flag):
         BatchingConfig(**kwargs).validate()
     with pytest.raises(ConfigError, match=flag):
-        DynamicBatcher(BatchingConfig(**kwargs), model_names=[MODEL])
+        RequestLevelScheduler(BatchingConfig(**kwargs), model_names=[MODEL])
 
 
 def test_config_defaults_are_singleton_serving() -> None:

@@ -14,8 +14,8 @@ from diffuserve.engine.scheduler import (
     TOKEN_BUDGET,
     BatchingConfig,
     Dispatch,
-    DynamicBatcher,
     Idle,
+    RequestLevelScheduler,
     ScheduledBatch,
     WaitUntil,
 )
@@ -36,9 +36,9 @@ def req(rid: str, t: float, size: int | tuple[int, int] = 512, *, n: int = 1, st
 
 def batcher(
     max_size: int = 8, *, tokens: int | None = None, packs: bool = False, order: str = "fifo", delay_ms: float = 0.0
-) -> DynamicBatcher:
+) -> RequestLevelScheduler:
     config = BatchingConfig(mode="dynamic", max_size=max_size, max_tokens=tokens, order=order, delay_ms=delay_ms)
-    b = DynamicBatcher(config, model_names=[MODEL])
+    b = RequestLevelScheduler(config, model_names=[MODEL])
     b.set_capabilities(supports_batching=True, packs_mixed_sizes=packs)
     return b
 
@@ -118,7 +118,7 @@ def test_packed_batches_keep_the_other_signature_fields_and_rule_caps() -> None:
     assert batch.request_ids == ["a", "b"] and batch.rejects == {"sampling_params.num_inference_steps": 1}
 
 
-def _drain(b: DynamicBatcher, now: float = 10.0) -> list[list[str]]:
+def _drain(b: RequestLevelScheduler, now: float = 10.0) -> list[list[str]]:
     order = []
     while True:
         decision = b.schedule(now)
@@ -129,7 +129,7 @@ def _drain(b: DynamicBatcher, now: float = 10.0) -> list[list[str]]:
         b.complete(batch)
 
 
-def _shapes(big_first: bool, order: str) -> DynamicBatcher:
+def _shapes(big_first: bool, order: str) -> RequestLevelScheduler:
     b = batcher(max_size=2, tokens=None, order=order)
     arrivals = [("L1", 1024), ("L2", 1024)] if big_first else []
     arrivals += [(f"S{i}", 512) for i in range(8)]

@@ -88,8 +88,8 @@ def test_command_line_beats_config_file(tmp_path: Path):
     ns = cli._build_parser().parse_args(["serve", "--config", str(config), "--port", "9001"])
     values = cli._merge_config_file(ns)
     args = cli._server_args(values, str(config))
-    assert args.port == 9001  # the flag wins
-    assert args.batching_max_size == 4 and args.enable_batching_metrics is True
+    assert args.http.port == 9001  # the flag wins
+    assert args.batching.max_size == 4 and args.batching.enable_metrics is True
     assert args.deployment.component_residency == ["dit=component-offload"]
     assert args.deployment.performance_mode == "memory"
 
@@ -137,17 +137,19 @@ of serve (issue 20), plus the `Quantization` flags of serve, generate and plan a
 def flag_table(command: str) -> dict[str, dict]:
     """dest -> what `diffuserve COMMAND --help` and `--config` show of the flag: names, section, default
     (the dataclass default where the flag has one), choices, nargs and metavar."""
+    from diffuserve.config.argparse_dataclass import flag_dest, flag_fields
     from diffuserve.config.deployment import DeploymentArgs
+    from diffuserve.config.server_args import SECTIONS
 
-    owners = (ServerArgs(), DeploymentArgs())
+    owners = [cls() for cls in (*SECTIONS.values(), DeploymentArgs)]
+    defaults = {flag_dest(f): getattr(owner, f.name) for owner in owners for f in flag_fields(type(owner))}
     sub = cli._subparsers(cli._build_parser())[command]
     table = {}
     for group in sub._action_groups:
         for action in group._group_actions:
             if not action.option_strings or action.dest == "help":
                 continue
-            owner = next((o for o in owners if action.dest != "config" and hasattr(o, action.dest)), None)
-            default = getattr(owner, action.dest) if owner is not None else action.default
+            default = defaults[action.dest] if action.dest in defaults else action.default
             table[action.dest] = {
                 "flags": list(action.option_strings),
                 "group": group.title,
@@ -181,10 +183,12 @@ def test_each_flag_is_declared_once_on_its_sub_config():
             owners[flag_dest(f)] = cls.__name__
             assert f.metadata.get("help") and f.metadata.get("group"), f"{cls.__name__}.{f.name}: help and group"
             assert set(flag_commands(cls, f)) <= {"serve", "generate", "plan"}
-    # ServerArgs declares no flag itself: its fields are the sub-configs, every flag a flat view of one.
+    # ServerArgs declares no flag itself: its fields are the sub-configs; a flag's flat name is a keyword, not an
+    # attribute (code reads the section).
     assert [f.name for f in dataclasses.fields(ServerArgs)] == [*SECTIONS, "deployment", "config"]
     args = ServerArgs(batching_max_size=3, port=8000)
-    assert args.batching.max_size == args.batching_max_size == 3 and args.http.port == args.port == 8000
+    assert args.batching.max_size == 3 and args.http.port == 8000
+    assert not hasattr(args, "batching_max_size") and not hasattr(args, "port")
     # Every flag a subcommand has comes from a config dataclass, except the command's own inputs.
     own = {
         "serve": {"config"},
@@ -221,8 +225,8 @@ def test_replace_and_flat_keywords_copy_sub_configs():
 
     args = ServerArgs(model_path="/ckpt", batching_max_size=2)
     other = dataclasses.replace(args, model_path=None)
-    assert other.model_path is None and other.batching_max_size == 2
-    assert args.model_path == "/ckpt", "replace must not write into the original's sub-configs"
+    assert other.model.model_path is None and other.batching.max_size == 2
+    assert args.model.model_path == "/ckpt", "replace must not write into the original's sub-configs"
     with pytest.raises(TypeError, match="batching_max_szie"):
         ServerArgs(batching_max_szie=2)
 
@@ -234,8 +238,8 @@ def test_batching_mode_is_a_str_enum_behind_the_argparse_choices():
     serve = {a.dest: a for a in cli._subparsers(parser)["serve"]._actions}
     assert serve["batching_mode"].choices == [m.value for m in BatchingMode]
     args = cli._server_args(cli._merge_config_file(parser.parse_args(["serve", "--batching-mode", "dynamic"])), None)
-    assert args.batching_mode is BatchingMode.DYNAMIC and args.batching.mode == "dynamic"
-    assert json.dumps({"mode": args.batching_mode}) == '{"mode": "dynamic"}' and f"{args.batching_mode}" == "dynamic"
+    assert args.batching.mode is BatchingMode.DYNAMIC and args.batching.mode == "dynamic"
+    assert json.dumps({"mode": args.batching.mode}) == '{"mode": "dynamic"}' and f"{args.batching.mode}" == "dynamic"
     assert BatchingConfig(mode="continuous").dynamic is False and BatchingConfig(mode="continuous", max_size=2).dynamic
 
 
@@ -254,7 +258,7 @@ def test_a_flag_is_validated_once_with_one_message():
         == from_config.value.message
         == ("--batching-max-size: 0 must be >= 1 (1 turns merging off).")
     )
-    assert EngineConfig().max_queue_size == ServerArgs().max_queue_size == 256
+    assert EngineConfig().max_queue_size == ServerArgs().engine.max_queue_size == 256
 
 
 def test_store_flags_fail_at_start_naming_the_flag():
@@ -293,3 +297,10 @@ def test_merging_modes_that_never_merge_warn_and_both_schedulers_take_max_loras(
         lora = ServerArgs(batching_mode=mode, batching_max_size=4, lora_modules=["a=/a"], max_loras=2)
         assert build_batcher(lora).config.max_adapters == 2
         assert build_batcher(ServerArgs(batching_mode=mode, batching_max_size=4)).config.max_adapters is None
+
+
+def test_step_cache_is_a_section_and_its_flag_a_keyword():
+    from diffuserve.config.step_cache_args import StepCacheArgs
+
+    assert ServerArgs(step_cache="fbcache").step_cache == StepCacheArgs(method="fbcache")
+    assert ServerArgs(step_cache=StepCacheArgs(method="teacache"), step_cache_config="{}").step_cache.options == "{}"

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from diffuserve.config.engine import EngineConfig
 from diffuserve.config.step_cache import (
     StepCacheSettings,
     parse_step_cache,
     server_step_cache,
     with_calibration,
 )
+from diffuserve.config.step_cache_args import StepCacheArgs
 from diffuserve.errors import ConfigError, InvalidRequestError
 from diffuserve.sampling import SamplingParams, signature_difference
 
@@ -50,11 +50,11 @@ def test_server_flags() -> None:
     assert server_step_cache(None, None) is None
     settings = server_step_cache("fbcache", '{"threshold": 0.2, "warmup_steps": 1}')
     assert (settings.threshold, settings.warmup_steps) == (0.2, 1)
-    EngineConfig(step_cache="teacache").validate()
+    StepCacheArgs(method="teacache").validate()
     with pytest.raises(ConfigError, match="--step-cache"):
-        EngineConfig(step_cache="magic").validate()
+        StepCacheArgs(method="magic").validate()
     with pytest.raises(ConfigError, match="--step-cache-config"):
-        EngineConfig(step_cache_config='{"threshold": 0.1}').validate()
+        StepCacheArgs(options='{"threshold": 0.1}').validate()
 
 
 def test_magcache_needs_the_servers_calibration(tmp_path) -> None:
@@ -66,9 +66,9 @@ def test_magcache_needs_the_servers_calibration(tmp_path) -> None:
     assert with_calibration(asked, str(tmp_path / "mag.json")).mag_ratios == (1.0, 0.98, 0.95)
     (tmp_path / "bad.json").write_text('{"ratios": []}')
     with pytest.raises(ConfigError, match="calibrate-cache"):
-        EngineConfig(step_cache="magcache", step_cache_calibration=str(tmp_path / "bad.json")).validate()
+        StepCacheArgs(method="magcache", calibration=str(tmp_path / "bad.json")).validate()
     with pytest.raises(ConfigError, match="--step-cache-calibration"):
-        EngineConfig(step_cache="magcache").validate()
+        StepCacheArgs(method="magcache").validate()
 
 
 def test_only_the_method_joins_the_batch_signature() -> None:

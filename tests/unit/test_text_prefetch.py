@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffuserve.pipelines.overlap import Overlap
+from diffuserve.pipelines.lanes import Lanes
 from diffuserve.pipelines.text_prefetch import TextPrefetch
 
 WAIT_S = 30
@@ -28,12 +28,12 @@ class _Params:
 
 class _Pipeline:
     def __init__(self) -> None:
-        self.overlap = Overlap("cpu")
+        self.side = Lanes("cpu")
         self.calls: list[list[str]] = []
         self.batches: list[list[str]] = []
 
-    def side_lanes(self) -> Overlap:
-        return self.overlap
+    def lanes(self) -> Lanes:
+        return self.side
 
     def encode_many(self, texts: list[str], requests: list[_Params]) -> list[dict[str, torch.Tensor]]:
         self.calls.append(list(texts))
@@ -41,7 +41,7 @@ class _Pipeline:
         return [{"embeds": torch.full((1, 2), float(len(t)))} for t in texts]
 
 
-def _hold_lane(overlap: Overlap) -> threading.Event:
+def _hold_lane(overlap: Lanes) -> threading.Event:
     """Occupy the encode lane until the returned event is set."""
     started, release = threading.Event(), threading.Event()
 
@@ -57,7 +57,7 @@ def _hold_lane(overlap: Overlap) -> threading.Event:
 def test_requests_queued_behind_a_busy_lane_are_encoded_in_one_call() -> None:
     pipeline = _Pipeline()
     prefetch = TextPrefetch(pipeline, pipeline.encode_many)
-    release = _hold_lane(pipeline.overlap)
+    release = _hold_lane(pipeline.side)
     done = threading.Semaphore(0)
     texts = ["a fox", "a lighthouse", "ramen", "a tram"]
     for text in texts:

@@ -4,7 +4,7 @@ Every config dataclass declares its flags once (the vLLM pattern): a field made 
 its default, its `--help` text and group, and the commands that take it. The flag name and the `--config`
 key come from the field's *dest*: the field name, or `metadata["dest"]` where the owner's own name is
 shorter (`BatchingConfig.max_size` is `--batching-max-size`). The CLI, the `--config` file checks and
-`ServerArgs`' flat attributes all read that one declaration, so they cannot drift apart.
+`ServerArgs`' flat keywords all read that one declaration, so they cannot drift apart.
 
 Field metadata read here:
   help, group        the `--help` text and section title;
@@ -78,7 +78,7 @@ def flag_name(dest: str) -> str:
 
 
 def flag_dest(field: dataclasses.Field) -> str:
-    """The flat name of a flag field: argparse dest, `--config` key and `ServerArgs` attribute."""
+    """The flat name of a flag field: argparse dest, `--config` key and `ServerArgs(...)` keyword."""
     return field.metadata.get("dest", field.name)
 
 

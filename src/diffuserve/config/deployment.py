@@ -1,4 +1,4 @@
-"""`resolve(args, hardware, profile) -> DeploymentPlan`: the performance modes (the flags: `deployment_args.py`).
+"""`resolve_plan(args, hardware, profile) -> DeploymentPlan`: the performance modes (the flags: `deployment_args.py`).
 
 Pure: no torch, no I/O. Every field of `DeploymentArgs` is None when the user did not set it, which
 is how "explicit flags always beat the mode" is kept: a mode only fills fields that are still None.
@@ -292,7 +292,9 @@ def _plan_components(
     return lifetimes
 
 
-def resolve(args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile, *, hosts: int = 1) -> DeploymentPlan:
+def resolve_plan(
+    args: DeploymentArgs, hardware: HardwareInfo, profile: ModelProfile, *, hosts: int = 1
+) -> DeploymentPlan:
     """Turn flags + hardware + model profile into a DeploymentPlan; every choice leaves a trace line.
 
     `hardware` is this host's; `hosts` (--nnodes) spreads --num-gpus over that many hosts like it."""

@@ -9,8 +9,6 @@ from typing import ClassVar
 from diffuserve.config.argparse_dataclass import check_flags, flag
 from diffuserve.config.http_args import SERVER_GROUP
 from diffuserve.config.limits import LIMITS_GROUP
-from diffuserve.config.step_cache import METHODS, load_calibration, server_step_cache, with_calibration
-from diffuserve.errors import ConfigError, InvalidRequestError
 
 
 @dataclass
@@ -43,38 +41,12 @@ class EngineConfig:
     """Run one real generation before turning ready (readiness waits for it)."""
     warmup_steps: int = flag(2, "Denoising steps of the warm-up generation.", SERVER_GROUP)
     """Steps of the warm-up generation (cheap but real)."""
-    step_cache: str | None = flag(
-        None,
-        f"Default step cache of requests that set no `step_cache`: one of {list(METHODS)} "
-        "or off (docs/step-caches.md).",
-        SERVER_GROUP,
-        commands=("serve", "generate"),
-        per_command={
-            "generate": {"help": f"Step cache of every row: one of {list(METHODS)} or off (docs/step-caches.md)."}
-        },
-    )
-    """The step-cache method every request runs unless it sets its own `step_cache` (None / "off": none)."""
-    step_cache_config: str | None = flag(
-        None,
-        'Options of --step-cache as JSON, e.g. \'{"threshold": 0.1, "warmup_steps": 2, "max_cached_steps": 3}\'.',
-        SERVER_GROUP,
-        commands=("serve", "generate"),
-    )
-    """JSON object of the default method's options (threshold, warmup_steps, max_cached_steps, order,
-    refresh_interval, compute_last_step)."""
-    step_cache_calibration: str | None = flag(
-        None,
-        "JSON file of the checkpoint's magnitude ratios for --step-cache magcache (`diffuserve calibrate-cache`).",
-        SERVER_GROUP,
-        commands=("serve", "generate"),
-    )
-    """The `diffuserve calibrate-cache` output that magcache requests use."""
     warmup_resolutions: list[tuple[int, int]] = field(default_factory=list, metadata={"cli": False})
+    """(width, height) pairs warmed up besides the default size (compile / graph capture per shape); from the
+    deployment plan's `--warmup-resolutions`."""
     activation_budget_bytes: int | None = field(default=None, metadata={"cli": False})
     """The resolved activation budget of one replica (the deployment plan's `activation_memory_bytes`); None:
     unbounded."""
-    """(width, height) pairs warmed up besides the default size (compile / graph capture per shape); from the
-    deployment plan's `--warmup-resolutions`."""
 
     def validate(self) -> None:
         """Fail at start-up, naming the flag and the fix."""
@@ -92,20 +64,5 @@ class EngineConfig:
                     f"{self.activation_memory_gib} must be >= 0 (0 = unbounded)",
                 ),
                 (self.warmup_steps < 1, "--warmup-steps", f"{self.warmup_steps} must be >= 1"),
-                (
-                    bool(self.step_cache_config) and not self.step_cache,
-                    "--step-cache-config",
-                    "gives options but --step-cache names no method; add e.g. --step-cache fbcache",
-                ),
             ]
         )
-        try:
-            default = server_step_cache(self.step_cache, self.step_cache_config)
-        except (InvalidRequestError, ValueError) as exc:
-            raise ConfigError(f"--step-cache / --step-cache-config: {exc}") from exc
-        try:
-            if self.step_cache_calibration:
-                load_calibration(self.step_cache_calibration)
-            with_calibration(default, self.step_cache_calibration, "--step-cache")
-        except (InvalidRequestError, ValueError) as exc:
-            raise ConfigError(f"--step-cache-calibration: {exc}") from exc

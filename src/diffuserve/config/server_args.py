@@ -8,6 +8,7 @@ commands that take it, its validation):
     StoreArgs       config/store_args.py     --results-db, --media-store, --s3-endpoint-url, --owner-timeout-s
     BatchingConfig  config/batching.py       --batching-mode/-max-size/-delay-ms/-config, --enable-batching-metrics
     EngineConfig    config/engine.py         --max-queue-size, --request-timeout-s, --enable-warmup, --warmup-steps
+    StepCacheArgs   config/step_cache_args.py --step-cache, --step-cache-config, --step-cache-calibration
     LimitsArgs      config/limits.py         --max-request-bytes, --api-key, prompt and upload caps
     LoraArgs        config/lora.py           --lora-modules, --max-loras, --max-lora-rank
     ControlNetArgs  config/controlnet.py     --controlnet, and generate's --control-image, --control-mode, ...
@@ -15,9 +16,10 @@ commands that take it, its validation):
     QuantArgs       config/quant_args.py     --quantization, --quantization-ignored-layers
     DeploymentArgs  config/deployment_args.py --performance-mode, residency, offload, parallelism
 
-`ServerArgs` holds one instance of each (`args.batching`, `args.engine`, ...), and every flag is also a
-flat attribute (`args.batching_max_size` is `args.batching.max_size`), the name the CLI, `--config` files
-and the rest of the code use. The CLI (cli.py) builds each subcommand's flags from the same sub-configs.
+`ServerArgs` holds one instance of each (`args.batching`, `args.engine`, ...); code reads a flag on its section
+(`args.batching.max_size`, `args.http.max_image_side`). The flat name (`batching_max_size`, the flag's dest) is
+the CLI's and the `--config` file's spelling and a keyword of `ServerArgs(...)`. The CLI (cli.py) builds each
+subcommand's flags from the same sub-configs.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from diffuserve.config.limits import LIMITS_GROUP, LimitsArgs
 from diffuserve.config.lora import LORA_GROUP, LoraArgs
 from diffuserve.config.model_args import MODEL_GROUP, ModelArgs
 from diffuserve.config.quant_args import QUANT_GROUP, QuantArgs
+from diffuserve.config.step_cache_args import StepCacheArgs
 from diffuserve.config.store_args import STORE_GROUP, StoreArgs
 from diffuserve.errors import ConfigError
 
@@ -50,6 +53,7 @@ SECTIONS: dict[str, type] = {
     "http": HttpArgs,
     "batching": BatchingConfig,
     "engine": EngineConfig,
+    "step_cache": StepCacheArgs,
     "limits": LimitsArgs,
     "dist": DistArgs,
     "store": StoreArgs,
@@ -93,6 +97,8 @@ class ServerArgs:
     """The `--batching-*` flags; the schedulers' config (after `with_rules()`)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Admission and warm-up; the engine's config (plus the plan's warm-up resolutions)."""
+    step_cache: StepCacheArgs = field(default_factory=StepCacheArgs)
+    """The default step cache of requests that set none."""
     limits: LimitsArgs = field(default_factory=LimitsArgs)
     """Body and prompt caps, API key, security switches."""
     dist: DistArgs = field(default_factory=DistArgs)
@@ -116,6 +122,7 @@ class ServerArgs:
         http: HttpArgs | None = None,
         batching: BatchingConfig | None = None,
         engine: EngineConfig | None = None,
+        step_cache: StepCacheArgs | str | None = None,
         limits: LimitsArgs | None = None,
         dist: DistArgs | None = None,
         store: StoreArgs | None = None,
@@ -131,6 +138,7 @@ class ServerArgs:
             "http": http,
             "batching": batching,
             "engine": engine,
+            "step_cache": step_cache,
             "limits": limits,
             "dist": dist,
             "store": store,
@@ -138,6 +146,8 @@ class ServerArgs:
             "control": control,
             "quant": quant,
         }
+        if isinstance(step_cache, str):  # the flat `step_cache="fbcache"` (--step-cache), not a section
+            flags["step_cache"], given["step_cache"] = step_cache, None
         unknown = sorted(set(flags) - set(_OWNER))
         if unknown:
             raise TypeError(f"ServerArgs got unexpected keyword arguments {unknown}")
@@ -160,15 +170,15 @@ class ServerArgs:
     def public_model_name(self) -> str:
         """--served-model-name, then --model-id, then the --model-path folder's base name (never a server path
         in ids and listings; `/ckpt/flux/` -> `flux`), then the embedded model's name."""
-        folder = Path(self.model_path).name if self.model_path else None  # Path drops a trailing slash
-        return self.served_model_name or self.model_id or folder or EMBEDDED_MODEL_NAME
+        folder = Path(self.model.model_path).name if self.model.model_path else None  # Path drops a trailing slash
+        return self.model.served_model_name or self.model.model_id or folder or EMBEDDED_MODEL_NAME
 
     @property
     def model_names(self) -> list[str]:
         """Every name a request's `model` field may use (and batching rules match against)."""
-        names = [self.public_model_name, self.model_id, self.model_path]
-        if self.model_path:
-            names.append(Path(self.model_path).name)
+        names = [self.public_model_name, self.model.model_id, self.model.model_path]
+        if self.model.model_path:
+            names.append(Path(self.model.model_path).name)
         seen: list[str] = []
         for name in names:
             if name and name not in seen:
@@ -179,14 +189,14 @@ class ServerArgs:
         """--output-dir, or `outputs/<served model name>` under the cache folder ($DIFFUSERVE_CACHE, else
         ~/.cache/diffuserve): keyed by the model, so servers of different models never list or serve each
         other's jobs, and replicas of one model (same name) share theirs."""
-        if self.output_dir:
-            return Path(self.output_dir).expanduser()
+        if self.http.output_dir:
+            return Path(self.http.output_dir).expanduser()
         from diffuserve.paths import default_output_dir
 
         return default_output_dir() / re.sub(r"[^A-Za-z0-9._-]", "_", self.public_model_name).lstrip(".")
 
     def resolved_api_key(self) -> str | None:
-        return self.api_key or os.environ.get("DIFFUSERVE_API_KEY") or None
+        return self.limits.api_key or os.environ.get("DIFFUSERVE_API_KEY") or None
 
     def validate(self) -> None:
         """Fail at start-up, naming the flag and the fix: every sub-config's value checks, then the
@@ -196,14 +206,14 @@ class ServerArgs:
             section.validate()
         # A replica renews its lease at every sweep: a timeout within two sweeps would fail live jobs of replicas
         # that are only between two renewals.
-        if self.owner_timeout_s <= 2 * self.result_sweep_interval_s:
+        if self.store.owner_timeout_s <= 2 * self.http.result_sweep_interval_s:
             raise ConfigError(
-                f"--owner-timeout-s: {self.owner_timeout_s} must exceed twice "
-                f"--result-sweep-interval-s ({self.result_sweep_interval_s}), the lease renewal period."
+                f"--owner-timeout-s: {self.store.owner_timeout_s} must exceed twice "
+                f"--result-sweep-interval-s ({self.http.result_sweep_interval_s}), the lease renewal period."
             )
         # The adapter registry lives in each process: a runtime load through the front end would not reach the
         # engine process's slots.
-        if self.api_process == "separate" and self.lora.enable_lora_updates:
+        if self.http.api_process == "separate" and self.lora.enable_lora_updates:
             raise ConfigError(
                 "--enable-lora-updates: runtime adapter loads need the engine in the HTTP process; drop "
                 "--api-process separate, or load the adapters at start-up with --lora-modules."
@@ -211,20 +221,6 @@ class ServerArgs:
         for section in sections:
             if hasattr(section, "check_files"):
                 section.check_files()
-
-
-def _flat_property(section: str, name: str, doc: str | None) -> property:
-    def get(self: ServerArgs) -> Any:
-        return getattr(getattr(self, section), name)
-
-    def set_(self: ServerArgs, value: Any) -> None:
-        setattr(getattr(self, section), name, value)
-
-    return property(get, set_, doc=doc)
-
-
-for _dest, (_section, _name) in _OWNER.items():
-    setattr(ServerArgs, _dest, _flat_property(_section, _name, f"`{_section}.{_name}` (--{_dest.replace('_', '-')})."))
 
 
 EMBEDDED_MODEL_NAME = "diffuserve-tiny-flux"

@@ -21,8 +21,8 @@ from diffuserve.engine.scheduler import Dispatch, ScheduledBatch, WaitUntil
 from diffuserve.engine.scheduler_protocol import RequestScheduler
 from diffuserve.errors import GenerationError, RequestCancelledError, RequestTimeoutError
 from diffuserve.executor.base import Executor
-from diffuserve.executor.batch_runner import BatchOutcome, PreviewSink
-from diffuserve.executor.messages import BatchEvent, BatchMessage, Preview, Progress
+from diffuserve.executor.batch_runner import BatchOutcome
+from diffuserve.executor.messages import BatchEvent, BatchMessage, Preview, PreviewSink, Progress
 
 logger = logging.getLogger("diffuserve.engine")
 

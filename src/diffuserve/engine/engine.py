@@ -40,8 +40,8 @@ from diffuserve.errors import (
     ServiceUnavailableError,
 )
 from diffuserve.executor.base import Executor, ServingPipeline
-from diffuserve.executor.batch_runner import NoEvents, PreviewSink
-from diffuserve.executor.messages import BatchMessage
+from diffuserve.executor.batch_runner import NoEvents
+from diffuserve.executor.messages import BatchMessage, PreviewSink
 from diffuserve.sampling import ModelDescription, SamplingParams, build_sampling_params
 
 logger = logging.getLogger("diffuserve.engine")
@@ -79,7 +79,7 @@ class AsyncEngine:
         self.executor = executor
         """Runs the batches: `InProcessExecutor` for one rank, `MultiRankExecutor` for several."""
         self.scheduler = scheduler
-        """A `RequestScheduler` (engine/scheduler_protocol.py): `DynamicBatcher` (singleton / dynamic) or
+        """A `RequestScheduler` (engine/scheduler_protocol.py): `RequestLevelScheduler` (singleton / dynamic) or
         `StepScheduler` (continuous)."""
         self.mode = BatchingMode(scheduler.config.mode)
         """The batching mode: decides the serving loop, once."""

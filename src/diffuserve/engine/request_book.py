@@ -18,7 +18,7 @@ from diffuserve.engine.metrics import EngineMetrics
 from diffuserve.engine.request import Request, RequestStatus
 from diffuserve.errors import DiffuserveError, RequestCancelledError, RequestTimeoutError
 from diffuserve.executor.base import RequestOutput
-from diffuserve.executor.batch_runner import PreviewSink
+from diffuserve.executor.messages import PreviewSink
 
 MAX_IDLE_WAIT_S = 0.5
 """Upper bound on a loop's sleep, so queued deadlines are checked even when nothing else happens."""

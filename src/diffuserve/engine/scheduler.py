@@ -78,7 +78,7 @@ from diffuserve.engine.fair_order import DeficitRoundRobin, Turn, tokens_x_steps
 from diffuserve.engine.request import Request, RequestStatus
 from diffuserve.sampling import SIZE_FIELDS, SamplingParams, row_fields, signature_difference  # noqa: F401 - re-exported
 
-__all__ = ["BatchingConfig", "Decision", "Dispatch", "DynamicBatcher", "Idle", "ScheduledBatch", "WaitUntil"]
+__all__ = ["BatchingConfig", "Decision", "Dispatch", "RequestLevelScheduler", "Idle", "ScheduledBatch", "WaitUntil"]
 
 FAMILY_UNSUPPORTED = "family_unsupported"
 """Ineligible reason given to every request when the pipeline family cannot batch."""
@@ -103,8 +103,9 @@ def uses_adapter(request: Request, name: str) -> bool:
     return any(adapter == name for adapter, _ in request.params.lora)
 
 
-class DynamicBatcher:
-    """The queue and the batch-formation rules of the module docstring. Not thread-safe: the
+class RequestLevelScheduler:
+    """Request-level scheduling (singleton and dynamic modes): the queue and the batch-formation rules of the module
+    docstring; `StepScheduler` composes it for its queue. Not thread-safe: the
     engine calls it from one thread (or under one lock)."""
 
     def __init__(

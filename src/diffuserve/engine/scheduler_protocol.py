@@ -1,6 +1,6 @@
 """The request scheduler as the engine and its loops see it: one typed `Protocol` both batching modes implement.
 
-`DynamicBatcher` (engine/scheduler.py: singleton and dynamic batching) and `StepScheduler`
+`RequestLevelScheduler` (engine/scheduler.py: singleton and dynamic batching) and `StepScheduler`
 (engine/step_scheduler.py: continuous batching, whose request-level fallback batches run on the same loop) both
 satisfy it; every verb is declared, so no caller probes with `getattr` for an optional one. Both read
 `max_adapters` from the one `BatchingConfig` they are built with (`launch/root.py build_batcher`). Every method

@@ -333,7 +333,7 @@ class StepLoop:
 
 @dataclass
 class InlineResult:
-    """What a job run in line returned: the shape of a side lane's result (`SideResult` of `pipelines/overlap.py`)."""
+    """What a job run in line returned: the shape of a side lane's result (`SideResult` of `pipelines/lanes.py`)."""
 
     value: Any
     """The job's return value."""

@@ -1,6 +1,6 @@
 """The pure step-level scheduler of `--batching-mode continuous`: which rows denoise together at each step.
 
-Like `engine/scheduler.py` (whose `DynamicBatcher` it composes for the queue, ordering, caps, expiry and the
+Like `engine/scheduler.py` (whose `RequestLevelScheduler` it composes for the queue, ordering, caps, expiry and the
 request-level rules) it has no torch, no I/O, no threads and no clock of its own. It answers the same verb as the
 request-level scheduler; the engine's step loop (`engine/step_loop.py`) is::
 
@@ -38,8 +38,8 @@ Rules (on top of the module docstring of `engine/scheduler.py`: order, caps coun
    `n` or tokens alone reach a limit starts only in an empty group (and then runs alone, never refused).
 5. **Starting a group.** With the group empty the head waits up to `--batching-delay-ms` for companions (as in
    dynamic mode), unless it is already full. The head is the queue's (`fifo`) or rule 8's choice (`drr`). A head
-   that cannot run step by step is handed to the request-level rules instead (`DynamicBatcher.schedule` with it as
-   the anchor: it runs alone, or merged with equal signatures when the family batches but is not continuous).
+   that cannot run step by step is handed to the request-level rules instead (`RequestLevelScheduler.schedule` with
+   it as the anchor: it runs alone, or merged with equal signatures when the family batches but is not continuous).
 6. **Activation memory.** With a budget (the composed scheduler's `activation_budget`), a request joins only while
    the group's `activation_bytes` plus its own fit in it (rule 3's strict order: the scan stops at it); a group
    always starts with its head (a request over the budget alone is refused at admission).
@@ -68,8 +68,8 @@ from diffuserve.engine.scheduler import (
     SIZE_FIELDS,
     BatchingConfig,
     Dispatch,
-    DynamicBatcher,
     Idle,
+    RequestLevelScheduler,
     ScheduledBatch,
     WaitUntil,
     uses_adapter,
@@ -155,7 +155,7 @@ StepDecision = Dispatch | StepPlan | WaitUntil | Idle
 
 
 class StepScheduler:
-    """The request queue (a composed `DynamicBatcher`) plus the running group of the module docstring.
+    """The request queue (a composed `RequestLevelScheduler`) plus the running group of the module docstring.
     Not thread-safe."""
 
     def __init__(
@@ -166,7 +166,7 @@ class StepScheduler:
         supports_batching: bool = True,
         supports_continuous: bool = True,
     ):
-        self.requests = DynamicBatcher(config, model_names=model_names, supports_batching=supports_batching)
+        self.requests = RequestLevelScheduler(config, model_names=model_names, supports_batching=supports_batching)
         """The queue and the request-level rules (heads that cannot run step by step are dispatched by it)."""
         self.supports_continuous = supports_continuous
         """Whether the served family can run step by step (set by the engine once the pipeline is loaded)."""
@@ -242,7 +242,7 @@ class StepScheduler:
         return self.requests.expire(now)
 
     def drain(self) -> list[Request]:
-        """Queued requests (see `DynamicBatcher.drain`); running rows stop at the next boundary by their
+        """Queued requests (see `RequestLevelScheduler.drain`); running rows stop at the next boundary by their
         `cancel_event`, which the engine sets."""
         return self.requests.drain()
 

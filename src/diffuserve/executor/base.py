@@ -53,7 +53,7 @@ class StepRunner(Protocol):
     preview, finish): start the requests joining at one boundary (shared encoder calls; each gets its
     `pipelines.step_batch.RequestRows`, or the exception that failed it alone), step the group, drop a request
     that left, copy a request's state for a preview, make its preview, decode the requests that finished.
-    `lanes` are the pipeline's side lanes (`pipelines/overlap.py`: start in the encode lane, previews and finishes
+    `lanes` are the pipeline's side lanes (`pipelines/lanes.py`: start in the encode lane, previews and finishes
     in the decode lane, beside the loop), None when they run inline; `device` is where the rows live."""
 
     lanes: Any

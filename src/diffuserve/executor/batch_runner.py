@@ -11,7 +11,7 @@ Data in, data out: the batch arrives as a `BatchMessage` (executor/messages.py),
 `Preview` events to the caller's `BatchEvents` at its step boundaries and reads back which requests were cancelled
 there, and it returns a `BatchOutcome`. Decode overlap (`BatchMessage.defer_decode`, dynamic and continuous modes):
 a one-call batch of a native pipeline returns once it is denoised; its decode runs in the pipeline's decode lane
-(`pipelines/overlap.py`) while the engine starts the next batch, and the complete outcome is the result of the
+(`pipelines/lanes.py`) while the engine starts the next batch, and the complete outcome is the result of the
 returned outcome's `decoded` future.
 """
 
@@ -33,7 +33,7 @@ from diffuserve.runtime.cpu_time import PIPELINE_CPU
 from diffuserve.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from diffuserve.pipelines.overlap import Overlap, SideResult
+    from diffuserve.pipelines.lanes import Lanes, SideResult
 
 logger = logging.getLogger("diffuserve.worker")
 
@@ -74,17 +74,6 @@ def preview_steps(num_steps: int, partial_images: int) -> list[int]:
 
 
 @dataclass
-class PreviewSink:
-    """Where one request's partial images go while its batch denoises (streaming requests)."""
-
-    partial_images: int
-    """How many previews the request asked for (0-3)."""
-    deliver: Callable[[int, list[Any]], None]
-    """deliver(partial_image_index, images): one PIL image per output row of the request. Called from the
-    worker thread, so it must only hand the images over (e.g. `loop.call_soon_threadsafe`)."""
-
-
-@dataclass
 class BatchOutcome:
     """What the worker hands back: per request either an output or an error, plus timings."""
 
@@ -105,7 +94,7 @@ class BatchOutcome:
     """Denoising steps (of later batches) the loop ran while this batch's decode ran in the decode lane."""
 
 
-def split_rows(params: SamplingParams, max_rows: int) -> list[SamplingParams]:
+def split_request(params: SamplingParams, max_rows: int) -> list[SamplingParams]:
     """One request's rows as parts of at most `max_rows` rows; part k starts at seed `seed + offset`."""
     if params.n <= max_rows:
         return [params]
@@ -126,7 +115,7 @@ def plan_calls(batch: Sequence[SamplingParams], max_rows: int | None) -> list[li
     current: list[tuple[int, int, SamplingParams]] = []
     for i, params in enumerate(batch):
         first = 0
-        for part in split_rows(params, max_rows):
+        for part in split_request(params, max_rows):
             if current and sum(q.n for _, _, q in current) + part.n > max_rows:
                 calls.append(current)
                 current = []
@@ -161,7 +150,7 @@ class PipelineCalls(Protocol):
     """What `run_batch` calls: a rank's `ServingPipeline` (pipelines/serving.py), or a replica's leader view of its
     ranks (`executor/replica.ReplicaPipeline`), which runs each call on every rank."""
 
-    lanes: Overlap | None
+    lanes: Lanes | None
     """The side lanes when the decode may run apart (`defers_decode`); None: every call decodes in line."""
 
     @property
@@ -186,7 +175,7 @@ def run_batch(
     Never raises: every request gets an output or an error. `Progress` counts steps over all calls.
     `message.defer_decode` turns on decode overlap: when the batch is one call of a pipeline that can stop before
     its decode (`defers_decode`), this returns as soon as denoising is done with `deferred=True` (no outputs yet),
-    the decode runs in the pipeline's decode lane (`pipelines/overlap.py`) while the caller starts the next
+    the decode runs in the pipeline's decode lane (`pipelines/lanes.py`) while the caller starts the next
     batch, and `decoded` resolves to the complete outcome. Otherwise the returned outcome is complete.
     `message.previews` asks for partial images: after each denoising step that some still-waiting request wants
     a preview of, the pipeline's previews are made once for the whole batch and each such request gets a
@@ -215,8 +204,8 @@ def run_batch(
             message.max_rows,
             len(calls),
         )
-    overlap = pipeline.lanes
-    counter = _StepCounter(len(calls), calls[0][0][2].num_inference_steps, events, overlap)
+    lanes = pipeline.lanes
+    counter = _StepCounter(len(calls), calls[0][0][2].num_inference_steps, events, lanes)
     on_preview = _preview_hook(live, message.partial_images if len(calls) == 1 else {}, events)
 
     hooks: dict[str, Any] = {
@@ -225,8 +214,8 @@ def run_batch(
         **({"on_preview": on_preview} if on_preview is not None else {}),
     }
     start = clock()
-    if message.defer_decode and overlap is not None and len(calls) == 1:
-        return _run_deferred(pipeline, live, outcome, overlap, clock, start, everyone_gone, counter, hooks)
+    if message.defer_decode and lanes is not None and len(calls) == 1:
+        return _run_deferred(pipeline, live, outcome, lanes, clock, start, everyone_gone, counter, hooks)
     try:
         _run_calls(pipeline, live, calls, counter, everyone_gone, hooks, outcome)
     except RequestCancelledError as exc:
@@ -270,8 +259,8 @@ def _preview_hook(live: list[Row], wanted: dict[str, int], events: BatchEvents) 
 class _StepCounter:
     """Counts a batch's steps over all its pipeline calls and reports each as `Progress`."""
 
-    def __init__(self, num_calls: int, num_steps: int, events: BatchEvents, overlap: Overlap | None):
-        self.num_calls, self.events, self.overlap = num_calls, events, overlap
+    def __init__(self, num_calls: int, num_steps: int, events: BatchEvents, lanes: Lanes | None):
+        self.num_calls, self.events, self.lanes = num_calls, events, lanes
         self.call_index = 0
         """The pipeline call running now."""
         self.done = (0, num_calls * num_steps)
@@ -280,8 +269,8 @@ class _StepCounter:
     def step_done(self, step: int, num_steps: int) -> None:
         overall, total = self.call_index * num_steps + step, self.num_calls * num_steps
         self.done = (overall + 1, total)
-        if self.overlap is not None:
-            self.overlap.count_step()  # a decode running in the lane sees the loop advance (`steps_beside`)
+        if self.lanes is not None:
+            self.lanes.count_step()  # a decode running in the lane sees the loop advance (`steps_beside`)
         self.events.emit(Progress(overall, total))
 
 
@@ -317,7 +306,7 @@ def _run_deferred(
     pipeline: PipelineCalls,
     live: list[Row],
     outcome: BatchOutcome,
-    overlap: Overlap,
+    lanes: Lanes,
     clock: Callable[[], float],
     start: float,
     should_stop: Callable[[], bool],
@@ -370,7 +359,7 @@ def _run_deferred(
     outcome.stage_seconds = dict(denoised.stage_seconds)
     outcome.batch_rows, outcome.pipeline_calls = denoised.latents.shape[0], 1
     outcome.inference_seconds = clock() - start
-    overlap.decode.submit(decode, inputs=[denoised], prompts=[r.params.prompt for r in live]).add_done_callback(deliver)
+    lanes.decode.submit(decode, inputs=[denoised], prompts=[r.params.prompt for r in live]).add_done_callback(deliver)
     return outcome
 
 

@@ -1,6 +1,8 @@
 """The executor seam's data: a scheduled batch (`BatchMessage`) and the events a running batch reports
-(`Progress`, `Preview`). One shape in this process and across ranks; the multi-rank transport's own messages
-(pipeline calls, continuous steps, reports) and every store key live in executor/protocol.py.
+(`Progress`, `Preview`), one shape in this process and across ranks; and `PreviewSink`, where one streaming
+request's previews go (in its own process: it holds a callback; the engine, the remote client and the engine
+process import it from here). The multi-rank transport's own messages (pipeline calls, continuous steps, reports)
+and every store key live in executor/protocol.py.
 
 Between ranks they travel through the TCP store of the process group (executor/protocol.py, executor/channel.py),
 never through a collective, so a rank waiting for work is not blocked inside a collective (STACK.md's idle trap)
@@ -9,6 +11,7 @@ and a dead peer shows up as a missing heartbeat instead of a hang.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -67,3 +70,14 @@ class Preview:
 
 BatchEvent = Progress | Preview
 """What a running batch reports while it runs."""
+
+
+@dataclass
+class PreviewSink:
+    """Where one request's partial images go while its batch denoises (streaming requests)."""
+
+    partial_images: int
+    """How many previews the request asked for (0-3)."""
+    deliver: Callable[[int, list[Any]], None]
+    """deliver(partial_image_index, images): one PIL image per output row of the request. Called from the
+    worker thread, so it must only hand the images over (e.g. `loop.call_soon_threadsafe`)."""

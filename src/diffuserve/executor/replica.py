@@ -31,7 +31,7 @@ from diffuserve.executor.protocol import (
 )
 from diffuserve.executor.topology import Topology
 from diffuserve.pipelines.base import BatchResult
-from diffuserve.pipelines.overlap import Overlap
+from diffuserve.pipelines.lanes import Lanes
 from diffuserve.pipelines.serving import ServingPipeline
 from diffuserve.sampling import SamplingParams
 
@@ -103,7 +103,7 @@ class ReplicaPipeline:
         self._link = ReplicaLink(self.channel, self.topology.replica)
 
     @property
-    def lanes(self) -> Overlap | None:
+    def lanes(self) -> Lanes | None:
         """The leader's side lanes: the other ranks denoise, only the leader decodes (in its lane)."""
         return self.pipeline.lanes
 

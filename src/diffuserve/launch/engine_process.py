@@ -32,7 +32,7 @@ from diffuserve.config.server_args import ServerArgs
 from diffuserve.engine.engine import AsyncEngine
 from diffuserve.engine.metrics import EngineMetrics
 from diffuserve.errors import DiffuserveError, GenerationError
-from diffuserve.executor.batch_runner import PreviewSink
+from diffuserve.executor.messages import PreviewSink
 from diffuserve.launch import engine_messages as m
 
 logger = logging.getLogger("diffuserve.engine_process")
@@ -264,7 +264,7 @@ def _setup(conn: Connection) -> tuple[AsyncEngine, EngineMetrics]:
     from diffuserve.launch.root import build_engine
 
     args: ServerArgs = m.receive(conn)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.http.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine, metrics, plan = build_engine(args)
     except Exception as exc:

@@ -39,7 +39,7 @@ def serve_rank(args: ServerArgs, info: LaunchInfo) -> int:
     ranks: RankLink | None = None
     try:
         setup = prepare_rank(args, info, log_plan=False)
-        store, _ = connect(info, setup.device, args.dist_timeout_s)
+        store, _ = connect(info, setup.device, args.dist.dist_timeout_s)
         channel = StoreChannel(store)
         ranks = RankLink(channel)
         ranks.publish_rank(info.rank, rank_description(info, setup.device))
@@ -62,7 +62,10 @@ def serve_rank(args: ServerArgs, info: LaunchInfo) -> int:
                 signal.signal(sig, signal.SIG_IGN)
         if topology.is_leader:
             lead_batches(
-                ReplicaPipeline(pipeline, channel, topology, args.dist_timeout_s, sync=sync), channel, topology, stop
+                ReplicaPipeline(pipeline, channel, topology, args.dist.dist_timeout_s, sync=sync),
+                channel,
+                topology,
+                stop,
             )
         else:
             follow_calls(pipeline, channel, topology, sync, stop)

@@ -64,14 +64,14 @@ def hosts_of(args: ServerArgs) -> int:
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         return max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    return args.nnodes
+    return args.dist.nnodes
 
 
 def is_serving_process(args: ServerArgs) -> bool:
     """Only global rank 0 serves HTTP: under torchrun RANK 0, otherwise the first process of node 0."""
     if under_torchrun():
         return int(os.environ["RANK"]) == 0
-    return args.node_rank == 0
+    return args.dist.node_rank == 0
 
 
 def _free_port() -> int:
@@ -104,22 +104,22 @@ def launch_info(args: ServerArgs, num_gpus: int) -> LaunchInfo | None:
             store_port=int(os.environ["MASTER_PORT"]),
             torchrun=True,
         )
-    if num_gpus == 1 and args.nnodes == 1:
+    if num_gpus == 1 and args.dist.nnodes == 1:
         return None
-    if num_gpus % args.nnodes:
+    if num_gpus % args.dist.nnodes:
         raise ConfigError(
-            f"--num-gpus {num_gpus} is not a multiple of --nnodes {args.nnodes}; every host runs "
+            f"--num-gpus {num_gpus} is not a multiple of --nnodes {args.dist.nnodes}; every host runs "
             "--num-gpus / --nnodes ranks.",
             param="nnodes",
         )
-    per_node = num_gpus // args.nnodes
-    if args.dist_init_addr:
-        host, _, port = args.dist_init_addr.rpartition(":")
+    per_node = num_gpus // args.dist.nnodes
+    if args.dist.dist_init_addr:
+        host, _, port = args.dist.dist_init_addr.rpartition(":")
     else:
         host, port = "127.0.0.1", str(_free_port())
     return LaunchInfo(
         world_size=num_gpus,
-        rank=args.node_rank * per_node,
+        rank=args.dist.node_rank * per_node,
         local_rank=0,
         local_world_size=per_node,
         store_host=host.strip("[]"),
@@ -199,7 +199,7 @@ def rank_description(info: LaunchInfo, device: str) -> dict[str, Any]:
 def configure_rank_logging(args: ServerArgs, rank: int) -> None:
     """Every log line of a rank without HTTP names its rank."""
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=args.http.log_level.upper(),
         force=True,
         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
     )

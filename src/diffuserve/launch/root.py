@@ -14,7 +14,7 @@ from typing import Any
 from diffuserve.config.server_args import ServerArgs
 from diffuserve.engine.engine import AsyncEngine
 from diffuserve.engine.metrics import BatchingStats, EngineMetrics
-from diffuserve.engine.scheduler import DynamicBatcher
+from diffuserve.engine.scheduler import RequestLevelScheduler
 from diffuserve.engine.step_scheduler import StepScheduler
 from diffuserve.errors import ConfigError
 from diffuserve.executor.base import InProcessExecutor
@@ -33,17 +33,17 @@ from diffuserve.pipelines.serving import ServingPipeline
 logger = logging.getLogger("diffuserve")
 
 
-def build_batcher(args: ServerArgs, slots: int = 1) -> DynamicBatcher | StepScheduler:
+def build_batcher(args: ServerArgs, slots: int = 1) -> RequestLevelScheduler | StepScheduler:
     """The scheduler of the configured batching mode (`slots`: replicas that run batches at once)."""
     config = args.batching.with_rules()  # the scheduler validates it
     if args.lora.enabled:  # a batch's (or group's) adapters must fit the device slots at once (lora/registry.py)
-        config = replace(config, max_adapters=args.max_loras)
+        config = replace(config, max_adapters=args.lora.max_loras)
     warning = config.never_merges()
     if warning is not None:
         logger.warning("%s", warning)
     if config.mode == "continuous":
         return StepScheduler(config, model_names=args.model_names)
-    return DynamicBatcher(config, model_names=args.model_names, slots=slots)
+    return RequestLevelScheduler(config, model_names=args.model_names, slots=slots)
 
 
 def _multi_rank_executor(args: ServerArgs, info: LaunchInfo, setup: RankSetup, metrics: EngineMetrics | None) -> Any:
@@ -54,7 +54,7 @@ def _multi_rank_executor(args: ServerArgs, info: LaunchInfo, setup: RankSetup, m
     from diffuserve.executor.topology import Topology, build_groups
 
     plan = setup.deployment.plan
-    if args.batching_mode == "continuous" and plan.dp_size > 1:
+    if args.batching.mode == "continuous" and plan.dp_size > 1:
         raise ConfigError(
             f"--batching-mode continuous runs one denoise group, on one replica; --dp-size {plan.dp_size} "
             "(or ranks no parallel degree uses) needs dynamic batching, or give degrees that fill "
@@ -66,13 +66,13 @@ def _multi_rank_executor(args: ServerArgs, info: LaunchInfo, setup: RankSetup, m
     logger.info(
         "ranks: %d over %d host(s); %d replica(s) of %d rank(s); rank 0 serves HTTP",
         plan.num_gpus,
-        args.nnodes,
+        args.dist.nnodes,
         plan.dp_size,
         plan.ranks_per_replica,
     )
 
     def join() -> tuple[StoreChannel, Any]:
-        store, _ = connect(info, setup.device, args.dist_timeout_s)
+        store, _ = connect(info, setup.device, args.dist.dist_timeout_s)
         channel = StoreChannel(store)
         RankLink(channel).publish_rank(0, rank_description(info, setup.device))
         return channel, build_groups(topology, "cuda" if setup.device.startswith("cuda") else "cpu")
@@ -82,8 +82,8 @@ def _multi_rank_executor(args: ServerArgs, info: LaunchInfo, setup: RankSetup, m
         connect=join,
         load_local=lambda groups: load_rank_pipeline(args, setup, groups, metrics),
         children=children,
-        heartbeat_timeout_s=args.dist_heartbeat_timeout_s,
-        timeout_s=args.dist_timeout_s,
+        heartbeat_timeout_s=args.dist.dist_heartbeat_timeout_s,
+        timeout_s=args.dist.dist_timeout_s,
         observe_call=metrics.observe_rank_call if metrics is not None else None,
     )
 
@@ -129,7 +129,7 @@ def build_engine(args: ServerArgs) -> tuple[AsyncEngine, EngineMetrics, dict | N
         metrics.watch_cuda_memory(setup.device)
     plan = setup.deployment.plan
     scheduler = build_batcher(args, slots=plan.dp_size)
-    stats = BatchingStats(metrics, log_enabled=args.enable_batching_metrics)
+    stats = BatchingStats(metrics, log_enabled=args.batching.enable_metrics)
     executor: Any = None
     if info is not None:
         executor = _multi_rank_executor(args, info, setup, metrics)

@@ -24,8 +24,8 @@ logger = logging.getLogger("diffuserve")
 
 def resolve_model_path(args: ServerArgs, *, quiet: bool = False) -> Path:
     """--model-path, or the embedded default model (built once into the cache; said in the log unless `quiet`)."""
-    if args.model_path:
-        return Path(args.model_path)
+    if args.model.model_path:
+        return Path(args.model.model_path)
     from diffuserve.models.tiny import ensure_default_model
 
     path = ensure_default_model()
@@ -102,7 +102,7 @@ def resolve_deployment(
     at its quantized size), so `plan` and start-up refuse the same things with the same words.
     `transformer_path` (`--transformer-path`): the transformer is counted at that file's bytes and method.
     `controlnet` (`--controlnet`): each ControlNet is a component beside the base (family-checked, counted)."""
-    from diffuserve.config.deployment import continuous_refusal, describe_batching, resolve
+    from diffuserve.config.deployment import continuous_refusal, describe_batching, resolve_plan
     from diffuserve.config.model_profiles import profile_from_checkpoint
     from diffuserve.config.quantization import annotate, plan_quantization
     from diffuserve.config.token_budget import check_checkpoint_tokens
@@ -128,7 +128,7 @@ def resolve_deployment(
             "--quantization text_encoder=int8) or drop one of the two flags.",
             param="quantization",
         )
-    plan = resolve(deployment, hardware, profile, hosts=hosts)
+    plan = resolve_plan(deployment, hardware, profile, hosts=hosts)
     if controlnet:
         from diffuserve.models.controlnets import check_parallel as check_controlnet_parallel
 
@@ -170,18 +170,18 @@ def plan_deployment(
     plan = resolve_deployment(
         args.deployment or DeploymentArgs(),
         model_path,
-        model_id=args.model_id,
-        dtype=resolve_dtype(args.dtype, device),
+        model_id=args.model.model_id,
+        dtype=resolve_dtype(args.model.dtype, device),
         hardware=hardware,
         hosts=hosts_of(args),
-        backend=args.backend,
-        batching_mode=str(args.batching_mode),
+        backend=args.model.backend,
+        batching_mode=str(args.batching.mode),
         quant=args.quant,
-        transformer_path=args.transformer_path,
+        transformer_path=args.model.transformer_path,
         activation_memory_gib=args.engine.activation_memory_gib,
         batching_max_tokens=args.batching.max_tokens,
         batching_max_size=args.batching.max_size,
-        controlnet=args.controlnet,
+        controlnet=args.control.controlnet,
     )
     if log_plan and brief:
         logger.info("%s", brief_plan(plan))
@@ -231,8 +231,8 @@ def load_serving_pipeline(
 ) -> ServingPipeline:
     """Load the adapter, give it residency and (on several ranks, `groups`) the plan's parallel modes, compile,
     and serve it with (operator-only) fault injection."""
-    from diffuserve.engine.faults import maybe_inject_faults
     from diffuserve.models.loader import load_pipeline
+    from diffuserve.pipelines.fault_hooks import maybe_inject_faults
 
     quiet_library_loading()
     quantization = {
@@ -246,19 +246,19 @@ def load_serving_pipeline(
     # on the host, so a model that fits only when offloaded still loads.
     pipeline = load_pipeline(
         model_path,
-        model_id=args.model_id,
-        backend=args.backend,
+        model_id=args.model.model_id,
+        backend=args.model.backend,
         device=device,
-        dtype=resolve_dtype(args.dtype, device),
+        dtype=resolve_dtype(args.model.dtype, device),
         placement="host",
         quantization=quantization,
-        transformer_path=args.transformer_path,
+        transformer_path=args.model.transformer_path,
     )
     applied: list[str] = []
-    if args.controlnet:  # before residency: each ControlNet is a component the plan places
+    if args.control.controlnet:  # before residency: each ControlNet is a component the plan places
         from diffuserve.models.controlnets import install_controlnets
 
-        install_controlnets(pipeline, args.controlnet)
+        install_controlnets(pipeline, args.control.controlnet)
     if args.lora.enabled:
         _install_lora(args, pipeline, device, multi_rank=groups is not None, metrics=metrics)
     if groups is not None:
@@ -320,9 +320,9 @@ def _install_lora(
         pipeline,
         pipeline.family,
         registry,
-        max_rank=args.max_lora_rank,
+        max_rank=args.lora.max_lora_rank,
         device=device,
-        dtype=getattr(torch, resolve_dtype(args.dtype, device)),
+        dtype=getattr(torch, resolve_dtype(args.model.dtype, device)),
         runtime_updates=args.lora.enable_lora_updates,
     )
     if bank is None:
@@ -335,8 +335,8 @@ def _install_lora(
         "LoRA adapters: %s (%d adapted layers, %d slots of rank %d, %.1f MiB, %d in host memory%s)",
         ", ".join(bank.slots) or "none yet",
         bank.layers,
-        args.max_loras,
-        args.max_lora_rank,
+        args.lora.max_loras,
+        args.lora.max_lora_rank,
         bank.nbytes / 2**20,
         args.lora.host_capacity,
         f"; runtime loads from {args.lora.lora_root}" if args.lora.enable_lora_updates else "",
@@ -360,15 +360,17 @@ def prepare_rank(args: ServerArgs, info: LaunchInfo | None, *, log_plan: bool = 
     `brief`), size its thread pool."""
     args.validate()
     model_path = resolve_model_path(args)
-    if args.step_cache_calibration:  # a MagCache file made for another checkpoint is refused before any load
+    if args.step_cache.calibration:  # a MagCache file made for another checkpoint is refused before any load
         from diffuserve.models.fingerprint import check_calibration
 
-        check_calibration(args.step_cache_calibration, model_path, model_id=args.model_id, backend=args.backend)
-    device = resolve_device(args.device)
+        check_calibration(
+            args.step_cache.calibration, model_path, model_id=args.model.model_id, backend=args.model.backend
+        )
+    device = resolve_device(args.model.device)
     if info is not None:
         device = info.device(device)
     deployment = plan_deployment(args, model_path, device, log_plan=log_plan, brief=brief)
-    apply_num_threads(args.num_threads, device, info.local_world_size if info is not None else 1)
+    apply_num_threads(args.model.num_threads, device, info.local_world_size if info is not None else 1)
     return RankSetup(model_path, device, deployment)
 
 

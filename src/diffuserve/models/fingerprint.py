@@ -56,7 +56,7 @@ def check_calibration(path: str, model_path: Path, *, model_id: str | None = Non
     """Refuse, naming `--step-cache-calibration`, a file this server cannot use for `model_path`: one calibrated for
     another family or another checkpoint (the `family` and `checkpoint` it records), or whose ratios do not match its
     own step count. A key the file lacks (files written by hand or by older versions) is not checked."""
-    from diffuserve.models.registry import resolve
+    from diffuserve.models.registry import resolve_model
 
     data = _read(path)
     ratios = data.get("mag_ratios")
@@ -69,7 +69,7 @@ def check_calibration(path: str, model_path: Path, *, model_id: str | None = Non
             f"--step-cache-calibration: {path!r} says num_inference_steps={steps} but holds {len(ratios)} ratios "
             f"(edited or truncated); {redo}."
         )
-    family = resolve(model_path, model_id=model_id, backend=backend).family
+    family = resolve_model(model_path, model_id=model_id, backend=backend).family
     if data.get("family") not in (None, family):
         raise ConfigError(
             f"--step-cache-calibration: {path!r} was calibrated on a {data['family']} checkpoint, and this server "

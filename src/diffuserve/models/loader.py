@@ -439,7 +439,7 @@ def load_pipeline(
     model_path = Path(model_path).expanduser()
     torch_dtype = parse_dtype(dtype)
     torch_device = parse_device(device)
-    spec = registry.resolve(model_path, model_id=model_id, backend=backend)
+    spec = registry.resolve_model(model_path, model_id=model_id, backend=backend)
     transformer_file = _transformer_file(spec, transformer_path)  # a refused family fails before any loading
     logger.info("Loading %s (%s, family=%s, backend=%s)", model_path, spec.pipeline_class, spec.family, spec.backend)
     # A checkpoint's own suggestions (tiny test models: `_diffuserve_defaults`) beat the family's published

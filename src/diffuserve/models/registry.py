@@ -111,7 +111,7 @@ select_backend = family_spec.backend_for
 """native | diffusers for `family` under `--backend auto|native|diffusers` (the rule is the families')."""
 
 
-def resolve(model_path: Path, *, model_id: str | None = None, backend: str = "auto") -> ModelSpec:
+def resolve_model(model_path: Path, *, model_id: str | None = None, backend: str = "auto") -> ModelSpec:
     """Read the folder's model_index.json and decide family and backend.
 
     The family follows `family_spec.family_for`: the class name wins over the model-id hint, because the

@@ -12,7 +12,7 @@ import numpy as np
 from PIL import Image
 
 from diffuserve.pipelines.base import RequestOutput
-from diffuserve.pipelines.batch_rows import split_rows
+from diffuserve.pipelines.batch_rows import rows_per_request
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def video_outputs(pipe: Any, result: Any, batch: Sequence[Any], produces_audio: 
     items = getattr(result, "frames", None)
     if items is None:
         items = result[0]
-    videos = split_rows([[to_pil(frame) for frame in video] for video in items], batch)
+    videos = rows_per_request([[to_pil(frame) for frame in video] for video in items], batch)
     audio = getattr(result, "audio", None) if produces_audio else None
     if audio is None or batch[0].generate_audio is False:
         # LTX2Pipeline cannot leave its audio branch out (the transformer denoises audio and video tokens together,
@@ -54,7 +54,7 @@ def video_outputs(pipe: Any, result: Any, batch: Sequence[Any], produces_audio: 
 
     rate = sample_rate(pipe)
     # RequestOutput's contract: float32 in [-1, 1] on the host (the vocoder's output can overshoot slightly).
-    waveforms = split_rows([torch.as_tensor(row).detach().float().clamp(-1, 1).cpu() for row in audio], batch)
+    waveforms = rows_per_request([torch.as_tensor(row).detach().float().clamp(-1, 1).cpu() for row in audio], batch)
     return [
         RequestOutput(videos=rows, audios=sounds, audio_sample_rate=rate)
         for rows, sounds in zip(videos, waveforms, strict=True)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from diffuserve.family_spec.checkpoint import CheckpointFacts
     from diffuserve.family_spec.request_rules import RequestRules
     from diffuserve.family_spec.text_tokens import EncoderLimit
-    from diffuserve.pipelines.overlap import Overlap
+    from diffuserve.pipelines.lanes import Lanes
     from diffuserve.pipelines.prompt_limits import PromptTokens, TextEncoderLimit
     from diffuserve.sampling import ModelDescription, SamplingParams
 
@@ -48,7 +48,7 @@ def component_configs(components: Mapping[str, Any], model_index: Mapping[str, A
     return configs
 
 
-class ComponentUser(Protocol):
+class Residency(Protocol):
     """Residency hook point: a pipeline wraps each stage in `use(component)`.
 
     The residency manager (runtime/residency.py) implements it and moves weights on/off the device as the
@@ -193,8 +193,8 @@ class Pipeline:
     """The sequence split (`parallel/sequence.SequenceParallel`), set by `enable_sequence_parallel`; None: none."""
     rank_parts: tuple[Any, ...] = ()
     """Weight-sharding strategies (TP, FSDP) whose ranks agree on step-cache measures (`agree_over`)."""
-    _side_lanes: Overlap | None = None
-    """The encode and decode side lanes (`pipelines/overlap.py`), made on first use by `side_lanes()`."""
+    _lanes: Lanes | None = None
+    """The encode and decode side lanes (`pipelines/lanes.py`), made on first use by `lanes()`."""
     _prompt_tokens_lock = threading.Lock()
     """Builds each pipeline's `PromptTokens` once (its tokenizer copies are made once per loaded model)."""
     _prompt_tokens_owner: PromptTokens | None = None
@@ -237,7 +237,7 @@ class Pipeline:
         return facts
 
     def __init__(self) -> None:
-        self.residency: ComponentUser = AllResident()
+        self.residency: Residency = AllResident()
         self.components: dict[str, torch.nn.Module] = {}
         """model_index.json key -> module, for residency and metrics."""
         self.device: torch.device | None = None
@@ -258,7 +258,7 @@ class Pipeline:
             cfg_parallel=self.split_over_ranks and not self.batched_cfg,
         )
 
-    def use_residency(self, residency: ComponentUser) -> None:
+    def use_residency(self, residency: Residency) -> None:
         """Place components through `residency` from now on (built by `launch/setup.py` from the plan)."""
         self.residency = residency
 
@@ -282,14 +282,14 @@ class Pipeline:
         """The sequence split while its hooks are installed, else None."""
         return self.sequence_parallel if self.sequence_parallel is not None and self.sequence_parallel.handles else None
 
-    def side_lanes(self) -> Overlap:
-        """This pipeline's encode and decode side lanes (`pipelines/overlap.py`), made once, on its device."""
+    def lanes(self) -> Lanes:
+        """This pipeline's encode and decode side lanes (`pipelines/lanes.py`), made once, on its device."""
         with _LANES_LOCK:
-            if self._side_lanes is None:
-                from diffuserve.pipelines.overlap import Overlap
+            if self._lanes is None:
+                from diffuserve.pipelines.lanes import Lanes
 
-                self._side_lanes = Overlap(self.device or "cpu")
-            return self._side_lanes
+                self._lanes = Lanes(self.device or "cpu")
+            return self._lanes
 
     def prefetch_text(self, params: SamplingParams, on_done: Callable[[int], None] | None = None) -> bool:
         """Encode a queued request's texts beside the running batch; False: this pipeline cannot (the default)."""

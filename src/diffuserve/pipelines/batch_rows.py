@@ -92,7 +92,7 @@ def num_rows(batch: Sequence[SamplingParams]) -> int:
     return sum(params.n for params in batch)
 
 
-def split_rows(rows: Sequence[T], batch: Sequence[SamplingParams]) -> list[list[T]]:
+def rows_per_request(rows: Sequence[T], batch: Sequence[SamplingParams]) -> list[list[T]]:
     """Split per-row outputs back per request: request i owns the next n_i rows."""
     if len(rows) != num_rows(batch):
         raise ValueError(f"cannot split {len(rows)} outputs over requests that own {num_rows(batch)} rows")

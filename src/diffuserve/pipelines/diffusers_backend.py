@@ -433,7 +433,7 @@ class DiffusersBackendPipeline(Pipeline):
             items = result[0] if items is None else items
             # A layered pipeline returns one list of layers per call (one request): those are its n images.
             images = [to_pil(im) for im in (items[0] if self.layered else items)]
-            outputs = [RequestOutput(images=rows) for rows in recipe.split_rows(images, batch)]
+            outputs = [RequestOutput(images=rows) for rows in recipe.rows_per_request(images, batch)]
         return BatchResult(outputs=outputs, stage_seconds={"total": elapsed})
 
     def _run_ar_prior(self, batch: list[Any], callback: Any, start: float) -> BatchResult:

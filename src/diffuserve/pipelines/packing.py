@@ -478,7 +478,7 @@ def previews(pipe: RecipePipeline, latents: torch.Tensor, state: DenoiseState) -
 def decode_batch(pipe: RecipePipeline, denoised: Denoised) -> BatchResult:
     """Stage 4 of a mixed-size batch: decode per size group, then the outputs back in the batch's request order."""
     from diffuserve.pipelines.base import BatchResult
-    from diffuserve.pipelines.batch_rows import split_rows
+    from diffuserve.pipelines.batch_rows import rows_per_request
 
     packed: Packed = denoised.state.extras["packed"]
     if "parts" in packed.extras:
@@ -490,7 +490,7 @@ def decode_batch(pipe: RecipePipeline, denoised: Denoised) -> BatchResult:
         timer.seconds = dict(denoised.stage_seconds)
         with torch.inference_mode(), timer.stage("decode"), pipe.decoder_scope():
             images = _group_images(pipe, denoised.latents, denoised.state, preview=False)
-        outputs = pipe.outputs_of(split_rows(images, denoised.batch), denoised)
+        outputs = pipe.outputs_of(rows_per_request(images, denoised.batch), denoised)
         seconds = timer.seconds
     restored: list[Any] = [None] * len(outputs)
     for k, index in enumerate(packed.order):

@@ -50,10 +50,10 @@ from diffuserve.pipelines.batch_rows import (  # noqa: F401 - re-exported: adapt
     resolve_seed,
     row_generators,
     row_seeds,
+    rows_per_request,
     scheduler_template,
-    split_rows,
 )
-from diffuserve.pipelines.overlap import overlap_for
+from diffuserve.pipelines.lanes import lanes_for
 from diffuserve.step_cache.hooks import RowCache, new_row_caches, step_counts
 
 if TYPE_CHECKING:
@@ -201,7 +201,7 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
         """`texts` through every text encoder, one row each. One encode at a time (a tokenizer is not
         thread-safe): the encode lane and a request-level batch on the loop's thread may both get here."""
         encoded: Cond = {}
-        with overlap_for(self).encoder_lock:
+        with lanes_for(self).encoder_lock:
             for key in self.text_encoders:
                 with self.residency.use(key):
                     encoded.update(self.encode_text(key, texts, batch))
@@ -387,12 +387,14 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
     def _previews(self, latents: torch.Tensor, state: DenoiseState, batch: Sequence[SamplingParams]) -> list[list[Any]]:
         with torch.inference_mode(), self.decoder_scope():
             packed = "packed" in state.extras  # a mixed-size batch previews per size group (pipelines/packing.py)
-            return split_rows(packing.previews(self, latents, state) if packed else self.preview(latents, state), batch)
+            return rows_per_request(
+                packing.previews(self, latents, state) if packed else self.preview(latents, state), batch
+            )
 
     def decoder_scope(self) -> contextlib.AbstractContextManager[None]:
         """The decoder's residency scope, entered by one thread at a time (a decode may run in the decode lane
-        while the loop makes a preview: `pipelines/overlap.py`)."""
-        return overlap_for(self).decoder_scope(self.residency, self.decoder)
+        while the loop makes a preview: `pipelines/lanes.py`)."""
+        return lanes_for(self).decoder_scope(self.residency, self.decoder)
 
     @property
     def defers_decode(self) -> bool:
@@ -434,7 +436,7 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
     ) -> Denoised:
         """Stages 1-3 of `run` (encode, latents, denoise); `decode_batch` is stage 4. Split so that the decode
         can run in the decode lane while the next batch denoises (`executor/batch_runner.py`,
-        `pipelines/overlap.py`). A batch of several sizes runs packed where the family packs (`packing.py`)."""
+        `pipelines/lanes.py`). A batch of several sizes runs packed where the family packs (`packing.py`)."""
         if self.packs_mixed_sizes and packing.mixed_sizes(batch):
             return packing.run_mixed(self, batch, on_step=on_step, should_stop=should_stop, on_preview=on_preview)
         head = check_batch(batch, self.strength_per_row)
@@ -464,13 +466,15 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
         with torch.inference_mode(), timer.stage("decode"), self.decoder_scope():
             decoded = self.decode(denoised.latents, denoised.state)
         return BatchResult(
-            outputs=self.outputs_of(split_rows(decoded, denoised.batch), denoised), stage_seconds=timer.seconds
+            outputs=self.outputs_of(rows_per_request(decoded, denoised.batch), denoised), stage_seconds=timer.seconds
         )
 
     def outputs_of(self, rows: list[list[Any]], denoised: Denoised) -> list[RequestOutput]:
         """One RequestOutput per request from its decoded rows (and its rows' step-cache counts)."""
         caches = (
-            split_rows(denoised.row_caches, denoised.batch) if denoised.row_caches else [None] * len(denoised.batch)
+            rows_per_request(denoised.row_caches, denoised.batch)
+            if denoised.row_caches
+            else [None] * len(denoised.batch)
         )
         kind = "videos" if self.output_kind == "video" else "images"
         return [RequestOutput(**{kind: r}, step_cache=step_counts(c)) for r, c in zip(rows, caches, strict=True)]

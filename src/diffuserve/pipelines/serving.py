@@ -3,7 +3,7 @@ fault hooks as declared fields, and its `Capabilities`.
 
 `launch/setup.py` builds one per rank (`ServingPipeline.of`); the executor runs batches and continuous steps on it
 and the engine reads its capabilities and model description. Residency and CFG parallel go in through the adapter's
-own `use_residency` / `use_cfg_parallel`, the side lanes are the adapter's `side_lanes()`, and fault injection is
+own `use_residency` / `use_cfg_parallel`, the side lanes are the adapter's `lanes()`, and fault injection is
 the `faults` hook, consulted around every call. The parallel strategies go in through declared fields too
 (`sequence_parallel`, and `agree_over` for the weight-sharding ones whose ranks take rank 0's step-cache
 measures: `parallel/agreement.py`); `--controlnet` still sets its `controlnets` and their components from outside,
@@ -16,18 +16,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from diffuserve.pipelines.base import BatchResult, Capabilities, ComponentUser, Pipeline
+from diffuserve.pipelines.base import BatchResult, Capabilities, Pipeline, Residency
 
 if TYPE_CHECKING:
     from diffuserve.family_spec.base import SamplingDefaults
-    from diffuserve.pipelines.overlap import Overlap
+    from diffuserve.pipelines.lanes import Lanes
     from diffuserve.sampling import ModelDescription, SamplingParams
 
 __all__ = ["Capabilities", "FaultHooks", "ServingPipeline"]
 
 
 class FaultHooks(Protocol):
-    """Operator-only fault injection (`engine/faults.py`), consulted around every pipeline call and step."""
+    """Operator-only fault injection (`pipelines/fault_hooks.py`), consulted around every pipeline call and step."""
 
     def check(self, batch: Sequence[Any]) -> None:
         """Raise before a request-level call whose prompts are marked to fail."""
@@ -48,7 +48,7 @@ class ServingPipeline:
     """The family adapter (native recipe or diffusers backend) that owns the model's parts."""
     capabilities: Capabilities = field(default_factory=Capabilities)
     """What it can do (`Pipeline.capabilities`, read once at build)."""
-    lanes: Overlap | None = None
+    lanes: Lanes | None = None
     """The adapter's encode / decode side lanes when it defers its decode; None: everything runs in line."""
     parallel: tuple[str, ...] = ()
     """The parallel modes applied on this rank (for the log and /server_info)."""
@@ -61,7 +61,7 @@ class ServingPipeline:
     ) -> ServingPipeline:
         """Serve `adapter` as it is now (residency and parallel strategies already in place)."""
         capabilities = adapter.capabilities
-        lanes = adapter.side_lanes() if capabilities.defers_decode else None
+        lanes = adapter.lanes() if capabilities.defers_decode else None
         return cls(adapter, capabilities, lanes, tuple(parallel), faults)
 
     # -- calls --------------------------------------------------------------------------------------------
@@ -92,7 +92,7 @@ class ServingPipeline:
 
     # -- what the engine and the server read -----------------------------------------------------------------
     @property
-    def residency(self) -> ComponentUser:
+    def residency(self) -> Residency:
         return self.adapter.residency
 
     @property

@@ -11,7 +11,7 @@ parts run per request instead, so requests can enter and leave a running denoise
   with two experts (Wan2.2 A14B) makes one call per expert the rows need at that step.
 * `preview_request` / `finish_request(s)`: a partial image, or the final decode, of one request's rows (requests
   finishing at one step share a decoder call; the engine
-  runs them, and `start_request`, in the side lanes of `pipelines/overlap.py`, beside the loop).
+  runs them, and `start_request`, in the side lanes of `pipelines/lanes.py`, beside the loop).
 
 Seeds and noise are those of `run` for a batch of one (`recipe.batch_noise`), and each request's scheduler is a
 `fresh_scheduler` copy, so a request's rows equal its singleton run up to the float reordering of batched kernels.

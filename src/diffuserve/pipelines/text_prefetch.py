@@ -1,5 +1,5 @@
 """Dynamic batching's encode overlap: the texts of requests queued behind a running batch are encoded in the
-pipeline's encode lane (`pipelines/overlap.py`) while that batch denoises, and their batch picks them up.
+pipeline's encode lane (`pipelines/lanes.py`) while that batch denoises, and their batch picks them up.
 
 Queued requests are encoded together, not one by one: a request's texts join the lane job of its batch
 signature that is still waiting to start (one job per signature at most waits), so the texts that queued while
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from diffuserve.pipelines.overlap import SideResult, overlap_for
+from diffuserve.pipelines.lanes import SideResult, lanes_for
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class TextPrefetch:
                 texts, members = list(job.texts), list(job.members)
             return dict(zip(texts, self.encode_many(texts, members), strict=True))
 
-        future = overlap_for(self.pipeline).encode.submit(run, prompts=[params.prompt])
+        future = lanes_for(self.pipeline).encode.submit(run, prompts=[params.prompt])
         future.add_done_callback(lambda f: self._store(signature, job, f))
         return True
 

@@ -112,7 +112,7 @@ def _mib(n: int) -> str:
 
 
 class ComponentResidencyManager:
-    """Implements the pipeline's `ComponentUser` protocol from per-component plans."""
+    """Implements the pipeline's `Residency` protocol from per-component plans."""
 
     def __init__(
         self,

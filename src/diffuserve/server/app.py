@@ -131,16 +131,16 @@ def open_results_store(args) -> ResultStore:
     """The results store under --output-dir, with the retention flags (a clear start-up error if unusable)."""
     folder = args.resolved_output_dir()
     policy = RetentionPolicy(
-        ttl_s=args.result_ttl_s, max_bytes=args.max_output_bytes, heartbeat_stale_s=args.owner_timeout_s
+        ttl_s=args.http.result_ttl_s, max_bytes=args.http.max_output_bytes, heartbeat_stale_s=args.store.owner_timeout_s
     )
     try:
         return open_results(
             folder,
             policy,
-            results_db=args.results_db,
-            media_store=args.media_store,
-            s3_endpoint_url=args.s3_endpoint_url,
-            create_bucket=args.media_store_create_bucket,
+            results_db=args.store.results_db,
+            media_store=args.store.media_store,
+            s3_endpoint_url=args.store.s3_endpoint_url,
+            create_bucket=args.store.media_store_create_bucket,
         )
     except (OSError, sqlite3.Error) as exc:
         raise ConfigError(
@@ -192,9 +192,9 @@ def create_app(ctx: ServerContext) -> FastAPI:
     if ctx.results is None:
         ctx.results = open_results_store(ctx.args)
     if ctx.videos is None:
-        ctx.videos = VideoJobStore(ctx.results, ctx.args.max_video_jobs)
+        ctx.videos = VideoJobStore(ctx.results, ctx.args.http.max_video_jobs)
     if ctx.meshes is None:
-        ctx.meshes = MeshJobStore(ctx.results, ctx.args.max_mesh_jobs)
+        ctx.meshes = MeshJobStore(ctx.results, ctx.args.http.max_mesh_jobs)
     if ctx.result_cache is None:
         ctx.result_cache = build_result_cache(ctx.args, ctx.results, ctx.metrics.registry, ctx.plan)
     app.state.ctx = ctx
@@ -213,8 +213,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, count=count)
     app.add_middleware(
         BodySizeLimitMiddleware,
-        max_bytes=ctx.args.max_request_bytes,
-        path_caps={"/v1/images/edits": (ctx.args.max_upload_bytes, "--max-upload-bytes")},
+        max_bytes=ctx.args.limits.max_request_bytes,
+        path_caps={"/v1/images/edits": (ctx.args.limits.max_upload_bytes, "--max-upload-bytes")},
         count=count,
     )
     # Outermost: the other middleware and the router see the path without its trailing slash.

@@ -76,21 +76,22 @@ def check_request_limits(
     if model is not None and model not in args.model_names:
         raise unknown_model(ctx, model)
     for name, text in texts.items():
-        if text is not None and len(text) > args.max_prompt_chars:
+        if text is not None and len(text) > args.limits.max_prompt_chars:
             raise InvalidRequestError(
-                f"{name} has {len(text)} characters; the limit is {args.max_prompt_chars} (--max-prompt-chars).",
+                f"{name} has {len(text)} characters; the limit is {args.limits.max_prompt_chars} (--max-prompt-chars).",
                 param=name,
             )
     for name, value in (("width", width), ("height", height)):
-        if value > args.max_image_side:
+        if value > args.http.max_image_side:
             raise InvalidRequestError(
-                f"{name}={value} exceeds the largest side this server allows ({args.max_image_side}, "
+                f"{name}={value} exceeds the largest side this server allows ({args.http.max_image_side}, "
                 "--max-image-side).",
                 param="size",
             )
-    if steps > args.max_inference_steps:
+    if steps > args.http.max_inference_steps:
         raise InvalidRequestError(
-            f"num_inference_steps={steps} exceeds the limit of {args.max_inference_steps} (--max-inference-steps).",
+            f"num_inference_steps={steps} exceeds the limit of {args.http.max_inference_steps} "
+            "(--max-inference-steps).",
             param="num_inference_steps",
         )
 
@@ -163,7 +164,7 @@ def check_prompt(ctx: ServerContext, texts: dict[str, str | None]) -> PromptChec
     counted = (owner or prompt_counter((), None)).count(texts)
     if not counted.truncations:
         return PromptCheck([], counted.text_tokens, counted.text_ids)
-    if ctx.args.reject_truncated_prompts:
+    if ctx.args.limits.reject_truncated_prompts:
         first = counted.truncations[0]
         raise InvalidRequestError(
             f"{first.message}; shorten it (this server runs with --reject-truncated-prompts).",
@@ -206,7 +207,7 @@ def result_timings(
 def request_step_cache(body: Any, ctx: ServerContext) -> StepCacheSettings | None:
     """A body's step cache: its `step_cache` (or `enable_teacache: true`), else the server's `--step-cache`; magcache
     gets the checkpoint's ratios from `--step-cache-calibration`."""
-    return with_calibration(_asked_step_cache(body, ctx), ctx.args.step_cache_calibration)
+    return with_calibration(_asked_step_cache(body, ctx), ctx.args.step_cache.calibration)
 
 
 def _asked_step_cache(body: Any, ctx: ServerContext) -> StepCacheSettings | None:
@@ -217,4 +218,4 @@ def _asked_step_cache(body: Any, ctx: ServerContext) -> StepCacheSettings | None
         return parse_step_cache("teacache" if body.enable_teacache else "off", "enable_teacache")
     if "step_cache" in fields:
         return parse_step_cache(body.step_cache if body.step_cache is not None else "off")
-    return server_step_cache(ctx.args.step_cache, ctx.args.step_cache_config)
+    return server_step_cache(ctx.args.step_cache.method, ctx.args.step_cache.options)

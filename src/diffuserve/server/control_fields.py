@@ -32,7 +32,7 @@ COMPANIONS = (
 async def load_control_image(body: Any, policy: Any) -> bytes | None:
     """The bytes of the request's `control_image` (None without one): bare base64 is decoded here; a data: URL, an
     `{"image_url": ...}` object or an http(s) URL go through the one loader (`load_image_source`, whose fetch is off
-    unless `--allow-remote-urls` and guarded when on). `policy`: `FetchPolicy.from_args(ctx.args)`."""
+    unless `--allow-remote-urls` and guarded when on). `policy`: `FetchPolicy.from_limits(ctx.args.limits)`."""
     from diffuserve.server.media_sources import load_image_source
 
     value = getattr(body, FIELD, None)

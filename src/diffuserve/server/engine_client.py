@@ -33,7 +33,7 @@ from diffuserve.engine.engine import GenerationResult
 from diffuserve.engine.metrics import EngineMetrics
 from diffuserve.engine.status import EngineState, EngineStatus, not_ready_error
 from diffuserve.errors import DiffuserveError, GenerationError, RequestCancelledError, ServiceUnavailableError
-from diffuserve.executor.batch_runner import PreviewSink
+from diffuserve.executor.messages import PreviewSink
 from diffuserve.launch import engine_messages as m
 from diffuserve.sampling import ModelDescription, SamplingParams
 

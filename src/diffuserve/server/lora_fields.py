@@ -83,9 +83,9 @@ def request_loras(ctx: ServerContext, lora: Any, model: str | None) -> tuple[tup
         if name in seen:
             raise InvalidRequestError(f"lora: {name!r} is given twice; give each adapter once.", param="lora")
         seen.add(name)
-    if len(entries) > ctx.args.max_loras:
+    if len(entries) > ctx.args.lora.max_loras:
         raise InvalidRequestError(
-            f"lora: {len(entries)} adapters in one request, but the server holds at most {ctx.args.max_loras} on "
+            f"lora: {len(entries)} adapters in one request, but the server holds at most {ctx.args.lora.max_loras} on "
             "the device at once (--max-loras); give fewer.",
             param="lora",
         )

@@ -179,7 +179,7 @@ def _listing(ctx: ServerContext) -> dict:
             ]
         },
         "adapters": registry.counts(),
-        "max_loras": ctx.args.max_loras,
+        "max_loras": ctx.args.lora.max_loras,
         "max_cpu_loras": ctx.args.lora.host_capacity,
     }
 
@@ -212,9 +212,10 @@ async def set_lora(body: SetLoraRequest, request: Request) -> dict:
     for strength in strengths:
         if not low <= strength <= high:
             raise InvalidRequestError(f"strength={strength} is outside [{low}, {high}].", param="strength")
-    if len(set(names)) != len(names) or len(names) > ctx.args.max_loras:
+    if len(set(names)) != len(names) or len(names) > ctx.args.lora.max_loras:
         raise InvalidRequestError(
-            f"lora_nickname: give each adapter once, at most --max-loras {ctx.args.max_loras}.", param="lora_nickname"
+            f"lora_nickname: give each adapter once, at most --max-loras {ctx.args.lora.max_loras}.",
+            param="lora_nickname",
         )
     for name, path in zip(names, paths, strict=True):
         entry = registry.get(name)

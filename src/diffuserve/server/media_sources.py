@@ -54,7 +54,7 @@ def _reference_url(value: dict, field: str) -> Any:
 
 async def load_image_source(value: Any, field: str, policy: FetchPolicy) -> bytes:
     """The bytes of the image a request gave in `field` (see the module docstring). `policy` is
-    `FetchPolicy.from_args(ctx.args)`: whether and how an http(s) URL is fetched."""
+    `FetchPolicy.from_limits(ctx.args.limits)`: whether and how an http(s) URL is fetched."""
     if hasattr(value, "read"):
         return await value.read()
     if isinstance(value, dict):

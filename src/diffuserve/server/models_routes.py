@@ -21,7 +21,7 @@ def _card(ctx: ServerContext) -> dict:
         "object": "model",
         "created": int(ctx.started_at),
         "owned_by": "diffuserve",
-        "root": ctx.args.model_path or ctx.args.public_model_name,
+        "root": ctx.args.model.model_path or ctx.args.public_model_name,
     }
 
 

@@ -108,7 +108,7 @@ def image_params(
         steps=steps,
     )
     lora = request_loras(ctx, body.lora, body.model)
-    control = request_control(body, model, max_side=ctx.args.max_image_side, image=control_image)
+    control = request_control(body, model, max_side=ctx.args.http.max_image_side, image=control_image)
     return build_sampling_params(
         model,
         prompt=body.prompt,
@@ -286,7 +286,7 @@ async def create_image(body: ImageGenerationRequest, request: Request) -> ImageG
     received = time.monotonic()
     ctx = server_context(request)
     require_ready(ctx)
-    control_image = await load_control_image(body, FetchPolicy.from_args(ctx.args))
+    control_image = await load_control_image(body, FetchPolicy.from_limits(ctx.args.limits))
     return await _generate_and_respond(
         request, body, image_params(body, ctx, control_image=control_image), received=received
     )
@@ -313,8 +313,8 @@ async def _edit_mask(extras: dict[str, Any], ctx: ServerContext, image_size: tup
     if isinstance(value, str) and not value.startswith(("data:", "http://", "https://")):
         data = mask_bytes_from_text(value, param=name)  # bare base64, as vLLM-Omni's clients send image fields
     else:
-        data = await load_image_source(value, name, FetchPolicy.from_args(ctx.args))
-    side = ctx.args.max_image_side
+        data = await load_image_source(value, name, FetchPolicy.from_limits(ctx.args.limits))
+    side = ctx.args.http.max_image_side
     return await run_in_threadpool(
         functools.partial(inpaint_mask, data, image_size=image_size, max_pixels=side**2, param=name)
     )
@@ -389,9 +389,9 @@ async def edit_image(request: Request) -> ImageGenerationResponse | StreamingRes
         body = ImageEditRequest.model_validate(fields)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False)) from exc
-    policy = FetchPolicy.from_args(ctx.args)
+    policy = FetchPolicy.from_limits(ctx.args.limits)
     blobs = tuple([await load_image_source(value, name, policy) for name, value in edit.sources])
-    side = ctx.args.max_image_side
+    side = ctx.args.http.max_image_side
     decode = functools.partial(
         decode_image,
         max_pixels=side**2,
@@ -432,8 +432,8 @@ async def edit_image(request: Request) -> ImageGenerationResponse | StreamingRes
 )
 async def image_content(image_id: str, request: Request, index: int = Query(default=0, ge=0)) -> Response:
     ctx = server_context(request)
-    if ctx.args.media_presign_s > 0:  # --media-store with --media-presign-s: the client fetches from the bucket
-        url = await run_in_threadpool(ctx.images.presign, image_id, index, ctx.args.media_presign_s)
+    if ctx.args.store.media_presign_s > 0:  # --media-store with --media-presign-s: the client fetches from the bucket
+        url = await run_in_threadpool(ctx.images.presign, image_id, index, ctx.args.store.media_presign_s)
         if url is not None:
             return RedirectResponse(url, status_code=307)
     images = await run_in_threadpool(ctx.images.get, image_id)

@@ -116,8 +116,8 @@ async def _create_body(request: Request) -> tuple[MeshCreateRequest, bytes]:
             f"One image per mesh job; got {len(images)}. Create one job per image.", param="image"
         )
     field, value = images[0]
-    image = await load_image_source(value, field, FetchPolicy.from_args(ctx.args))
-    await run_in_threadpool(decode_image, image, max_pixels=ctx.args.max_image_side**2, param=field)
+    image = await load_image_source(value, field, FetchPolicy.from_limits(ctx.args.limits))
+    await run_in_threadpool(decode_image, image, max_pixels=ctx.args.http.max_image_side**2, param=field)
     return body, image
 
 
@@ -141,10 +141,10 @@ def build_mesh_params(body: MeshCreateRequest, ctx: ServerContext, image: bytes)
         output_format=body.output_format,
         image_inputs=(image,),
     )
-    if body.octree_resolution is not None and body.octree_resolution > ctx.args.max_octree_resolution:
+    if body.octree_resolution is not None and body.octree_resolution > ctx.args.http.max_octree_resolution:
         raise InvalidRequestError(
             f"octree_resolution={body.octree_resolution} exceeds this server's limit of "
-            f"{ctx.args.max_octree_resolution} (--max-octree-resolution).",
+            f"{ctx.args.http.max_octree_resolution} (--max-octree-resolution).",
             param="octree_resolution",
         )
     # The value the job runs with (the checkpoint's default when unset), so the job reports it, not 0.

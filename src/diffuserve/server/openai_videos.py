@@ -112,7 +112,7 @@ def start_results_sweep(ctx: ServerContext) -> None:
     results.fail_interrupted(INTERRUPTED_ERROR)
     results.watch(lambda job_id: job_routes.stop_if_mine(ctx, _store(ctx), job_id))
     results.start_sweeper(
-        ctx.args.result_sweep_interval_s, INTERRUPTED_ERROR, lambda: job_routes.sync_live_jobs(ctx, _store(ctx))
+        ctx.args.http.result_sweep_interval_s, INTERRUPTED_ERROR, lambda: job_routes.sync_live_jobs(ctx, _store(ctx))
     )
 
 
@@ -316,8 +316,8 @@ async def video_content(video_id: str, request: Request, variant: str = Query(de
             f"variant={variant!r} is not served; choose one of {list(VARIANTS)}.", param="variant"
         )
     job = _get_job(ctx, video_id)
-    if variant == "video" and job.status == "completed" and ctx.args.media_presign_s > 0:
-        url = await run_in_threadpool(_store(ctx).presign, job, ctx.args.media_presign_s)
+    if variant == "video" and job.status == "completed" and ctx.args.store.media_presign_s > 0:
+        url = await run_in_threadpool(_store(ctx).presign, job, ctx.args.store.media_presign_s)
         if url is not None:  # --media-store with --media-presign-s: the client fetches from the bucket
             return RedirectResponse(url, status_code=307)
     content = await run_in_threadpool(_store(ctx).content, job) if job.status == "completed" else None

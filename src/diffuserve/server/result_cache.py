@@ -263,9 +263,9 @@ def serving_identity(args: Any, plan: dict[str, Any] | None) -> str:
             "model": args.public_model_name,
             "checkpoint": checkpoint_fingerprint(resolve_model_path(args, quiet=True)),
             "loras": loras,
-            "dtype": args.dtype,
-            "device": args.device,
-            "backend": args.backend,
+            "dtype": args.model.dtype,
+            "device": args.model.device,
+            "backend": args.model.backend,
             "plan": plan,
         },
         sort_keys=True,
@@ -293,12 +293,12 @@ def adapter_fingerprints(lora_args: Any) -> AdapterFingerprint:
 def build_result_cache(args: Any, results: ResultStore, registry: CollectorRegistry, plan: dict | None) -> Any:
     """The server's cache per `--result-cache-mib` (None when 0: off), retention from `--result-ttl-s`, adapters keyed
     by their fingerprints."""
-    if args.result_cache_mib <= 0:
+    if args.http.result_cache_mib <= 0:
         return None
     return ResultCache(
-        args.result_cache_mib << 20,
+        args.http.result_cache_mib << 20,
         serving_identity(args, plan),
-        ttl_s=args.result_ttl_s,
+        ttl_s=args.http.result_ttl_s,
         results=results,
         registry=registry,
         adapters=adapter_fingerprints(args.lora) if args.lora.enabled else None,

@@ -150,7 +150,7 @@ class DrainingServer(uvicorn.Server):
         self._drain_started = True
         self.ctx.draining = True
         engine.begin_drain()
-        timeout_s = self.ctx.args.shutdown_timeout_s
+        timeout_s = self.ctx.args.http.shutdown_timeout_s
         self.ctx.jobs.stop_reason = f"its deadline, --shutdown-timeout-s {timeout_s:g}, passed"
         logger.info(
             "%s: draining %d accepted request(s) and %d job(s), up to %.0fs",
@@ -168,7 +168,7 @@ class DrainingServer(uvicorn.Server):
         The drain is the engine's (every accepted request generated and answered), then the job drivers' (each
         video or mesh job encoded, written and recorded `completed`), both within the one budget; the jobs still
         unfinished at its end are recorded as stopped by the drain (server/job_drain.py)."""
-        budget = self.ctx.args.shutdown_timeout_s if timeout_s is None else timeout_s
+        budget = self.ctx.args.http.shutdown_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + budget
         failed = await self.ctx.engine.drain(budget)
         await self.ctx.jobs.wait(deadline)
@@ -190,7 +190,7 @@ class DrainingServer(uvicorn.Server):
 def _build_engine(args: ServerArgs) -> tuple[EngineClient, EngineMetrics, dict | None]:
     """The engine in this process (--api-process same), or the client of the engine process (separate): then this
     process's metrics hold what the front end observes, merged with the engine's at /metrics."""
-    if args.api_process == "separate":
+    if args.http.api_process == "separate":
         from diffuserve.engine.metrics import EngineMetrics
         from diffuserve.server.engine_client import RemoteEngineClient
 
@@ -229,7 +229,7 @@ def serve(args: ServerArgs) -> int:
         return serve_other_node(args)
     args.validate()  # a bad flag is named as the flag, even when the port is taken too
     limit_malloc_arenas()
-    sock = bind_port(args.host, args.port)
+    sock = bind_port(args.http.host, args.http.port)
     from diffuserve.server.app import create_app, open_results_store
     from diffuserve.server.context import ImageStore, ServerContext
 
@@ -241,23 +241,23 @@ def serve(args: ServerArgs) -> int:
         engine=engine,
         metrics=metrics,
         results=results,
-        images=ImageStore(results, args.url_store_max_images),
+        images=ImageStore(results, args.http.url_store_max_images),
         plan=plan_dict,
     )
     app = create_app(ctx)
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
+        host=args.http.host,
+        port=args.http.port,
+        log_level=args.http.log_level,
         timeout_graceful_shutdown=5,
         timeout_keep_alive=KEEP_ALIVE_S,
-        access_log=args.log_level == "debug",
+        access_log=args.http.log_level == "debug",
         loop="uvloop",  # the production stack: uvloop's event loop and httptools' HTTP parser (issue 24)
         http="httptools",
     )
     server = DrainingServer(config, ctx)
-    logger.info("serving %r on http://%s:%d", args.public_model_name, args.host, args.port)
+    logger.info("serving %r on http://%s:%d", args.public_model_name, args.http.host, args.http.port)
     server.run(sockets=[sock])
     if engine.close_executor():
         # Several ranks: a worker thread may still sit in a collective with a failed peer, and torch's exit

@@ -30,11 +30,14 @@ import ipaddress
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from diffuserve.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from diffuserve.config.limits import LimitsArgs
 
 MAX_REDIRECTS = 5
 """Redirects followed per URL; one more is refused."""
@@ -49,7 +52,7 @@ _NOT_PUBLIC = "the server never fetches from loopback, private, link-local, mult
 
 @dataclass(frozen=True)
 class FetchPolicy:
-    """What a request may make the server fetch: built from the flags by `FetchPolicy.from_args`."""
+    """What a request may make the server fetch: built from the flags by `FetchPolicy.from_limits`."""
 
     allow_remote: bool = False
     """--allow-remote-urls: http(s) URLs are fetched at all."""
@@ -63,13 +66,13 @@ class FetchPolicy:
     """Test-only (DIFFUSERVE_TEST_MEDIA_LOOPBACK=1): loopback addresses pass the address check."""
 
     @classmethod
-    def from_args(cls, args: Any) -> FetchPolicy:
-        """The policy of a server's flags (`ServerArgs` or anything with the same attribute names)."""
+    def from_limits(cls, limits: LimitsArgs) -> FetchPolicy:
+        """The policy of a server's flags (`ServerArgs.limits`)."""
         return cls(
-            allow_remote=bool(args.allow_remote_urls),
-            allowed_domains=tuple(normal_host(h) for h in getattr(args, "allowed_media_domains", ()) or ()),
-            max_bytes=int(args.max_upload_bytes),
-            timeout_s=float(getattr(args, "media_fetch_timeout_s", 10.0)),
+            allow_remote=bool(limits.allow_remote_urls),
+            allowed_domains=tuple(normal_host(h) for h in limits.allowed_media_domains or ()),
+            max_bytes=int(limits.max_upload_bytes),
+            timeout_s=float(limits.media_fetch_timeout_s),
             allow_loopback=os.environ.get(TEST_LOOPBACK_ENV) == "1",
         )
 

@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 
 from diffuserve.engine.engine import GenerationResult
 from diffuserve.errors import DiffuserveError, RequestCancelledError
-from diffuserve.executor.batch_runner import PreviewSink
+from diffuserve.executor.messages import PreviewSink
 from diffuserve.media.images import encode_image
 from diffuserve.sampling import SamplingParams
 from diffuserve.server.engine_client import EngineClient

@@ -61,6 +61,6 @@ async def create_body(request: Request) -> tuple[VideoCreateRequest, bytes | Non
         raise RequestValidationError(exc.errors(include_url=False)) from exc
     if reference is None:
         return body, None
-    image = await load_image_source(reference, REFERENCE_FIELD, FetchPolicy.from_args(ctx.args))
-    await run_in_threadpool(decode_image, image, max_pixels=ctx.args.max_image_side**2, param=REFERENCE_FIELD)
+    image = await load_image_source(reference, REFERENCE_FIELD, FetchPolicy.from_limits(ctx.args.limits))
+    await run_in_threadpool(decode_image, image, max_pixels=ctx.args.http.max_image_side**2, param=REFERENCE_FIELD)
     return body, image

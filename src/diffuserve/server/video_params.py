@@ -184,9 +184,9 @@ def build_video_params(body: VideoCreateRequest, ctx: ServerContext, image: byte
     check_request_fields(model, {"true_cfg_scale": body.true_cfg_scale})
     fps = body.fps or defaults.fps
     num_frames = frames_for(body, fps, defaults.num_frames, model.frame_multiple)
-    if num_frames > args.max_video_frames:
+    if num_frames > args.http.max_video_frames:
         raise InvalidRequestError(
-            f"num_frames={num_frames} exceeds the limit of {args.max_video_frames} (--max-video-frames).",
+            f"num_frames={num_frames} exceeds the limit of {args.http.max_video_frames} (--max-video-frames).",
             param="num_frames" if body.num_frames is not None else "seconds",
         )
     generate_audio = audio_choice(body, model, num_frames, fps)

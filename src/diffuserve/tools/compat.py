@@ -253,9 +253,9 @@ def _check_mesh_build(build: str, spec: Any, path: Path, *, quick: bool) -> Comp
     """Image-to-3D families (Hunyuan3D-2): I2I is one image -> one mesh; Batching, two jobs merged, each row's
     vertices equal to its solo run; Residency, whole-component offloads reproduce the resident mesh. Nothing to
     compare with diffusers (no diffusers pipeline): equality with the reference package is its own test."""
-    from diffuserve.models.registry import resolve
+    from diffuserve.models.registry import resolve_model
 
-    row = CompatRow(build=build, family=spec.name, pipeline_class=resolve(path).pipeline_class)
+    row = CompatRow(build=build, family=spec.name, pipeline_class=resolve_model(path).pipeline_class)
     first = {"prompt": "", "seed": 1, "num_inference_steps": STEPS, "image_inputs": (_input_image(),)}
     second = {**first, "seed": 2}
     with _Engine(path) as singleton:

@@ -292,7 +292,7 @@ def simulate_arrivals(
     import random
 
     from diffuserve.engine.engine import AsyncEngine, EngineConfig
-    from diffuserve.engine.scheduler import BatchingConfig, DynamicBatcher
+    from diffuserve.engine.scheduler import BatchingConfig, RequestLevelScheduler
     from diffuserve.engine.step_scheduler import StepScheduler
     from diffuserve.tools.bench_report import poisson_arrivals
 
@@ -301,7 +301,7 @@ def simulate_arrivals(
     scheduler = (
         StepScheduler(config, model_names=["sim"])
         if mode == "continuous"
-        else DynamicBatcher(config, model_names=["sim"])
+        else RequestLevelScheduler(config, model_names=["sim"])
     )
     engine = AsyncEngine(
         SimulatedExecutor(make_pipeline=lambda: SimulatedPipeline(cost=cost)),

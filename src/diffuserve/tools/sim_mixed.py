@@ -58,7 +58,7 @@ ABLATION = {
 
 def _engine(setting: SimScheduler, cost: StepCost, *, mode: str, max_size: int, delay_ms: float) -> Any:
     from diffuserve.engine.engine import AsyncEngine, EngineConfig
-    from diffuserve.engine.scheduler import BatchingConfig, DynamicBatcher
+    from diffuserve.engine.scheduler import BatchingConfig, RequestLevelScheduler
     from diffuserve.engine.step_scheduler import StepScheduler
 
     config = BatchingConfig(
@@ -66,7 +66,9 @@ def _engine(setting: SimScheduler, cost: StepCost, *, mode: str, max_size: int, 
     )
     names = ["sim"]
     continuous = mode == "continuous"
-    scheduler = StepScheduler(config, model_names=names) if continuous else DynamicBatcher(config, model_names=names)
+    scheduler = (
+        StepScheduler(config, model_names=names) if continuous else RequestLevelScheduler(config, model_names=names)
+    )
     executor = SimulatedExecutor(make_pipeline=lambda: SimulatedPipeline(cost=cost, packs_mixed_sizes=setting.packs))
     engine = AsyncEngine(
         executor,

@@ -428,7 +428,7 @@ class LTX2NativePipeline(recipe.RecipePipeline):
         result = super().decode_batch(denoised)
         audios = denoised.state.extras.pop("audios", None)
         if audios is not None:
-            for output, waves in zip(result.outputs, recipe.split_rows(audios, denoised.batch), strict=True):
+            for output, waves in zip(result.outputs, recipe.rows_per_request(audios, denoised.batch), strict=True):
                 output.audios = list(waves)
                 output.audio_sample_rate = self.sample_rate
         return result

@@ -1,4 +1,4 @@
-"""Side lanes (`pipelines/overlap.py`) and the residency gate they rely on, without a model.
+"""Side lanes (`pipelines/lanes.py`) and the residency gate they rely on, without a model.
 
 Concurrency is gated on events and on the lane's own step counter, never on sleeps.
 """
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from diffuserve.config.plan import ComponentPlan, ResidencyMode
-from diffuserve.pipelines.overlap import HOLD_STEPS, Overlap
+from diffuserve.pipelines.lanes import HOLD_STEPS, Lanes
 from diffuserve.runtime.ledger import TransferLedger
 from diffuserve.runtime.residency import ComponentResidencyManager
 
@@ -19,7 +19,7 @@ WAIT_S = 30
 
 
 def test_a_job_counts_the_steps_the_loop_ran_beside_it() -> None:
-    overlap = Overlap("cpu")
+    lanes = Lanes("cpu")
     started, release = threading.Event(), threading.Event()
 
     def job() -> str:
@@ -27,10 +27,10 @@ def test_a_job_counts_the_steps_the_loop_ran_beside_it() -> None:
         assert release.wait(WAIT_S)
         return "decoded"
 
-    future = overlap.decode.submit(job)
+    future = lanes.decode.submit(job)
     assert started.wait(WAIT_S)
     for _ in range(3):  # the "loop" steps while the job runs
-        overlap.count_step()
+        lanes.count_step()
     release.set()
     result = future.result(WAIT_S)
     assert (result.value, result.steps_beside, result.event) == ("decoded", 3, None)
@@ -38,16 +38,16 @@ def test_a_job_counts_the_steps_the_loop_ran_beside_it() -> None:
 
 
 def test_jobs_run_in_order_and_an_error_reaches_its_submitter_only() -> None:
-    overlap = Overlap("cpu")
+    lanes = Lanes("cpu")
     seen: list[int] = []
 
     def fail() -> None:
         raise ValueError("bad decode")
 
     futures = [
-        overlap.decode.submit(lambda: seen.append(1)),
-        overlap.decode.submit(fail),
-        overlap.decode.submit(lambda: seen.append(3)),
+        lanes.decode.submit(lambda: seen.append(1)),
+        lanes.decode.submit(fail),
+        lanes.decode.submit(lambda: seen.append(3)),
     ]
     assert futures[2].result(WAIT_S).steps_beside == 0
     with pytest.raises(ValueError, match="bad decode"):
@@ -56,14 +56,14 @@ def test_jobs_run_in_order_and_an_error_reaches_its_submitter_only() -> None:
 
 
 def test_a_held_job_of_a_marked_request_waits_for_the_loop_to_step() -> None:
-    overlap = Overlap("cpu")
-    overlap.hold_marker = "SLOW"
-    unmarked = overlap.encode.submit(lambda: "plain", prompts=["a cat"]).result(WAIT_S)
+    lanes = Lanes("cpu")
+    lanes.hold_marker = "SLOW"
+    unmarked = lanes.encode.submit(lambda: "plain", prompts=["a cat"]).result(WAIT_S)
     assert unmarked.steps_beside == 0  # not held: nothing had to step
-    held = overlap.encode.submit(lambda: "held", prompts=["a SLOW cat"])
+    held = lanes.encode.submit(lambda: "held", prompts=["a SLOW cat"])
     for _ in range(HOLD_STEPS):
         assert not held.done()
-        overlap.count_step()
+        lanes.count_step()
     assert held.result(WAIT_S).steps_beside == HOLD_STEPS
 
 

@@ -7,7 +7,7 @@ stage would. Tests use it to prove that a failing merged batch errors all of its
 the server keeps serving.
 
 `hold:<marker>` (alone, or after a comma: `prompt:<a>,hold:<b>`) slows instead of failing: a text encode or
-decode that runs in a side lane beside the denoise loop (`pipelines/overlap.py`) for a request whose prompt
+decode that runs in a side lane beside the denoise loop (`pipelines/lanes.py`) for a request whose prompt
 contains `<marker>` waits until the loop has run two more denoising steps (30 s at most). Tests use it to see
 from the loop's own step counter that the loop kept stepping while that encode / decode ran.
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from diffuserve.executor.base import ServingPipeline
+from diffuserve.pipelines.serving import ServingPipeline
 
 ENV_VAR = "DIFFUSERVE_FAULT_INJECTION"
 HOLD_STEP_TIMEOUT_S = 120.0
@@ -134,7 +134,7 @@ def maybe_inject_faults(pipeline: ServingPipeline) -> ServingPipeline:
     parts = dict(part.split(":", 1) for part in os.environ.get(ENV_VAR, "").split(",") if ":" in part)
     if parts.get("hold") and (pipeline.lanes is not None or pipeline.capabilities.text_prefetch):
         # Side jobs (decodes, continuous starts, text prefetch) run in the adapter's lanes only.
-        (pipeline.lanes or pipeline.adapter.side_lanes()).hold_marker = parts["hold"]
+        (pipeline.lanes or pipeline.adapter.lanes()).hold_marker = parts["hold"]
     step_hold = None
     if parts.get("hold_step"):
         release = Path(parts.get("release", ""))

@@ -1,6 +1,6 @@
 """Stage overlap: text encoding and VAE decode run beside the denoise loop, so the loop does not stop for them.
 
-One `Overlap` per pipeline (`overlap_for`) holds two `SideLane`s, `encode` and `decode`: each is one daemon
+One `Lanes` per pipeline (`lanes_for`) holds two `SideLane`s, `encode` and `decode`: each is one daemon
 thread that runs its jobs in submission order and, on CUDA, its own CUDA stream. The denoise loop (the engine's
 worker thread) submits a job and goes on stepping; it picks the result up at a later step boundary (an encode:
 the request joins the group then) or never (a decode: the lane answers the request itself through the callback
@@ -14,7 +14,7 @@ What makes it safe:
   while the lane still reads them. The job ends with an event on the lane's stream; `SideResult.take()` makes
   the consumer's stream wait for it (and records the consumer's stream on the result's tensors) before GPU
   tensors the job made (an encode's conditioning) are used. On CPU there are no streams and both are no-ops.
-* **The decoder runs in one thread at a time** (`Overlap.decoder_lock`, taken by every decode and preview):
+* **The decoder runs in one thread at a time** (`Lanes.decoder_lock`, taken by every decode and preview):
   a layer-streamed VAE cannot serve two forwards at once, and previews (loop) share the VAE with decodes (lane).
   Likewise the text encoders (`encoder_lock`): a fast tokenizer is not thread-safe (its padding / truncation
   settings live on the object during a call), and a request-level batch on the loop's thread may encode while
@@ -103,10 +103,10 @@ class SideResult(Generic[T]):
 class SideLane:
     """One daemon thread running jobs in submission order, with its own CUDA stream on a CUDA device."""
 
-    def __init__(self, name: str, overlap: Overlap):
+    def __init__(self, name: str, owner: Lanes):
         self.name = name
-        self.overlap = overlap
-        self.stream = torch.cuda.Stream(device=overlap.device) if overlap.device.type == "cuda" else None
+        self.owner = owner
+        self.stream = torch.cuda.Stream(device=owner.device) if owner.device.type == "cuda" else None
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name=f"diffuserve-{name}", daemon=True)
         self._thread.start()
@@ -119,8 +119,8 @@ class SideLane:
         future: Future[SideResult[T]] = Future()
         ready = None
         if self.stream is not None:
-            ready = torch.cuda.current_stream(self.overlap.device).record_event()
-        self._jobs.put((fn, list(inputs), list(prompts), ready, self.overlap.steps, future))
+            ready = torch.cuda.current_stream(self.owner.device).record_event()
+        self._jobs.put((fn, list(inputs), list(prompts), ready, self.owner.steps, future))
         return future
 
     def _main(self) -> None:
@@ -136,9 +136,9 @@ class SideLane:
     def _run(
         self, fn: Callable[[], T], inputs: list[Any], prompts: list[str], ready: Any, before: int
     ) -> SideResult[T]:
-        overlap = self.overlap
+        owner = self.owner
         started = time.perf_counter()
-        overlap.maybe_hold(self.name, prompts, before)
+        owner.maybe_hold(self.name, prompts, before)
         if self.stream is None:
             with PIPELINE_CPU.measure():
                 value = fn()
@@ -152,11 +152,11 @@ class SideLane:
                 value = fn()
                 event = self.stream.record_event()
         return SideResult(
-            value=value, seconds=time.perf_counter() - started, steps_beside=overlap.steps - before, event=event
+            value=value, seconds=time.perf_counter() - started, steps_beside=owner.steps - before, event=event
         )
 
 
-class Overlap:
+class Lanes:
     """The encode and decode lanes of one pipeline, the loop's step counter and the decoder lock."""
 
     def __init__(self, device: torch.device | str):
@@ -166,8 +166,9 @@ class Overlap:
         self.encoder_lock = threading.RLock()
         """Held by every text encode (tokenizers are not thread-safe)."""
         self.hold_marker: str | None = None
-        """Fault injection only (`engine/faults.py`, `hold:<marker>`): side jobs of requests whose prompt contains
-        it wait until the loop ran `HOLD_STEPS` more steps, so tests can observe the overlap deterministically."""
+        """Fault injection only (`pipelines/fault_hooks.py`, `hold:<marker>`): side jobs of requests whose prompt
+        contains it wait until the loop ran `HOLD_STEPS` more steps, so tests can observe the
+        overlap deterministically."""
         self._steps = 0
         self._steps_changed = threading.Condition()
         self._lanes: dict[str, SideLane] = {}
@@ -214,6 +215,6 @@ class Overlap:
             yield
 
 
-def overlap_for(pipeline: Any) -> Overlap:
-    """The pipeline's `Overlap` (its own `side_lanes()`: made on first use, on the pipeline's device)."""
-    return pipeline.side_lanes()
+def lanes_for(pipeline: Any) -> Lanes:
+    """The pipeline's `Lanes` (its own `lanes()`: made on first use, on the pipeline's device)."""
+    return pipeline.lanes()
