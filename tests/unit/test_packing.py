@@ -95,5 +95,5 @@ def test_the_cost_gate_packs_while_padding_costs_less_than_the_calls_it_saves() 
     # per size 4 x 64 + 448 = 704, and every other split 704 or more.
     mix = [(2, 96), (2, 16), (2, 64), (2, 48)]
     assert plan(mix, 64.0) == [[1], [2, 3], [0]]
-    assert plan(mix, float("inf")) == [[0, 1, 2, 3]]  # inf (off CPU by default, or set): always one call
+    assert plan(mix, float("inf")) == [[0, 1, 2, 3]]  # inf (no gate, the default): always one call
     assert plan([(3, 40)], 0.0) == [[0]]

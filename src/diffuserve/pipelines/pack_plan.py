@@ -12,7 +12,7 @@ quadratic term is left out (it only adds to the padding's cost). `plan` splits t
 per row, into the runs of neighbouring sizes that minimise the summed cost (exact, O(sizes^2)): one run is the whole
 batch packed as before; several runs are one call each (packed where a run holds several sizes), one after the
 other. A run is split off only where that is strictly cheaper, so a batch whose padding is under the calls it
-saves packs whole. On CPU by default (`DEFAULT_CALL_TOKENS`), elsewhere where `packing_call_tokens` is set.
+saves packs whole. Opt-in: only where `packing_call_tokens` is set (`DEFAULT_CALL_TOKENS` is empty).
 
 Pure: no torch.
 """
@@ -22,11 +22,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-DEFAULT_CALL_TOKENS: dict[str, float] = {"cpu": 64.0}
-"""A denoiser call's fixed cost in latent-token equivalents, by device type, where `packing_call_tokens` is unset.
-A device not named here packs every mixed batch whole (`math.inf`, no gate): on CUDA the flex kernel skips padded
-blocks in attention and small calls are launch-bound (not measured here). CPU: ~70 fitted on the 36M checkpoint
-(benchmarks/results/mixed_36m.txt); there a larger call even costs more per token (cache), so splitting pays."""
+DEFAULT_CALL_TOKENS: dict[str, float] = {}
+"""A denoiser call's fixed cost in latent-token equivalents, by device type, where `packing_call_tokens` is unset;
+a device not named here packs every mixed batch whole (`math.inf`, no gate). Empty: no default yet. On the 36M
+checkpoint on this shared CPU the fitted fixed cost ranged from ~70 tokens (engine-level calls) to ~340 (the same
+rows in process), and a gate at 64 won in the server bench but lost in process (docs/batching.md), so the gate is
+opt-in; on CUDA the flex kernel skips padded blocks in attention and small calls are launch-bound (not measured)."""
 
 
 def call_tokens(configured: float | None, device_type: str) -> float:

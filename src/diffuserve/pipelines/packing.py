@@ -16,7 +16,7 @@ prepares its own latents, schedule and scheduler (dynamic shift depends on the t
 padded into one tensor, one call per step predicts every row, and `PackedScheduler` steps each group with its own
 scheduler. Decode runs per size group. Compositions not yet proven packed (`packing_problem`) run the size groups
 as separate recipe runs instead, one after the other, and say so once in the log. Where a packed call's padding
-would cost more than the calls it saves (the cost gate, `pack_plan.py`: CPU), the sizes run as several calls.
+would cost more than the calls it saves (the opt-in cost gate, `pack_plan.py`), the sizes run as several calls.
 """
 
 from __future__ import annotations

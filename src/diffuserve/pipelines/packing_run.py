@@ -1,5 +1,5 @@
 """The recipe side of packed mixed-size calls (`packing.py`): `run_mixed`, what `RecipePipeline.run_to_latents` runs
-for a batch of several sizes. The cost gate (`pack_plan.py`) first splits the batch's sizes into runs of one call
+for a batch of several sizes. The opt-in cost gate (`pack_plan.py`) first splits the batch's sizes into runs of one call
 each where a packed call's padding would cost more than the calls it saves; a run of several sizes runs packed,
 a run of one size as any batch. Compositions not yet proven packed (`packing_problem`) run one recipe run per size.
 """
