@@ -8,9 +8,12 @@ each copy behind its own in-process `AsyncEngine` (dynamic mode, `--batching-max
 
 - `size-grouped`: today's batching: the copy's `packs_mixed_sizes` is set False, so size stays in the batch
   signature (what a family that cannot pack gets), FIFO order, no token budget;
-- `tokens+drr`: the family as it ships (packed mixed-size denoiser calls), `--batching-max-tokens` = 8 rows of the
-  middle size, `--batching-order drr`;
-- with `--ablation` also `tokens (fifo)` (packing and the budget alone) and `size-grouped+drr` (fair order alone).
+- `tokens+drr`: the family as it ships (packed mixed-size denoiser calls; the cost gate of
+  `pipelines/pack_plan.py` off, as by default, unless `--call-tokens`), `--batching-max-tokens` = 8
+  rows of the largest size (the server's default budget, so both arms may fill the same 8-row cap; before, 8 rows
+  of the middle size held the packed arm to smaller batches than the size-grouped arm's), `--batching-order drr`;
+- with `--ablation` also `tokens (fifo)` (packing and the budget alone) and `size-grouped+drr` (fair order alone);
+  with `--gate-ablation` also `tokens+drr (gate 64)` (the packed arm with the cost gate at 64 tokens per call).
 
 The sizes are the issue's (256x256, 384x512, 512x512, 512x768) divided by `--scale` (default 4: 64x64, 96x128,
 128x128, 128x192), drawn uniformly; one 256x256 request of 2 steps takes ~10 s on this shared 2-core CPU, so the
@@ -43,7 +46,9 @@ from diffuserve.tools.sim_mixed import (
 )
 
 
-def _engine(checkpoint: Path, setting: SimScheduler, *, max_tokens: int | None, delay_ms: float) -> Any:
+def _engine(
+    checkpoint: Path, setting: SimScheduler, *, max_tokens: int | None, delay_ms: float, call_tokens: float | None
+) -> Any:
     from diffuserve.engine.engine import AsyncEngine, EngineConfig
     from diffuserve.engine.scheduler import BatchingConfig, RequestLevelScheduler
     from diffuserve.executor.base import InProcessExecutor
@@ -53,6 +58,7 @@ def _engine(checkpoint: Path, setting: SimScheduler, *, max_tokens: int | None, 
     def load() -> ServingPipeline:
         pipeline = load_pipeline(checkpoint)
         pipeline.packs_mixed_sizes = setting.packs  # False: today's size-grouped batches (size in the signature)
+        pipeline.packing_call_tokens = call_tokens  # the cost gate (pipelines/pack_plan.py); None: the default
         return ServingPipeline.of(pipeline)
 
     config = BatchingConfig(mode="dynamic", max_size=8, delay_ms=delay_ms, max_tokens=max_tokens, order=setting.order)
@@ -70,8 +76,8 @@ def _engine(checkpoint: Path, setting: SimScheduler, *, max_tokens: int | None, 
 
 def run(args: argparse.Namespace) -> list[str]:
     sizes_of = tuple((w // args.scale, h // args.scale) for w, h in MIXED_SIZES)
-    middle = sizes_of[2]
-    max_tokens = 8 * (middle[0] // 16) * (middle[1] // 16)  # 8 rows of the middle size (the simulator's 8 x 1024)
+    largest = max(sizes_of, key=lambda s: s[0] * s[1])
+    max_tokens = 8 * (largest[0] // 16) * (largest[1] // 16)  # 8 rows of the largest size (the server's default)
     rng = random.Random(0)
     sizes = [rng.choice(sizes_of) for _ in range(args.requests)]
     smallest = min(sizes_of, key=lambda s: s[0] * s[1])
@@ -80,9 +86,14 @@ def run(args: argparse.Namespace) -> list[str]:
         from diffuserve.models.tiny import build_tiny_checkpoint
 
         checkpoint = build_tiny_checkpoint("flux", Path(tmp) / "flux-36m", preset="36m")
+        settings = {
+            n: (s, args.call_tokens) for n, s in (SCHEDULERS | ABLATION if args.ablation else SCHEDULERS).items()
+        }
+        if args.gate_ablation:  # the packed arm with the cost gate, beside the shipped one, interleaved alike
+            settings["tokens+drr (gate 64)"] = (SCHEDULERS["tokens+drr"], 64.0)
         engines = {
-            name: _engine(checkpoint, s, max_tokens=max_tokens if s.packs else None, delay_ms=5.0)
-            for name, s in (SCHEDULERS | ABLATION if args.ablation else SCHEDULERS).items()
+            name: _engine(checkpoint, s, max_tokens=max_tokens if s.packs else None, delay_ms=5.0, call_tokens=gate)
+            for name, (s, gate) in settings.items()
         }
         try:
             for engine in engines.values():  # warm-up: one request of each size, not timed
@@ -117,9 +128,18 @@ def run(args: argparse.Namespace) -> list[str]:
     head = (
         f"36m: FLUX.1-style ~36M transformer on CPU; {args.steps} steps; {args.requests} requests per point in "
         f"{args.rounds} interleaved rounds; saturation: {args.clients} closed-loop clients; load: {args.load:.0%} of "
-        f"size-grouped saturation; dynamic, max size 8, 5 ms; tokens+drr: --batching-max-tokens {max_tokens}"
+        f"size-grouped saturation; dynamic, max size 8, 5 ms; tokens+drr: --batching-max-tokens {max_tokens}, "
+        + (f"cost gate {args.call_tokens} tokens per call" if args.call_tokens else "no cost gate (the default)")
     )
-    return [head, *report(label, results, targets=True)]
+    lines = [head, *report(label, results, targets=True)]
+    if "tokens+drr (gate 64)" in results:
+        old, new = results["size-grouped"], results["tokens+drr (gate 64)"]
+        lines.append(
+            f"{label} tokens+drr (gate 64) / size-grouped: throughput "
+            f"{new['saturation_rps'] / old['saturation_rps']:.2f}x, mean {new['mean_ms'] / old['mean_ms']:.2f}x, "
+            f"p99 {new['p99_smallest_ms'] / old['p99_smallest_ms']:.2f}x"
+        )
+    return lines
 
 
 def main() -> None:
@@ -131,6 +151,8 @@ def main() -> None:
     parser.add_argument("--load", type=float, default=0.7, help="open-loop rate / size-grouped saturation")
     parser.add_argument("--scale", type=int, default=4, help="divide the issue's sizes by this (1: as given)")
     parser.add_argument("--ablation", action="store_true", help="also packing alone and fair order alone")
+    parser.add_argument("--call-tokens", type=float, help="the packed arms' cost gate (packing_call_tokens)")
+    parser.add_argument("--gate-ablation", action="store_true", help="also the packed arm with the cost gate at 64")
     parser.add_argument("--output", type=Path, help="append the printed figures to this file")
     args = parser.parse_args()
     lines = run(args)

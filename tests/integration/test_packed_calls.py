@@ -175,6 +175,21 @@ def test_a_composition_not_packed_runs_its_size_groups_as_separate_calls(native:
     _assert_singletons(native, batch, got)
 
 
+def test_the_cost_gate_splits_a_batch_into_runs_of_neighbouring_sizes(native: Any) -> None:
+    """`packing_call_tokens` (pipelines/pack_plan.py) at 10 tokens per call: 128x128 (64 tokens) splits from the
+    three small sizes (16, 24, 24 tokens), which still share one packed call: two calls per step, every request
+    equal to its run alone and answered in the batch's order."""
+    batch = [SamplingParams(prompt="a big cat", width=128, height=128, seed=3, num_inference_steps=2), *_batch(2)]
+    before = native.packing_call_tokens
+    native.packing_call_tokens = 10.0
+    try:
+        got, calls = _counted(native, batch)
+    finally:
+        native.packing_call_tokens = before
+    assert calls == 2 * 2  # [16 24 24 packed] + [64], each one call per step
+    _assert_singletons(native, batch, got)
+
+
 def test_per_row_lora_in_a_packed_call(tiny_flux_path: Path, tmp_path: Path) -> None:
     from diffuserve.lora.slots import install_lora
     from diffuserve.lora.tiny import write_random_lora

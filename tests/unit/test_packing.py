@@ -81,3 +81,19 @@ def test_image_form_latents_come_back_in_their_shape() -> None:
     tokens = latents.flatten(2).transpose(1, 2)
     group = SizeGroup([], slice(0, 2), DenoiseState(tokens, torch.zeros(1), None, {}), spatial=(4, 3, 5))
     assert torch.equal(group.latents_of(pad_tokens([tokens], 20)), latents)
+
+
+def test_the_cost_gate_packs_while_padding_costs_less_than_the_calls_it_saves() -> None:
+    """`pack_plan.plan`: (rows, tokens per row) per size; a call costs `per_call` + rows x its longest row."""
+    from diffuserve.pipelines.pack_plan import plan
+
+    near = [(2, 16), (2, 24)]  # padding 2 x 8 = 16 tokens < one call's 64: one packed call
+    assert plan(near, 64.0) == [[0, 1]]
+    assert plan(near, 8.0) == [[0], [1]]  # 16 tokens of padding > 8: two calls
+    # The issue's 36m mix (64x64 96x128 128x128 128x192), given out of order: runs are neighbours in tokens per row.
+    # 16 | 48+64 | 96 costs 3 x 64 + 32 + 4 x 64 + 192 = 672 tokens; one packed call 64 + 8 x 96 = 832, one call
+    # per size 4 x 64 + 448 = 704, and every other split 704 or more.
+    mix = [(2, 96), (2, 16), (2, 64), (2, 48)]
+    assert plan(mix, 64.0) == [[1], [2, 3], [0]]
+    assert plan(mix, float("inf")) == [[0, 1, 2, 3]]  # inf (no gate, the default): always one call
+    assert plan([(3, 40)], 0.0) == [[0]]

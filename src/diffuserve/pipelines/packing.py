@@ -11,11 +11,12 @@ its own positions and modulation, as alone. Cost: the padding (`padding_tokens`)
 attention skips it with a variable-length kernel (`flex_attention` with a block mask, chosen by device in
 `packed_kernel`) and computes-then-masks it with SDPA's key mask on CPU.
 
-The recipe side (`run_mixed`): requests are grouped by size (stable, first-seen order), each size group prepares its
-own latents, schedule and scheduler (dynamic shift depends on the token count), the groups' latents are padded into
-one tensor, one call per step predicts every row, and `PackedScheduler` steps each group with its own scheduler.
-Decode runs per size group. Compositions not yet proven packed (`packing_problem`) run the size groups as separate
-recipe runs instead, one after the other, and say so once in the log.
+The recipe side (`packing_run.run_mixed`): requests are grouped by size (stable, first-seen order), each size group
+prepares its own latents, schedule and scheduler (dynamic shift depends on the token count), the groups' latents are
+padded into one tensor, one call per step predicts every row, and `PackedScheduler` steps each group with its own
+scheduler. Decode runs per size group. Compositions not yet proven packed (`packing_problem`) run the size groups
+as separate recipe runs instead, one after the other, and say so once in the log. Where a packed call's padding
+would cost more than the calls it saves (the opt-in cost gate, `pack_plan.py`), the sizes run as several calls.
 """
 
 from __future__ import annotations
@@ -30,9 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffuserve.pipelines.batch_rows import Cond, Denoised, DenoiseState, StageTimer, check_batch, gather_rows, num_rows
+from diffuserve.pipelines.batch_rows import Cond, Denoised, DenoiseState, StageTimer, check_batch
 from diffuserve.runtime import row_context
-from diffuserve.step_cache.rows import new_row_caches
 
 if TYPE_CHECKING:
     from diffuserve.pipelines.base import BatchResult
@@ -248,6 +248,9 @@ class PackedFamily:
     """Its packed call runs under sequence parallel, each row's positions cut to the rank's share (FLUX.1, Qwen)."""
     active_split: Any
     """`Pipeline.active_split`: the sequence split while installed, else None."""
+    packing_call_tokens: float | None = None
+    """A denoiser call's fixed cost in latent tokens, weighed against a packed call's padding (`pack_plan.py`);
+    None: the device's default (`pack_plan.DEFAULT_CALL_TOKENS`); `math.inf`: always pack the whole batch."""
 
     def packing_problem(self, head: SamplingParams, rows: Sequence[SamplingParams] = ()) -> str | None:
         """Why a mixed-size batch with `head`'s settings (and the per-row fields of `rows`, the batch's requests)
@@ -356,106 +359,12 @@ class PackedScheduler:
         return (pad_tokens(parts, self.length),)
 
 
-def run_mixed(pipe: RecipePipeline, batch: list[SamplingParams], **callbacks: Any) -> Denoised:
-    """`run_to_latents` for a batch of several sizes: one packed denoiser call per step (or, for a composition
-    `packing_problem` names, one recipe run per size group)."""
-    order = size_order(batch)
-    ordered = [batch[i] for i in order]
-    head = check_mixed(ordered)
-    problem = pipe.packing_problem(head, ordered)
-    if problem is not None:
-        logger.info("mixed sizes run as separate size-group calls: %s", problem)
-        # No previews here: each part's would name only its own requests.
-        callbacks = {**callbacks, "on_preview": None}
-        parts = [pipe.run_to_latents(g, **callbacks) for g in _by_size(ordered)]
-        state = DenoiseState(latents=torch.empty(0), timesteps=torch.empty(0), scheduler=None, extras={})
-        state.extras["packed"] = Packed([], PackedRows((), (), 0, 0), order, extras={"parts": parts})
-        return Denoised(ordered, state.latents, state, _sum_seconds([part.stage_seconds for part in parts]))
-    cfg = pipe.uses_cfg(head)
-    timer = StageTimer()
-    with torch.inference_mode():
-        with timer.stage("encode"):
-            positive, negative = pipe.encode_batch(ordered, cfg)
-        with timer.stage("latents"), contextlib.ExitStack() as scope:
-            for key in pipe.prepare_components(head):
-                scope.enter_context(pipe.component_scope(key))
-            groups = _prepare_groups(pipe, ordered, positive)
-        layout = pipe.packed_layout(groups, positive)
-        state = _packed_state(pipe, groups, layout, order, positive)
-        steps = len(state.timesteps)  # each row's step cache (step_cache/hooks.py), none when asked for none
-        rows = [c for p in ordered for c in new_row_caches(p.step_cache, p.n, steps) or []] or None
-        with timer.stage("denoise"), pipe.lora_scope(ordered):
-            latents = pipe._denoise(
-                state,
-                positive,
-                negative,
-                head,
-                callbacks.get("on_step"),
-                callbacks.get("should_stop"),
-                _in_request_order(callbacks.get("on_preview"), order),
-                ordered,
-                rows,
-            )
-    return Denoised(batch=ordered, latents=latents, state=state, stage_seconds=timer.seconds, row_caches=rows)
-
-
-def _in_request_order(on_preview: Any, order: list[int]) -> Any:
-    """The preview callback, handed previews per request in the batch's order as given (the packed call's order
-    groups the requests by size)."""
-    if on_preview is None:
-        return None
-
-    def restore(per_request: list[Any]) -> list[Any]:
-        restored: list[Any] = [None] * len(per_request)
-        for k, index in enumerate(order):
-            restored[index] = per_request[k]
-        return restored
-
-    return lambda step, steps, make: on_preview(step, steps, lambda: restore(make()))
-
-
-def _by_size(batch: list[SamplingParams]) -> list[list[SamplingParams]]:
-    groups: dict[tuple[int, int], list[SamplingParams]] = {}
-    for params in batch:
-        groups.setdefault((params.width, params.height), []).append(params)
-    return list(groups.values())
-
-
 def _sum_seconds(parts: Sequence[dict[str, float]]) -> dict[str, float]:
     seconds: dict[str, float] = {}
     for part in parts:
         for stage, value in part.items():
             seconds[stage] = seconds.get(stage, 0.0) + value
     return seconds
-
-
-def _prepare_groups(pipe: RecipePipeline, ordered: list[SamplingParams], positive: Cond) -> list[SizeGroup]:
-    groups, start = [], 0
-    for group in _by_size(ordered):
-        rows = slice(start, start + num_rows(group))
-        cond = gather_rows(positive, torch.arange(rows.start, rows.stop), pipe.masked_sequences)
-        state = pipe.prepare(group, group[0], cond)
-        spatial = tuple(state.latents.shape[1:]) if state.latents.ndim == 4 else None
-        if spatial is not None:
-            state.latents = state.latents.flatten(2).transpose(1, 2)
-        groups.append(SizeGroup(batch=group, rows=rows, state=state, spatial=spatial))
-        start = rows.stop
-    lengths = {len(g.state.timesteps) for g in groups}
-    if len(lengths) > 1:
-        raise ValueError(f"packed size groups run different step counts {sorted(lengths)}; they cannot share calls")
-    return groups
-
-
-def _packed_state(
-    pipe: RecipePipeline, groups: list[SizeGroup], layout: PackedRows, order: list[int], positive: Cond
-) -> DenoiseState:
-    length = max(g.tokens for g in groups)
-    latents = pad_tokens([g.state.latents for g in groups], length)
-    # Per-row timesteps: (steps, rows), each row on its own size group's schedule (dynamic shift differs by size).
-    timesteps = torch.cat([g.state.timesteps[:, None].expand(-1, g.rows.stop - g.rows.start) for g in groups], dim=1)
-    packed = Packed(groups=groups, layout=layout, order=order)
-    extras = {"packed": packed, **pipe.packed_extras(groups, layout, positive)}
-    return DenoiseState(latents=latents, timesteps=timesteps, scheduler=PackedScheduler(groups, length), extras=extras)
 
 
 def _group_images(pipe: RecipePipeline, latents: torch.Tensor, state: DenoiseState, preview: bool) -> list[Any]:

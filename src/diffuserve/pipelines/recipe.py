@@ -21,7 +21,7 @@ import torch
 
 from diffuserve.errors import RequestCancelledError
 from diffuserve.pipelines import inpaint as inpaint_rows
-from diffuserve.pipelines import packing
+from diffuserve.pipelines import packing, packing_run
 from diffuserve.pipelines.base import (
     BatchResult,
     Pipeline,
@@ -438,7 +438,7 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
         can run in the decode lane while the next batch denoises (`executor/batch_runner.py`,
         `pipelines/lanes.py`). A batch of several sizes runs packed where the family packs (`packing.py`)."""
         if self.packs_mixed_sizes and packing.mixed_sizes(batch):
-            return packing.run_mixed(self, batch, on_step=on_step, should_stop=should_stop, on_preview=on_preview)
+            return packing_run.run_mixed(self, batch, on_step=on_step, should_stop=should_stop, on_preview=on_preview)
         head = check_batch(batch, self.strength_per_row)
         cfg = self.uses_cfg(head)
         timer = StageTimer()
