@@ -215,14 +215,15 @@ def _pipeline_components(device: torch.device, dtype: torch.dtype, tiny: bool) -
     from transformers import CLIPTextConfig, CLIPTextModel
 
     from diffuserve.families.flux.tiny import _build_flux_components
-    from diffuserve.models.tiny import TinyFluxPreset, _tiny_clip_config, build_tokenizers
+    from diffuserve.models.tiny import TinyFluxPreset, build_tokenizers
+    from diffuserve.models.tiny_parts import tiny_clip_config
 
     dit = build_dit("flux", device, dtype, tiny)
     joint, pooled = dit.config.joint_attention_dim, dit.config.pooled_projection_dim
     components = _build_flux_components(TinyFluxPreset(latent_channels=16, text_hidden=joint))
     clip_tokenizer, t5_tokenizer = build_tokenizers(8 if tiny else 512)
     torch.manual_seed(1)
-    components["text_encoder"] = CLIPTextModel(CLIPTextConfig(**_tiny_clip_config(clip_tokenizer, pooled))).eval()
+    components["text_encoder"] = CLIPTextModel(CLIPTextConfig(**tiny_clip_config(clip_tokenizer, pooled))).eval()
     components |= {"tokenizer": clip_tokenizer, "tokenizer_2": t5_tokenizer}
     for key in ("text_encoder", "text_encoder_2", "vae"):
         components[key] = components[key].to(device=device, dtype=dtype).requires_grad_(False)
