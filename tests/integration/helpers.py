@@ -43,3 +43,12 @@ def wait_for_log(server, pattern: str, *, start: int = 0, timeout_s: float = 20)
             return match
         time.sleep(0.05)
     raise AssertionError(f"log never matched {pattern!r}; tail:\n{server.log()[start:][-3000:]}")
+
+
+def wait_draining(base_url: str, timeout_s: float = 60) -> httpx.Response:
+    """Until /health (a public probe) answers 503: the drain has begun. Returns that answer."""
+    deadline = time.monotonic() + timeout_s
+    while (health := httpx.get(f"{base_url}/health", timeout=10)).status_code != 503:
+        assert time.monotonic() < deadline, "the drain never turned /health 503"
+        time.sleep(0.05)
+    return health

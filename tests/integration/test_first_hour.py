@@ -23,7 +23,7 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.integration.helpers import decode_b64_png, metric_value, pixels, wait_for_log
+from tests.integration.helpers import decode_b64_png, metric_value, pixels, wait_draining, wait_for_log
 from tests.serverproc import ServerProcess, free_port
 
 KEY = "first-hour-key"
@@ -340,15 +340,6 @@ def test_make_bench_leaves_no_temporary_folder(tmp_path: Path):
 # -- last in the module: it shuts the module's server down ----------------------------------------------
 
 
-def _wait_draining(base: str, timeout_s: float = 60) -> None:
-    """Until /health (a public probe) answers 503 `draining`: the drain has begun."""
-    deadline = time.monotonic() + timeout_s
-    while (health := httpx.get(f"{base}/health", timeout=10)).status_code != 503:
-        assert time.monotonic() < deadline, "SIGTERM never turned /health 503"
-        time.sleep(0.05)
-    assert health.json()["status"] == "draining", health.text
-
-
 def test_second_signal_answers_in_flight_with_503_and_exits_130(server: ServerProcess):
     base = server.base_url
     body = {"prompt": "never finishes", "size": "32x32", "num_inference_steps": 50000}
@@ -362,7 +353,8 @@ def test_second_signal_answers_in_flight_with_503_and_exits_130(server: ServerPr
     assert full.status_code == 429  # --max-queue-size 2
 
     server.signal(signal.SIGTERM)
-    _wait_draining(base)
+    health = wait_draining(base)
+    assert health.json()["status"] == "draining", health.text
     late = httpx.post(f"{base}/v1/images/generations", json=body, headers=AUTH, timeout=30)
     assert late.status_code == 503
     after = _errors(server)

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.integration.helpers import wait_draining
 from tests.serverproc import REPO, ServerProcess
 from tests.step_hold import StepHold, running
 
@@ -137,10 +138,7 @@ def test_second_signal_says_what_happened_once(tiny_flux_path: Path, tmp_path: P
         assert time.monotonic() < deadline, server.log()[-3000:]
         time.sleep(0.05)
     server.signal(signal.SIGTERM)
-    deadline = time.monotonic() + 60
-    while httpx.get(f"{server.base_url}/health", timeout=10).status_code != 503:  # the drain has begun
-        assert time.monotonic() < deadline, server.log()[-3000:]
-        time.sleep(0.05)
+    wait_draining(server.base_url)  # the drain has begun
     server.signal(signal.SIGTERM)
     thread.join(60)
     hold.release()
