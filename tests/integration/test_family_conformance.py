@@ -324,10 +324,7 @@ def test_sizes_beyond_the_positional_tables_or_off_the_grid_are_refused(case: Fa
 
 def prompt_truncations(native: Any, text: str) -> list:
     """What the server reports for `text` as a prompt (server/common.py `prompt_warnings`)."""
-    from diffuserve.pipelines.prompt_limits import PromptTokens
-
-    limits = getattr(native, "prompt_token_limits", None)
-    return list(PromptTokens(limits()).count({"prompt": text}).truncations) if limits is not None else []
+    return list(native.prompt_tokens().count({"prompt": text}).truncations)
 
 
 @cases(lambda c: c.warns_long_prompt)

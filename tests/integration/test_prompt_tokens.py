@@ -105,7 +105,7 @@ def test_every_family_reports_a_truncated_prompt_from_its_spec(
     pipeline = _load(path, backend)
     facts = spec_for(pipeline.family).text_encoders
     assert facts, f"{pipeline.family}: its spec lists no text encoders"
-    limits = pipeline.prompt_token_limits()
+    limits = pipeline.prompt_tokens().limits
     assert [limit.encoder for limit in limits] == [fact.label for fact in facts]
     if length_attr is not None:  # the limit reported is the length the encode really reads
         assert limits[-1].max_tokens == getattr(pipeline, length_attr)

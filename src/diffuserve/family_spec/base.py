@@ -8,6 +8,7 @@ request builder (default sampling values). Nothing here imports torch: `diffuser
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -120,6 +121,43 @@ class ProfileFacts:
     """The native DiT has a tensor-parallel plan, so `--tp-size` runs for it."""
 
 
+GuidanceTrigger = Literal["true_cfg", "true_cfg_given_negative", "above_one", "not_one", "above_zero", "never"]
+"""When the unconditional (negative) branch runs, as the family's diffusers pipeline decides:
+- `true_cfg`: the scale > 1 and a non-empty negative prompt (FluxPipeline, QwenImagePipeline);
+- `true_cfg_given_negative`: the scale > 1 and a negative prompt given, "" included (QwenImageEditPipeline);
+- `above_one`: the scale > 1 (SANA, SD3, Wan, FLUX.2 Klein); `not_one`: the scale != 1 (HunyuanVideo 1.5);
+- `above_zero`: the scale > 0 (Z-Image); `never`: guidance-distilled, no negative branch (FLUX.2-dev)."""
+
+
+@dataclass(frozen=True)
+class GuidanceRule:
+    """Classifier-free guidance of a family: which request field is its scale and when the negative branch runs."""
+
+    scale_field: Literal["true_cfg_scale", "guidance_scale"] = "true_cfg_scale"
+    """The request field that scales the guidance (`combine_guidance` reads it; FLUX.1 and Qwen-Image keep
+    `guidance_scale` for the embedded guidance of distilled checkpoints)."""
+    runs_when: GuidanceTrigger = "true_cfg"
+    """When the negative branch runs (see `GuidanceTrigger`)."""
+
+    def scale(self, params: Any) -> float:
+        """The guidance scale of a request (`SamplingParams`)."""
+        return float(getattr(params, self.scale_field))
+
+    def runs(self, params: Any) -> bool:
+        """Whether a request's (`SamplingParams`) negative branch runs: the batch's rows double when it does."""
+        scale = self.scale(params)
+        trigger = self.runs_when
+        if trigger == "true_cfg":
+            return scale > 1.0 and bool(params.negative_prompt)
+        if trigger == "true_cfg_given_negative":
+            return scale > 1.0 and params.negative_prompt is not None
+        if trigger == "not_one":
+            return not math.isclose(scale, 1.0)
+        if trigger == "above_zero":
+            return scale > 0.0
+        return trigger == "above_one" and scale > 1.0
+
+
 @dataclass(frozen=True)
 class TextEncoderFacts:
     """One text encoder a prompt goes through, and how much of the prompt it reads (the server warns about,
@@ -211,6 +249,12 @@ class FamilySpec:
     """CFG runs as ONE doubled transformer batch to match diffusers exactly, so CFG parallel (one branch per
     rank) cannot reproduce it: `plan` and start-up refuse `--enable-cfg-parallel`, and the recipe runs the
     doubled batch (`RecipePipeline.batched_cfg`)."""
+    guidance: GuidanceRule = GuidanceRule()
+    """Its classifier-free guidance: the scale's request field and when the negative branch runs (the recipe's
+    `uses_cfg` / `cfg_scale`)."""
+    peer_fields: frozenset[str] = frozenset()
+    """Peer request fields (`sampling.PEER_FIELDS`) every checkpoint of the family gives meaning to, beyond what
+    the checkpoint adds (`flow_shift` with a shifting scheduler, `control_image` with ControlNets loaded)."""
     text_encoder_keys: tuple[str, ...] = ()
     """model_index.json keys of the text encoders the native adapter runs, in encode order (an optional one the
     checkpoint leaves out, such as SD3's T5, is dropped by `describe_checkpoint`)."""

@@ -79,6 +79,7 @@ SPECS = (
     FamilySpec(
         quant_keep=FLUX_QUANT_KEEP,
         name="flux",
+        peer_fields=frozenset({"true_cfg_scale"}),
         request_check=check_flux,
         text_encoders=FLUX_TEXT_ENCODERS,
         pipeline_classes=("FluxPipeline", "FluxImg2ImgPipeline"),
@@ -119,6 +120,7 @@ SPECS = (
     FamilySpec(
         quant_keep=FLUX_QUANT_KEEP,
         name="flux_fill",
+        peer_fields=frozenset({"true_cfg_scale"}),
         request_check=check_flux_fill,
         text_encoders=FLUX_TEXT_ENCODERS,
         pipeline_classes=("FluxFillPipeline",),

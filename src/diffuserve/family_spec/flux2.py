@@ -13,6 +13,7 @@ from diffuserve.errors import InvalidRequestError
 from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
+    GuidanceRule,
     LatentGeometry,
     ProfileFacts,
     SamplingDefaults,
@@ -125,6 +126,7 @@ SPECS = (
     FamilySpec(
         quant_keep=FLUX2_QUANT_KEEP,
         name="flux2",
+        guidance=GuidanceRule(runs_when="never"),
         request_check=check_flux2,
         text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Mistral3)", 512),),
         pipeline_classes=("Flux2Pipeline",),
@@ -153,6 +155,7 @@ SPECS = (
     FamilySpec(
         quant_keep=FLUX2_QUANT_KEEP,
         name="flux2_klein",
+        guidance=GuidanceRule(scale_field="guidance_scale", runs_when="above_one"),
         request_check=check_flux2_klein,
         text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Qwen3)", 512),),
         pipeline_classes=("Flux2KleinPipeline", "Flux2KleinInpaintPipeline"),

@@ -10,6 +10,7 @@ from typing import Any
 from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
+    GuidanceRule,
     LatentGeometry,
     ProfileFacts,
     SamplingDefaults,
@@ -114,6 +115,7 @@ def check_hunyuan_video15_i2v(params: Any, rules: RequestRules, tokens: TokenCou
 SPECS = (
     FamilySpec(
         name="hunyuan_video_15",
+        guidance=GuidanceRule(scale_field="guidance_scale", runs_when="not_one"),
         request_check=check_hunyuan_video15,
         pipeline_classes=("HunyuanVideo15Pipeline",),
         model_id_patterns=(r"hunyuan[-_]?video[-_]?1[._-]?5",),
@@ -130,6 +132,7 @@ SPECS = (
     ),
     FamilySpec(
         name="hunyuan_video_15_i2v",
+        guidance=GuidanceRule(scale_field="guidance_scale", runs_when="not_one"),
         request_check=check_hunyuan_video15_i2v,
         pipeline_classes=("HunyuanVideo15ImageToVideoPipeline",),
         model_id_patterns=(r"hunyuan[-_]?video[-_]?1[._-]?5.*i2v",),

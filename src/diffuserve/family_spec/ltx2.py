@@ -5,6 +5,7 @@ from typing import Any
 
 from diffuserve.family_spec.base import (
     FamilySpec,
+    GuidanceRule,
     ProfileFacts,
     SamplingDefaults,
     TextEncoderFacts,
@@ -60,6 +61,8 @@ SPECS = (
     FamilySpec(
         quant_keep=LTX2_QUANT_KEEP,
         name="ltx2",
+        guidance=GuidanceRule(scale_field="guidance_scale"),
+        peer_fields=frozenset({"generate_audio"}),
         request_check=check_ltx2,
         text_encoders=LTX2_TEXT_ENCODERS,
         pipeline_classes=("LTX2Pipeline", "LTX2ImageToVideoPipeline"),

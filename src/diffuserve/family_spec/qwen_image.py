@@ -117,6 +117,7 @@ SPECS = (
     FamilySpec(
         quant_keep=QWEN_IMAGE_QUANT_KEEP,
         name="qwen_image",
+        peer_fields=frozenset({"true_cfg_scale"}),
         request_check=check_qwen_image,
         text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Qwen2.5-VL)", QWEN_IMAGE_TEXT_TOKENS),),
         pipeline_classes=("QwenImagePipeline", "QwenImageInpaintPipeline"),
@@ -150,6 +151,7 @@ SPECS = (
     FamilySpec(
         quant_keep=QWEN_IMAGE_QUANT_KEEP,
         name="qwen_image_21",
+        peer_fields=frozenset({"true_cfg_scale"}),
         request_check=check_qwen_image_21,
         text_encoders=(TextEncoderFacts("processor", "text_encoder (Qwen3-VL)", QWEN_IMAGE_21_ROPE_POSITIONS[0] - 1),),
         pipeline_classes=("QwenImage21Pipeline",),

@@ -4,7 +4,7 @@ import math
 from typing import Any
 
 from diffuserve.errors import InvalidRequestError
-from diffuserve.family_spec.base import FamilySpec, SamplingDefaults, TextEncoderFacts
+from diffuserve.family_spec.base import FamilySpec, GuidanceRule, SamplingDefaults, TextEncoderFacts
 from diffuserve.family_spec.qwen_image import (
     QWEN_IMAGE_LAYERS,
     QWEN_IMAGE_QUANT_KEEP,
@@ -68,6 +68,7 @@ SPECS = (
     FamilySpec(
         quant_keep=QWEN_IMAGE_QUANT_KEEP,
         name="qwen_image_edit",
+        guidance=GuidanceRule(runs_when="true_cfg_given_negative"),
         request_check=check_qwen_image_edit,
         text_encoders=EDIT_TEXT_ENCODERS,
         pipeline_classes=("QwenImageEditPipeline", "QwenImageEditInpaintPipeline"),
@@ -95,6 +96,7 @@ SPECS = (
     FamilySpec(
         quant_keep=QWEN_IMAGE_QUANT_KEEP,
         name="qwen_image_edit_plus",
+        guidance=GuidanceRule(runs_when="true_cfg_given_negative"),
         request_check=check_qwen_image_edit,
         text_encoders=EDIT_TEXT_ENCODERS,
         pipeline_classes=("QwenImageEditPlusPipeline",),

@@ -5,6 +5,7 @@ import dataclasses
 from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
+    GuidanceRule,
     LatentGeometry,
     ProfileFacts,
     SamplingDefaults,
@@ -36,6 +37,7 @@ SANA_QUANT_KEEP = ("patch_embed.*", "caption_projection.*", "time_embed.*", "pro
 SPEC = FamilySpec(
     quant_keep=SANA_QUANT_KEEP,
     name="sana",
+    guidance=GuidanceRule(scale_field="guidance_scale", runs_when="above_one"),
     text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Gemma2)", 300),),
     pipeline_classes=("SanaPipeline",),
     model_id_patterns=(r"sana",),

@@ -6,6 +6,7 @@ from typing import Any
 from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
+    GuidanceRule,
     LatentGeometry,
     ProfileFacts,
     SamplingDefaults,
@@ -54,6 +55,7 @@ def check_sd3(params: Any, rules: RequestRules, tokens: TokenCount | None = None
 SPEC = FamilySpec(
     quant_keep=SD3_QUANT_KEEP,
     name="sd3",
+    guidance=GuidanceRule(scale_field="guidance_scale", runs_when="above_one"),
     request_check=check_sd3,
     text_encoders=(
         TextEncoderFacts("tokenizer", "text_encoder (CLIP-L)", 77),

@@ -7,6 +7,7 @@ from diffuserve.errors import InvalidRequestError
 from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
+    GuidanceRule,
     LatentGeometry,
     ProfileFacts,
     SamplingDefaults,
@@ -79,6 +80,7 @@ SPECS = (
     FamilySpec(
         quant_keep=WAN_QUANT_KEEP,
         name="wan",
+        guidance=GuidanceRule(scale_field="guidance_scale", runs_when="above_one"),
         request_check=check_wan,
         text_encoders=WAN_TEXT_ENCODERS,
         pipeline_classes=("WanPipeline",),
@@ -109,6 +111,7 @@ SPECS = (
     FamilySpec(
         quant_keep=WAN_QUANT_KEEP,
         name="wan_i2v",
+        guidance=GuidanceRule(scale_field="guidance_scale", runs_when="above_one"),
         request_check=check_wan_i2v,
         text_encoders=WAN_TEXT_ENCODERS,
         pipeline_classes=("WanImageToVideoPipeline",),

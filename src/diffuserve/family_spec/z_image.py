@@ -6,6 +6,7 @@ from diffuserve.errors import InvalidRequestError
 from diffuserve.family_spec.base import (
     CheckpointConfigs,
     FamilySpec,
+    GuidanceRule,
     LatentGeometry,
     ProfileFacts,
     SamplingDefaults,
@@ -63,6 +64,7 @@ def check_z_image(params: Any, rules: RequestRules, tokens: TokenCount | None = 
 SPEC = FamilySpec(
     quant_keep=Z_IMAGE_QUANT_KEEP,
     name="z_image",
+    guidance=GuidanceRule(scale_field="guidance_scale", runs_when="above_zero"),
     request_check=check_z_image,
     text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Qwen3)", 512),),
     pipeline_classes=("ZImagePipeline", "ZImageInpaintPipeline"),

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from diffuserve.family_spec.base import FamilySpec, SamplingDefaults
+from diffuserve.family_spec.base import FamilySpec, GuidanceRule, SamplingDefaults
 
 if TYPE_CHECKING:
     import torch
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from diffuserve.family_spec.request_rules import RequestRules
     from diffuserve.family_spec.text_tokens import EncoderLimit
     from diffuserve.pipelines.lanes import Lanes
-    from diffuserve.pipelines.prompt_limits import PromptTokens, TextEncoderLimit
+    from diffuserve.pipelines.prompt_limits import PromptTokens, TextReading
     from diffuserve.sampling import ModelDescription, SamplingParams
 
 
@@ -197,9 +197,20 @@ class Pipeline:
     """The encode and decode side lanes (`pipelines/lanes.py`), made on first use by `lanes()`."""
     _prompt_tokens_lock = threading.Lock()
     """Builds each pipeline's `PromptTokens` once (its tokenizer copies are made once per loaded model)."""
+    family_facts: Mapping[str, Any] = {}
+    """The checkpoint's own facts its family's request check reads (`FamilySpec.request_check`), set by the adapter
+    from its checkpoint (Wan2.2's two experts, a distilled Klein, Qwen-Image 2.1's prompt template); plain data."""
+    described: Mapping[str, Any] = {}
+    """Facts of this checkpoint for /server_info and the start-up log beyond the common ones (`describe`)."""
+    text_readings: Mapping[str, TextReading] = {}
+    """Per model_index tokenizer key, how the adapter gives texts to that encoder beyond what the tokenizer declares
+    (`prompt_limits.TextReading`: a cap of its own, a chat-template framing); empty: as declared."""
     _prompt_tokens_owner: PromptTokens | None = None
     """The built `PromptTokens` (None until `prompt_tokens()` first runs)."""
 
+    guidance_rule: GuidanceRule = GuidanceRule()
+    """Its classifier-free guidance: the family spec's rule (`bind_facts`); an adapter may narrow it for its checkpoint
+    (a step-distilled FLUX.2 Klein never runs the negative branch)."""
     facts: CheckpointFacts | None = None
     """A native adapter's checkpoint facts (`family_spec.checkpoint.describe_checkpoint`), set by `bind_facts`."""
 
@@ -231,6 +242,7 @@ class Pipeline:
         self.defaults = facts.defaults
         self.supports_continuous = facts.supports_continuous
         self.packs_mixed_sizes, self.strength_per_row = spec.packs_mixed_sizes, spec.strength_per_row
+        self.guidance_rule = spec.guidance
         self.batched_cfg = facts.cfg_batched
         """Run CFG as one doubled batch (`RecipePipeline.batched_cfg`); tests may flip it on an instance."""
         self.text_encoders = facts.text_encoders
@@ -324,9 +336,10 @@ class Pipeline:
 
     def request_facts(self) -> dict[str, Any]:
         """The checkpoint's own facts its family's request check reads (`FamilySpec.request_check`), plain data: the
-        loaded ControlNets' Union mode counts by name (the base); a family adds its own."""
+        loaded ControlNets' Union mode counts by name and the adapter's `family_facts`."""
         nets = self.controlnets
-        return {"controlnets": {name: net.num_modes for name, net in nets.items()}} if nets else {}
+        loaded = {"controlnets": {name: net.num_modes for name, net in nets.items()}} if nets else {}
+        return {**loaded, **self.family_facts}
 
     def validate(self, params: SamplingParams) -> None:
         """`sampling.validate_request` against this pipeline's rules (for tools and tests in the engine's process;
@@ -423,63 +436,14 @@ class Pipeline:
         part = getattr(self, key, None)
         return part if part is not None else getattr(getattr(self, "pipe", None), key, None)
 
-    def text_token_cap(self, key: str) -> int | None:
-        """A cap of the adapter's own on what the encoder behind tokenizer `key` reads, beyond its tokenizer's
-        declaration (e.g. the DiT's positions); None: none."""
-        return None
-
-    def text_frame(self, key: str) -> Callable[[Any], int] | None:
-        """How the adapter frames a text for the encoder behind tokenizer `key` (chat template, system message):
-        a function giving, for a tokenizer, the tokens an empty text becomes, after any prefix the adapter drops
-        (`TextEncoderLimit.framed_empty`). None: the encoder is given the text alone."""
-        return None
-
-    def prompt_token_limits(self) -> list[TextEncoderLimit]:
-        """What each text encoder takes, from the family spec's `text_encoders` and this checkpoint's tokenizers
-        (each capped by what its tokenizer declares and by `text_token_cap`). These are the pipeline's own
-        tokenizer objects: count only through `prompt_tokens()`, which copies them."""
-        from diffuserve.family_spec import spec_for
-        from diffuserve.pipelines.prompt_limits import TextEncoderLimit, declared_limit, inner_tokenizer
-
-        try:
-            facts = spec_for(self.family).text_encoders
-        except KeyError:
-            return []
-        limits = []
-        for fact in facts:
-            part = self.tokenizer_part(fact.tokenizer)
-            if part is None:  # e.g. SD3 without T5
-                continue
-            tokenizer = inner_tokenizer(part)
-            limit, cap = declared_limit(tokenizer, fact.max_tokens), self.text_token_cap(fact.tokenizer)
-            if cap is not None and limit is not None:
-                limit = min(limit, cap)
-            limits.append(
-                TextEncoderLimit(fact.label, tokenizer, limit, self.text_frame(fact.tokenizer), key=fact.tokenizer)
-            )
-        return limits
-
-    def _usage_fallback(self) -> TextEncoderLimit | None:
-        """For a family whose spec lists no encoders: the longest-context tokenizer (T5 for FLUX / SD3-style
-        pipelines, else the first), read up to min(declared, 512) tokens."""
-        from diffuserve.pipelines.prompt_limits import TextEncoderLimit, inner_tokenizer
-
-        for key in ("tokenizer_3", "tokenizer_2", "tokenizer"):
-            part = self.tokenizer_part(key)
-            if part is not None and callable(part):
-                tokenizer = inner_tokenizer(part)
-                declared = getattr(tokenizer, "model_max_length", 512)
-                return TextEncoderLimit(key, tokenizer, min(int(declared or 512), 512), key=key)
-        return None
-
     def prompt_tokens(self) -> PromptTokens:
-        """THE owner of this model's prompt token counts, built once (private tokenizer copies)."""
-        from diffuserve.pipelines.prompt_limits import PromptTokens
+        """THE owner of this model's prompt token counts, built once from its tokenizers (private copies) and its
+        `text_readings` (`prompt_limits.checkpoint_counter`)."""
+        from diffuserve.pipelines.prompt_limits import checkpoint_counter
 
         with Pipeline._prompt_tokens_lock:
             if self._prompt_tokens_owner is None:
-                limits = self.prompt_token_limits()
-                self._prompt_tokens_owner = PromptTokens(limits, usage=None if limits else self._usage_fallback())
+                self._prompt_tokens_owner = checkpoint_counter(self.family, self.tokenizer_part, self.text_readings)
             return self._prompt_tokens_owner
 
     def describe(self) -> dict[str, Any]:
@@ -496,4 +460,5 @@ class Pipeline:
             # Prompt tokens each text encoder reads (null: the whole prompt). Asking builds the token owner, so
             # the engine's start-up log (in its own thread, at load) makes the private tokenizer copies.
             "text_encoders": {limit.encoder: limit.max_tokens for limit in self.prompt_tokens().limits},
+            **self.described,
         }

@@ -3,12 +3,12 @@ and the `usage` text tokens of a response.
 
 Family-agnostic: a family spec lists its text encoders (`family_spec.base.TextEncoderFacts`); a loaded pipeline
 turns them into `TextEncoderLimit`s (its tokenizer + the most tokens the encoder is given, special tokens
-included) from `prompt_token_limits()`, and describes them to the front end as plain data (`table`: each
-encoder's tokenizer folder and its limit net of the pipeline's framing, `family_spec/text_tokens.EncoderLimit`). The
-front end builds its own `PromptTokens` from that table (`prompt_counter`: the tokenizers loaded from their folders,
-never the engine's objects) and counts a request's texts once, for prompt limits, truncation warnings and usage
-together, off the event loop, before queueing the request; it warns (or, with `--reject-truncated-prompts`,
-refuses).
+included) with `checkpoint_counter` (its tokenizers and its `text_readings`), and describes them to the front end
+as plain data (`table`: each encoder's tokenizer folder and its limit net of the pipeline's framing,
+`family_spec/text_tokens.EncoderLimit`). The front end builds its own `PromptTokens` from that table
+(`prompt_counter`: the tokenizers loaded from their folders, never the engine's objects) and counts a request's
+texts once, for prompt limits, truncation warnings and usage together, off the event loop, before queueing the
+request; it warns (or, with `--reject-truncated-prompts`, refuses).
 """
 
 from __future__ import annotations
@@ -74,6 +74,17 @@ class TextEncoderLimit:
     key: str | None = None
     """The tokenizer's model_index key (`tokenizer_2`): the count's ids are carried to the encode under it
     (`pipelines/token_ids.py`). None: the ids are not carried."""
+
+
+@dataclass(frozen=True)
+class TextReading:
+    """How an adapter gives texts to the encoder behind one tokenizer, beyond what the tokenizer declares."""
+
+    cap: int | None = None
+    """A cap of the adapter's own on the tokens the encoder reads (e.g. the DiT's text positions); None: none."""
+    framed_empty: Callable[[Any], int] | None = None
+    """The adapter's framing (chat template, system message): for a given tokenizer, the tokens an empty text
+    becomes after any prefix the adapter drops (`TextEncoderLimit.framed_empty`). None: the text alone."""
 
 
 @dataclass(frozen=True)
@@ -241,6 +252,42 @@ class PromptTokens:
         if id(tokenizer) not in counted:
             counted[id(tokenizer)] = len(cls._tokenize(tokenizer, text))
         return counted[id(tokenizer)]
+
+
+def checkpoint_counter(
+    family: str, part_of: Callable[[str], Any], readings: Mapping[str, TextReading] | None = None
+) -> PromptTokens:
+    """A model's prompt counter, built from its checkpoint's tokenizers: the family spec's text encoders, each
+    limited by what its tokenizer declares and by the adapter's `readings` (per model_index tokenizer key).
+    `part_of(key)` is the loaded tokenizer or processor of model_index key `key` (None when the checkpoint has
+    none, e.g. SD3 without T5). A family whose spec lists no encoders counts `usage` on its longest-context
+    tokenizer (T5 for FLUX / SD3-style pipelines, else the first) up to min(declared, 512) tokens."""
+    from diffuserve.family_spec import spec_for
+
+    try:
+        facts = spec_for(family).text_encoders
+    except KeyError:
+        facts = ()
+    limits = []
+    for fact in facts:
+        part = part_of(fact.tokenizer)
+        if part is None:
+            continue
+        tokenizer = inner_tokenizer(part)
+        reading = (readings or {}).get(fact.tokenizer, TextReading())
+        limit = declared_limit(tokenizer, fact.max_tokens)
+        if reading.cap is not None and limit is not None:
+            limit = min(limit, reading.cap)
+        limits.append(TextEncoderLimit(fact.label, tokenizer, limit, reading.framed_empty, key=fact.tokenizer))
+    if limits:
+        return PromptTokens(limits)
+    for key in ("tokenizer_3", "tokenizer_2", "tokenizer"):
+        part = part_of(key)
+        if part is not None and callable(part):
+            tokenizer = inner_tokenizer(part)
+            declared = getattr(tokenizer, "model_max_length", 512)
+            return PromptTokens([], usage=TextEncoderLimit(key, tokenizer, min(int(declared or 512), 512), key=key))
+    return PromptTokens([])
 
 
 def inner_tokenizer(part: Any) -> Any:

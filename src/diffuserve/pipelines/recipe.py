@@ -1,11 +1,11 @@
 """The denoising recipe, once for every native family: `RecipePipeline.run`.
 
-A family adapter (a `RecipePipeline` subclass) supplies only encode_text / prepare / predict (one denoiser
-call) / decode, and where its family needs them its own guidance combine (Qwen-Image's norm-rescaled true
-CFG) and a per-step choice of denoiser (Wan2.2's experts). The shared run owns the rest: checking the batch
-signature, encoding each distinct text once and gathering one conditioning row per output, timing per stage,
-residency scopes per stage and per denoiser, the CFG choice (two passes or one doubled batch), cancellation
-between steps, progress and previews, and splitting the rows back per request.
+A family adapter supplies only the parts of the `FamilyAdapter` protocol (`pipelines/adapter.py`): encode_text /
+prepare / predict (one denoiser call) / decode, and where its family needs them the optional ones (its own guidance
+combine, a per-step choice of denoiser, packing). The shared run owns the rest: checking the batch signature,
+encoding each distinct text once and gathering one conditioning row per output, timing per stage, residency scopes
+per stage and per denoiser, the CFG choice (two passes or one doubled batch), cancellation between steps, progress
+and previews, and splitting the rows back per request.
 
 The batch pieces it shares with the continuous steps (seeds, noise, rows, conditioning) are in
 `pipelines/batch_rows.py` (re-exported here, so an adapter reads `recipe.row_generators`, `recipe.Cond`, ...).
@@ -77,6 +77,11 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
     """Component keys of the denoiser(s); `denoiser_for_step` picks one per step."""
     decoder: str = "vae"
     """Component key that `decode` runs."""
+    checkpoint_fields: frozenset[str] = frozenset()
+    """Peer request fields this checkpoint adds to its family's (`request_fields`): Wan2.2's second expert's."""
+    conditioning_components: tuple[str, ...] = ()
+    """Components besides the decoder (whose encoder makes image latents) that `prepare` runs for an image-conditioned
+    request, each entered in its residency scope by the recipe (Wan / HunyuanVideo 1.5 I2V: the image encoder)."""
     masked_sequences: dict[str, str] = {}
     """Variable-length text encoders: `encode_text` output key of a padded sequence -> key of its attention
     mask (1 = token, 0 = padding). Rows are trimmed and padded through these when requests merge."""
@@ -84,6 +89,8 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
     """Run CFG as one doubled batch instead of two passes (diffusers runs two passes)."""
     cfg_parallel: Any = None
     """A `parallel.cfg_parallel.CfgParallel` when the two CFG branches run on two ranks; None in one process."""
+    scheduler: Any = None
+    """The checkpoint's scheduler (model_index.json `scheduler`), the template of each batch's private copy."""
     prefetches_text = True
     split_over_ranks = True
     lora: LoraBank | None = None
@@ -114,56 +121,59 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
             return contextlib.nullcontext()
         return self.lora.rows([p.lora for p in batch for _ in range(p.n)])
 
-    # -- family parts ------------------------------------------------------------------------------------
+    # -- family parts: the `FamilyAdapter` protocol (pipelines/adapter.py) and the recipe's defaults -------------
 
     def encode_text(self, key: str, texts: list[str], batch: Sequence[SamplingParams]) -> Cond:
-        """Encode `texts` (the batch's distinct texts) with text encoder `key`: one row per text."""
-        raise NotImplementedError
-
-    def uses_cfg(self, head: SamplingParams) -> bool:
-        """Whether the unconditional branch runs (default: true CFG, `true_cfg_scale > 1` with a negative prompt)."""
-        return head.cfg_enabled
-
-    def cfg_scale(self, head: SamplingParams) -> float:
-        """The CFG scale (default `true_cfg_scale`; families with classic CFG use `guidance_scale`)."""
-        return head.true_cfg_scale
-
-    def prepare_components(self, head: SamplingParams) -> tuple[str, ...]:
-        """Components `prepare` runs (the VAE encoder for image-conditioned requests)."""
-        return (self.decoder,) if head.image_inputs else ()
+        raise NotImplementedError  # FamilyAdapter.encode_text
 
     def prepare(self, batch: Sequence[SamplingParams], head: SamplingParams, positive: Cond) -> DenoiseState:
-        """Initial latents (noise row j of a request from `seed + j`), timesteps, scheduler and extras."""
-        raise NotImplementedError
+        raise NotImplementedError  # FamilyAdapter.prepare
 
     def predict(
         self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
     ) -> torch.Tensor:
-        """One call of denoiser `model_key`; `timestep` is the raw scheduler timestep, one per row."""
-        raise NotImplementedError
+        raise NotImplementedError  # FamilyAdapter.predict
+
+    def decode(self, latents: torch.Tensor, state: DenoiseState) -> list[Any]:
+        raise NotImplementedError  # FamilyAdapter.decode
+
+    def preview(self, latents: torch.Tensor, state: DenoiseState) -> list[Any]:
+        return self.decode(latents, state)  # OptionalParts.preview's default
 
     def combine_guidance(
         self, cond: torch.Tensor, uncond: torch.Tensor, head: SamplingParams, state: DenoiseState, step_index: int
     ) -> torch.Tensor:
-        """The guided prediction from the two branches (default: the classic CFG combination)."""
-        return combine_cfg(cond, uncond, self.cfg_scale(head))
+        return combine_cfg(cond, uncond, self.cfg_scale(head))  # OptionalParts.combine_guidance's default
+
+    def step_extras(self, states: Sequence[DenoiseState]) -> dict[str, Any]:
+        return states[0].extras  # OptionalParts.step_extras' default
+
+    def uses_cfg(self, head: SamplingParams) -> bool:
+        """Whether the negative branch runs for `head`'s batch: the `guidance_rule` (the family spec's)."""
+        return self.guidance_rule.runs(head)
+
+    def cfg_scale(self, head: SamplingParams) -> float:
+        """The guidance scale of `head`'s batch: the request field the `guidance_rule` names."""
+        return self.guidance_rule.scale(head)
+
+    def request_fields(self) -> frozenset[str]:
+        """The spec's `peer_fields` and the checkpoint's `checkpoint_fields`, `flow_shift` with a shifting scheduler,
+        `control_image` with ControlNets loaded."""
+        control = ("control_image",) if self.controlnets else ()
+        shift = ("flow_shift",) if has_flow_shift(self.scheduler) else ()
+        return frozenset({*self.spec.peer_fields, *self.checkpoint_fields, *control, *shift})
+
+    def prepare_components(self, head: SamplingParams) -> tuple[str, ...]:
+        """Components `prepare` runs: `conditioning_components` for image-conditioned requests, else none."""
+        return (self.decoder, *self.conditioning_components) if head.image_inputs else ()
 
     def denoiser_for_step(self, step_index: int, timestep: torch.Tensor, state: DenoiseState) -> str:
-        """Which denoiser runs this step (default: the only one)."""
-        return self.denoisers[0]
+        return self.denoisers[0]  # OptionalParts.denoiser_for_step's default: the only one
 
     def scheduler_step(
         self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState
     ) -> torch.Tensor:
         return state.scheduler.step(noise_pred, timestep, latents, return_dict=False)[0]
-
-    def decode(self, latents: torch.Tensor, state: DenoiseState) -> list[Any]:
-        """Final latents -> one PIL image (or list of frames, for video) per row."""
-        raise NotImplementedError
-
-    def preview(self, latents: torch.Tensor, state: DenoiseState) -> list[Any]:
-        """A cheap image per row of the current latents (default: a full decode)."""
-        return self.decode(latents, state)
 
     # -- the shared run ----------------------------------------------------------------------------------
 
@@ -380,9 +390,7 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
         return latents
 
     def narrow_state(self, state: DenoiseState, index: torch.Tensor) -> DenoiseState:
-        """The state a denoiser call on rows `index` only sees (`inpaint.started_prediction`): extras holding one
-        value per row are cut to those rows (default: none do)."""
-        return state
+        return state  # OptionalParts.narrow_state's default: no extras hold one value per row
 
     def _previews(self, latents: torch.Tensor, state: DenoiseState, batch: Sequence[SamplingParams]) -> list[list[Any]]:
         with torch.inference_mode(), self.decoder_scope():
@@ -406,13 +414,6 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
         """`key`'s residency scope; the decoder's through `decoder_scope` (an edit's VAE encode in `prepare` may
         run while the decode lane decodes the previous batch with the same VAE)."""
         return self.decoder_scope() if key == self.decoder else self.residency.use(key)
-
-    def step_extras(self, states: Sequence[DenoiseState]) -> dict[str, Any]:
-        """The extras of one continuous step over several requests' states (`pipelines/step_batch.py`).
-
-        Default: the first one's, which the continuous group key makes equal to the others' (same size and
-        guidance). A family whose extras count rows overrides this."""
-        return states[0].extras
 
     def run(
         self,

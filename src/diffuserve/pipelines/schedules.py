@@ -1,6 +1,6 @@
 """One flow-matching schedule for the native adapters (FLUX.2, Qwen-Image and its edit model, Z-Image, Sana): a
 private scheduler with its timesteps set as the family's diffusers pipeline sets them, cached per step count, shape
-and `flow_shift` (batch_rows.cached_schedule), and the request field that a shiftable scheduler accepts.
+and `flow_shift` (batch_rows.cached_schedule). The `flow_shift` request field is the recipe's (`request_fields`).
 
 What differs between families is passed in: the pipeline module's own `retrieve_timesteps`, and how the sigmas and
 `mu` follow from the scheduler config (each a function of the template's config, so a request's `flow_shift`, which
@@ -14,12 +14,7 @@ from typing import Any
 
 import torch
 
-from diffuserve.pipelines.batch_rows import cached_schedule, has_flow_shift, scheduler_template
-
-
-def flow_shift_fields(scheduler: Any) -> frozenset[str]:
-    """`{"flow_shift"}` when a request may set the scheduler's shift (`has_flow_shift`), else nothing."""
-    return frozenset({"flow_shift"}) if has_flow_shift(scheduler) else frozenset()
+from diffuserve.pipelines.batch_rows import cached_schedule, scheduler_template
 
 
 def flow_schedule(

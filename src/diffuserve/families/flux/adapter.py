@@ -201,12 +201,6 @@ class FluxNativePipeline(FluxPacking, recipe.RecipePipeline):
         overlays = [source.overlay for params, source in zip(batch, sources, strict=True) for _ in range(params.n)]
         return inpaint.InpaintRows(pack(mask), pack(image_latents), pack(noise), overlays)
 
-    def request_fields(self) -> frozenset[str]:
-        control = ("control_image",) if self.controlnets else ()
-        return frozenset(
-            {"true_cfg_scale", *control, *(("flow_shift",) if recipe.has_flow_shift(self.scheduler) else ())}
-        )
-
     def _image_ids_for(self, height: int, width: int) -> torch.Tensor:
         key = (height, width)
         if key not in self._image_ids:

@@ -27,10 +27,11 @@ and the diffusers call with the same values give the same image. What diffusers 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -54,8 +55,9 @@ from diffuserve.families.flux2.ops import Flux2Packing
 from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import inpaint, recipe
 from diffuserve.pipelines.base import component_configs
+from diffuserve.pipelines.prompt_limits import TextReading
 from diffuserve.pipelines.recipe import Cond, DenoiseState
-from diffuserve.pipelines.schedules import flow_schedule, flow_shift_fields
+from diffuserve.pipelines.schedules import flow_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +137,7 @@ class Flux2NativePipeline(Flux2Packing, recipe.RecipePipeline):
         self.dtype = dtype
         self.max_sequence_length = max_sequence_length
         """Text tokens per prompt (every prompt is padded to it; the transformer attends to all of them)."""
+        self.text_readings = {"tokenizer": TextReading(cap=max_sequence_length, framed_empty=self._framed_empty)}
         self.model_index = model_index or {}
         """The checkpoint's model_index.json (pipeline-level config such as Klein's `is_distilled`)."""
         self.components = {"text_encoder": text_encoder, "transformer": transformer, "vae": vae}
@@ -146,6 +149,19 @@ class Flux2NativePipeline(Flux2Packing, recipe.RecipePipeline):
         self._latent_ids: dict[tuple[int, int], torch.Tensor] = {}
         self._text_ids: dict[int, torch.Tensor] = {}
         self._schedules: dict[tuple[int, int, float | None], tuple[Any, torch.Tensor]] = {}
+
+    @staticmethod
+    def _framed_empty(tokenizer: Any) -> int:
+        """Tokens an empty text becomes in diffusers' chat format: the system message, then the text as the user
+        turn (the prompt counter's framing, `text_readings`)."""
+        return len(
+            tokenizer.apply_chat_template(
+                format_input([""], system_message=SYSTEM_MESSAGE)[0],
+                add_generation_prompt=False,
+                tokenize=True,
+                return_dict=True,
+            )["input_ids"]
+        )
 
     @classmethod
     def from_components(
@@ -179,26 +195,7 @@ class Flux2NativePipeline(Flux2Packing, recipe.RecipePipeline):
             model_index=_model_index(root),
         )
 
-    def text_token_cap(self, key: str) -> int | None:
-        """The encoder's positions cap the text too (`from_components`)."""
-        return self.max_sequence_length
-
-    def text_frame(self, key: str) -> Callable[[Any], int] | None:
-        """diffusers' chat format: the system message, then the text as the user turn."""
-        return lambda tokenizer: len(
-            tokenizer.apply_chat_template(
-                format_input([""], system_message=SYSTEM_MESSAGE)[0],
-                add_generation_prompt=False,
-                tokenize=True,
-                return_dict=True,
-            )["input_ids"]
-        )
-
     # -- defaults and validation -------------------------------------------------------------------------
-
-    def uses_cfg(self, head: Any) -> bool:
-        # Guidance-distilled: the guidance scale is an input of the transformer, never a second branch.
-        return False
 
     def _guidance_hint(self) -> str:
         return "FLUX.2-dev is guidance-distilled: set guidance_scale (embedded guidance) instead."
@@ -237,9 +234,6 @@ class Flux2NativePipeline(Flux2Packing, recipe.RecipePipeline):
             _make_room(self._text_ids)
             self._text_ids[seq_len] = Flux2Pipeline._prepare_text_ids(torch.empty(1, seq_len, 1))[0].to(self.device)
         return self._text_ids[seq_len]
-
-    def request_fields(self) -> frozenset[str]:
-        return flow_shift_fields(self.scheduler)
 
     def _schedule(
         self, num_steps: int, image_seq_len: int, flow_shift: float | None = None
@@ -382,14 +376,18 @@ class Flux2KleinNativePipeline(Flux2NativePipeline):
         super().__init__(**kwargs)
         self._empty_embeds: torch.Tensor | None = None
         """The encoding of "" (the unconditional text), computed on first use."""
+        # A step-distilled checkpoint runs no negative branch, whatever the guidance scale (`flux2/spec.check_flux2`).
+        self.family_facts = {"is_distilled": self.is_distilled}
+        if self.is_distilled:
+            self.guidance_rule = dataclasses.replace(self.guidance_rule, runs_when="never")
 
-    def text_frame(self, key: str) -> Callable[[Any], int] | None:
-        """diffusers' Qwen3 chat template: the text as one user turn, thinking off."""
-        return lambda tokenizer: len(
+    @staticmethod
+    def _framed_empty(tokenizer: Any) -> int:
+        """Tokens an empty text becomes in diffusers' Qwen3 chat template: one user turn, thinking off."""
+        chat = [{"role": "user", "content": ""}]
+        return len(
             tokenizer(
-                tokenizer.apply_chat_template(
-                    [{"role": "user", "content": ""}], tokenize=False, add_generation_prompt=True, enable_thinking=False
-                )
+                tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, enable_thinking=False)
             ).input_ids
         )
 
@@ -398,21 +396,11 @@ class Flux2KleinNativePipeline(Flux2NativePipeline):
         """model_index.json `is_distilled` (step-distilled Klein 4B/9B: guidance is ignored)."""
         return bool(self.model_index.get("is_distilled", False))
 
-    def request_facts(self) -> dict[str, Any]:
-        """A step-distilled checkpoint runs no unconditional branch (`flux2/spec.check_flux2`)."""
-        return {**super().request_facts(), "is_distilled": self.is_distilled}
-
-    def uses_cfg(self, head: Any) -> bool:
-        return head.guidance_scale > 1.0 and not self.is_distilled
-
     def scheduler_step(
         self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState
     ) -> torch.Tensor:
         # Masked edits put the kept region back after every step (a no-op for other batches).
         return inpaint.blend(super().scheduler_step(noise_pred, timestep, latents, state), state)
-
-    def cfg_scale(self, head: Any) -> float:
-        return head.guidance_scale
 
     def _guidance_hint(self) -> str:
         return "FLUX.2-Klein's classifier-free guidance scale is guidance_scale."

@@ -17,7 +17,6 @@ embedding is zero).
 from __future__ import annotations
 
 import io
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -153,9 +152,6 @@ class HunyuanVideo15NativePipeline(recipe.RecipePipeline):
         required_components(cls.family, components)  # the guider is optional: it only names the default scale
         return cls(components=components, device=device, dtype=dtype)
 
-    def request_fields(self) -> frozenset[str]:
-        return frozenset({"flow_shift"} if recipe.has_flow_shift(self.scheduler) else ())
-
     # -- 1. encode --------------------------------------------------------------------------------------------
 
     def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
@@ -180,13 +176,6 @@ class HunyuanVideo15NativePipeline(recipe.RecipePipeline):
             tokenizer_max_length=_BYT5_LENGTH,
         )
         return {"prompt_embeds_2": embeds.to(self.transformer.dtype), "prompt_mask_2": mask.long()}
-
-    def uses_cfg(self, head: Any) -> bool:
-        # The guider's rule (ClassifierFreeGuidance._is_cfg_enabled): CFG unless the scale is 1.
-        return not math.isclose(head.guidance_scale, 1.0)
-
-    def cfg_scale(self, head: Any) -> float:
-        return head.guidance_scale
 
     # -- 2. latents and schedule ------------------------------------------------------------------------------
 
@@ -282,6 +271,7 @@ class HunyuanVideo15I2VNativePipeline(HunyuanVideo15NativePipeline):
         super().__init__(components=components, **kwargs)
         self.image_encoder, self.feature_extractor = components["image_encoder"], components["feature_extractor"]
         self.components["image_encoder"] = self.image_encoder
+        self.conditioning_components = ("image_encoder",)
         self.image_processor = HunyuanVideo15ImageProcessor(
             vae_scale_factor=self.spatial_factor, do_resize=False, do_convert_rgb=True
         )
@@ -293,9 +283,6 @@ class HunyuanVideo15I2VNativePipeline(HunyuanVideo15NativePipeline):
         required_components(cls.family, components)  # with SigLIP's image_encoder and feature_extractor
         base = HunyuanVideo15NativePipeline.from_components(components, device=device, dtype=dtype)
         return cls(components=components, device=base.device, dtype=base.dtype)
-
-    def prepare_components(self, head: Any) -> tuple[str, ...]:
-        return ("vae", "image_encoder")
 
     def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
         state = super().prepare(batch, head, positive)

@@ -62,6 +62,7 @@ class LTX2NativePipeline(recipe.RecipePipeline):
         self.bind_facts(component_configs(self.components))
         self.video_processor = VideoProcessor(vae_scale_factor=self.spatial_factor)
         self.sample_rate = int(self.vocoder.config.output_sampling_rate)
+        self.described = {"audio_sample_rate": self.sample_rate}
         """Samples per second of the vocoder's waveform (`RequestOutput.audio_sample_rate`; the published vocoder
         writes 24 kHz from the audio VAE's 16 kHz mel frames)."""
         self.tokenizer.padding_side = "left"  # Gemma reads chat-style prompts left-padded (diffusers sets it too)
@@ -79,9 +80,6 @@ class LTX2NativePipeline(recipe.RecipePipeline):
                 "(use --backend diffusers for a pipeline without them)."
             )
         return cls({k: components[k] for k in REQUIRED}, device=device, dtype=dtype)
-
-    def request_fields(self) -> frozenset[str]:
-        return frozenset({"generate_audio", *(("flow_shift",) if recipe.has_flow_shift(self.scheduler) else ())})
 
     # -- 1. encode --------------------------------------------------------------------------------------------
 
@@ -134,9 +132,6 @@ class LTX2NativePipeline(recipe.RecipePipeline):
     def uses_cfg(self, head: Any) -> bool:
         return self.guidance(head).cfg
 
-    def cfg_scale(self, head: Any) -> float:
-        return head.guidance_scale
-
     # -- 2. latents and schedule --------------------------------------------------------------------------------
 
     def audio_frames(self, head: Any) -> int:
@@ -147,9 +142,6 @@ class LTX2NativePipeline(recipe.RecipePipeline):
         cfg = self.audio_vae.config
         per_second = cfg.sample_rate / cfg.mel_hop_length / float(self.audio_vae.temporal_compression_ratio)
         return round(head.num_frames / float(head.fps) * per_second)
-
-    def prepare_components(self, head: Any) -> tuple[str, ...]:
-        return ()  # `prepare` enters the VAE's scope itself when a row (not only the head) has an input image
 
     def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
         frames = (head.num_frames - 1) // self.temporal_factor + 1
@@ -432,9 +424,6 @@ class LTX2NativePipeline(recipe.RecipePipeline):
                 output.audios = list(waves)
                 output.audio_sample_rate = self.sample_rate
         return result
-
-    def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "audio_sample_rate": self.sample_rate}
 
 
 def _rows(coords: torch.Tensor, rows: int) -> torch.Tensor:

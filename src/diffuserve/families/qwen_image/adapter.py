@@ -15,7 +15,7 @@ so nothing is padded inside the encoder either.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from diffuserve.family_spec.qwen_image import QWEN_IMAGE_TEXT_TOKENS
 from diffuserve.pipelines import inpaint, recipe
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.controlnet import EXTRAS_KEY, merge_rows
+from diffuserve.pipelines.prompt_limits import TextReading
 from diffuserve.pipelines.recipe import Cond, DenoiseState
 from diffuserve.pipelines.schedules import flow_schedule
 
@@ -62,10 +63,11 @@ class _QwenBase(recipe.RecipePipeline):
         # count from model_index.json `sample_sigmas`), continuous batching.
         self.vae_scale_factor = self.bind_facts(component_configs(self.components, self.checkpoint_index())).vae_factor
         self._schedules: dict[tuple[int, int, float | None], tuple[Any, torch.Tensor]] = {}
-
-    def text_frame(self, key: str) -> Callable[[Any], int] | None:
-        """The prompt template around the text, its system prefix (`drop_idx` tokens) dropped."""
-        return lambda tokenizer: len(tokenizer(self.template.format("")).input_ids) - self.drop_idx
+        # The prompt counter's framing: the prompt template around the text, its system prefix (`drop_idx`) dropped.
+        framed = TextReading(
+            framed_empty=lambda tokenizer: len(tokenizer(self.template.format("")).input_ids) - self.drop_idx
+        )
+        self.text_readings = {key: framed for key in ("tokenizer", "processor")}
 
     def checkpoint_folder(self) -> Path | None:
         """The checkpoint folder, found as the parent of the folder the transformer was loaded from (the
@@ -91,9 +93,6 @@ class _QwenBase(recipe.RecipePipeline):
     def _noise(self, batch: Sequence[Any], channels: int, lh: int, lw: int) -> torch.Tensor:
         # diffusers draws (rows, 1, C, h, w): the frame axis of the video VAE is part of the noise shape.
         return recipe.batch_noise(batch, (1, channels, lh, lw), device=self.device, dtype=self.dtype)
-
-    def request_fields(self) -> frozenset[str]:
-        return frozenset({"true_cfg_scale", *(("flow_shift",) if recipe.has_flow_shift(self.scheduler) else ())})
 
     def _timesteps(
         self, num_steps: int, image_seq_len: int, grid: list[float] | None = None, flow_shift: float | None = None
@@ -226,9 +225,6 @@ class QwenImageNativePipeline(ops.QwenPacking, _QwenBase):
             extras[inpaint.EXTRAS_KEY] = masked
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)
 
-    def request_fields(self) -> frozenset[str]:
-        return super().request_fields() | ({"control_image"} if self.controlnets else set())
-
     def step_extras(self, states: Sequence[DenoiseState]) -> dict[str, Any]:
         """The first state's extras, with every state's ControlNet rows (continuous steps)."""
         control = merge_rows([s.extras for s in states], [s.latents.shape[0] for s in states])
@@ -247,7 +243,9 @@ class QwenImageNativePipeline(ops.QwenPacking, _QwenBase):
     def decode(self, latents: torch.Tensor, state: DenoiseState) -> list[Any]:
         return inpaint.apply_overlays(super().decode(latents, state), state, self.image_processor)
 
-    narrow_state = qwen_inpaint.narrow_state  # rows of the image shapes (edits of different strengths)
+    def narrow_state(self, state: DenoiseState, index: torch.Tensor) -> DenoiseState:
+        """Rows `index` of the image shapes (edits of different strengths)."""
+        return qwen_inpaint.narrow_state(self, state, index)
 
     def predict(
         self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
@@ -306,18 +304,11 @@ class QwenImage21NativePipeline(_QwenBase):
         )
         self.template = reference.prompt_template_t2i
         self.drop_idx = reference._drop_idx
-        self._norm = getattr(self.text_encoder.model, "language_model", self.text_encoder.model).norm
-
-    def request_facts(self) -> dict[str, Any]:
-        """The prompt template and its dropped prefix (`qwen_image/spec.check_qwen_image_21` counts the templated
-        prompt against the RoPE table's text positions) and a Turbo checkpoint's fixed step count."""
+        # What `family_spec/qwen_image.check_qwen_image_21` reads: the template and its dropped prefix (it counts the
+        # templated prompt against the RoPE table's text positions) and a Turbo checkpoint's fixed step count.
         grid = len(self.sample_sigmas) if self.sample_sigmas else None
-        return {
-            **super().request_facts(),
-            "prompt_template": self.template,
-            "drop_idx": self.drop_idx,
-            "grid_steps": grid,
-        }
+        self.family_facts = {"prompt_template": self.template, "drop_idx": self.drop_idx, "grid_steps": grid}
+        self._norm = getattr(self.text_encoder.model, "language_model", self.text_encoder.model).norm
 
     @classmethod
     def from_components(

@@ -49,7 +49,7 @@ from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import inpaint, recipe
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
-from diffuserve.pipelines.schedules import flow_schedule, flow_shift_fields
+from diffuserve.pipelines.schedules import flow_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -126,10 +126,6 @@ class QwenImageEditNativePipeline(recipe.RecipePipeline):
 
     # -- requests --------------------------------------------------------------------------------------------
 
-    def uses_cfg(self, head: Any) -> bool:
-        # diffusers runs the negative branch whenever a negative prompt is given, even an empty one.
-        return head.true_cfg_scale > 1.0 and head.negative_prompt is not None
-
     def run(self, batch: list[Any], **kwargs: Any) -> Any:
         try:
             return super().run(batch, **kwargs)
@@ -173,9 +169,6 @@ class QwenImageEditNativePipeline(recipe.RecipePipeline):
 
     def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
         return 2 * (height // (self.vae_scale_factor * 2)), 2 * (width // (self.vae_scale_factor * 2))
-
-    def request_fields(self) -> frozenset[str]:
-        return flow_shift_fields(self.scheduler)
 
     def _schedule(
         self, num_steps: int, image_seq_len: int, flow_shift: float | None = None

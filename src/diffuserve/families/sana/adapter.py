@@ -34,7 +34,7 @@ from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import recipe
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
-from diffuserve.pipelines.schedules import flow_schedule, flow_shift_fields
+from diffuserve.pipelines.schedules import flow_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -115,13 +115,6 @@ class SanaNativePipeline(recipe.RecipePipeline):
 
     # -- family parts ------------------------------------------------------------------------------------
 
-    def uses_cfg(self, head: Any) -> bool:
-        # SanaPipeline.do_classifier_free_guidance: guidance_scale > 1.
-        return head.guidance_scale > 1.0
-
-    def cfg_scale(self, head: Any) -> float:
-        return head.guidance_scale
-
     def _gemma(self, texts: list[str], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Last hidden state + attention mask of `texts` padded to `length`, as diffusers encodes them.
 
@@ -166,9 +159,6 @@ class SanaNativePipeline(recipe.RecipePipeline):
                     embeds[rows], mask[rows] = self._gemma([clean[i] for i in rows], MAX_SEQUENCE_LENGTH)
             out[f"{name}_embeds"], out[f"{name}_mask"] = embeds, mask
         return out
-
-    def request_fields(self) -> frozenset[str]:
-        return flow_shift_fields(self.scheduler)
 
     def _schedule(self, num_steps: int, flow_shift: float | None = None) -> tuple[Any, torch.Tensor]:
         """A private scheduler with its timesteps (a multistep solver: `fresh_scheduler` deep-copies its history)."""

@@ -87,11 +87,12 @@ class SD3NativePipeline(recipe.RecipePipeline):
         )
         """T5 tokens per text: diffusers' 256, capped by what tokenizer_3 declares."""
         self.clip_length = int(getattr(components["tokenizer"], "model_max_length", 77) or 77)
-        self._tokenizer_parts = {
-            "tokenizer": components["tokenizer"],
-            "tokenizer_2": components["tokenizer_2"],
-            "tokenizer_3": self.t5_tokenizer,
-        }
+        # The model_index tokenizers under their keys, where the prompt counter looks them up (`tokenizer_part`).
+        self.tokenizer, self.tokenizer_2, self.tokenizer_3 = (
+            components["tokenizer"],
+            components["tokenizer_2"],
+            self.t5_tokenizer,
+        )
         self.vae_scale_factor = facts.vae_factor
         channels = self.vae.config.latent_channels
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor, vae_latent_channels=channels)
@@ -100,10 +101,6 @@ class SD3NativePipeline(recipe.RecipePipeline):
         self._schedulers: dict[tuple[int, int, float | None], tuple[Any, torch.Tensor]] = {}
         self._empty: dict[str, Cond] = {}
         """Text encoder key -> its encoding of "" (see `_encode_empty`)."""
-
-    def tokenizer_part(self, key: str) -> Any:
-        """The model_index tokenizer `key` (this adapter keeps them by encoder; tokenizer_3 may be absent)."""
-        return self._tokenizer_parts.get(key)
 
     @classmethod
     def from_components(
@@ -114,13 +111,6 @@ class SD3NativePipeline(recipe.RecipePipeline):
         return cls(components, device=device, dtype=dtype)
 
     # -- guidance: diffusers' rule ---------------------------------------------------------------------
-
-    def uses_cfg(self, head: Any) -> bool:
-        """CFG runs whenever guidance_scale > 1 (the negative prompt defaults to "")."""
-        return head.guidance_scale > 1.0
-
-    def cfg_scale(self, head: Any) -> float:
-        return head.guidance_scale
 
     # -- 1. encode --------------------------------------------------------------------------------------
 
@@ -191,10 +181,6 @@ class SD3NativePipeline(recipe.RecipePipeline):
             return template, retrieve_timesteps(template, num_steps, self.device, **kwargs)[0]
 
         return recipe.cached_schedule(self._schedulers, (num_steps, image_seq_len, flow_shift), build)
-
-    def request_fields(self) -> frozenset[str]:
-        control = {"control_image"} if self.controlnets else set()
-        return frozenset({*control, *(("flow_shift",) if recipe.has_flow_shift(self.scheduler) else ())})
 
     def step_extras(self, states: Sequence[DenoiseState]) -> dict[str, Any]:
         """No extras but each state's ControlNet rows (continuous steps)."""

@@ -58,6 +58,15 @@ class WanNativePipeline(recipe.RecipePipeline):
         self.expand_timesteps = expand_timesteps
         self.device, self.dtype = torch.device(device), dtype
         self.denoisers = ("transformer",) if transformer_2 is None else ("transformer", "transformer_2")
+        # A two-expert Wan2.2 checkpoint takes the second expert's fields (`family_spec/wan.check_wan`).
+        self.family_facts = {"two_experts": boundary_ratio is not None}
+        if boundary_ratio is not None:
+            self.checkpoint_fields = frozenset({"guidance_scale_2", "boundary_ratio"})
+        self.described = {
+            "experts": list(self.denoisers),
+            "boundary_ratio": boundary_ratio,
+            "expand_timesteps": expand_timesteps,
+        }
         self.components = {"text_encoder": text_encoder, "vae": vae, "transformer": transformer}
         if transformer_2 is not None:
             self.components["transformer_2"] = transformer_2
@@ -88,14 +97,6 @@ class WanNativePipeline(recipe.RecipePipeline):
             dtype=dtype,
         )
 
-    def request_fields(self) -> frozenset[str]:
-        experts = ("guidance_scale_2", "boundary_ratio") if self.boundary_ratio is not None else ()
-        return frozenset({*experts, *(("flow_shift",) if recipe.has_flow_shift(self.scheduler) else ())})
-
-    def request_facts(self) -> dict[str, Any]:
-        """A two-expert Wan2.2 checkpoint takes the second expert's fields (`wan/spec.check_wan`)."""
-        return {**super().request_facts(), "two_experts": self.boundary_ratio is not None}
-
     # -- 1. encode --------------------------------------------------------------------------------------------
 
     def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
@@ -118,10 +119,6 @@ class WanNativePipeline(recipe.RecipePipeline):
         ]
         return {"prompt_embeds": torch.stack(rows).to(self.transformer.dtype)}
 
-    def uses_cfg(self, head: Any) -> bool:
-        # diffusers: classic CFG whenever guidance_scale > 1 (the negative prompt defaults to "").
-        return head.guidance_scale > 1.0
-
     # -- 2. latents and schedule --------------------------------------------------------------------------------
 
     def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
@@ -141,9 +138,6 @@ class WanNativePipeline(recipe.RecipePipeline):
     def denoiser_for_step(self, step_index: int, timestep: torch.Tensor, state: DenoiseState) -> str:
         boundary = state.extras["boundary"]
         return "transformer" if boundary is None or timestep >= boundary else "transformer_2"
-
-    def cfg_scale(self, head: Any) -> float:
-        return head.guidance_scale
 
     def combine_guidance(
         self, cond: torch.Tensor, uncond: torch.Tensor, head: Any, state: DenoiseState, step_index: int
@@ -185,14 +179,6 @@ class WanNativePipeline(recipe.RecipePipeline):
         """The middle frame of each row's current decode."""
         return [clip[len(clip) // 2] for clip in self.decode(latents, state)]
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            **super().describe(),
-            "experts": list(self.denoisers),
-            "boundary_ratio": self.boundary_ratio,
-            "expand_timesteps": self.expand_timesteps,
-        }
-
 
 class WanI2VNativePipeline(WanNativePipeline):
     """Wan image-to-video (`WanImageToVideoPipeline`): the first frame is the request's input image.
@@ -211,6 +197,7 @@ class WanI2VNativePipeline(WanNativePipeline):
         self.image_encoder, self.image_processor = image_encoder, image_processor
         if image_encoder is not None:
             self.components["image_encoder"] = image_encoder
+            self.conditioning_components = ("image_encoder",)
 
     @classmethod
     def from_components(
@@ -236,9 +223,6 @@ class WanI2VNativePipeline(WanNativePipeline):
             device=device,
             dtype=dtype,
         )
-
-    def prepare_components(self, head: Any) -> tuple[str, ...]:
-        return ("vae", "image_encoder") if self.image_encoder is not None else ("vae",)
 
     def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
         state = super().prepare(batch, head, positive)

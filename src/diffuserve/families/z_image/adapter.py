@@ -17,7 +17,7 @@ give the same image:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,8 +32,9 @@ from diffusers.utils.torch_utils import randn_tensor
 from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import inpaint, packing, recipe
 from diffuserve.pipelines.base import component_configs
+from diffuserve.pipelines.prompt_limits import TextReading
 from diffuserve.pipelines.recipe import Cond, DenoiseState
-from diffuserve.pipelines.schedules import flow_schedule, flow_shift_fields
+from diffuserve.pipelines.schedules import flow_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -94,14 +95,10 @@ class ZImageNativePipeline(recipe.RecipePipeline):
                 MAX_SEQUENCE_LENGTH,
             )
         self._schedules: dict[tuple[int, int, float | None], tuple[Any, torch.Tensor]] = {}
-
-    def text_token_cap(self, key: str) -> int | None:
-        """The caption axis of the DiT's RoPE table bounds the text (see `max_sequence_length`)."""
-        return self.max_sequence_length
-
-    def text_frame(self, key: str) -> Callable[[Any], int] | None:
-        """Each text is one user turn of the chat template (`encode_text`)."""
-        return lambda tokenizer: len(tokenizer(_chat(tokenizer, "")).input_ids)
+        # The prompt counter's reading: the caption axis bounds the text; each text is one user turn of the chat
+        # template (`encode_text`).
+        framed = TextReading(self.max_sequence_length, lambda tokenizer: len(tokenizer(_chat(tokenizer, "")).input_ids))
+        self.text_readings = {"tokenizer": framed}
 
     @classmethod
     def from_components(
@@ -111,13 +108,6 @@ class ZImageNativePipeline(recipe.RecipePipeline):
         return cls(**required_components(cls.family, components), device=device, dtype=dtype)
 
     # -- family parts ------------------------------------------------------------------------------------
-
-    def uses_cfg(self, head: Any) -> bool:
-        # ZImagePipeline.do_classifier_free_guidance: any positive guidance_scale runs the negative branch.
-        return head.guidance_scale > 0
-
-    def cfg_scale(self, head: Any) -> float:
-        return head.guidance_scale
 
     def combine_guidance(
         self, cond: torch.Tensor, uncond: torch.Tensor, head: Any, state: DenoiseState, step_index: int
@@ -139,9 +129,6 @@ class ZImageNativePipeline(recipe.RecipePipeline):
 
     def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
         return 2 * (height // self.size_multiple), 2 * (width // self.size_multiple)
-
-    def request_fields(self) -> frozenset[str]:
-        return flow_shift_fields(self.scheduler)
 
     def _schedule(
         self, num_steps: int, image_seq_len: int, flow_shift: float | None = None
