@@ -91,6 +91,9 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
     """A `parallel.cfg_parallel.CfgParallel` when the two CFG branches run on two ranks; None in one process."""
     scheduler: Any = None
     """The checkpoint's scheduler (model_index.json `scheduler`), the template of each batch's private copy."""
+    defers_decode = True
+    """`run` is exactly `run_to_latents` + `decode_batch` (no adapter overrides `run`: test_adapter_protocol.py), so a
+    caller may run the two apart (the decode lane, `pipelines/lanes.py`)."""
     prefetches_text = True
     split_over_ranks = True
     lora: LoraBank | None = None
@@ -403,12 +406,6 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
         """The decoder's residency scope, entered by one thread at a time (a decode may run in the decode lane
         while the loop makes a preview: `pipelines/lanes.py`)."""
         return lanes_for(self).decoder_scope(self.residency, self.decoder)
-
-    @property
-    def defers_decode(self) -> bool:
-        """Whether `run` is exactly `run_to_latents` + `decode_batch`, so a caller may run the two apart (a family
-        that wraps `run` around per-request state, like Qwen-Image-Edit, keeps it whole)."""
-        return type(self).run is RecipePipeline.run
 
     def component_scope(self, key: str) -> contextlib.AbstractContextManager[None]:
         """`key`'s residency scope; the decoder's through `decoder_scope` (an edit's VAE encode in `prepare` may

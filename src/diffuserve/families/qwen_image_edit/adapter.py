@@ -111,6 +111,7 @@ class QwenImageEditNativePipeline(recipe.RecipePipeline):
         )
         self._schedules: dict[tuple[int, int, float | None], tuple[Any, torch.Tensor]] = {}
         self._inputs: tuple[tuple[bytes, ...], EditInputs] | None = None
+        """The request's prepared input images, made by `encode_text` and taken by `prepare` (`_edit_inputs`)."""
 
     @classmethod
     def _diffusers_class_name(cls) -> str:
@@ -123,14 +124,6 @@ class QwenImageEditNativePipeline(recipe.RecipePipeline):
         """Build from the loader's model_index.json key -> loaded object mapping."""
         # The tokenizer is the processor's own copy.
         return cls(**required_components(cls.family, components), device=device, dtype=dtype)
-
-    # -- requests --------------------------------------------------------------------------------------------
-
-    def run(self, batch: list[Any], **kwargs: Any) -> Any:
-        try:
-            return super().run(batch, **kwargs)
-        finally:
-            self._inputs = None  # the prepared ~1024² inputs are per request; do not hold them between requests
 
     # -- input images ------------------------------------------------------------------------------------------
 
@@ -203,9 +196,12 @@ class QwenImageEditNativePipeline(recipe.RecipePipeline):
 
     def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:
         """Noise rows (row j of a request from `seed + j`), the input images' latents, img_shapes, schedule."""
+        inputs = self._edit_inputs(head)
+        # `encode_text` and this are the only readers of the prepared ~1024² inputs, in that order, on the thread
+        # that runs the batch: do not hold them beyond the request.
+        self._inputs = None
         if head.mask_input is not None:
             return self._prepare_inpaint(batch, head)
-        inputs = self._edit_inputs(head)
         rows = recipe.num_rows(batch)
         dtype = positive["prompt_embeds"].dtype
         lh, lw = self._latent_hw(head.height, head.width)
