@@ -8,10 +8,12 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from diffuserve.family_spec.base import FamilySpec, SamplingDefaults
+from diffuserve.pipelines.capabilities import Capabilities
+from diffuserve.pipelines.results import BatchResult as BatchResult  # re-exported: the family adapters import it here
+from diffuserve.pipelines.results import RequestOutput as RequestOutput
 
 if TYPE_CHECKING:
     import torch
@@ -78,31 +80,6 @@ class AllResident:
         yield
 
 
-@dataclass
-class RequestOutput:
-    """The outputs of one request: `n` images, or `n` videos (each a list of frames), or `n` meshes."""
-
-    images: list[Image.Image] = field(default_factory=list)
-    videos: list[list[Image.Image]] = field(default_factory=list)
-    step_cache: dict[str, Any] | None = None
-    """Step-cache counts of the request's rows (method, computed_steps, reused_steps); None without a cache."""
-    meshes: list[Any] = field(default_factory=list)
-    """Mesh families: one `families.hunyuan3d.adapter.Mesh` (vertices, faces) per output row."""
-    audios: list[Any] = field(default_factory=list)
-    """Joint audio-video families: one float32 waveform tensor (channels, samples) in [-1, 1] per output video, at
-    `audio_sample_rate`; empty when the family makes no sound or the request turned it off (`generate_audio`)."""
-    audio_sample_rate: int | None = None
-    """Samples per second of `audios` (the family's vocoder rate); None without audio."""
-
-
-@dataclass
-class BatchResult:
-    outputs: list[RequestOutput]
-    """One entry per request, in the order the batch was given."""
-    stage_seconds: dict[str, float] = field(default_factory=dict)
-    """Wall time per stage (encode, latents, denoise, decode) for metrics."""
-
-
 StepCallback = Callable[[int, int], None]
 """on_step(step_index, num_steps): called after each denoising step."""
 
@@ -113,31 +90,6 @@ PreviewCallback = Callable[[int, int, Callable[[], list[list["Image.Image"]]]], 
 """on_preview(step_index, num_steps, make_previews): called after each denoising step of a native pipeline;
 `make_previews()` returns, per request of the batch, one preview image per output row (computed only when
 called, so steps nobody wants a preview of cost nothing)."""
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What a loaded pipeline can do, declared once: the engine, the executor and the parallel strategies read
-    these fields instead of probing the pipeline for attributes."""
-
-    batching: bool = False
-    """Requests may share a pipeline call (dynamic batching); False runs each alone."""
-    continuous: bool = False
-    """`--batching-mode continuous` may step its requests in a shared denoise group (`pipelines/step_batch.py`)."""
-    packs_mixed_sizes: bool = False
-    """Rows of different sizes may share one call (`FamilySpec.packs_mixed_sizes`): the size leaves the signatures."""
-    strength_per_row: bool = False
-    """Edits of different `strength` may share one call (`FamilySpec.strength_per_row`)."""
-    continuous_key_fields: tuple[str, ...] = ()
-    """`SamplingParams` fields the family adds to the continuous group key (`FamilySpec.continuous_key_fields`)."""
-    defers_decode: bool = False
-    """`run` is `run_to_latents` + `decode_batch`, so the decode may run in the decode lane beside the next batch."""
-    text_prefetch: bool = False
-    """Texts of queued requests may be encoded in the encode lane beside the running batch (`text_prefetch.py`)."""
-    split_over_ranks: bool = False
-    """A native denoising loop: tensor / sequence / FSDP parallel and CFG parallel can split it over ranks."""
-    cfg_parallel: bool = False
-    """The two CFG branches may run on two ranks (a native loop whose CFG is not one doubled batch)."""
 
 
 _LANES_LOCK = threading.Lock()

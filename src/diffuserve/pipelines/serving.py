@@ -16,7 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from diffuserve.pipelines.base import BatchResult, Capabilities, Pipeline, Residency
+from diffuserve.pipelines.base import Pipeline, Residency
+from diffuserve.pipelines.capabilities import Capabilities
+from diffuserve.pipelines.results import BatchResult
 
 if TYPE_CHECKING:
     from diffuserve.family_spec.base import SamplingDefaults
