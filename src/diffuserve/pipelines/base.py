@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from diffuserve.family_spec.base import FamilySpec, SamplingDefaults
@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from diffuserve.family_spec.checkpoint import CheckpointFacts
     from diffuserve.family_spec.request_rules import RequestRules
     from diffuserve.family_spec.text_tokens import EncoderLimit
+    from diffuserve.lora.layers import LoraBank
+    from diffuserve.pipelines.controlnet import LoadedControlNet
     from diffuserve.pipelines.lanes import Lanes
     from diffuserve.pipelines.prompt_limits import PromptTokens, TextEncoderLimit
     from diffuserve.sampling import ModelDescription, SamplingParams
@@ -114,9 +116,14 @@ class Pipeline:
     """Width/height must be multiples of this: the checkpoint's (`bind_facts`, or the diffusers backend's); 1: none."""
     max_pixels: int = 4096 * 4096
     backend: str = "native"
-    controlnets: Mapping[str, Any] = {}
-    """The loaded ControlNets by name (`models/controlnets.install_controlnets`); none by default."""
     """native | diffusers: which backend runs the checkpoint (the diffusers backend has its own request checks)."""
+    denoisers: tuple[str, ...] = ()
+    """Component keys of the native denoiser(s) that per-row LoRA slots, tensor parallel and FSDP act on (the
+    recipe's `("transformer",)`, Wan2.2's two experts); (): none (the diffusers backend runs its own)."""
+    supports_controlnet: bool = False
+    """Runs ControlNets handed over by `use_controlnets` (the native FLUX.1, SD3 and Qwen-Image adapters)."""
+    controlnets: Mapping[str, LoadedControlNet] = {}
+    """The loaded ControlNets by name (`use_controlnets`); none by default."""
     max_width: int | None = None
     """Largest width the checkpoint's positional tables allow (None: no limit of the model's own)."""
     max_height: int | None = None
@@ -225,6 +232,42 @@ class Pipeline:
                 param="enable_cfg_parallel",
             )
         self.cfg_parallel = strategy
+
+    def use_lora(self, bank: LoraBank) -> None:
+        """Serve per-request LoRA from `bank`'s per-row slots in `denoisers` (`lora/slots.py`): the native recipe
+        does; the base refuses."""
+        raise self._no_lora()
+
+    def load_lora_adapters(self, adapters: dict[str, str]) -> None:
+        """Load start-up adapters (name -> path), one adapter set per call, into a pipeline without `denoisers`:
+        the diffusers backend does; the base refuses."""
+        raise self._no_lora()
+
+    def _no_lora(self) -> Exception:
+        from diffuserve.errors import ConfigError
+
+        return ConfigError(
+            f"--lora-modules: the {self.family} pipeline on this backend takes no per-row adapters (the diffusers "
+            "backend takes start-up --lora-modules only, one adapter set per call); serve it on the native backend "
+            "or drop the flag."
+        )
+
+    def use_controlnets(self, loaded: Sequence[LoadedControlNet]) -> None:
+        """`--controlnet`: run `loaded` (family-checked by `models/controlnets.py`) from now on. Each is a component
+        the residency plan places (handed over before residency is built) and an attribute of its key, like the
+        checkpoint's own parts. A pipeline without `supports_controlnet` refuses, naming the flag."""
+        from diffuserve.errors import ConfigError
+
+        if not self.supports_controlnet:
+            raise ConfigError(
+                f"--controlnet: the {self.family} model is served by a pipeline that runs no ControlNet "
+                f"({type(self).__name__}); ControlNets run natively for FLUX.1, SD3 and Qwen-Image (--backend native).",
+                param="controlnet",
+            )
+        self.controlnets = {c.name: c for c in loaded}
+        for c in loaded:
+            self.components[c.key] = c.model
+            setattr(self, c.key, c.model)
 
     def agree_over(self, part: Any) -> None:
         """Let `part`'s ranks agree on step-cache measures (`parallel/agreement.py`); same order on every rank."""
