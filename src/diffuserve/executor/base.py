@@ -9,7 +9,9 @@ from typing import Any, Protocol
 
 from diffuserve.executor.batch_runner import BatchEvents, BatchOutcome, run_batch
 from diffuserve.executor.messages import BatchMessage
-from diffuserve.pipelines.base import Capabilities, Pipeline, RequestOutput
+from diffuserve.pipelines.base import Pipeline
+from diffuserve.pipelines.capabilities import Capabilities
+from diffuserve.pipelines.results import RequestOutput
 from diffuserve.pipelines.serving import ServingPipeline
 from diffuserve.sampling import SamplingParams
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from diffuserve.errors import DiffuserveError, GenerationError, RequestCancelledError
 from diffuserve.executor.messages import BatchEvent, BatchMessage, Preview, Progress
-from diffuserve.pipelines.base import BatchResult, RequestOutput
+from diffuserve.pipelines.results import BatchResult, RequestOutput
 from diffuserve.runtime.cpu_time import PIPELINE_CPU
 from diffuserve.sampling import SamplingParams
 

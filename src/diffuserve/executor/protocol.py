@@ -30,7 +30,7 @@ from typing import Any, Literal
 from diffuserve.errors import DiffuserveError, GenerationError, RequestCancelledError
 from diffuserve.executor.channel import StoreChannel
 from diffuserve.executor.messages import BatchMessage
-from diffuserve.pipelines.base import RequestOutput
+from diffuserve.pipelines.results import RequestOutput
 from diffuserve.sampling import SamplingParams
 
 

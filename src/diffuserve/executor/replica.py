@@ -30,8 +30,8 @@ from diffuserve.executor.protocol import (
     StepMessage,
 )
 from diffuserve.executor.topology import Topology
-from diffuserve.pipelines.base import BatchResult
 from diffuserve.pipelines.lanes import Lanes
+from diffuserve.pipelines.results import BatchResult
 from diffuserve.pipelines.serving import ServingPipeline
 from diffuserve.sampling import SamplingParams
 

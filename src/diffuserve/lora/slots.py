@@ -91,21 +91,22 @@ def install_registry(
     """Read and check the start-up adapters, hook the denoisers' adapted layers, and let the registry read runtime
     loads against the same denoisers; the pipeline's recipe then sets each batch's rows. On the diffusers backend
     the pipeline loads the start-up adapters itself and runs one adapter set per call (None: no bank; runtime
-    loads are refused there)."""
+    loads are refused there). `pipeline` is a `pipelines.base.Pipeline` (typed Any: lora/ is a layer below it), read
+    through its declared `denoisers`, `use_lora` and `load_lora_adapters`."""
     from diffuserve.errors import ConfigError
     from diffuserve.lora.files import lora_loader, read_adapter, split_target
 
-    if not hasattr(pipeline, "use_lora"):
-        if runtime_updates or not hasattr(pipeline, "load_lora_adapters"):
+    if not pipeline.denoisers:  # no native denoiser: the pipeline loads them itself (`Pipeline.load_lora_adapters`)
+        if runtime_updates:
             raise ConfigError(
-                f"{'--enable-lora-updates' if runtime_updates else '--lora-modules'}: the {family} pipeline on this "
-                "backend takes no per-row adapters (the diffusers backend takes start-up --lora-modules only, one "
-                "adapter set per call); serve it on the native backend or drop the flag."
+                f"--enable-lora-updates: the {family} pipeline on this backend takes no per-row adapters (the "
+                "diffusers backend takes start-up --lora-modules only, one adapter set per call); serve it on the "
+                "native backend or drop the flag."
             )
-        pipeline.load_lora_adapters({e.name: e.path for e in registry.entries()})
+        pipeline.load_lora_adapters({e.name: e.path for e in registry.entries()})  # refuses where it cannot
         return None
     lora_loader(family)  # refused naming the family when it has no loader, even before any adapter is read
-    names = tuple(getattr(pipeline, "denoisers", ("transformer",)))
+    names = tuple(pipeline.denoisers)
     denoisers = {key: pipeline.components[key] for key in names}
 
     def read(name: str, spec: str) -> Any:

@@ -8,11 +8,14 @@ family than the base model's is refused at start-up (exit 2), naming the flag an
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from diffuserve.config.controlnet import FLAG, ControlNetEntry, parse_controlnets
 from diffuserve.errors import ConfigError
 from diffuserve.pipelines.controlnet import LoadedControlNet
+
+if TYPE_CHECKING:
+    from diffuserve.pipelines.base import Pipeline
 
 
 def controlnet_class(entry: ControlNetEntry) -> str:
@@ -114,17 +117,9 @@ def load_controlnets(specs: list[str], family: str, *, dtype: Any) -> list[Loade
     return loaded
 
 
-def install_controlnets(pipeline: Any, specs: list[str]) -> None:
-    """`--controlnet`: load each ControlNet (family-checked) and make it a component of `pipeline`, which must be a
-    native adapter that runs ControlNets (`supports_controlnet`)."""
-    if not getattr(pipeline, "supports_controlnet", False):
-        raise ConfigError(
-            f"--controlnet: the {pipeline.family} model is served by a pipeline that runs no ControlNet "
-            f"({type(pipeline).__name__}); ControlNets run natively for FLUX.1, SD3 and Qwen-Image (--backend native).",
-            param="controlnet",
-        )
-    loaded = load_controlnets(specs, pipeline.family, dtype=pipeline.dtype)
-    pipeline.controlnets = {c.name: c for c in loaded}
-    for c in loaded:
-        pipeline.components[c.key] = c.model
-        setattr(pipeline, c.key, c.model)
+def install_controlnets(pipeline: Pipeline, specs: list[str]) -> None:
+    """`--controlnet`: load each ControlNet (family-checked) and hand them to `pipeline` (`Pipeline.use_controlnets`,
+    which makes each a component). A pipeline that runs none (`supports_controlnet` False: the diffusers backend,
+    a family without ControlNets) is refused there, naming the flag, before any weight is read."""
+    loaded = load_controlnets(specs, pipeline.family, dtype=pipeline.dtype) if pipeline.supports_controlnet else []
+    pipeline.use_controlnets(loaded)

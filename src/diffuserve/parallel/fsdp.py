@@ -10,16 +10,19 @@ memory on GPUs.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from diffuserve.errors import ConfigError
 from diffuserve.runtime.layerwise import default_layer_specs
 
+if TYPE_CHECKING:
+    from diffuserve.pipelines.base import Pipeline
+
 
 def shard_denoisers(
-    pipeline: Any,
+    pipeline: Pipeline,
     *,
     device_type: str = "cpu",
     world_size: int | None = None,
@@ -33,7 +36,7 @@ def shard_denoisers(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    keys = [k for k in getattr(pipeline, "denoisers", ()) if k in pipeline.components]
+    keys = [k for k in pipeline.denoisers if k in pipeline.components]
     if not keys:
         raise ConfigError(
             f"--use-fsdp-inference: the {pipeline.family} model has no native denoiser to shard "

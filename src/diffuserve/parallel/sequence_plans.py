@@ -7,9 +7,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from diffuserve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from diffuserve.pipelines.base import Pipeline
 
 # -- the state of one sharded transformer call -------------------------------------------------------------
 
@@ -116,7 +119,7 @@ def degree_flag(ulysses_degree: int, ring_degree: int) -> str:
     return "ulysses_degree" if ulysses_degree > 1 else "ring_degree"
 
 
-def check_sequence_parallel(pipeline: Any, *, ulysses_degree: int, ring_degree: int) -> None:
+def check_sequence_parallel(pipeline: Pipeline, *, ulysses_degree: int, ring_degree: int) -> None:
     """Refuse (ConfigError naming the flag) a pipeline or degree the sequence split cannot run."""
     from diffuserve.family_spec import families_with, named_list, spec_for
     from diffuserve.pipelines.recipe import RecipePipeline
@@ -129,7 +132,7 @@ def check_sequence_parallel(pipeline: Any, *, ulysses_degree: int, ring_degree: 
     if ulysses_degree * ring_degree == 1:
         return
     flag = degree_flag(ulysses_degree, ring_degree)
-    family = getattr(pipeline, "family", "?")
+    family = pipeline.family
     if not isinstance(pipeline, RecipePipeline):
         raise ConfigError(
             f"--{flag.replace('_', '-')}: the {family} model runs on the diffusers backend, which has "

@@ -25,13 +25,16 @@ parallel group: the TP mesh holds only this rank's TP peers.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from diffuserve.errors import ConfigError
 from diffuserve.lora.sharding import shard_lora_slots
 from diffuserve.parallel.tensor_plans import HEAD_COUNTS, localize_attention, tensor_parallel_plan
+
+if TYPE_CHECKING:
+    from diffuserve.pipelines.base import Pipeline
 
 _FLAG = "--tp-size"
 
@@ -124,14 +127,14 @@ def _mesh_device(mesh: Any) -> torch.device:
     return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
 
 
-def check_tensor_parallel(pipeline: Any, degree: int) -> dict[str, dict[str, Any]]:
+def check_tensor_parallel(pipeline: Pipeline, degree: int) -> dict[str, dict[str, Any]]:
     """The TP plan of each denoiser of `pipeline` under `degree` ranks, or ConfigError(param="tp_size") naming
     what cannot run: not a native pipeline, a family or DiT without a plan, heads or hidden sizes that
     `degree` does not divide, a DiT already sharded or offloaded. Touches no weight."""
     from diffuserve.family_spec import spec_for
 
-    family = getattr(pipeline, "family", "unknown")
-    keys = [k for k in getattr(pipeline, "denoisers", ()) if k in getattr(pipeline, "components", {})]
+    family = pipeline.family
+    keys = [k for k in pipeline.denoisers if k in pipeline.components]
     if not keys:
         raise _refuse(
             f"the {family} model runs on the diffusers backend, whose DiT is not sharded here; serve a "
@@ -155,7 +158,7 @@ def check_tensor_parallel(pipeline: Any, degree: int) -> dict[str, dict[str, Any
     return plans
 
 
-def enable_tensor_parallel(pipeline: Any, *, mesh: Any) -> list[str]:
+def enable_tensor_parallel(pipeline: Pipeline, *, mesh: Any) -> list[str]:
     """Shard every denoiser of a native `pipeline` over `mesh` (a 1-D DeviceMesh of this rank's TP peers).
 
     Returns the parallelized component keys. Refuses with ConfigError(param="tp_size"), before touching any

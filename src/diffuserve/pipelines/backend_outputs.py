@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from diffuserve.pipelines.base import RequestOutput
 from diffuserve.pipelines.batch_rows import rows_per_request
+from diffuserve.pipelines.results import RequestOutput
 
 logger = logging.getLogger(__name__)
 

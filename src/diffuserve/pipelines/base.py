@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from diffuserve.family_spec.base import FamilySpec, GuidanceRule, SamplingDefaults
+from diffuserve.pipelines.capabilities import Capabilities
+from diffuserve.pipelines.results import BatchResult as BatchResult  # re-exported: the family adapters import it here
+from diffuserve.pipelines.results import RequestOutput as RequestOutput
 
 if TYPE_CHECKING:
     import torch
@@ -21,6 +23,8 @@ if TYPE_CHECKING:
     from diffuserve.family_spec.checkpoint import CheckpointFacts
     from diffuserve.family_spec.request_rules import RequestRules
     from diffuserve.family_spec.text_tokens import EncoderLimit
+    from diffuserve.lora.layers import LoraBank
+    from diffuserve.pipelines.controlnet import LoadedControlNet
     from diffuserve.pipelines.lanes import Lanes
     from diffuserve.pipelines.prompt_limits import PromptTokens, TextReading
     from diffuserve.sampling import ModelDescription, SamplingParams
@@ -78,31 +82,6 @@ class AllResident:
         yield
 
 
-@dataclass
-class RequestOutput:
-    """The outputs of one request: `n` images, or `n` videos (each a list of frames), or `n` meshes."""
-
-    images: list[Image.Image] = field(default_factory=list)
-    videos: list[list[Image.Image]] = field(default_factory=list)
-    step_cache: dict[str, Any] | None = None
-    """Step-cache counts of the request's rows (method, computed_steps, reused_steps); None without a cache."""
-    meshes: list[Any] = field(default_factory=list)
-    """Mesh families: one `families.hunyuan3d.adapter.Mesh` (vertices, faces) per output row."""
-    audios: list[Any] = field(default_factory=list)
-    """Joint audio-video families: one float32 waveform tensor (channels, samples) in [-1, 1] per output video, at
-    `audio_sample_rate`; empty when the family makes no sound or the request turned it off (`generate_audio`)."""
-    audio_sample_rate: int | None = None
-    """Samples per second of `audios` (the family's vocoder rate); None without audio."""
-
-
-@dataclass
-class BatchResult:
-    outputs: list[RequestOutput]
-    """One entry per request, in the order the batch was given."""
-    stage_seconds: dict[str, float] = field(default_factory=dict)
-    """Wall time per stage (encode, latents, denoise, decode) for metrics."""
-
-
 StepCallback = Callable[[int, int], None]
 """on_step(step_index, num_steps): called after each denoising step."""
 
@@ -113,31 +92,6 @@ PreviewCallback = Callable[[int, int, Callable[[], list[list["Image.Image"]]]], 
 """on_preview(step_index, num_steps, make_previews): called after each denoising step of a native pipeline;
 `make_previews()` returns, per request of the batch, one preview image per output row (computed only when
 called, so steps nobody wants a preview of cost nothing)."""
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What a loaded pipeline can do, declared once: the engine, the executor and the parallel strategies read
-    these fields instead of probing the pipeline for attributes."""
-
-    batching: bool = False
-    """Requests may share a pipeline call (dynamic batching); False runs each alone."""
-    continuous: bool = False
-    """`--batching-mode continuous` may step its requests in a shared denoise group (`pipelines/step_batch.py`)."""
-    packs_mixed_sizes: bool = False
-    """Rows of different sizes may share one call (`FamilySpec.packs_mixed_sizes`): the size leaves the signatures."""
-    strength_per_row: bool = False
-    """Edits of different `strength` may share one call (`FamilySpec.strength_per_row`)."""
-    continuous_key_fields: tuple[str, ...] = ()
-    """`SamplingParams` fields the family adds to the continuous group key (`FamilySpec.continuous_key_fields`)."""
-    defers_decode: bool = False
-    """`run` is `run_to_latents` + `decode_batch`, so the decode may run in the decode lane beside the next batch."""
-    text_prefetch: bool = False
-    """Texts of queued requests may be encoded in the encode lane beside the running batch (`text_prefetch.py`)."""
-    split_over_ranks: bool = False
-    """A native denoising loop: tensor / sequence / FSDP parallel and CFG parallel can split it over ranks."""
-    cfg_parallel: bool = False
-    """The two CFG branches may run on two ranks (a native loop whose CFG is not one doubled batch)."""
 
 
 _LANES_LOCK = threading.Lock()
@@ -162,9 +116,14 @@ class Pipeline:
     """Width/height must be multiples of this: the checkpoint's (`bind_facts`, or the diffusers backend's); 1: none."""
     max_pixels: int = 4096 * 4096
     backend: str = "native"
-    controlnets: Mapping[str, Any] = {}
-    """The loaded ControlNets by name (`models/controlnets.install_controlnets`); none by default."""
     """native | diffusers: which backend runs the checkpoint (the diffusers backend has its own request checks)."""
+    denoisers: tuple[str, ...] = ()
+    """Component keys of the native denoiser(s) that per-row LoRA slots, tensor parallel and FSDP act on (the
+    recipe's `("transformer",)`, Wan2.2's two experts); (): none (the diffusers backend runs its own)."""
+    supports_controlnet: bool = False
+    """Runs ControlNets handed over by `use_controlnets` (the native FLUX.1, SD3 and Qwen-Image adapters)."""
+    controlnets: Mapping[str, LoadedControlNet] = {}
+    """The loaded ControlNets by name (`use_controlnets`); none by default."""
     max_width: int | None = None
     """Largest width the checkpoint's positional tables allow (None: no limit of the model's own)."""
     max_height: int | None = None
@@ -285,6 +244,42 @@ class Pipeline:
                 param="enable_cfg_parallel",
             )
         self.cfg_parallel = strategy
+
+    def use_lora(self, bank: LoraBank) -> None:
+        """Serve per-request LoRA from `bank`'s per-row slots in `denoisers` (`lora/slots.py`): the native recipe
+        does; the base refuses."""
+        raise self._no_lora()
+
+    def load_lora_adapters(self, adapters: dict[str, str]) -> None:
+        """Load start-up adapters (name -> path), one adapter set per call, into a pipeline without `denoisers`:
+        the diffusers backend does; the base refuses."""
+        raise self._no_lora()
+
+    def _no_lora(self) -> Exception:
+        from diffuserve.errors import ConfigError
+
+        return ConfigError(
+            f"--lora-modules: the {self.family} pipeline on this backend takes no per-row adapters (the diffusers "
+            "backend takes start-up --lora-modules only, one adapter set per call); serve it on the native backend "
+            "or drop the flag."
+        )
+
+    def use_controlnets(self, loaded: Sequence[LoadedControlNet]) -> None:
+        """`--controlnet`: run `loaded` (family-checked by `models/controlnets.py`) from now on. Each is a component
+        the residency plan places (handed over before residency is built) and an attribute of its key, like the
+        checkpoint's own parts. A pipeline without `supports_controlnet` refuses, naming the flag."""
+        from diffuserve.errors import ConfigError
+
+        if not self.supports_controlnet:
+            raise ConfigError(
+                f"--controlnet: the {self.family} model is served by a pipeline that runs no ControlNet "
+                f"({type(self).__name__}); ControlNets run natively for FLUX.1, SD3 and Qwen-Image (--backend native).",
+                param="controlnet",
+            )
+        self.controlnets = {c.name: c for c in loaded}
+        for c in loaded:
+            self.components[c.key] = c.model
+            setattr(self, c.key, c.model)
 
     def agree_over(self, part: Any) -> None:
         """Let `part`'s ranks agree on step-cache measures (`parallel/agreement.py`); same order on every rank."""

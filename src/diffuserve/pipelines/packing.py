@@ -35,7 +35,7 @@ from diffuserve.pipelines.batch_rows import Cond, Denoised, DenoiseState, StageT
 from diffuserve.runtime import row_context
 
 if TYPE_CHECKING:
-    from diffuserve.pipelines.base import BatchResult
+    from diffuserve.pipelines.results import BatchResult
     from diffuserve.sampling import SamplingParams
 
 RecipePipeline = Any
@@ -386,8 +386,8 @@ def previews(pipe: RecipePipeline, latents: torch.Tensor, state: DenoiseState) -
 
 def decode_batch(pipe: RecipePipeline, denoised: Denoised) -> BatchResult:
     """Stage 4 of a mixed-size batch: decode per size group, then the outputs back in the batch's request order."""
-    from diffuserve.pipelines.base import BatchResult
     from diffuserve.pipelines.batch_rows import rows_per_request
+    from diffuserve.pipelines.results import BatchResult
 
     packed: Packed = denoised.state.extras["packed"]
     if "parts" in packed.extras:

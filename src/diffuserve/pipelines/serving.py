@@ -6,8 +6,10 @@ and the engine reads its capabilities and model description. Residency and CFG p
 own `use_residency` / `use_cfg_parallel`, the side lanes are the adapter's `lanes()`, and fault injection is
 the `faults` hook, consulted around every call. The parallel strategies go in through declared fields too
 (`sequence_parallel`, and `agree_over` for the weight-sharding ones whose ranks take rank 0's step-cache
-measures: `parallel/agreement.py`); `--controlnet` still sets its `controlnets` and their components from outside,
-before the adapter is wrapped here (`models/controlnets.py`).
+measures: `parallel/agreement.py`), and so do the start-up parts loaded beside the checkpoint, before the adapter
+is wrapped here: `--controlnet`'s ControlNets through `use_controlnets` (`models/controlnets.py`), LoRA slots
+through `use_lora` or `load_lora_adapters` (`lora/slots.py`). Code outside `pipelines/` reads the adapter's
+declared fields (`denoisers`, `supports_controlnet`, ...) and never probes it with `getattr`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from diffuserve.pipelines.base import BatchResult, Capabilities, Pipeline, Residency
+from diffuserve.pipelines.base import Pipeline, Residency
+from diffuserve.pipelines.capabilities import Capabilities
+from diffuserve.pipelines.results import BatchResult
 
 if TYPE_CHECKING:
     from diffuserve.family_spec.base import SamplingDefaults

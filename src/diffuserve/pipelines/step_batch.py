@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from diffuserve.pipelines import packing
-from diffuserve.pipelines.base import RequestOutput
 from diffuserve.pipelines.recipe import Cond, DenoiseState, RecipePipeline, concat_cond, gather_rows
+from diffuserve.pipelines.results import RequestOutput
 from diffuserve.step_cache.hooks import RowCache, new_row_caches, step_counts
 
 

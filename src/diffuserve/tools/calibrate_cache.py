@@ -12,7 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from diffuserve.pipelines.base import Pipeline
 
 DEFAULT_PROMPTS = (
     "a red circle in the top left",
@@ -39,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def calibrate(
-    pipeline: Any, *, steps: int, prompts: tuple[str, ...] = DEFAULT_PROMPTS, size: tuple[int, int] | None = None
+    pipeline: Pipeline, *, steps: int, prompts: tuple[str, ...] = DEFAULT_PROMPTS, size: tuple[int, int] | None = None
 ) -> dict[str, Any]:
     """Run `prompts` on a loaded native pipeline with every step computed; the ratios per step, averaged."""
     from diffuserve.config.step_cache import StepCacheSettings
@@ -67,7 +70,7 @@ def calibrate(
         pipeline.validate(params)
     per_request = [output.step_cache["mag_ratios"] for output in pipeline.run(batch).outputs]
     ratios = [sum(step) / len(step) for step in zip(*per_request, strict=True)]
-    denoiser = type(getattr(pipeline, pipeline.denoisers[0])).__name__
+    denoiser = type(pipeline.components[pipeline.denoisers[0]]).__name__
     return {
         "denoiser": denoiser,
         "family": pipeline.family,

@@ -30,8 +30,9 @@ from diffuserve.errors import RequestCancelledError
 from diffuserve.executor.base import InProcessExecutor, ReplicaState, ServingPipeline
 from diffuserve.executor.batch_runner import BatchEvents, BatchOutcome
 from diffuserve.executor.messages import BatchMessage
-from diffuserve.pipelines.base import BatchResult, Pipeline, RequestOutput
+from diffuserve.pipelines.base import Pipeline
 from diffuserve.pipelines.recipe import DenoiseState
+from diffuserve.pipelines.results import BatchResult, RequestOutput
 from diffuserve.pipelines.step_batch import RequestRows
 from diffuserve.sampling import SamplingParams
 
