@@ -122,7 +122,6 @@ def degree_flag(ulysses_degree: int, ring_degree: int) -> str:
 def check_sequence_parallel(pipeline: Pipeline, *, ulysses_degree: int, ring_degree: int) -> None:
     """Refuse (ConfigError naming the flag) a pipeline or degree the sequence split cannot run."""
     from diffuserve.family_spec import families_with, named_list, spec_for
-    from diffuserve.pipelines.recipe import RecipePipeline
 
     if ulysses_degree < 1 or ring_degree < 1:
         raise ConfigError(
@@ -133,7 +132,7 @@ def check_sequence_parallel(pipeline: Pipeline, *, ulysses_degree: int, ring_deg
         return
     flag = degree_flag(ulysses_degree, ring_degree)
     family = pipeline.family
-    if not isinstance(pipeline, RecipePipeline):
+    if not pipeline.split_over_ranks:  # only the native recipe's loop splits over ranks
         raise ConfigError(
             f"--{flag.replace('_', '-')}: the {family} model runs on the diffusers backend, which has "
             f"no sequence split here; serve it with --backend native "

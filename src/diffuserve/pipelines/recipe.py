@@ -85,10 +85,6 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
     masked_sequences: dict[str, str] = {}
     """Variable-length text encoders: `encode_text` output key of a padded sequence -> key of its attention
     mask (1 = token, 0 = padding). Rows are trimmed and padded through these when requests merge."""
-    batched_cfg: bool = False
-    """Run CFG as one doubled batch instead of two passes (diffusers runs two passes)."""
-    cfg_parallel: Any = None
-    """A `parallel.cfg_parallel.CfgParallel` when the two CFG branches run on two ranks; None in one process."""
     scheduler: Any = None
     """The checkpoint's scheduler (model_index.json `scheduler`), the template of each batch's private copy."""
     defers_decode = True

@@ -49,8 +49,6 @@ class FluxNativePipeline(FluxPacking, recipe.RecipePipeline):
     family = "flux"
     supports_controlnet = True
     """`--controlnet` FluxControlNetModel (incl. Union) rows run natively (`families/flux/controlnet.py`)."""
-    controlnets: dict[str, Any] = {}
-    """The loaded ControlNets by name (`pipelines/controlnet.py` `install_controlnets`); none by default."""
 
     def __init__(
         self,

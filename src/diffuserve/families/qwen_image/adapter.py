@@ -136,8 +136,6 @@ class QwenImageNativePipeline(ops.QwenPacking, _QwenBase):
     family = "qwen_image"
     supports_controlnet = True
     """`--controlnet` QwenImageControlNetModel rows run natively (`families/qwen_image/controlnet.py`)."""
-    controlnets: dict[str, Any] = {}
-    """The loaded ControlNets by name (`models/controlnets.py` `install_controlnets`); none by default."""
 
     def __init__(self, *, tokenizer: Any, **kw: Any) -> None:
         super().__init__(**kw)

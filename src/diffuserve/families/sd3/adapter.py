@@ -55,8 +55,6 @@ class SD3NativePipeline(recipe.RecipePipeline):
     family = "sd3"
     supports_controlnet = True
     """`--controlnet` SD3ControlNetModel rows run natively (`families/sd3/controlnet.py`)."""
-    controlnets: dict[str, Any] = {}
-    """The loaded ControlNets by name (`models/controlnets.py` `install_controlnets`); none by default."""
 
     def __init__(self, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
