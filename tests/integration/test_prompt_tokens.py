@@ -19,7 +19,7 @@ import pytest
 
 from diffuserve.errors import InvalidRequestError
 from diffuserve.family_spec import spec_for
-from diffuserve.pipelines.prompt_limits import with_counter
+from diffuserve.pipelines.prompt_limits import checkpoint_limits, with_counter
 from diffuserve.server.common import check_prompt
 
 ENCODES = 800
@@ -105,7 +105,7 @@ def test_every_family_reports_a_truncated_prompt_from_its_spec(
     pipeline = _load(path, backend)
     facts = spec_for(pipeline.family).text_encoders
     assert facts, f"{pipeline.family}: its spec lists no text encoders"
-    limits = pipeline.prompt_tokens().limits
+    limits = checkpoint_limits(pipeline.family, pipeline.tokenizer_part, pipeline.text_readings)
     assert [limit.encoder for limit in limits] == [fact.label for fact in facts]
     if length_attr is not None:  # the limit reported is the length the encode really reads
         assert limits[-1].max_tokens == getattr(pipeline, length_attr)

@@ -254,14 +254,13 @@ class PromptTokens:
         return counted[id(tokenizer)]
 
 
-def checkpoint_counter(
+def checkpoint_limits(
     family: str, part_of: Callable[[str], Any], readings: Mapping[str, TextReading] | None = None
-) -> PromptTokens:
-    """A model's prompt counter, built from its checkpoint's tokenizers: the family spec's text encoders, each
-    limited by what its tokenizer declares and by the adapter's `readings` (per model_index tokenizer key).
-    `part_of(key)` is the loaded tokenizer or processor of model_index key `key` (None when the checkpoint has
-    none, e.g. SD3 without T5). A family whose spec lists no encoders counts `usage` on its longest-context
-    tokenizer (T5 for FLUX / SD3-style pipelines, else the first) up to min(declared, 512) tokens."""
+) -> list[TextEncoderLimit]:
+    """What each text encoder of a loaded checkpoint takes: the family spec's text encoders, each limited by what its
+    tokenizer declares and by the adapter's `readings` (per model_index tokenizer key). `part_of(key)` is the loaded
+    tokenizer or processor of model_index key `key`, None when the checkpoint has none (SD3 without T5: skipped).
+    These hold the pipeline's own tokenizer objects: count only through a `PromptTokens`, which copies them."""
     from diffuserve.family_spec import spec_for
 
     try:
@@ -279,6 +278,16 @@ def checkpoint_counter(
         if reading.cap is not None and limit is not None:
             limit = min(limit, reading.cap)
         limits.append(TextEncoderLimit(fact.label, tokenizer, limit, reading.framed_empty, key=fact.tokenizer))
+    return limits
+
+
+def checkpoint_counter(
+    family: str, part_of: Callable[[str], Any], readings: Mapping[str, TextReading] | None = None
+) -> PromptTokens:
+    """A loaded checkpoint's prompt counter, built from its tokenizers (`checkpoint_limits`). A family whose spec lists
+    no encoders counts `usage` on its longest-context tokenizer (T5 for FLUX / SD3-style pipelines, else the first)
+    up to min(declared, 512) tokens."""
+    limits = checkpoint_limits(family, part_of, readings)
     if limits:
         return PromptTokens(limits)
     for key in ("tokenizer_3", "tokenizer_2", "tokenizer"):
