@@ -55,6 +55,6 @@ def read_mask(values: dict[str, Any], images: tuple[bytes, ...], max_side: int) 
 def check_mask_family(values: dict[str, Any], family: Any, backend: str) -> None:
     """`--mask-path` only for a family that inpaints natively (its spec's `inpaint` task), before loading."""
     if values.get("mask_path") is not None and not (family.inpaints and backend == "native"):
-        from diffuserve.sampling import mask_refusal
+        from diffuserve.family_spec.request_rules import mask_refusal
 
         raise ConfigError(f"--mask-path: {mask_refusal(family.name).message}")

@@ -18,7 +18,7 @@ from diffuserve.activation import ActivationFacts
 from diffuserve.config.step_cache import StepCacheSettings
 from diffuserve.errors import InvalidRequestError
 from diffuserve.family_spec.base import SamplingDefaults
-from diffuserve.family_spec.request_rules import RequestRules, TokenCount
+from diffuserve.family_spec.request_rules import RequestRules, validate_request
 from diffuserve.family_spec.text_tokens import EncoderLimit, TokenIds
 
 
@@ -222,7 +222,7 @@ class ModelDescription:
     max_height: int | None = None
     """Largest height the checkpoint's positional tables allow (None: no limit of the model's own)."""
     rules: RequestRules | None = None
-    """The checkpoint's request rules (plain data, `family_spec.request_rules`): `validate_request` checks a request
+    """The checkpoint's request rules (plain data, `family_spec.request_rules`): its `validate_request` checks a request
     against them in any process. None: a description built without a pipeline (only the builder's own checks)."""
     request_fields: frozenset[str] = frozenset()
     """Optional request fields this model gives meaning to beyond the common ones (`PEER_FIELDS`): a request that
@@ -280,18 +280,6 @@ def check_request_fields(model: ModelDescription, given: dict[str, Any]) -> None
                 f"Leave {name} out.",
                 param=name,
             )
-
-
-def mask_refusal(family: str) -> InvalidRequestError:
-    """The 400 of a `mask` sent to a model that does not inpaint, naming the families that do (their spec's
-    `inpaint` task)."""
-    from diffuserve.family_spec import families_with, named_list
-
-    return InvalidRequestError(
-        f"mask: this {family} model does not inpaint; masks are taken natively by "
-        f"{named_list(families_with('inpaints'))}. Leave mask out to edit the whole image.",
-        param="mask",
-    )
 
 
 def _pick(value: Any, default: Any) -> Any:
@@ -377,94 +365,3 @@ def build_sampling_params(
     if model.rules is not None:
         validate_request(params, model.rules, model.prompt_tokens.tokens if model.prompt_tokens else None)
     return params
-
-
-def validate_request(params: SamplingParams, rules: RequestRules, tokens: TokenCount | None = None) -> None:
-    """Refuse what the checkpoint cannot run, naming the field (InvalidRequestError): a pure function of the request
-    and the checkpoint's rules, so the HTTP front end, `generate` and the engine refuse the same way. The common
-    checks, then the family's own (`FamilySpec.request_check`; the diffusers backend's `diffusers_checks`, which
-    run the common ones themselves). `tokens`: the prompt counter for checks that bound a prompt's tokens."""
-    from diffuserve.family_spec import spec_for
-    from diffuserve.family_spec.request_rules import diffusers_checks
-
-    if rules.backend == "diffusers":
-        diffusers_checks(params, rules, common_checks)
-        return
-    try:
-        check = spec_for(rules.family).request_check
-    except KeyError:
-        check = None
-    if not rules.facts.get("replaces_common_checks", False):
-        common_checks(params, rules)
-    if check is not None:
-        check(params, rules, tokens)
-
-
-def common_checks(params: SamplingParams, rules: RequestRules) -> None:
-    """What every model refuses: sizes off its multiple or past its tables, too many input images, a mask it cannot
-    take, too many pixels, frames for an image model, a step cache it cannot run."""
-    for name in ("width", "height"):
-        value, step = getattr(params, name), rules.size_multiple
-        if value <= 0 or value % step:
-            raise InvalidRequestError(
-                f"{name}={value} is not a positive multiple of {step}, which this {rules.family} model needs; "
-                f"choose e.g. {max(step, value // step * step)}.",
-                param="size",
-            )
-    for name, value, limit in (("width", params.width, rules.max_width), ("height", params.height, rules.max_height)):
-        if limit is not None and value > limit:
-            raise InvalidRequestError(
-                f"{name}={value} is larger than this {rules.family} checkpoint can run (its positional tables "
-                f"end at {limit} px); choose a size up to {rules.max_width}x{rules.max_height}.",
-                param="size",
-            )
-    if len(params.image_inputs) > rules.max_image_inputs:
-        what = (
-            "takes no input image (image inputs / edits are not supported for it)"
-            if not rules.max_image_inputs
-            else f"takes at most {rules.max_image_inputs} input image(s)"
-        )
-        # The video API calls its image field `input_reference`; the images API `image`.
-        raise InvalidRequestError(
-            f"this {rules.family} model {what}; got {len(params.image_inputs)}.",
-            param="input_reference" if rules.output_kind == "video" else "image",
-        )
-    _check_mask(params, rules)
-    if params.width * params.height > rules.max_pixels:
-        raise InvalidRequestError(
-            f"size {params.width}x{params.height} exceeds this server's limit of {rules.max_pixels} pixels.",
-            param="size",
-        )
-    if rules.output_kind == "image" and params.num_frames != 1:
-        raise InvalidRequestError("num_frames must be 1 for an image model.", param="num_frames")
-    _check_step_cache(params, rules)
-
-
-def _check_mask(params: SamplingParams, rules: RequestRules) -> None:
-    """A mask only where the family inpaints, only with an input image; `padding_mask_crop` only with a mask."""
-    if params.mask_input is not None and not rules.inpaints:
-        raise mask_refusal(rules.family)
-    if params.mask_input is not None and not params.image_inputs:
-        raise InvalidRequestError("mask needs the image it masks; send an `image` file too.", param="mask")
-    if params.padding_mask_crop is not None and (params.mask_input is None or params.padding_mask_crop < 0):
-        raise InvalidRequestError(
-            f"padding_mask_crop={params.padding_mask_crop} needs a mask and a value >= 0 (pixels around it).",
-            param="padding_mask_crop",
-        )
-
-
-def _check_step_cache(params: SamplingParams, rules: RequestRules) -> None:
-    settings = params.step_cache
-    if settings is None:
-        return
-    problem = rules.step_cache_problems.get(settings.method)
-    if problem is not None:
-        raise InvalidRequestError(
-            f"step_cache {settings.method!r} cannot run on this {rules.family} model: {problem}.", param="step_cache"
-        )
-    if settings.method == "magcache" and not settings.mag_ratios and not settings.calibrate:
-        raise InvalidRequestError(
-            "step_cache magcache needs this checkpoint's magnitude ratios (`diffuserve "
-            "calibrate-cache`, then --step-cache-calibration FILE).",
-            param="step_cache",
-        )

@@ -284,7 +284,7 @@ class FamilySpec:
     warnings; usage counts the pipeline's longest-context tokenizer."""
     request_check: Callable[..., None] | None = None
     """The family's own request checks beyond the common ones (`family_spec.request_rules.FamilyCheck`: params, the
-    checkpoint's `RequestRules`, a prompt counter), a pure function run by `sampling.validate_request` in whichever
+    checkpoint's `RequestRules`, a prompt counter), a pure function run by `request_rules.validate_request` in whichever
     process builds the request; None: the common checks only."""
 
     @property

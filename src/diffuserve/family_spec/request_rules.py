@@ -3,7 +3,7 @@ family specs share (frame counts, edit strength, ControlNet fields).
 
 The rules are derived once in the engine process (`Pipeline.request_rules`, from the checkpoint's facts) and travel
 with the model's description (`sampling.ModelDescription.rules`), so any process checks a request with the pure
-function `sampling.validate_request` and no model object. A family's own checks are one pure function registered in
+function `validate_request` below and no model object. A family's own checks are one pure function registered in
 its spec (`FamilySpec.request_check`), reading only the request and these rules. No torch here.
 """
 
@@ -54,7 +54,7 @@ class RequestRules:
 
 FamilyCheck = Callable[[Any, RequestRules, "TokenCount | None"], None]
 """A family's own request checks: (params, rules, prompt token counter or None) -> None, or InvalidRequestError
-naming the field. Runs after the common checks (`sampling.validate_request`)."""
+naming the field. Runs after the common checks (`validate_request`)."""
 
 
 def check_frame_count(num_frames: int, step: int, *, model: str, vae: str = "VAE") -> None:
@@ -198,4 +198,109 @@ def diffusers_checks(params: Any, rules: RequestRules, common: Callable[[Any, Re
             f"this {rules.family} model splits one input image into layers: send it with POST /v1/images/edits "
             f"(one `image` file; `n` = number of layers); got {len(params.image_inputs)}.",
             param="image",
+        )
+
+
+# -- the check: one pure function of the request and the rules ----------------------------------------------
+
+
+def mask_refusal(family: str) -> InvalidRequestError:
+    """The 400 of a `mask` sent to a model that does not inpaint, naming the families that do (their spec's
+    `inpaint` task)."""
+    from diffuserve.family_spec import families_with, named_list
+
+    return InvalidRequestError(
+        f"mask: this {family} model does not inpaint; masks are taken natively by "
+        f"{named_list(families_with('inpaints'))}. Leave mask out to edit the whole image.",
+        param="mask",
+    )
+
+
+def validate_request(params: Any, rules: RequestRules, tokens: TokenCount | None = None) -> None:
+    """Refuse what the checkpoint cannot run, naming the field (InvalidRequestError): a pure function of the request
+    and the checkpoint's rules, so the HTTP front end, `generate` and the engine refuse the same way. The common
+    checks, then the family's own (`FamilySpec.request_check`; the diffusers backend's `diffusers_checks`, which
+    run the common ones themselves). `tokens`: the prompt counter for checks that bound a prompt's tokens."""
+    from diffuserve.family_spec import spec_for
+
+    if rules.backend == "diffusers":
+        diffusers_checks(params, rules, common_checks)
+        return
+    try:
+        check = spec_for(rules.family).request_check
+    except KeyError:
+        check = None
+    if not rules.facts.get("replaces_common_checks", False):
+        common_checks(params, rules)
+    if check is not None:
+        check(params, rules, tokens)
+
+
+def common_checks(params: Any, rules: RequestRules) -> None:
+    """What every model refuses: sizes off its multiple or past its tables, too many input images, a mask it cannot
+    take, too many pixels, frames for an image model, a step cache it cannot run."""
+    for name in ("width", "height"):
+        value, step = getattr(params, name), rules.size_multiple
+        if value <= 0 or value % step:
+            raise InvalidRequestError(
+                f"{name}={value} is not a positive multiple of {step}, which this {rules.family} model needs; "
+                f"choose e.g. {max(step, value // step * step)}.",
+                param="size",
+            )
+    for name, value, limit in (("width", params.width, rules.max_width), ("height", params.height, rules.max_height)):
+        if limit is not None and value > limit:
+            raise InvalidRequestError(
+                f"{name}={value} is larger than this {rules.family} checkpoint can run (its positional tables "
+                f"end at {limit} px); choose a size up to {rules.max_width}x{rules.max_height}.",
+                param="size",
+            )
+    if len(params.image_inputs) > rules.max_image_inputs:
+        what = (
+            "takes no input image (image inputs / edits are not supported for it)"
+            if not rules.max_image_inputs
+            else f"takes at most {rules.max_image_inputs} input image(s)"
+        )
+        # The video API calls its image field `input_reference`; the images API `image`.
+        raise InvalidRequestError(
+            f"this {rules.family} model {what}; got {len(params.image_inputs)}.",
+            param="input_reference" if rules.output_kind == "video" else "image",
+        )
+    _check_mask(params, rules)
+    if params.width * params.height > rules.max_pixels:
+        raise InvalidRequestError(
+            f"size {params.width}x{params.height} exceeds this server's limit of {rules.max_pixels} pixels.",
+            param="size",
+        )
+    if rules.output_kind == "image" and params.num_frames != 1:
+        raise InvalidRequestError("num_frames must be 1 for an image model.", param="num_frames")
+    _check_step_cache(params, rules)
+
+
+def _check_mask(params: Any, rules: RequestRules) -> None:
+    """A mask only where the family inpaints, only with an input image; `padding_mask_crop` only with a mask."""
+    if params.mask_input is not None and not rules.inpaints:
+        raise mask_refusal(rules.family)
+    if params.mask_input is not None and not params.image_inputs:
+        raise InvalidRequestError("mask needs the image it masks; send an `image` file too.", param="mask")
+    if params.padding_mask_crop is not None and (params.mask_input is None or params.padding_mask_crop < 0):
+        raise InvalidRequestError(
+            f"padding_mask_crop={params.padding_mask_crop} needs a mask and a value >= 0 (pixels around it).",
+            param="padding_mask_crop",
+        )
+
+
+def _check_step_cache(params: Any, rules: RequestRules) -> None:
+    settings = params.step_cache
+    if settings is None:
+        return
+    problem = rules.step_cache_problems.get(settings.method)
+    if problem is not None:
+        raise InvalidRequestError(
+            f"step_cache {settings.method!r} cannot run on this {rules.family} model: {problem}.", param="step_cache"
+        )
+    if settings.method == "magcache" and not settings.mag_ratios and not settings.calibrate:
+        raise InvalidRequestError(
+            "step_cache magcache needs this checkpoint's magnitude ratios (`diffuserve "
+            "calibrate-cache`, then --step-cache-calibration FILE).",
+            param="step_cache",
         )

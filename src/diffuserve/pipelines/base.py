@@ -305,7 +305,7 @@ class Pipeline:
     def request_rules(self) -> RequestRules:
         """The facts a request is checked against, as plain data (`family_spec.request_rules.RequestRules`): derived
         once here, in the engine's process, and carried by the model's description, so any process checks a
-        request with `sampling.validate_request` and never calls this pipeline."""
+        request with `family_spec.request_rules.validate_request` and never calls this pipeline."""
         from diffuserve.config.step_cache import METHODS
         from diffuserve.family_spec.request_rules import RequestRules
 
@@ -337,9 +337,9 @@ class Pipeline:
         return {**loaded, **self.family_facts}
 
     def validate(self, params: SamplingParams) -> None:
-        """`sampling.validate_request` against this pipeline's rules (for tools and tests in the engine's process;
-        the routes check against the description's copy of the rules)."""
-        from diffuserve.sampling import validate_request
+        """`validate_request` (`family_spec/request_rules.py`) against this pipeline's rules (for tools and tests in the
+        engine's process; the routes check against the description's copy of the rules)."""
+        from diffuserve.family_spec.request_rules import validate_request
 
         owner = self.prompt_tokens()
         validate_request(params, self.request_rules(), owner.tokens)

@@ -17,9 +17,10 @@ from starlette.concurrency import run_in_threadpool
 
 from diffuserve.engine.engine import GenerationResult
 from diffuserve.errors import InvalidRequestError, NotFoundError, RequestCancelledError
+from diffuserve.family_spec.request_rules import mask_refusal
 from diffuserve.media.images import decode_image, encode_image, mime_type
 from diffuserve.media.masks import inpaint_mask, mask_bytes_from_text
-from diffuserve.sampling import SamplingParams, build_sampling_params, check_request_fields, mask_refusal
+from diffuserve.sampling import SamplingParams, build_sampling_params, check_request_fields
 from diffuserve.server.common import (
     check_image_only_fields,
     check_request_limits,

@@ -24,9 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, Stric
 from starlette.concurrency import run_in_threadpool
 
 from diffuserve.errors import DiffuserveError, InvalidRequestError, NotFoundError, RequestCancelledError
+from diffuserve.family_spec.request_rules import validate_request
 from diffuserve.media.images import decode_image
 from diffuserve.media.meshes import MESH_FORMATS, encode_mesh
-from diffuserve.sampling import SamplingParams, build_sampling_params, validate_request
+from diffuserve.sampling import SamplingParams, build_sampling_params
 from diffuserve.server import job_routes
 from diffuserve.server.common import check_request_limits, require_ready, result_timings, served_model, server_context
 from diffuserve.server.context import ServerContext
