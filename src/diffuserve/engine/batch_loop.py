@@ -95,7 +95,6 @@ class BatchLoop:
         state.batches += 1
         state.rows += rows
         self.metrics.set_running(sum(len(b.requests) for b in self.scheduler.running_batches))
-        self.metrics.observe_replica(state)
 
     def _next_batch(self, replica: int) -> ScheduledBatch | None:
         book, scheduler = self.book, self.scheduler
@@ -113,10 +112,8 @@ class BatchLoop:
                         error=RequestTimeoutError("The request waited in the queue past its deadline and was not run."),
                     )
                 action = scheduler.schedule(now)
-                self.metrics.set_queue_depth(scheduler.num_queued)
                 if isinstance(action, Dispatch):
                     self.executor.replicas[replica].busy = True
-                    self.metrics.observe_replica(self.executor.replicas[replica])
                     book.cond.notify_all()  # the next free replica may schedule now
                     return action.batch
                 book.idle_wait(now, scheduler.next_deadline(), action.time if isinstance(action, WaitUntil) else None)

@@ -304,7 +304,6 @@ class AsyncEngine:
             self.book.admit(pending)
             self.scheduler.add(request)
             self._maybe_prefetch(request)
-            self.metrics.set_queue_depth(self.scheduler.num_queued)
             self._cond.notify_all()
             return pending
 
@@ -345,7 +344,6 @@ class AsyncEngine:
             pending.request.cancel_event.set()
             if self.scheduler.abort(request_id) is not None:
                 self.metrics.inc_cancelled_before_run()
-                self.metrics.set_queue_depth(self.scheduler.num_queued)
             self.book.answer_locked(request_id, error=error)
 
     def progress(self, request_id: str) -> tuple[int, int] | None:

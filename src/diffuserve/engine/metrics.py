@@ -271,7 +271,7 @@ class EngineMetrics:
         self.running_batch_size.set(n)
 
     def observe_replica(self, state) -> None:
-        """A replica's state (executor.base.ReplicaState) after it changed."""
+        """A replica's state (executor.base.ReplicaState), mirrored from `EngineStatus` when /metrics is scraped."""
         label = str(state.replica)
         self.replica_busy.labels(replica=label).set(int(state.busy))
         self.replica_healthy.labels(replica=label).set(int(state.failed is None))

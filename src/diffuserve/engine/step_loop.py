@@ -95,7 +95,6 @@ class StepLoop:
                         error=RequestTimeoutError("The request waited in the queue past its deadline and was not run."),
                     )
                 decision = scheduler.schedule(now)
-                self.metrics.set_queue_depth(scheduler.num_queued)
                 if isinstance(decision, StepPlan):
                     for request, reason in decision.removed:
                         self._timing.pop(request.request_id, None)
