@@ -51,7 +51,8 @@ class ServerProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         # Each test server keeps its results store beside its log unless the test names one (so jobs
         # of other servers and earlier sessions never show up in its listings).
-        outputs = [] if "--output-dir" in self.args else ["--output-dir", str(self.log_path.parent / "outputs")]
+        own_outputs = self.log_path.parent / "outputs"
+        outputs = [] if "--output-dir" in self.args else ["--output-dir", str(own_outputs)]
         # DIFFUSERVE_TEST_API_PROCESS=separate runs every test server with its engine in its own process.
         layout = os.environ.get("DIFFUSERVE_TEST_API_PROCESS")
         outputs += ["--api-process", layout] if layout and "--api-process" not in self.args else []

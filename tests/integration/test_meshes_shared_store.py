@@ -83,14 +83,14 @@ def test_a_drained_mesh_job_survives_a_restart(tiny_checkpoint, tmp_path: Path):
     finally:
         hold.release()
         first.stop()
-    again = ServerProcess(args, tmp_path / "again.log").start(timeout_s=240)
+    second = ServerProcess(args, tmp_path / "second.log").start(timeout_s=240)
     try:
-        job = httpx.get(f"{again.base_url}/v1/meshes/{drained_id}", timeout=30).json()
+        job = httpx.get(f"{second.base_url}/v1/meshes/{drained_id}", timeout=30).json()
         assert job["status"] == "completed" and job["progress"] == 100 and job["num_faces"] > 0, job
-        assert httpx.get(f"{again.base_url}/v1/meshes/{drained_id}/content", timeout=30).content == glb
+        assert httpx.get(f"{second.base_url}/v1/meshes/{drained_id}/content", timeout=30).content == glb
         assert (tmp_path / "outputs" / "media" / drained_id / "mesh.glb").read_bytes() == glb
     finally:
-        again.stop()
+        second.stop()
 
 
 def drain_a_held_job(

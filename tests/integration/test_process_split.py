@@ -147,7 +147,7 @@ def test_front_end_death_stops_the_engine(tiny_flux_path: Path, tmp_path: Path) 
     cmd += ["--output-dir", str(tmp_path / "outputs")]
     with open(server.log_path, "wb") as log:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)  # no wait for /health
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)  # /health is not awaited
         try:
             engine = _engine_pid(server)
             proc.kill()

@@ -63,7 +63,8 @@ def test_the_drain_waits_for_drivers_then_marks_the_rest_stopped(tmp_path):
 
 
 def test_a_results_store_that_does_not_answer_does_not_hold_the_exit(monkeypatch, caplog):
-    """Rows that cannot be written (the store is down: a write raises, or hangs in its retries) are logged by id,
+    """Rows that cannot be written (the store is down: a write raises, or its retries hang) are named by id in the
+    server's output,
     and the drain goes on after MARK_TIMEOUT_S rather than once per job."""
     from diffuserve.server import job_drain
 
