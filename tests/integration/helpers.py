@@ -6,6 +6,7 @@ import base64
 import io
 import re
 import time
+from collections.abc import Callable
 
 import httpx
 import numpy as np
@@ -52,3 +53,28 @@ def wait_draining(base_url: str, timeout_s: float = 60) -> httpx.Response:
         assert time.monotonic() < deadline, "the drain never turned /health 503"
         time.sleep(0.05)
     return health
+
+
+def wait_until(condition: Callable[[], object], what: str, timeout_s: float = 60) -> None:
+    """Poll `condition` until it holds (deadline-bounded); `what` names it in the failure."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened within {timeout_s}s: {what}"
+        time.sleep(0.05)
+
+
+def stopped_batches(base_url: str, headers: dict | None = None) -> tuple[float, float]:
+    """(batches that stopped because every request in them was cancelled, the steps they had run), from /metrics
+    (`diffuserve_stopped_batch_steps`; the log's "stopped at step k/N")."""
+    count = metric_value(base_url, "diffuserve_stopped_batch_steps_count", headers=headers)
+    return count, metric_value(base_url, "diffuserve_stopped_batch_steps_sum", headers=headers)
+
+
+def wait_batch_stopped(
+    base_url: str, before: tuple[float, float], headers: dict | None = None, timeout_s: float = 60
+) -> int:
+    """Wait until exactly one more batch than `before` (a `stopped_batches` reading) stopped; the steps it had run."""
+    wait_until(lambda: stopped_batches(base_url, headers)[0] > before[0], "a batch stopped", timeout_s)
+    count, steps = stopped_batches(base_url, headers)
+    assert count == before[0] + 1, f"{count - before[0]:.0f} batches stopped, not one"
+    return round(steps - before[1])
