@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import io
-import re
 import time
 from collections.abc import Callable
 
@@ -33,17 +32,6 @@ def metric_value(base_url: str, name: str, labels: dict[str, str] | None = None,
             if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
                 total += sample.value
     return total
-
-
-def wait_for_log(server, pattern: str, *, start: int = 0, timeout_s: float = 20) -> re.Match:
-    """Wait until the server log (from offset `start`) matches `pattern`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        match = re.search(pattern, server.log()[start:])
-        if match:
-            return match
-        time.sleep(0.05)
-    raise AssertionError(f"log never matched {pattern!r}; tail:\n{server.log()[start:][-3000:]}")
 
 
 def wait_draining(base_url: str, timeout_s: float = 60) -> httpx.Response:

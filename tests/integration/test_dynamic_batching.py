@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 
 from tests.integration.conftest import FAULT_MARKER
-from tests.integration.helpers import decode_b64_png, metric_value, pixels, wait_for_log
+from tests.integration.helpers import decode_b64_png, metric_value, pixels
 from tests.serverproc import ServerProcess
 from tests.step_hold import StepHold, running, wait_idle
 
@@ -149,7 +149,7 @@ def test_stats_line_and_prometheus_batching_metrics(dynamic_server):
     for _ in range(2):
         _post_concurrently(dynamic_server.base_url, [_body("stats", i) for i in range(4)])
     _post_concurrently(dynamic_server.base_url, [_body("stats solo", 9, size="32x32")])
-    match = wait_for_log(dynamic_server, STATS_RE.pattern)
+    match = dynamic_server.wait_for_log(STATS_RE.pattern)
     avg_size, merged, full, util = (float(match.group(i)) for i in range(1, 5))
     assert 1.0 <= avg_size <= 4.0 and 0 <= merged <= 100 and 0 <= full <= 100 and 0 < util <= 100
     base = dynamic_server.base_url
