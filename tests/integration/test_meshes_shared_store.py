@@ -6,16 +6,15 @@ drains it to the end, GLB and `completed` row, on PostgreSQL + S3 and on SQLite 
 
 from __future__ import annotations
 
-import re
 import signal
 from pathlib import Path
 
 import httpx
 
-from tests.integration.helpers import stopped_batches, wait_batch_stopped, wait_draining, wait_for_log, wait_until
+from tests.integration.helpers import stopped_batches, wait_batch_stopped, wait_draining, wait_until
 from tests.integration.test_family_hunyuan3d import object_png
 from tests.integration.test_meshes_api import _wait
-from tests.integration.test_shared_stores import _start_all
+from tests.integration.test_shared_stores import _notified_stops, _start_all
 from tests.serverproc import ServerProcess
 from tests.step_hold import StepHold, running
 
@@ -49,15 +48,13 @@ def test_a_cancel_on_b_stops_the_mesh_job_running_on_a(tiny_checkpoint, postgres
             hold.arm()
             hold.release(1)
             fields = {"seed": "2", "octree_resolution": "24", "num_inference_steps": str(STEPS)}
-            before = stopped_batches(a.base_url)
+            before, notified = stopped_batches(a.base_url), _notified_stops(a, "mesh")
             held = on_a.post("/v1/meshes", files=image, data={**fields, "prompt": StepHold.MARKER}).json()
             # Its first step reported (5% of 20): it is held at step 2 until released.
             wait_until(lambda: on_a.get(f"/v1/meshes/{held['id']}").json()["progress"] >= 5, "step 1 of the held job")
             assert on_b.post(f"/v1/meshes/{held['id']}/cancel").json()["status"] == "cancelled"
             # PostgreSQL's notification told A (A sweeps only every 5 s).
-            wait_for_log(
-                a, re.escape(f"mesh job {held['id']} was finished or deleted through another replica (notified)")
-            )
+            wait_until(lambda: _notified_stops(a, "mesh") == notified + 1, "A notified of the cancel")
             hold.release()
             assert wait_batch_stopped(a.base_url, before) == 2, "A stopped the job at the held step"
             for client in (on_a, on_b):

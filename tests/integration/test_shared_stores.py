@@ -14,7 +14,6 @@ other's URL (streamed from the bucket, or a redirect to a presigned URL)."""
 
 from __future__ import annotations
 
-import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,10 +26,10 @@ import pytest
 
 from diffuserve.media.video import probe_mp4
 from tests.integration.helpers import (
+    metric_value,
     stopped_batches,
     wait_batch_stopped,
     wait_draining,
-    wait_for_log,
     wait_until,
 )
 from tests.serverproc import ServerProcess
@@ -54,6 +53,12 @@ def _wait(client: openai.OpenAI, video_id: str, until, timeout_s: float = 90):
             return job
         time.sleep(0.05)
     raise AssertionError(f"job {video_id} never reached the state; last: {job}")
+
+
+def _notified_stops(server: ServerProcess, kind: str) -> float:
+    """Jobs `server` stopped because PostgreSQL's notification said another replica finished them (/metrics)."""
+    labels = {"kind": kind, "how": "notified"}
+    return metric_value(server.base_url, "diffuserve_jobs_stopped_elsewhere_total", labels)
 
 
 def _start_all(*servers: ServerProcess) -> None:
@@ -144,7 +149,7 @@ def test_any_replica_answers_any_job(tiny_wan_path: Path, postgres_server, s3_se
 
         # A cancel sent to C stops the job A runs at its next denoising step. The job is held at step 2
         # (steps 1..1 released; its progress, 1% of 100 steps, shows step 1 done), so "next" is exact: PostgreSQL
-        # NOTIFY tells A (A sweeps only every 5 s, so the log line is the notification's), and once released A
+        # NOTIFY tells A (A sweeps only every 5 s; /metrics counts the stop as `notified`), and once released A
         # stops at step 2 (/metrics: diffuserve_stopped_batch_steps).
         hold.arm()
         hold.release(1)
@@ -152,11 +157,11 @@ def test_any_replica_answers_any_job(tiny_wan_path: Path, postgres_server, s3_se
             prompt=f"a held fox {StepHold.MARKER}", model="tiny-wan", extra_body={"num_inference_steps": 100}
         ).id
         _wait(on_a, held_id, lambda j: j.status == "in_progress" and j.progress >= 1)
-        before = stopped_batches(a.base_url)
+        before, notified_before = stopped_batches(a.base_url), _notified_stops(a, "video")
         # (The SDK has no videos.cancel: POST /v1/videos/{id}/cancel as other servers serve it.)
         asked = time.monotonic()
         assert httpx.post(f"{c.base_url}/v1/videos/{held_id}/cancel", timeout=30).json()["status"] == "cancelled"
-        wait_for_log(a, re.escape(f"video job {held_id} was finished or deleted through another replica (notified)"))
+        wait_until(lambda: _notified_stops(a, "video") == notified_before + 1, "PostgreSQL's notification told A")
         notified = time.monotonic()
         hold.release()
         released = time.monotonic()

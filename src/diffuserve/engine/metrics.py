@@ -59,11 +59,8 @@ _STEP_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 
 
 class EngineMetrics:
-    """Every Prometheus collector of the server, on one registry (a fresh one by default).
-
-    prometheus_client collectors are thread-safe, so the engine thread and the HTTP handlers may
-    call these methods concurrently.
-    """
+    """Every Prometheus collector of the server, on one registry (a fresh one by default). prometheus_client
+    collectors are thread-safe, so the engine thread and the HTTP handlers may call these methods concurrently."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
@@ -100,6 +97,8 @@ class EngineMetrics:
         )
         stopped = "Steps each batch had run when it stopped because every request in it was cancelled."
         self.stopped_batch_steps = Histogram(f"{p}stopped_batch_steps", stopped, buckets=_STEP_BUCKETS, registry=r)
+        elsewhere = "Jobs running here stopped as another replica finished or deleted their row, by how it was seen."
+        self.jobs_stopped_elsewhere = Counter(f"{p}jobs_stopped_elsewhere", elsewhere, ["kind", "how"], registry=r)
         self._batch_collectors(r)
         self.token_metrics = TokenMetrics(r)  # tokens per call, packed calls, padding (engine/token_metrics.py)
         # Execution.
