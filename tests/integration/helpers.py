@@ -25,13 +25,20 @@ def pixels(image: Image.Image) -> np.ndarray:
 
 def metric_value(base_url: str, name: str, labels: dict[str, str] | None = None, headers: dict | None = None) -> float:
     """Sum of the samples of `name` whose labels include `labels` (parsed with prometheus_client)."""
+    return metric_reading(base_url, headers)(name, labels)
+
+
+def metric_reading(base_url: str, headers: dict | None = None) -> Callable[..., float]:
+    """One scrape of /metrics: a function summing, as `metric_value` does, samples of that same scrape (for figures
+    made of several samples, such as histogram buckets, while the server moves on)."""
     text = httpx.get(f"{base_url}/metrics", headers=headers, timeout=10).text
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
-                total += sample.value
-    return total
+    samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+    def value(name: str, labels: dict[str, str] | None = None) -> float:
+        wanted = (labels or {}).items()
+        return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in wanted))
+
+    return value
 
 
 def wait_draining(base_url: str, timeout_s: float = 60) -> httpx.Response:
@@ -54,8 +61,8 @@ def wait_until(condition: Callable[[], object], what: str, timeout_s: float = 60
 def stopped_batches(base_url: str, headers: dict | None = None) -> tuple[float, float]:
     """(batches that stopped because every request in them was cancelled, the steps they had run), from /metrics
     (`diffuserve_stopped_batch_steps`; the log's "stopped at step k/N")."""
-    count = metric_value(base_url, "diffuserve_stopped_batch_steps_count", headers=headers)
-    return count, metric_value(base_url, "diffuserve_stopped_batch_steps_sum", headers=headers)
+    read = metric_reading(base_url, headers)
+    return read("diffuserve_stopped_batch_steps_count"), read("diffuserve_stopped_batch_steps_sum")
 
 
 def wait_batch_stopped(

@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 
 from tests.integration.conftest import FAULT_MARKER
-from tests.integration.helpers import decode_b64_png, metric_value, pixels
+from tests.integration.helpers import decode_b64_png, metric_reading, metric_value, pixels
 from tests.serverproc import ServerProcess
 from tests.step_hold import StepHold, running, wait_idle
 
@@ -46,7 +46,7 @@ def _meeting_in_the_queue(server: ServerProcess, bodies: list[dict]) -> list[htt
 
     with ThreadPoolExecutor(len(bodies) + 1) as pool:
         try:
-            # 32x32 is capped to 1 by the server's rule: dispatched at once, its log line matches no pattern below
+            # 32x32 is capped to 1 by the server's rule: dispatched at once, as config_cap:1
             held = pool.submit(post, _body(f"held {StepHold.MARKER}", 0, num_inference_steps=2, size="32x32"))
             wait(lambda: running(server))
             posted = [pool.submit(post, body) for body in bodies]
@@ -68,8 +68,8 @@ def _dispatches(server: ServerProcess, reason: str) -> float:
 
 def _four_row_dispatches(server: ServerProcess) -> float:
     """Dispatches so far of exactly 4 rows (size=4/4 of the dispatch log line: the size histogram's buckets)."""
-    name = "diffuserve_batch_size_outputs_bucket"
-    return metric_value(server.base_url, name, {"le": "4.0"}) - metric_value(server.base_url, name, {"le": "3.0"})
+    read, name = metric_reading(server.base_url), "diffuserve_batch_size_outputs_bucket"
+    return read(name, {"le": "4.0"}) - read(name, {"le": "3.0"})
 
 
 def test_four_concurrent_requests_dispatch_as_one_batch(dynamic_server):
