@@ -11,6 +11,7 @@ from diffuserve.errors import GenerationError, ServiceUnavailableError
 from diffuserve.server.job_drain import STOPPED_CODE, JobDrivers
 from diffuserve.server.video_jobs import VideoJob, VideoJobStore
 from diffuserve.storage import ResultStore
+from tests.conftest import log_messages
 
 
 def _job(i: int) -> VideoJob:
@@ -87,5 +88,5 @@ def test_a_results_store_that_does_not_answer_does_not_hold_the_exit(monkeypatch
     finally:
         release.set()
     assert stopped == 3 and took < 5, took
-    logged = "\n".join(r.getMessage() for r in caplog.records)
-    assert "could not record 3 job(s) as stopped" in logged and "video_2" in logged, logged
+    messages = "\n".join(log_messages(caplog))
+    assert "could not record 3 job(s) as stopped" in messages and "video_2" in messages, messages
