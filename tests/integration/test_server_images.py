@@ -140,7 +140,7 @@ def test_unknown_route_and_models(singleton_server):
     # The engine's status (engine/status.py) fills the same fields as before it existed.
     assert info["state"] == "ready" and info["queue"]["queued"] == 0 and info["defaults"]["width"] > 0
     assert [r["replica"] for r in info["replicas"]] == [0] and info["distributed"] is None
-    # The results store in use (issue 34): the default, SQLite + files under --output-dir, and the log says so.
+    # The results store in use (issue 34): the default, SQLite + files under --output-dir; the start-up line names it.
     outputs = singleton_server.log_path.parent / "outputs"
     assert info["results_store"] == {
         "metadata": {"kind": "sqlite", "path": str(outputs / "results.db")},
