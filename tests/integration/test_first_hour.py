@@ -301,7 +301,7 @@ def test_ctrl_c_during_generate_prints_one_line_and_exits_130(tiny_flux_path: Pa
     assert len(lines) == 1
     match = re.search(r"interrupted at step (\d+)/200; wrote 1 files to (.+)$", lines[0])
     assert match and 0 <= int(match.group(1)) < 200 and match.group(2) == str(out_dir), lines[0]
-    # The engine finishes the step in flight, then stops at the same step the one line names (issue 34).
+    # The engine finishes the step in flight, then stops: its "stopped at step" line names that step (issue 34).
     stopped = re.search(r"stopped at step (\d+)/200", stderr)
     assert stopped and stopped.group(1) == match.group(1), stderr[-2000:]
     assert [p.name for p in out_dir.iterdir()] == ["quick_0_0.png"]
