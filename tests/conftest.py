@@ -45,6 +45,13 @@ def tiny_wan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_checkpoint("wan", tmp_path_factory.mktemp("ckpt") / "wan-tiny", preset="tiny")
 
 
+def log_messages(caplog: pytest.LogCaptureFixture, *, logger: str | None = None, level: int = 0) -> list[str]:
+    """What `caplog` captured (records of `logger` or its children, at `level` or above), for the unit tests of
+    code whose output under test is a log line (a documented batching line, a warning the spec words)."""
+    named = [r for r in caplog.records if logger is None or r.name == logger or r.name.startswith(f"{logger}.")]
+    return [r.getMessage() for r in named if r.levelno >= level]
+
+
 STREAMING_API_KEY = "stream-test-key"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -51,7 +52,8 @@ class ServerProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         # Each test server keeps its results store beside its log unless the test names one (so jobs
         # of other servers and earlier sessions never show up in its listings).
-        outputs = [] if "--output-dir" in self.args else ["--output-dir", str(self.log_path.parent / "outputs")]
+        own_outputs = self.log_path.parent / "outputs"
+        outputs = [] if "--output-dir" in self.args else ["--output-dir", str(own_outputs)]
         # DIFFUSERVE_TEST_API_PROCESS=separate runs every test server with its engine in its own process.
         layout = os.environ.get("DIFFUSERVE_TEST_API_PROCESS")
         outputs += ["--api-process", layout] if layout and "--api-process" not in self.args else []
@@ -86,6 +88,15 @@ class ServerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def wait_for_log(self, pattern: str, *, start: int = 0, timeout_s: float = 20) -> re.Match:
+        """Until the output from offset `start` matches `pattern` (a regex), within `timeout_s`. For the lines that
+        are themselves the behaviour under test; state is read from /health, /metrics and the answers."""
+        deadline = time.monotonic() + timeout_s
+        while not (match := re.search(pattern, self.log()[start:])):
+            assert time.monotonic() < deadline, f"never matched {pattern!r}; tail:\n{self.log()[start:][-3000:]}"
+            time.sleep(0.05)
+        return match
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
         assert self.proc is not None

@@ -141,8 +141,10 @@ def test_the_entrypoint_serves_as_pid_1_and_drains_on_sigterm(image: tuple[Image
             request.join(120)
             # Answered, though SIGTERM came first, and the same image as unheld (one process, batch of one: exact).
             assert "pixels" in answer and np.array_equal(answer["pixels"], reference)
-            assert server.proc is not None and server.proc.wait(120) == 0, server.log()[-3000:]
-            assert "drained; exiting" in server.log()
+            # Drained (the held request got its image, not a 503 of the shutdown timeout), then exit 0.
+            assert server.proc is not None
+            exit_code = server.proc.wait(120)
+            assert exit_code == 0, server.log()[-3000:]
             store = results / "outputs" / "results.db"  # the results store, on the volume, made by the image's user
             assert store.is_file() and (store.stat().st_uid, store.stat().st_gid) == config.uid_gid
         finally:

@@ -333,7 +333,8 @@ def test_two_hosts_with_fsdp_times_ulysses_equal_one_process(tiny_flux_path, tmp
             assert plan["fsdp"] is True and plan["ulysses_degree"] == 2
         finally:
             assert node0.stop() == 0
-        assert node1.wait(30) == 0, (tmp_path / "node1.log").read_text()[-3000:]  # left on node 0's shutdown
+        node1_code = node1.wait(30)  # left on node 0's shutdown
+        assert node1_code == 0, (tmp_path / "node1.log").read_text()[-3000:]
     finally:
         if node1.poll() is None:
             node1.kill()

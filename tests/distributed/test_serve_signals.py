@@ -82,9 +82,10 @@ def test_sigterm_drains_every_rank(tiny_flux_path: Path, tmp_path: Path, target:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
-    log = log_path.read_text()
-    assert "drained; exiting" in log and "rank 1: shutdown" in log, log[-3000:]
-    assert "ChannelClosed" not in log and "not every rank confirmed" not in log, log[-3000:]
-    assert code == 0 and "Traceback" not in log and "ChildFailedError" not in log, log[-3000:]
-    if target == "launcher":
-        assert "diffuserve-torchrun: stopped by SIGTERM" in log, log[-3000:]
+    # What the shutdown says (docs/operations.md), and that nothing failed on the way: one read of its output.
+    output = log_path.read_text()
+    assert code == 0, output[-3000:]
+    said = ["drained; exiting", "rank 1: shutdown"]
+    said += ["diffuserve-torchrun: stopped by SIGTERM"] if target == "launcher" else []
+    never = ["ChannelClosed", "not every rank confirmed", "Traceback", "ChildFailedError"]
+    assert [s for s in said if s not in output] == [] and [s for s in never if s in output] == [], output[-3000:]

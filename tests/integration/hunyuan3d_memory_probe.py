@@ -31,8 +31,8 @@ def rss_mib() -> int:
 
 
 def shallow(queries: torch.Tensor, latents: torch.Tensor, attend=None) -> torch.Tensor:
-    """A cheap stand-in decoder: a sphere whose logits stay within +-0.5, so every point counts as near the surface
-    and FlashVDM queries every point of every level (its worst case)."""
+    """A cheap stand-in decoder: a sphere whose occupancy values stay within +-0.5, so every point counts as near the
+    surface and FlashVDM queries every point of every level (its worst case)."""
     return 0.5 * torch.tanh(queries.norm(dim=-1, keepdim=True) - 0.6)
 
 

@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 
 from tests.integration.conftest import FAULT_MARKER
-from tests.integration.helpers import decode_b64_png, metric_value, pixels, wait_for_log
+from tests.integration.helpers import decode_b64_png, metric_reading, metric_value, pixels
 from tests.serverproc import ServerProcess
 from tests.step_hold import StepHold, running, wait_idle
 
@@ -46,7 +46,7 @@ def _meeting_in_the_queue(server: ServerProcess, bodies: list[dict]) -> list[htt
 
     with ThreadPoolExecutor(len(bodies) + 1) as pool:
         try:
-            # 32x32 is capped to 1 by the server's rule: dispatched at once, its log line matches no pattern below
+            # 32x32 is capped to 1 by the server's rule: dispatched at once, as config_cap:1
             held = pool.submit(post, _body(f"held {StepHold.MARKER}", 0, num_inference_steps=2, size="32x32"))
             wait(lambda: running(server))
             posted = [pool.submit(post, body) for body in bodies]
@@ -61,28 +61,37 @@ def _body(prompt: str, seed: int, **extra) -> dict:
     return {"prompt": prompt, "seed": seed, "size": "64x64", "num_inference_steps": 3, **extra}
 
 
+def _dispatches(server: ServerProcess, reason: str) -> float:
+    """Dispatches so far that stopped for `reason` (the stop_reason of the dispatch log line, from /metrics)."""
+    return metric_value(server.base_url, "diffuserve_batch_dispatches_total", {"reason": reason})
+
+
+def _four_row_dispatches(server: ServerProcess) -> float:
+    """Dispatches so far of exactly 4 rows (size=4/4 of the dispatch log line: the size histogram's buckets)."""
+    read, name = metric_reading(server.base_url), "diffuserve_batch_size_outputs_bucket"
+    return read(name, {"le": "4.0"}) - read(name, {"le": "3.0"})
+
+
 def test_four_concurrent_requests_dispatch_as_one_batch(dynamic_server):
-    start = len(dynamic_server.log())
+    max_size, four = _dispatches(dynamic_server, "max_size"), _four_row_dispatches(dynamic_server)
     responses = _meeting_in_the_queue(dynamic_server, [_body(f"prompt {i}", i) for i in range(4)])
     assert [r.status_code for r in responses] == [200] * 4
     assert {r.json()["timings"]["batch_size"] for r in responses} == {4}
-    wait_for_log(
-        dynamic_server,
-        r"Dynamic batch dispatch: size=4/4, user_max=4, queue_wait=\d+\.\d\dms, stop_reason=max_size",
-        start=start,
-    )
+    assert _dispatches(dynamic_server, "max_size") == max_size + 1, "one dispatch, stopped by max_size"
+    assert _four_row_dispatches(dynamic_server) == four + 1, "of 4 rows"
 
 
 def test_n_counts_against_the_cap(dynamic_server):
-    start = len(dynamic_server.log())
+    max_size, four = _dispatches(dynamic_server, "max_size"), _four_row_dispatches(dynamic_server)
     responses = _meeting_in_the_queue(dynamic_server, [_body("two", 1, n=2), _body("two more", 2, n=2)])
     assert all(r.status_code == 200 and len(r.json()["data"]) == 2 for r in responses)
     assert {r.json()["timings"]["batch_size"] for r in responses} == {2}
-    wait_for_log(dynamic_server, r"size=4/4, user_max=4, queue_wait=\S+, stop_reason=max_size", start=start)
+    assert _dispatches(dynamic_server, "max_size") == max_size + 1, "2 + 2 rows fill the cap of 4"
+    assert _four_row_dispatches(dynamic_server) == four + 1
 
 
 def test_different_step_counts_never_merge(dynamic_server):
-    start = len(dynamic_server.log())
+    delay = _dispatches(dynamic_server, "delay")
     responses = _meeting_in_the_queue(
         dynamic_server,
         [  # both queued: the head's batch sees and rejects the other
@@ -92,7 +101,7 @@ def test_different_step_counts_never_merge(dynamic_server):
     )
     assert [r.status_code for r in responses] == [200, 200]
     assert [r.json()["timings"]["batch_size"] for r in responses] == [1, 1]
-    wait_for_log(dynamic_server, r"(size=1/4, user_max=4, queue_wait=\S+, stop_reason=delay[\s\S]*){2}", start=start)
+    assert _dispatches(dynamic_server, "delay") == delay + 2, "two singleton dispatches, each after the delay"
     rejects = metric_value(
         dynamic_server.base_url, "diffuserve_batching_rejects_total", {"reason": "sampling_params.num_inference_steps"}
     )
@@ -100,11 +109,11 @@ def test_different_step_counts_never_merge(dynamic_server):
 
 
 def test_config_rule_caps_to_one(dynamic_server):
-    start = len(dynamic_server.log())
+    capped = _dispatches(dynamic_server, "config_cap:1")
     responses = _post_concurrently(dynamic_server.base_url, [_body("small", i, size="32x32") for i in range(2)])
     assert [r.status_code for r in responses] == [200, 200]
     assert [r.json()["timings"]["batch_size"] for r in responses] == [1, 1]
-    wait_for_log(dynamic_server, r"size=1/4, user_max=4, queue_wait=\S+, stop_reason=config_cap:1", start=start)
+    assert _dispatches(dynamic_server, "config_cap:1") == capped + 2, "each dispatched alone by the config rule"
 
 
 def test_failing_merged_batch_fails_all_its_requests_and_server_goes_on(dynamic_server):
@@ -140,7 +149,7 @@ def test_stats_line_and_prometheus_batching_metrics(dynamic_server):
     for _ in range(2):
         _post_concurrently(dynamic_server.base_url, [_body("stats", i) for i in range(4)])
     _post_concurrently(dynamic_server.base_url, [_body("stats solo", 9, size="32x32")])
-    match = wait_for_log(dynamic_server, STATS_RE.pattern)
+    match = dynamic_server.wait_for_log(STATS_RE.pattern)
     avg_size, merged, full, util = (float(match.group(i)) for i in range(1, 5))
     assert 1.0 <= avg_size <= 4.0 and 0 <= merged <= 100 and 0 <= full <= 100 and 0 < util <= 100
     base = dynamic_server.base_url

@@ -34,7 +34,7 @@ from tests.integration.family_checks import (
 )
 from tests.integration.family_conformance import BLUE_WIDE, BY_ID, QWEN_EDIT, RED, FamilyCase, ids
 from tests.integration.family_references import Subject, outputs_of, png, resident_run
-from tests.integration.helpers import decode_b64_png, wait_for_log
+from tests.integration.helpers import decode_b64_png, metric_value
 from tests.serverproc import ServerProcess
 
 pytestmark = pytest.mark.timeout(300)
@@ -473,7 +473,8 @@ def _edit_extra(fields: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("case", ["qwen-image-edit"], indirect=True)
 def test_qwen_edit_through_the_official_client(case: FamilyCase, native, server: ServerProcess) -> None:
     fields = dict(case.reference_params)["edit-n2"]
-    start = len(server.log())
+    head_reason = {"reason": "head:image_conditioning"}
+    alone = metric_value(server.base_url, "diffuserve_batch_dispatches_total", head_reason)
     assert "warm-up generation" in server.log()
     result = client_of(server).images.edit(
         image=("in.png", RED, "image/png"),
@@ -485,7 +486,8 @@ def test_qwen_edit_through_the_official_client(case: FamilyCase, native, server:
     got = [decode_b64_png(d.b64_json) for d in result.data]
     (want,) = resident_run(native, [SamplingParams(**fields)])
     assert [im.size for im in got] == [im.size for im in want] and max_pixel_diff(got, want) == 0
-    wait_for_log(server, r"stop_reason=head:image_conditioning", start=start)
+    # An edit is dispatched alone, for the image conditioning of the head of the queue.
+    assert metric_value(server.base_url, "diffuserve_batch_dispatches_total", head_reason) == alone + 1
 
 
 @pytest.mark.parametrize("case", ["qwen-image-edit-plus"], indirect=True)

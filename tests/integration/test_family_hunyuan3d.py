@@ -19,7 +19,7 @@ from tests.integration.family_checks import layered_components, with_residency
 
 VOLUME_TOLERANCE = 1e-5
 """Batched vs solo: the DiT and decoder matmuls run with another batch size, so float32 sums may round
-differently in the last bits (measured ~7e-7 on logits of magnitude ~2); rows never mix."""
+differently in the last bits (measured ~7e-7 on occupancy values of magnitude ~2); rows never mix."""
 
 
 def object_png(color=(200, 50, 50), box=(20, 10, 70, 70)) -> bytes:

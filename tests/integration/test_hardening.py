@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.helpers import wait_for_log
+from tests.integration.helpers import stopped_batches, wait_batch_stopped
 from tests.serverproc import ServerProcess
 from tests.step_hold import StepHold, seconds_after_running, wait_idle
 
@@ -170,7 +170,7 @@ def test_queue_full_gets_429_and_accepted_requests_finish(limits_server, hold):
 
 
 def test_deadline_queued_and_running_get_504(limits_server, hold):
-    start = len(limits_server.log())
+    stopped = stopped_batches(limits_server.base_url)
     runner, first = _in_background(limits_server, HELD)
     _wait_running(limits_server)  # held until the queued request below has been queued past its deadline
     releaser = hold.release_when(_queued_for(limits_server, 0.3))
@@ -186,7 +186,7 @@ def test_deadline_queued_and_running_get_504(limits_server, hold):
     releaser.join(10)
     assert running.status_code == 504
     assert "past its deadline" in running.json()["error"]["message"]
-    wait_for_log(limits_server, r"stopped at step (\d+)/200", start=start)
+    assert wait_batch_stopped(limits_server.base_url, stopped) < 200, "nobody waits: the batch stopped"
 
 
 def test_no_field_fetches_urls_and_paths_stay_inside(limits_server, tiny_flux_path: Path, tmp_path: Path, cli_main):

@@ -232,16 +232,31 @@ def test_a_kohya_file_goes_through_diffusers_converter(tiny_flux_path: Path, tmp
     assert _diff(ours, native.run([_params(())]).outputs[0].images[0])[0] > 3
 
 
+def _joins(server) -> float:
+    """Requests that joined a running continuous group so far (/metrics)."""
+    from tests.integration.helpers import metric_value
+
+    return metric_value(server.base_url, "diffuserve_continuous_joins_total")
+
+
+def _two_row_steps(server) -> float:
+    """Continuous denoising steps of exactly 2 rows so far (the step-rows histogram's buckets)."""
+    from tests.integration.helpers import metric_reading
+
+    read, name = metric_reading(server.base_url), "diffuserve_continuous_step_batch_rows_bucket"
+    return read(name, {"le": "2.0"}) - read(name, {"le": "1.0"})  # one scrape: the anchor steps on meanwhile
+
+
 def test_a_continuous_server_steps_rows_with_different_adapters(tiny_flux_path: Path, adapters, tmp_path: Path) -> None:
     """A real `--batching-mode continuous` server with adapters: a request with `ink` joins, mid-run, a running
-    group whose anchor uses `style` (gated on the server's step lines), and equals the same request stepped
+    group whose anchor uses `style` (gated on /metrics), and equals the same request stepped
     alone by the same server after the anchor has gone."""
     import socket
     import time
 
     import openai
 
-    from tests.integration.helpers import decode_b64_png, metric_value, pixels, wait_for_log
+    from tests.integration.helpers import decode_b64_png, metric_value, pixels, wait_until
     from tests.serverproc import ServerProcess
 
     server = ServerProcess(
@@ -265,9 +280,12 @@ def test_a_continuous_server_steps_rows_with_different_adapters(tiny_flux_path: 
             b"POST /v1/images/generations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
         )
-        wait_for_log(server, r"Continuous denoising step batch: size=1/4, joined=1", timeout_s=120)
+        # The anchor steps alone (1 active row), then the joined request's 3 steps share the anchor's steps.
+        rows = "diffuserve_continuous_active_rows"
+        wait_until(lambda: metric_value(server.base_url, rows) == 1, "the anchor steps", timeout_s=120)
+        joins, two_row = _joins(server), _two_row_steps(server)
         joined = generate()
-        wait_for_log(server, r"Continuous denoising step batch: size=2/4, joined=1, left=0, active=2", timeout_s=5)
+        assert (_joins(server), _two_row_steps(server)) == (joins + 1, two_row + 3), "it joined the anchor's group"
         anchor.close()  # its client goes away: its row leaves at a step boundary (seen on the counter)
         deadline = time.monotonic() + 60
         while metric_value(server.base_url, "diffuserve_continuous_leaves_total", {"reason": "cancelled"}) < 1:

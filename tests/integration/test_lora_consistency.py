@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +29,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.integration.helpers import decode_b64_png, metric_value, pixels
+from tests.integration.helpers import decode_b64_png, metric_reading, metric_value, pixels
 from tests.serverproc import ServerProcess
 from tests.step_hold import StepHold, running, wait_idle
 
@@ -193,16 +192,23 @@ def _fresh_image(tiny_flux_path: Path, adapter: Path, prompt: str, seed: int):
     return pipe.run([params]).outputs[0].images[0]
 
 
+def _steps_by_rows(server: ServerProcess) -> dict[int, float]:
+    """Continuous denoising steps so far with exactly 1, 2 and 3 rows (the step-rows histogram's buckets)."""
+    read, name = metric_reading(server.base_url), "diffuserve_continuous_step_batch_rows_bucket"
+    up_to = [read(name, {"le": f"{rows}.0"}) for rows in range(4)]  # one scrape
+    return {rows: up_to[rows] - up_to[rows - 1] for rows in (1, 2, 3)}
+
+
 def test_an_unload_waits_for_the_running_and_queued_requests_of_a_continuous_server(
     server: ServerProcess, tiny_flux_path: Path
 ) -> None:
     """Two requests with adapter `slow` run as one continuous group, held at their first step, and a third (another
     guidance scale: another group) waits in the queue; an unload sent then refuses the adapter to new requests at
-    once but ends only after all three finished with it (the server's log: after their last step)."""
+    once but ends only after all three finished with it (each answers 200: a step whose adapter is gone fails)."""
     _load(server, "slow", _adapter(server, tiny_flux_path, "slow", 13))
     hold = StepHold(server.log_path.parent)
     hold.arm()
-    start = len(server.log())
+    steps_before = _steps_by_rows(server)
     body = {"seed": 1, "size": "64x64", "num_inference_steps": 3, "lora": "slow"}
     bodies = [{**body, "prompt": f"slow {i} {StepHold.MARKER}", "seed": i} for i in (1, 2)]
     url = f"{server.base_url}/v1/images/generations"
@@ -224,11 +230,10 @@ def test_an_unload_waits_for_the_running_and_queued_requests_of_a_continuous_ser
         assert [a.json()["timings"]["batch_size"] for a in answers] == [2, 2, 1]  # one group, then the queued one
         done = unload.result()
     assert done.status_code == 200 and done.text == "Success: LoRA adapter 'slow' removed successfully."
-    log = server.log()[start:]
-    steps = [(m.start(), m.group(1)) for m in re.finditer(r"Continuous denoising step batch: size=(\d+)/4", log)]
-    first = next(i for i, (_, size) in enumerate(steps) if size == "2")  # the anchor's steps come before
-    assert [size for _, size in steps[first:]] == ["2"] * 3 + ["1"] * 3, log[-3000:]
-    assert log.index("LoRA adapter 'slow' unloaded") > steps[-1][0], log[-3000:]
+    # Denoising steps by rows (/metrics): the group's 3 steps of 2 rows, then the queued one's 3 alone (the
+    # anchor's steps are 1-row steps too); never more than 2 rows.
+    steps = {rows: n - steps_before[rows] for rows, n in _steps_by_rows(server).items()}
+    assert (steps[2], steps[3]) == (3, 0) and steps[1] >= 3, steps
 
 
 def test_a_continuous_group_never_needs_more_adapters_than_max_loras(

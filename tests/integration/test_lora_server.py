@@ -4,7 +4,6 @@ different adapters in one dynamic batch, and 400s naming the field (one shared s
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -270,15 +269,14 @@ def test_a_runtime_adapter_is_a_model_swaps_into_a_slot_and_unloads(lora_server:
     assert np.abs(pen - plain).max() > 3
 
     _post(lora_server, _body("both", 3, lora=[{"name": "style"}, {"name": "ink"}]))  # pen leaves the slots
-    start = len(lora_server.log())
     bodies = [_body("one", 1, lora="style"), _body("two", 2, lora="ink"), _body("a pen", 9, model="pen")]
     merged = _meeting_in_the_queue(lora_server, bodies)
     assert [r.status_code for r in merged] == [200] * 3
     assert sorted(r.json()["timings"]["batch_size"] for r in merged) == [1, 2, 2]  # 3 adapters, 2 slots: split
-    # swapped out and back in: the same pixels (<= 1/255: in a batch the rows' adapters take the batched matmul)
+    # Swapped out and back in: the same pixels (<= 1/255: in a batch the rows' adapters take the batched matmul),
+    # which differ from the plain model's (above), so pen was in a slot again. The batch of 2 holds two adapters:
+    # each request names another one.
     assert np.abs(_images(merged[2].json())[0] - pen).max() <= 1
-    log = lora_server.log()[start:]
-    assert "LoRA adapter 'pen' into device slot" in log and re.search(r"loras=\w+,\w+", log), log[-3000:]
 
     counts = _metrics(lora_server)
     assert counts[("diffuserve_lora_requests_total", (("adapter", "pen"),))] == 2

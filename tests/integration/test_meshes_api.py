@@ -14,6 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.integration.helpers import metric_value
 from tests.integration.test_family_hunyuan3d import object_png
 from tests.step_hold import StepHold
 
@@ -82,6 +83,8 @@ def test_four_jobs_run_as_one_batch_each_equal_to_solo(mesh_server, tiny_checkpo
     from diffuserve.models.loader import load_pipeline
     from diffuserve.sampling import SamplingParams
 
+    full = {"reason": "max_size"}
+    max_size = metric_value(mesh_server.base_url, "diffuserve_batch_dispatches_total", full)
     with httpx.Client(base_url=mesh_server.base_url, timeout=30) as client:
         jobs = [_create(client, seed, prompt="ignored") for seed in (11, 12, 13, 14)]
         assert all(j["status"] == "queued" and j["object"] == "mesh" for j in jobs)
@@ -89,7 +92,7 @@ def test_four_jobs_run_as_one_batch_each_equal_to_solo(mesh_server, tiny_checkpo
         assert [d["status"] for d in done] == ["completed"] * 4, done
         assert {d["timings"]["batch_size"] for d in done} == {4}
         assert {"encode", "denoise", "volume_decode", "marching_cubes"} <= set(done[0]["timings"]["stages_ms"])
-        assert "stop_reason=max_size" in mesh_server.log()
+        assert metric_value(mesh_server.base_url, "diffuserve_batch_dispatches_total", full) == max_size + 1
         pipe = load_pipeline(tiny_checkpoint("hunyuan3d"))
         for job in done:
             reply = client.get(f"/v1/meshes/{job['id']}/content")

@@ -160,15 +160,13 @@ def test_the_token_owner_never_holds_the_pipelines_tokenizers(tiny_flux_path: Pa
 def test_a_video_job_with_a_long_prompt_answers_with_warnings(wan_server):
     """The video routes count through the same owner: the new job's answer carries the warnings (the job object
     keeps none), the log says it, and the job runs as usual."""
-    from tests.integration.helpers import wait_for_log
-
     base, start = wan_server.base_url, len(wan_server.log())
     long = " ".join(["fox"] * 600)  # UMT5 reads at most 512
     created = httpx.post(f"{base}/v1/videos", json={"prompt": long, "num_inference_steps": 1}, timeout=30)
     assert created.status_code == 200, created.text
     job = created.json()
     assert [w.split(" tokens for ")[1].split(",")[0] for w in job["warnings"]] == ["text_encoder (UMT5)"]
-    wait_for_log(wan_server, "request truncated by the text encoders", start=start)
+    wan_server.wait_for_log("request truncated by the text encoders", start=start)
     short = httpx.post(f"{base}/v1/videos", json={"prompt": "a fox", "num_inference_steps": 1}, timeout=30).json()
     assert "warnings" not in short
     deadline = time.monotonic() + 120

@@ -250,8 +250,8 @@ def test_a_server_serves_quantized_components_and_says_which(tiny_flux_path: Pat
 
 def test_bad_quantization_exits_2_before_the_model_loads(tiny_flux_path: Path, cli_main) -> None:
     """`generate` and `plan` stop on a bad method or component naming the flag, before any weight loads (the other
-    refusals' words: tests/unit/test_quantization_plan.py). `generate` in a real process (its log would show a
-    load); `plan`, which never loads weights, in this one."""
+    refusals' words: tests/unit/test_quantization_plan.py). `generate` in a real process (its output would
+    show a load); `plan`, which never loads weights, in this one."""
     import subprocess
     import sys
 

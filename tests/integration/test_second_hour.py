@@ -48,7 +48,6 @@ def test_folder_name_ids_no_foreign_video_jobs_and_oversized_edit_input(tiny_flu
         assert error["param"] == "image" and "--max-image-side" in error["message"], error
     finally:
         server.stop()
-    log = server.log()
-    assert "serving 'my-flux'" in log
+    log = server.log()  # (served under the folder's name: /v1/models above)
     # transformers' loading chatter stays below info (issue 22 item 7): no torchvision fallback note, no bars.
     assert "requires torchvision" not in log and "Loading weights" not in log, log[-3000:]

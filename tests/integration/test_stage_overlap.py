@@ -15,7 +15,7 @@ import numpy as np
 import openai
 
 from tests.integration.conftest import HOLD_MARKER
-from tests.integration.helpers import decode_b64_png, metric_value, pixels, wait_for_log
+from tests.integration.helpers import decode_b64_png, metric_value, pixels, wait_until
 from tests.serverproc import ServerProcess
 from tests.step_hold import StepHold
 
@@ -34,15 +34,21 @@ def _generate(server: ServerProcess, model: str, prompt: str, seed: int, steps: 
     return pixels(decode_b64_png(result.data[0].b64_json))
 
 
+def _dispatches(server) -> float:
+    """Batches dispatched so far (every stop reason), from /metrics."""
+    return metric_value(server.base_url, "diffuserve_batch_dispatches_total")
+
+
 def test_a_batch_decodes_while_the_next_batch_denoises(dynamic_server, singleton_server):
     server = dynamic_server
-    start = len(server.log())
+    dispatched = _dispatches(server)
     before = metric_value(server.base_url, "diffuserve_overlap_steps_total", {"stage": "decode"})
     jobs = [(f"{HOLD_MARKER} first", 31, 2), ("the next batch", 32, 3)]  # different steps: never one batch
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(_generate, server, "tiny-flux-dynamic", *jobs[0])
-        # the first batch is done denoising and its decode waits in the lane for two more steps
-        wait_for_log(server, "fault injection: holding a side decode", start=start, timeout_s=120)
+        # The first batch is dispatched: the next one runs after its denoise, while its decode waits in the lane
+        # for two more steps.
+        wait_until(lambda: _dispatches(server) > dispatched, "the first batch dispatched", timeout_s=120)
         second = pool.submit(_generate, server, "tiny-flux-dynamic", *jobs[1])
         got = [first.result(), second.result()]
     steps_beside = metric_value(server.base_url, "diffuserve_overlap_steps_total", {"stage": "decode"}) - before
@@ -63,7 +69,7 @@ def test_a_queued_requests_text_encodes_while_the_running_batch_denoises(dynamic
     """A request admitted behind a running batch has its texts encoded in the encode lane meanwhile
     (`pipelines/text_prefetch.py`); `hold:` makes that encode wait for two of the running batch's steps."""
     server = dynamic_server
-    start = len(server.log())
+    start, dispatched = len(server.log()), _dispatches(server)
     before = metric_value(server.base_url, "diffuserve_overlap_steps_total", {"stage": "encode"})
     # Different step counts: three batches. The third supplies the steps the second's held decode waits for.
     # The running batch's steps wait for the test's release (`tests/step_hold.py`) until the queued request's
@@ -75,9 +81,9 @@ def test_a_queued_requests_text_encodes_while_the_running_batch_denoises(dynamic
     with ThreadPoolExecutor(3) as pool:
         try:
             first = pool.submit(_generate, server, "tiny-flux-dynamic", *jobs[0])
-            wait_for_log(server, "Dynamic batch dispatch", start=start, timeout_s=120)  # the first batch runs
+            wait_until(lambda: _dispatches(server) > dispatched, "the first batch runs", timeout_s=120)
             second = pool.submit(_generate, server, "tiny-flux-dynamic", *jobs[1])
-            wait_for_log(server, "fault injection: holding a side encode", start=start, timeout_s=120)
+            server.wait_for_log("fault injection: holding a side encode", start=start, timeout_s=120)
         finally:
             hold.release()
         third = pool.submit(_generate, server, "tiny-flux-dynamic", *jobs[2])

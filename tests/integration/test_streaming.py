@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from tests.conftest import STREAMING_API_KEY
-from tests.integration.helpers import metric_value
+from tests.integration.helpers import metric_value, stopped_batches, wait_batch_stopped
 from tests.step_hold import StepHold, wait_idle
 
 HEADERS = {"Authorization": f"Bearer {STREAMING_API_KEY}"}
@@ -90,7 +90,7 @@ def test_concurrent_streams_batch_and_each_gets_its_own_events(client, streaming
             )
         )
 
-    start = len(streaming_server.log())
+    merged = metric_value(streaming_server.base_url, "diffuserve_batch_merged_dispatches_total", headers=HEADERS)
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for thread in threads:
         thread.start()
@@ -99,7 +99,8 @@ def test_concurrent_streams_batch_and_each_gets_its_own_events(client, streaming
     assert sorted(results) == [0, 1]
     for events in results.values():
         assert [e.type for e in events] == ["image_generation.partial_image", "image_generation.completed"]
-    assert "Dynamic batch dispatch: size=2/4" in streaming_server.log()[start:], "streaming requests merged"
+    merged_now = metric_value(streaming_server.base_url, "diffuserve_batch_merged_dispatches_total", headers=HEADERS)
+    assert merged_now == merged + 1, "the two streaming requests ran as one batch"
     assert not np.array_equal(_pixels(results[0][1].b64_json), _pixels(results[1][1].b64_json))
 
 
@@ -124,7 +125,7 @@ def test_sdk_edit_streams_image_edit_events(client):
 def test_disconnect_mid_stream_cancels_the_row(streaming_server):
     base = streaming_server.base_url
     cancelled = metric_value(base, "diffuserve_requests_total", {"status": "cancelled"}, headers=HEADERS)
-    start = len(streaming_server.log())
+    stopped = stopped_batches(base, HEADERS)
     # The run may go up to its first preview, then it is held until the disconnect was seen: on any machine the
     # client leaves mid-run.
     from diffuserve.executor.batch_runner import preview_steps
@@ -153,9 +154,7 @@ def test_disconnect_mid_stream_cancels_the_row(streaming_server):
             time.sleep(0.05)
     finally:
         hold.release()
-    while "stopped at step" not in streaming_server.log()[start:]:
-        assert time.monotonic() < deadline, "the batch never stopped"
-        time.sleep(0.05)
+    assert wait_batch_stopped(base, stopped, HEADERS) < 400, "the batch stopped"
 
 
 def test_stream_errors_after_admission_are_error_events_and_before_it_json(streaming_server, client):

@@ -35,13 +35,13 @@ def test_a_one_shot_run_logs_once_and_ends_with_the_step_cache_counts(tmp_path: 
         cwd=tmp_path, env={"DIFFUSERVE_CACHE": str(tmp_path / "cache")},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    log = out.stderr
-    assert log.count("no --model-path: using the embedded default model") == 1, log
-    assert "ready to serve" not in log and "Deployment plan (" not in log, log
-    (plan,) = [line for line in log.splitlines() if "deployment plan:" in line]
+    stderr = out.stderr
+    assert stderr.count("no --model-path: using the embedded default model") == 1, stderr
+    assert "ready to serve" not in stderr and "Deployment plan (" not in stderr, stderr
+    (plan,) = [line for line in stderr.splitlines() if "deployment plan:" in line]
     assert "transformer resident" in plan and "`diffuserve plan`" in plan, plan
-    counts = re.search(r"step cache fbcache: computed (\d+), reused (\d+) denoising steps", log)
-    assert counts and int(counts[1]) + int(counts[2]) == 10 and int(counts[2]) > 0, log
+    counts = re.search(r"step cache fbcache: computed (\d+), reused (\d+) denoising steps", stderr)
+    assert counts and int(counts[1]) + int(counts[2]) == 10 and int(counts[2]) > 0, stderr
     assert out.stdout.split() == ["out/a_red_circle.png"]
 
 

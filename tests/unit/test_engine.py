@@ -301,6 +301,10 @@ def test_abort_of_a_running_request_stops_its_batch_at_the_next_step(stop_engine
     assert after.output.images == ["after#0"]
     assert pipeline.steps_run < 50 + 1
     assert _answers(engine) == {"cancelled": 1, "success": 1}
+    # /metrics tells the stop and its step (as the line "stopped at step k/50"): the doomed batch's steps only.
+    sample = engine.metrics.registry.get_sample_value
+    assert sample("diffuserve_stopped_batch_steps_count") == 1
+    assert sample("diffuserve_stopped_batch_steps_sum") == pipeline.steps_run - 2  # "after" ran 2 steps
 
 
 def test_abort_with_an_error_answers_that_error_once(stop_engines):

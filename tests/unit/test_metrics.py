@@ -8,10 +8,11 @@ import re
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from diffuserve.engine.metrics import BatchingStats, EngineMetrics, format_dispatch, summarize
+from diffuserve.engine.metrics import BatchingStats, EngineMetrics, format_dispatch, format_stats, summarize
 from diffuserve.engine.request import Request
 from diffuserve.engine.scheduler import BatchingConfig, Dispatch, RequestLevelScheduler, ScheduledBatch
 from diffuserve.sampling import SamplingParams
+from tests.conftest import log_messages
 
 DISPATCH_RE = re.compile(
     r"^Dynamic batch dispatch: size=(\d+)/(\d+), user_max=(\d+), queue_wait=(\d+\.\d{2})ms, stop_reason=(\S+)$"
@@ -52,7 +53,7 @@ EXPECTED_TOP = "sampling_params.width=3,batch_full=1,image_conditioning=1,model=
 
 
 def lines(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "diffuserve.batching"]
+    return log_messages(caplog, logger="diffuserve.batching")
 
 
 def samples(metrics: EngineMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -65,28 +66,29 @@ def samples(metrics: EngineMetrics) -> dict[tuple[str, tuple[tuple[str, str], ..
     return out
 
 
-def test_dispatch_and_stats_lines_match_hand_computed_values(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="diffuserve.batching")
-    stats = BatchingStats(EngineMetrics(), log_enabled=True)
+def test_dispatch_and_stats_lines_match_hand_computed_values() -> None:
+    """The lines' text from the window's figures (that `record` logs them: the two tests below)."""
+    stats = BatchingStats(EngineMetrics(), log_enabled=False)
     for b in WINDOW:
         stats.record(b)
-    logged = lines(caplog)
-    assert len(logged) == 6
+    dispatch_lines = [format_dispatch(b) for b in WINDOW]
     # The oversized single request (4th) says how it runs instead of `size=6/4` (issue 22 item 7).
-    assert logged[3] == (
+    assert dispatch_lines[3] == (
         "Dynamic batch dispatch: requests=1, rows=6 in 2 calls of <= 4 rows, user_max=4, "
         "queue_wait=4.00ms, stop_reason=max_size"
     )
-    parsed = [DISPATCH_RE.match(line) for line in logged[:3] + logged[4:5]]
-    assert all(parsed), logged
+    parsed = [DISPATCH_RE.match(line) for line in dispatch_lines[:3] + dispatch_lines[4:5]]
+    assert all(parsed), dispatch_lines
     assert [m.groups() for m in parsed if m] == [
         ("2", "8", "8", "1.00", "delay"),
         ("4", "8", "8", "2.00", "config_cap:4"),
         ("1", "8", "8", "3.00", "delay"),
         ("3", "8", "8", "10.00", "delay"),
     ]
-    m = STATS_RE.match(logged[5])
-    assert m, logged[5]
+    assert stats.last_window is not None, "the window of 5 completed"
+    stats_line = format_stats(stats.last_window)
+    m = STATS_RE.match(stats_line)
+    assert m, stats_line
     assert m.groups() == ("5", "3.20", "60.0", "40.0", "47.1", "4.00", "10.00", EXPECTED_TOP)
 
 
@@ -181,8 +183,9 @@ def test_scheduler_to_log_line_end_to_end(caplog: pytest.LogCaptureFixture) -> N
     decision = b.schedule(1.00512)
     assert isinstance(decision, Dispatch)
     BatchingStats(EngineMetrics(), log_enabled=True).record(decision.batch)
-    assert lines(caplog) == ["Dynamic batch dispatch: size=4/4, user_max=4, queue_wait=5.12ms, stop_reason=max_size"]
-    assert format_dispatch(decision.batch) == lines(caplog)[0]
+    (line,) = lines(caplog)
+    assert line == format_dispatch(decision.batch)
+    assert line == "Dynamic batch dispatch: size=4/4, user_max=4, queue_wait=5.12ms, stop_reason=max_size"
 
 
 def test_window_must_be_positive() -> None:

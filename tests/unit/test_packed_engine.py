@@ -16,6 +16,7 @@ from diffuserve.engine.metrics import BatchingStats, EngineMetrics
 from diffuserve.engine.scheduler import BatchingConfig, RequestLevelScheduler
 from diffuserve.engine.step_scheduler import StepScheduler
 from diffuserve.sampling import SamplingParams
+from tests.conftest import log_messages
 from tests.unit.test_engine import WAIT_S, FakeExecutor
 
 SIZES = ((64, 64), (128, 64), (64, 128))
@@ -77,7 +78,7 @@ def test_rows_of_different_sizes_share_one_call_and_timings_and_metrics_say_so(c
         assert samples[("diffuserve_batch_padding_tokens_total", (("mode", "dynamic"),))] == 3 * 32 - 80
         assert samples[("diffuserve_batch_tokens_sum", (("mode", "dynamic"),))] == 80
         assert samples[("diffuserve_token_budget", ())] == 4096
-        line = next(r.getMessage() for r in caplog.records if "Dynamic batch dispatch" in r.getMessage())
+        line = next(m for m in log_messages(caplog) if m.startswith("Dynamic batch dispatch"))
         assert "stop_reason=max_size, tokens=80/4096, packed_sizes=3, padding_tokens=16" in line
     finally:
         engine.stop()

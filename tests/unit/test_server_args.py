@@ -10,6 +10,7 @@ import pytest
 from diffuserve import cli
 from diffuserve.config.server_args import EMBEDDED_MODEL_NAME, ServerArgs, load_config_file
 from diffuserve.errors import ConfigError
+from tests.conftest import log_messages
 
 
 @pytest.mark.parametrize(
@@ -283,7 +284,7 @@ def test_merging_modes_that_never_merge_warn_and_both_schedulers_take_max_loras(
 
     with caplog.at_level(logging.WARNING, logger="diffuserve"):
         build_batcher(ServerArgs(batching_mode="dynamic"))
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    warned = log_messages(caplog, level=logging.WARNING)
     assert warned == [
         "--batching-mode dynamic with --batching-max-size 1: no two requests will ever be merged (each batch runs "
         "one request); set --batching-max-size N (e.g. 4) to merge up to N rows."

@@ -7,6 +7,7 @@ from diffuserve.engine.request import Request, RequestStatus
 from diffuserve.engine.scheduler import BatchingConfig, Dispatch, Idle, WaitUntil
 from diffuserve.engine.step_scheduler import GROUP_KEY_FIELDS, StepPlan, StepScheduler, group_key
 from diffuserve.sampling import SamplingParams
+from tests.conftest import log_messages
 
 MODEL = "tiny-flux"
 
@@ -221,7 +222,7 @@ def test_continuous_step_line_and_collectors(caplog) -> None:
         stats.record_step(3, 4, 1, 0, 2)
         stats.record_step(1, 4, 0, 1, 1)
         stats.record_leave("finished", 2)
-    messages = [r.getMessage() for r in caplog.records]
+    messages = log_messages(caplog)
     assert messages[-1] == (
         "Continuous denoising stats (last 2 steps): avg_size=2.00, utilization=50.0%, joins=1, leaves=1"
     )

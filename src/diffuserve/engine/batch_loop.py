@@ -188,6 +188,8 @@ class BatchLoop:
             self.metrics.observe_stage(stage, seconds)
         if outcome.deferred:
             self.metrics.observe_overlap("decode", outcome.decode_overlap_steps)
+        if outcome.stopped_at_step is not None:
+            self.metrics.stopped_batch_steps.observe(outcome.stopped_at_step)
         with self.book.cond:
             for request in requests:
                 rid = request.request_id

@@ -2,9 +2,8 @@
 
 Two pieces:
 
-* `EngineMetrics` owns all collectors on its own `CollectorRegistry` (never the process-global
-  default, so tests and several engines in one process do not collide); `/metrics` serves
-  `render()`.
+* `EngineMetrics` owns all collectors on its own `CollectorRegistry` (never the process-global default, so tests
+  and several engines in one process do not collide); `/metrics` serves `render()`.
 * `BatchingStats` records each dispatch into those collectors and, with
   `--enable-batching-metrics`, logs the seed's lines through the `diffuserve.batching` logger::
 
@@ -12,16 +11,14 @@ Two pieces:
     Dynamic batch stats (last 5 dispatches): avg_size=2.80, merged_rate=60.0%, full_rate=20.0%, utilization=35.0%,
     wait_avg=3.21ms, wait_p95=5.12ms, top_rejects=none
 
-**Sizes count outputs (rows), not requests**, because the cap they are compared with counts
-outputs (`n`): `size=R/M` is the rows of the batch over `--batching-max-size` (as the seed prints it: a rule
-cap shows in the stop reason, `config_cap:N`, not in the denominator), `avg_size` is rows per
-dispatch and `utilization` is rows over the summed capacity. For ordinary `n=1` traffic rows and
-requests are the same number. A dispatch's capacity is its effective cap, or its rows when a single
-request's `n` alone exceeds the cap (it runs alone; see the scheduler), so utilization never passes
-100%. `merged_rate` is the share of dispatches holding more than one *request*; `full_rate` the
-share that reached their effective cap; waits are the head request's queue wait with a
-nearest-rank p95; `top_rejects` lists the five commonest `reason=count` (comma separated, most
-frequent first, ties by name) or `none`.
+**Sizes count outputs (rows), not requests**, because the cap they are compared with counts outputs (`n`):
+`size=R/M` is the rows of the batch over `--batching-max-size` (as the seed prints it: a rule cap shows in the stop
+reason, `config_cap:N`, not in the denominator), `avg_size` is rows per dispatch and `utilization` is rows over the
+summed capacity. For ordinary `n=1` traffic rows and requests are the same number. A dispatch's capacity is its
+effective cap, or its rows when a single request's `n` alone exceeds the cap (it runs alone; see the scheduler), so
+utilization never passes 100%. `merged_rate` is the share of dispatches holding more than one *request*; `full_rate`
+the share that reached their effective cap; waits are the head request's queue wait with a nearest-rank p95;
+`top_rejects` lists the five commonest `reason=count` (comma separated, most frequent first, ties by name) or `none`.
 """
 
 from __future__ import annotations
@@ -58,14 +55,12 @@ _WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 _STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+_STEP_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 
 
 class EngineMetrics:
-    """Every Prometheus collector of the server, on one registry (a fresh one by default).
-
-    prometheus_client collectors are thread-safe, so the engine thread and the HTTP handlers may
-    call these methods concurrently.
-    """
+    """Every Prometheus collector of the server, on one registry (a fresh one by default). prometheus_client
+    collectors are thread-safe, so the engine thread and the HTTP handlers may call these methods concurrently."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
@@ -100,6 +95,10 @@ class EngineMetrics:
         self.cancelled_before_run = Counter(
             f"{p}requests_cancelled_before_run", "Queued requests removed because the client went away.", registry=r
         )
+        stopped = "Steps each batch had run when it stopped because every request in it was cancelled."
+        self.stopped_batch_steps = Histogram(f"{p}stopped_batch_steps", stopped, buckets=_STEP_BUCKETS, registry=r)
+        elsewhere = "Jobs running here stopped as another replica finished or deleted their row, by how it was seen."
+        self.jobs_stopped_elsewhere = Counter(f"{p}jobs_stopped_elsewhere", elsewhere, ["kind", "how"], registry=r)
         self._batch_collectors(r)
         self.token_metrics = TokenMetrics(r)  # tokens per call, packed calls, padding (engine/token_metrics.py)
         # Execution.

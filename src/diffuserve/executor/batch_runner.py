@@ -92,6 +92,9 @@ class BatchOutcome:
     """A deferred outcome's complete outcome, resolved from the decode lane (never fails); None otherwise."""
     decode_overlap_steps: int = 0
     """Denoising steps (of later batches) the loop ran while this batch's decode ran in the decode lane."""
+    stopped_at_step: int | None = None
+    """The steps it had run when it stopped because every request in it was cancelled (None: it did not stop);
+    `diffuserve_stopped_batch_steps` on /metrics, "stopped at step k/N" in the log."""
 
 
 def split_request(params: SamplingParams, max_rows: int) -> list[SamplingParams]:
@@ -222,6 +225,7 @@ def run_batch(
         logger.info(
             "batch of %d request(s) stopped at step %d/%d: every request in it was cancelled", len(live), *counter.done
         )
+        outcome.stopped_at_step = counter.done[0]
         for request in live:
             outcome.errors[request.request_id] = exc
     except Exception as exc:  # the batch loop must survive anything the pipeline raises
@@ -321,6 +325,7 @@ def _run_deferred(
         logger.info(
             "batch of %d request(s) stopped at step %d/%d: every request in it was cancelled", len(live), *counter.done
         )
+        outcome.stopped_at_step = counter.done[0]
         outcome.errors = {r.request_id: exc for r in live}
         outcome.inference_seconds = clock() - start
         return outcome

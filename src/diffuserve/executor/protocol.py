@@ -153,6 +153,8 @@ class BatchReport:
     """Rows of the largest pipeline call."""
     pipeline_calls: int = 0
     """Pipeline calls the batch ran as."""
+    stopped_at_step: int | None = None
+    """Steps run when it stopped with every request cancelled (None: it did not stop)."""
 
     @classmethod
     def of(cls, seq: int, outcome) -> BatchReport:  # outcome: executor.batch_runner.BatchOutcome
@@ -164,6 +166,7 @@ class BatchReport:
             inference_seconds=outcome.inference_seconds,
             batch_rows=outcome.batch_rows,
             pipeline_calls=outcome.pipeline_calls,
+            stopped_at_step=outcome.stopped_at_step,
         )
 
     def fields(self) -> dict:

@@ -56,6 +56,7 @@ def stop_finished_elsewhere(ctx: ServerContext, store: JobStore[J], how: str) ->
         logger.info(
             "%s job %s was finished or deleted through another replica (%s); stopping it", store.kind, job_id, how
         )
+        ctx.metrics.jobs_stopped_elsewhere.labels(kind=store.kind, how=how).inc()
         ctx.engine.abort(job_id, RequestCancelledError(f"The {store.kind} job {job_id} was cancelled or deleted."))
 
 
