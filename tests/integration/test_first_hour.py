@@ -354,6 +354,8 @@ def test_second_signal_answers_in_flight_with_503_and_exits_130(server: ServerPr
     server.signal(signal.SIGTERM)
     health = wait_draining(base)
     assert health.json()["status"] == "draining", health.text
+    # /metrics reads the same engine snapshot as /health: draining, with the two queued requests still waiting
+    assert metric_value(base, "diffuserve_draining") == 1 and metric_value(base, "diffuserve_queue_depth") == 2
     late = httpx.post(f"{base}/v1/images/generations", json=body, headers=AUTH, timeout=30)
     assert late.status_code == 503
     after = _errors(server)
