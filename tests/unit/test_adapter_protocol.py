@@ -25,7 +25,7 @@ STILL_OVERRIDDEN: dict[str, tuple[str, ...]] = {
     "hunyuan3d": ("_denoise", "activation_facts", "describe", "request_facts", "run"),  # its own loop (meshes)
     "hunyuan_video_15": (),
     "hunyuan_video_15_i2v": (),
-    "ltx2": ("decode_batch", "guided_prediction", "run_to_latents", "uses_cfg"),
+    "ltx2": (),
     "qwen_image": (),
     "qwen_image_21": (),
     "qwen_image_edit": (),

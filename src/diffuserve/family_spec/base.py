@@ -138,6 +138,9 @@ class GuidanceRule:
     `guidance_scale` for the embedded guidance of distilled checkpoints)."""
     runs_when: GuidanceTrigger = "true_cfg"
     """When the negative branch runs (see `GuidanceTrigger`)."""
+    audio_scale: float | None = None
+    """A joint audio-video family's guidance scale of the sound (LTX-2's, diffusers' default): while a request
+    generates sound, the negative branch also runs when it is above 1. None: the family makes no sound."""
 
     def scale(self, params: Any) -> float:
         """The guidance scale of a request (`SamplingParams`)."""
@@ -146,6 +149,8 @@ class GuidanceRule:
     def runs(self, params: Any) -> bool:
         """Whether a request's (`SamplingParams`) negative branch runs: the batch's rows double when it does."""
         scale = self.scale(params)
+        if self.audio_scale is not None and self.audio_scale > 1.0 and params.generate_audio is not False:
+            return True
         trigger = self.runs_when
         if trigger == "true_cfg":
             return scale > 1.0 and bool(params.negative_prompt)
@@ -252,6 +257,9 @@ class FamilySpec:
     guidance: GuidanceRule = GuidanceRule()
     """Its classifier-free guidance: the scale's request field and when the negative branch runs (the recipe's
     `uses_cfg` / `cfg_scale`)."""
+    run_apart_by: tuple[str, ...] = ()
+    """Request fields whose different values cannot share a denoiser call but may share a batch: the recipe runs
+    once per value (`pipelines/split_runs.py`; LTX-2's `fps` sets a row's audio length and video positions)."""
     peer_fields: frozenset[str] = frozenset()
     """Peer request fields (`sampling.PEER_FIELDS`) every checkpoint of the family gives meaning to, beyond what
     the checkpoint adds (`flow_shift` with a shifting scheduler, `control_image` with ControlNets loaded)."""

@@ -12,6 +12,10 @@ from diffuserve.family_spec.base import (
 )
 from diffuserve.family_spec.request_rules import RequestRules, TokenCount, check_frame_count
 
+AUDIO_GUIDANCE_SCALE = 7.0
+"""diffusers' `audio_guidance_scale` default: the audio tokens' CFG scale (the video's is the request's
+`guidance_scale`)."""
+
 LTX2_TEXT_ENCODERS = (TextEncoderFacts("tokenizer", "text_encoder (Gemma3)", 1024),)
 """Gemma3, diffusers' max_sequence_length 1024 (left-padded; every hidden state feeds the text connectors)."""
 
@@ -61,7 +65,8 @@ SPECS = (
     FamilySpec(
         quant_keep=LTX2_QUANT_KEEP,
         name="ltx2",
-        guidance=GuidanceRule(scale_field="guidance_scale"),
+        guidance=GuidanceRule(scale_field="guidance_scale", runs_when="above_one", audio_scale=AUDIO_GUIDANCE_SCALE),
+        run_apart_by=("fps",),
         peer_fields=frozenset({"generate_audio"}),
         request_check=check_ltx2,
         text_encoders=LTX2_TEXT_ENCODERS,

@@ -9,17 +9,18 @@ one doubled batch, continuous batching) come from its family spec (`family_spec/
 `bind_facts`; the tokenizers' framing from `text_readings` (`pipelines/prompt_limits.py`).
 
 Required: `encode_text`, `prepare`, `predict`, `decode`. Optional, with the recipe's default when absent from an
-adapter: `preview` (a full decode), `combine_guidance` (the classic CFG combination), `step_extras` (the first
-request's extras), `scheduler_step` (the scheduler's step), `denoiser_for_step` (the only denoiser),
-`narrow_state` (no per-row extras) and, for a family that packs mixed sizes (its spec's `packs_mixed_sizes`),
-`packed_layout` / `packed_extras`. What used to be methods and is data now: the guidance rule and the peer request
-fields (family spec `guidance`, `peer_fields`), the tokenizers' reading (`text_readings`), the checkpoint's facts
-for request checks and /server_info (`family_facts`, `described`), the components an image-conditioned `prepare`
-runs (`conditioning_components`).
+adapter: `preview` (a full decode), `combine_guidance` (the classic CFG combination), `extra_guidance` (none),
+`step_extras` (the first request's extras), `scheduler_step` (the scheduler's step), `denoiser_for_step` (the only
+denoiser), `narrow_state` (no per-row extras) and, for a family that packs mixed sizes (its spec's
+`packs_mixed_sizes`), `packed_layout` / `packed_extras`. What used to be methods and is data now: the guidance rule,
+the peer request fields and the fields that split a batch into runs (family spec `guidance`, `peer_fields`,
+`run_apart_by`), the tokenizers' reading (`text_readings`), the checkpoint's facts for request checks and
+/server_info (`family_facts`, `described`), the components an image-conditioned `prepare` runs
+(`conditioning_components`), the sound's sample rate (`audio_sample_rate`).
 
 `tests/unit/test_adapter_protocol.py` checks every native adapter against this protocol and keeps the list of the
-recipe's other methods an adapter still overrides (whole runs of Qwen-Image-Edit and LTX-2, LTX-2's guidance) from
-growing: each is a family part not yet folded into the protocol or the spec.
+recipe's other methods an adapter overrides from growing (today: none; Hunyuan3D, a mesh family, runs its own loop
+and is no recipe adapter).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ REQUIRED = ("encode_text", "prepare", "predict", "decode")
 OPTIONAL = (
     "preview",
     "combine_guidance",
+    "extra_guidance",
     "step_extras",
     "scheduler_step",
     "denoiser_for_step",
@@ -107,6 +109,22 @@ class OptionalParts(Protocol):
     ) -> torch.Tensor:
         """The guided prediction from the two branches' outputs at step `step_index`. Default: classic CFG,
         `uncond + scale * (cond - uncond)` (Qwen-Image rescales by the norm; LTX-2 adds its other passes)."""
+        ...
+
+    def extra_guidance(
+        self,
+        prediction: torch.Tensor,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        positive: Cond,
+        negative: Cond | None,
+        state: DenoiseState,
+        step_index: int,
+    ) -> torch.Tensor:
+        """The step's prediction from the recipe's guided one (`prediction`: `combine_guidance`'s result under CFG,
+        else the conditional branch), with passes of the family's own beyond CFG on `latents` at `timestep` under
+        `positive` (the conditional text). Default: `prediction` unchanged (LTX-2 adds its STG and modality-isolation
+        passes and combines in x0 space; its `combine_guidance` hands both branches on)."""
         ...
 
     def step_extras(self, states: Sequence[DenoiseState]) -> dict[str, Any]:

@@ -138,6 +138,8 @@ class Pipeline:
     frame_multiple: int = 1
     """Video: num_frames - 1 must divide by this (the VAE's temporal compression)."""
     defaults: SamplingDefaults = SamplingDefaults()
+    audio_sample_rate: int | None = None
+    """Samples per second of the sound a `produces_audio` family's outputs carry (the adapter's vocoder rate)."""
     defers_decode: bool = False
     """Whether `run` is exactly `run_to_latents` + `decode_batch` (the native recipe says so per family)."""
     prefetches_text: bool = False

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 if TYPE_CHECKING:
+    from PIL import Image
+
     from diffuserve.sampling import SamplingParams
 
 T = TypeVar("T")
@@ -266,3 +268,12 @@ class Denoised:
     row_caches: list[Any] | None = None
     """The step cache (`step_cache.RowCache`) of each row (None: the batch ran none), for the per-request counts in
     `timings`."""
+
+
+def to_pil_images(images: torch.Tensor) -> list[Image.Image]:
+    """(rows, 3, H, W) in [-1, 1] -> PIL images, with the rounding diffusers' image processor uses."""
+    from PIL import Image
+
+    array = (images / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).float().cpu().numpy()
+    array = (array * 255).round().astype("uint8")
+    return [Image.fromarray(a) for a in array]

@@ -21,7 +21,7 @@ import torch
 
 from diffuserve.errors import RequestCancelledError
 from diffuserve.pipelines import inpaint as inpaint_rows
-from diffuserve.pipelines import packing, packing_run
+from diffuserve.pipelines import packing, packing_run, split_runs
 from diffuserve.pipelines.base import (
     BatchResult,
     Pipeline,
@@ -52,13 +52,13 @@ from diffuserve.pipelines.batch_rows import (  # noqa: F401 - re-exported: adapt
     row_seeds,
     rows_per_request,
     scheduler_template,
+    to_pil_images,
 )
 from diffuserve.pipelines.lanes import lanes_for
-from diffuserve.step_cache.hooks import RowCache, new_row_caches, step_counts
+from diffuserve.step_cache.hooks import RowCache, step_counts
+from diffuserve.step_cache.rows import batch_row_caches
 
 if TYPE_CHECKING:
-    from PIL import Image
-
     from diffuserve.lora.layers import LoraBank
     from diffuserve.pipelines.text_prefetch import TextPrefetch
     from diffuserve.sampling import SamplingParams
@@ -146,6 +146,18 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
 
     def step_extras(self, states: Sequence[DenoiseState]) -> dict[str, Any]:
         return states[0].extras  # OptionalParts.step_extras' default
+
+    def extra_guidance(
+        self,
+        prediction: torch.Tensor,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        positive: Cond,
+        negative: Cond | None,
+        state: DenoiseState,
+        step_index: int,
+    ) -> torch.Tensor:
+        return prediction  # OptionalParts.extra_guidance's default: the guided prediction as it is
 
     def uses_cfg(self, head: SamplingParams) -> bool:
         """Whether the negative branch runs for `head`'s batch: the `guidance_rule` (the family spec's)."""
@@ -253,15 +265,19 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
         `rows`: the step cache of each row (`step_cache/hooks.py`), or None when the rows run no cache; each
         row decides for itself whether the denoiser's blocks run for it at this step."""
         if rows is None:
-            return self._guided(latents, timestep, positive, negative, head, state, step_index, model_key)
-        self.install_step_cache(model_key)
-        for row in rows:
-            row.use_denoiser(model_key)
-        try:
-            return self._guided(latents, timestep, positive, negative, head, state, step_index, model_key, list(rows))
-        finally:
+            out = self._guided(latents, timestep, positive, negative, head, state, step_index, model_key)
+        else:
+            self.install_step_cache(model_key)
             for row in rows:
-                row.end_step()
+                row.use_denoiser(model_key)
+            try:
+                out = self._guided(
+                    latents, timestep, positive, negative, head, state, step_index, model_key, list(rows)
+                )
+            finally:
+                for row in rows:
+                    row.end_step()
+        return self.extra_guidance(out, latents, timestep, positive, negative, state, step_index)
 
     def _guided(
         self,
@@ -433,6 +449,10 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
         `pipelines/lanes.py`). A batch of several sizes runs packed where the family packs (`packing.py`)."""
         if self.packs_mixed_sizes and packing.mixed_sizes(batch):
             return packing_run.run_mixed(self, batch, on_step=on_step, should_stop=should_stop, on_preview=on_preview)
+        if len(parts := split_runs.groups(batch, self.spec.run_apart_by)) > 1:
+            return split_runs.run_apart(
+                self, batch, parts, on_step=on_step, should_stop=should_stop, on_preview=on_preview
+            )
         head = check_batch(batch, self.strength_per_row)
         cfg = self.uses_cfg(head)
         timer = StageTimer()
@@ -455,6 +475,8 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
         """Stage 4 of `run`: decode, then split the rows back per request."""
         if "packed" in denoised.state.extras:
             return packing.decode_batch(self, denoised)
+        if split_runs.PARTS in denoised.state.extras:
+            return split_runs.decode_apart(self, denoised)
         timer = StageTimer()
         timer.seconds = dict(denoised.stage_seconds)
         with torch.inference_mode(), timer.stage("decode"), self.decoder_scope():
@@ -471,22 +493,8 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
             else [None] * len(denoised.batch)
         )
         kind = "videos" if self.output_kind == "video" else "images"
-        return [RequestOutput(**{kind: r}, step_cache=step_counts(c)) for r, c in zip(rows, caches, strict=True)]
-
-
-def batch_row_caches(batch: Sequence[SamplingParams], num_steps: int) -> list[RowCache] | None:
-    """One step cache per output row of the batch, in row order (None when its requests asked for none: the
-    method is in the batch signature, so they all did or none did)."""
-    rows: list[RowCache] = []
-    for params in batch:
-        rows.extend(new_row_caches(params.step_cache, params.n, num_steps) or [])
-    return rows or None
-
-
-def to_pil_images(images: torch.Tensor) -> list[Image.Image]:
-    """(rows, 3, H, W) in [-1, 1] -> PIL images, with the rounding diffusers' image processor uses."""
-    from PIL import Image
-
-    array = (images / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).float().cpu().numpy()
-    array = (array * 255).round().astype("uint8")
-    return [Image.fromarray(a) for a in array]
+        outputs = [RequestOutput(**{kind: r}, step_cache=step_counts(c)) for r, c in zip(rows, caches, strict=True)]
+        audios = denoised.state.extras.pop("audios", None)  # sound, one waveform per row (`produces_audio`)
+        for output, waves in zip(outputs, rows_per_request(audios, denoised.batch) if audios else (), strict=False):
+            output.audios, output.audio_sample_rate = list(waves), self.audio_sample_rate
+        return outputs

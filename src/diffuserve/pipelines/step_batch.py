@@ -233,7 +233,7 @@ def finish_requests(pipeline: RecipePipeline, group: Sequence[RequestRows]) -> l
         )
         if audios is not None:
             output.audios = list(audios[first : first + count])
-            output.audio_sample_rate = pipeline.sample_rate  # type: ignore[attr-defined]
+            output.audio_sample_rate = pipeline.audio_sample_rate
         first += count
         outputs.append(output)
     return outputs

@@ -89,6 +89,15 @@ def new_row_caches(settings: StepCacheSettings | None, rows: int, num_steps: int
     return [RowCache(settings=settings, num_steps=num_steps) for _ in range(rows)]
 
 
+def batch_row_caches(batch: Sequence[Any], num_steps: int) -> list[RowCache] | None:
+    """One step cache per output row of a batch (`SamplingParams`), in row order (None when its requests asked for
+    none: the method is in the batch signature, so they all did or none did)."""
+    rows: list[RowCache] = []
+    for params in batch:
+        rows.extend(new_row_caches(params.step_cache, params.n, num_steps) or [])
+    return rows or None
+
+
 def step_counts(rows: Sequence[RowCache] | None) -> dict[str, Any] | None:
     """A request's counts for `timings`: steps its rows computed and reused (summed over its rows)."""
     if not rows:

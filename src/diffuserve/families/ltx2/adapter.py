@@ -35,8 +35,8 @@ from diffuserve.errors import CheckpointError
 from diffuserve.families.ltx2 import layout
 from diffuserve.families.ltx2.layout import Guidance, JointLayout
 from diffuserve.pipelines import recipe
-from diffuserve.pipelines.base import BatchResult, component_configs
-from diffuserve.pipelines.recipe import Cond, Denoised, DenoiseState
+from diffuserve.pipelines.base import component_configs
+from diffuserve.pipelines.recipe import Cond, DenoiseState
 
 MAX_SEQUENCE_LENGTH = 1024
 """Gemma3 tokens per prompt (diffusers' LTX2Pipeline default), left-padded."""
@@ -61,10 +61,10 @@ class LTX2NativePipeline(recipe.RecipePipeline):
         self.frame_multiple = self.temporal_factor
         self.bind_facts(component_configs(self.components))
         self.video_processor = VideoProcessor(vae_scale_factor=self.spatial_factor)
-        self.sample_rate = int(self.vocoder.config.output_sampling_rate)
-        self.described = {"audio_sample_rate": self.sample_rate}
-        """Samples per second of the vocoder's waveform (`RequestOutput.audio_sample_rate`; the published vocoder
-        writes 24 kHz from the audio VAE's 16 kHz mel frames)."""
+        # The vocoder's waveform rate (`RequestOutput.audio_sample_rate`; the published vocoder writes 24 kHz from the
+        # audio VAE's 16 kHz mel frames).
+        self.audio_sample_rate = int(self.vocoder.config.output_sampling_rate)
+        self.described = {"audio_sample_rate": self.audio_sample_rate}
         self.tokenizer.padding_side = "left"  # Gemma reads chat-style prompts left-padded (diffusers sets it too)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -119,7 +119,7 @@ class LTX2NativePipeline(recipe.RecipePipeline):
         audio = head.generate_audio is not False
         return Guidance(
             video_cfg=head.guidance_scale,
-            audio_cfg=layout.AUDIO_GUIDANCE_SCALE,
+            audio_cfg=self.guidance_rule.audio_scale or 1.0,
             stg=layout.STG_SCALE if self._has_stg_block() else 0.0,
             modality=layout.MODALITY_SCALE if audio else 1.0,  # isolated already: the term is zero
             rescale=layout.GUIDANCE_RESCALE,
@@ -128,9 +128,6 @@ class LTX2NativePipeline(recipe.RecipePipeline):
 
     def _has_stg_block(self) -> bool:
         return any(block < len(self.transformer.transformer_blocks) for block in layout.STG_BLOCKS)
-
-    def uses_cfg(self, head: Any) -> bool:
-        return self.guidance(head).cfg
 
     # -- 2. latents and schedule --------------------------------------------------------------------------------
 
@@ -263,26 +260,23 @@ class LTX2NativePipeline(recipe.RecipePipeline):
     def combine_guidance(
         self, cond: torch.Tensor, uncond: torch.Tensor, head: Any, state: DenoiseState, step_index: int
     ) -> torch.Tensor:
-        # Both branches go on to `guided_prediction`, which adds the other passes and combines in x0 space.
+        # Both branches go on to `extra_guidance`, which adds the other passes and combines in x0 space.
         return torch.stack([cond, uncond])
 
-    def guided_prediction(
+    def extra_guidance(
         self,
+        prediction: torch.Tensor,
         latents: torch.Tensor,
         timestep: torch.Tensor,
         positive: Cond,
         negative: Cond | None,
-        head: Any,
         state: DenoiseState,
         step_index: int,
-        model_key: str,
-        rows: Any = None,
     ) -> torch.Tensor:
-        """The recipe's branches (the conditional one, and the negative one under CFG: its CFG parallel and step
-        caches apply), then the STG and modality-isolation passes on the conditional text, combined per
-        modality as diffusers does."""
-        out = super().guided_prediction(latents, timestep, positive, negative, head, state, step_index, model_key, rows)
-        cond, uncond = (out[0], out[1]) if negative is not None else (out, None)
+        """After the recipe's branches (the conditional one, and the negative one under CFG: its CFG parallel and
+        step caches apply; `combine_guidance` hands both on), the STG and modality-isolation passes on the
+        conditional text, combined per modality in x0 space as diffusers does."""
+        cond, uncond = (prediction[0], prediction[1]) if negative is not None else (prediction, None)
         guidance: Guidance = state.extras["guidance"]
         # (video weight, audio weight, the other pass's flat velocity)
         terms: list[tuple[float, float, torch.Tensor]] = []
@@ -377,53 +371,6 @@ class LTX2NativePipeline(recipe.RecipePipeline):
         """The middle frame of each row's current video decode (the audio is not decoded for previews)."""
         video, _ = state.extras["layout"].split(latents)
         return [clip[len(clip) // 2] for clip in self._decode_video(video, state.extras["grid"])]
-
-    # -- rows of different audio lengths --------------------------------------------------------------------------
-
-    def run_to_latents(self, batch: list[Any], **kwargs: Any) -> Denoised:
-        """Rows whose fps differ have different audio lengths (and video RoPE): one recipe run per fps, in the
-        batch's order of first appearance; `decode_batch` decodes each and puts the outputs back in order."""
-        groups: dict[int, list[int]] = {}
-        for i, params in enumerate(batch):
-            groups.setdefault(params.fps, []).append(i)
-        if len(groups) == 1:
-            return super().run_to_latents(batch, **kwargs)
-        parts = [
-            (index, super(LTX2NativePipeline, self).run_to_latents([batch[i] for i in index], **kwargs))
-            for index in groups.values()
-        ]
-        first = parts[0][1]
-        state = DenoiseState(
-            latents=first.latents, timesteps=first.state.timesteps, scheduler=None, extras={"parts": parts}
-        )
-        seconds: dict[str, float] = {}
-        for _, part in parts:
-            for stage, value in part.stage_seconds.items():
-                seconds[stage] = seconds.get(stage, 0.0) + value
-        return Denoised(batch=list(batch), latents=first.latents, state=state, stage_seconds=seconds)
-
-    def decode_batch(self, denoised: Denoised) -> BatchResult:
-        parts = denoised.state.extras.get("parts")
-        if parts is None:
-            return self._decode_one(denoised)
-        outputs: list[Any] = [None] * len(denoised.batch)
-        seconds = dict(denoised.stage_seconds)
-        seconds.pop("decode", None)
-        for index, part in parts:
-            result = self._decode_one(part)
-            seconds["decode"] = seconds.get("decode", 0.0) + result.stage_seconds.get("decode", 0.0)
-            for i, output in zip(index, result.outputs, strict=True):
-                outputs[i] = output
-        return BatchResult(outputs=outputs, stage_seconds=seconds)
-
-    def _decode_one(self, denoised: Denoised) -> BatchResult:
-        result = super().decode_batch(denoised)
-        audios = denoised.state.extras.pop("audios", None)
-        if audios is not None:
-            for output, waves in zip(result.outputs, recipe.rows_per_request(audios, denoised.batch), strict=True):
-                output.audios = list(waves)
-                output.audio_sample_rate = self.sample_rate
-        return result
 
 
 def _rows(coords: torch.Tensor, rows: int) -> torch.Tensor:

@@ -19,9 +19,6 @@ import torch
 from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
 from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformerBlock
 
-AUDIO_GUIDANCE_SCALE = 7.0
-"""diffusers' `audio_guidance_scale` default: the audio tokens' CFG scale (the video's is the request's
-`guidance_scale`)."""
 STG_SCALE = 1.0
 """diffusers' `stg_scale` / `audio_stg_scale` default: spatio-temporal guidance against a pass whose self-attention
 in `STG_BLOCKS` is perturbed (skipped)."""
@@ -71,11 +68,6 @@ class Guidance:
     rescale: float
     audio: bool
     """Whether the audio tokens are generated (False: they are one placeholder token nothing attends to)."""
-
-    @property
-    def cfg(self) -> bool:
-        """diffusers: CFG runs when either modality's scale is above 1."""
-        return self.video_cfg > 1.0 or (self.audio and self.audio_cfg > 1.0)
 
 
 def rescale(guided: torch.Tensor, cond: torch.Tensor, factor: float) -> torch.Tensor:
