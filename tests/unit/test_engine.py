@@ -607,12 +607,12 @@ def test_the_serving_pipeline_declares_what_its_adapter_can_do():
 
     deferring = ServingPipeline.of(FakePipeline(defers_decode=True))
     assert deferring.capabilities == Capabilities(batching=True, continuous=True, defers_decode=True)
-    assert deferring.lanes is deferring.adapter.lanes()  # the adapter's own lanes, made once
+    assert deferring.lanes is deferring.served.lanes()  # the pipeline's own lanes, made once
     inline = ServingPipeline.of(FakePipeline())
     assert inline.lanes is None and not inline.capabilities.defers_decode
     assert inline.prefetch_text(_params("x"), lambda steps: None) is False
     with pytest.raises(ConfigError, match="cannot split its CFG branches"):
-        inline.adapter.use_cfg_parallel(object())  # not a native recipe loop
+        inline.served.use_cfg_parallel(object())  # not a native recipe loop
 
 
 # -- the offline client (`generate`) -------------------------------------------------------------------------------

@@ -93,7 +93,7 @@ class PipelineSteps:
             return self.ranks.start(requests)
         from diffuserve.pipelines import step_batch
 
-        return step_batch.start_group(self.pipeline.adapter, [params for _, params in requests])  # type: ignore[arg-type]
+        return step_batch.start_group(self.pipeline.served, [params for _, params in requests])  # type: ignore[arg-type]
 
     def step(self, rows: Sequence[tuple[str, Any]]) -> None:
         self.pipeline.check_step([state.params for _, state in rows])  # operator-only fault injection
@@ -104,7 +104,7 @@ class PipelineSteps:
 
         if self._conds is None:
             self._conds = step_batch.GroupConds()
-        step_batch.denoise_step(self.pipeline.adapter, [state for _, state in rows], self._conds)  # type: ignore[arg-type]
+        step_batch.denoise_step(self.pipeline.served, [state for _, state in rows], self._conds)  # type: ignore[arg-type]
 
     def drop(self, request_id: str) -> None:
         if self.ranks is not None:
@@ -118,12 +118,12 @@ class PipelineSteps:
     def preview(self, state: Any) -> list[Any]:
         from diffuserve.pipelines import step_batch
 
-        return step_batch.preview_request(self.pipeline.adapter, state)  # type: ignore[arg-type]
+        return step_batch.preview_request(self.pipeline.served, state)  # type: ignore[arg-type]
 
     def finish(self, states: Sequence[Any]) -> list[RequestOutput]:
         from diffuserve.pipelines import step_batch
 
-        return step_batch.finish_requests(self.pipeline.adapter, states)  # type: ignore[arg-type]
+        return step_batch.finish_requests(self.pipeline.served, states)  # type: ignore[arg-type]
 
 
 class Executor(Protocol):

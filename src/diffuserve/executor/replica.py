@@ -127,7 +127,7 @@ class ReplicaPipeline:
         from diffuserve.pipelines import step_batch
 
         group = tuple((rid, _with_seed(params)) for rid, params in requests)
-        results = step_batch.start_group(self.pipeline.adapter, [params for _, params in group])  # type: ignore[arg-type]
+        results = step_batch.start_group(self.pipeline.served, [params for _, params in group])  # type: ignore[arg-type]
         with self._lock:
             self._unsent_starts.append(group)
         return results
@@ -155,7 +155,7 @@ class ReplicaPipeline:
         try:
             if self._conds is None:
                 self._conds = step_batch.GroupConds()
-            step_batch.denoise_step(self.pipeline.adapter, [state for _, state in rows], self._conds)  # type: ignore[arg-type]
+            step_batch.denoise_step(self.pipeline.served, [state for _, state in rows], self._conds)  # type: ignore[arg-type]
         finally:
             self._collect_acks(seq, peers, time.monotonic())
 
@@ -237,7 +237,7 @@ def follow_calls(
         try:
             if isinstance(message, StepMessage):
                 for group in message.starts:
-                    started = step_batch.start_group(pipeline.adapter, [p for _, p in group])  # type: ignore[arg-type]
+                    started = step_batch.start_group(pipeline.served, [p for _, p in group])  # type: ignore[arg-type]
                     states.update(
                         (rid, rows)
                         for (rid, _), rows in zip(group, started, strict=True)
@@ -245,7 +245,7 @@ def follow_calls(
                     )
                 for rid in message.drops:
                     states.pop(rid, None)
-                step_batch.denoise_step(pipeline.adapter, [states[rid] for rid in message.rows], conds)  # type: ignore[arg-type]
+                step_batch.denoise_step(pipeline.served, [states[rid] for rid in message.rows], conds)  # type: ignore[arg-type]
             else:
                 run = pipeline.run_to_latents if message.latents_only else pipeline.run
                 with _warmup_placement(pipeline, message.compile_warmup):

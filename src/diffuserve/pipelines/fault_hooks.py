@@ -133,8 +133,8 @@ def maybe_inject_faults(pipeline: ServingPipeline) -> ServingPipeline:
     """`pipeline` with the faults `DIFFUSERVE_FAULT_INJECTION` asks for (itself when it asks for none)."""
     parts = dict(part.split(":", 1) for part in os.environ.get(ENV_VAR, "").split(",") if ":" in part)
     if parts.get("hold") and (pipeline.lanes is not None or pipeline.capabilities.text_prefetch):
-        # Side jobs (decodes, continuous starts, text prefetch) run in the adapter's lanes only.
-        (pipeline.lanes or pipeline.adapter.lanes()).hold_marker = parts["hold"]
+        # Side jobs (decodes, continuous starts, text prefetch) run in the pipeline's lanes only.
+        (pipeline.lanes or pipeline.served.lanes()).hold_marker = parts["hold"]
     step_hold = None
     if parts.get("hold_step"):
         release = Path(parts.get("release", ""))
