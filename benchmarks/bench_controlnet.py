@@ -86,7 +86,7 @@ def main() -> None:
     for kind in kinds:
         result[kind]["cpu_vs_plain"] = result[kind]["cpu_ms_per_row"] / plain
     params = {
-        "transformer": sum(p.numel() for p in pipe.transformer.parameters()),
+        "transformer": sum(p.numel() for p in pipe.adapter.transformer.parameters()),
         "controlnet": sum(p.numel() for p in pipe.controlnet.parameters()),
     }
     report = {"settings": vars(ns), "parameters": params, "result": result}

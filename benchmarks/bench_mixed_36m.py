@@ -58,7 +58,7 @@ def _engine(
     def load() -> ServingPipeline:
         pipeline = load_pipeline(checkpoint)
         pipeline.packs_mixed_sizes = setting.packs  # False: today's size-grouped batches (size in the signature)
-        pipeline.packing_call_tokens = call_tokens  # the cost gate (pipelines/pack_plan.py); None: the default
+        pipeline.adapter.packing_call_tokens = call_tokens  # the cost gate (pipelines/pack_plan.py); None: the default
         return ServingPipeline.of(pipeline)
 
     config = BatchingConfig(mode="dynamic", max_size=8, delay_ms=delay_ms, max_tokens=max_tokens, order=setting.order)

@@ -71,7 +71,7 @@ def _bench(args: argparse.Namespace, model_path: Path) -> None:
             guidance_scale=guidance,
             generator=torch.Generator().manual_seed(seed),
             # The checkpoint's declared T5 length, as the native pipeline uses (same work on both sides).
-            max_sequence_length=native.max_sequence_length,
+            max_sequence_length=native.adapter.max_sequence_length,
         )
 
     def run_native(seed: int = 0) -> None:

@@ -59,15 +59,15 @@ def calls(
         for i, p in enumerate(prompts)
     ]
     modules = {
-        "scheduler": pipe.scheduler,
-        "vae": pipe.vae,
-        "text_encoder": pipe.text_encoder,
-        "transformer": pipe.transformer,
+        "scheduler": pipe.adapter.scheduler,
+        "vae": pipe.adapter.vae,
+        "text_encoder": pipe.adapter.text_encoder,
+        "transformer": pipe.adapter.transformer,
     }
     if family == "qwen_image":
-        reference = QwenImagePipeline(tokenizer=pipe.tokenizer, **modules)
+        reference = QwenImagePipeline(tokenizer=pipe.adapter.tokenizer, **modules)
     else:
-        reference = QwenImage21Pipeline(processor=pipe.processor, **modules)
+        reference = QwenImage21Pipeline(processor=pipe.adapter.processor, **modules)
     reference.set_progress_bar_config(disable=True)
     negative = None if d.negative_prompt is None else [d.negative_prompt] * batch
 

@@ -235,13 +235,14 @@ def pipeline_rows(device: torch.device, dtype: torch.dtype, args: argparse.Names
     """Native vs diffusers FLUX.1-dev pipeline call time at 1024 px (tiny encoders and VAE, the real DiT)."""
     from diffusers import FluxPipeline
 
-    from diffuserve.families.flux.adapter import FluxNativePipeline
+    from diffuserve.families.flux.adapter import FluxAdapter
+    from diffuserve.pipelines.recipe import RecipePipeline
     from diffuserve.sampling import SamplingParams
 
     size = 64 if args.tiny else 1024
     _free(device)
     components = _pipeline_components(device, dtype, args.tiny)
-    native = FluxNativePipeline.from_components(dict(components), device=device, dtype=dtype)
+    native = RecipePipeline(FluxAdapter.from_components(dict(components), device=device, dtype=dtype))
     theirs = FluxPipeline(**components)
     theirs.set_progress_bar_config(disable=True)
     prompt = "a lighthouse on a cliff at dusk"
@@ -277,8 +278,9 @@ def _cfg_rank(rank: int, world: int, init_file: str, device_type: str, tiny: boo
     """One CFG-parallel rank: the pipeline with true CFG on one device, then CFG parallel over the group."""
     import torch.distributed as dist
 
-    from diffuserve.families.flux.adapter import FluxNativePipeline
+    from diffuserve.families.flux.adapter import FluxAdapter
     from diffuserve.parallel.cfg_parallel import CfgParallel
+    from diffuserve.pipelines.recipe import RecipePipeline
     from diffuserve.sampling import SamplingParams
 
     backend = "nccl" if device_type == "cuda" else "gloo"
@@ -288,7 +290,8 @@ def _cfg_rank(rank: int, world: int, init_file: str, device_type: str, tiny: boo
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
-        pipe = FluxNativePipeline.from_components(_pipeline_components(device, dtype, tiny), device=device, dtype=dtype)
+        adapter = FluxAdapter.from_components(_pipeline_components(device, dtype, tiny), device=device, dtype=dtype)
+        pipe = RecipePipeline(adapter)
         size = 64 if tiny else 1024
         params = [
             SamplingParams(

@@ -74,7 +74,7 @@ def _rank_main(rank: int, world: int, init_file: str, paths: dict[str, str], out
         enable_tensor_parallel(pipe, mesh=init_device_mesh("cpu", (world,)))
         shapes = {
             n: [list(m._buffers[k].shape) for k in sorted(m._buffers)]
-            for n, (m, _) in adapted_layers(pipe.transformer).items()
+            for n, (m, _) in adapted_layers(pipe.adapter.transformer).items()
         }
         (out / f"tp-rank{rank}.json").write_text(json.dumps(shapes))
         np.save(out / f"tp-rank{rank}.npy", _run(pipe))

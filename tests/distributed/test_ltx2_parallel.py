@@ -65,7 +65,10 @@ def _rank_main(rank: int, world: int, init_file: str, checkpoints: dict[str, str
             if strategy.startswith("tp"):
                 assert enable_tensor_parallel(pipe, mesh=init_device_mesh("cpu", (world,))) == ["transformer"]
                 result = pipe.run(_requests(pipe.describe_model(), build))
-                np.save(Path(out_dir) / f"{strategy}-rank{rank}-bytes.npy", np.array(sharded_bytes(pipe.transformer)))
+                np.save(
+                    Path(out_dir) / f"{strategy}-rank{rank}-bytes.npy",
+                    np.array(sharded_bytes(pipe.adapter.transformer)),
+                )
                 np.save(Path(out_dir) / f"{strategy}-rank{rank}-frames.npy", pixels(result))
                 np.save(Path(out_dir) / f"{strategy}-rank{rank}-audio.npy", _audio(result))
                 continue

@@ -81,7 +81,7 @@ def _parallel(pipe, mode: str, world: int):
         enable_sequence_parallel(pipe, ring_group=dist.group.WORLD)
     elif mode == "tp":
         enable_tensor_parallel(pipe, mesh=init_device_mesh("cpu", (world,)))
-        return sharded_bytes(pipe.transformer)
+        return sharded_bytes(pipe.adapter.transformer)
     else:
         shard_denoisers(pipe)
     return None
@@ -99,7 +99,7 @@ def _rank_main(rank: int, world: int, init_file: str, paths: dict[str, str], out
             np.save(out / f"{mode}-{build}-{method}-rank{rank}.npy", _run(pipe, build))
         pipe = _with_lora(_load(paths["flux"], "flux", "int8-dynamic"), paths)
         _parallel(pipe, "tp", world)
-        to_q = pipe.transformer.transformer_blocks[0].attn.to_q
+        to_q = pipe.adapter.transformer.transformer_blocks[0].attn.to_q
         facts["lora-tp-to_q"] = [list(to_q.weight.shape), str(to_q.weight.dtype), list(to_q.weight_scale.shape)]
         assert to_q.weight.dtype == torch.int8
         np.save(out / f"lora-tp-rank{rank}.npy", _run(pipe, "flux", lora=True))

@@ -73,7 +73,7 @@ def _run(pipe, build: str) -> tuple[np.ndarray, np.ndarray, int]:
     """(final latents, pixels, packed denoiser calls) of the build's batch (a packed batch decodes per size: its
     latents flattened and concatenated)."""
     captured, packed = [], []
-    decode, predict_packed = pipe.decode, getattr(pipe, "predict_packed", None)
+    decode, predict_packed = pipe.decode, getattr(pipe.adapter, "predict_packed", None)
 
     def capture(latents, state):
         captured.append(latents.float().cpu().numpy().copy())
@@ -85,13 +85,13 @@ def _run(pipe, build: str) -> tuple[np.ndarray, np.ndarray, int]:
 
     pipe.decode = capture
     if predict_packed is not None:
-        pipe.predict_packed = count
+        pipe.adapter.predict_packed = count
     try:
         result = pipe.run(_batch(pipe, build))
     finally:
         del pipe.decode
         if predict_packed is not None:
-            del pipe.predict_packed
+            del pipe.adapter.predict_packed
     latents = captured[0] if len(captured) == 1 else np.concatenate([c.ravel() for c in captured])
     return latents, pixels(result), len(packed)
 

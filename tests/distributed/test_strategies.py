@@ -44,12 +44,17 @@ def _rank_main(rank: int, world: int, init_file: str, checkpoints: dict[str, str
             _save(out_dir, f"cfg-{build}-rank{rank}", pixels(pipe.run(requests(pipe.describe_model(), build))))
         for build in BUILDS:
             pipe = load_pipeline(checkpoints[build])
-            full = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
+            full = sum(p.numel() * p.element_size() for p in pipe.adapter.transformer.parameters())
             shard_denoisers(pipe)
             if build == "wan":  # FSDP x CFG parallel: both ranks gather each block, each runs its own branch
                 enable_cfg_parallel(pipe)
             frames = pixels(pipe.run(requests(pipe.describe_model(), build)))
-            _save(out_dir, f"fsdp-{build}-rank{rank}", frames, {"full": full, "held": sharded_bytes(pipe.transformer)})
+            _save(
+                out_dir,
+                f"fsdp-{build}-rank{rank}",
+                frames,
+                {"full": full, "held": sharded_bytes(pipe.adapter.transformer)},
+            )
         # CFG parallel over offloaded components: the DiT streamed layer by layer, the rest component-offloaded.
         pipe = load_pipeline(checkpoints["flux"])
         pipe.residency = _offloaded(pipe)

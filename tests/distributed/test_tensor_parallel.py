@@ -72,7 +72,7 @@ def _rank_main(rank: int, world: int, init_file: str, checkpoints: dict[str, str
                 enable_cfg_parallel(pipe, mesh["cfg"].get_group())
             else:  # as served: the sharded DiT resident, the other components offloaded between uses
                 pipe.residency = _residency(pipe.components)
-            held, full = sharded_bytes(pipe.transformer)
+            held, full = sharded_bytes(pipe.adapter.transformer)
             latents, frames = _run(pipe, build)
             name = Path(out_dir) / f"{mode}-{build}-rank{rank}"
             np.savez(f"{name}.npz", latents=latents, pixels=frames)
@@ -146,7 +146,7 @@ def test_what_tensor_parallel_cannot_run_is_refused(tiny_checkpoint, checkpoints
     assert "diffusers backend" in refusal(load_pipeline(tiny_checkpoint("sd3"), backend="diffusers"), 2)
     # Heads divide but the MLP width does not: refused before any weight is sharded.
     wan = load_pipeline(checkpoints["wan"])
-    config = dict(wan.transformer.config)
+    config = dict(wan.adapter.transformer.config)
     config.update(ffn_dim=33)
     wan.components["transformer"] = WanTransformer3DModel.from_config(config)
     assert "not divisible by 2" in refusal(wan, 2)

@@ -100,14 +100,14 @@ def flux2_on_same_modules(native: Any) -> Any:
     from diffusers import Flux2KleinPipeline, Flux2Pipeline
 
     parts = dict(
-        scheduler=native.scheduler.__class__.from_config(native.scheduler.config),
-        vae=native.vae,
-        text_encoder=native.text_encoder,
-        tokenizer=native.tokenizer,
-        transformer=native.transformer,
+        scheduler=native.adapter.scheduler.__class__.from_config(native.adapter.scheduler.config),
+        vae=native.adapter.vae,
+        text_encoder=native.adapter.text_encoder,
+        tokenizer=native.adapter.tokenizer,
+        transformer=native.adapter.transformer,
     )
     if native.family == "flux2_klein":
-        pipe = Flux2KleinPipeline(**parts, is_distilled=native.is_distilled)
+        pipe = Flux2KleinPipeline(**parts, is_distilled=native.adapter.is_distilled)
     else:
         pipe = Flux2Pipeline(**parts)
     pipe.set_progress_bar_config(disable=True)
@@ -139,18 +139,18 @@ def qwen_on_same_modules(native: Any) -> Any:
 
     if native.family == "qwen_image":
         return QwenImagePipeline(
-            scheduler=native.scheduler,
-            vae=native.vae,
-            text_encoder=native.text_encoder,
-            tokenizer=native.tokenizer,
-            transformer=native.transformer,
+            scheduler=native.adapter.scheduler,
+            vae=native.adapter.vae,
+            text_encoder=native.adapter.text_encoder,
+            tokenizer=native.adapter.tokenizer,
+            transformer=native.adapter.transformer,
         )
     return QwenImage21Pipeline(
-        scheduler=native.scheduler,
-        vae=native.vae,
-        text_encoder=native.text_encoder,
-        processor=native.processor,
-        transformer=native.transformer,
+        scheduler=native.adapter.scheduler,
+        vae=native.adapter.vae,
+        text_encoder=native.adapter.text_encoder,
+        processor=native.adapter.processor,
+        transformer=native.adapter.transformer,
     )
 
 
@@ -362,7 +362,7 @@ def layered_reference(subject: Subject, params: SamplingParams) -> list:
 
 
 def tokenizer_tokens(native: Any, text: str) -> int:
-    return len(native.tokenizer(text).input_ids)
+    return len(native.adapter.tokenizer(text).input_ids)
 
 
 def encoded_tokens(native: Any, text: str) -> int:

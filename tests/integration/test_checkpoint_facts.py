@@ -30,7 +30,7 @@ def test_the_plan_and_the_adapter_describe_a_checkpoint_alike(name: str, tiny_ch
     assert pipeline.size_multiple == planned.size_multiple
     assert pipeline.supports_continuous is spec.supports_continuous
     assert pipeline.batched_cfg is spec.cfg_batched
-    assert tuple(pipeline.text_encoders) == planned.text_encoders
+    assert tuple(pipeline.adapter.text_encoders) == planned.text_encoders
     assert (pipeline.output_kind, pipeline.supports_batching, pipeline.max_image_inputs) == (
         spec.output_kind,
         spec.supports_batching,

@@ -74,7 +74,7 @@ def test_an_sd3_controlnet_row_equals_diffusers_and_mixes_with_plain_rows(
         controlnet_conditioning_scale=control.scale,
         control_guidance_end=control.end,
         generator=torch.Generator().manual_seed(row.seed),
-        max_sequence_length=native.max_sequence_length,
+        max_sequence_length=native.adapter.max_sequence_length,
         width=64,
         height=64,
         num_inference_steps=4,

@@ -22,6 +22,7 @@ import pytest
 from diffuserve.config.model_profiles import group_of
 from diffuserve.config.plan import ComponentPlan, DeploymentPlan, ResidencyMode
 from diffuserve.errors import InvalidRequestError
+from diffuserve.pipelines.recipe import RecipePipeline
 from diffuserve.runtime.layerwise import default_layer_specs
 from diffuserve.runtime.ledger import TransferLedger
 from diffuserve.runtime.residency import build_residency
@@ -75,7 +76,8 @@ def params_of(case: FamilyCase, native: Any, fields: dict[str, Any]) -> Sampling
 
 @cases(lambda c: True)
 def test_loads_as_its_family(case: FamilyCase, native) -> None:
-    assert (type(native).__name__, native.family) == (case.pipeline_class, case.family)
+    subject = native.adapter if isinstance(native, RecipePipeline) else native  # the backend serves its own
+    assert (type(subject).__name__, native.family) == (case.pipeline_class, case.family)
     assert native.output_kind == case.output
     assert bool(native.supports_continuous) is case.continuous
     if case.size_multiple is not None:
@@ -127,7 +129,7 @@ def test_flow_shift_equals_diffusers_with_that_static_shift(case: FamilyCase, na
     shift does not take the field."""
     from diffuserve.pipelines.batch_rows import has_flow_shift, scheduler_template
 
-    if not has_flow_shift(native.scheduler):
+    if not has_flow_shift(native.adapter.scheduler):
         assert "flow_shift" not in native.request_fields()
         return
     assert "flow_shift" in native.request_fields()
@@ -143,12 +145,12 @@ def test_flow_shift_equals_diffusers_with_that_static_shift(case: FamilyCase, na
         pipe.scheduler = scheduler_template(pipe.scheduler, FLOW_SHIFT)
         return pipe
 
-    original = native.scheduler
-    native.scheduler = scheduler_template(original, FLOW_SHIFT)  # references built on native's modules read it
+    original = native.adapter.scheduler
+    native.adapter.scheduler = scheduler_template(original, FLOW_SHIFT)  # references built on native's modules read it
     try:
         theirs = case.reference(Subject(native, subject.path, shifted_diffusers), params)
     finally:
-        native.scheduler = original
+        native.adapter.scheduler = original
         for pipe, scheduler in swapped:
             pipe.scheduler = scheduler
     assert max_pixel_diff(ours, theirs) <= case.reference_tolerance
@@ -188,7 +190,7 @@ def test_packed_rows_equal_their_singletons(case: FamilyCase, native, batch_inde
     assert native.describe_model().packs_mixed_sizes
     assert len({(p.width, p.height) for p in batch}) > 1
     calls: list[int] = []
-    denoiser = getattr(native, native.denoisers[0])
+    denoiser = native.adapter.component(native.denoisers[0])
     hook = denoiser.register_forward_hook(lambda module, args, out: calls.append(1))
     try:
         packed = [outputs_of(native, out) for out in native.run(batch).outputs]
@@ -217,7 +219,8 @@ def test_packed_step_cache_rows_equal_their_singletons(case: FamilyCase, native)
         for f, interval in zip(fields, (1, 3, 2), strict=True)
     ]
     calls: list[int] = []
-    hook = getattr(native, native.denoisers[0]).register_forward_hook(lambda module, args, out: calls.append(1))
+    denoiser = native.adapter.component(native.denoisers[0])
+    hook = denoiser.register_forward_hook(lambda module, args, out: calls.append(1))
     try:
         packed = native.run(batch).outputs
     finally:

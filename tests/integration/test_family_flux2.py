@@ -52,12 +52,13 @@ def test_the_real_diffusers_class_loads_the_tiny_folder_and_agrees(
 
 def test_checkpoint_facts(natives) -> None:
     dev, klein = natives["flux2"], natives["flux2_klein"]
-    assert dev.max_sequence_length == klein.max_sequence_length == FLUX2_SEQ  # capped by the tokenizers' declaration
+    # Capped by the tokenizers' declaration.
+    assert dev.adapter.max_sequence_length == klein.adapter.max_sequence_length == FLUX2_SEQ
     assert dev.size_multiple == klein.size_multiple == 16
     assert dev.max_width is None and dev.max_height is None  # RoPE from ids: no positional table
     assert (dev.defaults.width, dev.defaults.num_inference_steps, dev.defaults.guidance_scale) == (64, 4, 4.0)
     # Tiny Klein is Klein-Base (not distilled): CFG at guidance 4.0 by default, none at 1.0.
-    assert not klein.is_distilled and klein.defaults.guidance_scale == 4.0
+    assert not klein.adapter.is_distilled and klein.defaults.guidance_scale == 4.0
     assert klein.uses_cfg(SamplingParams(guidance_scale=4.0)) and not klein.uses_cfg(SamplingParams(guidance_scale=1.0))
     assert not dev.uses_cfg(SamplingParams(guidance_scale=4.0))
 
@@ -70,7 +71,7 @@ def test_distilled_klein_reads_model_index_and_skips_cfg(tiny_checkpoint, tmp_pa
     index = json.loads((folder / "model_index.json").read_text())
     (folder / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
     native = load_pipeline(folder)
-    assert native.is_distilled and native.defaults.guidance_scale == 1.0
+    assert native.adapter.is_distilled and native.defaults.guidance_scale == 1.0
     params = SamplingParams(prompt="a cat", width=64, height=64, num_inference_steps=2, guidance_scale=4.0, seed=3)
     assert not native.uses_cfg(params)
     ours = native.run([params]).outputs[0].images

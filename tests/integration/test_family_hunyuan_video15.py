@@ -102,7 +102,7 @@ def test_video_vae_resident_layers_equal_the_resident_run(t2v) -> None:
 
     params = build_sampling_params(t2v.describe_model(), prompt="a red kite", seed=4, **SMALL)
     reference = t2v.run([params]).outputs[0].videos
-    blocks = len(t2v.vae.decoder.up_blocks)
+    blocks = len(t2v.adapter.vae.decoder.up_blocks)
     moved: dict[str, int] = {}
     for label, resident, lifetime in (
         ("streamed", 0, Lifetime.FORWARD),
@@ -121,7 +121,7 @@ def test_video_vae_resident_layers_equal_the_resident_run(t2v) -> None:
             }
         )
         ledger = TransferLedger()
-        manager = build_residency(plan, {"vae": t2v.vae}, device="cpu", ledger=ledger)
+        manager = build_residency(plan, {"vae": t2v.adapter.vae}, device="cpu", ledger=ledger)
         previous, t2v.residency = t2v.residency, manager
         try:
             ledger.begin_window()
@@ -135,7 +135,7 @@ def test_video_vae_resident_layers_equal_the_resident_run(t2v) -> None:
             t2v.residency = previous
             manager.close()
         assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got[0], reference[0], strict=True))
-    decoder_bytes = sum(p.numel() * p.element_size() for p in t2v.vae.decoder.up_blocks.parameters())
+    decoder_bytes = sum(p.numel() * p.element_size() for p in t2v.adapter.vae.decoder.up_blocks.parameters())
     assert moved["streamed"] >= decoder_bytes  # the ledger: each streamed block's bytes, in every request
     assert moved["forward"] == decoder_bytes  # placed once when the VAE's stage begins
     assert moved["permanent"] == 0  # placed at set-up, never moved per request
@@ -174,7 +174,7 @@ def test_video_vae_selector_flags_plan_and_equal_the_resident_run(t2v, tiny_chec
     params = build_sampling_params(t2v.describe_model(), prompt="a red kite", seed=5, **SMALL)
     reference = t2v.run([params]).outputs[0].videos
     ledger = TransferLedger()
-    manager = build_residency(DeploymentPlan(components={"vae": vae}), {"vae": t2v.vae}, device="cpu", ledger=ledger)
+    manager = build_residency(DeploymentPlan(components={"vae": vae}), {"vae": t2v.adapter.vae}, device="cpu", ledger=ledger)
     previous, t2v.residency = t2v.residency, manager
     try:
         ledger.begin_window()

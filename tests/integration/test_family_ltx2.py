@@ -61,7 +61,7 @@ def test_waveform_equals_the_diffusers_pipeline(native, subject: Subject, fields
     params = _params(native, **fields)
     (out,) = native.run([params]).outputs
     theirs = ltx2_call(subject, params)
-    assert out.audio_sample_rate == native.vocoder.config.output_sampling_rate
+    assert out.audio_sample_rate == native.adapter.vocoder.config.output_sampling_rate
     assert [tuple(a.shape) for a in out.audios] == [tuple(a.shape) for a in theirs.audio]
     assert all(a.dtype == torch.float32 and a.ndim == 2 for a in out.audios)
     assert _max_audio_diff(out.audios, theirs.audio) <= AUDIO_TOLERANCE
@@ -74,7 +74,11 @@ def test_generate_audio_false_skips_the_audio_branch(native, subject: Subject, m
     the with-audio video (the joint model's video attends to the audio); it equals diffusers' pipeline with the
     transformer's modalities isolated (`isolate_modalities` forced on), where the video reads no audio at all."""
     calls: list[str] = []
-    for module, method in ((native.audio_vae, "forward"), (native.audio_vae, "decode"), (native.vocoder, "forward")):
+    for module, method in (
+        (native.adapter.audio_vae, "forward"),
+        (native.adapter.audio_vae, "decode"),
+        (native.adapter.vocoder, "forward"),
+    ):
         monkeypatch.setattr(module, method, lambda *a, _n=method, **k: calls.append(_n))
     silent = _params(native, prompt="a red fox", seed=3, generate_audio=False)
     (out,) = native.run([silent]).outputs
@@ -172,8 +176,8 @@ def test_video_vae_layerwise_with_resident_layers_equals_resident(native) -> Non
 
     params = _params(native, prompt="a red kite", seed=4)
     reference = native.run([params]).outputs[0]
-    blocks = len(native.vae.decoder.up_blocks)
-    decoder_bytes = sum(p.numel() * p.element_size() for p in native.vae.decoder.up_blocks.parameters())
+    blocks = len(native.adapter.vae.decoder.up_blocks)
+    decoder_bytes = sum(p.numel() * p.element_size() for p in native.adapter.vae.decoder.up_blocks.parameters())
     moved: dict[str, int] = {}
     for label, resident, lifetime in (
         ("streamed", 0, Lifetime.FORWARD),
@@ -215,7 +219,7 @@ def test_ltx23_spatio_temporal_guidance_equals_diffusers(
     subject = Subject(native=native, path=path, diffusers=diffusers_pipeline)
     monkeypatch.setattr(layout, "STG_BLOCKS", (1,))
     params = _params(native, prompt="a cat surfing", seed=7)
-    assert native.guidance(params).stg == layout.STG_SCALE
+    assert native.adapter.guidance(params).stg == layout.STG_SCALE
     (out,) = native.run([params]).outputs
     theirs = ltx2_call(subject, params, spatio_temporal_guidance_blocks=[1])
     assert max_pixel_diff(out.videos, [_uint8_frames(c) for c in theirs.frames]) <= 1

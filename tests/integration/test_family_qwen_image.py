@@ -67,7 +67,7 @@ def test_rope_limits_follow_the_tables(pipes) -> None:
     in, so the last image side leaves exactly the 512 text positions; 2.1 centres rows on its negative table."""
     from diffuserve.family_spec.qwen_image import QWEN_IMAGE_21_ROPE_POSITIONS, QWEN_IMAGE_ROPE_POSITIONS
 
-    qi, q21 = pipes["qwen_image"].transformer.pos_embed, pipes["qwen_image_21"].transformer.pos_embed
+    qi, q21 = pipes["qwen_image"].adapter.transformer.pos_embed, pipes["qwen_image_21"].adapter.transformer.pos_embed
     # The spec's table sizes (torch-free, for both backends) are diffusers' own.
     assert qi.pos_freqs.shape[0] == qi.neg_freqs.shape[0] == QWEN_IMAGE_ROPE_POSITIONS
     assert all(f.shape[0] == sum(QWEN_IMAGE_21_ROPE_POSITIONS) for f in q21.freqs)

@@ -37,9 +37,10 @@ def reference(tiny_sd3_path: Path, diffusers_pipeline):
 @pytest.fixture(scope="module")
 def twin(reference):
     """The native adapter over the diffusers pipeline's own modules (the very same weight tensors)."""
-    from diffuserve.families.sd3.adapter import SD3NativePipeline
+    from diffuserve.families.sd3.adapter import SD3Adapter
+    from diffuserve.pipelines.recipe import RecipePipeline
 
-    return SD3NativePipeline.from_components(dict(reference.components), device="cpu", dtype=torch.float32)
+    return RecipePipeline(SD3Adapter.from_components(dict(reference.components), device="cpu", dtype=torch.float32))
 
 
 def test_the_real_diffusers_class_loads_the_tiny_folder(reference) -> None:
@@ -83,7 +84,9 @@ def test_checkpoint_saved_without_t5_matches_diffusers(reference, tmp_path: Path
     without.set_progress_bar_config(disable=True)
     without.save_pretrained(tmp_path / "no-t5")
     loaded = load_pipeline(tmp_path / "no-t5")
-    assert loaded.text_encoders == ("text_encoder", "text_encoder_2") and "text_encoder_3" not in loaded.components
+    assert (
+        loaded.adapter.text_encoders == ("text_encoder", "text_encoder_2") and "text_encoder_3" not in loaded.components
+    )
     params = SamplingParams(prompt="a red fox", seed=2, num_inference_steps=2, guidance_scale=5.0)
     theirs = sd3_images(without, params)  # max_sequence_length: diffusers' 256, nothing to cap it
     assert max_pixel_diff(loaded.run([params]).outputs[0].images[:1], theirs[:1]) <= PIXEL_TOL
@@ -92,7 +95,7 @@ def test_checkpoint_saved_without_t5_matches_diffusers(reference, tmp_path: Path
 def test_cached_empty_negative_is_a_fresh_encoding(twin) -> None:
     """CFG without a negative prompt reuses one encoding of "": it must be what a fresh call gives."""
     with torch.inference_mode():
-        for key in twin.text_encoders:
-            cached, fresh = twin._encode_empty(key), twin._encode_group(key, [""])
+        for key in twin.adapter.text_encoders:
+            cached, fresh = twin.adapter._encode_empty(key), twin.adapter._encode_group(key, [""])
             assert cached.keys() == fresh.keys()
             assert all(torch.equal(cached[k], fresh[k]) for k in fresh)

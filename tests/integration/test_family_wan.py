@@ -101,7 +101,7 @@ def test_video_vae_resident_layers_move_once_per_request_not_once_per_chunk(pipe
     params = _params(pipe, "a red kite", 4, guidance_scale=1.0, num_frames=9)  # 3 latent frames = 3 decoder chunks
     run = lambda: pipe.run([params]).outputs[0].videos  # noqa: E731
     reference = run()
-    decoder_blocks = len(pipe.vae.decoder.up_blocks)
+    decoder_blocks = len(pipe.adapter.vae.decoder.up_blocks)
     per_request: dict[str, int] = {}
     for label, resident, lifetime in (
         ("streamed", 0, Lifetime.FORWARD),
@@ -131,7 +131,7 @@ def test_video_vae_resident_layers_move_once_per_request_not_once_per_chunk(pipe
         per_request[label] = sum(
             m.nbytes for m in summary.moves if m.direction == "h2d" and (m.layer or "").startswith("decoder.up_blocks")
         )
-    decoder_bytes = sum(p.numel() * p.element_size() for p in pipe.vae.decoder.up_blocks.parameters())
+    decoder_bytes = sum(p.numel() * p.element_size() for p in pipe.adapter.vae.decoder.up_blocks.parameters())
     assert per_request["streamed"] >= 3 * decoder_bytes  # every chunk re-streams the decoder blocks
     assert per_request["forward"] == decoder_bytes  # placed once when the VAE's stage begins
     assert per_request["permanent"] == 0  # placed at set-up, never moved per request

@@ -29,10 +29,10 @@ def broken(tiny_flux_path: Path, tmp_path: Path) -> Path:
 
 
 def test_loads_native_by_default(tiny_flux_path: Path) -> None:
-    from diffuserve.families.flux.adapter import FluxNativePipeline
+    from diffuserve.families.flux.adapter import FluxAdapter
 
     pipe = load_pipeline(tiny_flux_path)
-    assert isinstance(pipe, FluxNativePipeline)
+    assert isinstance(pipe.adapter, FluxAdapter)
     assert pipe.describe()["components"] == ["text_encoder", "text_encoder_2", "transformer", "vae"]
     assert not any(p.requires_grad for m in pipe.components.values() for p in m.parameters())
 

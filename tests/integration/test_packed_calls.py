@@ -42,7 +42,7 @@ def native(tiny_flux_path: Path, family_pipeline) -> Any:
 
 def _counted(native: Any, batch: list[SamplingParams]) -> tuple[list[Any], int]:
     calls: list[int] = []
-    hook = native.transformer.register_forward_hook(lambda module, args, out: calls.append(1))
+    hook = native.adapter.transformer.register_forward_hook(lambda module, args, out: calls.append(1))
     try:
         return [out.images for out in native.run(batch).outputs], len(calls)
     finally:
@@ -112,7 +112,7 @@ def test_step_caches_decide_per_packed_row(native: Any, monkeypatch: pytest.Monk
     ]
     batch[1] = dataclasses.replace(batch[1], n=2)
     calls: list[int] = []
-    hook = native.transformer.register_forward_hook(lambda module, args, out: calls.append(1))
+    hook = native.adapter.transformer.register_forward_hook(lambda module, args, out: calls.append(1))
     try:
         packed = native.run(batch).outputs
     finally:
@@ -180,12 +180,12 @@ def test_the_cost_gate_splits_a_batch_into_runs_of_neighbouring_sizes(native: An
     three small sizes (16, 24, 24 tokens), which still share one packed call: two calls per step, every request
     equal to its run alone and answered in the batch's order."""
     batch = [SamplingParams(prompt="a big cat", width=128, height=128, seed=3, num_inference_steps=2), *_batch(2)]
-    before = native.packing_call_tokens
-    native.packing_call_tokens = 10.0
+    before = native.adapter.packing_call_tokens
+    native.adapter.packing_call_tokens = 10.0
     try:
         got, calls = _counted(native, batch)
     finally:
-        native.packing_call_tokens = before
+        native.adapter.packing_call_tokens = before
     assert calls == 2 * 2  # [16 24 24 packed] + [64], each one call per step
     _assert_singletons(native, batch, got)
 
@@ -250,7 +250,7 @@ def test_a_continuous_group_of_several_sizes_steps_packed(native: Any) -> None:
     first, second, third = _batch(steps=3)
     third = dataclasses.replace(third, num_inference_steps=2)  # joins at step 1 and finishes with the first
     calls: list[int] = []
-    hook = native.transformer.register_forward_hook(lambda module, args, out: calls.append(1))
+    hook = native.adapter.transformer.register_forward_hook(lambda module, args, out: calls.append(1))
     try:
         stepped = simulate_steps(native, {0: [first], 1: [second, third]})
     finally:

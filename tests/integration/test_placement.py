@@ -51,7 +51,7 @@ def test_host_load_leaves_placement_to_residency(tiny_flux_path, reference, devi
     pipe = load_pipeline(tiny_flux_path, device=device, placement="host")
     assert moved == []  # the loader placed nothing
     assert all(p.device.type == "cpu" for m in pipe.components.values() for p in m.parameters())
-    dit_bytes = _nbytes(pipe.transformer)
+    dit_bytes = _nbytes(pipe.adapter.transformer)
     plan = DeploymentPlan(
         components={"transformer": ComponentPlan(name="transformer", group="dit", mode=ResidencyMode.COMPONENT_OFFLOAD)}
     )
@@ -67,7 +67,7 @@ def test_host_load_leaves_placement_to_residency(tiny_flux_path, reference, devi
         assert {m.component for m in ledger.moves()} == {"text_encoder", "text_encoder_2", "vae"}
         # ... while the offloaded DiT stayed on the host: detached placeholders on the module, no device bytes.
         assert ledger.peak_bytes("transformer") == 0
-        assert all(p.numel() == 0 for p in pipe.transformer.parameters())
+        assert all(p.numel() == 0 for p in pipe.adapter.transformer.parameters())
         if device == "cuda":
             resident = sum(_nbytes(pipe.components[k]) for k in ("text_encoder", "text_encoder_2", "vae"))
             assert torch.cuda.max_memory_allocated() < resident + dit_bytes // 2
@@ -112,5 +112,5 @@ def test_placement_errors_name_the_parameter(tiny_flux_path, tiny_sd3_path):
 
 def test_mapping_places_named_components_and_the_rest_on_host(tiny_flux_path):
     pipe = load_pipeline(tiny_flux_path, placement={"transformer": "meta"})
-    assert is_meta(pipe.transformer)
+    assert is_meta(pipe.adapter.transformer)
     assert not any(is_meta(pipe.components[k]) for k in ("text_encoder", "text_encoder_2", "vae"))

@@ -48,7 +48,7 @@ def test_usage_counting_beside_encodes_never_changes_what_an_encode_gets(tiny_fl
     to the family length however many requests are counted beside it."""
     pipeline = _load(tiny_flux_path)
     ctx = _ctx(pipeline)
-    length = pipeline.max_sequence_length
+    length = pipeline.adapter.max_sequence_length
     prompts = ["a fox", "a red fox in fresh snow, golden hour", " ".join(["a very long prompt"] * 30)]
     stop, counted = threading.Event(), threading.Semaphore(0)
     errors: list[BaseException] = []
@@ -108,7 +108,7 @@ def test_every_family_reports_a_truncated_prompt_from_its_spec(
     limits = checkpoint_limits(pipeline.family, pipeline.tokenizer_part, pipeline.text_readings)
     assert [limit.encoder for limit in limits] == [fact.label for fact in facts]
     if length_attr is not None:  # the limit reported is the length the encode really reads
-        assert limits[-1].max_tokens == getattr(pipeline, length_attr)
+        assert limits[-1].max_tokens == getattr(pipeline.adapter if backend == "native" else pipeline, length_attr)
     cut = [limit for limit in limits if limit.max_tokens is not None]
     words = 2 * max((limit.max_tokens for limit in cut), default=64) + 16
     long = " ".join(["fox"] * words)
@@ -152,7 +152,7 @@ def test_the_token_owner_never_holds_the_pipelines_tokenizers(tiny_flux_path: Pa
     }
     owner = with_counter(model).prompt_tokens
     assert owner is with_counter(pipeline.describe_model()).prompt_tokens
-    shared = {id(pipeline.tokenizer), id(pipeline.tokenizer_2)}
+    shared = {id(pipeline.adapter.tokenizer), id(pipeline.adapter.tokenizer_2)}
     assert not shared & {id(limit.tokenizer) for limit in owner.limits}
     assert owner.usage is not None and id(owner.usage.tokenizer) not in shared
 

@@ -117,7 +117,8 @@ def diffusers_reference(name: str, base: Path, file: Path, kind: str, native, pa
         ).images
     # The conformance suite's reference call, on modules diffusers loaded (its "same modules" references read them
     # from `native`: hand them this pipeline's).
-    shim = types.SimpleNamespace(**pipe.components, family=family, is_distilled=getattr(native, "is_distilled", None))
+    parts = types.SimpleNamespace(**pipe.components, is_distilled=getattr(native.adapter, "is_distilled", None))
+    shim = types.SimpleNamespace(adapter=parts, family=family)
     subject = Subject(shim, base, lambda _cls, _path: pipe)
     return BY_ID[name].reference(subject, params)
 
@@ -127,7 +128,7 @@ def diffusers_reference(name: str, base: Path, file: Path, kind: str, native, pa
 def test_gguf_native_equals_diffusers_and_stays_close(name, kind, base_of, quant_file) -> None:
     base, file = base_of(name), quant_file(name, kind)
     native = load_pipeline(base, transformer_path=file)
-    layer = next(m for m in native.transformer.modules() if type(m).__name__ == "GGUFLinear")
+    layer = next(m for m in native.adapter.transformer.modules() if type(m).__name__ == "GGUFLinear")
     assert isinstance(layer, torch.nn.Linear) and layer.weight.dtype == torch.uint8  # stays packed in memory
     params = params_for(name, native)
     ours = outputs_of(native, native.run([params]).outputs[0])
@@ -146,8 +147,11 @@ def test_bfl_flux2_native_equals_diffusers(name, kind, base_of, quant_file) -> N
     base, file = base_of(name), quant_file(name, kind)
     native = load_pipeline(base, transformer_path=file)
     expected = "BFLNVFP4Linear" if kind == "nvfp4" else "BFLFP8RLinear"
-    assert any(type(m).__name__ == expected for m in native.transformer.modules())
-    held = sum(t.numel() * t.element_size() for t in [*native.transformer.parameters(), *native.transformer.buffers()])
+    assert any(type(m).__name__ == expected for m in native.adapter.transformer.modules())
+    held = sum(
+        t.numel() * t.element_size()
+        for t in [*native.adapter.transformer.parameters(), *native.adapter.transformer.buffers()]
+    )
     assert describe_file(file).loaded_bytes("float32") == held  # what the plan counts is what loads
     params = params_for(name, native)
     ours = outputs_of(native, native.run([params]).outputs[0])
@@ -182,7 +186,7 @@ def test_a_torchao_quantized_folder_loads_with_model_path_alone(tiny_flux_path: 
     )
     quantized.save_pretrained(folder / "transformer", safe_serialization=False)  # torchao's tensors pickle only
     native = load_pipeline(folder)
-    assert type(native.transformer.transformer_blocks[0].attn.to_q.weight).__name__ == "Int8Tensor"
+    assert type(native.adapter.transformer.transformer_blocks[0].attn.to_q.weight).__name__ == "Int8Tensor"
     params = SamplingParams(**FLUX_PARAMS)
     ours = outputs_of(native, native.run([params]).outputs[0])
     reference = diffusers.FluxPipeline.from_pretrained(folder, local_files_only=True)

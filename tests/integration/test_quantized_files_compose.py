@@ -71,7 +71,7 @@ def test_offload_equals_resident_and_moves_the_quantized_bytes(kind, mode, pipel
     pipe = pipelines(kind)
     params = _params(5, "a green tree")
     resident = _images(pipe, [params])
-    packed = _quantized_bytes(pipe.transformer)
+    packed = _quantized_bytes(pipe.adapter.transformer)
     offloaded, ledger = with_residency(pipe, {"transformer": mode}, lambda: _images(pipe, [params]))
     assert max_pixel_diff(offloaded, resident) == 0
     # What moved is the packed weights (uint8 GGUF blocks / E2M1 + scales), never a dequantized copy: one
@@ -83,8 +83,8 @@ def test_offload_equals_resident_and_moves_the_quantized_bytes(kind, mode, pipel
         streamed = [m for m in ledger.moves() if m.direction == "h2d" and m.layer is not None]
         assert streamed
         for move in streamed:
-            assert move.nbytes == _quantized_bytes(pipe.transformer.get_submodule(move.layer))
-    layer = next(m for m in pipe.transformer.modules() if type(m).__name__ in ("GGUFLinear", "BFLNVFP4Linear"))
+            assert move.nbytes == _quantized_bytes(pipe.adapter.transformer.get_submodule(move.layer))
+    layer = next(m for m in pipe.adapter.transformer.modules() if type(m).__name__ in ("GGUFLinear", "BFLNVFP4Linear"))
     assert layer.weight.dtype == torch.uint8 and layer.weight.numel() > 0  # put back, still packed
 
 

@@ -620,8 +620,8 @@ def test_flux_pipeline_with_residency_matches_resident(flux_pipeline, plan_name:
         dit_plan = E2E_PLANS[plan_name]["transformer"]
         if dit_plan["mode"] is ResidencyMode.LAYERWISE_OFFLOAD:
             h2d = [m.layer for m in summary.moves if m.component == "transformer" and m.direction == "h2d"]
-            layers = default_layer_specs("transformer", pipe.transformer)
-            names = [f"{s}.{i}" for s in layers for i in range(len(pipe.transformer.get_submodule(s)))]
+            layers = default_layer_specs("transformer", pipe.adapter.transformer)
+            names = [f"{s}.{i}" for s in layers for i in range(len(pipe.adapter.transformer.get_submodule(s)))]
             assert h2d.count(names[0]) == (0 if dit_plan.get("lifetime") is Lifetime.PERMANENT else 1)
             assert all(h2d.count(n) == steps for n in names[1:])
         # After the request every component holds what it held before (0, or its permanent set).

@@ -352,7 +352,7 @@ def test_layerwise_offload_streams_no_block_a_step_reuses(flux, tiny_flux_path: 
     pipeline = load_pipeline(tiny_flux_path)
     ledger = TransferLedger()
     manager = ComponentResidencyManager(
-        {"transformer": pipeline.transformer},
+        {"transformer": pipeline.adapter.transformer},
         {"transformer": ComponentPlan("transformer", "dit", ResidencyMode.LAYERWISE_OFFLOAD)},
         device=torch.device("cpu"),
         ledger=ledger,

@@ -50,8 +50,8 @@ def test_rows_encoded_in_one_lane_job_equal_their_requests_alone(tiny_checkpoint
         assert pipeline.prefetch_text(params, on_done=lambda steps: done.release())
     release.set()
     assert done.acquire(timeout=WAIT_S) and done.acquire(timeout=WAIT_S)
-    assert pipeline._text_prefetch.num_entries == 4  # two prompts and two negative prompts, waiting
+    assert pipeline.text_stage.prefetched.num_entries == 4  # two prompts and two negative prompts, waiting
     merged = pipeline.run(batch).outputs
-    assert pipeline._text_prefetch.num_entries == 0  # the batch took them
+    assert pipeline.text_stage.prefetched.num_entries == 0  # the batch took them
     for params, got, want in zip(batch, merged, alone, strict=True):
         assert _max_diff(got.images[0], want) <= 1, params.prompt

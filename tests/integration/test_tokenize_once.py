@@ -80,9 +80,9 @@ def test_a_served_prompt_is_tokenized_once_per_tokenizer_and_rows_are_unchanged(
     lock = threading.Lock()
     pipeline = load_pipeline(tiny_flux_path)
     for key in ("tokenizer", "tokenizer_2"):
-        setattr(pipeline, key, CountingTokenizer(getattr(pipeline, key), key, counts, lock))
+        setattr(pipeline.adapter, key, CountingTokenizer(pipeline.adapter.component(key), key, counts, lock))
     model = pipeline.describe_model()
-    originals = {key: type(getattr(pipeline, key)._inner) for key in ("tokenizer", "tokenizer_2")}
+    originals = {key: type(pipeline.adapter.component(key)._inner) for key in ("tokenizer", "tokenizer_2")}
 
     def load(entry: Any) -> CountingTokenizer:  # the front end's tokenizers, from the folders the description names
         return CountingTokenizer(originals[entry.key].from_pretrained(entry.folder), entry.key, counts, lock)
@@ -136,8 +136,11 @@ def test_padded_ids_equal_the_tokenizers_own_padding(tiny_flux_path: Path):
     batch = [SimpleNamespace(text_ids=carried)]
     # Ids stamped by another tokenizer are never used: bogus ids under a foreign stamp change nothing.
     foreign = [SimpleNamespace(text_ids={k: TokenIds("another", {texts[0]: (1, 2, 3)}) for k in carried})]
-    for key, length in (("tokenizer", pipeline._clip_max_length), ("tokenizer_2", pipeline.max_sequence_length)):
-        tokenizer = getattr(pipeline, key)
+    for key, length in (
+        ("tokenizer", pipeline.adapter._clip_max_length),
+        ("tokenizer_2", pipeline.adapter.max_sequence_length),
+    ):
+        tokenizer = pipeline.adapter.component(key)
         built = token_ids.padded_ids(tokenizer, key, texts, batch, length)
         want = tokenizer(texts, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
         assert built is not None and built.tolist() == want.input_ids.tolist()

@@ -1,9 +1,8 @@
 """Every native family adapter against the `FamilyAdapter` protocol (`pipelines/adapter.py`).
 
-Each adapter implements the protocol's required parts with its signatures (parameter names included: the recipe
-calls some by keyword), may implement its optional parts, and overrides no other method of the recipe beyond the
-allow-list below. The allow-list only shrinks: an entry an adapter no longer overrides fails the test until it is
-removed, so folding a hook into the protocol or the family spec is recorded here.
+An adapter is no pipeline: it inherits nothing of the recipe (`RecipePipeline` drives it, composed), only the data
+base `AdapterBase` whose methods are binding helpers. Each adapter implements the protocol's required parts with their
+signatures (parameter names included: the recipe calls some by keyword) and may implement its optional parts.
 """
 
 from __future__ import annotations
@@ -14,31 +13,17 @@ import inspect
 import pytest
 
 from diffuserve.models import registry
-from diffuserve.pipelines.adapter import OPTIONAL, REQUIRED, FamilyAdapter, OptionalParts
+from diffuserve.pipelines.adapter import OPTIONAL, REQUIRED, AdapterBase, FamilyAdapter, OptionalParts
+from diffuserve.pipelines.base import Pipeline
 from diffuserve.pipelines.recipe import RecipePipeline
 
-STILL_OVERRIDDEN: dict[str, tuple[str, ...]] = {
-    "flux": (),
-    "flux2": (),
-    "flux2_klein": (),
-    "flux_fill": (),
-    "hunyuan3d": ("_denoise", "activation_facts", "describe", "request_facts", "run"),  # its own loop (meshes)
-    "hunyuan_video_15": (),
-    "hunyuan_video_15_i2v": (),
-    "ltx2": (),
-    "qwen_image": (),
-    "qwen_image_21": (),
-    "qwen_image_edit": (),
-    "qwen_image_edit_plus": (),
-    "sana": (),
-    "sd3": (),
-    "wan": (),
-    "wan_i2v": (),
-    "z_image": (),
-}
-"""Family -> the recipe methods (beyond the protocol's parts) its adapter still overrides. Only shrinks."""
+OWN_LOOP = {"hunyuan3d"}
+"""Native families that run their own loop (meshes) as a `Pipeline`, not as a recipe adapter."""
+ADAPTER_BASE_METHODS = {"bind_parts", "bind_facts", "component", "size_multiple"}
+"""What an adapter inherits beyond data: loading helpers. Growing this list means the recipe leaks into adapters."""
 
 FAMILIES = sorted(registry.native_families())
+ADAPTERS = [family for family in FAMILIES if family not in OWN_LOOP]
 
 
 def _adapter_class(family: str) -> type:
@@ -46,50 +31,57 @@ def _adapter_class(family: str) -> type:
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def _recipe_methods() -> set[str]:
-    """Methods and properties the recipe (and the pipeline base under it) defines."""
+def _methods(cls: type) -> set[str]:
+    """The methods and properties `cls` defines itself (not its bases)."""
     return {
         name
-        for klass in RecipePipeline.__mro__
-        if klass is not object
-        for name, value in vars(klass).items()
+        for name, value in vars(cls).items()
         if not name.startswith("__") and (inspect.isfunction(value) or isinstance(value, property))
     }
 
 
-def _overridden(cls: type) -> set[str]:
-    """The recipe's methods `cls` (or a family class between it and the recipe) defines again."""
-    recipe = set(RecipePipeline.__mro__)
-    own = {
-        name: value
-        for klass in cls.__mro__
-        if klass not in recipe and klass is not object
-        for name, value in vars(klass).items()
-        if inspect.isfunction(value) or isinstance(value, property)
-    }
-    return set(own) & _recipe_methods()
+def _defined(cls: type, name: str) -> bool:
+    """`cls` (or a family class under it, not `AdapterBase`) defines method `name`."""
+    return any(name in _methods(klass) for klass in cls.__mro__ if klass not in (AdapterBase, object))
 
 
 def _parameters(function: object) -> list[str]:
     return [p for p in inspect.signature(function).parameters if p != "self"]  # type: ignore[arg-type]
 
 
-def test_every_native_family_is_listed() -> None:
-    assert sorted(STILL_OVERRIDDEN) == FAMILIES
+def test_the_own_loop_families_are_pipelines_and_the_rest_adapters() -> None:
+    for family in FAMILIES:
+        cls = _adapter_class(family)
+        if family in OWN_LOOP:
+            assert issubclass(cls, Pipeline), family
+        else:
+            assert issubclass(cls, AdapterBase), f"{family}: {cls.__name__} is no AdapterBase"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+def test_adapter_base_holds_data_and_binding_only() -> None:
+    """The base an adapter inherits has no behaviour of the recipe: its methods are the loading helpers."""
+    assert _methods(AdapterBase) == ADAPTER_BASE_METHODS
+    assert AdapterBase.__mro__ == (AdapterBase, object)
+
+
+@pytest.mark.parametrize("family", ADAPTERS)
+def test_adapter_inherits_nothing_of_the_recipe(family: str) -> None:
+    cls = _adapter_class(family)
+    assert not issubclass(cls, Pipeline), f"{family}: {cls.__name__} is a pipeline; the recipe drives adapters"
+    shared = (set(cls.__mro__) & set(RecipePipeline.__mro__)) - {object}
+    assert not shared, f"{family}: {cls.__name__} inherits {shared} of the recipe"
+
+
+@pytest.mark.parametrize("family", ADAPTERS)
 def test_adapter_implements_the_protocol_parts(family: str) -> None:
     cls = _adapter_class(family)
-    if not issubclass(cls, RecipePipeline):
-        pytest.skip(f"{family} runs its own loop (not the recipe): the protocol does not apply")
     for name in REQUIRED:
-        assert name in _overridden(cls), f"{family}: {cls.__name__} does not implement {name}"
+        assert _defined(cls, name), f"{family}: {cls.__name__} does not implement {name}"
         assert _parameters(getattr(cls, name)) == _parameters(getattr(FamilyAdapter, name)), (
             f"{family}: {cls.__name__}.{name} takes other parameters than FamilyAdapter.{name}"
         )
     for name in OPTIONAL:
-        if name in _overridden(cls):
+        if _defined(cls, name):
             assert _parameters(getattr(cls, name)) == _parameters(getattr(OptionalParts, name)), (
                 f"{family}: {cls.__name__}.{name} takes other parameters than OptionalParts.{name}"
             )
@@ -97,24 +89,12 @@ def test_adapter_implements_the_protocol_parts(family: str) -> None:
         assert hasattr(cls, field), f"{family}: {cls.__name__} lacks the protocol's {field}"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_adapter_overrides_nothing_else_of_the_recipe(family: str) -> None:
-    extra = _overridden(_adapter_class(family)) - set(REQUIRED) - set(OPTIONAL)
-    allowed = set(STILL_OVERRIDDEN[family])
-    assert extra <= allowed, (
-        f"{family} overrides {sorted(extra - allowed)} of the recipe: implement a FamilyAdapter part "
-        "(pipelines/adapter.py) or put the fact in the family spec instead"
-    )
-    assert allowed <= extra, (
-        f"{family} no longer overrides {sorted(allowed - extra)}: remove it from STILL_OVERRIDDEN (the list shrinks)"
-    )
-
-
-def test_recipe_checks_the_protocol_parts_it_calls() -> None:
-    """The protocol names the recipe's parts: every part it declares is a method the recipe calls on the adapter."""
+def test_recipe_runs_every_protocol_part() -> None:
+    """The protocol names the recipe's parts: every part it declares is one the recipe calls (with its default)."""
     for name in (*REQUIRED, *OPTIONAL):
-        assert callable(getattr(RecipePipeline, name)), name
-    assert {"family", "denoisers", "decoder", "masked_sequences"} <= set(dir(RecipePipeline))
+        assert _parameters(getattr(RecipePipeline, name)) == _parameters(
+            getattr(FamilyAdapter if name in REQUIRED else OptionalParts, name)
+        ), name
 
 
 @pytest.mark.parametrize(
@@ -150,3 +130,73 @@ def test_guidance_rule_is_the_diffusers_pipelines_rule(
     assert rule.runs(params) is runs
     if family != "flux2":  # guidance-distilled: the scale is the transformer's input, never a CFG scale
         assert rule.scale(params) == scale
+
+
+class _ToyAdapter(AdapterBase):
+    """An adapter written from the protocol alone: the four required parts, no optional one."""
+
+    family = "sana"  # its spec: one text encoder, CFG when guidance_scale > 1
+
+    def __init__(self) -> None:
+        import torch
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        super().__init__()
+        self.scheduler = FlowMatchEulerDiscreteScheduler()
+        self.bind_facts({})
+        self.dtype = torch.float64
+
+    def encode_text(self, key, texts, batch):
+        import torch
+
+        return {"embeds": torch.tensor([[float(len(t))] for t in texts], dtype=self.dtype)}
+
+    def prepare(self, batch, head, positive):
+        from diffuserve.pipelines import recipe
+
+        scheduler = recipe.fresh_scheduler(self.scheduler)
+        scheduler.set_timesteps(head.num_inference_steps)
+        latents = recipe.batch_noise(batch, (3,), device=self.device, dtype=self.dtype)
+        return recipe.DenoiseState(latents, scheduler.timesteps, scheduler, {})
+
+    def predict(self, latents, timestep, cond, state, model_key):
+        return 0.5 * latents + cond["embeds"] * (timestep[:, None] / 1000)
+
+    def decode(self, latents, state):
+        return [row.clone() for row in latents]
+
+
+@pytest.mark.parametrize("batched_cfg", [True, False])
+def test_a_protocol_only_adapter_runs_on_the_recipe_as_the_cfg_loop_written_out(batched_cfg: bool) -> None:
+    """The recipe drives an adapter of the four required parts with its own defaults (classic CFG combine, the
+    scheduler's step, the only denoiser, preview = decode): equal to the CFG loop written out by hand, within
+    float64 rounding (1e-12), for CFG as one doubled batch and as two passes."""
+    import torch
+
+    from diffuserve.pipelines import recipe
+    from diffuserve.sampling import SamplingParams
+
+    adapter = _ToyAdapter()
+    pipe = RecipePipeline(adapter)
+    pipe.batched_cfg = batched_cfg
+    assert adapter.recipe is pipe and pipe.family == "sana" and pipe.output_kind == "image"
+    batch = [
+        SamplingParams(prompt="a fox", negative_prompt="blur", guidance_scale=4.0, num_inference_steps=4, seed=3, n=2),
+        SamplingParams(prompt="a red kite", negative_prompt="blur", guidance_scale=4.0, num_inference_steps=4, seed=9),
+    ]
+    previews: list[object] = []
+    result = pipe.run(batch, on_preview=lambda i, n, make: previews.append(make()))
+
+    latents = recipe.batch_noise(batch, (3,), device=adapter.device, dtype=torch.float64)
+    scheduler = recipe.fresh_scheduler(adapter.scheduler)
+    scheduler.set_timesteps(4)
+    positive = torch.tensor([[5.0], [5.0], [10.0]], dtype=torch.float64)
+    negative = torch.full((3, 1), 4.0, dtype=torch.float64)
+    for t in scheduler.timesteps:
+        cond = 0.5 * latents + positive * (t / 1000)
+        uncond = 0.5 * latents + negative * (t / 1000)
+        latents = scheduler.step(uncond + 4.0 * (cond - uncond), t, latents, return_dict=False)[0]
+    ours = torch.stack([row for output in result.outputs for row in output.images])
+    assert [len(output.images) for output in result.outputs] == [2, 1]
+    assert torch.allclose(ours, latents, rtol=0, atol=1e-12)
+    assert len(previews) == 4  # one preview per step, through the default preview (the adapter's decode)

@@ -87,7 +87,7 @@ SPECS = (
         id_priority=0,
         tasks=frozenset({"t2i", "i2i", "inpaint"}),
         strength_per_row=True,  # each edit row starts at its own step of the shared schedule (pipelines/inpaint.py)
-        native_adapter="diffuserve.families.flux.adapter:FluxNativePipeline",
+        native_adapter="diffuserve.families.flux.adapter:FluxAdapter",
         required_components=FLUX_COMPONENTS,
         lora_loader="FluxLoraLoaderMixin",
         # FLUX.1 ControlNet and ControlNet-Union (InstantX, Shakker-Labs) share this class (`num_mode` for Union).
@@ -129,7 +129,7 @@ SPECS = (
         # Edits only: an image, and a mask (none: the whole image), as FluxFillPipeline (families/flux/adapter.py).
         tasks=frozenset({"i2i", "inpaint"}),
         strength_per_row=True,
-        native_adapter="diffuserve.families.flux.adapter:FluxFillNativePipeline",
+        native_adapter="diffuserve.families.flux.adapter:FluxFillAdapter",
         required_components=FLUX_COMPONENTS,
         # FLUX.1-Fill-dev: 50 steps at embedded guidance 30 (diffusers' FluxFillPipeline call defaults).
         defaults=SamplingDefaults(width=1024, height=1024, num_inference_steps=50, guidance_scale=30.0),

@@ -133,7 +133,7 @@ SPECS = (
         model_id_patterns=(r"flux\.?2",),
         id_priority=20,
         tasks=frozenset({"t2i", "i2i"}),
-        native_adapter="diffuserve.families.flux2.adapter:Flux2NativePipeline",
+        native_adapter="diffuserve.families.flux2.adapter:Flux2Adapter",
         required_components=("transformer", "vae", "text_encoder", "tokenizer", "scheduler"),
         lora_loader="Flux2LoraLoaderMixin",
         # diffusers' Flux2Pipeline call defaults: 50 steps, embedded guidance 4.0 (guidance-distilled: no CFG).
@@ -163,7 +163,7 @@ SPECS = (
         id_priority=30,
         # Masks natively as Flux2KleinInpaintPipeline (`families/flux2/inpaint.py`); FLUX.2-dev has no inpaint pipeline.
         tasks=frozenset({"t2i", "i2i", "inpaint"}),
-        native_adapter="diffuserve.families.flux2.adapter:Flux2KleinNativePipeline",
+        native_adapter="diffuserve.families.flux2.adapter:Flux2KleinAdapter",
         required_components=("transformer", "vae", "text_encoder", "tokenizer", "scheduler"),
         lora_loader="Flux2LoraLoaderMixin",
         # The step-distilled Klein 4B/9B: 4 steps, guidance ignored. `klein_defaults` gives Klein-Base

@@ -121,7 +121,7 @@ SPECS = (
         model_id_patterns=(r"hunyuan[-_]?video[-_]?1[._-]?5",),
         id_priority=10,
         tasks=frozenset({"t2v"}),
-        native_adapter="diffuserve.families.hunyuan_video15.adapter:HunyuanVideo15NativePipeline",
+        native_adapter="diffuserve.families.hunyuan_video15.adapter:HunyuanVideo15Adapter",
         required_components=HUNYUAN_15_COMPONENTS,
         # Rows merge: the native decode runs the VAE one row at a time (diffusers 0.42.1's VAE cannot decode a
         # batch, see adapter.py). Continuous: FlowMatchEuler is stateless per step beyond its sigma index, and each
@@ -138,7 +138,7 @@ SPECS = (
         model_id_patterns=(r"hunyuan[-_]?video[-_]?1[._-]?5.*i2v",),
         id_priority=20,
         tasks=frozenset({"i2v"}),
-        native_adapter="diffuserve.families.hunyuan_video15.adapter:HunyuanVideo15I2VNativePipeline",
+        native_adapter="diffuserve.families.hunyuan_video15.adapter:HunyuanVideo15I2VAdapter",
         required_components=(*HUNYUAN_15_COMPONENTS, "image_encoder", "feature_extractor"),
         max_image_inputs=1,
         base_family="hunyuan_video_15",

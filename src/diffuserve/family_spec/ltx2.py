@@ -86,7 +86,7 @@ SPECS = (
         # its rule (the published VAE compresses 32x with patch 1, so it is also the latent grid's).
         size_multiple=32,
         max_image_inputs=1,
-        native_adapter="diffuserve.families.ltx2.adapter:LTX2NativePipeline",
+        native_adapter="diffuserve.families.ltx2.adapter:LTX2Adapter",
         lora_loader="LTX2LoraLoaderMixin",
         produces_audio=True,
         # Continuous: a request's audio length follows its own fps (diffusers: round(num_frames / fps x

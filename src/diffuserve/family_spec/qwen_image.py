@@ -127,7 +127,7 @@ SPECS = (
         strength_per_row=True,  # each edit row starts at its own step of the shared schedule (pipelines/inpaint.py)
         model_id_patterns=(r"qwen[-_]?image",),
         id_priority=0,
-        native_adapter="diffuserve.families.qwen_image.adapter:QwenImageNativePipeline",
+        native_adapter="diffuserve.families.qwen_image.adapter:QwenImageAdapter",
         required_components=("transformer", "vae", "text_encoder", "tokenizer", "scheduler"),
         lora_loader="QwenImageLoraLoaderMixin",
         controlnet_classes=("QwenImageControlNetModel",),
@@ -157,7 +157,7 @@ SPECS = (
         pipeline_classes=("QwenImage21Pipeline",),
         model_id_patterns=(r"qwen[-_]?image[-_.]?2\.?1",),
         id_priority=5,
-        native_adapter="diffuserve.families.qwen_image.adapter:QwenImage21NativePipeline",
+        native_adapter="diffuserve.families.qwen_image.adapter:QwenImage21Adapter",
         required_components=("transformer", "vae", "text_encoder", "processor", "scheduler"),
         lora_loader="QwenImageLoraLoaderMixin",
         # diffusers' call defaults: output_resolution 1024, 40 steps, true_cfg_scale 1 (2.1 samples without

@@ -41,7 +41,7 @@ SPEC = FamilySpec(
     text_encoders=(TextEncoderFacts("tokenizer", "text_encoder (Gemma2)", 300),),
     pipeline_classes=("SanaPipeline",),
     model_id_patterns=(r"sana",),
-    native_adapter="diffuserve.families.sana.adapter:SanaNativePipeline",
+    native_adapter="diffuserve.families.sana.adapter:SanaAdapter",
     required_components=("transformer", "vae", "text_encoder", "tokenizer", "scheduler"),
     lora_loader="SanaLoraLoaderMixin",
     defaults=SamplingDefaults(num_inference_steps=20, guidance_scale=4.5),

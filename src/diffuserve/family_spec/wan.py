@@ -94,7 +94,7 @@ SPECS = (
         layer_containers=WAN_LAYERS,
         max_latent_side=wan_max_latent_side,
         latent_geometry=wan_geometry,
-        native_adapter="diffuserve.families.wan.adapter:WanNativePipeline",
+        native_adapter="diffuserve.families.wan.adapter:WanAdapter",
         required_components=("transformer", "vae", "text_encoder", "tokenizer", "scheduler"),
         lora_loader="WanLoraLoaderMixin",
         # Continuous (Wan2.1, Wan2.2 TI2V-5B and A14B): UniPC keeps its multistep history per request. With two
@@ -131,7 +131,7 @@ SPECS = (
         max_image_inputs=1,
         supports_batching=False,
         base_family="wan",
-        native_adapter="diffuserve.families.wan.adapter:WanI2VNativePipeline",
+        native_adapter="diffuserve.families.wan.adapter:WanI2VAdapter",
         required_components=("transformer", "vae", "text_encoder", "tokenizer", "scheduler"),
         lora_loader="WanLoraLoaderMixin",
         tiny_builds={"wan-i2v": "diffuserve.families.wan.tiny:build_wan_i2v"},

@@ -74,7 +74,7 @@ SPEC = FamilySpec(
     tasks=frozenset({"t2i", "inpaint"}),
     max_image_inputs=1,
     model_id_patterns=(r"z[-_]?image",),
-    native_adapter="diffuserve.families.z_image.adapter:ZImageNativePipeline",
+    native_adapter="diffuserve.families.z_image.adapter:ZImageAdapter",
     required_components=("transformer", "vae", "text_encoder", "tokenizer", "scheduler"),
     lora_loader="ZImageLoraLoaderMixin",
     # Z-Image-Turbo samples without CFG in 8-9 steps; single-GPU no-offload measured faster than FSDP/SP.

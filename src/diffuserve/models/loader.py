@@ -467,7 +467,10 @@ def load_pipeline(
         index = registry.read_model_index(model_path)
         components.update({k: v for k, v in index.items() if not k.startswith("_") and not isinstance(v, list)})
         try:
-            pipeline = _native_class(spec.family).from_components(components, device=torch_device, dtype=torch_dtype)
+            from diffuserve.pipelines.recipe import RecipePipeline
+
+            adapter = _native_class(spec.family).from_components(components, device=torch_device, dtype=torch_dtype)
+            pipeline = RecipePipeline(adapter)
         except CheckpointError as exc:
             raise CheckpointError(f"checkpoint {model_path}: {exc.message}") from exc
         _place_unmanaged(pipeline, components, torch_device)

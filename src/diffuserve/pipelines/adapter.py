@@ -1,12 +1,15 @@
-"""What a native family adapter implements: the `FamilyAdapter` protocol, read by an adapter author beside one family.
+"""What a native family adapter is: the `FamilyAdapter` protocol, read by an adapter author beside one family.
 
-The recipe (`pipelines/recipe.py`) owns everything shared: the batch signature, encoding each distinct text once,
-residency scopes, the CFG choice (two passes, one doubled batch, or CFG parallel's two ranks), step caches,
-per-row LoRA, packing of mixed sizes, cancellation, progress and previews, splitting rows back per request. An
-adapter supplies the family's own parts below and nothing else; each method's docstring says what it receives
-and what it returns. The facts an adapter used to restate (output kind, sizes, defaults, text encoders, CFG as
-one doubled batch, continuous batching) come from its family spec (`family_spec/<family>.py`) through
-`bind_facts`; the tokenizers' framing from `text_readings` (`pipelines/prompt_limits.py`).
+An adapter is a plain object: the checkpoint's loaded parts (`AdapterBase` holds them and the checkpoint's facts) and
+the family's own steps. It inherits no behaviour of the recipe. The recipe (`pipelines/recipe.py`,
+`RecipePipeline(adapter)`) is the one class that drives it, composed from the adapter and the serving parts handed to
+it (residency, LoRA bank, ControlNets, CFG parallel, sequence split, lanes); it owns everything shared: the batch
+signature, encoding each distinct text once, residency scopes, the CFG choice (two passes, one doubled batch, or CFG
+parallel's two ranks), step caches, per-row LoRA, packing of mixed sizes, cancellation, progress and previews,
+splitting rows back per request. Each method's docstring below says what it receives and what it returns. The facts
+an adapter used to restate (output kind, sizes, defaults, text encoders, CFG as one doubled batch, continuous
+batching) come from its family spec (`family_spec/<family>.py`) through `AdapterBase.bind_facts`; the tokenizers'
+framing from `text_readings` (`pipelines/prompt_limits.py`).
 
 Required: `encode_text`, `prepare`, `predict`, `decode`. Optional, with the recipe's default when absent from an
 adapter: `preview` (a full decode), `combine_guidance` (the classic CFG combination), `extra_guidance` (none),
@@ -16,23 +19,30 @@ denoiser), `narrow_state` (no per-row extras) and, for a family that packs mixed
 the peer request fields and the fields that split a batch into runs (family spec `guidance`, `peer_fields`,
 `run_apart_by`), the tokenizers' reading (`text_readings`), the checkpoint's facts for request checks and
 /server_info (`family_facts`, `described`), the components an image-conditioned `prepare` runs
-(`conditioning_components`), the sound's sample rate (`audio_sample_rate`).
+(`conditioning_components`), the sound's sample rate (`audio_sample_rate`). What an adapter asks of the recipe while
+it runs (a component's residency scope, the loaded ControlNets, the sequence split) is the `RecipeServices` it is
+handed as `adapter.recipe`.
 
-`tests/unit/test_adapter_protocol.py` checks every native adapter against this protocol and keeps the list of the
-recipe's other methods an adapter overrides from growing (today: none; Hunyuan3D, a mesh family, runs its own loop
-and is no recipe adapter).
+`tests/unit/test_adapter_protocol.py` checks every native adapter against this protocol: its parts' signatures, that
+it is no pipeline (no recipe method is inherited or overridden), and the guidance rules.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
+from diffuserve.family_spec.base import GuidanceRule
+
+if TYPE_CHECKING:
+    from diffuserve.family_spec.checkpoint import CheckpointFacts
     from diffuserve.pipelines.batch_rows import Cond, DenoiseState
+    from diffuserve.pipelines.controlnet import LoadedControlNet
     from diffuserve.pipelines.packing import PackedRows, SizeGroup
+    from diffuserve.pipelines.prompt_limits import TextReading
     from diffuserve.sampling import SamplingParams
 
 REQUIRED = ("encode_text", "prepare", "predict", "decode")
@@ -160,3 +170,107 @@ class OptionalParts(Protocol):
         """Packed mixed sizes: the extras of the packed state that `predict` reads (per-row position ids, ...).
         Default: none."""
         ...
+
+
+class RecipeServices(Protocol):
+    """What an adapter may ask of the recipe that drives it (`adapter.recipe`, set by `RecipePipeline(adapter)`)."""
+
+    controlnets: Mapping[str, LoadedControlNet]
+    """The `--controlnet` models loaded for this pipeline, by name (empty: none)."""
+
+    def component_scope(self, key: str) -> contextlib.AbstractContextManager[None]:
+        """Within: component `key` is placed for use (its residency scope; the decoder's is entered by one thread at
+        a time). An adapter runs a component outside the recipe's own scopes through it (a ControlNet's image
+        encode, LTX-2's audio decoder)."""
+        ...
+
+    def active_split(self) -> Any:
+        """The sequence split while it is installed (`parallel/sequence.py`), else None: a packed call cuts its
+        per-row positions to the rank's share."""
+        ...
+
+
+class AdapterBase:
+    """The data every native adapter holds (no behaviour of the recipe): its loaded parts by model_index.json key, its
+    device and dtype, and the checkpoint's facts. The family's class sets the class-level facts it has."""
+
+    family: str = "unknown"
+    """The family spec's name (`family_spec.spec_for(family)` gives the facts)."""
+    text_encoders: tuple[str, ...] = ()
+    """Component keys of the text encoders the checkpoint has, run in this order (`bind_facts`: the spec's)."""
+    denoisers: tuple[str, ...] = ("transformer",)
+    """Component keys of the denoiser(s), in the order `predict` is asked for them (Wan2.2: two experts)."""
+    decoder: str = "vae"
+    """Component key of the VAE that `decode` and `preview` run."""
+    masked_sequences: Mapping[str, str] = {}
+    """Variable-length text encodings: key of a padded sequence in `encode_text`'s output -> key of its mask
+    (1 = token, 0 = padding). Rows are trimmed and padded through these when requests merge."""
+    checkpoint_fields: frozenset[str] = frozenset()
+    """Peer request fields this checkpoint adds to its family's (`request_fields`): Wan2.2's second expert's."""
+    conditioning_components: tuple[str, ...] = ()
+    """Components besides the decoder (whose encoder makes image latents) that `prepare` runs for an image-conditioned
+    request, each entered in its residency scope by the recipe (Wan / HunyuanVideo 1.5 I2V: the image encoder)."""
+    min_image_inputs: int = 0
+    """Input images a request must carry (edits and image-to-video: 1)."""
+    supports_controlnet: bool = False
+    """`--controlnet` models run natively in this family's `prepare` / `predict`."""
+    frame_multiple: int = 1
+    """A video's frame count minus one must be a multiple of this (the VAE's temporal compression); 1: images."""
+    audio_sample_rate: int | None = None
+    """The sample rate of the sound `decode` returns (LTX-2); None: no sound."""
+    packs_split: bool = False
+    """Its packed call runs under sequence parallel, each row's positions cut to the rank's share (FLUX.1, Qwen)."""
+    packing_call_tokens: float | None = None
+    """A denoiser call's fixed cost in latent tokens, weighed against a packed call's padding (`pack_plan.py`);
+    None: the device's default (`pack_plan.DEFAULT_CALL_TOKENS`); `math.inf`: always pack the whole batch."""
+    text_readings: Mapping[str, TextReading] = {}
+    """How the checkpoint's tokenizers read a prompt (tokenizer key -> `prompt_limits.TextReading`); empty: plainly."""
+    family_facts: Mapping[str, Any] = {}
+    """Plain-data facts of the checkpoint its family's request check reads (`FamilySpec.request_check`)."""
+    described: Mapping[str, Any] = {}
+    """Facts added to /server_info's description of the model (LTX-2's sound rate, Wan2.2's experts)."""
+    guidance_rule: GuidanceRule = GuidanceRule()
+    """When the negative branch runs and which field scales it: the family spec's (`bind_facts`); an adapter may
+    narrow it for its checkpoint (a step-distilled FLUX.2 Klein never runs the negative branch)."""
+    scheduler: Any = None
+    """The checkpoint's scheduler (model_index.json `scheduler`), the template of each batch's private copy."""
+    facts: CheckpointFacts | None = None
+    """The checkpoint's facts (`family_spec.checkpoint.describe_checkpoint`), set by `bind_facts`."""
+    recipe: RecipeServices
+    """The recipe that drives this adapter, set by `RecipePipeline(adapter)`."""
+
+    def __init__(self) -> None:
+        self.components: dict[str, torch.nn.Module] = {}
+        """model_index.json key -> module: what the residency manager places and the metrics count."""
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+
+    @property
+    def size_multiple(self) -> int:
+        """Width and height must be multiples of this (the checkpoint's facts); 1: no rule."""
+        return self.facts.size_multiple or 1 if self.facts is not None else 1
+
+    def bind_parts(self, parts: Mapping[str, Any], *, device: torch.device | str, dtype: torch.dtype) -> None:
+        """Keep each loaded part as an attribute of its model_index.json key; the torch modules among them are the
+        residency manager's `components`."""
+        for key, part in parts.items():
+            setattr(self, key, part)
+        self.components = {key: part for key, part in parts.items() if isinstance(part, torch.nn.Module)}
+        self.device = torch.device(device)
+        self.dtype = dtype
+
+    def bind_facts(self, configs: Mapping[str, Any]) -> CheckpointFacts:
+        """Describe this checkpoint from its loaded parts' configs under the family spec: its `facts` (which the
+        recipe serves from), its text encoders and the spec's guidance rule. Returns the facts."""
+        from diffuserve.family_spec import spec_for
+        from diffuserve.family_spec.checkpoint import describe_checkpoint
+
+        spec = spec_for(self.family)
+        facts = self.facts = describe_checkpoint(spec, configs)
+        self.text_encoders = facts.text_encoders
+        self.guidance_rule = spec.guidance
+        return facts
+
+    def component(self, key: str) -> Any:
+        """The loaded part `key` (a module, tokenizer or processor), or None when the checkpoint has none."""
+        return getattr(self, key, None)

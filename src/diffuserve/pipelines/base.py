@@ -106,14 +106,14 @@ class Pipeline:
     """False for families whose requests must run alone (dynamic batching treats them as ineligible)."""
     supports_continuous: bool = False
     """Whether `--batching-mode continuous` may step this pipeline's requests in a shared denoise group: the
-    family spec's `supports_continuous` for a native adapter (`bind_facts`); False falls back to request-level
+    family spec's `supports_continuous` for a native adapter (`RecipePipeline`); False falls back to request-level
     batching (the diffusers backend)."""
     packs_mixed_sizes: bool = False
-    """Rows of different sizes may share one call: the spec's fact (`bind_facts`); False for the diffusers backend."""
+    """Rows of different sizes may share one call: the spec's fact (native); False for the diffusers backend."""
     strength_per_row: bool = False
-    """Edits of different strengths may share one call: the family spec's `strength_per_row` (`bind_facts`)."""
+    """Edits of different strengths may share one call: the family spec's `strength_per_row` (`RecipePipeline`)."""
     size_multiple: int = 1
-    """Width/height must be multiples of this: the checkpoint's (`bind_facts`, or the diffusers backend's); 1: none."""
+    """Width/height must be multiples of this: the checkpoint's (native or the diffusers backend's); 1: none."""
     max_pixels: int = 4096 * 4096
     backend: str = "native"
     """native | diffusers: which backend runs the checkpoint (the diffusers backend has its own request checks)."""
@@ -134,7 +134,7 @@ class Pipeline:
     """Input images every request must carry (1 for edit-only models); warm-up sends this many."""
     inpaints: bool = False
     """Edits may carry a mask (`SamplingParams.mask_input`): the family spec's `inpaint` task, for a native adapter
-    (`bind_facts`); the diffusers backend runs no masks."""
+    (`RecipePipeline`); the diffusers backend runs no masks."""
     frame_multiple: int = 1
     """Video: num_frames - 1 must divide by this (the VAE's temporal compression)."""
     defaults: SamplingDefaults = SamplingDefaults()
@@ -170,10 +170,10 @@ class Pipeline:
     """The built `PromptTokens` (None until `prompt_tokens()` first runs)."""
 
     guidance_rule: GuidanceRule = GuidanceRule()
-    """Its classifier-free guidance: the family spec's rule (`bind_facts`); an adapter may narrow it for its checkpoint
-    (a step-distilled FLUX.2 Klein never runs the negative branch)."""
+    """Its classifier-free guidance: the family spec's rule (`RecipePipeline`); an adapter may narrow it for its
+    checkpoint (a step-distilled FLUX.2 Klein never runs the negative branch)."""
     facts: CheckpointFacts | None = None
-    """A native adapter's checkpoint facts (`family_spec.checkpoint.describe_checkpoint`), set by `bind_facts`."""
+    """A native adapter's checkpoint facts (`family_spec.checkpoint.describe_checkpoint`), taken by `RecipePipeline`."""
 
     @property
     def spec(self) -> FamilySpec:
@@ -184,30 +184,6 @@ class Pipeline:
             return spec_for(self.family)
         except KeyError:
             return spec_for("generic")
-
-    def bind_facts(self, configs: Mapping[str, Any]) -> CheckpointFacts:
-        """Describe this checkpoint from its configs under the family spec, and take the spec's facts as this
-        pipeline's settings: the ONE place an adapter learns them (output kind, batching, image inputs, size multiple
-        and limit, defaults, continuous, CFG as one doubled batch, text encoders)."""
-        from diffuserve.family_spec.checkpoint import describe_checkpoint
-
-        spec = self.spec
-        self.output_kind = spec.output_kind
-        self.supports_batching = spec.supports_batching
-        self.max_image_inputs = spec.max_image_inputs
-        self.inpaints = spec.inpaints
-        facts = self.facts = describe_checkpoint(spec, configs)
-        if facts.size_multiple is not None:
-            self.size_multiple = facts.size_multiple
-        self.max_width, self.max_height = facts.max_width, facts.max_height
-        self.defaults = facts.defaults
-        self.supports_continuous = facts.supports_continuous
-        self.packs_mixed_sizes, self.strength_per_row = spec.packs_mixed_sizes, spec.strength_per_row
-        self.guidance_rule = spec.guidance
-        self.batched_cfg = facts.cfg_batched
-        """Run CFG as one doubled batch (`RecipePipeline.batched_cfg`); tests may flip it on an instance."""
-        self.text_encoders = facts.text_encoders
-        return facts
 
     def __init__(self) -> None:
         self.residency: Residency = AllResident()

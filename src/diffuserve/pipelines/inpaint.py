@@ -181,7 +181,7 @@ def started_prediction(
 
     started = tuple(r for r, start in enumerate(starts) if start <= step_index)
     index = torch.tensor(started, device=latents.device)
-    masked = pipeline.masked_sequences
+    masked = pipeline.adapter.masked_sequences
     narrow = (gather_rows(c, index, masked) if c is not None else None for c in (positive, negative))
     with narrowed(started, latents.shape[0]):
         pred = pipeline.guided_prediction(
@@ -194,6 +194,14 @@ def started_prediction(
 
 def any_mask(batch: Sequence[Any]) -> bool:
     return any(params.mask_input is not None for params in batch)
+
+
+def blended_step(
+    noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState
+) -> torch.Tensor:
+    """A masked edit family's `scheduler_step`: the scheduler's step, then (inpainting rows) the kept region put back
+    (`blend`; a no-op for other batches)."""
+    return blend(state.scheduler.step(noise_pred, timestep, latents, return_dict=False)[0], state)
 
 
 def blend(latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:

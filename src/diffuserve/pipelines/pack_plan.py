@@ -6,7 +6,7 @@ it); what packing saves is the fixed cost of the calls it merges. The model, per
 
     cost = call_tokens + rows x longest row's latent tokens      (in latent tokens)
 
-where `call_tokens` is a call's fixed cost in latent-token equivalents (`PackedFamily.packing_call_tokens`, else
+where `call_tokens` is a call's fixed cost in latent-token equivalents (`AdapterBase.packing_call_tokens`, else
 `DEFAULT_CALL_TOKENS` by device). Text tokens cancel: every row carries its text in either layout. Attention's
 quadratic term is left out (it only adds to the padding's cost). `plan` splits the size groups, sorted by tokens
 per row, into the runs of neighbouring sizes that minimise the summed cost (exact, O(sizes^2)): one run is the whole

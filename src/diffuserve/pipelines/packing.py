@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diffuserve.pipelines.batch_rows import Cond, Denoised, DenoiseState, StageTimer, check_batch
+from diffuserve.pipelines.batch_rows import Denoised, DenoiseState, StageTimer, check_batch
 from diffuserve.runtime import row_context
 
 if TYPE_CHECKING:
@@ -240,41 +240,23 @@ def install_masked_dispatch(module_name: str) -> None:
     module.dispatch_attention_fn = dispatch
 
 
-class PackedFamily:
-    """The family parts of packed calls, mixed into `RecipePipeline` (a family that packs overrides them and its
-    spec says `packs_mixed_sizes`)."""
-
-    packs_split = False
-    """Its packed call runs under sequence parallel, each row's positions cut to the rank's share (FLUX.1, Qwen)."""
-    active_split: Any
-    """`Pipeline.active_split`: the sequence split while installed, else None."""
-    packing_call_tokens: float | None = None
-    """A denoiser call's fixed cost in latent tokens, weighed against a packed call's padding (`pack_plan.py`);
-    None: the device's default (`pack_plan.DEFAULT_CALL_TOKENS`); `math.inf`: always pack the whole batch."""
-
-    def packing_problem(self, head: SamplingParams, rows: Sequence[SamplingParams] = ()) -> str | None:
-        """Why a mixed-size batch with `head`'s settings (and the per-row fields of `rows`, the batch's requests)
-        cannot run packed on this pipeline (its size groups then run as separate calls), or None. The compositions
-        not yet proven equal to their singletons packed."""
-        if any(p.image_inputs or p.mask_input is not None for p in (head, *rows)):
-            return "image-conditioned requests (edits, references, masks) are not yet proven packed"
-        if any(p.control is not None for p in (head, *rows)):
-            return "ControlNet rows are not yet proven packed (their residuals are laid out per size)"
-        split = self.active_split() is not None
-        if split and not self.packs_split:
-            return "this family's packed call does not yet cut its per-row positions to a rank's share"
-        if split and head.step_cache_method != "off":
-            # The ranks' step-cache agreement (parallel/agreement.py) would count packed rows' padding as tokens.
-            return "step caches under sequence parallel are not yet proven on packed rows"
-        return None
-
-    def packed_layout(self, groups: list[SizeGroup], positive: Cond) -> PackedRows:
-        """Each row's text and latent tokens in the packed call."""
-        raise NotImplementedError(f"{type(self).__name__} does not pack mixed sizes")
-
-    def packed_extras(self, groups: list[SizeGroup], layout: PackedRows, positive: Cond) -> dict[str, Any]:
-        """Extras of the packed state that `predict` reads (per-row position ids, ...)."""
-        return {}
+def packing_problem(
+    head: SamplingParams, rows: Sequence[SamplingParams] = (), *, split: bool = False, packs_split: bool = False
+) -> str | None:
+    """Why a mixed-size batch with `head`'s settings (and the per-row fields of `rows`, the batch's requests) cannot
+    run packed (its size groups then run as separate calls), or None: the compositions not yet proven equal to their
+    singletons packed. `split`: a sequence split is installed; `packs_split`: the family's packed call cuts its
+    per-row positions to a rank's share (`AdapterBase.packs_split`)."""
+    if any(p.image_inputs or p.mask_input is not None for p in (head, *rows)):
+        return "image-conditioned requests (edits, references, masks) are not yet proven packed"
+    if any(p.control is not None for p in (head, *rows)):
+        return "ControlNet rows are not yet proven packed (their residuals are laid out per size)"
+    if split and not packs_split:
+        return "this family's packed call does not yet cut its per-row positions to a rank's share"
+    if split and head.step_cache_method != "off":
+        # The ranks' step-cache agreement (parallel/agreement.py) would count packed rows' padding as tokens.
+        return "step caches under sequence parallel are not yet proven on packed rows"
+    return None
 
 
 # -- the recipe side --------------------------------------------------------------------------------------------

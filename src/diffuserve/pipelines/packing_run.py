@@ -51,7 +51,9 @@ def run_mixed(pipe: RecipePipeline, batch: list[SamplingParams], **callbacks: An
     side = max(1, pipe.size_multiple)
     tokens = [(p.width // side) * (p.height // side) * max(1, p.num_frames or 1) for p in (batch[g[0]] for g in sizes)]
     groups = [(sum(batch[i].n for i in g), t) for g, t in zip(sizes, tokens, strict=True)]
-    runs = pack_plan.plan(groups, pack_plan.call_tokens(pipe.packing_call_tokens, torch.device(pipe.device).type))
+    runs = pack_plan.plan(
+        groups, pack_plan.call_tokens(pipe.adapter.packing_call_tokens, torch.device(pipe.device).type)
+    )
     if len(runs) > 1:
         logger.debug(
             "mixed sizes run as %d calls (padding %.0f%% of one packed call)",
@@ -139,7 +141,7 @@ def _prepare_groups(pipe: RecipePipeline, ordered: list[SamplingParams], positiv
     groups, start = [], 0
     for group in ([ordered[i] for i in g] for g in _by_size_index(ordered)):
         rows = slice(start, start + num_rows(group))
-        cond = gather_rows(positive, torch.arange(rows.start, rows.stop), pipe.masked_sequences)
+        cond = gather_rows(positive, torch.arange(rows.start, rows.stop), pipe.adapter.masked_sequences)
         state = pipe.prepare(group, group[0], cond)
         spatial = tuple(state.latents.shape[1:]) if state.latents.ndim == 4 else None
         if spatial is not None:

@@ -1,11 +1,12 @@
-"""The denoising recipe, once for every native family: `RecipePipeline.run`.
+"""The denoising recipe, once for every native family: `RecipePipeline(adapter)`, the pipeline the engine serves.
 
-A family adapter supplies only the parts of the `FamilyAdapter` protocol (`pipelines/adapter.py`): encode_text /
-prepare / predict (one denoiser call) / decode, and where its family needs them the optional ones (its own guidance
-combine, a per-step choice of denoiser, packing). The shared run owns the rest: checking the batch signature,
-encoding each distinct text once and gathering one conditioning row per output, timing per stage, residency scopes
-per stage and per denoiser, the CFG choice (two passes or one doubled batch), cancellation between steps, progress
-and previews, and splitting the rows back per request.
+A family adapter (`pipelines/adapter.py`) is a plain object with the family's parts: encode_text / prepare /
+predict (one denoiser call) / decode, and where its family needs them the optional ones (its own guidance combine, a
+per-step choice of denoiser, packing). The recipe is composed from it and from the serving parts handed to it
+(residency, LoRA bank, ControlNets, CFG parallel, the sequence split, lanes); nothing of it is inherited by an
+adapter. It owns the rest: checking the batch signature, encoding each distinct text once and gathering one
+conditioning row per output, timing per stage, residency scopes per stage and per denoiser, the CFG choice (two passes
+or one doubled batch), cancellation between steps, progress and previews, and splitting the rows back per request.
 
 The batch pieces it shares with the continuous steps (seeds, noise, rows, conditioning) are in
 `pipelines/batch_rows.py` (re-exported here, so an adapter reads `recipe.row_generators`, `recipe.Cond`, ...).
@@ -22,11 +23,13 @@ import torch
 from diffuserve.errors import RequestCancelledError
 from diffuserve.pipelines import inpaint as inpaint_rows
 from diffuserve.pipelines import packing, packing_run, split_runs
+from diffuserve.pipelines.adapter import OPTIONAL, AdapterBase
 from diffuserve.pipelines.base import (
     BatchResult,
     Pipeline,
     PreviewCallback,
     RequestOutput,
+    Residency,
     StepCallback,
     StopCheck,
 )
@@ -55,12 +58,15 @@ from diffuserve.pipelines.batch_rows import (  # noqa: F401 - re-exported: adapt
     to_pil_images,
 )
 from diffuserve.pipelines.lanes import lanes_for
+from diffuserve.pipelines.recipe_text import TextStage
+from diffuserve.step_cache import hooks as step_cache_hooks
 from diffuserve.step_cache.hooks import RowCache, step_counts
 from diffuserve.step_cache.rows import batch_row_caches
 
 if TYPE_CHECKING:
     from diffuserve.lora.layers import LoraBank
-    from diffuserve.pipelines.text_prefetch import TextPrefetch
+    from diffuserve.pipelines.controlnet import LoadedControlNet
+    from diffuserve.pipelines.packing import PackedRows, SizeGroup
     from diffuserve.sampling import SamplingParams
 
 T = TypeVar("T")
@@ -68,43 +74,78 @@ T = TypeVar("T")
 # -- the recipe ---------------------------------------------------------------------------------------------
 
 
-class RecipePipeline(packing.PackedFamily, Pipeline):
-    """Base class of every native family: implements `run` once; subclasses implement the family parts."""
+class RecipePipeline(Pipeline):
+    """The pipeline of every native family: drives the family `adapter` (`FamilyAdapter`) through `run` once for all.
 
-    text_encoders: tuple[str, ...] = ()
-    """Component keys of the text encoders, run in this order, each in its own residency scope."""
-    denoisers: tuple[str, ...] = ("transformer",)
-    """Component keys of the denoiser(s); `denoiser_for_step` picks one per step."""
-    decoder: str = "vae"
-    """Component key that `decode` runs."""
-    checkpoint_fields: frozenset[str] = frozenset()
-    """Peer request fields this checkpoint adds to its family's (`request_fields`): Wan2.2's second expert's."""
-    conditioning_components: tuple[str, ...] = ()
-    """Components besides the decoder (whose encoder makes image latents) that `prepare` runs for an image-conditioned
-    request, each entered in its residency scope by the recipe (Wan / HunyuanVideo 1.5 I2V: the image encoder)."""
-    masked_sequences: dict[str, str] = {}
-    """Variable-length text encoders: `encode_text` output key of a padded sequence -> key of its attention
-    mask (1 = token, 0 = padding). Rows are trimmed and padded through these when requests merge."""
-    scheduler: Any = None
-    """The checkpoint's scheduler (model_index.json `scheduler`), the template of each batch's private copy."""
+    Composed, not inherited: `adapter` holds the checkpoint's parts and facts, `residency` places its components,
+    `lora` serves per-row adapters, `controlnets` run in its calls, `cfg_parallel` splits the two CFG branches over
+    two ranks. Each may also be handed over later (`use_residency`, `use_lora`, `use_controlnets`,
+    `use_cfg_parallel`: the loader builds the recipe before the plan's residency and the process group exist)."""
+
     defers_decode = True
-    """`run` is exactly `run_to_latents` + `decode_batch` (no adapter overrides `run`: test_adapter_protocol.py), so a
-    caller may run the two apart (the decode lane, `pipelines/lanes.py`)."""
+    """`run` is exactly `run_to_latents` + `decode_batch`, so a caller may run the two apart (the decode lane,
+    `pipelines/lanes.py`)."""
     prefetches_text = True
     split_over_ranks = True
     lora: LoraBank | None = None
     """The adapters loaded at start-up in per-row slots of the denoiser (`lora/layers.py`, `use_lora`); None: none."""
-    _text_prefetch: TextPrefetch | None = None
-    """Texts encoded in the encode lane ahead of their batch (`prefetch_text`); made on first use."""
 
-    def bind_parts(self, parts: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype) -> None:
-        """Keep each loaded part as an attribute of its model_index.json key; the torch modules among them are
-        the residency manager's `components`."""
-        for key, part in parts.items():
-            setattr(self, key, part)
-        self.components = {key: part for key, part in parts.items() if isinstance(part, torch.nn.Module)}
-        self.device = torch.device(device)
-        self.dtype = dtype
+    def __init__(
+        self,
+        adapter: AdapterBase,
+        *,
+        residency: Residency | None = None,
+        lora: LoraBank | None = None,
+        controlnets: Sequence[LoadedControlNet] = (),
+        cfg_parallel: Any = None,
+    ) -> None:
+        super().__init__()
+        self.adapter = adapter
+        """The family's parts (`FamilyAdapter`): what this recipe drives."""
+        self._take_facts(adapter)
+        self._implemented = frozenset(name for name in OPTIONAL if callable(getattr(type(adapter), name, None)))
+        """The optional parts the adapter implements; the recipe's default runs for the others."""
+        self.text_stage = TextStage(self)
+        """Step 1, encoding each distinct text once (and ahead of its batch, in the encode lane)."""
+        adapter.recipe = self
+        if residency is not None:
+            self.use_residency(residency)
+        if lora is not None:
+            self.use_lora(lora)
+        if controlnets:
+            self.use_controlnets(controlnets)
+        if cfg_parallel is not None:
+            self.use_cfg_parallel(cfg_parallel)
+
+    def _take_facts(self, adapter: AdapterBase) -> None:
+        """Serve the checkpoint's facts (`adapter.facts`, the family spec applied to its configs) as this pipeline's
+        settings: what the engine, the routes and the request checks read."""
+        facts = adapter.facts
+        if facts is None:
+            raise TypeError(f"{type(adapter).__name__} has no checkpoint facts: call bind_facts in its constructor")
+        self.family, self.facts = adapter.family, facts
+        spec = self.spec
+        self.output_kind, self.supports_batching = spec.output_kind, spec.supports_batching
+        self.max_image_inputs, self.inpaints = spec.max_image_inputs, spec.inpaints
+        self.packs_mixed_sizes, self.strength_per_row = spec.packs_mixed_sizes, spec.strength_per_row
+        self.size_multiple, self.defaults = adapter.size_multiple, facts.defaults
+        self.max_width, self.max_height = facts.max_width, facts.max_height
+        self.supports_continuous = facts.supports_continuous
+        self.batched_cfg = facts.cfg_batched
+        """Run CFG as one doubled batch; tests may flip it on an instance."""
+        self.guidance_rule = adapter.guidance_rule
+        self.min_image_inputs, self.frame_multiple = adapter.min_image_inputs, adapter.frame_multiple
+        self.supports_controlnet, self.audio_sample_rate = adapter.supports_controlnet, adapter.audio_sample_rate
+        self.text_readings, self.family_facts, self.described = (
+            adapter.text_readings,
+            adapter.family_facts,
+            adapter.described,
+        )
+        self.components, self.device, self.dtype = adapter.components, adapter.device, adapter.dtype
+        self.denoisers = adapter.denoisers
+
+    def tokenizer_part(self, key: str) -> Any:
+        return self.adapter.component(key)
 
     def use_lora(self, bank: LoraBank) -> None:
         """Serve per-request LoRA: each batch's rows apply their own adapters from `bank` during the denoise."""
@@ -120,32 +161,38 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
             return contextlib.nullcontext()
         return self.lora.rows([p.lora for p in batch for _ in range(p.n)])
 
-    # -- family parts: the `FamilyAdapter` protocol (pipelines/adapter.py) and the recipe's defaults -------------
+    # -- the adapter's parts (`FamilyAdapter`, pipelines/adapter.py), with the recipe's defaults ------------------
 
     def encode_text(self, key: str, texts: list[str], batch: Sequence[SamplingParams]) -> Cond:
-        raise NotImplementedError  # FamilyAdapter.encode_text
+        return self.adapter.encode_text(key, texts, batch)
 
     def prepare(self, batch: Sequence[SamplingParams], head: SamplingParams, positive: Cond) -> DenoiseState:
-        raise NotImplementedError  # FamilyAdapter.prepare
+        return self.adapter.prepare(batch, head, positive)
 
     def predict(
         self, latents: torch.Tensor, timestep: torch.Tensor, cond: Cond, state: DenoiseState, model_key: str
     ) -> torch.Tensor:
-        raise NotImplementedError  # FamilyAdapter.predict
+        return self.adapter.predict(latents, timestep, cond, state, model_key)
 
     def decode(self, latents: torch.Tensor, state: DenoiseState) -> list[Any]:
-        raise NotImplementedError  # FamilyAdapter.decode
+        return self.adapter.decode(latents, state)
 
     def preview(self, latents: torch.Tensor, state: DenoiseState) -> list[Any]:
-        return self.decode(latents, state)  # OptionalParts.preview's default
+        if "preview" in self._implemented:
+            return self.adapter.preview(latents, state)  # type: ignore[attr-defined]
+        return self.decode(latents, state)
 
     def combine_guidance(
         self, cond: torch.Tensor, uncond: torch.Tensor, head: SamplingParams, state: DenoiseState, step_index: int
     ) -> torch.Tensor:
-        return combine_cfg(cond, uncond, self.cfg_scale(head))  # OptionalParts.combine_guidance's default
+        if "combine_guidance" in self._implemented:
+            return self.adapter.combine_guidance(cond, uncond, head, state, step_index)  # type: ignore[attr-defined]
+        return combine_cfg(cond, uncond, self.cfg_scale(head))
 
     def step_extras(self, states: Sequence[DenoiseState]) -> dict[str, Any]:
-        return states[0].extras  # OptionalParts.step_extras' default
+        if "step_extras" in self._implemented:
+            return self.adapter.step_extras(states)  # type: ignore[attr-defined]
+        return states[0].extras
 
     def extra_guidance(
         self,
@@ -157,7 +204,39 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
         state: DenoiseState,
         step_index: int,
     ) -> torch.Tensor:
-        return prediction  # OptionalParts.extra_guidance's default: the guided prediction as it is
+        if "extra_guidance" in self._implemented:
+            extra = self.adapter.extra_guidance  # type: ignore[attr-defined]
+            return extra(prediction, latents, timestep, positive, negative, state, step_index)
+        return prediction
+
+    def denoiser_for_step(self, step_index: int, timestep: torch.Tensor, state: DenoiseState) -> str:
+        if "denoiser_for_step" in self._implemented:
+            return self.adapter.denoiser_for_step(step_index, timestep, state)  # type: ignore[attr-defined]
+        return self.adapter.denoisers[0]
+
+    def scheduler_step(
+        self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState
+    ) -> torch.Tensor:
+        if "scheduler_step" in self._implemented:
+            return self.adapter.scheduler_step(noise_pred, timestep, latents, state)  # type: ignore[attr-defined]
+        return state.scheduler.step(noise_pred, timestep, latents, return_dict=False)[0]
+
+    def narrow_state(self, state: DenoiseState, index: torch.Tensor) -> DenoiseState:
+        if "narrow_state" in self._implemented:
+            return self.adapter.narrow_state(state, index)  # type: ignore[attr-defined]
+        return state
+
+    def packed_layout(self, groups: list[SizeGroup], positive: Cond) -> PackedRows:
+        if "packed_layout" not in self._implemented:
+            raise NotImplementedError(f"{type(self.adapter).__name__} does not pack mixed sizes")
+        return self.adapter.packed_layout(groups, positive)  # type: ignore[attr-defined]
+
+    def packed_extras(self, groups: list[SizeGroup], layout: PackedRows, positive: Cond) -> dict[str, Any]:
+        if "packed_extras" in self._implemented:
+            return self.adapter.packed_extras(groups, layout, positive)  # type: ignore[attr-defined]
+        return {}
+
+    # -- what the recipe decides from the adapter's facts ------------------------------------------------------
 
     def uses_cfg(self, head: SamplingParams) -> bool:
         """Whether the negative branch runs for `head`'s batch: the `guidance_rule` (the family spec's)."""
@@ -171,20 +250,18 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
         """The spec's `peer_fields` and the checkpoint's `checkpoint_fields`, `flow_shift` with a shifting scheduler,
         `control_image` with ControlNets loaded."""
         control = ("control_image",) if self.controlnets else ()
-        shift = ("flow_shift",) if has_flow_shift(self.scheduler) else ()
-        return frozenset({*self.spec.peer_fields, *self.checkpoint_fields, *control, *shift})
+        shift = ("flow_shift",) if has_flow_shift(self.adapter.scheduler) else ()
+        return frozenset({*self.spec.peer_fields, *self.adapter.checkpoint_fields, *control, *shift})
 
     def prepare_components(self, head: SamplingParams) -> tuple[str, ...]:
         """Components `prepare` runs: `conditioning_components` for image-conditioned requests, else none."""
-        return (self.decoder, *self.conditioning_components) if head.image_inputs else ()
+        return (self.adapter.decoder, *self.adapter.conditioning_components) if head.image_inputs else ()
 
-    def denoiser_for_step(self, step_index: int, timestep: torch.Tensor, state: DenoiseState) -> str:
-        return self.denoisers[0]  # OptionalParts.denoiser_for_step's default: the only one
-
-    def scheduler_step(
-        self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState
-    ) -> torch.Tensor:
-        return state.scheduler.step(noise_pred, timestep, latents, return_dict=False)[0]
+    def packing_problem(self, head: SamplingParams, rows: Sequence[SamplingParams] = ()) -> str | None:
+        """Why a mixed-size batch with `head`'s settings (and the per-row fields of `rows`) cannot run packed here
+        (its size groups then run as separate calls), or None (`packing.packing_problem`)."""
+        split = self.active_split() is not None
+        return packing.packing_problem(head, rows, split=split, packs_split=self.adapter.packs_split)
 
     # -- the shared run ----------------------------------------------------------------------------------
 
@@ -192,60 +269,12 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
         """Recipe step 1: the batch's conditioning, one row per output (and the negative one when `cfg`).
 
         Public: the continuous start (`pipelines/step_batch.py`) encodes joining requests with it."""
-        # Each distinct text is encoded once (negative prompts in the same encoder calls), then gathered to
-        # one row per output: request i's row repeated n_i times, as diffusers does for num_images_per_prompt.
-        texts = [p.prompt for p in batch]
-        if cfg:
-            texts += [p.negative_prompt or "" for p in batch]
-        unique = list(dict.fromkeys(texts))
-        prefetch = self._text_prefetch
-        ready = {t: c for t in unique if prefetch is not None and (c := prefetch.take(t, batch[0])) is not None}
-        missing = [t for t in unique if t not in ready]
-        encoded = self._encode_texts(missing, batch) if missing else {}
-        if ready:  # texts encoded in the lane while the previous batch denoised (pipelines/text_prefetch.py)
-            fresh = {t: i for i, t in enumerate(missing)}
-            parts = [ready.get(t) or {k: v[fresh[t] : fresh[t] + 1] for k, v in encoded.items()} for t in unique]
-            encoded = parts[0]
-            for part in parts[1:]:
-                encoded = concat_cond(encoded, part, self.masked_sequences)
-        slot = {text: i for i, text in enumerate(unique)}
-        counts = [p.n for p in batch]
-
-        def rows(part: list[str]) -> Cond:
-            index = torch.tensor([slot[t] for t, n in zip(part, counts, strict=True) for _ in range(n)])
-            return gather_rows(encoded, index, self.masked_sequences)
-
-        k = len(batch)
-        return rows(texts[:k]), (rows(texts[k:]) if cfg else None)
-
-    def _encode_texts(self, texts: list[str], batch: Sequence[SamplingParams]) -> Cond:
-        """`texts` through every text encoder, one row each. One encode at a time (a tokenizer is not
-        thread-safe): the encode lane and a request-level batch on the loop's thread may both get here."""
-        encoded: Cond = {}
-        with lanes_for(self).encoder_lock:
-            for key in self.text_encoders:
-                with self.residency.use(key):
-                    encoded.update(self.encode_text(key, texts, batch))
-        return encoded
-
-    def _encode_rows(self, texts: list[str], requests: list[SamplingParams]) -> list[Cond]:
-        """`texts` (of the queued `requests`, which share one signature) through each text encoder in one call,
-        cut back to one one-row conditioning per text (masked sequences trimmed to the text's own length)."""
-        encoded = self._encode_texts(texts, requests)
-        return [gather_rows(encoded, torch.tensor([i]), self.masked_sequences) for i in range(len(texts))]
+        return self.text_stage.encode_batch(batch, cfg)
 
     def prefetch_text(self, params: SamplingParams, on_done: Any = None) -> bool:
         """Dynamic batching: encode a queued text-only request's texts in the encode lane, beside the running
-        batch (`pipelines/text_prefetch.py`); its batch takes them. False when there was nothing to do."""
-        if params.image_inputs:  # image-conditioned text encoders read the images too
-            return False
-        from diffuserve.pipelines.text_prefetch import TextPrefetch
-
-        if self._text_prefetch is None:  # the engine's admission calls this under its lock: made once
-            self._text_prefetch = TextPrefetch(self, self._encode_rows)
-        prefetch = self._text_prefetch
-        texts = [params.prompt] + ([params.negative_prompt or ""] if self.uses_cfg(params) else [])
-        return prefetch.submit(params, texts, on_done)
+        batch (`pipelines/recipe_text.py`); its batch takes them. False when there was nothing to do."""
+        return self.text_stage.prefetch(params, on_done)
 
     def guided_prediction(
         self,
@@ -316,7 +345,7 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
             both = predict(
                 torch.cat([latents, latents]),
                 torch.cat([timestep, timestep]),
-                concat_cond(positive, negative, self.masked_sequences),
+                concat_cond(positive, negative, self.adapter.masked_sequences),
                 (0, 1),
             )
             cond, uncond = both.chunk(2)
@@ -327,40 +356,13 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
 
     # -- step caches (step_cache/hooks.py) -------------------------------------------------------------
 
-    def step_cache_containers(self, model_key: str) -> tuple[str, ...]:
-        """Attribute names of denoiser `model_key`'s repeated blocks: its class' layer containers in the family
-        spec's layer table (`family_spec/*.py`)."""
-        from diffuserve.family_spec import layer_rules
-        from diffuserve.step_cache.hooks import model_class
-
-        denoiser = getattr(self, model_key, None)
-        rules = layer_rules().get(model_class(denoiser).__name__, ())
-        return tuple(path for path, _count in rules)
-
     def install_step_cache(self, model_key: str) -> None:
         """Hook denoiser `model_key`'s blocks for step caches (once, at first use)."""
-        from diffuserve.step_cache.hooks import install_hooks
-
-        install_hooks(getattr(self, model_key), self.step_cache_containers(model_key))
+        step_cache_hooks.install_hooks_on(self.adapter.component(model_key))
 
     def step_cache_problem(self, method: str) -> str | None:
-        from diffuserve.family_spec import step_cache_rules
-        from diffuserve.step_cache.hooks import cache_rules, supports_blocks
-
-        for key in self.denoisers:
-            denoiser = getattr(self, key, None)
-            if denoiser is None:
-                continue
-            problem = supports_blocks(denoiser, self.step_cache_containers(key))
-            if problem is not None:
-                return problem
-            if method == "teacache" and not cache_rules(denoiser).teacache_coefficients:
-                return (
-                    f"teacache needs published rescale coefficients for {type(denoiser).__name__}; they exist for "
-                    f"{sorted(k for k, r in step_cache_rules().items() if r.teacache_coefficients)} (FLUX.1); use "
-                    "fbcache or taylorseer here"
-                )
-        return None
+        denoisers = [d for key in self.adapter.denoisers if (d := self.adapter.component(key)) is not None]
+        return step_cache_hooks.method_problem(denoisers, method)
 
     def _denoise(
         self,
@@ -404,9 +406,6 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
                     raise RequestCancelledError(f"cancelled after denoising step {i + 1}/{num_steps}")
         return latents
 
-    def narrow_state(self, state: DenoiseState, index: torch.Tensor) -> DenoiseState:
-        return state  # OptionalParts.narrow_state's default: no extras hold one value per row
-
     def _previews(self, latents: torch.Tensor, state: DenoiseState, batch: Sequence[SamplingParams]) -> list[list[Any]]:
         with torch.inference_mode(), self.decoder_scope():
             packed = "packed" in state.extras  # a mixed-size batch previews per size group (pipelines/packing.py)
@@ -417,12 +416,12 @@ class RecipePipeline(packing.PackedFamily, Pipeline):
     def decoder_scope(self) -> contextlib.AbstractContextManager[None]:
         """The decoder's residency scope, entered by one thread at a time (a decode may run in the decode lane
         while the loop makes a preview: `pipelines/lanes.py`)."""
-        return lanes_for(self).decoder_scope(self.residency, self.decoder)
+        return lanes_for(self).decoder_scope(self.residency, self.adapter.decoder)
 
     def component_scope(self, key: str) -> contextlib.AbstractContextManager[None]:
         """`key`'s residency scope; the decoder's through `decoder_scope` (an edit's VAE encode in `prepare` may
         run while the decode lane decodes the previous batch with the same VAE)."""
-        return self.decoder_scope() if key == self.decoder else self.residency.use(key)
+        return self.decoder_scope() if key == self.adapter.decoder else self.residency.use(key)
 
     def run(
         self,

@@ -78,8 +78,8 @@ def start_requests(pipeline: RecipePipeline, batch: Sequence[Any]) -> list[Reque
         for params in batch:
             index = torch.arange(first, first + params.n)
             first += params.n
-            own = gather_rows(positive, index, pipeline.masked_sequences)
-            own_negative = None if negative is None else gather_rows(negative, index, pipeline.masked_sequences)
+            own = gather_rows(positive, index, pipeline.adapter.masked_sequences)
+            own_negative = None if negative is None else gather_rows(negative, index, pipeline.adapter.masked_sequences)
             with contextlib.ExitStack() as scope:
                 for key in pipeline.prepare_components(params):
                     scope.enter_context(pipeline.component_scope(key))
@@ -139,9 +139,9 @@ class GroupConds:
             and all(a is b for a, b in zip(found[0], group, strict=True))
         ):
             return found[1], found[2]
-        positive = _stack([r.positive for r in group], pipeline.masked_sequences)
+        positive = _stack([r.positive for r in group], pipeline.adapter.masked_sequences)
         negatives = [r.negative for r in group]
-        negative = None if negatives[0] is None else _stack(negatives, pipeline.masked_sequences)  # type: ignore[arg-type]
+        negative = None if negatives[0] is None else _stack(negatives, pipeline.adapter.masked_sequences)  # type: ignore[arg-type]
         self._by_denoiser[model_key] = (list(group), positive, negative)
         return positive, negative
 

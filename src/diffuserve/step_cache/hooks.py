@@ -46,7 +46,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.hooks._helpers import TransformerBlockRegistry
 from diffusers.hooks.taylorseer_cache import TaylorSeerState
 
-from diffuserve.family_spec import step_cache_rules
+from diffuserve.family_spec import layer_rules, step_cache_rules
 from diffuserve.family_spec.base import StepCacheRules
 from diffuserve.runtime import row_context
 from diffuserve.step_cache.packed import narrow_packed, real_lengths
@@ -160,6 +160,32 @@ def rank_agreement(split: Any, cfg_parallel: Any, rank_parts: Sequence[Any]) -> 
     sharded over (each None or empty when not used). None in one process."""
     parts = [part for part in (split, cfg_parallel) if part is not None] + list(rank_parts)
     return RankAgreement(tuple(parts)) if parts else None
+
+
+def block_containers(denoiser: torch.nn.Module) -> tuple[str, ...]:
+    """Attribute names of `denoiser`'s repeated blocks: its class' layer containers in the family spec's layer table
+    (`family_spec/*.py`)."""
+    return tuple(path for path, _count in layer_rules().get(model_class(denoiser).__name__, ()))
+
+
+def install_hooks_on(denoiser: torch.nn.Module) -> None:
+    """`install_hooks` on `denoiser`'s layer containers (`block_containers`)."""
+    install_hooks(denoiser, block_containers(denoiser))
+
+
+def method_problem(denoisers: Sequence[torch.nn.Module], method: str) -> str | None:
+    """Why step-cache `method` cannot run on a pipeline with `denoisers` (None: it can)."""
+    for denoiser in denoisers:
+        problem = supports_blocks(denoiser, block_containers(denoiser))
+        if problem is not None:
+            return problem
+        if method == "teacache" and not cache_rules(denoiser).teacache_coefficients:
+            return (
+                f"teacache needs published rescale coefficients for {type(denoiser).__name__}; they exist for "
+                f"{sorted(k for k, r in step_cache_rules().items() if r.teacache_coefficients)} (FLUX.1); use "
+                "fbcache or taylorseer here"
+            )
+    return None
 
 
 def supports_blocks(denoiser: torch.nn.Module, containers: Sequence[str]) -> str | None:

@@ -1,4 +1,4 @@
-"""Native FLUX.1 pipeline: diffusers' model classes and scheduler on the shared recipe (`recipe.RecipePipeline`).
+"""Native FLUX.1 adapter: diffusers' model classes and scheduler, driven by the shared recipe (`RecipePipeline`).
 
 The family parts follow `diffusers.FluxPipeline` step for step (so outputs match it) for a batch of
 requests: per-row prompts, per-request seeds and `n`, one shared signature (size, steps, guidance).
@@ -25,6 +25,7 @@ from diffuserve.families.flux import controlnet as flux_controlnet
 from diffuserve.families.flux.ops import FluxPacking
 from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import inpaint, recipe, token_ids
+from diffuserve.pipelines.adapter import AdapterBase
 from diffuserve.pipelines.base import component_configs, declared_sequence_length
 from diffuserve.pipelines.controlnet import EXTRAS_KEY, merge_rows
 from diffuserve.pipelines.recipe import Cond, DenoiseState
@@ -42,7 +43,7 @@ def _make_room(cache: dict) -> None:
         cache.clear()
 
 
-class FluxNativePipeline(FluxPacking, recipe.RecipePipeline):
+class FluxAdapter(FluxPacking, AdapterBase):
     """FLUX.1 text-to-image (dev and schnell style) as a batched stage pipeline. Its static facts (size multiple,
     dev/schnell defaults, continuous, text encoders) are the family spec's (`family_spec/flux.py`, `bind_facts`)."""
 
@@ -95,7 +96,7 @@ class FluxNativePipeline(FluxPacking, recipe.RecipePipeline):
     @classmethod
     def from_components(
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
-    ) -> FluxNativePipeline:
+    ) -> FluxAdapter:
         """Build from the loader's model_index.json key -> loaded object mapping."""
         return cls(
             **required_components(cls.family, components),
@@ -247,7 +248,7 @@ class FluxNativePipeline(FluxPacking, recipe.RecipePipeline):
     ) -> torch.Tensor:
         # Keep the step's velocity for `preview` (a reference, no copy; the final latents are unchanged).
         state.extras["velocity"] = noise_pred
-        return inpaint.blend(super().scheduler_step(noise_pred, timestep, latents, state), state)
+        return inpaint.blended_step(noise_pred, timestep, latents, state)
 
     def preview(self, latents: torch.Tensor, state: DenoiseState) -> list[Image.Image]:
         """Partial image: a VAE decode of the clean-latent estimate, not of the noisy latents.
@@ -319,7 +320,7 @@ class FluxNativePipeline(FluxPacking, recipe.RecipePipeline):
         return {**{k: v for k, v in states[0].extras.items() if not k.startswith("_")}, EXTRAS_KEY: control}
 
 
-class FluxFillNativePipeline(FluxNativePipeline):
+class FluxFillAdapter(FluxAdapter):
     """FLUX.1 Fill (`FluxFillPipeline`): the FLUX.1 recipe with a transformer whose input is widened by the masked
     image's packed latents and the packed 8x8 mask, concatenated to every row's latents at every step (no latent blend).
 

@@ -38,7 +38,7 @@ def prepare_control_latents(
         generators = [torch.Generator("cpu").manual_seed(s) for s in row_seeds(params)]
         if params.control is not None:
             cond = _control_latents(pipe, params, height, width, generators)
-            net = rows_of.resolve(params, pipe.controlnets)
+            net = rows_of.resolve(params, pipe.recipe.controlnets)
             c = params.control
             for j in range(params.n):
                 text = {k: positive[k][first + j : first + j + 1] for k in ("pooled", "prompt_embeds")}
@@ -65,7 +65,7 @@ def _control_latents(
     image = Image.open(io.BytesIO(params.control.image)).convert("RGB")
     pixels = pipe.image_processor.preprocess(image, height=height, width=width).to(torch.float32)
     vae = pipe.vae
-    with pipe.component_scope(pipe.decoder):
+    with pipe.recipe.component_scope(pipe.decoder):
         dist = vae.encode(pixels.to(pipe.device, vae.dtype)).latent_dist
     shape = (params.n, *dist.mean.shape[1:])
     sample = randn_tensor(shape, generator=generators, device=dist.mean.device, dtype=dist.mean.dtype)
@@ -131,7 +131,7 @@ def _run(
     if model.config.guidance_embeds:
         guidance = torch.tensor([r.guidance for r in rows], device=latents.device, dtype=torch.float32)
     scale = torch.tensor(scales, device=latents.device, dtype=latents.dtype).view(-1, 1, 1)
-    with pipe.residency.use(net.key):
+    with pipe.recipe.component_scope(net.key):
         return model(
             hidden_states=latents,
             controlnet_cond=torch.cat([r.cond for r in rows]),

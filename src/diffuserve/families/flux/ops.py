@@ -13,7 +13,7 @@ from diffuserve.pipelines.batch_rows import Cond, DenoiseState
 
 
 class FluxPacking:
-    """Mixed into `FluxNativePipeline`: the packed layout, the stacked ids and the packed transformer call."""
+    """Mixed into `FluxAdapter`: the packed layout, the stacked ids and the packed transformer call."""
 
     transformer: Any
     device: torch.device
@@ -26,10 +26,10 @@ class FluxPacking:
         FLUX.1 attends to the padding, as diffusers does); the image tokens differ by size."""
         text = positive["prompt_embeds"].shape[1]
         image = [g.tokens for g in groups for _ in range(g.rows.stop - g.rows.start)]
-        kernel = packing.packed_kernel(self.device, split=self.active_split() is not None)
+        kernel = packing.packed_kernel(self.device, split=self.recipe.active_split() is not None)
         return packing.PackedRows((text,) * len(image), tuple(image), text, max(image), kernel=kernel)
 
-    active_split: Any
+    recipe: Any
 
     def packed_extras(
         self, groups: list[packing.SizeGroup], layout: packing.PackedRows, positive: Cond
@@ -54,7 +54,7 @@ class FluxPacking:
         repeats = latents.shape[0] // layout.rows  # 2 for a doubled CFG batch
         ids = state.extras["ids"].repeat(repeats, 1)
         guidance = state.extras["guidance"]
-        split, hook = self.active_split(), None
+        split, hook = self.recipe.active_split(), None
         text_ids, image_ids = ids[:0], ids
         if split is not None:
             text_ids, image_ids, hook = self._split_row_ids(split, layout, ids)

@@ -54,6 +54,7 @@ from diffuserve.families.flux2 import inpaint as flux2_inpaint
 from diffuserve.families.flux2.ops import Flux2Packing
 from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import inpaint, recipe
+from diffuserve.pipelines.adapter import AdapterBase
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.prompt_limits import TextReading
 from diffuserve.pipelines.recipe import Cond, DenoiseState
@@ -106,7 +107,7 @@ def _text_config(text_encoder: Any) -> Any:
     return getattr(config, "text_config", None) or config
 
 
-class Flux2NativePipeline(Flux2Packing, recipe.RecipePipeline):
+class Flux2Adapter(Flux2Packing, AdapterBase):
     """FLUX.2-dev: Mistral3 text encoder, embedded guidance (`guidance_scale`), no CFG; reference images."""
 
     family = "flux2"
@@ -166,7 +167,7 @@ class Flux2NativePipeline(Flux2Packing, recipe.RecipePipeline):
     @classmethod
     def from_components(
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
-    ) -> Flux2NativePipeline:
+    ) -> Flux2Adapter:
         """Build from the loader's model_index.json key -> loaded object mapping."""
         parts = required_components(cls.family, components)
         text_encoder = parts["text_encoder"]
@@ -365,7 +366,7 @@ class Flux2NativePipeline(Flux2Packing, recipe.RecipePipeline):
         return inpaint.apply_overlays(recipe.to_pil_images(image), state, self.image_processor)
 
 
-class Flux2KleinNativePipeline(Flux2NativePipeline):
+class Flux2KleinAdapter(Flux2Adapter):
     """FLUX.2-Klein (4B/9B distilled, and Klein-Base): Qwen3 encoder, no guidance embedding; Klein-Base runs
     CFG at `guidance_scale` > 1 (uncond text "" or the negative prompt), distilled Klein never does."""
 
@@ -400,7 +401,7 @@ class Flux2KleinNativePipeline(Flux2NativePipeline):
         self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState
     ) -> torch.Tensor:
         # Masked edits put the kept region back after every step (a no-op for other batches).
-        return inpaint.blend(super().scheduler_step(noise_pred, timestep, latents, state), state)
+        return inpaint.blended_step(noise_pred, timestep, latents, state)
 
     def _guidance_hint(self) -> str:
         return "FLUX.2-Klein's classifier-free guidance scale is guidance_scale."

@@ -14,7 +14,7 @@ MODULE = "diffusers.models.transformers.transformer_flux2"
 
 
 class Flux2Packing:
-    """Mixed into `Flux2NativePipeline`: the packed layout, the stacked ids and the packed transformer call."""
+    """Mixed into `Flux2Adapter`: the packed layout, the stacked ids and the packed transformer call."""
 
     transformer: Any
     device: torch.device

@@ -30,6 +30,7 @@ from PIL import Image
 
 from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import recipe
+from diffuserve.pipelines.adapter import AdapterBase
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
 
@@ -103,7 +104,7 @@ class TextFirstAttnProcessor:
         return video, attn.to_add_out(out[:, :text])
 
 
-class HunyuanVideo15NativePipeline(recipe.RecipePipeline):
+class HunyuanVideo15Adapter(AdapterBase):
     """HunyuanVideo 1.5 text-to-video: one DiT, classic CFG, rows merge and join running groups."""
 
     family = "hunyuan_video_15"
@@ -148,7 +149,7 @@ class HunyuanVideo15NativePipeline(recipe.RecipePipeline):
     @classmethod
     def from_components(
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
-    ) -> HunyuanVideo15NativePipeline:
+    ) -> HunyuanVideo15Adapter:
         required_components(cls.family, components)  # the guider is optional: it only names the default scale
         return cls(components=components, device=device, dtype=dtype)
 
@@ -254,7 +255,7 @@ def _pipeline_text_settings() -> tuple[str, int]:
     return parameters["system_message"].default, int(parameters["crop_start"].default)
 
 
-class HunyuanVideo15I2VNativePipeline(HunyuanVideo15NativePipeline):
+class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):
     """HunyuanVideo 1.5 image-to-video (`HunyuanVideo15ImageToVideoPipeline`): each row's first frame is its own
     request's input image.
 
@@ -279,9 +280,9 @@ class HunyuanVideo15I2VNativePipeline(HunyuanVideo15NativePipeline):
     @classmethod
     def from_components(
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
-    ) -> HunyuanVideo15I2VNativePipeline:
+    ) -> HunyuanVideo15I2VAdapter:
         required_components(cls.family, components)  # with SigLIP's image_encoder and feature_extractor
-        base = HunyuanVideo15NativePipeline.from_components(components, device=device, dtype=dtype)
+        base = HunyuanVideo15Adapter.from_components(components, device=device, dtype=dtype)
         return cls(components=components, device=base.device, dtype=base.dtype)
 
     def prepare(self, batch: Sequence[Any], head: Any, positive: Cond) -> DenoiseState:

@@ -35,6 +35,7 @@ from diffuserve.errors import CheckpointError
 from diffuserve.families.ltx2 import layout
 from diffuserve.families.ltx2.layout import Guidance, JointLayout
 from diffuserve.pipelines import recipe
+from diffuserve.pipelines.adapter import AdapterBase
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
 
@@ -43,7 +44,7 @@ MAX_SEQUENCE_LENGTH = 1024
 REQUIRED = ("transformer", "vae", "audio_vae", "text_encoder", "tokenizer", "connectors", "vocoder", "scheduler")
 
 
-class LTX2NativePipeline(recipe.RecipePipeline):
+class LTX2Adapter(AdapterBase):
     """LTX-2 joint audio-video: one transformer call per guidance branch denoises the video and audio tokens."""
 
     family = "ltx2"
@@ -72,7 +73,7 @@ class LTX2NativePipeline(recipe.RecipePipeline):
     @classmethod
     def from_components(
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
-    ) -> LTX2NativePipeline:
+    ) -> LTX2Adapter:
         missing = [key for key in REQUIRED if components.get(key) is None]
         if missing:
             raise CheckpointError(
@@ -99,7 +100,7 @@ class LTX2NativePipeline(recipe.RecipePipeline):
             input_ids=inputs.input_ids.to(self.device), attention_mask=mask, output_hidden_states=True
         )
         embeds = torch.stack(out.hidden_states, dim=-1).flatten(2, 3).to(self.text_encoder.dtype)
-        with self.residency.use("connectors"):
+        with self.recipe.component_scope("connectors"):
             video, audio, connector_mask = self.connectors(embeds, mask, padding_side="left")
         # The transformer reads the text only through cross-attention, without positions, and masks the padding
         # (a -10000 bias: exp underflows to exactly 0). So each row's valid tokens move to the front and the
@@ -155,7 +156,7 @@ class LTX2NativePipeline(recipe.RecipePipeline):
         extras: dict[str, Any] = {"grid": grid, "fps": float(head.fps), "audio_frames": audio_frames, "mel": mel}
         if any(p.image_inputs for p in batch):
             # Image-to-video rows (an input image is per row: text-only rows may share the batch, unpinned).
-            with self.component_scope("vae"):
+            with self.recipe.component_scope("vae"):
                 condition = self._image_latents(batch, head, grid)
             pinned = torch.tensor([bool(p.image_inputs) for p in batch for _ in range(p.n)], device=self.device)
             mask = torch.zeros(video.shape[0], 1, *grid, device=self.device)
@@ -357,13 +358,13 @@ class LTX2NativePipeline(recipe.RecipePipeline):
         """The audio VAE's mel spectrogram through the vocoder: one float32 (channels, samples) waveform per row."""
         from diffusers import LTX2Pipeline
 
-        with self.residency.use("audio_vae"):
+        with self.recipe.component_scope("audio_vae"):
             audio = LTX2Pipeline._denormalize_audio_latents(
                 audio, self.audio_vae.latents_mean, self.audio_vae.latents_std
             )
             audio = LTX2Pipeline._unpack_audio_latents(audio, extras["audio_frames"], num_mel_bins=extras["mel"])
             mel = self.audio_vae.decode(audio.to(self.audio_vae.dtype), return_dict=False)[0]
-        with self.residency.use("vocoder"):
+        with self.recipe.component_scope("vocoder"):
             waveform = self.vocoder(mel)
         return [w.float().cpu() for w in waveform]
 

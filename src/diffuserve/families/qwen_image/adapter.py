@@ -1,4 +1,4 @@
-"""Native Qwen-Image (and 2512) and Qwen-Image 2.1 pipelines on the shared recipe (`recipe.RecipePipeline`).
+"""Native Qwen-Image (and 2512) and Qwen-Image 2.1 adapters, driven by the shared recipe (`RecipePipeline`).
 
 The family parts follow `diffusers.QwenImagePipeline` / `QwenImage21Pipeline` step for step (what the
 diffusers calls do is written down in `qwen_image_ops`), for a batch of requests: per-row prompts and
@@ -29,6 +29,7 @@ from diffuserve.families.qwen_image import ops
 from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.family_spec.qwen_image import QWEN_IMAGE_TEXT_TOKENS
 from diffuserve.pipelines import inpaint, recipe
+from diffuserve.pipelines.adapter import AdapterBase
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.controlnet import EXTRAS_KEY, merge_rows
 from diffuserve.pipelines.prompt_limits import TextReading
@@ -36,7 +37,7 @@ from diffuserve.pipelines.recipe import Cond, DenoiseState
 from diffuserve.pipelines.schedules import flow_schedule
 
 
-class _QwenBase(recipe.RecipePipeline):
+class _QwenBase(AdapterBase):
     """What both Qwen-Image generations share: the schedule, the noise, one text encoder, the decode."""
 
     masked_sequences = {"embeds": "mask"}
@@ -129,7 +130,7 @@ class _QwenBase(recipe.RecipePipeline):
         return recipe.to_pil_images(image)
 
 
-class QwenImageNativePipeline(ops.QwenPacking, _QwenBase):
+class QwenImageAdapter(ops.QwenPacking, _QwenBase):
     """Qwen-Image / Qwen-Image 2512 text-to-image (`QwenImagePipeline`): Qwen2.5-VL text, MM-DiT, true CFG
     rescaled to the conditional prediction's norm."""
 
@@ -163,7 +164,7 @@ class QwenImageNativePipeline(ops.QwenPacking, _QwenBase):
     @classmethod
     def from_components(
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
-    ) -> QwenImageNativePipeline:
+    ) -> QwenImageAdapter:
         return cls(**required_components(cls.family, components), device=device, dtype=dtype)
 
     def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
@@ -236,7 +237,7 @@ class QwenImageNativePipeline(ops.QwenPacking, _QwenBase):
         self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState
     ) -> torch.Tensor:
         """The scheduler's step, then (inpainting rows) the kept region put back."""
-        return inpaint.blend(super().scheduler_step(noise_pred, timestep, latents, state), state)
+        return inpaint.blended_step(noise_pred, timestep, latents, state)
 
     def decode(self, latents: torch.Tensor, state: DenoiseState) -> list[Any]:
         return inpaint.apply_overlays(super().decode(latents, state), state, self.image_processor)
@@ -268,7 +269,7 @@ class QwenImageNativePipeline(ops.QwenPacking, _QwenBase):
     def combine_guidance(
         self, cond: torch.Tensor, uncond: torch.Tensor, head: Any, state: DenoiseState, step_index: int
     ) -> torch.Tensor:
-        return ops.norm_rescaled_cfg(cond, uncond, self.cfg_scale(head))
+        return ops.norm_rescaled_cfg(cond, uncond, self.guidance_rule.scale(head))
 
     def _unpack(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         from diffusers import QwenImagePipeline
@@ -280,7 +281,7 @@ class QwenImageNativePipeline(ops.QwenPacking, _QwenBase):
         return latents / (1.0 / std) + mean
 
 
-class QwenImage21NativePipeline(_QwenBase):
+class QwenImage21Adapter(_QwenBase):
     """Qwen-Image 2.1 text-to-image (`QwenImage21Pipeline`): Qwen3-VL text, single-stream block-causal DiT
     with a prefix KV cache, plain true CFG (off by default)."""
 
@@ -311,7 +312,7 @@ class QwenImage21NativePipeline(_QwenBase):
     @classmethod
     def from_components(
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
-    ) -> QwenImage21NativePipeline:
+    ) -> QwenImage21Adapter:
         return cls(**required_components(cls.family, components), device=device, dtype=dtype)
 
     def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:

@@ -40,7 +40,7 @@ def prepare_control_latents(
         generators = [torch.Generator("cpu").manual_seed(s) for s in row_seeds(params)]
         if params.control is not None:
             cond = _control_latents(pipe, params, height, width, generators, channels)
-            net = rows_of.resolve(params, pipe.controlnets)
+            net = rows_of.resolve(params, pipe.recipe.controlnets)
             c = params.control
             for j in range(params.n):
                 length = int(positive["mask"][first + j].sum())
@@ -67,7 +67,7 @@ def _control_latents(
     processor = VaeImageProcessor(vae_scale_factor=pipe.vae_scale_factor * 2)  # the pipeline's own
     pixels = processor.preprocess(image, height=height, width=width).to(torch.float32)
     vae = pipe.vae
-    with pipe.component_scope(pipe.decoder):
+    with pipe.recipe.component_scope(pipe.decoder):
         dist = vae.encode(pixels.to(pipe.device, vae.dtype).unsqueeze(2)).latent_dist
     shape = (params.n, *dist.mean.shape[1:])
     sample = randn_tensor(shape, generator=generators, device=dist.mean.device, dtype=dist.mean.dtype)
@@ -91,7 +91,7 @@ def controlnet_kwargs(
         for net, index, scales in groups.values():
             picked = [rows[i] for i in index]
             embeds, mask = ops.pad_rows([r.text["embeds"] for r in picked])
-            with pipe.residency.use(net.key):
+            with pipe.recipe.component_scope(net.key):
                 samples = net.model(
                     hidden_states=x[index],
                     controlnet_cond=torch.cat([r.cond for r in picked]),

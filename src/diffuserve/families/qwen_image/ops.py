@@ -90,19 +90,19 @@ MODULE = "diffusers.models.transformers.transformer_qwenimage"
 
 
 class QwenPacking:
-    """Mixed into `QwenImageNativePipeline`: the packed layout and the packed transformer call."""
+    """Mixed into `QwenImageAdapter`: the packed layout and the packed transformer call."""
 
     transformer: Any
     device: torch.device
     packs_split = True
 
-    active_split: Any
+    recipe: Any
 
     def packed_layout(self, groups: list[packing.SizeGroup], positive: Cond) -> packing.PackedRows:
         """[text, image] per row: each row's own text length (the mask's) and its size's image tokens."""
         text = [int(n) for n in positive["mask"].sum(dim=1).tolist()]
         image = [g.tokens for g in groups for _ in range(g.rows.stop - g.rows.start)]
-        kernel = packing.packed_kernel(self.device, split=self.active_split() is not None)
+        kernel = packing.packed_kernel(self.device, split=self.recipe.active_split() is not None)
         return packing.PackedRows(tuple(text), tuple(image), positive["mask"].shape[1], max(image), kernel=kernel)
 
     def predict_packed(
@@ -115,7 +115,7 @@ class QwenPacking:
         packing.install_row_rotary(MODULE, "apply_rotary_emb_qwen")
         packing.install_masked_dispatch(MODULE)
         packed: packing.Packed = state.extras["packed"]
-        layout, split = packed.layout, self.active_split()
+        layout, split = packed.layout, self.recipe.active_split()
         repeats = latents.shape[0] // layout.rows
         text = cond["embeds"].shape[1]
         image_rows, text_rows = [], []

@@ -47,6 +47,7 @@ from diffuserve.families.qwen_image import inpaint as qwen_inpaint
 from diffuserve.families.qwen_image.ops import latents_stats, norm_rescaled_cfg, pad_rows
 from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import inpaint, recipe
+from diffuserve.pipelines.adapter import AdapterBase
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
 from diffuserve.pipelines.schedules import flow_schedule
@@ -66,7 +67,7 @@ class EditInputs:
     """(width, height) of each VAE input."""
 
 
-class QwenImageEditNativePipeline(recipe.RecipePipeline):
+class QwenImageEditAdapter(AdapterBase):
     """Qwen-Image-Edit: one input image, the instruction encoded together with it."""
 
     family = "qwen_image_edit"
@@ -120,7 +121,7 @@ class QwenImageEditNativePipeline(recipe.RecipePipeline):
     @classmethod
     def from_components(
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
-    ) -> QwenImageEditNativePipeline:
+    ) -> QwenImageEditAdapter:
         """Build from the loader's model_index.json key -> loaded object mapping."""
         # The tokenizer is the processor's own copy.
         return cls(**required_components(cls.family, components), device=device, dtype=dtype)
@@ -248,7 +249,7 @@ class QwenImageEditNativePipeline(recipe.RecipePipeline):
         self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState
     ) -> torch.Tensor:
         """The scheduler's step, then (masked edits) the kept region put back."""
-        return inpaint.blend(super().scheduler_step(noise_pred, timestep, latents, state), state)
+        return inpaint.blended_step(noise_pred, timestep, latents, state)
 
     # -- 3. one transformer call and the guidance combine ---------------------------------------------------
 
@@ -273,7 +274,7 @@ class QwenImageEditNativePipeline(recipe.RecipePipeline):
     def combine_guidance(
         self, cond: torch.Tensor, uncond: torch.Tensor, head: Any, state: DenoiseState, step_index: int
     ) -> torch.Tensor:
-        return norm_rescaled_cfg(cond, uncond, self.cfg_scale(head))
+        return norm_rescaled_cfg(cond, uncond, self.guidance_rule.scale(head))
 
     # -- 4. decode ---------------------------------------------------------------------------------------------
 
@@ -288,7 +289,7 @@ class QwenImageEditNativePipeline(recipe.RecipePipeline):
         return inpaint.apply_overlays(images, state, self.image_processor)
 
 
-class QwenImageEditPlusNativePipeline(QwenImageEditNativePipeline):
+class QwenImageEditPlusAdapter(QwenImageEditAdapter):
     """Qwen-Image-Edit 2509/2511: up to `max_image_inputs` input images, each shown and encoded."""
 
     family = "qwen_image_edit_plus"

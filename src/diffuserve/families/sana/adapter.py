@@ -32,6 +32,7 @@ from diffusers.pipelines.sana.pipeline_sana import SanaPipeline, retrieve_timest
 
 from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import recipe
+from diffuserve.pipelines.adapter import AdapterBase
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
 from diffuserve.pipelines.schedules import flow_schedule
@@ -55,7 +56,7 @@ ASPECT_RATIO_BINS: dict[int, dict[str, list[float]]] = {
 """transformer `sample_size` -> the bin table SanaPipeline's resolution binning uses for it."""
 
 
-class SanaNativePipeline(recipe.RecipePipeline):
+class SanaAdapter(AdapterBase):
     """SANA text-to-image as a batched recipe pipeline."""
 
     family = "sana"
@@ -109,7 +110,7 @@ class SanaNativePipeline(recipe.RecipePipeline):
     @classmethod
     def from_components(
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
-    ) -> SanaNativePipeline:
+    ) -> SanaAdapter:
         """Build from the loader's model_index.json key -> loaded object mapping."""
         return cls(**required_components(cls.family, components), device=device, dtype=dtype)
 
@@ -140,7 +141,7 @@ class SanaNativePipeline(recipe.RecipePipeline):
         so each row carries both variants (zeros where a text has no such role) and `predict` picks per half.
         """
         prompts = {p.prompt for p in batch}
-        negatives = {p.negative_prompt or "" for p in batch} if self.uses_cfg(batch[0]) else set()
+        negatives = {p.negative_prompt or "" for p in batch} if self.guidance_rule.runs(batch[0]) else set()
         clean = [t.lower().strip() for t in texts]
         hidden_size = self.text_encoder.config.hidden_size
         out: Cond = {}

@@ -36,6 +36,7 @@ from PIL import Image
 from diffuserve.families.sd3 import controlnet as sd3_controlnet
 from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import inpaint, packing, recipe
+from diffuserve.pipelines.adapter import AdapterBase
 from diffuserve.pipelines.base import component_configs, declared_sequence_length
 from diffuserve.pipelines.controlnet import EXTRAS_KEY, merge_rows
 from diffuserve.pipelines.recipe import Cond, DenoiseState
@@ -49,7 +50,7 @@ DIFFUSERS_MAX_SEQUENCE_LENGTH = 256
 _CLIP_KEYS = {"text_encoder": ("clip_1", "pooled_1"), "text_encoder_2": ("clip_2", "pooled_2")}
 
 
-class SD3NativePipeline(recipe.RecipePipeline):
+class SD3Adapter(AdapterBase):
     """SD3 / SD3.5 text-to-image on the shared recipe."""
 
     family = "sd3"
@@ -103,7 +104,7 @@ class SD3NativePipeline(recipe.RecipePipeline):
     @classmethod
     def from_components(
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
-    ) -> SD3NativePipeline:
+    ) -> SD3Adapter:
         """Build from the loader's model_index.json key -> loaded object mapping."""
         required_components(cls.family, components)  # T5 (`text_encoder_3`, `tokenizer_3`) may be left out
         return cls(components, device=device, dtype=dtype)
@@ -201,7 +202,9 @@ class SD3NativePipeline(recipe.RecipePipeline):
                 batch, (self.transformer.config.in_channels, lh, lw), device=self.device, dtype=dtype
             )
             extras = {}
-        control = sd3_controlnet.prepare_control(self, batch, head.height, head.width, timesteps, self.uses_cfg(head))
+        control = sd3_controlnet.prepare_control(
+            self, batch, head.height, head.width, timesteps, self.guidance_rule.runs(head)
+        )
         if control is not None:
             extras[EXTRAS_KEY] = control
         return DenoiseState(latents=latents, timesteps=timesteps, scheduler=scheduler, extras=extras)
@@ -247,7 +250,7 @@ class SD3NativePipeline(recipe.RecipePipeline):
         self, noise_pred: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor, state: DenoiseState
     ) -> torch.Tensor:
         """The scheduler's step, then (inpainting rows) the kept region put back."""
-        return inpaint.blend(super().scheduler_step(noise_pred, timestep, latents, state), state)
+        return inpaint.blended_step(noise_pred, timestep, latents, state)
 
     # -- 3. the transformer call ------------------------------------------------------------------------
 

@@ -37,11 +37,11 @@ def prepare_control(
         if params.control is None:
             rows.extend([None] * params.n)
             continue
-        net = rows_of.resolve(params, pipe.controlnets)
+        net = rows_of.resolve(params, pipe.recipe.controlnets)
         shift = 0.0 if net.model.config.force_zeros_for_pooled_projection else pipe.vae.config.shift_factor
         image = Image.open(io.BytesIO(params.control.image)).convert("RGB")
         pixels = processor.preprocess(image, height=height, width=width).to(pipe.device, pipe.transformer.dtype)
-        with pipe.component_scope(pipe.decoder):
+        with pipe.recipe.component_scope(pipe.decoder):
             dist = pipe.vae.encode(pixels).latent_dist
         c = params.control
         for seed in row_seeds(params):
@@ -94,7 +94,7 @@ def controlnet_kwargs(
             conds = conds + [r.uncond if r.uncond is not None else r.cond for r in picked]
         model = net.model
         pooled_in = torch.zeros_like(pooled[index]) if model.config.force_zeros_for_pooled_projection else pooled[index]
-        with pipe.residency.use(net.key):
+        with pipe.recipe.component_scope(net.key):
             samples = model(
                 hidden_states=latents[index],
                 timestep=timestep[index],

@@ -23,6 +23,7 @@ from PIL import Image
 from diffuserve.errors import CheckpointError
 from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import recipe
+from diffuserve.pipelines.adapter import AdapterBase
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.recipe import Cond, DenoiseState
 
@@ -30,7 +31,7 @@ MAX_SEQUENCE_LENGTH = 512
 """UMT5 tokens per prompt (diffusers' WanPipeline default)."""
 
 
-class WanNativePipeline(recipe.RecipePipeline):
+class WanAdapter(AdapterBase):
     """Wan text-to-video: one or two denoising experts, classic CFG."""
 
     family = "wan"
@@ -83,7 +84,7 @@ class WanNativePipeline(recipe.RecipePipeline):
     @classmethod
     def from_components(
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
-    ) -> WanNativePipeline:
+    ) -> WanAdapter:
         required = tuple(required_components(cls.family, components))
         if components.get("transformer_2") is not None and components.get("boundary_ratio") is None:
             raise CheckpointError(
@@ -180,7 +181,7 @@ class WanNativePipeline(recipe.RecipePipeline):
         return [clip[len(clip) // 2] for clip in self.decode(latents, state)]
 
 
-class WanI2VNativePipeline(WanNativePipeline):
+class WanI2VAdapter(WanAdapter):
     """Wan image-to-video (`WanImageToVideoPipeline`): the first frame is the request's input image.
 
     The image conditions twice, as in diffusers: its CLIP vision tokens (penultimate hidden states) go to the
@@ -202,8 +203,8 @@ class WanI2VNativePipeline(WanNativePipeline):
     @classmethod
     def from_components(
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
-    ) -> WanI2VNativePipeline:
-        base = WanNativePipeline.from_components(components, device=device, dtype=dtype)
+    ) -> WanI2VAdapter:
+        base = WanAdapter.from_components(components, device=device, dtype=dtype)
         if components.get("image_encoder") is None and base.transformer.config.image_dim is not None:
             raise CheckpointError(
                 "this Wan I2V transformer takes image tokens (image_dim) but the checkpoint has no "

@@ -31,6 +31,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import inpaint, packing, recipe
+from diffuserve.pipelines.adapter import AdapterBase
 from diffuserve.pipelines.base import component_configs
 from diffuserve.pipelines.prompt_limits import TextReading
 from diffuserve.pipelines.recipe import Cond, DenoiseState
@@ -50,7 +51,7 @@ def _chat(tokenizer: Any, text: str) -> str:
     )
 
 
-class ZImageNativePipeline(recipe.RecipePipeline):
+class ZImageAdapter(AdapterBase):
     """Z-Image and Z-Image-Turbo text-to-image as a batched recipe pipeline."""
 
     family = "z_image"
@@ -103,7 +104,7 @@ class ZImageNativePipeline(recipe.RecipePipeline):
     @classmethod
     def from_components(
         cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
-    ) -> ZImageNativePipeline:
+    ) -> ZImageAdapter:
         """Build from the loader's model_index.json key -> loaded object mapping."""
         return cls(**required_components(cls.family, components), device=device, dtype=dtype)
 
