@@ -174,7 +174,9 @@ def test_video_vae_selector_flags_plan_and_equal_the_resident_run(t2v, tiny_chec
     params = build_sampling_params(t2v.describe_model(), prompt="a red kite", seed=5, **SMALL)
     reference = t2v.run([params]).outputs[0].videos
     ledger = TransferLedger()
-    manager = build_residency(DeploymentPlan(components={"vae": vae}), {"vae": t2v.adapter.vae}, device="cpu", ledger=ledger)
+    manager = build_residency(
+        DeploymentPlan(components={"vae": vae}), {"vae": t2v.adapter.vae}, device="cpu", ledger=ledger
+    )
     previous, t2v.residency = t2v.residency, manager
     try:
         ledger.begin_window()

@@ -19,7 +19,7 @@ from diffuserve.pipelines.recipe import RecipePipeline
 
 OWN_LOOP = {"hunyuan3d"}
 """Native families that run their own loop (meshes) as a `Pipeline`, not as a recipe adapter."""
-ADAPTER_BASE_METHODS = {"bind_parts", "bind_facts", "component", "size_multiple"}
+ADAPTER_BASE_METHODS = {"from_components", "bind_parts", "bind_facts", "component", "size_multiple"}
 """What an adapter inherits beyond data: loading helpers. Growing this list means the recipe leaks into adapters."""
 
 FAMILIES = sorted(registry.native_families())
@@ -36,7 +36,7 @@ def _methods(cls: type) -> set[str]:
     return {
         name
         for name, value in vars(cls).items()
-        if not name.startswith("__") and (inspect.isfunction(value) or isinstance(value, property))
+        if not name.startswith("__") and (inspect.isfunction(value) or isinstance(value, (property, classmethod)))
     }
 
 

@@ -87,6 +87,16 @@ SPECS = (
         size_multiple=32,
         max_image_inputs=1,
         native_adapter="diffuserve.families.ltx2.adapter:LTX2Adapter",
+        required_components=(
+            "transformer",
+            "vae",
+            "audio_vae",
+            "text_encoder",
+            "tokenizer",
+            "connectors",
+            "vocoder",
+            "scheduler",
+        ),
         lora_loader="LTX2LoraLoaderMixin",
         produces_audio=True,
         # Continuous: a request's audio length follows its own fps (diffusers: round(num_frames / fps x

@@ -245,6 +245,15 @@ class AdapterBase:
         self.device = torch.device("cpu")
         self.dtype = torch.float32
 
+    @classmethod
+    def from_components(cls, components: Mapping[str, Any], *, device: torch.device | str, dtype: torch.dtype) -> Any:
+        """Build from the loader's model_index.json key -> loaded object mapping: the family spec's
+        `required_components` as the constructor's keyword arguments (a CheckpointError names the missing ones). A
+        family whose constructor reads more (optional parts, model_index.json settings) defines its own."""
+        from diffuserve.family_spec.checkpoint import required_components
+
+        return cls(**required_components(cls.family, components), device=device, dtype=dtype)
+
     @property
     def size_multiple(self) -> int:
         """Width and height must be multiples of this (the checkpoint's facts); 1: no rule."""

@@ -31,7 +31,6 @@ from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 from PIL import Image
 
-from diffuserve.errors import CheckpointError
 from diffuserve.families.ltx2 import layout
 from diffuserve.families.ltx2.layout import Guidance, JointLayout
 from diffuserve.pipelines import recipe
@@ -41,7 +40,6 @@ from diffuserve.pipelines.recipe import Cond, DenoiseState
 
 MAX_SEQUENCE_LENGTH = 1024
 """Gemma3 tokens per prompt (diffusers' LTX2Pipeline default), left-padded."""
-REQUIRED = ("transformer", "vae", "audio_vae", "text_encoder", "tokenizer", "connectors", "vocoder", "scheduler")
 
 
 class LTX2Adapter(AdapterBase):
@@ -50,7 +48,8 @@ class LTX2Adapter(AdapterBase):
     family = "ltx2"
     masked_sequences = {"video_embeds": "text_mask", "audio_embeds": "text_mask"}
 
-    def __init__(self, parts: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(self, *, device: torch.device | str, dtype: torch.dtype, **parts: Any) -> None:
+        """`parts`: the spec's `required_components` by model_index.json key (`AdapterBase.from_components`)."""
         super().__init__()
         self.bind_parts(parts, device=device, dtype=dtype)
         self.transformer: Any
@@ -69,18 +68,6 @@ class LTX2Adapter(AdapterBase):
         self.tokenizer.padding_side = "left"  # Gemma reads chat-style prompts left-padded (diffusers sets it too)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-
-    @classmethod
-    def from_components(
-        cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
-    ) -> LTX2Adapter:
-        missing = [key for key in REQUIRED if components.get(key) is None]
-        if missing:
-            raise CheckpointError(
-                f"an LTX-2 checkpoint needs components {list(REQUIRED)}; its model_index.json lacks {missing} "
-                "(use --backend diffusers for a pipeline without them)."
-            )
-        return cls({k: components[k] for k in REQUIRED}, device=device, dtype=dtype)
 
     # -- 1. encode --------------------------------------------------------------------------------------------
 

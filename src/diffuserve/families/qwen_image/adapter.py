@@ -26,7 +26,6 @@ from diffusers.image_processor import VaeImageProcessor
 from diffuserve.families.qwen_image import controlnet as qwen_controlnet
 from diffuserve.families.qwen_image import inpaint as qwen_inpaint
 from diffuserve.families.qwen_image import ops
-from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.family_spec.qwen_image import QWEN_IMAGE_TEXT_TOKENS
 from diffuserve.pipelines import inpaint, recipe
 from diffuserve.pipelines.adapter import AdapterBase
@@ -160,12 +159,6 @@ class QwenImageAdapter(ops.QwenPacking, _QwenBase):
             vae_scale_factor=self.vae_scale_factor * 2, vae_latent_channels=channels
         )
         self.mask_processor = inpaint.mask_processor(self.vae_scale_factor * 2, channels)
-
-    @classmethod
-    def from_components(
-        cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
-    ) -> QwenImageAdapter:
-        return cls(**required_components(cls.family, components), device=device, dtype=dtype)
 
     def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
         """The last hidden state of Qwen2.5-VL over the prompt template, system prefix dropped, padded + mask."""
@@ -308,12 +301,6 @@ class QwenImage21Adapter(_QwenBase):
         grid = len(self.sample_sigmas) if self.sample_sigmas else None
         self.family_facts = {"prompt_template": self.template, "drop_idx": self.drop_idx, "grid_steps": grid}
         self._norm = getattr(self.text_encoder.model, "language_model", self.text_encoder.model).norm
-
-    @classmethod
-    def from_components(
-        cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
-    ) -> QwenImage21Adapter:
-        return cls(**required_components(cls.family, components), device=device, dtype=dtype)
 
     def encode_text(self, key: str, texts: list[str], batch: Sequence[Any]) -> Cond:
         """Qwen3-VL's last decoder layer BEFORE its final norm (as diffusers reads it), system prefix dropped."""

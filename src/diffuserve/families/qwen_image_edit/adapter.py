@@ -45,7 +45,6 @@ from PIL import Image
 
 from diffuserve.families.qwen_image import inpaint as qwen_inpaint
 from diffuserve.families.qwen_image.ops import latents_stats, norm_rescaled_cfg, pad_rows
-from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import inpaint, recipe
 from diffuserve.pipelines.adapter import AdapterBase
 from diffuserve.pipelines.base import component_configs
@@ -117,14 +116,6 @@ class QwenImageEditAdapter(AdapterBase):
     @classmethod
     def _diffusers_class_name(cls) -> str:
         return "QwenImageEditPipeline"
-
-    @classmethod
-    def from_components(
-        cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
-    ) -> QwenImageEditAdapter:
-        """Build from the loader's model_index.json key -> loaded object mapping."""
-        # The tokenizer is the processor's own copy.
-        return cls(**required_components(cls.family, components), device=device, dtype=dtype)
 
     # -- input images ------------------------------------------------------------------------------------------
 

@@ -30,7 +30,6 @@ from diffusers.image_processor import PixArtImageProcessor
 from diffusers.pipelines.sana import pipeline_sana
 from diffusers.pipelines.sana.pipeline_sana import SanaPipeline, retrieve_timesteps
 
-from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import recipe
 from diffuserve.pipelines.adapter import AdapterBase
 from diffuserve.pipelines.base import component_configs
@@ -106,13 +105,6 @@ class SanaAdapter(AdapterBase):
         self._prompt_length = len(tokenizer.encode(instruction)) + MAX_SEQUENCE_LENGTH - 2
         self._keep = torch.tensor([0, *range(self._prompt_length - MAX_SEQUENCE_LENGTH + 1, self._prompt_length)])
         self._schedules: dict[tuple[int, float | None], tuple[Any, torch.Tensor]] = {}
-
-    @classmethod
-    def from_components(
-        cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
-    ) -> SanaAdapter:
-        """Build from the loader's model_index.json key -> loaded object mapping."""
-        return cls(**required_components(cls.family, components), device=device, dtype=dtype)
 
     # -- family parts ------------------------------------------------------------------------------------
 

@@ -29,7 +29,6 @@ from diffusers.pipelines.z_image.pipeline_z_image import (
 )
 from diffusers.utils.torch_utils import randn_tensor
 
-from diffuserve.family_spec.checkpoint import required_components
 from diffuserve.pipelines import inpaint, packing, recipe
 from diffuserve.pipelines.adapter import AdapterBase
 from diffuserve.pipelines.base import component_configs
@@ -100,13 +99,6 @@ class ZImageAdapter(AdapterBase):
         # template (`encode_text`).
         framed = TextReading(self.max_sequence_length, lambda tokenizer: len(tokenizer(_chat(tokenizer, "")).input_ids))
         self.text_readings = {"tokenizer": framed}
-
-    @classmethod
-    def from_components(
-        cls, components: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype
-    ) -> ZImageAdapter:
-        """Build from the loader's model_index.json key -> loaded object mapping."""
-        return cls(**required_components(cls.family, components), device=device, dtype=dtype)
 
     # -- family parts ------------------------------------------------------------------------------------
 
