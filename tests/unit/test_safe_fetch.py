@@ -149,7 +149,7 @@ def test_the_connection_goes_to_the_checked_address_with_the_name_as_host(monkey
         lookups.append(host)
         return ["127.0.0.1"]
 
-    monkeypatch.setattr(safe_fetch, "resolve", fake_resolve)
+    monkeypatch.setattr(safe_fetch, "resolve_host", fake_resolve)
     with media_server() as media:
         assert _load(media.url("/cat.png", host="images.test"), ALLOWED) == media.image
         assert media.requests == [("/cat.png", f"images.test:{media.port}")]
@@ -163,7 +163,7 @@ def test_https_names_the_host_in_sni_while_connecting_to_the_checked_address(mon
     async def fake_resolve(host: str, port: int) -> list[str]:
         return ["127.0.0.1"]
 
-    monkeypatch.setattr(safe_fetch, "resolve", fake_resolve)
+    monkeypatch.setattr(safe_fetch, "resolve_host", fake_resolve)
     hello = bytearray()
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
@@ -196,7 +196,7 @@ def test_names_are_judged_by_what_they_resolve_to(monkeypatch, sends):
     async def fake_resolve(host: str, port: int) -> list[str]:
         return answers[host]
 
-    monkeypatch.setattr(safe_fetch, "resolve", fake_resolve)
+    monkeypatch.setattr(safe_fetch, "resolve_host", fake_resolve)
     assert "internal.test resolves to 10.9.8.7, which is a private address" in _refusal(
         "http://internal.test/x", STRICT
     )

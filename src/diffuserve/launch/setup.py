@@ -229,7 +229,7 @@ def load_serving_pipeline(
     metrics: EngineMetrics | None,
     groups: Any = None,
 ) -> ServingPipeline:
-    """Load the adapter, give it residency and (on several ranks, `groups`) the plan's parallel modes, compile,
+    """Load the pipeline, give it residency and (on several ranks, `groups`) the plan's parallel modes, compile,
     and serve it with (operator-only) fault injection."""
     from diffuserve.models.loader import load_pipeline
     from diffuserve.pipelines.fault_hooks import maybe_inject_faults

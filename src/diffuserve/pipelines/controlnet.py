@@ -168,7 +168,7 @@ def step_residuals(
 # -- set-up and request checks --------------------------------------------------------------------------------
 
 
-def resolve(params: SamplingParams, controlnets: dict[str, LoadedControlNet]) -> LoadedControlNet:
+def requested_net(params: SamplingParams, controlnets: dict[str, LoadedControlNet]) -> LoadedControlNet:
     """The ControlNet a request's rows use (its `controlnet` name, or the only one loaded)."""
     assert params.control is not None
     return controlnets[control_name(params, controlnets)]

@@ -130,7 +130,7 @@ def host_refusal(host: str, allowed_domains: tuple[str, ...]) -> str | None:
     return f"{host} is not in --allowed-media-domains ({', '.join(allowed_domains)})"
 
 
-async def resolve(host: str, port: int) -> list[str]:
+async def resolve_host(host: str, port: int) -> list[str]:
     """The addresses of `host` (one lookup; an IP literal is returned as it is). Tests replace it to play DNS."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
@@ -150,7 +150,7 @@ async def checked_address(url: httpx.URL, policy: FetchPolicy, field: str) -> st
     if why is not None:
         raise _refuse(field, url, why)
     try:
-        addresses = await resolve(url.host, url.port or (443 if url.scheme == "https" else 80))
+        addresses = await resolve_host(url.host, url.port or (443 if url.scheme == "https" else 80))
     except (OSError, UnicodeError) as exc:
         raise _refuse(field, url, f"the name {url.host} does not resolve ({exc})") from None
     if not addresses:

@@ -38,7 +38,7 @@ def prepare_control_latents(
         generators = [torch.Generator("cpu").manual_seed(s) for s in row_seeds(params)]
         if params.control is not None:
             cond = _control_latents(pipe, params, height, width, generators)
-            net = rows_of.resolve(params, pipe.recipe.controlnets)
+            net = rows_of.requested_net(params, pipe.recipe.controlnets)
             c = params.control
             for j in range(params.n):
                 text = {k: positive[k][first + j : first + j + 1] for k in ("pooled", "prompt_embeds")}

@@ -37,7 +37,7 @@ def prepare_control(
         if params.control is None:
             rows.extend([None] * params.n)
             continue
-        net = rows_of.resolve(params, pipe.recipe.controlnets)
+        net = rows_of.requested_net(params, pipe.recipe.controlnets)
         shift = 0.0 if net.model.config.force_zeros_for_pooled_projection else pipe.vae.config.shift_factor
         image = Image.open(io.BytesIO(params.control.image)).convert("RGB")
         pixels = processor.preprocess(image, height=height, width=width).to(pipe.device, pipe.transformer.dtype)
