@@ -54,7 +54,7 @@ def test_plan_counts_the_file_bytes_that_load(capsys, flux36m: Path, gguf_36m: d
     for kind, goal in (("Q8_0", 0.55), ("Q4_K", 0.32)):
         planned = _plan(capsys, flux36m, "--transformer-path", str(gguf_36m[kind]))["components"]["transformer"]
         assert planned["quantization"] == f"gguf:{kind}"
-        module = load_pipeline(flux36m, transformer_path=gguf_36m[kind], dtype="bfloat16").transformer
+        module = load_pipeline(flux36m, transformer_path=gguf_36m[kind], dtype="bfloat16").adapter.transformer
         held = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
         assert planned["weight_bytes"] == held
         assert held <= goal * bf16["weight_bytes"], (kind, held / bf16["weight_bytes"])

@@ -134,7 +134,7 @@ def test_an_offloaded_gguf_layer_cannot_compute_and_comes_back_packed(pipelines)
     from diffuserve.runtime.ledger import TransferLedger
     from diffuserve.runtime.weights import Transfers, WeightUnit, collect_slots
 
-    layer = next(m for m in pipelines("gguf").transformer.modules() if type(m).__name__ == "GGUFLinear")
+    layer = next(m for m in pipelines("gguf").adapter.transformer.modules() if type(m).__name__ == "GGUFLinear")
     before = layer.weight.as_tensor().clone()
     unit = WeightUnit(
         "transformer", None, list(collect_slots([layer]).values()), Transfers("cpu", TransferLedger()), keep_host=False
