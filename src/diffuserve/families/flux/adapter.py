@@ -44,7 +44,7 @@ def _make_room(cache: dict) -> None:
 
 
 class FluxAdapter(FluxPacking, AdapterBase):
-    """FLUX.1 text-to-image (dev and schnell style) as a batched stage pipeline. Its static facts (size multiple,
+    """FLUX.1 text-to-image (dev and schnell style), the adapter of the recipe. Its static facts (size multiple,
     dev/schnell defaults, continuous, text encoders) are the family spec's (`family_spec/flux.py`, `bind_facts`)."""
 
     family = "flux"

@@ -56,7 +56,7 @@ ASPECT_RATIO_BINS: dict[int, dict[str, list[float]]] = {
 
 
 class SanaAdapter(AdapterBase):
-    """SANA text-to-image as a batched recipe pipeline."""
+    """SANA text-to-image, the adapter of the recipe."""
 
     family = "sana"
     # Continuous (the spec's `supports_continuous`): each request keeps its own DPM-Solver++ history (`_schedule`

@@ -51,7 +51,7 @@ _CLIP_KEYS = {"text_encoder": ("clip_1", "pooled_1"), "text_encoder_2": ("clip_2
 
 
 class SD3Adapter(AdapterBase):
-    """SD3 / SD3.5 text-to-image on the shared recipe."""
+    """SD3 / SD3.5 text-to-image, the adapter of the recipe."""
 
     family = "sd3"
     supports_controlnet = True

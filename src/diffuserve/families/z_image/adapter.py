@@ -51,7 +51,7 @@ def _chat(tokenizer: Any, text: str) -> str:
 
 
 class ZImageAdapter(AdapterBase):
-    """Z-Image and Z-Image-Turbo text-to-image as a batched recipe pipeline."""
+    """Z-Image and Z-Image-Turbo text-to-image, the adapter of the recipe."""
 
     family = "z_image"
     masked_sequences = {"prompt_embeds": "prompt_mask"}
