@@ -257,7 +257,9 @@ class AdapterBase:
     @property
     def size_multiple(self) -> int:
         """Width and height must be multiples of this (the checkpoint's facts); 1: no rule."""
-        return self.facts.size_multiple or 1 if self.facts is not None else 1
+        if self.facts is None:
+            return 1
+        return self.facts.size_multiple or 1
 
     def bind_parts(self, parts: Mapping[str, Any], *, device: torch.device | str, dtype: torch.dtype) -> None:
         """Keep each loaded part as an attribute of its model_index.json key; the torch modules among them are the
